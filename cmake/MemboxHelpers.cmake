@@ -1,0 +1,45 @@
+# membox_cc_library / membox_cc_test: the one way targets are declared
+# (abseil's absl_cc_library habit). Warnings and sanitizers are attached per
+# target through an interface library, never through CMAKE_CXX_FLAGS.
+
+add_library(membox_build_flags INTERFACE)
+target_compile_features(membox_build_flags INTERFACE cxx_std_20)
+target_compile_options(membox_build_flags INTERFACE
+  -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers)
+if(CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+  target_compile_options(membox_build_flags INTERFACE -Wthread-safety)
+endif()
+if(MEMBOX_SANITIZE)
+  target_compile_options(membox_build_flags INTERFACE
+    -fsanitize=${MEMBOX_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)
+  target_link_options(membox_build_flags INTERFACE -fsanitize=${MEMBOX_SANITIZE})
+endif()
+
+# membox_cc_library(NAME n SRCS ... DEPS ...)
+function(membox_cc_library)
+  cmake_parse_arguments(ARG "" "NAME" "SRCS;DEPS" ${ARGN})
+  add_library(${ARG_NAME} STATIC ${ARG_SRCS})
+  target_include_directories(${ARG_NAME} PUBLIC
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
+    $<INSTALL_INTERFACE:include>)
+  target_link_libraries(${ARG_NAME} PUBLIC membox_build_flags ${ARG_DEPS})
+  set_target_properties(${ARG_NAME} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+endfunction()
+
+# membox_cc_test(NAME n SRCS ... DEPS ... [LABELS ...] [TIMEOUT s])
+function(membox_cc_test)
+  if(NOT MEMBOX_BUILD_TESTS)
+    return()
+  endif()
+  cmake_parse_arguments(ARG "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
+  add_executable(${ARG_NAME} ${ARG_SRCS})
+  target_link_libraries(${ARG_NAME} PRIVATE membox_build_flags ${ARG_DEPS}
+    GTest::gtest GTest::gmock GTest::gtest_main)
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 120)
+  endif()
+  add_test(NAME ${ARG_NAME} COMMAND ${ARG_NAME})
+  set_tests_properties(${ARG_NAME} PROPERTIES TIMEOUT ${ARG_TIMEOUT}
+    LABELS "unit;${ARG_LABELS}")
+endfunction()

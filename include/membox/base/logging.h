@@ -1,0 +1,32 @@
+// Logging: a thin layer over spdlog so every process prints the same format
+// ("[time] [role] [level] message"). The level comes from MEMBOX_LOG_LEVEL
+// (trace, debug, info, warn, error, off; default info) or SetLogLevel().
+//
+// Log once, where an error is decided (UCX CodeStyle): functions that return
+// a Status do not also log it unless they are the ones that decided it.
+//
+// Thread-safety: all functions may be called from any thread.
+#ifndef MEMBOX_BASE_LOGGING_H_
+#define MEMBOX_BASE_LOGGING_H_
+
+#include <spdlog/spdlog.h>
+
+#include <string_view>
+
+namespace membox {
+
+// Sets the role shown in every line ("bench-recv", "server", ...). Call early.
+void InitLogging(std::string_view role);
+// Overrides the level; `level` is a spdlog level name. Unknown names are
+// ignored and leave the level unchanged.
+void SetLogLevel(std::string_view level);
+
+}  // namespace membox
+
+#define MEMBOX_LOG_TRACE(...) SPDLOG_TRACE(__VA_ARGS__)
+#define MEMBOX_LOG_DEBUG(...) ::spdlog::debug(__VA_ARGS__)
+#define MEMBOX_LOG_INFO(...) ::spdlog::info(__VA_ARGS__)
+#define MEMBOX_LOG_WARN(...) ::spdlog::warn(__VA_ARGS__)
+#define MEMBOX_LOG_ERROR(...) ::spdlog::error(__VA_ARGS__)
+
+#endif  // MEMBOX_BASE_LOGGING_H_

@@ -1,0 +1,77 @@
+// Waiting that fits a crowded machine: many processes share few cores (six
+// processes on two cores is normal here), so no wait may burn a core while
+// another process needs it.
+//
+// EventCount is a futex-based "something happened" counter: a waiter reads
+// the epoch, re-checks its condition, and blocks only if the epoch has not
+// moved; Notify() bumps the epoch and wakes blocked waiters. No lost wake-ups.
+//
+// SpinThenBlock() combines both: it polls a condition for a short spin budget
+// (cheap when the answer is microseconds away), then yields, then blocks on an
+// EventCount with a bounded sleep, re-checking after every wake-up. The spin
+// budget adapts to the machine: with more runnable threads than cores it is
+// cut to a few iterations (see docs/design/transport.md, "Waiting").
+//
+// Thread-safety: EventCount methods may be called from any thread; it lives
+// in process memory (not shared across processes).
+#ifndef MEMBOX_BASE_WAIT_H_
+#define MEMBOX_BASE_WAIT_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+
+namespace membox {
+
+class EventCount {
+ public:
+  EventCount() = default;
+  EventCount(const EventCount&) = delete;
+  EventCount& operator=(const EventCount&) = delete;
+
+  uint32_t epoch() const { return epoch_.load(std::memory_order_acquire); }
+  // Blocks while epoch() == `seen`, at most `timeout`. Spurious returns happen;
+  // callers re-check their condition.
+  void WaitFor(uint32_t seen, std::chrono::nanoseconds timeout);
+  // Wakes every blocked waiter. Cheap (no syscall) when nobody waits.
+  void Notify();
+
+ private:
+  std::atomic<uint32_t> epoch_{0};
+  std::atomic<uint32_t> waiters_{0};
+};
+
+struct WaitOptions {
+  // Polls before the first yield. Reduced automatically when the machine is
+  // oversubscribed (more runnable threads than cores).
+  int spin_iterations = 2000;
+  int yield_iterations = 50;
+  // Longest single block between re-checks; bounds latency when nobody
+  // notifies (e.g. a flag written by a peer through shared memory).
+  std::chrono::microseconds max_block{200};
+};
+
+// Waits until `ready()` returns true or `timeout` passes. `events` (may be
+// null) is the EventCount notified when the condition may have changed.
+// Returns true when ready, false on timeout.
+bool SpinThenBlock(const std::function<bool()>& ready, EventCount* events,
+                   std::chrono::nanoseconds timeout,
+                   const WaitOptions& options = WaitOptions());
+
+// One pause instruction (or nothing on other architectures).
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// True when the machine has more runnable threads than online cores, from
+// /proc/loadavg's running count, cached for 100 ms.
+bool MachineOversubscribed();
+
+}  // namespace membox
+
+#endif  // MEMBOX_BASE_WAIT_H_

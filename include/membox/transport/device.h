@@ -1,0 +1,82 @@
+// Device: one local transport endpoint (seed 002 §3.1, Table 1
+// "CreateRdmaDevice(num_cqs, num_qps_per_peer, local_endpoint)").
+//
+// A Device owns the transport context (UCX), its progress threads -- the
+// paper's completion queues, each thread drives one UCX worker --, its
+// listener, and every channel and memory registration made through it.
+// Channels to one peer are spread over the progress threads round-robin by
+// lane, as the paper spreads QPs over CQs.
+//
+// Progress threads spin briefly after activity and then block on the worker's
+// event file descriptor, so an idle device costs no CPU (see base/wait.h).
+//
+// Threading: every method may be called from any thread. Destroying the
+// Device stops its threads and closes its channels; all MemRegions made by it
+// must be destroyed first, and no channel may be used afterwards.
+#ifndef MEMBOX_TRANSPORT_DEVICE_H_
+#define MEMBOX_TRANSPORT_DEVICE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "membox/base/status.h"
+#include "membox/transport/channel.h"
+#include "membox/transport/mem_region.h"
+
+namespace membox::transport {
+
+enum class ProtocolChoice {
+  kAuto,           // kMapped where possible, kActiveMessage over TCP, else kRma
+  kRma,            // force UCX put/get (for measurement)
+  kActiveMessage,  // force active messages
+  kNoMapping,      // like kAuto but never map peer memory
+};
+
+struct DeviceOptions {
+  int progress_threads = 1;  // the paper's CQs per device (>= 1)
+  int lanes_per_peer = 1;    // the paper's QPs per peer (>= 1)
+  // "host:port" to accept channels on ("0.0.0.0:0" picks a free port); empty
+  // means this device only connects out.
+  std::string listen_address;
+  // Transports UCX may use: "auto" (shared memory and TCP here; verbs and
+  // CUDA where present), "tcp", or any UCX_TLS list.
+  std::string transports = "auto";
+  ProtocolChoice protocol = ProtocolChoice::kAuto;
+  std::string name = "membox";  // shown to peers and in logs
+  std::chrono::milliseconds connect_timeout{10000};
+};
+
+class Device {
+ public:
+  static Result<std::unique_ptr<Device>> Create(const DeviceOptions& options);
+  virtual ~Device() = default;
+
+  // Allocates `bytes` of registered memory (shared-memory backed on one host,
+  // so same-host peers can map it). Registration happens here, once; the
+  // data path never registers.
+  virtual Result<std::unique_ptr<MemRegion>> AllocateMemRegion(size_t bytes) = 0;
+  // Registers memory the caller owns and keeps alive longer than the region.
+  virtual Result<std::unique_ptr<MemRegion>> RegisterMemRegion(void* addr,
+                                                               size_t bytes) = 0;
+
+  // Connects (or returns the cached connection) to `remote_endpoint`
+  // ("host:port") on lane `lane` in [0, lanes_per_peer).
+  virtual Result<std::shared_ptr<Channel>> GetChannel(
+      const std::string& remote_endpoint, int lane = 0) = 0;
+  // Returns the next channel a peer opened to this device, or
+  // kDeadlineExceeded.
+  virtual Result<std::shared_ptr<Channel>> Accept(
+      std::chrono::nanoseconds timeout) = 0;
+
+  // The address peers connect to ("host:port"), with the real port when 0
+  // was asked for. Empty when not listening.
+  virtual std::string listen_endpoint() const = 0;
+  virtual const DeviceOptions& options() const = 0;
+  virtual uint64_t id() const = 0;
+};
+
+}  // namespace membox::transport
+
+#endif  // MEMBOX_TRANSPORT_DEVICE_H_

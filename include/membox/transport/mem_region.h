@@ -1,0 +1,90 @@
+// Memory regions: the unit of memory the transport can move data into or out
+// of (seed 002 §3.1, Table 1 "AllocateMemRegion").
+//
+// A MemRegion is local memory registered with the transport, either
+//   * allocated by the device (Device::AllocateMemRegion): on one host the
+//     memory is shared-memory backed, so a peer can map it and use plain
+//     loads and stores (the CXL-style path, see RemoteMemRegion::mapped()); or
+//   * a registration of memory the caller already owns
+//     (Device::RegisterMemRegion): zero-copy for existing tensors; peers on the
+//     same host reach it through cross-memory attach, remote peers through
+//     the network.
+//
+// Export() produces a RegionDescriptor: address, length, the region's random
+// access token and the transport's packed remote key. The descriptor is what
+// travels to another process (normally through a Channel control message);
+// the peer imports it with Channel::Import() before using it.
+//
+// Ownership: the Device owns the registration machinery, so a MemRegion must
+// be destroyed before its Device. A region must outlive every remote use of
+// it: destroying it while a peer still writes is the caller's bug (the peer's
+// writes land in memory that is no longer registered; on the mapped path they
+// land in a detached shared segment and are lost).
+//
+// Thread-safety: all const methods may be called from any thread.
+#ifndef MEMBOX_TRANSPORT_MEM_REGION_H_
+#define MEMBOX_TRANSPORT_MEM_REGION_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+namespace membox::transport {
+
+// What a peer needs to reach a region. Crosses process boundaries: decode it
+// only with Deserialize(), which validates every field.
+struct RegionDescriptor {
+  uint64_t address = 0;     // virtual address in the owner's process
+  uint64_t length = 0;      // bytes
+  uint64_t region_id = 0;   // owner-local id, unique per device
+  uint64_t token = 0;       // random access key; checked by the owner
+  uint64_t device_id = 0;   // random id of the owning device
+  std::vector<uint8_t> packed_rkey;  // transport remote key (opaque)
+
+  // Wire format: docs/formats/region_descriptor.md.
+  std::vector<uint8_t> Serialize() const;
+  // Rejects wrong magic/version, truncated or oversized input, a zero
+  // length, address + length overflow and a bad checksum.
+  static Result<RegionDescriptor> Deserialize(std::span<const uint8_t> bytes);
+
+  static constexpr size_t kMaxPackedRkey = 4096;
+};
+
+class MemRegion {
+ public:
+  virtual ~MemRegion() = default;
+  MemRegion(const MemRegion&) = delete;
+  MemRegion& operator=(const MemRegion&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  uint64_t id() const { return id_; }
+  // True when the transport allocated the memory (shareable by mapping).
+  bool device_allocated() const { return device_allocated_; }
+  // True when [p, p + n) lies inside the region.
+  bool Contains(const void* p, size_t n) const {
+    auto b = reinterpret_cast<uintptr_t>(data_);
+    auto q = reinterpret_cast<uintptr_t>(p);
+    return q >= b && n <= size_ && q - b <= size_ - n;
+  }
+
+  virtual RegionDescriptor Export() const = 0;
+
+ protected:
+  MemRegion(void* data, size_t size, uint64_t id, bool device_allocated)
+      : data_(data), size_(size), id_(id), device_allocated_(device_allocated) {}
+
+ private:
+  void* data_;
+  size_t size_;
+  uint64_t id_;
+  bool device_allocated_;
+};
+
+}  // namespace membox::transport
+
+#endif  // MEMBOX_TRANSPORT_MEM_REGION_H_

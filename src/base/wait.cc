@@ -1,0 +1,104 @@
+#include "membox/base/wait.h"
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+namespace membox {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+long FutexWait(std::atomic<uint32_t>* addr, uint32_t expected,
+               std::chrono::nanoseconds timeout) {
+  timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr),
+                 FUTEX_WAIT_PRIVATE, expected, &ts, nullptr, 0);
+}
+
+void FutexWakeAll(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE_PRIVATE,
+          INT32_MAX, nullptr, nullptr, 0);
+}
+
+}  // namespace
+
+void EventCount::WaitFor(uint32_t seen, std::chrono::nanoseconds timeout) {
+  if (timeout.count() <= 0) return;
+  waiters_.fetch_add(1, std::memory_order_seq_cst);
+  if (epoch_.load(std::memory_order_seq_cst) == seen) {
+    FutexWait(&epoch_, seen, timeout);
+  }
+  waiters_.fetch_sub(1, std::memory_order_release);
+}
+
+void EventCount::Notify() {
+  epoch_.fetch_add(1, std::memory_order_seq_cst);
+  if (waiters_.load(std::memory_order_seq_cst) != 0) FutexWakeAll(&epoch_);
+}
+
+bool MachineOversubscribed() {
+  static std::atomic<int64_t> last_check_ns{0};
+  static std::atomic<bool> last_value{false};
+  static const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  int64_t now = Clock::now().time_since_epoch().count();
+  if (now - last_check_ns.load(std::memory_order_relaxed) < 100000000) {
+    return last_value.load(std::memory_order_relaxed);
+  }
+  last_check_ns.store(now, std::memory_order_relaxed);
+  bool value = false;
+  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
+    double a, b, c;
+    long running = 0, total = 0;
+    if (std::fscanf(f, "%lf %lf %lf %ld/%ld", &a, &b, &c, &running, &total) == 5) {
+      // The reading counts ourselves; more runnable than cores means a spin
+      // steals time from someone.
+      value = running > cores;
+    }
+    std::fclose(f);
+  }
+  last_value.store(value, std::memory_order_relaxed);
+  return value;
+}
+
+bool SpinThenBlock(const std::function<bool()>& ready, EventCount* events,
+                   std::chrono::nanoseconds timeout, const WaitOptions& options) {
+  if (ready()) return true;
+  const auto deadline = Clock::now() + timeout;
+  int spins = MachineOversubscribed() ? std::min(options.spin_iterations, 50)
+                                      : options.spin_iterations;
+  for (int i = 0; i < spins; ++i) {
+    CpuRelax();
+    if (ready()) return true;
+  }
+  for (int i = 0; i < options.yield_iterations; ++i) {
+    sched_yield();
+    if (ready()) return true;
+    if ((i & 7) == 7 && Clock::now() >= deadline) return false;
+  }
+  std::chrono::nanoseconds block(std::chrono::microseconds(5));
+  for (;;) {
+    uint32_t seen = events ? events->epoch() : 0;
+    if (ready()) return true;
+    auto now = Clock::now();
+    if (now >= deadline) return false;
+    auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+    auto nap = std::min(block, left);
+    if (events) {
+      events->WaitFor(seen, nap);
+    } else {
+      std::this_thread::sleep_for(nap);
+    }
+    block = std::min<std::chrono::nanoseconds>(block * 2, options.max_block);
+  }
+}
+
+}  // namespace membox

@@ -1,0 +1,265 @@
+// In-process tests of Device / Channel: two devices in one process talk
+// through UCX exactly as two processes would (separate contexts, loopback).
+#include "membox/transport/channel.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+#include <thread>
+
+#include "membox/transport/device.h"
+
+namespace membox::transport {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Param {
+  const char* name;
+  const char* transports;
+  ProtocolChoice protocol;
+  Protocol expect;
+};
+
+class ChannelTest : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    DeviceOptions so;
+    so.listen_address = "127.0.0.1:0";
+    so.transports = GetParam().transports;
+    so.protocol = GetParam().protocol;
+    so.name = "server";
+    auto s = Device::Create(so);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    server_ = std::move(*s);
+    DeviceOptions co = so;
+    co.listen_address = "";
+    co.name = "client";
+    co.lanes_per_peer = 2;
+    co.progress_threads = 2;
+    auto c = Device::Create(co);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    client_ = std::move(*c);
+    auto ch = client_->GetChannel(server_->listen_endpoint(), 0);
+    ASSERT_TRUE(ch.ok()) << ch.status().ToString();
+    cch_ = *ch;
+    auto a = server_->Accept(10s);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    sch_ = *a;
+  }
+  void TearDown() override {
+    cch_.reset();
+    sch_.reset();
+    client_.reset();
+    server_.reset();
+  }
+
+  std::shared_ptr<RemoteMemRegion> ImportOnClient(const MemRegion& r) {
+    auto imp = cch_->Import(r.Export());
+    EXPECT_TRUE(imp.ok()) << imp.status().ToString();
+    return imp.ok() ? *imp : nullptr;
+  }
+
+  std::unique_ptr<Device> server_, client_;
+  std::shared_ptr<Channel> cch_, sch_;
+};
+
+TEST_P(ChannelTest, ProtocolAndPeer) {
+  EXPECT_EQ(cch_->protocol(), GetParam().expect);
+  EXPECT_EQ(sch_->peer(), "client");
+  EXPECT_EQ(cch_->peer(), server_->listen_endpoint());
+  EXPECT_TRUE(cch_->health().ok());
+}
+
+TEST_P(ChannelTest, ControlMessagesBothWays) {
+  std::vector<uint8_t> small = {1, 2, 3};
+  std::vector<uint8_t> big(200000);
+  std::iota(big.begin(), big.end(), 0);
+  ASSERT_TRUE(cch_->SendControl(small).ok());
+  ASSERT_TRUE(cch_->SendControl(big).ok());
+  auto m1 = sch_->RecvControl(5s);
+  ASSERT_TRUE(m1.ok()) << m1.status().ToString();
+  EXPECT_EQ(*m1, small);
+  auto m2 = sch_->RecvControl(5s);
+  ASSERT_TRUE(m2.ok());
+  EXPECT_EQ(*m2, big);
+  ASSERT_TRUE(sch_->SendControl(small).ok());
+  auto m3 = cch_->RecvControl(5s);
+  ASSERT_TRUE(m3.ok());
+  EXPECT_EQ(*m3, small);
+  EXPECT_EQ(cch_->RecvControl(10ms).status().code(), StatusCode::kDeadlineExceeded);
+  std::vector<uint8_t> huge(Channel::kMaxControlMessage + 1);
+  EXPECT_EQ(cch_->SendControl(huge).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(ChannelTest, WriteAndReadManySizes) {
+  for (size_t size : {size_t{1}, size_t{64}, size_t{4096}, size_t{1} << 20, size_t{9} << 20}) {
+    auto remote = server_->AllocateMemRegion(size);
+    ASSERT_TRUE(remote.ok());
+    std::memset((*remote)->data(), 0, size);
+    auto local = client_->AllocateMemRegion(size);
+    ASSERT_TRUE(local.ok());
+    auto* src = static_cast<uint8_t*>((*local)->data());
+    for (size_t i = 0; i < size; ++i) src[i] = static_cast<uint8_t>(i * 7 + 3);
+    auto rr = ImportOnClient(**remote);
+    ASSERT_NE(rr, nullptr);
+    auto w = cch_->Write(src, **local, rr->address(), *rr, size);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    ASSERT_TRUE(w->Wait(10s).ok());
+    auto f = cch_->Flush();
+    ASSERT_TRUE(f.ok());
+    ASSERT_TRUE(f->Wait(10s).ok());
+    EXPECT_EQ(std::memcmp((*remote)->data(), src, size), 0) << "size " << size;
+    // Read it back into a user-registered buffer.
+    std::vector<uint8_t> back(size, 0);
+    auto reg = client_->RegisterMemRegion(back.data(), size);
+    ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+    Status cb_status = InternalError("callback not run");
+    auto r = cch_->Read(back.data(), **reg, rr->address(), *rr, size,
+                        [&](const Status& s) { cb_status = s; });
+    ASSERT_TRUE(r.ok());
+    ASSERT_TRUE(r->Wait(10s).ok());
+    EXPECT_TRUE(cb_status.ok());
+    EXPECT_EQ(std::memcmp(back.data(), src, size), 0) << "size " << size;
+  }
+}
+
+TEST_P(ChannelTest, OffsetsInsideRegion) {
+  auto remote = server_->AllocateMemRegion(1 << 16);
+  auto local = client_->AllocateMemRegion(1 << 16);
+  ASSERT_TRUE(remote.ok() && local.ok());
+  std::memset((*remote)->data(), 0, 1 << 16);
+  auto rr = ImportOnClient(**remote);
+  auto* src = static_cast<char*>((*local)->data());
+  std::memcpy(src + 100, "membox", 6);
+  auto w = cch_->Write(src + 100, **local, rr->address() + 5000, *rr, 6);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE(w->Wait().ok());
+  ASSERT_TRUE(cch_->Flush()->Wait().ok());
+  EXPECT_EQ(std::memcmp(static_cast<char*>((*remote)->data()) + 5000, "membox", 6), 0);
+}
+
+TEST_P(ChannelTest, OutOfRangeIsRejected) {
+  auto remote = server_->AllocateMemRegion(4096);
+  auto local = client_->AllocateMemRegion(8192);
+  ASSERT_TRUE(remote.ok() && local.ok());
+  auto rr = ImportOnClient(**remote);
+  void* src = (*local)->data();
+  EXPECT_EQ(cch_->Write(src, **local, rr->address() + 1, *rr, 4096).status().code(),
+            StatusCode::kOutOfRange);
+  EXPECT_EQ(cch_->Write(src, **local, rr->address() - 1, *rr, 16).status().code(),
+            StatusCode::kOutOfRange);
+  EXPECT_EQ(cch_->Write(src, **local, UINT64_MAX - 2, *rr, 16).status().code(),
+            StatusCode::kOutOfRange);
+  EXPECT_EQ(cch_->Read(static_cast<char*>(src) + 8000, **local, rr->address(), *rr, 400)
+                .status().code(),
+            StatusCode::kOutOfRange);
+  // Nothing was written.
+  EXPECT_TRUE(cch_->health().ok());
+}
+
+TEST_P(ChannelTest, BadDescriptorsAreRefusedAtImport) {
+  auto remote = server_->AllocateMemRegion(4096);
+  ASSERT_TRUE(remote.ok());
+  RegionDescriptor good = (*remote)->Export();
+
+  RegionDescriptor wrong_key = good;
+  wrong_key.token ^= 1;
+  EXPECT_EQ(cch_->Import(wrong_key).status().code(), StatusCode::kPermissionDenied);
+
+  RegionDescriptor unknown = good;
+  unknown.region_id += 1000;
+  EXPECT_EQ(cch_->Import(unknown).status().code(), StatusCode::kNotFound);
+
+  RegionDescriptor too_long = good;
+  too_long.length += 1;
+  EXPECT_EQ(cch_->Import(too_long).status().code(), StatusCode::kOutOfRange);
+
+  RegionDescriptor tampered = good;
+  if (!tampered.packed_rkey.empty()) tampered.packed_rkey[0] ^= 0x5a;
+  EXPECT_EQ(cch_->Import(tampered).status().code(), StatusCode::kPermissionDenied);
+
+  // A region freed by its owner can no longer be imported.
+  remote->reset();
+  EXPECT_EQ(cch_->Import(good).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(cch_->health().ok());
+}
+
+TEST_P(ChannelTest, RegionFromAnotherChannelIsRejected) {
+  auto remote = server_->AllocateMemRegion(4096);
+  auto local = client_->AllocateMemRegion(4096);
+  auto rr = ImportOnClient(**remote);
+  auto other = client_->GetChannel(server_->listen_endpoint(), 1);
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  EXPECT_NE(other->get(), cch_.get());
+  EXPECT_EQ((*other)->Write((*local)->data(), **local, rr->address(), *rr, 8).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->GetChannel(server_->listen_endpoint(), 2).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_P(ChannelTest, PeerDeathGivesClearErrors) {
+  auto remote = server_->AllocateMemRegion(1 << 20);
+  auto local = client_->AllocateMemRegion(1 << 20);
+  auto rr = ImportOnClient(**remote);
+  ASSERT_NE(rr, nullptr);
+  remote->reset();
+  sch_.reset();
+  server_.reset();  // the peer goes away
+  // Operations fail with a clear error within bounded time, never hang.
+  Status last;
+  for (int i = 0; i < 200; ++i) {
+    auto f = cch_->Flush();
+    if (!f.ok()) {
+      last = f.status();
+      break;
+    }
+    last = f->Wait(2s);
+    if (!last.ok() && last.code() != StatusCode::kDeadlineExceeded) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_FALSE(last.ok());
+  EXPECT_TRUE(last.code() == StatusCode::kUnavailable || last.code() == StatusCode::kAborted)
+      << last.ToString();
+  auto r = cch_->RecvControl(5s);
+  EXPECT_FALSE(r.ok());
+  EXPECT_NE(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Protocols, ChannelTest,
+    ::testing::Values(Param{"auto_mapped", "auto", ProtocolChoice::kAuto, Protocol::kMapped},
+                      Param{"rma", "auto", ProtocolChoice::kRma, Protocol::kRma},
+                      Param{"am", "auto", ProtocolChoice::kActiveMessage,
+                            Protocol::kActiveMessage},
+                      Param{"tcp", "tcp", ProtocolChoice::kAuto, Protocol::kActiveMessage}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(DeviceTest, ConnectToNobodyFailsClearly) {
+  DeviceOptions o;
+  o.connect_timeout = std::chrono::milliseconds(3000);
+  auto d = Device::Create(o);
+  ASSERT_TRUE(d.ok());
+  auto ch = (*d)->GetChannel("127.0.0.1:1", 0);
+  ASSERT_FALSE(ch.ok());
+  EXPECT_EQ(ch.status().code(), StatusCode::kUnavailable) << ch.status().ToString();
+  EXPECT_NE(ch.status().message().find("127.0.0.1:1"), std::string_view::npos);
+  EXPECT_EQ((*d)->GetChannel("no-port", 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(DeviceTest, BadOptions) {
+  DeviceOptions o;
+  o.progress_threads = 0;
+  EXPECT_EQ(Device::Create(o).status().code(), StatusCode::kInvalidArgument);
+  o.progress_threads = 1;
+  o.listen_address = "256.1.1.1:5";
+  EXPECT_FALSE(Device::Create(o).ok());
+  auto d = Device::Create(DeviceOptions{});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ((*d)->AllocateMemRegion(0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*d)->RegisterMemRegion(nullptr, 8).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace membox::transport

@@ -1,0 +1,174 @@
+#include "membox/transport/fault_channel.h"
+
+#include <condition_variable>
+#include <mutex>
+#include <queue>
+#include <random>
+#include <thread>
+
+namespace membox::transport {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class FaultChannel final : public Channel {
+ public:
+  FaultChannel(std::shared_ptr<Channel> inner, const FaultPolicy& p)
+      : inner_(std::move(inner)), p_(p), rng_(p.seed) {
+    timer_ = std::thread([this] { TimerLoop(); });
+  }
+  ~FaultChannel() override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    timer_.join();
+  }
+
+  Result<std::shared_ptr<RemoteMemRegion>> Import(const RegionDescriptor& d,
+                                                  std::chrono::nanoseconds t) override {
+    return inner_->Import(d, t);
+  }
+
+  Result<OpHandle> Memcpy(void* local_addr, const MemRegion& local, uint64_t remote_addr,
+                          const RemoteMemRegion& remote, size_t size, Direction dir,
+                          Completion cb) override {
+    enum { kNone, kFail, kDrop, kCorrupt } fault = kNone;
+    Clock::time_point due;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (Draw(p_.fail_submit)) {
+        return UnavailableError("injected fault: submit failed");
+      }
+      if (Draw(p_.fail_completion)) fault = kFail;
+      else if (Draw(p_.drop_completion)) fault = kDrop;
+      else if (Draw(p_.corrupt)) fault = kCorrupt;
+      auto now = Clock::now();
+      auto start = std::max(now, busy_until_);
+      auto xfer = p_.bandwidth_bytes_per_s > 0
+                      ? std::chrono::nanoseconds(static_cast<int64_t>(
+                            1e9 * static_cast<double>(size) / p_.bandwidth_bytes_per_s))
+                      : std::chrono::nanoseconds(0);
+      busy_until_ = start + xfer;
+      due = busy_until_ + p_.fixed_latency;
+    }
+    auto outer = std::make_shared<OpState>(&events_, std::move(cb));
+    auto finish = [this, outer, fault, due, local_addr, size, dir](const Status& s) {
+      Status r = s;
+      if (s.ok() && fault == kFail) r = UnavailableError("injected fault: completion failed");
+      if (s.ok() && fault == kCorrupt) {
+        if (dir == Direction::kRead && size > 0) static_cast<uint8_t*>(local_addr)[0] ^= 0xff;
+        r = DataLossError("injected fault: corrupted completion");
+      }
+      if (fault == kDrop) {
+        r = AbortedError("injected fault: completion dropped");
+        Schedule(due + p_.drop_grace, outer, r);
+        return;
+      }
+      Schedule(due, outer, r);
+    };
+    ASSIGN_OR_RETURN(OpHandle inner, inner_->Memcpy(local_addr, local, remote_addr, remote,
+                                                   size, dir, finish));
+    // The inner operation reports through `finish`; the caller's buffers are
+    // held by the outer handle, which completes only after `finish` ran.
+    (void)inner.Detach();
+    return OpHandle(outer);
+  }
+
+  Status Fence() override { return inner_->Fence(); }
+
+  Result<OpHandle> Flush(Completion cb) override {
+    auto outer = std::make_shared<OpState>(&events_, std::move(cb));
+    Clock::time_point due;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      due = std::max(Clock::now(), busy_until_) + p_.fixed_latency;
+    }
+    ASSIGN_OR_RETURN(OpHandle inner,
+                     inner_->Flush([this, outer, due](const Status& s) { Schedule(due, outer, s); }));
+    (void)inner.Detach();
+    return OpHandle(outer);
+  }
+
+  Status SendControl(std::span<const uint8_t> msg) override {
+    if (p_.fixed_latency.count() > 0) std::this_thread::sleep_for(p_.fixed_latency);
+    return inner_->SendControl(msg);
+  }
+  Result<std::vector<uint8_t>> RecvControl(std::chrono::nanoseconds t) override {
+    return inner_->RecvControl(t);
+  }
+  Protocol protocol() const override { return inner_->protocol(); }
+  Status health() const override { return inner_->health(); }
+  int lane() const override { return inner_->lane(); }
+  std::string peer() const override { return inner_->peer(); }
+
+ private:
+  struct Due {
+    Clock::time_point at;
+    std::shared_ptr<OpState> op;
+    Status status;
+    bool operator>(const Due& o) const { return at > o.at; }
+  };
+
+  bool Draw(double p) {  // requires mu_
+    if (p <= 0) return false;
+    return std::uniform_real_distribution<double>(0, 1)(rng_) < p;
+  }
+
+  void Schedule(Clock::time_point at, std::shared_ptr<OpState> op, Status s) {
+    if (at <= Clock::now()) {
+      op->Complete(s);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      q_.push(Due{at, std::move(op), std::move(s)});
+    }
+    cv_.notify_all();
+  }
+
+  void TimerLoop() {
+    std::unique_lock<std::mutex> l(mu_);
+    while (!stop_) {
+      if (q_.empty()) {
+        cv_.wait(l);
+        continue;
+      }
+      auto at = q_.top().at;
+      if (Clock::now() < at) {
+        cv_.wait_until(l, at);
+        continue;
+      }
+      Due d = q_.top();
+      q_.pop();
+      l.unlock();
+      d.op->Complete(d.status);
+      l.lock();
+    }
+    while (!q_.empty()) {  // complete what is left so no waiter hangs
+      q_.top().op->Complete(AbortedError("fault channel destroyed"));
+      q_.pop();
+    }
+  }
+
+  std::shared_ptr<Channel> inner_;
+  FaultPolicy p_;
+  EventCount events_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::mt19937_64 rng_;                          // GUARDED_BY(mu_)
+  Clock::time_point busy_until_{};               // GUARDED_BY(mu_)
+  std::priority_queue<Due, std::vector<Due>, std::greater<Due>> q_;  // GUARDED_BY(mu_)
+  bool stop_ = false;                            // GUARDED_BY(mu_)
+  std::thread timer_;
+};
+
+}  // namespace
+
+std::shared_ptr<Channel> WrapWithFaults(std::shared_ptr<Channel> inner,
+                                        const FaultPolicy& policy) {
+  return std::make_shared<FaultChannel>(std::move(inner), policy);
+}
+
+}  // namespace membox::transport

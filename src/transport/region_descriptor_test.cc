@@ -1,0 +1,55 @@
+#include <gtest/gtest.h>
+
+#include "membox/transport/mem_region.h"
+
+namespace membox::transport {
+namespace {
+
+RegionDescriptor Sample() {
+  RegionDescriptor d;
+  d.address = 0x7f0000001000;
+  d.length = 4096;
+  d.region_id = 7;
+  d.token = 0x1234567890abcdef;
+  d.device_id = 99;
+  d.packed_rkey = {1, 2, 3, 4, 5};
+  return d;
+}
+
+TEST(RegionDescriptorTest, RoundTrip) {
+  auto bytes = Sample().Serialize();
+  auto d = RegionDescriptor::Deserialize(bytes);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->address, Sample().address);
+  EXPECT_EQ(d->length, 4096u);
+  EXPECT_EQ(d->token, Sample().token);
+  EXPECT_EQ(d->packed_rkey, Sample().packed_rkey);
+}
+
+TEST(RegionDescriptorTest, RejectsBadInput) {
+  auto bytes = Sample().Serialize();
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_FALSE(RegionDescriptor::Deserialize({bytes.data(), n}).ok()) << n;
+  }
+  auto flipped = bytes;
+  flipped[20] ^= 1;
+  EXPECT_EQ(RegionDescriptor::Deserialize(flipped).status().code(), StatusCode::kDataLoss);
+  auto magic = bytes;
+  magic[0] = 'X';
+  EXPECT_EQ(RegionDescriptor::Deserialize(magic).status().code(), StatusCode::kInvalidArgument);
+  auto trailing = bytes;
+  trailing.push_back(0);
+  EXPECT_FALSE(RegionDescriptor::Deserialize(trailing).ok());
+  RegionDescriptor zero = Sample();
+  zero.length = 0;
+  EXPECT_FALSE(RegionDescriptor::Deserialize(zero.Serialize()).ok());
+  RegionDescriptor wrap = Sample();
+  wrap.address = UINT64_MAX - 10;
+  EXPECT_FALSE(RegionDescriptor::Deserialize(wrap.Serialize()).ok());
+  RegionDescriptor big = Sample();
+  big.packed_rkey.resize(RegionDescriptor::kMaxPackedRkey + 1);
+  EXPECT_FALSE(RegionDescriptor::Deserialize(big.Serialize()).ok());
+}
+
+}  // namespace
+}  // namespace membox::transport

@@ -1,0 +1,707 @@
+#include "src/transport/ucx/ucx_channel.h"
+
+#include <cstring>
+
+#include "membox/base/logging.h"
+#include "src/transport/wire.h"
+
+namespace membox::transport::ucx {
+namespace {
+
+// Heap context of one UCX send/put/get/flush; freed by its completion.
+struct SendCtx {
+  std::vector<uint8_t> hdr;
+  std::vector<uint8_t> payload;  // owned copy for fire-and-forget messages
+  std::shared_ptr<OpState> state;
+  std::atomic<int64_t>* in_flight = nullptr;
+  EventCount* events = nullptr;
+};
+
+void FinishSend(SendCtx* c, ucs_status_t st) {
+  if (c->state) {
+    c->state->Complete(st == UCS_OK ? Status::Ok() : UcsError(st, "transfer failed"));
+  }
+  if (c->in_flight) {
+    c->in_flight->fetch_sub(1, std::memory_order_acq_rel);
+    if (c->events) c->events->Notify();
+  }
+  delete c;
+}
+
+void SendCb(void* request, ucs_status_t st, void* user_data) {
+  FinishSend(static_cast<SendCtx*>(user_data), st);
+  ucp_request_free(request);
+}
+
+void PutStr(wire::Writer& w, const std::string& s) {
+  w.U16(static_cast<uint16_t>(std::min<size_t>(s.size(), 4096)));
+  w.Bytes(s.data(), std::min<size_t>(s.size(), 4096));
+}
+
+bool GetStr(wire::Reader& r, std::string* s) {
+  uint16_t n = 0;
+  std::vector<uint8_t> b;
+  if (!r.U16(&n) || n > 4096 || !r.Bytes(&b, n)) return false;
+  s->assign(b.begin(), b.end());
+  return true;
+}
+
+Status StatusFromWire(uint32_t code, const std::string& msg) {
+  if (code == 0) return Status::Ok();
+  if (code > static_cast<uint32_t>(StatusCode::kUnauthenticated)) {
+    return InternalError("peer sent an unknown status code: " + msg);
+  }
+  return Status(static_cast<StatusCode>(code), "peer: " + msg);
+}
+
+}  // namespace
+
+UcxChannel::UcxChannel(UcxDevice* dev, UcxWorker* worker, int lane, std::string peer,
+                       bool accepted)
+    : dev_(dev), worker_(worker), lane_(lane), peer_(std::move(peer)), accepted_(accepted) {}
+
+UcxChannel::~UcxChannel() { Close(); }
+
+std::string UcxChannel::peer() const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (accepted_) return peer_name_;
+  return peer_;
+}
+
+Status UcxChannel::health() const {
+  if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
+  std::lock_guard<std::mutex> l(mu_);
+  return failure_;
+}
+
+Status UcxChannel::CheckUsable() const {
+  if (failed_.load(std::memory_order_acquire)) return health();
+  if (ep_ == nullptr) return FailedPreconditionError("channel is closed");
+  return Status::Ok();
+}
+
+void UcxChannel::Fail(const Status& s) {
+  std::map<uint64_t, PendingRead> reads;
+  std::map<uint64_t, std::shared_ptr<OpState>> rpcs;
+  Status failure;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!failed_.load()) {
+      std::string who = accepted_ ? ("peer " + peer_name_) : peer_;
+      failure_ = Status(s.code(), who + ": " + std::string(s.message()));
+      failed_.store(true, std::memory_order_release);
+      MEMBOX_LOG_DEBUG("channel to {} failed: {}", who, s.ToString());
+    }
+    failure = failure_;
+    reads.swap(reads_);
+    rpcs.swap(rpcs_);
+  }
+  for (auto& [id, r] : reads) r.state->Complete(failure);
+  for (auto& [id, st] : rpcs) st->Complete(failure);
+  inbox_ev_.Notify();
+  dev_->events()->Notify();
+}
+
+void UcxChannel::Close() {
+  ucp_ep_h ep = ep_;
+  if (ep == nullptr) return;
+  ep_ = nullptr;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &p);
+  if (UCS_PTR_IS_PTR(req)) {
+    while (ucp_request_check_status(req) == UCS_INPROGRESS) {
+      ucp_worker_progress(worker_->worker());
+    }
+    ucp_request_free(req);
+  }
+  Fail(AbortedError("channel closed"));
+}
+
+Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* data,
+                          size_t len, std::shared_ptr<OpState> state) {
+  RETURN_IF_ERROR(CheckUsable());
+  auto* c = new SendCtx;
+  c->hdr = hdr;
+  c->state = std::move(state);
+  if (!c->state && len > 0) {
+    c->payload.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + len);
+    data = c->payload.data();
+  }
+  if (id == kAmWrite) {
+    c->in_flight = &am_writes_in_flight_;
+    c->events = dev_->events();
+    am_writes_in_flight_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                   UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  p.cb.send = &SendCb;
+  p.user_data = c;
+  ucs_status_ptr_t r = ucp_am_send_nbx(ep_, id, c->hdr.data(), c->hdr.size(),
+                                       const_cast<void*>(data), len, &p);
+  if (r == nullptr) {
+    FinishSend(c, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(r)) {
+    ucs_status_t st = UCS_PTR_STATUS(r);
+    c->state.reset();  // the caller reports the error; no completion
+    FinishSend(c, st);
+    return UcsError(st, "send to " + peer());
+  } else if (dev_->thread_index() != worker_->index()) {
+    worker_->Signal();
+  }
+  return Status::Ok();
+}
+
+Status UcxChannel::Handshake(std::chrono::milliseconds timeout) {
+  auto state = std::make_shared<OpState>(dev_->events());
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    rpcs_[0] = state;
+  }
+  wire::Writer w;
+  w.U64(dev_->id());
+  w.U32(static_cast<uint32_t>(lane_));
+  PutStr(w, dev_->options().name);
+  PutStr(w, dev_->host_id());
+  RETURN_IF_ERROR(SendAm(kAmHello, w.buffer(), nullptr, 0, nullptr));
+  OpHandle h(state);
+  Status s = h.Wait(timeout);
+  if (s.code() == StatusCode::kDeadlineExceeded) {
+    Fail(UnavailableError("no answer to the connection handshake within " +
+                          std::to_string(timeout.count()) + " ms"));
+    return health();
+  }
+  return s;
+}
+
+Protocol UcxChannel::ChooseProtocol() const {
+  switch (dev_->options().protocol) {
+    case ProtocolChoice::kRma: return Protocol::kRma;
+    case ProtocolChoice::kActiveMessage: return Protocol::kActiveMessage;
+    case ProtocolChoice::kAuto:
+    case ProtocolChoice::kNoMapping: break;
+  }
+  // UCX 1.13's put/get over TCP are ~100x slower than its active messages
+  // for large transfers (docs/design/transport.md), so TCP uses messages.
+  if (dev_->options().transports == "tcp") return Protocol::kActiveMessage;
+  if (peer_same_host_) {
+    return dev_->options().protocol == ProtocolChoice::kAuto ? Protocol::kMapped
+                                                             : Protocol::kRma;
+  }
+  return dev_->rdma_present() ? Protocol::kRma : Protocol::kActiveMessage;
+}
+
+Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(const RegionDescriptor& desc,
+                                                            std::chrono::nanoseconds timeout) {
+  RETURN_IF_ERROR(CheckUsable());
+  if (desc.length == 0 || desc.address + desc.length < desc.address) {
+    return InvalidArgumentError("descriptor has an empty or overflowing range");
+  }
+  if (desc.packed_rkey.size() > RegionDescriptor::kMaxPackedRkey) {
+    return InvalidArgumentError("descriptor remote key too large");
+  }
+  uint64_t req = next_op_.fetch_add(1);
+  auto state = std::make_shared<OpState>(dev_->events());
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    rpcs_[req] = state;
+  }
+  wire::Writer w;
+  w.U64(req);
+  w.U64(desc.region_id);
+  w.U64(desc.token);
+  w.U64(desc.address);
+  w.U64(desc.length);
+  w.U32(wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size()));
+  Status s = SendAm(kAmValidateReq, w.buffer(), nullptr, 0, nullptr);
+  if (s.ok()) {
+    OpHandle h(state);
+    s = h.Wait(timeout);
+  }
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    rpcs_.erase(req);
+    return s.WithContext("import of region " + std::to_string(desc.region_id));
+  }
+  ucp_rkey_h rkey = nullptr;
+  void* mapped = nullptr;
+  if (protocol_ != Protocol::kActiveMessage) {
+    // Safe to unpack: the owner has just vouched for these exact key bytes.
+    ucs_status_t st = ucp_ep_rkey_unpack(ep_, desc.packed_rkey.data(), &rkey);
+    if (st != UCS_OK) return UcsError(st, "cannot unpack the remote key");
+    if (protocol_ == Protocol::kMapped &&
+        ucp_rkey_ptr(rkey, desc.address, &mapped) != UCS_OK) {
+      mapped = nullptr;  // user-registered memory: falls back to RMA
+    }
+  }
+  auto r = std::make_shared<UcxRemoteMemRegion>(desc, mapped, rkey, this);
+  return std::shared_ptr<RemoteMemRegion>(std::move(r));
+}
+
+Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
+                                    uint64_t remote_addr, const RemoteMemRegion& remote,
+                                    size_t size, Direction direction, Completion cb) {
+  RETURN_IF_ERROR(CheckUsable());
+  if (!local.Contains(local_addr, size)) {
+    return OutOfRangeError("local range of " + std::to_string(size) +
+                           " bytes is outside the local region");
+  }
+  if (!remote.Contains(remote_addr, size)) {
+    return OutOfRangeError("remote range [" + std::to_string(remote_addr) + ", +" +
+                           std::to_string(size) + ") is outside the remote region");
+  }
+  auto* r = dynamic_cast<const UcxRemoteMemRegion*>(&remote);
+  if (r == nullptr || r->channel() != this) {
+    return InvalidArgumentError("remote region was not imported on this channel");
+  }
+  if (size == 0) {
+    if (cb) cb(Status::Ok());
+    return OpHandle::Done(Status::Ok());
+  }
+  if (void* base = remote.mapped()) {
+    // Load/store path: the peer's memory is mapped here.
+    char* p = static_cast<char*>(base) + (remote_addr - remote.address());
+    if (direction == Direction::kWrite) {
+      std::memcpy(p, local_addr, size);
+    } else {
+      std::memcpy(local_addr, p, size);
+    }
+    if (cb) cb(Status::Ok());
+    return OpHandle::Done(Status::Ok());
+  }
+  if (protocol_ == Protocol::kActiveMessage) {
+    return direction == Direction::kWrite
+               ? AmWrite(local_addr, remote_addr, remote, size, std::move(cb))
+               : AmRead(local_addr, remote_addr, remote, size, std::move(cb));
+  }
+  auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
+  auto* c = new SendCtx;
+  c->state = state;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &SendCb;
+  p.user_data = c;
+  ucs_status_ptr_t req =
+      direction == Direction::kWrite
+          ? ucp_put_nbx(ep_, local_addr, size, remote_addr, r->rkey(), &p)
+          : ucp_get_nbx(ep_, local_addr, size, remote_addr, r->rkey(), &p);
+  if (req == nullptr) {
+    FinishSend(c, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(req)) {
+    c->state.reset();
+    FinishSend(c, UCS_PTR_STATUS(req));
+    return UcsError(UCS_PTR_STATUS(req), "one-sided transfer to " + peer());
+  } else if (dev_->thread_index() != worker_->index()) {
+    worker_->Signal();
+  }
+  return OpHandle(std::move(state));
+}
+
+Result<OpHandle> UcxChannel::AmWrite(const void* local, uint64_t raddr,
+                                     const RemoteMemRegion& remote, size_t size,
+                                     Completion cb) {
+  auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
+  wire::Writer w;
+  w.U64(raddr);
+  w.U64(remote.descriptor().region_id);
+  w.U64(remote.descriptor().token);
+  w.U64(size);
+  RETURN_IF_ERROR(SendAm(kAmWrite, w.buffer(), local, size, state));
+  return OpHandle(std::move(state));
+}
+
+Result<OpHandle> UcxChannel::AmRead(void* local, uint64_t raddr,
+                                    const RemoteMemRegion& remote, size_t size,
+                                    Completion cb) {
+  auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
+  uint64_t op = next_op_.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    reads_[op] = PendingRead{local, size, state};
+  }
+  wire::Writer w;
+  w.U64(op);
+  w.U64(raddr);
+  w.U64(remote.descriptor().region_id);
+  w.U64(remote.descriptor().token);
+  w.U64(size);
+  Status s = SendAm(kAmReadReq, w.buffer(), nullptr, 0, nullptr);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    reads_.erase(op);
+    return s;
+  }
+  return OpHandle(std::move(state));
+}
+
+Status UcxChannel::Fence() {
+  RETURN_IF_ERROR(CheckUsable());
+  switch (protocol_) {
+    case Protocol::kMapped:
+      // Stores before the fence are ordered before stores after it (and the
+      // compiler may not move memcpy across it). Non-mapped regions on this
+      // channel use RMA, so fence the worker as well.
+      std::atomic_thread_fence(std::memory_order_release);
+      [[fallthrough]];
+    case Protocol::kRma: {
+      ucs_status_t st = ucp_worker_fence(worker_->worker());
+      if (st != UCS_OK) return UcsError(st, "ucp_worker_fence");
+      return Status::Ok();
+    }
+    case Protocol::kActiveMessage: {
+      bool ok = SpinThenBlock(
+          [this] {
+            return am_writes_in_flight_.load(std::memory_order_acquire) == 0 ||
+                   failed_.load();
+          },
+          dev_->events(), std::chrono::seconds(60));
+      if (failed_.load()) return health();
+      if (!ok) return DeadlineExceededError("fence: earlier writes still in flight");
+      return Status::Ok();
+    }
+  }
+  return Status::Ok();
+}
+
+Result<OpHandle> UcxChannel::Flush(Completion cb) {
+  RETURN_IF_ERROR(CheckUsable());
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!async_error_.ok()) {
+      Status e = async_error_;
+      async_error_ = Status();
+      if (cb) cb(e);
+      return OpHandle::Done(e);
+    }
+  }
+  auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
+  if (protocol_ == Protocol::kActiveMessage) {
+    uint64_t op = next_op_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      rpcs_[op] = state;
+    }
+    wire::Writer w;
+    w.U64(op);
+    Status s = SendAm(kAmFlushReq, w.buffer(), nullptr, 0, nullptr);
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      rpcs_.erase(op);
+      return s;
+    }
+    return OpHandle(std::move(state));
+  }
+  auto* c = new SendCtx;
+  c->state = state;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &SendCb;
+  p.user_data = c;
+  ucs_status_ptr_t req = ucp_ep_flush_nbx(ep_, &p);
+  if (req == nullptr) {
+    FinishSend(c, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(req)) {
+    c->state.reset();
+    FinishSend(c, UCS_PTR_STATUS(req));
+    return UcsError(UCS_PTR_STATUS(req), "flush");
+  } else if (dev_->thread_index() != worker_->index()) {
+    worker_->Signal();
+  }
+  return OpHandle(std::move(state));
+}
+
+Status UcxChannel::SendControl(std::span<const uint8_t> msg) {
+  if (msg.size() > kMaxControlMessage) {
+    return InvalidArgumentError("control message of " + std::to_string(msg.size()) +
+                                " bytes exceeds the limit");
+  }
+  return SendAm(kAmControl, {}, msg.data(), msg.size(), nullptr);
+}
+
+Result<std::vector<uint8_t>> UcxChannel::RecvControl(std::chrono::nanoseconds timeout) {
+  std::vector<uint8_t> out;
+  bool got = false;
+  bool ok = SpinThenBlock(
+      [&] {
+        std::lock_guard<std::mutex> l(mu_);
+        if (!inbox_.empty()) {
+          out = std::move(inbox_.front());
+          inbox_.pop_front();
+          got = true;
+          return true;
+        }
+        return failed_.load();
+      },
+      &inbox_ev_, timeout);
+  if (got) return out;
+  if (failed_.load()) return health();
+  (void)ok;
+  return DeadlineExceededError("no control message from " + peer() + " before the timeout");
+}
+
+void UcxChannel::RecvInto(void* desc, void* dst, size_t len, const ucp_am_recv_param_t*,
+                          std::function<void(const Status&)> done) {
+  struct Ctx {
+    std::function<void(const Status&)> done;
+  };
+  auto* c = new Ctx{std::move(done)};
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = [](void* req, ucs_status_t st, size_t, void* ud) {
+    auto* c = static_cast<Ctx*>(ud);
+    c->done(st == UCS_OK ? Status::Ok() : UcsError(st, "receive"));
+    delete c;
+    ucp_request_free(req);
+  };
+  p.user_data = c;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_->worker(), desc, dst, len, &p);
+  if (r == nullptr) {
+    c->done(Status::Ok());
+    delete c;
+  } else if (UCS_PTR_IS_ERR(r)) {
+    c->done(UcsError(UCS_PTR_STATUS(r), "receive"));
+    delete c;
+  }
+}
+
+void UcxChannel::SendError(const Status& s) {
+  wire::Writer w;
+  w.U32(static_cast<uint32_t>(s.code()));
+  PutStr(w, std::string(s.message()));
+  (void)SendAm(kAmError, w.buffer(), nullptr, 0, nullptr);
+}
+
+void UcxChannel::RndvDone() {
+  std::vector<uint64_t> flushes;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (--rndv_in_progress_ == 0) flushes.swap(deferred_flushes_);
+  }
+  for (uint64_t op : flushes) {
+    wire::Writer w;
+    w.U64(op);
+    (void)SendAm(kAmFlushResp, w.buffer(), nullptr, 0, nullptr);
+  }
+}
+
+ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* data,
+                              size_t len, const ucp_am_recv_param_t* param) {
+  wire::Reader r({static_cast<const uint8_t*>(header), hlen});
+  const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
+  auto drop = [&](const char* why) {
+    MEMBOX_LOG_WARN("malformed active message {} from {}: {}", static_cast<int>(id), peer(), why);
+    if (rndv) ucp_am_data_release(worker_->worker(), data);
+    return UCS_OK;
+  };
+  switch (id) {
+    case kAmHello:
+    case kAmHelloAck: {
+      uint64_t dev_id = 0;
+      uint32_t lane = 0;
+      std::string name, host;
+      if (!r.U64(&dev_id)) return drop("short hello");
+      if (id == kAmHello && !r.U32(&lane)) return drop("short hello");
+      if (!GetStr(r, &name) || !GetStr(r, &host)) return drop("short hello");
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        peer_name_ = name;
+        peer_host_ = host;
+      }
+      peer_same_host_ = host == dev_->host_id();
+      protocol_ = ChooseProtocol();
+      if (id == kAmHello) {
+        lane_ = static_cast<int>(lane);
+        wire::Writer w;
+        w.U64(dev_->id());
+        PutStr(w, dev_->options().name);
+        PutStr(w, dev_->host_id());
+        (void)SendAm(kAmHelloAck, w.buffer(), nullptr, 0, nullptr);
+        hello_seen_.store(true);
+        dev_->OnHello(this);
+      } else {
+        std::shared_ptr<OpState> st;
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          auto it = rpcs_.find(0);
+          if (it != rpcs_.end()) {
+            st = it->second;
+            rpcs_.erase(it);
+          }
+        }
+        if (st) st->Complete(Status::Ok());
+      }
+      return UCS_OK;
+    }
+    case kAmControl: {
+      if (len > kMaxControlMessage) return drop("control message too large");
+      auto buf = std::make_shared<std::vector<uint8_t>>(len);
+      auto deliver = [this, buf](const Status& s) {
+        if (!s.ok()) return;
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          inbox_.push_back(std::move(*buf));
+        }
+        inbox_ev_.Notify();
+      };
+      if (rndv) {
+        RecvInto(data, buf->data(), len, param, deliver);
+      } else {
+        if (len) std::memcpy(buf->data(), data, len);
+        deliver(Status::Ok());
+      }
+      return UCS_OK;
+    }
+    case kAmValidateReq: {
+      uint64_t req, region, token, addr, length;
+      uint32_t rkey_crc;
+      if (!r.U64(&req) || !r.U64(&region) || !r.U64(&token) || !r.U64(&addr) ||
+          !r.U64(&length) || !r.U32(&rkey_crc)) {
+        return drop("short validate request");
+      }
+      Status s = dev_->CheckAccess(region, token, addr, length);
+      // The key bytes are checked too, so the importer never unpacks bytes
+      // the owner did not produce.
+      if (s.ok() && !dev_->CheckRkeyCrc(region, rkey_crc)) {
+        s = PermissionDeniedError("remote key bytes do not match region " +
+                                  std::to_string(region));
+      }
+      ReplyValidate(req, s);
+      return UCS_OK;
+    }
+    case kAmValidateResp:
+    case kAmFlushResp: {
+      uint64_t req = 0;
+      uint32_t code = 0;
+      std::string msg;
+      if (!r.U64(&req)) return drop("short response");
+      if (id == kAmValidateResp && (!r.U32(&code) || !GetStr(r, &msg))) {
+        return drop("short response");
+      }
+      std::shared_ptr<OpState> st;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        auto it = rpcs_.find(req);
+        if (it == rpcs_.end() || req == 0) return drop("response to an unknown request");
+        st = it->second;
+        rpcs_.erase(it);
+      }
+      st->Complete(StatusFromWire(code, msg));
+      return UCS_OK;
+    }
+    case kAmWrite: {
+      uint64_t addr, region, token, length;
+      if (!r.U64(&addr) || !r.U64(&region) || !r.U64(&token) || !r.U64(&length)) {
+        return drop("short write header");
+      }
+      Status s = dev_->CheckAccess(region, token, addr, length);
+      if (s.ok() && length != len) s = InvalidArgumentError("write length mismatch");
+      if (!s.ok()) {
+        if (rndv) ucp_am_data_release(worker_->worker(), data);
+        SendError(s.WithContext("write rejected"));
+        return UCS_OK;
+      }
+      void* dst = reinterpret_cast<void*>(addr);
+      if (rndv) {
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          ++rndv_in_progress_;
+        }
+        RecvInto(data, dst, len, param, [this](const Status& st) {
+          if (!st.ok()) SendError(st.WithContext("write receive failed"));
+          RndvDone();
+        });
+      } else if (len) {
+        std::memcpy(dst, data, len);
+      }
+      return UCS_OK;
+    }
+    case kAmReadReq: {
+      uint64_t op, addr, region, token, length;
+      if (!r.U64(&op) || !r.U64(&addr) || !r.U64(&region) || !r.U64(&token) ||
+          !r.U64(&length)) {
+        return drop("short read request");
+      }
+      Status s = dev_->CheckAccess(region, token, addr, length);
+      wire::Writer w;
+      w.U64(op);
+      w.U32(static_cast<uint32_t>(s.code()));
+      PutStr(w, std::string(s.message()));
+      // The source is the registered region itself, which outlives the send.
+      auto st = std::make_shared<OpState>(nullptr);
+      (void)SendAm(kAmReadResp, w.buffer(), s.ok() ? reinterpret_cast<void*>(addr) : nullptr,
+                   s.ok() ? length : 0, st);
+      return UCS_OK;
+    }
+    case kAmReadResp: {
+      uint64_t op = 0;
+      uint32_t code = 0;
+      std::string msg;
+      if (!r.U64(&op) || !r.U32(&code) || !GetStr(r, &msg)) return drop("short read response");
+      PendingRead pr{};
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        auto it = reads_.find(op);
+        if (it == reads_.end()) return drop("read response to an unknown request");
+        pr = it->second;
+        reads_.erase(it);
+      }
+      Status s = StatusFromWire(code, msg);
+      if (s.ok() && len != pr.len) s = DataLossError("read response of the wrong length");
+      if (!s.ok()) {
+        if (rndv) ucp_am_data_release(worker_->worker(), data);
+        pr.state->Complete(s);
+        return UCS_OK;
+      }
+      if (rndv) {
+        auto state = pr.state;
+        RecvInto(data, pr.local, len, param, [state](const Status& st) { state->Complete(st); });
+      } else {
+        if (len) std::memcpy(pr.local, data, len);
+        pr.state->Complete(Status::Ok());
+      }
+      return UCS_OK;
+    }
+    case kAmFlushReq: {
+      uint64_t op = 0;
+      if (!r.U64(&op)) return drop("short flush request");
+      bool now;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        now = rndv_in_progress_ == 0;
+        if (!now) deferred_flushes_.push_back(op);
+      }
+      if (now) {
+        wire::Writer w;
+        w.U64(op);
+        (void)SendAm(kAmFlushResp, w.buffer(), nullptr, 0, nullptr);
+      }
+      return UCS_OK;
+    }
+    case kAmError: {
+      uint32_t code = 0;
+      std::string msg;
+      if (!r.U32(&code) || !GetStr(r, &msg)) return drop("short error");
+      Status s = StatusFromWire(code, msg);
+      MEMBOX_LOG_WARN("peer {} reported: {}", peer(), s.ToString());
+      std::lock_guard<std::mutex> l(mu_);
+      if (async_error_.ok()) async_error_ = s;
+      return UCS_OK;
+    }
+    case kAmCount:
+      break;
+  }
+  return drop("unknown id");
+}
+
+void UcxChannel::ReplyValidate(uint64_t req, const Status& s) {
+  wire::Writer w;
+  w.U64(req);
+  w.U32(static_cast<uint32_t>(s.code()));
+  PutStr(w, std::string(s.message()));
+  (void)SendAm(kAmValidateResp, w.buffer(), nullptr, 0, nullptr);
+}
+
+}  // namespace membox::transport::ucx

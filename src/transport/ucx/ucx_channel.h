@@ -1,0 +1,136 @@
+// UcxChannel: one ucp_ep (a lane to one peer). See channel.h for the public
+// contract and ucx_device.h for the structure.
+//
+// Ordering argument for kActiveMessage (why the tail flag never overtakes the
+// data): active messages on one ep travel over one TCP lane in order and are
+// handled by the peer's progress thread in arrival order; an eager write is
+// copied into place inside the handler, a rendezvous write is received
+// straight into place and its sender-side completion happens only after the
+// peer finished receiving. Fence() waits until every earlier write on this
+// channel completed locally, so any later write is handled after all earlier
+// data is in place.
+#ifndef MEMBOX_SRC_TRANSPORT_UCX_UCX_CHANNEL_H_
+#define MEMBOX_SRC_TRANSPORT_UCX_UCX_CHANNEL_H_
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "membox/transport/channel.h"
+#include "src/transport/ucx/ucx_device.h"
+
+namespace membox::transport::ucx {
+
+class UcxRemoteMemRegion final : public RemoteMemRegion {
+ public:
+  UcxRemoteMemRegion(RegionDescriptor d, void* mapped, ucp_rkey_h rkey,
+                     const void* channel)
+      : RemoteMemRegion(std::move(d), mapped), rkey_(rkey), channel_(channel) {}
+  ~UcxRemoteMemRegion() override {
+    if (rkey_) ucp_rkey_destroy(rkey_);
+  }
+  ucp_rkey_h rkey() const { return rkey_; }
+  const void* channel() const { return channel_; }
+
+ private:
+  ucp_rkey_h rkey_;        // unpacked for one ep; null on kActiveMessage
+  const void* channel_;    // the channel that imported it
+};
+
+class UcxChannel final : public Channel,
+                         public std::enable_shared_from_this<UcxChannel> {
+ public:
+  UcxChannel(UcxDevice* dev, UcxWorker* worker, int lane, std::string peer,
+             bool accepted);
+  ~UcxChannel() override;
+
+  Result<std::shared_ptr<RemoteMemRegion>> Import(
+      const RegionDescriptor& desc, std::chrono::nanoseconds timeout) override;
+  Result<OpHandle> Memcpy(void* local_addr, const MemRegion& local,
+                          uint64_t remote_addr, const RemoteMemRegion& remote,
+                          size_t size, Direction direction,
+                          Completion callback) override;
+  Status Fence() override;
+  Result<OpHandle> Flush(Completion callback) override;
+  Status SendControl(std::span<const uint8_t> msg) override;
+  Result<std::vector<uint8_t>> RecvControl(std::chrono::nanoseconds timeout) override;
+  Protocol protocol() const override { return protocol_; }
+  Status health() const override;
+  int lane() const override { return lane_; }
+  std::string peer() const override;
+
+  // --- internal ---
+  void set_ep(ucp_ep_h ep) { ep_ = ep; }
+  ucp_ep_h ep() const { return ep_; }
+  UcxWorker* worker() const { return worker_; }
+  void Fail(const Status& s);
+  // Sends an internal active message. `hdr` is copied. `data` must stay valid
+  // until `state` completes (nullptr state: fire and forget for small data).
+  Status SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* data,
+                size_t len, std::shared_ptr<OpState> state);
+  // Client side: sends hello and waits for the ack.
+  Status Handshake(std::chrono::milliseconds timeout);
+  // Handlers, called on the progress thread.
+  ucs_status_t OnAm(AmId id, const void* header, size_t hlen, void* data,
+                    size_t len, const ucp_am_recv_param_t* param);
+  void Close();  // closes the ep; called by the device at shutdown
+  bool hello_seen() const { return hello_seen_.load(); }
+
+ private:
+  struct PendingRead {
+    void* local;
+    size_t len;
+    std::shared_ptr<OpState> state;
+  };
+  Protocol ChooseProtocol() const;
+  Status CheckUsable() const;
+  Result<OpHandle> AmWrite(const void* local, uint64_t raddr,
+                           const RemoteMemRegion& remote, size_t size,
+                           Completion cb);
+  Result<OpHandle> AmRead(void* local, uint64_t raddr,
+                          const RemoteMemRegion& remote, size_t size,
+                          Completion cb);
+  void RecvInto(void* data_desc, void* dst, size_t len, const ucp_am_recv_param_t* p,
+                std::function<void(const Status&)> done);
+  void ReplyValidate(uint64_t req, const Status& s);
+  void ReplyFlushLocked(uint64_t req);
+  void SendError(const Status& s);
+  void RndvDone();
+
+  UcxDevice* dev_;
+  UcxWorker* worker_;
+  int lane_;
+  std::string peer_;
+  bool accepted_;
+  ucp_ep_h ep_ = nullptr;
+  Protocol protocol_ = Protocol::kRma;
+  bool peer_same_host_ = false;
+  std::atomic<bool> hello_seen_{false};
+  std::atomic<bool> failed_{false};
+  std::atomic<int64_t> am_writes_in_flight_{0};
+  std::atomic<uint64_t> next_op_{1};
+
+  mutable std::mutex mu_;
+  Status failure_;                                   // GUARDED_BY(mu_)
+  Status async_error_;                               // GUARDED_BY(mu_)
+  std::deque<std::vector<uint8_t>> inbox_;           // GUARDED_BY(mu_)
+  std::map<uint64_t, PendingRead> reads_;            // GUARDED_BY(mu_)
+  std::map<uint64_t, std::shared_ptr<OpState>> rpcs_;  // GUARDED_BY(mu_)
+  std::map<uint64_t, Status> rpc_results_;           // GUARDED_BY(mu_)
+  int64_t rndv_in_progress_ = 0;                     // GUARDED_BY(mu_)
+  std::vector<uint64_t> deferred_flushes_;           // GUARDED_BY(mu_)
+  std::string peer_name_;                            // GUARDED_BY(mu_)
+  std::string peer_host_;                            // GUARDED_BY(mu_)
+  EventCount inbox_ev_;
+  friend class UcxDevice;
+};
+
+}  // namespace membox::transport::ucx
+
+#endif  // MEMBOX_SRC_TRANSPORT_UCX_UCX_CHANNEL_H_
