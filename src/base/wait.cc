@@ -2,6 +2,7 @@
 
 #include <linux/futex.h>
 #include <sched.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -72,19 +73,31 @@ bool MachineOversubscribed() {
 bool SpinThenBlock(const std::function<bool()>& ready, EventCount* events,
                    std::chrono::nanoseconds timeout, const WaitOptions& options) {
   if (ready()) return true;
-  const auto deadline = Clock::now() + timeout;
-  int spins = MachineOversubscribed() ? std::min(options.spin_iterations, 50)
-                                      : options.spin_iterations;
-  for (int i = 0; i < spins; ++i) {
-    CpuRelax();
-    if (ready()) return true;
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
+  // Short sleeps are only short with a small timer slack (default 50 us).
+  static thread_local bool slack_set = [] {
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    return true;
+  }();
+  (void)slack_set;
+  const bool crowded = MachineOversubscribed();
+  if (!crowded) {
+    const auto spin_end = std::min(deadline, start + options.spin);
+    for (uint32_t i = 1;; ++i) {
+      CpuRelax();
+      if (ready()) return true;
+      if ((i & 63) == 0 && Clock::now() >= spin_end) break;
+    }
   }
-  for (int i = 0; i < options.yield_iterations; ++i) {
+  const auto yield_end = std::min(
+      deadline, Clock::now() + (crowded ? options.yield / 4 : options.yield));
+  for (uint32_t i = 1;; ++i) {
     sched_yield();
     if (ready()) return true;
-    if ((i & 7) == 7 && Clock::now() >= deadline) return false;
+    if ((i & 3) == 0 && Clock::now() >= yield_end) break;
   }
-  std::chrono::nanoseconds block(std::chrono::microseconds(5));
+  std::chrono::nanoseconds block(std::chrono::microseconds(20));
   for (;;) {
     uint32_t seen = events ? events->epoch() : 0;
     if (ready()) return true;

@@ -70,6 +70,21 @@ TEST_P(ChannelTest, ProtocolAndPeer) {
   EXPECT_EQ(sch_->peer(), "client");
   EXPECT_EQ(cch_->peer(), server_->listen_endpoint());
   EXPECT_TRUE(cch_->health().ok());
+  // Device-allocated memory is mapped for load/store on the mapped protocol,
+  // in both directions; user-registered memory never is.
+  auto a = server_->AllocateMemRegion(4096);
+  auto b = client_->AllocateMemRegion(4096);
+  auto on_client = cch_->Import((*a)->Export());
+  auto on_server = sch_->Import((*b)->Export());
+  ASSERT_TRUE(on_client.ok() && on_server.ok());
+  bool mapped = GetParam().expect == Protocol::kMapped;
+  EXPECT_EQ((*on_client)->mapped() != nullptr, mapped);
+  EXPECT_EQ((*on_server)->mapped() != nullptr, mapped);
+  std::vector<char> user(4096);
+  auto reg = client_->RegisterMemRegion(user.data(), user.size());
+  auto user_on_server = sch_->Import((*reg)->Export());
+  ASSERT_TRUE(user_on_server.ok());
+  EXPECT_EQ((*user_on_server)->mapped(), nullptr);
 }
 
 TEST_P(ChannelTest, ControlMessagesBothWays) {

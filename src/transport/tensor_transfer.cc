@@ -238,6 +238,10 @@ Status StaticTensorSender::Send(const void* src, const MemRegion& region, size_t
   return WriteWord(*channel_, *flag_src_, *dst_, dst_->address() + RoundUp8(capacity_), seq_);
 }
 
+Status StaticTensorSender::WaitReleased(std::chrono::nanoseconds timeout) {
+  return WaitWord(credit_->data(), seq_, timeout, *channel_, "receiver credit");
+}
+
 // ------------------------------------------------------------ dynamic
 
 Result<std::unique_ptr<DynamicTensorReceiver>> DynamicTensorReceiver::Create(

@@ -18,8 +18,10 @@ class Writer {
   void U32(uint32_t v) { Put(&v, 4); }
   void U64(uint64_t v) { Put(&v, 8); }
   void Bytes(const void* p, size_t n) {
-    auto b = static_cast<const uint8_t*>(p);
-    buf_.insert(buf_.end(), b, b + n);
+    if (n == 0) return;
+    size_t old = buf_.size();
+    buf_.resize(old + n);
+    std::memcpy(buf_.data() + old, p, n);
   }
   std::vector<uint8_t>& buffer() { return buf_; }
 

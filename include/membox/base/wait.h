@@ -43,12 +43,15 @@ class EventCount {
 };
 
 struct WaitOptions {
-  // Polls before the first yield. Reduced automatically when the machine is
-  // oversubscribed (more runnable threads than cores).
-  int spin_iterations = 2000;
-  int yield_iterations = 50;
-  // Longest single block between re-checks; bounds latency when nobody
-  // notifies (e.g. a flag written by a peer through shared memory).
+  // Phase 1: busy-poll with a pause instruction for this long. Skipped
+  // (cut to a few polls) when the machine is oversubscribed.
+  std::chrono::microseconds spin{50};
+  // Phase 2: poll with sched_yield() in between, which hands the core to any
+  // other runnable thread at once and costs nothing when there is none.
+  std::chrono::microseconds yield{500};
+  // Phase 3: block on the EventCount (or sleep), doubling from 20 us up to
+  // this bound between re-checks; bounds latency when nobody notifies (e.g. a
+  // flag written by a peer through shared memory).
   std::chrono::microseconds max_block{200};
 };
 

@@ -110,6 +110,8 @@ class StaticTensorSender {
   // Waits (up to `timeout`) for the receiver to release the previous tensor.
   Status Send(const void* src, const MemRegion& region, size_t bytes,
               std::chrono::nanoseconds timeout = std::chrono::seconds(60));
+  // Returns once the receiver released every tensor sent so far.
+  Status WaitReleased(std::chrono::nanoseconds timeout);
 
  private:
   StaticTensorSender() = default;

@@ -46,6 +46,16 @@ bool GetStr(wire::Reader& r, std::string* s) {
   return true;
 }
 
+void PutBlob(wire::Writer& w, const std::vector<uint8_t>& b) {
+  w.U32(static_cast<uint32_t>(b.size()));
+  w.Bytes(b.data(), b.size());
+}
+
+bool GetBlob(wire::Reader& r, std::vector<uint8_t>* b) {
+  uint32_t n = 0;
+  return r.U32(&n) && n > 0 && n <= 65536 && r.Bytes(b, n);
+}
+
 Status StatusFromWire(uint32_t code, const std::string& msg) {
   if (code == 0) return Status::Ok();
   if (code > static_cast<uint32_t>(StatusCode::kUnauthenticated)) {
@@ -76,7 +86,9 @@ Status UcxChannel::health() const {
 
 Status UcxChannel::CheckUsable() const {
   if (failed_.load(std::memory_order_acquire)) return health();
-  if (ep_ == nullptr) return FailedPreconditionError("channel is closed");
+  if (!data_ready_.load(std::memory_order_acquire) || ep_ == nullptr) {
+    return FailedPreconditionError("channel is not connected");
+  }
   return Status::Ok();
 }
 
@@ -103,27 +115,61 @@ void UcxChannel::Fail(const Status& s) {
 }
 
 void UcxChannel::Close() {
-  ucp_ep_h ep = ep_;
-  if (ep == nullptr) return;
-  ep_ = nullptr;
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &p);
-  if (UCS_PTR_IS_PTR(req)) {
-    while (ucp_request_check_status(req) == UCS_INPROGRESS) {
-      ucp_worker_progress(worker_->worker());
+  for (ucp_ep_h* slot : {&ep_, &boot_ep_}) {
+    ucp_ep_h ep = *slot;
+    if (ep == nullptr) continue;
+    *slot = nullptr;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &p);
+    if (UCS_PTR_IS_PTR(req)) {
+      // The bootstrap endpoint of an accepted channel lives on worker 0.
+      while (ucp_request_check_status(req) == UCS_INPROGRESS) {
+        ucp_worker_progress(worker_->worker());
+        ucp_worker_progress(dev_->worker(0)->worker());
+      }
+      ucp_request_free(req);
     }
-    ucp_request_free(req);
   }
+  data_ready_.store(false, std::memory_order_release);
   Fail(AbortedError("channel closed"));
+}
+
+Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t st) {
+    static_cast<UcxChannel*>(arg)->Fail(UcsError(st, "connection lost"));
+  };
+  ep.err_handler.arg = this;
+  ucp_ep_h h = nullptr;
+  ucs_status_t st = ucp_ep_create(worker_->worker(), &ep, &h);
+  if (st != UCS_OK) return UcsError(st, "cannot create the data endpoint");
+  ep_ = h;
+  data_ready_.store(true, std::memory_order_release);
+  return Status::Ok();
 }
 
 Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* data,
                           size_t len, std::shared_ptr<OpState> state) {
-  RETURN_IF_ERROR(CheckUsable());
+  const bool bootstrap = id == kAmHello || id == kAmHelloAck;
+  ucp_ep_h ep = bootstrap ? boot_ep_ : ep_;
+  if (bootstrap) {
+    if (failed_.load(std::memory_order_acquire)) return health();
+    if (ep == nullptr) return FailedPreconditionError("channel is closed");
+  } else {
+    RETURN_IF_ERROR(CheckUsable());
+  }
   auto* c = new SendCtx;
-  c->hdr = hdr;
+  // Every message starts with the receiving side's channel id (0: bootstrap).
+  uint64_t dest = bootstrap ? 0 : remote_id_;
+  c->hdr.resize(sizeof(dest) + hdr.size());
+  std::memcpy(c->hdr.data(), &dest, sizeof(dest));
+  if (!hdr.empty()) std::memcpy(c->hdr.data() + sizeof(dest), hdr.data(), hdr.size());
   c->state = std::move(state);
   if (!c->state && len > 0) {
     c->payload.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + len);
@@ -140,7 +186,7 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* 
   p.flags = UCP_AM_SEND_FLAG_REPLY;
   p.cb.send = &SendCb;
   p.user_data = c;
-  ucs_status_ptr_t r = ucp_am_send_nbx(ep_, id, c->hdr.data(), c->hdr.size(),
+  ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, c->hdr.data(), c->hdr.size(),
                                        const_cast<void*>(data), len, &p);
   if (r == nullptr) {
     FinishSend(c, UCS_OK);
@@ -162,10 +208,11 @@ Status UcxChannel::Handshake(std::chrono::milliseconds timeout) {
     rpcs_[0] = state;
   }
   wire::Writer w;
-  w.U64(dev_->id());
+  w.U64(id_);
   w.U32(static_cast<uint32_t>(lane_));
   PutStr(w, dev_->options().name);
   PutStr(w, dev_->host_id());
+  PutBlob(w, worker_->address());
   RETURN_IF_ERROR(SendAm(kAmHello, w.buffer(), nullptr, 0, nullptr));
   OpHandle h(state);
   Status s = h.Wait(timeout);
@@ -234,7 +281,7 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(const RegionDescript
     if (st != UCS_OK) return UcsError(st, "cannot unpack the remote key");
     if (protocol_ == Protocol::kMapped &&
         ucp_rkey_ptr(rkey, desc.address, &mapped) != UCS_OK) {
-      mapped = nullptr;  // user-registered memory: falls back to RMA
+      mapped = nullptr;  // user-registered memory: RMA through the data endpoint
     }
   }
   auto r = std::make_shared<UcxRemoteMemRegion>(desc, mapped, rkey, this);
@@ -277,6 +324,7 @@ Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
                ? AmWrite(local_addr, remote_addr, remote, size, std::move(cb))
                : AmRead(local_addr, remote_addr, remote, size, std::move(cb));
   }
+  if (direction == Direction::kWrite) rma_since_fence_.store(true, std::memory_order_release);
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
   auto* c = new SendCtx;
   c->state = state;
@@ -342,9 +390,11 @@ Status UcxChannel::Fence() {
   switch (protocol_) {
     case Protocol::kMapped:
       // Stores before the fence are ordered before stores after it (and the
-      // compiler may not move memcpy across it). Non-mapped regions on this
-      // channel use RMA, so fence the worker as well.
+      // compiler may not move memcpy across it). Regions that could not be
+      // mapped (user-registered memory) go through RMA; fence the worker only
+      // if such a write was issued since the last fence.
       std::atomic_thread_fence(std::memory_order_release);
+      if (!rma_since_fence_.exchange(false, std::memory_order_acq_rel)) return Status::Ok();
       [[fallthrough]];
     case Protocol::kRma: {
       ucs_status_t st = ucp_worker_fence(worker_->worker());
@@ -499,29 +549,43 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
   switch (id) {
     case kAmHello:
     case kAmHelloAck: {
-      uint64_t dev_id = 0;
+      uint64_t peer_id = 0;
       uint32_t lane = 0;
       std::string name, host;
-      if (!r.U64(&dev_id)) return drop("short hello");
+      std::vector<uint8_t> address;
+      if (!r.U64(&peer_id) || peer_id == 0) return drop("bad hello");
       if (id == kAmHello && !r.U32(&lane)) return drop("short hello");
-      if (!GetStr(r, &name) || !GetStr(r, &host)) return drop("short hello");
+      if (!GetStr(r, &name) || !GetStr(r, &host) || !GetBlob(r, &address)) {
+        return drop("short hello");
+      }
+      if (data_ready_.load()) return drop("duplicate hello");
       {
         std::lock_guard<std::mutex> l(mu_);
         peer_name_ = name;
         peer_host_ = host;
       }
+      remote_id_ = peer_id;
       peer_same_host_ = host == dev_->host_id();
       protocol_ = ChooseProtocol();
       if (id == kAmHello) {
         lane_ = static_cast<int>(lane);
+        // Accepted channels are spread over the progress threads.
+        worker_ = dev_->NextAcceptWorker();
+        Status s = CreateDataEp(address);
+        if (!s.ok()) {
+          MEMBOX_LOG_WARN("refusing a channel from {}: {}", name, s.ToString());
+          return UCS_OK;
+        }
         wire::Writer w;
-        w.U64(dev_->id());
+        w.U64(id_);
         PutStr(w, dev_->options().name);
         PutStr(w, dev_->host_id());
+        PutBlob(w, worker_->address());
         (void)SendAm(kAmHelloAck, w.buffer(), nullptr, 0, nullptr);
         hello_seen_.store(true);
         dev_->OnHello(this);
       } else {
+        Status s = CreateDataEp(address);
         std::shared_ptr<OpState> st;
         {
           std::lock_guard<std::mutex> l(mu_);
@@ -531,7 +595,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
             rpcs_.erase(it);
           }
         }
-        if (st) st->Complete(Status::Ok());
+        if (st) st->Complete(s);
       }
       return UCS_OK;
     }

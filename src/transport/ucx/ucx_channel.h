@@ -66,8 +66,10 @@ class UcxChannel final : public Channel,
   std::string peer() const override;
 
   // --- internal ---
-  void set_ep(ucp_ep_h ep) { ep_ = ep; }
-  ucp_ep_h ep() const { return ep_; }
+  void set_boot_ep(ucp_ep_h ep) { boot_ep_ = ep; }
+  ucp_ep_h boot_ep() const { return boot_ep_; }
+  void set_id(uint64_t id) { id_ = id; }
+  uint64_t id() const { return id_; }
   UcxWorker* worker() const { return worker_; }
   void Fail(const Status& s);
   // Sends an internal active message. `hdr` is copied. `data` must stay valid
@@ -90,6 +92,7 @@ class UcxChannel final : public Channel,
   };
   Protocol ChooseProtocol() const;
   Status CheckUsable() const;
+  Status CreateDataEp(const std::vector<uint8_t>& peer_address);
   Result<OpHandle> AmWrite(const void* local, uint64_t raddr,
                            const RemoteMemRegion& remote, size_t size,
                            Completion cb);
@@ -108,11 +111,16 @@ class UcxChannel final : public Channel,
   int lane_;
   std::string peer_;
   bool accepted_;
-  ucp_ep_h ep_ = nullptr;
+  ucp_ep_h boot_ep_ = nullptr;  // connection-manager endpoint: hello, liveness
+  ucp_ep_h ep_ = nullptr;       // data endpoint, from the peer's worker address
+  uint64_t id_ = 0;             // our channel id (peers put it in headers)
+  uint64_t remote_id_ = 0;      // the peer's id for this channel
+  std::atomic<bool> data_ready_{false};
   Protocol protocol_ = Protocol::kRma;
   bool peer_same_host_ = false;
   std::atomic<bool> hello_seen_{false};
   std::atomic<bool> failed_{false};
+  std::atomic<bool> rma_since_fence_{false};  // an RMA write awaits a fence
   std::atomic<int64_t> am_writes_in_flight_{0};
   std::atomic<uint64_t> next_op_{1};
 

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <random>
 
+#include "membox/base/config.h"
 #include "membox/base/logging.h"
 #include "src/transport/ucx/ucx_channel.h"
 #include "src/transport/wire.h"
@@ -159,6 +160,12 @@ Status UcxWorker::Init(ucp_context_h ctx) {
   wp.thread_mode = UCS_THREAD_MODE_MULTI;
   ucs_status_t st = ucp_worker_create(ctx, &wp, &worker_);
   if (st != UCS_OK) return UcsError(st, "ucp_worker_create");
+  ucp_address_t* addr = nullptr;
+  size_t addr_len = 0;
+  st = ucp_worker_get_address(worker_, &addr, &addr_len);
+  if (st != UCS_OK) return UcsError(st, "ucp_worker_get_address");
+  address_.assign(reinterpret_cast<uint8_t*>(addr), reinterpret_cast<uint8_t*>(addr) + addr_len);
+  ucp_worker_release_address(worker_, addr);
   st = ucp_worker_get_efd(worker_, &efd_);
   if (st != UCS_OK) return UcsError(st, "ucp_worker_get_efd");
   epfd_ = epoll_create1(EPOLL_CLOEXEC);
@@ -235,6 +242,11 @@ Status UcxDevice::Init() {
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return UcsError(st, "ucp_config_read");
+  // Fast detection of dead peers on data endpoints (UCX's default is 20 s);
+  // an explicit UCX_KEEPALIVE_INTERVAL in the environment still wins.
+  if (!GetEnv("UCX_KEEPALIVE_INTERVAL")) {
+    (void)ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
+  }
   if (options_.transports != "auto" && !options_.transports.empty()) {
     st = ucp_config_modify(config, "TLS", options_.transports.c_str());
     if (st != UCS_OK) {
@@ -328,6 +340,7 @@ UcxDevice::~UcxDevice() {
     std::lock_guard<std::mutex> l(mu_);
     for (auto& [ep, ch] : by_ep_) all.push_back(ch);
     by_ep_.clear();
+    by_id_.clear();
     out_.clear();
     accept_q_.clear();
   }
@@ -440,6 +453,23 @@ UcxChannel* UcxDevice::ChannelForEp(ucp_ep_h ep) {
   return it == by_ep_.end() ? nullptr : it->second.get();
 }
 
+UcxChannel* UcxDevice::ChannelForId(uint64_t id) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = by_id_.find(id);
+  return it == by_id_.end() ? nullptr : it->second.get();
+}
+
+uint64_t UcxDevice::AddChannelId(const std::shared_ptr<UcxChannel>& ch) {
+  std::lock_guard<std::mutex> l(mu_);
+  uint64_t id = next_channel_id_++;
+  by_id_[id] = ch;
+  return id;
+}
+
+UcxWorker* UcxDevice::NextAcceptWorker() {
+  return workers_[static_cast<size_t>(accept_rr_.fetch_add(1)) % workers_.size()].get();
+}
+
 int UcxDevice::thread_index() const { return tls_worker_index; }
 
 void UcxDevice::OnConnRequest(ucp_conn_request_h req) {
@@ -461,7 +491,8 @@ void UcxDevice::OnConnRequest(ucp_conn_request_h req) {
     MEMBOX_LOG_WARN("rejecting a connection: {}", ucs_status_string(st));
     return;
   }
-  ch->set_ep(h);
+  ch->set_boot_ep(h);
+  ch->set_id(AddChannelId(ch));
   std::lock_guard<std::mutex> l(mu_);
   by_ep_[h] = ch;
 }
@@ -470,7 +501,7 @@ void UcxDevice::OnHello(UcxChannel* ch) {
   std::shared_ptr<UcxChannel> sp;
   {
     std::lock_guard<std::mutex> l(mu_);
-    auto it = by_ep_.find(ch->ep());
+    auto it = by_ep_.find(ch->boot_ep());
     if (it == by_ep_.end()) return;
     sp = it->second;
     accept_q_.push_back(sp);
@@ -526,7 +557,8 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(const std::string& remote
   ucp_ep_h h = nullptr;
   ucs_status_t st = ucp_ep_create(w->worker(), &ep, &h);
   if (st != UCS_OK) return UcsError(st, "cannot connect to " + remote_endpoint);
-  ch->set_ep(h);
+  ch->set_boot_ep(h);
+  ch->set_id(AddChannelId(ch));
   {
     std::lock_guard<std::mutex> l(mu_);
     by_ep_[h] = ch;
@@ -537,6 +569,7 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(const std::string& remote
     {
       std::lock_guard<std::mutex> l(mu_);
       by_ep_.erase(h);
+      by_id_.erase(ch->id());
     }
     ch->Close();
     return hs.WithContext("cannot connect to " + remote_endpoint);
@@ -550,16 +583,29 @@ ucs_status_t UcxDevice::AmHandler(void* arg, const void* header, size_t hlen,
                                   void* data, size_t len,
                                   const ucp_am_recv_param_t* param) {
   auto* a = static_cast<AmHandlerArg*>(arg);
-  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr) {
-    MEMBOX_LOG_WARN("dropping active message {} without a reply endpoint", static_cast<int>(a->id));
+  uint64_t dest = 0;
+  auto drop = [&](const char* why) {
+    MEMBOX_LOG_WARN("dropping active message {}: {}", static_cast<int>(a->id), why);
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+      ucp_am_data_release(a->dev->workers_[0]->worker(), data);
+    }
     return UCS_OK;
+  };
+  if (hlen < sizeof(dest)) return drop("header too short");
+  std::memcpy(&dest, header, sizeof(dest));
+  UcxChannel* ch = nullptr;
+  if (dest == 0) {
+    // Hello / hello-ack travel on the bootstrap endpoint.
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr) {
+      return drop("bootstrap message without a reply endpoint");
+    }
+    ch = a->dev->ChannelForEp(param->reply_ep);
+  } else {
+    ch = a->dev->ChannelForId(dest);
   }
-  UcxChannel* ch = a->dev->ChannelForEp(param->reply_ep);
-  if (ch == nullptr) {
-    MEMBOX_LOG_WARN("dropping active message {} from an unknown endpoint", static_cast<int>(a->id));
-    return UCS_OK;
-  }
-  return ch->OnAm(a->id, header, hlen, data, len, param);
+  if (ch == nullptr) return drop("unknown channel");
+  return ch->OnAm(a->id, static_cast<const uint8_t*>(header) + sizeof(dest),
+                  hlen - sizeof(dest), data, len, param);
 }
 
 }  // namespace membox::transport::ucx

@@ -9,6 +9,17 @@
 //               thread that drives it (the paper's CQ polling thread).
 //   UcxChannel  one ucp_ep on one worker: a lane to one peer.
 //
+// Connection set-up: a channel first connects a bootstrap endpoint through
+// the UCX connection manager (sockaddr, TCP); over it the two sides exchange
+// hello messages carrying their worker addresses, and each side then creates
+// its data endpoint from the other's worker address. UCX 1.13 gives
+// client-server endpoints TCP lanes only, while address-based endpoints get
+// the best transports (shared memory / cross-memory attach on one host,
+// verbs on a fabric). Every data message starts with the receiving side's
+// channel id, so dispatch does not depend on UCX endpoint matching. The
+// bootstrap endpoint stays open as a liveness detector: when the peer
+// process dies its TCP connection resets at once.
+//
 // Active-message ids and their headers are in docs/formats/wire_protocol.md.
 //
 // Locking: UcxDevice::mu_ guards the tables; UcxChannel::mu_ guards its
@@ -66,6 +77,8 @@ class UcxWorker {
   // Wakes the progress thread after a submission that returned a request.
   void Signal() { ucp_worker_signal(worker_); }
   ucp_worker_h worker() const { return worker_; }
+  // This worker's UCX address, which peers use to create data endpoints.
+  const std::vector<uint8_t>& address() const { return address_; }
   int index() const { return index_; }
 
  private:
@@ -73,6 +86,7 @@ class UcxWorker {
   UcxDevice* dev_;
   int index_;
   ucp_worker_h worker_ = nullptr;
+  std::vector<uint8_t> address_;
   int efd_ = -1;
   int epfd_ = -1;
   int stop_fd_ = -1;
@@ -117,7 +131,11 @@ class UcxDevice final : public Device {
   bool CheckRkeyCrc(uint64_t region_id, uint32_t crc);
   uint64_t NextRegionId() { return next_region_id_.fetch_add(1); }
   uint64_t RandomToken();
-  UcxChannel* ChannelForEp(ucp_ep_h ep);
+  UcxChannel* ChannelForEp(ucp_ep_h ep);   // bootstrap endpoints
+  UcxChannel* ChannelForId(uint64_t id);   // data messages
+  uint64_t AddChannelId(const std::shared_ptr<UcxChannel>& ch);
+  UcxWorker* NextAcceptWorker();
+  UcxWorker* worker(size_t i) { return workers_[i % workers_.size()].get(); }
   void OnConnRequest(ucp_conn_request_h req);
   void OnHello(UcxChannel* ch);  // acceptor side: hello arrived
   int thread_index() const;      // index of the worker whose thread is calling
@@ -142,6 +160,8 @@ class UcxDevice final : public Device {
   std::mutex mu_;
   std::map<uint64_t, ExportedRegion> exports_;                      // GUARDED_BY(mu_)
   std::unordered_map<ucp_ep_h, std::shared_ptr<UcxChannel>> by_ep_;  // GUARDED_BY(mu_)
+  std::unordered_map<uint64_t, std::shared_ptr<UcxChannel>> by_id_;  // GUARDED_BY(mu_)
+  uint64_t next_channel_id_ = 1;                                     // GUARDED_BY(mu_)
   std::map<std::pair<std::string, int>, std::shared_ptr<UcxChannel>> out_;  // GUARDED_BY(mu_)
   std::deque<std::shared_ptr<UcxChannel>> accept_q_;  // GUARDED_BY(mu_)
   EventCount accept_ev_;

@@ -1,0 +1,488 @@
+#include "bench/transfer/transfer_bench.h"
+
+#include <grpcpp/grpcpp.h>
+#include <immintrin.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/transfer/tensor_service.grpc.pb.h"
+#include "membox/base/logging.h"
+#include "membox/transport/device.h"
+#include "membox/transport/tensor_transfer.h"
+#include "src/transport/wire.h"
+
+extern char** environ;
+
+namespace membox::bench {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using transport::Device;
+using transport::DeviceOptions;
+
+// The receiver's consumer, as the paper's reduce_max: one pass over the
+// tensor as float32 with SSE max.
+float ReduceMax(const void* data, size_t bytes) {
+  const float* f = static_cast<const float*>(data);
+  size_t n = bytes / 4;
+  __m128 m0 = _mm_set1_ps(-3.0e38f), m1 = m0, m2 = m0, m3 = m0;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    m0 = _mm_max_ps(m0, _mm_loadu_ps(f + i));
+    m1 = _mm_max_ps(m1, _mm_loadu_ps(f + i + 4));
+    m2 = _mm_max_ps(m2, _mm_loadu_ps(f + i + 8));
+    m3 = _mm_max_ps(m3, _mm_loadu_ps(f + i + 12));
+  }
+  m0 = _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3));
+  float lanes[4];
+  _mm_storeu_ps(lanes, m0);
+  float m = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+  for (; i < n; ++i) m = std::max(m, f[i]);
+  return m;
+}
+
+// ------------------------------------------------------------ peer side
+
+class TensorServiceImpl final : public TensorService::Service {
+  grpc::Status Send(grpc::ServerContext*, const Tensor* req, Ack* resp) override {
+    resp->set_max(ReduceMax(req->data().data(), req->data().size()));
+    resp->set_bytes(req->data().size());
+    return grpc::Status::OK;
+  }
+};
+
+int RunGrpcPeer() {
+  TensorServiceImpl service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
+  builder.RegisterService(&service);
+  auto server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    std::fprintf(stderr, "grpc peer: cannot start server\n");
+    return 1;
+  }
+  std::printf("READY 127.0.0.1:%d\n", port);
+  std::fflush(stdout);
+  // The driver closes our stdin when it is done.
+  char c;
+  while (read(0, &c, 1) > 0) {
+  }
+  server->Shutdown();
+  return 0;
+}
+
+int RunMemboxPeer(const std::string& transports) {
+  DeviceOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.transports = transports;
+  o.name = "bench-recv";
+  auto dev = Device::Create(o);
+  if (!dev.ok()) {
+    std::fprintf(stderr, "peer: %s\n", dev.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("READY %s\n", (*dev)->listen_endpoint().c_str());
+  std::fflush(stdout);
+  auto ch = (*dev)->Accept(120s);
+  if (!ch.ok()) {
+    std::fprintf(stderr, "peer: %s\n", ch.status().ToString().c_str());
+    return 1;
+  }
+  for (;;) {
+    auto msg = (*ch)->RecvControl(600s);
+    if (!msg.ok()) {
+      std::fprintf(stderr, "peer: %s\n", msg.status().ToString().c_str());
+      return 1;
+    }
+    transport::wire::Reader r(*msg);
+    uint8_t type = 0;
+    uint64_t size = 0, iters = 0;
+    uint8_t consume = 0;
+    if (!r.U8(&type) || type == 'Q') return 0;
+    if (type != 'R' || !r.U64(&size) || !r.U64(&iters) || !r.U8(&consume)) {
+      std::fprintf(stderr, "peer: bad round message\n");
+      return 1;
+    }
+    auto recv = transport::StaticTensorReceiver::Create(**dev, *ch, size, 60s);
+    if (!recv.ok()) {
+      std::fprintf(stderr, "peer: %s\n", recv.status().ToString().c_str());
+      return 1;
+    }
+    volatile float sink = 0;
+    for (uint64_t i = 0; i < iters; ++i) {
+      Status s = (*recv)->Wait(120s);
+      if (!s.ok()) {
+        std::fprintf(stderr, "peer: %s\n", s.ToString().c_str());
+        return 1;
+      }
+      if (consume) sink = sink + ReduceMax((*recv)->data(), size);
+      s = (*recv)->Release();
+      if (!s.ok()) {
+        std::fprintf(stderr, "peer: %s\n", s.ToString().c_str());
+        return 1;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------ driver side
+
+struct Child {
+  pid_t pid = -1;
+  int stdin_fd = -1;
+  std::string endpoint;
+
+  static Result<Child> Spawn(const std::vector<std::string>& args) {
+    int in[2], out[2];
+    if (pipe(in) != 0 || pipe(out) != 0) return InternalError("pipe failed");
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    posix_spawn_file_actions_addclose(&fa, in[1]);
+    posix_spawn_file_actions_addclose(&fa, out[0]);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    Child c;
+    int rc = posix_spawn(&c.pid, "/proc/self/exe", &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(in[0]);
+    close(out[1]);
+    if (rc != 0) return InternalError("cannot spawn the receiver process");
+    c.stdin_fd = in[1];
+    FILE* f = fdopen(out[0], "r");
+    char line[256] = {0};
+    if (!fgets(line, sizeof(line), f) || std::strncmp(line, "READY ", 6) != 0) {
+      fclose(f);
+      c.Stop();
+      return UnavailableError("receiver process did not start");
+    }
+    fclose(f);
+    c.endpoint = std::string(line + 6);
+    while (!c.endpoint.empty() && (c.endpoint.back() == '\n' || c.endpoint.back() == '\r')) {
+      c.endpoint.pop_back();
+    }
+    return c;
+  }
+
+  void Stop() {
+    if (stdin_fd >= 0) close(stdin_fd);
+    stdin_fd = -1;
+    if (pid > 0) {
+      int st = 0;
+      for (int i = 0; i < 100; ++i) {
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+          pid = -1;
+          return;
+        }
+        std::this_thread::sleep_for(20ms);
+      }
+      kill(pid, SIGKILL);
+      waitpid(pid, &st, 0);
+      pid = -1;
+    }
+  }
+};
+
+uint64_t Iterations(uint64_t size, bool quick, uint64_t cap) {
+  uint64_t budget = quick ? (96ull << 20) : (1ull << 30);
+  uint64_t it = budget / size;
+  return std::clamp<uint64_t>(it, quick ? 2 : 3, cap);
+}
+
+void Touch(void* p, size_t n) { std::memset(p, 1, n); }
+
+// One membox variant against one receiver process.
+class MemboxSender {
+ public:
+  static Result<std::unique_ptr<MemboxSender>> Connect(const std::string& transports,
+                                                       const std::string& endpoint) {
+    auto s = std::make_unique<MemboxSender>();
+    DeviceOptions o;
+    o.transports = transports;
+    o.name = "bench-send";
+    ASSIGN_OR_RETURN(s->dev_, Device::Create(o));
+    ASSIGN_OR_RETURN(s->ch_, s->dev_->GetChannel(endpoint, 0));
+    return s;
+  }
+
+  // Seconds per tensor: send + the receiver consuming and releasing it.
+  Result<double> Run(uint64_t size, uint64_t iters, bool consume, bool copy) {
+    const uint64_t warm = 1;
+    transport::wire::Writer w;
+    w.U8('R');
+    w.U64(size);
+    w.U64(warm + iters);
+    w.U8(consume ? 1 : 0);
+    RETURN_IF_ERROR(ch_->SendControl(w.buffer()));
+    ASSIGN_OR_RETURN(auto sender, transport::StaticTensorSender::Create(*dev_, ch_, 60s));
+    ASSIGN_OR_RETURN(auto region, dev_->AllocateMemRegion(size));
+    Touch(region->data(), size);
+    std::vector<uint8_t> heap;
+    if (copy) {
+      heap.resize(size);
+      Touch(heap.data(), size);
+    }
+    auto one = [&]() -> Status {
+      if (copy) std::memcpy(region->data(), heap.data(), size);  // the paper's RDMA.cp
+      return sender->Send(region->data(), *region, size, 120s);
+    };
+    for (uint64_t i = 0; i < warm; ++i) RETURN_IF_ERROR(one());
+    RETURN_IF_ERROR(sender->WaitReleased(120s));
+    auto t0 = Clock::now();
+    for (uint64_t i = 0; i < iters; ++i) RETURN_IF_ERROR(one());
+    RETURN_IF_ERROR(sender->WaitReleased(120s));
+    return std::chrono::duration<double>(Clock::now() - t0).count() / static_cast<double>(iters);
+  }
+
+  void Quit() {
+    uint8_t q = 'Q';
+    (void)ch_->SendControl({&q, 1});
+  }
+
+  std::string protocol() const { return transport::ProtocolName(ch_->protocol()); }
+
+ private:
+  std::unique_ptr<Device> dev_;
+  std::shared_ptr<transport::Channel> ch_;
+};
+
+Result<double> RunGrpc(TensorService::Stub& stub, uint64_t size, uint64_t iters) {
+  std::vector<uint8_t> src(size);
+  Touch(src.data(), size);
+  auto one = [&]() -> Status {
+    Tensor req;
+    req.set_data(src.data(), size);
+    Ack resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 300s);
+    grpc::Status s = stub.Send(&ctx, req, &resp);
+    if (!s.ok()) return UnavailableError("grpc: " + s.error_message());
+    if (resp.bytes() != size) return DataLossError("grpc: wrong size acknowledged");
+    return Status::Ok();
+  };
+  RETURN_IF_ERROR(one());
+  auto t0 = Clock::now();
+  for (uint64_t i = 0; i < iters; ++i) RETURN_IF_ERROR(one());
+  return std::chrono::duration<double>(Clock::now() - t0).count() / static_cast<double>(iters);
+}
+
+double MemcpySeconds(uint64_t size, uint64_t iters) {
+  std::vector<uint8_t> a(size), b(size);
+  Touch(a.data(), size);
+  Touch(b.data(), size);
+  std::memcpy(b.data(), a.data(), size);
+  auto t0 = Clock::now();
+  for (uint64_t i = 0; i < iters; ++i) {
+    std::memcpy(b.data(), a.data(), size);
+    asm volatile("" ::: "memory");
+  }
+  return std::chrono::duration<double>(Clock::now() - t0).count() / static_cast<double>(iters);
+}
+
+// Single-stream loopback iperf3 throughput in bytes/s, or nullopt if iperf3
+// is missing.
+std::optional<double> Iperf3BytesPerSecond(bool quick) {
+  if (access("/usr/bin/iperf3", X_OK) != 0) return std::nullopt;
+  int port = 15201 + static_cast<int>(getpid() % 1000);
+  std::string server = "/usr/bin/iperf3 -s -1 -p " + std::to_string(port) + " >/dev/null 2>&1 &";
+  if (std::system(server.c_str()) != 0) return std::nullopt;
+  std::this_thread::sleep_for(300ms);
+  std::string client = "/usr/bin/iperf3 -c 127.0.0.1 -p " + std::to_string(port) + " -t " +
+                       (quick ? "1" : "3") + " -J 2>/dev/null";
+  FILE* p = popen(client.c_str(), "r");
+  if (!p) return std::nullopt;
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  pclose(p);
+  auto pos = out.find("\"sum_received\"");
+  if (pos == std::string::npos) return std::nullopt;
+  pos = out.find("\"bits_per_second\"", pos);
+  if (pos == std::string::npos) return std::nullopt;
+  pos = out.find(':', pos);
+  return std::strtod(out.c_str() + pos + 1, nullptr) / 8.0;
+}
+
+void AddTiming(Report& rep, const std::string& variant, uint64_t size, double secs,
+               const std::string& metric_prefix = "") {
+  Record t;
+  t.variant = variant;
+  t.size_bytes = size;
+  t.workers = 2;
+  t.metric = metric_prefix + "time_per_tensor";
+  t.value = secs * 1e6;
+  t.unit = "us";
+  rep.Add(t);
+  Record g = t;
+  g.metric = metric_prefix + "throughput";
+  g.value = static_cast<double>(size) / secs / 1e9;
+  g.unit = "GB/s";
+  rep.Add(g);
+}
+
+std::string Ratio(std::optional<double> a, std::optional<double> b) {
+  if (!a || !b || *b == 0) return "-";
+  char s[32];
+  std::snprintf(s, sizeof(s), "%.2fx", *a / *b);
+  return s;
+}
+
+std::string Num(std::optional<double> v) {
+  if (!v) return "-";
+  char s[32];
+  std::snprintf(s, sizeof(s), "%.3f", *v);
+  return s;
+}
+
+}  // namespace
+
+int RunTransferPeer(const std::string& mode) {
+  if (mode == "grpc") return RunGrpcPeer();
+  if (mode == "auto" || mode == "tcp") return RunMemboxPeer(mode);
+  std::fprintf(stderr, "unknown peer mode '%s'\n", mode.c_str());
+  return 2;
+}
+
+int RunTransferBench(const TransferOptions& opt) {
+  std::vector<uint64_t> sizes;
+  if (opt.common.quick) {
+    for (uint64_t s : {1ull << 10, 64ull << 10, 1ull << 20, 16ull << 20, 64ull << 20}) {
+      if (s >= opt.min_size && s <= opt.max_size) sizes.push_back(s);
+    }
+  } else {
+    for (uint64_t s = opt.min_size; s <= opt.max_size; s *= 4) sizes.push_back(s);
+  }
+  if (sizes.empty()) {
+    std::fprintf(stderr, "no sizes in [%s, %s]\n", SizeLabel(opt.min_size).c_str(),
+                 SizeLabel(opt.max_size).c_str());
+    return 2;
+  }
+  Report rep("transfer");
+  auto shm_child = Child::Spawn({"membox", "bench-peer", "transfer", "auto"});
+  auto tcp_child = Child::Spawn({"membox", "bench-peer", "transfer", "tcp"});
+  if (!shm_child.ok() || !tcp_child.ok()) {
+    std::fprintf(stderr, "cannot start receivers\n");
+    return 1;
+  }
+  auto shm = MemboxSender::Connect("auto", shm_child->endpoint);
+  auto tcp = MemboxSender::Connect("tcp", tcp_child->endpoint);
+  if (!shm.ok() || !tcp.ok()) {
+    std::fprintf(stderr, "cannot connect: %s %s\n", shm.status().ToString().c_str(),
+                 tcp.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "membox over shared memory uses protocol '%s'; over TCP '%s'\n",
+               (*shm)->protocol().c_str(), (*tcp)->protocol().c_str());
+  std::optional<Child> grpc_child;
+  std::unique_ptr<TensorService::Stub> stub;
+  if (opt.with_grpc) {
+    auto c = Child::Spawn({"membox", "bench-peer", "transfer", "grpc"});
+    if (!c.ok()) {
+      std::fprintf(stderr, "cannot start the gRPC receiver\n");
+      return 1;
+    }
+    grpc_child = *c;
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxSendMessageSize(-1);
+    stub = TensorService::NewStub(grpc::CreateCustomChannel(
+        grpc_child->endpoint, grpc::InsecureChannelCredentials(), args));
+  }
+
+  int total = static_cast<int>(sizes.size()) + 1;
+  int step = 0;
+  auto fail = [&](const Status& s, const char* what) {
+    std::fprintf(stderr, "%s failed: %s\n", what, s.ToString().c_str());
+    return 1;
+  };
+  for (uint64_t size : sizes) {
+    Progress(++step, total, "size " + SizeLabel(size));
+    uint64_t iters = Iterations(size, opt.common.quick, 20000);
+    auto zc = (*shm)->Run(size, iters, true, false);
+    if (!zc.ok()) return fail(zc.status(), "membox-zerocopy");
+    AddTiming(rep, "membox-zerocopy", size, *zc);
+    auto zx = (*shm)->Run(size, iters, false, false);
+    if (!zx.ok()) return fail(zx.status(), "membox-zerocopy transfer");
+    AddTiming(rep, "membox-zerocopy", size, *zx, "transfer_");
+    auto cp = (*shm)->Run(size, iters, true, true);
+    if (!cp.ok()) return fail(cp.status(), "membox-copy");
+    AddTiming(rep, "membox-copy", size, *cp);
+    auto tc = (*tcp)->Run(size, Iterations(size, opt.common.quick, 5000), true, false);
+    if (!tc.ok()) return fail(tc.status(), "membox-tcp");
+    AddTiming(rep, "membox-tcp", size, *tc);
+    if (stub) {
+      auto g = RunGrpc(*stub, size, Iterations(size, opt.common.quick, 3000) / 2 + 1);
+      if (!g.ok()) return fail(g.status(), "grpc-tcp");
+      AddTiming(rep, "grpc-tcp", size, *g);
+    }
+    AddTiming(rep, "memcpy-bound", size, MemcpySeconds(size, iters), "transfer_");
+  }
+  // One-way latency of a 64-byte tensor: half the send -> release round trip.
+  Progress(++step, total, "64-byte latency");
+  auto lat = (*shm)->Run(64, opt.common.quick ? 20000 : 100000, false, false);
+  if (!lat.ok()) return fail(lat.status(), "latency");
+  rep.Add({"", "membox-zerocopy", 64, 2, "one_way_latency", *lat / 2 * 1e6, "us", ""});
+  auto tlat = (*tcp)->Run(64, opt.common.quick ? 2000 : 10000, false, false);
+  if (tlat.ok()) rep.Add({"", "membox-tcp", 64, 2, "one_way_latency", *tlat / 2 * 1e6, "us", ""});
+  std::optional<double> iperf;
+  if (opt.with_iperf) {
+    iperf = Iperf3BytesPerSecond(opt.common.quick);
+    if (iperf) rep.Add({"", "iperf3-tcp", 64ull << 20, 2, "throughput", *iperf / 1e9, "GB/s", ""});
+  }
+  (*shm)->Quit();
+  (*tcp)->Quit();
+  shm_child->Stop();
+  tcp_child->Stop();
+  if (grpc_child) grpc_child->Stop();
+
+  std::printf("\nmembox bench transfer: one tensor sent and consumed (reduce_max) between two "
+              "processes; GB/s\n\n");
+  std::printf("%8s %10s %10s %10s %10s | %10s %10s | %8s %8s %8s %8s\n", "size", "zerocopy",
+              "copy", "tcp", "grpc", "zc-xfer", "memcpy", "zc/grpc", "zc/copy", "xfer/mc",
+              "tcp/grpc");
+  for (uint64_t size : sizes) {
+    auto zc = rep.Find("membox-zerocopy", size, "throughput");
+    auto cp = rep.Find("membox-copy", size, "throughput");
+    auto tc = rep.Find("membox-tcp", size, "throughput");
+    auto gr = rep.Find("grpc-tcp", size, "throughput");
+    auto zx = rep.Find("membox-zerocopy", size, "transfer_throughput");
+    auto mc = rep.Find("memcpy-bound", size, "transfer_throughput");
+    std::printf("%8s %10s %10s %10s %10s | %10s %10s | %8s %8s %8s %8s\n", SizeLabel(size).c_str(),
+                Num(zc).c_str(), Num(cp).c_str(), Num(tc).c_str(), Num(gr).c_str(),
+                Num(zx).c_str(), Num(mc).c_str(), Ratio(zc, gr).c_str(), Ratio(zc, cp).c_str(),
+                Ratio(zx, mc).c_str(), Ratio(tc, gr).c_str());
+  }
+  std::printf("\none-way 64-byte latency: shared memory %.2f us, TCP %s us\n", *lat / 2 * 1e6,
+              tlat.ok() ? Num(*tlat / 2 * 1e6).c_str() : "-");
+  if (iperf) {
+    auto tc64 = rep.Find("membox-tcp", 64ull << 20, "throughput");
+    std::printf("single-stream iperf3 loopback: %.3f GB/s; membox-tcp at 64MiB / iperf3 = %s\n",
+                *iperf / 1e9, Ratio(tc64, *iperf / 1e9).c_str());
+  }
+  Status s = rep.Finish(opt.common, "throughput", "membox bench transfer (send + reduce_max)", true);
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace membox::bench
