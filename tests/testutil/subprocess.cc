@@ -1,0 +1,105 @@
+#include "tests/testutil/subprocess.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <thread>
+
+extern char** environ;
+
+namespace membox::testing {
+
+std::optional<Subprocess> Subprocess::Start(const std::vector<std::string>& argv) {
+  int out[2];
+  if (pipe(out) != 0) return std::nullopt;
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+  posix_spawn_file_actions_addclose(&fa, out[0]);
+  std::vector<char*> args;
+  for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  Subprocess p;
+  int rc = posix_spawnp(&p.pid_, args[0], &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(out[1]);
+  if (rc != 0) {
+    close(out[0]);
+    return std::nullopt;
+  }
+  p.out_fd_ = out[0];
+  return p;
+}
+
+Subprocess::Subprocess(Subprocess&& o) noexcept
+    : pid_(o.pid_), out_fd_(o.out_fd_), buf_(std::move(o.buf_)), status_(o.status_) {
+  o.pid_ = -1;
+  o.out_fd_ = -1;
+}
+
+Subprocess::~Subprocess() {
+  if (pid_ > 0 && !status_) {
+    kill(pid_, SIGKILL);
+    int st;
+    waitpid(pid_, &st, 0);
+  }
+  if (out_fd_ >= 0) close(out_fd_);
+}
+
+std::optional<std::string> Subprocess::ReadLine(std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    auto nl = buf_.find('\n');
+    if (nl != std::string::npos) {
+      std::string line = buf_.substr(0, nl);
+      buf_.erase(0, nl + 1);
+      return line;
+    }
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0 || out_fd_ < 0) return std::nullopt;
+    pollfd pfd{out_fd_, POLLIN, 0};
+    if (poll(&pfd, 1, static_cast<int>(left.count())) <= 0) return std::nullopt;
+    char tmp[4096];
+    ssize_t n = read(out_fd_, tmp, sizeof(tmp));
+    if (n <= 0) return std::nullopt;
+    buf_.append(tmp, static_cast<size_t>(n));
+  }
+}
+
+std::optional<std::string> Subprocess::WaitFor(const std::string& prefix,
+                                               std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return std::nullopt;
+    auto line = ReadLine(left);
+    if (!line) return std::nullopt;
+    if (line->rfind(prefix, 0) == 0) return line->substr(prefix.size());
+  }
+}
+
+void Subprocess::Kill(int sig) {
+  if (pid_ > 0 && !status_) kill(pid_, sig);
+}
+
+std::optional<int> Subprocess::Wait(std::chrono::milliseconds timeout) {
+  if (status_) return status_;
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    int st = 0;
+    pid_t r = waitpid(pid_, &st, WNOHANG);
+    if (r == pid_) {
+      status_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      return status_;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+}  // namespace membox::testing
