@@ -16,12 +16,14 @@
 
 namespace {
 
+#ifdef MEMBOX_WITH_BENCH
 void AddCommonFlags(CLI::App* cmd, membox::bench::CommonFlags* f) {
   cmd->add_flag("--quick", f->quick, "reduced sweep (under a minute here)");
   cmd->add_option("--csv", f->csv, "write the records as CSV");
   cmd->add_option("--plot", f->plot, "write a PNG plot");
   cmd->add_option("--json", f->json, "write the records as a JSON list");
 }
+#endif
 
 }  // namespace
 

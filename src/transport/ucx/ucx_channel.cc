@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "membox/base/logging.h"
+#include "src/transport/am_messages.h"
 #include "src/transport/wire.h"
 
 namespace membox::transport::ucx {
@@ -31,37 +32,6 @@ void FinishSend(SendCtx* c, ucs_status_t st) {
 void SendCb(void* request, ucs_status_t st, void* user_data) {
   FinishSend(static_cast<SendCtx*>(user_data), st);
   ucp_request_free(request);
-}
-
-void PutStr(wire::Writer& w, const std::string& s) {
-  w.U16(static_cast<uint16_t>(std::min<size_t>(s.size(), 4096)));
-  w.Bytes(s.data(), std::min<size_t>(s.size(), 4096));
-}
-
-bool GetStr(wire::Reader& r, std::string* s) {
-  uint16_t n = 0;
-  std::vector<uint8_t> b;
-  if (!r.U16(&n) || n > 4096 || !r.Bytes(&b, n)) return false;
-  s->assign(b.begin(), b.end());
-  return true;
-}
-
-void PutBlob(wire::Writer& w, const std::vector<uint8_t>& b) {
-  w.U32(static_cast<uint32_t>(b.size()));
-  w.Bytes(b.data(), b.size());
-}
-
-bool GetBlob(wire::Reader& r, std::vector<uint8_t>* b) {
-  uint32_t n = 0;
-  return r.U32(&n) && n > 0 && n <= 65536 && r.Bytes(b, n);
-}
-
-Status StatusFromWire(uint32_t code, const std::string& msg) {
-  if (code == 0) return Status::Ok();
-  if (code > static_cast<uint32_t>(StatusCode::kUnauthenticated)) {
-    return InternalError("peer sent an unknown status code: " + msg);
-  }
-  return Status(static_cast<StatusCode>(code), "peer: " + msg);
 }
 
 }  // namespace
@@ -207,13 +177,9 @@ Status UcxChannel::Handshake(std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> l(mu_);
     rpcs_[0] = state;
   }
-  wire::Writer w;
-  w.U64(id_);
-  w.U32(static_cast<uint32_t>(lane_));
-  PutStr(w, dev_->options().name);
-  PutStr(w, dev_->host_id());
-  PutBlob(w, worker_->address());
-  RETURN_IF_ERROR(SendAm(kAmHello, w.buffer(), nullptr, 0, nullptr));
+  msg::Hello hello{id_, static_cast<uint32_t>(lane_), dev_->options().name, dev_->host_id(),
+                   worker_->address()};
+  RETURN_IF_ERROR(SendAm(kAmHello, msg::EncodeHello(hello, true), nullptr, 0, nullptr));
   OpHandle h(state);
   Status s = h.Wait(timeout);
   if (s.code() == StatusCode::kDeadlineExceeded) {
@@ -256,14 +222,9 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(const RegionDescript
     std::lock_guard<std::mutex> l(mu_);
     rpcs_[req] = state;
   }
-  wire::Writer w;
-  w.U64(req);
-  w.U64(desc.region_id);
-  w.U64(desc.token);
-  w.U64(desc.address);
-  w.U64(desc.length);
-  w.U32(wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size()));
-  Status s = SendAm(kAmValidateReq, w.buffer(), nullptr, 0, nullptr);
+  msg::ValidateRequest vr{req, desc.region_id, desc.token, desc.address, desc.length,
+                         wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size())};
+  Status s = SendAm(kAmValidateReq, msg::EncodeValidateRequest(vr), nullptr, 0, nullptr);
   if (s.ok()) {
     OpHandle h(state);
     s = h.Wait(timeout);
@@ -352,12 +313,8 @@ Result<OpHandle> UcxChannel::AmWrite(const void* local, uint64_t raddr,
                                      const RemoteMemRegion& remote, size_t size,
                                      Completion cb) {
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
-  wire::Writer w;
-  w.U64(raddr);
-  w.U64(remote.descriptor().region_id);
-  w.U64(remote.descriptor().token);
-  w.U64(size);
-  RETURN_IF_ERROR(SendAm(kAmWrite, w.buffer(), local, size, state));
+  msg::Access a{0, raddr, remote.descriptor().region_id, remote.descriptor().token, size};
+  RETURN_IF_ERROR(SendAm(kAmWrite, msg::EncodeAccess(a, false), local, size, state));
   return OpHandle(std::move(state));
 }
 
@@ -370,13 +327,8 @@ Result<OpHandle> UcxChannel::AmRead(void* local, uint64_t raddr,
     std::lock_guard<std::mutex> l(mu_);
     reads_[op] = PendingRead{local, size, state};
   }
-  wire::Writer w;
-  w.U64(op);
-  w.U64(raddr);
-  w.U64(remote.descriptor().region_id);
-  w.U64(remote.descriptor().token);
-  w.U64(size);
-  Status s = SendAm(kAmReadReq, w.buffer(), nullptr, 0, nullptr);
+  msg::Access a{op, raddr, remote.descriptor().region_id, remote.descriptor().token, size};
+  Status s = SendAm(kAmReadReq, msg::EncodeAccess(a, true), nullptr, 0, nullptr);
   if (!s.ok()) {
     std::lock_guard<std::mutex> l(mu_);
     reads_.erase(op);
@@ -434,9 +386,7 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
       std::lock_guard<std::mutex> l(mu_);
       rpcs_[op] = state;
     }
-    wire::Writer w;
-    w.U64(op);
-    Status s = SendAm(kAmFlushReq, w.buffer(), nullptr, 0, nullptr);
+    Status s = SendAm(kAmFlushReq, msg::EncodeId(op), nullptr, 0, nullptr);
     if (!s.ok()) {
       std::lock_guard<std::mutex> l(mu_);
       rpcs_.erase(op);
@@ -518,10 +468,8 @@ void UcxChannel::RecvInto(void* desc, void* dst, size_t len, const ucp_am_recv_p
 }
 
 void UcxChannel::SendError(const Status& s) {
-  wire::Writer w;
-  w.U32(static_cast<uint32_t>(s.code()));
-  PutStr(w, std::string(s.message()));
-  (void)SendAm(kAmError, w.buffer(), nullptr, 0, nullptr);
+  msg::Error e{static_cast<uint32_t>(s.code()), std::string(s.message())};
+  (void)SendAm(kAmError, msg::EncodeError(e), nullptr, 0, nullptr);
 }
 
 void UcxChannel::RndvDone() {
@@ -530,62 +478,48 @@ void UcxChannel::RndvDone() {
     std::lock_guard<std::mutex> l(mu_);
     if (--rndv_in_progress_ == 0) flushes.swap(deferred_flushes_);
   }
-  for (uint64_t op : flushes) {
-    wire::Writer w;
-    w.U64(op);
-    (void)SendAm(kAmFlushResp, w.buffer(), nullptr, 0, nullptr);
-  }
+  for (uint64_t op : flushes) (void)SendAm(kAmFlushResp, msg::EncodeId(op), nullptr, 0, nullptr);
 }
 
 ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* data,
                               size_t len, const ucp_am_recv_param_t* param) {
-  wire::Reader r({static_cast<const uint8_t*>(header), hlen});
+  std::span<const uint8_t> hdr(static_cast<const uint8_t*>(header), hlen);
   const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
-  auto drop = [&](const char* why) {
-    MEMBOX_LOG_WARN("malformed active message {} from {}: {}", static_cast<int>(id), peer(), why);
+  auto drop = [&](const Status& why) {
+    MEMBOX_LOG_WARN("dropping active message {} from {}: {}", static_cast<int>(id), peer(),
+                    why.ToString());
     if (rndv) ucp_am_data_release(worker_->worker(), data);
     return UCS_OK;
   };
   switch (id) {
     case kAmHello:
     case kAmHelloAck: {
-      uint64_t peer_id = 0;
-      uint32_t lane = 0;
-      std::string name, host;
-      std::vector<uint8_t> address;
-      if (!r.U64(&peer_id) || peer_id == 0) return drop("bad hello");
-      if (id == kAmHello && !r.U32(&lane)) return drop("short hello");
-      if (!GetStr(r, &name) || !GetStr(r, &host) || !GetBlob(r, &address)) {
-        return drop("short hello");
-      }
-      if (data_ready_.load()) return drop("duplicate hello");
+      auto m = msg::DecodeHello(hdr, id == kAmHello);
+      if (!m.ok()) return drop(m.status());
+      if (data_ready_.load()) return drop(InvalidArgumentError("duplicate hello"));
       {
         std::lock_guard<std::mutex> l(mu_);
-        peer_name_ = name;
-        peer_host_ = host;
+        peer_name_ = m->name;
+        peer_host_ = m->host;
       }
-      remote_id_ = peer_id;
-      peer_same_host_ = host == dev_->host_id();
+      remote_id_ = m->channel_id;
+      peer_same_host_ = m->host == dev_->host_id();
       protocol_ = ChooseProtocol();
       if (id == kAmHello) {
-        lane_ = static_cast<int>(lane);
+        lane_ = static_cast<int>(m->lane);
         // Accepted channels are spread over the progress threads.
         worker_ = dev_->NextAcceptWorker();
-        Status s = CreateDataEp(address);
+        Status s = CreateDataEp(m->address);
         if (!s.ok()) {
-          MEMBOX_LOG_WARN("refusing a channel from {}: {}", name, s.ToString());
+          MEMBOX_LOG_WARN("refusing a channel from {}: {}", m->name, s.ToString());
           return UCS_OK;
         }
-        wire::Writer w;
-        w.U64(id_);
-        PutStr(w, dev_->options().name);
-        PutStr(w, dev_->host_id());
-        PutBlob(w, worker_->address());
-        (void)SendAm(kAmHelloAck, w.buffer(), nullptr, 0, nullptr);
+        msg::Hello ack{id_, 0, dev_->options().name, dev_->host_id(), worker_->address()};
+        (void)SendAm(kAmHelloAck, msg::EncodeHello(ack, false), nullptr, 0, nullptr);
         hello_seen_.store(true);
         dev_->OnHello(this);
       } else {
-        Status s = CreateDataEp(address);
+        Status s = CreateDataEp(m->address);
         std::shared_ptr<OpState> st;
         {
           std::lock_guard<std::mutex> l(mu_);
@@ -600,7 +534,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
       return UCS_OK;
     }
     case kAmControl: {
-      if (len > kMaxControlMessage) return drop("control message too large");
+      if (len > kMaxControlMessage) return drop(InvalidArgumentError("control message too large"));
       auto buf = std::make_shared<std::vector<uint8_t>>(len);
       auto deliver = [this, buf](const Status& s) {
         if (!s.ok()) return;
@@ -619,55 +553,52 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
       return UCS_OK;
     }
     case kAmValidateReq: {
-      uint64_t req, region, token, addr, length;
-      uint32_t rkey_crc;
-      if (!r.U64(&req) || !r.U64(&region) || !r.U64(&token) || !r.U64(&addr) ||
-          !r.U64(&length) || !r.U32(&rkey_crc)) {
-        return drop("short validate request");
-      }
-      Status s = dev_->CheckAccess(region, token, addr, length);
+      auto m = msg::DecodeValidateRequest(hdr);
+      if (!m.ok()) return drop(m.status());
+      Status s = dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
       // The key bytes are checked too, so the importer never unpacks bytes
       // the owner did not produce.
-      if (s.ok() && !dev_->CheckRkeyCrc(region, rkey_crc)) {
+      if (s.ok() && !dev_->CheckRkeyCrc(m->region_id, m->rkey_crc)) {
         s = PermissionDeniedError("remote key bytes do not match region " +
-                                  std::to_string(region));
+                                  std::to_string(m->region_id));
       }
-      ReplyValidate(req, s);
+      ReplyValidate(m->request, s);
       return UCS_OK;
     }
     case kAmValidateResp:
     case kAmFlushResp: {
-      uint64_t req = 0;
-      uint32_t code = 0;
-      std::string msg;
-      if (!r.U64(&req)) return drop("short response");
-      if (id == kAmValidateResp && (!r.U32(&code) || !GetStr(r, &msg))) {
-        return drop("short response");
+      msg::Reply reply;
+      if (id == kAmValidateResp) {
+        auto m = msg::DecodeReply(hdr);
+        if (!m.ok()) return drop(m.status());
+        reply = std::move(*m);
+      } else {
+        auto m = msg::DecodeId(hdr);
+        if (!m.ok()) return drop(m.status());
+        reply.request = *m;
       }
       std::shared_ptr<OpState> st;
       {
         std::lock_guard<std::mutex> l(mu_);
-        auto it = rpcs_.find(req);
-        if (it == rpcs_.end() || req == 0) return drop("response to an unknown request");
+        auto it = rpcs_.find(reply.request);
+        if (it == rpcs_.end()) return drop(NotFoundError("response to an unknown request"));
         st = it->second;
         rpcs_.erase(it);
       }
-      st->Complete(StatusFromWire(code, msg));
+      st->Complete(msg::StatusFromWire(reply.code, reply.message));
       return UCS_OK;
     }
     case kAmWrite: {
-      uint64_t addr, region, token, length;
-      if (!r.U64(&addr) || !r.U64(&region) || !r.U64(&token) || !r.U64(&length)) {
-        return drop("short write header");
-      }
-      Status s = dev_->CheckAccess(region, token, addr, length);
-      if (s.ok() && length != len) s = InvalidArgumentError("write length mismatch");
+      auto m = msg::DecodeAccess(hdr, false);
+      if (!m.ok()) return drop(m.status());
+      Status s = dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
+      if (s.ok() && m->length != len) s = InvalidArgumentError("write length mismatch");
       if (!s.ok()) {
         if (rndv) ucp_am_data_release(worker_->worker(), data);
         SendError(s.WithContext("write rejected"));
         return UCS_OK;
       }
-      void* dst = reinterpret_cast<void*>(addr);
+      void* dst = reinterpret_cast<void*>(m->address);
       if (rndv) {
         {
           std::lock_guard<std::mutex> l(mu_);
@@ -683,36 +614,29 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
       return UCS_OK;
     }
     case kAmReadReq: {
-      uint64_t op, addr, region, token, length;
-      if (!r.U64(&op) || !r.U64(&addr) || !r.U64(&region) || !r.U64(&token) ||
-          !r.U64(&length)) {
-        return drop("short read request");
-      }
-      Status s = dev_->CheckAccess(region, token, addr, length);
-      wire::Writer w;
-      w.U64(op);
-      w.U32(static_cast<uint32_t>(s.code()));
-      PutStr(w, std::string(s.message()));
+      auto m = msg::DecodeAccess(hdr, true);
+      if (!m.ok()) return drop(m.status());
+      Status s = dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
+      msg::Reply reply{m->request, static_cast<uint32_t>(s.code()), std::string(s.message())};
       // The source is the registered region itself, which outlives the send.
       auto st = std::make_shared<OpState>(nullptr);
-      (void)SendAm(kAmReadResp, w.buffer(), s.ok() ? reinterpret_cast<void*>(addr) : nullptr,
-                   s.ok() ? length : 0, st);
+      (void)SendAm(kAmReadResp, msg::EncodeReply(reply),
+                   s.ok() ? reinterpret_cast<void*>(m->address) : nullptr, s.ok() ? m->length : 0,
+                   st);
       return UCS_OK;
     }
     case kAmReadResp: {
-      uint64_t op = 0;
-      uint32_t code = 0;
-      std::string msg;
-      if (!r.U64(&op) || !r.U32(&code) || !GetStr(r, &msg)) return drop("short read response");
+      auto m = msg::DecodeReply(hdr);
+      if (!m.ok()) return drop(m.status());
       PendingRead pr{};
       {
         std::lock_guard<std::mutex> l(mu_);
-        auto it = reads_.find(op);
-        if (it == reads_.end()) return drop("read response to an unknown request");
+        auto it = reads_.find(m->request);
+        if (it == reads_.end()) return drop(NotFoundError("read response to an unknown request"));
         pr = it->second;
         reads_.erase(it);
       }
-      Status s = StatusFromWire(code, msg);
+      Status s = msg::StatusFromWire(m->code, m->message);
       if (s.ok() && len != pr.len) s = DataLossError("read response of the wrong length");
       if (!s.ok()) {
         if (rndv) ucp_am_data_release(worker_->worker(), data);
@@ -729,26 +653,21 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
       return UCS_OK;
     }
     case kAmFlushReq: {
-      uint64_t op = 0;
-      if (!r.U64(&op)) return drop("short flush request");
+      auto m = msg::DecodeId(hdr);
+      if (!m.ok()) return drop(m.status());
       bool now;
       {
         std::lock_guard<std::mutex> l(mu_);
         now = rndv_in_progress_ == 0;
-        if (!now) deferred_flushes_.push_back(op);
+        if (!now) deferred_flushes_.push_back(*m);
       }
-      if (now) {
-        wire::Writer w;
-        w.U64(op);
-        (void)SendAm(kAmFlushResp, w.buffer(), nullptr, 0, nullptr);
-      }
+      if (now) (void)SendAm(kAmFlushResp, msg::EncodeId(*m), nullptr, 0, nullptr);
       return UCS_OK;
     }
     case kAmError: {
-      uint32_t code = 0;
-      std::string msg;
-      if (!r.U32(&code) || !GetStr(r, &msg)) return drop("short error");
-      Status s = StatusFromWire(code, msg);
+      auto m = msg::DecodeError(hdr);
+      if (!m.ok()) return drop(m.status());
+      Status s = msg::StatusFromWire(m->code, m->message);
       MEMBOX_LOG_WARN("peer {} reported: {}", peer(), s.ToString());
       std::lock_guard<std::mutex> l(mu_);
       if (async_error_.ok()) async_error_ = s;
@@ -757,15 +676,12 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
     case kAmCount:
       break;
   }
-  return drop("unknown id");
+  return drop(InvalidArgumentError("unknown message id"));
 }
 
 void UcxChannel::ReplyValidate(uint64_t req, const Status& s) {
-  wire::Writer w;
-  w.U64(req);
-  w.U32(static_cast<uint32_t>(s.code()));
-  PutStr(w, std::string(s.message()));
-  (void)SendAm(kAmValidateResp, w.buffer(), nullptr, 0, nullptr);
+  msg::Reply r{req, static_cast<uint32_t>(s.code()), std::string(s.message())};
+  (void)SendAm(kAmValidateResp, msg::EncodeReply(r), nullptr, 0, nullptr);
 }
 
 }  // namespace membox::transport::ucx
