@@ -67,11 +67,16 @@ Result<Setup> RecvSetup(Channel& ch, SetupType type, int nnums, int ndescs,
   return s;
 }
 
+// Writes one flag/credit word and returns once it is visible at the peer, so
+// that a peer tearing down right after observing it never receives a late
+// write into freed memory.
 Status WriteWord(Channel& ch, MemRegion& src, const RemoteMemRegion& dst, uint64_t dst_addr,
                  uint64_t value) {
   StoreRelease(src.data(), value);
   ASSIGN_OR_RETURN(OpHandle h, ch.Write(src.data(), src, dst_addr, dst, 8));
-  return h.Wait();
+  RETURN_IF_ERROR(h.Wait());
+  ASSIGN_OR_RETURN(OpHandle f, ch.Flush());
+  return f.Wait();
 }
 
 Status WaitWord(const void* word, uint64_t at_least, std::chrono::nanoseconds timeout,

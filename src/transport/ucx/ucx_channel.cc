@@ -1,6 +1,9 @@
 #include "src/transport/ucx/ucx_channel.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <set>
 
 #include "membox/base/logging.h"
 #include "src/transport/am_messages.h"
@@ -11,6 +14,7 @@ namespace {
 
 // Heap context of one UCX send/put/get/flush; freed by its completion.
 struct SendCtx {
+  UcxChannel* channel = nullptr;  // set when the op is tracked as in flight
   std::vector<uint8_t> hdr;
   std::vector<uint8_t> payload;  // owned copy for fire-and-forget messages
   std::shared_ptr<OpState> state;
@@ -19,6 +23,7 @@ struct SendCtx {
 };
 
 void FinishSend(SendCtx* c, ucs_status_t st) {
+  if (c->channel && c->state) c->channel->Untrack(c->state);
   if (c->state) {
     c->state->Complete(st == UCS_OK ? Status::Ok() : UcsError(st, "transfer failed"));
   }
@@ -65,6 +70,7 @@ Status UcxChannel::CheckUsable() const {
 void UcxChannel::Fail(const Status& s) {
   std::map<uint64_t, PendingRead> reads;
   std::map<uint64_t, std::shared_ptr<OpState>> rpcs;
+  std::set<std::shared_ptr<OpState>> inflight;
   Status failure;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -77,29 +83,41 @@ void UcxChannel::Fail(const Status& s) {
     failure = failure_;
     reads.swap(reads_);
     rpcs.swap(rpcs_);
+    inflight.swap(inflight_);
   }
+  // Operations UCX may never complete on a dead peer (shared-memory lanes
+  // have no peer-failure detection) end here; UCX's own completion, if it
+  // comes later, is ignored by OpState.
   for (auto& [id, r] : reads) r.state->Complete(failure);
   for (auto& [id, st] : rpcs) st->Complete(failure);
+  for (auto& st : inflight) st->Complete(failure);
   inbox_ev_.Notify();
   dev_->events()->Notify();
 }
 
 void UcxChannel::Close() {
+  const bool healthy = !failed_.load(std::memory_order_acquire);
   for (ucp_ep_h* slot : {&ep_, &boot_ep_}) {
     ucp_ep_h ep = *slot;
     if (ep == nullptr) continue;
     *slot = nullptr;
+    // Force-closing requires peer error handling on both sides; a data
+    // endpoint without it (shared memory) is closed with a flush while the
+    // peer is alive, for a bounded time.
+    const bool graceful = slot == &ep_ && !data_ep_peer_errors_ && healthy;
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    p.flags = graceful ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
     ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &p);
     if (UCS_PTR_IS_PTR(req)) {
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
       // The bootstrap endpoint of an accepted channel lives on worker 0.
-      while (ucp_request_check_status(req) == UCS_INPROGRESS) {
+      while (ucp_request_check_status(req) == UCS_INPROGRESS &&
+             std::chrono::steady_clock::now() < deadline) {
         ucp_worker_progress(worker_->worker());
         ucp_worker_progress(dev_->worker(0)->worker());
       }
-      ucp_request_free(req);
+      if (ucp_request_check_status(req) != UCS_INPROGRESS) ucp_request_free(req);
     }
   }
   data_ready_.store(false, std::memory_order_release);
@@ -111,7 +129,13 @@ Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  // UCX 1.13 selects only transports with peer-failure detection for
+  // endpoints in UCP_ERR_HANDLING_MODE_PEER, which excludes shared memory
+  // (posix, sysv, cma). Between processes on one host the data endpoint
+  // therefore runs without it; the bootstrap endpoint (TCP) detects a dead
+  // peer and Fail() completes what is in flight.
+  data_ep_peer_errors_ = !(peer_same_host_ && dev_->options().transports != "tcp");
+  ep.err_mode = data_ep_peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t st) {
     static_cast<UcxChannel*>(arg)->Fail(UcsError(st, "connection lost"));
   };
@@ -121,6 +145,17 @@ Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
   if (st != UCS_OK) return UcsError(st, "cannot create the data endpoint");
   ep_ = h;
   data_ready_.store(true, std::memory_order_release);
+  if (spdlog::should_log(spdlog::level::debug)) {
+    // Which transports UCX chose for this lane (MEMBOX_LOG_LEVEL=debug).
+    char* buf = nullptr;
+    size_t n = 0;
+    if (FILE* f = open_memstream(&buf, &n)) {
+      ucp_ep_print_info(h, f);
+      std::fclose(f);
+      MEMBOX_LOG_DEBUG("data endpoint to {}:\n{}", peer(), std::string(buf, n));
+      std::free(buf);
+    }
+  }
   return Status::Ok();
 }
 
@@ -165,10 +200,27 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* 
     c->state.reset();  // the caller reports the error; no completion
     FinishSend(c, st);
     return UcsError(st, "send to " + peer());
-  } else if (dev_->thread_index() != worker_->index()) {
-    worker_->Signal();
+  } else {
+    Track(c);
+    if (dev_->thread_index() != worker_->index()) worker_->Signal();
   }
   return Status::Ok();
+}
+
+void UcxChannel::Track(void* ctx) {
+  auto* c = static_cast<SendCtx*>(ctx);
+  if (!c->state) return;
+  std::lock_guard<std::mutex> l(mu_);
+  // The callback may already have run (it needs mu_ to untrack, so it cannot
+  // race this insert); only track what is still pending.
+  if (c->state->done()) return;
+  c->channel = this;
+  inflight_.insert(c->state);
+}
+
+void UcxChannel::Untrack(const std::shared_ptr<OpState>& st) {
+  std::lock_guard<std::mutex> l(mu_);
+  inflight_.erase(st);
 }
 
 Status UcxChannel::Handshake(std::chrono::milliseconds timeout) {
@@ -285,7 +337,10 @@ Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
                ? AmWrite(local_addr, remote_addr, remote, size, std::move(cb))
                : AmRead(local_addr, remote_addr, remote, size, std::move(cb));
   }
-  if (direction == Direction::kWrite) rma_since_fence_.store(true, std::memory_order_release);
+  if (direction == Direction::kWrite) {
+    rma_since_fence_.store(true, std::memory_order_release);
+    rma_since_flush_.store(true, std::memory_order_release);
+  }
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
   auto* c = new SendCtx;
   c->state = state;
@@ -303,8 +358,9 @@ Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
     c->state.reset();
     FinishSend(c, UCS_PTR_STATUS(req));
     return UcsError(UCS_PTR_STATUS(req), "one-sided transfer to " + peer());
-  } else if (dev_->thread_index() != worker_->index()) {
-    worker_->Signal();
+  } else {
+    Track(c);
+    if (dev_->thread_index() != worker_->index()) worker_->Signal();
   }
   return OpHandle(std::move(state));
 }
@@ -379,6 +435,13 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
       return OpHandle::Done(e);
     }
   }
+  if (protocol_ == Protocol::kMapped &&
+      !rma_since_flush_.exchange(false, std::memory_order_acq_rel)) {
+    // Only stores through the mapping since the last flush: already visible.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (cb) cb(Status::Ok());
+    return OpHandle::Done(Status::Ok());
+  }
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
   if (protocol_ == Protocol::kActiveMessage) {
     uint64_t op = next_op_.fetch_add(1);
@@ -407,8 +470,9 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
     c->state.reset();
     FinishSend(c, UCS_PTR_STATUS(req));
     return UcsError(UCS_PTR_STATUS(req), "flush");
-  } else if (dev_->thread_index() != worker_->index()) {
-    worker_->Signal();
+  } else {
+    Track(c);
+    if (dev_->thread_index() != worker_->index()) worker_->Signal();
   }
   return OpHandle(std::move(state));
 }

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <deque>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -82,6 +83,8 @@ class UcxChannel final : public Channel,
   ucs_status_t OnAm(AmId id, const void* header, size_t hlen, void* data,
                     size_t len, const ucp_am_recv_param_t* param);
   void Close();  // closes the ep; called by the device at shutdown
+  void Track(void* send_ctx);                       // a pending UCX request
+  void Untrack(const std::shared_ptr<OpState>& st);  // its completion
   bool hello_seen() const { return hello_seen_.load(); }
 
  private:
@@ -116,11 +119,13 @@ class UcxChannel final : public Channel,
   uint64_t id_ = 0;             // our channel id (peers put it in headers)
   uint64_t remote_id_ = 0;      // the peer's id for this channel
   std::atomic<bool> data_ready_{false};
+  bool data_ep_peer_errors_ = true;  // data ep in UCP_ERR_HANDLING_MODE_PEER
   Protocol protocol_ = Protocol::kRma;
   bool peer_same_host_ = false;
   std::atomic<bool> hello_seen_{false};
   std::atomic<bool> failed_{false};
   std::atomic<bool> rma_since_fence_{false};  // an RMA write awaits a fence
+  std::atomic<bool> rma_since_flush_{false};  // an RMA write awaits a flush
   std::atomic<int64_t> am_writes_in_flight_{0};
   std::atomic<uint64_t> next_op_{1};
 
@@ -130,7 +135,7 @@ class UcxChannel final : public Channel,
   std::deque<std::vector<uint8_t>> inbox_;           // GUARDED_BY(mu_)
   std::map<uint64_t, PendingRead> reads_;            // GUARDED_BY(mu_)
   std::map<uint64_t, std::shared_ptr<OpState>> rpcs_;  // GUARDED_BY(mu_)
-  std::map<uint64_t, Status> rpc_results_;           // GUARDED_BY(mu_)
+  std::set<std::shared_ptr<OpState>> inflight_;       // GUARDED_BY(mu_)
   int64_t rndv_in_progress_ = 0;                     // GUARDED_BY(mu_)
   std::vector<uint64_t> deferred_flushes_;           // GUARDED_BY(mu_)
   std::string peer_name_;                            // GUARDED_BY(mu_)

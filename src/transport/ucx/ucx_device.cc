@@ -167,14 +167,16 @@ Status UcxWorker::Init(ucp_context_h ctx) {
   address_.assign(reinterpret_cast<uint8_t*>(addr), reinterpret_cast<uint8_t*>(addr) + addr_len);
   ucp_worker_release_address(worker_, addr);
   st = ucp_worker_get_efd(worker_, &efd_);
-  if (st != UCS_OK) return UcsError(st, "ucp_worker_get_efd");
+  if (st != UCS_OK) efd_ = -1;
   epfd_ = epoll_create1(EPOLL_CLOEXEC);
   stop_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (epfd_ < 0 || stop_fd_ < 0) return InternalError("epoll/eventfd failed");
   epoll_event ev{};
   ev.events = EPOLLIN;
-  ev.data.fd = efd_;
-  epoll_ctl(epfd_, EPOLL_CTL_ADD, efd_, &ev);
+  if (efd_ >= 0) {
+    ev.data.fd = efd_;
+    epoll_ctl(epfd_, EPOLL_CTL_ADD, efd_, &ev);
+  }
   ev.data.fd = stop_fd_;
   epoll_ctl(epfd_, EPOLL_CTL_ADD, stop_fd_, &ev);
   return Status::Ok();
