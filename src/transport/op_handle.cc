@@ -45,7 +45,13 @@ OpHandle::~OpHandle() {
 Status OpHandle::Wait(std::chrono::nanoseconds timeout) {
   if (!state_) return FailedPreconditionError("wait on an empty OpHandle");
   OpState* s = state_.get();
-  if (!SpinThenBlock([s] { return s->done(); }, s->events(), timeout)) {
+  if (!SpinThenBlock(
+          [s] {
+            if (s->done()) return true;
+            s->Progress();
+            return s->done();
+          },
+          s->events(), timeout)) {
     return DeadlineExceededError("transport operation still pending after timeout");
   }
   return s->status();

@@ -75,14 +75,23 @@ Status WriteWord(Channel& ch, MemRegion& src, const RemoteMemRegion& dst, uint64
   StoreRelease(src.data(), value);
   ASSIGN_OR_RETURN(OpHandle h, ch.Write(src.data(), src, dst_addr, dst, 8));
   RETURN_IF_ERROR(h.Wait());
+  // Mapped stores are visible already; active-message writes are checked
+  // against the owner's live regions on arrival. Only raw RMA needs the
+  // flush (UCX's emulated put would write into freed memory unchecked).
+  if (ch.protocol() != Protocol::kRma) return Status::Ok();
   ASSIGN_OR_RETURN(OpHandle f, ch.Flush());
   return f.Wait();
 }
 
 Status WaitWord(const void* word, uint64_t at_least, std::chrono::nanoseconds timeout,
-                const Channel& ch, const char* what) {
+                Channel& ch, const char* what) {
   bool ok = SpinThenBlock(
-      [&] { return LoadAcquire(word) >= at_least || !ch.health().ok(); }, nullptr, timeout);
+      [&] {
+        if (LoadAcquire(word) >= at_least) return true;
+        ch.Progress();
+        return LoadAcquire(word) >= at_least || !ch.health().ok();
+      },
+      nullptr, timeout);
   if (LoadAcquire(word) >= at_least) return Status::Ok();
   if (!ch.health().ok()) return ch.health();
   (void)ok;
@@ -191,7 +200,13 @@ bool StaticTensorReceiver::Poll() const {
 }
 
 Status StaticTensorReceiver::Wait(std::chrono::nanoseconds timeout) {
-  bool ok = SpinThenBlock([this] { return Poll() || !channel_->health().ok(); }, nullptr, timeout);
+  bool ok = SpinThenBlock(
+      [this] {
+        if (Poll()) return true;
+        channel_->Progress();
+        return Poll() || !channel_->health().ok();
+      },
+      nullptr, timeout);
   if (Poll()) return Status::Ok();
   if (!channel_->health().ok()) return channel_->health();
   (void)ok;
@@ -271,8 +286,12 @@ DynamicTensorReceiver::~DynamicTensorReceiver() = default;
 Result<ReceivedTensor> DynamicTensorReceiver::Receive(std::chrono::nanoseconds timeout) {
   char* flag = static_cast<char*>(slot_->data()) + TensorMeta::kEncodedSize;
   bool ok = SpinThenBlock(
-      [&] { return LoadAcquire(flag) == expect_ || !channel_->health().ok(); }, nullptr,
-      timeout);
+      [&] {
+        if (LoadAcquire(flag) == expect_) return true;
+        channel_->Progress();
+        return LoadAcquire(flag) == expect_ || !channel_->health().ok();
+      },
+      nullptr, timeout);
   if (LoadAcquire(flag) != expect_) {
     if (!channel_->health().ok()) return channel_->health();
     (void)ok;

@@ -135,6 +135,12 @@ class Channel {
       std::chrono::nanoseconds timeout) = 0;
   static constexpr size_t kMaxControlMessage = 1 << 20;
 
+  // Drives this channel's progress engine once from the calling thread.
+  // Threads that poll for data arriving through kActiveMessage / kRma call it
+  // while they wait, which saves a progress-thread wake-up per message. Cheap
+  // and a no-op on kMapped. Never required for correctness.
+  virtual void Progress() = 0;
+
   virtual Protocol protocol() const = 0;
   // OK while the peer is reachable; the failure that closed the channel after.
   virtual Status health() const = 0;

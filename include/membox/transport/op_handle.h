@@ -47,9 +47,21 @@ class OpState {
   // Valid once done().
   const Status& status() const { return status_; }
   EventCount* events() const { return events_; }
+  // Optional: lets a waiting thread drive the backend's progress engine
+  // itself instead of waiting for a progress thread to wake up. Set by the
+  // backend before the handle is returned; `arg` outlives the operation.
+  void set_progress(void (*fn)(void*), void* arg) {
+    progress_fn_ = fn;
+    progress_arg_ = arg;
+  }
+  void Progress() const {
+    if (progress_fn_) progress_fn_(progress_arg_);
+  }
 
  private:
   EventCount* events_;  // device-wide; outlives the op
+  void (*progress_fn_)(void*) = nullptr;
+  void* progress_arg_ = nullptr;
   Completion cb_;
   Status status_;
   std::atomic<bool> claimed_{false};

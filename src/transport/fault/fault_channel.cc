@@ -98,6 +98,7 @@ class FaultChannel final : public Channel {
   Result<std::vector<uint8_t>> RecvControl(std::chrono::nanoseconds t) override {
     return inner_->RecvControl(t);
   }
+  void Progress() override { inner_->Progress(); }
   Protocol protocol() const override { return inner_->protocol(); }
   Status health() const override { return inner_->health(); }
   int lane() const override { return inner_->lane(); }

@@ -34,6 +34,8 @@ void FinishSend(SendCtx* c, ucs_status_t st) {
   delete c;
 }
 
+void ProgressWorker(void* w) { ucp_worker_progress(static_cast<ucp_worker_h>(w)); }
+
 void SendCb(void* request, ucs_status_t st, void* user_data) {
   FinishSend(static_cast<SendCtx*>(user_data), st);
   ucp_request_free(request);
@@ -207,9 +209,15 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* 
   return Status::Ok();
 }
 
+void UcxChannel::Progress() {
+  if (protocol_ == Protocol::kMapped && !rma_since_flush_.load(std::memory_order_relaxed)) return;
+  ucp_worker_progress(worker_->worker());
+}
+
 void UcxChannel::Track(void* ctx) {
   auto* c = static_cast<SendCtx*>(ctx);
   if (!c->state) return;
+  c->state->set_progress(&ProgressWorker, worker_->worker());
   std::lock_guard<std::mutex> l(mu_);
   // The callback may already have run (it needs mu_ to untrack, so it cannot
   // race this insert); only track what is still pending.
@@ -270,6 +278,7 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(const RegionDescript
   }
   uint64_t req = next_op_.fetch_add(1);
   auto state = std::make_shared<OpState>(dev_->events());
+  state->set_progress(&ProgressWorker, worker_->worker());
   {
     std::lock_guard<std::mutex> l(mu_);
     rpcs_[req] = state;
@@ -378,6 +387,7 @@ Result<OpHandle> UcxChannel::AmRead(void* local, uint64_t raddr,
                                     const RemoteMemRegion& remote, size_t size,
                                     Completion cb) {
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
+  state->set_progress(&ProgressWorker, worker_->worker());
   uint64_t op = next_op_.fetch_add(1);
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -444,6 +454,7 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
   }
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
   if (protocol_ == Protocol::kActiveMessage) {
+    state->set_progress(&ProgressWorker, worker_->worker());
     uint64_t op = next_op_.fetch_add(1);
     {
       std::lock_guard<std::mutex> l(mu_);

@@ -61,6 +61,7 @@ class UcxChannel final : public Channel,
   Result<OpHandle> Flush(Completion callback) override;
   Status SendControl(std::span<const uint8_t> msg) override;
   Result<std::vector<uint8_t>> RecvControl(std::chrono::nanoseconds timeout) override;
+  void Progress() override;
   Protocol protocol() const override { return protocol_; }
   Status health() const override;
   int lane() const override { return lane_; }
