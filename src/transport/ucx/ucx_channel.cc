@@ -23,10 +23,12 @@ struct SendCtx {
 };
 
 void FinishSend(SendCtx* c, ucs_status_t st) {
-  if (c->channel && c->state) c->channel->Untrack(c->state);
+  // Complete before untracking: Track() skips states that are already done,
+  // so a state is never left in the in-flight set.
   if (c->state) {
     c->state->Complete(st == UCS_OK ? Status::Ok() : UcsError(st, "transfer failed"));
   }
+  if (c->channel && c->state) c->channel->Untrack(c->state);
   if (c->in_flight) {
     c->in_flight->fetch_sub(1, std::memory_order_acq_rel);
     if (c->events) c->events->Notify();
@@ -187,6 +189,11 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* 
     c->events = dev_->events();
     am_writes_in_flight_.fetch_add(1, std::memory_order_acq_rel);
   }
+  std::shared_ptr<OpState> tracked = c->state;
+  if (tracked) {
+    tracked->set_progress(&ProgressWorker, worker_->worker());
+    c->channel = this;
+  }
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                    UCP_OP_ATTR_FIELD_FLAGS;
@@ -203,7 +210,7 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* 
     FinishSend(c, st);
     return UcsError(st, "send to " + peer());
   } else {
-    Track(c);
+    Track(tracked);
     if (dev_->thread_index() != worker_->index()) worker_->Signal();
   }
   return Status::Ok();
@@ -214,16 +221,13 @@ void UcxChannel::Progress() {
   ucp_worker_progress(worker_->worker());
 }
 
-void UcxChannel::Track(void* ctx) {
-  auto* c = static_cast<SendCtx*>(ctx);
-  if (!c->state) return;
-  c->state->set_progress(&ProgressWorker, worker_->worker());
+void UcxChannel::Track(const std::shared_ptr<OpState>& st) {
+  // `st` is our own reference: the request's context may already be freed by
+  // its completion on the progress thread.
+  if (!st) return;
   std::lock_guard<std::mutex> l(mu_);
-  // The callback may already have run (it needs mu_ to untrack, so it cannot
-  // race this insert); only track what is still pending.
-  if (c->state->done()) return;
-  c->channel = this;
-  inflight_.insert(c->state);
+  if (st->done()) return;
+  inflight_.insert(st);
 }
 
 void UcxChannel::Untrack(const std::shared_ptr<OpState>& st) {
@@ -353,6 +357,9 @@ Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
   auto* c = new SendCtx;
   c->state = state;
+  c->channel = this;
+  std::shared_ptr<OpState> tracked = state;
+  state->set_progress(&ProgressWorker, worker_->worker());
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &SendCb;
@@ -368,7 +375,7 @@ Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
     FinishSend(c, UCS_PTR_STATUS(req));
     return UcsError(UCS_PTR_STATUS(req), "one-sided transfer to " + peer());
   } else {
-    Track(c);
+    Track(tracked);
     if (dev_->thread_index() != worker_->index()) worker_->Signal();
   }
   return OpHandle(std::move(state));
@@ -470,6 +477,9 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
   }
   auto* c = new SendCtx;
   c->state = state;
+  c->channel = this;
+  std::shared_ptr<OpState> tracked = state;
+  state->set_progress(&ProgressWorker, worker_->worker());
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &SendCb;
@@ -482,7 +492,7 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
     FinishSend(c, UCS_PTR_STATUS(req));
     return UcsError(UCS_PTR_STATUS(req), "flush");
   } else {
-    Track(c);
+    Track(tracked);
     if (dev_->thread_index() != worker_->index()) worker_->Signal();
   }
   return OpHandle(std::move(state));
