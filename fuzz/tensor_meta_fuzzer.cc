@@ -11,7 +11,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (m.ok()) {
     unsigned __int128 n = DTypeSize(m->dtype);
     for (int i = 0; i < m->ndims; ++i) n *= m->dims[i];
-    if (n != m->nbytes || m->nbytes > (1ull << 32) || m->ndims > TensorMeta::kMaxDims) {
+    if (n != m->nbytes || m->nbytes > (1ull << 32) ||
+        m->ndims > TensorMeta::kMaxDims) {
       std::abort();
     }
   }

@@ -2,10 +2,10 @@
 //   membox bench transfer [--quick] [--csv F] [--plot F.png] [--json F] ...
 //   membox version
 // Later layers add `serve`, `status`, `launch`.
-#include <CLI/CLI.hpp>
-
 #include <cstdio>
 #include <string>
+
+#include <CLI/CLI.hpp>
 
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
@@ -31,7 +31,8 @@ int main(int argc, char** argv) {
   CLI::App app{"membox: parameter communication through disaggregated memory"};
   app.require_subcommand(1);
   std::string log_level;
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
+  app.add_option("--log-level", log_level,
+                 "trace, debug, info, warn, error, off");
 
   auto* version = app.add_subcommand("version", "print the version");
 
@@ -41,15 +42,18 @@ int main(int argc, char** argv) {
   membox::bench::TransferOptions topt;
   std::string min_size = "1KiB", max_size = "1GiB";
   auto* transfer = bench->add_subcommand(
-      "transfer", "seed 002 Fig. 8: tensor send/receive, membox vs gRPC vs memcpy");
+      "transfer",
+      "seed 002 Fig. 8: tensor send/receive, membox vs gRPC vs memcpy");
   AddCommonFlags(transfer, &topt.common);
-  transfer->add_option("--min-size", min_size, "smallest tensor (default 1KiB)");
+  transfer->add_option("--min-size", min_size,
+                       "smallest tensor (default 1KiB)");
   transfer->add_option("--max-size", max_size, "largest tensor (default 1GiB)");
   bool no_grpc = false, no_iperf = false;
   transfer->add_flag("--no-grpc", no_grpc, "skip the gRPC baseline");
   transfer->add_flag("--no-iperf", no_iperf, "skip the iperf3 reference");
 
-  auto* peer = app.add_subcommand("bench-peer", "internal: the receiving side of a benchmark");
+  auto* peer = app.add_subcommand(
+      "bench-peer", "internal: the receiving side of a benchmark");
   peer->group("");  // hidden
   std::string peer_bench, peer_mode;
   peer->add_option("bench", peer_bench)->required();
@@ -79,7 +83,8 @@ int main(int argc, char** argv) {
     return membox::bench::RunTransferBench(topt);
   }
   if (peer->parsed()) {
-    if (peer_bench == "transfer") return membox::bench::RunTransferPeer(peer_mode);
+    if (peer_bench == "transfer")
+      return membox::bench::RunTransferPeer(peer_mode);
     std::fprintf(stderr, "error: unknown benchmark '%s'\n", peer_bench.c_str());
     return 2;
   }

@@ -1,11 +1,11 @@
 #include "bench/common/report.h"
 
-#include <unistd.h>
-
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+
+#include <unistd.h>
 
 #include "membox/base/config.h"
 
@@ -26,9 +26,11 @@ std::string FindPlotScript() {
   // Next to the source tree (build/<preset>/tools/membox -> ../../../bench).
   char exe[4096] = {0};
   ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  std::filesystem::path p = n > 0 ? std::filesystem::path(std::string(exe, static_cast<size_t>(n)))
-                                  : std::filesystem::path(".");
-  for (auto dir = p.parent_path(); !dir.empty() && dir != dir.root_path(); dir = dir.parent_path()) {
+  std::filesystem::path p =
+      n > 0 ? std::filesystem::path(std::string(exe, static_cast<size_t>(n)))
+            : std::filesystem::path(".");
+  for (auto dir = p.parent_path(); !dir.empty() && dir != dir.root_path();
+       dir = dir.parent_path()) {
     auto cand = dir / "bench" / "plot_bench.py";
     if (std::filesystem::exists(cand)) return cand.string();
   }
@@ -48,7 +50,8 @@ void Report::Add(Record r) {
 std::optional<double> Report::Find(const std::string& variant, uint64_t size,
                                    const std::string& metric) const {
   for (const auto& r : records_) {
-    if (r.variant == variant && r.size_bytes == size && r.metric == metric) return r.value;
+    if (r.variant == variant && r.size_bytes == size && r.metric == metric)
+      return r.value;
   }
   return std::nullopt;
 }
@@ -63,9 +66,11 @@ Status Report::WriteJson(const std::string& path) const {
     std::snprintf(value, sizeof(value), "%.6g", r.value);
     out << "  {\"bench\": \"" << JsonEscape(r.bench) << "\", \"variant\": \""
         << JsonEscape(r.variant) << "\", \"size_bytes\": " << r.size_bytes
-        << ", \"workers\": " << r.workers << ", \"metric\": \"" << JsonEscape(r.metric)
-        << "\", \"value\": " << value << ", \"unit\": \"" << JsonEscape(r.unit) << "\"";
-    if (!r.case_name.empty()) out << ", \"case\": \"" << JsonEscape(r.case_name) << "\"";
+        << ", \"workers\": " << r.workers << ", \"metric\": \""
+        << JsonEscape(r.metric) << "\", \"value\": " << value
+        << ", \"unit\": \"" << JsonEscape(r.unit) << "\"";
+    if (!r.case_name.empty())
+      out << ", \"case\": \"" << JsonEscape(r.case_name) << "\"";
     out << "}" << (i + 1 < records_.size() ? "," : "") << "\n";
   }
   out << "]\n";
@@ -79,21 +84,22 @@ Status Report::WriteCsv(const std::string& path) const {
   for (const Record& r : records_) {
     char value[64];
     std::snprintf(value, sizeof(value), "%.6g", r.value);
-    out << r.bench << "," << r.variant << "," << r.size_bytes << "," << r.workers << ","
-        << r.metric << "," << value << "," << r.unit << "," << r.case_name << "\n";
+    out << r.bench << "," << r.variant << "," << r.size_bytes << ","
+        << r.workers << "," << r.metric << "," << value << "," << r.unit << ","
+        << r.case_name << "\n";
   }
   return out.good() ? Status::Ok() : DataLossError("short write to " + path);
 }
 
-Status Report::Plot(const std::string& png, const std::string& metric, const std::string& title,
-                    bool log_y) const {
+Status Report::Plot(const std::string& png, const std::string& metric,
+                    const std::string& title, bool log_y) const {
   std::string script = FindPlotScript();
   if (script.empty()) return NotFoundError("bench/plot_bench.py not found");
   std::string csv = png + ".tmp.csv";
   RETURN_IF_ERROR(WriteCsv(csv));
-  std::string cmd = "/usr/bin/python3 '" + script + "' --csv '" + csv + "' --out '" + png +
-                    "' --metric '" + metric + "' --title '" + title + "'" +
-                    (log_y ? " --log-y" : "");
+  std::string cmd = "/usr/bin/python3 '" + script + "' --csv '" + csv +
+                    "' --out '" + png + "' --metric '" + metric +
+                    "' --title '" + title + "'" + (log_y ? " --log-y" : "");
   int rc = std::system(cmd.c_str());
   std::filesystem::remove(csv);
   if (rc != 0) return InternalError("plotting failed (" + cmd + ")");
@@ -104,7 +110,8 @@ Status Report::Finish(const CommonFlags& flags, const std::string& plot_metric,
                       const std::string& title, bool log_y) const {
   if (!flags.json.empty()) RETURN_IF_ERROR(WriteJson(flags.json));
   if (!flags.csv.empty()) RETURN_IF_ERROR(WriteCsv(flags.csv));
-  if (!flags.plot.empty()) RETURN_IF_ERROR(Plot(flags.plot, plot_metric, title, log_y));
+  if (!flags.plot.empty())
+    RETURN_IF_ERROR(Plot(flags.plot, plot_metric, title, log_y));
   return Status::Ok();
 }
 

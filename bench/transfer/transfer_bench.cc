@@ -1,12 +1,5 @@
 #include "bench/transfer/transfer_bench.h"
 
-#include <grpcpp/grpcpp.h>
-#include <immintrin.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,10 +9,18 @@
 #include <thread>
 #include <vector>
 
-#include "bench/transfer/tensor_service.grpc.pb.h"
+#include <grpcpp/grpcpp.h>
+#include <immintrin.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "membox/base/logging.h"
 #include "membox/transport/device.h"
 #include "membox/transport/tensor_transfer.h"
+
+#include "bench/transfer/tensor_service.grpc.pb.h"
 #include "src/transport/wire.h"
 
 extern char** environ;
@@ -48,7 +49,8 @@ float ReduceMax(const void* data, size_t bytes) {
   m0 = _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3));
   float lanes[4];
   _mm_storeu_ps(lanes, m0);
-  float m = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+  float m =
+      std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
   for (; i < n; ++i) m = std::max(m, f[i]);
   return m;
 }
@@ -56,7 +58,8 @@ float ReduceMax(const void* data, size_t bytes) {
 // ------------------------------------------------------------ peer side
 
 class TensorServiceImpl final : public TensorService::Service {
-  grpc::Status Send(grpc::ServerContext*, const Tensor* req, Ack* resp) override {
+  grpc::Status Send(grpc::ServerContext*, const Tensor* req,
+                    Ack* resp) override {
     resp->set_max(ReduceMax(req->data().data(), req->data().size()));
     resp->set_bytes(req->data().size());
     return grpc::Status::OK;
@@ -67,7 +70,8 @@ int RunGrpcPeer() {
   TensorServiceImpl service;
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
   builder.RegisterService(&service);
@@ -160,7 +164,8 @@ struct Child {
     for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
     Child c;
-    int rc = posix_spawn(&c.pid, "/proc/self/exe", &fa, nullptr, argv.data(), environ);
+    int rc = posix_spawn(&c.pid, "/proc/self/exe", &fa, nullptr, argv.data(),
+                         environ);
     posix_spawn_file_actions_destroy(&fa);
     close(in[0]);
     close(out[1]);
@@ -175,7 +180,8 @@ struct Child {
     }
     fclose(f);
     c.endpoint = std::string(line + 6);
-    while (!c.endpoint.empty() && (c.endpoint.back() == '\n' || c.endpoint.back() == '\r')) {
+    while (!c.endpoint.empty() &&
+           (c.endpoint.back() == '\n' || c.endpoint.back() == '\r')) {
       c.endpoint.pop_back();
     }
     return c;
@@ -230,8 +236,8 @@ void Touch(void* p, size_t n) { std::memset(p, 1, n); }
 // One membox variant against one receiver process.
 class MemboxSender {
  public:
-  static Result<std::unique_ptr<MemboxSender>> Connect(const std::string& transports,
-                                                       const std::string& endpoint) {
+  static Result<std::unique_ptr<MemboxSender>> Connect(
+      const std::string& transports, const std::string& endpoint) {
     auto s = std::make_unique<MemboxSender>();
     DeviceOptions o;
     o.transports = transports;
@@ -251,7 +257,8 @@ class MemboxSender {
     w.U64(warm + per * kBatches);
     w.U8(consume ? 1 : 0);
     RETURN_IF_ERROR(ch_->SendControl(w.buffer()));
-    ASSIGN_OR_RETURN(auto sender, transport::StaticTensorSender::Create(*dev_, ch_, 60s));
+    ASSIGN_OR_RETURN(auto sender,
+                     transport::StaticTensorSender::Create(*dev_, ch_, 60s));
     ASSIGN_OR_RETURN(auto region, dev_->AllocateMemRegion(size));
     Touch(region->data(), size);
     std::vector<uint8_t> heap;
@@ -260,7 +267,8 @@ class MemboxSender {
       Touch(heap.data(), size);
     }
     auto one = [&]() -> Status {
-      if (copy) std::memcpy(region->data(), heap.data(), size);  // the paper's RDMA.cp
+      if (copy)
+        std::memcpy(region->data(), heap.data(), size);  // the paper's RDMA.cp
       return sender->Send(region->data(), *region, size, 120s);
     };
     for (uint64_t i = 0; i < warm; ++i) RETURN_IF_ERROR(one());
@@ -276,14 +284,17 @@ class MemboxSender {
     (void)ch_->SendControl({&q, 1});
   }
 
-  std::string protocol() const { return transport::ProtocolName(ch_->protocol()); }
+  std::string protocol() const {
+    return transport::ProtocolName(ch_->protocol());
+  }
 
  private:
   std::unique_ptr<Device> dev_;
   std::shared_ptr<transport::Channel> ch_;
 };
 
-Result<double> RunGrpc(TensorService::Stub& stub, uint64_t size, uint64_t iters) {
+Result<double> RunGrpc(TensorService::Stub& stub, uint64_t size,
+                       uint64_t iters) {
   std::vector<uint8_t> src(size);
   Touch(src.data(), size);
   auto one = [&]() -> Status {
@@ -294,7 +305,8 @@ Result<double> RunGrpc(TensorService::Stub& stub, uint64_t size, uint64_t iters)
     ctx.set_deadline(std::chrono::system_clock::now() + 300s);
     grpc::Status s = stub.Send(&ctx, req, &resp);
     if (!s.ok()) return UnavailableError("grpc: " + s.error_message());
-    if (resp.bytes() != size) return DataLossError("grpc: wrong size acknowledged");
+    if (resp.bytes() != size)
+      return DataLossError("grpc: wrong size acknowledged");
     return Status::Ok();
   };
   RETURN_IF_ERROR(one());
@@ -324,11 +336,13 @@ double MemcpySeconds(uint64_t size, uint64_t iters) {
 std::optional<double> Iperf3BytesPerSecond(bool quick) {
   if (access("/usr/bin/iperf3", X_OK) != 0) return std::nullopt;
   int port = 15201 + static_cast<int>(getpid() % 1000);
-  std::string server = "/usr/bin/iperf3 -s -1 -p " + std::to_string(port) + " >/dev/null 2>&1 &";
+  std::string server =
+      "/usr/bin/iperf3 -s -1 -p " + std::to_string(port) + " >/dev/null 2>&1 &";
   if (std::system(server.c_str()) != 0) return std::nullopt;
   std::this_thread::sleep_for(300ms);
-  std::string client = "/usr/bin/iperf3 -c 127.0.0.1 -p " + std::to_string(port) + " -t " +
-                       (quick ? "1" : "3") + " -J 2>/dev/null";
+  std::string client = "/usr/bin/iperf3 -c 127.0.0.1 -p " +
+                       std::to_string(port) + " -t " + (quick ? "1" : "3") +
+                       " -J 2>/dev/null";
   FILE* p = popen(client.c_str(), "r");
   if (!p) return std::nullopt;
   std::string out;
@@ -344,8 +358,8 @@ std::optional<double> Iperf3BytesPerSecond(bool quick) {
   return std::strtod(out.c_str() + pos + 1, nullptr) / 8.0;
 }
 
-void AddTiming(Report& rep, const std::string& variant, uint64_t size, double secs,
-               const std::string& metric_prefix = "") {
+void AddTiming(Report& rep, const std::string& variant, uint64_t size,
+               double secs, const std::string& metric_prefix = "") {
   Record t;
   t.variant = variant;
   t.size_bytes = size;
@@ -387,14 +401,17 @@ int RunTransferPeer(const std::string& mode) {
 int RunTransferBench(const TransferOptions& opt) {
   std::vector<uint64_t> sizes;
   if (opt.common.quick) {
-    for (uint64_t s : {1ull << 10, 64ull << 10, 1ull << 20, 16ull << 20, 64ull << 20}) {
+    for (uint64_t s :
+         {1ull << 10, 64ull << 10, 1ull << 20, 16ull << 20, 64ull << 20}) {
       if (s >= opt.min_size && s <= opt.max_size) sizes.push_back(s);
     }
   } else {
-    for (uint64_t s = opt.min_size; s <= opt.max_size; s *= 4) sizes.push_back(s);
+    for (uint64_t s = opt.min_size; s <= opt.max_size; s *= 4)
+      sizes.push_back(s);
   }
   if (sizes.empty()) {
-    std::fprintf(stderr, "no sizes in [%s, %s]\n", SizeLabel(opt.min_size).c_str(),
+    std::fprintf(stderr, "no sizes in [%s, %s]\n",
+                 SizeLabel(opt.min_size).c_str(),
                  SizeLabel(opt.max_size).c_str());
     return 2;
   }
@@ -408,11 +425,13 @@ int RunTransferBench(const TransferOptions& opt) {
   auto shm = MemboxSender::Connect("auto", shm_child->endpoint);
   auto tcp = MemboxSender::Connect("tcp", tcp_child->endpoint);
   if (!shm.ok() || !tcp.ok()) {
-    std::fprintf(stderr, "cannot connect: %s %s\n", shm.status().ToString().c_str(),
+    std::fprintf(stderr, "cannot connect: %s %s\n",
+                 shm.status().ToString().c_str(),
                  tcp.status().ToString().c_str());
     return 1;
   }
-  std::fprintf(stderr, "membox over shared memory uses protocol '%s'; over TCP '%s'\n",
+  std::fprintf(stderr,
+               "membox over shared memory uses protocol '%s'; over TCP '%s'\n",
                (*shm)->protocol().c_str(), (*tcp)->protocol().c_str());
   std::optional<Child> grpc_child;
   std::unique_ptr<TensorService::Stub> stub;
@@ -448,7 +467,8 @@ int RunTransferBench(const TransferOptions& opt) {
     auto cp = (*shm)->Run(size, iters, true, true);
     if (!cp.ok()) return fail(cp.status(), "membox-copy");
     AddTiming(rep, "membox-copy", size, *cp);
-    auto tc = (*tcp)->Run(size, Iterations(size, opt.common.quick, 5000), true, false);
+    auto tc = (*tcp)->Run(size, Iterations(size, opt.common.quick, 5000), true,
+                          false);
     if (!tc.ok()) return fail(tc.status(), "membox-tcp");
     AddTiming(rep, "membox-tcp", size, *tc);
     if (stub) {
@@ -456,19 +476,25 @@ int RunTransferBench(const TransferOptions& opt) {
       if (!g.ok()) return fail(g.status(), "grpc-tcp");
       AddTiming(rep, "grpc-tcp", size, *g);
     }
-    AddTiming(rep, "memcpy-bound", size, MemcpySeconds(size, iters), "transfer_");
+    AddTiming(rep, "memcpy-bound", size, MemcpySeconds(size, iters),
+              "transfer_");
   }
   // One-way latency of a 64-byte tensor: half the send -> release round trip.
   Progress(++step, total, "64-byte latency");
   auto lat = (*shm)->Run(64, opt.common.quick ? 20000 : 100000, false, false);
   if (!lat.ok()) return fail(lat.status(), "latency");
-  rep.Add({"", "membox-zerocopy", 64, 2, "one_way_latency", *lat / 2 * 1e6, "us", ""});
+  rep.Add({"", "membox-zerocopy", 64, 2, "one_way_latency", *lat / 2 * 1e6,
+           "us", ""});
   auto tlat = (*tcp)->Run(64, opt.common.quick ? 2000 : 10000, false, false);
-  if (tlat.ok()) rep.Add({"", "membox-tcp", 64, 2, "one_way_latency", *tlat / 2 * 1e6, "us", ""});
+  if (tlat.ok())
+    rep.Add({"", "membox-tcp", 64, 2, "one_way_latency", *tlat / 2 * 1e6, "us",
+             ""});
   std::optional<double> iperf;
   if (opt.with_iperf) {
     iperf = Iperf3BytesPerSecond(opt.common.quick);
-    if (iperf) rep.Add({"", "iperf3-tcp", 64ull << 20, 2, "throughput", *iperf / 1e9, "GB/s", ""});
+    if (iperf)
+      rep.Add({"", "iperf3-tcp", 64ull << 20, 2, "throughput", *iperf / 1e9,
+               "GB/s", ""});
   }
   (*shm)->Quit();
   (*tcp)->Quit();
@@ -476,11 +502,13 @@ int RunTransferBench(const TransferOptions& opt) {
   tcp_child->Stop();
   if (grpc_child) grpc_child->Stop();
 
-  std::printf("\nmembox bench transfer: one tensor sent and consumed (reduce_max) between two "
-              "processes; GB/s\n\n");
-  std::printf("%8s %10s %10s %10s %10s | %10s %10s | %8s %8s %8s %8s\n", "size", "zerocopy",
-              "copy", "tcp", "grpc", "zc-xfer", "memcpy", "zc/grpc", "zc/copy", "xfer/mc",
-              "tcp/grpc");
+  std::printf(
+      "\nmembox bench transfer: one tensor sent and consumed (reduce_max) "
+      "between two "
+      "processes; GB/s\n\n");
+  std::printf("%8s %10s %10s %10s %10s | %10s %10s | %8s %8s %8s %8s\n", "size",
+              "zerocopy", "copy", "tcp", "grpc", "zc-xfer", "memcpy", "zc/grpc",
+              "zc/copy", "xfer/mc", "tcp/grpc");
   for (uint64_t size : sizes) {
     auto zc = rep.Find("membox-zerocopy", size, "throughput");
     auto cp = rep.Find("membox-copy", size, "throughput");
@@ -488,19 +516,23 @@ int RunTransferBench(const TransferOptions& opt) {
     auto gr = rep.Find("grpc-tcp", size, "throughput");
     auto zx = rep.Find("membox-zerocopy", size, "transfer_throughput");
     auto mc = rep.Find("memcpy-bound", size, "transfer_throughput");
-    std::printf("%8s %10s %10s %10s %10s | %10s %10s | %8s %8s %8s %8s\n", SizeLabel(size).c_str(),
-                Num(zc).c_str(), Num(cp).c_str(), Num(tc).c_str(), Num(gr).c_str(),
-                Num(zx).c_str(), Num(mc).c_str(), Ratio(zc, gr).c_str(), Ratio(zc, cp).c_str(),
+    std::printf("%8s %10s %10s %10s %10s | %10s %10s | %8s %8s %8s %8s\n",
+                SizeLabel(size).c_str(), Num(zc).c_str(), Num(cp).c_str(),
+                Num(tc).c_str(), Num(gr).c_str(), Num(zx).c_str(),
+                Num(mc).c_str(), Ratio(zc, gr).c_str(), Ratio(zc, cp).c_str(),
                 Ratio(zx, mc).c_str(), Ratio(tc, gr).c_str());
   }
-  std::printf("\none-way 64-byte latency: shared memory %.2f us, TCP %s us\n", *lat / 2 * 1e6,
-              tlat.ok() ? Num(*tlat / 2 * 1e6).c_str() : "-");
+  std::printf("\none-way 64-byte latency: shared memory %.2f us, TCP %s us\n",
+              *lat / 2 * 1e6, tlat.ok() ? Num(*tlat / 2 * 1e6).c_str() : "-");
   if (iperf) {
     auto tc64 = rep.Find("membox-tcp", 64ull << 20, "throughput");
-    std::printf("single-stream iperf3 loopback: %.3f GB/s; membox-tcp at 64MiB / iperf3 = %s\n",
-                *iperf / 1e9, Ratio(tc64, *iperf / 1e9).c_str());
+    std::printf(
+        "single-stream iperf3 loopback: %.3f GB/s; membox-tcp at 64MiB / "
+        "iperf3 = %s\n",
+        *iperf / 1e9, Ratio(tc64, *iperf / 1e9).c_str());
   }
-  Status s = rep.Finish(opt.common, "throughput", "membox bench transfer (send + reduce_max)", true);
+  Status s = rep.Finish(opt.common, "throughput",
+                        "membox bench transfer (send + reduce_max)", true);
   if (!s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 1;

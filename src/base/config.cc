@@ -18,7 +18,8 @@ std::string_view Trim(std::string_view s) {
 
 std::string Lower(std::string_view s) {
   std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (char& c : out)
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return out;
 }
 
@@ -49,17 +50,23 @@ Result<uint64_t> ParseByteSize(std::string_view text) {
     return InvalidArgumentError("not a byte size: '" + std::string(text) + "'");
   }
   int shift = 0;
-  if (suffix.empty() || suffix == "b") shift = 0;
-  else if (suffix == "k" || suffix == "kb" || suffix == "kib") shift = 10;
-  else if (suffix == "m" || suffix == "mb" || suffix == "mib") shift = 20;
-  else if (suffix == "g" || suffix == "gb" || suffix == "gib") shift = 30;
-  else if (suffix == "t" || suffix == "tb" || suffix == "tib") shift = 40;
+  if (suffix.empty() || suffix == "b")
+    shift = 0;
+  else if (suffix == "k" || suffix == "kb" || suffix == "kib")
+    shift = 10;
+  else if (suffix == "m" || suffix == "mb" || suffix == "mib")
+    shift = 20;
+  else if (suffix == "g" || suffix == "gb" || suffix == "gib")
+    shift = 30;
+  else if (suffix == "t" || suffix == "tb" || suffix == "tib")
+    shift = 40;
   else {
     return InvalidArgumentError("unknown size unit '" + suffix + "' in '" +
                                 std::string(text) + "'");
   }
   if (shift > 0 && n > (UINT64_MAX >> shift)) {
-    return OutOfRangeError("byte size overflows 64 bits: '" + std::string(text) + "'");
+    return OutOfRangeError("byte size overflows 64 bits: '" +
+                           std::string(text) + "'");
   }
   return n << shift;
 }
@@ -81,11 +88,16 @@ Result<std::chrono::nanoseconds> ParseDuration(std::string_view text) {
     return InvalidArgumentError("not a duration: '" + std::string(text) + "'");
   }
   uint64_t mult;
-  if (suffix == "ns") mult = 1;
-  else if (suffix == "us") mult = 1000;
-  else if (suffix.empty() || suffix == "ms") mult = 1000000;
-  else if (suffix == "s") mult = 1000000000ULL;
-  else if (suffix == "m" || suffix == "min") mult = 60000000000ULL;
+  if (suffix == "ns")
+    mult = 1;
+  else if (suffix == "us")
+    mult = 1000;
+  else if (suffix.empty() || suffix == "ms")
+    mult = 1000000;
+  else if (suffix == "s")
+    mult = 1000000000ULL;
+  else if (suffix == "m" || suffix == "min")
+    mult = 60000000000ULL;
   else {
     return InvalidArgumentError("unknown duration unit '" + suffix + "'");
   }
@@ -109,13 +121,15 @@ Result<ConfigFile> ConfigFile::Load(const std::string& path) {
   return Parse(ss.str(), path);
 }
 
-Result<ConfigFile> ConfigFile::Parse(std::string_view text, std::string_view origin) {
+Result<ConfigFile> ConfigFile::Parse(std::string_view text,
+                                     std::string_view origin) {
   ConfigFile cf;
   int line_no = 0;
   while (!text.empty()) {
     size_t nl = text.find('\n');
     std::string_view line = text.substr(0, nl);
-    text = nl == std::string_view::npos ? std::string_view() : text.substr(nl + 1);
+    text =
+        nl == std::string_view::npos ? std::string_view() : text.substr(nl + 1);
     ++line_no;
     size_t hash = line.find('#');
     if (hash != std::string_view::npos) line = line.substr(0, hash);
@@ -123,7 +137,8 @@ Result<ConfigFile> ConfigFile::Parse(std::string_view text, std::string_view ori
     if (line.empty()) continue;
     size_t eq = line.find('=');
     if (eq == std::string_view::npos) {
-      return InvalidArgumentError(std::string(origin) + ":" + std::to_string(line_no) +
+      return InvalidArgumentError(std::string(origin) + ":" +
+                                  std::to_string(line_no) +
                                   ": expected 'key = value'");
     }
     std::string key(Trim(line.substr(0, eq)));
@@ -132,8 +147,8 @@ Result<ConfigFile> ConfigFile::Parse(std::string_view text, std::string_view ori
       value = value.substr(1, value.size() - 2);
     }
     if (key.empty()) {
-      return InvalidArgumentError(std::string(origin) + ":" + std::to_string(line_no) +
-                                  ": empty key");
+      return InvalidArgumentError(std::string(origin) + ":" +
+                                  std::to_string(line_no) + ": empty key");
     }
     cf.kv_[key] = value;
   }

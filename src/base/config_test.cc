@@ -10,11 +10,13 @@ TEST(ConfigTest, ByteSizes) {
   EXPECT_EQ(*ParseByteSize("4k"), 4096u);
   EXPECT_EQ(*ParseByteSize("64MiB"), 64u << 20);
   EXPECT_EQ(*ParseByteSize(" 1 GiB "), 1u << 30);
-  EXPECT_EQ(ParseByteSize("12XB").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseByteSize("12XB").status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseByteSize("-3").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseByteSize("99999999999999999999").status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(ParseByteSize("17179869184T").status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(ParseByteSize("17179869184T").status().code(),
+            StatusCode::kOutOfRange);
   EXPECT_EQ(FormatByteSize(64u << 20), "64MiB");
   EXPECT_EQ(FormatByteSize(1000), "1000B");
 }
@@ -27,7 +29,8 @@ TEST(ConfigTest, Durations) {
 }
 
 TEST(ConfigTest, ConfigFile) {
-  auto cf = ConfigFile::Parse("# comment\nlisten = 0.0.0.0:1234\n\nsecret=\"s3\" # x\n");
+  auto cf = ConfigFile::Parse(
+      "# comment\nlisten = 0.0.0.0:1234\n\nsecret=\"s3\" # x\n");
   ASSERT_TRUE(cf.ok()) << cf.status().ToString();
   EXPECT_EQ(*cf->Get("listen"), "0.0.0.0:1234");
   EXPECT_EQ(*cf->Get("secret"), "s3");

@@ -1,14 +1,15 @@
 #include "membox/base/logging.h"
 
-#include <spdlog/sinks/stdout_color_sinks.h>
-
 #include <cstdlib>
 #include <string>
+
+#include <spdlog/sinks/stdout_color_sinks.h>
 
 namespace membox {
 
 void InitLogging(std::string_view role) {
-  auto logger = spdlog::stderr_color_mt(std::string(role.empty() ? "membox" : role));
+  auto logger =
+      spdlog::stderr_color_mt(std::string(role.empty() ? "membox" : role));
   logger->set_pattern("[%H:%M:%S.%e] [%n] [%^%l%$] %v");
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::info);

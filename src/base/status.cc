@@ -6,23 +6,40 @@ namespace membox {
 
 std::string_view StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kCancelled: return "CANCELLED";
-    case StatusCode::kUnknown: return "UNKNOWN";
-    case StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
-    case StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
-    case StatusCode::kNotFound: return "NOT_FOUND";
-    case StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
-    case StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
-    case StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
-    case StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
-    case StatusCode::kAborted: return "ABORTED";
-    case StatusCode::kOutOfRange: return "OUT_OF_RANGE";
-    case StatusCode::kUnimplemented: return "UNIMPLEMENTED";
-    case StatusCode::kInternal: return "INTERNAL";
-    case StatusCode::kUnavailable: return "UNAVAILABLE";
-    case StatusCode::kDataLoss: return "DATA_LOSS";
-    case StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kCancelled:
+      return "CANCELLED";
+    case StatusCode::kUnknown:
+      return "UNKNOWN";
+    case StatusCode::kInvalidArgument:
+      return "INVALID_ARGUMENT";
+    case StatusCode::kDeadlineExceeded:
+      return "DEADLINE_EXCEEDED";
+    case StatusCode::kNotFound:
+      return "NOT_FOUND";
+    case StatusCode::kAlreadyExists:
+      return "ALREADY_EXISTS";
+    case StatusCode::kPermissionDenied:
+      return "PERMISSION_DENIED";
+    case StatusCode::kResourceExhausted:
+      return "RESOURCE_EXHAUSTED";
+    case StatusCode::kFailedPrecondition:
+      return "FAILED_PRECONDITION";
+    case StatusCode::kAborted:
+      return "ABORTED";
+    case StatusCode::kOutOfRange:
+      return "OUT_OF_RANGE";
+    case StatusCode::kUnimplemented:
+      return "UNIMPLEMENTED";
+    case StatusCode::kInternal:
+      return "INTERNAL";
+    case StatusCode::kUnavailable:
+      return "UNAVAILABLE";
+    case StatusCode::kDataLoss:
+      return "DATA_LOSS";
+    case StatusCode::kUnauthenticated:
+      return "UNAUTHENTICATED";
   }
   return "UNKNOWN";
 }
@@ -49,8 +66,8 @@ Status Status::WithContext(std::string_view context) const {
   return Status(code(), std::move(m));
 }
 
-#define MEMBOX_DEFINE_ERROR_(Name, Code) \
-  Status Name(std::string message) {     \
+#define MEMBOX_DEFINE_ERROR_(Name, Code)                 \
+  Status Name(std::string message) {                     \
     return Status(StatusCode::Code, std::move(message)); \
   }
 MEMBOX_DEFINE_ERROR_(InvalidArgumentError, kInvalidArgument)

@@ -1,15 +1,15 @@
 #include "membox/base/wait.h"
 
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
-
-#include <algorithm>
-#include <cstdio>
-#include <thread>
 
 namespace membox {
 namespace {
@@ -59,7 +59,8 @@ bool MachineOversubscribed() {
   if (FILE* f = std::fopen("/proc/loadavg", "r")) {
     double a, b, c;
     long running = 0, total = 0;
-    if (std::fscanf(f, "%lf %lf %lf %ld/%ld", &a, &b, &c, &running, &total) == 5) {
+    if (std::fscanf(f, "%lf %lf %lf %ld/%ld", &a, &b, &c, &running, &total) ==
+        5) {
       // The reading counts ourselves; more runnable than cores means a spin
       // steals time from someone.
       value = running > cores;
@@ -71,7 +72,8 @@ bool MachineOversubscribed() {
 }
 
 bool SpinThenBlock(const std::function<bool()>& ready, EventCount* events,
-                   std::chrono::nanoseconds timeout, const WaitOptions& options) {
+                   std::chrono::nanoseconds timeout,
+                   const WaitOptions& options) {
   if (ready()) return true;
   const auto start = Clock::now();
   const auto deadline = start + timeout;
@@ -103,7 +105,8 @@ bool SpinThenBlock(const std::function<bool()>& ready, EventCount* events,
     if (ready()) return true;
     auto now = Clock::now();
     if (now >= deadline) return false;
-    auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+    auto left =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
     auto nap = std::min(block, left);
     if (events) {
       events->WaitFor(seen, nap);

@@ -1,9 +1,9 @@
 #include "membox/base/wait.h"
 
-#include <gtest/gtest.h>
-
 #include <atomic>
 #include <thread>
+
+#include <gtest/gtest.h>
 
 namespace membox {
 namespace {
@@ -30,8 +30,8 @@ TEST(WaitTest, WokenByNotify) {
   });
   WaitOptions opts;
   opts.max_block = std::chrono::microseconds(10'000'000);  // rely on Notify
-  EXPECT_TRUE(SpinThenBlock([&] { return flag.load(std::memory_order_acquire); },
-                            &ev, 10s, opts));
+  EXPECT_TRUE(SpinThenBlock(
+      [&] { return flag.load(std::memory_order_acquire); }, &ev, 10s, opts));
   t.join();
 }
 
@@ -41,8 +41,8 @@ TEST(WaitTest, SeesFlagWithoutNotify) {
     std::this_thread::sleep_for(3ms);
     flag.store(true, std::memory_order_release);
   });
-  EXPECT_TRUE(SpinThenBlock([&] { return flag.load(std::memory_order_acquire); },
-                            nullptr, 5s));
+  EXPECT_TRUE(SpinThenBlock(
+      [&] { return flag.load(std::memory_order_acquire); }, nullptr, 5s));
   t.join();
 }
 

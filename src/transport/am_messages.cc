@@ -48,8 +48,8 @@ Result<Hello> DecodeHello(std::span<const uint8_t> in, bool with_lane) {
   uint32_t alen = 0;
   if (!r.U64(&m.channel_id) || m.channel_id == 0) return Malformed("hello");
   if (with_lane && !r.U32(&m.lane)) return Malformed("hello");
-  if (!GetStr(r, &m.name) || !GetStr(r, &m.host) || !r.U32(&alen) || alen == 0 ||
-      alen > kMaxAddress || !r.Bytes(&m.address, alen)) {
+  if (!GetStr(r, &m.name) || !GetStr(r, &m.host) || !r.U32(&alen) ||
+      alen == 0 || alen > kMaxAddress || !r.Bytes(&m.address, alen)) {
     return Malformed("hello");
   }
   RETURN_IF_ERROR(Done(r, "hello"));
@@ -70,8 +70,9 @@ std::vector<uint8_t> EncodeValidateRequest(const ValidateRequest& m) {
 Result<ValidateRequest> DecodeValidateRequest(std::span<const uint8_t> in) {
   wire::Reader r(in);
   ValidateRequest m;
-  if (!r.U64(&m.request) || !r.U64(&m.region_id) || !r.U64(&m.token) || !r.U64(&m.address) ||
-      !r.U64(&m.length) || !r.U32(&m.rkey_crc) || m.request == 0) {
+  if (!r.U64(&m.request) || !r.U64(&m.region_id) || !r.U64(&m.token) ||
+      !r.U64(&m.address) || !r.U64(&m.length) || !r.U32(&m.rkey_crc) ||
+      m.request == 0) {
     return Malformed("validate");
   }
   RETURN_IF_ERROR(Done(r, "validate"));
@@ -89,7 +90,8 @@ std::vector<uint8_t> EncodeReply(const Reply& m) {
 Result<Reply> DecodeReply(std::span<const uint8_t> in) {
   wire::Reader r(in);
   Reply m;
-  if (!r.U64(&m.request) || !r.U32(&m.code) || !GetStr(r, &m.message) || m.request == 0) {
+  if (!r.U64(&m.request) || !r.U32(&m.code) || !GetStr(r, &m.message) ||
+      m.request == 0) {
     return Malformed("reply");
   }
   RETURN_IF_ERROR(Done(r, "reply"));
@@ -109,8 +111,10 @@ std::vector<uint8_t> EncodeAccess(const Access& m, bool with_request) {
 Result<Access> DecodeAccess(std::span<const uint8_t> in, bool with_request) {
   wire::Reader r(in);
   Access m;
-  if (with_request && (!r.U64(&m.request) || m.request == 0)) return Malformed("access");
-  if (!r.U64(&m.address) || !r.U64(&m.region_id) || !r.U64(&m.token) || !r.U64(&m.length)) {
+  if (with_request && (!r.U64(&m.request) || m.request == 0))
+    return Malformed("access");
+  if (!r.U64(&m.address) || !r.U64(&m.region_id) || !r.U64(&m.token) ||
+      !r.U64(&m.length)) {
     return Malformed("access");
   }
   RETURN_IF_ERROR(Done(r, "access"));

@@ -18,7 +18,7 @@ namespace membox::transport::msg {
 constexpr size_t kMaxString = 4096;
 constexpr size_t kMaxAddress = 65536;
 
-struct Hello {  // kAmHello (with lane) and kAmHelloAck (without)
+struct Hello {              // kAmHello (with lane) and kAmHelloAck (without)
   uint64_t channel_id = 0;  // the sender's id for this channel, never 0
   uint32_t lane = 0;
   std::string name;

@@ -6,13 +6,16 @@ namespace membox::transport::msg {
 namespace {
 
 template <typename Decode>
-void ExpectEveryTruncationRejected(const std::vector<uint8_t>& full, Decode decode) {
+void ExpectEveryTruncationRejected(const std::vector<uint8_t>& full,
+                                   Decode decode) {
   for (size_t n = 0; n < full.size(); ++n) {
-    EXPECT_FALSE(decode(std::span<const uint8_t>(full.data(), n)).ok()) << "prefix " << n;
+    EXPECT_FALSE(decode(std::span<const uint8_t>(full.data(), n)).ok())
+        << "prefix " << n;
   }
   auto longer = full;
   longer.push_back(0);
-  EXPECT_FALSE(decode(std::span<const uint8_t>(longer)).ok()) << "trailing byte";
+  EXPECT_FALSE(decode(std::span<const uint8_t>(longer)).ok())
+      << "trailing byte";
 }
 
 TEST(AmMessagesTest, HelloRoundTripAndRejects) {
@@ -38,7 +41,8 @@ TEST(AmMessagesTest, OtherMessages) {
   auto vb = EncodeValidateRequest(v);
   ASSERT_TRUE(DecodeValidateRequest(vb).ok());
   EXPECT_EQ(DecodeValidateRequest(vb)->rkey_crc, 5u);
-  ExpectEveryTruncationRejected(vb, [](auto s) { return DecodeValidateRequest(s); });
+  ExpectEveryTruncationRejected(
+      vb, [](auto s) { return DecodeValidateRequest(s); });
 
   Reply r{9, 7, "denied"};
   auto rb = EncodeReply(r);
@@ -52,7 +56,8 @@ TEST(AmMessagesTest, OtherMessages) {
   for (bool with : {false, true}) {
     auto ab = EncodeAccess(a, with);
     ASSERT_TRUE(DecodeAccess(ab, with).ok());
-    ExpectEveryTruncationRejected(ab, [with](auto s) { return DecodeAccess(s, with); });
+    ExpectEveryTruncationRejected(
+        ab, [with](auto s) { return DecodeAccess(s, with); });
   }
   auto ib = EncodeId(11);
   EXPECT_EQ(*DecodeId(ib), 11u);

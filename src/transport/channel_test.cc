@@ -2,11 +2,11 @@
 // through UCX exactly as two processes would (separate contexts, loopback).
 #include "membox/transport/channel.h"
 
-#include <gtest/gtest.h>
-
 #include <cstring>
 #include <numeric>
 #include <thread>
+
+#include <gtest/gtest.h>
 
 #include "membox/transport/device.h"
 
@@ -103,13 +103,15 @@ TEST_P(ChannelTest, ControlMessagesBothWays) {
   auto m3 = cch_->RecvControl(5s);
   ASSERT_TRUE(m3.ok());
   EXPECT_EQ(*m3, small);
-  EXPECT_EQ(cch_->RecvControl(10ms).status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(cch_->RecvControl(10ms).status().code(),
+            StatusCode::kDeadlineExceeded);
   std::vector<uint8_t> huge(Channel::kMaxControlMessage + 1);
   EXPECT_EQ(cch_->SendControl(huge).code(), StatusCode::kInvalidArgument);
 }
 
 TEST_P(ChannelTest, WriteAndReadManySizes) {
-  for (size_t size : {size_t{1}, size_t{64}, size_t{4096}, size_t{1} << 20, size_t{9} << 20}) {
+  for (size_t size : {size_t{1}, size_t{64}, size_t{4096}, size_t{1} << 20,
+                      size_t{9} << 20}) {
     auto remote = server_->AllocateMemRegion(size);
     ASSERT_TRUE(remote.ok());
     std::memset((*remote)->data(), 0, size);
@@ -152,7 +154,9 @@ TEST_P(ChannelTest, OffsetsInsideRegion) {
   ASSERT_TRUE(w.ok());
   ASSERT_TRUE(w->Wait().ok());
   ASSERT_TRUE(cch_->Flush()->Wait().ok());
-  EXPECT_EQ(std::memcmp(static_cast<char*>((*remote)->data()) + 5000, "membox", 6), 0);
+  EXPECT_EQ(
+      std::memcmp(static_cast<char*>((*remote)->data()) + 5000, "membox", 6),
+      0);
 }
 
 TEST_P(ChannelTest, OutOfRangeIsRejected) {
@@ -161,14 +165,18 @@ TEST_P(ChannelTest, OutOfRangeIsRejected) {
   ASSERT_TRUE(remote.ok() && local.ok());
   auto rr = ImportOnClient(**remote);
   void* src = (*local)->data();
-  EXPECT_EQ(cch_->Write(src, **local, rr->address() + 1, *rr, 4096).status().code(),
-            StatusCode::kOutOfRange);
-  EXPECT_EQ(cch_->Write(src, **local, rr->address() - 1, *rr, 16).status().code(),
-            StatusCode::kOutOfRange);
+  EXPECT_EQ(
+      cch_->Write(src, **local, rr->address() + 1, *rr, 4096).status().code(),
+      StatusCode::kOutOfRange);
+  EXPECT_EQ(
+      cch_->Write(src, **local, rr->address() - 1, *rr, 16).status().code(),
+      StatusCode::kOutOfRange);
   EXPECT_EQ(cch_->Write(src, **local, UINT64_MAX - 2, *rr, 16).status().code(),
             StatusCode::kOutOfRange);
-  EXPECT_EQ(cch_->Read(static_cast<char*>(src) + 8000, **local, rr->address(), *rr, 400)
-                .status().code(),
+  EXPECT_EQ(cch_->Read(static_cast<char*>(src) + 8000, **local, rr->address(),
+                       *rr, 400)
+                .status()
+                .code(),
             StatusCode::kOutOfRange);
   // Nothing was written.
   EXPECT_TRUE(cch_->health().ok());
@@ -181,7 +189,8 @@ TEST_P(ChannelTest, BadDescriptorsAreRefusedAtImport) {
 
   RegionDescriptor wrong_key = good;
   wrong_key.token ^= 1;
-  EXPECT_EQ(cch_->Import(wrong_key).status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(cch_->Import(wrong_key).status().code(),
+            StatusCode::kPermissionDenied);
 
   RegionDescriptor unknown = good;
   unknown.region_id += 1000;
@@ -193,7 +202,8 @@ TEST_P(ChannelTest, BadDescriptorsAreRefusedAtImport) {
 
   RegionDescriptor tampered = good;
   if (!tampered.packed_rkey.empty()) tampered.packed_rkey[0] ^= 0x5a;
-  EXPECT_EQ(cch_->Import(tampered).status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(cch_->Import(tampered).status().code(),
+            StatusCode::kPermissionDenied);
 
   // A region freed by its owner can no longer be imported.
   remote->reset();
@@ -208,7 +218,10 @@ TEST_P(ChannelTest, RegionFromAnotherChannelIsRejected) {
   auto other = client_->GetChannel(server_->listen_endpoint(), 1);
   ASSERT_TRUE(other.ok()) << other.status().ToString();
   EXPECT_NE(other->get(), cch_.get());
-  EXPECT_EQ((*other)->Write((*local)->data(), **local, rr->address(), *rr, 8).status().code(),
+  EXPECT_EQ((*other)
+                ->Write((*local)->data(), **local, rr->address(), *rr, 8)
+                .status()
+                .code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(client_->GetChannel(server_->listen_endpoint(), 2).status().code(),
             StatusCode::kInvalidArgument);
@@ -235,20 +248,23 @@ TEST_P(ChannelTest, PeerDeathGivesClearErrors) {
     std::this_thread::sleep_for(50ms);
   }
   ASSERT_FALSE(last.ok());
-  EXPECT_TRUE(last.code() == StatusCode::kUnavailable || last.code() == StatusCode::kAborted)
+  EXPECT_TRUE(last.code() == StatusCode::kUnavailable ||
+              last.code() == StatusCode::kAborted)
       << last.ToString();
   auto r = cch_->RecvControl(5s);
   EXPECT_FALSE(r.ok());
-  EXPECT_NE(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+  EXPECT_NE(r.status().code(), StatusCode::kDeadlineExceeded)
+      << r.status().ToString();
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Protocols, ChannelTest,
-    ::testing::Values(Param{"auto_mapped", "auto", ProtocolChoice::kAuto, Protocol::kMapped},
-                      Param{"rma", "auto", ProtocolChoice::kRma, Protocol::kRma},
-                      Param{"am", "auto", ProtocolChoice::kActiveMessage,
-                            Protocol::kActiveMessage},
-                      Param{"tcp", "tcp", ProtocolChoice::kAuto, Protocol::kActiveMessage}),
+    ::testing::Values(
+        Param{"auto_mapped", "auto", ProtocolChoice::kAuto, Protocol::kMapped},
+        Param{"rma", "auto", ProtocolChoice::kRma, Protocol::kRma},
+        Param{"am", "auto", ProtocolChoice::kActiveMessage,
+              Protocol::kActiveMessage},
+        Param{"tcp", "tcp", ProtocolChoice::kAuto, Protocol::kActiveMessage}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(DeviceTest, ConnectToNobodyFailsClearly) {
@@ -258,9 +274,11 @@ TEST(DeviceTest, ConnectToNobodyFailsClearly) {
   ASSERT_TRUE(d.ok());
   auto ch = (*d)->GetChannel("127.0.0.1:1", 0);
   ASSERT_FALSE(ch.ok());
-  EXPECT_EQ(ch.status().code(), StatusCode::kUnavailable) << ch.status().ToString();
+  EXPECT_EQ(ch.status().code(), StatusCode::kUnavailable)
+      << ch.status().ToString();
   EXPECT_NE(ch.status().message().find("127.0.0.1:1"), std::string_view::npos);
-  EXPECT_EQ((*d)->GetChannel("no-port", 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*d)->GetChannel("no-port", 0).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(DeviceTest, BadOptions) {
@@ -272,8 +290,10 @@ TEST(DeviceTest, BadOptions) {
   EXPECT_FALSE(Device::Create(o).ok());
   auto d = Device::Create(DeviceOptions{});
   ASSERT_TRUE(d.ok());
-  EXPECT_EQ((*d)->AllocateMemRegion(0).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ((*d)->RegisterMemRegion(nullptr, 8).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*d)->AllocateMemRegion(0).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ((*d)->RegisterMemRegion(nullptr, 8).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -36,7 +36,8 @@ OpHandle::~OpHandle() {
     while (!state_->done()) {
       Status s = Wait(std::chrono::seconds(30));
       if (s.code() == StatusCode::kDeadlineExceeded) {
-        MEMBOX_LOG_WARN("OpHandle destroyed while its operation is pending; waiting");
+        MEMBOX_LOG_WARN(
+            "OpHandle destroyed while its operation is pending; waiting");
       }
     }
   }
@@ -52,7 +53,8 @@ Status OpHandle::Wait(std::chrono::nanoseconds timeout) {
             return s->done();
           },
           s->events(), timeout)) {
-    return DeadlineExceededError("transport operation still pending after timeout");
+    return DeadlineExceededError(
+        "transport operation still pending after timeout");
   }
   return s->status();
 }

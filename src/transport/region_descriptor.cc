@@ -1,8 +1,9 @@
-#include <zlib.h>
-
 #include <bit>
 
+#include <zlib.h>
+
 #include "membox/transport/mem_region.h"
+
 #include "src/transport/wire.h"
 
 namespace membox::transport {
@@ -53,7 +54,8 @@ Result<RegionDescriptor> RegionDescriptor::Deserialize(
   (void)r.U32(&magic);
   (void)r.U16(&version);
   (void)r.U16(&reserved);
-  if (magic != kMagic) return InvalidArgumentError("not a region descriptor (bad magic)");
+  if (magic != kMagic)
+    return InvalidArgumentError("not a region descriptor (bad magic)");
   if (version != kVersion) {
     return InvalidArgumentError("region descriptor version " +
                                 std::to_string(version) + " unsupported");
@@ -77,7 +79,8 @@ Result<RegionDescriptor> RegionDescriptor::Deserialize(
   if (wire::Crc32(bytes.data(), r.consumed() - 4) != crc) {
     return DataLossError("region descriptor checksum mismatch");
   }
-  if (d.length == 0) return InvalidArgumentError("region descriptor of length 0");
+  if (d.length == 0)
+    return InvalidArgumentError("region descriptor of length 0");
   if (d.address + d.length < d.address) {
     return InvalidArgumentError("region descriptor range overflows");
   }

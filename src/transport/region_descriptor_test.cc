@@ -33,10 +33,12 @@ TEST(RegionDescriptorTest, RejectsBadInput) {
   }
   auto flipped = bytes;
   flipped[20] ^= 1;
-  EXPECT_EQ(RegionDescriptor::Deserialize(flipped).status().code(), StatusCode::kDataLoss);
+  EXPECT_EQ(RegionDescriptor::Deserialize(flipped).status().code(),
+            StatusCode::kDataLoss);
   auto magic = bytes;
   magic[0] = 'X';
-  EXPECT_EQ(RegionDescriptor::Deserialize(magic).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(RegionDescriptor::Deserialize(magic).status().code(),
+            StatusCode::kInvalidArgument);
   auto trailing = bytes;
   trailing.push_back(0);
   EXPECT_FALSE(RegionDescriptor::Deserialize(trailing).ok());

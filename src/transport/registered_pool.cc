@@ -25,18 +25,20 @@ void RegisteredPool::Block::Reset() {
   size_ = reserved_ = 0;
 }
 
-RegisteredPool::RegisteredPool(std::unique_ptr<MemRegion> region, size_t alignment)
+RegisteredPool::RegisteredPool(std::unique_ptr<MemRegion> region,
+                               size_t alignment)
     : region_(std::move(region)), alignment_(alignment) {
   free_[0] = region_->size();
 }
 
-Result<std::shared_ptr<RegisteredPool>> RegisteredPool::Create(Device& device, size_t bytes,
-                                                               size_t alignment) {
+Result<std::shared_ptr<RegisteredPool>> RegisteredPool::Create(
+    Device& device, size_t bytes, size_t alignment) {
   if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
     return InvalidArgumentError("pool alignment must be a power of two");
   }
   ASSIGN_OR_RETURN(auto region, device.AllocateMemRegion(bytes));
-  return std::shared_ptr<RegisteredPool>(new RegisteredPool(std::move(region), alignment));
+  return std::shared_ptr<RegisteredPool>(
+      new RegisteredPool(std::move(region), alignment));
 }
 
 Result<RegisteredPool::Block> RegisteredPool::Allocate(size_t bytes) {

@@ -1,10 +1,10 @@
 #include "membox/transport/registered_pool.h"
 
-#include <gtest/gtest.h>
-
 #include <algorithm>
 #include <cstring>
 #include <random>
+
+#include <gtest/gtest.h>
 
 namespace membox::transport {
 namespace {
@@ -24,7 +24,8 @@ TEST(RegisteredPoolTest, AllocateFreeCoalesce) {
     EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % 64, 0u);
     EXPECT_TRUE(p.region().Contains(b->data(), 1000));
     EXPECT_EQ(p.bytes_free(), (1u << 20) - 128 - 1024);
-    EXPECT_EQ(p.Allocate(1 << 20).status().code(), StatusCode::kResourceExhausted);
+    EXPECT_EQ(p.Allocate(1 << 20).status().code(),
+              StatusCode::kResourceExhausted);
     EXPECT_EQ(p.Allocate(0).status().code(), StatusCode::kInvalidArgument);
   }
   EXPECT_EQ(p.largest_free(), 1u << 20);  // fully coalesced
@@ -54,7 +55,8 @@ TEST(RegisteredPoolTest, RandomChurnKeepsInvariants) {
     spans.emplace_back(s, s + b.size());
   }
   std::sort(spans.begin(), spans.end());
-  for (size_t i = 1; i < spans.size(); ++i) EXPECT_LE(spans[i - 1].second, spans[i].first);
+  for (size_t i = 1; i < spans.size(); ++i)
+    EXPECT_LE(spans[i - 1].second, spans[i].first);
   live.clear();
   EXPECT_EQ((*pool)->largest_free(), 1u << 22);
 }

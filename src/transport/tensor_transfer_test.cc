@@ -1,9 +1,9 @@
 #include "membox/transport/tensor_transfer.h"
 
-#include <gtest/gtest.h>
-
 #include <cstring>
 #include <thread>
+
+#include <gtest/gtest.h>
 
 namespace membox::transport {
 namespace {
@@ -30,7 +30,9 @@ Pair Connect(ProtocolChoice protocol, const char* transports) {
   return p;
 }
 
-class TensorTransferTest : public ::testing::TestWithParam<std::pair<ProtocolChoice, const char*>> {};
+class TensorTransferTest
+    : public ::testing::TestWithParam<std::pair<ProtocolChoice, const char*>> {
+};
 
 TEST_P(TensorTransferTest, StaticPlacementManyRounds) {
   Pair p = Connect(GetParam().first, GetParam().second);
@@ -66,7 +68,8 @@ TEST_P(TensorTransferTest, StaticPlacementManyRounds) {
   }
   consumer.join();
   EXPECT_EQ(recv->Release().code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ((*s)->Send((*src)->data(), **src, n + 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*s)->Send((*src)->data(), **src, n + 1).code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST_P(TensorTransferTest, DynamicAllocation) {
@@ -81,7 +84,8 @@ TEST_P(TensorTransferTest, DynamicAllocation) {
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   rt.join();
   ASSERT_NE(recv, nullptr);
-  std::vector<std::vector<uint64_t>> shapes = {{3}, {17, 5}, {256, 1024}, {2, 3, 4, 5}, {1}};
+  std::vector<std::vector<uint64_t>> shapes = {
+      {3}, {17, 5}, {256, 1024}, {2, 3, 4, 5}, {1}};
   std::thread consumer([&] {
     for (size_t i = 0; i < shapes.size(); ++i) {
       auto t = recv->Receive(30s);
@@ -90,7 +94,8 @@ TEST_P(TensorTransferTest, DynamicAllocation) {
       EXPECT_EQ(t->meta.dtype, DType::kFloat32);
       auto* f = static_cast<float*>(t->block.data());
       size_t count = t->meta.nbytes / 4;
-      for (size_t k = 0; k < count; k += 97) ASSERT_EQ(f[k], static_cast<float>(i * 1000 + k % 1000));
+      for (size_t k = 0; k < count; k += 97)
+        ASSERT_EQ(f[k], static_cast<float>(i * 1000 + k % 1000));
     }
   });
   for (size_t i = 0; i < shapes.size(); ++i) {
@@ -98,7 +103,8 @@ TEST_P(TensorTransferTest, DynamicAllocation) {
     auto b = (*s)->pool().Allocate(meta.nbytes);
     ASSERT_TRUE(b.ok());
     auto* f = static_cast<float*>(b->data());
-    for (size_t k = 0; k < meta.nbytes / 4; ++k) f[k] = static_cast<float>(i * 1000 + k % 1000);
+    for (size_t k = 0; k < meta.nbytes / 4; ++k)
+      f[k] = static_cast<float>(i * 1000 + k % 1000);
     auto seq = (*s)->Send(meta, b->data(), 30s);
     ASSERT_TRUE(seq.ok()) << seq.status().ToString();
     ASSERT_TRUE((*s)->WaitConsumed(*seq, 30s).ok());
@@ -107,14 +113,17 @@ TEST_P(TensorTransferTest, DynamicAllocation) {
   // Data outside the pool is refused before anything is written.
   std::vector<float> outside(4);
   uint64_t dims[] = {4};
-  EXPECT_EQ((*s)->Send(TensorMeta::Make(DType::kFloat32, dims), outside.data()).status().code(),
+  EXPECT_EQ((*s)->Send(TensorMeta::Make(DType::kFloat32, dims), outside.data())
+                .status()
+                .code(),
             StatusCode::kInvalidArgument);
 }
 
-INSTANTIATE_TEST_SUITE_P(Protocols, TensorTransferTest,
-                         ::testing::Values(std::make_pair(ProtocolChoice::kAuto, "auto"),
-                                           std::make_pair(ProtocolChoice::kRma, "auto"),
-                                           std::make_pair(ProtocolChoice::kAuto, "tcp")));
+INSTANTIATE_TEST_SUITE_P(
+    Protocols, TensorTransferTest,
+    ::testing::Values(std::make_pair(ProtocolChoice::kAuto, "auto"),
+                      std::make_pair(ProtocolChoice::kRma, "auto"),
+                      std::make_pair(ProtocolChoice::kAuto, "tcp")));
 
 TEST(TensorMetaTest, RoundTripAndValidation) {
   uint64_t dims[] = {2, 3, 4};
@@ -127,23 +136,28 @@ TEST(TensorMetaTest, RoundTripAndValidation) {
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(d->nbytes, 48u);
   EXPECT_EQ(d->dims[2], 4u);
-  EXPECT_EQ(TensorMeta::Decode(buf, 10).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(TensorMeta::Decode(buf, 10).status().code(),
+            StatusCode::kOutOfRange);
   buf[3] ^= 1;
-  EXPECT_EQ(TensorMeta::Decode(buf, 1 << 20).status().code(), StatusCode::kDataLoss);
+  EXPECT_EQ(TensorMeta::Decode(buf, 1 << 20).status().code(),
+            StatusCode::kDataLoss);
   // A re-checksummed but inconsistent message is still refused.
   TensorMeta bad = m;
   bad.nbytes = 47;
   bad.EncodeTo(buf);
-  EXPECT_EQ(TensorMeta::Decode(buf, 1 << 20).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(TensorMeta::Decode(buf, 1 << 20).status().code(),
+            StatusCode::kInvalidArgument);
   TensorMeta huge = m;
   huge.ndims = 3;
   huge.dims = {1ull << 40, 1ull << 40, 1ull << 40};
   huge.EncodeTo(buf);
-  EXPECT_EQ(TensorMeta::Decode(buf, UINT64_MAX).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(TensorMeta::Decode(buf, UINT64_MAX).status().code(),
+            StatusCode::kOutOfRange);
   TensorMeta bad_dtype = m;
   bad_dtype.dtype = static_cast<DType>(99);
   bad_dtype.EncodeTo(buf);
-  EXPECT_EQ(TensorMeta::Decode(buf, 1 << 20).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(TensorMeta::Decode(buf, 1 << 20).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 }  // namespace

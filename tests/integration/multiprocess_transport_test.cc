@@ -1,12 +1,13 @@
 // Real processes on both ends of a channel: the transport_peer helper is a
 // separate executable, started the way users start processes.
-#include <gtest/gtest.h>
-
 #include <cstring>
 #include <thread>
 
+#include <gtest/gtest.h>
+
 #include "membox/transport/device.h"
 #include "membox/transport/tensor_transfer.h"
+
 #include "tests/testutil/subprocess.h"
 
 namespace membox::transport {
@@ -19,7 +20,8 @@ class MultiProcessTest : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(MultiProcessTest, TensorsCrossProcessesIntact) {
   const char* transports = GetParam();
-  auto peer = Subprocess::Start({TRANSPORT_PEER, "recv", transports, "127.0.0.1:0", "5MiB", "8"});
+  auto peer = Subprocess::Start(
+      {TRANSPORT_PEER, "recv", transports, "127.0.0.1:0", "5MiB", "8"});
   ASSERT_TRUE(peer);
   auto endpoint = peer->WaitFor("READY ", 20s);
   ASSERT_TRUE(endpoint);
@@ -40,7 +42,8 @@ TEST_P(MultiProcessTest, TensorsCrossProcessesIntact) {
   ASSERT_TRUE((*s)->WaitReleased(30s).ok());
   auto done = peer->WaitFor("DONE ", 20s);
   ASSERT_TRUE(done);
-  EXPECT_EQ(*done, std::string(transports) == "tcp" ? "active-message" : "mapped");
+  EXPECT_EQ(*done,
+            std::string(transports) == "tcp" ? "active-message" : "mapped");
   EXPECT_EQ(peer->Wait(20s), 0);
 }
 
@@ -51,8 +54,9 @@ TEST_P(MultiProcessTest, KilledSenderGivesReceiverAClearError) {
   o.listen_address = "127.0.0.1:0";
   auto dev = Device::Create(o);
   ASSERT_TRUE(dev.ok());
-  auto sender = Subprocess::Start(
-      {TRANSPORT_PEER, "send", transports, (*dev)->listen_endpoint(), "8MiB", "1000000"});
+  auto sender =
+      Subprocess::Start({TRANSPORT_PEER, "send", transports,
+                         (*dev)->listen_endpoint(), "8MiB", "1000000"});
   ASSERT_TRUE(sender);
   auto ch = (*dev)->Accept(20s);
   ASSERT_TRUE(ch.ok()) << ch.status().ToString();
@@ -74,10 +78,11 @@ TEST_P(MultiProcessTest, KilledSenderGivesReceiverAClearError) {
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
   EXPECT_EQ(last.code(), StatusCode::kUnavailable) << last.ToString();
-  EXPECT_NE(last.message().find("peer-send"), std::string_view::npos) << last.ToString();
+  EXPECT_NE(last.message().find("peer-send"), std::string_view::npos)
+      << last.ToString();
   // The device still serves new peers.
-  auto again = Subprocess::Start(
-      {TRANSPORT_PEER, "send", transports, (*dev)->listen_endpoint(), "1MiB", "2"});
+  auto again = Subprocess::Start({TRANSPORT_PEER, "send", transports,
+                                  (*dev)->listen_endpoint(), "1MiB", "2"});
   ASSERT_TRUE(again);
   auto ch2 = (*dev)->Accept(20s);
   ASSERT_TRUE(ch2.ok());
@@ -93,8 +98,8 @@ TEST_P(MultiProcessTest, KilledSenderGivesReceiverAClearError) {
 
 TEST_P(MultiProcessTest, KilledReceiverGivesSenderAClearError) {
   const char* transports = GetParam();
-  auto peer =
-      Subprocess::Start({TRANSPORT_PEER, "recv", transports, "127.0.0.1:0", "4MiB", "1000000"});
+  auto peer = Subprocess::Start(
+      {TRANSPORT_PEER, "recv", transports, "127.0.0.1:0", "4MiB", "1000000"});
   ASSERT_TRUE(peer);
   auto endpoint = peer->WaitFor("READY ", 20s);
   ASSERT_TRUE(endpoint);
@@ -121,7 +126,8 @@ TEST_P(MultiProcessTest, KilledReceiverGivesSenderAClearError) {
   EXPECT_EQ(last.code(), StatusCode::kUnavailable) << last.ToString();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, MultiProcessTest, ::testing::Values("auto", "tcp"));
+INSTANTIATE_TEST_SUITE_P(Transports, MultiProcessTest,
+                         ::testing::Values("auto", "tcp"));
 
 }  // namespace
 }  // namespace membox::transport

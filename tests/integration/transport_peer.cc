@@ -26,7 +26,8 @@ int Fail(const Status& s, const char* what) {
   return 1;
 }
 
-int Recv(const std::string& transports, const std::string& listen, size_t bytes, int rounds) {
+int Recv(const std::string& transports, const std::string& listen, size_t bytes,
+         int rounds) {
   DeviceOptions o;
   o.listen_address = listen;
   o.transports = transports;
@@ -45,7 +46,8 @@ int Recv(const std::string& transports, const std::string& listen, size_t bytes,
     auto* d = static_cast<uint8_t*>((*r)->data());
     for (size_t k = 0; k < bytes; k += 4093) {
       if (d[k] != static_cast<uint8_t>(i)) {
-        std::fprintf(stderr, "transport_peer: round %d byte %zu is %d\n", i, k, d[k]);
+        std::fprintf(stderr, "transport_peer: round %d byte %zu is %d\n", i, k,
+                     d[k]);
         return 3;
       }
     }
@@ -59,7 +61,8 @@ int Recv(const std::string& transports, const std::string& listen, size_t bytes,
   return 0;
 }
 
-int Send(const std::string& transports, const std::string& endpoint, size_t bytes, int rounds) {
+int Send(const std::string& transports, const std::string& endpoint,
+         size_t bytes, int rounds) {
   DeviceOptions o;
   o.transports = transports;
   o.name = "peer-send";
@@ -88,7 +91,9 @@ int Send(const std::string& transports, const std::string& endpoint, size_t byte
 int main(int argc, char** argv) {
   InitLogging("transport-peer");
   if (argc != 6) {
-    std::fprintf(stderr, "usage: transport_peer recv|send TRANSPORTS ADDR BYTES ROUNDS\n");
+    std::fprintf(
+        stderr,
+        "usage: transport_peer recv|send TRANSPORTS ADDR BYTES ROUNDS\n");
     return 2;
   }
   std::string mode = argv[1];

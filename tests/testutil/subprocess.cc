@@ -1,18 +1,19 @@
 #include "tests/testutil/subprocess.h"
 
+#include <thread>
+
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <thread>
-
 extern char** environ;
 
 namespace membox::testing {
 
-std::optional<Subprocess> Subprocess::Start(const std::vector<std::string>& argv) {
+std::optional<Subprocess> Subprocess::Start(
+    const std::vector<std::string>& argv) {
   int out[2];
   if (pipe(out) != 0) return std::nullopt;
   posix_spawn_file_actions_t fa;
@@ -35,7 +36,10 @@ std::optional<Subprocess> Subprocess::Start(const std::vector<std::string>& argv
 }
 
 Subprocess::Subprocess(Subprocess&& o) noexcept
-    : pid_(o.pid_), out_fd_(o.out_fd_), buf_(std::move(o.buf_)), status_(o.status_) {
+    : pid_(o.pid_),
+      out_fd_(o.out_fd_),
+      buf_(std::move(o.buf_)),
+      status_(o.status_) {
   o.pid_ = -1;
   o.out_fd_ = -1;
 }
@@ -49,7 +53,8 @@ Subprocess::~Subprocess() {
   if (out_fd_ >= 0) close(out_fd_);
 }
 
-std::optional<std::string> Subprocess::ReadLine(std::chrono::milliseconds timeout) {
+std::optional<std::string> Subprocess::ReadLine(
+    std::chrono::milliseconds timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     auto nl = buf_.find('\n');
@@ -70,8 +75,8 @@ std::optional<std::string> Subprocess::ReadLine(std::chrono::milliseconds timeou
   }
 }
 
-std::optional<std::string> Subprocess::WaitFor(const std::string& prefix,
-                                               std::chrono::milliseconds timeout) {
+std::optional<std::string> Subprocess::WaitFor(
+    const std::string& prefix, std::chrono::milliseconds timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(

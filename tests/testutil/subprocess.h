@@ -4,12 +4,12 @@
 #ifndef MEMBOX_TESTS_TESTUTIL_SUBPROCESS_H_
 #define MEMBOX_TESTS_TESTUTIL_SUBPROCESS_H_
 
-#include <sys/types.h>
-
 #include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include <sys/types.h>
 
 namespace membox::testing {
 

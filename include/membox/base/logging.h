@@ -9,9 +9,9 @@
 #ifndef MEMBOX_BASE_LOGGING_H_
 #define MEMBOX_BASE_LOGGING_H_
 
-#include <spdlog/spdlog.h>
-
 #include <string_view>
+
+#include <spdlog/spdlog.h>
 
 namespace membox {
 

@@ -4,8 +4,8 @@
 // The code tells the caller what to do next (abseil's semantics):
 //   kUnavailable        the same call may be retried (peer busy, transient);
 //   kDeadlineExceeded   a wait timed out; the operation itself is still alive;
-//   kAborted            retry at a higher level (e.g. reconnect, redo the step);
-//   kFailedPrecondition do not retry until the state is fixed;
+//   kAborted            retry at a higher level (e.g. reconnect, redo the
+//   step); kFailedPrecondition do not retry until the state is fixed;
 //   kInvalidArgument / kOutOfRange / kPermissionDenied: the request is wrong,
 //                       retrying it unchanged fails the same way;
 //   kDataLoss           stored or transmitted bytes are corrupt.
@@ -103,13 +103,12 @@ Status UnauthenticatedError(std::string message);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}         // NOLINT: implicit by design
-  Result(Status status) : v_(std::move(status)) {}  // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(Status status)
+      : v_(std::move(status)) {}  // NOLINT: implicit by design
 
   bool ok() const { return std::holds_alternative<T>(v_); }
-  Status status() const {
-    return ok() ? Status() : std::get<Status>(v_);
-  }
+  Status status() const { return ok() ? Status() : std::get<Status>(v_); }
   T& value() & { return std::get<T>(v_); }
   const T& value() const& { return std::get<T>(v_); }
   T&& value() && { return std::get<T>(std::move(v_)); }
@@ -129,17 +128,17 @@ class [[nodiscard]] Result {
 #define MEMBOX_CONCAT_(a, b) MEMBOX_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (a Status) is not OK.
-#define RETURN_IF_ERROR(expr)                          \
-  do {                                                 \
-    ::membox::Status membox_status_ = (expr);          \
-    if (!membox_status_.ok()) return membox_status_;   \
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    ::membox::Status membox_status_ = (expr);        \
+    if (!membox_status_.ok()) return membox_status_; \
   } while (0)
 
 // ASSIGN_OR_RETURN(auto x, ResultExpr()): binds the value or returns the error.
-#define ASSIGN_OR_RETURN(lhs, expr)                                       \
-  auto MEMBOX_CONCAT_(membox_result_, __LINE__) = (expr);                 \
-  if (!MEMBOX_CONCAT_(membox_result_, __LINE__).ok())                     \
-    return MEMBOX_CONCAT_(membox_result_, __LINE__).status();             \
+#define ASSIGN_OR_RETURN(lhs, expr)                           \
+  auto MEMBOX_CONCAT_(membox_result_, __LINE__) = (expr);     \
+  if (!MEMBOX_CONCAT_(membox_result_, __LINE__).ok())         \
+    return MEMBOX_CONCAT_(membox_result_, __LINE__).status(); \
   lhs = std::move(MEMBOX_CONCAT_(membox_result_, __LINE__)).value()
 
 #endif  // MEMBOX_BASE_STATUS_H_

@@ -56,10 +56,11 @@ class Device {
   // Allocates `bytes` of registered memory (shared-memory backed on one host,
   // so same-host peers can map it). Registration happens here, once; the
   // data path never registers.
-  virtual Result<std::unique_ptr<MemRegion>> AllocateMemRegion(size_t bytes) = 0;
+  virtual Result<std::unique_ptr<MemRegion>> AllocateMemRegion(
+      size_t bytes) = 0;
   // Registers memory the caller owns and keeps alive longer than the region.
-  virtual Result<std::unique_ptr<MemRegion>> RegisterMemRegion(void* addr,
-                                                               size_t bytes) = 0;
+  virtual Result<std::unique_ptr<MemRegion>> RegisterMemRegion(
+      void* addr, size_t bytes) = 0;
 
   // Connects (or returns the cached connection) to `remote_endpoint`
   // ("host:port") on lane `lane` in [0, lanes_per_peer).

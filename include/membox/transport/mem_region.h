@@ -38,11 +38,11 @@ namespace membox::transport {
 // What a peer needs to reach a region. Crosses process boundaries: decode it
 // only with Deserialize(), which validates every field.
 struct RegionDescriptor {
-  uint64_t address = 0;     // virtual address in the owner's process
-  uint64_t length = 0;      // bytes
-  uint64_t region_id = 0;   // owner-local id, unique per device
-  uint64_t token = 0;       // random access key; checked by the owner
-  uint64_t device_id = 0;   // random id of the owning device
+  uint64_t address = 0;              // virtual address in the owner's process
+  uint64_t length = 0;               // bytes
+  uint64_t region_id = 0;            // owner-local id, unique per device
+  uint64_t token = 0;                // random access key; checked by the owner
+  uint64_t device_id = 0;            // random id of the owning device
   std::vector<uint8_t> packed_rkey;  // transport remote key (opaque)
 
   // Wire format: docs/formats/region_descriptor.md.
@@ -76,7 +76,10 @@ class MemRegion {
 
  protected:
   MemRegion(void* data, size_t size, uint64_t id, bool device_allocated)
-      : data_(data), size_(size), id_(id), device_allocated_(device_allocated) {}
+      : data_(data),
+        size_(size),
+        id_(id),
+        device_allocated_(device_allocated) {}
 
  private:
   void* data_;

@@ -71,7 +71,8 @@ class OpState {
 class [[nodiscard]] OpHandle {
  public:
   OpHandle() = default;
-  explicit OpHandle(std::shared_ptr<OpState> state) : state_(std::move(state)) {}
+  explicit OpHandle(std::shared_ptr<OpState> state)
+      : state_(std::move(state)) {}
   // A handle for an operation that finished with `status` during the call.
   static OpHandle Done(const Status& status, EventCount* events = nullptr);
 

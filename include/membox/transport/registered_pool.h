@@ -49,7 +49,8 @@ class RegisteredPool : public std::enable_shared_from_this<RegisteredPool> {
     size_t reserved_ = 0;
   };
 
-  static Result<std::shared_ptr<RegisteredPool>> Create(Device& device, size_t bytes,
+  static Result<std::shared_ptr<RegisteredPool>> Create(Device& device,
+                                                        size_t bytes,
                                                         size_t alignment = 64);
 
   // kResourceExhausted when no free range is large enough (the pool never

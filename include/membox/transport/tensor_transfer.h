@@ -50,8 +50,13 @@
 namespace membox::transport {
 
 enum class DType : uint8_t {
-  kFloat32 = 1, kFloat64 = 2, kFloat16 = 3, kBFloat16 = 4,
-  kInt32 = 5, kInt64 = 6, kUInt8 = 7,
+  kFloat32 = 1,
+  kFloat64 = 2,
+  kFloat16 = 3,
+  kBFloat16 = 4,
+  kInt32 = 5,
+  kInt64 = 6,
+  kUInt8 = 7,
 };
 // 0 for values that are not a DType.
 size_t DTypeSize(DType t);
@@ -70,7 +75,8 @@ struct TensorMeta {
   void EncodeTo(uint8_t out[kEncodedSize]) const;
   // Validates: known dtype, ndims <= kMaxDims, nbytes == product * size with
   // no overflow, nbytes <= max_bytes, checksum.
-  static Result<TensorMeta> Decode(std::span<const uint8_t> in, uint64_t max_bytes);
+  static Result<TensorMeta> Decode(std::span<const uint8_t> in,
+                                   uint64_t max_bytes);
 };
 
 class StaticTensorReceiver {
@@ -90,7 +96,7 @@ class StaticTensorReceiver {
  private:
   StaticTensorReceiver() = default;
   std::shared_ptr<Channel> channel_;
-  std::unique_ptr<MemRegion> buf_;     // tensor bytes, then the flag word
+  std::unique_ptr<MemRegion> buf_;  // tensor bytes, then the flag word
   std::unique_ptr<MemRegion> credit_src_;
   std::shared_ptr<RemoteMemRegion> sender_credit_;
   size_t bytes_ = 0;
@@ -158,8 +164,9 @@ class DynamicTensorSender {
   RegisteredPool& pool() { return *pool_; }
   // Publishes the tensor `data` (inside pool()) described by `meta`; returns
   // its sequence number. Waits for the previous tensor to be consumed first.
-  Result<uint64_t> Send(const TensorMeta& meta, const void* data,
-                        std::chrono::nanoseconds timeout = std::chrono::seconds(60));
+  Result<uint64_t> Send(
+      const TensorMeta& meta, const void* data,
+      std::chrono::nanoseconds timeout = std::chrono::seconds(60));
   // Returns once the receiver has read tensor `seq` (its buffer is free).
   Status WaitConsumed(uint64_t seq, std::chrono::nanoseconds timeout);
 

@@ -26,14 +26,14 @@ class FaultChannel final : public Channel {
     timer_.join();
   }
 
-  Result<std::shared_ptr<RemoteMemRegion>> Import(const RegionDescriptor& d,
-                                                  std::chrono::nanoseconds t) override {
+  Result<std::shared_ptr<RemoteMemRegion>> Import(
+      const RegionDescriptor& d, std::chrono::nanoseconds t) override {
     return inner_->Import(d, t);
   }
 
-  Result<OpHandle> Memcpy(void* local_addr, const MemRegion& local, uint64_t remote_addr,
-                          const RemoteMemRegion& remote, size_t size, Direction dir,
-                          Completion cb) override {
+  Result<OpHandle> Memcpy(void* local_addr, const MemRegion& local,
+                          uint64_t remote_addr, const RemoteMemRegion& remote,
+                          size_t size, Direction dir, Completion cb) override {
     enum { kNone, kFail, kDrop, kCorrupt } fault = kNone;
     Clock::time_point due;
     {
@@ -41,24 +41,31 @@ class FaultChannel final : public Channel {
       if (Draw(p_.fail_submit)) {
         return UnavailableError("injected fault: submit failed");
       }
-      if (Draw(p_.fail_completion)) fault = kFail;
-      else if (Draw(p_.drop_completion)) fault = kDrop;
-      else if (Draw(p_.corrupt)) fault = kCorrupt;
+      if (Draw(p_.fail_completion))
+        fault = kFail;
+      else if (Draw(p_.drop_completion))
+        fault = kDrop;
+      else if (Draw(p_.corrupt))
+        fault = kCorrupt;
       auto now = Clock::now();
       auto start = std::max(now, busy_until_);
-      auto xfer = p_.bandwidth_bytes_per_s > 0
-                      ? std::chrono::nanoseconds(static_cast<int64_t>(
-                            1e9 * static_cast<double>(size) / p_.bandwidth_bytes_per_s))
-                      : std::chrono::nanoseconds(0);
+      auto xfer =
+          p_.bandwidth_bytes_per_s > 0
+              ? std::chrono::nanoseconds(static_cast<int64_t>(
+                    1e9 * static_cast<double>(size) / p_.bandwidth_bytes_per_s))
+              : std::chrono::nanoseconds(0);
       busy_until_ = start + xfer;
       due = busy_until_ + p_.fixed_latency;
     }
     auto outer = std::make_shared<OpState>(&events_, std::move(cb));
-    auto finish = [this, outer, fault, due, local_addr, size, dir](const Status& s) {
+    auto finish = [this, outer, fault, due, local_addr, size,
+                   dir](const Status& s) {
       Status r = s;
-      if (s.ok() && fault == kFail) r = UnavailableError("injected fault: completion failed");
+      if (s.ok() && fault == kFail)
+        r = UnavailableError("injected fault: completion failed");
       if (s.ok() && fault == kCorrupt) {
-        if (dir == Direction::kRead && size > 0) static_cast<uint8_t*>(local_addr)[0] ^= 0xff;
+        if (dir == Direction::kRead && size > 0)
+          static_cast<uint8_t*>(local_addr)[0] ^= 0xff;
         r = DataLossError("injected fault: corrupted completion");
       }
       if (fault == kDrop) {
@@ -68,8 +75,9 @@ class FaultChannel final : public Channel {
       }
       Schedule(due, outer, r);
     };
-    ASSIGN_OR_RETURN(OpHandle inner, inner_->Memcpy(local_addr, local, remote_addr, remote,
-                                                   size, dir, finish));
+    ASSIGN_OR_RETURN(OpHandle inner,
+                     inner_->Memcpy(local_addr, local, remote_addr, remote,
+                                    size, dir, finish));
     // The inner operation reports through `finish`; the caller's buffers are
     // held by the outer handle, which completes only after `finish` ran.
     (void)inner.Detach();
@@ -86,16 +94,20 @@ class FaultChannel final : public Channel {
       due = std::max(Clock::now(), busy_until_) + p_.fixed_latency;
     }
     ASSIGN_OR_RETURN(OpHandle inner,
-                     inner_->Flush([this, outer, due](const Status& s) { Schedule(due, outer, s); }));
+                     inner_->Flush([this, outer, due](const Status& s) {
+                       Schedule(due, outer, s);
+                     }));
     (void)inner.Detach();
     return OpHandle(outer);
   }
 
   Status SendControl(std::span<const uint8_t> msg) override {
-    if (p_.fixed_latency.count() > 0) std::this_thread::sleep_for(p_.fixed_latency);
+    if (p_.fixed_latency.count() > 0)
+      std::this_thread::sleep_for(p_.fixed_latency);
     return inner_->SendControl(msg);
   }
-  Result<std::vector<uint8_t>> RecvControl(std::chrono::nanoseconds t) override {
+  Result<std::vector<uint8_t>> RecvControl(
+      std::chrono::nanoseconds t) override {
     return inner_->RecvControl(t);
   }
   void Progress() override { inner_->Progress(); }
@@ -158,10 +170,11 @@ class FaultChannel final : public Channel {
   EventCount events_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::mt19937_64 rng_;                          // GUARDED_BY(mu_)
-  Clock::time_point busy_until_{};               // GUARDED_BY(mu_)
-  std::priority_queue<Due, std::vector<Due>, std::greater<Due>> q_;  // GUARDED_BY(mu_)
-  bool stop_ = false;                            // GUARDED_BY(mu_)
+  std::mt19937_64 rng_;             // GUARDED_BY(mu_)
+  Clock::time_point busy_until_{};  // GUARDED_BY(mu_)
+  std::priority_queue<Due, std::vector<Due>, std::greater<Due>>
+      q_;              // GUARDED_BY(mu_)
+  bool stop_ = false;  // GUARDED_BY(mu_)
   std::thread timer_;
 };
 

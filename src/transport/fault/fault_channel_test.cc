@@ -1,8 +1,8 @@
 #include "membox/transport/fault_channel.h"
 
-#include <gtest/gtest.h>
-
 #include <cstring>
+
+#include <gtest/gtest.h>
 
 #include "membox/transport/device.h"
 
@@ -24,7 +24,9 @@ class FaultChannelTest : public ::testing::Test {
     remote_ = std::move(*server_->AllocateMemRegion(1 << 20));
     local_ = std::move(*client_->AllocateMemRegion(1 << 20));
   }
-  std::shared_ptr<RemoteMemRegion> Import(Channel& ch) { return *ch.Import(remote_->Export()); }
+  std::shared_ptr<RemoteMemRegion> Import(Channel& ch) {
+    return *ch.Import(remote_->Export());
+  }
 
   std::unique_ptr<Device> server_, client_;
   std::shared_ptr<Channel> inner_, peer_;
@@ -57,8 +59,9 @@ TEST_F(FaultChannelTest, InjectedFailures) {
   p.fail_submit = 1.0;
   auto ch = WrapWithFaults(inner_, p);
   auto rr = Import(*ch);
-  EXPECT_EQ(ch->Write(local_->data(), *local_, rr->address(), *rr, 8).status().code(),
-            StatusCode::kUnavailable);
+  EXPECT_EQ(
+      ch->Write(local_->data(), *local_, rr->address(), *rr, 8).status().code(),
+      StatusCode::kUnavailable);
 
   FaultPolicy q;
   q.fail_completion = 1.0;

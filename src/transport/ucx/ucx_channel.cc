@@ -6,6 +6,7 @@
 #include <set>
 
 #include "membox/base/logging.h"
+
 #include "src/transport/am_messages.h"
 #include "src/transport/wire.h"
 
@@ -26,7 +27,8 @@ void FinishSend(SendCtx* c, ucs_status_t st) {
   // Complete before untracking: Track() skips states that are already done,
   // so a state is never left in the in-flight set.
   if (c->state) {
-    c->state->Complete(st == UCS_OK ? Status::Ok() : UcsError(st, "transfer failed"));
+    c->state->Complete(st == UCS_OK ? Status::Ok()
+                                    : UcsError(st, "transfer failed"));
   }
   if (c->channel && c->state) c->channel->Untrack(c->state);
   if (c->in_flight) {
@@ -36,7 +38,9 @@ void FinishSend(SendCtx* c, ucs_status_t st) {
   delete c;
 }
 
-void ProgressWorker(void* w) { ucp_worker_progress(static_cast<ucp_worker_h>(w)); }
+void ProgressWorker(void* w) {
+  ucp_worker_progress(static_cast<ucp_worker_h>(w));
+}
 
 void SendCb(void* request, ucs_status_t st, void* user_data) {
   FinishSend(static_cast<SendCtx*>(user_data), st);
@@ -45,9 +49,13 @@ void SendCb(void* request, ucs_status_t st, void* user_data) {
 
 }  // namespace
 
-UcxChannel::UcxChannel(UcxDevice* dev, UcxWorker* worker, int lane, std::string peer,
-                       bool accepted)
-    : dev_(dev), worker_(worker), lane_(lane), peer_(std::move(peer)), accepted_(accepted) {}
+UcxChannel::UcxChannel(UcxDevice* dev, UcxWorker* worker, int lane,
+                       std::string peer, bool accepted)
+    : dev_(dev),
+      worker_(worker),
+      lane_(lane),
+      peer_(std::move(peer)),
+      accepted_(accepted) {}
 
 UcxChannel::~UcxChannel() { Close(); }
 
@@ -114,14 +122,16 @@ void UcxChannel::Close() {
     p.flags = graceful ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
     ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &p);
     if (UCS_PTR_IS_PTR(req)) {
-      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      auto deadline =
+          std::chrono::steady_clock::now() + std::chrono::seconds(2);
       // The bootstrap endpoint of an accepted channel lives on worker 0.
       while (ucp_request_check_status(req) == UCS_INPROGRESS &&
              std::chrono::steady_clock::now() < deadline) {
         ucp_worker_progress(worker_->worker());
         ucp_worker_progress(dev_->worker(0)->worker());
       }
-      if (ucp_request_check_status(req) != UCS_INPROGRESS) ucp_request_free(req);
+      if (ucp_request_check_status(req) != UCS_INPROGRESS)
+        ucp_request_free(req);
     }
   }
   data_ready_.store(false, std::memory_order_release);
@@ -130,7 +140,8 @@ void UcxChannel::Close() {
 
 Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
   ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
   // UCX 1.13 selects only transports with peer-failure detection for
@@ -138,8 +149,10 @@ Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
   // (posix, sysv, cma). Between processes on one host the data endpoint
   // therefore runs without it; the bootstrap endpoint (TCP) detects a dead
   // peer and Fail() completes what is in flight.
-  data_ep_peer_errors_ = !(peer_same_host_ && dev_->options().transports != "tcp");
-  ep.err_mode = data_ep_peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  data_ep_peer_errors_ =
+      !(peer_same_host_ && dev_->options().transports != "tcp");
+  ep.err_mode = data_ep_peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER
+                                     : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t st) {
     static_cast<UcxChannel*>(arg)->Fail(UcsError(st, "connection lost"));
   };
@@ -163,8 +176,9 @@ Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
   return Status::Ok();
 }
 
-Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* data,
-                          size_t len, std::shared_ptr<OpState> state) {
+Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr,
+                          const void* data, size_t len,
+                          std::shared_ptr<OpState> state) {
   const bool bootstrap = id == kAmHello || id == kAmHelloAck;
   ucp_ep_h ep = bootstrap ? boot_ep_ : ep_;
   if (bootstrap) {
@@ -178,10 +192,12 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* 
   uint64_t dest = bootstrap ? 0 : remote_id_;
   c->hdr.resize(sizeof(dest) + hdr.size());
   std::memcpy(c->hdr.data(), &dest, sizeof(dest));
-  if (!hdr.empty()) std::memcpy(c->hdr.data() + sizeof(dest), hdr.data(), hdr.size());
+  if (!hdr.empty())
+    std::memcpy(c->hdr.data() + sizeof(dest), hdr.data(), hdr.size());
   c->state = std::move(state);
   if (!c->state && len > 0) {
-    c->payload.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + len);
+    c->payload.assign(static_cast<const uint8_t*>(data),
+                      static_cast<const uint8_t*>(data) + len);
     data = c->payload.data();
   }
   if (id == kAmWrite) {
@@ -217,7 +233,9 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* 
 }
 
 void UcxChannel::Progress() {
-  if (protocol_ == Protocol::kMapped && !rma_since_flush_.load(std::memory_order_relaxed)) return;
+  if (protocol_ == Protocol::kMapped &&
+      !rma_since_flush_.load(std::memory_order_relaxed))
+    return;
   ucp_worker_progress(worker_->worker());
 }
 
@@ -241,9 +259,10 @@ Status UcxChannel::Handshake(std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> l(mu_);
     rpcs_[0] = state;
   }
-  msg::Hello hello{id_, static_cast<uint32_t>(lane_), dev_->options().name, dev_->host_id(),
-                   worker_->address()};
-  RETURN_IF_ERROR(SendAm(kAmHello, msg::EncodeHello(hello, true), nullptr, 0, nullptr));
+  msg::Hello hello{id_, static_cast<uint32_t>(lane_), dev_->options().name,
+                   dev_->host_id(), worker_->address()};
+  RETURN_IF_ERROR(
+      SendAm(kAmHello, msg::EncodeHello(hello, true), nullptr, 0, nullptr));
   OpHandle h(state);
   Status s = h.Wait(timeout);
   if (s.code() == StatusCode::kDeadlineExceeded) {
@@ -256,10 +275,13 @@ Status UcxChannel::Handshake(std::chrono::milliseconds timeout) {
 
 Protocol UcxChannel::ChooseProtocol() const {
   switch (dev_->options().protocol) {
-    case ProtocolChoice::kRma: return Protocol::kRma;
-    case ProtocolChoice::kActiveMessage: return Protocol::kActiveMessage;
+    case ProtocolChoice::kRma:
+      return Protocol::kRma;
+    case ProtocolChoice::kActiveMessage:
+      return Protocol::kActiveMessage;
     case ProtocolChoice::kAuto:
-    case ProtocolChoice::kNoMapping: break;
+    case ProtocolChoice::kNoMapping:
+      break;
   }
   // UCX 1.13's put/get over TCP are ~100x slower than its active messages
   // for large transfers (docs/design/transport.md), so TCP uses messages.
@@ -271,8 +293,8 @@ Protocol UcxChannel::ChooseProtocol() const {
   return dev_->rdma_present() ? Protocol::kRma : Protocol::kActiveMessage;
 }
 
-Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(const RegionDescriptor& desc,
-                                                            std::chrono::nanoseconds timeout) {
+Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
+    const RegionDescriptor& desc, std::chrono::nanoseconds timeout) {
   RETURN_IF_ERROR(CheckUsable());
   if (desc.length == 0 || desc.address + desc.length < desc.address) {
     return InvalidArgumentError("descriptor has an empty or overflowing range");
@@ -287,9 +309,15 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(const RegionDescript
     std::lock_guard<std::mutex> l(mu_);
     rpcs_[req] = state;
   }
-  msg::ValidateRequest vr{req, desc.region_id, desc.token, desc.address, desc.length,
-                         wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size())};
-  Status s = SendAm(kAmValidateReq, msg::EncodeValidateRequest(vr), nullptr, 0, nullptr);
+  msg::ValidateRequest vr{
+      req,
+      desc.region_id,
+      desc.token,
+      desc.address,
+      desc.length,
+      wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size())};
+  Status s = SendAm(kAmValidateReq, msg::EncodeValidateRequest(vr), nullptr, 0,
+                    nullptr);
   if (s.ok()) {
     OpHandle h(state);
     s = h.Wait(timeout);
@@ -307,7 +335,8 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(const RegionDescript
     if (st != UCS_OK) return UcsError(st, "cannot unpack the remote key");
     if (protocol_ == Protocol::kMapped &&
         ucp_rkey_ptr(rkey, desc.address, &mapped) != UCS_OK) {
-      mapped = nullptr;  // user-registered memory: RMA through the data endpoint
+      mapped =
+          nullptr;  // user-registered memory: RMA through the data endpoint
     }
   }
   auto r = std::make_shared<UcxRemoteMemRegion>(desc, mapped, rkey, this);
@@ -315,20 +344,23 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(const RegionDescript
 }
 
 Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
-                                    uint64_t remote_addr, const RemoteMemRegion& remote,
-                                    size_t size, Direction direction, Completion cb) {
+                                    uint64_t remote_addr,
+                                    const RemoteMemRegion& remote, size_t size,
+                                    Direction direction, Completion cb) {
   RETURN_IF_ERROR(CheckUsable());
   if (!local.Contains(local_addr, size)) {
     return OutOfRangeError("local range of " + std::to_string(size) +
                            " bytes is outside the local region");
   }
   if (!remote.Contains(remote_addr, size)) {
-    return OutOfRangeError("remote range [" + std::to_string(remote_addr) + ", +" +
-                           std::to_string(size) + ") is outside the remote region");
+    return OutOfRangeError("remote range [" + std::to_string(remote_addr) +
+                           ", +" + std::to_string(size) +
+                           ") is outside the remote region");
   }
   auto* r = dynamic_cast<const UcxRemoteMemRegion*>(&remote);
   if (r == nullptr || r->channel() != this) {
-    return InvalidArgumentError("remote region was not imported on this channel");
+    return InvalidArgumentError(
+        "remote region was not imported on this channel");
   }
   if (size == 0) {
     if (cb) cb(Status::Ok());
@@ -385,8 +417,10 @@ Result<OpHandle> UcxChannel::AmWrite(const void* local, uint64_t raddr,
                                      const RemoteMemRegion& remote, size_t size,
                                      Completion cb) {
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
-  msg::Access a{0, raddr, remote.descriptor().region_id, remote.descriptor().token, size};
-  RETURN_IF_ERROR(SendAm(kAmWrite, msg::EncodeAccess(a, false), local, size, state));
+  msg::Access a{0, raddr, remote.descriptor().region_id,
+                remote.descriptor().token, size};
+  RETURN_IF_ERROR(
+      SendAm(kAmWrite, msg::EncodeAccess(a, false), local, size, state));
   return OpHandle(std::move(state));
 }
 
@@ -400,8 +434,10 @@ Result<OpHandle> UcxChannel::AmRead(void* local, uint64_t raddr,
     std::lock_guard<std::mutex> l(mu_);
     reads_[op] = PendingRead{local, size, state};
   }
-  msg::Access a{op, raddr, remote.descriptor().region_id, remote.descriptor().token, size};
-  Status s = SendAm(kAmReadReq, msg::EncodeAccess(a, true), nullptr, 0, nullptr);
+  msg::Access a{op, raddr, remote.descriptor().region_id,
+                remote.descriptor().token, size};
+  Status s =
+      SendAm(kAmReadReq, msg::EncodeAccess(a, true), nullptr, 0, nullptr);
   if (!s.ok()) {
     std::lock_guard<std::mutex> l(mu_);
     reads_.erase(op);
@@ -419,7 +455,8 @@ Status UcxChannel::Fence() {
       // mapped (user-registered memory) go through RMA; fence the worker only
       // if such a write was issued since the last fence.
       std::atomic_thread_fence(std::memory_order_release);
-      if (!rma_since_fence_.exchange(false, std::memory_order_acq_rel)) return Status::Ok();
+      if (!rma_since_fence_.exchange(false, std::memory_order_acq_rel))
+        return Status::Ok();
       [[fallthrough]];
     case Protocol::kRma: {
       ucs_status_t st = ucp_worker_fence(worker_->worker());
@@ -434,7 +471,8 @@ Status UcxChannel::Fence() {
           },
           dev_->events(), std::chrono::seconds(60));
       if (failed_.load()) return health();
-      if (!ok) return DeadlineExceededError("fence: earlier writes still in flight");
+      if (!ok)
+        return DeadlineExceededError("fence: earlier writes still in flight");
       return Status::Ok();
     }
   }
@@ -500,13 +538,15 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
 
 Status UcxChannel::SendControl(std::span<const uint8_t> msg) {
   if (msg.size() > kMaxControlMessage) {
-    return InvalidArgumentError("control message of " + std::to_string(msg.size()) +
+    return InvalidArgumentError("control message of " +
+                                std::to_string(msg.size()) +
                                 " bytes exceeds the limit");
   }
   return SendAm(kAmControl, {}, msg.data(), msg.size(), nullptr);
 }
 
-Result<std::vector<uint8_t>> UcxChannel::RecvControl(std::chrono::nanoseconds timeout) {
+Result<std::vector<uint8_t>> UcxChannel::RecvControl(
+    std::chrono::nanoseconds timeout) {
   std::vector<uint8_t> out;
   bool got = false;
   bool ok = SpinThenBlock(
@@ -524,10 +564,12 @@ Result<std::vector<uint8_t>> UcxChannel::RecvControl(std::chrono::nanoseconds ti
   if (got) return out;
   if (failed_.load()) return health();
   (void)ok;
-  return DeadlineExceededError("no control message from " + peer() + " before the timeout");
+  return DeadlineExceededError("no control message from " + peer() +
+                               " before the timeout");
 }
 
-void UcxChannel::RecvInto(void* desc, void* dst, size_t len, const ucp_am_recv_param_t*,
+void UcxChannel::RecvInto(void* desc, void* dst, size_t len,
+                          const ucp_am_recv_param_t*,
                           std::function<void(const Status&)> done) {
   struct Ctx {
     std::function<void(const Status&)> done;
@@ -542,7 +584,8 @@ void UcxChannel::RecvInto(void* desc, void* dst, size_t len, const ucp_am_recv_p
     ucp_request_free(req);
   };
   p.user_data = c;
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_->worker(), desc, dst, len, &p);
+  ucs_status_ptr_t r =
+      ucp_am_recv_data_nbx(worker_->worker(), desc, dst, len, &p);
   if (r == nullptr) {
     c->done(Status::Ok());
     delete c;
@@ -563,16 +606,18 @@ void UcxChannel::RndvDone() {
     std::lock_guard<std::mutex> l(mu_);
     if (--rndv_in_progress_ == 0) flushes.swap(deferred_flushes_);
   }
-  for (uint64_t op : flushes) (void)SendAm(kAmFlushResp, msg::EncodeId(op), nullptr, 0, nullptr);
+  for (uint64_t op : flushes)
+    (void)SendAm(kAmFlushResp, msg::EncodeId(op), nullptr, 0, nullptr);
 }
 
-ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* data,
-                              size_t len, const ucp_am_recv_param_t* param) {
+ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
+                              void* data, size_t len,
+                              const ucp_am_recv_param_t* param) {
   std::span<const uint8_t> hdr(static_cast<const uint8_t*>(header), hlen);
   const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
   auto drop = [&](const Status& why) {
-    MEMBOX_LOG_WARN("dropping active message {} from {}: {}", static_cast<int>(id), peer(),
-                    why.ToString());
+    MEMBOX_LOG_WARN("dropping active message {} from {}: {}",
+                    static_cast<int>(id), peer(), why.ToString());
     if (rndv) ucp_am_data_release(worker_->worker(), data);
     return UCS_OK;
   };
@@ -581,7 +626,8 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
     case kAmHelloAck: {
       auto m = msg::DecodeHello(hdr, id == kAmHello);
       if (!m.ok()) return drop(m.status());
-      if (data_ready_.load()) return drop(InvalidArgumentError("duplicate hello"));
+      if (data_ready_.load())
+        return drop(InvalidArgumentError("duplicate hello"));
       {
         std::lock_guard<std::mutex> l(mu_);
         peer_name_ = m->name;
@@ -596,11 +642,14 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
         worker_ = dev_->NextAcceptWorker();
         Status s = CreateDataEp(m->address);
         if (!s.ok()) {
-          MEMBOX_LOG_WARN("refusing a channel from {}: {}", m->name, s.ToString());
+          MEMBOX_LOG_WARN("refusing a channel from {}: {}", m->name,
+                          s.ToString());
           return UCS_OK;
         }
-        msg::Hello ack{id_, 0, dev_->options().name, dev_->host_id(), worker_->address()};
-        (void)SendAm(kAmHelloAck, msg::EncodeHello(ack, false), nullptr, 0, nullptr);
+        msg::Hello ack{id_, 0, dev_->options().name, dev_->host_id(),
+                       worker_->address()};
+        (void)SendAm(kAmHelloAck, msg::EncodeHello(ack, false), nullptr, 0,
+                     nullptr);
         hello_seen_.store(true);
         dev_->OnHello(this);
       } else {
@@ -619,7 +668,8 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
       return UCS_OK;
     }
     case kAmControl: {
-      if (len > kMaxControlMessage) return drop(InvalidArgumentError("control message too large"));
+      if (len > kMaxControlMessage)
+        return drop(InvalidArgumentError("control message too large"));
       auto buf = std::make_shared<std::vector<uint8_t>>(len);
       auto deliver = [this, buf](const Status& s) {
         if (!s.ok()) return;
@@ -640,7 +690,8 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
     case kAmValidateReq: {
       auto m = msg::DecodeValidateRequest(hdr);
       if (!m.ok()) return drop(m.status());
-      Status s = dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
+      Status s =
+          dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
       // The key bytes are checked too, so the importer never unpacks bytes
       // the owner did not produce.
       if (s.ok() && !dev_->CheckRkeyCrc(m->region_id, m->rkey_crc)) {
@@ -666,7 +717,8 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
       {
         std::lock_guard<std::mutex> l(mu_);
         auto it = rpcs_.find(reply.request);
-        if (it == rpcs_.end()) return drop(NotFoundError("response to an unknown request"));
+        if (it == rpcs_.end())
+          return drop(NotFoundError("response to an unknown request"));
         st = it->second;
         rpcs_.erase(it);
       }
@@ -676,8 +728,10 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
     case kAmWrite: {
       auto m = msg::DecodeAccess(hdr, false);
       if (!m.ok()) return drop(m.status());
-      Status s = dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
-      if (s.ok() && m->length != len) s = InvalidArgumentError("write length mismatch");
+      Status s =
+          dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
+      if (s.ok() && m->length != len)
+        s = InvalidArgumentError("write length mismatch");
       if (!s.ok()) {
         if (rndv) ucp_am_data_release(worker_->worker(), data);
         SendError(s.WithContext("write rejected"));
@@ -701,13 +755,15 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
     case kAmReadReq: {
       auto m = msg::DecodeAccess(hdr, true);
       if (!m.ok()) return drop(m.status());
-      Status s = dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
-      msg::Reply reply{m->request, static_cast<uint32_t>(s.code()), std::string(s.message())};
+      Status s =
+          dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
+      msg::Reply reply{m->request, static_cast<uint32_t>(s.code()),
+                       std::string(s.message())};
       // The source is the registered region itself, which outlives the send.
       auto st = std::make_shared<OpState>(nullptr);
       (void)SendAm(kAmReadResp, msg::EncodeReply(reply),
-                   s.ok() ? reinterpret_cast<void*>(m->address) : nullptr, s.ok() ? m->length : 0,
-                   st);
+                   s.ok() ? reinterpret_cast<void*>(m->address) : nullptr,
+                   s.ok() ? m->length : 0, st);
       return UCS_OK;
     }
     case kAmReadResp: {
@@ -717,12 +773,14 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
       {
         std::lock_guard<std::mutex> l(mu_);
         auto it = reads_.find(m->request);
-        if (it == reads_.end()) return drop(NotFoundError("read response to an unknown request"));
+        if (it == reads_.end())
+          return drop(NotFoundError("read response to an unknown request"));
         pr = it->second;
         reads_.erase(it);
       }
       Status s = msg::StatusFromWire(m->code, m->message);
-      if (s.ok() && len != pr.len) s = DataLossError("read response of the wrong length");
+      if (s.ok() && len != pr.len)
+        s = DataLossError("read response of the wrong length");
       if (!s.ok()) {
         if (rndv) ucp_am_data_release(worker_->worker(), data);
         pr.state->Complete(s);
@@ -730,7 +788,8 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
       }
       if (rndv) {
         auto state = pr.state;
-        RecvInto(data, pr.local, len, param, [state](const Status& st) { state->Complete(st); });
+        RecvInto(data, pr.local, len, param,
+                 [state](const Status& st) { state->Complete(st); });
       } else {
         if (len) std::memcpy(pr.local, data, len);
         pr.state->Complete(Status::Ok());
@@ -746,7 +805,8 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen, void* da
         now = rndv_in_progress_ == 0;
         if (!now) deferred_flushes_.push_back(*m);
       }
-      if (now) (void)SendAm(kAmFlushResp, msg::EncodeId(*m), nullptr, 0, nullptr);
+      if (now)
+        (void)SendAm(kAmFlushResp, msg::EncodeId(*m), nullptr, 0, nullptr);
       return UCS_OK;
     }
     case kAmError: {

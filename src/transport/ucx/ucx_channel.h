@@ -12,18 +12,19 @@
 #ifndef MEMBOX_SRC_TRANSPORT_UCX_UCX_CHANNEL_H_
 #define MEMBOX_SRC_TRANSPORT_UCX_UCX_CHANNEL_H_
 
-#include <ucp/api/ucp.h>
-
 #include <atomic>
 #include <deque>
 #include <map>
-#include <set>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
+#include <ucp/api/ucp.h>
+
 #include "membox/transport/channel.h"
+
 #include "src/transport/ucx/ucx_device.h"
 
 namespace membox::transport::ucx {
@@ -40,8 +41,8 @@ class UcxRemoteMemRegion final : public RemoteMemRegion {
   const void* channel() const { return channel_; }
 
  private:
-  ucp_rkey_h rkey_;        // unpacked for one ep; null on kActiveMessage
-  const void* channel_;    // the channel that imported it
+  ucp_rkey_h rkey_;      // unpacked for one ep; null on kActiveMessage
+  const void* channel_;  // the channel that imported it
 };
 
 class UcxChannel final : public Channel,
@@ -60,7 +61,8 @@ class UcxChannel final : public Channel,
   Status Fence() override;
   Result<OpHandle> Flush(Completion callback) override;
   Status SendControl(std::span<const uint8_t> msg) override;
-  Result<std::vector<uint8_t>> RecvControl(std::chrono::nanoseconds timeout) override;
+  Result<std::vector<uint8_t>> RecvControl(
+      std::chrono::nanoseconds timeout) override;
   void Progress() override;
   Protocol protocol() const override { return protocol_; }
   Status health() const override;
@@ -103,7 +105,8 @@ class UcxChannel final : public Channel,
   Result<OpHandle> AmRead(void* local, uint64_t raddr,
                           const RemoteMemRegion& remote, size_t size,
                           Completion cb);
-  void RecvInto(void* data_desc, void* dst, size_t len, const ucp_am_recv_param_t* p,
+  void RecvInto(void* data_desc, void* dst, size_t len,
+                const ucp_am_recv_param_t* p,
                 std::function<void(const Status&)> done);
   void ReplyValidate(uint64_t req, const Status& s);
   void ReplyFlushLocked(uint64_t req);
@@ -131,16 +134,16 @@ class UcxChannel final : public Channel,
   std::atomic<uint64_t> next_op_{1};
 
   mutable std::mutex mu_;
-  Status failure_;                                   // GUARDED_BY(mu_)
-  Status async_error_;                               // GUARDED_BY(mu_)
-  std::deque<std::vector<uint8_t>> inbox_;           // GUARDED_BY(mu_)
-  std::map<uint64_t, PendingRead> reads_;            // GUARDED_BY(mu_)
+  Status failure_;                                     // GUARDED_BY(mu_)
+  Status async_error_;                                 // GUARDED_BY(mu_)
+  std::deque<std::vector<uint8_t>> inbox_;             // GUARDED_BY(mu_)
+  std::map<uint64_t, PendingRead> reads_;              // GUARDED_BY(mu_)
   std::map<uint64_t, std::shared_ptr<OpState>> rpcs_;  // GUARDED_BY(mu_)
-  std::set<std::shared_ptr<OpState>> inflight_;       // GUARDED_BY(mu_)
-  int64_t rndv_in_progress_ = 0;                     // GUARDED_BY(mu_)
-  std::vector<uint64_t> deferred_flushes_;           // GUARDED_BY(mu_)
-  std::string peer_name_;                            // GUARDED_BY(mu_)
-  std::string peer_host_;                            // GUARDED_BY(mu_)
+  std::set<std::shared_ptr<OpState>> inflight_;        // GUARDED_BY(mu_)
+  int64_t rndv_in_progress_ = 0;                       // GUARDED_BY(mu_)
+  std::vector<uint64_t> deferred_flushes_;             // GUARDED_BY(mu_)
+  std::string peer_name_;                              // GUARDED_BY(mu_)
+  std::string peer_host_;                              // GUARDED_BY(mu_)
   EventCount inbox_ev_;
   friend class UcxDevice;
 };

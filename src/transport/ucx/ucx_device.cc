@@ -1,19 +1,20 @@
 #include "src/transport/ucx/ucx_device.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/epoll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
+
 #include "src/transport/ucx/ucx_channel.h"
 #include "src/transport/wire.h"
 
@@ -33,9 +34,12 @@ Result<std::unique_ptr<Device>> Device::Create(const DeviceOptions& options) {
 
 const char* ProtocolName(Protocol p) {
   switch (p) {
-    case Protocol::kMapped: return "mapped";
-    case Protocol::kRma: return "rma";
-    case Protocol::kActiveMessage: return "active-message";
+    case Protocol::kMapped:
+      return "mapped";
+    case Protocol::kRma:
+      return "rma";
+    case Protocol::kActiveMessage:
+      return "active-message";
   }
   return "?";
 }
@@ -97,7 +101,8 @@ Result<sockaddr_storage> Resolve(const std::string& endpoint, socklen_t* len,
   addrinfo* res = nullptr;
   int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
   if (rc != 0 || res == nullptr) {
-    return InvalidArgumentError("cannot resolve '" + endpoint + "': " + gai_strerror(rc));
+    return InvalidArgumentError("cannot resolve '" + endpoint +
+                                "': " + gai_strerror(rc));
   }
   sockaddr_storage ss{};
   std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
@@ -113,7 +118,10 @@ class UcxMemRegion final : public MemRegion {
                uint64_t id, bool allocated, uint64_t token,
                std::vector<uint8_t> rkey)
       : MemRegion(data, size, id, allocated),
-        dev_(dev), memh_(memh), token_(token), rkey_(std::move(rkey)) {}
+        dev_(dev),
+        memh_(memh),
+        token_(token),
+        rkey_(std::move(rkey)) {}
   ~UcxMemRegion() override {
     dev_->UnregisterExport(id());
     ucp_mem_unmap(dev_->context(), memh_);
@@ -164,7 +172,8 @@ Status UcxWorker::Init(ucp_context_h ctx) {
   size_t addr_len = 0;
   st = ucp_worker_get_address(worker_, &addr, &addr_len);
   if (st != UCS_OK) return UcsError(st, "ucp_worker_get_address");
-  address_.assign(reinterpret_cast<uint8_t*>(addr), reinterpret_cast<uint8_t*>(addr) + addr_len);
+  address_.assign(reinterpret_cast<uint8_t*>(addr),
+                  reinterpret_cast<uint8_t*>(addr) + addr_len);
   ucp_worker_release_address(worker_, addr);
   st = ucp_worker_get_efd(worker_, &efd_);
   if (st != UCS_OK) efd_ = -1;
@@ -182,7 +191,9 @@ Status UcxWorker::Init(ucp_context_h ctx) {
   return Status::Ok();
 }
 
-void UcxWorker::Start() { thread_ = std::thread([this] { Loop(); }); }
+void UcxWorker::Start() {
+  thread_ = std::thread([this] { Loop(); });
+}
 
 void UcxWorker::Stop() {
   if (!thread_.joinable()) return;
@@ -204,7 +215,8 @@ void UcxWorker::Loop() {
       last_activity = Clock::now();
       continue;
     }
-    if (Clock::now() - last_activity < spin_window && !MachineOversubscribed()) {
+    if (Clock::now() - last_activity < spin_window &&
+        !MachineOversubscribed()) {
       CpuRelax();
       continue;
     }
@@ -225,7 +237,8 @@ UcxDevice::UcxDevice(DeviceOptions options) : options_(std::move(options)) {
   id_ = RandomToken();
   char hn[256] = {0};
   gethostname(hn, sizeof(hn) - 1);
-  host_id_ = std::string(hn) + "/" + ReadFirstLine("/proc/sys/kernel/random/boot_id");
+  host_id_ =
+      std::string(hn) + "/" + ReadFirstLine("/proc/sys/kernel/random/boot_id");
   std::error_code ec;
   rdma_present_ = std::filesystem::exists("/sys/class/infiniband", ec) &&
                   !std::filesystem::is_empty("/sys/class/infiniband", ec);
@@ -257,8 +270,8 @@ Status UcxDevice::Init() {
     }
   }
   ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
-                      UCP_PARAM_FIELD_NAME;
+  params.field_mask = UCP_PARAM_FIELD_FEATURES |
+                      UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 1;
   params.name = options_.name.c_str();
@@ -272,10 +285,12 @@ Status UcxDevice::Init() {
     auto w = std::make_unique<UcxWorker>(this, i);
     RETURN_IF_ERROR(w->Init(ctx_));
     for (int id = kAmHello; id < kAmCount; ++id) {
-      auto arg = std::make_unique<AmHandlerArg>(AmHandlerArg{this, static_cast<AmId>(id)});
+      auto arg = std::make_unique<AmHandlerArg>(
+          AmHandlerArg{this, static_cast<AmId>(id)});
       ucp_am_handler_param_t hp{};
-      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                      UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+      hp.field_mask =
+          UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+          UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
       hp.id = static_cast<unsigned>(id);
       hp.flags = UCP_AM_FLAG_WHOLE_MSG;
       hp.cb = &UcxDevice::AmHandler;
@@ -294,9 +309,11 @@ Status UcxDevice::Init() {
 
 Status UcxDevice::CreateListener() {
   socklen_t len = 0;
-  ASSIGN_OR_RETURN(sockaddr_storage ss, Resolve(options_.listen_address, &len, true));
+  ASSIGN_OR_RETURN(sockaddr_storage ss,
+                   Resolve(options_.listen_address, &len, true));
   ucp_listener_params_t lp{};
-  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
+                  UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
   lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
   lp.sockaddr.addrlen = len;
   lp.conn_handler.cb = [](ucp_conn_request_h req, void* arg) {
@@ -330,7 +347,8 @@ Status UcxDevice::CreateListener() {
     if (h == "0.0.0.0" || h == "::" || h.empty()) h = "127.0.0.1";
   }
   listen_endpoint_ = h + ":" + std::to_string(port);
-  MEMBOX_LOG_DEBUG("device {} listening on {}", options_.name, listen_endpoint_);
+  MEMBOX_LOG_DEBUG("device {} listening on {}", options_.name,
+                   listen_endpoint_);
   return Status::Ok();
 }
 
@@ -355,7 +373,8 @@ UcxDevice::~UcxDevice() {
 Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {
   if (bytes == 0) return InvalidArgumentError("AllocateMemRegion: size 0");
   ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS |
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_FLAGS |
                   UCP_MEM_MAP_PARAM_FIELD_ADDRESS;
   mp.address = nullptr;
   mp.length = bytes;
@@ -363,7 +382,8 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(ctx_, &mp, &memh);
   if (st != UCS_OK) {
-    return UcsError(st, "cannot allocate registered region of " + std::to_string(bytes) + " bytes");
+    return UcsError(st, "cannot allocate registered region of " +
+                            std::to_string(bytes) + " bytes");
   }
   ucp_mem_attr_t attr{};
   attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
@@ -386,12 +406,14 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {
       this, memh, attr.address, bytes, id, true, token, std::move(rkey)));
 }
 
-Result<std::unique_ptr<MemRegion>> UcxDevice::RegisterMemRegion(void* addr, size_t bytes) {
+Result<std::unique_ptr<MemRegion>> UcxDevice::RegisterMemRegion(void* addr,
+                                                                size_t bytes) {
   if (addr == nullptr || bytes == 0) {
     return InvalidArgumentError("RegisterMemRegion: null address or size 0");
   }
   ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_ADDRESS;
+  mp.field_mask =
+      UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_ADDRESS;
   mp.address = addr;
   mp.length = bytes;
   ucp_mem_h memh = nullptr;
@@ -430,15 +452,18 @@ Status UcxDevice::CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
   std::lock_guard<std::mutex> l(mu_);
   auto it = exports_.find(region_id);
   if (it == exports_.end()) {
-    return NotFoundError("region " + std::to_string(region_id) + " is not registered");
+    return NotFoundError("region " + std::to_string(region_id) +
+                         " is not registered");
   }
   const ExportedRegion& r = it->second;
   if (r.token != token) {
-    return PermissionDeniedError("wrong access key for region " + std::to_string(region_id));
+    return PermissionDeniedError("wrong access key for region " +
+                                 std::to_string(region_id));
   }
   if (addr < r.address || len > r.length || addr - r.address > r.length - len) {
-    return OutOfRangeError("range [" + std::to_string(addr) + ", +" + std::to_string(len) +
-                           ") outside region " + std::to_string(region_id));
+    return OutOfRangeError("range [" + std::to_string(addr) + ", +" +
+                           std::to_string(len) + ") outside region " +
+                           std::to_string(region_id));
   }
   return Status::Ok();
 }
@@ -469,7 +494,9 @@ uint64_t UcxDevice::AddChannelId(const std::shared_ptr<UcxChannel>& ch) {
 }
 
 UcxWorker* UcxDevice::NextAcceptWorker() {
-  return workers_[static_cast<size_t>(accept_rr_.fetch_add(1)) % workers_.size()].get();
+  return workers_[static_cast<size_t>(accept_rr_.fetch_add(1)) %
+                  workers_.size()]
+      .get();
 }
 
 int UcxDevice::thread_index() const { return tls_worker_index; }
@@ -479,7 +506,8 @@ void UcxDevice::OnConnRequest(ucp_conn_request_h req) {
   UcxWorker* w = workers_[0].get();
   auto ch = std::make_shared<UcxChannel>(this, w, 0, "", true);
   ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.conn_request = req;
   ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
@@ -511,7 +539,8 @@ void UcxDevice::OnHello(UcxChannel* ch) {
   accept_ev_.Notify();
 }
 
-Result<std::shared_ptr<Channel>> UcxDevice::Accept(std::chrono::nanoseconds timeout) {
+Result<std::shared_ptr<Channel>> UcxDevice::Accept(
+    std::chrono::nanoseconds timeout) {
   std::shared_ptr<UcxChannel> got;
   bool ok = SpinThenBlock(
       [&] {
@@ -522,14 +551,16 @@ Result<std::shared_ptr<Channel>> UcxDevice::Accept(std::chrono::nanoseconds time
         return true;
       },
       &accept_ev_, timeout);
-  if (!ok) return DeadlineExceededError("no incoming channel before the timeout");
+  if (!ok)
+    return DeadlineExceededError("no incoming channel before the timeout");
   return std::shared_ptr<Channel>(got);
 }
 
-Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(const std::string& remote_endpoint,
-                                                       int lane) {
+Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
+    const std::string& remote_endpoint, int lane) {
   if (lane < 0 || lane >= options_.lanes_per_peer) {
-    return InvalidArgumentError("lane " + std::to_string(lane) + " outside [0, " +
+    return InvalidArgumentError("lane " + std::to_string(lane) +
+                                " outside [0, " +
                                 std::to_string(options_.lanes_per_peer) + ")");
   }
   auto key = std::make_pair(remote_endpoint, lane);
@@ -547,7 +578,8 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(const std::string& remote
   auto ch = std::make_shared<UcxChannel>(this, w, lane, remote_endpoint, false);
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
   ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
   ep.sockaddr.addrlen = len;
@@ -587,7 +619,8 @@ ucs_status_t UcxDevice::AmHandler(void* arg, const void* header, size_t hlen,
   auto* a = static_cast<AmHandlerArg*>(arg);
   uint64_t dest = 0;
   auto drop = [&](const char* why) {
-    MEMBOX_LOG_WARN("dropping active message {}: {}", static_cast<int>(a->id), why);
+    MEMBOX_LOG_WARN("dropping active message {}: {}", static_cast<int>(a->id),
+                    why);
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
       ucp_am_data_release(a->dev->workers_[0]->worker(), data);
     }
@@ -598,7 +631,8 @@ ucs_status_t UcxDevice::AmHandler(void* arg, const void* header, size_t hlen,
   UcxChannel* ch = nullptr;
   if (dest == 0) {
     // Hello / hello-ack travel on the bootstrap endpoint.
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr) {
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
+        param->reply_ep == nullptr) {
       return drop("bootstrap message without a reply endpoint");
     }
     ch = a->dev->ChannelForEp(param->reply_ep);

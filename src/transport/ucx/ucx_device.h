@@ -28,8 +28,6 @@
 #ifndef MEMBOX_SRC_TRANSPORT_UCX_UCX_DEVICE_H_
 #define MEMBOX_SRC_TRANSPORT_UCX_UCX_DEVICE_H_
 
-#include <ucp/api/ucp.h>
-
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -40,6 +38,8 @@
 #include <thread>
 #include <unordered_map>
 #include <vector>
+
+#include <ucp/api/ucp.h>
 
 #include "membox/base/wait.h"
 #include "membox/transport/device.h"
@@ -110,9 +110,10 @@ class UcxDevice final : public Device {
   Result<std::unique_ptr<MemRegion>> AllocateMemRegion(size_t bytes) override;
   Result<std::unique_ptr<MemRegion>> RegisterMemRegion(void* addr,
                                                        size_t bytes) override;
-  Result<std::shared_ptr<Channel>> GetChannel(const std::string& remote_endpoint,
-                                              int lane) override;
-  Result<std::shared_ptr<Channel>> Accept(std::chrono::nanoseconds timeout) override;
+  Result<std::shared_ptr<Channel>> GetChannel(
+      const std::string& remote_endpoint, int lane) override;
+  Result<std::shared_ptr<Channel>> Accept(
+      std::chrono::nanoseconds timeout) override;
   std::string listen_endpoint() const override { return listen_endpoint_; }
   const DeviceOptions& options() const override { return options_; }
   uint64_t id() const override { return id_; }
@@ -131,8 +132,8 @@ class UcxDevice final : public Device {
   bool CheckRkeyCrc(uint64_t region_id, uint32_t crc);
   uint64_t NextRegionId() { return next_region_id_.fetch_add(1); }
   uint64_t RandomToken();
-  UcxChannel* ChannelForEp(ucp_ep_h ep);   // bootstrap endpoints
-  UcxChannel* ChannelForId(uint64_t id);   // data messages
+  UcxChannel* ChannelForEp(ucp_ep_h ep);  // bootstrap endpoints
+  UcxChannel* ChannelForId(uint64_t id);  // data messages
   uint64_t AddChannelId(const std::shared_ptr<UcxChannel>& ch);
   UcxWorker* NextAcceptWorker();
   UcxWorker* worker(size_t i) { return workers_[i % workers_.size()].get(); }
@@ -158,11 +159,14 @@ class UcxDevice final : public Device {
   std::atomic<uint64_t> next_region_id_{1};
 
   std::mutex mu_;
-  std::map<uint64_t, ExportedRegion> exports_;                      // GUARDED_BY(mu_)
-  std::unordered_map<ucp_ep_h, std::shared_ptr<UcxChannel>> by_ep_;  // GUARDED_BY(mu_)
-  std::unordered_map<uint64_t, std::shared_ptr<UcxChannel>> by_id_;  // GUARDED_BY(mu_)
-  uint64_t next_channel_id_ = 1;                                     // GUARDED_BY(mu_)
-  std::map<std::pair<std::string, int>, std::shared_ptr<UcxChannel>> out_;  // GUARDED_BY(mu_)
+  std::map<uint64_t, ExportedRegion> exports_;  // GUARDED_BY(mu_)
+  std::unordered_map<ucp_ep_h, std::shared_ptr<UcxChannel>>
+      by_ep_;  // GUARDED_BY(mu_)
+  std::unordered_map<uint64_t, std::shared_ptr<UcxChannel>>
+      by_id_;                     // GUARDED_BY(mu_)
+  uint64_t next_channel_id_ = 1;  // GUARDED_BY(mu_)
+  std::map<std::pair<std::string, int>, std::shared_ptr<UcxChannel>>
+      out_;                                           // GUARDED_BY(mu_)
   std::deque<std::shared_ptr<UcxChannel>> accept_q_;  // GUARDED_BY(mu_)
   EventCount accept_ev_;
   std::mutex rng_mu_;
