@@ -239,6 +239,31 @@ void UcxChannel::Progress() {
   ucp_worker_progress(worker_->worker());
 }
 
+Status UcxChannel::Submit(
+    const std::shared_ptr<OpState>& state, const char* what,
+    const std::function<ucs_status_ptr_t(ucp_request_param_t*)>& post) {
+  auto* c = new SendCtx;
+  c->state = state;
+  c->channel = this;
+  state->set_progress(&ProgressWorker, worker_->worker());
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &SendCb;
+  p.user_data = c;
+  ucs_status_ptr_t req = post(&p);
+  if (req == nullptr) {
+    FinishSend(c, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(req)) {
+    c->state.reset();  // the caller reports the error; no completion
+    FinishSend(c, UCS_PTR_STATUS(req));
+    return UcsError(UCS_PTR_STATUS(req), std::string(what) + " to " + peer());
+  } else {
+    Track(state);
+    if (dev_->thread_index() != worker_->index()) worker_->Signal();
+  }
+  return Status::Ok();
+}
+
 void UcxChannel::Track(const std::shared_ptr<OpState>& st) {
   // `st` is our own reference: the request's context may already be freed by
   // its completion on the progress thread.
@@ -387,29 +412,13 @@ Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
     rma_since_flush_.store(true, std::memory_order_release);
   }
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
-  auto* c = new SendCtx;
-  c->state = state;
-  c->channel = this;
-  std::shared_ptr<OpState> tracked = state;
-  state->set_progress(&ProgressWorker, worker_->worker());
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.send = &SendCb;
-  p.user_data = c;
-  ucs_status_ptr_t req =
-      direction == Direction::kWrite
-          ? ucp_put_nbx(ep_, local_addr, size, remote_addr, r->rkey(), &p)
-          : ucp_get_nbx(ep_, local_addr, size, remote_addr, r->rkey(), &p);
-  if (req == nullptr) {
-    FinishSend(c, UCS_OK);
-  } else if (UCS_PTR_IS_ERR(req)) {
-    c->state.reset();
-    FinishSend(c, UCS_PTR_STATUS(req));
-    return UcsError(UCS_PTR_STATUS(req), "one-sided transfer to " + peer());
-  } else {
-    Track(tracked);
-    if (dev_->thread_index() != worker_->index()) worker_->Signal();
-  }
+  const ucp_rkey_h rkey = r->rkey();
+  RETURN_IF_ERROR(
+      Submit(state, "one-sided transfer", [&](ucp_request_param_t* p) {
+        return direction == Direction::kWrite
+                   ? ucp_put_nbx(ep_, local_addr, size, remote_addr, rkey, p)
+                   : ucp_get_nbx(ep_, local_addr, size, remote_addr, rkey, p);
+      }));
   return OpHandle(std::move(state));
 }
 
@@ -513,26 +522,9 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
     }
     return OpHandle(std::move(state));
   }
-  auto* c = new SendCtx;
-  c->state = state;
-  c->channel = this;
-  std::shared_ptr<OpState> tracked = state;
-  state->set_progress(&ProgressWorker, worker_->worker());
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.send = &SendCb;
-  p.user_data = c;
-  ucs_status_ptr_t req = ucp_ep_flush_nbx(ep_, &p);
-  if (req == nullptr) {
-    FinishSend(c, UCS_OK);
-  } else if (UCS_PTR_IS_ERR(req)) {
-    c->state.reset();
-    FinishSend(c, UCS_PTR_STATUS(req));
-    return UcsError(UCS_PTR_STATUS(req), "flush");
-  } else {
-    Track(tracked);
-    if (dev_->thread_index() != worker_->index()) worker_->Signal();
-  }
+  RETURN_IF_ERROR(Submit(state, "flush", [&](ucp_request_param_t* p) {
+    return ucp_ep_flush_nbx(ep_, p);
+  }));
   return OpHandle(std::move(state));
 }
 

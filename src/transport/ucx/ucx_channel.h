@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -98,6 +99,11 @@ class UcxChannel final : public Channel,
   };
   Protocol ChooseProtocol() const;
   Status CheckUsable() const;
+  // Posts one UCX request through `post` and routes its completion to
+  // `state` (done now, pending and tracked, or an error with no completion).
+  Status Submit(
+      const std::shared_ptr<OpState>& state, const char* what,
+      const std::function<ucs_status_ptr_t(ucp_request_param_t*)>& post);
   Status CreateDataEp(const std::vector<uint8_t>& peer_address);
   Result<OpHandle> AmWrite(const void* local, uint64_t raddr,
                            const RemoteMemRegion& remote, size_t size,

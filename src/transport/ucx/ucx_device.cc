@@ -388,9 +388,14 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {
   ucp_mem_attr_t attr{};
   attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
   ucp_mem_query(memh, &attr);
+  return FinishRegistration(memh, attr.address, bytes, /*allocated=*/true);
+}
+
+Result<std::unique_ptr<MemRegion>> UcxDevice::FinishRegistration(
+    ucp_mem_h memh, void* addr, size_t bytes, bool allocated) {
   void* rkey_buf = nullptr;
   size_t rkey_len = 0;
-  st = ucp_rkey_pack(ctx_, memh, &rkey_buf, &rkey_len);
+  ucs_status_t st = ucp_rkey_pack(ctx_, memh, &rkey_buf, &rkey_len);
   if (st != UCS_OK) {
     ucp_mem_unmap(ctx_, memh);
     return UcsError(st, "ucp_rkey_pack");
@@ -400,10 +405,10 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {
   ucp_rkey_buffer_release(rkey_buf);
   uint64_t id = NextRegionId();
   uint64_t token = RandomToken();
-  RegisterExport(id, {reinterpret_cast<uint64_t>(attr.address), bytes, token,
+  RegisterExport(id, {reinterpret_cast<uint64_t>(addr), bytes, token,
                       wire::Crc32(rkey.data(), rkey.size())});
   return std::unique_ptr<MemRegion>(std::make_unique<UcxMemRegion>(
-      this, memh, attr.address, bytes, id, true, token, std::move(rkey)));
+      this, memh, addr, bytes, id, allocated, token, std::move(rkey)));
 }
 
 Result<std::unique_ptr<MemRegion>> UcxDevice::RegisterMemRegion(void* addr,
@@ -419,22 +424,7 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::RegisterMemRegion(void* addr,
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(ctx_, &mp, &memh);
   if (st != UCS_OK) return UcsError(st, "cannot register user memory");
-  void* rkey_buf = nullptr;
-  size_t rkey_len = 0;
-  st = ucp_rkey_pack(ctx_, memh, &rkey_buf, &rkey_len);
-  if (st != UCS_OK) {
-    ucp_mem_unmap(ctx_, memh);
-    return UcsError(st, "ucp_rkey_pack");
-  }
-  std::vector<uint8_t> rkey(static_cast<uint8_t*>(rkey_buf),
-                            static_cast<uint8_t*>(rkey_buf) + rkey_len);
-  ucp_rkey_buffer_release(rkey_buf);
-  uint64_t id = NextRegionId();
-  uint64_t token = RandomToken();
-  RegisterExport(id, {reinterpret_cast<uint64_t>(addr), bytes, token,
-                      wire::Crc32(rkey.data(), rkey.size())});
-  return std::unique_ptr<MemRegion>(std::make_unique<UcxMemRegion>(
-      this, memh, addr, bytes, id, false, token, std::move(rkey)));
+  return FinishRegistration(memh, addr, bytes, /*allocated=*/false);
 }
 
 void UcxDevice::RegisterExport(uint64_t id, const ExportedRegion& r) {

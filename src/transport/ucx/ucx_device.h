@@ -143,6 +143,12 @@ class UcxDevice final : public Device {
 
  private:
   Status CreateListener();
+  // Packs the remote key, records the export and wraps `memh` (unmapped on
+  // failure).
+  Result<std::unique_ptr<MemRegion>> FinishRegistration(ucp_mem_h memh,
+                                                        void* addr,
+                                                        size_t bytes,
+                                                        bool allocated);
   static ucs_status_t AmHandler(void* arg, const void* header, size_t hlen,
                                 void* data, size_t len,
                                 const ucp_am_recv_param_t* param);
