@@ -3,6 +3,7 @@
 #include "membox/transport/channel.h"
 
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <thread>
 
@@ -255,6 +256,79 @@ TEST_P(ChannelTest, PeerDeathGivesClearErrors) {
   EXPECT_FALSE(r.ok());
   EXPECT_NE(r.status().code(), StatusCode::kDeadlineExceeded)
       << r.status().ToString();
+}
+
+TEST_P(ChannelTest, ExportedRangesHaveTheirOwnKeys) {
+  auto pool = server_->AllocateMemRegion(1 << 20);
+  ASSERT_TRUE(pool.ok());
+  auto seg = (*pool)->ExportRange(4096, 8192);
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  EXPECT_NE(seg->token, (*pool)->Export().token);
+  EXPECT_EQ(seg->address, (*pool)->Export().address + 4096);
+  auto rr = cch_->Import(*seg);
+  ASSERT_TRUE(rr.ok()) << rr.status().ToString();
+  auto local = client_->AllocateMemRegion(8192);
+  std::memset((*local)->data(), 0x5a, 8192);
+  auto w = cch_->Write((*local)->data(), **local, (*rr)->address(), **rr, 8192);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE(w->Wait().ok());
+  ASSERT_TRUE(cch_->Flush()->Wait().ok());
+  auto* base = static_cast<uint8_t*>((*pool)->data());
+  EXPECT_EQ(base[4096], 0x5a);
+  EXPECT_EQ(base[4096 + 8191], 0x5a);
+  EXPECT_EQ(base[4095], 0);  // nothing outside the range
+  EXPECT_EQ(base[4096 + 8192], 0);
+  // Beyond the range is refused even though the pool is bigger.
+  EXPECT_EQ(
+      cch_->Write((*local)->data(), **local, (*rr)->address() + 1, **rr, 8192)
+          .status()
+          .code(),
+      StatusCode::kOutOfRange);
+  RegionDescriptor wider = *seg;
+  wider.length += 4096;
+  EXPECT_EQ(cch_->Import(wider).status().code(), StatusCode::kOutOfRange);
+  (*pool)->RevokeRange(seg->region_id);
+  EXPECT_EQ(cch_->Import(*seg).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ((*pool)->ExportRange(1 << 20, 1).status().code(),
+            StatusCode::kOutOfRange);
+}
+
+TEST_P(ChannelTest, HandlersReceiveMessagesAndFailure) {
+  std::mutex mu;
+  std::vector<std::vector<uint8_t>> got;
+  Status failure;
+  EventCount ev;
+  ASSERT_TRUE(
+      cch_->SendControl(std::vector<uint8_t>{1}).ok());  // queued before
+  std::this_thread::sleep_for(20ms);
+  sch_->SetHandlers(
+      [&](std::vector<uint8_t> m) {
+        std::lock_guard<std::mutex> l(mu);
+        got.push_back(std::move(m));
+        ev.Notify();
+      },
+      [&](const Status& s) {
+        std::lock_guard<std::mutex> l(mu);
+        failure = s;
+        ev.Notify();
+      });
+  ASSERT_TRUE(cch_->SendControl(std::vector<uint8_t>{2, 2}).ok());
+  ASSERT_TRUE(SpinThenBlock(
+      [&] {
+        std::lock_guard<std::mutex> l(mu);
+        return got.size() == 2;
+      },
+      &ev, 5s));
+  EXPECT_EQ(got[0], std::vector<uint8_t>{1});
+  EXPECT_EQ(got[1], (std::vector<uint8_t>{2, 2}));
+  cch_.reset();
+  client_.reset();  // the peer goes away
+  ASSERT_TRUE(SpinThenBlock(
+      [&] {
+        std::lock_guard<std::mutex> l(mu);
+        return !failure.ok();
+      },
+      &ev, 10s));
 }
 
 INSTANTIATE_TEST_SUITE_P(

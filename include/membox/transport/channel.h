@@ -44,6 +44,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -134,6 +135,16 @@ class Channel {
   virtual Result<std::vector<uint8_t>> RecvControl(
       std::chrono::nanoseconds timeout) = 0;
   static constexpr size_t kMaxControlMessage = 1 << 20;
+
+  // Event-driven alternative to RecvControl for servers: once set, every
+  // control message (including ones already queued) is handed to `on_message`
+  // on the device's progress thread, and `on_failure` runs once when the
+  // channel fails. Handlers must be quick and must not block (queue the work).
+  // Set them once, before the peer can send; they must outlive the channel.
+  using ControlHandler = std::function<void(std::vector<uint8_t>)>;
+  using FailureHandler = std::function<void(const Status&)>;
+  virtual void SetHandlers(ControlHandler on_message,
+                           FailureHandler on_failure) = 0;
 
   // Drives this channel's progress engine once from the calling thread.
   // Threads that poll for data arriving through kActiveMessage / kRma call it

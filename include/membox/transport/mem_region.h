@@ -74,6 +74,17 @@ class MemRegion {
 
   virtual RegionDescriptor Export() const = 0;
 
+  // Exports [offset, offset + length) as a region of its own: a new id and a
+  // new random access token over the same registration (the pool is
+  // registered once; each sub-range gets its own key). The owner checks every
+  // import and every active-message access against the sub-range.
+  // RevokeRange() makes later imports and accesses of it fail; a same-host
+  // peer that already mapped the memory keeps its mapping (load/store cannot
+  // be revoked), so revoke only after the peer detached.
+  virtual Result<RegionDescriptor> ExportRange(uint64_t offset,
+                                               uint64_t length) = 0;
+  virtual void RevokeRange(uint64_t range_id) = 0;
+
  protected:
   MemRegion(void* data, size_t size, uint64_t id, bool device_allocated)
       : data_(data),

@@ -111,6 +111,9 @@ class FaultChannel final : public Channel {
     return inner_->RecvControl(t);
   }
   void Progress() override { inner_->Progress(); }
+  void SetHandlers(ControlHandler m, FailureHandler f) override {
+    inner_->SetHandlers(std::move(m), std::move(f));
+  }
   Protocol protocol() const override { return inner_->protocol(); }
   Status health() const override { return inner_->health(); }
   int lane() const override { return inner_->lane(); }

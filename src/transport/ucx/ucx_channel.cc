@@ -84,9 +84,11 @@ void UcxChannel::Fail(const Status& s) {
   std::map<uint64_t, std::shared_ptr<OpState>> rpcs;
   std::set<std::shared_ptr<OpState>> inflight;
   Status failure;
+  FailureHandler on_failure;
   {
     std::lock_guard<std::mutex> l(mu_);
     if (!failed_.load()) {
+      on_failure = on_failure_;
       std::string who = accepted_ ? ("peer " + peer_name_) : peer_;
       failure_ = Status(s.code(), who + ": " + std::string(s.message()));
       failed_.store(true, std::memory_order_release);
@@ -103,6 +105,7 @@ void UcxChannel::Fail(const Status& s) {
   for (auto& [id, r] : reads) r.state->Complete(failure);
   for (auto& [id, st] : rpcs) st->Complete(failure);
   for (auto& st : inflight) st->Complete(failure);
+  if (on_failure) on_failure(failure);
   inbox_ev_.Notify();
   dev_->events()->Notify();
 }
@@ -230,6 +233,21 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr,
     if (dev_->thread_index() != worker_->index()) worker_->Signal();
   }
   return Status::Ok();
+}
+
+void UcxChannel::SetHandlers(ControlHandler on_message,
+                             FailureHandler on_failure) {
+  std::deque<std::vector<uint8_t>> queued;
+  Status failed;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    on_message_ = on_message;
+    on_failure_ = on_failure;
+    queued.swap(inbox_);
+    if (failed_.load()) failed = failure_;
+  }
+  for (auto& m : queued) on_message(std::move(m));
+  if (!failed.ok() && on_failure) on_failure(failed);
 }
 
 void UcxChannel::Progress() {
@@ -665,11 +683,20 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       auto buf = std::make_shared<std::vector<uint8_t>>(len);
       auto deliver = [this, buf](const Status& s) {
         if (!s.ok()) return;
+        ControlHandler handler;
         {
           std::lock_guard<std::mutex> l(mu_);
-          inbox_.push_back(std::move(*buf));
+          if (on_message_) {
+            handler = on_message_;
+          } else {
+            inbox_.push_back(std::move(*buf));
+          }
         }
-        inbox_ev_.Notify();
+        if (handler) {
+          handler(std::move(*buf));
+        } else {
+          inbox_ev_.Notify();
+        }
       };
       if (rndv) {
         RecvInto(data, buf->data(), len, param, deliver);

@@ -65,6 +65,8 @@ class UcxChannel final : public Channel,
   Result<std::vector<uint8_t>> RecvControl(
       std::chrono::nanoseconds timeout) override;
   void Progress() override;
+  void SetHandlers(ControlHandler on_message,
+                   FailureHandler on_failure) override;
   Protocol protocol() const override { return protocol_; }
   Status health() const override;
   int lane() const override { return lane_; }
@@ -151,6 +153,8 @@ class UcxChannel final : public Channel,
   std::string peer_name_;                              // GUARDED_BY(mu_)
   std::string peer_host_;                              // GUARDED_BY(mu_)
   EventCount inbox_ev_;
+  ControlHandler on_message_;  // GUARDED_BY(mu_) when set
+  FailureHandler on_failure_;  // GUARDED_BY(mu_) when set
   friend class UcxDevice;
 };
 

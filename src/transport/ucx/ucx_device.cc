@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -124,7 +125,32 @@ class UcxMemRegion final : public MemRegion {
         rkey_(std::move(rkey)) {}
   ~UcxMemRegion() override {
     dev_->UnregisterExport(id());
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (uint64_t r : ranges_) dev_->UnregisterExport(r);
+    }
     ucp_mem_unmap(dev_->context(), memh_);
+  }
+  Result<RegionDescriptor> ExportRange(uint64_t offset,
+                                       uint64_t length) override {
+    if (length == 0 || offset > size() || length > size() - offset) {
+      return OutOfRangeError("ExportRange outside the region");
+    }
+    RegionDescriptor d = Export();
+    d.address += offset;
+    d.length = length;
+    d.region_id = dev_->NextRegionId();
+    d.token = dev_->RandomToken();
+    dev_->RegisterExport(
+        d.region_id,
+        {d.address, length, d.token, wire::Crc32(rkey_.data(), rkey_.size())});
+    std::lock_guard<std::mutex> l(mu_);
+    ranges_.insert(d.region_id);
+    return d;
+  }
+  void RevokeRange(uint64_t range_id) override {
+    std::lock_guard<std::mutex> l(mu_);
+    if (ranges_.erase(range_id) > 0) dev_->UnregisterExport(range_id);
   }
   RegionDescriptor Export() const override {
     RegionDescriptor d;
@@ -142,6 +168,8 @@ class UcxMemRegion final : public MemRegion {
   ucp_mem_h memh_;
   uint64_t token_;
   std::vector<uint8_t> rkey_;
+  std::mutex mu_;
+  std::set<uint64_t> ranges_;  // GUARDED_BY(mu_): ids from ExportRange
 };
 
 struct AmHandlerArg {
