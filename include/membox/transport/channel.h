@@ -152,6 +152,10 @@ class Channel {
   // and a no-op on kMapped. Never required for correctness.
   virtual void Progress() = 0;
 
+  // Closes the channel: pending operations complete with kAborted, later
+  // calls fail, the peer sees the connection drop. Idempotent.
+  virtual void Close() = 0;
+
   virtual Protocol protocol() const = 0;
   // OK while the peer is reachable; the failure that closed the channel after.
   virtual Status health() const = 0;

@@ -111,6 +111,7 @@ class FaultChannel final : public Channel {
     return inner_->RecvControl(t);
   }
   void Progress() override { inner_->Progress(); }
+  void Close() override { inner_->Close(); }
   void SetHandlers(ControlHandler m, FailureHandler f) override {
     inner_->SetHandlers(std::move(m), std::move(f));
   }

@@ -88,7 +88,7 @@ class UcxChannel final : public Channel,
   // Handlers, called on the progress thread.
   ucs_status_t OnAm(AmId id, const void* header, size_t hlen, void* data,
                     size_t len, const ucp_am_recv_param_t* param);
-  void Close();  // closes the ep; called by the device at shutdown
+  void Close() override;
   void Track(const std::shared_ptr<OpState>& st);    // a pending UCX request
   void Untrack(const std::shared_ptr<OpState>& st);  // its completion
   bool hello_seen() const { return hello_seen_.load(); }

@@ -1,0 +1,223 @@
+#include "src/memserver/accumulate.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <latch>
+
+#include <immintrin.h>
+
+namespace membox::memserver {
+namespace {
+
+__attribute__((target_clones("avx2", "default"))) void AddF32(
+    float* __restrict d, const float* __restrict s, size_t n, float a) {
+  if (a == 1.0f) {
+    for (size_t i = 0; i < n; ++i) d[i] += s[i];
+  } else {
+    for (size_t i = 0; i < n; ++i) d[i] += a * s[i];
+  }
+}
+
+__attribute__((target_clones("avx2", "default"))) void AddF64(
+    double* __restrict d, const double* __restrict s, size_t n, double a) {
+  if (a == 1.0) {
+    for (size_t i = 0; i < n; ++i) d[i] += s[i];
+  } else {
+    for (size_t i = 0; i < n; ++i) d[i] += a * s[i];
+  }
+}
+
+float Bf16ToF32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t F32ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000)
+    return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fff + ((u >> 16) & 1);                     // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+__attribute__((target_clones("avx2", "default"))) void AddBf16(
+    uint16_t* __restrict d, const uint16_t* __restrict s, size_t n, float a) {
+  for (size_t i = 0; i < n; ++i)
+    d[i] = F32ToBf16(Bf16ToF32(d[i]) + a * Bf16ToF32(s[i]));
+}
+
+// IEEE half <-> float without hardware support.
+float HalfToF32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal
+      exp = 127 - 15 + 1;
+      while ((man & 0x400) == 0) {
+        man <<= 1;
+        --exp;
+      }
+      u = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000 | (man << 13);
+  } else {
+    u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t F32ToHalf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000;
+  uint32_t abs = u & 0x7fffffff;
+  if (abs > 0x7f800000) return static_cast<uint16_t>(sign | 0x7e00);  // NaN
+  if (abs >= 0x477ff000)
+    return static_cast<uint16_t>(sign | 0x7c00);  // overflow: inf
+  if (abs < 0x38800000) {                         // subnormal or zero in half
+    if (abs < 0x33000000) return static_cast<uint16_t>(sign);
+    uint32_t exp = abs >> 23;
+    uint32_t man = (abs & 0x7fffff) | 0x800000;
+    uint32_t shift = 126 - exp;  // 14 - (exp - 127) + 13 - 1 ... into 10 bits
+    uint32_t half = man >> (shift - 13 + 13);
+    uint32_t rem = man & ((1u << shift) - 1);
+    uint32_t mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t r = abs + 0xfff + ((abs >> 13) & 1);  // round to nearest even
+  return static_cast<uint16_t>(sign | ((r - 0x38000000) >> 13));
+}
+
+__attribute__((target("avx2,f16c,fma"))) void AddF16Hw(uint16_t* d,
+                                                       const uint16_t* s,
+                                                       size_t n, float a) {
+  size_t i = 0;
+  __m256 va = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + i)));
+    __m256 y = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    __m128i r =
+        _mm256_cvtps_ph(_mm256_fmadd_ps(va, y, x), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), r);
+  }
+  for (; i < n; ++i) d[i] = F32ToHalf(HalfToF32(d[i]) + a * HalfToF32(s[i]));
+}
+
+void AddF16(uint16_t* d, const uint16_t* s, size_t n, float a) {
+  static const bool hw = __builtin_cpu_supports("f16c") &&
+                         __builtin_cpu_supports("avx2") &&
+                         __builtin_cpu_supports("fma");
+  if (hw) {
+    AddF16Hw(d, s, n, a);
+    return;
+  }
+  for (size_t i = 0; i < n; ++i)
+    d[i] = F32ToHalf(HalfToF32(d[i]) + a * HalfToF32(s[i]));
+}
+
+}  // namespace
+
+bool AccumulateSupports(DType t) {
+  return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kFloat16 ||
+         t == DType::kBFloat16;
+}
+
+void AccumulateKernel(DType t, void* dst, const void* src, size_t count,
+                      double scale) {
+  switch (t) {
+    case DType::kFloat32:
+      AddF32(static_cast<float*>(dst), static_cast<const float*>(src), count,
+             static_cast<float>(scale));
+      break;
+    case DType::kFloat64:
+      AddF64(static_cast<double*>(dst), static_cast<const double*>(src), count,
+             scale);
+      break;
+    case DType::kFloat16:
+      AddF16(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src),
+             count, static_cast<float>(scale));
+      break;
+    case DType::kBFloat16:
+      AddBf16(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src),
+              count, static_cast<float>(scale));
+      break;
+    default:
+      break;
+  }
+}
+
+SyncCores::SyncCores(int threads) {
+  for (int i = 0; i < std::max(1, threads); ++i)
+    workers_.emplace_back([this] { Loop(); });
+}
+
+SyncCores::~SyncCores() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void SyncCores::Loop() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      cv_.wait(l, [this] { return stop_ || !q_.empty(); });
+      if (q_.empty()) return;
+      job = std::move(q_.front());
+      q_.pop_front();
+    }
+    job();
+  }
+}
+
+void SyncCores::Run(DType t, void* dst, const void* src, size_t count,
+                    double scale) {
+  const size_t esize = transport::DTypeSize(t);
+  const size_t min_chunk = std::max<size_t>(1, (256 << 10) / esize);
+  size_t chunks =
+      std::min<size_t>(workers_.size(), std::max<size_t>(1, count / min_chunk));
+  if (chunks <= 1) {
+    AccumulateKernel(t, dst, src, count, scale);
+    return;
+  }
+  size_t per = (count + chunks - 1) / chunks;
+  per = (per + 15) & ~size_t{15};  // keep chunks vector-aligned
+  std::latch done(static_cast<std::ptrdiff_t>(chunks));
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (size_t c = 0; c < chunks; ++c) {
+      size_t begin = c * per;
+      size_t n = begin >= count ? 0 : std::min(per, count - begin);
+      q_.push_back([=, &done] {
+        if (n > 0) {
+          AccumulateKernel(t, static_cast<char*>(dst) + begin * esize,
+                           static_cast<const char*>(src) + begin * esize, n,
+                           scale);
+        }
+        done.count_down();
+      });
+    }
+  }
+  cv_.notify_all();
+  done.wait();
+}
+
+}  // namespace membox::memserver

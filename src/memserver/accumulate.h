@@ -1,0 +1,58 @@
+// Server-side accumulate (seed 003's shm_accum): dst <- dst + scale * src for
+// FLOAT, DOUBLE, FP16 and BF16 vectors, run by a pool of "sync cores".
+//
+// Kernels are compiled for AVX2 (+F16C) and a portable baseline and picked at
+// run time (GCC target_clones / cpu checks), so one binary runs everywhere.
+// FP16 and BF16 are widened to float, accumulated and rounded back
+// (round-to-nearest-even).
+//
+// Thread-safety: SyncCores::Run may be called from several threads at once;
+// each call waits for its own chunks. The kernels are reentrant.
+#ifndef MEMBOX_SRC_MEMSERVER_ACCUMULATE_H_
+#define MEMBOX_SRC_MEMSERVER_ACCUMULATE_H_
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "membox/base/status.h"
+#include "membox/transport/tensor_transfer.h"
+
+namespace membox::memserver {
+
+using transport::DType;
+
+// True for the dtypes accumulate supports.
+bool AccumulateSupports(DType t);
+// Single-threaded kernel over `count` elements.
+void AccumulateKernel(DType t, void* dst, const void* src, size_t count,
+                      double scale);
+
+class SyncCores {
+ public:
+  explicit SyncCores(int threads);
+  ~SyncCores();
+  SyncCores(const SyncCores&) = delete;
+  SyncCores& operator=(const SyncCores&) = delete;
+
+  // Splits the vectors into chunks (>= 256 KiB each, at most one per core)
+  // and returns when every chunk is done.
+  void Run(DType t, void* dst, const void* src, size_t count, double scale);
+  int threads() const { return static_cast<int>(workers_.size()); }
+
+ private:
+  void Loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> q_;  // GUARDED_BY(mu_)
+  bool stop_ = false;                    // GUARDED_BY(mu_)
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace membox::memserver
+
+#endif  // MEMBOX_SRC_MEMSERVER_ACCUMULATE_H_

@@ -1,0 +1,340 @@
+#include "membox/memserver/client.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <unistd.h>
+
+#include "membox/base/logging.h"
+#include "membox/base/wait.h"
+#include "membox/transport/device.h"
+
+#include "src/memserver/protocol.h"
+
+namespace membox::memserver {
+namespace {
+
+using proto::Op;
+using proto::Request;
+using proto::Response;
+using transport::Channel;
+
+class SegmentImpl final : public Segment {
+ public:
+  SegmentImpl(uint64_t key, size_t size, bool master,
+              std::unique_ptr<transport::MemRegion> cache,
+              std::shared_ptr<transport::RemoteMemRegion> remote)
+      : Segment(key, size, master, cache->data()),
+        cache_(std::move(cache)),
+        remote_(std::move(remote)) {}
+  void* Map() const override { return remote_->mapped(); }
+  transport::MemRegion& cache() const { return *cache_; }
+  const transport::RemoteMemRegion& remote() const { return *remote_; }
+
+ private:
+  std::unique_ptr<transport::MemRegion> cache_;
+  std::shared_ptr<transport::RemoteMemRegion> remote_;
+};
+
+class ClientImpl final : public Client {
+ public:
+  explicit ClientImpl(ClientOptions o) : opt_(std::move(o)) {}
+
+  ~ClientImpl() override {
+    {
+      std::lock_guard<std::mutex> l(hb_mu_);
+      stop_ = true;
+    }
+    hb_cv_.notify_all();
+    if (heartbeat_.joinable()) heartbeat_.join();
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      segments_.clear();  // local caches; the server releases our attachments
+    }
+    if (channel_) channel_->Close();
+    channel_.reset();
+    device_.reset();
+  }
+
+  Status Init() {
+    if (opt_.server.empty())
+      return InvalidArgumentError("no memory-node address given");
+    transport::DeviceOptions d;
+    d.transports = opt_.transports;
+    d.name = opt_.name;
+    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    auto ch = device_->GetChannel(opt_.server, 0);
+    if (!ch.ok()) return ch.status().WithContext("memory node " + opt_.server);
+    channel_ = *ch;
+    channel_->SetHandlers(
+        [this](std::vector<uint8_t> m) { OnMessage(std::move(m)); },
+        [this](const Status&) { pending_ev_.Notify(); });
+    Request q;
+    q.op = Op::kRegister;
+    q.secret = opt_.secret;
+    q.name = opt_.name;
+    q.pid = static_cast<uint32_t>(getpid());
+    ASSIGN_OR_RETURN(Response a, Call(q));
+    client_id_ = a.client_id;
+    auto period =
+        std::chrono::milliseconds(std::max<uint32_t>(a.heartbeat_ms / 4, 50));
+    heartbeat_ = std::thread([this, period] { HeartbeatLoop(period); });
+    return Status::Ok();
+  }
+
+  Result<Segment*> Create(uint64_t key, size_t size) override {
+    return Open(Op::kCreate, key, size);
+  }
+  Result<Segment*> Attach(uint64_t key, size_t size) override {
+    return Open(Op::kAttach, key, size);
+  }
+
+  Status Detach(Segment* s) override { return Close(s, Op::kDetach); }
+  Status Delete(Segment* s) override { return Close(s, Op::kDelete); }
+
+  Status ReadSync(Segment* s, size_t offset, size_t length) override {
+    return Sync(s, offset, length, transport::Direction::kRead);
+  }
+  Status WriteSync(Segment* s, size_t offset, size_t length) override {
+    return Sync(s, offset, length, transport::Direction::kWrite);
+  }
+
+  Status Accumulate(Segment* dst, Segment* src, transport::DType dtype,
+                    double scale, size_t offset, size_t length) override {
+    RETURN_IF_ERROR(CheckOwned(dst));
+    RETURN_IF_ERROR(CheckOwned(src));
+    Request q;
+    q.op = Op::kAccumulate;
+    q.key = dst->key();
+    q.src_key = src->key();
+    q.dtype = static_cast<uint8_t>(dtype);
+    q.scale = scale;
+    q.offset = offset;
+    q.length = length;
+    return Call(q).status();
+  }
+
+  Result<std::string> ServerStatus() override {
+    Request q;
+    q.op = Op::kStatus;
+    ASSIGN_OR_RETURN(Response a, Call(q));
+    return a.text;
+  }
+
+  Segment* Find(const void* p) const override {
+    std::lock_guard<std::mutex> l(mu_);
+    auto addr = reinterpret_cast<uintptr_t>(p);
+    auto it = by_addr_.upper_bound(addr);
+    if (it == by_addr_.begin()) return nullptr;
+    --it;
+    Segment* s = it->second;
+    if (addr >= it->first + s->size()) return nullptr;
+    return s;
+  }
+
+  Status health() const override {
+    Status h = channel_->health();
+    if (!h.ok())
+      return UnavailableError("memory node " + opt_.server +
+                              " unreachable: " + std::string(h.message()));
+    return Status::Ok();
+  }
+
+ private:
+  Status CheckOwned(Segment* s) const {
+    std::lock_guard<std::mutex> l(mu_);
+    if (s == nullptr || !segments_.count(s)) {
+      return InvalidArgumentError("not a segment of this client");
+    }
+    return Status::Ok();
+  }
+
+  Result<Segment*> Open(Op op, uint64_t key, size_t size) {
+    if (size == 0) return InvalidArgumentError("segment size 0");
+    Request q;
+    q.op = op;
+    q.key = key;
+    q.size = size;
+    ASSIGN_OR_RETURN(Response a, Call(q));
+    if (a.size != size)
+      return DataLossError("server answered with a different size");
+    auto undo = [&] {
+      Request d;
+      d.op = op == Op::kCreate ? Op::kDelete : Op::kDetach;
+      d.key = a.key;
+      (void)Call(d);
+    };
+    auto desc = transport::RegionDescriptor::Deserialize(a.descriptor);
+    if (!desc.ok()) {
+      undo();
+      return desc.status().WithContext("segment descriptor from the server");
+    }
+    auto remote = channel_->Import(*desc, opt_.timeout);
+    auto cache = device_->AllocateMemRegion(size);
+    if (!remote.ok() || !cache.ok()) {
+      undo();
+      return !remote.ok() ? remote.status() : cache.status();
+    }
+    auto seg = std::make_unique<SegmentImpl>(
+        a.key, size, op == Op::kCreate, std::move(*cache), std::move(*remote));
+    Segment* raw = seg.get();
+    std::lock_guard<std::mutex> l(mu_);
+    by_addr_[reinterpret_cast<uintptr_t>(raw->data())] = raw;
+    segments_[raw] = std::move(seg);
+    return raw;
+  }
+
+  Status Close(Segment* s, Op op) {
+    RETURN_IF_ERROR(CheckOwned(s));
+    Request q;
+    q.op = op;
+    q.key = s->key();
+    Status st = Call(q).status();
+    if (!st.ok() && st.code() == StatusCode::kPermissionDenied) return st;
+    std::lock_guard<std::mutex> l(mu_);
+    by_addr_.erase(reinterpret_cast<uintptr_t>(s->data()));
+    segments_.erase(s);
+    return st;
+  }
+
+  Status Sync(Segment* s, size_t offset, size_t length,
+              transport::Direction dir) {
+    RETURN_IF_ERROR(CheckOwned(s));
+    if (offset > s->size() || length > s->size() - offset) {
+      return OutOfRangeError("sync range [" + std::to_string(offset) + ", +" +
+                             std::to_string(length) +
+                             ") outside a segment of " +
+                             std::to_string(s->size()) + " bytes");
+    }
+    if (length == 0) return Status::Ok();
+    auto* seg = static_cast<SegmentImpl*>(s);
+    auto op = channel_->Memcpy(static_cast<char*>(seg->data()) + offset,
+                               seg->cache(), seg->remote().address() + offset,
+                               seg->remote(), length, dir);
+    if (!op.ok()) return Annotate(op.status());
+    RETURN_IF_ERROR(Annotate(op->Wait(opt_.timeout)));
+    if (dir == transport::Direction::kWrite) {
+      ASSIGN_OR_RETURN(auto f, channel_->Flush());
+      RETURN_IF_ERROR(Annotate(f.Wait(opt_.timeout)));
+    }
+    return Status::Ok();
+  }
+
+  Status Annotate(const Status& s) const {
+    if (s.ok()) return s;
+    if (!channel_->health().ok()) return health();
+    return s;
+  }
+
+  Result<Response> Call(Request q) {
+    q.id = next_id_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> l(pending_mu_);
+      pending_[q.id] = std::nullopt;
+    }
+    Status s = channel_->SendControl(proto::EncodeRequest(q));
+    std::optional<Response> got;
+    if (s.ok()) {
+      bool ok = SpinThenBlock(
+          [&] {
+            std::lock_guard<std::mutex> l(pending_mu_);
+            auto it = pending_.find(q.id);
+            if (it->second) {
+              got = std::move(it->second);
+              return true;
+            }
+            return !channel_->health().ok();
+          },
+          &pending_ev_, opt_.timeout);
+      if (!got) {
+        s = !channel_->health().ok()
+                ? health()
+                : DeadlineExceededError(std::string(proto::OpName(q.op)) +
+                                        ": no answer from memory node " +
+                                        opt_.server);
+        (void)ok;
+      }
+    } else {
+      s = Annotate(s);
+    }
+    {
+      std::lock_guard<std::mutex> l(pending_mu_);
+      pending_.erase(q.id);
+    }
+    if (!s.ok()) return s;
+    if (got->code != 0) {
+      return Status(static_cast<StatusCode>(got->code),
+                    std::string(proto::OpName(q.op)) + ": " + got->message);
+    }
+    return std::move(*got);
+  }
+
+  void OnMessage(std::vector<uint8_t> m) {
+    auto a = proto::DecodeResponse(m);
+    if (!a.ok()) {
+      MEMBOX_LOG_WARN("dropping a malformed response from {}: {}", opt_.server,
+                      a.status().ToString());
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> l(pending_mu_);
+      auto it = pending_.find(a->id);
+      if (it == pending_.end()) {
+        if (a->id == 0 && a->code != 0) {
+          MEMBOX_LOG_WARN("memory node {} rejected a request: {}", opt_.server,
+                          a->message);
+        }
+        return;
+      }
+      it->second = std::move(*a);
+    }
+    pending_ev_.Notify();
+  }
+
+  void HeartbeatLoop(std::chrono::milliseconds period) {
+    std::unique_lock<std::mutex> l(hb_mu_);
+    while (!stop_) {
+      hb_cv_.wait_for(l, period);
+      if (stop_) break;
+      l.unlock();
+      Request q;
+      q.op = Op::kHeartbeat;
+      (void)channel_->SendControl(proto::EncodeRequest(q));
+      l.lock();
+    }
+  }
+
+  ClientOptions opt_;
+  std::unique_ptr<transport::Device> device_;
+  std::shared_ptr<Channel> channel_;
+  uint64_t client_id_ = 0;
+  std::atomic<uint64_t> next_id_{1};
+
+  std::mutex pending_mu_;
+  std::map<uint64_t, std::optional<Response>>
+      pending_;  // GUARDED_BY(pending_mu_)
+  EventCount pending_ev_;
+
+  mutable std::mutex mu_;
+  std::map<Segment*, std::unique_ptr<SegmentImpl>>
+      segments_;                           // GUARDED_BY(mu_)
+  std::map<uintptr_t, Segment*> by_addr_;  // GUARDED_BY(mu_)
+
+  std::mutex hb_mu_;
+  std::condition_variable hb_cv_;
+  bool stop_ = false;  // GUARDED_BY(hb_mu_)
+  std::thread heartbeat_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  auto c = std::make_unique<ClientImpl>(options);
+  RETURN_IF_ERROR(c->Init());
+  return std::unique_ptr<Client>(std::move(c));
+}
+
+}  // namespace membox::memserver

@@ -1,0 +1,182 @@
+#include "src/memserver/protocol.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "src/transport/wire.h"
+
+namespace membox::memserver::proto {
+namespace {
+
+using transport::wire::Reader;
+using transport::wire::Writer;
+
+constexpr uint8_t kRequestMagic = 'Q';
+constexpr uint8_t kResponseMagic = 'A';
+constexpr uint8_t kVersion = 1;
+
+void PutStr(Writer& w, const std::string& s) {
+  w.U32(static_cast<uint32_t>(s.size()));
+  w.Bytes(s.data(), s.size());
+}
+
+bool GetStr(Reader& r, std::string* s, size_t max) {
+  uint32_t n = 0;
+  std::vector<uint8_t> b;
+  if (!r.U32(&n) || n > max || !r.Bytes(&b, n)) return false;
+  s->assign(b.begin(), b.end());
+  return true;
+}
+
+void PutF64(Writer& w, double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, 8);
+  w.U64(u);
+}
+
+bool GetF64(Reader& r, double* d) {
+  uint64_t u;
+  if (!r.U64(&u)) return false;
+  std::memcpy(d, &u, 8);
+  return true;
+}
+
+Status Bad(const char* what) {
+  return InvalidArgumentError(std::string("malformed memory-server ") + what);
+}
+
+}  // namespace
+
+const char* OpName(Op op) {
+  switch (op) {
+    case Op::kRegister:
+      return "register";
+    case Op::kCreate:
+      return "create";
+    case Op::kAttach:
+      return "attach";
+    case Op::kDetach:
+      return "detach";
+    case Op::kDelete:
+      return "delete";
+    case Op::kAccumulate:
+      return "accumulate";
+    case Op::kStatus:
+      return "status";
+    case Op::kHeartbeat:
+      return "heartbeat";
+  }
+  return "?";
+}
+
+std::vector<uint8_t> EncodeRequest(const Request& q) {
+  Writer w;
+  w.U8(kRequestMagic);
+  w.U8(kVersion);
+  w.U8(static_cast<uint8_t>(q.op));
+  w.U64(q.id);
+  switch (q.op) {
+    case Op::kRegister:
+      PutStr(w, q.secret);
+      PutStr(w, q.name);
+      w.U32(q.pid);
+      break;
+    case Op::kCreate:
+    case Op::kAttach:
+      w.U64(q.key);
+      w.U64(q.size);
+      break;
+    case Op::kDetach:
+    case Op::kDelete:
+      w.U64(q.key);
+      break;
+    case Op::kAccumulate:
+      w.U64(q.key);
+      w.U64(q.src_key);
+      w.U8(q.dtype);
+      PutF64(w, q.scale);
+      w.U64(q.offset);
+      w.U64(q.length);
+      break;
+    case Op::kStatus:
+    case Op::kHeartbeat:
+      break;
+  }
+  return std::move(w.buffer());
+}
+
+Result<Request> DecodeRequest(std::span<const uint8_t> in) {
+  Reader r(in);
+  uint8_t magic = 0, version = 0, op = 0;
+  Request q;
+  if (!r.U8(&magic) || magic != kRequestMagic) return Bad("request (magic)");
+  if (!r.U8(&version) || version != kVersion) return Bad("request (version)");
+  if (!r.U8(&op) || op < 1 || op > static_cast<uint8_t>(Op::kHeartbeat)) {
+    return Bad("request (unknown operation)");
+  }
+  q.op = static_cast<Op>(op);
+  if (!r.U64(&q.id)) return Bad("request (id)");
+  bool ok = true;
+  switch (q.op) {
+    case Op::kRegister:
+      ok = GetStr(r, &q.secret, kMaxSecret) && GetStr(r, &q.name, kMaxName) &&
+           r.U32(&q.pid);
+      break;
+    case Op::kCreate:
+    case Op::kAttach:
+      ok = r.U64(&q.key) && r.U64(&q.size);
+      break;
+    case Op::kDetach:
+    case Op::kDelete:
+      ok = r.U64(&q.key);
+      break;
+    case Op::kAccumulate:
+      ok = r.U64(&q.key) && r.U64(&q.src_key) && r.U8(&q.dtype) &&
+           GetF64(r, &q.scale) && r.U64(&q.offset) && r.U64(&q.length) &&
+           std::isfinite(q.scale);
+      break;
+    case Op::kStatus:
+    case Op::kHeartbeat:
+      break;
+  }
+  if (!ok || r.remaining() != 0) return Bad(OpName(q.op));
+  return q;
+}
+
+std::vector<uint8_t> EncodeResponse(const Response& a) {
+  Writer w;
+  w.U8(kResponseMagic);
+  w.U8(kVersion);
+  w.U64(a.id);
+  w.U32(a.code);
+  PutStr(w, a.message);
+  w.U64(a.client_id);
+  w.U32(a.heartbeat_ms);
+  w.U64(a.key);
+  w.U64(a.size);
+  w.U32(static_cast<uint32_t>(a.descriptor.size()));
+  w.Bytes(a.descriptor.data(), a.descriptor.size());
+  PutStr(w, a.text);
+  return std::move(w.buffer());
+}
+
+Result<Response> DecodeResponse(std::span<const uint8_t> in) {
+  Reader r(in);
+  uint8_t magic = 0, version = 0;
+  Response a;
+  uint32_t dlen = 0;
+  if (!r.U8(&magic) || magic != kResponseMagic || !r.U8(&version) ||
+      version != kVersion || !r.U64(&a.id) || !r.U32(&a.code) ||
+      !GetStr(r, &a.message, kMaxText) || !r.U64(&a.client_id) ||
+      !r.U32(&a.heartbeat_ms) || !r.U64(&a.key) || !r.U64(&a.size) ||
+      !r.U32(&dlen) || dlen > kMaxDescriptor || !r.Bytes(&a.descriptor, dlen) ||
+      !GetStr(r, &a.text, kMaxText) || r.remaining() != 0) {
+    return Bad("response");
+  }
+  if (a.code > static_cast<uint32_t>(StatusCode::kUnauthenticated)) {
+    return Bad("response (status code)");
+  }
+  return a;
+}
+
+}  // namespace membox::memserver::proto

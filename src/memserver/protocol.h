@@ -1,0 +1,72 @@
+// The memory server's request/response messages (docs/formats/
+// memserver_protocol.md). They travel as transport control messages; every
+// byte comes from another process, so the decoders check every length and
+// reject trailing bytes. fuzz/memserver_protocol_fuzzer.cc drives them.
+// Thread-safety: pure functions.
+#ifndef MEMBOX_SRC_MEMSERVER_PROTOCOL_H_
+#define MEMBOX_SRC_MEMSERVER_PROTOCOL_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+namespace membox::memserver::proto {
+
+enum class Op : uint8_t {
+  kRegister = 1,    // secret, name, pid -> client id, heartbeat interval
+  kCreate = 2,      // key (0: assign), size -> segment
+  kAttach = 3,      // key, size -> segment
+  kDetach = 4,      // key
+  kDelete = 5,      // key (master only)
+  kAccumulate = 6,  // dst key, src key, dtype, scale, offset, length
+  kStatus = 7,      // -> status text
+  kHeartbeat = 8,
+};
+const char* OpName(Op op);
+
+constexpr size_t kMaxSecret = 1024;
+constexpr size_t kMaxName = 256;
+constexpr size_t kMaxDescriptor = 8192;
+constexpr size_t kMaxText = 1 << 16;
+
+struct Request {
+  Op op = Op::kHeartbeat;
+  uint64_t id = 0;  // chosen by the client, echoed in the response
+  // kRegister
+  std::string secret;
+  std::string name;
+  uint32_t pid = 0;
+  // kCreate / kAttach / kDetach / kDelete; kAccumulate uses key as dst
+  uint64_t key = 0;
+  uint64_t size = 0;
+  // kAccumulate
+  uint64_t src_key = 0;
+  uint8_t dtype = 0;
+  double scale = 1.0;
+  uint64_t offset = 0;  // byte offset in both segments
+  uint64_t length = 0;  // bytes; 0 means to the end of the segment
+};
+
+struct Response {
+  uint64_t id = 0;
+  uint32_t code = 0;  // StatusCode
+  std::string message;
+  uint64_t client_id = 0;     // kRegister
+  uint32_t heartbeat_ms = 0;  // kRegister
+  uint64_t key = 0;           // kCreate / kAttach
+  uint64_t size = 0;
+  std::vector<uint8_t> descriptor;  // RegionDescriptor of the segment
+  std::string text;                 // kStatus
+};
+
+std::vector<uint8_t> EncodeRequest(const Request& r);
+Result<Request> DecodeRequest(std::span<const uint8_t> in);
+std::vector<uint8_t> EncodeResponse(const Response& r);
+Result<Response> DecodeResponse(std::span<const uint8_t> in);
+
+}  // namespace membox::memserver::proto
+
+#endif  // MEMBOX_SRC_MEMSERVER_PROTOCOL_H_

@@ -1,0 +1,609 @@
+#include "membox/memserver/server.h"
+
+#include <atomic>
+#include <bit>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "membox/base/config.h"
+#include "membox/base/logging.h"
+#include "membox/transport/device.h"
+
+#include "src/memserver/accumulate.h"
+#include "src/memserver/buddy_allocator.h"
+#include "src/memserver/protocol.h"
+
+namespace membox::memserver {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using proto::Op;
+using proto::Request;
+using proto::Response;
+using transport::Channel;
+
+struct Segment {
+  uint64_t key = 0;
+  uint64_t offset = 0;
+  uint64_t size = 0;
+  uint64_t master = 0;
+  std::set<uint64_t> attached;
+  bool deleted = false;
+  int busy = 0;  // accumulates running on it
+  transport::RegionDescriptor desc;
+  std::vector<uint8_t> desc_bytes;
+  std::mutex accumulate_mu;  // serialises accumulates into this segment
+};
+
+struct ClientState {
+  uint64_t id = 0;
+  std::shared_ptr<Channel> channel;
+  std::string name;
+  uint32_t pid = 0;
+  bool registered = false;
+  Clock::time_point last_seen;
+  Clock::time_point connected;
+  std::set<uint64_t> attached;
+  uint64_t created_bytes = 0;
+};
+
+struct Work {
+  uint64_t client = 0;
+  bool disconnect = false;
+  Status reason;
+  std::vector<uint8_t> message;
+};
+
+bool IsPowerOfTwo(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+class ServerImpl final : public Server {
+ public:
+  explicit ServerImpl(ServerOptions o)
+      : opt_(std::move(o)), rng_(std::random_device{}()) {}
+  ~ServerImpl() override { Stop(); }
+
+  Status Init() {
+    if (opt_.secret.size() < 8) {
+      return InvalidArgumentError("the server secret must be at least 8 bytes");
+    }
+    if (!IsPowerOfTwo(opt_.min_block) || !IsPowerOfTwo(opt_.max_block)) {
+      return InvalidArgumentError("min/max block sizes must be powers of two");
+    }
+    int min_order = std::countr_zero(opt_.min_block);
+    int max_order = std::countr_zero(opt_.max_block);
+    if (opt_.pool_bytes % opt_.min_block != 0) {
+      return InvalidArgumentError(
+          "pool size must be a multiple of the smallest block");
+    }
+    ASSIGN_OR_RETURN(auto buddy, BuddyAllocator::Create(opt_.pool_bytes,
+                                                        min_order, max_order));
+    buddy_ = std::make_unique<BuddyAllocator>(std::move(buddy));
+    transport::DeviceOptions d;
+    d.listen_address = opt_.listen;
+    d.transports = opt_.transports;
+    d.name = "membox-serve";
+    d.progress_threads = 1;
+    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    // The pool is registered once; segments are ranges of it.
+    ASSIGN_OR_RETURN(pool_, device_->AllocateMemRegion(opt_.pool_bytes));
+    sync_ = std::make_unique<SyncCores>(opt_.sync_cores);
+    running_ = true;
+    acceptor_ = std::thread([this] { AcceptLoop(); });
+    for (int i = 0; i < std::max(1, opt_.handler_threads); ++i) {
+      handlers_.emplace_back([this] { HandlerLoop(); });
+    }
+    reaper_ = std::thread([this] { ReaperLoop(); });
+    MEMBOX_LOG_INFO(
+        "memory node listening on {}: pool {}, blocks {}..{}, {} sync cores",
+        device_->listen_endpoint(), FormatByteSize(opt_.pool_bytes),
+        FormatByteSize(opt_.min_block), FormatByteSize(opt_.max_block),
+        sync_->threads());
+    return Status::Ok();
+  }
+
+  std::string endpoint() const override { return device_->listen_endpoint(); }
+
+  void Stop() override {
+    {
+      std::lock_guard<std::mutex> l(ring_mu_);
+      if (!running_) return;
+      running_ = false;
+    }
+    ring_cv_.notify_all();
+    if (acceptor_.joinable()) acceptor_.join();
+    for (auto& t : handlers_) t.join();
+    handlers_.clear();
+    if (reaper_.joinable()) reaper_.join();
+    std::vector<uint64_t> ids;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (auto& [id, c] : clients_) ids.push_back(id);
+    }
+    for (uint64_t id : ids)
+      ReleaseClient(id, AbortedError("server shutting down"), true);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      segments_.clear();
+    }
+    sync_.reset();
+    pool_.reset();
+    device_.reset();
+    MEMBOX_LOG_INFO("memory node stopped");
+  }
+
+  ServerStats Stats() const override {
+    std::lock_guard<std::mutex> l(mu_);
+    ServerStats s;
+    BuddyStats b = buddy_->Stats();
+    s.pool_bytes = b.pool_bytes;
+    s.allocated_bytes = b.allocated_bytes;
+    s.free_bytes = b.free_bytes;
+    s.largest_free_block = b.largest_free_block;
+    s.external_fragmentation = b.external_fragmentation;
+    s.internal_fragmentation = b.internal_fragmentation;
+    s.segments = segments_.size();
+    s.clients = clients_.size();
+    s.bytes_accumulated = bytes_accumulated_.load();
+    s.accumulates = accumulates_.load();
+    s.requests = requests_.load();
+    s.rejected_requests = rejected_.load();
+    s.clients_released = released_.load();
+    return s;
+  }
+
+  std::string StatusText() const override {
+    ServerStats s = Stats();
+    std::ostringstream o;
+    o << "endpoint " << endpoint() << "\n"
+      << "pool_bytes " << s.pool_bytes << "\n"
+      << "allocated_bytes " << s.allocated_bytes << "\n"
+      << "free_bytes " << s.free_bytes << "\n"
+      << "largest_free_block " << s.largest_free_block << "\n"
+      << "external_fragmentation " << s.external_fragmentation << "\n"
+      << "internal_fragmentation " << s.internal_fragmentation << "\n"
+      << "segments " << s.segments << "\n"
+      << "clients " << s.clients << "\n"
+      << "clients_released " << s.clients_released << "\n"
+      << "requests " << s.requests << "\n"
+      << "rejected_requests " << s.rejected_requests << "\n"
+      << "accumulates " << s.accumulates << "\n"
+      << "bytes_accumulated " << s.bytes_accumulated << "\n"
+      << "bytes_read_by_clients unknown (one-sided)\n";
+    std::lock_guard<std::mutex> l(mu_);
+    for (auto& [key, seg] : segments_) {
+      o << "segment " << key << " size " << seg->size << " master "
+        << seg->master << " attached " << seg->attached.size()
+        << (seg->deleted ? " deleting" : "") << "\n";
+    }
+    for (auto& [id, c] : clients_) {
+      o << "client " << id << " name " << (c.name.empty() ? "-" : c.name)
+        << " pid " << c.pid << " attached " << c.attached.size()
+        << " created_bytes " << c.created_bytes
+        << (c.registered ? "" : " unregistered") << "\n";
+    }
+    return o.str();
+  }
+
+ private:
+  // ------------------------------------------------------------ threads
+
+  void AcceptLoop() {
+    while (running_) {
+      auto ch = device_->Accept(std::chrono::milliseconds(100));
+      if (!ch.ok()) continue;
+      uint64_t id;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        id = next_client_++;
+        ClientState& c = clients_[id];
+        c.id = id;
+        c.channel = *ch;
+        c.connected = c.last_seen = Clock::now();
+      }
+      (*ch)->SetHandlers(
+          [this, id](std::vector<uint8_t> m) {
+            Push(Work{id, false, Status(), std::move(m)});
+          },
+          [this, id](const Status& s) {
+            Push(Work{id, true, s, {}});
+          });
+      MEMBOX_LOG_DEBUG("client {} connected from {}", id, (*ch)->peer());
+    }
+  }
+
+  void Push(Work w) {
+    {
+      std::lock_guard<std::mutex> l(ring_mu_);
+      ring_.push_back(std::move(w));
+    }
+    ring_cv_.notify_one();
+  }
+
+  void HandlerLoop() {
+    for (;;) {
+      Work w;
+      {
+        std::unique_lock<std::mutex> l(ring_mu_);
+        ring_cv_.wait(l, [this] { return !running_ || !ring_.empty(); });
+        if (ring_.empty()) return;
+        w = std::move(ring_.front());
+        ring_.pop_front();
+      }
+      if (w.disconnect) {
+        ReleaseClient(w.client, w.reason, false);
+      } else {
+        Handle(w.client, w.message);
+      }
+    }
+  }
+
+  void ReaperLoop() {
+    while (running_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::vector<std::pair<uint64_t, Status>> dead;
+      auto now = Clock::now();
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        for (auto& [id, c] : clients_) {
+          if (c.registered && now - c.last_seen > opt_.heartbeat_timeout) {
+            dead.emplace_back(id, UnavailableError("missed heartbeats"));
+          } else if (!c.registered &&
+                     now - c.connected > std::chrono::seconds(10)) {
+            dead.emplace_back(id,
+                              UnauthenticatedError("did not register in time"));
+          }
+        }
+      }
+      for (auto& [id, why] : dead) ReleaseClient(id, why, true);
+    }
+  }
+
+  // ------------------------------------------------------------ requests
+
+  void Reply(const std::shared_ptr<Channel>& ch, Response a) {
+    if (!ch) return;
+    Status s = ch->SendControl(proto::EncodeResponse(a));
+    if (!s.ok()) MEMBOX_LOG_DEBUG("reply failed: {}", s.ToString());
+  }
+
+  static Response Error(uint64_t id, const Status& s) {
+    Response a;
+    a.id = id;
+    a.code = static_cast<uint32_t>(s.code());
+    a.message = std::string(s.message());
+    return a;
+  }
+
+  void Handle(uint64_t client, const std::vector<uint8_t>& bytes) {
+    requests_.fetch_add(1);
+    std::shared_ptr<Channel> ch;
+    bool registered;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = clients_.find(client);
+      if (it == clients_.end()) return;  // released meanwhile
+      ch = it->second.channel;
+      registered = it->second.registered;
+      it->second.last_seen = Clock::now();
+    }
+    auto req = proto::DecodeRequest(bytes);
+    if (!req.ok()) {
+      rejected_.fetch_add(1);
+      MEMBOX_LOG_WARN("client {}: {}", client, req.status().ToString());
+      Reply(ch, Error(0, req.status()));
+      return;
+    }
+    if (req->op != Op::kRegister && !registered) {
+      rejected_.fetch_add(1);
+      Reply(ch, Error(req->id, UnauthenticatedError(
+                                   "register with the server secret first")));
+      return;
+    }
+    Response a;
+    Status s;
+    switch (req->op) {
+      case Op::kRegister:
+        s = DoRegister(client, *req, &a);
+        break;
+      case Op::kCreate:
+        s = DoCreate(client, *req, &a);
+        break;
+      case Op::kAttach:
+        s = DoAttach(client, *req, &a);
+        break;
+      case Op::kDetach:
+        s = DoDetach(client, req->key, false);
+        break;
+      case Op::kDelete:
+        s = DoDetach(client, req->key, true);
+        break;
+      case Op::kAccumulate:
+        s = DoAccumulate(client, *req);
+        break;
+      case Op::kStatus:
+        a.text = StatusText();
+        break;
+      case Op::kHeartbeat:
+        break;
+    }
+    if (!s.ok()) {
+      rejected_.fetch_add(1);
+      MEMBOX_LOG_DEBUG("client {} {}: {}", client, proto::OpName(req->op),
+                       s.ToString());
+      Reply(ch, Error(req->id, s));
+      if (req->op == Op::kRegister) ReleaseClient(client, s, true);
+      return;
+    }
+    a.id = req->id;
+    Reply(ch, std::move(a));
+  }
+
+  Status DoRegister(uint64_t client, const Request& q, Response* a) {
+    // Constant-time comparison: the secret is the only thing standing
+    // between a network peer and the pool.
+    bool same = q.secret.size() == opt_.secret.size();
+    unsigned diff = 0;
+    for (size_t i = 0; i < opt_.secret.size(); ++i) {
+      diff |= static_cast<unsigned char>(opt_.secret[i]) ^
+              static_cast<unsigned char>(i < q.secret.size() ? q.secret[i] : 0);
+    }
+    if (!same || diff != 0) {
+      MEMBOX_LOG_WARN("client {} ({}) presented a wrong secret", client,
+                      q.name);
+      return UnauthenticatedError("wrong server secret");
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    ClientState& c = clients_.at(client);
+    c.registered = true;
+    c.name = q.name;
+    c.pid = q.pid;
+    a->client_id = client;
+    a->heartbeat_ms = static_cast<uint32_t>(opt_.heartbeat_timeout.count());
+    MEMBOX_LOG_INFO("client {} registered: {} (pid {})", client, q.name, q.pid);
+    return Status::Ok();
+  }
+
+  uint64_t QuotaBytes() const {
+    return opt_.quota_bytes ? opt_.quota_bytes : opt_.pool_bytes;
+  }
+
+  Status DoCreate(uint64_t client, const Request& q, Response* a) {
+    if (q.size == 0) return InvalidArgumentError("segment size 0");
+    if (q.size > opt_.pool_bytes) {
+      return InvalidArgumentError("segment of " + std::to_string(q.size) +
+                                  " bytes exceeds the pool (" +
+                                  FormatByteSize(opt_.pool_bytes) + ")");
+    }
+    if (q.size > opt_.max_block) {
+      return InvalidArgumentError("segment of " + std::to_string(q.size) +
+                                  " bytes exceeds the largest block (" +
+                                  FormatByteSize(opt_.max_block) + ")");
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    ClientState& c = clients_.at(client);
+    if (c.created_bytes + q.size > QuotaBytes()) {
+      return ResourceExhaustedError("client quota of " +
+                                    FormatByteSize(QuotaBytes()) + " exceeded");
+    }
+    if (c.attached.size() >= opt_.quota_segments) {
+      return ResourceExhaustedError("client segment quota exceeded");
+    }
+    uint64_t key = q.key;
+    if (key == 0) {
+      do {
+        key = rng_();
+      } while (key == 0 || segments_.count(key));
+    } else if (segments_.count(key)) {
+      return AlreadyExistsError("segment key " + std::to_string(key) +
+                                " is in use");
+    }
+    ASSIGN_OR_RETURN(uint64_t off, buddy_->Allocate(q.size));
+    auto desc = pool_->ExportRange(off, q.size);
+    if (!desc.ok()) {
+      (void)buddy_->Free(off);
+      return desc.status();
+    }
+    // Never hand out another tenant's old bytes.
+    std::memset(static_cast<char*>(pool_->data()) + off, 0, q.size);
+    auto seg = std::make_shared<Segment>();
+    seg->key = key;
+    seg->offset = off;
+    seg->size = q.size;
+    seg->master = client;
+    seg->attached.insert(client);
+    seg->desc = *desc;
+    seg->desc_bytes = desc->Serialize();
+    segments_[key] = seg;
+    c.attached.insert(key);
+    c.created_bytes += q.size;
+    a->key = key;
+    a->size = q.size;
+    a->descriptor = seg->desc_bytes;
+    return Status::Ok();
+  }
+
+  Status DoAttach(uint64_t client, const Request& q, Response* a) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = segments_.find(q.key);
+    if (it == segments_.end() || it->second->deleted) {
+      return NotFoundError("no segment with key " + std::to_string(q.key));
+    }
+    Segment& seg = *it->second;
+    if (seg.size != q.size) {
+      return InvalidArgumentError("segment " + std::to_string(q.key) + " has " +
+                                  std::to_string(seg.size) + " bytes, not " +
+                                  std::to_string(q.size));
+    }
+    ClientState& c = clients_.at(client);
+    if (!c.attached.count(q.key) && c.attached.size() >= opt_.quota_segments) {
+      return ResourceExhaustedError("client segment quota exceeded");
+    }
+    seg.attached.insert(client);
+    c.attached.insert(q.key);
+    a->key = seg.key;
+    a->size = seg.size;
+    a->descriptor = seg.desc_bytes;
+    return Status::Ok();
+  }
+
+  // Detaches `client` from `key`; with `destroy`, the master also deletes the
+  // segment, whose memory returns to the pool once the last user detached.
+  Status DoDetach(uint64_t client, uint64_t key, bool destroy) {
+    std::lock_guard<std::mutex> l(mu_);
+    return DetachLocked(client, key, destroy);
+  }
+
+  Status DetachLocked(uint64_t client, uint64_t key, bool destroy) {
+    auto it = segments_.find(key);
+    auto cit = clients_.find(client);
+    if (it == segments_.end() || cit == clients_.end() ||
+        !cit->second.attached.count(key)) {
+      return NotFoundError("segment " + std::to_string(key) +
+                           " is not attached by this client");
+    }
+    std::shared_ptr<Segment> seg = it->second;
+    if (destroy && seg->master != client) {
+      return PermissionDeniedError("only the master may delete segment " +
+                                   std::to_string(key));
+    }
+    if (destroy) seg->deleted = true;
+    seg->attached.erase(client);
+    cit->second.attached.erase(key);
+    if (seg->master == client && destroy)
+      cit->second.created_bytes -= seg->size;
+    MaybeFreeLocked(seg);
+    return Status::Ok();
+  }
+
+  void MaybeFreeLocked(const std::shared_ptr<Segment>& seg) {
+    if (!seg->deleted || !seg->attached.empty() || seg->busy > 0) return;
+    pool_->RevokeRange(seg->desc.region_id);
+    Status s = buddy_->Free(seg->offset);
+    if (!s.ok())
+      MEMBOX_LOG_ERROR("freeing segment {}: {}", seg->key, s.ToString());
+    segments_.erase(seg->key);
+  }
+
+  Status DoAccumulate(uint64_t client, const Request& q) {
+    auto dtype = static_cast<DType>(q.dtype);
+    if (!AccumulateSupports(dtype)) {
+      return InvalidArgumentError("accumulate: unsupported dtype " +
+                                  std::to_string(q.dtype));
+    }
+    const uint64_t esize = transport::DTypeSize(dtype);
+    std::shared_ptr<Segment> dst, src;
+    uint64_t length = q.length;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto d = segments_.find(q.key);
+      auto s = segments_.find(q.src_key);
+      const ClientState& c = clients_.at(client);
+      if (d == segments_.end() || s == segments_.end() ||
+          !c.attached.count(q.key) || !c.attached.count(q.src_key) ||
+          d->second->deleted || s->second->deleted) {
+        return NotFoundError(
+            "accumulate: both segments must exist and be attached");
+      }
+      dst = d->second;
+      src = s->second;
+      if (length == 0) {
+        if (dst->size != src->size) {
+          return InvalidArgumentError("accumulate: segments differ in size (" +
+                                      std::to_string(dst->size) + " vs " +
+                                      std::to_string(src->size) + ")");
+        }
+        if (q.offset > dst->size)
+          return OutOfRangeError("accumulate: offset past the end");
+        length = dst->size - q.offset;
+      }
+      if (q.offset > dst->size || length > dst->size - q.offset ||
+          q.offset > src->size || length > src->size - q.offset) {
+        return OutOfRangeError("accumulate: range outside a segment");
+      }
+      if (q.offset % esize != 0 || length % esize != 0) {
+        return InvalidArgumentError(
+            "accumulate: offset and length must be multiples of " +
+            std::to_string(esize) + " bytes");
+      }
+      ++dst->busy;
+      ++src->busy;
+    }
+    {
+      std::lock_guard<std::mutex> lock(dst->accumulate_mu);
+      char* base = static_cast<char*>(pool_->data());
+      sync_->Run(dtype, base + dst->offset + q.offset,
+                 base + src->offset + q.offset, length / esize, q.scale);
+    }
+    bytes_accumulated_.fetch_add(length);
+    accumulates_.fetch_add(1);
+    std::lock_guard<std::mutex> l(mu_);
+    --dst->busy;
+    --src->busy;
+    MaybeFreeLocked(dst);
+    if (src != dst) MaybeFreeLocked(src);
+    return Status::Ok();
+  }
+
+  void ReleaseClient(uint64_t client, const Status& why, bool close) {
+    std::shared_ptr<Channel> ch;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = clients_.find(client);
+      if (it == clients_.end()) return;
+      ch = it->second.channel;
+      std::vector<uint64_t> keys(it->second.attached.begin(),
+                                 it->second.attached.end());
+      for (uint64_t key : keys) {
+        auto s = segments_.find(key);
+        bool destroy = opt_.release_master_segments && s != segments_.end() &&
+                       s->second->master == client;
+        (void)DetachLocked(client, key, destroy);
+      }
+      MEMBOX_LOG_INFO("client {} ({}) released: {} ({} attachments)", client,
+                      it->second.name.empty() ? "-" : it->second.name,
+                      why.ToString(), keys.size());
+      clients_.erase(it);
+      released_.fetch_add(1);
+    }
+    if (close && ch) ch->Close();
+  }
+
+  ServerOptions opt_;
+  std::unique_ptr<transport::Device> device_;
+  std::unique_ptr<transport::MemRegion> pool_;
+  std::unique_ptr<SyncCores> sync_;
+
+  mutable std::mutex mu_;
+  std::unique_ptr<BuddyAllocator> buddy_;                  // GUARDED_BY(mu_)
+  std::map<uint64_t, std::shared_ptr<Segment>> segments_;  // GUARDED_BY(mu_)
+  std::map<uint64_t, ClientState> clients_;                // GUARDED_BY(mu_)
+  uint64_t next_client_ = 1;                               // GUARDED_BY(mu_)
+  std::mt19937_64 rng_;                                    // GUARDED_BY(mu_)
+
+  std::mutex ring_mu_;
+  std::condition_variable ring_cv_;
+  std::deque<Work> ring_;  // GUARDED_BY(ring_mu_): the request ring
+  std::atomic<bool> running_{false};
+
+  std::atomic<uint64_t> bytes_accumulated_{0}, accumulates_{0}, requests_{0},
+      rejected_{0}, released_{0};
+  std::thread acceptor_, reaper_;
+  std::vector<std::thread> handlers_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  auto s = std::make_unique<ServerImpl>(options);
+  RETURN_IF_ERROR(s->Init());
+  return std::unique_ptr<Server>(std::move(s));
+}
+
+}  // namespace membox::memserver

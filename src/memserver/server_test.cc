@@ -1,0 +1,216 @@
+// The memory server and its clients in one process (the daemon as a separate
+// process is tested in tests/integration/memserver_daemon_test.cc).
+#include "membox/memserver/server.h"
+
+#include <cstring>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "membox/memserver/client.h"
+
+namespace membox::memserver {
+namespace {
+
+using namespace std::chrono_literals;
+
+class ServerTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    ServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.transports = GetParam();
+    o.pool_bytes = 64 << 20;
+    o.secret = "correct horse battery";
+    o.heartbeat_timeout = 1500ms;
+    o.quota_bytes = 40 << 20;
+    auto s = Server::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    server_ = std::move(*s);
+  }
+
+  std::unique_ptr<Client> Connect(
+      const std::string& name,
+      const std::string& secret = "correct horse battery") {
+    ClientOptions o;
+    o.server = server_->endpoint();
+    o.secret = secret;
+    o.name = name;
+    o.transports = GetParam();
+    o.timeout = 10s;
+    auto c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  std::unique_ptr<Server> server_;
+};
+
+TEST_P(ServerTest, MasterCreatesOthersAttachSyncAndAccumulate) {
+  auto master = Connect("master");
+  auto worker = Connect("worker");
+  ASSERT_TRUE(master && worker);
+  const size_t n = 1 << 20;           // floats
+  auto w = master->Create(0, n * 4);  // server-assigned key
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  uint64_t key = (*w)->key();
+  EXPECT_NE(key, 0u);
+  auto* wf = static_cast<float*>((*w)->data());
+  for (size_t i = 0; i < n; ++i) wf[i] = 1.0f;
+  ASSERT_TRUE(master->WriteSync(*w, 0, n * 4).ok());
+
+  auto wa = worker->Attach(key, n * 4);
+  ASSERT_TRUE(wa.ok()) << wa.status().ToString();
+  ASSERT_TRUE(worker->ReadSync(*wa, 0, n * 4).ok());
+  EXPECT_EQ(static_cast<float*>((*wa)->data())[n - 1], 1.0f);
+
+  // The worker pushes a gradient and the server accumulates it (scaled).
+  auto g = worker->Create(1234, n * 4);
+  ASSERT_TRUE(g.ok());
+  auto* gf = static_cast<float*>((*g)->data());
+  for (size_t i = 0; i < n; ++i) gf[i] = static_cast<float>(i % 7);
+  ASSERT_TRUE(worker->WriteSync(*g, 0, n * 4).ok());
+  ASSERT_TRUE(
+      worker->Accumulate(*wa, *g, transport::DType::kFloat32, 0.5).ok());
+  ASSERT_TRUE(master->ReadSync(*w, 0, n * 4).ok());
+  for (size_t i = 0; i < n; i += 997) {
+    ASSERT_FLOAT_EQ(wf[i], 1.0f + 0.5f * static_cast<float>(i % 7)) << i;
+  }
+  // A range of the segment only.
+  ASSERT_TRUE(
+      worker
+          ->Accumulate(*wa, *g, transport::DType::kFloat32, 1.0, 4 * 10, 4 * 5)
+          .ok());
+  ASSERT_TRUE(master->ReadSync(*w, 40, 20).ok());
+  EXPECT_FLOAT_EQ(wf[10], 1.0f + 1.5f * (10 % 7));
+  EXPECT_FLOAT_EQ(wf[15], 1.0f + 0.5f * (15 % 7));
+
+  auto st = master->ServerStatus();
+  ASSERT_TRUE(st.ok());
+  EXPECT_NE(st->find("segments 2"), std::string::npos) << *st;
+  EXPECT_NE(st->find("accumulates 2"), std::string::npos) << *st;
+  EXPECT_EQ(server_->Stats().clients, 2u);
+
+  // Detach in any order; the master deletes; memory returns to the pool.
+  ASSERT_TRUE(worker->Detach(*wa).ok());
+  ASSERT_TRUE(worker->Delete(*g).ok());
+  ASSERT_TRUE(master->Delete(*w).ok());
+  EXPECT_EQ(server_->Stats().segments, 0u);
+  EXPECT_EQ(server_->Stats().allocated_bytes, 0u);
+}
+
+TEST_P(ServerTest, SameHostMappingSeesWritesWithoutSync) {
+  if (std::string(GetParam()) == "tcp") GTEST_SKIP() << "no mapping over TCP";
+  auto a = Connect("a");
+  auto b = Connect("b");
+  auto sa = a->Create(77, 4096);
+  ASSERT_TRUE(sa.ok());
+  auto sb = b->Attach(77, 4096);
+  ASSERT_TRUE(sb.ok());
+  ASSERT_NE((*sa)->Map(), nullptr);
+  std::memcpy((*sa)->Map(), "direct", 6);
+  EXPECT_EQ(std::memcmp((*sb)->Map(), "direct", 6), 0);
+  ASSERT_TRUE(b->ReadSync(*sb, 0, 6).ok());
+  EXPECT_EQ(std::memcmp((*sb)->data(), "direct", 6), 0);
+}
+
+TEST_P(ServerTest, BadRequestsAreRefusedAndChangeNothing) {
+  EXPECT_EQ(Client::Connect({server_->endpoint(), "wrong secret!", "intruder",
+                             GetParam(), 5s})
+                .status()
+                .code(),
+            StatusCode::kUnauthenticated);
+  auto c = Connect("c");
+  auto d = Connect("d");
+  auto s = c->Create(5, 8192);
+  ASSERT_TRUE(s.ok());
+  auto before = server_->Stats();
+  // Wrong size, wrong key, duplicate key, oversize, quota.
+  EXPECT_EQ(d->Attach(5, 4096).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(d->Attach(6, 8192).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(d->Create(5, 4096).status().code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(d->Create(0, 128 << 20).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(d->Create(0, 48 << 20).status().code(),
+            StatusCode::kResourceExhausted);
+  // Out-of-range sync and non-master delete.
+  auto sd = d->Attach(5, 8192);
+  ASSERT_TRUE(sd.ok());
+  EXPECT_EQ(d->WriteSync(*sd, 4096, 8192).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(d->Delete(*sd).code(), StatusCode::kPermissionDenied);
+  // Accumulate with a wrong dtype or a misaligned range.
+  EXPECT_EQ(d->Accumulate(*sd, *sd, static_cast<transport::DType>(9)).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      d->Accumulate(*sd, *sd, transport::DType::kFloat32, 1.0, 2, 8).code(),
+      StatusCode::kInvalidArgument);
+  auto after = server_->Stats();
+  EXPECT_EQ(after.segments, before.segments);
+  EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
+  // Double free: the second detach is refused.
+  ASSERT_TRUE(d->Detach(*sd).ok());
+  ASSERT_TRUE(c->Delete(*s).ok());
+  EXPECT_EQ(server_->Stats().segments, 0u);
+}
+
+TEST_P(ServerTest, DisconnectedClientIsReleasedAndCanReconnect) {
+  auto keeper = Connect("keeper");
+  auto s = keeper->Create(42, 1 << 20);
+  ASSERT_TRUE(s.ok());
+  std::memset((*s)->data(), 7, 1 << 20);
+  ASSERT_TRUE(keeper->WriteSync(*s, 0, 1 << 20).ok());
+  {
+    auto gone = Connect("gone");
+    ASSERT_TRUE(gone->Attach(42, 1 << 20).ok());
+    EXPECT_EQ(server_->Stats().clients, 2u);
+  }  // disconnects without detaching
+  for (int i = 0; i < 100 && server_->Stats().clients != 1; ++i)
+    std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(server_->Stats().clients, 1u);
+  EXPECT_GE(server_->Stats().clients_released, 1u);
+  // The master keeps its segment (release_master_segments is off by default);
+  // the master itself can go away and a new process re-attaches the data.
+  keeper.reset();
+  for (int i = 0; i < 100 && server_->Stats().clients != 0; ++i)
+    std::this_thread::sleep_for(50ms);
+  auto again = Connect("again");
+  auto r = again->Attach(42, 1 << 20);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(again->ReadSync(*r, 0, 1 << 20).ok());
+  EXPECT_EQ(static_cast<uint8_t*>((*r)->data())[12345], 7);
+}
+
+TEST_P(ServerTest, StoppedServerGivesClientsAClearError) {
+  auto c = Connect("c");
+  auto s = c->Create(9, 4096);
+  ASSERT_TRUE(s.ok());
+  server_->Stop();
+  auto t0 = std::chrono::steady_clock::now();
+  Status st = c->WriteSync(*s, 0, 4096);
+  for (int i = 0; i < 50 && st.ok(); ++i) {
+    std::this_thread::sleep_for(100ms);
+    st = c->WriteSync(*s, 0, 4096);
+  }
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_NE(st.message().find("memory node"), std::string_view::npos)
+      << st.ToString();
+  EXPECT_EQ(c->ServerStatus().status().code(), StatusCode::kUnavailable);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, ServerTest,
+                         ::testing::Values("auto", "tcp"));
+
+TEST(ServerOptionsTest, Validation) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.pool_bytes = 1 << 20;
+  o.secret = "short";
+  EXPECT_EQ(Server::Start(o).status().code(), StatusCode::kInvalidArgument);
+  o.secret = "long enough secret";
+  o.min_block = 3000;
+  EXPECT_EQ(Server::Start(o).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace membox::memserver
