@@ -1,14 +1,21 @@
 // The `membox` command: one binary, one subcommand per job.
-//   membox bench transfer [--quick] [--csv F] [--plot F.png] [--json F] ...
+//   membox serve  [--listen H:P] [--pool-size S] [--secret-file F] [--config F] ...
+//   membox status --server H:P [--secret-file F]
+//   membox bench transfer|memserver|async-sgd [--quick] [--csv F] [--plot F.png] [--json F]
 //   membox version
-// Later layers add `serve`, `status`, `launch`.
+#include <pthread.h>
+#include <signal.h>
+
 #include <cstdio>
+#include <fstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
+#include "membox/memserver/client.h"
+#include "membox/memserver/server.h"
 
 #ifdef MEMBOX_WITH_BENCH
 #include "bench/transfer/transfer_bench.h"
@@ -25,6 +32,92 @@ void AddCommonFlags(CLI::App* cmd, membox::bench::CommonFlags* f) {
 }
 #endif
 
+// The secret from --secret, --secret-file or MEMBOX_SECRET / MEMBOX_SECRET_FILE.
+membox::Result<std::string> ResolveSecret(const std::string& secret, const std::string& file) {
+  std::string path = file;
+  if (!secret.empty()) return secret;
+  if (path.empty()) {
+    if (auto env = membox::GetEnv("MEMBOX_SECRET")) return *env;
+    if (auto env = membox::GetEnv("MEMBOX_SECRET_FILE")) path = *env;
+  }
+  if (path.empty()) {
+    return membox::InvalidArgumentError(
+        "no secret: pass --secret-file (or --secret, MEMBOX_SECRET, MEMBOX_SECRET_FILE)");
+  }
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line) || line.empty()) {
+    return membox::InvalidArgumentError("cannot read a secret from '" + path + "'");
+  }
+  return line;
+}
+
+int Serve(membox::memserver::ServerOptions o, const std::string& secret,
+          const std::string& secret_file, const std::string& pool, const std::string& min_block,
+          const std::string& max_block, const std::string& quota, int heartbeat_ms) {
+  auto sec = ResolveSecret(secret, secret_file);
+  auto p = membox::ParseByteSize(pool);
+  auto mn = membox::ParseByteSize(min_block);
+  auto mx = membox::ParseByteSize(max_block);
+  auto q = membox::ParseByteSize(quota);
+  for (const membox::Status& st : {sec.status(), p.status(), mn.status(), mx.status(), q.status()}) {
+    if (!st.ok()) {
+      std::fprintf(stderr, "membox serve: %s\n", st.ToString().c_str());
+      return 2;
+    }
+  }
+  o.secret = *sec;
+  o.pool_bytes = *p;
+  o.min_block = *mn;
+  o.max_block = *mx;
+  o.quota_bytes = *q;
+  o.heartbeat_timeout = std::chrono::milliseconds(heartbeat_ms);
+  // Block the stop signals before any thread starts, then wait for them here.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  auto server = membox::memserver::Server::Start(o);
+  if (!server.ok()) {
+    std::fprintf(stderr, "membox serve: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("membox serve: listening on %s\n", (*server)->endpoint().c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&set, &sig);
+  MEMBOX_LOG_INFO("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*server)->Stop();
+  return 0;
+}
+
+int PrintStatus(const std::string& server, const std::string& secret,
+                const std::string& secret_file) {
+  auto sec = ResolveSecret(secret, secret_file);
+  if (!sec.ok()) {
+    std::fprintf(stderr, "membox status: %s\n", sec.status().ToString().c_str());
+    return 2;
+  }
+  membox::memserver::ClientOptions o;
+  o.server = server;
+  o.secret = *sec;
+  o.name = "membox-status";
+  o.timeout = std::chrono::milliseconds(10000);
+  auto c = membox::memserver::Client::Connect(o);
+  if (!c.ok()) {
+    std::fprintf(stderr, "membox status: %s\n", c.status().ToString().c_str());
+    return 1;
+  }
+  auto text = (*c)->ServerStatus();
+  if (!text.ok()) {
+    std::fprintf(stderr, "membox status: %s\n", text.status().ToString().c_str());
+    return 1;
+  }
+  std::fputs(text->c_str(), stdout);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -35,6 +128,33 @@ int main(int argc, char** argv) {
                  "trace, debug, info, warn, error, off");
 
   auto* version = app.add_subcommand("version", "print the version");
+
+  membox::memserver::ServerOptions sopt;
+  std::string secret, secret_file, pool = "1GiB", min_block = "4KiB", max_block = "32GiB",
+                                   quota = "0";
+  int heartbeat_ms = 5000;
+  auto* serve = app.add_subcommand("serve", "run a memory node");
+  serve->set_config("--config", "", "config file of 'key = value' lines (the long flag names)");
+  serve->add_option("--listen", sopt.listen, "address to listen on (host:port)");
+  serve->add_option("--transports", sopt.transports, "UCX transports: auto, tcp, ...");
+  serve->add_option("--pool-size", pool, "memory pool (e.g. 4GiB)");
+  serve->add_option("--min-block", min_block, "smallest buddy block (power of two)");
+  serve->add_option("--max-block", max_block, "largest buddy block (power of two)");
+  serve->add_option("--secret", secret, "authentication secret (prefer --secret-file)");
+  serve->add_option("--secret-file", secret_file, "file whose first line is the secret");
+  serve->add_option("--sync-cores", sopt.sync_cores, "threads that run accumulates");
+  serve->add_option("--handler-threads", sopt.handler_threads, "request handler threads");
+  serve->add_option("--heartbeat-timeout-ms", heartbeat_ms, "release clients silent this long");
+  serve->add_flag("--release-master-segments", sopt.release_master_segments,
+                  "delete the segments of a client that disconnects");
+  serve->add_option("--quota-bytes", quota, "per-client bytes of created segments (0: pool)");
+  serve->add_option("--quota-segments", sopt.quota_segments, "per-client segments");
+
+  std::string status_server;
+  auto* status = app.add_subcommand("status", "print a memory node's pool, segments, clients");
+  status->add_option("--server", status_server, "memory node (host:port)")->required();
+  status->add_option("--secret", secret, "authentication secret");
+  status->add_option("--secret-file", secret_file, "file whose first line is the secret");
 
 #ifdef MEMBOX_WITH_BENCH
   auto* bench = app.add_subcommand("bench", "run a benchmark");
@@ -68,6 +188,12 @@ int main(int argc, char** argv) {
     std::printf("membox 0.1.0\n");
     return 0;
   }
+  if (serve->parsed()) {
+    membox::InitLogging("serve");
+    if (!log_level.empty()) membox::SetLogLevel(log_level);
+    return Serve(sopt, secret, secret_file, pool, min_block, max_block, quota, heartbeat_ms);
+  }
+  if (status->parsed()) return PrintStatus(status_server, secret, secret_file);
 #ifdef MEMBOX_WITH_BENCH
   if (transfer->parsed()) {
     auto mn = membox::ParseByteSize(min_size);

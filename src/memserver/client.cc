@@ -219,6 +219,9 @@ class ClientImpl final : public Client {
     if (dir == transport::Direction::kWrite) {
       ASSIGN_OR_RETURN(auto f, channel_->Flush());
       RETURN_IF_ERROR(Annotate(f.Wait(opt_.timeout)));
+      bytes_written_.fetch_add(length);
+    } else {
+      bytes_read_.fetch_add(length);
     }
     return Status::Ok();
   }
@@ -302,6 +305,8 @@ class ClientImpl final : public Client {
       l.unlock();
       Request q;
       q.op = Op::kHeartbeat;
+      q.bytes_read = bytes_read_.load();
+      q.bytes_written = bytes_written_.load();
       (void)channel_->SendControl(proto::EncodeRequest(q));
       l.lock();
     }
@@ -312,6 +317,7 @@ class ClientImpl final : public Client {
   std::shared_ptr<Channel> channel_;
   uint64_t client_id_ = 0;
   std::atomic<uint64_t> next_id_{1};
+  std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0};
 
   std::mutex pending_mu_;
   std::map<uint64_t, std::optional<Response>>

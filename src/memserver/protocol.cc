@@ -98,8 +98,11 @@ std::vector<uint8_t> EncodeRequest(const Request& q) {
       w.U64(q.offset);
       w.U64(q.length);
       break;
-    case Op::kStatus:
     case Op::kHeartbeat:
+      w.U64(q.bytes_read);
+      w.U64(q.bytes_written);
+      break;
+    case Op::kStatus:
       break;
   }
   return std::move(w.buffer());
@@ -135,8 +138,10 @@ Result<Request> DecodeRequest(std::span<const uint8_t> in) {
            GetF64(r, &q.scale) && r.U64(&q.offset) && r.U64(&q.length) &&
            std::isfinite(q.scale);
       break;
-    case Op::kStatus:
     case Op::kHeartbeat:
+      ok = r.U64(&q.bytes_read) && r.U64(&q.bytes_written);
+      break;
+    case Op::kStatus:
       break;
   }
   if (!ok || r.remaining() != 0) return Bad(OpName(q.op));

@@ -48,6 +48,10 @@ struct Request {
   double scale = 1.0;
   uint64_t offset = 0;  // byte offset in both segments
   uint64_t length = 0;  // bytes; 0 means to the end of the segment
+  // kHeartbeat: the client's cumulative one-sided traffic (the server cannot
+  // see one-sided reads and writes itself)
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
 };
 
 struct Response {

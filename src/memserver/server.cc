@@ -52,6 +52,8 @@ struct ClientState {
   Clock::time_point connected;
   std::set<uint64_t> attached;
   uint64_t created_bytes = 0;
+  uint64_t bytes_read = 0;     // as last reported by the client
+  uint64_t bytes_written = 0;
 };
 
 struct Work {
@@ -155,6 +157,12 @@ class ServerImpl final : public Server {
     s.requests = requests_.load();
     s.rejected_requests = rejected_.load();
     s.clients_released = released_.load();
+    s.bytes_read = departed_read_;
+    s.bytes_written = departed_written_;
+    for (auto& [id, c] : clients_) {
+      s.bytes_read += c.bytes_read;
+      s.bytes_written += c.bytes_written;
+    }
     return s;
   }
 
@@ -175,7 +183,8 @@ class ServerImpl final : public Server {
       << "rejected_requests " << s.rejected_requests << "\n"
       << "accumulates " << s.accumulates << "\n"
       << "bytes_accumulated " << s.bytes_accumulated << "\n"
-      << "bytes_read_by_clients unknown (one-sided)\n";
+      << "bytes_read " << s.bytes_read << "\n"
+      << "bytes_written " << s.bytes_written << "\n";
     std::lock_guard<std::mutex> l(mu_);
     for (auto& [key, seg] : segments_) {
       o << "segment " << key << " size " << seg->size << " master "
@@ -330,8 +339,13 @@ class ServerImpl final : public Server {
       case Op::kStatus:
         a.text = StatusText();
         break;
-      case Op::kHeartbeat:
+      case Op::kHeartbeat: {
+        std::lock_guard<std::mutex> l(mu_);
+        ClientState& c = clients_.at(client);
+        c.bytes_read = req->bytes_read;
+        c.bytes_written = req->bytes_written;
         break;
+      }
     }
     if (!s.ok()) {
       rejected_.fetch_add(1);
@@ -569,6 +583,8 @@ class ServerImpl final : public Server {
       MEMBOX_LOG_INFO("client {} ({}) released: {} ({} attachments)", client,
                       it->second.name.empty() ? "-" : it->second.name,
                       why.ToString(), keys.size());
+      departed_read_ += it->second.bytes_read;
+      departed_written_ += it->second.bytes_written;
       clients_.erase(it);
       released_.fetch_add(1);
     }
@@ -584,6 +600,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<BuddyAllocator> buddy_;                  // GUARDED_BY(mu_)
   std::map<uint64_t, std::shared_ptr<Segment>> segments_;  // GUARDED_BY(mu_)
   std::map<uint64_t, ClientState> clients_;                // GUARDED_BY(mu_)
+  uint64_t departed_read_ = 0, departed_written_ = 0;  // GUARDED_BY(mu_)
   uint64_t next_client_ = 1;                               // GUARDED_BY(mu_)
   std::mt19937_64 rng_;                                    // GUARDED_BY(mu_)
 

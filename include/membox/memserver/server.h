@@ -56,6 +56,9 @@ struct ServerStats {
   uint64_t requests = 0;
   uint64_t rejected_requests = 0;
   uint64_t clients_released = 0;
+  // One-sided traffic as reported by clients with their heartbeats.
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
 };
 
 class Server {
