@@ -1,16 +1,15 @@
 // The `membox` command: one binary, one subcommand per job.
-//   membox serve  [--listen H:P] [--pool-size S] [--secret-file F] [--config F] ...
-//   membox status --server H:P [--secret-file F]
-//   membox bench transfer|memserver|async-sgd [--quick] [--csv F] [--plot F.png] [--json F]
+//   membox serve  [--listen H:P] [--pool-size S] [--secret-file F] [--config F]
+//   ... membox status --server H:P [--secret-file F] membox bench
+//   transfer|memserver|async-sgd [--quick] [--csv F] [--plot F.png] [--json F]
 //   membox version
-#include <pthread.h>
-#include <signal.h>
-
 #include <cstdio>
 #include <fstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <pthread.h>
+#include <signal.h>
 
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
@@ -32,8 +31,10 @@ void AddCommonFlags(CLI::App* cmd, membox::bench::CommonFlags* f) {
 }
 #endif
 
-// The secret from --secret, --secret-file or MEMBOX_SECRET / MEMBOX_SECRET_FILE.
-membox::Result<std::string> ResolveSecret(const std::string& secret, const std::string& file) {
+// The secret from --secret, --secret-file or MEMBOX_SECRET /
+// MEMBOX_SECRET_FILE.
+membox::Result<std::string> ResolveSecret(const std::string& secret,
+                                          const std::string& file) {
   std::string path = file;
   if (!secret.empty()) return secret;
   if (path.empty()) {
@@ -42,25 +43,29 @@ membox::Result<std::string> ResolveSecret(const std::string& secret, const std::
   }
   if (path.empty()) {
     return membox::InvalidArgumentError(
-        "no secret: pass --secret-file (or --secret, MEMBOX_SECRET, MEMBOX_SECRET_FILE)");
+        "no secret: pass --secret-file (or --secret, MEMBOX_SECRET, "
+        "MEMBOX_SECRET_FILE)");
   }
   std::ifstream in(path);
   std::string line;
   if (!in || !std::getline(in, line) || line.empty()) {
-    return membox::InvalidArgumentError("cannot read a secret from '" + path + "'");
+    return membox::InvalidArgumentError("cannot read a secret from '" + path +
+                                        "'");
   }
   return line;
 }
 
 int Serve(membox::memserver::ServerOptions o, const std::string& secret,
-          const std::string& secret_file, const std::string& pool, const std::string& min_block,
-          const std::string& max_block, const std::string& quota, int heartbeat_ms) {
+          const std::string& secret_file, const std::string& pool,
+          const std::string& min_block, const std::string& max_block,
+          const std::string& quota, int heartbeat_ms) {
   auto sec = ResolveSecret(secret, secret_file);
   auto p = membox::ParseByteSize(pool);
   auto mn = membox::ParseByteSize(min_block);
   auto mx = membox::ParseByteSize(max_block);
   auto q = membox::ParseByteSize(quota);
-  for (const membox::Status& st : {sec.status(), p.status(), mn.status(), mx.status(), q.status()}) {
+  for (const membox::Status& st :
+       {sec.status(), p.status(), mn.status(), mx.status(), q.status()}) {
     if (!st.ok()) {
       std::fprintf(stderr, "membox serve: %s\n", st.ToString().c_str());
       return 2;
@@ -80,14 +85,16 @@ int Serve(membox::memserver::ServerOptions o, const std::string& secret,
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   auto server = membox::memserver::Server::Start(o);
   if (!server.ok()) {
-    std::fprintf(stderr, "membox serve: %s\n", server.status().ToString().c_str());
+    std::fprintf(stderr, "membox serve: %s\n",
+                 server.status().ToString().c_str());
     return 1;
   }
   std::printf("membox serve: listening on %s\n", (*server)->endpoint().c_str());
   std::fflush(stdout);
   int sig = 0;
   sigwait(&set, &sig);
-  MEMBOX_LOG_INFO("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  MEMBOX_LOG_INFO("received {}, shutting down",
+                  sig == SIGTERM ? "SIGTERM" : "SIGINT");
   (*server)->Stop();
   return 0;
 }
@@ -96,7 +103,8 @@ int PrintStatus(const std::string& server, const std::string& secret,
                 const std::string& secret_file) {
   auto sec = ResolveSecret(secret, secret_file);
   if (!sec.ok()) {
-    std::fprintf(stderr, "membox status: %s\n", sec.status().ToString().c_str());
+    std::fprintf(stderr, "membox status: %s\n",
+                 sec.status().ToString().c_str());
     return 2;
   }
   membox::memserver::ClientOptions o;
@@ -111,7 +119,8 @@ int PrintStatus(const std::string& server, const std::string& secret,
   }
   auto text = (*c)->ServerStatus();
   if (!text.ok()) {
-    std::fprintf(stderr, "membox status: %s\n", text.status().ToString().c_str());
+    std::fprintf(stderr, "membox status: %s\n",
+                 text.status().ToString().c_str());
     return 1;
   }
   std::fputs(text->c_str(), stdout);
@@ -130,31 +139,46 @@ int main(int argc, char** argv) {
   auto* version = app.add_subcommand("version", "print the version");
 
   membox::memserver::ServerOptions sopt;
-  std::string secret, secret_file, pool = "1GiB", min_block = "4KiB", max_block = "32GiB",
-                                   quota = "0";
+  std::string secret, secret_file, pool = "1GiB", min_block = "4KiB",
+                                   max_block = "32GiB", quota = "0";
   int heartbeat_ms = 5000;
   auto* serve = app.add_subcommand("serve", "run a memory node");
-  serve->set_config("--config", "", "config file of 'key = value' lines (the long flag names)");
-  serve->add_option("--listen", sopt.listen, "address to listen on (host:port)");
-  serve->add_option("--transports", sopt.transports, "UCX transports: auto, tcp, ...");
+  serve->set_config("--config", "",
+                    "config file of 'key = value' lines (the long flag names)");
+  serve->add_option("--listen", sopt.listen,
+                    "address to listen on (host:port)");
+  serve->add_option("--transports", sopt.transports,
+                    "UCX transports: auto, tcp, ...");
   serve->add_option("--pool-size", pool, "memory pool (e.g. 4GiB)");
-  serve->add_option("--min-block", min_block, "smallest buddy block (power of two)");
-  serve->add_option("--max-block", max_block, "largest buddy block (power of two)");
-  serve->add_option("--secret", secret, "authentication secret (prefer --secret-file)");
-  serve->add_option("--secret-file", secret_file, "file whose first line is the secret");
-  serve->add_option("--sync-cores", sopt.sync_cores, "threads that run accumulates");
-  serve->add_option("--handler-threads", sopt.handler_threads, "request handler threads");
-  serve->add_option("--heartbeat-timeout-ms", heartbeat_ms, "release clients silent this long");
+  serve->add_option("--min-block", min_block,
+                    "smallest buddy block (power of two)");
+  serve->add_option("--max-block", max_block,
+                    "largest buddy block (power of two)");
+  serve->add_option("--secret", secret,
+                    "authentication secret (prefer --secret-file)");
+  serve->add_option("--secret-file", secret_file,
+                    "file whose first line is the secret");
+  serve->add_option("--sync-cores", sopt.sync_cores,
+                    "threads that run accumulates");
+  serve->add_option("--handler-threads", sopt.handler_threads,
+                    "request handler threads");
+  serve->add_option("--heartbeat-timeout-ms", heartbeat_ms,
+                    "release clients silent this long");
   serve->add_flag("--release-master-segments", sopt.release_master_segments,
                   "delete the segments of a client that disconnects");
-  serve->add_option("--quota-bytes", quota, "per-client bytes of created segments (0: pool)");
-  serve->add_option("--quota-segments", sopt.quota_segments, "per-client segments");
+  serve->add_option("--quota-bytes", quota,
+                    "per-client bytes of created segments (0: pool)");
+  serve->add_option("--quota-segments", sopt.quota_segments,
+                    "per-client segments");
 
   std::string status_server;
-  auto* status = app.add_subcommand("status", "print a memory node's pool, segments, clients");
-  status->add_option("--server", status_server, "memory node (host:port)")->required();
+  auto* status = app.add_subcommand(
+      "status", "print a memory node's pool, segments, clients");
+  status->add_option("--server", status_server, "memory node (host:port)")
+      ->required();
   status->add_option("--secret", secret, "authentication secret");
-  status->add_option("--secret-file", secret_file, "file whose first line is the secret");
+  status->add_option("--secret-file", secret_file,
+                     "file whose first line is the secret");
 
 #ifdef MEMBOX_WITH_BENCH
   auto* bench = app.add_subcommand("bench", "run a benchmark");
@@ -191,7 +215,8 @@ int main(int argc, char** argv) {
   if (serve->parsed()) {
     membox::InitLogging("serve");
     if (!log_level.empty()) membox::SetLogLevel(log_level);
-    return Serve(sopt, secret, secret_file, pool, min_block, max_block, quota, heartbeat_ms);
+    return Serve(sopt, secret, secret_file, pool, min_block, max_block, quota,
+                 heartbeat_ms);
   }
   if (status->parsed()) return PrintStatus(status_server, secret, secret_file);
 #ifdef MEMBOX_WITH_BENCH

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <latch>
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 namespace membox::memserver {
@@ -118,9 +119,14 @@ __attribute__((target("avx2,f16c,fma"))) void AddF16Hw(uint16_t* d,
 }
 
 void AddF16(uint16_t* d, const uint16_t* s, size_t n, float a) {
-  static const bool hw = __builtin_cpu_supports("f16c") &&
-                         __builtin_cpu_supports("avx2") &&
-                         __builtin_cpu_supports("fma");
+  // F16C is read from CPUID (leaf 1, ECX bit 29): not every compiler knows
+  // the "f16c" name for __builtin_cpu_supports.
+  static const bool hw = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+    return f16c && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma");
+  }();
   if (hw) {
     AddF16Hw(d, s, n, a);
     return;

@@ -60,12 +60,13 @@ int smb_init(void) {
     }
   }
   if (auto v = membox::GetEnv("MEMBOX_SERVER")) o.server = *v;
-  if (auto v = membox::GetEnv("MEMBOX_SECRET")) o.secret = *v;
+  // Precedence: config file < MEMBOX_SECRET_FILE < MEMBOX_SECRET.
   if (auto v = membox::GetEnv("MEMBOX_SECRET_FILE")) {
     auto s = ReadSecretFile(*v);
     if (!s.ok()) return Fail(s.status());
     o.secret = *s;
   }
+  if (auto v = membox::GetEnv("MEMBOX_SECRET")) o.secret = *v;
   if (o.server.empty()) {
     return Fail(membox::InvalidArgumentError(
         "no memory node: set MEMBOX_SERVER or MEMBOX_CONFIG"));

@@ -52,7 +52,7 @@ struct ClientState {
   Clock::time_point connected;
   std::set<uint64_t> attached;
   uint64_t created_bytes = 0;
-  uint64_t bytes_read = 0;     // as last reported by the client
+  uint64_t bytes_read = 0;  // as last reported by the client
   uint64_t bytes_written = 0;
 };
 
@@ -600,7 +600,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<BuddyAllocator> buddy_;                  // GUARDED_BY(mu_)
   std::map<uint64_t, std::shared_ptr<Segment>> segments_;  // GUARDED_BY(mu_)
   std::map<uint64_t, ClientState> clients_;                // GUARDED_BY(mu_)
-  uint64_t departed_read_ = 0, departed_written_ = 0;  // GUARDED_BY(mu_)
+  uint64_t departed_read_ = 0, departed_written_ = 0;      // GUARDED_BY(mu_)
   uint64_t next_client_ = 1;                               // GUARDED_BY(mu_)
   std::mt19937_64 rng_;                                    // GUARDED_BY(mu_)
 

@@ -1,0 +1,154 @@
+// `membox serve` started as users start it (a separate process with flags and
+// a secret file), used from C++ and from a C program through smb.h.
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include "membox/memserver/client.h"
+
+#include "tests/testutil/subprocess.h"
+
+namespace membox::memserver {
+namespace {
+
+using namespace std::chrono_literals;
+using membox::testing::Subprocess;
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    secret_file_ =
+        ::testing::TempDir() + "/membox-secret-" + std::to_string(getpid());
+    std::ofstream(secret_file_) << "daemon-test-secret\n";
+    auto d =
+        Subprocess::Start({MEMBOX_BIN, "serve", "--listen", "127.0.0.1:0",
+                           "--pool-size", "512MiB", "--secret-file",
+                           secret_file_, "--heartbeat-timeout-ms", "2000"});
+    ASSERT_TRUE(d);
+    daemon_.emplace(std::move(*d));
+    auto ep = daemon_->WaitFor("membox serve: listening on ", 20s);
+    ASSERT_TRUE(ep) << "daemon did not start";
+    endpoint_ = *ep;
+    setenv("MEMBOX_SERVER", endpoint_.c_str(), 1);
+    setenv("MEMBOX_SECRET_FILE", secret_file_.c_str(), 1);
+    unsetenv("MEMBOX_SECRET");
+  }
+  void TearDown() override {
+    if (daemon_) {
+      daemon_->Kill(15);
+      daemon_->Wait(10s);
+    }
+    std::remove(secret_file_.c_str());
+  }
+  std::unique_ptr<Client> Connect(const std::string& name) {
+    ClientOptions o;
+    o.server = endpoint_;
+    o.secret = "daemon-test-secret";
+    o.name = name;
+    o.timeout = 10s;
+    auto c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  uint64_t Stat(Client& c, const std::string& name) {
+    auto text = c.ServerStatus();
+    EXPECT_TRUE(text.ok());
+    auto pos = text->find("\n" + name + " ");
+    if (pos == std::string::npos) return UINT64_MAX;
+    return std::stoull(text->substr(pos + name.size() + 2));
+  }
+
+  std::string secret_file_;
+  std::string endpoint_;
+  std::optional<Subprocess> daemon_;
+};
+
+TEST_F(DaemonTest, CApiRoundTrip) {
+  auto c = Subprocess::Start({SMB_C_CLIENT, "roundtrip"});
+  ASSERT_TRUE(c);
+  EXPECT_TRUE(c->WaitFor("OK", 30s));
+  EXPECT_EQ(c->Wait(30s), 0);
+}
+
+TEST_F(DaemonTest, WrongSecretIsRefused) {
+  setenv("MEMBOX_SECRET", "not-the-secret", 1);
+  auto c = Subprocess::Start({SMB_C_CLIENT, "init"});
+  ASSERT_TRUE(c);
+  auto line = c->WaitFor("INIT ", 20s);
+  ASSERT_TRUE(line);
+  EXPECT_NE(line->find("-16"), std::string::npos)
+      << *line;  // -kUnauthenticated
+  EXPECT_NE(line->find("wrong server secret"), std::string::npos) << *line;
+  EXPECT_EQ(c->Wait(20s), 3);
+}
+
+TEST_F(DaemonTest, ClientKilledDuringWriteSyncIsReleased) {
+  auto owner = Connect("owner");
+  ASSERT_TRUE(owner);
+  auto seg = owner->Create(777, 64 << 20);
+  ASSERT_TRUE(seg.ok());
+  auto victim = Subprocess::Start({SMB_C_CLIENT, "wsync-loop", "777", "64"});
+  ASSERT_TRUE(victim);
+  ASSERT_TRUE(victim->WaitFor("LOOPING", 30s));
+  EXPECT_EQ(Stat(*owner, "clients"), 2u);
+  victim->Kill(9);  // while it write-syncs
+  ASSERT_EQ(victim->Wait(10s), 128 + 9);
+  uint64_t clients = 0;
+  for (int i = 0; i < 100; ++i) {
+    clients = Stat(*owner, "clients");
+    if (clients == 1) break;
+    std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_EQ(clients, 1u);
+  EXPECT_GE(Stat(*owner, "clients_released"), 1u);
+  // The others go on: the segment is intact and usable.
+  std::memset((*seg)->data(), 0x44, 64 << 20);
+  ASSERT_TRUE(owner->WriteSync(*seg, 0, 64 << 20).ok());
+  std::memset((*seg)->data(), 0, 64 << 20);
+  ASSERT_TRUE(owner->ReadSync(*seg, 0, 64 << 20).ok());
+  EXPECT_EQ(static_cast<uint8_t*>((*seg)->data())[12345678], 0x44);
+  ASSERT_TRUE(owner->Delete(*seg).ok());
+  EXPECT_EQ(Stat(*owner, "segments"), 0u);
+}
+
+TEST_F(DaemonTest, StoppingTheDaemonGivesAClearError) {
+  auto c = Connect("c");
+  ASSERT_TRUE(c);
+  auto seg = c->Create(0, 1 << 20);
+  ASSERT_TRUE(seg.ok());
+  daemon_->Kill(15);
+  ASSERT_EQ(daemon_->Wait(20s), 0);  // clean shutdown on SIGTERM
+  daemon_.reset();
+  auto t0 = std::chrono::steady_clock::now();
+  Status st = c->WriteSync(*seg, 0, 1 << 20);
+  for (int i = 0; i < 50 && st.ok(); ++i) {
+    std::this_thread::sleep_for(100ms);
+    st = c->WriteSync(*seg, 0, 1 << 20);
+  }
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_NE(st.message().find(endpoint_), std::string_view::npos)
+      << st.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+}
+
+TEST_F(DaemonTest, KillDashNineDaemon) {
+  auto c = Connect("c");
+  ASSERT_TRUE(c);
+  auto seg = c->Create(0, 1 << 20);
+  ASSERT_TRUE(seg.ok());
+  daemon_->Kill(9);
+  daemon_->Wait(10s);
+  daemon_.reset();
+  Status st = c->Accumulate(*seg, *seg, transport::DType::kFloat32);
+  for (int i = 0; i < 50 && st.ok(); ++i) {
+    std::this_thread::sleep_for(100ms);
+    st = c->Accumulate(*seg, *seg, transport::DType::kFloat32);
+  }
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+}
+
+}  // namespace
+}  // namespace membox::memserver
