@@ -17,13 +17,13 @@
 #include <unistd.h>
 
 #include "membox/base/logging.h"
+#include "membox/base/subprocess.h"
 #include "membox/transport/device.h"
 #include "membox/transport/tensor_transfer.h"
 
 #include "bench/transfer/tensor_service.grpc.pb.h"
 #include "src/transport/wire.h"
 
-extern char** environ;
 
 namespace membox::bench {
 namespace {
@@ -146,62 +146,30 @@ int RunMemboxPeer(const std::string& transports) {
 
 // ------------------------------------------------------------ driver side
 
+// A receiver process: `membox bench-peer transfer MODE`, which prints
+// "READY host:port" and serves until told to quit or its stdin closes.
 struct Child {
-  pid_t pid = -1;
-  int stdin_fd = -1;
+  std::optional<Subprocess> proc;
   std::string endpoint;
 
   static Result<Child> Spawn(const std::vector<std::string>& args) {
-    int in[2], out[2];
-    if (pipe(in) != 0 || pipe(out) != 0) return InternalError("pipe failed");
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-    posix_spawn_file_actions_addclose(&fa, in[1]);
-    posix_spawn_file_actions_addclose(&fa, out[0]);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
+    std::vector<std::string> argv = args;
+    argv[0] = "/proc/self/exe";
     Child c;
-    int rc = posix_spawn(&c.pid, "/proc/self/exe", &fa, nullptr, argv.data(),
-                         environ);
-    posix_spawn_file_actions_destroy(&fa);
-    close(in[0]);
-    close(out[1]);
-    if (rc != 0) return InternalError("cannot spawn the receiver process");
-    c.stdin_fd = in[1];
-    FILE* f = fdopen(out[0], "r");
-    char line[256] = {0};
-    if (!fgets(line, sizeof(line), f) || std::strncmp(line, "READY ", 6) != 0) {
-      fclose(f);
-      c.Stop();
-      return UnavailableError("receiver process did not start");
-    }
-    fclose(f);
-    c.endpoint = std::string(line + 6);
-    while (!c.endpoint.empty() &&
-           (c.endpoint.back() == '\n' || c.endpoint.back() == '\r')) {
-      c.endpoint.pop_back();
-    }
+    c.proc = Subprocess::Start(argv);
+    if (!c.proc) return InternalError("cannot spawn the receiver process");
+    auto ep = c.proc->WaitFor("READY ", std::chrono::seconds(30));
+    if (!ep) return UnavailableError("receiver process did not start");
+    c.endpoint = *ep;
     return c;
   }
 
   void Stop() {
-    if (stdin_fd >= 0) close(stdin_fd);
-    stdin_fd = -1;
-    if (pid > 0) {
-      int st = 0;
-      for (int i = 0; i < 100; ++i) {
-        if (waitpid(pid, &st, WNOHANG) == pid) {
-          pid = -1;
-          return;
-        }
-        std::this_thread::sleep_for(20ms);
-      }
-      kill(pid, SIGKILL);
-      waitpid(pid, &st, 0);
-      pid = -1;
+    if (!proc) return;
+    proc->CloseStdin();
+    if (!proc->Wait(std::chrono::seconds(2))) {
+      proc->Kill(9);
+      (void)proc->Wait(std::chrono::seconds(5));
     }
   }
 };
@@ -441,7 +409,7 @@ int RunTransferBench(const TransferOptions& opt) {
       std::fprintf(stderr, "cannot start the gRPC receiver\n");
       return 1;
     }
-    grpc_child = *c;
+    grpc_child = std::move(*c);
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(-1);
     args.SetMaxSendMessageSize(-1);

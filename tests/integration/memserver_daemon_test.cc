@@ -9,13 +9,13 @@
 
 #include "membox/memserver/client.h"
 
-#include "tests/testutil/subprocess.h"
+#include "membox/base/subprocess.h"
 
 namespace membox::memserver {
 namespace {
 
 using namespace std::chrono_literals;
-using membox::testing::Subprocess;
+using membox::Subprocess;
 
 class DaemonTest : public ::testing::Test {
  protected:

@@ -8,13 +8,13 @@
 #include "membox/transport/device.h"
 #include "membox/transport/tensor_transfer.h"
 
-#include "tests/testutil/subprocess.h"
+#include "membox/base/subprocess.h"
 
 namespace membox::transport {
 namespace {
 
 using namespace std::chrono_literals;
-using membox::testing::Subprocess;
+using membox::Subprocess;
 
 class MultiProcessTest : public ::testing::TestWithParam<const char*> {};
 

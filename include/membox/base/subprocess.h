@@ -1,8 +1,9 @@
-// Starting real processes from tests: a child with its stdout piped back,
-// line-oriented reads with a timeout, kill -9 and exit-status collection.
+// Starting real processes (benchmark peers, daemons under test): a child with
+// stdin and stdout piped, line-oriented reads with a timeout, kill and
+// exit-status collection. The destructor kills a child that still runs.
 // Thread-safety: one thread per Subprocess.
-#ifndef MEMBOX_TESTS_TESTUTIL_SUBPROCESS_H_
-#define MEMBOX_TESTS_TESTUTIL_SUBPROCESS_H_
+#ifndef MEMBOX_BASE_SUBPROCESS_H_
+#define MEMBOX_BASE_SUBPROCESS_H_
 
 #include <chrono>
 #include <optional>
@@ -11,14 +12,15 @@
 
 #include <sys/types.h>
 
-namespace membox::testing {
+namespace membox {
 
 class Subprocess {
  public:
-  // Starts argv[0] with the arguments; stdout is piped, stderr inherited.
+  // Starts argv[0] (searched in PATH) with the arguments; stdin and stdout
+  // are piped, stderr inherited.
   static std::optional<Subprocess> Start(const std::vector<std::string>& argv);
   Subprocess(Subprocess&& o) noexcept;
-  Subprocess& operator=(Subprocess&&) = delete;
+  Subprocess& operator=(Subprocess&& o) noexcept;  // kills a running child first
   Subprocess(const Subprocess&) = delete;
   ~Subprocess();  // kills the child if it still runs
 
@@ -27,6 +29,9 @@ class Subprocess {
   // Reads lines until one starts with `prefix`; returns the rest of it.
   std::optional<std::string> WaitFor(const std::string& prefix,
                                      std::chrono::milliseconds timeout);
+  // Writes `line` and a newline to the child's stdin; false if it is gone.
+  bool WriteLine(const std::string& line);
+  void CloseStdin();
   void Kill(int sig = 9);
   // Exit code (or 128 + signal); nullopt when still running after timeout.
   std::optional<int> Wait(std::chrono::milliseconds timeout);
@@ -36,10 +41,11 @@ class Subprocess {
   Subprocess() = default;
   pid_t pid_ = -1;
   int out_fd_ = -1;
+  int in_fd_ = -1;
   std::string buf_;
   std::optional<int> status_;
 };
 
-}  // namespace membox::testing
+}  // namespace membox
 
-#endif  // MEMBOX_TESTS_TESTUTIL_SUBPROCESS_H_
+#endif  // MEMBOX_BASE_SUBPROCESS_H_

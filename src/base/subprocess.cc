@@ -1,7 +1,9 @@
-#include "tests/testutil/subprocess.h"
+#include "membox/base/subprocess.h"
 
+#include <new>
 #include <thread>
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -10,16 +12,21 @@
 
 extern char** environ;
 
-namespace membox::testing {
+namespace membox {
 
 std::optional<Subprocess> Subprocess::Start(
     const std::vector<std::string>& argv) {
-  int out[2];
-  if (pipe(out) != 0) return std::nullopt;
+  int out[2], in[2];
+  if (pipe2(out, O_CLOEXEC) != 0) return std::nullopt;
+  if (pipe2(in, O_CLOEXEC) != 0) {
+    close(out[0]);
+    close(out[1]);
+    return std::nullopt;
+  }
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-  posix_spawn_file_actions_addclose(&fa, out[0]);
+  posix_spawn_file_actions_adddup2(&fa, in[0], 0);
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -27,21 +34,34 @@ std::optional<Subprocess> Subprocess::Start(
   int rc = posix_spawnp(&p.pid_, args[0], &fa, nullptr, args.data(), environ);
   posix_spawn_file_actions_destroy(&fa);
   close(out[1]);
+  close(in[0]);
   if (rc != 0) {
     close(out[0]);
+    close(in[1]);
     return std::nullopt;
   }
   p.out_fd_ = out[0];
+  p.in_fd_ = in[1];
   return p;
 }
 
 Subprocess::Subprocess(Subprocess&& o) noexcept
     : pid_(o.pid_),
       out_fd_(o.out_fd_),
+      in_fd_(o.in_fd_),
       buf_(std::move(o.buf_)),
       status_(o.status_) {
   o.pid_ = -1;
   o.out_fd_ = -1;
+  o.in_fd_ = -1;
+}
+
+Subprocess& Subprocess::operator=(Subprocess&& o) noexcept {
+  if (this != &o) {
+    this->~Subprocess();
+    new (this) Subprocess(std::move(o));
+  }
+  return *this;
 }
 
 Subprocess::~Subprocess() {
@@ -51,6 +71,24 @@ Subprocess::~Subprocess() {
     waitpid(pid_, &st, 0);
   }
   if (out_fd_ >= 0) close(out_fd_);
+  if (in_fd_ >= 0) close(in_fd_);
+}
+
+bool Subprocess::WriteLine(const std::string& line) {
+  if (in_fd_ < 0) return false;
+  std::string s = line + "\n";
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t n = write(in_fd_, s.data() + off, s.size() - off);
+    if (n <= 0) return false;
+    off += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+void Subprocess::CloseStdin() {
+  if (in_fd_ >= 0) close(in_fd_);
+  in_fd_ = -1;
 }
 
 std::optional<std::string> Subprocess::ReadLine(
@@ -107,4 +145,4 @@ std::optional<int> Subprocess::Wait(std::chrono::milliseconds timeout) {
   }
 }
 
-}  // namespace membox::testing
+}  // namespace membox
