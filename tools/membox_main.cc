@@ -17,6 +17,7 @@
 #include "membox/memserver/server.h"
 
 #ifdef MEMBOX_WITH_BENCH
+#include "bench/memserver/memserver_bench.h"
 #include "bench/transfer/transfer_bench.h"
 #endif
 
@@ -196,12 +197,22 @@ int main(int argc, char** argv) {
   transfer->add_flag("--no-grpc", no_grpc, "skip the gRPC baseline");
   transfer->add_flag("--no-iperf", no_iperf, "skip the iperf3 reference");
 
+  membox::bench::MemserverBenchOptions mopt;
+  auto* msbench = bench->add_subcommand(
+      "memserver",
+      "seed 003 Fig. 5: memory-node bandwidth with 2..32 client processes");
+  AddCommonFlags(msbench, &mopt.common);
+  msbench->add_option("--transports", mopt.transports,
+                      "UCX transports: auto or tcp");
+
   auto* peer = app.add_subcommand(
       "bench-peer", "internal: the receiving side of a benchmark");
   peer->group("");  // hidden
   std::string peer_bench, peer_mode;
   peer->add_option("bench", peer_bench)->required();
   peer->add_option("mode", peer_mode)->required();
+  std::vector<std::string> peer_args;
+  peer->add_option("args", peer_args);
 #endif
 
   CLI11_PARSE(app, argc, argv);
@@ -233,9 +244,15 @@ int main(int argc, char** argv) {
     topt.with_iperf = !no_iperf;
     return membox::bench::RunTransferBench(topt);
   }
+  if (msbench->parsed()) return membox::bench::RunMemserverBench(mopt);
   if (peer->parsed()) {
     if (peer_bench == "transfer")
       return membox::bench::RunTransferPeer(peer_mode);
+    if (peer_bench == "memserver") {
+      std::vector<std::string> args = {peer_mode};
+      args.insert(args.end(), peer_args.begin(), peer_args.end());
+      return membox::bench::RunMemserverPeer(args);
+    }
     std::fprintf(stderr, "error: unknown benchmark '%s'\n", peer_bench.c_str());
     return 2;
   }

@@ -24,7 +24,6 @@
 #include "bench/transfer/tensor_service.grpc.pb.h"
 #include "src/transport/wire.h"
 
-
 namespace membox::bench {
 namespace {
 
