@@ -17,6 +17,7 @@
 #include "membox/memserver/server.h"
 
 #ifdef MEMBOX_WITH_BENCH
+#include "bench/async_sgd/async_sgd_bench.h"
 #include "bench/memserver/memserver_bench.h"
 #include "bench/transfer/transfer_bench.h"
 #endif
@@ -205,6 +206,12 @@ int main(int argc, char** argv) {
   msbench->add_option("--transports", mopt.transports,
                       "UCX transports: auto or tcp");
 
+  membox::bench::AsyncSgdOptions aopt;
+  auto* sgd = bench->add_subcommand("async-sgd",
+                                    "seed 003 Figs. 6-9: asynchronous SGD "
+                                    "emulation, membox vs an MPI server");
+  AddCommonFlags(sgd, &aopt.common);
+
   auto* peer = app.add_subcommand(
       "bench-peer", "internal: the receiving side of a benchmark");
   peer->group("");  // hidden
@@ -245,9 +252,15 @@ int main(int argc, char** argv) {
     return membox::bench::RunTransferBench(topt);
   }
   if (msbench->parsed()) return membox::bench::RunMemserverBench(mopt);
+  if (sgd->parsed()) return membox::bench::RunAsyncSgdBench(aopt);
   if (peer->parsed()) {
     if (peer_bench == "transfer")
       return membox::bench::RunTransferPeer(peer_mode);
+    if (peer_bench == "async-sgd") {
+      std::vector<std::string> args = {peer_mode};
+      args.insert(args.end(), peer_args.begin(), peer_args.end());
+      return membox::bench::RunAsyncSgdWorker(args);
+    }
     if (peer_bench == "memserver") {
       std::vector<std::string> args = {peer_mode};
       args.insert(args.end(), peer_args.begin(), peer_args.end());

@@ -1,0 +1,388 @@
+#include "bench/async_sgd/async_sgd_bench.h"
+
+// The C bindings only: the deprecated C++ bindings are not linked.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <future>
+#include <map>
+#include <thread>
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include "membox/base/config.h"
+#include "membox/base/subprocess.h"
+#include "membox/memserver/client.h"
+
+#include "bench/common/server_process.h"
+
+namespace membox::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+struct Model {
+  const char* name;
+  double megabytes;  // parameter bytes / 1e6 (Table 2)
+  int compute_ms;
+};
+// seed 003 Table 2.
+constexpr Model kModels[] = {
+    {"inception_v1", 51.09, 189}, {"inception_v3", 94.30, 445},
+    {"resnet_50", 121.13, 233},   {"inception_resnet_v2", 214.08, 294},
+    {"resnet_152", 253.63, 218},  {"vgg16", 527.79, 190},
+};
+
+double Ms(Clock::duration d) {
+  return std::chrono::duration<double, std::milli>(d).count();
+}
+
+std::string ReadLine(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  char buf[1024] = {0};
+  if (f) {
+    if (!std::fgets(buf, sizeof(buf), f)) buf[0] = 0;
+    std::fclose(f);
+  }
+  std::string s(buf);
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  return s;
+}
+
+// Runs `iters` iterations: compute is a sleep of compute_ms (the emulation of
+// the paper); `comm` exchanges one gradient for new weights. Sequential:
+// compute then communicate. Overlapped: the previous iteration's exchange
+// runs in a second thread while this one computes.
+template <typename Comm>
+void Loop(bool overlapped, int compute_ms, int iters, Comm&& comm,
+          double* comm_ms, double* iter_ms) {
+  std::vector<double> c, it;
+  auto compute = [&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(compute_ms));
+  };
+  for (int i = 0; i <= iters; ++i) {  // iteration 0 warms up
+    auto t0 = Clock::now();
+    double this_comm = 0;
+    if (overlapped) {
+      auto f = std::async(std::launch::async, [&] {
+        auto a = Clock::now();
+        comm();
+        return Ms(Clock::now() - a);
+      });
+      compute();
+      this_comm = f.get();
+    } else {
+      compute();
+      auto a = Clock::now();
+      comm();
+      this_comm = Ms(Clock::now() - a);
+    }
+    if (i > 0) {
+      c.push_back(this_comm);
+      it.push_back(Ms(Clock::now() - t0));
+    }
+  }
+  double sc = 0, si = 0;
+  for (double x : c) sc += x;
+  for (double x : it) si += x;
+  *comm_ms = sc / static_cast<double>(c.size());
+  *iter_ms = si / static_cast<double>(it.size());
+}
+
+int MpiWorker(bool overlapped, size_t bytes, int compute_ms, int iters) {
+  int rank = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const size_t n = bytes / 4;
+  std::vector<float> buf(n, 0.001f), w(n, 1.0f);
+  if (rank == 0) {  // the parameter server
+    const long total = static_cast<long>(size - 1) * (iters + 1);
+    std::vector<float> g(n);
+    for (long k = 0; k < total; ++k) {
+      MPI_Status st;
+      MPI_Recv(g.data(), static_cast<int>(n), MPI_FLOAT, MPI_ANY_SOURCE, 1,
+               MPI_COMM_WORLD, &st);
+      for (size_t i = 0; i < n; ++i) w[i] -= 0.01f * g[i];
+      MPI_Send(w.data(), static_cast<int>(n), MPI_FLOAT, st.MPI_SOURCE, 2,
+               MPI_COMM_WORLD);
+    }
+    return 0;
+  }
+  double comm = 0, iter = 0;
+  Loop(
+      overlapped, compute_ms, iters,
+      [&] {
+        MPI_Send(buf.data(), static_cast<int>(n), MPI_FLOAT, 0, 1,
+                 MPI_COMM_WORLD);
+        MPI_Recv(w.data(), static_cast<int>(n), MPI_FLOAT, 0, 2, MPI_COMM_WORLD,
+                 MPI_STATUS_IGNORE);
+      },
+      &comm, &iter);
+  std::printf("RESULT %d %.3f %.3f\n", rank, comm, iter);
+  std::fflush(stdout);
+  return 0;
+}
+
+int MemboxWorker(bool overlapped, size_t bytes, int compute_ms, int iters,
+                 const std::string& server, const std::string& secret_file) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  memserver::ClientOptions o;
+  o.server = server;
+  o.secret = ReadLine(secret_file);
+  o.name = "sgd-worker-" + std::to_string(rank);
+  o.timeout = std::chrono::milliseconds(120000);
+  auto c = memserver::Client::Connect(o);
+  if (!c.ok()) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, c.status().ToString().c_str());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  const uint64_t kWeights = 0x5347440000000001ull;
+  Result<memserver::Segment*> w = InternalError("unset");
+  if (rank == 0) {
+    w = (*c)->Create(kWeights, bytes);
+    if (w.ok()) {
+      std::fill_n(static_cast<float*>((*w)->data()), bytes / 4, 1.0f);
+      (void)(*c)->WriteSync(*w, 0, bytes);
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank != 0) w = (*c)->Attach(kWeights, bytes);
+  auto g = (*c)->Create(0, bytes);
+  if (!w.ok() || !g.ok()) {
+    std::fprintf(stderr, "rank %d: %s %s\n", rank,
+                 w.status().ToString().c_str(), g.status().ToString().c_str());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  std::fill_n(static_cast<float*>((*g)->data()), bytes / 4, 0.001f);
+  double comm = 0, iter = 0;
+  Status err;
+  Loop(
+      overlapped, compute_ms, iters,
+      [&] {
+        Status s = (*c)->WriteSync(*g, 0, bytes);
+        if (s.ok())
+          s = (*c)->Accumulate(*w, *g, transport::DType::kFloat32, -0.01);
+        if (s.ok()) s = (*c)->ReadSync(*w, 0, bytes);
+        if (!s.ok()) err = s;
+      },
+      &comm, &iter);
+  if (!err.ok()) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, err.ToString().c_str());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  std::printf("RESULT %d %.3f %.3f\n", rank, comm, iter);
+  std::fflush(stdout);
+  (void)(*c)->Delete(*g);
+  if (rank != 0) (void)(*c)->Detach(*w);
+  MPI_Barrier(
+      MPI_COMM_WORLD);  // nobody deletes the weights while others use them
+  if (rank == 0) (void)(*c)->Delete(*w);
+  return 0;
+}
+
+std::string SelfPath() {
+  char buf[4096] = {0};
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "membox";
+}
+
+struct Outcome {
+  double comm_ms = 0;
+  double iter_ms = 0;
+};
+
+// Runs one configuration under mpirun; returns the mean over workers.
+Result<Outcome> Launch(int ranks, const std::vector<std::string>& worker_args,
+                       int expect_results) {
+  std::vector<std::string> argv = {"mpirun",
+                                   "--allow-run-as-root",
+                                   "--oversubscribe",
+                                   "--bind-to",
+                                   "none",
+                                   "-np",
+                                   std::to_string(ranks),
+                                   "--mca",
+                                   "btl",
+                                   "self,vader",
+                                   SelfPath(),
+                                   "bench-peer",
+                                   "async-sgd"};
+  argv.insert(argv.end(), worker_args.begin(), worker_args.end());
+  auto p = Subprocess::Start(argv);
+  if (!p) return InternalError("cannot start mpirun");
+  Outcome o;
+  int got = 0;
+  while (got < expect_results) {
+    auto line = p->ReadLine(std::chrono::minutes(10));
+    if (!line) break;
+    int rank;
+    double c, i;
+    if (std::sscanf(line->c_str(), "RESULT %d %lf %lf", &rank, &c, &i) == 3) {
+      o.comm_ms += c;
+      o.iter_ms += i;
+      ++got;
+    }
+  }
+  auto rc = p->Wait(std::chrono::minutes(2));
+  if (got != expect_results || !rc || *rc != 0) {
+    return InternalError("mpirun run failed (" + std::to_string(got) + "/" +
+                         std::to_string(expect_results) + " results)");
+  }
+  o.comm_ms /= got;
+  o.iter_ms /= got;
+  return o;
+}
+
+}  // namespace
+
+int RunAsyncSgdWorker(const std::vector<std::string>& a) {
+  if (a.size() < 5) {
+    std::fprintf(
+        stderr,
+        "usage: bench-peer async-sgd SYSTEM SCENARIO BYTES COMPUTE_MS ITERS "
+        "[SERVER SECRET_FILE]\n");
+    return 2;
+  }
+  int provided = 0;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+  bool overlapped = a[1] == "overlapped";
+  size_t bytes = std::stoull(a[2]) / 4 * 4;
+  int compute = std::stoi(a[3]), iters = std::stoi(a[4]);
+  int rc = a[0] == "mpi" ? MpiWorker(overlapped, bytes, compute, iters)
+                         : MemboxWorker(overlapped, bytes, compute, iters,
+                                        a.at(5), a.at(6));
+  MPI_Finalize();
+  return rc;
+}
+
+int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
+  const bool quick = opt.common.quick;
+  std::vector<int> workers = quick
+                                 ? std::vector<int>{2, 4}
+                                 : std::vector<int>{2, 4, 6, 8, 12, 18, 24, 32};
+  std::vector<Model> models;
+  for (const Model& m : kModels) {
+    if (!quick || std::string(m.name) == "inception_v1" ||
+        std::string(m.name) == "vgg16") {
+      models.push_back(m);
+    }
+  }
+  const int iters = quick ? 3 : 5;
+  const char* scenarios[] = {"sequential", "overlapped"};
+  Report rep("async-sgd");
+  int total = static_cast<int>(models.size() * workers.size()), step = 0;
+  std::vector<std::string> skipped;
+  for (const Model& m : models) {
+    const uint64_t bytes = static_cast<uint64_t>(m.megabytes * 1e6);
+    for (int w : workers) {
+      Progress(++step, total,
+               std::string(m.name) + ", " + std::to_string(w) + " workers");
+      uint64_t mem = (static_cast<uint64_t>(w) * 3 + 2) * bytes;
+      if (mem > opt.memory_budget) {
+        skipped.push_back(std::string(m.name) + "/" + std::to_string(w));
+        continue;
+      }
+      uint64_t pool = (static_cast<uint64_t>(w) + 2) * bytes + (256ull << 20);
+      pool = (pool + (1 << 20) - 1) & ~uint64_t{(1 << 20) - 1};  // whole MiBs
+      auto server = ServerProcess::Start(pool, "auto");
+      if (!server.ok()) {
+        std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
+        return 1;
+      }
+      for (const char* sc : scenarios) {
+        std::vector<std::string> common = {sc, std::to_string(bytes),
+                                           std::to_string(m.compute_ms),
+                                           std::to_string(iters)};
+        std::vector<std::string> mpi_args = {"mpi"}, mbx_args = {"membox"};
+        mpi_args.insert(mpi_args.end(), common.begin(), common.end());
+        mbx_args.insert(mbx_args.end(), common.begin(), common.end());
+        mbx_args.push_back(server->endpoint());
+        mbx_args.push_back(server->secret_file());
+        auto mpi = Launch(w + 1, mpi_args, w);
+        auto mbx = Launch(w, mbx_args, w);
+        if (!mpi.ok() || !mbx.ok()) {
+          std::fprintf(stderr, "%s: mpi %s, membox %s\n", m.name,
+                       mpi.status().ToString().c_str(),
+                       mbx.status().ToString().c_str());
+          return 1;
+        }
+        for (auto& [variant, out] :
+             {std::pair<const char*, Outcome>{"mpi", *mpi},
+              std::pair<const char*, Outcome>{"membox", *mbx}}) {
+          rep.Add({"", variant, bytes, w, std::string(sc) + "_comm_time",
+                   out.comm_ms, "ms", m.name});
+          rep.Add({"", variant, bytes, w, std::string(sc) + "_iteration_time",
+                   out.iter_ms, "ms", m.name});
+        }
+      }
+    }
+  }
+
+  double ratio_sum = 0;
+  int ratio_n = 0;
+  for (const char* sc : scenarios) {
+    std::printf(
+        "\nmembox bench async-sgd, %s scenario: per-iteration times (ms), mean "
+        "over "
+        "workers\n\n",
+        sc);
+    std::printf("%-20s %4s | %9s %9s %7s | %9s %9s %7s\n", "model", "W",
+                "mpi comm", "mbx comm", "ratio", "mpi iter", "mbx iter",
+                "ratio");
+    for (const Model& m : models) {
+      const uint64_t bytes = static_cast<uint64_t>(m.megabytes * 1e6);
+      for (int w : workers) {
+        auto get = [&](const char* v, const std::string& metric) -> double {
+          for (const auto& r : rep.records()) {
+            if (r.variant == v && r.workers == w && r.case_name == m.name &&
+                r.metric == metric && r.size_bytes == bytes) {
+              return r.value;
+            }
+          }
+          return NAN;
+        };
+        double mc = get("mpi", std::string(sc) + "_comm_time");
+        double bc = get("membox", std::string(sc) + "_comm_time");
+        double mi = get("mpi", std::string(sc) + "_iteration_time");
+        double bi = get("membox", std::string(sc) + "_iteration_time");
+        if (std::isnan(mc)) continue;
+        std::printf("%-20s %4d | %9.1f %9.1f %6.2fx | %9.1f %9.1f %6.2fx\n",
+                    m.name, w, mc, bc, mc / bc, mi, bi, mi / bi);
+        if (std::string(sc) == "sequential") {
+          ratio_sum += mc / bc;
+          ++ratio_n;
+        }
+      }
+    }
+  }
+  if (ratio_n > 0) {
+    std::printf(
+        "\nsequential communication time, MPI / membox, mean over models and "
+        "worker "
+        "counts: %.2fx\n",
+        ratio_sum / ratio_n);
+  }
+  if (!skipped.empty()) {
+    std::printf("skipped (memory budget %s): ",
+                FormatByteSize(opt.memory_budget).c_str());
+    for (auto& s : skipped) std::printf("%s ", s.c_str());
+    std::printf("\n");
+  }
+  Status st = rep.Finish(
+      opt.common, "sequential_comm_time",
+      "membox bench async-sgd (sequential communication time)", true);
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s\n", st.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace membox::bench

@@ -1,0 +1,32 @@
+// `membox bench async-sgd` (seed 003 §IV.C-F, Figs. 6-9): the paper's
+// emulation of asynchronous SGD with one parameter server and 2 ... 32
+// workers, for the six CNNs of its Table 2 (parameter bytes, compute time per
+// iteration), sequential and overlapped scenarios. membox: write-sync the
+// gradient, accumulate it into the global weights on the memory node,
+// read-sync the weights. Baseline: an MPI_Send / MPI_Recv parameter server
+// with rank 0 as the server. Both are launched the same way, with mpirun.
+// docs/results/async_sgd.md.
+#ifndef MEMBOX_BENCH_ASYNC_SGD_ASYNC_SGD_BENCH_H_
+#define MEMBOX_BENCH_ASYNC_SGD_ASYNC_SGD_BENCH_H_
+
+#include <string>
+#include <vector>
+
+#include "bench/common/report.h"
+
+namespace membox::bench {
+
+struct AsyncSgdOptions {
+  CommonFlags common;
+  uint64_t memory_budget = 12ull << 30;  // configurations above it are skipped
+};
+
+int RunAsyncSgdBench(const AsyncSgdOptions& options);
+// One MPI rank (started by mpirun): args are system (mpi|membox), scenario
+// (sequential|overlapped), parameter bytes, compute ms, iterations, and for
+// membox the memory node and secret file.
+int RunAsyncSgdWorker(const std::vector<std::string>& args);
+
+}  // namespace membox::bench
+
+#endif  // MEMBOX_BENCH_ASYNC_SGD_ASYNC_SGD_BENCH_H_
