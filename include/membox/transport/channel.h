@@ -93,10 +93,13 @@ class Channel {
   // to the owner, which checks that the region exists with this token and
   // range: a wrong or stale descriptor fails here with kPermissionDenied or
   // kNotFound, never later as a stray write. Blocking; do not call from a
-  // completion callback.
+  // completion callback. `verify_with_owner = false` skips the round trip
+  // for a descriptor the peer itself just sent on this channel (e.g. in an
+  // authenticated reply); active-message accesses are still checked.
   virtual Result<std::shared_ptr<RemoteMemRegion>> Import(
       const RegionDescriptor& desc,
-      std::chrono::nanoseconds timeout = std::chrono::seconds(10)) = 0;
+      std::chrono::nanoseconds timeout = std::chrono::seconds(10),
+      bool verify_with_owner = true) = 0;
 
   // Seed 002 Table 1's Memcpy: copies `size` bytes between `local_addr`
   // (inside `local`) and `remote_addr` (inside `remote`). See the file comment

@@ -26,9 +26,10 @@ class FaultChannel final : public Channel {
     timer_.join();
   }
 
-  Result<std::shared_ptr<RemoteMemRegion>> Import(
-      const RegionDescriptor& d, std::chrono::nanoseconds t) override {
-    return inner_->Import(d, t);
+  Result<std::shared_ptr<RemoteMemRegion>> Import(const RegionDescriptor& d,
+                                                  std::chrono::nanoseconds t,
+                                                  bool verify) override {
+    return inner_->Import(d, t, verify);
   }
 
   Result<OpHandle> Memcpy(void* local_addr, const MemRegion& local,

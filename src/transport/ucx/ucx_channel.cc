@@ -337,7 +337,8 @@ Protocol UcxChannel::ChooseProtocol() const {
 }
 
 Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
-    const RegionDescriptor& desc, std::chrono::nanoseconds timeout) {
+    const RegionDescriptor& desc, std::chrono::nanoseconds timeout,
+    bool verify_with_owner) {
   RETURN_IF_ERROR(CheckUsable());
   if (desc.length == 0 || desc.address + desc.length < desc.address) {
     return InvalidArgumentError("descriptor has an empty or overflowing range");
@@ -345,30 +346,33 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
   if (desc.packed_rkey.size() > RegionDescriptor::kMaxPackedRkey) {
     return InvalidArgumentError("descriptor remote key too large");
   }
-  uint64_t req = next_op_.fetch_add(1);
-  auto state = std::make_shared<OpState>(dev_->events());
-  state->set_progress(&ProgressWorker, worker_->worker());
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    rpcs_[req] = state;
-  }
-  msg::ValidateRequest vr{
-      req,
-      desc.region_id,
-      desc.token,
-      desc.address,
-      desc.length,
-      wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size())};
-  Status s = SendAm(kAmValidateReq, msg::EncodeValidateRequest(vr), nullptr, 0,
-                    nullptr);
-  if (s.ok()) {
-    OpHandle h(state);
-    s = h.Wait(timeout);
-  }
-  if (!s.ok()) {
-    std::lock_guard<std::mutex> l(mu_);
-    rpcs_.erase(req);
-    return s.WithContext("import of region " + std::to_string(desc.region_id));
+  if (verify_with_owner) {
+    uint64_t req = next_op_.fetch_add(1);
+    auto state = std::make_shared<OpState>(dev_->events());
+    state->set_progress(&ProgressWorker, worker_->worker());
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      rpcs_[req] = state;
+    }
+    msg::ValidateRequest vr{
+        req,
+        desc.region_id,
+        desc.token,
+        desc.address,
+        desc.length,
+        wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size())};
+    Status s = SendAm(kAmValidateReq, msg::EncodeValidateRequest(vr), nullptr,
+                      0, nullptr);
+    if (s.ok()) {
+      OpHandle h(state);
+      s = h.Wait(timeout);
+    }
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      rpcs_.erase(req);
+      return s.WithContext("import of region " +
+                           std::to_string(desc.region_id));
+    }
   }
   ucp_rkey_h rkey = nullptr;
   void* mapped = nullptr;

@@ -54,7 +54,8 @@ class UcxChannel final : public Channel,
   ~UcxChannel() override;
 
   Result<std::shared_ptr<RemoteMemRegion>> Import(
-      const RegionDescriptor& desc, std::chrono::nanoseconds timeout) override;
+      const RegionDescriptor& desc, std::chrono::nanoseconds timeout,
+      bool verify_with_owner) override;
   Result<OpHandle> Memcpy(void* local_addr, const MemRegion& local,
                           uint64_t remote_addr, const RemoteMemRegion& remote,
                           size_t size, Direction direction,
