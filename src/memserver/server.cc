@@ -36,7 +36,8 @@ struct Segment {
   uint64_t master = 0;
   std::set<uint64_t> attached;
   bool deleted = false;
-  int busy = 0;  // accumulates running on it
+  bool ready = false;  // zeroed; others may attach
+  int busy = 0;        // accumulates running on it
   transport::RegionDescriptor desc;
   std::vector<uint8_t> desc_bytes;
   std::mutex accumulate_mu;  // serialises accumulates into this segment
@@ -48,7 +49,9 @@ struct ClientState {
   std::string name;
   uint32_t pid = 0;
   bool registered = false;
-  Clock::time_point last_seen;
+  // Updated by the receive callback (not the handlers), so a backlog in the
+  // request ring never makes a live client look silent.
+  std::shared_ptr<std::atomic<int64_t>> last_seen;
   Clock::time_point connected;
   std::set<uint64_t> attached;
   uint64_t created_bytes = 0;
@@ -208,16 +211,21 @@ class ServerImpl final : public Server {
       auto ch = device_->Accept(std::chrono::milliseconds(100));
       if (!ch.ok()) continue;
       uint64_t id;
+      std::shared_ptr<std::atomic<int64_t>> seen;
       {
         std::lock_guard<std::mutex> l(mu_);
         id = next_client_++;
         ClientState& c = clients_[id];
         c.id = id;
         c.channel = *ch;
-        c.connected = c.last_seen = Clock::now();
+        c.connected = Clock::now();
+        c.last_seen =
+            std::make_shared<std::atomic<int64_t>>(c.connected.time_since_epoch().count());
+        seen = c.last_seen;
       }
       (*ch)->SetHandlers(
-          [this, id](std::vector<uint8_t> m) {
+          [this, id, seen](std::vector<uint8_t> m) {
+            seen->store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
             Push(Work{id, false, Status(), std::move(m)});
           },
           [this, id](const Status& s) {
@@ -261,7 +269,8 @@ class ServerImpl final : public Server {
       {
         std::lock_guard<std::mutex> l(mu_);
         for (auto& [id, c] : clients_) {
-          if (c.registered && now - c.last_seen > opt_.heartbeat_timeout) {
+          Clock::time_point seen{Clock::duration(c.last_seen->load(std::memory_order_relaxed))};
+          if (c.registered && now - seen > opt_.heartbeat_timeout) {
             dead.emplace_back(id, UnavailableError("missed heartbeats"));
           } else if (!c.registered &&
                      now - c.connected > std::chrono::seconds(10)) {
@@ -300,7 +309,6 @@ class ServerImpl final : public Server {
       if (it == clients_.end()) return;  // released meanwhile
       ch = it->second.channel;
       registered = it->second.registered;
-      it->second.last_seen = Clock::now();
     }
     auto req = proto::DecodeRequest(bytes);
     if (!req.ok()) {
@@ -323,6 +331,7 @@ class ServerImpl final : public Server {
         break;
       case Op::kCreate:
         s = DoCreate(client, *req, &a);
+        if (s.ok()) ZeroAndPublish(a.key);
         break;
       case Op::kAttach:
         s = DoAttach(client, *req, &a);
@@ -424,8 +433,6 @@ class ServerImpl final : public Server {
       (void)buddy_->Free(off);
       return desc.status();
     }
-    // Never hand out another tenant's old bytes.
-    std::memset(static_cast<char*>(pool_->data()) + off, 0, q.size);
     auto seg = std::make_shared<Segment>();
     seg->key = key;
     seg->offset = off;
@@ -443,6 +450,21 @@ class ServerImpl final : public Server {
     return Status::Ok();
   }
 
+  // Zeroes a new segment outside the table lock (so other requests go on),
+  // then lets others attach it: nobody ever sees another tenant's old bytes.
+  void ZeroAndPublish(uint64_t key) {
+    std::shared_ptr<Segment> seg;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = segments_.find(key);
+      if (it == segments_.end()) return;
+      seg = it->second;
+    }
+    std::memset(static_cast<char*>(pool_->data()) + seg->offset, 0, seg->size);
+    std::lock_guard<std::mutex> l(mu_);
+    seg->ready = true;
+  }
+
   Status DoAttach(uint64_t client, const Request& q, Response* a) {
     std::lock_guard<std::mutex> l(mu_);
     auto it = segments_.find(q.key);
@@ -450,6 +472,9 @@ class ServerImpl final : public Server {
       return NotFoundError("no segment with key " + std::to_string(q.key));
     }
     Segment& seg = *it->second;
+    if (!seg.ready) {
+      return UnavailableError("segment " + std::to_string(q.key) + " is being created; retry");
+    }
     if (seg.size != q.size) {
       return InvalidArgumentError("segment " + std::to_string(q.key) + " has " +
                                   std::to_string(seg.size) + " bytes, not " +
