@@ -219,8 +219,9 @@ class ClientImpl final : public Client {
     if (!op.ok()) return Annotate(op.status());
     RETURN_IF_ERROR(Annotate(op->Wait(opt_.timeout)));
     if (dir == transport::Direction::kWrite) {
-      ASSIGN_OR_RETURN(auto f, channel_->Flush());
-      RETURN_IF_ERROR(Annotate(f.Wait(opt_.timeout)));
+      auto f = channel_->Flush();
+      if (!f.ok()) return Annotate(f.status());
+      RETURN_IF_ERROR(Annotate(f->Wait(opt_.timeout)));
       bytes_written_.fetch_add(length);
     } else {
       bytes_read_.fetch_add(length);
@@ -228,9 +229,15 @@ class ClientImpl final : public Client {
     return Status::Ok();
   }
 
+  // Transport failures name the memory node, whether the channel already
+  // noticed (health) or UCX refused the submission first.
   Status Annotate(const Status& s) const {
     if (s.ok()) return s;
     if (!channel_->health().ok()) return health();
+    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kAborted) {
+      return UnavailableError("memory node " + opt_.server + " unreachable: " +
+                              std::string(s.message()));
+    }
     return s;
   }
 
