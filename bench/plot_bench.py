@@ -1,10 +1,12 @@
 #!/usr/bin/python3
-"""Plots one metric of a membox benchmark CSV: one line per variant, size on a
-log2 x axis. Used by `membox bench ... --plot FILE.png` (Debian's matplotlib).
+"""Plots metrics of a membox benchmark CSV (Debian's matplotlib). Used by
+`membox bench ... --plot FILE.png`. One line per variant (and case, and
+metric when several are drawn); x is the tensor size (log2) or the number of
+workers/processes.
 """
 import argparse
-import csv
 import collections
+import csv
 
 import matplotlib
 matplotlib.use("Agg")
@@ -22,38 +24,52 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--metric", required=True)
+    ap.add_argument("--metric", required=True, help="comma-separated metrics")
+    ap.add_argument("--x", default="size", choices=("size", "workers"))
     ap.add_argument("--title", default="")
     ap.add_argument("--log-y", action="store_true")
     a = ap.parse_args()
+    metrics = a.metric.split(",")
     series = collections.defaultdict(list)
     unit = ""
     with open(a.csv) as f:
         for row in csv.DictReader(f):
-            if row["metric"] != a.metric:
+            if row["metric"] not in metrics:
                 continue
-            key = row["variant"] + (f" ({row['case']})" if row.get("case") else "")
-            if row["workers"] not in ("", "0", "2"):
-                key += f" p={row['workers']}"
-            series[key].append((int(row["size_bytes"]), float(row["value"])))
+            key = row["variant"]
+            if row.get("case"):
+                key += f" ({row['case']})"
+            if len(metrics) > 1:
+                key += f" {row['metric']}"
+            if a.x == "size":
+                if row["workers"] not in ("", "0", "2"):
+                    key += f" p={row['workers']}"
+                x = int(row["size_bytes"])
+            else:
+                x = int(row["workers"])
+            series[key].append((x, float(row["value"])))
             unit = row["unit"]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    sizes = set()
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    xs = set()
     for key in sorted(series):
         pts = sorted(series[key])
-        sizes.update(p[0] for p in pts)
+        xs.update(p[0] for p in pts)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
     ax.set_xscale("log", base=2)
     if a.log_y:
         ax.set_yscale("log")
-    ticks = sorted(sizes)
+    ticks = sorted(xs)
     ax.set_xticks(ticks)
-    ax.set_xticklabels([label(t) for t in ticks], rotation=45)
-    ax.set_xlabel("tensor size")
-    ax.set_ylabel(f"{a.metric} ({unit})")
+    if a.x == "size":
+        ax.set_xticklabels([label(t) for t in ticks], rotation=45)
+        ax.set_xlabel("tensor size")
+    else:
+        ax.set_xticklabels([str(t) for t in ticks])
+        ax.set_xlabel("workers / client processes")
+    ax.set_ylabel(f"{', '.join(metrics)} ({unit})")
     ax.set_title(a.title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(a.out, dpi=110)
 

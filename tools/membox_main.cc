@@ -211,6 +211,11 @@ int main(int argc, char** argv) {
                                     "seed 003 Figs. 6-9: asynchronous SGD "
                                     "emulation, membox vs an MPI server");
   AddCommonFlags(sgd, &aopt.common);
+  sgd->add_option("--workers", aopt.workers,
+                  "worker counts (default 2,4,6,8,12,18,24,32)")
+      ->delimiter(',');
+  sgd->add_option("--iterations", aopt.iterations,
+                  "measured iterations per run");
 
   auto* peer = app.add_subcommand(
       "bench-peer", "internal: the receiving side of a benchmark");

@@ -4,6 +4,7 @@
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -267,6 +268,7 @@ int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
   std::vector<int> workers = quick
                                  ? std::vector<int>{2, 4}
                                  : std::vector<int>{2, 4, 6, 8, 12, 18, 24, 32};
+  if (!opt.workers.empty()) workers = opt.workers;
   std::vector<Model> models;
   for (const Model& m : kModels) {
     if (!quick || std::string(m.name) == "inception_v1" ||
@@ -274,7 +276,7 @@ int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
       models.push_back(m);
     }
   }
-  const int iters = quick ? 3 : 5;
+  const int iters = opt.iterations > 0 ? opt.iterations : (quick ? 3 : 5);
   const char* scenarios[] = {"sequential", "overlapped"};
   Report rep("async-sgd");
   int total = static_cast<int>(models.size() * workers.size()), step = 0;
@@ -284,13 +286,17 @@ int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
     for (int w : workers) {
       Progress(++step, total,
                std::string(m.name) + ", " + std::to_string(w) + " workers");
-      uint64_t mem = (static_cast<uint64_t>(w) * 3 + 2) * bytes;
+      // The memory node's buddy allocator rounds segments up to powers of two.
+      const uint64_t block = std::bit_ceil(bytes);
+      const uint64_t pool =
+          (static_cast<uint64_t>(w) + 2) * block + (256ull << 20);
+      // membox: pool + two caches per worker; MPI: two buffers per rank.
+      const uint64_t mem = std::max(pool + 2 * static_cast<uint64_t>(w) * bytes,
+                                    (static_cast<uint64_t>(w) + 1) * 2 * bytes);
       if (mem > opt.memory_budget) {
         skipped.push_back(std::string(m.name) + "/" + std::to_string(w));
         continue;
       }
-      uint64_t pool = (static_cast<uint64_t>(w) + 2) * bytes + (256ull << 20);
-      pool = (pool + (1 << 20) - 1) & ~uint64_t{(1 << 20) - 1};  // whole MiBs
       auto server = ServerProcess::Start(pool, "auto");
       if (!server.ok()) {
         std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
@@ -377,7 +383,8 @@ int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
   }
   Status st = rep.Finish(
       opt.common, "sequential_comm_time",
-      "membox bench async-sgd (sequential communication time)", true);
+      "membox bench async-sgd: sequential communication time per iteration",
+      true, "workers");
   if (!st.ok()) {
     std::fprintf(stderr, "%s\n", st.ToString().c_str());
     return 1;

@@ -92,14 +92,16 @@ Status Report::WriteCsv(const std::string& path) const {
 }
 
 Status Report::Plot(const std::string& png, const std::string& metric,
-                    const std::string& title, bool log_y) const {
+                    const std::string& title, bool log_y,
+                    const std::string& x) const {
   std::string script = FindPlotScript();
   if (script.empty()) return NotFoundError("bench/plot_bench.py not found");
   std::string csv = png + ".tmp.csv";
   RETURN_IF_ERROR(WriteCsv(csv));
   std::string cmd = "/usr/bin/python3 '" + script + "' --csv '" + csv +
                     "' --out '" + png + "' --metric '" + metric +
-                    "' --title '" + title + "'" + (log_y ? " --log-y" : "");
+                    "' --title '" + title + "'" + (log_y ? " --log-y" : "") +
+                    " --x " + x;
   int rc = std::system(cmd.c_str());
   std::filesystem::remove(csv);
   if (rc != 0) return InternalError("plotting failed (" + cmd + ")");
@@ -107,11 +109,12 @@ Status Report::Plot(const std::string& png, const std::string& metric,
 }
 
 Status Report::Finish(const CommonFlags& flags, const std::string& plot_metric,
-                      const std::string& title, bool log_y) const {
+                      const std::string& title, bool log_y,
+                      const std::string& x) const {
   if (!flags.json.empty()) RETURN_IF_ERROR(WriteJson(flags.json));
   if (!flags.csv.empty()) RETURN_IF_ERROR(WriteCsv(flags.csv));
   if (!flags.plot.empty())
-    RETURN_IF_ERROR(Plot(flags.plot, plot_metric, title, log_y));
+    RETURN_IF_ERROR(Plot(flags.plot, plot_metric, title, log_y, x));
   return Status::Ok();
 }
 

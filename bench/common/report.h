@@ -47,11 +47,14 @@ class Report {
   Status WriteCsv(const std::string& path) const;
   // Calls bench/plot_bench.py (Debian's python3-matplotlib) on a CSV.
   // `spec` tells the plotter which metric to draw and how.
+  // `metric` may list several, comma-separated; `x` is "size" or "workers".
   Status Plot(const std::string& png, const std::string& metric,
-              const std::string& title, bool log_y) const;
+              const std::string& title, bool log_y,
+              const std::string& x = "size") const;
   // Writes what the flags ask for.
   Status Finish(const CommonFlags& flags, const std::string& plot_metric,
-                const std::string& title, bool log_y) const;
+                const std::string& title, bool log_y,
+                const std::string& x = "size") const;
 
  private:
   std::string bench_;

@@ -277,8 +277,10 @@ int RunMemserverBench(const MemserverBenchOptions& opt) {
       "reduce "
       "%.2f GB/s; ratio %.2fx\n",
       acc_bytes / acc[3] / 1e9, acc_bytes / reduce / 1e9, reduce / acc[3]);
-  Status st = rep.Finish(opt.common, "read_bandwidth",
-                         "membox bench memserver (read-sync)", false);
+  Status st = rep.Finish(
+      opt.common, "read_bandwidth,write_bandwidth,mixed_bandwidth,bandwidth",
+      "membox bench memserver: aggregate GB/s vs 2-thread memcpy", false,
+      "workers");
   if (!st.ok()) {
     std::fprintf(stderr, "%s\n", st.ToString().c_str());
     return 1;
