@@ -31,6 +31,7 @@ def main():
     a = ap.parse_args()
     metrics = a.metric.split(",")
     series = collections.defaultdict(list)
+    style = {}  # key -> (color group, membox or baseline)
     unit = ""
     with open(a.csv) as f:
         for row in csv.DictReader(f):
@@ -48,13 +49,21 @@ def main():
             else:
                 x = int(row["workers"])
             series[key].append((x, float(row["value"])))
+            style[key] = (row.get("case") or row["metric"] if len(metrics) > 1 or row.get("case")
+                          else row["variant"], row["variant"].startswith("membox"))
             unit = row["unit"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
     xs = set()
+    groups = sorted({g for g, _ in style.values()})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for key in sorted(series):
         pts = sorted(series[key])
         xs.update(p[0] for p in pts)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+        group, ours = style[key]
+        # Same colour per model/metric; membox solid, baselines dashed.
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if ours else "s",
+                linestyle="-" if ours else "--",
+                color=colors[groups.index(group) % len(colors)], label=key)
     ax.set_xscale("log", base=2)
     if a.log_y:
         ax.set_yscale("log")
