@@ -11,6 +11,7 @@
 #include "membox/base/logging.h"
 #include "membox/base/wait.h"
 #include "membox/transport/device.h"
+#include "membox/transport/registered_pool.h"
 
 #include "src/memserver/protocol.h"
 
@@ -25,17 +26,17 @@ using transport::Channel;
 class SegmentImpl final : public Segment {
  public:
   SegmentImpl(uint64_t key, size_t size, bool master,
-              std::unique_ptr<transport::MemRegion> cache,
+              transport::RegisteredPool::Block cache,
               std::shared_ptr<transport::RemoteMemRegion> remote)
-      : Segment(key, size, master, cache->data()),
+      : Segment(key, size, master, cache.data()),
         cache_(std::move(cache)),
         remote_(std::move(remote)) {}
   void* Map() const override { return remote_->mapped(); }
-  transport::MemRegion& cache() const { return *cache_; }
+  const transport::MemRegion& cache() const { return cache_.region(); }
   const transport::RemoteMemRegion& remote() const { return *remote_; }
 
  private:
-  std::unique_ptr<transport::MemRegion> cache_;
+  transport::RegisteredPool::Block cache_;  // in a registered arena
   std::shared_ptr<transport::RemoteMemRegion> remote_;
 };
 
@@ -53,6 +54,10 @@ class ClientImpl final : public Client {
     {
       std::lock_guard<std::mutex> l(mu_);
       segments_.clear();  // local caches; the server releases our attachments
+    }
+    {
+      std::lock_guard<std::mutex> l(arena_mu_);
+      arenas_.clear();  // registered memory goes before its device
     }
     if (channel_) channel_->Close();
     channel_.reset();
@@ -174,8 +179,9 @@ class ClientImpl final : public Client {
     }
     // The server just produced this descriptor in its authenticated reply:
     // no second round trip to verify it.
-    auto remote = channel_->Import(*desc, opt_.timeout, /*verify_with_owner=*/false);
-    auto cache = device_->AllocateMemRegion(size);
+    auto remote =
+        channel_->Import(*desc, opt_.timeout, /*verify_with_owner=*/false);
+    auto cache = AllocateCache(size);
     if (!remote.ok() || !cache.ok()) {
       undo();
       return !remote.ok() ? remote.status() : cache.status();
@@ -187,6 +193,23 @@ class ClientImpl final : public Client {
     by_addr_[reinterpret_cast<uintptr_t>(raw->data())] = raw;
     segments_[raw] = std::move(seg);
     return raw;
+  }
+
+  // Local cache buffers come from registered arenas, so attaching a segment
+  // registers memory only when no arena has room (a new arena of at least
+  // kArenaBytes). Registration stays off the attach path in steady state.
+  static constexpr size_t kArenaBytes = 64 << 20;
+  Result<transport::RegisteredPool::Block> AllocateCache(size_t size) {
+    std::lock_guard<std::mutex> l(arena_mu_);
+    for (auto& arena : arenas_) {
+      auto b = arena->Allocate(size);
+      if (b.ok()) return b;
+    }
+    size_t bytes = std::max(kArenaBytes, (size + 4095) & ~size_t{4095});
+    ASSIGN_OR_RETURN(auto arena,
+                     transport::RegisteredPool::Create(*device_, bytes));
+    arenas_.push_back(arena);
+    return arena->Allocate(size);
   }
 
   Status Close(Segment* s, Op op) {
@@ -234,9 +257,10 @@ class ClientImpl final : public Client {
   Status Annotate(const Status& s) const {
     if (s.ok()) return s;
     if (!channel_->health().ok()) return health();
-    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kAborted) {
-      return UnavailableError("memory node " + opt_.server + " unreachable: " +
-                              std::string(s.message()));
+    if (s.code() == StatusCode::kUnavailable ||
+        s.code() == StatusCode::kAborted) {
+      return UnavailableError("memory node " + opt_.server +
+                              " unreachable: " + std::string(s.message()));
     }
     return s;
   }
@@ -332,6 +356,10 @@ class ClientImpl final : public Client {
   std::map<uint64_t, std::optional<Response>>
       pending_;  // GUARDED_BY(pending_mu_)
   EventCount pending_ev_;
+
+  std::mutex arena_mu_;
+  std::vector<std::shared_ptr<transport::RegisteredPool>>
+      arenas_;  // GUARDED_BY(arena_mu_)
 
   mutable std::mutex mu_;
   std::map<Segment*, std::unique_ptr<SegmentImpl>>
