@@ -76,7 +76,9 @@ TEST(BuddyAllocatorTest, RandomChurnNeverOverlaps) {
       ASSERT_GE(size, want);
       ASSERT_EQ(*off % size, 0u);  // naturally aligned
       auto next = live.lower_bound(*off);
-      if (next != live.end()) ASSERT_LE(*off + size, next->first);
+      if (next != live.end()) {
+        ASSERT_LE(*off + size, next->first);
+      }
       if (next != live.begin()) {
         auto prev = std::prev(next);
         ASSERT_LE(prev->first + prev->second, *off);
