@@ -5,25 +5,40 @@
 # Usage: bash scripts/test.sh [--no-install]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+total=0
+run_ctest() {  # $1 = preset; adds its test count to $total
+  mkdir -p build
+  ctest --preset "$1" -j1 2>&1 | tee "build/ctest-$1.log"
+  local n
+  n=$(sed -n 's/.*tests passed, 0 tests failed out of \([0-9]*\).*/\1/p' "build/ctest-$1.log" | tail -n 1)
+  total=$((total + ${n:-0}))
+}
 if [[ "${1:-}" != "--no-install" ]]; then bash scripts/install-deps.sh; fi
 jobs=$(nproc)
 
 echo "== release build and tests"
 cmake --preset release
 cmake --build --preset release -j"$jobs"
-ctest --preset release -j1
+run_ctest release
 
 echo "== ASan + UBSan build and tests"
 cmake --preset asan
 cmake --build --preset asan -j"$jobs"
-ctest --preset asan -j1
+run_ctest asan
 
 echo "== fuzz targets (libFuzzer, 20 s each)"
 cmake --preset fuzz
 cmake --build --preset fuzz -j"$jobs"
 for f in build/fuzz/fuzz/*_fuzzer; do
-  corpus="fuzz/corpus/$(basename "$f")"
-  mkdir -p "build/fuzz/corpus-$(basename "$f")"
-  "$f" -max_total_time=20 -print_final_stats=0 "build/fuzz/corpus-$(basename "$f")" "$corpus"
+  name=$(basename "$f")
+  mkdir -p "build/fuzz/corpus-$name"
+  if ! "$f" -max_total_time=20 "build/fuzz/corpus-$name" "fuzz/corpus/$name" \
+      >"build/fuzz/$name.log" 2>&1; then
+    tail -n 60 "build/fuzz/$name.log"
+    echo "fuzzer $name found a failure (log: build/fuzz/$name.log)"
+    exit 1
+  fi
+  echo "fuzzer $name: $(grep -o 'Done [0-9]* runs' "build/fuzz/$name.log" | tail -n 1), no failure"
 done
-echo "all test suites passed"
+echo "all test suites passed (release and ASan+UBSan ctest runs, fuzzers clean)"
+echo "ctest: ${total} passed, 0 failed"
