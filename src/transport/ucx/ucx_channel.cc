@@ -141,6 +141,15 @@ void UcxChannel::Close() {
   Fail(AbortedError("channel closed"));
 }
 
+void UcxChannel::SetErrorHandling(ucp_ep_params_t* ep, UcxChannel* ch,
+                                  ucp_err_handling_mode_t mode) {
+  ep->err_mode = mode;
+  ep->err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t st) {
+    static_cast<UcxChannel*>(arg)->Fail(UcsError(st, "connection lost"));
+  };
+  ep->err_handler.arg = ch;
+}
+
 Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
@@ -154,12 +163,9 @@ Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
   // peer and Fail() completes what is in flight.
   data_ep_peer_errors_ =
       !(peer_same_host_ && dev_->options().transports != "tcp");
-  ep.err_mode = data_ep_peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER
-                                     : UCP_ERR_HANDLING_MODE_NONE;
-  ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t st) {
-    static_cast<UcxChannel*>(arg)->Fail(UcsError(st, "connection lost"));
-  };
-  ep.err_handler.arg = this;
+  SetErrorHandling(&ep, this,
+                   data_ep_peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER
+                                        : UCP_ERR_HANDLING_MODE_NONE);
   ucp_ep_h h = nullptr;
   ucs_status_t st = ucp_ep_create(worker_->worker(), &ep, &h);
   if (st != UCS_OK) return UcsError(st, "cannot create the data endpoint");

@@ -108,6 +108,13 @@ class UcxChannel final : public Channel,
       const std::shared_ptr<OpState>& state, const char* what,
       const std::function<ucs_status_ptr_t(ucp_request_param_t*)>& post);
   Status CreateDataEp(const std::vector<uint8_t>& peer_address);
+
+ public:
+  // Sets `ep`'s error mode and routes endpoint errors to ch->Fail().
+  static void SetErrorHandling(ucp_ep_params_t* ep, UcxChannel* ch,
+                               ucp_err_handling_mode_t mode);
+
+ private:
   Result<OpHandle> AmWrite(const void* local, uint64_t raddr,
                            const RemoteMemRegion& remote, size_t size,
                            Completion cb);

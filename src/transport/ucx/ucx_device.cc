@@ -530,11 +530,7 @@ void UcxDevice::OnConnRequest(ucp_conn_request_h req) {
                   UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.conn_request = req;
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t st) {
-    static_cast<UcxChannel*>(arg)->Fail(UcsError(st, "connection lost"));
-  };
-  ep.err_handler.arg = ch.get();
+  UcxChannel::SetErrorHandling(&ep, ch.get(), UCP_ERR_HANDLING_MODE_PEER);
   ucp_ep_h h = nullptr;
   ucs_status_t st = ucp_ep_create(w->worker(), &ep, &h);
   if (st != UCS_OK) {
@@ -603,11 +599,7 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
   ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
   ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
   ep.sockaddr.addrlen = len;
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t st) {
-    static_cast<UcxChannel*>(arg)->Fail(UcsError(st, "connection lost"));
-  };
-  ep.err_handler.arg = ch.get();
+  UcxChannel::SetErrorHandling(&ep, ch.get(), UCP_ERR_HANDLING_MODE_PEER);
   ucp_ep_h h = nullptr;
   ucs_status_t st = ucp_ep_create(w->worker(), &ep, &h);
   if (st != UCS_OK) return UcsError(st, "cannot connect to " + remote_endpoint);
