@@ -33,6 +33,31 @@ void AddCommonFlags(CLI::App* cmd, membox::bench::CommonFlags* f) {
 }
 #endif
 
+// Applies a base::ConfigFile to the options of `cmd` that the command line
+// did not set. Unknown keys are errors, so a typo never goes unnoticed.
+membox::Status ApplyConfigFile(CLI::App* cmd, const std::string& path) {
+  auto cfg = membox::ConfigFile::Load(path);
+  if (!cfg.ok()) return cfg.status();
+  for (const auto& [key, value] : cfg->entries()) {
+    CLI::Option* opt = cmd->get_option_no_throw("--" + key);
+    if (opt == nullptr || key == "config") {
+      return membox::InvalidArgumentError(path + ": unknown setting '" + key +
+                                          "'");
+    }
+    if (opt->count() > 0) continue;  // the command line wins
+    try {
+      opt->add_result(opt->get_items_expected_max() == 0
+                          ? (value == "true" ? "1" : "0")
+                          : value);
+      opt->run_callback();
+    } catch (const CLI::Error& e) {
+      return membox::InvalidArgumentError(path + ": bad value for '" + key +
+                                          "': " + e.what());
+    }
+  }
+  return membox::Status::Ok();
+}
+
 // The secret from --secret, --secret-file or MEMBOX_SECRET /
 // MEMBOX_SECRET_FILE.
 membox::Result<std::string> ResolveSecret(const std::string& secret,
@@ -145,8 +170,10 @@ int main(int argc, char** argv) {
                                    max_block = "32GiB", quota = "0";
   int heartbeat_ms = 5000;
   auto* serve = app.add_subcommand("serve", "run a memory node");
-  serve->set_config("--config", "",
-                    "config file of 'key = value' lines (the long flag names)");
+  std::string serve_config;
+  serve->add_option("--config", serve_config,
+                    "file of 'key = value' lines named like the long flags "
+                    "(pool-size = 4GiB); flags on the command line win");
   serve->add_option("--listen", sopt.listen,
                     "address to listen on (host:port)");
   serve->add_option("--transports", sopt.transports,
@@ -236,6 +263,13 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (serve->parsed()) {
+    if (!serve_config.empty()) {
+      membox::Status st = ApplyConfigFile(serve, serve_config);
+      if (!st.ok()) {
+        std::fprintf(stderr, "membox serve: %s\n", st.ToString().c_str());
+        return 2;
+      }
+    }
     membox::InitLogging("serve");
     if (!log_level.empty()) membox::SetLogLevel(log_level);
     return Serve(sopt, secret, secret_file, pool, min_block, max_block, quota,

@@ -7,9 +7,8 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
-#include "membox/memserver/client.h"
-
 #include "membox/base/subprocess.h"
+#include "membox/memserver/client.h"
 
 namespace membox::memserver {
 namespace {
@@ -148,6 +147,38 @@ TEST_F(DaemonTest, KillDashNineDaemon) {
     st = c->Accumulate(*seg, *seg, transport::DType::kFloat32);
   }
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+}
+
+TEST(DaemonConfigTest, ConfigFileAndStatusCommand) {
+  std::string dir = ::testing::TempDir();
+  std::string secret = dir + "/membox-cfg-secret-" + std::to_string(getpid());
+  std::string conf = dir + "/membox-cfg-" + std::to_string(getpid()) + ".conf";
+  std::ofstream(secret) << "config-test-secret\n";
+  std::ofstream(conf)
+      << "# memory node\nlisten = 127.0.0.1:0\npool-size = 64MiB\n"
+      << "secret-file = " << secret << "\nsync-cores = 1\n";
+  auto d = Subprocess::Start({MEMBOX_BIN, "serve", "--config", conf});
+  ASSERT_TRUE(d);
+  auto ep = d->WaitFor("membox serve: listening on ", 20s);
+  ASSERT_TRUE(ep);
+  auto st = Subprocess::Start(
+      {MEMBOX_BIN, "status", "--server", *ep, "--secret-file", secret});
+  ASSERT_TRUE(st);
+  EXPECT_TRUE(st->WaitFor("pool_bytes 67108864", 20s));
+  EXPECT_EQ(st->Wait(20s), 0);
+  auto bad = Subprocess::Start(
+      {MEMBOX_BIN, "status", "--server", *ep, "--secret", "wrong-secret"});
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->Wait(20s), 1);
+  d->Kill(15);
+  EXPECT_EQ(d->Wait(20s), 0);
+  // A typo in the file is an error, not a silently ignored setting.
+  std::ofstream(conf) << "pool-sise = 64MiB\n";
+  auto typo = Subprocess::Start({MEMBOX_BIN, "serve", "--config", conf});
+  ASSERT_TRUE(typo);
+  EXPECT_EQ(typo->Wait(20s), 2);
+  std::remove(conf.c_str());
+  std::remove(secret.c_str());
 }
 
 }  // namespace

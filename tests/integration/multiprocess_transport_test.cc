@@ -5,10 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include "membox/base/subprocess.h"
 #include "membox/transport/device.h"
 #include "membox/transport/tensor_transfer.h"
-
-#include "membox/base/subprocess.h"
 
 namespace membox::transport {
 namespace {

@@ -111,6 +111,9 @@ void UcxChannel::Fail(const Status& s) {
 }
 
 void UcxChannel::Close() {
+  // Mark the channel failed first, so concurrent callers stop before the
+  // endpoints go away.
+  Fail(AbortedError("channel closed"));
   const bool healthy = !failed_.load(std::memory_order_acquire);
   for (ucp_ep_h* slot : {&ep_, &boot_ep_}) {
     ucp_ep_h ep = *slot;
