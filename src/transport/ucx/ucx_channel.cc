@@ -38,10 +38,6 @@ void FinishSend(SendCtx* c, ucs_status_t st) {
   delete c;
 }
 
-void ProgressWorker(void* w) {
-  ucp_worker_progress(static_cast<ucp_worker_h>(w));
-}
-
 void SendCb(void* request, ucs_status_t st, void* user_data) {
   FinishSend(static_cast<SendCtx*>(user_data), st);
   ucp_request_free(request);
@@ -219,7 +215,7 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr,
   }
   std::shared_ptr<OpState> tracked = c->state;
   if (tracked) {
-    tracked->set_progress(&ProgressWorker, worker_->worker());
+    tracked->set_progress(&UcxWorker::HelpProgress, worker_);
     c->channel = this;
   }
   ucp_request_param_t p{};
@@ -263,7 +259,7 @@ void UcxChannel::Progress() {
   if (protocol_ == Protocol::kMapped &&
       !rma_since_flush_.load(std::memory_order_relaxed))
     return;
-  ucp_worker_progress(worker_->worker());
+  worker_->HelpProgress();
 }
 
 Status UcxChannel::Submit(
@@ -272,7 +268,7 @@ Status UcxChannel::Submit(
   auto* c = new SendCtx;
   c->state = state;
   c->channel = this;
-  state->set_progress(&ProgressWorker, worker_->worker());
+  state->set_progress(&UcxWorker::HelpProgress, worker_);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &SendCb;
@@ -358,7 +354,7 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
   if (verify_with_owner) {
     uint64_t req = next_op_.fetch_add(1);
     auto state = std::make_shared<OpState>(dev_->events());
-    state->set_progress(&ProgressWorker, worker_->worker());
+    state->set_progress(&UcxWorker::HelpProgress, worker_);
     {
       std::lock_guard<std::mutex> l(mu_);
       rpcs_[req] = state;
@@ -468,7 +464,7 @@ Result<OpHandle> UcxChannel::AmRead(void* local, uint64_t raddr,
                                     const RemoteMemRegion& remote, size_t size,
                                     Completion cb) {
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
-  state->set_progress(&ProgressWorker, worker_->worker());
+  state->set_progress(&UcxWorker::HelpProgress, worker_);
   uint64_t op = next_op_.fetch_add(1);
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -539,7 +535,7 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
   }
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
   if (protocol_ == Protocol::kActiveMessage) {
-    state->set_progress(&ProgressWorker, worker_->worker());
+    state->set_progress(&UcxWorker::HelpProgress, worker_);
     uint64_t op = next_op_.fetch_add(1);
     {
       std::lock_guard<std::mutex> l(mu_);

@@ -251,7 +251,9 @@ void UcxWorker::Loop() {
     ucs_status_t st = ucp_worker_arm(worker_);
     if (st == UCS_ERR_BUSY) continue;
     epoll_event evs[2];
+    sleeping_.store(true, std::memory_order_release);
     int n = epoll_wait(epfd_, evs, 2, 100);
+    sleeping_.store(false, std::memory_order_release);
     if (n > 0) last_activity = Clock::now();
   }
 }

@@ -76,6 +76,15 @@ class UcxWorker {
   void Stop();
   // Wakes the progress thread after a submission that returned a request.
   void Signal() { ucp_worker_signal(worker_); }
+  // Progress from a waiting user thread, only while the progress thread is
+  // blocked: it saves a wake-up when messages are sparse and never fights
+  // the progress thread for UCX's worker lock when they are dense.
+  void HelpProgress() {
+    if (sleeping_.load(std::memory_order_acquire)) ucp_worker_progress(worker_);
+  }
+  static void HelpProgress(void* self) {
+    static_cast<UcxWorker*>(self)->HelpProgress();
+  }
   ucp_worker_h worker() const { return worker_; }
   // This worker's UCX address, which peers use to create data endpoints.
   const std::vector<uint8_t>& address() const { return address_; }
@@ -91,6 +100,7 @@ class UcxWorker {
   int epfd_ = -1;
   int stop_fd_ = -1;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> sleeping_{false};  // the progress thread is in epoll_wait
   std::thread thread_;
 };
 
