@@ -219,13 +219,14 @@ class ServerImpl final : public Server {
         c.id = id;
         c.channel = *ch;
         c.connected = Clock::now();
-        c.last_seen =
-            std::make_shared<std::atomic<int64_t>>(c.connected.time_since_epoch().count());
+        c.last_seen = std::make_shared<std::atomic<int64_t>>(
+            c.connected.time_since_epoch().count());
         seen = c.last_seen;
       }
       (*ch)->SetHandlers(
           [this, id, seen](std::vector<uint8_t> m) {
-            seen->store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+            seen->store(Clock::now().time_since_epoch().count(),
+                        std::memory_order_relaxed);
             Push(Work{id, false, Status(), std::move(m)});
           },
           [this, id](const Status& s) {
@@ -269,7 +270,8 @@ class ServerImpl final : public Server {
       {
         std::lock_guard<std::mutex> l(mu_);
         for (auto& [id, c] : clients_) {
-          Clock::time_point seen{Clock::duration(c.last_seen->load(std::memory_order_relaxed))};
+          Clock::time_point seen{
+              Clock::duration(c.last_seen->load(std::memory_order_relaxed))};
           if (c.registered && now - seen > opt_.heartbeat_timeout) {
             dead.emplace_back(id, UnavailableError("missed heartbeats"));
           } else if (!c.registered &&
@@ -473,7 +475,8 @@ class ServerImpl final : public Server {
     }
     Segment& seg = *it->second;
     if (!seg.ready) {
-      return UnavailableError("segment " + std::to_string(q.key) + " is being created; retry");
+      return UnavailableError("segment " + std::to_string(q.key) +
+                              " is being created; retry");
     }
     if (seg.size != q.size) {
       return InvalidArgumentError("segment " + std::to_string(q.key) + " has " +

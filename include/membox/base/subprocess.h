@@ -20,7 +20,8 @@ class Subprocess {
   // are piped, stderr inherited.
   static std::optional<Subprocess> Start(const std::vector<std::string>& argv);
   Subprocess(Subprocess&& o) noexcept;
-  Subprocess& operator=(Subprocess&& o) noexcept;  // kills a running child first
+  Subprocess& operator=(
+      Subprocess&& o) noexcept;  // kills a running child first
   Subprocess(const Subprocess&) = delete;
   ~Subprocess();  // kills the child if it still runs
 
