@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # The main job of README.md: installs what is needed, builds, and runs the
-# most complete end-to-end thing membox does today: the seed 002 Fig. 8
-# tensor-transfer benchmark between two local processes (membox zero-copy /
-# copy / TCP against gRPC over TCP and the memcpy bound), writing a table, a
-# CSV, a JSON file and a PNG plot under out/.
-# Usage: bash scripts/run-demo.sh [--no-install] [extra `membox bench transfer` flags]
+# most complete end-to-end things membox does today, each against its
+# baseline in the same run:
+#   1. seed 002 Fig. 8 -- tensor transfer between two local processes
+#      (membox zero-copy / copy / TCP vs gRPC over TCP and memcpy);
+#   2. seed 003 Figs. 6-9 -- asynchronous SGD emulation with a real
+#      `membox serve` memory node and workers under mpirun, against an
+#      MPI_Send/MPI_Recv parameter server;
+#   3. seed 003 Fig. 5 -- memory-node bandwidth with 2..8 client processes.
+# Tables are printed; CSV, JSON and PNG files go to out/.
+# Usage: bash scripts/run-demo.sh [--no-install]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--no-install" ]]; then shift; else bash scripts/install-deps.sh; fi
 cmake --preset release
 cmake --build --preset release -j"$(nproc)"
 mkdir -p out
-./build/release/tools/membox bench transfer --quick \
-  --csv out/transfer.csv --json out/transfer.json --plot out/transfer.png "$@"
-echo "wrote out/transfer.csv out/transfer.json out/transfer.png"
+membox=./build/release/tools/membox
+for bench in transfer async-sgd memserver; do
+  echo "== membox bench $bench --quick"
+  "$membox" bench "$bench" --quick \
+    --csv "out/$bench.csv" --json "out/$bench.json" --plot "out/$bench.png"
+done
+echo "wrote out/{transfer,async-sgd,memserver}.{csv,json,png}"
