@@ -8,10 +8,19 @@
 #include <cpuid.h>
 #include <immintrin.h>
 
+// Run-time dispatch between an AVX2 and a baseline build of each loop. The
+// ifunc resolvers behind target_clones run before ThreadSanitizer's runtime
+// is up and crash it, so TSan builds use the baseline only.
+#if defined(__SANITIZE_THREAD__)
+#define MEMBOX_CLONES
+#else
+#define MEMBOX_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+
 namespace membox::memserver {
 namespace {
 
-__attribute__((target_clones("avx2", "default"))) void AddF32(
+MEMBOX_CLONES void AddF32(
     float* __restrict d, const float* __restrict s, size_t n, float a) {
   if (a == 1.0f) {
     for (size_t i = 0; i < n; ++i) d[i] += s[i];
@@ -20,7 +29,7 @@ __attribute__((target_clones("avx2", "default"))) void AddF32(
   }
 }
 
-__attribute__((target_clones("avx2", "default"))) void AddF64(
+MEMBOX_CLONES void AddF64(
     double* __restrict d, const double* __restrict s, size_t n, double a) {
   if (a == 1.0) {
     for (size_t i = 0; i < n; ++i) d[i] += s[i];
@@ -45,7 +54,7 @@ uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-__attribute__((target_clones("avx2", "default"))) void AddBf16(
+MEMBOX_CLONES void AddBf16(
     uint16_t* __restrict d, const uint16_t* __restrict s, size_t n, float a) {
   for (size_t i = 0; i < n; ++i)
     d[i] = F32ToBf16(Bf16ToF32(d[i]) + a * Bf16ToF32(s[i]));
