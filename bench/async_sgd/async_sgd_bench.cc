@@ -18,6 +18,7 @@
 
 #include "membox/base/config.h"
 #include "membox/base/subprocess.h"
+#include "membox/base/wait.h"
 #include "membox/memserver/client.h"
 
 #include "bench/common/server_process.h"
@@ -130,6 +131,55 @@ int MpiWorker(bool overlapped, size_t bytes, int compute_ms, int iters) {
   return 0;
 }
 
+// One exchange: write-sync the gradient, accumulate it into the weights on
+// the memory node, read-sync the weights -- pipelined over kChunks pieces so
+// that the three stages overlap (chunk i is accumulated while chunk i+1 is
+// written and chunk i-1 read back), as COARSE pipelines shards over both
+// directions of a link.
+Status PipelinedExchange(memserver::Client& c, memserver::Segment* w,
+                         memserver::Segment* g, size_t bytes) {
+  constexpr size_t kChunks = 4;
+  size_t chunk = (bytes / kChunks + 4095) & ~size_t{4095};
+  std::vector<std::pair<size_t, size_t>> parts;  // offset, length
+  for (size_t off = 0; off < bytes; off += chunk) {
+    parts.emplace_back(off, std::min(chunk, bytes - off));
+  }
+  std::atomic<size_t> written{0}, accumulated{0};
+  EventCount ev;
+  Status err_w, err_a, err_r;
+  auto wait_for = [&](std::atomic<size_t>& stage, size_t n) {
+    SpinThenBlock([&] { return stage.load() >= n; }, &ev,
+                  std::chrono::minutes(5));
+  };
+  std::thread acc([&] {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      wait_for(written, i + 1);
+      if (err_w.ok() && err_a.ok()) {
+        err_a = c.Accumulate(w, g, transport::DType::kFloat32, -0.01,
+                             parts[i].first, parts[i].second);
+      }
+      accumulated.store(i + 1);
+      ev.Notify();
+    }
+  });
+  std::thread rd([&] {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      wait_for(accumulated, i + 1);
+      if (err_r.ok()) err_r = c.ReadSync(w, parts[i].first, parts[i].second);
+    }
+  });
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (err_w.ok()) err_w = c.WriteSync(g, parts[i].first, parts[i].second);
+    written.store(i + 1);
+    ev.Notify();
+  }
+  acc.join();
+  rd.join();
+  if (!err_w.ok()) return err_w;
+  if (!err_a.ok()) return err_a;
+  return err_r;
+}
+
 int MemboxWorker(bool overlapped, size_t bytes, int compute_ms, int iters,
                  const std::string& server, const std::string& secret_file) {
   int rank = 0;
@@ -167,10 +217,7 @@ int MemboxWorker(bool overlapped, size_t bytes, int compute_ms, int iters,
   Loop(
       overlapped, compute_ms, iters,
       [&] {
-        Status s = (*c)->WriteSync(*g, 0, bytes);
-        if (s.ok())
-          s = (*c)->Accumulate(*w, *g, transport::DType::kFloat32, -0.01);
-        if (s.ok()) s = (*c)->ReadSync(*w, 0, bytes);
+        Status s = PipelinedExchange(**c, *w, *g, bytes);
         if (!s.ok()) err = s;
       },
       &comm, &iter);
