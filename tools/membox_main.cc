@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
@@ -199,6 +200,9 @@ int main(int argc, char** argv) {
                     "per-client bytes of created segments (0: pool)");
   serve->add_option("--quota-segments", sopt.quota_segments,
                     "per-client segments");
+  bool exit_with_parent = false;
+  serve->add_flag("--exit-with-parent", exit_with_parent,
+                  "stop when the parent process dies (benchmarks, tests)");
 
   std::string status_server;
   auto* status = app.add_subcommand(
@@ -263,6 +267,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (serve->parsed()) {
+    if (exit_with_parent) prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (!serve_config.empty()) {
       membox::Status st = ApplyConfigFile(serve, serve_config);
       if (!st.ok()) {

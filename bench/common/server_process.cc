@@ -23,11 +23,11 @@ Result<ServerProcess> ServerProcess::Start(uint64_t pool_bytes,
     out << s.secret_ << "\n";
     if (!out) return InternalError("cannot write " + s.secret_file_);
   }
-  s.proc_ = Subprocess::Start({"/proc/self/exe", "--log-level", "warn", "serve",
-                               "--listen", "127.0.0.1:0", "--pool-size",
-                               std::to_string(pool_bytes), "--secret-file",
-                               s.secret_file_, "--transports", transports,
-                               "--sync-cores", std::to_string(sync_cores)});
+  s.proc_ = Subprocess::Start(
+      {"/proc/self/exe", "--log-level", "warn", "serve", "--listen",
+       "127.0.0.1:0", "--exit-with-parent", "--pool-size",
+       std::to_string(pool_bytes), "--secret-file", s.secret_file_,
+       "--transports", transports, "--sync-cores", std::to_string(sync_cores)});
   if (!s.proc_) return InternalError("cannot start membox serve");
   auto ep =
       s.proc_->WaitFor("membox serve: listening on ", std::chrono::seconds(60));

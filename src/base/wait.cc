@@ -100,6 +100,13 @@ bool SpinThenBlock(const std::function<bool()>& ready, EventCount* events,
     if ((i & 3) == 0 && Clock::now() >= yield_end) break;
   }
   std::chrono::nanoseconds block(std::chrono::microseconds(20));
+  // With an EventCount, whoever changes the condition notifies, so the naps
+  // can grow long (an idle waiter then costs ~20 wake-ups a second); without
+  // one, re-checks stay frequent because nothing will wake us.
+  const std::chrono::nanoseconds max_nap =
+      events ? std::max<std::chrono::nanoseconds>(options.max_block,
+                                                  std::chrono::milliseconds(50))
+             : std::chrono::nanoseconds(options.max_block);
   for (;;) {
     uint32_t seen = events ? events->epoch() : 0;
     if (ready()) return true;
@@ -113,7 +120,7 @@ bool SpinThenBlock(const std::function<bool()>& ready, EventCount* events,
     } else {
       std::this_thread::sleep_for(nap);
     }
-    block = std::min<std::chrono::nanoseconds>(block * 2, options.max_block);
+    block = std::min<std::chrono::nanoseconds>(block * 2, max_nap);
   }
 }
 

@@ -276,13 +276,18 @@ class ClientImpl final : public Client {
     if (s.ok()) {
       bool ok = SpinThenBlock(
           [&] {
-            std::lock_guard<std::mutex> l(pending_mu_);
-            auto it = pending_.find(q.id);
-            if (it->second) {
+            auto take = [&] {
+              std::lock_guard<std::mutex> l(pending_mu_);
+              auto it = pending_.find(q.id);
+              if (!it->second) return false;
               got = std::move(it->second);
               return true;
-            }
-            return !channel_->health().ok();
+            };
+            if (take()) return true;
+            // The response may be waiting on the worker; progress runs
+            // OnMessage, which takes pending_mu_, so never under the lock.
+            channel_->Progress();
+            return take() || !channel_->health().ok();
           },
           &pending_ev_, opt_.timeout);
       if (!got) {

@@ -51,7 +51,8 @@ struct WaitOptions {
   std::chrono::microseconds yield{500};
   // Phase 3: block on the EventCount (or sleep), doubling from 20 us up to
   // this bound between re-checks; bounds latency when nobody notifies (e.g. a
-  // flag written by a peer through shared memory).
+  // flag written by a peer through shared memory). With an EventCount the
+  // naps may grow to 50 ms: its notifications end them early.
   std::chrono::microseconds max_block{200};
 };
 

@@ -256,9 +256,9 @@ void UcxChannel::SetHandlers(ControlHandler on_message,
 }
 
 void UcxChannel::Progress() {
-  if (protocol_ == Protocol::kMapped &&
-      !rma_since_flush_.load(std::memory_order_relaxed))
-    return;
+  // Cheap when the progress thread is awake (nothing happens) and when the
+  // worker is idle; it saves a thread wake-up for control messages and
+  // active messages, which arrive on the worker even on the mapped protocol.
   worker_->HelpProgress();
 }
 
