@@ -20,8 +20,8 @@
 namespace membox::memserver {
 namespace {
 
-MEMBOX_CLONES void AddF32(
-    float* __restrict d, const float* __restrict s, size_t n, float a) {
+MEMBOX_CLONES void AddF32(float* __restrict d, const float* __restrict s,
+                          size_t n, float a) {
   if (a == 1.0f) {
     for (size_t i = 0; i < n; ++i) d[i] += s[i];
   } else {
@@ -29,8 +29,8 @@ MEMBOX_CLONES void AddF32(
   }
 }
 
-MEMBOX_CLONES void AddF64(
-    double* __restrict d, const double* __restrict s, size_t n, double a) {
+MEMBOX_CLONES void AddF64(double* __restrict d, const double* __restrict s,
+                          size_t n, double a) {
   if (a == 1.0) {
     for (size_t i = 0; i < n; ++i) d[i] += s[i];
   } else {
@@ -54,8 +54,8 @@ uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-MEMBOX_CLONES void AddBf16(
-    uint16_t* __restrict d, const uint16_t* __restrict s, size_t n, float a) {
+MEMBOX_CLONES void AddBf16(uint16_t* __restrict d, const uint16_t* __restrict s,
+                           size_t n, float a) {
   for (size_t i = 0; i < n; ++i)
     d[i] = F32ToBf16(Bf16ToF32(d[i]) + a * Bf16ToF32(s[i]));
 }

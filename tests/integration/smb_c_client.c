@@ -34,12 +34,14 @@ int main(int argc, char** argv) {
     float* w = shm_alloc(&wkey, n * sizeof(float), SMB_CREATE);
     float* g = shm_alloc(&gkey, n * sizeof(float), SMB_CREATE);
     if (!w || !g) return fail("shm_alloc");
-    if (wkey == 0 || shm_get_key(w) != wkey || shm_get_key(g) != 4242) return fail("keys");
+    if (wkey == 0 || shm_get_key(w) != wkey || shm_get_key(g) != 4242)
+      return fail("keys");
     for (size_t i = 0; i < n; ++i) {
       w[i] = 1.0f;
       g[i] = (float)(i % 5);
     }
-    if (shm_wsync(w, n * sizeof(float)) || shm_wsync(g, n * sizeof(float))) return fail("wsync");
+    if (shm_wsync(w, n * sizeof(float)) || shm_wsync(g, n * sizeof(float)))
+      return fail("wsync");
     if (shm_accum(w, g, n * sizeof(float), SMB_FLOAT)) return fail("accum");
     memset(w, 0, n * sizeof(float));
     if (shm_rsync(w, n * sizeof(float))) return fail("rsync");
@@ -51,10 +53,13 @@ int main(int argc, char** argv) {
     }
     /* Errors: bad pointer, wrong dtype, attach with the wrong size. */
     int stray = 0;
-    if (shm_rsync(&stray, 4) == 0) return fail("rsync of a stray pointer succeeded");
-    if (shm_accum(w, g, n * sizeof(float), 99) == 0) return fail("bad dtype accepted");
+    if (shm_rsync(&stray, 4) == 0)
+      return fail("rsync of a stray pointer succeeded");
+    if (shm_accum(w, g, n * sizeof(float), 99) == 0)
+      return fail("bad dtype accepted");
     u64 k = wkey;
-    if (shm_alloc(&k, 12345, SMB_ATTACH) != NULL) return fail("wrong size attached");
+    if (shm_alloc(&k, 12345, SMB_ATTACH) != NULL)
+      return fail("wrong size attached");
     shm_free(g);
     shm_free(w);
     smb_terminate();
