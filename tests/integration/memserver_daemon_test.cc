@@ -2,6 +2,7 @@
 // a secret file), used from C++ and from a C program through smb.h.
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -15,6 +16,17 @@ namespace {
 
 using namespace std::chrono_literals;
 using membox::Subprocess;
+
+// Repeats `op` every 100 ms until it fails (at most 5 s): the status a
+// client sees once the memory node is gone.
+Status FirstFailure(const std::function<Status()>& op) {
+  Status st = op();
+  for (int i = 0; i < 50 && st.ok(); ++i) {
+    std::this_thread::sleep_for(100ms);
+    st = op();
+  }
+  return st;
+}
 
 class DaemonTest : public ::testing::Test {
  protected:
@@ -122,11 +134,7 @@ TEST_F(DaemonTest, StoppingTheDaemonGivesAClearError) {
   ASSERT_EQ(daemon_->Wait(20s), 0);  // clean shutdown on SIGTERM
   daemon_.reset();
   auto t0 = std::chrono::steady_clock::now();
-  Status st = c->WriteSync(*seg, 0, 1 << 20);
-  for (int i = 0; i < 50 && st.ok(); ++i) {
-    std::this_thread::sleep_for(100ms);
-    st = c->WriteSync(*seg, 0, 1 << 20);
-  }
+  Status st = FirstFailure([&] { return c->WriteSync(*seg, 0, 1 << 20); });
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
   EXPECT_NE(st.message().find(endpoint_), std::string_view::npos)
       << st.ToString();
@@ -141,11 +149,8 @@ TEST_F(DaemonTest, KillDashNineDaemon) {
   daemon_->Kill(9);
   daemon_->Wait(10s);
   daemon_.reset();
-  Status st = c->Accumulate(*seg, *seg, transport::DType::kFloat32);
-  for (int i = 0; i < 50 && st.ok(); ++i) {
-    std::this_thread::sleep_for(100ms);
-    st = c->Accumulate(*seg, *seg, transport::DType::kFloat32);
-  }
+  Status st = FirstFailure(
+      [&] { return c->Accumulate(*seg, *seg, transport::DType::kFloat32); });
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
 }
 

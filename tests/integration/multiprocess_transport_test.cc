@@ -1,6 +1,7 @@
 // Real processes on both ends of a channel: the transport_peer helper is a
 // separate executable, started the way users start processes.
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -15,21 +16,38 @@ namespace {
 using namespace std::chrono_literals;
 using membox::Subprocess;
 
-class MultiProcessTest : public ::testing::TestWithParam<const char*> {};
+class MultiProcessTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  // Starts a receiving transport_peer and connects this process to it.
+  void ConnectToReceiver(const char* bytes, const char* rounds) {
+    const char* transports = GetParam();
+    auto p = Subprocess::Start(
+        {TRANSPORT_PEER, "recv", transports, "127.0.0.1:0", bytes, rounds});
+    ASSERT_TRUE(p);
+    peer_.emplace(std::move(*p));
+    auto endpoint = peer_->WaitFor("READY ", 20s);
+    ASSERT_TRUE(endpoint);
+    DeviceOptions o;
+    o.transports = transports;
+    auto dev = Device::Create(o);
+    ASSERT_TRUE(dev.ok());
+    dev_ = std::move(*dev);
+    auto ch = dev_->GetChannel(*endpoint, 0);
+    ASSERT_TRUE(ch.ok()) << ch.status().ToString();
+    ch_ = *ch;
+  }
+
+  std::optional<Subprocess> peer_;
+  std::unique_ptr<Device> dev_;
+  std::shared_ptr<Channel> ch_;
+};
 
 TEST_P(MultiProcessTest, TensorsCrossProcessesIntact) {
   const char* transports = GetParam();
-  auto peer = Subprocess::Start(
-      {TRANSPORT_PEER, "recv", transports, "127.0.0.1:0", "5MiB", "8"});
-  ASSERT_TRUE(peer);
-  auto endpoint = peer->WaitFor("READY ", 20s);
-  ASSERT_TRUE(endpoint);
-  DeviceOptions o;
-  o.transports = transports;
-  auto dev = Device::Create(o);
-  ASSERT_TRUE(dev.ok());
-  auto ch = (*dev)->GetChannel(*endpoint, 0);
-  ASSERT_TRUE(ch.ok()) << ch.status().ToString();
+  ASSERT_NO_FATAL_FAILURE(ConnectToReceiver("5MiB", "8"));
+  auto& peer = peer_;
+  auto* dev = &dev_;
+  auto* ch = &ch_;
   auto s = StaticTensorSender::Create(**dev, *ch);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   auto region = (*dev)->AllocateMemRegion(5 << 20);
@@ -96,17 +114,10 @@ TEST_P(MultiProcessTest, KilledSenderGivesReceiverAClearError) {
 }
 
 TEST_P(MultiProcessTest, KilledReceiverGivesSenderAClearError) {
-  const char* transports = GetParam();
-  auto peer = Subprocess::Start(
-      {TRANSPORT_PEER, "recv", transports, "127.0.0.1:0", "4MiB", "1000000"});
-  ASSERT_TRUE(peer);
-  auto endpoint = peer->WaitFor("READY ", 20s);
-  ASSERT_TRUE(endpoint);
-  DeviceOptions o;
-  o.transports = transports;
-  auto dev = Device::Create(o);
-  auto ch = (*dev)->GetChannel(*endpoint, 0);
-  ASSERT_TRUE(ch.ok());
+  ASSERT_NO_FATAL_FAILURE(ConnectToReceiver("4MiB", "1000000"));
+  auto& peer = peer_;
+  auto* dev = &dev_;
+  auto* ch = &ch_;
   auto s = StaticTensorSender::Create(**dev, *ch);
   ASSERT_TRUE(s.ok());
   auto region = (*dev)->AllocateMemRegion(4 << 20);
