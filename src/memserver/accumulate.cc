@@ -203,6 +203,32 @@ void SyncCores::Loop() {
   }
 }
 
+void SyncCores::ParallelFor(size_t count, size_t grain,
+                            const std::function<void(size_t, size_t)>& fn) {
+  size_t chunks = std::min<size_t>(
+      workers_.size(), std::max<size_t>(1, count / std::max<size_t>(1, grain)));
+  if (chunks <= 1) {
+    if (count > 0) fn(0, count);
+    return;
+  }
+  size_t per = (count + chunks - 1) / chunks;
+  per = (per + 15) & ~size_t{15};
+  std::latch done(static_cast<std::ptrdiff_t>(chunks));
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (size_t c = 0; c < chunks; ++c) {
+      size_t begin = std::min(count, c * per);
+      size_t end = std::min(count, begin + per);
+      q_.push_back([&fn, &done, begin, end] {
+        if (end > begin) fn(begin, end);
+        done.count_down();
+      });
+    }
+  }
+  cv_.notify_all();
+  done.wait();
+}
+
 void SyncCores::Run(DType t, void* dst, const void* src, size_t count,
                     double scale) {
   const size_t esize = transport::DTypeSize(t);

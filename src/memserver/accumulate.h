@@ -42,6 +42,11 @@ class SyncCores {
   // Splits the vectors into chunks (>= 256 KiB each, at most one per core)
   // and returns when every chunk is done.
   void Run(DType t, void* dst, const void* src, size_t count, double scale);
+  // Runs fn(begin, end) over [0, count) split into at most threads() ranges
+  // of at least `grain` items (aligned to 16 items), and returns when all
+  // are done. The calling thread waits; it does not run ranges itself.
+  void ParallelFor(size_t count, size_t grain,
+                   const std::function<void(size_t, size_t)>& fn);
   int threads() const { return static_cast<int>(workers_.size()); }
 
  private:

@@ -1,0 +1,138 @@
+// Parameter client (seed 000 COARSE §III.C, §III.E): the worker's side of
+// parameter synchronisation through memory-node proxies.
+//
+//   Push(key, data, priority)        contribute one round of `key`
+//   Pull(key, out)                   the value after this worker's last push
+//                                    (synchronous modes: after every worker's)
+//   PushPull(key, in, out, priority) both; `out` gets the reduced round
+//
+// Every call is asynchronous: it returns a PsHandle to wait on, and runs the
+// optional callback once when the operation completes (on a transport thread:
+// keep it short). A pending operation owns its buffers: do not modify `data`
+// or read `out` until it completes.
+//
+// Data path: tensors in memory from AllocateTensor() (registered with the
+// transport and, on one host, mappable by the proxies) are read and written
+// by the proxies in place -- nothing is copied on the way out or in. Other
+// pointers are staged through a per-key registered buffer (one memcpy each
+// way). Tensors larger than the partition size S' are split into equal
+// shards sent as a pipeline; each shard goes to the proxy the routing table
+// names for its size, and a small "skip" notice to the other proxies. A
+// priority queue (lower value first; use the layer index) orders what is
+// sent.
+//
+// Routing: Profile() measures every proxy and installs a table (see
+// routing.h); with reprofile_interval > 0 a background thread re-profiles and
+// swaps the table without disturbing requests in flight (each request keeps
+// the route it was given). The shard size of a key is fixed when it is
+// declared.
+//
+// Failure: when a proxy dies, pending and later operations fail with
+// kUnavailable naming it.
+//
+// Thread-safety: all methods may be called from any thread.
+#ifndef MEMBOX_PS_PARAM_CLIENT_H_
+#define MEMBOX_PS_PARAM_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+#include "membox/ps/routing.h"
+#include "membox/transport/fault_channel.h"
+#include "membox/transport/tensor_transfer.h"
+
+namespace membox::ps {
+
+struct ParamClientOptions {
+  std::vector<std::string> proxies;  // endpoints, in the proxies' ring order
+  std::string secret;
+  int rank = 0;
+  int world = 1;  // number of workers
+  std::string name = "worker";
+  std::string transports = "auto";
+  std::chrono::milliseconds timeout{60000};
+  // Emulated link per proxy (latency / bandwidth; see fault_channel.h), for
+  // tests and experiments with non-uniform links. Empty: real links only.
+  std::vector<transport::FaultPolicy> links;
+  RoutingTable routing;  // used until Profile() replaces it
+  std::chrono::milliseconds reprofile_interval{0};
+};
+
+struct SyncConfig {
+  enum class Mode { kSum, kAverage, kAsync } mode = Mode::kSum;
+  uint32_t staleness = 0;  // kAsync; 0: unbounded
+  enum class Optimizer { kNone, kSgd, kAdam } optimizer = Optimizer::kNone;
+  double lr = 0.01, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+};
+
+class PsHandle {
+ public:
+  struct State;
+  PsHandle() = default;
+  explicit PsHandle(std::shared_ptr<State> s) : s_(std::move(s)) {}
+  // kDeadlineExceeded when not done in time (the operation goes on).
+  Status Wait(std::chrono::nanoseconds timeout = std::chrono::hours(24));
+  bool done() const;
+  // The storage version the operation saw (Pull / PushPull).
+  uint64_t version() const;
+
+ private:
+  std::shared_ptr<State> s_;
+};
+
+struct ProfileOptions {
+  std::vector<uint64_t> sizes = {4 << 10,  16 << 10, 64 << 10, 256 << 10,
+                                 1 << 20,  4 << 20,  16 << 20};
+  int repeats = 5;  // the median is used
+};
+
+class ParamClient {
+ public:
+  static Result<std::unique_ptr<ParamClient>> Connect(
+      const ParamClientOptions& options);
+  virtual ~ParamClient() = default;
+
+  // Memory the proxies can reach directly (zero copy). Valid until the
+  // client is destroyed.
+  virtual Result<void*> AllocateTensor(size_t bytes) = 0;
+
+  // Sets the synchronisation mode on every proxy. Every worker must pass the
+  // same configuration (a differing one is refused); call before Declare.
+  virtual Status Configure(const SyncConfig& config) = 0;
+
+  // Declares a tensor; every worker declares every key with the same size
+  // and dtype. `init` (optional) sets the initial value -- the first
+  // declaration with one wins. Returns the stored version (non-zero after a
+  // restore from a checkpoint).
+  virtual Result<uint64_t> Declare(uint64_t key, size_t bytes,
+                                   transport::DType dtype,
+                                   const void* init = nullptr) = 0;
+
+  virtual PsHandle Push(uint64_t key, const void* data, int priority = 0,
+                        std::function<void(const Status&)> cb = nullptr) = 0;
+  virtual PsHandle Pull(uint64_t key, void* out,
+                        std::function<void(const Status&)> cb = nullptr) = 0;
+  virtual PsHandle PushPull(
+      uint64_t key, const void* in, void* out, int priority = 0,
+      std::function<void(const Status&)> cb = nullptr) = 0;
+
+  // Measures every proxy and installs the resulting routing table.
+  virtual Result<RoutingTable> Profile(const ProfileOptions& options = {}) = 0;
+  virtual RoutingTable routing() const = 0;
+  virtual void SetRouting(const RoutingTable& table) = 0;
+
+  // Asks every proxy to write a checkpoint named `name`.
+  virtual Status Checkpoint(const std::string& name) = 0;
+  // Status text of proxy `proxy`.
+  virtual Result<std::string> ProxyStatus(uint32_t proxy) = 0;
+  virtual int num_proxies() const = 0;
+};
+
+}  // namespace membox::ps
+
+#endif  // MEMBOX_PS_PARAM_CLIENT_H_

@@ -1,0 +1,90 @@
+// Parameter proxy + storage: the memory node's parameter-synchronisation
+// service (seed 000 COARSE §III.C-F, §IV.A), run inside `membox serve`.
+//
+// Workers (ParamClient) push gradient shards and pull values. The proxy keeps
+// one queue per worker (§III.F): a shard of round r is admitted as soon as it
+// arrives, independently of what else is queued, so shards routed to
+// different proxies in different orders cannot deadlock (the first-come-
+// first-serve scheduler, kept for the test that shows the deadlock, admits
+// only the oldest tensor). When every worker has pushed (or said it pushed
+// elsewhere) round r of a shard, the sync cores sum the pushes -- reading
+// them straight from the workers' registered memory, always in rank order so
+// results are reproducible -- and, with several proxies, run a ring
+// AllReduce (reduce-scatter + all-gather) with the other proxies; shards
+// alternate between two ring directions so every link carries traffic both
+// ways (§IV.A, Fig. 11). Storage then holds the new version of the shard
+// (copy-on-write against snapshots) and the proxy writes it into the output
+// buffers of the workers that asked.
+//
+// Modes: kSum / kAverage (synchronous), kAsync (each push applied on
+// arrival; optional staleness bound: a worker more than `staleness` rounds
+// ahead of the slowest waits in its queue). An optimizer on the node (SGD
+// with momentum, Adam) turns pushed gradients into weight updates.
+//
+// Checkpoints: Checkpoint() (or a worker's request) snapshots every shard's
+// current buffer (copy-on-write: later updates go to fresh buffers) and
+// writes it in the background to <checkpoint_dir>/<name> atomically
+// (temporary file, fsync, rename, fsync of the directory) with checksums;
+// `restore` loads and verifies it on start.
+//
+// Threading: the transport's progress thread queues messages; one event
+// thread runs the state machine; the sync cores do the arithmetic.
+// Start/Stop from one thread; Stats() from any thread.
+#ifndef MEMBOX_PS_PROXY_H_
+#define MEMBOX_PS_PROXY_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+namespace membox::ps {
+
+enum class Scheduler { kPerClientQueues, kFirstComeFirstServe };
+
+struct ProxyOptions {
+  std::string listen = "0.0.0.0:7310";
+  std::string transports = "auto";
+  std::string secret;  // required, >= 8 bytes
+  // Every proxy's endpoint in ring order (this one included) and this
+  // proxy's index in it. Empty: a single proxy.
+  std::vector<std::string> peers;
+  uint32_t rank = 0;
+  int sync_cores = 2;
+  Scheduler scheduler = Scheduler::kPerClientQueues;
+  uint64_t max_bytes = 16ull << 30;  // storage limit (values + state)
+  std::string checkpoint_dir;        // empty: checkpoints refused
+  bool restore = false;              // load <checkpoint_dir>/<restore_name>
+  std::string restore_name = "latest.mbck";
+};
+
+struct ProxyStats {
+  uint64_t keys = 0;
+  uint64_t shards = 0;
+  uint64_t stored_bytes = 0;
+  uint64_t clients = 0;
+  uint64_t rounds_completed = 0;
+  uint64_t bytes_reduced = 0;
+  uint64_t ring_steps = 0;
+  uint64_t queued_pushes = 0;
+  uint64_t rejected = 0;
+  uint64_t checkpoints = 0;
+};
+
+class Proxy {
+ public:
+  static Result<std::unique_ptr<Proxy>> Start(const ProxyOptions& options);
+  virtual ~Proxy() = default;
+  virtual std::string endpoint() const = 0;
+  virtual ProxyStats Stats() const = 0;
+  virtual std::string StatusText() const = 0;
+  // Snapshots now and writes <checkpoint_dir>/<name>; returns when written.
+  virtual Status Checkpoint(const std::string& name) = 0;
+  virtual void Stop() = 0;
+};
+
+}  // namespace membox::ps
+
+#endif  // MEMBOX_PS_PROXY_H_

@@ -1,0 +1,70 @@
+// Tensor routing and partitioning (seed 000 COARSE §III.E).
+//
+// A routing table has three entries: a size threshold S, the proxy with the
+// lowest latency (LatProxy) and the one with the highest bandwidth
+// (BwProxy). Requests smaller than S go to LatProxy, the rest to BwProxy.
+// Tensors larger than the partition size S' are split into equal shards.
+//
+// ChooseRouting() builds the table from profiler measurements: transfer time
+// per proxy over a range of sizes. LatProxy: the lowest time at the smallest
+// size; BwProxy: the highest bandwidth at the largest size; if they differ,
+// S is the first measured size at which BwProxy's time is not above
+// LatProxy's (linearly interpolated between the two sizes around the
+// crossing); S' is the smallest size reaching >= 90 % of BwProxy's best
+// bandwidth. Pure functions; thread-safe.
+#ifndef MEMBOX_PS_ROUTING_H_
+#define MEMBOX_PS_ROUTING_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+namespace membox::ps {
+
+struct RoutingTable {
+  uint64_t threshold = 0;  // S: sizes < S go to lat_proxy
+  uint32_t lat_proxy = 0;
+  uint32_t bw_proxy = 0;
+  uint64_t partition_bytes = 4 << 20;  // S'
+  uint32_t Route(uint64_t bytes) const {
+    return bytes < threshold ? lat_proxy : bw_proxy;
+  }
+  std::string ToString() const;
+};
+
+// Time of one transfer of `bytes` to proxy `proxy`, in seconds.
+struct ProfileSample {
+  uint32_t proxy = 0;
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
+// `sizes` ascending, every proxy measured at every size. kInvalidArgument
+// when the samples do not form that grid.
+Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
+                                   double full_bandwidth_fraction = 0.9);
+
+// Dual synchronisation (§III.F): with p workers, n bytes per iteration, the
+// first m bytes (in backward order: the last layers) synchronised by the
+// proxies and the rest (the first layers) by the workers' own ring AllReduce:
+//   T_train(m) = max(T_FP + T_BP + 2(p-1)/p * (n-m) / BW_worker,
+//                    T_FP + 2(p-1)/p * m / BW_proxy).
+// Returns the m in [0, n] that minimises T_train (closed form: where the two
+// branches meet, clamped), and the predicted time.
+struct DualSyncPlan {
+  uint64_t proxy_bytes = 0;  // m
+  double predicted_seconds = 0;
+};
+DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers,
+                            double t_forward, double t_backward,
+                            double bw_proxy, double bw_worker);
+// Predicted iteration time of a given split (for tests and reports).
+double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes,
+                        int workers, double t_forward, double t_backward,
+                        double bw_proxy, double bw_worker);
+
+}  // namespace membox::ps
+
+#endif  // MEMBOX_PS_ROUTING_H_

@@ -1,0 +1,218 @@
+#include "src/ps/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "src/transport/wire.h"
+
+namespace membox::ps {
+namespace {
+
+using transport::wire::Crc32;
+using transport::wire::Reader;
+using transport::wire::Writer;
+
+constexpr char kMagic[8] = {'M', 'B', 'X', 'C', 'K', 'P', 'T', '1'};
+constexpr uint32_t kFormat = 1;
+constexpr uint64_t kMaxShardBytes = 64ull << 30;
+
+void PutBlob(Writer& w, std::span<const uint8_t> b) {
+  w.U64(b.size());
+  w.U32(Crc32(b.data(), b.size()));
+  w.Bytes(b.data(), b.size());
+}
+
+Status Damaged(const std::string& what) {
+  return DataLossError("checkpoint is damaged: " + what);
+}
+
+bool GetBlob(Reader& r, std::vector<uint8_t>* out, Status* err,
+             const char* what) {
+  uint64_t n = 0;
+  uint32_t crc = 0;
+  if (!r.U64(&n) || !r.U32(&crc) || n > kMaxShardBytes ||
+      n > r.remaining() || !r.Bytes(out, n)) {
+    *err = Damaged(std::string("truncated ") + what);
+    return false;
+  }
+  if (Crc32(out->data(), out->size()) != crc) {
+    *err = Damaged(std::string("checksum mismatch in ") + what);
+    return false;
+  }
+  return true;
+}
+
+Status WriteAll(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    ssize_t w = ::write(fd, c, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return InternalError(std::string("write: ") + strerror(errno));
+    c += w;
+    n -= static_cast<size_t>(w);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status WriteCheckpoint(const std::string& path, const CheckpointHeader& header,
+                       const std::vector<CheckpointShard>& shards) {
+  // Header + per-shard metadata are encoded in memory; shard data is
+  // streamed so a large model is never copied twice.
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return InternalError("cannot create " + tmp + ": " + strerror(errno));
+  }
+  Status s;
+  uint32_t crc = 0;  // running checksum of the record headers
+  auto emit = [&](Writer& w) {
+    if (!s.ok()) return;
+    crc = Crc32(&crc, 4) ^ Crc32(w.buffer().data(), w.buffer().size());
+    s = WriteAll(fd, w.buffer().data(), w.buffer().size());
+  };
+  {
+    Writer w;
+    w.Bytes(kMagic, 8);
+    w.U32(kFormat);
+    w.U32(header.proxy_rank);
+    w.U32(header.proxies);
+    w.U8(header.mode);
+    w.U8(header.optimizer);
+    w.U64(shards.size());
+    emit(w);
+  }
+  for (const auto& sh : shards) {
+    Writer w;
+    w.U64(sh.key);
+    w.U32(sh.shard);
+    w.U8(sh.dtype);
+    w.U64(sh.key_bytes);
+    w.U64(sh.shard_bytes);
+    w.U64(sh.version);
+    w.U64(sh.value.size());
+    w.U32(Crc32(sh.value.data(), sh.value.size()));
+    emit(w);
+    if (s.ok()) s = WriteAll(fd, sh.value.data(), sh.value.size());
+    Writer w2;
+    PutBlob(w2, sh.m1);
+    PutBlob(w2, sh.m2);
+    emit(w2);
+  }
+  {
+    Writer w;
+    w.U32(crc);
+    w.Bytes("END!", 4);
+    if (s.ok()) s = WriteAll(fd, w.buffer().data(), w.buffer().size());
+  }
+  if (s.ok() && ::fsync(fd) != 0) {
+    s = InternalError(std::string("fsync: ") + strerror(errno));
+  }
+  ::close(fd);
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
+    s = InternalError("rename " + tmp + ": " + strerror(errno));
+  }
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  if (dir.empty()) dir = ".";
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  return Status::Ok();
+}
+
+Status ParseCheckpoint(std::span<const uint8_t> bytes, CheckpointHeader* header,
+                       std::vector<CheckpointShard>* shards) {
+  shards->clear();
+  Reader r(bytes);
+  std::vector<uint8_t> magic;
+  uint32_t format = 0;
+  uint64_t count = 0;
+  size_t mark = 0;
+  uint32_t crc = 0;
+  auto fold = [&](size_t from, size_t to) {
+    crc = Crc32(&crc, 4) ^ Crc32(bytes.data() + from, to - from);
+  };
+  if (!r.Bytes(&magic, 8) || std::memcmp(magic.data(), kMagic, 8) != 0) {
+    return Damaged("not a membox checkpoint (bad magic)");
+  }
+  if (!r.U32(&format) || format != kFormat) {
+    return Damaged("unsupported format version " + std::to_string(format));
+  }
+  if (!r.U32(&header->proxy_rank) || !r.U32(&header->proxies) ||
+      !r.U8(&header->mode) || !r.U8(&header->optimizer) || !r.U64(&count)) {
+    return Damaged("truncated header");
+  }
+  if (header->proxies == 0 || header->proxy_rank >= header->proxies ||
+      count > (1u << 24)) {
+    return Damaged("implausible header");
+  }
+  fold(mark, r.consumed());
+  for (uint64_t i = 0; i < count; ++i) {
+    mark = r.consumed();
+    CheckpointShard sh;
+    uint64_t n = 0;
+    uint32_t vcrc = 0;
+    if (!r.U64(&sh.key) || !r.U32(&sh.shard) || !r.U8(&sh.dtype) ||
+        !r.U64(&sh.key_bytes) || !r.U64(&sh.shard_bytes) ||
+        !r.U64(&sh.version) || !r.U64(&n) || !r.U32(&vcrc)) {
+      return Damaged("truncated shard record " + std::to_string(i));
+    }
+    fold(mark, r.consumed());
+    if (n == 0 || n > kMaxShardBytes || n > r.remaining() ||
+        sh.shard_bytes == 0 || sh.key_bytes == 0 || n > sh.key_bytes) {
+      return Damaged("bad size in shard record " + std::to_string(i));
+    }
+    if (!r.Bytes(&sh.owned_value, n)) return Damaged("truncated value");
+    if (Crc32(sh.owned_value.data(), n) != vcrc) {
+      return Damaged("checksum mismatch in key " + std::to_string(sh.key) +
+                     " shard " + std::to_string(sh.shard));
+    }
+    mark = r.consumed();
+    Status err;
+    if (!GetBlob(r, &sh.owned_m1, &err, "optimizer state") ||
+        !GetBlob(r, &sh.owned_m2, &err, "optimizer state")) {
+      return err;
+    }
+    if ((!sh.owned_m1.empty() && sh.owned_m1.size() != n) ||
+        (!sh.owned_m2.empty() && sh.owned_m2.size() != n)) {
+      return Damaged("optimizer state size differs from the value's");
+    }
+    fold(mark, r.consumed());
+    shards->push_back(std::move(sh));
+  }
+  uint32_t want = 0;
+  std::vector<uint8_t> end;
+  if (!r.U32(&want) || !r.Bytes(&end, 4) ||
+      std::memcmp(end.data(), "END!", 4) != 0) {
+    return Damaged("truncated (no end marker)");
+  }
+  if (want != crc) return Damaged("header checksum mismatch");
+  if (r.remaining() != 0) return Damaged("trailing bytes");
+  return Status::Ok();
+}
+
+Status ReadCheckpoint(const std::string& path, CheckpointHeader* header,
+                      std::vector<CheckpointShard>* shards) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return NotFoundError("no checkpoint at " + path);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)),
+                             std::istreambuf_iterator<char>());
+  Status s = ParseCheckpoint(bytes, header, shards);
+  if (!s.ok()) return Status(s.code(), path + ": " + std::string(s.message()));
+  return s;
+}
+
+}  // namespace membox::ps

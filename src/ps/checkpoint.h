@@ -1,0 +1,50 @@
+// Checkpoint files of the parameter storage (docs/formats/ps_checkpoint.md).
+//
+// WriteCheckpoint writes atomically: a temporary file in the same directory,
+// fsync, rename over the target, fsync of the directory -- so a crash leaves
+// either the old file or the new one. Every shard record and the file carry
+// CRC-32C checksums; ParseCheckpoint (driven by fuzz/ps_checkpoint_fuzzer.cc)
+// validates every length and checksum and reports a damaged file as
+// kDataLoss naming what is wrong.
+// Thread-safety: pure functions (the file system is the shared state).
+#ifndef MEMBOX_SRC_PS_CHECKPOINT_H_
+#define MEMBOX_SRC_PS_CHECKPOINT_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+namespace membox::ps {
+
+struct CheckpointShard {
+  uint64_t key = 0;
+  uint32_t shard = 0;
+  uint8_t dtype = 0;
+  uint64_t key_bytes = 0;
+  uint64_t shard_bytes = 0;  // nominal shard size of the key
+  uint64_t version = 0;
+  // Views when writing; `owned_*` hold the data after parsing.
+  std::span<const uint8_t> value, m1, m2;
+  std::vector<uint8_t> owned_value, owned_m1, owned_m2;
+};
+
+struct CheckpointHeader {
+  uint32_t proxy_rank = 0;
+  uint32_t proxies = 1;
+  uint8_t mode = 0;
+  uint8_t optimizer = 0;
+};
+
+Status WriteCheckpoint(const std::string& path, const CheckpointHeader& header,
+                       const std::vector<CheckpointShard>& shards);
+Status ParseCheckpoint(std::span<const uint8_t> bytes, CheckpointHeader* header,
+                       std::vector<CheckpointShard>* shards);
+Status ReadCheckpoint(const std::string& path, CheckpointHeader* header,
+                      std::vector<CheckpointShard>* shards);
+
+}  // namespace membox::ps
+
+#endif  // MEMBOX_SRC_PS_CHECKPOINT_H_

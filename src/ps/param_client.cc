@@ -1,0 +1,665 @@
+#include "membox/ps/param_client.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <queue>
+#include <thread>
+#include <unistd.h>
+
+#include "membox/base/logging.h"
+#include "membox/transport/device.h"
+#include "src/ps/protocol.h"
+
+namespace membox::ps {
+
+struct PsHandle::State {
+  std::mutex mu;
+  std::condition_variable cv;
+  int remaining = 0;
+  bool done = false;
+  Status status;
+  uint64_t version = 0;
+  std::function<void(const Status&)> cb;
+  std::function<void()> on_success;  // runs once before completion
+
+  void Finish(const Status& s, uint64_t v) {
+    std::function<void(const Status&)> run;
+    Status final;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (done) return;
+      if (!s.ok() && status.ok()) status = s;
+      version = std::max(version, v);
+      if (--remaining > 0) return;
+      if (status.ok() && on_success) on_success();
+      done = true;
+      final = status;
+      run = std::move(cb);
+    }
+    cv.notify_all();
+    if (run) run(final);
+  }
+};
+
+Status PsHandle::Wait(std::chrono::nanoseconds timeout) {
+  if (!s_) return FailedPreconditionError("empty handle");
+  std::unique_lock<std::mutex> l(s_->mu);
+  if (!s_->cv.wait_for(l, timeout, [&] { return s_->done; })) {
+    return DeadlineExceededError("parameter operation still pending");
+  }
+  return s_->status;
+}
+
+bool PsHandle::done() const {
+  if (!s_) return false;
+  std::lock_guard<std::mutex> l(s_->mu);
+  return s_->done;
+}
+
+uint64_t PsHandle::version() const {
+  if (!s_) return 0;
+  std::lock_guard<std::mutex> l(s_->mu);
+  return s_->version;
+}
+
+namespace {
+
+using proto::Message;
+using proto::Type;
+using transport::Channel;
+using transport::DType;
+using transport::MemRegion;
+using Clock = std::chrono::steady_clock;
+
+std::shared_ptr<PsHandle::State> NewState(int n,
+                                          std::function<void(const Status&)> cb) {
+  auto s = std::make_shared<PsHandle::State>();
+  s->remaining = n;
+  s->cb = std::move(cb);
+  return s;
+}
+
+PsHandle Failed(const Status& s, std::function<void(const Status&)> cb) {
+  auto st = NewState(1, std::move(cb));
+  st->Finish(s, 0);
+  return PsHandle(st);
+}
+
+struct KeyInfo {
+  uint64_t bytes = 0;
+  DType dtype = DType::kFloat32;
+  uint64_t shard_bytes = 0;
+  uint32_t shards = 0;
+  uint64_t rounds = 0;        // pushes issued by this worker
+  uint64_t base_version = 0;  // stored version when declared
+  std::unique_ptr<MemRegion> staging;  // [in | out], registered
+  std::shared_ptr<PsHandle::State> last_staged;  // last op using staging
+};
+
+struct Op {
+  int priority = 0;
+  uint64_t seq = 0;
+  Type type = Type::kPush;
+  uint64_t key = 0;
+  uint64_t round = 0, min_version = 0;
+  uint64_t in_region = 0, in_offset = 0;
+  bool has_output = false;
+  uint64_t out_region = 0, out_offset = 0;
+  uint64_t shard_bytes = 0, bytes = 0;
+  uint32_t shards = 0;
+  RoutingTable route;
+  std::shared_ptr<PsHandle::State> state;
+  bool operator<(const Op& o) const {  // priority_queue: top = smallest
+    return priority != o.priority ? priority > o.priority : seq > o.seq;
+  }
+};
+
+struct ProxyLink {
+  std::string endpoint;
+  std::shared_ptr<Channel> channel;
+};
+
+class ParamClientImpl final : public ParamClient {
+ public:
+  explicit ParamClientImpl(ParamClientOptions o) : opt_(std::move(o)) {
+    routing_ = opt_.routing;
+  }
+
+  ~ParamClientImpl() override {
+    {
+      std::lock_guard<std::mutex> l(q_mu_);
+      stop_ = true;
+    }
+    q_cv_.notify_all();
+    if (sender_.joinable()) sender_.join();
+    if (reprofiler_.joinable()) reprofiler_.join();
+    for (auto& p : proxies_) {
+      if (p.channel) p.channel->Close();
+    }
+    FailAll(AbortedError("parameter client closed"));
+    keys_.clear();
+    probe_.reset();
+    regions_.clear();
+    proxies_.clear();
+    device_.reset();
+  }
+
+  Status Init() {
+    if (opt_.proxies.empty()) return InvalidArgumentError("no proxies given");
+    if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world) {
+      return InvalidArgumentError("rank must be in [0, world)");
+    }
+    if (!opt_.links.empty() && opt_.links.size() != opt_.proxies.size()) {
+      return InvalidArgumentError("one link model per proxy, or none");
+    }
+    transport::DeviceOptions d;
+    d.transports = opt_.transports;
+    d.name = opt_.name + "-" + std::to_string(opt_.rank);
+    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    for (size_t i = 0; i < opt_.proxies.size(); ++i) {
+      ProxyLink link;
+      link.endpoint = opt_.proxies[i];
+      auto ch = device_->GetChannel(link.endpoint);
+      if (!ch.ok()) {
+        return UnavailableError("cannot reach proxy " + std::to_string(i) +
+                                " at " + link.endpoint + ": " +
+                                ch.status().ToString());
+      }
+      link.channel = *ch;
+      if (!opt_.links.empty()) {
+        link.channel = transport::WrapWithFaults(link.channel, opt_.links[i]);
+      }
+      Message h;
+      h.type = Type::kHello;
+      h.secret = opt_.secret;
+      h.name = opt_.name;
+      h.rank = static_cast<uint32_t>(opt_.rank);
+      h.world = static_cast<uint32_t>(opt_.world);
+      RETURN_IF_ERROR(link.channel->SendControl(proto::Encode(h)));
+      ASSIGN_OR_RETURN(auto bytes, link.channel->RecvControl(opt_.timeout));
+      ASSIGN_OR_RETURN(auto a, proto::Decode(bytes));
+      if (a.code != 0) {
+        return Status(static_cast<StatusCode>(a.code),
+                      "proxy " + link.endpoint + ": " + a.message);
+      }
+      uint32_t idx = static_cast<uint32_t>(i);
+      link.channel->SetHandlers(
+          [this, idx](std::vector<uint8_t> m) { OnReply(idx, m); },
+          [this, idx](const Status& s) { OnFailure(idx, s); });
+      proxies_.push_back(std::move(link));
+    }
+    sender_ = std::thread([this] { SendLoop(); });
+    if (opt_.reprofile_interval.count() > 0) {
+      reprofiler_ = std::thread([this] { ReprofileLoop(); });
+    }
+    return Status::Ok();
+  }
+
+  int num_proxies() const override {
+    return static_cast<int>(proxies_.size());
+  }
+
+  Result<void*> AllocateTensor(size_t bytes) override {
+    ASSIGN_OR_RETURN(auto r, device_->AllocateMemRegion(bytes));
+    RETURN_IF_ERROR(RegisterRegion(*r));
+    void* p = r->data();
+    std::lock_guard<std::mutex> l(mu_);
+    regions_[reinterpret_cast<uintptr_t>(p)] = std::move(r);
+    return p;
+  }
+
+  Status Configure(const SyncConfig& c) override {
+    Message m;
+    m.type = Type::kConfigure;
+    m.mode = static_cast<proto::Mode>(c.mode);
+    m.staleness = c.staleness;
+    m.optimizer = static_cast<proto::Optimizer>(c.optimizer);
+    m.lr = c.lr;
+    m.momentum = c.momentum;
+    m.beta1 = c.beta1;
+    m.beta2 = c.beta2;
+    m.eps = c.eps;
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      RETURN_IF_ERROR(Call(i, m).status());
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    async_ = c.mode == SyncConfig::Mode::kAsync;
+    return Status::Ok();
+  }
+
+  Result<uint64_t> Declare(uint64_t key, size_t bytes, DType dtype,
+                           const void* init) override {
+    size_t es = transport::DTypeSize(dtype);
+    if (bytes == 0 || bytes % es != 0) {
+      return InvalidArgumentError("tensor size must be a non-zero multiple of "
+                                  "the element size");
+    }
+    uint64_t shard = routing().partition_bytes;
+    shard = std::max<uint64_t>(es, shard - shard % es);
+    shard = std::min<uint64_t>(shard, bytes);
+    KeyInfo k;
+    k.bytes = bytes;
+    k.dtype = dtype;
+    k.shard_bytes = shard;
+    k.shards = static_cast<uint32_t>((bytes + shard - 1) / shard);
+    ASSIGN_OR_RETURN(k.staging, device_->AllocateMemRegion(2 * bytes));
+    RETURN_IF_ERROR(RegisterRegion(*k.staging));
+    Message m;
+    m.type = Type::kDeclare;
+    m.key = key;
+    m.bytes = bytes;
+    m.dtype = static_cast<uint8_t>(dtype);
+    m.shard_bytes = shard;
+    if (init) {
+      std::memcpy(k.staging->data(), init, bytes);
+      m.has_input = true;
+      m.region = k.staging->id();
+      m.offset = 0;
+    }
+    uint64_t version = 0;
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      ASSIGN_OR_RETURN(uint64_t v, Call(i, m));
+      if (i > 0 && v != version) {
+        return DataLossError("proxies disagree on the version of key " +
+                             std::to_string(key));
+      }
+      version = v;
+    }
+    k.base_version = version;
+    std::lock_guard<std::mutex> l(mu_);
+    keys_[key] = std::move(k);
+    return version;
+  }
+
+  PsHandle Push(uint64_t key, const void* data, int priority,
+                std::function<void(const Status&)> cb) override {
+    return Submit(Type::kPush, key, data, nullptr, priority, std::move(cb));
+  }
+  PsHandle Pull(uint64_t key, void* out,
+                std::function<void(const Status&)> cb) override {
+    return Submit(Type::kPull, key, nullptr, out, 0, std::move(cb));
+  }
+  PsHandle PushPull(uint64_t key, const void* in, void* out, int priority,
+                    std::function<void(const Status&)> cb) override {
+    return Submit(Type::kPush, key, in, out, priority, std::move(cb));
+  }
+
+  // Transfer time to each proxy: a one-sided write of `size` bytes into the
+  // proxy's probe buffer, through this worker's link, until visible there.
+  Result<RoutingTable> Profile(const ProfileOptions& o) override {
+    if (o.sizes.empty() || o.repeats < 1) {
+      return InvalidArgumentError("profile needs sizes and repeats");
+    }
+    std::lock_guard<std::mutex> pl(profile_mu_);
+    uint64_t largest = *std::max_element(o.sizes.begin(), o.sizes.end());
+    if (!probe_ || probe_->size() < largest) {
+      probe_.reset();
+      ASSIGN_OR_RETURN(probe_, device_->AllocateMemRegion(largest));
+      std::memset(probe_->data(), 1, largest);
+    }
+    std::vector<ProfileSample> samples;
+    for (uint32_t p = 0; p < proxies_.size(); ++p) {
+      Message m;
+      m.type = Type::kProbe;
+      m.bytes = largest;
+      auto st = NewState(1, nullptr);
+      auto text = std::make_shared<std::string>();
+      RETURN_IF_ERROR(SendRequest(p, m, st, text));
+      RETURN_IF_ERROR(PsHandle(st).Wait(opt_.timeout));
+      std::vector<uint8_t> bytes(text->begin(), text->end());
+      ASSIGN_OR_RETURN(auto desc, transport::RegionDescriptor::Deserialize(bytes));
+      auto& ch = proxies_[p].channel;
+      ASSIGN_OR_RETURN(auto remote, ch->Import(desc, opt_.timeout));
+      for (uint64_t size : o.sizes) {
+        std::vector<double> t;
+        for (int r = 0; r <= o.repeats; ++r) {  // the first is a warm-up
+          auto t0 = Clock::now();
+          ASSIGN_OR_RETURN(auto h, ch->Write(probe_->data(), *probe_,
+                                             remote->address(), *remote, size));
+          RETURN_IF_ERROR(h.Wait(opt_.timeout));
+          ASSIGN_OR_RETURN(auto f, ch->Flush());
+          RETURN_IF_ERROR(f.Wait(opt_.timeout));
+          if (r > 0) {
+            t.push_back(
+                std::chrono::duration<double>(Clock::now() - t0).count());
+          }
+        }
+        std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+        samples.push_back({p, size, t[t.size() / 2]});
+      }
+    }
+    ASSIGN_OR_RETURN(RoutingTable table, ChooseRouting(samples));
+    SetRouting(table);
+    MEMBOX_LOG_INFO("worker {}: routing {}", opt_.rank, table.ToString());
+    last_profile_ = samples;
+    return table;
+  }
+
+  RoutingTable routing() const override {
+    std::lock_guard<std::mutex> l(mu_);
+    return routing_;
+  }
+  void SetRouting(const RoutingTable& t) override {
+    std::lock_guard<std::mutex> l(mu_);
+    routing_ = t;
+    if (routing_.lat_proxy >= proxies_.size()) routing_.lat_proxy = 0;
+    if (routing_.bw_proxy >= proxies_.size()) routing_.bw_proxy = 0;
+  }
+
+  Status Checkpoint(const std::string& name) override {
+    Message m;
+    m.type = Type::kCheckpoint;
+    m.path = name;
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      RETURN_IF_ERROR(Call(i, m).status());
+    }
+    return Status::Ok();
+  }
+
+  Result<std::string> ProxyStatus(uint32_t proxy) override {
+    if (proxy >= proxies_.size()) return OutOfRangeError("no such proxy");
+    Message m;
+    m.type = Type::kStats;
+    auto st = NewState(1, nullptr);
+    auto text = std::make_shared<std::string>();
+    RETURN_IF_ERROR(SendRequest(proxy, m, st, text));
+    RETURN_IF_ERROR(PsHandle(st).Wait(opt_.timeout));
+    return *text;
+  }
+
+ private:
+  // ------------------------------------------------------------ requests
+
+  struct Pending {
+    std::shared_ptr<PsHandle::State> state;
+    uint32_t proxy = 0;
+    std::shared_ptr<std::string> text;  // kStats: the status text
+  };
+
+  Status SendRequest(uint32_t proxy, Message m,
+                     const std::shared_ptr<PsHandle::State>& st,
+                     std::shared_ptr<std::string> text = nullptr) {
+    m.id = next_id_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!failed_[proxy].ok()) return failed_[proxy];
+      pending_[m.id] = Pending{st, proxy, text};
+    }
+    Status s = proxies_[proxy].channel->SendControl(proto::Encode(m));
+    if (!s.ok()) {
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        pending_.erase(m.id);
+      }
+      return ProxyError(proxy, s);
+    }
+    return Status::Ok();
+  }
+
+  // Sends and waits; returns the reply's version.
+  Result<uint64_t> Call(uint32_t proxy, const Message& m) {
+    auto st = NewState(1, nullptr);
+    RETURN_IF_ERROR(SendRequest(proxy, m, st));
+    PsHandle h(st);
+    RETURN_IF_ERROR(h.Wait(opt_.timeout));
+    return h.version();
+  }
+
+  Status ProxyError(uint32_t proxy, const Status& s) {
+    return Status(s.code(), "proxy " + std::to_string(proxy) + " (" +
+                                proxies_[proxy].endpoint +
+                                "): " + std::string(s.message()));
+  }
+
+  void OnReply(uint32_t proxy, const std::vector<uint8_t>& bytes) {
+    auto m = proto::Decode(bytes);
+    if (!m.ok() || m->type != Type::kReply) {
+      MEMBOX_LOG_WARN("proxy {} sent a bad reply: {}", proxy,
+                      m.ok() ? "not a reply" : m.status().ToString());
+      return;
+    }
+    Pending p;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = pending_.find(m->id);
+      if (it == pending_.end()) {
+        if (m->code != 0) {
+          MEMBOX_LOG_WARN("proxy {}: {}", proxy, m->message);
+        }
+        return;
+      }
+      p = std::move(it->second);
+      pending_.erase(it);
+      if (p.text) *p.text = m->text;
+    }
+    Status s = m->code == 0
+                   ? Status::Ok()
+                   : ProxyError(proxy, Status(static_cast<StatusCode>(m->code),
+                                              m->message));
+    p.state->Finish(s, m->version);
+  }
+
+  void OnFailure(uint32_t proxy, const Status& why) {
+    Status s = UnavailableError("proxy " + std::to_string(proxy) + " (" +
+                                proxies_[proxy].endpoint +
+                                ") is unreachable: " + why.ToString());
+    std::vector<Pending> fail;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      failed_[proxy] = s;
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        if (it->second.proxy == proxy) {
+          fail.push_back(std::move(it->second));
+          it = pending_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& p : fail) p.state->Finish(s, 0);
+  }
+
+  void FailAll(const Status& s) {
+    std::vector<Pending> fail;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (auto& [id, p] : pending_) fail.push_back(std::move(p));
+      pending_.clear();
+    }
+    for (auto& p : fail) p.state->Finish(s, 0);
+  }
+
+  Status RegisterRegion(const MemRegion& r) {
+    Message m;
+    m.type = Type::kRegion;
+    m.descriptor = r.Export().Serialize();
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      RETURN_IF_ERROR(Call(i, m).status());
+    }
+    return Status::Ok();
+  }
+
+  // The registered region holding [p, p + n), or nullptr. mu_ held.
+  const MemRegion* Locate(const void* p, size_t n) const {
+    auto a = reinterpret_cast<uintptr_t>(p);
+    auto it = regions_.upper_bound(a);
+    if (it == regions_.begin()) return nullptr;
+    --it;
+    return it->second->Contains(p, n) ? it->second.get() : nullptr;
+  }
+
+  PsHandle Submit(Type type, uint64_t key, const void* in, void* out,
+                  int priority, std::function<void(const Status&)> cb) {
+    Op op;
+    op.type = type;
+    op.priority = priority;
+    op.key = key;
+    // The per-key staging buffer serves one operation at a time: wait for
+    // the previous one that used it.
+    std::shared_ptr<PsHandle::State> previous;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = keys_.find(key);
+      if (it != keys_.end()) previous = it->second.last_staged;
+    }
+    if (previous) (void)PsHandle(previous).Wait(opt_.timeout);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = keys_.find(key);
+      if (it == keys_.end()) {
+        return Failed(NotFoundError("key " + std::to_string(key) +
+                                    " not declared on this worker"),
+                      std::move(cb));
+      }
+      KeyInfo& k = it->second;
+      op.bytes = k.bytes;
+      op.shard_bytes = k.shard_bytes;
+      op.shards = k.shards;
+      op.route = routing_;
+      op.seq = next_seq_++;
+      op.state = NewState(static_cast<int>(k.shards), std::move(cb));
+      uint8_t* staging = static_cast<uint8_t*>(k.staging->data());
+      if (in) {
+        const MemRegion* r = Locate(in, k.bytes);
+        if (r) {
+          op.in_region = r->id();
+          op.in_offset = static_cast<const uint8_t*>(in) -
+                         static_cast<const uint8_t*>(r->data());
+        } else {
+          std::memcpy(staging, in, k.bytes);
+          k.last_staged = op.state;
+          op.in_region = k.staging->id();
+          op.in_offset = 0;
+        }
+        op.round = k.base_version + k.rounds++;
+      }
+      if (out) {
+        op.has_output = true;
+        const MemRegion* r = Locate(out, k.bytes);
+        if (r) {
+          op.out_region = r->id();
+          op.out_offset = static_cast<uint8_t*>(out) -
+                          static_cast<const uint8_t*>(r->data());
+        } else {
+          op.out_region = k.staging->id();
+          op.out_offset = k.bytes;
+          size_t n = k.bytes;
+          const uint8_t* from = staging + k.bytes;
+          op.state->on_success = [out, from, n] { std::memcpy(out, from, n); };
+          k.last_staged = op.state;
+        }
+      }
+      op.min_version = async_ ? 0 : k.base_version + k.rounds;
+    }
+    PsHandle h(op.state);
+    {
+      std::lock_guard<std::mutex> l(q_mu_);
+      queue_.push(std::move(op));
+    }
+    q_cv_.notify_one();
+    return h;
+  }
+
+  void SendLoop() {
+    for (;;) {
+      Op op;
+      {
+        std::unique_lock<std::mutex> l(q_mu_);
+        q_cv_.wait(l, [this] { return stop_ || !queue_.empty(); });
+        if (stop_) return;
+        op = queue_.top();
+        queue_.pop();
+      }
+      for (uint32_t s = 0; s < op.shards; ++s) {
+        uint64_t off = uint64_t{s} * op.shard_bytes;
+        uint64_t n = std::min(op.shard_bytes, op.bytes - off);
+        uint32_t target = op.route.Route(n);
+        Message m;
+        m.key = op.key;
+        m.shard = s;
+        if (op.type == Type::kPull) {
+          m.type = Type::kPull;
+          m.min_version = op.min_version;
+          m.out_region = op.out_region;
+          m.out_offset = op.out_offset + off;
+        } else {
+          m.type = Type::kPush;
+          m.round = op.round;
+          m.region = op.in_region;
+          m.offset = op.in_offset + off;
+          m.has_output = op.has_output;
+          m.out_region = op.out_region;
+          m.out_offset = op.out_offset + off;
+        }
+        Status st = SendRequest(target, m, op.state);
+        if (!st.ok()) {
+          op.state->Finish(st, 0);
+          continue;
+        }
+        if (op.type == Type::kPush) {
+          Message skip;
+          skip.type = Type::kSkip;
+          skip.key = op.key;
+          skip.shard = s;
+          skip.round = op.round;
+          for (uint32_t p = 0; p < proxies_.size(); ++p) {
+            if (p == target) continue;
+            Status ss = proxies_[p].channel->SendControl(proto::Encode(skip));
+            if (!ss.ok()) MEMBOX_LOG_WARN("skip notice: {}", ss.ToString());
+          }
+        }
+      }
+    }
+  }
+
+  void ReprofileLoop() {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> l(q_mu_);
+        if (q_cv_.wait_for(l, opt_.reprofile_interval, [this] { return stop_; }))
+          return;
+      }
+      auto t = Profile(ProfileOptions{});
+      if (!t.ok()) MEMBOX_LOG_WARN("re-profiling failed: {}", t.status().ToString());
+    }
+  }
+
+  ParamClientOptions opt_;
+  std::unique_ptr<transport::Device> device_;
+  std::vector<ProxyLink> proxies_;
+
+  mutable std::mutex mu_;
+  RoutingTable routing_;                                      // GUARDED_BY(mu_)
+  std::map<uintptr_t, std::unique_ptr<MemRegion>> regions_;   // GUARDED_BY(mu_)
+  std::map<uint64_t, KeyInfo> keys_;                          // GUARDED_BY(mu_)
+  std::map<uint64_t, Pending> pending_;                       // GUARDED_BY(mu_)
+  std::map<uint32_t, Status> failed_;                         // GUARDED_BY(mu_)
+  bool async_ = false;                                        // GUARDED_BY(mu_)
+  uint64_t next_seq_ = 0;                                     // GUARDED_BY(mu_)
+  std::atomic<uint64_t> next_id_{1};
+
+  std::mutex profile_mu_;
+  std::unique_ptr<MemRegion> probe_;         // GUARDED_BY(profile_mu_)
+  std::vector<ProfileSample> last_profile_;  // GUARDED_BY(profile_mu_)
+
+  std::mutex q_mu_;
+  std::condition_variable q_cv_;
+  std::priority_queue<Op> queue_;  // GUARDED_BY(q_mu_)
+  bool stop_ = false;              // GUARDED_BY(q_mu_)
+  std::thread sender_, reprofiler_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ParamClient>> ParamClient::Connect(
+    const ParamClientOptions& options) {
+  auto c = std::make_unique<ParamClientImpl>(options);
+  RETURN_IF_ERROR(c->Init());
+  return std::unique_ptr<ParamClient>(std::move(c));
+}
+
+}  // namespace membox::ps

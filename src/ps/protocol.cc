@@ -1,0 +1,253 @@
+#include "src/ps/protocol.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "src/transport/wire.h"
+
+namespace membox::ps::proto {
+namespace {
+
+using transport::wire::Reader;
+using transport::wire::Writer;
+
+constexpr uint8_t kMagic = 'P';
+constexpr uint8_t kVersion = 1;
+
+void PutStr(Writer& w, const std::string& s) {
+  w.U32(static_cast<uint32_t>(s.size()));
+  w.Bytes(s.data(), s.size());
+}
+
+bool GetStr(Reader& r, std::string* s, size_t max) {
+  uint32_t n = 0;
+  std::vector<uint8_t> b;
+  if (!r.U32(&n) || n > max || !r.Bytes(&b, n)) return false;
+  s->assign(b.begin(), b.end());
+  return true;
+}
+
+void PutBytes(Writer& w, const std::vector<uint8_t>& b) {
+  w.U32(static_cast<uint32_t>(b.size()));
+  w.Bytes(b.data(), b.size());
+}
+
+bool GetBytes(Reader& r, std::vector<uint8_t>* b, size_t max) {
+  uint32_t n = 0;
+  return r.U32(&n) && n <= max && r.Bytes(b, n);
+}
+
+void PutF64(Writer& w, double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, 8);
+  w.U64(u);
+}
+
+bool GetF64(Reader& r, double* d) {
+  uint64_t u;
+  if (!r.U64(&u)) return false;
+  std::memcpy(d, &u, 8);
+  return std::isfinite(*d);
+}
+
+bool GetBool(Reader& r, bool* b) {
+  uint8_t v = 0;
+  if (!r.U8(&v) || v > 1) return false;
+  *b = v != 0;
+  return true;
+}
+
+Status Bad(const char* what) {
+  return InvalidArgumentError(std::string("malformed ps message: ") + what);
+}
+
+}  // namespace
+
+const char* TypeName(Type t) {
+  switch (t) {
+    case Type::kHello: return "hello";
+    case Type::kRegion: return "region";
+    case Type::kConfigure: return "configure";
+    case Type::kDeclare: return "declare";
+    case Type::kPush: return "push";
+    case Type::kSkip: return "skip";
+    case Type::kPull: return "pull";
+    case Type::kProbe: return "probe";
+    case Type::kCheckpoint: return "checkpoint";
+    case Type::kStats: return "stats";
+    case Type::kReply: return "reply";
+    case Type::kPeerHello: return "peer-hello";
+    case Type::kReady: return "ready";
+    case Type::kDone: return "done";
+  }
+  return "?";
+}
+
+std::vector<uint8_t> Encode(const Message& m) {
+  Writer w;
+  w.U8(kMagic);
+  w.U8(kVersion);
+  w.U8(static_cast<uint8_t>(m.type));
+  w.U64(m.id);
+  switch (m.type) {
+    case Type::kHello:
+    case Type::kPeerHello:
+      PutStr(w, m.secret);
+      PutStr(w, m.name);
+      w.U32(m.rank);
+      w.U32(m.world);
+      break;
+    case Type::kRegion:
+      PutBytes(w, m.descriptor);
+      break;
+    case Type::kConfigure:
+      w.U8(static_cast<uint8_t>(m.mode));
+      w.U32(m.staleness);
+      w.U8(static_cast<uint8_t>(m.optimizer));
+      PutF64(w, m.lr);
+      PutF64(w, m.momentum);
+      PutF64(w, m.beta1);
+      PutF64(w, m.beta2);
+      PutF64(w, m.eps);
+      break;
+    case Type::kDeclare:
+      w.U64(m.key);
+      w.U64(m.bytes);
+      w.U8(m.dtype);
+      w.U64(m.shard_bytes);
+      w.U8(m.has_input ? 1 : 0);
+      w.U64(m.region);
+      w.U64(m.offset);
+      break;
+    case Type::kPush:
+      w.U64(m.key);
+      w.U32(m.shard);
+      w.U64(m.round);
+      w.U64(m.region);
+      w.U64(m.offset);
+      w.U8(m.has_output ? 1 : 0);
+      w.U64(m.out_region);
+      w.U64(m.out_offset);
+      break;
+    case Type::kSkip:
+      w.U64(m.key);
+      w.U32(m.shard);
+      w.U64(m.round);
+      break;
+    case Type::kPull:
+      w.U64(m.key);
+      w.U32(m.shard);
+      w.U64(m.min_version);
+      w.U64(m.out_region);
+      w.U64(m.out_offset);
+      break;
+    case Type::kProbe:
+      w.U64(m.bytes);
+      break;
+    case Type::kCheckpoint:
+      PutStr(w, m.path);
+      break;
+    case Type::kStats:
+      break;
+    case Type::kReply:
+      w.U32(m.code);
+      PutStr(w, m.message);
+      w.U64(m.version);
+      PutStr(w, m.text);
+      break;
+    case Type::kReady:
+    case Type::kDone:
+      w.U64(m.key);
+      w.U32(m.shard);
+      w.U64(m.round);
+      w.U32(m.step);
+      PutBytes(w, m.descriptor);
+      break;
+  }
+  return std::move(w.buffer());
+}
+
+Result<Message> Decode(std::span<const uint8_t> in) {
+  Reader r(in);
+  uint8_t magic = 0, version = 0, type = 0;
+  Message m;
+  if (!r.U8(&magic) || magic != kMagic) return Bad("magic");
+  if (!r.U8(&version) || version != kVersion) return Bad("version");
+  if (!r.U8(&type) || type < 1 || type > static_cast<uint8_t>(Type::kDone)) {
+    return Bad("unknown type");
+  }
+  m.type = static_cast<Type>(type);
+  if (!r.U64(&m.id)) return Bad("id");
+  bool ok = true;
+  uint8_t u8 = 0;
+  switch (m.type) {
+    case Type::kHello:
+    case Type::kPeerHello:
+      ok = GetStr(r, &m.secret, kMaxSecret) && GetStr(r, &m.name, kMaxName) &&
+           r.U32(&m.rank) && r.U32(&m.world);
+      if (ok && m.type == Type::kHello)
+        ok = m.world >= 1 && m.world <= kMaxWorld && m.rank < m.world;
+      if (ok && m.type == Type::kPeerHello) ok = m.rank < kMaxProxies;
+      break;
+    case Type::kRegion:
+      ok = GetBytes(r, &m.descriptor, kMaxDescriptor) && !m.descriptor.empty();
+      break;
+    case Type::kConfigure:
+      ok = r.U8(&u8) && u8 <= static_cast<uint8_t>(Mode::kAsync);
+      m.mode = static_cast<Mode>(u8);
+      ok = ok && r.U32(&m.staleness) && r.U8(&u8) &&
+           u8 <= static_cast<uint8_t>(Optimizer::kAdam);
+      m.optimizer = static_cast<Optimizer>(u8);
+      ok = ok && GetF64(r, &m.lr) && GetF64(r, &m.momentum) &&
+           GetF64(r, &m.beta1) && GetF64(r, &m.beta2) && GetF64(r, &m.eps);
+      ok = ok && m.lr >= 0 && m.momentum >= 0 && m.momentum < 1 &&
+           m.beta1 >= 0 && m.beta1 < 1 && m.beta2 >= 0 && m.beta2 < 1 &&
+           m.eps > 0;
+      break;
+    case Type::kDeclare:
+      ok = r.U64(&m.key) && r.U64(&m.bytes) && r.U8(&m.dtype) &&
+           r.U64(&m.shard_bytes) && GetBool(r, &m.has_input) &&
+           r.U64(&m.region) && r.U64(&m.offset);
+      ok = ok && m.bytes > 0 && m.shard_bytes > 0;
+      break;
+    case Type::kPush:
+      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) &&
+           r.U64(&m.region) && r.U64(&m.offset) &&
+           GetBool(r, &m.has_output) && r.U64(&m.out_region) &&
+           r.U64(&m.out_offset);
+      break;
+    case Type::kSkip:
+      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round);
+      break;
+    case Type::kPull:
+      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.min_version) &&
+           r.U64(&m.out_region) && r.U64(&m.out_offset);
+      m.has_output = true;
+      break;
+    case Type::kProbe:
+      ok = r.U64(&m.bytes) && m.bytes > 0;
+      break;
+    case Type::kCheckpoint:
+      ok = GetStr(r, &m.path, kMaxName);
+      // A bare file name: no directories, nothing hidden.
+      ok = ok && m.path.find('/') == std::string::npos &&
+           (m.path.empty() || m.path[0] != '.');
+      break;
+    case Type::kStats:
+      break;
+    case Type::kReply:
+      ok = r.U32(&m.code) && GetStr(r, &m.message, kMaxText) &&
+           r.U64(&m.version) && GetStr(r, &m.text, kMaxText);
+      break;
+    case Type::kReady:
+    case Type::kDone:
+      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) &&
+           r.U32(&m.step) && GetBytes(r, &m.descriptor, kMaxDescriptor);
+      break;
+  }
+  if (!ok) return Bad(TypeName(m.type));
+  if (r.remaining() != 0) return Bad("trailing bytes");
+  return m;
+}
+
+}  // namespace membox::ps::proto

@@ -1,0 +1,96 @@
+// Messages of the parameter-synchronisation service (docs/formats/
+// ps_protocol.md): worker <-> proxy and proxy <-> proxy. They travel as
+// transport control messages and come from other processes, so the decoder
+// checks every length and range and rejects trailing bytes;
+// fuzz/ps_protocol_fuzzer.cc drives it.
+// Thread-safety: pure functions.
+#ifndef MEMBOX_SRC_PS_PROTOCOL_H_
+#define MEMBOX_SRC_PS_PROTOCOL_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+namespace membox::ps::proto {
+
+enum class Type : uint8_t {
+  // worker -> proxy
+  kHello = 1,       // secret, name, rank, world
+  kRegion = 2,      // descriptor of a worker region the proxy may read/write
+  kConfigure = 3,   // sync mode, staleness, optimizer
+  kDeclare = 4,     // key, bytes, dtype, shard_bytes [, init from a region]
+  kPush = 5,        // key, shard, round, input [, output for PushPull]
+  kSkip = 6,        // key, shard, round: this worker sent it to another proxy
+  kPull = 7,        // key, shard, min_version, output
+  kProbe = 8,       // profiler: a buffer of `bytes` to write into
+  kCheckpoint = 9,  // write a snapshot now
+  kStats = 10,
+  // proxy -> worker
+  kReply = 11,
+  // proxy <-> proxy
+  kPeerHello = 12,  // secret, proxy rank
+  kReady = 13,      // my ring buffer for (key, shard, round, step) is ready
+  kDone = 14,       // I have read your buffer for (key, shard, round, step)
+};
+const char* TypeName(Type t);
+
+constexpr size_t kMaxSecret = 1024;
+constexpr size_t kMaxName = 256;
+constexpr size_t kMaxText = 1 << 16;
+constexpr size_t kMaxDescriptor = 8192;
+constexpr uint32_t kMaxWorld = 4096;
+constexpr uint32_t kMaxProxies = 64;
+
+enum class Mode : uint8_t { kSum = 0, kAverage = 1, kAsync = 2 };
+enum class Optimizer : uint8_t { kNone = 0, kSgd = 1, kAdam = 2 };
+
+struct Message {
+  Type type = Type::kStats;
+  uint64_t id = 0;  // request id, echoed in kReply
+  // kHello / kPeerHello
+  std::string secret;
+  std::string name;
+  uint32_t rank = 0;
+  uint32_t world = 0;
+  // kRegion, kReady: serialized transport::RegionDescriptor
+  std::vector<uint8_t> descriptor;
+  // kConfigure
+  Mode mode = Mode::kSum;
+  uint32_t staleness = 0;  // kAsync: max rounds a worker may run ahead
+  Optimizer optimizer = Optimizer::kNone;
+  double lr = 0, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  // kDeclare / kPush / kSkip / kPull / kReady / kDone
+  uint64_t key = 0;
+  uint64_t bytes = 0;        // kDeclare: tensor size; kProbe: length
+  uint8_t dtype = 0;         // kDeclare
+  uint64_t shard_bytes = 0;  // kDeclare
+  uint32_t shard = 0;
+  uint64_t round = 0;        // kPush / kSkip / kReady / kDone
+  uint64_t min_version = 0;  // kPull
+  uint32_t step = 0;         // kReady / kDone
+  // kDeclare (init), kPush (input), kProbe: a worker region and offset
+  uint64_t region = 0;
+  uint64_t offset = 0;
+  bool has_input = false;  // kDeclare: initial value present
+  // kPush (PushPull) / kPull: where the result goes
+  bool has_output = false;
+  uint64_t out_region = 0;
+  uint64_t out_offset = 0;
+  // kCheckpoint: optional file name inside the proxy's checkpoint directory
+  std::string path;
+  // kReply
+  uint32_t code = 0;
+  std::string message;
+  uint64_t version = 0;
+  std::string text;
+};
+
+std::vector<uint8_t> Encode(const Message& m);
+Result<Message> Decode(std::span<const uint8_t> in);
+
+}  // namespace membox::ps::proto
+
+#endif  // MEMBOX_SRC_PS_PROTOCOL_H_

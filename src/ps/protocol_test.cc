@@ -1,0 +1,90 @@
+#include "src/ps/protocol.h"
+
+#include <gtest/gtest.h>
+
+namespace membox::ps::proto {
+namespace {
+
+TEST(PsProtocolTest, RoundTripsEveryType) {
+  for (uint8_t t = 1; t <= static_cast<uint8_t>(Type::kDone); ++t) {
+    Message m;
+    m.type = static_cast<Type>(t);
+    m.id = 77;
+    m.secret = "sekret-sekret";
+    m.name = "w";
+    m.rank = 1;
+    m.world = 4;
+    m.descriptor = {1, 2, 3};
+    m.key = 9;
+    m.bytes = 4096;
+    m.dtype = 1;
+    m.shard_bytes = 1024;
+    m.shard = 3;
+    m.round = 5;
+    m.min_version = 6;
+    m.step = 2;
+    m.region = 11;
+    m.offset = 12;
+    m.has_output = true;
+    m.out_region = 13;
+    m.out_offset = 14;
+    m.lr = 0.1;
+    m.path = "epoch-1.mbck";
+    m.message = "hello";
+    m.text = "status";
+    auto enc = Encode(m);
+    auto dec = Decode(enc);
+    ASSERT_TRUE(dec.ok()) << TypeName(m.type) << ": " << dec.status().ToString();
+    EXPECT_EQ(dec->type, m.type);
+    EXPECT_EQ(dec->id, 77u);
+    EXPECT_EQ(Encode(*dec), enc) << TypeName(m.type);
+  }
+}
+
+TEST(PsProtocolTest, RejectsMalformed) {
+  Message m;
+  m.type = Type::kPush;
+  m.key = 1;
+  auto enc = Encode(m);
+  // Truncation anywhere.
+  for (size_t n = 0; n < enc.size(); ++n) {
+    EXPECT_FALSE(Decode(std::span(enc.data(), n)).ok()) << n;
+  }
+  // Trailing bytes.
+  auto longer = enc;
+  longer.push_back(0);
+  EXPECT_FALSE(Decode(longer).ok());
+  // Unknown type, bad magic.
+  auto bad = enc;
+  bad[2] = 99;
+  EXPECT_FALSE(Decode(bad).ok());
+  bad = enc;
+  bad[0] = 'X';
+  EXPECT_FALSE(Decode(bad).ok());
+}
+
+TEST(PsProtocolTest, ValidatesFields) {
+  Message h;
+  h.type = Type::kHello;
+  h.rank = 4;
+  h.world = 4;  // rank must be < world
+  EXPECT_FALSE(Decode(Encode(h)).ok());
+  Message c;
+  c.type = Type::kCheckpoint;
+  c.path = "../etc/passwd";
+  EXPECT_FALSE(Decode(Encode(c)).ok());
+  c.path = ".hidden";
+  EXPECT_FALSE(Decode(Encode(c)).ok());
+  Message cfg;
+  cfg.type = Type::kConfigure;
+  cfg.momentum = 1.5;
+  EXPECT_FALSE(Decode(Encode(cfg)).ok());
+  Message d;
+  d.type = Type::kDeclare;
+  d.bytes = 0;
+  d.shard_bytes = 4;
+  EXPECT_FALSE(Decode(Encode(d)).ok());
+}
+
+}  // namespace
+}  // namespace membox::ps::proto

@@ -1,0 +1,1341 @@
+#include "membox/ps/proxy.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <future>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "membox/base/logging.h"
+#include "membox/transport/device.h"
+#include "src/memserver/accumulate.h"
+#include "src/ps/checkpoint.h"
+#include "src/ps/protocol.h"
+#include "src/ps/reduce.h"
+
+namespace membox::ps {
+namespace {
+
+using proto::Message;
+using proto::Type;
+using transport::Channel;
+using transport::DType;
+using transport::MemRegion;
+using transport::RegionDescriptor;
+using transport::RemoteMemRegion;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kPeerTimeout = std::chrono::seconds(30);
+constexpr auto kIoTimeout = std::chrono::seconds(30);
+
+// One pushed contribution waiting for its round.
+struct Contribution {
+  uint64_t conn = 0;
+  uint64_t id = 0;
+  uint32_t rank = 0;
+  uint64_t region = 0, offset = 0;
+  bool has_output = false;
+  uint64_t out_region = 0, out_offset = 0;
+};
+
+struct PendingPull {
+  uint64_t conn = 0;
+  uint64_t id = 0;
+  uint64_t min_version = 0;
+  uint64_t out_region = 0, out_offset = 0;
+};
+
+// A shard of a key: storage (value + optimizer state, copy-on-write against
+// snapshots), the round in progress and the ring state.
+struct Shard {
+  uint64_t offset = 0, bytes = 0;
+  std::shared_ptr<MemRegion> value, scratch, m1, m2;
+  uint64_t version = 0;
+  // Synchronous round `version`: contributions by rank, ranks that skipped.
+  std::map<uint32_t, Contribution> pushes;
+  std::set<uint32_t> skipped;
+  bool reducing = false;  // local sum done, ring running
+  int step = 0;           // ring step in progress
+  bool read_done = false;
+  // Peer notices, possibly ahead of us: (round, step) -> descriptor.
+  std::map<std::pair<uint64_t, uint32_t>, RegionDescriptor> ready;
+  std::set<std::pair<uint64_t, uint32_t>> done;
+  std::vector<PendingPull> pulls;
+  std::vector<uint64_t> applied;  // kAsync: pushes applied per rank
+};
+
+struct Key {
+  uint64_t bytes = 0;
+  DType dtype = DType::kFloat32;
+  uint64_t shard_bytes = 0;
+  bool initialized = false;
+  std::vector<Shard> shards;
+};
+
+struct Conn {
+  std::shared_ptr<Channel> channel;
+  enum class Role { kUnknown, kClient, kPeer } role = Role::kUnknown;
+  uint32_t rank = 0;
+  std::string name;
+  std::map<uint64_t, std::shared_ptr<RemoteMemRegion>> regions;
+  std::deque<Message> queue;  // pushes / skips not yet admitted
+};
+
+struct Event {
+  uint64_t conn = 0;
+  bool disconnect = false;
+  Status status;
+  std::vector<uint8_t> bytes;
+  std::function<void()> task;  // internal work on the event thread
+};
+
+class ProxyImpl final : public Proxy {
+ public:
+  explicit ProxyImpl(ProxyOptions o) : opt_(std::move(o)) {}
+  ~ProxyImpl() override { Stop(); }
+
+  Status Init() {
+    if (opt_.secret.size() < 8) {
+      return InvalidArgumentError("the proxy secret must be at least 8 bytes");
+    }
+    nproxies_ = opt_.peers.empty() ? 1 : opt_.peers.size();
+    if (nproxies_ > proto::kMaxProxies) {
+      return InvalidArgumentError("too many proxies");
+    }
+    if (opt_.rank >= nproxies_) {
+      return InvalidArgumentError("proxy rank " + std::to_string(opt_.rank) +
+                                  " outside the peer list");
+    }
+    transport::DeviceOptions d;
+    d.listen_address = opt_.listen;
+    d.transports = opt_.transports;
+    d.name = "membox-proxy-" + std::to_string(opt_.rank);
+    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    sync_ = std::make_unique<memserver::SyncCores>(opt_.sync_cores);
+    if (opt_.restore) RETURN_IF_ERROR(Restore());
+    running_ = true;
+    acceptor_ = std::thread([this] { AcceptLoop(); });
+    events_thread_ = std::thread([this] { EventLoop(); });
+    MEMBOX_LOG_INFO("parameter proxy {}/{} listening on {} ({} scheduler)",
+                    opt_.rank, nproxies_, device_->listen_endpoint(),
+                    opt_.scheduler == Scheduler::kPerClientQueues
+                        ? "per-client queues"
+                        : "first-come-first-serve");
+    return Status::Ok();
+  }
+
+  std::string endpoint() const override { return device_->listen_endpoint(); }
+
+  ProxyStats Stats() const override {
+    ProxyStats s;
+    s.keys = n_keys_.load();
+    s.shards = n_shards_.load();
+    s.stored_bytes = stored_bytes_.load();
+    s.clients = n_clients_.load();
+    s.rounds_completed = rounds_.load();
+    s.bytes_reduced = bytes_reduced_.load();
+    s.ring_steps = ring_steps_.load();
+    s.queued_pushes = queued_.load();
+    s.rejected = rejected_.load();
+    s.checkpoints = checkpoints_.load();
+    return s;
+  }
+
+  std::string StatusText() const override {
+    ProxyStats s = Stats();
+    std::ostringstream o;
+    o << "proxy " << opt_.rank << " of " << nproxies_ << " at " << endpoint()
+      << "\nkeys " << s.keys << "\nshards " << s.shards << "\nstored_bytes "
+      << s.stored_bytes << "\nclients " << s.clients << "\nrounds_completed "
+      << s.rounds_completed << "\nbytes_reduced " << s.bytes_reduced
+      << "\nring_steps " << s.ring_steps << "\nqueued_pushes "
+      << s.queued_pushes << "\nrejected " << s.rejected << "\ncheckpoints "
+      << s.checkpoints << "\n";
+    return o.str();
+  }
+
+  Status Checkpoint(const std::string& name) override {
+    std::promise<Status> p;
+    auto f = p.get_future();
+    Post(Event{0, false, {}, {}, [this, name, &p] {
+                 StartCheckpoint(name, [&p](Status s) { p.set_value(s); });
+               }});
+    return f.get();
+  }
+
+  void Stop() override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!running_) return;
+      running_ = false;
+    }
+    cv_.notify_all();
+    if (acceptor_.joinable()) acceptor_.join();
+    if (events_thread_.joinable()) events_thread_.join();
+    {
+      std::lock_guard<std::mutex> l(writers_mu_);
+      for (auto& t : writers_) t.join();
+      writers_.clear();
+    }
+    for (auto& [id, c] : conns_) c.channel->Close();
+    for (auto& [r, ch] : peer_out_) ch->Close();
+    conns_.clear();
+    peer_out_.clear();
+    peer_regions_.clear();
+    keys_.clear();
+    staging_.reset();
+    probe_.reset();
+    sync_.reset();
+    device_.reset();
+    MEMBOX_LOG_INFO("parameter proxy stopped");
+  }
+
+ private:
+  // ------------------------------------------------------------ plumbing
+
+  void AcceptLoop() {
+    while (running_) {
+      auto ch = device_->Accept(std::chrono::milliseconds(100));
+      if (!ch.ok()) continue;
+      uint64_t id = next_conn_.fetch_add(1);
+      std::shared_ptr<Channel> c = *ch;
+      Post(Event{id, false, {}, {}, [this, id, c] {
+                   conns_[id].channel = c;
+                 }});
+      c->SetHandlers(
+          [this, id](std::vector<uint8_t> m) {
+            Post(Event{id, false, {}, std::move(m), nullptr});
+          },
+          [this, id](const Status& s) { Post(Event{id, true, s, {}, nullptr}); });
+    }
+  }
+
+  void Post(Event e) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      events_.push_back(std::move(e));
+    }
+    cv_.notify_one();
+  }
+
+  void EventLoop() {
+    for (;;) {
+      Event e;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [this] { return !running_ || !events_.empty(); });
+        if (!running_) return;
+        e = std::move(events_.front());
+        events_.pop_front();
+      }
+      if (e.task) {
+        e.task();
+      } else if (e.disconnect) {
+        OnDisconnect(e.conn, e.status);
+      } else {
+        OnMessage(e.conn, e.bytes);
+      }
+    }
+  }
+
+  void Send(const std::shared_ptr<Channel>& ch, const Message& m) {
+    if (!ch) return;
+    Status s = ch->SendControl(proto::Encode(m));
+    if (!s.ok()) MEMBOX_LOG_DEBUG("send failed: {}", s.ToString());
+  }
+
+  void Reply(uint64_t conn, uint64_t id, const Status& s,
+             uint64_t version = 0, std::string text = {}) {
+    auto it = conns_.find(conn);
+    if (it == conns_.end()) return;
+    Message m;
+    m.type = Type::kReply;
+    m.id = id;
+    m.code = static_cast<uint32_t>(s.code());
+    m.message = std::string(s.message());
+    m.version = version;
+    m.text = std::move(text);
+    if (!s.ok()) rejected_.fetch_add(1);
+    Send(it->second.channel, m);
+  }
+
+  Result<std::shared_ptr<MemRegion>> Allocate(uint64_t bytes) {
+    if (stored_bytes_.load() + bytes > opt_.max_bytes) {
+      return ResourceExhaustedError(
+          "proxy storage limit reached (" + std::to_string(opt_.max_bytes) +
+          " bytes); raise --ps-max-bytes");
+    }
+    ASSIGN_OR_RETURN(auto r, device_->AllocateMemRegion(bytes));
+    stored_bytes_.fetch_add(bytes);
+    std::memset(r->data(), 0, bytes);
+    auto* self = this;
+    uint64_t n = bytes;
+    return std::shared_ptr<MemRegion>(r.release(), [self, n](MemRegion* p) {
+      self->stored_bytes_.fetch_sub(n);
+      delete p;
+    });
+  }
+
+  // A registered staging buffer of at least `bytes` (event thread only).
+  Result<MemRegion*> Staging(uint64_t bytes) {
+    if (!staging_ || staging_->size() < bytes) {
+      staging_.reset();
+      ASSIGN_OR_RETURN(staging_, device_->AllocateMemRegion(
+                                     std::max<uint64_t>(bytes, 1 << 20)));
+    }
+    return staging_.get();
+  }
+
+  // Resolves a worker's (region, offset, length) to something readable:
+  // a mapped pointer, or the bytes read into `into` (registered).
+  Result<const uint8_t*> ReadWorker(Conn& c, uint64_t region, uint64_t offset,
+                                    uint64_t len, uint8_t* into,
+                                    const MemRegion& into_region) {
+    auto it = c.regions.find(region);
+    if (it == c.regions.end()) {
+      return NotFoundError("region " + std::to_string(region) +
+                           " was not registered with this proxy");
+    }
+    const auto& rr = it->second;
+    if (offset > rr->size() || len > rr->size() - offset) {
+      return OutOfRangeError("range outside the registered region");
+    }
+    if (rr->mapped()) return static_cast<const uint8_t*>(rr->mapped()) + offset;
+    ASSIGN_OR_RETURN(auto h, c.channel->Read(into, into_region,
+                                             rr->address() + offset, *rr, len));
+    RETURN_IF_ERROR(h.Wait(kIoTimeout));
+    return into;
+  }
+
+  Status WriteWorker(Conn& c, uint64_t region, uint64_t offset,
+                     const uint8_t* src, uint64_t len,
+                     const MemRegion& src_region) {
+    auto it = c.regions.find(region);
+    if (it == c.regions.end()) {
+      return NotFoundError("output region " + std::to_string(region) +
+                           " was not registered with this proxy");
+    }
+    const auto& rr = it->second;
+    if (offset > rr->size() || len > rr->size() - offset) {
+      return OutOfRangeError("output range outside the registered region");
+    }
+    if (rr->mapped()) {
+      uint8_t* dst = static_cast<uint8_t*>(rr->mapped()) + offset;
+      sync_->ParallelFor(len, 1 << 20, [&](size_t b, size_t e) {
+        std::memcpy(dst + b, src + b, e - b);
+      });
+      std::atomic_thread_fence(std::memory_order_release);
+      return Status::Ok();
+    }
+    ASSIGN_OR_RETURN(auto h, c.channel->Write(src, src_region,
+                                              rr->address() + offset, *rr, len));
+    RETURN_IF_ERROR(h.Wait(kIoTimeout));
+    ASSIGN_OR_RETURN(auto f, c.channel->Flush());
+    return f.Wait(kIoTimeout);
+  }
+
+  // ------------------------------------------------------------ messages
+
+  void OnMessage(uint64_t conn, const std::vector<uint8_t>& bytes) {
+    auto cit = conns_.find(conn);
+    if (cit == conns_.end()) return;
+    Conn& c = cit->second;
+    auto m = proto::Decode(bytes);
+    if (!m.ok()) {
+      MEMBOX_LOG_WARN("connection {}: {}", conn, m.status().ToString());
+      Reply(conn, 0, m.status());
+      return;
+    }
+    if (c.role == Conn::Role::kUnknown && m->type != Type::kHello &&
+        m->type != Type::kPeerHello) {
+      Reply(conn, m->id, UnauthenticatedError("say hello with the secret first"));
+      return;
+    }
+    switch (m->type) {
+      case Type::kHello:
+      case Type::kPeerHello:
+        return OnHello(conn, c, *m);
+      case Type::kReady:
+      case Type::kDone:
+        if (c.role != Conn::Role::kPeer) break;
+        return OnPeerNotice(*m);
+      default:
+        if (c.role != Conn::Role::kClient) break;
+        return OnClientMessage(conn, c, std::move(*m));
+    }
+    Reply(conn, m->id,
+          PermissionDeniedError(std::string(proto::TypeName(m->type)) +
+                                " not allowed on this connection"));
+  }
+
+  void OnHello(uint64_t conn, Conn& c, const Message& m) {
+    if (m.secret != opt_.secret) {
+      MEMBOX_LOG_WARN("connection {} ({}): wrong secret", conn, m.name);
+      Reply(conn, m.id, UnauthenticatedError("wrong secret"));
+      return;
+    }
+    if (c.role != Conn::Role::kUnknown) {
+      Reply(conn, m.id, FailedPreconditionError("already said hello"));
+      return;
+    }
+    if (m.type == Type::kPeerHello) {
+      if (m.rank >= nproxies_ || m.rank == opt_.rank) {
+        Reply(conn, m.id, InvalidArgumentError("bad peer proxy rank"));
+        return;
+      }
+      c.role = Conn::Role::kPeer;
+      c.rank = m.rank;
+      Reply(conn, m.id, Status::Ok());
+      return;
+    }
+    if (world_ != 0 && m.world != world_) {
+      Reply(conn, m.id,
+            InvalidArgumentError("world size " + std::to_string(m.world) +
+                                 " differs from the job's " +
+                                 std::to_string(world_)));
+      return;
+    }
+    for (auto& [id, o] : conns_) {
+      if (o.role == Conn::Role::kClient && o.rank == m.rank) {
+        Reply(conn, m.id,
+              AlreadyExistsError("worker rank " + std::to_string(m.rank) +
+                                 " is already connected"));
+        return;
+      }
+    }
+    if (!dead_worker_.empty()) {
+      Reply(conn, m.id, AbortedError(dead_worker_));
+      return;
+    }
+    world_ = m.world;
+    c.role = Conn::Role::kClient;
+    c.rank = m.rank;
+    c.name = m.name;
+    n_clients_.fetch_add(1);
+    MEMBOX_LOG_DEBUG("worker {} ({}) joined, world {}", m.rank, m.name,
+                     m.world);
+    Reply(conn, m.id, Status::Ok());
+  }
+
+  void OnDisconnect(uint64_t conn, const Status& why) {
+    auto it = conns_.find(conn);
+    if (it == conns_.end()) return;
+    if (it->second.role == Conn::Role::kClient) {
+      n_clients_.fetch_sub(1);
+      std::string who = "worker rank " + std::to_string(it->second.rank) +
+                        " (" + it->second.name + ") disconnected: " +
+                        why.ToString();
+      MEMBOX_LOG_INFO("{}", who);
+      queued_.fetch_sub(it->second.queue.size());
+      conns_.erase(it);
+      if (mode_ != proto::Mode::kAsync) FailPendingRounds(who);
+    } else {
+      conns_.erase(it);
+    }
+    bool any_client = false;
+    for (auto& [id, c] : conns_) any_client |= c.role == Conn::Role::kClient;
+    if (!any_client) {
+      // Everybody left: a new job may start (versions are kept).
+      dead_worker_.clear();
+      world_ = 0;
+      for (auto& [k, key] : keys_) {
+        for (auto& sh : key.shards) {
+          sh.pushes.clear();
+          sh.skipped.clear();
+          sh.pulls.clear();
+          sh.reducing = false;
+          sh.ready.clear();
+          sh.done.clear();
+        }
+      }
+    }
+  }
+
+  // A synchronous round cannot finish once a worker is gone: tell everybody
+  // waiting instead of letting them hang.
+  void FailPendingRounds(const std::string& who) {
+    dead_worker_ = who + "; the synchronous job cannot continue (restart "
+                         "from a checkpoint)";
+    Status s = AbortedError(dead_worker_);
+    for (auto& [k, key] : keys_) {
+      for (auto& sh : key.shards) {
+        for (auto& [r, p] : sh.pushes) Reply(p.conn, p.id, s);
+        for (auto& p : sh.pulls) Reply(p.conn, p.id, s);
+        sh.pushes.clear();
+        sh.pulls.clear();
+      }
+    }
+    for (auto& [id, c] : conns_) {
+      for (auto& m : c.queue) {
+        if (m.type == Type::kPush) Reply(id, m.id, s);
+      }
+      queued_.fetch_sub(c.queue.size());
+      c.queue.clear();
+    }
+  }
+
+  void OnClientMessage(uint64_t conn, Conn& c, Message m) {
+    switch (m.type) {
+      case Type::kRegion: {
+        auto d = RegionDescriptor::Deserialize(m.descriptor);
+        if (!d.ok()) return Reply(conn, m.id, d.status());
+        auto rr = c.channel->Import(*d, kIoTimeout);
+        if (!rr.ok()) return Reply(conn, m.id, rr.status());
+        c.regions[d->region_id] = *rr;
+        return Reply(conn, m.id, Status::Ok());
+      }
+      case Type::kConfigure:
+        return Reply(conn, m.id, Configure(m));
+      case Type::kDeclare: {
+        auto v = Declare(c, m);
+        return Reply(conn, m.id, v.status(), v.ok() ? *v : 0);
+      }
+      case Type::kPush:
+      case Type::kSkip: {
+        Status s = CheckShardRequest(m);
+        if (!s.ok()) return Reply(conn, m.id, s);
+        if (!dead_worker_.empty()) {
+          return Reply(conn, m.id, AbortedError(dead_worker_));
+        }
+        c.queue.push_back(std::move(m));
+        queued_.fetch_add(1);
+        if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
+          const Message& q = c.queue.back();
+          fcfs_.push_back({q.key, q.shard, q.round});
+        }
+        return Schedule();
+      }
+      case Type::kPull: {
+        Status s = CheckShardRequest(m);
+        if (!s.ok()) return Reply(conn, m.id, s);
+        Shard& sh = keys_[m.key].shards[m.shard];
+        PendingPull p{conn, m.id, m.min_version, m.out_region, m.out_offset};
+        if (sh.version >= p.min_version) return ServePull(m.key, sh, p);
+        if (!dead_worker_.empty()) {
+          return Reply(conn, m.id, AbortedError(dead_worker_));
+        }
+        sh.pulls.push_back(p);
+        return;
+      }
+      case Type::kProbe: {
+        // The profiler writes into this buffer over the worker's own link.
+        if (m.bytes > (256u << 20)) {
+          return Reply(conn, m.id, InvalidArgumentError("probe too large"));
+        }
+        if (!probe_ || probe_->size() < m.bytes) {
+          probe_.reset();
+          auto r = device_->AllocateMemRegion(m.bytes);
+          if (!r.ok()) return Reply(conn, m.id, r.status());
+          probe_ = std::move(*r);
+        }
+        auto d = probe_->Export().Serialize();
+        return Reply(conn, m.id, Status::Ok(), 0,
+                     std::string(d.begin(), d.end()));
+      }
+      case Type::kCheckpoint: {
+        uint64_t id = m.id;
+        std::shared_ptr<Channel> ch = c.channel;
+        StartCheckpoint(m.path.empty() ? opt_.restore_name : m.path,
+                        [this, id, ch](Status s) {
+                          Message r;
+                          r.type = Type::kReply;
+                          r.id = id;
+                          r.code = static_cast<uint32_t>(s.code());
+                          r.message = std::string(s.message());
+                          Send(ch, r);
+                        });
+        return;
+      }
+      case Type::kStats:
+        return Reply(conn, m.id, Status::Ok(), 0, StatusText());
+      default:
+        return Reply(conn, m.id, InvalidArgumentError("unexpected message"));
+    }
+  }
+
+  Status Configure(const Message& m) {
+    if (m.mode == proto::Mode::kAsync && nproxies_ > 1) {
+      return UnimplementedError(
+          "asynchronous mode runs on one proxy (replicas would diverge)");
+    }
+    if ((m.mode == proto::Mode::kAverage ||
+         m.optimizer != proto::Optimizer::kNone)) {
+      for (auto& [k, key] : keys_) {
+        if (!SupportsArithmetic(key.dtype)) {
+          return InvalidArgumentError(
+              "averaging and optimizers need float32 or float64 tensors");
+        }
+      }
+    }
+    if (configured_) {
+      if (m.mode != mode_ || m.optimizer != config_.optimizer ||
+          m.staleness != config_.staleness || m.lr != config_.lr ||
+          m.momentum != config_.momentum || m.beta1 != config_.beta1 ||
+          m.beta2 != config_.beta2 || m.eps != config_.eps) {
+        return FailedPreconditionError(
+            "a different synchronisation configuration is already in force");
+      }
+      return Status::Ok();
+    }
+    configured_ = true;
+    config_ = m;
+    mode_ = m.mode;
+    return Status::Ok();
+  }
+
+  Result<uint64_t> Declare(Conn& c, const Message& m) {
+    auto dt = static_cast<DType>(m.dtype);
+    if (m.dtype < 1 || m.dtype > static_cast<uint8_t>(DType::kUInt8) ||
+        !memserver::AccumulateSupports(dt)) {
+      return InvalidArgumentError("unsupported dtype for synchronisation");
+    }
+    size_t es = transport::DTypeSize(dt);
+    if (m.bytes % es != 0 || m.shard_bytes % es != 0) {
+      return InvalidArgumentError("sizes must be multiples of the element size");
+    }
+    if (m.bytes > opt_.max_bytes) {
+      return ResourceExhaustedError("tensor larger than the proxy storage");
+    }
+    if ((mode_ == proto::Mode::kAverage ||
+         config_.optimizer != proto::Optimizer::kNone) &&
+        !SupportsArithmetic(dt)) {
+      return InvalidArgumentError(
+          "averaging and optimizers need float32 or float64 tensors");
+    }
+    auto it = keys_.find(m.key);
+    if (it != keys_.end()) {
+      Key& k = it->second;
+      if (k.bytes != m.bytes || k.dtype != dt ||
+          k.shard_bytes != m.shard_bytes) {
+        return FailedPreconditionError(
+            "key " + std::to_string(m.key) +
+            " was declared with a different size, dtype or shard size");
+      }
+    } else {
+      Key k;
+      k.bytes = m.bytes;
+      k.dtype = dt;
+      k.shard_bytes = m.shard_bytes;
+      uint64_t n = (m.bytes + m.shard_bytes - 1) / m.shard_bytes;
+      if (n > (1u << 20)) return InvalidArgumentError("too many shards");
+      for (uint64_t i = 0; i < n; ++i) {
+        Shard sh;
+        sh.offset = i * m.shard_bytes;
+        sh.bytes = std::min(m.shard_bytes, m.bytes - sh.offset);
+        ASSIGN_OR_RETURN(sh.value, Allocate(sh.bytes));
+        k.shards.push_back(std::move(sh));
+      }
+      n_shards_.fetch_add(n);
+      n_keys_.fetch_add(1);
+      it = keys_.emplace(m.key, std::move(k)).first;
+    }
+    Key& k = it->second;
+    if (m.has_input && !k.initialized) {
+      for (auto& sh : k.shards) {
+        uint8_t* dst = static_cast<uint8_t*>(sh.value->data());
+        ASSIGN_OR_RETURN(const uint8_t* src,
+                         ReadWorker(c, m.region, m.offset + sh.offset, sh.bytes,
+                                    dst, *sh.value));
+        if (src != dst) std::memcpy(dst, src, sh.bytes);
+      }
+      k.initialized = true;
+    }
+    return k.shards[0].version;
+  }
+
+  Status CheckShardRequest(const Message& m) {
+    auto it = keys_.find(m.key);
+    if (it == keys_.end()) {
+      return NotFoundError("key " + std::to_string(m.key) + " not declared");
+    }
+    if (m.shard >= it->second.shards.size()) {
+      return OutOfRangeError("shard index out of range");
+    }
+    const Shard& sh = it->second.shards[m.shard];
+    if ((m.type == Type::kPush || m.type == Type::kSkip) &&
+        mode_ != proto::Mode::kAsync) {
+      if (m.round < sh.version) {
+        return InvalidArgumentError("round " + std::to_string(m.round) +
+                                    " of key " + std::to_string(m.key) +
+                                    " is already complete");
+      }
+      if (m.round > sh.version + (1u << 20)) {
+        return InvalidArgumentError("round too far ahead");
+      }
+    }
+    return Status::Ok();
+  }
+
+  // ------------------------------------------------------------ scheduling
+
+  // Admits queued pushes whose round is current. Per-client queues: any
+  // queued item of any worker may be admitted, whatever is ahead of it.
+  // FCFS: only the oldest tensor is worked on until it completes.
+  void Schedule() {
+    bool progress = true;
+    while (progress) {
+      progress = false;
+      for (auto& [id, c] : conns_) {
+        if (c.role != Conn::Role::kClient) continue;
+        for (auto q = c.queue.begin(); q != c.queue.end();) {
+          if (Admissible(c, *q)) {
+            Message m = std::move(*q);
+            q = c.queue.erase(q);
+            queued_.fetch_sub(1);
+            Admit(id, c, m);
+            progress = true;
+          } else {
+            ++q;
+          }
+        }
+      }
+    }
+  }
+
+  bool Admissible(const Conn& c, const Message& m) {
+    Shard& sh = keys_[m.key].shards[m.shard];
+    if (mode_ == proto::Mode::kAsync) {
+      if (config_.staleness == 0) return true;
+      if (sh.applied.size() < world_) sh.applied.resize(world_, 0);
+      uint64_t slowest = *std::min_element(sh.applied.begin(),
+                                           sh.applied.end());
+      return m.round <= slowest + config_.staleness;
+    }
+    if (m.round != sh.version || sh.reducing) return false;
+    if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
+      if (fcfs_.empty()) return false;
+      auto& head = fcfs_.front();
+      return std::get<0>(head) == m.key && std::get<1>(head) == m.shard &&
+             std::get<2>(head) == m.round;
+    }
+    return true;
+  }
+
+  void Admit(uint64_t conn, Conn& c, const Message& m) {
+    Key& key = keys_[m.key];
+    Shard& sh = key.shards[m.shard];
+    if (mode_ == proto::Mode::kAsync) return ApplyAsync(conn, c, key, sh, m);
+    if (sh.pushes.count(c.rank) || sh.skipped.count(c.rank)) {
+      if (m.type == Type::kPush) {
+        Reply(conn, m.id, InvalidArgumentError("duplicate push for a round"));
+      }
+      return;
+    }
+    if (m.type == Type::kSkip) {
+      sh.skipped.insert(c.rank);
+    } else {
+      sh.pushes[c.rank] = Contribution{conn,         m.id,        c.rank,
+                                       m.region,     m.offset,    m.has_output,
+                                       m.out_region, m.out_offset};
+    }
+    if (sh.pushes.size() + sh.skipped.size() == world_) {
+      StartReduce(m.key, m.shard);
+    }
+  }
+
+  // ------------------------------------------------------------ reduction
+
+  void StartReduce(uint64_t k, uint32_t s) {
+    Key& key = keys_[k];
+    Shard& sh = key.shards[s];
+    Status st = LocalSum(key, sh);
+    if (!st.ok()) {
+      MEMBOX_LOG_WARN("key {} shard {}: {}", k, s, st.ToString());
+      for (auto& [r, p] : sh.pushes) Reply(p.conn, p.id, st);
+      sh.pushes.clear();
+      sh.skipped.clear();
+      return;
+    }
+    sh.reducing = true;
+    if (nproxies_ == 1) return FinishRound(k, s);
+    sh.step = 0;
+    sh.read_done = false;
+    EnterStep(k, s);
+  }
+
+  // scratch <- sum of the pushes in rank order (zeros when every worker sent
+  // this shard to another proxy).
+  Status LocalSum(Key& key, Shard& sh) {
+    if (!sh.scratch || sh.scratch.use_count() > 1) {
+      ASSIGN_OR_RETURN(sh.scratch, Allocate(sh.bytes));
+    }
+    uint8_t* dst = static_cast<uint8_t*>(sh.scratch->data());
+    std::vector<const void*> srcs;
+    bool all_mapped = true;
+    for (auto& [r, p] : sh.pushes) {
+      Conn& c = conns_[p.conn];
+      auto it = c.regions.find(p.region);
+      if (it == c.regions.end()) {
+        return NotFoundError("push from an unregistered region");
+      }
+      if (p.offset > it->second->size() ||
+          sh.bytes > it->second->size() - p.offset) {
+        return OutOfRangeError("push range outside the registered region");
+      }
+      all_mapped &= it->second->mapped() != nullptr;
+    }
+    if (sh.pushes.empty()) {
+      std::memset(dst, 0, sh.bytes);
+    } else if (all_mapped) {
+      for (auto& [r, p] : sh.pushes) {
+        srcs.push_back(static_cast<const uint8_t*>(
+                           conns_[p.conn].regions[p.region]->mapped()) +
+                       p.offset);
+      }
+      SumInto(*sync_, key.dtype, dst, srcs, sh.bytes);
+    } else {
+      bool first = true;
+      for (auto& [r, p] : sh.pushes) {
+        Conn& c = conns_[p.conn];
+        uint8_t* into = dst;
+        const MemRegion* into_region = sh.scratch.get();
+        if (!first) {
+          ASSIGN_OR_RETURN(auto* st, Staging(sh.bytes));
+          into = static_cast<uint8_t*>(st->data());
+          into_region = st;
+        }
+        ASSIGN_OR_RETURN(const uint8_t* src,
+                         ReadWorker(c, p.region, p.offset, sh.bytes, into,
+                                    *into_region));
+        if (first) {
+          if (src != dst) std::memcpy(dst, src, sh.bytes);
+          first = false;
+        } else {
+          size_t es = transport::DTypeSize(key.dtype);
+          sync_->Run(key.dtype, dst, src, sh.bytes / es, 1.0);
+        }
+      }
+    }
+    bytes_reduced_.fetch_add(sh.bytes * std::max<size_t>(1, sh.pushes.size()));
+    return Status::Ok();
+  }
+
+  // Ring geometry: shards alternate direction (two groups, Fig. 11b).
+  struct Ring {
+    uint32_t P, pos, next, prev;
+  };
+  Ring RingFor(uint64_t k, uint32_t s) const {
+    Ring r;
+    r.P = nproxies_;
+    bool forward = ((k + s) & 1) == 0;
+    r.pos = forward ? opt_.rank : (r.P - opt_.rank) % r.P;
+    auto rank_of = [&](uint32_t pos) {
+      pos %= r.P;
+      return forward ? pos : (r.P - pos) % r.P;
+    };
+    r.next = rank_of(r.pos + 1);
+    r.prev = rank_of(r.pos + r.P - 1);
+    return r;
+  }
+
+  // Element range of chunk c when `bytes` is split into P chunks.
+  static std::pair<uint64_t, uint64_t> Chunk(uint64_t bytes, size_t es,
+                                             uint32_t P, uint32_t c) {
+    uint64_t n = bytes / es;
+    uint64_t per = (n + P - 1) / P;
+    uint64_t b = std::min<uint64_t>(n, per * c);
+    uint64_t e = std::min<uint64_t>(n, b + per);
+    return {b * es, (e - b) * es};
+  }
+
+  void EnterStep(uint64_t k, uint32_t s) {
+    Shard& sh = keys_[k].shards[s];
+    Ring ring = RingFor(k, s);
+    Message m;
+    m.type = Type::kReady;
+    m.key = k;
+    m.shard = s;
+    m.round = sh.version;
+    m.step = static_cast<uint32_t>(sh.step);
+    m.descriptor = ScratchDescriptor(sh);
+    Status st = SendToPeer(ring.next, m);
+    if (!st.ok()) return AbortRound(k, s, st);
+    AdvanceRing(k, s);
+  }
+
+  std::vector<uint8_t> ScratchDescriptor(Shard& sh) {
+    return sh.scratch->Export().Serialize();
+  }
+
+  void OnPeerNotice(const Message& m) {
+    auto it = keys_.find(m.key);
+    if (it == keys_.end() || m.shard >= it->second.shards.size()) {
+      MEMBOX_LOG_WARN("peer notice for unknown key {} shard {}", m.key,
+                      m.shard);
+      return;
+    }
+    Shard& sh = it->second.shards[m.shard];
+    if (m.type == Type::kReady) {
+      auto d = RegionDescriptor::Deserialize(m.descriptor);
+      if (!d.ok()) {
+        MEMBOX_LOG_WARN("peer sent a bad descriptor: {}", d.status().ToString());
+        return;
+      }
+      sh.ready[{m.round, m.step}] = *d;
+    } else {
+      sh.done.insert({m.round, m.step});
+    }
+    if (sh.reducing) AdvanceRing(m.key, m.shard);
+  }
+
+  void AdvanceRing(uint64_t k, uint32_t s) {
+    Key& key = keys_[k];
+    Shard& sh = key.shards[s];
+    Ring ring = RingFor(k, s);
+    const uint32_t steps = 2 * (ring.P - 1);
+    while (sh.reducing && static_cast<uint32_t>(sh.step) < steps) {
+      auto id = std::make_pair(sh.version, static_cast<uint32_t>(sh.step));
+      if (!sh.read_done) {
+        auto r = sh.ready.find(id);
+        if (r == sh.ready.end()) return;
+        Status st = RingRead(key, sh, ring, r->second);
+        if (!st.ok()) return AbortRound(k, s, st);
+        sh.ready.erase(r);
+        sh.read_done = true;
+        Message d;
+        d.type = Type::kDone;
+        d.key = k;
+        d.shard = s;
+        d.round = id.first;
+        d.step = id.second;
+        st = SendToPeer(ring.prev, d);
+        if (!st.ok()) return AbortRound(k, s, st);
+      }
+      auto dn = sh.done.find(id);
+      if (dn == sh.done.end()) return;
+      sh.done.erase(dn);
+      ring_steps_.fetch_add(1);
+      sh.step++;
+      sh.read_done = false;
+      if (static_cast<uint32_t>(sh.step) < steps) {
+        Message m;
+        m.type = Type::kReady;
+        m.key = k;
+        m.shard = s;
+        m.round = sh.version;
+        m.step = static_cast<uint32_t>(sh.step);
+        m.descriptor = ScratchDescriptor(sh);
+        Status st = SendToPeer(ring.next, m);
+        if (!st.ok()) return AbortRound(k, s, st);
+      }
+    }
+    if (sh.reducing) FinishRound(k, s);
+  }
+
+  // Step `step`: reduce-scatter (add the previous proxy's chunk) for the
+  // first P-1 steps, all-gather (copy it) after.
+  Status RingRead(Key& key, Shard& sh, const Ring& ring,
+                  const RegionDescriptor& desc) {
+    const size_t es = transport::DTypeSize(key.dtype);
+    const uint32_t P = ring.P;
+    uint32_t step = static_cast<uint32_t>(sh.step);
+    bool reduce = step < P - 1;
+    uint32_t c = reduce ? (ring.pos + 2 * P - 1 - step) % P
+                        : (ring.pos + 2 * P - (step - (P - 1))) % P;
+    auto [off, len] = Chunk(sh.bytes, es, P, c);
+    if (len == 0) return Status::Ok();
+    if (desc.length != sh.bytes) {
+      return DataLossError("peer's ring buffer has a different size");
+    }
+    ASSIGN_OR_RETURN(auto ch, PeerChannel(ring.prev));
+    std::shared_ptr<RemoteMemRegion> rr;
+    auto key2 = std::make_pair(ring.prev, desc.region_id);
+    auto it = peer_regions_.find(key2);
+    if (it != peer_regions_.end() && it->second->descriptor().token == desc.token) {
+      rr = it->second;
+    } else {
+      ASSIGN_OR_RETURN(rr, ch->Import(desc, kIoTimeout));
+      peer_regions_[key2] = rr;
+    }
+    uint8_t* dst = static_cast<uint8_t*>(sh.scratch->data()) + off;
+    const uint8_t* src;
+    if (rr->mapped()) {
+      src = static_cast<const uint8_t*>(rr->mapped()) + off;
+    } else {
+      uint8_t* into = dst;
+      const MemRegion* into_region = sh.scratch.get();
+      if (reduce) {
+        ASSIGN_OR_RETURN(auto* st, Staging(len));
+        into = static_cast<uint8_t*>(st->data());
+        into_region = st;
+      }
+      ASSIGN_OR_RETURN(auto h, ch->Read(into, *into_region,
+                                        rr->address() + off, *rr, len));
+      RETURN_IF_ERROR(h.Wait(kIoTimeout));
+      src = into;
+    }
+    if (reduce) {
+      sync_->Run(key.dtype, dst, src, len / es, 1.0);
+    } else if (src != dst) {
+      sync_->ParallelFor(len, 1 << 20, [&](size_t b, size_t e) {
+        std::memcpy(dst + b, src + b, e - b);
+      });
+    }
+    return Status::Ok();
+  }
+
+  void AbortRound(uint64_t k, uint32_t s, const Status& why) {
+    Shard& sh = keys_[k].shards[s];
+    MEMBOX_LOG_WARN("key {} shard {} round {}: {}", k, s, sh.version,
+                    why.ToString());
+    Status st = UnavailableError("proxy ring failed: " + why.ToString());
+    for (auto& [r, p] : sh.pushes) Reply(p.conn, p.id, st);
+    for (auto& p : sh.pulls) Reply(p.conn, p.id, st);
+    sh.pushes.clear();
+    sh.pulls.clear();
+    sh.skipped.clear();
+    sh.reducing = false;
+  }
+
+  // The sum is complete in scratch: apply mode / optimizer, publish the new
+  // version, answer the pushes and pulls, and admit the next round.
+  void FinishRound(uint64_t k, uint32_t s) {
+    Key& key = keys_[k];
+    Shard& sh = key.shards[s];
+    Status st = Apply(key, sh, sh.scratch.get(),
+                      mode_ == proto::Mode::kAverage ? 1.0 / world_ : 1.0,
+                      /*swap_allowed=*/true);
+    sh.reducing = false;
+    auto pushes = std::move(sh.pushes);
+    sh.pushes.clear();
+    sh.skipped.clear();
+    if (st.ok()) {
+      sh.version++;
+      rounds_.fetch_add(1);
+    }
+    for (auto& [r, p] : pushes) {
+      Status ps = st;
+      if (ps.ok() && p.has_output) {
+        ps = WriteWorker(conns_[p.conn], p.out_region, p.out_offset,
+                         static_cast<const uint8_t*>(sh.value->data()),
+                         sh.bytes, *sh.value);
+      }
+      Reply(p.conn, p.id, ps, sh.version);
+    }
+    ServeWaitingPulls(k, sh);
+    if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
+      std::erase_if(fcfs_, [&](const auto& t) {
+        return std::get<0>(t) == k && std::get<1>(t) == s &&
+               std::get<2>(t) < sh.version;
+      });
+    }
+    Schedule();
+  }
+
+  // value <- f(value, g): the reduced tensor `g` (scaled) replaces the value
+  // (no optimizer) or drives an optimizer step. Copy-on-write: a value held
+  // by an unfinished snapshot is never modified in place.
+  Status Apply(Key& key, Shard& sh, MemRegion* g, double scale,
+               bool swap_allowed) {
+    const size_t n = sh.bytes / transport::DTypeSize(key.dtype);
+    if (config_.optimizer == proto::Optimizer::kNone &&
+        mode_ != proto::Mode::kAsync) {
+      if (scale != 1.0) ScaleInPlace(key.dtype, g->data(), n, scale);
+      std::swap(sh.value, sh.scratch);  // the old value becomes scratch
+      return Status::Ok();
+    }
+    if (sh.value.use_count() > 1) {
+      ASSIGN_OR_RETURN(auto fresh, Allocate(sh.bytes));
+      std::memcpy(fresh->data(), sh.value->data(), sh.bytes);
+      sh.value = std::move(fresh);
+    }
+    if (config_.optimizer == proto::Optimizer::kNone) {  // kAsync, plain sum
+      sync_->Run(key.dtype, sh.value->data(), g->data(), n, 1.0);
+      return Status::Ok();
+    }
+    if (!sh.m1) {
+      ASSIGN_OR_RETURN(sh.m1, Allocate(sh.bytes));
+    }
+    if (config_.optimizer == proto::Optimizer::kAdam && !sh.m2) {
+      ASSIGN_OR_RETURN(sh.m2, Allocate(sh.bytes));
+    }
+    for (auto* st : {&sh.m1, &sh.m2}) {
+      if (*st && st->use_count() > 1) {
+        ASSIGN_OR_RETURN(auto fresh, Allocate(sh.bytes));
+        std::memcpy(fresh->data(), (*st)->data(), sh.bytes);
+        *st = std::move(fresh);
+      }
+    }
+    OptimizerStep step;
+    step.kind = config_.optimizer == proto::Optimizer::kSgd
+                    ? OptimizerStep::kSgd
+                    : OptimizerStep::kAdam;
+    step.lr = config_.lr;
+    step.momentum = config_.momentum;
+    step.beta1 = config_.beta1;
+    step.beta2 = config_.beta2;
+    step.eps = config_.eps;
+    step.t = sh.version + 1;
+    step.grad_scale = scale;
+    ApplyOptimizer(*sync_, key.dtype, step, sh.value->data(), g->data(),
+                   sh.m1->data(), sh.m2 ? sh.m2->data() : nullptr, n);
+    return Status::Ok();
+  }
+
+  void ApplyAsync(uint64_t conn, Conn& c, Key& key, Shard& sh,
+                  const Message& m) {
+    if (m.type == Type::kSkip) return;
+    auto st = Staging(sh.bytes);
+    if (!st.ok()) return Reply(conn, m.id, st.status());
+    uint8_t* into = static_cast<uint8_t*>((*st)->data());
+    auto src = ReadWorker(c, m.region, m.offset, sh.bytes, into, **st);
+    if (!src.ok()) return Reply(conn, m.id, src.status());
+    if (*src != into) std::memcpy(into, *src, sh.bytes);
+    Status s = Apply(key, sh, *st, 1.0, false);
+    if (!s.ok()) return Reply(conn, m.id, s);
+    sh.version++;
+    if (sh.applied.size() < world_) sh.applied.resize(world_, 0);
+    sh.applied[c.rank]++;
+    bytes_reduced_.fetch_add(sh.bytes);
+    rounds_.fetch_add(1);
+    if (m.has_output) {
+      s = WriteWorker(c, m.out_region, m.out_offset,
+                      static_cast<const uint8_t*>(sh.value->data()), sh.bytes,
+                      *sh.value);
+    }
+    Reply(conn, m.id, s, sh.version);
+  }
+
+  void ServePull(uint64_t k, Shard& sh, const PendingPull& p) {
+    auto it = conns_.find(p.conn);
+    if (it == conns_.end()) return;
+    Status s = WriteWorker(it->second, p.out_region, p.out_offset,
+                           static_cast<const uint8_t*>(sh.value->data()),
+                           sh.bytes, *sh.value);
+    Reply(p.conn, p.id, s, sh.version);
+  }
+
+  void ServeWaitingPulls(uint64_t k, Shard& sh) {
+    std::vector<PendingPull> keep;
+    for (auto& p : sh.pulls) {
+      if (sh.version >= p.min_version) {
+        ServePull(k, sh, p);
+      } else {
+        keep.push_back(p);
+      }
+    }
+    sh.pulls = std::move(keep);
+  }
+
+  // ------------------------------------------------------------ peers
+
+  Result<std::shared_ptr<Channel>> PeerChannel(uint32_t rank) {
+    auto it = peer_out_.find(rank);
+    if (it != peer_out_.end() && it->second->health().ok()) return it->second;
+    auto deadline = Clock::now() + kPeerTimeout;
+    Status last;
+    while (Clock::now() < deadline && running_) {
+      auto ch = device_->GetChannel(opt_.peers[rank]);
+      if (ch.ok()) {
+        // Do not wait for the hello's answer here: the peer may be doing the
+        // same towards us from its event thread. Messages on a channel are
+        // ordered, so the peer sees the hello before anything else; a
+        // refusal arrives later and is logged.
+        (*ch)->SetHandlers(
+            [rank](std::vector<uint8_t> b) {
+              auto r = proto::Decode(b);
+              if (!r.ok() || r->code != 0) {
+                MEMBOX_LOG_ERROR("proxy {} refused us: {}", rank,
+                                 r.ok() ? r->message : r.status().ToString());
+              }
+            },
+            [rank](const Status& s) {
+              MEMBOX_LOG_WARN("link to proxy {} failed: {}", rank,
+                              s.ToString());
+            });
+        Message h;
+        h.type = Type::kPeerHello;
+        h.secret = opt_.secret;
+        h.name = device_->options().name;
+        h.rank = opt_.rank;
+        RETURN_IF_ERROR((*ch)->SendControl(proto::Encode(h)));
+        peer_out_[rank] = *ch;
+        return *ch;
+      }
+      last = ch.status();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return UnavailableError("cannot reach proxy " + std::to_string(rank) +
+                            " at " + opt_.peers[rank] + ": " + last.ToString());
+  }
+
+  Status SendToPeer(uint32_t rank, const Message& m) {
+    ASSIGN_OR_RETURN(auto ch, PeerChannel(rank));
+    return ch->SendControl(proto::Encode(m));
+  }
+
+  // ------------------------------------------------------------ checkpoints
+
+  void StartCheckpoint(const std::string& name,
+                       std::function<void(Status)> done) {
+    if (opt_.checkpoint_dir.empty()) {
+      return done(FailedPreconditionError(
+          "this proxy has no checkpoint directory (--checkpoint-dir)"));
+    }
+    // Snapshot: share the current buffers; later updates copy (see Apply).
+    auto snap = std::make_shared<
+        std::vector<std::pair<CheckpointShard,
+                              std::vector<std::shared_ptr<MemRegion>>>>>();
+    for (auto& [k, key] : keys_) {
+      for (uint32_t i = 0; i < key.shards.size(); ++i) {
+        Shard& sh = key.shards[i];
+        CheckpointShard c;
+        c.key = k;
+        c.shard = i;
+        c.dtype = static_cast<uint8_t>(key.dtype);
+        c.key_bytes = key.bytes;
+        c.shard_bytes = key.shard_bytes;
+        c.version = sh.version;
+        auto view = [&](const std::shared_ptr<MemRegion>& r) {
+          return r ? std::span<const uint8_t>(
+                         static_cast<const uint8_t*>(r->data()), sh.bytes)
+                   : std::span<const uint8_t>();
+        };
+        c.value = view(sh.value);
+        c.m1 = view(sh.m1);
+        c.m2 = view(sh.m2);
+        snap->emplace_back(std::move(c), std::vector<std::shared_ptr<MemRegion>>{
+                                             sh.value, sh.m1, sh.m2});
+      }
+    }
+    CheckpointHeader h;
+    h.proxy_rank = opt_.rank;
+    h.proxies = nproxies_;
+    h.mode = static_cast<uint8_t>(mode_);
+    h.optimizer = static_cast<uint8_t>(config_.optimizer);
+    std::string path = (std::filesystem::path(opt_.checkpoint_dir) / name);
+    std::lock_guard<std::mutex> l(writers_mu_);
+    writers_.emplace_back([this, snap, h, path, done = std::move(done)] {
+      std::vector<CheckpointShard> shards;
+      for (auto& [c, keep] : *snap) shards.push_back(c);
+      Status s = WriteCheckpoint(path, h, shards);
+      if (s.ok()) {
+        checkpoints_.fetch_add(1);
+        MEMBOX_LOG_INFO("checkpoint written: {} ({} shards)", path,
+                        shards.size());
+      } else {
+        MEMBOX_LOG_ERROR("checkpoint {} failed: {}", path, s.ToString());
+      }
+      // Release the snapshot's buffers on the event thread, where the
+      // copy-on-write checks read the use counts.
+      Post(Event{0, false, {}, {}, [snap] { snap->clear(); }});
+      done(s);
+    });
+  }
+
+  Status Restore() {
+    std::string path =
+        (std::filesystem::path(opt_.checkpoint_dir) / opt_.restore_name);
+    CheckpointHeader h;
+    std::vector<CheckpointShard> shards;
+    RETURN_IF_ERROR(ReadCheckpoint(path, &h, &shards));
+    if (h.proxies != nproxies_ || h.proxy_rank != opt_.rank) {
+      return FailedPreconditionError(
+          path + " was written by proxy " + std::to_string(h.proxy_rank) +
+          " of " + std::to_string(h.proxies) + ", not by this one");
+    }
+    for (auto& c : shards) {
+      Key& k = keys_[c.key];
+      auto dt = static_cast<DType>(c.dtype);
+      if (k.shards.empty()) {
+        if (c.dtype < 1 || c.dtype > static_cast<uint8_t>(DType::kUInt8) ||
+            !memserver::AccumulateSupports(dt) || c.shard_bytes == 0 ||
+            c.key_bytes % transport::DTypeSize(dt) != 0) {
+          return DataLossError(path + ": bad dtype or sizes for key " +
+                               std::to_string(c.key));
+        }
+        k.bytes = c.key_bytes;
+        k.dtype = dt;
+        k.shard_bytes = c.shard_bytes;
+        k.initialized = true;
+        uint64_t n = (k.bytes + k.shard_bytes - 1) / k.shard_bytes;
+        if (n > (1u << 20)) return DataLossError(path + ": too many shards");
+        k.shards.resize(n);
+        n_keys_.fetch_add(1);
+        n_shards_.fetch_add(n);
+      }
+      if (c.shard >= k.shards.size() || k.bytes != c.key_bytes ||
+          k.dtype != dt) {
+        return DataLossError(path + ": inconsistent records for key " +
+                             std::to_string(c.key));
+      }
+      Shard& sh = k.shards[c.shard];
+      sh.offset = uint64_t{c.shard} * k.shard_bytes;
+      sh.bytes = std::min(k.shard_bytes, k.bytes - sh.offset);
+      if (c.owned_value.size() != sh.bytes) {
+        return DataLossError(path + ": shard size mismatch");
+      }
+      sh.version = c.version;
+      ASSIGN_OR_RETURN(sh.value, Allocate(sh.bytes));
+      std::memcpy(sh.value->data(), c.owned_value.data(), sh.bytes);
+      if (!c.owned_m1.empty()) {
+        ASSIGN_OR_RETURN(sh.m1, Allocate(sh.bytes));
+        std::memcpy(sh.m1->data(), c.owned_m1.data(), sh.bytes);
+      }
+      if (!c.owned_m2.empty()) {
+        ASSIGN_OR_RETURN(sh.m2, Allocate(sh.bytes));
+        std::memcpy(sh.m2->data(), c.owned_m2.data(), sh.bytes);
+      }
+    }
+    for (auto& [k, key] : keys_) {
+      for (auto& sh : key.shards) {
+        if (!sh.value) {
+          return DataLossError(path + ": key " + std::to_string(k) +
+                               " is missing shards");
+        }
+      }
+    }
+    MEMBOX_LOG_INFO("restored {} keys ({} shards) from {}", keys_.size(),
+                    shards.size(), path);
+    return Status::Ok();
+  }
+
+  ProxyOptions opt_;
+  uint32_t nproxies_ = 1;
+  std::unique_ptr<transport::Device> device_;
+  std::unique_ptr<memserver::SyncCores> sync_;
+  std::atomic<bool> running_{false};
+  std::thread acceptor_, events_thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Event> events_;  // GUARDED_BY(mu_)
+  std::atomic<uint64_t> next_conn_{1};
+  std::mutex writers_mu_;
+  std::vector<std::thread> writers_;
+
+  // Event-thread state.
+  std::map<uint64_t, Conn> conns_;
+  std::map<uint32_t, std::shared_ptr<Channel>> peer_out_;
+  std::map<std::pair<uint32_t, uint64_t>, std::shared_ptr<RemoteMemRegion>>
+      peer_regions_;
+  std::map<uint64_t, Key> keys_;
+  std::deque<std::tuple<uint64_t, uint32_t, uint64_t>> fcfs_;
+  std::unique_ptr<MemRegion> staging_;
+  std::unique_ptr<MemRegion> probe_;
+  uint32_t world_ = 0;
+  bool configured_ = false;
+  Message config_;
+  proto::Mode mode_ = proto::Mode::kSum;
+  std::string dead_worker_;
+
+  std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, stored_bytes_{0},
+      n_clients_{0}, rounds_{0}, bytes_reduced_{0}, ring_steps_{0},
+      queued_{0}, rejected_{0}, checkpoints_{0};
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Proxy>> Proxy::Start(const ProxyOptions& options) {
+  auto p = std::make_unique<ProxyImpl>(options);
+  RETURN_IF_ERROR(p->Init());
+  return std::unique_ptr<Proxy>(std::move(p));
+}
+
+}  // namespace membox::ps

@@ -1,0 +1,382 @@
+// End-to-end tests of proxies + parameter clients in one process (each with
+// its own transport device, talking over UCX as separate processes would).
+// The daemon-level tests with real `membox serve` processes are in
+// tests/integration/ps_daemon_test.cc.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <numeric>
+#include <thread>
+
+#include "membox/ps/param_client.h"
+#include "membox/ps/proxy.h"
+
+namespace membox::ps {
+namespace {
+
+using namespace std::chrono_literals;
+using transport::DType;
+
+constexpr char kSecret[] = "ps-test-secret";
+
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t n = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  int port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+struct Cluster {
+  std::vector<std::string> endpoints;
+  std::vector<std::unique_ptr<Proxy>> proxies;
+
+  static Cluster Start(int n, Scheduler sched = Scheduler::kPerClientQueues,
+                       std::string ckpt_dir = "", bool restore = false) {
+    Cluster c;
+    for (int i = 0; i < n; ++i) {
+      c.endpoints.push_back("127.0.0.1:" + std::to_string(FreePort()));
+    }
+    for (int i = 0; i < n; ++i) {
+      ProxyOptions o;
+      o.listen = c.endpoints[i];
+      o.secret = kSecret;
+      if (n > 1) o.peers = c.endpoints;
+      o.rank = static_cast<uint32_t>(i);
+      o.sync_cores = 1;
+      o.scheduler = sched;
+      o.checkpoint_dir = ckpt_dir;
+      o.restore = restore;
+      auto p = Proxy::Start(o);
+      EXPECT_TRUE(p.ok()) << p.status().ToString();
+      if (p.ok()) c.proxies.push_back(std::move(*p));
+    }
+    return c;
+  }
+};
+
+std::unique_ptr<ParamClient> Worker(const Cluster& c, int rank, int world,
+                                    RoutingTable r = {},
+                                    std::vector<transport::FaultPolicy> links =
+                                        {}) {
+  ParamClientOptions o;
+  o.proxies = c.endpoints;
+  o.secret = kSecret;
+  o.rank = rank;
+  o.world = world;
+  o.routing = r;
+  o.links = std::move(links);
+  o.timeout = 20s;
+  auto w = ParamClient::Connect(o);
+  EXPECT_TRUE(w.ok()) << w.status().ToString();
+  return w.ok() ? std::move(*w) : nullptr;
+}
+
+std::vector<float> Ramp(size_t n, float base) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = base + static_cast<float>(i % 1000);
+  return v;
+}
+
+// Runs `rounds` PushPulls of `n` floats on every worker at once and checks
+// the sum (or average) of every round.
+void RunRounds(const Cluster& c, int world, size_t n, int rounds,
+               RoutingTable route, bool average, bool registered) {
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < world; ++r) w.push_back(Worker(c, r, world, route));
+  for (auto& x : w) ASSERT_NE(x, nullptr);
+  SyncConfig cfg;
+  cfg.mode = average ? SyncConfig::Mode::kAverage : SyncConfig::Mode::kSum;
+  for (auto& x : w) ASSERT_TRUE(x->Configure(cfg).ok());
+  for (uint64_t key : {1, 2}) {
+    for (auto& x : w) {
+      ASSERT_TRUE(x->Declare(key, n * 4, DType::kFloat32).ok());
+    }
+  }
+  std::vector<std::thread> th;
+  for (int r = 0; r < world; ++r) {
+    th.emplace_back([&, r] {
+      float *in, *out;
+      std::vector<float> vin, vout;
+      if (registered) {
+        in = static_cast<float*>(*w[r]->AllocateTensor(n * 4));
+        out = static_cast<float*>(*w[r]->AllocateTensor(n * 4));
+      } else {
+        vin.resize(n);
+        vout.resize(n);
+        in = vin.data();
+        out = vout.data();
+      }
+      for (int round = 0; round < rounds; ++round) {
+        for (uint64_t key : {1, 2}) {
+          auto v = Ramp(n, float(r + 10 * round + 100 * key));
+          std::copy(v.begin(), v.end(), in);
+          auto h = w[r]->PushPull(key, in, out, /*priority=*/int(key));
+          ASSERT_TRUE(h.Wait(30s).ok()) << h.Wait(0s).ToString();
+          EXPECT_EQ(h.version(), uint64_t(round + 1));
+          for (size_t i = 0; i < n; i += 997) {
+            float want = 0;
+            for (int q = 0; q < world; ++q)
+              want += float(q + 10 * round + 100 * key) + float(i % 1000);
+            if (average) want /= float(world);
+            ASSERT_NEAR(out[i], want, 1e-3) << "rank " << r << " round "
+                                            << round << " key " << key;
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+}
+
+TEST(PsTest, SumOneProxyTwoWorkersShardedRegistered) {
+  auto c = Cluster::Start(1);
+  RoutingTable r;
+  r.partition_bytes = 16 << 10;  // 100 KB tensors -> 7 shards
+  RunRounds(c, 2, 25000, 3, r, false, true);
+  auto s = c.proxies[0]->Stats();
+  EXPECT_EQ(s.rounds_completed, 3u * 2 * 7);
+}
+
+TEST(PsTest, AverageOneProxyThreeWorkersStaged) {
+  auto c = Cluster::Start(1);
+  RunRounds(c, 3, 4096, 2, RoutingTable{}, true, false);
+}
+
+TEST(PsTest, TwoProxiesRingWithRoutingBySize) {
+  auto c = Cluster::Start(2);
+  RoutingTable r;
+  r.partition_bytes = 8 << 10;
+  r.threshold = 8 << 10;  // full shards to proxy 1, the small tail to 0
+  r.lat_proxy = 0;
+  r.bw_proxy = 1;
+  RunRounds(c, 3, 5000, 2, r, true, true);
+  EXPECT_GT(c.proxies[0]->Stats().ring_steps, 0u);
+  EXPECT_GT(c.proxies[1]->Stats().ring_steps, 0u);
+}
+
+TEST(PsTest, ThreeProxiesBothRingDirections) {
+  auto c = Cluster::Start(3);
+  RoutingTable r;
+  r.partition_bytes = 4 << 10;  // keys 1 and 2 -> shards in both groups
+  RunRounds(c, 2, 3000, 2, r, false, false);
+  // 2 keys x 3 shards x 2 rounds x 2(P-1) steps per proxy.
+  EXPECT_EQ(c.proxies[0]->Stats().ring_steps, 2u * 3 * 2 * 4);
+}
+
+TEST(PsTest, SgdOnTheMemoryNode) {
+  auto c = Cluster::Start(2);
+  auto w0 = Worker(c, 0, 2), w1 = Worker(c, 1, 2);
+  SyncConfig cfg;
+  cfg.mode = SyncConfig::Mode::kAverage;
+  cfg.optimizer = SyncConfig::Optimizer::kSgd;
+  cfg.lr = 0.5;
+  ASSERT_TRUE(w0->Configure(cfg).ok());
+  ASSERT_TRUE(w1->Configure(cfg).ok());
+  SyncConfig other = cfg;
+  other.lr = 0.1;
+  EXPECT_EQ(w1->Configure(other).code(), StatusCode::kFailedPrecondition);
+  std::vector<float> w(100, 1.0f), g0(100, 2.0f), g1(100, 4.0f), out(100);
+  ASSERT_TRUE(w0->Declare(5, 400, DType::kFloat32, w.data()).ok());
+  ASSERT_TRUE(w1->Declare(5, 400, DType::kFloat32).ok());
+  auto a = w0->Push(5, g0.data());
+  auto b = w1->Push(5, g1.data());
+  ASSERT_TRUE(a.Wait(20s).ok());
+  ASSERT_TRUE(b.Wait(20s).ok());
+  ASSERT_TRUE(w0->Pull(5, out.data()).Wait(20s).ok());
+  EXPECT_FLOAT_EQ(out[0], 1.0f - 0.5f * 3.0f);  // average gradient 3
+  EXPECT_FLOAT_EQ(out[99], 1.0f - 0.5f * 3.0f);
+}
+
+TEST(PsTest, AsyncWithStalenessBound) {
+  auto c = Cluster::Start(1);
+  auto w0 = Worker(c, 0, 2), w1 = Worker(c, 1, 2);
+  SyncConfig cfg;
+  cfg.mode = SyncConfig::Mode::kAsync;
+  cfg.staleness = 1;
+  ASSERT_TRUE(w0->Configure(cfg).ok());
+  ASSERT_TRUE(w1->Configure(cfg).ok());
+  std::vector<float> one(64, 1.0f), out(64);
+  ASSERT_TRUE(w0->Declare(9, 256, DType::kFloat32).ok());
+  ASSERT_TRUE(w1->Declare(9, 256, DType::kFloat32).ok());
+  // Applied on arrival: no waiting for the other worker...
+  ASSERT_TRUE(w0->Push(9, one.data()).Wait(20s).ok());
+  ASSERT_TRUE(w0->Push(9, one.data()).Wait(20s).ok());
+  // ...until worker 0 is more than one round ahead of worker 1.
+  auto third = w0->Push(9, one.data());
+  EXPECT_EQ(third.Wait(300ms).code(), StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(w1->Push(9, one.data()).Wait(20s).ok());
+  ASSERT_TRUE(third.Wait(20s).ok());
+  auto p = w1->Pull(9, out.data());
+  ASSERT_TRUE(p.Wait(20s).ok());
+  EXPECT_EQ(out[0], 4.0f);
+  EXPECT_EQ(p.version(), 4u);
+}
+
+// Seed 000 Fig. 10: worker 0 reaches proxy 0 first, worker 1 reaches proxy
+// 1 first (slow links the other way); tensor 1 goes to proxy 0 and tensor 2
+// to proxy 1. First-come-first-serve proxies each wait on a different tensor
+// for the other: deadlock. Per-client queues: both complete.
+Status Fig10(Scheduler sched) {
+  auto c = Cluster::Start(2, sched);
+  RoutingTable r;
+  r.threshold = 1 << 20;  // tensor 1 (4 KiB) -> proxy 0
+  r.lat_proxy = 0;
+  r.bw_proxy = 1;          // tensor 2 (2 MiB) -> proxy 1
+  r.partition_bytes = 4 << 20;
+  transport::FaultPolicy fast, slow;
+  slow.fixed_latency = std::chrono::milliseconds(400);
+  auto w0 = Worker(c, 0, 2, r, {fast, slow});
+  auto w1 = Worker(c, 1, 2, r, {slow, fast});
+  if (!w0 || !w1) return InternalError("connect");
+  for (auto* w : {w0.get(), w1.get()}) {
+    RETURN_IF_ERROR(w->Declare(1, 4 << 10, DType::kFloat32).status());
+    RETURN_IF_ERROR(w->Declare(2, 2 << 20, DType::kFloat32).status());
+  }
+  std::vector<float> t1(1024, 1), t2(512 << 10, 1);
+  // Worker 0 pushes tensor 1 first, worker 1 tensor 2 first.
+  auto a1 = w0->Push(1, t1.data(), 0);
+  auto b2 = w1->Push(2, t2.data(), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto a2 = w0->Push(2, t2.data(), 1);
+  auto b1 = w1->Push(1, t1.data(), 1);
+  for (auto* h : {&a1, &a2, &b1, &b2}) RETURN_IF_ERROR(h->Wait(3s));
+  return Status::Ok();
+}
+
+TEST(PsTest, FirstComeFirstServeDeadlocksPerClientQueuesDoNot) {
+  EXPECT_EQ(Fig10(Scheduler::kFirstComeFirstServe).code(),
+            StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(Fig10(Scheduler::kPerClientQueues).ok());
+}
+
+TEST(PsTest, CheckpointRestoreAndDamage) {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("membox-ps-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  {
+    auto c = Cluster::Start(1, Scheduler::kPerClientQueues, dir.string());
+    auto w = Worker(c, 0, 1);
+    std::vector<float> v(1000, 2.5f), out(1000);
+    ASSERT_TRUE(w->Declare(3, 4000, DType::kFloat32).ok());
+    ASSERT_TRUE(w->PushPull(3, v.data(), out.data()).Wait(20s).ok());
+    ASSERT_TRUE(w->Checkpoint("latest.mbck").ok());
+    EXPECT_EQ(c.proxies[0]->Stats().checkpoints, 1u);
+    // A later update does not change what was written (copy-on-write).
+    ASSERT_TRUE(w->PushPull(3, v.data(), out.data()).Wait(20s).ok());
+  }
+  {
+    auto c = Cluster::Start(1, Scheduler::kPerClientQueues, dir.string(),
+                            /*restore=*/true);
+    ASSERT_EQ(c.proxies.size(), 1u);
+    auto w = Worker(c, 0, 1);
+    auto v = w->Declare(3, 4000, DType::kFloat32);
+    ASSERT_TRUE(v.ok());
+    EXPECT_EQ(*v, 1u);
+    std::vector<float> out(1000);
+    ASSERT_TRUE(w->Pull(3, out.data()).Wait(20s).ok());
+    EXPECT_EQ(out[999], 2.5f);
+    // The next round continues from the restored version.
+    std::vector<float> g(1000, 1.0f);
+    auto h = w->PushPull(3, g.data(), out.data());
+    ASSERT_TRUE(h.Wait(20s).ok());
+    EXPECT_EQ(h.version(), 2u);
+  }
+  // Damage the file: the proxy refuses to start, naming the problem.
+  {
+    auto p = dir / "latest.mbck";
+    auto size = std::filesystem::file_size(p);
+    std::filesystem::resize_file(p, size - 10);
+    ProxyOptions o;
+    o.listen = "127.0.0.1:0";
+    o.secret = kSecret;
+    o.checkpoint_dir = dir.string();
+    o.restore = true;
+    auto px = Proxy::Start(o);
+    ASSERT_FALSE(px.ok());
+    EXPECT_EQ(px.status().code(), StatusCode::kDataLoss);
+    EXPECT_NE(px.status().ToString().find("damaged"), std::string::npos);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PsTest, ErrorsAreClear) {
+  auto c = Cluster::Start(1);
+  ParamClientOptions o;
+  o.proxies = c.endpoints;
+  o.secret = "wrong-secret";
+  EXPECT_EQ(ParamClient::Connect(o).status().code(),
+            StatusCode::kUnauthenticated);
+  auto w0 = Worker(c, 0, 2);
+  // Another worker with a different world size, or the same rank, is refused.
+  o.secret = kSecret;
+  o.world = 3;
+  o.rank = 1;
+  EXPECT_EQ(ParamClient::Connect(o).status().code(),
+            StatusCode::kInvalidArgument);
+  o.world = 2;
+  o.rank = 0;
+  EXPECT_EQ(ParamClient::Connect(o).status().code(),
+            StatusCode::kAlreadyExists);
+  std::vector<float> v(10);
+  EXPECT_EQ(w0->Push(77, v.data()).Wait(5s).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(w0->Declare(1, 40, DType::kFloat32).ok());
+  EXPECT_EQ(w0->Declare(1, 80, DType::kFloat32).status().code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(w0->Declare(2, 6, DType::kFloat32).ok());  // not x4
+  EXPECT_EQ(w0->Checkpoint("x").code(), StatusCode::kFailedPrecondition);
+
+  // A worker that dies mid-round: the others get an error naming it.
+  auto w1 = Worker(c, 1, 2);
+  ASSERT_TRUE(w1->Declare(1, 40, DType::kFloat32).ok());
+  auto h = w0->PushPull(1, v.data(), v.data());
+  EXPECT_EQ(h.Wait(200ms).code(), StatusCode::kDeadlineExceeded);
+  w1.reset();
+  Status s = h.Wait(20s);
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+  EXPECT_NE(s.ToString().find("worker rank 1"), std::string::npos);
+}
+
+TEST(PsTest, ProxyDeathFailsPendingWithItsName) {
+  auto c = Cluster::Start(1);
+  auto w0 = Worker(c, 0, 2);
+  ASSERT_TRUE(w0->Declare(1, 40, DType::kFloat32).ok());
+  std::vector<float> v(10);
+  auto h = w0->PushPull(1, v.data(), v.data());
+  std::this_thread::sleep_for(100ms);
+  c.proxies[0]->Stop();
+  Status s = h.Wait(30s);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.ToString().find(c.endpoints[0]), std::string::npos);
+  EXPECT_FALSE(w0->Push(1, v.data()).Wait(30s).ok());
+}
+
+TEST(PsTest, ProfilerBuildsATable) {
+  auto c = Cluster::Start(2);
+  transport::FaultPolicy near, far;
+  near.bandwidth_bytes_per_s = 200e6;  // low bandwidth, no latency
+  far.fixed_latency = std::chrono::milliseconds(3);
+  auto w = Worker(c, 0, 1, {}, {near, far});
+  ProfileOptions po;
+  po.sizes = {4 << 10, 64 << 10, 1 << 20, 4 << 20};
+  po.repeats = 3;
+  auto t = w->Profile(po);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(t->lat_proxy, 0u) << t->ToString();
+  EXPECT_EQ(t->bw_proxy, 1u) << t->ToString();
+  EXPECT_GT(t->threshold, 4u << 10);
+  EXPECT_LT(t->threshold, 4u << 20);
+  EXPECT_EQ(w->routing().threshold, t->threshold);
+}
+
+}  // namespace
+}  // namespace membox::ps

@@ -1,0 +1,94 @@
+#include "src/ps/reduce.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace membox::ps {
+namespace {
+
+constexpr size_t kBlockBytes = 64 << 10;  // stays in L2 while inputs stream
+
+template <typename T>
+void Optimize(const OptimizerStep& s, T* w, const T* g, T* m, T* v, size_t b,
+              size_t e) {
+  const T lr = static_cast<T>(s.lr), mom = static_cast<T>(s.momentum),
+          gs = static_cast<T>(s.grad_scale);
+  if (s.kind == OptimizerStep::kSgd) {
+    for (size_t i = b; i < e; ++i) {
+      T gi = g[i] * gs;
+      m[i] = mom * m[i] + gi;
+      w[i] -= lr * m[i];
+    }
+    return;
+  }
+  const T b1 = static_cast<T>(s.beta1), b2 = static_cast<T>(s.beta2),
+          eps = static_cast<T>(s.eps);
+  const T c1 = static_cast<T>(1.0 - std::pow(s.beta1, double(s.t)));
+  const T c2 = static_cast<T>(1.0 - std::pow(s.beta2, double(s.t)));
+  for (size_t i = b; i < e; ++i) {
+    T gi = g[i] * gs;
+    m[i] = b1 * m[i] + (T(1) - b1) * gi;
+    v[i] = b2 * v[i] + (T(1) - b2) * gi * gi;
+    T mh = m[i] / c1, vh = v[i] / c2;
+    w[i] -= lr * mh / (std::sqrt(vh) + eps);
+  }
+}
+
+}  // namespace
+
+bool SupportsArithmetic(DType t) {
+  return t == DType::kFloat32 || t == DType::kFloat64;
+}
+
+void SumInto(memserver::SyncCores& cores, DType t, void* dst,
+             const std::vector<const void*>& srcs, size_t bytes) {
+  if (srcs.empty()) {
+    std::memset(dst, 0, bytes);
+    return;
+  }
+  const size_t es = transport::DTypeSize(t);
+  const size_t count = bytes / es;
+  auto* d = static_cast<uint8_t*>(dst);
+  cores.ParallelFor(count, (256 << 10) / es, [&](size_t b, size_t e) {
+    const size_t block = kBlockBytes / es;
+    for (size_t i = b; i < e; i += block) {
+      size_t n = std::min(block, e - i);
+      std::memcpy(d + i * es, static_cast<const uint8_t*>(srcs[0]) + i * es,
+                  n * es);
+      for (size_t k = 1; k < srcs.size(); ++k) {
+        memserver::AccumulateKernel(
+            t, d + i * es, static_cast<const uint8_t*>(srcs[k]) + i * es, n,
+            1.0);
+      }
+    }
+  });
+}
+
+void ScaleInPlace(DType t, void* p, size_t count, double factor) {
+  if (t == DType::kFloat32) {
+    auto* f = static_cast<float*>(p);
+    float a = static_cast<float>(factor);
+    for (size_t i = 0; i < count; ++i) f[i] *= a;
+  } else if (t == DType::kFloat64) {
+    auto* f = static_cast<double*>(p);
+    for (size_t i = 0; i < count; ++i) f[i] *= factor;
+  }
+}
+
+void ApplyOptimizer(memserver::SyncCores& cores, DType t,
+                    const OptimizerStep& step, void* w, const void* g, void* m,
+                    void* v, size_t count) {
+  cores.ParallelFor(count, 1 << 16, [&](size_t b, size_t e) {
+    if (t == DType::kFloat32) {
+      Optimize<float>(step, static_cast<float*>(w),
+                      static_cast<const float*>(g), static_cast<float*>(m),
+                      static_cast<float*>(v), b, e);
+    } else if (t == DType::kFloat64) {
+      Optimize<double>(step, static_cast<double*>(w),
+                       static_cast<const double*>(g), static_cast<double*>(m),
+                       static_cast<double*>(v), b, e);
+    }
+  });
+}
+
+}  // namespace membox::ps

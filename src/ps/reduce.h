@@ -1,0 +1,44 @@
+// Arithmetic of the parameter storage, run on the sync cores: the fused
+// multi-input sum (one pass: every output block is written once while the
+// inputs stream through the cache), scaling, and optimizer steps.
+// Thread-safety: reentrant; parallelism comes from the SyncCores passed in.
+#ifndef MEMBOX_SRC_PS_REDUCE_H_
+#define MEMBOX_SRC_PS_REDUCE_H_
+
+#include <cstddef>
+#include <vector>
+
+#include "src/memserver/accumulate.h"
+
+namespace membox::ps {
+
+using transport::DType;
+
+// dtypes that averaging and optimizers support (float32, float64).
+bool SupportsArithmetic(DType t);
+
+// dst <- srcs[0] + srcs[1] + ... (in that order, element by element), for
+// any dtype AccumulateSupports(). `bytes` is a multiple of the element size.
+void SumInto(memserver::SyncCores& cores, DType t, void* dst,
+             const std::vector<const void*>& srcs, size_t bytes);
+
+// p[i] *= factor (float32 / float64).
+void ScaleInPlace(DType t, void* p, size_t count, double factor);
+
+struct OptimizerStep {
+  enum Kind { kSgd, kAdam } kind = kSgd;
+  double lr = 0.01, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  uint64_t t = 1;          // step number, from 1 (Adam's bias correction)
+  double grad_scale = 1;   // g is multiplied by this first (averaging)
+};
+
+// SGD:  m <- momentum * m + g;  w <- w - lr * m   (PyTorch's convention)
+// Adam: m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;
+//       w <- w - lr * m_hat / (sqrt(v_hat) + eps)
+void ApplyOptimizer(memserver::SyncCores& cores, DType t,
+                    const OptimizerStep& step, void* w, const void* g, void* m,
+                    void* v, size_t count);
+
+}  // namespace membox::ps
+
+#endif  // MEMBOX_SRC_PS_REDUCE_H_

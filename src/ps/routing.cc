@@ -1,0 +1,116 @@
+#include "membox/ps/routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <sstream>
+
+namespace membox::ps {
+
+std::string RoutingTable::ToString() const {
+  std::ostringstream o;
+  o << "S=" << threshold << " LatProxy=" << lat_proxy
+    << " BwProxy=" << bw_proxy << " S'=" << partition_bytes;
+  return o.str();
+}
+
+Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
+                                   double full_bandwidth_fraction) {
+  std::map<uint32_t, std::map<uint64_t, double>> t;  // proxy -> size -> s
+  std::set<uint64_t> sizes;
+  for (const auto& s : samples) {
+    if (s.bytes == 0 || !(s.seconds > 0) || !std::isfinite(s.seconds)) {
+      return InvalidArgumentError("profile sample with no size or no time");
+    }
+    t[s.proxy][s.bytes] = s.seconds;
+    sizes.insert(s.bytes);
+  }
+  if (t.empty()) return InvalidArgumentError("no profile samples");
+  for (auto& [p, m] : t) {
+    if (m.size() != sizes.size()) {
+      return InvalidArgumentError("proxy " + std::to_string(p) +
+                                  " was not measured at every size");
+    }
+  }
+  const uint64_t smallest = *sizes.begin(), largest = *sizes.rbegin();
+  RoutingTable r;
+  double best_lat = INFINITY, best_bw = 0;
+  for (auto& [p, m] : t) {
+    if (m[smallest] < best_lat) best_lat = m[smallest], r.lat_proxy = p;
+    double bw = static_cast<double>(largest) / m[largest];
+    if (bw > best_bw) best_bw = bw, r.bw_proxy = p;
+  }
+  if (r.lat_proxy == r.bw_proxy) {
+    r.threshold = 0;  // everything to the one proxy
+  } else {
+    const auto& lat = t[r.lat_proxy];
+    const auto& bw = t[r.bw_proxy];
+    r.threshold = largest;  // BwProxy never wins inside the range measured
+    uint64_t prev = 0;
+    for (uint64_t s : sizes) {
+      double d = bw.at(s) - lat.at(s);
+      if (d <= 0) {
+        if (prev == 0) {
+          r.threshold = s;
+        } else {
+          // Interpolate the crossing between prev (lat faster) and s.
+          double d0 = bw.at(prev) - lat.at(prev);
+          double f = d0 / (d0 - d);
+          r.threshold = prev + static_cast<uint64_t>(
+                                   f * static_cast<double>(s - prev));
+        }
+        break;
+      }
+      prev = s;
+    }
+  }
+  const auto& bwp = t[r.bw_proxy];
+  double peak = 0;
+  for (auto& [s, sec] : bwp) peak = std::max(peak, s / sec);
+  r.partition_bytes = largest;
+  for (auto& [s, sec] : bwp) {
+    if (s / sec >= full_bandwidth_fraction * peak) {
+      r.partition_bytes = s;
+      break;
+    }
+  }
+  return r;
+}
+
+double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes,
+                        int workers, double t_forward, double t_backward,
+                        double bw_proxy, double bw_worker) {
+  double p = std::max(1, workers);
+  double f = 2.0 * (p - 1) / p;
+  double n = static_cast<double>(total_bytes);
+  double m = static_cast<double>(std::min(proxy_bytes, total_bytes));
+  double gpu = t_forward + t_backward + f * (n - m) / bw_worker;
+  double proxy = t_forward + f * m / bw_proxy;
+  return std::max(gpu, proxy);
+}
+
+DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers,
+                            double t_forward, double t_backward,
+                            double bw_proxy, double bw_worker) {
+  // gpu(m) falls and proxy(m) rises linearly in m; the max is minimal where
+  // they meet:  T_BP + f(n-m)/Bw = f m / Bp  =>  m = (T_BP + f n/Bw) /
+  // (f/Bp + f/Bw).
+  double p = std::max(1, workers);
+  double f = 2.0 * (p - 1) / p;
+  double n = static_cast<double>(total_bytes);
+  DualSyncPlan plan;
+  if (f == 0) {
+    plan.proxy_bytes = total_bytes;
+  } else {
+    double m = (t_backward + f * n / bw_worker) / (f / bw_proxy + f / bw_worker);
+    m = std::clamp(m, 0.0, n);
+    plan.proxy_bytes = static_cast<uint64_t>(m);
+  }
+  plan.predicted_seconds =
+      PredictIteration(total_bytes, plan.proxy_bytes, workers, t_forward,
+                       t_backward, bw_proxy, bw_worker);
+  return plan;
+}
+
+}  // namespace membox::ps

@@ -1,0 +1,71 @@
+#include "membox/ps/routing.h"
+
+#include <gtest/gtest.h>
+
+namespace membox::ps {
+namespace {
+
+// Transfer time = latency + bytes / bandwidth.
+std::vector<ProfileSample> Grid(double lat0, double bw0, double lat1,
+                                double bw1) {
+  std::vector<ProfileSample> s;
+  for (uint64_t size = 4096; size <= (64u << 20); size *= 4) {
+    s.push_back({0, size, lat0 + size / bw0});
+    s.push_back({1, size, lat1 + size / bw1});
+  }
+  return s;
+}
+
+TEST(RoutingTest, AntiLocalitySplitsBySize) {
+  // Proxy 0: 10 us, 1 GB/s (the "local" one); proxy 1: 200 us, 8 GB/s.
+  auto t = ChooseRouting(Grid(10e-6, 1e9, 200e-6, 8e9));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(t->lat_proxy, 0u);
+  EXPECT_EQ(t->bw_proxy, 1u);
+  // Crossing: 10e-6 + S/1e9 = 200e-6 + S/8e9  =>  S ~= 217 KB.
+  EXPECT_GT(t->threshold, 150000u);
+  EXPECT_LT(t->threshold, 300000u);
+  EXPECT_EQ(t->Route(4096), 0u);
+  EXPECT_EQ(t->Route(16 << 20), 1u);
+  // S': smallest size at >= 90 % of proxy 1's peak bandwidth.
+  EXPECT_GE(t->partition_bytes, 4u << 20);
+}
+
+TEST(RoutingTest, OneProxyBestAtEverything) {
+  auto t = ChooseRouting(Grid(10e-6, 8e9, 200e-6, 1e9));
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->lat_proxy, 0u);
+  EXPECT_EQ(t->bw_proxy, 0u);
+  EXPECT_EQ(t->Route(1), 0u);
+  EXPECT_EQ(t->Route(1u << 30), 0u);
+}
+
+TEST(RoutingTest, RejectsIncompleteGrids) {
+  auto s = Grid(1e-5, 1e9, 1e-5, 1e9);
+  s.pop_back();
+  EXPECT_FALSE(ChooseRouting(s).ok());
+  EXPECT_FALSE(ChooseRouting({}).ok());
+  EXPECT_FALSE(ChooseRouting({{0, 4096, 0.0}}).ok());
+}
+
+TEST(DualSyncTest, BalancesTheTwoPaths) {
+  // 100 MB, 4 workers, FP 10 ms, BP 20 ms, proxies 10 GB/s, workers 5 GB/s.
+  auto plan = ChooseDualSync(100'000'000, 4, 0.010, 0.020, 10e9, 5e9);
+  double gpu = PredictIteration(100'000'000, plan.proxy_bytes, 4, 0.010,
+                                0.020, 10e9, 5e9);
+  EXPECT_NEAR(gpu, plan.predicted_seconds, 1e-12);
+  // No other split is better.
+  for (uint64_t m = 0; m <= 100'000'000; m += 5'000'000) {
+    EXPECT_LE(plan.predicted_seconds,
+              PredictIteration(100'000'000, m, 4, 0.010, 0.020, 10e9, 5e9) +
+                  1e-9);
+  }
+  // Infinitely slow workers: everything goes to the proxies.
+  auto all = ChooseDualSync(1000, 4, 0, 0, 1e9, 1e-9);
+  EXPECT_EQ(all.proxy_bytes, 1000u);
+  // One worker: nothing to synchronise.
+  EXPECT_EQ(ChooseDualSync(1000, 1, 0, 0, 1e9, 1e9).proxy_bytes, 1000u);
+}
+
+}  // namespace
+}  // namespace membox::ps
