@@ -16,8 +16,10 @@
 #include "membox/base/logging.h"
 #include "membox/memserver/client.h"
 #include "membox/memserver/server.h"
+#include "membox/ps/proxy.h"
 
 #ifdef MEMBOX_WITH_BENCH
+#include "bench/allreduce/allreduce_bench.h"
 #include "bench/async_sgd/async_sgd_bench.h"
 #include "bench/memserver/memserver_bench.h"
 #include "bench/transfer/transfer_bench.h"
@@ -83,17 +85,35 @@ membox::Result<std::string> ResolveSecret(const std::string& secret,
   return line;
 }
 
-int Serve(membox::memserver::ServerOptions o, const std::string& secret,
-          const std::string& secret_file, const std::string& pool,
-          const std::string& min_block, const std::string& max_block,
-          const std::string& quota, int heartbeat_ms) {
+// "auto": the memory server's port + 1 on the same host; "off": none.
+membox::Result<std::string> ProxyListen(const std::string& ps_listen,
+                                        const std::string& listen) {
+  if (ps_listen != "auto") return ps_listen;
+  auto colon = listen.rfind(':');
+  if (colon == std::string::npos) {
+    return membox::InvalidArgumentError("--listen must be host:port");
+  }
+  int port = std::atoi(listen.c_str() + colon + 1);
+  if (port == 0) return listen.substr(0, colon) + ":0";
+  return listen.substr(0, colon) + ":" + std::to_string(port + 1);
+}
+
+int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
+          const std::string& ps_listen, const std::string& ps_max,
+          const std::string& secret, const std::string& secret_file,
+          const std::string& pool, const std::string& min_block,
+          const std::string& max_block, const std::string& quota,
+          int heartbeat_ms) {
   auto sec = ResolveSecret(secret, secret_file);
   auto p = membox::ParseByteSize(pool);
   auto mn = membox::ParseByteSize(min_block);
   auto mx = membox::ParseByteSize(max_block);
   auto q = membox::ParseByteSize(quota);
-  for (const membox::Status& st :
-       {sec.status(), p.status(), mn.status(), mx.status(), q.status()}) {
+  auto pm = membox::ParseByteSize(ps_max);
+  auto pl = ProxyListen(ps_listen, o.listen);
+  for (const membox::Status& st : {sec.status(), p.status(), mn.status(),
+                                   mx.status(), q.status(), pm.status(),
+                                   pl.status()}) {
     if (!st.ok()) {
       std::fprintf(stderr, "membox serve: %s\n", st.ToString().c_str());
       return 2;
@@ -118,11 +138,29 @@ int Serve(membox::memserver::ServerOptions o, const std::string& secret,
     return 1;
   }
   std::printf("membox serve: listening on %s\n", (*server)->endpoint().c_str());
+  std::unique_ptr<membox::ps::Proxy> proxy;
+  if (*pl != "off") {
+    po.listen = *pl;
+    po.secret = *sec;
+    po.sync_cores = o.sync_cores;
+    po.max_bytes = *pm;
+    auto px = membox::ps::Proxy::Start(po);
+    if (!px.ok()) {
+      std::fprintf(stderr, "membox serve: parameter proxy: %s\n",
+                   px.status().ToString().c_str());
+      (*server)->Stop();
+      return 1;
+    }
+    proxy = std::move(*px);
+    std::printf("membox serve: parameter proxy on %s\n",
+                proxy->endpoint().c_str());
+  }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&set, &sig);
   MEMBOX_LOG_INFO("received {}, shutting down",
                   sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  if (proxy) proxy->Stop();
   (*server)->Stop();
   return 0;
 }
@@ -200,6 +238,24 @@ int main(int argc, char** argv) {
                     "per-client bytes of created segments (0: pool)");
   serve->add_option("--quota-segments", sopt.quota_segments,
                     "per-client segments");
+  membox::ps::ProxyOptions popt;
+  std::string ps_listen = "auto", ps_max = "16GiB", ps_sched = "per-client";
+  serve->add_option("--ps-listen", ps_listen,
+                    "parameter proxy address (auto: --listen port + 1; off)");
+  serve->add_option("--ps-peers", popt.peers,
+                    "every proxy endpoint in ring order, this one included")
+      ->delimiter(',');
+  serve->add_option("--ps-rank", popt.rank, "this proxy's index in --ps-peers");
+  serve->add_option("--ps-scheduler", ps_sched,
+                    "per-client (default) or fcfs (deadlocks; for tests)")
+      ->check(CLI::IsMember({"per-client", "fcfs"}));
+  serve->add_option("--ps-max-bytes", ps_max, "parameter storage limit");
+  serve->add_option("--checkpoint-dir", popt.checkpoint_dir,
+                    "where parameter checkpoints are written");
+  serve->add_flag("--restore", popt.restore,
+                  "load the checkpoint (--restore-name) on start");
+  serve->add_option("--restore-name", popt.restore_name,
+                    "checkpoint file name (default latest.mbck)");
   bool exit_with_parent = false;
   serve->add_flag("--exit-with-parent", exit_with_parent,
                   "stop when the parent process dies (benchmarks, tests)");
@@ -248,6 +304,25 @@ int main(int argc, char** argv) {
   sgd->add_option("--iterations", aopt.iterations,
                   "measured iterations per run");
 
+  membox::bench::AllreduceOptions ropt;
+  auto* arbench = bench->add_subcommand(
+      "allreduce",
+      "PushPull (sum across p workers) vs MPI_Allreduce vs Gloo, with the "
+      "(2p+1)n/memcpy bound");
+  AddCommonFlags(arbench, &ropt.common);
+  arbench->add_option("--workers", ropt.workers, "worker counts (2,4,8)")
+      ->delimiter(',');
+  arbench->add_option("--nodes", ropt.nodes, "memory-node counts (1,2)")
+      ->delimiter(',');
+  arbench->add_option("--sizes", ropt.sizes, "tensor bytes (4KiB..512MiB)")
+      ->delimiter(',');
+  arbench->add_option("--iterations", ropt.iterations,
+                      "iterations per size (default by size)");
+  arbench->add_option("--partition-bytes", ropt.partition_bytes,
+                      "shard size S' (default 4 MiB)");
+  bool no_gloo = false;
+  arbench->add_flag("--no-gloo", no_gloo, "skip the Gloo baseline");
+
   auto* peer = app.add_subcommand(
       "bench-peer", "internal: the receiving side of a benchmark");
   peer->group("");  // hidden
@@ -277,8 +352,12 @@ int main(int argc, char** argv) {
     }
     membox::InitLogging("serve");
     if (!log_level.empty()) membox::SetLogLevel(log_level);
-    return Serve(sopt, secret, secret_file, pool, min_block, max_block, quota,
-                 heartbeat_ms);
+    popt.scheduler = ps_sched == "fcfs"
+                         ? membox::ps::Scheduler::kFirstComeFirstServe
+                         : membox::ps::Scheduler::kPerClientQueues;
+    popt.transports = sopt.transports;
+    return Serve(sopt, popt, ps_listen, ps_max, secret, secret_file, pool,
+                 min_block, max_block, quota, heartbeat_ms);
   }
   if (status->parsed()) return PrintStatus(status_server, secret, secret_file);
 #ifdef MEMBOX_WITH_BENCH
@@ -297,6 +376,10 @@ int main(int argc, char** argv) {
   }
   if (msbench->parsed()) return membox::bench::RunMemserverBench(mopt);
   if (sgd->parsed()) return membox::bench::RunAsyncSgdBench(aopt);
+  if (arbench->parsed()) {
+    ropt.with_gloo = !no_gloo;
+    return membox::bench::RunAllreduceBench(ropt);
+  }
   if (peer->parsed()) {
     if (peer_bench == "transfer")
       return membox::bench::RunTransferPeer(peer_mode);
@@ -304,6 +387,9 @@ int main(int argc, char** argv) {
       std::vector<std::string> args = {peer_mode};
       args.insert(args.end(), peer_args.begin(), peer_args.end());
       return membox::bench::RunAsyncSgdWorker(args);
+    }
+    if (peer_bench == "allreduce") {
+      return membox::bench::RunAllreduceWorker(peer_args);
     }
     if (peer_bench == "memserver") {
       std::vector<std::string> args = {peer_mode};

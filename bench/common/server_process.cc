@@ -5,6 +5,9 @@
 #include <fstream>
 #include <random>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "membox/base/config.h"
@@ -27,7 +30,8 @@ Result<ServerProcess> ServerProcess::Start(uint64_t pool_bytes,
       {"/proc/self/exe", "--log-level", "warn", "serve", "--listen",
        "127.0.0.1:0", "--exit-with-parent", "--pool-size",
        std::to_string(pool_bytes), "--secret-file", s.secret_file_,
-       "--transports", transports, "--sync-cores", std::to_string(sync_cores)});
+       "--transports", transports, "--sync-cores", std::to_string(sync_cores),
+       "--ps-listen", "off"});
   if (!s.proc_) return InternalError("cannot start membox serve");
   auto ep =
       s.proc_->WaitFor("membox serve: listening on ", std::chrono::seconds(60));
@@ -36,9 +40,64 @@ Result<ServerProcess> ServerProcess::Start(uint64_t pool_bytes,
   return s;
 }
 
+int ServerProcess::FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t n = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  int port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+Result<ServerProcess> ServerProcess::StartWithProxy(
+    const std::string& transports, int sync_cores,
+    const std::string& ps_listen, const std::vector<std::string>& ps_peers,
+    int ps_rank, const std::string& secret) {
+  ServerProcess s;
+  std::random_device rd;
+  s.secret_ = secret.empty()
+                  ? "bench-" + std::to_string(rd()) + std::to_string(rd())
+                  : secret;
+  s.secret_file_ = "/tmp/membox-bench-secret-" + std::to_string(getpid()) +
+                   "-" + std::to_string(ps_rank);
+  {
+    std::ofstream out(s.secret_file_);
+    out << s.secret_ << "\n";
+    if (!out) return InternalError("cannot write " + s.secret_file_);
+  }
+  std::vector<std::string> argv = {
+      "/proc/self/exe", "--log-level", "warn", "serve", "--listen",
+      "127.0.0.1:0", "--exit-with-parent", "--pool-size", "64MiB",
+      "--secret-file", s.secret_file_, "--transports", transports,
+      "--sync-cores", std::to_string(sync_cores), "--ps-listen", ps_listen,
+      "--ps-rank", std::to_string(ps_rank)};
+  if (!ps_peers.empty()) {
+    std::string peers;
+    for (const auto& p : ps_peers) peers += (peers.empty() ? "" : ",") + p;
+    argv.push_back("--ps-peers");
+    argv.push_back(peers);
+  }
+  s.proc_ = Subprocess::Start(argv);
+  if (!s.proc_) return InternalError("cannot start membox serve");
+  auto ep =
+      s.proc_->WaitFor("membox serve: listening on ", std::chrono::seconds(60));
+  if (!ep) return UnavailableError("membox serve did not start");
+  s.endpoint_ = *ep;
+  auto pe = s.proc_->WaitFor("membox serve: parameter proxy on ",
+                             std::chrono::seconds(60));
+  if (!pe) return UnavailableError("the parameter proxy did not start");
+  s.proxy_endpoint_ = *pe;
+  return s;
+}
+
 ServerProcess::ServerProcess(ServerProcess&& o) noexcept
     : proc_(std::move(o.proc_)),
       endpoint_(std::move(o.endpoint_)),
+      proxy_endpoint_(std::move(o.proxy_endpoint_)),
       secret_file_(std::move(o.secret_file_)),
       secret_(std::move(o.secret_)) {
   o.proc_.reset();

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "membox/base/status.h"
 #include "membox/base/subprocess.h"
@@ -17,17 +18,27 @@ class ServerProcess {
   static Result<ServerProcess> Start(uint64_t pool_bytes,
                                      const std::string& transports,
                                      int sync_cores = 2);
+  // A memory node whose parameter proxy listens on `ps_listen` with the
+  // ring `ps_peers` (empty: a single proxy) as proxy `ps_rank`; `secret`
+  // empty picks a random one. Waits until the proxy is up.
+  static Result<ServerProcess> StartWithProxy(
+      const std::string& transports, int sync_cores,
+      const std::string& ps_listen, const std::vector<std::string>& ps_peers,
+      int ps_rank, const std::string& secret = "");
+  // Free TCP port on 127.0.0.1 (for endpoints that must be known up front).
+  static int FreePort();
   ServerProcess(ServerProcess&& o) noexcept;
   ServerProcess& operator=(ServerProcess&&) = delete;
   ~ServerProcess();
   const std::string& endpoint() const { return endpoint_; }
   const std::string& secret_file() const { return secret_file_; }
   const std::string& secret() const { return secret_; }
+  const std::string& proxy_endpoint() const { return proxy_endpoint_; }
 
  private:
   ServerProcess() = default;
   std::optional<Subprocess> proc_;
-  std::string endpoint_, secret_file_, secret_;
+  std::string endpoint_, proxy_endpoint_, secret_file_, secret_;
 };
 
 }  // namespace membox::bench

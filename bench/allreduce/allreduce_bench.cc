@@ -1,0 +1,340 @@
+#include "bench/allreduce/allreduce_bench.h"
+
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include "bench/common/server_process.h"
+#include "membox/base/config.h"
+#include "membox/base/subprocess.h"
+#include "membox/ps/param_client.h"
+
+namespace membox::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<std::string> Split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+std::string Join(const std::vector<uint64_t>& v) {
+  std::string s;
+  for (auto x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
+
+int ItersFor(uint64_t size, int asked) {
+  if (asked > 0) return asked;
+  if (size >= (256u << 20)) return 3;
+  if (size >= (32u << 20)) return 5;
+  return 20;
+}
+
+std::string SelfPath() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "membox";
+}
+
+// Median over iterations of the slowest rank's time.
+template <typename Fn>
+double TimeCollective(int iters, Fn&& fn) {
+  std::vector<double> t;
+  for (int i = 0; i <= iters; ++i) {  // the first is a warm-up
+    MPI_Barrier(MPI_COMM_WORLD);
+    auto t0 = Clock::now();
+    fn();
+    double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    double worst = 0;
+    MPI_Allreduce(&dt, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    if (i > 0) t.push_back(worst);
+  }
+  std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+  return t[t.size() / 2];
+}
+
+// Single-thread memcpy bandwidth, best of 3 over 256 MiB.
+double MemcpyBandwidth() {
+  const size_t n = 256u << 20;
+  std::vector<char> a(n, 1), b(n, 2);
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto t0 = Clock::now();
+    std::memcpy(b.data(), a.data(), n);
+    double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    best = std::max(best, n / dt);
+  }
+  return best;
+}
+
+std::map<std::pair<std::string, uint64_t>, double> ReadResults(
+    Subprocess& p, size_t expect) {
+  std::map<std::pair<std::string, uint64_t>, double> out;
+  while (out.size() < expect) {
+    auto line = p.ReadLine(std::chrono::minutes(10));
+    if (!line) break;
+    char variant[64];
+    unsigned long long size;
+    double sec;
+    if (std::sscanf(line->c_str(), "RESULT %63s %llu %lf", variant, &size,
+                    &sec) == 3) {
+      out[{variant, size}] = sec;
+    } else if (line->find("rror") != std::string::npos) {
+      std::fprintf(stderr, "  %s\n", line->c_str());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int RunAllreduceWorker(const std::vector<std::string>& a) {
+  if (a.size() < 5) {
+    std::fprintf(stderr,
+                 "usage: bench-peer allreduce worker PROXIES|- SECRET_FILE "
+                 "SIZES ITERS PARTITION\n");
+    return 2;
+  }
+  int provided;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+  int rank, world;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  std::vector<uint64_t> sizes;
+  for (auto& s : Split(a[2])) sizes.push_back(std::stoull(s));
+  int iters = std::stoi(a[3]);
+  uint64_t partition = std::stoull(a[4]);
+  uint64_t largest = *std::max_element(sizes.begin(), sizes.end());
+  auto fail = [&](const Status& s) {
+    std::fprintf(stderr, "rank %d: error: %s\n", rank, s.ToString().c_str());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  };
+
+  if (a[0] != "-") {
+    ps::ParamClientOptions o;
+    o.proxies = Split(a[0]);
+    std::FILE* f = std::fopen(a[1].c_str(), "r");
+    char buf[1024] = {0};
+    if (!f || !std::fgets(buf, sizeof buf, f)) return fail(NotFoundError(a[1]));
+    std::fclose(f);
+    o.secret = buf;
+    while (!o.secret.empty() && o.secret.back() == '\n') o.secret.pop_back();
+    o.rank = rank;
+    o.world = world;
+    o.name = "bench";
+    // Each worker uses the proxy next to it (rank modulo the nodes).
+    uint32_t mine = static_cast<uint32_t>(rank % o.proxies.size());
+    o.routing.lat_proxy = o.routing.bw_proxy = mine;
+    o.routing.threshold = 0;
+    o.routing.partition_bytes = partition;
+    auto c = ps::ParamClient::Connect(o);
+    if (!c.ok()) return fail(c.status());
+    auto& client = *c;
+    auto in = client->AllocateTensor(largest);
+    auto out = client->AllocateTensor(largest);
+    if (!in.ok() || !out.ok()) return fail(in.ok() ? out.status() : in.status());
+    float* x = static_cast<float*>(*in);
+    float* y = static_cast<float*>(*out);
+    std::fill(x, x + largest / 4, float(rank + 1));
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      uint64_t n = sizes[i];
+      auto d = client->Declare(i + 1, n, transport::DType::kFloat32);
+      if (!d.ok()) return fail(d.status());
+      Status err;
+      double t = TimeCollective(ItersFor(n, iters), [&] {
+        Status s = client->PushPull(i + 1, x, y).Wait();
+        if (!s.ok()) err = s;
+      });
+      if (!err.ok()) return fail(err);
+      float want = float(world) * float(world + 1) / 2;
+      if (y[0] != want || y[n / 4 - 1] != want) {
+        return fail(DataLossError("wrong sum: " + std::to_string(y[0])));
+      }
+      if (rank == 0) {
+        std::printf("RESULT membox %llu %.9f\n", (unsigned long long)n, t);
+        std::fflush(stdout);
+      }
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  } else {
+    std::vector<float> x(largest / 4, float(rank + 1)), y(largest / 4);
+    for (uint64_t n : sizes) {
+      double t = TimeCollective(ItersFor(n, iters), [&] {
+        MPI_Allreduce(x.data(), y.data(), static_cast<int>(n / 4), MPI_FLOAT,
+                      MPI_SUM, MPI_COMM_WORLD);
+      });
+      if (rank == 0) {
+        std::printf("RESULT mpi %llu %.9f\n", (unsigned long long)n, t);
+        std::fflush(stdout);
+      }
+    }
+  }
+  MPI_Finalize();
+  return 0;
+}
+
+int RunAllreduceBench(const AllreduceOptions& opt) {
+  const bool q = opt.common.quick;
+  std::vector<int> workers = opt.workers;
+  if (workers.empty()) workers = q ? std::vector<int>{2, 4}
+                                   : std::vector<int>{2, 4, 8};
+  std::vector<uint64_t> sizes = opt.sizes;
+  if (sizes.empty()) {
+    sizes = q ? std::vector<uint64_t>{4 << 10, 1 << 20, 32 << 20}
+              : std::vector<uint64_t>{4 << 10,  64 << 10,  1 << 20,
+                                      8 << 20,  32 << 20,  128 << 20,
+                                      512u << 20};
+  }
+  std::vector<int> nodes = opt.nodes;
+  if (nodes.empty()) nodes = {1, 2};
+  int iters = opt.iterations > 0 ? opt.iterations : (q ? 5 : 0);
+
+  Report report("allreduce");
+  double bw = MemcpyBandwidth();
+  std::fprintf(stderr, "memcpy bandwidth (1 thread): %.2f GB/s\n", bw / 1e9);
+  int total = static_cast<int>(workers.size() * (nodes.size() + 1 +
+                                                 (opt.with_gloo ? 1 : 0)));
+  int done = 0;
+  auto add = [&](const std::string& variant, int p, uint64_t n, double sec) {
+    Record r;
+    r.bench = "allreduce";
+    r.variant = variant;
+    r.size_bytes = n;
+    r.workers = p;
+    r.metric = "time";
+    r.value = sec * 1e3;
+    r.unit = "ms";
+    r.case_name = "p=" + std::to_string(p);
+    report.Add(r);
+  };
+  auto mpirun = [&](int p, const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {
+        "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to",
+        "none",   "-np",                 std::to_string(p), "--mca",
+        "btl",    "self,vader",          SelfPath(),        "bench-peer",
+        "allreduce", "worker"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return Subprocess::Start(argv);
+  };
+  const std::string iters_s = std::to_string(iters);
+  for (int p : workers) {
+    for (uint64_t n : sizes) {
+      add("memcpy-bound", p, n, (2.0 * p + 1) * n / bw);
+    }
+    // MPI_Allreduce.
+    Progress(done++, total, "mpi p=" + std::to_string(p));
+    {
+      auto proc = mpirun(p, {"-", "-", Join(sizes), iters_s,
+                             std::to_string(opt.partition_bytes)});
+      if (!proc) return 1;
+      auto res = ReadResults(*proc, sizes.size());
+      proc->Wait(std::chrono::minutes(2));
+      for (auto& [k, sec] : res) add("mpi", p, k.second, sec);
+    }
+    // membox through 1 and 2 memory nodes.
+    for (int m : nodes) {
+      Progress(done++, total,
+               "membox p=" + std::to_string(p) + " nodes=" + std::to_string(m));
+      std::vector<std::string> peers;
+      for (int i = 0; i < m; ++i) {
+        peers.push_back("127.0.0.1:" + std::to_string(ServerProcess::FreePort()));
+      }
+      std::string secret = "bench-allreduce-" + std::to_string(getpid());
+      std::vector<ServerProcess> servers;
+      bool ok = true;
+      for (int i = 0; i < m; ++i) {
+        auto s = ServerProcess::StartWithProxy(
+            "auto", 2, peers[i], m > 1 ? peers : std::vector<std::string>{}, i,
+            secret);
+        if (!s.ok()) {
+          std::fprintf(stderr, "error: %s\n", s.status().ToString().c_str());
+          ok = false;
+          break;
+        }
+        servers.push_back(std::move(*s));
+      }
+      if (!ok) return 1;
+      std::string list;
+      for (auto& pe : peers) list += (list.empty() ? "" : ",") + pe;
+      auto proc = mpirun(p, {list, servers[0].secret_file(), Join(sizes),
+                             iters_s, std::to_string(opt.partition_bytes)});
+      if (!proc) return 1;
+      auto res = ReadResults(*proc, sizes.size());
+      proc->Wait(std::chrono::minutes(2));
+      if (res.size() != sizes.size()) {
+        std::fprintf(stderr, "error: membox run p=%d nodes=%d incomplete\n", p,
+                     m);
+        return 1;
+      }
+      for (auto& [k, sec] : res) {
+        add("membox-" + std::to_string(m) + "node", p, k.second, sec);
+      }
+    }
+    if (opt.with_gloo) {
+      Progress(done++, total, "gloo p=" + std::to_string(p));
+      auto proc = Subprocess::Start(
+          {"/usr/bin/python3",
+           std::string(MEMBOX_SOURCE_DIR) + "/bench/allreduce/gloo_allreduce.py",
+           "--workers", std::to_string(p), "--sizes", Join(sizes), "--iters",
+           iters_s, "--port", std::to_string(ServerProcess::FreePort())});
+      if (!proc) return 1;
+      auto res = ReadResults(*proc, sizes.size());
+      proc->Wait(std::chrono::minutes(2));
+      for (auto& [k, sec] : res) add("gloo", p, k.second, sec);
+    }
+  }
+  Progress(total, total, "done");
+
+  // Table with the ratios.
+  std::printf("\n%-4s %-9s %11s %11s %11s %11s %11s | %8s %8s %8s %8s\n", "p",
+              "size", "membox-1", "membox-2", "mpi", "gloo", "bound",
+              "best/mpi", "best/gloo", "best/bnd", "2n/1n");
+  for (int p : workers) {
+    for (uint64_t n : sizes) {
+      auto get = [&](const std::string& v) {
+        for (auto& r : report.records()) {
+          if (r.variant == v && r.size_bytes == n && r.workers == p)
+            return r.value;
+        }
+        return std::nan("");
+      };
+      double m1 = get("membox-1node"), m2 = get("membox-2node"),
+             mpi = get("mpi"), gloo = get("gloo"), bound = get("memcpy-bound");
+      double best = std::fmin(m1, m2);
+      std::printf(
+          "%-4d %-9s %9.3fms %9.3fms %9.3fms %9.3fms %9.3fms | %8.2f %8.2f "
+          "%8.2f %8.2f\n",
+          p, SizeLabel(n).c_str(), m1, m2, mpi, gloo, bound, best / mpi,
+          best / gloo, best / bound, m2 / m1);
+    }
+  }
+  std::printf("(ratios: time of the faster membox variant / baseline; < 1 is "
+              "membox faster)\n");
+  Status s = report.Finish(opt.common, "time",
+                           "allreduce: membox PushPull vs MPI vs Gloo", true);
+  if (!s.ok()) {
+    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace membox::bench

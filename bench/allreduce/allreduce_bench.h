@@ -1,0 +1,35 @@
+// `membox bench allreduce`: synchronous sum across p workers -- membox
+// PushPull through 1 or 2 memory nodes vs MPI_Allreduce vs Gloo
+// (torch.distributed) -- for 4 KiB ... 512 MiB fp32, p = 2, 4, 8, with the
+// memory-bandwidth bound (2p+1)·n / memcpy bandwidth measured in the same
+// run (docs/results/allreduce.md).
+#ifndef MEMBOX_BENCH_ALLREDUCE_ALLREDUCE_BENCH_H_
+#define MEMBOX_BENCH_ALLREDUCE_ALLREDUCE_BENCH_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bench/common/report.h"
+
+namespace membox::bench {
+
+struct AllreduceOptions {
+  CommonFlags common;
+  std::vector<int> workers;       // empty: 2, 4, 8 (quick: 2, 4)
+  std::vector<uint64_t> sizes;    // empty: 4 KiB ... 512 MiB
+  std::vector<int> nodes;         // empty: 1, 2
+  int iterations = 0;             // 0: by size
+  bool with_gloo = true;
+  uint64_t partition_bytes = 4 << 20;
+};
+
+int RunAllreduceBench(const AllreduceOptions& options);
+// One MPI rank (started by mpirun): PROXIES|- SECRET_FILE SIZES ITERS
+// PARTITION_BYTES. Measures membox PushPull (when proxies are given) and
+// MPI_Allreduce; rank 0 prints "RESULT <variant> <bytes> <seconds>".
+int RunAllreduceWorker(const std::vector<std::string>& args);
+
+}  // namespace membox::bench
+
+#endif  // MEMBOX_BENCH_ALLREDUCE_ALLREDUCE_BENCH_H_
