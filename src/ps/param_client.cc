@@ -25,6 +25,8 @@ struct PsHandle::State {
   uint64_t version = 0;
   std::function<void(const Status&)> cb;
   std::function<void()> on_success;  // runs once before completion
+  std::function<void()> progress;    // drives the client's channels
+  std::atomic<bool> finished{false};
 
   void Finish(const Status& s, uint64_t v) {
     std::function<void(const Status&)> run;
@@ -37,6 +39,7 @@ struct PsHandle::State {
       if (--remaining > 0) return;
       if (status.ok() && on_success) on_success();
       done = true;
+      finished.store(true, std::memory_order_release);
       final = status;
       run = std::move(cb);
     }
@@ -47,6 +50,18 @@ struct PsHandle::State {
 
 Status PsHandle::Wait(std::chrono::nanoseconds timeout) {
   if (!s_) return FailedPreconditionError("empty handle");
+  // Replies are usually microseconds away: poll the channels (saving the
+  // progress thread's wake-up) and yield for a short while, then block.
+  if (s_->progress && !s_->finished.load(std::memory_order_acquire)) {
+    auto until = std::chrono::steady_clock::now() +
+                 std::min<std::chrono::nanoseconds>(
+                     timeout, std::chrono::microseconds(500));
+    while (!s_->finished.load(std::memory_order_acquire) &&
+           std::chrono::steady_clock::now() < until) {
+      s_->progress();
+      std::this_thread::yield();
+    }
+  }
   std::unique_lock<std::mutex> l(s_->mu);
   if (!s_->cv.wait_for(l, timeout, [&] { return s_->done; })) {
     return DeadlineExceededError("parameter operation still pending");
@@ -192,6 +207,9 @@ class ParamClientImpl final : public ParamClient {
           [this, idx](const Status& s) { OnFailure(idx, s); });
       proxies_.push_back(std::move(link));
     }
+    progress_ = [this] {
+      for (auto& p : proxies_) p.channel->Progress();
+    };
     sender_ = std::thread([this] { SendLoop(); });
     if (opt_.reprofile_interval.count() > 0) {
       reprofiler_ = std::thread([this] { ReprofileLoop(); });
@@ -403,6 +421,7 @@ class ParamClientImpl final : public ParamClient {
   // Sends and waits; returns the reply's version.
   Result<uint64_t> Call(uint32_t proxy, const Message& m) {
     auto st = NewState(1, nullptr);
+    st->progress = progress_;
     RETURN_IF_ERROR(SendRequest(proxy, m, st));
     PsHandle h(st);
     RETURN_IF_ERROR(h.Wait(opt_.timeout));
@@ -522,6 +541,7 @@ class ParamClientImpl final : public ParamClient {
       op.route = routing_;
       op.seq = next_seq_++;
       op.state = NewState(static_cast<int>(k.shards), std::move(cb));
+      op.state->progress = progress_;
       uint8_t* staging = static_cast<uint8_t*>(k.staging->data());
       if (in) {
         const MemRegion* r = Locate(in, k.bytes);
@@ -557,7 +577,18 @@ class ParamClientImpl final : public ParamClient {
     }
     PsHandle h(op.state);
     {
-      std::lock_guard<std::mutex> l(q_mu_);
+      // Nothing queued and nothing being sent: send from this thread (saves
+      // the sender thread's wake-up). Otherwise the queue keeps the order.
+      std::unique_lock<std::mutex> l(q_mu_);
+      if (queue_.empty() && !sending_) {
+        sending_ = true;
+        l.unlock();
+        SendOp(op);
+        l.lock();
+        sending_ = false;
+        if (!queue_.empty()) q_cv_.notify_one();
+        return h;
+      }
       queue_.push(std::move(op));
     }
     q_cv_.notify_one();
@@ -569,11 +600,25 @@ class ParamClientImpl final : public ParamClient {
       Op op;
       {
         std::unique_lock<std::mutex> l(q_mu_);
-        q_cv_.wait(l, [this] { return stop_ || !queue_.empty(); });
+        q_cv_.wait(l, [this] {
+          return stop_ || (!queue_.empty() && !sending_);
+        });
         if (stop_) return;
         op = queue_.top();
         queue_.pop();
+        sending_ = true;
       }
+      SendOp(op);
+      {
+        std::lock_guard<std::mutex> l(q_mu_);
+        sending_ = false;
+      }
+      q_cv_.notify_all();
+    }
+  }
+
+  void SendOp(const Op& op) {
+    {
       for (uint32_t s = 0; s < op.shards; ++s) {
         uint64_t off = uint64_t{s} * op.shard_bytes;
         uint64_t n = std::min(op.shard_bytes, op.bytes - off);
@@ -631,6 +676,7 @@ class ParamClientImpl final : public ParamClient {
   ParamClientOptions opt_;
   std::unique_ptr<transport::Device> device_;
   std::vector<ProxyLink> proxies_;
+  std::function<void()> progress_;
 
   mutable std::mutex mu_;
   RoutingTable routing_;                                      // GUARDED_BY(mu_)
@@ -650,6 +696,7 @@ class ParamClientImpl final : public ParamClient {
   std::condition_variable q_cv_;
   std::priority_queue<Op> queue_;  // GUARDED_BY(q_mu_)
   bool stop_ = false;              // GUARDED_BY(q_mu_)
+  bool sending_ = false;           // GUARDED_BY(q_mu_): one sender at a time
   std::thread sender_, reprofiler_;
 };
 

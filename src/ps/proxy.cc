@@ -230,6 +230,26 @@ class ProxyImpl final : public Proxy {
       Event e;
       {
         std::unique_lock<std::mutex> l(mu_);
+        if (events_.empty() && running_) {
+          // The next message is usually microseconds away (the other half
+          // of a ring step, the next shard): drive the channels ourselves
+          // for a moment instead of waiting for the progress thread's
+          // wake-up, then block.
+          l.unlock();
+          auto until = Clock::now() + std::chrono::microseconds(300);
+          while (Clock::now() < until) {
+            for (auto& [id, c] : conns_) {
+              if (c.channel) c.channel->Progress();
+            }
+            for (auto& [r, ch] : peer_out_) ch->Progress();
+            {
+              std::lock_guard<std::mutex> g(mu_);
+              if (!events_.empty() || !running_) break;
+            }
+            std::this_thread::yield();
+          }
+          l.lock();
+        }
         cv_.wait(l, [this] { return !running_ || !events_.empty(); });
         if (!running_) return;
         e = std::move(events_.front());
@@ -437,13 +457,26 @@ class ProxyImpl final : public Proxy {
       conns_.erase(it);
       if (mode_ != proto::Mode::kAsync) FailPendingRounds(who);
     } else {
+      bool peer = it->second.role == Conn::Role::kPeer;
+      uint32_t rank = it->second.rank;
       conns_.erase(it);
+      if (peer) PeerDown(rank, why);
     }
     bool any_client = false;
     for (auto& [id, c] : conns_) any_client |= c.role == Conn::Role::kClient;
     if (!any_client) {
-      // Everybody left: a new job may start (versions are kept).
+      // Everybody left: a new job may start (versions are kept); proxies
+      // that went down may come back.
       dead_worker_.clear();
+      for (auto p = peer_out_.begin(); p != peer_out_.end();) {
+        if (p->second->health().ok()) {
+          ++p;
+          continue;
+        }
+        std::erase_if(peer_regions_,
+                      [&](const auto& e) { return e.first.first == p->first; });
+        p = peer_out_.erase(p);
+      }
       world_ = 0;
       for (auto& [k, key] : keys_) {
         for (auto& sh : key.shards) {
@@ -458,8 +491,19 @@ class ProxyImpl final : public Proxy {
     }
   }
 
-  // A synchronous round cannot finish once a worker is gone: tell everybody
-  // waiting instead of letting them hang.
+  // Synchronous rounds need every proxy.
+  void PeerDown(uint32_t rank, const Status& why) {
+    if (!dead_worker_.empty() || mode_ == proto::Mode::kAsync) return;
+    bool any_client = false;
+    for (auto& [id, c] : conns_) any_client |= c.role == Conn::Role::kClient;
+    std::string who = "proxy " + std::to_string(rank) + " at " +
+                      opt_.peers[rank] + " is down (" + why.ToString() + ")";
+    MEMBOX_LOG_WARN("{}", who);
+    if (any_client) FailPendingRounds(who);
+  }
+
+  // A synchronous round cannot finish once a worker or a proxy is gone: tell
+  // everybody waiting instead of letting them hang.
   void FailPendingRounds(const std::string& who) {
     dead_worker_ = who + "; the synchronous job cannot continue (restart "
                          "from a checkpoint)";
@@ -1128,7 +1172,13 @@ class ProxyImpl final : public Proxy {
 
   Result<std::shared_ptr<Channel>> PeerChannel(uint32_t rank) {
     auto it = peer_out_.find(rank);
-    if (it != peer_out_.end() && it->second->health().ok()) return it->second;
+    if (it != peer_out_.end()) {
+      if (it->second->health().ok()) return it->second;
+      // It was up and went down: fail fast (retrying is for start-up).
+      return UnavailableError("proxy " + std::to_string(rank) + " at " +
+                              opt_.peers[rank] +
+                              " is down: " + it->second->health().ToString());
+    }
     auto deadline = Clock::now() + kPeerTimeout;
     Status last;
     while (Clock::now() < deadline && running_) {
@@ -1146,9 +1196,11 @@ class ProxyImpl final : public Proxy {
                                  r.ok() ? r->message : r.status().ToString());
               }
             },
-            [rank](const Status& s) {
+            [this, rank](const Status& s) {
               MEMBOX_LOG_WARN("link to proxy {} failed: {}", rank,
                               s.ToString());
+              Post(Event{0, false, {}, {},
+                         [this, rank, s] { PeerDown(rank, s); }});
             });
         Message h;
         h.type = Type::kPeerHello;
@@ -1210,7 +1262,7 @@ class ProxyImpl final : public Proxy {
     h.proxies = nproxies_;
     h.mode = static_cast<uint8_t>(mode_);
     h.optimizer = static_cast<uint8_t>(config_.optimizer);
-    std::string path = (std::filesystem::path(opt_.checkpoint_dir) / name);
+    std::string path = CheckpointPath(name);
     std::lock_guard<std::mutex> l(writers_mu_);
     writers_.emplace_back([this, snap, h, path, done = std::move(done)] {
       std::vector<CheckpointShard> shards;
@@ -1230,9 +1282,15 @@ class ProxyImpl final : public Proxy {
     });
   }
 
+  // Each proxy writes its own file: <dir>/proxy-<rank>-<name>.
+  std::string CheckpointPath(const std::string& name) const {
+    return (std::filesystem::path(opt_.checkpoint_dir) /
+            ("proxy-" + std::to_string(opt_.rank) + "-" + name))
+        .string();
+  }
+
   Status Restore() {
-    std::string path =
-        (std::filesystem::path(opt_.checkpoint_dir) / opt_.restore_name);
+    std::string path = CheckpointPath(opt_.restore_name);
     CheckpointHeader h;
     std::vector<CheckpointShard> shards;
     RETURN_IF_ERROR(ReadCheckpoint(path, &h, &shards));

@@ -293,7 +293,7 @@ TEST(PsTest, CheckpointRestoreAndDamage) {
   }
   // Damage the file: the proxy refuses to start, naming the problem.
   {
-    auto p = dir / "latest.mbck";
+    auto p = dir / "proxy-0-latest.mbck";
     auto size = std::filesystem::file_size(p);
     std::filesystem::resize_file(p, size - 10);
     ProxyOptions o;

@@ -23,7 +23,7 @@
 //
 // Checkpoints: Checkpoint() (or a worker's request) snapshots every shard's
 // current buffer (copy-on-write: later updates go to fresh buffers) and
-// writes it in the background to <checkpoint_dir>/<name> atomically
+// writes it in the background to <checkpoint_dir>/proxy-<rank>-<name> atomically
 // (temporary file, fsync, rename, fsync of the directory) with checksums;
 // `restore` loads and verifies it on start.
 //
@@ -56,7 +56,7 @@ struct ProxyOptions {
   Scheduler scheduler = Scheduler::kPerClientQueues;
   uint64_t max_bytes = 16ull << 30;  // storage limit (values + state)
   std::string checkpoint_dir;        // empty: checkpoints refused
-  bool restore = false;              // load <checkpoint_dir>/<restore_name>
+  bool restore = false;  // load <checkpoint_dir>/proxy-<rank>-<restore_name>
   std::string restore_name = "latest.mbck";
 };
 
@@ -80,7 +80,8 @@ class Proxy {
   virtual std::string endpoint() const = 0;
   virtual ProxyStats Stats() const = 0;
   virtual std::string StatusText() const = 0;
-  // Snapshots now and writes <checkpoint_dir>/<name>; returns when written.
+  // Snapshots now and writes <checkpoint_dir>/proxy-<rank>-<name>; returns
+  // when written.
   virtual Status Checkpoint(const std::string& name) = 0;
   virtual void Stop() = 0;
 };

@@ -284,6 +284,11 @@ uint64_t UcxDevice::RandomToken() {
 }
 
 Status UcxDevice::Init() {
+  // A restarted daemon must be able to listen on its old port while
+  // connections of its previous life linger in TIME_WAIT. The TCP
+  // connection manager reads this from the environment only (ucp_config_
+  // modify does not reach it); an explicit setting wins (overwrite = 0).
+  ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return UcsError(st, "ucp_config_read");

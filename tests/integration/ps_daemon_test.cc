@@ -1,0 +1,194 @@
+// Parameter synchronisation through real memory-node processes: two
+// `membox serve` daemons whose proxies form a ring, workers that push and
+// pull, a checkpoint, kill -9 of a node, and a restart from the checkpoint.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "membox/base/subprocess.h"
+#include "membox/ps/param_client.h"
+
+namespace membox::ps {
+namespace {
+
+using namespace std::chrono_literals;
+using transport::DType;
+
+constexpr char kSecret[] = "ps-daemon-secret";
+
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t n = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  int port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+class PsDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ("membox-ps-daemon-" + std::to_string(getpid()));
+    std::filesystem::create_directories(dir_);
+    secret_file_ = (dir_ / "secret").string();
+    std::ofstream(secret_file_) << kSecret << "\n";
+    for (int i = 0; i < 2; ++i) {
+      peers_.push_back("127.0.0.1:" + std::to_string(FreePort()));
+    }
+  }
+  void TearDown() override {
+    for (auto& d : nodes_) {
+      if (d) {
+        d->Kill(15);
+        d->Wait(10s);
+      }
+    }
+    std::filesystem::remove_all(dir_);
+  }
+
+  std::optional<Subprocess> Launch(int rank, bool restore) {
+    std::vector<std::string> argv = {
+        MEMBOX_BIN,      "serve",         "--listen",     "127.0.0.1:0",
+        "--pool-size",   "64MiB",         "--secret-file", secret_file_,
+        "--ps-listen",   peers_[rank],    "--ps-peers",   peers_[0] + "," +
+                                                             peers_[1],
+        "--ps-rank",     std::to_string(rank), "--checkpoint-dir",
+        dir_.string(),   "--sync-cores",  "1"};
+    if (restore) argv.push_back("--restore");
+    return Subprocess::Start(argv);
+  }
+
+  void StartNodes(bool restore) {
+    nodes_.clear();
+    for (int i = 0; i < 2; ++i) {
+      auto d = Launch(i, restore);
+      ASSERT_TRUE(d);
+      ASSERT_TRUE(d->WaitFor("membox serve: parameter proxy on ", 30s))
+          << "node " << i << " did not start";
+      nodes_.push_back(std::move(d));
+    }
+  }
+
+  std::unique_ptr<ParamClient> Worker(int rank) {
+    ParamClientOptions o;
+    o.proxies = peers_;
+    o.secret = kSecret;
+    o.rank = rank;
+    o.world = 2;
+    o.routing.lat_proxy = o.routing.bw_proxy = static_cast<uint32_t>(rank);
+    o.routing.partition_bytes = 64 << 10;
+    o.timeout = 20s;
+    auto w = ParamClient::Connect(o);
+    EXPECT_TRUE(w.ok()) << w.status().ToString();
+    return w.ok() ? std::move(*w) : nullptr;
+  }
+
+  std::filesystem::path dir_;
+  std::string secret_file_;
+  std::vector<std::string> peers_;
+  std::vector<std::optional<Subprocess>> nodes_;
+};
+
+constexpr size_t kN = 50000;  // 200 KB: 4 shards of 64 KiB
+
+SyncConfig Sgd() {
+  SyncConfig c;
+  c.mode = SyncConfig::Mode::kAverage;
+  c.optimizer = SyncConfig::Optimizer::kSgd;
+  c.lr = 0.1;
+  c.momentum = 0.5;
+  return c;
+}
+
+// Both workers push gradient g_r = r + 1 for `rounds` rounds and pull the
+// weights; returns worker 0's weights.
+std::vector<float> Train(ParamClient& a, ParamClient& b, int rounds) {
+  std::vector<float> ga(kN, 1.0f), gb(kN, 2.0f), wa(kN), wb(kN);
+  for (int i = 0; i < rounds; ++i) {
+    auto ha = a.PushPull(1, ga.data(), wa.data());
+    auto hb = b.PushPull(1, gb.data(), wb.data());
+    EXPECT_TRUE(ha.Wait(30s).ok()) << ha.Wait(0s).ToString();
+    EXPECT_TRUE(hb.Wait(30s).ok()) << hb.Wait(0s).ToString();
+    EXPECT_EQ(wa, wb);
+  }
+  return wa;
+}
+
+TEST_F(PsDaemonTest, RingCheckpointKillAndResume) {
+  StartNodes(false);
+  std::vector<float> w0(kN, 1.0f), ckpt;
+  {
+    auto a = Worker(0), b = Worker(1);
+    ASSERT_TRUE(a && b);
+    ASSERT_TRUE(a->Configure(Sgd()).ok());
+    ASSERT_TRUE(b->Configure(Sgd()).ok());
+    ASSERT_TRUE(a->Declare(1, kN * 4, DType::kFloat32, w0.data()).ok());
+    ASSERT_TRUE(b->Declare(1, kN * 4, DType::kFloat32).ok());
+    ckpt = Train(*a, *b, 3);
+    // SGD with momentum 0.5 on the average gradient 1.5 for three steps.
+    float m = 0, w = 1;
+    for (int i = 0; i < 3; ++i) {
+      m = 0.5f * m + 1.5f;
+      w -= 0.1f * m;
+    }
+    EXPECT_NEAR(ckpt[0], w, 1e-5);
+    EXPECT_NEAR(ckpt[kN - 1], w, 1e-5);
+    ASSERT_TRUE(a->Checkpoint("latest.mbck").ok());
+    EXPECT_TRUE(std::filesystem::exists(dir_ / "proxy-0-latest.mbck"));
+    EXPECT_TRUE(std::filesystem::exists(dir_ / "proxy-1-latest.mbck"));
+
+    // kill -9 node 1: both workers get a clear error, nobody hangs.
+    nodes_[1]->Kill(9);
+    nodes_[1]->Wait(10s);
+    std::vector<float> g(kN, 1.0f), out(kN);
+    auto ha = a->PushPull(1, g.data(), out.data());
+    auto hb = b->PushPull(1, g.data(), out.data());
+    Status sa = ha.Wait(60s), sb = hb.Wait(60s);
+    EXPECT_FALSE(sa.ok());
+    EXPECT_NE(sa.code(), StatusCode::kDeadlineExceeded) << sa.ToString();
+    EXPECT_EQ(sb.code(), StatusCode::kUnavailable) << sb.ToString();
+    EXPECT_NE(sb.ToString().find(peers_[1]), std::string::npos)
+        << sb.ToString();
+  }
+  // Restart both nodes from the checkpoint; training continues from it.
+  nodes_[0]->Kill(15);
+  nodes_[0]->Wait(10s);
+  StartNodes(true);
+  auto a = Worker(0), b = Worker(1);
+  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(a->Configure(Sgd()).ok());
+  ASSERT_TRUE(b->Configure(Sgd()).ok());
+  auto v = a->Declare(1, kN * 4, DType::kFloat32, w0.data());
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(*v, 3u);  // the restored version; the init is ignored
+  ASSERT_TRUE(b->Declare(1, kN * 4, DType::kFloat32).ok());
+  std::vector<float> pulled(kN);
+  ASSERT_TRUE(b->Pull(1, pulled.data()).Wait(30s).ok());
+  EXPECT_EQ(pulled, ckpt);
+  Train(*a, *b, 1);  // momentum restored too: no error, same on both
+}
+
+TEST_F(PsDaemonTest, DamagedCheckpointIsRefused) {
+  std::ofstream(dir_ / "proxy-0-latest.mbck")
+      << "MBXCKPT1 not really a checkpoint";
+  auto d = Launch(0, true);
+  ASSERT_TRUE(d);
+  auto rc = d->Wait(30s);
+  ASSERT_TRUE(rc);
+  EXPECT_NE(*rc, 0);
+}
+
+}  // namespace
+}  // namespace membox::ps
