@@ -13,6 +13,7 @@ $SUDO apt-get install -y --no-install-recommends \
   libspdlog-dev libfmt-dev libcli11-dev zlib1g-dev \
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
   openmpi-bin libopenmpi-dev \
-  python3 python3-matplotlib \
+  python3 python3-matplotlib python3-torch python3-sklearn \
+  pybind11-dev python3-pybind11 \
   iperf3 iproute2 procps \
   clang libclang-rt-14-dev

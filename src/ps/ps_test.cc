@@ -243,10 +243,13 @@ Status Fig10(Scheduler sched) {
     RETURN_IF_ERROR(w->Declare(2, 2 << 20, DType::kFloat32).status());
   }
   std::vector<float> t1(1024, 1), t2(512 << 10, 1);
-  // Worker 0 pushes tensor 1 first, worker 1 tensor 2 first.
-  auto a1 = w0->Push(1, t1.data(), 0);
-  auto b2 = w1->Push(2, t2.data(), 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Worker 0 pushes tensor 1 first, worker 1 tensor 2 first, at the same
+  // time (an emulated slow link delays the sending thread).
+  PsHandle a1, b2;
+  std::thread ta([&] { a1 = w0->Push(1, t1.data(), 0); });
+  std::thread tb([&] { b2 = w1->Push(2, t2.data(), 0); });
+  ta.join();
+  tb.join();
   auto a2 = w0->Push(2, t2.data(), 1);
   auto b1 = w1->Push(1, t1.data(), 1);
   for (auto* h : {&a1, &a2, &b1, &b2}) RETURN_IF_ERROR(h->Wait(3s));
