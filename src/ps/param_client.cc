@@ -210,6 +210,7 @@ class ParamClientImpl final : public ParamClient {
     progress_ = [this] {
       for (auto& p : proxies_) p.channel->Progress();
     };
+    RETURN_IF_ERROR(InstallRouting(opt_.routing));
     sender_ = std::thread([this] { SendLoop(); });
     if (opt_.reprofile_interval.count() > 0) {
       reprofiler_ = std::thread([this] { ReprofileLoop(); });
@@ -362,10 +363,44 @@ class ParamClientImpl final : public ParamClient {
     return routing_;
   }
   void SetRouting(const RoutingTable& t) override {
+    Status s = InstallRouting(t);
+    if (!s.ok()) MEMBOX_LOG_WARN("routing table not installed: {}", s.ToString());
+  }
+
+  // Every proxy learns this worker's table, and from which round of every
+  // declared key it applies, before any push that uses it: that is how a
+  // proxy knows, without a message per tensor, which pushes not to expect.
+  Status InstallRouting(const RoutingTable& t) {
+    std::lock_guard<std::mutex> install(install_mu_);
+    Message m;
+    m.type = Type::kRoute;
+    RouteEntry e;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      RoutingTable r = t;
+      if (r.lat_proxy >= proxies_.size()) r.lat_proxy = 0;
+      if (r.bw_proxy >= proxies_.size()) r.bw_proxy = 0;
+      e.table = r;
+      e.first = route_history_.empty();
+      // The next round of every key still follows the old table: a proxy
+      // may already have started it assuming so. The new table applies
+      // from the round after (see docs/design/ps.md, "Routing changes").
+      for (auto& [key, k] : keys_) {
+        e.from[key] = k.base_version + k.rounds + 1;
+        m.from_rounds.emplace_back(key, e.from[key]);
+      }
+      m.threshold = r.threshold;
+      m.lat_proxy = r.lat_proxy;
+      m.bw_proxy = r.bw_proxy;
+    }
+    // Every proxy has it before any push that could use it.
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      RETURN_IF_ERROR(Call(i, m).status());
+    }
     std::lock_guard<std::mutex> l(mu_);
-    routing_ = t;
-    if (routing_.lat_proxy >= proxies_.size()) routing_.lat_proxy = 0;
-    if (routing_.bw_proxy >= proxies_.size()) routing_.bw_proxy = 0;
+    routing_ = e.table;
+    route_history_.push_back(std::move(e));
+    return Status::Ok();
   }
 
   Status Checkpoint(const std::string& name) override {
@@ -502,6 +537,20 @@ class ParamClientImpl final : public ParamClient {
     return Status::Ok();
   }
 
+  // The table this worker uses for round `round` of `key`: the latest one
+  // that applies from that round on (a key it did not list: from round 0 in
+  // the first table, from round 1 in later ones -- its round 0 may already
+  // be under way). The proxies apply the same rule. mu_ held.
+  RoutingTable RouteFor(uint64_t key, uint64_t round) const {
+    for (auto it = route_history_.rbegin(); it != route_history_.rend();
+         ++it) {
+      auto f = it->from.find(key);
+      uint64_t from = f != it->from.end() ? f->second : (it->first ? 0 : 1);
+      if (from <= round) return it->table;
+    }
+    return route_history_.empty() ? routing_ : route_history_.front().table;
+  }
+
   // The registered region holding [p, p + n), or nullptr. mu_ held.
   const MemRegion* Locate(const void* p, size_t n) const {
     auto a = reinterpret_cast<uintptr_t>(p);
@@ -538,7 +587,7 @@ class ParamClientImpl final : public ParamClient {
       op.bytes = k.bytes;
       op.shard_bytes = k.shard_bytes;
       op.shards = k.shards;
-      op.route = routing_;
+      op.route = in ? RouteFor(key, k.base_version + k.rounds) : routing_;
       op.seq = next_seq_++;
       op.state = NewState(static_cast<int>(k.shards), std::move(cb));
       op.state->progress = progress_;
@@ -618,6 +667,7 @@ class ParamClientImpl final : public ParamClient {
   }
 
   void SendOp(const Op& op) {
+    std::lock_guard<std::mutex> send(send_mu_);
     {
       for (uint32_t s = 0; s < op.shards; ++s) {
         uint64_t off = uint64_t{s} * op.shard_bytes;
@@ -645,18 +695,6 @@ class ParamClientImpl final : public ParamClient {
           op.state->Finish(st, 0);
           continue;
         }
-        if (op.type == Type::kPush) {
-          Message skip;
-          skip.type = Type::kSkip;
-          skip.key = op.key;
-          skip.shard = s;
-          skip.round = op.round;
-          for (uint32_t p = 0; p < proxies_.size(); ++p) {
-            if (p == target) continue;
-            Status ss = proxies_[p].channel->SendControl(proto::Encode(skip));
-            if (!ss.ok()) MEMBOX_LOG_WARN("skip notice: {}", ss.ToString());
-          }
-        }
       }
     }
   }
@@ -680,6 +718,12 @@ class ParamClientImpl final : public ParamClient {
 
   mutable std::mutex mu_;
   RoutingTable routing_;                                      // GUARDED_BY(mu_)
+  struct RouteEntry {
+    RoutingTable table;
+    bool first = false;
+    std::map<uint64_t, uint64_t> from;  // key -> first round it applies to
+  };
+  std::vector<RouteEntry> route_history_;                     // GUARDED_BY(mu_)
   std::map<uintptr_t, std::unique_ptr<MemRegion>> regions_;   // GUARDED_BY(mu_)
   std::map<uint64_t, KeyInfo> keys_;                          // GUARDED_BY(mu_)
   std::map<uint64_t, Pending> pending_;                       // GUARDED_BY(mu_)
@@ -697,6 +741,8 @@ class ParamClientImpl final : public ParamClient {
   std::priority_queue<Op> queue_;  // GUARDED_BY(q_mu_)
   bool stop_ = false;              // GUARDED_BY(q_mu_)
   bool sending_ = false;           // GUARDED_BY(q_mu_): one sender at a time
+  std::mutex send_mu_;     // one operation's messages go out together
+  std::mutex install_mu_;  // one routing change at a time
   std::thread sender_, reprofiler_;
 };
 

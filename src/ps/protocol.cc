@@ -70,7 +70,7 @@ const char* TypeName(Type t) {
     case Type::kConfigure: return "configure";
     case Type::kDeclare: return "declare";
     case Type::kPush: return "push";
-    case Type::kSkip: return "skip";
+    case Type::kRoute: return "route";
     case Type::kPull: return "pull";
     case Type::kProbe: return "probe";
     case Type::kCheckpoint: return "checkpoint";
@@ -129,10 +129,15 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U64(m.out_region);
       w.U64(m.out_offset);
       break;
-    case Type::kSkip:
-      w.U64(m.key);
-      w.U32(m.shard);
-      w.U64(m.round);
+    case Type::kRoute:
+      w.U64(m.threshold);
+      w.U32(m.lat_proxy);
+      w.U32(m.bw_proxy);
+      w.U32(static_cast<uint32_t>(m.from_rounds.size()));
+      for (auto& [k, r] : m.from_rounds) {
+        w.U64(k);
+        w.U64(r);
+      }
       break;
     case Type::kPull:
       w.U64(m.key);
@@ -216,9 +221,19 @@ Result<Message> Decode(std::span<const uint8_t> in) {
            GetBool(r, &m.has_output) && r.U64(&m.out_region) &&
            r.U64(&m.out_offset);
       break;
-    case Type::kSkip:
-      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round);
+    case Type::kRoute: {
+      uint32_t n = 0;
+      ok = r.U64(&m.threshold) && r.U32(&m.lat_proxy) &&
+           r.U32(&m.bw_proxy) && r.U32(&n) && m.lat_proxy < kMaxProxies &&
+           m.bw_proxy < kMaxProxies && n <= kMaxRouteKeys &&
+           n <= r.remaining() / 16;
+      for (uint32_t i = 0; ok && i < n; ++i) {
+        uint64_t k = 0, rd = 0;
+        ok = r.U64(&k) && r.U64(&rd);
+        m.from_rounds.emplace_back(k, rd);
+      }
       break;
+    }
     case Type::kPull:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.min_version) &&
            r.U64(&m.out_region) && r.U64(&m.out_offset);

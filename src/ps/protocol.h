@@ -23,7 +23,7 @@ enum class Type : uint8_t {
   kConfigure = 3,   // sync mode, staleness, optimizer
   kDeclare = 4,     // key, bytes, dtype, shard_bytes [, init from a region]
   kPush = 5,        // key, shard, round, input [, output for PushPull]
-  kSkip = 6,        // key, shard, round: this worker sent it to another proxy
+  kRoute = 6,       // this worker's routing table, from given rounds on
   kPull = 7,        // key, shard, min_version, output
   kProbe = 8,       // profiler: a buffer of `bytes` to write into
   kCheckpoint = 9,  // write a snapshot now
@@ -43,6 +43,7 @@ constexpr size_t kMaxText = 1 << 16;
 constexpr size_t kMaxDescriptor = 8192;
 constexpr uint32_t kMaxWorld = 4096;
 constexpr uint32_t kMaxProxies = 64;
+constexpr uint32_t kMaxRouteKeys = 1 << 16;
 
 enum class Mode : uint8_t { kSum = 0, kAverage = 1, kAsync = 2 };
 enum class Optimizer : uint8_t { kNone = 0, kSgd = 1, kAdam = 2 };
@@ -62,13 +63,18 @@ struct Message {
   uint32_t staleness = 0;  // kAsync: max rounds a worker may run ahead
   Optimizer optimizer = Optimizer::kNone;
   double lr = 0, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
-  // kDeclare / kPush / kSkip / kPull / kReady / kDone
+  // kRoute: the table, and for every key declared so far the first round
+  // it applies to (keys declared later use it from round 0).
+  uint64_t threshold = 0;
+  uint32_t lat_proxy = 0, bw_proxy = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> from_rounds;
+  // kDeclare / kPush / kPull / kReady / kDone
   uint64_t key = 0;
   uint64_t bytes = 0;        // kDeclare: tensor size; kProbe: length
   uint8_t dtype = 0;         // kDeclare
   uint64_t shard_bytes = 0;  // kDeclare
   uint32_t shard = 0;
-  uint64_t round = 0;        // kPush / kSkip / kReady / kDone
+  uint64_t round = 0;        // kPush / kReady / kDone
   uint64_t min_version = 0;  // kPull
   uint32_t step = 0;         // kReady / kDone
   // kDeclare (init), kPush (input), kProbe: a worker region and offset

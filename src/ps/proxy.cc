@@ -58,9 +58,8 @@ struct Shard {
   uint64_t offset = 0, bytes = 0;
   std::shared_ptr<MemRegion> value, scratch, m1, m2;
   uint64_t version = 0;
-  // Synchronous round `version`: contributions by rank, ranks that skipped.
+  // Synchronous round `version`: contributions by rank.
   std::map<uint32_t, Contribution> pushes;
-  std::set<uint32_t> skipped;
   bool reducing = false;  // local sum done, ring running
   int step = 0;           // ring step in progress
   bool read_done = false;
@@ -79,8 +78,17 @@ struct Key {
   std::vector<Shard> shards;
 };
 
+// A worker's routing table and, per key, the first round it applies to
+// (keys absent were declared later: from round 0).
+struct RouteEntry {
+  uint64_t threshold = 0;
+  uint32_t lat = 0, bw = 0;
+  std::map<uint64_t, uint64_t> from;
+};
+
 struct Conn {
   std::shared_ptr<Channel> channel;
+  std::vector<RouteEntry> routes;
   enum class Role { kUnknown, kClient, kPeer } role = Role::kUnknown;
   uint32_t rank = 0;
   std::string name;
@@ -442,6 +450,7 @@ class ProxyImpl final : public Proxy {
     MEMBOX_LOG_DEBUG("worker {} ({}) joined, world {}", m.rank, m.name,
                      m.world);
     Reply(conn, m.id, Status::Ok());
+    MaybeStartAll();
   }
 
   void OnDisconnect(uint64_t conn, const Status& why) {
@@ -481,7 +490,6 @@ class ProxyImpl final : public Proxy {
       for (auto& [k, key] : keys_) {
         for (auto& sh : key.shards) {
           sh.pushes.clear();
-          sh.skipped.clear();
           sh.pulls.clear();
           sh.reducing = false;
           sh.ready.clear();
@@ -539,10 +547,23 @@ class ProxyImpl final : public Proxy {
         return Reply(conn, m.id, Configure(m));
       case Type::kDeclare: {
         auto v = Declare(c, m);
-        return Reply(conn, m.id, v.status(), v.ok() ? *v : 0);
+        Reply(conn, m.id, v.status(), v.ok() ? *v : 0);
+        return MaybeStartAll();
       }
-      case Type::kPush:
-      case Type::kSkip: {
+      case Type::kRoute: {
+        if (m.lat_proxy >= nproxies_ || m.bw_proxy >= nproxies_) {
+          return Reply(conn, m.id, InvalidArgumentError("no such proxy"));
+        }
+        RouteEntry e;
+        e.threshold = m.threshold;
+        e.lat = m.lat_proxy;
+        e.bw = m.bw_proxy;
+        e.from.insert(m.from_rounds.begin(), m.from_rounds.end());
+        c.routes.push_back(std::move(e));
+        Reply(conn, m.id, Status::Ok());
+        return MaybeStartAll();
+      }
+      case Type::kPush: {
         Status s = CheckShardRequest(m);
         if (!s.ok()) return Reply(conn, m.id, s);
         if (!dead_worker_.empty()) {
@@ -552,7 +573,7 @@ class ProxyImpl final : public Proxy {
         queued_.fetch_add(1);
         if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
           const Message& q = c.queue.back();
-          fcfs_.push_back({q.key, q.shard, q.round});
+          FcfsArrival(q.key, q.shard, q.round);
         }
         return Schedule();
       }
@@ -679,6 +700,13 @@ class ProxyImpl final : public Proxy {
       n_shards_.fetch_add(n);
       n_keys_.fetch_add(1);
       it = keys_.emplace(m.key, std::move(k)).first;
+      std::vector<Message> early;
+      std::erase_if(early_notices_, [&](Message& e) {
+        if (e.key != m.key) return false;
+        early.push_back(std::move(e));
+        return true;
+      });
+      for (auto& e : early) OnPeerNotice(e);
     }
     Key& k = it->second;
     if (m.has_input && !k.initialized) {
@@ -703,8 +731,7 @@ class ProxyImpl final : public Proxy {
       return OutOfRangeError("shard index out of range");
     }
     const Shard& sh = it->second.shards[m.shard];
-    if ((m.type == Type::kPush || m.type == Type::kSkip) &&
-        mode_ != proto::Mode::kAsync) {
+    if (m.type == Type::kPush && mode_ != proto::Mode::kAsync) {
       if (m.round < sh.version) {
         return InvalidArgumentError("round " + std::to_string(m.round) +
                                     " of key " + std::to_string(m.key) +
@@ -766,21 +793,81 @@ class ProxyImpl final : public Proxy {
     Key& key = keys_[m.key];
     Shard& sh = key.shards[m.shard];
     if (mode_ == proto::Mode::kAsync) return ApplyAsync(conn, c, key, sh, m);
-    if (sh.pushes.count(c.rank) || sh.skipped.count(c.rank)) {
-      if (m.type == Type::kPush) {
-        Reply(conn, m.id, InvalidArgumentError("duplicate push for a round"));
-      }
+    if (sh.pushes.count(c.rank)) {
+      Reply(conn, m.id, InvalidArgumentError("duplicate push for a round"));
       return;
     }
-    if (m.type == Type::kSkip) {
-      sh.skipped.insert(c.rank);
-    } else {
-      sh.pushes[c.rank] = Contribution{conn,         m.id,        c.rank,
-                                       m.region,     m.offset,    m.has_output,
-                                       m.out_region, m.out_offset};
+    if (!RoutedHere(c, m.key, sh.bytes, m.round)) {
+      Reply(conn, m.id,
+            FailedPreconditionError("this push contradicts the routing table "
+                                    "the worker announced"));
+      return;
     }
-    if (sh.pushes.size() + sh.skipped.size() == world_) {
-      StartReduce(m.key, m.shard);
+    sh.pushes[c.rank] = Contribution{conn,         m.id,        c.rank,
+                                     m.region,     m.offset,    m.has_output,
+                                     m.out_region, m.out_offset};
+    MaybeStart(m.key, m.shard);
+  }
+
+  // Whether worker `c`'s table sends (key, round) of a `bytes` shard here.
+  // Without a table yet: unknown, treated as "here" (never assume a skip).
+  bool RoutedHere(const Conn& c, uint64_t key, uint64_t bytes,
+                  uint64_t round) const {
+    if (c.routes.empty()) return true;
+    // The worker's rule (param_client.cc RouteFor): the latest table that
+    // applies from this round; a key it did not list starts at round 0 in
+    // its first table and at round 1 in later ones.
+    const RouteEntry* e = &c.routes.front();
+    for (size_t i = c.routes.size(); i-- > 0;) {
+      const RouteEntry& it = c.routes[i];
+      auto f = it.from.find(key);
+      uint64_t from = f != it.from.end() ? f->second : (i == 0 ? 0 : 1);
+      if (from <= round) {
+        e = &it;
+        break;
+      }
+    }
+    uint32_t target = bytes < e->threshold ? e->lat : e->bw;
+    return target == opt_.rank;
+  }
+
+  // Starts round `version` of a shard once every worker has pushed it here
+  // or routes it elsewhere (no message needed: the proxies know every
+  // worker's table). A proxy nobody pushes to joins the ring with zeros.
+  void MaybeStart(uint64_t k, uint32_t s) {
+    if (mode_ == proto::Mode::kAsync || world_ == 0) return;
+    Key& key = keys_[k];
+    Shard& sh = key.shards[s];
+    if (sh.reducing || !dead_worker_.empty()) return;
+    uint32_t present = 0;
+    for (auto& [id, c] : conns_) {
+      if (c.role != Conn::Role::kClient) continue;
+      ++present;
+      if (sh.pushes.count(c.rank)) continue;
+      if (c.routes.empty() || RoutedHere(c, k, sh.bytes, sh.version)) return;
+    }
+    if (present != world_) return;
+    if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
+      if (sh.pushes.empty() && nproxies_ == 1) return;
+      if (fcfs_.empty() || fcfs_.front() != std::make_tuple(k, s, sh.version))
+        return;
+    }
+    if (sh.pushes.empty() && nproxies_ == 1) return;
+    StartReduce(k, s);
+  }
+
+  void MaybeStartAll() {
+    for (auto& [k, key] : keys_) {
+      for (uint32_t s = 0; s < key.shards.size(); ++s) MaybeStart(k, s);
+    }
+  }
+
+  // FCFS: a tensor joins the line when its first push or ring notice
+  // arrives.
+  void FcfsArrival(uint64_t k, uint32_t s, uint64_t round) {
+    auto t = std::make_tuple(k, s, round);
+    if (std::find(fcfs_.begin(), fcfs_.end(), t) == fcfs_.end()) {
+      fcfs_.push_back(t);
     }
   }
 
@@ -794,7 +881,6 @@ class ProxyImpl final : public Proxy {
       MEMBOX_LOG_WARN("key {} shard {}: {}", k, s, st.ToString());
       for (auto& [r, p] : sh.pushes) Reply(p.conn, p.id, st);
       sh.pushes.clear();
-      sh.skipped.clear();
       return;
     }
     sh.reducing = true;
@@ -910,12 +996,21 @@ class ProxyImpl final : public Proxy {
 
   void OnPeerNotice(const Message& m) {
     auto it = keys_.find(m.key);
-    if (it == keys_.end() || m.shard >= it->second.shards.size()) {
-      MEMBOX_LOG_WARN("peer notice for unknown key {} shard {}", m.key,
-                      m.shard);
+    if (it == keys_.end()) {
+      // The peer saw the key declared before we did; replay on Declare.
+      if (early_notices_.size() < 1000000) early_notices_.push_back(m);
+      return;
+    }
+    if (m.shard >= it->second.shards.size()) {
+      MEMBOX_LOG_WARN("peer notice for key {}: no shard {}", m.key, m.shard);
       return;
     }
     Shard& sh = it->second.shards[m.shard];
+    if (opt_.scheduler == Scheduler::kFirstComeFirstServe &&
+        m.type == Type::kReady && m.round == sh.version) {
+      FcfsArrival(m.key, m.shard, m.round);
+      MaybeStart(m.key, m.shard);
+    }
     if (m.type == Type::kReady) {
       auto d = RegionDescriptor::Deserialize(m.descriptor);
       if (!d.ok()) {
@@ -1034,7 +1129,6 @@ class ProxyImpl final : public Proxy {
     for (auto& p : sh.pulls) Reply(p.conn, p.id, st);
     sh.pushes.clear();
     sh.pulls.clear();
-    sh.skipped.clear();
     sh.reducing = false;
   }
 
@@ -1049,7 +1143,6 @@ class ProxyImpl final : public Proxy {
     sh.reducing = false;
     auto pushes = std::move(sh.pushes);
     sh.pushes.clear();
-    sh.skipped.clear();
     if (st.ok()) {
       sh.version++;
       rounds_.fetch_add(1);
@@ -1069,8 +1162,10 @@ class ProxyImpl final : public Proxy {
         return std::get<0>(t) == k && std::get<1>(t) == s &&
                std::get<2>(t) < sh.version;
       });
+      MaybeStartAll();  // the next tensor in line
     }
     Schedule();
+    MaybeStart(k, s);
   }
 
   // value <- f(value, g): the reduced tensor `g` (scaled) replaces the value
@@ -1125,7 +1220,6 @@ class ProxyImpl final : public Proxy {
 
   void ApplyAsync(uint64_t conn, Conn& c, Key& key, Shard& sh,
                   const Message& m) {
-    if (m.type == Type::kSkip) return;
     auto st = Staging(sh.bytes);
     if (!st.ok()) return Reply(conn, m.id, st.status());
     uint8_t* into = static_cast<uint8_t*>((*st)->data());
@@ -1375,6 +1469,7 @@ class ProxyImpl final : public Proxy {
       peer_regions_;
   std::map<uint64_t, Key> keys_;
   std::deque<std::tuple<uint64_t, uint32_t, uint64_t>> fcfs_;
+  std::vector<Message> early_notices_;
   std::unique_ptr<MemRegion> staging_;
   std::unique_ptr<MemRegion> probe_;
   uint32_t world_ = 0;

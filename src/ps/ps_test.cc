@@ -383,3 +383,45 @@ TEST(PsTest, ProfilerBuildsATable) {
 
 }  // namespace
 }  // namespace membox::ps
+
+namespace membox::ps {
+namespace {
+
+// Routing tables change between rounds on both workers, at different times:
+// every round still sums correctly (the proxies apply each worker's table
+// from the round it announced).
+TEST(PsTest, RoutingChangesWhileTraining) {
+  auto c = Cluster::Start(2);
+  RoutingTable to0, to1, split;
+  to0.lat_proxy = to0.bw_proxy = 0;
+  to1.lat_proxy = to1.bw_proxy = 1;
+  split.threshold = 6000;
+  split.lat_proxy = 1;
+  split.bw_proxy = 0;
+  for (auto* t : {&to0, &to1, &split}) t->partition_bytes = 8192;
+  auto w0 = Worker(c, 0, 2, to0), w1 = Worker(c, 1, 2, to1);
+  const size_t n = 5000;  // 20000 B: shards 8192, 8192, 3616
+  ASSERT_TRUE(w0->Declare(1, n * 4, DType::kFloat32).ok());
+  ASSERT_TRUE(w1->Declare(1, n * 4, DType::kFloat32).ok());
+  const RoutingTable* tables[] = {&to0, &to1, &split};
+  std::thread t1([&] {
+    std::vector<float> in(n), out(n);
+    for (int r = 0; r < 9; ++r) {
+      if (r % 2 == 1) w1->SetRouting(*tables[(r / 2) % 3]);
+      std::fill(in.begin(), in.end(), float(r));
+      ASSERT_TRUE(w1->PushPull(1, in.data(), out.data()).Wait(20s).ok());
+      ASSERT_EQ(out[n - 1], float(2 * r + 1)) << r;
+    }
+  });
+  std::vector<float> in(n), out(n);
+  for (int r = 0; r < 9; ++r) {
+    if (r % 3 == 2) w0->SetRouting(*tables[r % 3 == 2 ? 2 : 1]);
+    std::fill(in.begin(), in.end(), float(r + 1));
+    ASSERT_TRUE(w0->PushPull(1, in.data(), out.data()).Wait(20s).ok());
+    ASSERT_EQ(out[0], float(2 * r + 1)) << r;
+  }
+  t1.join();
+}
+
+}  // namespace
+}  // namespace membox::ps

@@ -6,7 +6,8 @@
 // reported to the caller at
 //   max(now, link_busy_until) + bytes / bandwidth + fixed_latency,
 // and link_busy_until advances by bytes / bandwidth, so concurrent transfers
-// share the emulated link's bandwidth. Control messages get fixed_latency.
+// share the emulated link's bandwidth. Control messages are delivered
+// fixed_latency later, in order, without blocking the sender.
 //
 // Faults, each drawn independently per operation from a seeded generator:
 //   fail_submit      Memcpy returns kUnavailable and starts nothing;

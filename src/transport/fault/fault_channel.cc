@@ -1,6 +1,7 @@
 #include "membox/transport/fault_channel.h"
 
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <queue>
 #include <random>
@@ -102,10 +103,23 @@ class FaultChannel final : public Channel {
     return OpHandle(outer);
   }
 
+  // Control messages are delivered fixed_latency later by the timer thread,
+  // in order; the sender does not wait (a link's latency is not the
+  // sender's time). A failure to send surfaces as the channel's failure.
   Status SendControl(std::span<const uint8_t> msg) override {
-    if (p_.fixed_latency.count() > 0)
-      std::this_thread::sleep_for(p_.fixed_latency);
-    return inner_->SendControl(msg);
+    if (p_.fixed_latency.count() == 0) return inner_->SendControl(msg);
+    RETURN_IF_ERROR(inner_->health());
+    std::vector<uint8_t> copy(msg.begin(), msg.end());
+    std::shared_ptr<Channel> inner = inner_;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      q_.push(Due{Clock::now() + p_.fixed_latency, seq_++, nullptr, Status(),
+                  [inner, copy = std::move(copy)] {
+                    (void)inner->SendControl(copy);
+                  }});
+    }
+    cv_.notify_all();
+    return Status::Ok();
   }
   Result<std::vector<uint8_t>> RecvControl(
       std::chrono::nanoseconds t) override {
@@ -124,9 +138,13 @@ class FaultChannel final : public Channel {
  private:
   struct Due {
     Clock::time_point at;
+    uint64_t seq = 0;  // FIFO among equal deadlines
     std::shared_ptr<OpState> op;
     Status status;
-    bool operator>(const Due& o) const { return at > o.at; }
+    std::function<void()> run;  // a deferred control message
+    bool operator>(const Due& o) const {
+      return at != o.at ? at > o.at : seq > o.seq;
+    }
   };
 
   bool Draw(double p) {  // requires mu_
@@ -141,7 +159,7 @@ class FaultChannel final : public Channel {
     }
     {
       std::lock_guard<std::mutex> l(mu_);
-      q_.push(Due{at, std::move(op), std::move(s)});
+      q_.push(Due{at, seq_++, std::move(op), std::move(s), nullptr});
     }
     cv_.notify_all();
   }
@@ -161,11 +179,17 @@ class FaultChannel final : public Channel {
       Due d = q_.top();
       q_.pop();
       l.unlock();
-      d.op->Complete(d.status);
+      if (d.run) {
+        d.run();
+      } else {
+        d.op->Complete(d.status);
+      }
       l.lock();
     }
     while (!q_.empty()) {  // complete what is left so no waiter hangs
-      q_.top().op->Complete(AbortedError("fault channel destroyed"));
+      if (q_.top().op) {
+        q_.top().op->Complete(AbortedError("fault channel destroyed"));
+      }
       q_.pop();
     }
   }
@@ -180,6 +204,7 @@ class FaultChannel final : public Channel {
   std::priority_queue<Due, std::vector<Due>, std::greater<Due>>
       q_;              // GUARDED_BY(mu_)
   bool stop_ = false;  // GUARDED_BY(mu_)
+  uint64_t seq_ = 0;   // GUARDED_BY(mu_)
   std::thread timer_;
 };
 

@@ -1,0 +1,58 @@
+// Worker-side ring AllReduce (the "GPU synchronisation" half of seed 000's
+// dual synchronisation, §III.F): p workers sum a float32 buffer in place by
+// reduce-scatter + all-gather over p chunks, each step a one-sided write of
+// one chunk into the next worker's receive buffer (mapped memory on one
+// host, RDMA/TCP across hosts) followed by a control notice.
+//
+// Setup is two-phase because the endpoints must be exchanged by the
+// launcher (MPI, the parameter service, a host file): Create() listens,
+// endpoint() is what others need, Connect() takes every worker's endpoint
+// in rank order.
+//
+// Flow control: a worker writes into its successor's receive buffer only
+// after the successor acknowledged the previous step, so a step never
+// overwrites data that is still being read. Allreduce() returns when this
+// worker's buffer holds the sum and its successor has consumed everything
+// it was sent (the next call may start at once).
+//
+// Failure: a dead neighbour or a timeout gives kUnavailable /
+// kDeadlineExceeded naming the neighbour; the buffer is then unspecified.
+// Thread-safety: one Allreduce at a time per RingAllreduce object.
+#ifndef MEMBOX_COLLECTIVE_RING_ALLREDUCE_H_
+#define MEMBOX_COLLECTIVE_RING_ALLREDUCE_H_
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+namespace membox::collective {
+
+struct RingOptions {
+  int rank = 0;
+  int world = 1;
+  std::string listen = "0.0.0.0:0";
+  std::string transports = "auto";
+  size_t max_bytes = 64 << 20;  // largest buffer Allreduce will be given
+  std::chrono::milliseconds timeout{60000};
+};
+
+class RingAllreduce {
+ public:
+  static Result<std::unique_ptr<RingAllreduce>> Create(
+      const RingOptions& options);
+  virtual ~RingAllreduce() = default;
+  virtual std::string endpoint() const = 0;
+  // Connects to the neighbours; `endpoints[i]` is worker i's endpoint().
+  virtual Status Connect(const std::vector<std::string>& endpoints) = 0;
+  // data[i] <- sum over workers of data[i]; `count` * 4 <= max_bytes and
+  // equal on every worker.
+  virtual Status Allreduce(float* data, size_t count) = 0;
+};
+
+}  // namespace membox::collective
+
+#endif  // MEMBOX_COLLECTIVE_RING_ALLREDUCE_H_

@@ -1,0 +1,182 @@
+#include "membox/collective/ring_allreduce.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "membox/transport/device.h"
+#include "src/collective/ring_message.h"
+#include "src/memserver/accumulate.h"
+
+namespace membox::collective {
+namespace {
+
+using transport::Channel;
+using transport::MemRegion;
+using transport::RemoteMemRegion;
+
+class RingImpl final : public RingAllreduce {
+ public:
+  explicit RingImpl(RingOptions o) : opt_(std::move(o)) {}
+  ~RingImpl() override {
+    if (next_) next_->Close();
+    if (prev_) prev_->Close();
+    remote_recv_.reset();
+    send_.reset();
+    recv_.reset();
+    device_.reset();
+  }
+
+  Status Init() {
+    if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world) {
+      return InvalidArgumentError("rank must be in [0, world)");
+    }
+    transport::DeviceOptions d;
+    d.listen_address = opt_.listen;
+    d.transports = opt_.transports;
+    d.name = "ring-" + std::to_string(opt_.rank);
+    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    size_t chunk = ChunkCapacity();
+    ASSIGN_OR_RETURN(send_, device_->AllocateMemRegion(chunk));
+    ASSIGN_OR_RETURN(recv_, device_->AllocateMemRegion(chunk));
+    return Status::Ok();
+  }
+
+  std::string endpoint() const override { return device_->listen_endpoint(); }
+
+  Status Connect(const std::vector<std::string>& endpoints) override {
+    if (endpoints.size() != static_cast<size_t>(opt_.world)) {
+      return InvalidArgumentError("one endpoint per worker");
+    }
+    if (opt_.world == 1) return Status::Ok();
+    int next = (opt_.rank + 1) % opt_.world;
+    auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
+    Status last;
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto ch = device_->GetChannel(endpoints[next]);
+      if (ch.ok()) {
+        next_ = *ch;
+        break;
+      }
+      last = ch.status();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!next_) {
+      return UnavailableError("ring: cannot reach worker " +
+                              std::to_string(next) + ": " + last.ToString());
+    }
+    ASSIGN_OR_RETURN(prev_, device_->Accept(opt_.timeout));
+    // Tell the predecessor where to write.
+    RingMessage d;
+    d.type = RingType::kDescriptor;
+    d.payload = recv_->Export().Serialize();
+    RETURN_IF_ERROR(prev_->SendControl(EncodeRing(d)));
+    ASSIGN_OR_RETURN(RingMessage got, Recv(*next_, RingType::kDescriptor, 0, 0));
+    ASSIGN_OR_RETURN(auto desc,
+                     transport::RegionDescriptor::Deserialize(got.payload));
+    ASSIGN_OR_RETURN(remote_recv_, next_->Import(desc, opt_.timeout));
+    if (remote_recv_->size() < ChunkCapacity()) {
+      return FailedPreconditionError("ring: workers disagree on max_bytes");
+    }
+    return Status::Ok();
+  }
+
+  Status Allreduce(float* data, size_t count) override {
+    const int P = opt_.world;
+    if (P == 1 || count == 0) return Status::Ok();
+    if (!next_ || !prev_) return FailedPreconditionError("ring not connected");
+    if (count * sizeof(float) > opt_.max_bytes) {
+      return InvalidArgumentError("buffer larger than the ring's max_bytes");
+    }
+    const uint64_t call = ++calls_;
+    const size_t per = (count + P - 1) / P;
+    auto chunk = [&](int c) {
+      size_t b = std::min(count, per * static_cast<size_t>(c));
+      return std::make_pair(b, std::min(count, b + per) - b);
+    };
+    const int r = opt_.rank;
+    const int steps = 2 * (P - 1);
+    for (int s = 0; s < steps; ++s) {
+      bool reduce = s < P - 1;
+      int t = s - (P - 1);
+      int send_c = reduce ? ((r - s) % P + P) % P : ((r + 1 - t) % P + P) % P;
+      int recv_c =
+          reduce ? ((r - s - 1) % P + 2 * P) % P : ((r - t) % P + P) % P;
+      // The successor has consumed what we sent last step.
+      if (s > 0) RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, s - 1).status());
+      auto [sb, sn] = chunk(send_c);
+      std::memcpy(send_->data(), data + sb, sn * sizeof(float));
+      if (sn > 0) {
+        ASSIGN_OR_RETURN(auto h, next_->Write(send_->data(), *send_,
+                                              remote_recv_->address(),
+                                              *remote_recv_, sn * sizeof(float)));
+        RETURN_IF_ERROR(h.Wait(opt_.timeout));
+        ASSIGN_OR_RETURN(auto f, next_->Flush());
+        RETURN_IF_ERROR(f.Wait(opt_.timeout));
+      }
+      RETURN_IF_ERROR(Send(*next_, RingType::kReady, call, s));
+      RETURN_IF_ERROR(Recv(*prev_, RingType::kReady, call, s).status());
+      auto [rb, rn] = chunk(recv_c);
+      const float* in = static_cast<const float*>(recv_->data());
+      if (reduce) {
+        memserver::AccumulateKernel(transport::DType::kFloat32, data + rb, in,
+                                    rn, 1.0);
+      } else {
+        std::memcpy(data + rb, in, rn * sizeof(float));
+      }
+      RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, s));
+    }
+    return Recv(*next_, RingType::kAck, call, steps - 1).status();
+  }
+
+ private:
+  size_t ChunkCapacity() const {
+    size_t floats = (opt_.max_bytes / sizeof(float) + opt_.world - 1) /
+                    static_cast<size_t>(opt_.world);
+    return std::max<size_t>(floats * sizeof(float), 64);
+  }
+
+  Status Send(Channel& ch, RingType type, uint64_t call, int step) {
+    RingMessage m;
+    m.type = type;
+    m.call = call;
+    m.step = static_cast<uint32_t>(step);
+    return ch.SendControl(EncodeRing(m));
+  }
+
+  // The next message on `ch` must be exactly (type, call, step).
+  Result<RingMessage> Recv(Channel& ch, RingType type, uint64_t call,
+                           int step) {
+    auto bytes = ch.RecvControl(opt_.timeout);
+    if (!bytes.ok()) {
+      return Status(bytes.status().code(),
+                    "ring neighbour " + ch.peer() + ": " +
+                        std::string(bytes.status().message()));
+    }
+    ASSIGN_OR_RETURN(RingMessage m, DecodeRing(*bytes));
+    if (m.type != type || m.call != call ||
+        m.step != static_cast<uint32_t>(step)) {
+      return DataLossError("ring neighbour " + ch.peer() +
+                           " is out of step (a worker called Allreduce with "
+                           "different arguments?)");
+    }
+    return m;
+  }
+
+  RingOptions opt_;
+  std::unique_ptr<transport::Device> device_;
+  std::unique_ptr<MemRegion> send_, recv_;
+  std::shared_ptr<Channel> next_, prev_;
+  std::shared_ptr<RemoteMemRegion> remote_recv_;
+  uint64_t calls_ = 0;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<RingAllreduce>> RingAllreduce::Create(
+    const RingOptions& options) {
+  auto r = std::make_unique<RingImpl>(options);
+  RETURN_IF_ERROR(r->Init());
+  return std::unique_ptr<RingAllreduce>(std::move(r));
+}
+
+}  // namespace membox::collective

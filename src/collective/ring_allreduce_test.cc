@@ -1,0 +1,80 @@
+#include "membox/collective/ring_allreduce.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "src/collective/ring_message.h"
+
+namespace membox::collective {
+namespace {
+
+void RunRing(int world, size_t count, int calls) {
+  std::vector<std::unique_ptr<RingAllreduce>> rings;
+  std::vector<std::string> eps;
+  for (int r = 0; r < world; ++r) {
+    RingOptions o;
+    o.rank = r;
+    o.world = world;
+    o.listen = "127.0.0.1:0";
+    o.max_bytes = count * 4;
+    auto ring = RingAllreduce::Create(o);
+    ASSERT_TRUE(ring.ok()) << ring.status().ToString();
+    eps.push_back((*ring)->endpoint());
+    rings.push_back(std::move(*ring));
+  }
+  std::vector<std::thread> th;
+  for (int r = 0; r < world; ++r) {
+    th.emplace_back([&, r] {
+      ASSERT_TRUE(rings[r]->Connect(eps).ok());
+      std::vector<float> v(count);
+      for (int c = 0; c < calls; ++c) {
+        for (size_t i = 0; i < count; ++i) v[i] = float(r + c) + float(i % 7);
+        Status s = rings[r]->Allreduce(v.data(), count);
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        for (size_t i = 0; i < count; i += 101) {
+          float want = 0;
+          for (int q = 0; q < world; ++q) want += float(q + c) + float(i % 7);
+          ASSERT_EQ(v[i], want) << "rank " << r << " call " << c << " i " << i;
+        }
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+}
+
+TEST(RingAllreduceTest, SumsAcrossWorkers) {
+  RunRing(3, 10007, 3);  // chunks of unequal size
+  RunRing(2, 5, 2);
+  RunRing(4, 3, 2);  // fewer elements than workers: empty chunks
+  RunRing(1, 100, 1);
+}
+
+TEST(RingAllreduceTest, RejectsOversizeAndBadMessages) {
+  RingOptions o;
+  o.max_bytes = 64;
+  auto ring = RingAllreduce::Create(o);
+  ASSERT_TRUE(ring.ok());
+  std::vector<float> v(100);
+  EXPECT_TRUE((*ring)->Allreduce(v.data(), v.size()).ok());  // world 1: no-op
+  RingOptions bad;
+  bad.rank = 2;
+  bad.world = 2;
+  EXPECT_FALSE(RingAllreduce::Create(bad).ok());
+  RingMessage m;
+  m.type = RingType::kReady;
+  m.call = 3;
+  m.step = 1;
+  auto enc = EncodeRing(m);
+  auto dec = DecodeRing(enc);
+  ASSERT_TRUE(dec.ok());
+  EXPECT_EQ(dec->call, 3u);
+  enc.push_back(0);
+  EXPECT_FALSE(DecodeRing(enc).ok());
+  enc.pop_back();
+  enc[2] = 9;
+  EXPECT_FALSE(DecodeRing(enc).ok());
+}
+
+}  // namespace
+}  // namespace membox::collective

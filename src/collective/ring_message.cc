@@ -1,0 +1,46 @@
+#include "src/collective/ring_message.h"
+
+#include "src/transport/wire.h"
+
+namespace membox::collective {
+
+using transport::wire::Reader;
+using transport::wire::Writer;
+
+std::vector<uint8_t> EncodeRing(const RingMessage& m) {
+  Writer w;
+  w.U8('R');
+  w.U8(1);
+  w.U8(static_cast<uint8_t>(m.type));
+  w.U64(m.call);
+  w.U32(m.step);
+  if (m.type == RingType::kDescriptor) {
+    w.U32(static_cast<uint32_t>(m.payload.size()));
+    w.Bytes(m.payload.data(), m.payload.size());
+  }
+  return std::move(w.buffer());
+}
+
+Result<RingMessage> DecodeRing(std::span<const uint8_t> in) {
+  Reader r(in);
+  uint8_t magic = 0, version = 0, type = 0;
+  RingMessage m;
+  if (!r.U8(&magic) || magic != 'R' || !r.U8(&version) || version != 1 ||
+      !r.U8(&type) || type < 1 || type > 3 || !r.U64(&m.call) ||
+      !r.U32(&m.step)) {
+    return InvalidArgumentError("malformed ring message");
+  }
+  m.type = static_cast<RingType>(type);
+  if (m.type == RingType::kDescriptor) {
+    uint32_t n = 0;
+    if (!r.U32(&n) || n == 0 || n > 8192 || !r.Bytes(&m.payload, n)) {
+      return InvalidArgumentError("malformed ring descriptor message");
+    }
+  }
+  if (r.remaining() != 0) {
+    return InvalidArgumentError("malformed ring message (trailing bytes)");
+  }
+  return m;
+}
+
+}  // namespace membox::collective
