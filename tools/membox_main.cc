@@ -22,6 +22,7 @@
 #include "bench/allreduce/allreduce_bench.h"
 #include "bench/async_sgd/async_sgd_bench.h"
 #include "bench/memserver/memserver_bench.h"
+#include "bench/train/train_bench.h"
 #include "bench/transfer/transfer_bench.h"
 #endif
 
@@ -323,6 +324,23 @@ int main(int argc, char** argv) {
   bool no_gloo = false;
   arbench->add_flag("--no-gloo", no_gloo, "skip the Gloo baseline");
 
+  membox::bench::TrainOptions tropt;
+  auto* trbench = bench->add_subcommand(
+      "train",
+      "seed 000 Figs. 16-17: emulated data-parallel training, membox vs "
+      "DENSE, MPI and Gloo AllReduce, with ablations");
+  AddCommonFlags(trbench, &tropt.common);
+  trbench->add_option("--models", tropt.models,
+                      "resnet50,vgg16,bert-large")
+      ->delimiter(',');
+  trbench->add_option("--workers", tropt.workers, "workers (default 4)");
+  trbench->add_option("--iterations", tropt.iterations,
+                      "iterations per run, the first a warm-up");
+  trbench->add_option("--compute-scale", tropt.compute_scale,
+                      "multiply the models' compute times");
+  bool tr_no_gloo = false;
+  trbench->add_flag("--no-gloo", tr_no_gloo, "skip the Gloo baseline");
+
   auto* peer = app.add_subcommand(
       "bench-peer", "internal: the receiving side of a benchmark");
   peer->group("");  // hidden
@@ -376,6 +394,10 @@ int main(int argc, char** argv) {
   }
   if (msbench->parsed()) return membox::bench::RunMemserverBench(mopt);
   if (sgd->parsed()) return membox::bench::RunAsyncSgdBench(aopt);
+  if (trbench->parsed()) {
+    tropt.with_gloo = !tr_no_gloo;
+    return membox::bench::RunTrainBench(tropt);
+  }
   if (arbench->parsed()) {
     ropt.with_gloo = !no_gloo;
     return membox::bench::RunAllreduceBench(ropt);
@@ -388,6 +410,7 @@ int main(int argc, char** argv) {
       args.insert(args.end(), peer_args.begin(), peer_args.end());
       return membox::bench::RunAsyncSgdWorker(args);
     }
+    if (peer_bench == "train") return membox::bench::RunTrainWorker(peer_args);
     if (peer_bench == "allreduce") {
       return membox::bench::RunAllreduceWorker(peer_args);
     }

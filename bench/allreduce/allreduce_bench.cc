@@ -254,24 +254,13 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
       Progress(done++, total,
                "membox p=" + std::to_string(p) + " nodes=" + std::to_string(m));
       std::vector<std::string> peers;
-      for (int i = 0; i < m; ++i) {
-        peers.push_back("127.0.0.1:" + std::to_string(ServerProcess::FreePort()));
+      auto cluster = ServerProcess::StartProxyCluster(m, 2, &peers);
+      if (!cluster.ok()) {
+        std::fprintf(stderr, "error: %s\n",
+                     cluster.status().ToString().c_str());
+        return 1;
       }
-      std::string secret = "bench-allreduce-" + std::to_string(getpid());
-      std::vector<ServerProcess> servers;
-      bool ok = true;
-      for (int i = 0; i < m; ++i) {
-        auto s = ServerProcess::StartWithProxy(
-            "auto", 2, peers[i], m > 1 ? peers : std::vector<std::string>{}, i,
-            secret);
-        if (!s.ok()) {
-          std::fprintf(stderr, "error: %s\n", s.status().ToString().c_str());
-          ok = false;
-          break;
-        }
-        servers.push_back(std::move(*s));
-      }
-      if (!ok) return 1;
+      std::vector<ServerProcess> servers = std::move(*cluster);
       std::string list;
       for (auto& pe : peers) list += (list.empty() ? "" : ",") + pe;
       auto proc = mpirun(p, {list, servers[0].secret_file(), Join(sizes),

@@ -94,6 +94,35 @@ Result<ServerProcess> ServerProcess::StartWithProxy(
   return s;
 }
 
+Result<std::vector<ServerProcess>> ServerProcess::StartProxyCluster(
+    int nodes, int sync_cores, std::vector<std::string>* endpoints) {
+  Status last;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::vector<std::string> peers;
+    for (int i = 0; i < nodes; ++i) {
+      peers.push_back("127.0.0.1:" + std::to_string(FreePort()));
+    }
+    std::random_device rd;
+    std::string secret = "bench-" + std::to_string(rd()) + std::to_string(rd());
+    std::vector<ServerProcess> servers;
+    for (int i = 0; i < nodes; ++i) {
+      auto s = StartWithProxy("auto", sync_cores, peers[i],
+                              nodes > 1 ? peers : std::vector<std::string>{},
+                              i, secret);
+      if (!s.ok()) {
+        last = s.status();
+        break;
+      }
+      servers.push_back(std::move(*s));
+    }
+    if (static_cast<int>(servers.size()) == nodes) {
+      *endpoints = peers;
+      return servers;
+    }
+  }
+  return last;
+}
+
 ServerProcess::ServerProcess(ServerProcess&& o) noexcept
     : proc_(std::move(o.proc_)),
       endpoint_(std::move(o.endpoint_)),

@@ -27,6 +27,12 @@ class ServerProcess {
       int ps_rank, const std::string& secret = "");
   // Free TCP port on 127.0.0.1 (for endpoints that must be known up front).
   static int FreePort();
+  // `nodes` memory nodes whose proxies form one ring on 127.0.0.1, with one
+  // secret. A port taken between choosing and listening (another process's
+  // ephemeral port) makes it retry with fresh ports, up to 3 times.
+  // `endpoints` receives the proxies' endpoints in ring order.
+  static Result<std::vector<ServerProcess>> StartProxyCluster(
+      int nodes, int sync_cores, std::vector<std::string>* endpoints);
   ServerProcess(ServerProcess&& o) noexcept;
   ServerProcess& operator=(ServerProcess&&) = delete;
   ~ServerProcess();

@@ -281,12 +281,27 @@ class ParamClientImpl final : public ParamClient {
     }
     uint64_t version = 0;
     for (uint32_t i = 0; i < proxies_.size(); ++i) {
-      ASSIGN_OR_RETURN(uint64_t v, Call(i, m));
-      if (i > 0 && v != version) {
-        return DataLossError("proxies disagree on the version of key " +
+      // The first declaration of a key fixes its shard size; later ones
+      // (this worker's S' may differ) adopt it.
+      auto st = NewState(1, nullptr);
+      st->progress = progress_;
+      auto text = std::make_shared<std::string>();
+      RETURN_IF_ERROR(SendRequest(i, m, st, text));
+      PsHandle h(st);
+      RETURN_IF_ERROR(h.Wait(opt_.timeout));
+      uint64_t v = h.version();
+      uint64_t shard_bytes = std::strtoull(text->c_str(), nullptr, 10);
+      if (i > 0 && (v != version || shard_bytes != k.shard_bytes)) {
+        return DataLossError("proxies disagree on key " + std::to_string(key));
+      }
+      if (shard_bytes == 0 || shard_bytes % es != 0) {
+        return DataLossError("proxy gave a bad shard size for key " +
                              std::to_string(key));
       }
       version = v;
+      k.shard_bytes = shard_bytes;
+      k.shards = static_cast<uint32_t>((bytes + shard_bytes - 1) / shard_bytes);
+      m.shard_bytes = shard_bytes;
     }
     k.base_version = version;
     std::lock_guard<std::mutex> l(mu_);
@@ -336,12 +351,15 @@ class ParamClientImpl final : public ParamClient {
       for (uint64_t size : o.sizes) {
         std::vector<double> t;
         for (int r = 0; r <= o.repeats; ++r) {  // the first is a warm-up
+          // One sample = what a push costs: the data to the proxy, visible
+          // there, and a request / reply with it.
           auto t0 = Clock::now();
           ASSIGN_OR_RETURN(auto h, ch->Write(probe_->data(), *probe_,
                                              remote->address(), *remote, size));
           RETURN_IF_ERROR(h.Wait(opt_.timeout));
           ASSIGN_OR_RETURN(auto f, ch->Flush());
           RETURN_IF_ERROR(f.Wait(opt_.timeout));
+          RETURN_IF_ERROR(Call(p, m).status());
           if (r > 0) {
             t.push_back(
                 std::chrono::duration<double>(Clock::now() - t0).count());

@@ -547,7 +547,11 @@ class ProxyImpl final : public Proxy {
         return Reply(conn, m.id, Configure(m));
       case Type::kDeclare: {
         auto v = Declare(c, m);
-        Reply(conn, m.id, v.status(), v.ok() ? *v : 0);
+        // The reply's text is the key's shard size: the first declaration
+        // fixed it, later ones adopt it.
+        std::string shard;
+        if (v.ok()) shard = std::to_string(keys_[m.key].shard_bytes);
+        Reply(conn, m.id, v.status(), v.ok() ? *v : 0, shard);
         return MaybeStartAll();
       }
       case Type::kRoute: {
@@ -677,11 +681,10 @@ class ProxyImpl final : public Proxy {
     auto it = keys_.find(m.key);
     if (it != keys_.end()) {
       Key& k = it->second;
-      if (k.bytes != m.bytes || k.dtype != dt ||
-          k.shard_bytes != m.shard_bytes) {
+      if (k.bytes != m.bytes || k.dtype != dt) {
         return FailedPreconditionError(
             "key " + std::to_string(m.key) +
-            " was declared with a different size, dtype or shard size");
+            " was declared with a different size or dtype");
       }
     } else {
       Key k;
