@@ -20,21 +20,68 @@ def label(n):
     return f"{n}B"
 
 
+def bars(a, metrics):
+    """Grouped bars: one group per case (model), one bar per variant; with
+    two metrics the second is drawn hatched inside the first (e.g. blocked
+    communication inside iteration time)."""
+    vals = collections.OrderedDict()
+    variants, unit = [], ""
+    with open(a.csv) as f:
+        for row in csv.DictReader(f):
+            if row["metric"] not in metrics:
+                continue
+            case = row.get("case") or "-"
+            vals.setdefault(case, {})[(row["variant"], row["metric"])] = float(row["value"])
+            if row["variant"] not in variants:
+                variants.append(row["variant"])
+            unit = row["unit"]
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    width = 0.8 / max(1, len(variants))
+    for vi, v in enumerate(variants):
+        xs = [ci + vi * width for ci in range(len(vals))]
+        first = [vals[c].get((v, metrics[0]), 0) for c in vals]
+        ax.bar(xs, first, width, color=colors[vi % len(colors)], label=v,
+               edgecolor="black", linewidth=0.4)
+        if len(metrics) > 1:
+            second = [vals[c].get((v, metrics[1]), 0) for c in vals]
+            ax.bar(xs, second, width, color="none", hatch="//",
+                   edgecolor="black", linewidth=0.4,
+                   label=metrics[1] if vi == 0 else None)
+    ax.set_xticks([ci + 0.4 - width / 2 for ci in range(len(vals))])
+    ax.set_xticklabels(list(vals))
+    ax.set_ylabel(f"{metrics[0]} ({unit})")
+    if a.log_y:
+        ax.set_yscale("log")
+    ax.set_title(a.title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--metric", required=True, help="comma-separated metrics")
-    ap.add_argument("--x", default="size", choices=("size", "workers"))
+    ap.add_argument("--x", default="size", choices=("size", "workers", "case"))
     ap.add_argument("--title", default="")
     ap.add_argument("--log-y", action="store_true")
     a = ap.parse_args()
     metrics = a.metric.split(",")
+    if a.x == "case":
+        return bars(a, metrics)
     series = collections.defaultdict(list)
     style = {}  # key -> (color group, membox or baseline)
     unit = ""
     with open(a.csv) as f:
-        for row in csv.DictReader(f):
+        rows = list(csv.DictReader(f))
+    many_p = len({r["workers"] for r in rows if r["metric"] in metrics}) > 1
+    dashes = ["-", "--", ":", "-."]
+    p_values = sorted({int(r["workers"] or 0) for r in rows})
+    if True:
+        for row in rows:
             if row["metric"] not in metrics:
                 continue
             key = row["variant"]
@@ -43,26 +90,33 @@ def main():
             if len(metrics) > 1:
                 key += f" {row['metric']}"
             if a.x == "size":
-                if row["workers"] not in ("", "0", "2"):
+                if many_p or row["workers"] not in ("", "0", "2"):
                     key += f" p={row['workers']}"
                 x = int(row["size_bytes"])
             else:
                 x = int(row["workers"])
             series[key].append((x, float(row["value"])))
             style[key] = (row.get("case") or row["metric"] if len(metrics) > 1 or row.get("case")
-                          else row["variant"], row["variant"].startswith("membox"))
+                          else row["variant"], row["variant"].startswith("membox"),
+                          int(row["workers"] or 0))
             unit = row["unit"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
     xs = set()
-    groups = sorted({g for g, _ in style.values()})
+    groups = sorted({g for g, _, _ in style.values()})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for key in sorted(series):
         pts = sorted(series[key])
         xs.update(p[0] for p in pts)
-        group, ours = style[key]
-        # Same colour per model/metric; membox solid, baselines dashed.
+        group, ours, workers = style[key]
+        # Same colour per model/metric (or variant); with several worker
+        # counts the line style tells them apart, else membox solid and
+        # baselines dashed.
+        if many_p and a.x == "size":
+            ls = dashes[p_values.index(workers) % len(dashes)]
+        else:
+            ls = "-" if ours else "--"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if ours else "s",
-                linestyle="-" if ours else "--",
+                linestyle=ls,
                 color=colors[groups.index(group) % len(colors)], label=key)
     ax.set_xscale("log", base=2)
     if a.log_y:

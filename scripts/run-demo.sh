@@ -7,7 +7,11 @@
 #   2. seed 003 Figs. 6-9 -- asynchronous SGD emulation with a real
 #      `membox serve` memory node and workers under mpirun, against an
 #      MPI_Send/MPI_Recv parameter server;
-#   3. seed 003 Fig. 5 -- memory-node bandwidth with 2..8 client processes.
+#   3. seed 003 Fig. 5 -- memory-node bandwidth with 2..8 client processes;
+#   4. synchronous PushPull through 1 and 2 memory nodes vs MPI_Allreduce
+#      and Gloo (torch.distributed);
+#   5. seed 000 Figs. 16-17 -- emulated data-parallel training of ResNet-50,
+#      membox vs DENSE, MPI and Gloo AllReduce, with ablations.
 # Tables are printed; CSV, JSON and PNG files go to out/.
 # Usage: bash scripts/run-demo.sh [--no-install]
 set -euo pipefail
@@ -17,9 +21,9 @@ cmake --preset release
 cmake --build --preset release -j"$(nproc)"
 mkdir -p out
 membox=./build/release/tools/membox
-for bench in transfer async-sgd memserver; do
+for bench in transfer async-sgd memserver allreduce train; do
   echo "== membox bench $bench --quick"
   "$membox" bench "$bench" --quick \
     --csv "out/$bench.csv" --json "out/$bench.json" --plot "out/$bench.png"
 done
-echo "wrote out/{transfer,async-sgd,memserver}.{csv,json,png}"
+echo "wrote out/{transfer,async-sgd,memserver,allreduce,train}.{csv,json,png}"

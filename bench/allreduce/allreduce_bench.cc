@@ -222,7 +222,6 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
     r.metric = "time";
     r.value = sec * 1e3;
     r.unit = "ms";
-    r.case_name = "p=" + std::to_string(p);
     report.Add(r);
   };
   auto mpirun = [&](int p, const std::vector<std::string>& args) {

@@ -548,8 +548,11 @@ int RunTrainBench(const TrainOptions& opt) {
     }
     std::printf("\n");
   }
-  Status st = report.Finish(opt.common, "iteration",
-                            "emulated training: iteration time", false);
+  Status st = report.Finish(
+      opt.common, "iteration,blocked",
+      "emulated training, " + std::to_string(p) +
+          " workers: iteration time (hatched: blocked communication)",
+      false, "case");
   if (!st.ok()) {
     std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
     return 1;

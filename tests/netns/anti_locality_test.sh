@@ -66,7 +66,7 @@ for r in 0 1; do
   grep -q "parameter proxy on" "$dir/node$r.log" || { echo "FAIL: node $r did not start"; cat "$dir/node$r.log"; exit 1; }
 done
 if ip netns exec "$W" env UCX_NET_DEVICES="$DEV_1" "$peer" 10.79.0.2:7410 10.79.0.3:7410 \
-    anti-locality-secret 10 | tee "$dir/peer.log"; then
+    anti-locality-secret 20 | tee "$dir/peer.log"; then
   echo "PASS: anti-locality routing"
 else
   echo "FAIL: see above"; cat "$dir/node0.log" "$dir/node1.log"; exit 1
