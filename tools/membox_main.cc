@@ -112,9 +112,9 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
   auto q = membox::ParseByteSize(quota);
   auto pm = membox::ParseByteSize(ps_max);
   auto pl = ProxyListen(ps_listen, o.listen);
-  for (const membox::Status& st : {sec.status(), p.status(), mn.status(),
-                                   mx.status(), q.status(), pm.status(),
-                                   pl.status()}) {
+  for (const membox::Status& st :
+       {sec.status(), p.status(), mn.status(), mx.status(), q.status(),
+        pm.status(), pl.status()}) {
     if (!st.ok()) {
       std::fprintf(stderr, "membox serve: %s\n", st.ToString().c_str());
       return 2;
@@ -243,12 +243,14 @@ int main(int argc, char** argv) {
   std::string ps_listen = "auto", ps_max = "16GiB", ps_sched = "per-client";
   serve->add_option("--ps-listen", ps_listen,
                     "parameter proxy address (auto: --listen port + 1; off)");
-  serve->add_option("--ps-peers", popt.peers,
-                    "every proxy endpoint in ring order, this one included")
+  serve
+      ->add_option("--ps-peers", popt.peers,
+                   "every proxy endpoint in ring order, this one included")
       ->delimiter(',');
   serve->add_option("--ps-rank", popt.rank, "this proxy's index in --ps-peers");
-  serve->add_option("--ps-scheduler", ps_sched,
-                    "per-client (default) or fcfs (deadlocks; for tests)")
+  serve
+      ->add_option("--ps-scheduler", ps_sched,
+                   "per-client (default) or fcfs (deadlocks; for tests)")
       ->check(CLI::IsMember({"per-client", "fcfs"}));
   serve->add_option("--ps-max-bytes", ps_max, "parameter storage limit");
   serve->add_option("--checkpoint-dir", popt.checkpoint_dir,
@@ -330,8 +332,7 @@ int main(int argc, char** argv) {
       "seed 000 Figs. 16-17: emulated data-parallel training, membox vs "
       "DENSE, MPI and Gloo AllReduce, with ablations");
   AddCommonFlags(trbench, &tropt.common);
-  trbench->add_option("--models", tropt.models,
-                      "resnet50,vgg16,bert-large")
+  trbench->add_option("--models", tropt.models, "resnet50,vgg16,bert-large")
       ->delimiter(',');
   trbench->add_option("--workers", tropt.workers, "workers (default 4)");
   trbench->add_option("--iterations", tropt.iterations,

@@ -14,10 +14,11 @@
 #include <mpi.h>
 #include <unistd.h>
 
-#include "bench/common/server_process.h"
 #include "membox/base/config.h"
 #include "membox/base/subprocess.h"
 #include "membox/ps/param_client.h"
+
+#include "bench/common/server_process.h"
 
 namespace membox::bench {
 namespace {
@@ -84,8 +85,8 @@ double MemcpyBandwidth() {
   return best;
 }
 
-std::map<std::pair<std::string, uint64_t>, double> ReadResults(
-    Subprocess& p, size_t expect) {
+std::map<std::pair<std::string, uint64_t>, double> ReadResults(Subprocess& p,
+                                                               size_t expect) {
   std::map<std::pair<std::string, uint64_t>, double> out;
   while (out.size() < expect) {
     auto line = p.ReadLine(std::chrono::minutes(10));
@@ -150,7 +151,8 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
     auto& client = *c;
     auto in = client->AllocateTensor(largest);
     auto out = client->AllocateTensor(largest);
-    if (!in.ok() || !out.ok()) return fail(in.ok() ? out.status() : in.status());
+    if (!in.ok() || !out.ok())
+      return fail(in.ok() ? out.status() : in.status());
     float* x = static_cast<float*>(*in);
     float* y = static_cast<float*>(*out);
     std::fill(x, x + largest / 4, float(rank + 1));
@@ -194,14 +196,13 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
 int RunAllreduceBench(const AllreduceOptions& opt) {
   const bool q = opt.common.quick;
   std::vector<int> workers = opt.workers;
-  if (workers.empty()) workers = q ? std::vector<int>{2, 4}
-                                   : std::vector<int>{2, 4, 8};
+  if (workers.empty())
+    workers = q ? std::vector<int>{2, 4} : std::vector<int>{2, 4, 8};
   std::vector<uint64_t> sizes = opt.sizes;
   if (sizes.empty()) {
     sizes = q ? std::vector<uint64_t>{4 << 10, 1 << 20, 32 << 20}
-              : std::vector<uint64_t>{4 << 10,  64 << 10,  1 << 20,
-                                      8 << 20,  32 << 20,  128 << 20,
-                                      512u << 20};
+              : std::vector<uint64_t>{4 << 10,  64 << 10,  1 << 20,   8 << 20,
+                                      32 << 20, 128 << 20, 512u << 20};
   }
   std::vector<int> nodes = opt.nodes;
   if (nodes.empty()) nodes = {1, 2};
@@ -210,8 +211,8 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
   Report report("allreduce");
   double bw = MemcpyBandwidth();
   std::fprintf(stderr, "memcpy bandwidth (1 thread): %.2f GB/s\n", bw / 1e9);
-  int total = static_cast<int>(workers.size() * (nodes.size() + 1 +
-                                                 (opt.with_gloo ? 1 : 0)));
+  int total = static_cast<int>(workers.size() *
+                               (nodes.size() + 1 + (opt.with_gloo ? 1 : 0)));
   int done = 0;
   auto add = [&](const std::string& variant, int p, uint64_t n, double sec) {
     Record r;
@@ -225,11 +226,20 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
     report.Add(r);
   };
   auto mpirun = [&](int p, const std::vector<std::string>& args) {
-    std::vector<std::string> argv = {
-        "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to",
-        "none",   "-np",                 std::to_string(p), "--mca",
-        "btl",    "self,vader",          SelfPath(),        "bench-peer",
-        "allreduce", "worker"};
+    std::vector<std::string> argv = {"mpirun",
+                                     "--allow-run-as-root",
+                                     "--oversubscribe",
+                                     "--bind-to",
+                                     "none",
+                                     "-np",
+                                     std::to_string(p),
+                                     "--mca",
+                                     "btl",
+                                     "self,vader",
+                                     SelfPath(),
+                                     "bench-peer",
+                                     "allreduce",
+                                     "worker"};
     argv.insert(argv.end(), args.begin(), args.end());
     return Subprocess::Start(argv);
   };
@@ -280,7 +290,8 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
       Progress(done++, total, "gloo p=" + std::to_string(p));
       auto proc = Subprocess::Start(
           {"/usr/bin/python3",
-           std::string(MEMBOX_SOURCE_DIR) + "/bench/allreduce/gloo_allreduce.py",
+           std::string(MEMBOX_SOURCE_DIR) +
+               "/bench/allreduce/gloo_allreduce.py",
            "--workers", std::to_string(p), "--sizes", Join(sizes), "--iters",
            iters_s, "--port", std::to_string(ServerProcess::FreePort())});
       if (!proc) return 1;
@@ -314,8 +325,9 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
           best / gloo, best / bound, m2 / m1);
     }
   }
-  std::printf("(ratios: time of the faster membox variant / baseline; < 1 is "
-              "membox faster)\n");
+  std::printf(
+      "(ratios: time of the faster membox variant / baseline; < 1 is "
+      "membox faster)\n");
   Status s = report.Finish(opt.common, "time",
                            "allreduce: membox PushPull vs MPI vs Gloo", true);
   if (!s.ok()) {

@@ -16,10 +16,10 @@ namespace membox::bench {
 
 struct AllreduceOptions {
   CommonFlags common;
-  std::vector<int> workers;       // empty: 2, 4, 8 (quick: 2, 4)
-  std::vector<uint64_t> sizes;    // empty: 4 KiB ... 512 MiB
-  std::vector<int> nodes;         // empty: 1, 2
-  int iterations = 0;             // 0: by size
+  std::vector<int> workers;     // empty: 2, 4, 8 (quick: 2, 4)
+  std::vector<uint64_t> sizes;  // empty: 4 KiB ... 512 MiB
+  std::vector<int> nodes;       // empty: 1, 2
+  int iterations = 0;           // 0: by size
   bool with_gloo = true;
   uint64_t partition_bytes = 4 << 20;
 };

@@ -54,9 +54,9 @@ int ServerProcess::FreePort() {
 }
 
 Result<ServerProcess> ServerProcess::StartWithProxy(
-    const std::string& transports, int sync_cores,
-    const std::string& ps_listen, const std::vector<std::string>& ps_peers,
-    int ps_rank, const std::string& secret) {
+    const std::string& transports, int sync_cores, const std::string& ps_listen,
+    const std::vector<std::string>& ps_peers, int ps_rank,
+    const std::string& secret) {
   ServerProcess s;
   std::random_device rd;
   s.secret_ = secret.empty()
@@ -69,12 +69,25 @@ Result<ServerProcess> ServerProcess::StartWithProxy(
     out << s.secret_ << "\n";
     if (!out) return InternalError("cannot write " + s.secret_file_);
   }
-  std::vector<std::string> argv = {
-      "/proc/self/exe", "--log-level", "warn", "serve", "--listen",
-      "127.0.0.1:0", "--exit-with-parent", "--pool-size", "64MiB",
-      "--secret-file", s.secret_file_, "--transports", transports,
-      "--sync-cores", std::to_string(sync_cores), "--ps-listen", ps_listen,
-      "--ps-rank", std::to_string(ps_rank)};
+  std::vector<std::string> argv = {"/proc/self/exe",
+                                   "--log-level",
+                                   "warn",
+                                   "serve",
+                                   "--listen",
+                                   "127.0.0.1:0",
+                                   "--exit-with-parent",
+                                   "--pool-size",
+                                   "64MiB",
+                                   "--secret-file",
+                                   s.secret_file_,
+                                   "--transports",
+                                   transports,
+                                   "--sync-cores",
+                                   std::to_string(sync_cores),
+                                   "--ps-listen",
+                                   ps_listen,
+                                   "--ps-rank",
+                                   std::to_string(ps_rank)};
   if (!ps_peers.empty()) {
     std::string peers;
     for (const auto& p : ps_peers) peers += (peers.empty() ? "" : ",") + p;
@@ -107,8 +120,8 @@ Result<std::vector<ServerProcess>> ServerProcess::StartProxyCluster(
     std::vector<ServerProcess> servers;
     for (int i = 0; i < nodes; ++i) {
       auto s = StartWithProxy("auto", sync_cores, peers[i],
-                              nodes > 1 ? peers : std::vector<std::string>{},
-                              i, secret);
+                              nodes > 1 ? peers : std::vector<std::string>{}, i,
+                              secret);
       if (!s.ok()) {
         last = s.status();
         break;

@@ -19,11 +19,12 @@
 #include <mpi.h>
 #include <unistd.h>
 
-#include "bench/common/server_process.h"
-#include "bench/train/models.h"
 #include "membox/base/subprocess.h"
 #include "membox/collective/ring_allreduce.h"
 #include "membox/ps/param_client.h"
+
+#include "bench/common/server_process.h"
+#include "bench/train/models.h"
 
 namespace membox::bench {
 namespace {
@@ -213,8 +214,9 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     layer_off[f.layer[t] + 1] = f.offset[t] + f.bytes[t];
   }
   for (int l = 0; l < L; ++l) {
-    ASSIGN_OR_RETURN(auto v, client->Declare(l + 1, layer_off[l + 1] - layer_off[l],
-                                             transport::DType::kFloat32));
+    ASSIGN_OR_RETURN(auto v,
+                     client->Declare(l + 1, layer_off[l + 1] - layer_off[l],
+                                     transport::DType::kFloat32));
     (void)v;
   }
   // Dual synchronisation: measure both paths on 16 MiB, apply the cost
@@ -232,14 +234,13 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     char ep[128] = {0};
     std::snprintf(ep, sizeof ep, "%s", ring->endpoint().c_str());
     std::vector<char> all(128 * world);
-    MPI_Allgather(ep, 128, MPI_CHAR, all.data(), 128, MPI_CHAR,
-                  MPI_COMM_WORLD);
+    MPI_Allgather(ep, 128, MPI_CHAR, all.data(), 128, MPI_CHAR, MPI_COMM_WORLD);
     std::vector<std::string> eps;
     for (int i = 0; i < world; ++i) eps.emplace_back(&all[128 * i]);
     RETURN_IF_ERROR(ring->Connect(eps));
     ASSIGN_OR_RETURN(void* pm, client->AllocateTensor(probe));
-    RETURN_IF_ERROR(client->Declare(1u << 30, probe, transport::DType::kFloat32)
-                        .status());
+    RETURN_IF_ERROR(
+        client->Declare(1u << 30, probe, transport::DType::kFloat32).status());
     double f2 = 2.0 * (world - 1) / world;
     auto time_it = [&](auto&& fn) -> Result<double> {
       double best = 1e9;
@@ -247,8 +248,8 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
         MPI_Barrier(MPI_COMM_WORLD);
         auto t0 = Clock::now();
         RETURN_IF_ERROR(fn());
-        best = std::min(best, std::chrono::duration<double>(Clock::now() - t0)
-                                  .count());
+        best = std::min(
+            best, std::chrono::duration<double>(Clock::now() - t0).count());
       }
       return best;
     };
@@ -324,8 +325,8 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     for (int l = L - 1; l >= 0; --l) {
       Compute(bp);
       if (l < ring_layers) continue;
-      pending[l].push_back(client->PushPull(l + 1, base + layer_off[l],
-                                            base + layer_off[l], l));
+      pending[l].push_back(
+          client->PushPull(l + 1, base + layer_off[l], base + layer_off[l], l));
     }
     if (ring_layers > 0) {
       ring_done = std::async(std::launch::async, [&] {
@@ -408,8 +409,10 @@ int RunTrainBench(const TrainOptions& opt) {
   int p = opt.workers > 0 ? opt.workers : (q ? 2 : 4);
   int iters = opt.iterations > 0 ? opt.iterations : (q ? 4 : 7);
   if (iters <= kWarmup) {
-    std::fprintf(stderr, "error: --iterations must exceed the %d warm-up "
-                 "iterations\n", kWarmup);
+    std::fprintf(stderr,
+                 "error: --iterations must exceed the %d warm-up "
+                 "iterations\n",
+                 kWarmup);
     return 2;
   }
   struct Scheme {
@@ -436,9 +439,11 @@ int RunTrainBench(const TrainOptions& opt) {
       std::fprintf(stderr, "error: unknown model '%s'\n", name.c_str());
       return 2;
     }
-    std::fprintf(stderr, "%s: %zu tensors in %zu layers, %.1f MB, compute "
-                 "%.0f + %.0f ms\n", name.c_str(), m.tensors(), m.layers.size(),
-                 m.bytes() / 1e6, m.forward_ms * opt.compute_scale,
+    std::fprintf(stderr,
+                 "%s: %zu tensors in %zu layers, %.1f MB, compute "
+                 "%.0f + %.0f ms\n",
+                 name.c_str(), m.tensors(), m.layers.size(), m.bytes() / 1e6,
+                 m.forward_ms * opt.compute_scale,
                  m.backward_ms * opt.compute_scale);
     for (const auto& s : schemes) {
       Progress(done++, total, name + " " + s.name);
@@ -446,7 +451,8 @@ int RunTrainBench(const TrainOptions& opt) {
       std::optional<Subprocess> proc;
       std::vector<ServerProcess> servers;
       if (std::string(s.name) == "gloo") {
-        std::string file = "/tmp/membox-train-model-" + std::to_string(getpid());
+        std::string file =
+            "/tmp/membox-train-model-" + std::to_string(getpid());
         {
           std::ofstream out(file);
           for (size_t l = 0; l < m.layers.size(); ++l)
@@ -467,8 +473,7 @@ int RunTrainBench(const TrainOptions& opt) {
             "scale=" + std::to_string(opt.compute_scale)};
         if (s.nodes > 0) {
           std::vector<std::string> peers;
-          auto cluster =
-              ServerProcess::StartProxyCluster(s.nodes, 2, &peers);
+          auto cluster = ServerProcess::StartProxyCluster(s.nodes, 2, &peers);
           if (!cluster.ok()) {
             std::fprintf(stderr, "error: %s\n",
                          cluster.status().ToString().c_str());
@@ -483,11 +488,20 @@ int RunTrainBench(const TrainOptions& opt) {
           args.push_back(std::string("partition=") + (s.partition ? "1" : "0"));
           args.push_back(std::string("dual=") + (s.dual ? "1" : "0"));
         }
-        std::vector<std::string> argv = {
-            "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to",
-            "none",   "-np",                 std::to_string(p), "--mca",
-            "btl",    "self,vader",          SelfPath(),        "bench-peer",
-            "train",  "worker"};
+        std::vector<std::string> argv = {"mpirun",
+                                         "--allow-run-as-root",
+                                         "--oversubscribe",
+                                         "--bind-to",
+                                         "none",
+                                         "-np",
+                                         std::to_string(p),
+                                         "--mca",
+                                         "btl",
+                                         "self,vader",
+                                         SelfPath(),
+                                         "bench-peer",
+                                         "train",
+                                         "worker"};
         argv.insert(argv.end(), args.begin(), args.end());
         proc = Subprocess::Start(argv);
       }
@@ -526,9 +540,10 @@ int RunTrainBench(const TrainOptions& opt) {
     }
   }
   Progress(total, total, "done");
-  std::printf("\n%d workers; compute emulated; ms per iteration (blocked "
-              "communication in parentheses); ratios vs the best AllReduce\n",
-              p);
+  std::printf(
+      "\n%d workers; compute emulated; ms per iteration (blocked "
+      "communication in parentheses); ratios vs the best AllReduce\n",
+      p);
   for (const auto& name : models) {
     double best_it = 1e300, best_bl = 1e300;
     for (const char* b : {"mpi", "gloo"}) {

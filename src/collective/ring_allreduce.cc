@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "membox/transport/device.h"
+
 #include "src/collective/ring_message.h"
 #include "src/memserver/accumulate.h"
 
@@ -70,7 +71,8 @@ class RingImpl final : public RingAllreduce {
     d.type = RingType::kDescriptor;
     d.payload = recv_->Export().Serialize();
     RETURN_IF_ERROR(prev_->SendControl(EncodeRing(d)));
-    ASSIGN_OR_RETURN(RingMessage got, Recv(*next_, RingType::kDescriptor, 0, 0));
+    ASSIGN_OR_RETURN(RingMessage got,
+                     Recv(*next_, RingType::kDescriptor, 0, 0));
     ASSIGN_OR_RETURN(auto desc,
                      transport::RegionDescriptor::Deserialize(got.payload));
     ASSIGN_OR_RETURN(remote_recv_, next_->Import(desc, opt_.timeout));
@@ -102,13 +104,14 @@ class RingImpl final : public RingAllreduce {
       int recv_c =
           reduce ? ((r - s - 1) % P + 2 * P) % P : ((r - t) % P + P) % P;
       // The successor has consumed what we sent last step.
-      if (s > 0) RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, s - 1).status());
+      if (s > 0)
+        RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, s - 1).status());
       auto [sb, sn] = chunk(send_c);
       std::memcpy(send_->data(), data + sb, sn * sizeof(float));
       if (sn > 0) {
-        ASSIGN_OR_RETURN(auto h, next_->Write(send_->data(), *send_,
-                                              remote_recv_->address(),
-                                              *remote_recv_, sn * sizeof(float)));
+        ASSIGN_OR_RETURN(
+            auto h, next_->Write(send_->data(), *send_, remote_recv_->address(),
+                                 *remote_recv_, sn * sizeof(float)));
         RETURN_IF_ERROR(h.Wait(opt_.timeout));
         ASSIGN_OR_RETURN(auto f, next_->Flush());
         RETURN_IF_ERROR(f.Wait(opt_.timeout));

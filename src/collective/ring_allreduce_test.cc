@@ -1,8 +1,8 @@
 #include "membox/collective/ring_allreduce.h"
 
-#include <gtest/gtest.h>
-
 #include <thread>
+
+#include <gtest/gtest.h>
 
 #include "src/collective/ring_message.h"
 

@@ -1,13 +1,13 @@
 #include "src/ps/checkpoint.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "src/transport/wire.h"
 
@@ -36,8 +36,8 @@ bool GetBlob(Reader& r, std::vector<uint8_t>* out, Status* err,
              const char* what) {
   uint64_t n = 0;
   uint32_t crc = 0;
-  if (!r.U64(&n) || !r.U32(&crc) || n > kMaxShardBytes ||
-      n > r.remaining() || !r.Bytes(out, n)) {
+  if (!r.U64(&n) || !r.U32(&crc) || n > kMaxShardBytes || n > r.remaining() ||
+      !r.Bytes(out, n)) {
     *err = Damaged(std::string("truncated ") + what);
     return false;
   }

@@ -3,10 +3,10 @@
 // WriteCheckpoint writes atomically: a temporary file in the same directory,
 // fsync, rename over the target, fsync of the directory -- so a crash leaves
 // either the old file or the new one. Every shard record and the file carry
-// CRC-32 (zlib) checksums; ParseCheckpoint (driven by fuzz/ps_checkpoint_fuzzer.cc)
-// validates every length and checksum and reports a damaged file as
-// kDataLoss naming what is wrong.
-// Thread-safety: pure functions (the file system is the shared state).
+// CRC-32 (zlib) checksums; ParseCheckpoint (driven by
+// fuzz/ps_checkpoint_fuzzer.cc) validates every length and checksum and reports
+// a damaged file as kDataLoss naming what is wrong. Thread-safety: pure
+// functions (the file system is the shared state).
 #ifndef MEMBOX_SRC_PS_CHECKPOINT_H_
 #define MEMBOX_SRC_PS_CHECKPOINT_H_
 

@@ -1,9 +1,9 @@
 #include "src/ps/checkpoint.h"
 
-#include <gtest/gtest.h>
-
 #include <filesystem>
 #include <fstream>
+
+#include <gtest/gtest.h>
 
 namespace membox::ps {
 namespace {

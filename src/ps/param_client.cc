@@ -8,10 +8,12 @@
 #include <mutex>
 #include <queue>
 #include <thread>
+
 #include <unistd.h>
 
 #include "membox/base/logging.h"
 #include "membox/transport/device.h"
+
 #include "src/ps/protocol.h"
 
 namespace membox::ps {
@@ -90,8 +92,8 @@ using transport::DType;
 using transport::MemRegion;
 using Clock = std::chrono::steady_clock;
 
-std::shared_ptr<PsHandle::State> NewState(int n,
-                                          std::function<void(const Status&)> cb) {
+std::shared_ptr<PsHandle::State> NewState(
+    int n, std::function<void(const Status&)> cb) {
   auto s = std::make_shared<PsHandle::State>();
   s->remaining = n;
   s->cb = std::move(cb);
@@ -109,9 +111,9 @@ struct KeyInfo {
   DType dtype = DType::kFloat32;
   uint64_t shard_bytes = 0;
   uint32_t shards = 0;
-  uint64_t rounds = 0;        // pushes issued by this worker
-  uint64_t base_version = 0;  // stored version when declared
-  std::unique_ptr<MemRegion> staging;  // [in | out], registered
+  uint64_t rounds = 0;                           // pushes issued by this worker
+  uint64_t base_version = 0;                     // stored version when declared
+  std::unique_ptr<MemRegion> staging;            // [in | out], registered
   std::shared_ptr<PsHandle::State> last_staged;  // last op using staging
 };
 
@@ -218,9 +220,7 @@ class ParamClientImpl final : public ParamClient {
     return Status::Ok();
   }
 
-  int num_proxies() const override {
-    return static_cast<int>(proxies_.size());
-  }
+  int num_proxies() const override { return static_cast<int>(proxies_.size()); }
 
   Result<void*> AllocateTensor(size_t bytes) override {
     ASSIGN_OR_RETURN(auto r, device_->AllocateMemRegion(bytes));
@@ -254,8 +254,9 @@ class ParamClientImpl final : public ParamClient {
                            const void* init) override {
     size_t es = transport::DTypeSize(dtype);
     if (bytes == 0 || bytes % es != 0) {
-      return InvalidArgumentError("tensor size must be a non-zero multiple of "
-                                  "the element size");
+      return InvalidArgumentError(
+          "tensor size must be a non-zero multiple of "
+          "the element size");
     }
     uint64_t shard = routing().partition_bytes;
     shard = std::max<uint64_t>(es, shard - shard % es);
@@ -345,7 +346,8 @@ class ParamClientImpl final : public ParamClient {
       RETURN_IF_ERROR(SendRequest(p, m, st, text));
       RETURN_IF_ERROR(PsHandle(st).Wait(opt_.timeout));
       std::vector<uint8_t> bytes(text->begin(), text->end());
-      ASSIGN_OR_RETURN(auto desc, transport::RegionDescriptor::Deserialize(bytes));
+      ASSIGN_OR_RETURN(auto desc,
+                       transport::RegionDescriptor::Deserialize(bytes));
       auto& ch = proxies_[p].channel;
       ASSIGN_OR_RETURN(auto remote, ch->Import(desc, opt_.timeout));
       for (uint64_t size : o.sizes) {
@@ -382,7 +384,8 @@ class ParamClientImpl final : public ParamClient {
   }
   void SetRouting(const RoutingTable& t) override {
     Status s = InstallRouting(t);
-    if (!s.ok()) MEMBOX_LOG_WARN("routing table not installed: {}", s.ToString());
+    if (!s.ok())
+      MEMBOX_LOG_WARN("routing table not installed: {}", s.ToString());
   }
 
   // Every proxy learns this worker's table, and from which round of every
@@ -560,8 +563,7 @@ class ParamClientImpl final : public ParamClient {
   // the first table, from round 1 in later ones -- its round 0 may already
   // be under way). The proxies apply the same rule. mu_ held.
   RoutingTable RouteFor(uint64_t key, uint64_t round) const {
-    for (auto it = route_history_.rbegin(); it != route_history_.rend();
-         ++it) {
+    for (auto it = route_history_.rbegin(); it != route_history_.rend(); ++it) {
       auto f = it->from.find(key);
       uint64_t from = f != it->from.end() ? f->second : (it->first ? 0 : 1);
       if (from <= round) return it->table;
@@ -667,9 +669,8 @@ class ParamClientImpl final : public ParamClient {
       Op op;
       {
         std::unique_lock<std::mutex> l(q_mu_);
-        q_cv_.wait(l, [this] {
-          return stop_ || (!queue_.empty() && !sending_);
-        });
+        q_cv_.wait(l,
+                   [this] { return stop_ || (!queue_.empty() && !sending_); });
         if (stop_) return;
         op = queue_.top();
         queue_.pop();
@@ -721,11 +722,13 @@ class ParamClientImpl final : public ParamClient {
     for (;;) {
       {
         std::unique_lock<std::mutex> l(q_mu_);
-        if (q_cv_.wait_for(l, opt_.reprofile_interval, [this] { return stop_; }))
+        if (q_cv_.wait_for(l, opt_.reprofile_interval,
+                           [this] { return stop_; }))
           return;
       }
       auto t = Profile(ProfileOptions{});
-      if (!t.ok()) MEMBOX_LOG_WARN("re-profiling failed: {}", t.status().ToString());
+      if (!t.ok())
+        MEMBOX_LOG_WARN("re-profiling failed: {}", t.status().ToString());
     }
   }
 
@@ -735,19 +738,19 @@ class ParamClientImpl final : public ParamClient {
   std::function<void()> progress_;
 
   mutable std::mutex mu_;
-  RoutingTable routing_;                                      // GUARDED_BY(mu_)
+  RoutingTable routing_;  // GUARDED_BY(mu_)
   struct RouteEntry {
     RoutingTable table;
     bool first = false;
     std::map<uint64_t, uint64_t> from;  // key -> first round it applies to
   };
-  std::vector<RouteEntry> route_history_;                     // GUARDED_BY(mu_)
-  std::map<uintptr_t, std::unique_ptr<MemRegion>> regions_;   // GUARDED_BY(mu_)
-  std::map<uint64_t, KeyInfo> keys_;                          // GUARDED_BY(mu_)
-  std::map<uint64_t, Pending> pending_;                       // GUARDED_BY(mu_)
-  std::map<uint32_t, Status> failed_;                         // GUARDED_BY(mu_)
-  bool async_ = false;                                        // GUARDED_BY(mu_)
-  uint64_t next_seq_ = 0;                                     // GUARDED_BY(mu_)
+  std::vector<RouteEntry> route_history_;                    // GUARDED_BY(mu_)
+  std::map<uintptr_t, std::unique_ptr<MemRegion>> regions_;  // GUARDED_BY(mu_)
+  std::map<uint64_t, KeyInfo> keys_;                         // GUARDED_BY(mu_)
+  std::map<uint64_t, Pending> pending_;                      // GUARDED_BY(mu_)
+  std::map<uint32_t, Status> failed_;                        // GUARDED_BY(mu_)
+  bool async_ = false;                                       // GUARDED_BY(mu_)
+  uint64_t next_seq_ = 0;                                    // GUARDED_BY(mu_)
   std::atomic<uint64_t> next_id_{1};
 
   std::mutex profile_mu_;
@@ -759,8 +762,8 @@ class ParamClientImpl final : public ParamClient {
   std::priority_queue<Op> queue_;  // GUARDED_BY(q_mu_)
   bool stop_ = false;              // GUARDED_BY(q_mu_)
   bool sending_ = false;           // GUARDED_BY(q_mu_): one sender at a time
-  std::mutex send_mu_;     // one operation's messages go out together
-  std::mutex install_mu_;  // one routing change at a time
+  std::mutex send_mu_;             // one operation's messages go out together
+  std::mutex install_mu_;          // one routing change at a time
   std::thread sender_, reprofiler_;
 };
 

@@ -65,20 +65,34 @@ Status Bad(const char* what) {
 
 const char* TypeName(Type t) {
   switch (t) {
-    case Type::kHello: return "hello";
-    case Type::kRegion: return "region";
-    case Type::kConfigure: return "configure";
-    case Type::kDeclare: return "declare";
-    case Type::kPush: return "push";
-    case Type::kRoute: return "route";
-    case Type::kPull: return "pull";
-    case Type::kProbe: return "probe";
-    case Type::kCheckpoint: return "checkpoint";
-    case Type::kStats: return "stats";
-    case Type::kReply: return "reply";
-    case Type::kPeerHello: return "peer-hello";
-    case Type::kReady: return "ready";
-    case Type::kDone: return "done";
+    case Type::kHello:
+      return "hello";
+    case Type::kRegion:
+      return "region";
+    case Type::kConfigure:
+      return "configure";
+    case Type::kDeclare:
+      return "declare";
+    case Type::kPush:
+      return "push";
+    case Type::kRoute:
+      return "route";
+    case Type::kPull:
+      return "pull";
+    case Type::kProbe:
+      return "probe";
+    case Type::kCheckpoint:
+      return "checkpoint";
+    case Type::kStats:
+      return "stats";
+    case Type::kReply:
+      return "reply";
+    case Type::kPeerHello:
+      return "peer-hello";
+    case Type::kReady:
+      return "ready";
+    case Type::kDone:
+      return "done";
   }
   return "?";
 }
@@ -217,16 +231,14 @@ Result<Message> Decode(std::span<const uint8_t> in) {
       break;
     case Type::kPush:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) &&
-           r.U64(&m.region) && r.U64(&m.offset) &&
-           GetBool(r, &m.has_output) && r.U64(&m.out_region) &&
-           r.U64(&m.out_offset);
+           r.U64(&m.region) && r.U64(&m.offset) && GetBool(r, &m.has_output) &&
+           r.U64(&m.out_region) && r.U64(&m.out_offset);
       break;
     case Type::kRoute: {
       uint32_t n = 0;
-      ok = r.U64(&m.threshold) && r.U32(&m.lat_proxy) &&
-           r.U32(&m.bw_proxy) && r.U32(&n) && m.lat_proxy < kMaxProxies &&
-           m.bw_proxy < kMaxProxies && n <= kMaxRouteKeys &&
-           n <= r.remaining() / 16;
+      ok = r.U64(&m.threshold) && r.U32(&m.lat_proxy) && r.U32(&m.bw_proxy) &&
+           r.U32(&n) && m.lat_proxy < kMaxProxies && m.bw_proxy < kMaxProxies &&
+           n <= kMaxRouteKeys && n <= r.remaining() / 16;
       for (uint32_t i = 0; ok && i < n; ++i) {
         uint64_t k = 0, rd = 0;
         ok = r.U64(&k) && r.U64(&rd);

@@ -34,7 +34,8 @@ TEST(PsProtocolTest, RoundTripsEveryType) {
     m.text = "status";
     auto enc = Encode(m);
     auto dec = Decode(enc);
-    ASSERT_TRUE(dec.ok()) << TypeName(m.type) << ": " << dec.status().ToString();
+    ASSERT_TRUE(dec.ok()) << TypeName(m.type) << ": "
+                          << dec.status().ToString();
     EXPECT_EQ(dec->type, m.type);
     EXPECT_EQ(dec->id, 77u);
     EXPECT_EQ(Encode(*dec), enc) << TypeName(m.type);

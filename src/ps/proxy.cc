@@ -15,6 +15,7 @@
 
 #include "membox/base/logging.h"
 #include "membox/transport/device.h"
+
 #include "src/memserver/accumulate.h"
 #include "src/ps/checkpoint.h"
 #include "src/ps/protocol.h"
@@ -214,14 +215,14 @@ class ProxyImpl final : public Proxy {
       if (!ch.ok()) continue;
       uint64_t id = next_conn_.fetch_add(1);
       std::shared_ptr<Channel> c = *ch;
-      Post(Event{id, false, {}, {}, [this, id, c] {
-                   conns_[id].channel = c;
-                 }});
+      Post(Event{id, false, {}, {}, [this, id, c] { conns_[id].channel = c; }});
       c->SetHandlers(
           [this, id](std::vector<uint8_t> m) {
             Post(Event{id, false, {}, std::move(m), nullptr});
           },
-          [this, id](const Status& s) { Post(Event{id, true, s, {}, nullptr}); });
+          [this, id](const Status& s) {
+            Post(Event{id, true, s, {}, nullptr});
+          });
     }
   }
 
@@ -279,8 +280,8 @@ class ProxyImpl final : public Proxy {
     if (!s.ok()) MEMBOX_LOG_DEBUG("send failed: {}", s.ToString());
   }
 
-  void Reply(uint64_t conn, uint64_t id, const Status& s,
-             uint64_t version = 0, std::string text = {}) {
+  void Reply(uint64_t conn, uint64_t id, const Status& s, uint64_t version = 0,
+             std::string text = {}) {
     auto it = conns_.find(conn);
     if (it == conns_.end()) return;
     Message m;
@@ -296,9 +297,9 @@ class ProxyImpl final : public Proxy {
 
   Result<std::shared_ptr<MemRegion>> Allocate(uint64_t bytes) {
     if (stored_bytes_.load() + bytes > opt_.max_bytes) {
-      return ResourceExhaustedError(
-          "proxy storage limit reached (" + std::to_string(opt_.max_bytes) +
-          " bytes); raise --ps-max-bytes");
+      return ResourceExhaustedError("proxy storage limit reached (" +
+                                    std::to_string(opt_.max_bytes) +
+                                    " bytes); raise --ps-max-bytes");
     }
     ASSIGN_OR_RETURN(auto r, device_->AllocateMemRegion(bytes));
     stored_bytes_.fetch_add(bytes);
@@ -362,8 +363,9 @@ class ProxyImpl final : public Proxy {
       std::atomic_thread_fence(std::memory_order_release);
       return Status::Ok();
     }
-    ASSIGN_OR_RETURN(auto h, c.channel->Write(src, src_region,
-                                              rr->address() + offset, *rr, len));
+    ASSIGN_OR_RETURN(
+        auto h,
+        c.channel->Write(src, src_region, rr->address() + offset, *rr, len));
     RETURN_IF_ERROR(h.Wait(kIoTimeout));
     ASSIGN_OR_RETURN(auto f, c.channel->Flush());
     return f.Wait(kIoTimeout);
@@ -383,7 +385,8 @@ class ProxyImpl final : public Proxy {
     }
     if (c.role == Conn::Role::kUnknown && m->type != Type::kHello &&
         m->type != Type::kPeerHello) {
-      Reply(conn, m->id, UnauthenticatedError("say hello with the secret first"));
+      Reply(conn, m->id,
+            UnauthenticatedError("say hello with the secret first"));
       return;
     }
     switch (m->type) {
@@ -459,8 +462,8 @@ class ProxyImpl final : public Proxy {
     if (it->second.role == Conn::Role::kClient) {
       n_clients_.fetch_sub(1);
       std::string who = "worker rank " + std::to_string(it->second.rank) +
-                        " (" + it->second.name + ") disconnected: " +
-                        why.ToString();
+                        " (" + it->second.name +
+                        ") disconnected: " + why.ToString();
       MEMBOX_LOG_INFO("{}", who);
       queued_.fetch_sub(it->second.queue.size());
       conns_.erase(it);
@@ -513,8 +516,9 @@ class ProxyImpl final : public Proxy {
   // A synchronous round cannot finish once a worker or a proxy is gone: tell
   // everybody waiting instead of letting them hang.
   void FailPendingRounds(const std::string& who) {
-    dead_worker_ = who + "; the synchronous job cannot continue (restart "
-                         "from a checkpoint)";
+    dead_worker_ = who +
+                   "; the synchronous job cannot continue (restart "
+                   "from a checkpoint)";
     Status s = AbortedError(dead_worker_);
     for (auto& [k, key] : keys_) {
       for (auto& sh : key.shards) {
@@ -667,7 +671,8 @@ class ProxyImpl final : public Proxy {
     }
     size_t es = transport::DTypeSize(dt);
     if (m.bytes % es != 0 || m.shard_bytes % es != 0) {
-      return InvalidArgumentError("sizes must be multiples of the element size");
+      return InvalidArgumentError(
+          "sizes must be multiples of the element size");
     }
     if (m.bytes > opt_.max_bytes) {
       return ResourceExhaustedError("tensor larger than the proxy storage");
@@ -778,8 +783,8 @@ class ProxyImpl final : public Proxy {
     if (mode_ == proto::Mode::kAsync) {
       if (config_.staleness == 0) return true;
       if (sh.applied.size() < world_) sh.applied.resize(world_, 0);
-      uint64_t slowest = *std::min_element(sh.applied.begin(),
-                                           sh.applied.end());
+      uint64_t slowest =
+          *std::min_element(sh.applied.begin(), sh.applied.end());
       return m.round <= slowest + config_.staleness;
     }
     if (m.round != sh.version || sh.reducing) return false;
@@ -806,9 +811,9 @@ class ProxyImpl final : public Proxy {
                                     "the worker announced"));
       return;
     }
-    sh.pushes[c.rank] = Contribution{conn,         m.id,        c.rank,
-                                     m.region,     m.offset,    m.has_output,
-                                     m.out_region, m.out_offset};
+    sh.pushes[c.rank] =
+        Contribution{conn,     m.id,         c.rank,       m.region,
+                     m.offset, m.has_output, m.out_region, m.out_offset};
     MaybeStart(m.key, m.shard);
   }
 
@@ -934,9 +939,9 @@ class ProxyImpl final : public Proxy {
           into = static_cast<uint8_t*>(st->data());
           into_region = st;
         }
-        ASSIGN_OR_RETURN(const uint8_t* src,
-                         ReadWorker(c, p.region, p.offset, sh.bytes, into,
-                                    *into_region));
+        ASSIGN_OR_RETURN(
+            const uint8_t* src,
+            ReadWorker(c, p.region, p.offset, sh.bytes, into, *into_region));
         if (first) {
           if (src != dst) std::memcpy(dst, src, sh.bytes);
           first = false;
@@ -1017,7 +1022,8 @@ class ProxyImpl final : public Proxy {
     if (m.type == Type::kReady) {
       auto d = RegionDescriptor::Deserialize(m.descriptor);
       if (!d.ok()) {
-        MEMBOX_LOG_WARN("peer sent a bad descriptor: {}", d.status().ToString());
+        MEMBOX_LOG_WARN("peer sent a bad descriptor: {}",
+                        d.status().ToString());
         return;
       }
       sh.ready[{m.round, m.step}] = *d;
@@ -1090,7 +1096,8 @@ class ProxyImpl final : public Proxy {
     std::shared_ptr<RemoteMemRegion> rr;
     auto key2 = std::make_pair(ring.prev, desc.region_id);
     auto it = peer_regions_.find(key2);
-    if (it != peer_regions_.end() && it->second->descriptor().token == desc.token) {
+    if (it != peer_regions_.end() &&
+        it->second->descriptor().token == desc.token) {
       rr = it->second;
     } else {
       ASSIGN_OR_RETURN(rr, ch->Import(desc, kIoTimeout));
@@ -1108,8 +1115,8 @@ class ProxyImpl final : public Proxy {
         into = static_cast<uint8_t*>(st->data());
         into_region = st;
       }
-      ASSIGN_OR_RETURN(auto h, ch->Read(into, *into_region,
-                                        rr->address() + off, *rr, len));
+      ASSIGN_OR_RETURN(
+          auto h, ch->Read(into, *into_region, rr->address() + off, *rr, len));
       RETURN_IF_ERROR(h.Wait(kIoTimeout));
       src = into;
     }
@@ -1296,8 +1303,8 @@ class ProxyImpl final : public Proxy {
             [this, rank](const Status& s) {
               MEMBOX_LOG_WARN("link to proxy {} failed: {}", rank,
                               s.ToString());
-              Post(Event{0, false, {}, {},
-                         [this, rank, s] { PeerDown(rank, s); }});
+              Post(Event{
+                  0, false, {}, {}, [this, rank, s] { PeerDown(rank, s); }});
             });
         Message h;
         h.type = Type::kPeerHello;
@@ -1329,9 +1336,8 @@ class ProxyImpl final : public Proxy {
           "this proxy has no checkpoint directory (--checkpoint-dir)"));
     }
     // Snapshot: share the current buffers; later updates copy (see Apply).
-    auto snap = std::make_shared<
-        std::vector<std::pair<CheckpointShard,
-                              std::vector<std::shared_ptr<MemRegion>>>>>();
+    auto snap = std::make_shared<std::vector<
+        std::pair<CheckpointShard, std::vector<std::shared_ptr<MemRegion>>>>>();
     for (auto& [k, key] : keys_) {
       for (uint32_t i = 0; i < key.shards.size(); ++i) {
         Shard& sh = key.shards[i];
@@ -1350,8 +1356,9 @@ class ProxyImpl final : public Proxy {
         c.value = view(sh.value);
         c.m1 = view(sh.m1);
         c.m2 = view(sh.m2);
-        snap->emplace_back(std::move(c), std::vector<std::shared_ptr<MemRegion>>{
-                                             sh.value, sh.m1, sh.m2});
+        snap->emplace_back(
+            std::move(c),
+            std::vector<std::shared_ptr<MemRegion>>{sh.value, sh.m1, sh.m2});
       }
     }
     CheckpointHeader h;
@@ -1482,8 +1489,8 @@ class ProxyImpl final : public Proxy {
   std::string dead_worker_;
 
   std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, stored_bytes_{0},
-      n_clients_{0}, rounds_{0}, bytes_reduced_{0}, ring_steps_{0},
-      queued_{0}, rejected_{0}, checkpoints_{0};
+      n_clients_{0}, rounds_{0}, bytes_reduced_{0}, ring_steps_{0}, queued_{0},
+      rejected_{0}, checkpoints_{0};
 };
 
 }  // namespace

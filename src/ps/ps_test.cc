@@ -2,15 +2,15 @@
 // its own transport device, talking over UCX as separate processes would).
 // The daemon-level tests with real `membox serve` processes are in
 // tests/integration/ps_daemon_test.cc.
+#include <filesystem>
+#include <numeric>
+#include <thread>
+
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include <filesystem>
-#include <numeric>
-#include <thread>
 
 #include "membox/ps/param_client.h"
 #include "membox/ps/proxy.h"
@@ -64,10 +64,9 @@ struct Cluster {
   }
 };
 
-std::unique_ptr<ParamClient> Worker(const Cluster& c, int rank, int world,
-                                    RoutingTable r = {},
-                                    std::vector<transport::FaultPolicy> links =
-                                        {}) {
+std::unique_ptr<ParamClient> Worker(
+    const Cluster& c, int rank, int world, RoutingTable r = {},
+    std::vector<transport::FaultPolicy> links = {}) {
   ParamClientOptions o;
   o.proxies = c.endpoints;
   o.secret = kSecret;
@@ -128,8 +127,8 @@ void RunRounds(const Cluster& c, int world, size_t n, int rounds,
             for (int q = 0; q < world; ++q)
               want += float(q + 10 * round + 100 * key) + float(i % 1000);
             if (average) want /= float(world);
-            ASSERT_NEAR(out[i], want, 1e-3) << "rank " << r << " round "
-                                            << round << " key " << key;
+            ASSERT_NEAR(out[i], want, 1e-3)
+                << "rank " << r << " round " << round << " key " << key;
           }
         }
       }
@@ -231,7 +230,7 @@ Status Fig10(Scheduler sched) {
   RoutingTable r;
   r.threshold = 1 << 20;  // tensor 1 (4 KiB) -> proxy 0
   r.lat_proxy = 0;
-  r.bw_proxy = 1;          // tensor 2 (2 MiB) -> proxy 1
+  r.bw_proxy = 1;  // tensor 2 (2 MiB) -> proxy 1
   r.partition_bytes = 4 << 20;
   transport::FaultPolicy fast, slow;
   slow.fixed_latency = std::chrono::milliseconds(400);

@@ -28,8 +28,8 @@ void ScaleInPlace(DType t, void* p, size_t count, double factor);
 struct OptimizerStep {
   enum Kind { kSgd, kAdam } kind = kSgd;
   double lr = 0.01, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
-  uint64_t t = 1;          // step number, from 1 (Adam's bias correction)
-  double grad_scale = 1;   // g is multiplied by this first (averaging)
+  uint64_t t = 1;         // step number, from 1 (Adam's bias correction)
+  double grad_scale = 1;  // g is multiplied by this first (averaging)
 };
 
 // SGD:  m <- momentum * m + g;  w <- w - lr * m   (PyTorch's convention)

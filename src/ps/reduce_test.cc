@@ -1,9 +1,9 @@
 #include "src/ps/reduce.h"
 
-#include <gtest/gtest.h>
-
 #include <cmath>
 #include <random>
+
+#include <gtest/gtest.h>
 
 namespace membox::ps {
 namespace {

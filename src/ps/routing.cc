@@ -10,8 +10,8 @@ namespace membox::ps {
 
 std::string RoutingTable::ToString() const {
   std::ostringstream o;
-  o << "S=" << threshold << " LatProxy=" << lat_proxy
-    << " BwProxy=" << bw_proxy << " S'=" << partition_bytes;
+  o << "S=" << threshold << " LatProxy=" << lat_proxy << " BwProxy=" << bw_proxy
+    << " S'=" << partition_bytes;
   return o.str();
 }
 
@@ -57,8 +57,8 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
           // Interpolate the crossing between prev (lat faster) and s.
           double d0 = bw.at(prev) - lat.at(prev);
           double f = d0 / (d0 - d);
-          r.threshold = prev + static_cast<uint64_t>(
-                                   f * static_cast<double>(s - prev));
+          r.threshold =
+              prev + static_cast<uint64_t>(f * static_cast<double>(s - prev));
         }
         break;
       }
@@ -78,9 +78,9 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
   return r;
 }
 
-double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes,
-                        int workers, double t_forward, double t_backward,
-                        double bw_proxy, double bw_worker) {
+double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes, int workers,
+                        double t_forward, double t_backward, double bw_proxy,
+                        double bw_worker) {
   double p = std::max(1, workers);
   double f = 2.0 * (p - 1) / p;
   double n = static_cast<double>(total_bytes);
@@ -90,9 +90,9 @@ double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes,
   return std::max(gpu, proxy);
 }
 
-DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers,
-                            double t_forward, double t_backward,
-                            double bw_proxy, double bw_worker) {
+DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers, double t_forward,
+                            double t_backward, double bw_proxy,
+                            double bw_worker) {
   // gpu(m) falls and proxy(m) rises linearly in m; the max is minimal where
   // they meet:  T_BP + f(n-m)/Bw = f m / Bp  =>  m = (T_BP + f n/Bw) /
   // (f/Bp + f/Bw).
@@ -103,7 +103,8 @@ DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers,
   if (f == 0) {
     plan.proxy_bytes = total_bytes;
   } else {
-    double m = (t_backward + f * n / bw_worker) / (f / bw_proxy + f / bw_worker);
+    double m =
+        (t_backward + f * n / bw_worker) / (f / bw_proxy + f / bw_worker);
     m = std::clamp(m, 0.0, n);
     plan.proxy_bytes = static_cast<uint64_t>(m);
   }

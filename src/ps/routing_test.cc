@@ -51,14 +51,14 @@ TEST(RoutingTest, RejectsIncompleteGrids) {
 TEST(DualSyncTest, BalancesTheTwoPaths) {
   // 100 MB, 4 workers, FP 10 ms, BP 20 ms, proxies 10 GB/s, workers 5 GB/s.
   auto plan = ChooseDualSync(100'000'000, 4, 0.010, 0.020, 10e9, 5e9);
-  double gpu = PredictIteration(100'000'000, plan.proxy_bytes, 4, 0.010,
-                                0.020, 10e9, 5e9);
+  double gpu = PredictIteration(100'000'000, plan.proxy_bytes, 4, 0.010, 0.020,
+                                10e9, 5e9);
   EXPECT_NEAR(gpu, plan.predicted_seconds, 1e-12);
   // No other split is better.
   for (uint64_t m = 0; m <= 100'000'000; m += 5'000'000) {
-    EXPECT_LE(plan.predicted_seconds,
-              PredictIteration(100'000'000, m, 4, 0.010, 0.020, 10e9, 5e9) +
-                  1e-9);
+    EXPECT_LE(
+        plan.predicted_seconds,
+        PredictIteration(100'000'000, m, 4, 0.010, 0.020, 10e9, 5e9) + 1e-9);
   }
   // Infinitely slow workers: everything goes to the proxies.
   auto all = ChooseDualSync(1000, 4, 0, 0, 1e9, 1e-9);

@@ -1,16 +1,15 @@
 // Parameter synchronisation through real memory-node processes: two
 // `membox serve` daemons whose proxies form a ring, workers that push and
 // pull, a checkpoint, kill -9 of a node, and a restart from the checkpoint.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <thread>
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "membox/base/subprocess.h"
 #include "membox/ps/param_client.h"
@@ -60,12 +59,15 @@ class PsDaemonTest : public ::testing::Test {
 
   std::optional<Subprocess> Launch(int rank, bool restore) {
     std::vector<std::string> argv = {
-        MEMBOX_BIN,      "serve",         "--listen",     "127.0.0.1:0",
-        "--pool-size",   "64MiB",         "--secret-file", secret_file_,
-        "--ps-listen",   peers_[rank],    "--ps-peers",   peers_[0] + "," +
-                                                             peers_[1],
-        "--ps-rank",     std::to_string(rank), "--checkpoint-dir",
-        dir_.string(),   "--sync-cores",  "1"};
+        MEMBOX_BIN,         "serve",
+        "--listen",         "127.0.0.1:0",
+        "--pool-size",      "64MiB",
+        "--secret-file",    secret_file_,
+        "--ps-listen",      peers_[rank],
+        "--ps-peers",       peers_[0] + "," + peers_[1],
+        "--ps-rank",        std::to_string(rank),
+        "--checkpoint-dir", dir_.string(),
+        "--sync-cores",     "1"};
     if (restore) argv.push_back("--restore");
     return Subprocess::Start(argv);
   }

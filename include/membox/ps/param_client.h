@@ -86,8 +86,8 @@ class PsHandle {
 };
 
 struct ProfileOptions {
-  std::vector<uint64_t> sizes = {4 << 10,  16 << 10, 64 << 10, 256 << 10,
-                                 1 << 20,  4 << 20,  16 << 20};
+  std::vector<uint64_t> sizes = {4 << 10, 16 << 10, 64 << 10, 256 << 10,
+                                 1 << 20, 4 << 20,  16 << 20};
   int repeats = 5;  // the median is used
 };
 

@@ -23,9 +23,9 @@
 //
 // Checkpoints: Checkpoint() (or a worker's request) snapshots every shard's
 // current buffer (copy-on-write: later updates go to fresh buffers) and
-// writes it in the background to <checkpoint_dir>/proxy-<rank>-<name> atomically
-// (temporary file, fsync, rename, fsync of the directory) with checksums;
-// `restore` loads and verifies it on start.
+// writes it in the background to <checkpoint_dir>/proxy-<rank>-<name>
+// atomically (temporary file, fsync, rename, fsync of the directory) with
+// checksums; `restore` loads and verifies it on start.
 //
 // Threading: the transport's progress thread queues messages; one event
 // thread runs the state machine; the sync cores do the arithmetic.

@@ -57,13 +57,13 @@ struct DualSyncPlan {
   uint64_t proxy_bytes = 0;  // m
   double predicted_seconds = 0;
 };
-DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers,
-                            double t_forward, double t_backward,
-                            double bw_proxy, double bw_worker);
+DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers, double t_forward,
+                            double t_backward, double bw_proxy,
+                            double bw_worker);
 // Predicted iteration time of a given split (for tests and reports).
-double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes,
-                        int workers, double t_forward, double t_backward,
-                        double bw_proxy, double bw_worker);
+double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes, int workers,
+                        double t_forward, double t_backward, double bw_proxy,
+                        double bw_worker);
 
 }  // namespace membox::ps
 

@@ -113,10 +113,9 @@ class FaultChannel final : public Channel {
     std::shared_ptr<Channel> inner = inner_;
     {
       std::lock_guard<std::mutex> l(mu_);
-      q_.push(Due{Clock::now() + p_.fixed_latency, seq_++, nullptr, Status(),
-                  [inner, copy = std::move(copy)] {
-                    (void)inner->SendControl(copy);
-                  }});
+      q_.push(Due{
+          Clock::now() + p_.fixed_latency, seq_++, nullptr, Status(),
+          [inner, copy = std::move(copy)] { (void)inner->SendControl(copy); }});
     }
     cv_.notify_all();
     return Status::Ok();
