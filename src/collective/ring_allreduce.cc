@@ -21,6 +21,9 @@ class RingImpl final : public RingAllreduce {
   ~RingImpl() override {
     if (next_) next_->Close();
     if (prev_) prev_->Close();
+    // Channels and regions before the device that owns their machinery.
+    next_.reset();
+    prev_.reset();
     remote_recv_.reset();
     send_.reset();
     recv_.reset();
