@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The main job of README.md: installs what is needed, builds, and runs the
-# most complete end-to-end things membox does today, each against its
-# baseline in the same run:
+# The main job of README.md: installs what is needed, builds, and runs
+#   0. real training: a CNN on the handwritten digits of python3-sklearn
+#      with 4 workers (PyTorch DDP) synchronised through 2 membox memory
+#      nodes, then the same training with Gloo DDP, side by side
+#      (examples/digits_demo.py -> out/digits.png);
+# then the other end-to-end runs, each against its baseline in the same run:
 #   1. seed 002 Fig. 8 -- tensor transfer between two local processes
 #      (membox zero-copy / copy / TCP vs gRPC over TCP and memcpy);
 #   2. seed 003 Figs. 6-9 -- asynchronous SGD emulation with a real
@@ -21,9 +24,11 @@ cmake --preset release
 cmake --build --preset release -j"$(nproc)"
 mkdir -p out
 membox=./build/release/tools/membox
+echo "== training: membox vs Gloo DDP on sklearn's digits"
+/usr/bin/python3 examples/digits_demo.py --membox "$membox" --out out
 for bench in transfer async-sgd memserver allreduce train; do
   echo "== membox bench $bench --quick"
   "$membox" bench "$bench" --quick \
     --csv "out/$bench.csv" --json "out/$bench.json" --plot "out/$bench.png"
 done
-echo "wrote out/{transfer,async-sgd,memserver,allreduce,train}.{csv,json,png}"
+echo "wrote out/digits.png and out/{transfer,async-sgd,memserver,allreduce,train}.{csv,json,png}"

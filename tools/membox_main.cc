@@ -11,6 +11,10 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <vector>
 
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
@@ -194,6 +198,28 @@ int PrintStatus(const std::string& server, const std::string& secret,
   return 0;
 }
 
+// `membox launch` is membox/launch.py (Python's subprocess and threads make
+// a simpler supervisor than C++ here); this execs it with the package from
+// this build and this binary as the memory node.
+int Launch(const std::vector<std::string>& args) {
+  char self[4096];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return 1;
+  self[n] = 0;
+  std::string path = MEMBOX_PYTHON_DIR;
+  if (const char* old = std::getenv("PYTHONPATH")) path += std::string(":") + old;
+  setenv("PYTHONPATH", path.c_str(), 1);
+  std::vector<std::string> argv = {"/usr/bin/python3", "-m", "membox.launch",
+                                   "--membox", self};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  execv(cargv[0], cargv.data());
+  std::perror("membox launch: cannot run /usr/bin/python3");
+  return 127;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -262,6 +288,13 @@ int main(int argc, char** argv) {
   bool exit_with_parent = false;
   serve->add_flag("--exit-with-parent", exit_with_parent,
                   "stop when the parent process dies (benchmarks, tests)");
+
+  auto* launch = app.add_subcommand(
+      "launch",
+      "start memory nodes and workers on this machine: membox launch "
+      "[--nodes N] [--workers P] [--checkpoint-dir D] [--resume] -- CMD...");
+  launch->prefix_command();  // everything after goes to membox.launch
+  launch->allow_extras();
 
   std::string status_server;
   auto* status = app.add_subcommand(
@@ -379,6 +412,7 @@ int main(int argc, char** argv) {
                  min_block, max_block, quota, heartbeat_ms);
   }
   if (status->parsed()) return PrintStatus(status_server, secret, secret_file);
+  if (launch->parsed()) return Launch(launch->remaining());
 #ifdef MEMBOX_WITH_BENCH
   if (transfer->parsed()) {
     auto mn = membox::ParseByteSize(min_size);

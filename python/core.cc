@@ -1,0 +1,402 @@
+// membox._core: thin pybind11 bindings over membox::ps::ParamClient.
+//
+// * Every blocking call releases the GIL.
+// * Errors become membox.MemboxError (membox.ProxyUnavailable for a memory
+//   node that is gone) carrying the C++ message.
+// * Buffers are anything with the buffer protocol (numpy arrays; torch CPU
+//   tensors through .numpy()), C-contiguous, of the declared size; memory
+//   from Client.allocate() is registered, so the memory nodes read and write
+//   it in place (zero copy). Pending operations keep their buffers alive.
+// * Completion callbacks run on one binding-owned thread holding the GIL,
+//   never on a transport thread (which must not wait for the GIL).
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "membox/ps/param_client.h"
+
+namespace py = pybind11;
+using membox::Status;
+using membox::StatusCode;
+using membox::ps::ParamClient;
+using membox::ps::PsHandle;
+
+namespace {
+
+PyObject* g_error = nullptr;
+PyObject* g_unavailable = nullptr;
+
+[[noreturn]] void Throw(const Status& s) {
+  bool gone = s.code() == StatusCode::kUnavailable ||
+              s.code() == StatusCode::kAborted;
+  PyErr_SetString(gone ? g_unavailable : g_error, s.ToString().c_str());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T Check(membox::Result<T> r) {
+  if (!r.ok()) Throw(r.status());
+  return std::move(*r);
+}
+
+// Runs Python callbacks and drops buffer references with the GIL, off the
+// transport's threads.
+class Completions {
+ public:
+  static Completions& Get() {
+    static Completions* c = new Completions();  // lives until exit
+    return *c;
+  }
+  void Post(std::function<void()> f) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      q_.push_back(std::move(f));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  Completions() {
+    std::thread([this] {
+      for (;;) {
+        std::function<void()> f;
+        {
+          std::unique_lock<std::mutex> l(mu_);
+          cv_.wait(l, [this] { return !q_.empty(); });
+          f = std::move(q_.front());
+          q_.pop_front();
+        }
+        if (!Py_IsInitialized()) continue;
+        py::gil_scoped_acquire gil;
+        try {
+          f();
+        } catch (py::error_already_set& e) {
+          e.discard_as_unraisable("membox completion callback");
+        }
+      }
+    }).detach();
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> q_;
+};
+
+// What a pending operation keeps alive, and its Python callbacks.
+struct PyOp {
+  std::mutex mu;
+  bool done = false;
+  Status status;
+  std::vector<py::object> keep;          // buffers
+  std::vector<py::function> callbacks;   // run once, with the Status
+};
+
+class Handle {
+ public:
+  Handle(PsHandle h, std::shared_ptr<PyOp> op)
+      : h_(std::move(h)), op_(std::move(op)) {}
+  void Wait(std::optional<double> timeout_s) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = timeout_s ? h_.Wait(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::duration<double>(*timeout_s)))
+                    : h_.Wait();
+    }
+    if (!s.ok()) Throw(s);
+  }
+  bool done() const { return h_.done(); }
+  uint64_t version() const { return h_.version(); }
+  // fn(error_message_or_None) runs once when the operation completes.
+  void AddDoneCallback(py::function fn) {
+    std::unique_lock<std::mutex> l(op_->mu);
+    if (!op_->done) {
+      op_->callbacks.push_back(std::move(fn));
+      return;
+    }
+    Status s = op_->status;
+    l.unlock();
+    fn(s.ok() ? py::none() : py::cast(s.ToString()));
+  }
+
+ private:
+  PsHandle h_;
+  std::shared_ptr<PyOp> op_;
+};
+
+struct Buffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  py::object owner;
+};
+
+Buffer GetBuffer(py::object o, bool writable) {
+  py::buffer b = py::reinterpret_borrow<py::buffer>(o);
+  py::buffer_info info = b.request(writable);
+  ssize_t expect = info.itemsize;
+  for (ssize_t i = info.ndim - 1; i >= 0; --i) {
+    if (info.strides[i] != expect) {
+      throw py::value_error("membox needs C-contiguous buffers");
+    }
+    expect *= info.shape[i];
+  }
+  if (writable && info.readonly) throw py::value_error("output is read-only");
+  return Buffer{info.ptr, static_cast<size_t>(info.size * info.itemsize), o};
+}
+
+membox::transport::DType ParseDType(const std::string& s) {
+  using membox::transport::DType;
+  if (s == "float32") return DType::kFloat32;
+  if (s == "float64") return DType::kFloat64;
+  if (s == "float16") return DType::kFloat16;
+  if (s == "bfloat16") return DType::kBFloat16;
+  throw py::value_error("dtype must be float32, float64, float16 or bfloat16");
+}
+
+class Client {
+ public:
+  Client(std::vector<std::string> proxies, std::string secret, int rank,
+         int world, std::string name, double timeout_s,
+         uint64_t partition_bytes) {
+    membox::ps::ParamClientOptions o;
+    o.proxies = std::move(proxies);
+    o.secret = std::move(secret);
+    o.rank = rank;
+    o.world = world;
+    o.name = std::move(name);
+    o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3));
+    o.routing.partition_bytes = partition_bytes;
+    py::gil_scoped_release nogil;
+    auto c = ParamClient::Connect(o);
+    py::gil_scoped_acquire gil;
+    c_ = Check(std::move(c));
+  }
+
+  void Configure(const std::string& mode, uint32_t staleness,
+                 const std::string& optimizer, double lr, double momentum,
+                 double beta1, double beta2, double eps) {
+    membox::ps::SyncConfig c;
+    using M = membox::ps::SyncConfig::Mode;
+    using O = membox::ps::SyncConfig::Optimizer;
+    if (mode == "sum") c.mode = M::kSum;
+    else if (mode == "average") c.mode = M::kAverage;
+    else if (mode == "async") c.mode = M::kAsync;
+    else throw py::value_error("mode must be sum, average or async");
+    if (optimizer == "none") c.optimizer = O::kNone;
+    else if (optimizer == "sgd") c.optimizer = O::kSgd;
+    else if (optimizer == "adam") c.optimizer = O::kAdam;
+    else throw py::value_error("optimizer must be none, sgd or adam");
+    c.staleness = staleness;
+    c.lr = lr;
+    c.momentum = momentum;
+    c.beta1 = beta1;
+    c.beta2 = beta2;
+    c.eps = eps;
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = c_->Configure(c);
+    }
+    if (!s.ok()) Throw(s);
+  }
+
+  uint64_t Declare(uint64_t key, uint64_t nbytes, const std::string& dtype,
+                   py::object init) {
+    const void* p = nullptr;
+    Buffer b;
+    if (!init.is_none()) {
+      b = GetBuffer(init, false);
+      if (b.bytes != nbytes) throw py::value_error("init has the wrong size");
+      p = b.ptr;
+    }
+    auto dt = ParseDType(dtype);
+    membox::Result<uint64_t> v = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      v = c_->Declare(key, nbytes, dt, p);
+    }
+    uint64_t version = Check(std::move(v));
+    declared_[key] = nbytes;
+    return version;
+  }
+
+  // A writable uint8 numpy array over registered memory.
+  py::array Allocate(uint64_t nbytes, py::object self) {
+    membox::Result<void*> p = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      p = c_->AllocateTensor(nbytes);
+    }
+    void* ptr = Check(std::move(p));
+    // The array keeps the Client alive, which owns the memory.
+    return py::array(py::dtype("uint8"), {static_cast<ssize_t>(nbytes)},
+                     {static_cast<ssize_t>(1)}, ptr, self);
+  }
+
+  Handle Submit(int kind, uint64_t key, py::object in, py::object out,
+                int priority) {
+    auto op = std::make_shared<PyOp>();
+    Buffer bi, bo;
+    if (!in.is_none()) {
+      bi = GetBuffer(in, false);
+      op->keep.push_back(in);
+    }
+    if (!out.is_none()) {
+      bo = GetBuffer(out, true);
+      op->keep.push_back(out);
+    }
+    // The C++ client reads / writes the declared size: never let a smaller
+    // buffer through.
+    auto d = declared_.find(key);
+    if (d == declared_.end()) {
+      Throw(membox::NotFoundError("key " + std::to_string(key) +
+                                  " not declared on this worker"));
+    }
+    for (const Buffer* b : {&bi, &bo}) {
+      if (b->ptr && b->bytes != d->second) {
+        throw py::value_error("buffer of " + std::to_string(b->bytes) +
+                              " bytes for key " + std::to_string(key) +
+                              " declared with " + std::to_string(d->second));
+      }
+    }
+    auto cb = [op](const Status& s) {
+      std::vector<py::function> cbs;
+      {
+        std::lock_guard<std::mutex> l(op->mu);
+        op->done = true;
+        op->status = s;
+      }
+      // Callbacks and the buffer references are Python objects: touch them
+      // only with the GIL, on the completion thread.
+      Completions::Get().Post([op, s] {
+        std::vector<py::function> run;
+        std::vector<py::object> drop;
+        {
+          std::lock_guard<std::mutex> l(op->mu);
+          run.swap(op->callbacks);
+          drop.swap(op->keep);
+        }
+        for (auto& f : run) f(s.ok() ? py::none() : py::cast(s.ToString()));
+      });
+    };
+    PsHandle h;
+    {
+      py::gil_scoped_release nogil;
+      if (kind == 0) {
+        h = c_->Push(key, bi.ptr, priority, cb);
+      } else if (kind == 1) {
+        h = c_->Pull(key, bo.ptr, cb);
+      } else {
+        h = c_->PushPull(key, bi.ptr, bo.ptr, priority, cb);
+      }
+    }
+    return Handle(std::move(h), op);
+  }
+
+  void Checkpoint(const std::string& name) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = c_->Checkpoint(name);
+    }
+    if (!s.ok()) Throw(s);
+  }
+
+  py::dict Profile() {
+    membox::Result<membox::ps::RoutingTable> t = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      t = c_->Profile();
+    }
+    auto r = Check(std::move(t));
+    py::dict d;
+    d["threshold"] = r.threshold;
+    d["lat_proxy"] = r.lat_proxy;
+    d["bw_proxy"] = r.bw_proxy;
+    d["partition_bytes"] = r.partition_bytes;
+    return d;
+  }
+
+  std::string ProxyStatus(uint32_t proxy) {
+    membox::Result<std::string> t = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      t = c_->ProxyStatus(proxy);
+    }
+    return Check(std::move(t));
+  }
+
+  int num_proxies() const { return c_->num_proxies(); }
+
+ private:
+  std::unique_ptr<ParamClient> c_;
+  std::map<uint64_t, uint64_t> declared_;  // key -> bytes
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "membox parameter client (C++ core)";
+  static py::exception<std::runtime_error> err(m, "MemboxError");
+  static py::exception<std::runtime_error> gone(m, "ProxyUnavailable",
+                                                err.ptr());
+  g_error = err.ptr();
+  g_unavailable = gone.ptr();
+
+  py::class_<Handle>(m, "Handle")
+      .def("wait", &Handle::Wait, py::arg("timeout") = py::none(),
+           "Waits (GIL released); raises MemboxError on failure.")
+      .def("done", &Handle::done)
+      .def_property_readonly("version", &Handle::version)
+      .def("add_done_callback", &Handle::AddDoneCallback,
+           "fn(error or None) runs once on completion, with the GIL, on "
+           "membox's completion thread.");
+
+  py::class_<Client>(m, "Client")
+      .def(py::init<std::vector<std::string>, std::string, int, int,
+                    std::string, double, uint64_t>(),
+           py::arg("proxies"), py::arg("secret"), py::arg("rank"),
+           py::arg("world"), py::arg("name") = "worker",
+           py::arg("timeout") = 60.0, py::arg("partition_bytes") = 4 << 20)
+      .def("configure", &Client::Configure, py::arg("mode") = "sum",
+           py::arg("staleness") = 0, py::arg("optimizer") = "none",
+           py::arg("lr") = 0.01, py::arg("momentum") = 0.0,
+           py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
+           py::arg("eps") = 1e-8)
+      .def("declare", &Client::Declare, py::arg("key"), py::arg("nbytes"),
+           py::arg("dtype") = "float32", py::arg("init") = py::none())
+      .def(
+          "allocate",
+          [](py::object self, uint64_t nbytes) {
+            return self.cast<Client&>().Allocate(nbytes, self);
+          },
+          py::arg("nbytes"))
+      .def(
+          "push",
+          [](Client& c, uint64_t key, py::object data, int priority) {
+            return c.Submit(0, key, data, py::none(), priority);
+          },
+          py::arg("key"), py::arg("data"), py::arg("priority") = 0)
+      .def(
+          "pull",
+          [](Client& c, uint64_t key, py::object out) {
+            return c.Submit(1, key, py::none(), out, 0);
+          },
+          py::arg("key"), py::arg("out"))
+      .def(
+          "push_pull",
+          [](Client& c, uint64_t key, py::object in, py::object out,
+             int priority) { return c.Submit(2, key, in, out, priority); },
+          py::arg("key"), py::arg("data"), py::arg("out"),
+          py::arg("priority") = 0)
+      .def("checkpoint", &Client::Checkpoint, py::arg("name") = "latest.mbck")
+      .def("profile", &Client::Profile)
+      .def("proxy_status", &Client::ProxyStatus, py::arg("proxy") = 0)
+      .def_property_readonly("num_proxies", &Client::num_proxies);
+}

@@ -1,0 +1,44 @@
+"""membox: parameter synchronisation through disaggregated memory nodes.
+
+    import membox
+    client = membox.connect()            # from MEMBOX_PROXIES, RANK, ...
+    client.configure(mode="average")
+    client.declare(1, nbytes)
+    client.push_pull(1, grads, grads).wait()
+
+See membox.torch for the PyTorch DDP hook and parameter-server API, and
+`membox launch` for starting memory nodes and workers.
+"""
+import os
+
+from membox._core import Client, Handle, MemboxError, ProxyUnavailable
+
+__all__ = ["Client", "Handle", "MemboxError", "ProxyUnavailable", "connect"]
+
+
+def _secret():
+    if os.environ.get("MEMBOX_SECRET"):
+        return os.environ["MEMBOX_SECRET"]
+    path = os.environ.get("MEMBOX_SECRET_FILE")
+    if not path:
+        raise MemboxError("no secret: set MEMBOX_SECRET or MEMBOX_SECRET_FILE "
+                          "(membox launch does)")
+    with open(path) as f:
+        return f.readline().strip()
+
+
+def connect(proxies=None, secret=None, rank=None, world=None, name=None,
+            timeout=60.0, partition_bytes=4 << 20):
+    """A Client for this worker. Missing arguments come from the environment
+    `membox launch` sets: MEMBOX_PROXIES (comma-separated host:port),
+    MEMBOX_SECRET or MEMBOX_SECRET_FILE, RANK, WORLD_SIZE."""
+    if proxies is None:
+        env = os.environ.get("MEMBOX_PROXIES")
+        if not env:
+            raise MemboxError("no memory nodes: set MEMBOX_PROXIES "
+                              "(membox launch does)")
+        proxies = env.split(",")
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
+    return Client(list(proxies), secret or _secret(), rank, world,
+                  name or f"worker-{rank}", timeout, partition_bytes)

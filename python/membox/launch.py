@@ -1,0 +1,154 @@
+"""membox launch: start memory nodes and workers on this machine.
+
+    membox launch --nodes 2 --workers 4 -- /usr/bin/python3 train.py ...
+
+Starts N `membox serve` memory nodes whose parameter proxies form one ring,
+then P workers with the rendezvous environment: RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR / MASTER_PORT (for torch.distributed), and
+MEMBOX_PROXIES, MEMBOX_SECRET_FILE (for membox.connect). Every output line
+is prefixed with its process's role and rank. When a worker fails or a
+memory node dies, everything is stopped with a message naming it and the
+exit status is non-zero; when all workers succeed, the nodes are stopped
+and the status is 0. --checkpoint-dir makes the nodes write checkpoints
+there; --resume restarts them from the last one.
+"""
+import argparse
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, role, rank, argv, env, out_lock):
+        self.role, self.rank = role, rank
+        self.name = f"{role} {rank}"
+        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  bufsize=1, start_new_session=True)
+        self.ready = threading.Event()
+        self.lines = []
+        self.t = threading.Thread(target=self._pump, args=(out_lock,),
+                                  daemon=True)
+        self.t.start()
+
+    def _pump(self, lock):
+        for line in self.p.stdout:
+            line = line.rstrip("\n")
+            if "parameter proxy on" in line:
+                self.ready.set()
+            self.lines.append(line)
+            with lock:
+                print(f"[{self.name}] {line}", flush=True)
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="membox launch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=2, help="memory nodes (0: none)")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--membox", default=os.environ.get("MEMBOX_BIN", "membox"),
+                    help="the membox binary")
+    ap.add_argument("--pool-size", default="64MiB")
+    ap.add_argument("--checkpoint-dir", default="")
+    ap.add_argument("--resume", action="store_true",
+                    help="restart the memory nodes from their last checkpoint")
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not cmd:
+        ap.error("no worker command given (after --)")
+    if a.resume and not a.checkpoint_dir:
+        ap.error("--resume needs --checkpoint-dir")
+    lock = threading.Lock()
+    tmp = tempfile.mkdtemp(prefix="membox-launch-")
+    secret_file = os.path.join(tmp, "secret")
+    with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(secrets.token_hex(16) + "\n")
+    procs = []
+
+    def shutdown(code, why=None):
+        if why:
+            with lock:
+                print(f"membox launch: {why}; stopping everything", flush=True)
+        for p in procs:
+            p.stop()
+        deadline = time.time() + 10
+        for p in procs:
+            try:
+                p.p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.stop(signal.SIGKILL)
+        return code
+
+    ps_eps = [f"127.0.0.1:{free_port()}" for _ in range(a.nodes)]
+    try:
+        for i in range(a.nodes):
+            argv_n = [a.membox, "--log-level", "warn", "serve",
+                      "--listen", "127.0.0.1:0",
+                      "--pool-size", a.pool_size, "--secret-file", secret_file,
+                      "--ps-listen", ps_eps[i], "--ps-rank", str(i),
+                      "--exit-with-parent"]
+            if a.nodes > 1:
+                argv_n += ["--ps-peers", ",".join(ps_eps)]
+            if a.checkpoint_dir:
+                argv_n += ["--checkpoint-dir", a.checkpoint_dir]
+            if a.resume:
+                argv_n += ["--restore"]
+            procs.append(Proc("node", i, argv_n, dict(os.environ), lock))
+        for p in procs:
+            if not p.ready.wait(30) :
+                return shutdown(1, f"{p.name} did not start "
+                                   f"(exit status {p.p.poll()})")
+        env = dict(os.environ)
+        env.update({"WORLD_SIZE": str(a.workers), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(free_port()),
+                    "MEMBOX_SECRET_FILE": secret_file,
+                    "MEMBOX_PROXIES": ",".join(ps_eps)})
+        pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+        workers = []
+        for r in range(a.workers):
+            e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+            workers.append(Proc("worker", r, cmd, e, lock))
+        procs.extend(workers)
+        nodes = procs[:a.nodes]
+        while True:
+            for n in nodes:
+                if n.p.poll() is not None:
+                    return shutdown(1, f"memory {n.name} died (exit status "
+                                       f"{n.p.returncode})")
+            failed = [w for w in workers if w.p.poll() not in (None, 0)]
+            if failed:
+                w = failed[0]
+                return shutdown(1, f"{w.name} failed (exit status "
+                                   f"{w.p.returncode})")
+            if all(w.p.poll() == 0 for w in workers):
+                for w in workers:
+                    w.t.join(timeout=5)
+                return shutdown(0)
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        return shutdown(130, "interrupted")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Synchronous membox training and Gloo DDP, same seeds, give the same losses
+# (to float tolerance): examples/train_digits.py under `membox launch`.
+# Usage: digits_equivalence_test.sh PATH/TO/membox
+set -euo pipefail
+membox=${1:?usage: digits_equivalence_test.sh membox}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+/usr/bin/python3 -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs python3-torch and python3-sklearn"; exit 77; }
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+"$membox" launch --nodes 2 --workers 2 -- /usr/bin/python3 "$here/examples/train_digits.py" \
+  --backend membox --epochs 2 --out "$out/m.jsonl"
+"$membox" launch --nodes 0 --workers 2 -- /usr/bin/python3 "$here/examples/train_digits.py" \
+  --backend gloo --epochs 2 --out "$out/g.jsonl"
+/usr/bin/python3 - "$out/m.jsonl" "$out/g.jsonl" <<'PY'
+import json, sys
+m = [json.loads(l) for l in open(sys.argv[1])]
+g = [json.loads(l) for l in open(sys.argv[2])]
+assert len(m) == len(g) == 2, (m, g)
+for a, b in zip(m, g):
+    rel = abs(a["loss"] - b["loss"]) / max(1e-12, abs(b["loss"]))
+    print(f"epoch {a['epoch']}: membox {a['loss']:.7f} gloo {b['loss']:.7f} rel {rel:.2e}")
+    assert rel < 1e-4, "losses differ"
+    assert abs(a["accuracy"] - b["accuracy"]) < 0.01
+print("PASS: same losses")
+PY

@@ -1,0 +1,105 @@
+#!/usr/bin/python3
+"""The Python API against a real `membox serve` (MEMBOX_BIN): sums, zero-copy
+buffers, the parameter server with SGD on the node, and the errors a user
+sees -- wrong secret, wrong buffer size, a memory node that dies."""
+import os
+import subprocess
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+import membox
+
+MEMBOX = os.environ.get("MEMBOX_BIN", "membox")
+
+
+class Node:
+    def __init__(self, tmp):
+        self.secret = "python-test-secret"
+        path = os.path.join(tmp, "secret")
+        with open(path, "w") as f:
+            f.write(self.secret + "\n")
+        self.p = subprocess.Popen(
+            [MEMBOX, "--log-level", "warn", "serve", "--listen", "127.0.0.1:0",
+             "--pool-size", "16MiB", "--secret-file", path,
+             "--exit-with-parent"], stdout=subprocess.PIPE, text=True)
+        self.endpoint = None
+        for line in self.p.stdout:
+            if line.startswith("membox serve: parameter proxy on "):
+                self.endpoint = line.split()[-1]
+                break
+        assert self.endpoint, "membox serve did not start"
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+
+
+class ClientTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        self.node = Node(self.tmp)
+
+    def tearDown(self):
+        self.node.kill()
+
+    def client(self, rank=0, world=1, secret=None):
+        return membox.connect([self.node.endpoint], secret or self.node.secret,
+                              rank, world, timeout=10.0)
+
+    def test_push_pull_sums_and_zero_copy(self):
+        a, b = self.client(0, 2), self.client(1, 2)
+        for c in (a, b):
+            c.declare(1, 4000)
+        x = np.ones(1000, np.float32)
+        y = a.allocate(4000).view(np.float32)   # registered memory
+        y[:] = 2.0
+        hx = a.push_pull(1, x, x)
+        hy = b.push_pull(1, y, y)
+        hx.wait(10)
+        hy.wait(10)
+        self.assertTrue(np.all(x == 3.0))
+        self.assertTrue(np.all(y == 3.0))
+        self.assertEqual(hy.version, 1)
+        seen = []
+        h = a.pull(1, x)
+        h.add_done_callback(seen.append)
+        h.wait()
+        time.sleep(0.1)
+        self.assertEqual(seen, [None])
+
+    def test_parameter_server_runs_sgd_on_the_node(self):
+        import torch
+        import membox.torch as mt
+        c = self.client()
+        w = torch.nn.Parameter(torch.ones(10))
+        ps = mt.ParameterServer([w], mode="sum", optimizer="sgd", lr=0.5,
+                                client=c)
+        w.grad = torch.full((10,), 2.0)
+        ps.step()
+        self.assertTrue(torch.allclose(w.data, torch.zeros(10)))
+
+    def test_errors_are_exceptions_with_the_message(self):
+        with self.assertRaisesRegex(membox.MemboxError, "wrong secret"):
+            self.client(secret="not-the-secret")
+        c = self.client()
+        c.declare(1, 40)
+        with self.assertRaisesRegex(ValueError, "declared with 40"):
+            c.push(1, np.zeros(5, np.float32))
+        with self.assertRaisesRegex(membox.MemboxError, "not declared"):
+            c.push(2, np.zeros(10, np.float32))
+        with self.assertRaises(ValueError):
+            c.declare(3, 40, dtype="int8")
+        self.node.kill()
+        with self.assertRaises(membox.ProxyUnavailable) as e:
+            for _ in range(50):
+                c.push_pull(1, np.zeros(10, np.float32),
+                            np.zeros(10, np.float32)).wait(10)
+                time.sleep(0.1)
+        self.assertIn(self.node.endpoint, str(e.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()
