@@ -134,8 +134,15 @@ def main(argv=None):
         while True:
             for n in nodes:
                 if n.p.poll() is not None:
-                    return shutdown(1, f"memory {n.name} died (exit status "
-                                       f"{n.p.returncode})")
+                    with lock:
+                        print(f"membox launch: memory {n.name} died (exit "
+                              f"status {n.p.returncode}); giving the workers "
+                              f"10 s to report it", flush=True)
+                    deadline = time.time() + 10
+                    while time.time() < deadline and any(
+                            w.p.poll() is None for w in workers):
+                        time.sleep(0.1)
+                    return shutdown(1, f"memory {n.name} died")
             failed = [w for w in workers if w.p.poll() not in (None, 0)]
             if failed:
                 w = failed[0]

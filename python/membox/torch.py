@@ -108,11 +108,15 @@ class ParameterServer:
                               optimizer=optimizer, lr=lr, momentum=momentum,
                               beta1=beta1, beta2=beta2, eps=eps)
         self.keys = []
+        # Rounds completed on the memory nodes: 0 for a new job, the
+        # checkpoint's after `membox launch --resume`.
+        self.version = 0
         for i, p in enumerate(self.params):
             key = first_key + i
             data = _flat_numpy(p.data)
             # The first worker's initial weights win on every node.
-            self.client.declare(key, data.nbytes, _dtype(p.data), data)
+            v = self.client.declare(key, data.nbytes, _dtype(p.data), data)
+            self.version = max(self.version, v)
             self.keys.append(key)
         self.pull()
 

@@ -1,0 +1,81 @@
+#!/usr/bin/python3
+"""A custom training loop with membox's explicit parameter server: the
+memory nodes hold the weights and run SGD with momentum; workers push
+gradients and pull weights (synchronously, or --mode async on one node with
+an optional --staleness bound). A checkpoint is written on every memory
+node after each epoch; started under `membox launch --resume`, training
+continues from the last one.
+
+    membox launch --nodes 2 --workers 2 --checkpoint-dir /tmp/ck -- \
+        /usr/bin/python3 examples/train_ps.py --epochs 4
+"""
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+from sklearn.datasets import load_digits
+
+import membox
+import membox.torch as mt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--mode", choices=("average", "async"), default="average")
+    ap.add_argument("--staleness", type=int, default=0)
+    ap.add_argument("--pause-after-epoch", type=int, default=0,
+                    help="sleep 3 s after this epoch (fault-injection tests)")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    d = load_digits()
+    x = torch.tensor(d.images / 16.0, dtype=torch.float32).flatten(1)
+    y = torch.tensor(d.target, dtype=torch.long)
+    perm = np.random.RandomState(0).permutation(len(y))
+    train, test = perm[:1440], perm[1440:]
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    client = membox.connect()
+    ps = mt.ParameterServer(model.parameters(), mode=a.mode,
+                            staleness=a.staleness, optimizer="sgd", lr=0.1,
+                            momentum=0.9, client=client)
+    steps = (len(train) // world) // a.batch
+    first_epoch = ps.version // steps  # > 0 after a restore
+    if rank == 0 and first_epoch > 0:
+        print(f"resumed from checkpoint at epoch {first_epoch} "
+              f"(version {ps.version})", flush=True)
+    loss_fn = nn.CrossEntropyLoss()
+    for epoch in range(first_epoch, a.epochs):
+        order = np.random.RandomState(epoch + 1).permutation(train)[rank::world]
+        losses, t0 = [], time.perf_counter()
+        for i in range(steps):
+            idx = torch.tensor(order[i * a.batch:(i + 1) * a.batch])
+            model.zero_grad()
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            ps.step()                      # push grads, pull new weights
+            losses.append(loss.item())
+        with torch.no_grad():
+            acc = (model(x[test]).argmax(1) == y[test]).float().mean().item()
+        if rank == 0:
+            client.checkpoint("latest.mbck")
+            rec = {"epoch": epoch + 1, "loss": float(np.mean(losses)),
+                   "accuracy": acc,
+                   "iteration_ms": (time.perf_counter() - t0) / steps * 1e3}
+            print(json.dumps(rec), flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+        if epoch + 1 == a.pause_after_epoch:
+            time.sleep(3)
+
+
+if __name__ == "__main__":
+    main()
