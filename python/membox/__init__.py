@@ -11,9 +11,40 @@ See membox.torch for the PyTorch DDP hook and parameter-server API, and
 """
 import os
 
-from membox._core import Client, Handle, MemboxError, ProxyUnavailable
+from membox import _core
+from membox._core import Handle, MemboxError, ProxyUnavailable
 
 __all__ = ["Client", "Handle", "MemboxError", "ProxyUnavailable", "connect"]
+
+
+def _buffer(x):
+    """numpy arrays and other buffers pass through; torch CPU tensors become
+    numpy views of the same memory (no copy)."""
+    if x is None or not hasattr(x, "detach"):
+        return x
+    if x.device.type != "cpu":
+        raise MemboxError(f"membox moves CPU tensors (got {x.device})")
+    if not x.is_contiguous():
+        raise ValueError("membox needs contiguous tensors")
+    return x.detach().numpy()
+
+
+class Client(_core.Client):
+    """A worker's connection to the memory nodes (see docs/python.md).
+    Accepts numpy arrays, any buffer, and torch CPU tensors (shared, not
+    copied)."""
+
+    def declare(self, key, nbytes, dtype="float32", init=None):
+        return super().declare(key, nbytes, dtype, _buffer(init))
+
+    def push(self, key, data, priority=0):
+        return super().push(key, _buffer(data), priority)
+
+    def pull(self, key, out):
+        return super().pull(key, _buffer(out))
+
+    def push_pull(self, key, data, out, priority=0):
+        return super().push_pull(key, _buffer(data), _buffer(out), priority)
 
 
 def _secret():

@@ -11,6 +11,14 @@ memory node dies, everything is stopped with a message naming it and the
 exit status is non-zero; when all workers succeed, the nodes are stopped
 and the status is 0. --checkpoint-dir makes the nodes write checkpoints
 there; --resume restarts them from the last one.
+
+Across hosts, start `membox serve` on the memory hosts yourself and run the
+workers with your launcher of choice, letting `membox launch --attach`
+translate its environment (mpirun's OMPI_COMM_WORLD_*, Slurm's SLURM_*,
+PMI_*) into the one above and exec the command:
+
+    mpirun -np 8 -H a,b membox launch --attach --proxies m1:7301,m2:7301 \
+        --secret-file s --master a:29500 -- python3 train.py
 """
 import argparse
 import os
@@ -60,6 +68,36 @@ class Proc:
                 pass
 
 
+def attach(a, cmd):
+    """Worker side of a multi-host launch: rank and size from mpirun, Slurm
+    or PMI, memory nodes from --proxies; then exec the command."""
+    env = dict(os.environ)
+    pairs = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+              "OMPI_COMM_WORLD_LOCAL_RANK"),
+             ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+             ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"))
+    for rank, size, local in pairs:
+        if rank in env and size in env:
+            env["RANK"], env["WORLD_SIZE"] = env[rank], env[size]
+            env["LOCAL_RANK"] = env.get(local, "0")
+            break
+    else:
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            sys.exit("membox launch --attach: no rank found (run it under "
+                     "mpirun, srun, or set RANK and WORLD_SIZE)")
+    if not a.proxies:
+        sys.exit("membox launch --attach: --proxies is required")
+    env["MEMBOX_PROXIES"] = a.proxies
+    if a.secret_file:
+        env["MEMBOX_SECRET_FILE"] = a.secret_file
+    if a.master:
+        host, _, port = a.master.rpartition(":")
+        env["MASTER_ADDR"], env["MASTER_PORT"] = host, port
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+    os.execvpe(cmd[0], cmd, env)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="membox launch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,11 +109,21 @@ def main(argv=None):
     ap.add_argument("--checkpoint-dir", default="")
     ap.add_argument("--resume", action="store_true",
                     help="restart the memory nodes from their last checkpoint")
+    ap.add_argument("--attach", action="store_true",
+                    help="multi-host: this process is one worker started by "
+                         "mpirun / srun; map its rank and exec the command")
+    ap.add_argument("--proxies", default="", help="--attach: memory nodes' "
+                    "parameter proxies, host:port,...")
+    ap.add_argument("--secret-file", default="", help="--attach: the secret")
+    ap.add_argument("--master", default="", help="--attach: MASTER_ADDR:PORT "
+                    "for torch.distributed")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not cmd:
         ap.error("no worker command given (after --)")
+    if a.attach:
+        return attach(a, cmd)
     if a.resume and not a.checkpoint_dir:
         ap.error("--resume needs --checkpoint-dir")
     lock = threading.Lock()

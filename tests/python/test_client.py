@@ -70,6 +70,19 @@ class ClientTest(unittest.TestCase):
         time.sleep(0.1)
         self.assertEqual(seen, [None])
 
+    def test_torch_tensors_are_shared_not_copied(self):
+        import torch
+        a = self.client()
+        a.declare(5, 16)
+        t = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        a.push_pull(5, t, t).wait(10)   # one worker: the sum is itself
+        self.assertEqual(t.tolist(), [1.0, 2.0, 3.0, 4.0])
+        out = torch.zeros(4)
+        a.pull(5, out).wait(10)
+        self.assertEqual(out.tolist(), [1.0, 2.0, 3.0, 4.0])
+        with self.assertRaises(ValueError):
+            a.push(5, torch.zeros(4, 2)[:, 0])  # not contiguous
+
     def test_parameter_server_runs_sgd_on_the_node(self):
         import torch
         import membox.torch as mt
