@@ -47,7 +47,11 @@ def main():
                             staleness=a.staleness, optimizer="sgd", lr=0.1,
                             momentum=0.9, client=client)
     steps = (len(train) // world) // a.batch
-    first_epoch = ps.version // steps  # > 0 after a restore
+    first_epoch = 0
+    if os.environ.get("MEMBOX_RESUMED"):  # set by `membox launch --resume`
+        # Versions count rounds (synchronous) or single pushes (async).
+        per_epoch = steps * (world if a.mode == "async" else 1)
+        first_epoch = ps.version // per_epoch
     if rank == 0 and first_epoch > 0:
         print(f"resumed from checkpoint at epoch {first_epoch} "
               f"(version {ps.version})", flush=True)
@@ -65,7 +69,8 @@ def main():
         with torch.no_grad():
             acc = (model(x[test]).argmax(1) == y[test]).float().mean().item()
         if rank == 0:
-            client.checkpoint("latest.mbck")
+            if os.environ.get("MEMBOX_CHECKPOINT_DIR"):
+                client.checkpoint("latest.mbck")  # on every memory node
             rec = {"epoch": epoch + 1, "loss": float(np.mean(losses)),
                    "accuracy": acc,
                    "iteration_ms": (time.perf_counter() - t0) / steps * 1e3}

@@ -171,6 +171,10 @@ def main(argv=None):
                     "MASTER_PORT": str(free_port()),
                     "MEMBOX_SECRET_FILE": secret_file,
                     "MEMBOX_PROXIES": ",".join(ps_eps)})
+        if a.checkpoint_dir:
+            env["MEMBOX_CHECKPOINT_DIR"] = a.checkpoint_dir
+        if a.resume:
+            env["MEMBOX_RESUMED"] = "1"
         pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
         workers = []

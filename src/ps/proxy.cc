@@ -783,9 +783,13 @@ class ProxyImpl final : public Proxy {
     if (mode_ == proto::Mode::kAsync) {
       if (config_.staleness == 0) return true;
       if (sh.applied.size() < world_) sh.applied.resize(world_, 0);
+      // This worker's pushes are applied in order, so its next one is
+      // number applied[rank]; it may run `staleness` ahead of the slowest.
+      // (Round numbers are not compared: a worker that declared late
+      // starts its count at the version it found.)
       uint64_t slowest =
           *std::min_element(sh.applied.begin(), sh.applied.end());
-      return m.round <= slowest + config_.staleness;
+      return sh.applied[c.rank] <= slowest + config_.staleness;
     }
     if (m.round != sh.version || sh.reducing) return false;
     if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
