@@ -1,0 +1,130 @@
+#include "membox/embedding/mem_tier.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+namespace membox::embedding {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr uint32_t kRow = 16;
+
+class MemTierTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("membox-mem-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    SsdOptions o;
+    o.dir = dir_.string();
+    o.row_bytes = kRow;
+    ssd_ = std::move(*SsdStore::Open(o));
+  }
+  void TearDown() override {
+    tier_.reset();
+    ssd_.reset();
+    fs::remove_all(dir_);
+  }
+  void Make(uint64_t budget_rows) {
+    MemTierOptions o;
+    o.budget_bytes = budget_rows * kRow;
+    o.lru_fraction = 0.5;
+    o.initializer = [](uint64_t key, std::span<uint8_t> row) {
+      for (size_t i = 0; i < row.size(); ++i) row[i] = uint8_t(key + i);
+    };
+    tier_ = std::move(*MemTier::Create(o, ssd_.get()));
+  }
+  // Acquire + release one key; returns its first byte.
+  uint8_t Touch(uint64_t key, uint64_t batch, int times = 1) {
+    uint8_t v = 0;
+    for (int i = 0; i < times; ++i) {
+      auto rows = tier_->Acquire(std::span(&key, 1), batch);
+      EXPECT_TRUE(rows.ok()) << rows.status().ToString();
+      v = (*rows)[0][0];
+      EXPECT_TRUE(tier_->Release(batch).ok());
+    }
+    return v;
+  }
+  fs::path dir_;
+  std::unique_ptr<SsdStore> ssd_;
+  std::unique_ptr<MemTier> tier_;
+};
+
+TEST_F(MemTierTest, LruEvictsIntoLfuWhichEvictsToSsd) {
+  Make(4);  // 4 rows: LRU 2, the rest LFU
+  Touch(1, 1, 3);  // key 1 used three times
+  Touch(2, 2);
+  Touch(3, 3);     // LRU [3, 2]; 1 -> LFU
+  auto s = tier_->Stats();
+  EXPECT_EQ(s.lru, 2u);
+  EXPECT_EQ(s.lfu, 1u);
+  EXPECT_EQ(s.evicted_to_lfu, 1u);
+  Touch(4, 4);     // 2 -> LFU {2 (1 use), 1 (3 uses)}
+  // Change key 2 while it is in memory? It is in the LFU; change key 4
+  // (pinned) instead and mark it dirty.
+  uint64_t k4 = 4;
+  auto r = tier_->Acquire(std::span(&k4, 1), 5);
+  ASSERT_TRUE(r.ok());
+  (*r)[0][0] = 200;
+  tier_->MarkDirty(std::span(&k4, 1));
+  ASSERT_TRUE(tier_->Release(5).ok());
+  Touch(5, 6);     // LRU [5, 4]; 3 -> LFU; 5 rows > 4: the LFU's least
+                   // used (2, then 3 by key) goes to the SSD
+  s = tier_->Stats();
+  EXPECT_EQ(s.evicted_to_ssd, 1u);
+  EXPECT_EQ(s.rows_in_memory, 4u);
+  // Key 1 (frequent) survived in the LFU; key 2 comes back from the SSD
+  // with its value.
+  EXPECT_EQ(Touch(1, 7), 1);
+  EXPECT_EQ(tier_->Stats().hits_lfu, 1u);
+  EXPECT_EQ(Touch(2, 8), 2);
+  EXPECT_EQ(tier_->Stats().ssd_reads, 1u);
+  // The dirty row keeps its change through evictions.
+  for (uint64_t k = 10; k < 20; ++k) Touch(k, 100 + k);
+  EXPECT_EQ(Touch(4, 9), 200);
+}
+
+TEST_F(MemTierTest, PinnedRowsAreNeverEvicted) {
+  Make(4);
+  std::vector<uint64_t> batch = {1, 2, 3};
+  auto rows = tier_->Acquire(batch, 1);
+  ASSERT_TRUE(rows.ok());
+  for (uint64_t k = 10; k < 30; ++k) Touch(k, 100 + k);  // churn
+  EXPECT_EQ(tier_->Stats().pinned, 3u);
+  EXPECT_EQ((*rows)[2][0], 3);  // still valid memory
+  // A second batch that does not fit is refused and pins nothing.
+  std::vector<uint64_t> big = {40, 41};
+  auto r2 = tier_->Acquire(big, 2);
+  EXPECT_EQ(r2.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(tier_->Stats().pinned, 3u);
+  EXPECT_TRUE(tier_->Release(1).ok());
+  EXPECT_EQ(tier_->Stats().pinned, 0u);
+  EXPECT_EQ(tier_->Release(1).code(), StatusCode::kNotFound);
+}
+
+TEST_F(MemTierTest, NewRowsAreSeededAndFlushedDurably) {
+  Make(100);
+  std::vector<uint64_t> keys = {7, 8, 9};
+  ASSERT_TRUE(tier_->Acquire(keys, 1).ok());
+  ASSERT_TRUE(tier_->Release(1).ok());
+  ASSERT_TRUE(tier_->Flush().ok());
+  tier_.reset();
+  ssd_.reset();
+  SsdOptions o;
+  o.dir = dir_.string();
+  o.row_bytes = kRow;
+  auto again = SsdStore::Open(o);
+  ASSERT_TRUE(again.ok());
+  std::vector<uint8_t> out(3 * kRow);
+  std::vector<bool> found;
+  ASSERT_TRUE((*again)->Get(keys, out, &found).ok());
+  EXPECT_TRUE(found[0] && found[1] && found[2]);
+  EXPECT_EQ(out[kRow], 8);       // key 8's seeded row
+  EXPECT_EQ(out[kRow + 1], 9);
+}
+
+}  // namespace
+}  // namespace membox::embedding
