@@ -12,6 +12,7 @@ $SUDO apt-get install -y --no-install-recommends \
   libgtest-dev libgmock-dev googletest libbenchmark-dev \
   libspdlog-dev libfmt-dev libcli11-dev zlib1g-dev \
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
+  librocksdb-dev \
   openmpi-bin libopenmpi-dev \
   python3 python3-matplotlib python3-torch python3-sklearn \
   pybind11-dev python3-pybind11 \

@@ -25,6 +25,7 @@
 #ifdef MEMBOX_WITH_BENCH
 #include "bench/allreduce/allreduce_bench.h"
 #include "bench/async_sgd/async_sgd_bench.h"
+#include "bench/embedding/embedding_bench.h"
 #include "bench/memserver/memserver_bench.h"
 #include "bench/train/train_bench.h"
 #include "bench/transfer/transfer_bench.h"
@@ -375,6 +376,17 @@ int main(int argc, char** argv) {
   bool tr_no_gloo = false;
   trbench->add_flag("--no-gloo", tr_no_gloo, "skip the Gloo baseline");
 
+  membox::bench::EmbeddingBenchOptions eopt;
+  auto* embench = bench->add_subcommand(
+      "embedding",
+      "seed 004: sparse store tiers on a Zipf stream, membox SSD tier vs "
+      "RocksDB, prefetch on vs off");
+  AddCommonFlags(embench, &eopt.common);
+  embench->add_option("--keys", eopt.keys, "table rows (default 10^7)");
+  embench->add_option("--steps", eopt.steps, "batches");
+  embench->add_option("--batch", eopt.batch, "lookups per batch");
+  embench->add_option("--dir", eopt.dir, "where the SSD tier's files go");
+
   auto* peer = app.add_subcommand(
       "bench-peer", "internal: the receiving side of a benchmark");
   peer->group("");  // hidden
@@ -429,6 +441,7 @@ int main(int argc, char** argv) {
   }
   if (msbench->parsed()) return membox::bench::RunMemserverBench(mopt);
   if (sgd->parsed()) return membox::bench::RunAsyncSgdBench(aopt);
+  if (embench->parsed()) return membox::bench::RunEmbeddingBench(eopt);
   if (trbench->parsed()) {
     tropt.with_gloo = !tr_no_gloo;
     return membox::bench::RunTrainBench(tropt);

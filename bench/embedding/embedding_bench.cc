@@ -1,0 +1,302 @@
+#include "bench/embedding/embedding_bench.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_set>
+
+#include "bench/embedding/rocksdb_store.h"
+#include "membox/embedding/mem_tier.h"
+#include "membox/embedding/ssd_store.h"
+
+namespace membox::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+double Sec(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+// Zipf(alpha) over ranks 0..n-1 by inverse CDF; ranks are scattered over
+// the key space so hot keys are not neighbours.
+class Zipf {
+ public:
+  Zipf(uint64_t n, double alpha) : cdf_(n) {
+    double sum = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+      sum += 1.0 / std::pow(double(i + 1), alpha);
+      cdf_[i] = sum;
+    }
+    for (auto& c : cdf_) c /= sum;
+  }
+  uint64_t Next(std::mt19937_64& rng) {
+    double u = std::uniform_real_distribution<double>(0, 1)(rng);
+    uint64_t rank = std::lower_bound(cdf_.begin(), cdf_.end(), u) - cdf_.begin();
+    return (rank + 1) * 0x9E3779B97F4A7C15ull;
+  }
+
+ private:
+  std::vector<double> cdf_;
+};
+
+std::vector<std::vector<uint64_t>> Trace(const EmbeddingBenchOptions& o,
+                                         uint64_t keys, int steps) {
+  Zipf z(keys, 1.05);
+  std::mt19937_64 rng(42);
+  std::vector<std::vector<uint64_t>> t(steps);
+  for (auto& b : t) {
+    std::unordered_set<uint64_t> u;
+    for (int i = 0; i < o.batch; ++i) u.insert(z.Next(rng));
+    b.assign(u.begin(), u.end());  // keys deduplicated per batch
+  }
+  return t;
+}
+
+// Adagrad on the pulled rows with a made-up gradient (the push).
+void Update(std::vector<uint8_t*>& rows, int dim) {
+  for (uint8_t* r : rows) {
+    float* w = reinterpret_cast<float*>(r);
+    float* acc = w + dim;
+    for (int i = 0; i < dim; ++i) {
+      float g = 0.01f * float(i + 1);
+      acc[i] += g * g;
+      w[i] -= 0.05f * g / (std::sqrt(acc[i]) + 1e-6f);
+    }
+  }
+}
+
+struct TierResult {
+  double pull_seconds = 0, rows = 0, lookups = 0;
+  embedding::SsdStats ssd;
+  embedding::MemTierStats mem;
+  double mean_fetch_s = 0;
+};
+
+Result<TierResult> RunTier(embedding::SsdStore* ssd,
+                           const EmbeddingBenchOptions& o, uint64_t keys,
+                           const std::vector<std::vector<uint64_t>>& trace) {
+  const uint32_t row = static_cast<uint32_t>(2 * o.dim * sizeof(float));
+  embedding::MemTierOptions mo;
+  mo.budget_bytes = static_cast<uint64_t>(keys * row * o.budget_fraction);
+  mo.initializer = [dim = o.dim](uint64_t key, std::span<uint8_t> r) {
+    std::mt19937 g(static_cast<uint32_t>(key));
+    float* w = reinterpret_cast<float*>(r.data());
+    for (int i = 0; i < dim; ++i)
+      w[i] = std::uniform_real_distribution<float>(-0.01f, 0.01f)(g);
+    std::memset(w + dim, 0, dim * sizeof(float));
+  };
+  ASSIGN_OR_RETURN(auto tier, embedding::MemTier::Create(mo, ssd));
+  TierResult r;
+  for (size_t s = 0; s < trace.size(); ++s) {
+    auto t0 = Clock::now();
+    ASSIGN_OR_RETURN(auto rows, tier->Acquire(trace[s], s));
+    r.pull_seconds += Sec(Clock::now() - t0);
+    r.rows += rows.size();
+    r.lookups += o.batch;
+    Update(rows, o.dim);
+    tier->MarkDirty(trace[s]);
+    RETURN_IF_ERROR(tier->Release(s));
+    if (s % 20 == 19) {
+      RETURN_IF_ERROR(tier->Flush());
+      RETURN_IF_ERROR(ssd->Compact());
+    }
+  }
+  RETURN_IF_ERROR(tier->Flush());
+  r.ssd = ssd->Stats();
+  r.mem = tier->Stats();
+  r.mean_fetch_s = r.pull_seconds / trace.size();
+  return r;
+}
+
+// The pipeline: batches fetched `depth` ahead by a prefetch thread while
+// "training" (sleep of compute_s) runs; returns blocked seconds per batch.
+Result<double> RunPipeline(embedding::SsdStore* ssd,
+                           const EmbeddingBenchOptions& o, uint64_t keys,
+                           const std::vector<std::vector<uint64_t>>& trace,
+                           int depth, double compute_s) {
+  const uint32_t row = static_cast<uint32_t>(2 * o.dim * sizeof(float));
+  embedding::MemTierOptions mo;
+  mo.budget_bytes = static_cast<uint64_t>(keys * row * o.budget_fraction);
+  ASSIGN_OR_RETURN(auto tier, embedding::MemTier::Create(mo, ssd));
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<size_t, std::vector<uint8_t*>>> ready;
+  size_t consumed = 0;
+  Status failure;
+  std::thread prefetch;
+  if (depth > 0) {
+    prefetch = std::thread([&] {
+      for (size_t s = 0; s < trace.size(); ++s) {
+        {
+          std::unique_lock<std::mutex> l(mu);
+          cv.wait(l, [&] { return s < consumed + depth || !failure.ok(); });
+          if (!failure.ok()) return;
+        }
+        auto rows = tier->Acquire(trace[s], s);
+        std::lock_guard<std::mutex> l(mu);
+        if (!rows.ok()) {
+          failure = rows.status();
+        } else {
+          ready.emplace_back(s, std::move(*rows));
+        }
+        cv.notify_all();
+      }
+    });
+  }
+  double blocked = 0;
+  for (size_t s = 0; s < trace.size(); ++s) {
+    auto t0 = Clock::now();
+    std::vector<uint8_t*> rows;
+    if (depth > 0) {
+      std::unique_lock<std::mutex> l(mu);
+      cv.wait(l, [&] { return !ready.empty() || !failure.ok(); });
+      if (!failure.ok()) break;
+      rows = std::move(ready.front().second);
+      ready.pop_front();
+    } else {
+      ASSIGN_OR_RETURN(rows, tier->Acquire(trace[s], s));
+    }
+    blocked += Sec(Clock::now() - t0);
+    std::this_thread::sleep_for(std::chrono::duration<double>(compute_s));
+    Update(rows, o.dim);
+    tier->MarkDirty(trace[s]);
+    RETURN_IF_ERROR(tier->Release(s));
+    {
+      std::lock_guard<std::mutex> l(mu);
+      consumed = s + 1;
+    }
+    cv.notify_all();
+  }
+  if (prefetch.joinable()) prefetch.join();
+  RETURN_IF_ERROR(failure);
+  return blocked / trace.size();
+}
+
+}  // namespace
+
+int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
+  const bool q = o.common.quick;
+  uint64_t keys = o.keys ? o.keys : (q ? 1000000 : 10000000);
+  int steps = o.steps ? o.steps : (q ? 120 : 600);
+  const uint32_t row = static_cast<uint32_t>(2 * o.dim * sizeof(float));
+  std::fprintf(stderr,
+               "table %llu keys x %u B = %.0f MB, memory budget %.0f MB; %d "
+               "batches of %d Zipf(1.05) lookups\n",
+               (unsigned long long)keys, row, keys * row / 1e6,
+               keys * row * o.budget_fraction / 1e6, steps, o.batch);
+  auto trace = Trace(o, keys, steps);
+  Report report("embedding");
+  auto add = [&](const std::string& variant, const std::string& metric,
+                 double v, const std::string& unit) {
+    Record r;
+    r.bench = "embedding";
+    r.variant = variant;
+    r.size_bytes = keys * row;
+    r.workers = 1;
+    r.metric = metric;
+    r.value = v;
+    r.unit = unit;
+    r.case_name = metric;
+    report.Add(r);
+  };
+  fs::path base = fs::path(o.dir) / ("membox-embedding-" + std::to_string(getpid()));
+  std::map<std::string, TierResult> res;
+  for (std::string variant : {"membox", "rocksdb"}) {
+    Progress(variant == "membox" ? 0 : 1, 4, variant + " SSD tier");
+    fs::remove_all(base);
+    std::unique_ptr<embedding::SsdStore> ssd;
+    if (variant == "membox") {
+      embedding::SsdOptions so;
+      so.dir = base.string();
+      so.row_bytes = row;
+      auto s = embedding::SsdStore::Open(so);
+      if (!s.ok()) {
+        std::fprintf(stderr, "error: %s\n", s.status().ToString().c_str());
+        return 1;
+      }
+      ssd = std::move(*s);
+    } else {
+      fs::create_directories(base);
+      auto s = OpenRocksDbStore(base.string(), row);
+      if (!s.ok()) {
+        std::fprintf(stderr, "error: %s\n", s.status().ToString().c_str());
+        return 1;
+      }
+      ssd = std::move(*s);
+    }
+    auto r = RunTier(ssd.get(), o, keys, trace);
+    if (!r.ok()) {
+      std::fprintf(stderr, "error: %s\n", r.status().ToString().c_str());
+      return 1;
+    }
+    res[variant] = *r;
+    add(variant, "pulls_per_s", r->rows / r->pull_seconds, "rows/s");
+    add(variant, "pull_GBps", r->rows * row / r->pull_seconds / 1e9, "GB/s");
+    add(variant, "write_amplification", r->ssd.write_amplification(), "x");
+    add(variant, "ssd_rows_read", double(r->mem.ssd_reads), "rows");
+    ssd.reset();
+    fs::remove_all(base);
+  }
+  // Prefetch on vs off, membox tier, compute per batch = the mean fetch.
+  double compute = std::max(0.001, res["membox"].mean_fetch_s * 1.2);
+  double blocked[2] = {0, 0};
+  for (int depth : {0, 2}) {
+    Progress(depth ? 3 : 2, 4, depth ? "prefetch on" : "prefetch off");
+    fs::remove_all(base);
+    embedding::SsdOptions so;
+    so.dir = base.string();
+    so.row_bytes = row;
+    auto s = embedding::SsdStore::Open(so);
+    if (!s.ok()) return 1;
+    auto b = RunPipeline(s->get(), o, keys, trace, depth, compute);
+    if (!b.ok()) {
+      std::fprintf(stderr, "error: %s\n", b.status().ToString().c_str());
+      return 1;
+    }
+    blocked[depth ? 1 : 0] = *b;
+    add(depth ? "membox-prefetch" : "membox-no-prefetch", "blocked_ms",
+        *b * 1e3, "ms/batch");
+    s->reset();
+    fs::remove_all(base);
+  }
+  Progress(4, 4, "done");
+  auto& m = res["membox"];
+  auto& r = res["rocksdb"];
+  std::printf("\n%-9s %14s %10s %10s %14s\n", "SSD tier", "pulls/s", "GB/s",
+              "write amp", "SSD rows read");
+  for (auto& [name, t] : res) {
+    std::printf("%-9s %14.0f %10.3f %10.2f %14.0f\n", name.c_str(),
+                t.rows / t.pull_seconds, t.rows * row / t.pull_seconds / 1e9,
+                t.ssd.write_amplification(), double(t.mem.ssd_reads));
+  }
+  std::printf("membox / rocksdb pulls per second: %.2fx; write amplification "
+              "%.2f vs %.2f\n",
+              (m.rows / m.pull_seconds) / (r.rows / r.pull_seconds),
+              m.ssd.write_amplification(), r.ssd.write_amplification());
+  std::printf("prefetch (depth 2, compute %.2f ms/batch): blocked %.3f ms vs "
+              "%.3f ms without = %.2fx\n",
+              compute * 1e3, blocked[1] * 1e3, blocked[0] * 1e3,
+              blocked[1] / std::max(1e-12, blocked[0]));
+  Status st = report.Finish(o.common, "pulls_per_s",
+                            "embedding tiers: pulls per second", false, "case");
+  if (!st.ok()) {
+    std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace membox::bench
