@@ -386,6 +386,8 @@ int main(int argc, char** argv) {
   embench->add_option("--steps", eopt.steps, "batches");
   embench->add_option("--batch", eopt.batch, "lookups per batch");
   embench->add_option("--dir", eopt.dir, "where the SSD tier's files go");
+  embench->add_option("--budget-fraction", eopt.budget_fraction,
+                      "memory budget / table size (default 0.02)");
 
   auto* peer = app.add_subcommand(
       "bench-peer", "internal: the receiving side of a benchmark");

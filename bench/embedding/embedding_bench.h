@@ -19,7 +19,7 @@ struct EmbeddingBenchOptions {
   int steps = 0;           // batches; 0: 600 (quick 120)
   int batch = 8192;        // lookups per batch
   int dim = 16;            // floats per embedding (+ as many Adagrad state)
-  double budget_fraction = 0.1;  // memory budget / table size
+  double budget_fraction = 0.02;  // memory budget / table size
   std::string dir = "/tmp";
 };
 
