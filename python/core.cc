@@ -9,16 +9,16 @@
 //   it in place (zero copy). Pending operations keep their buffers alive.
 // * Completion callbacks run on one binding-owned thread holding the GIL,
 //   never on a transport thread (which must not wait for the GIL).
-#include <pybind11/functional.h>
-#include <pybind11/numpy.h>
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-
 #include <condition_variable>
 #include <deque>
 #include <map>
 #include <mutex>
 #include <thread>
+
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "membox/ps/param_client.h"
 
@@ -34,8 +34,8 @@ PyObject* g_error = nullptr;
 PyObject* g_unavailable = nullptr;
 
 [[noreturn]] void Throw(const Status& s) {
-  bool gone = s.code() == StatusCode::kUnavailable ||
-              s.code() == StatusCode::kAborted;
+  bool gone =
+      s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kAborted;
   PyErr_SetString(gone ? g_unavailable : g_error, s.ToString().c_str());
   throw py::error_already_set();
 }
@@ -93,8 +93,8 @@ struct PyOp {
   std::mutex mu;
   bool done = false;
   Status status;
-  std::vector<py::object> keep;          // buffers
-  std::vector<py::function> callbacks;   // run once, with the Status
+  std::vector<py::object> keep;         // buffers
+  std::vector<py::function> callbacks;  // run once, with the Status
 };
 
 class Handle {
@@ -105,9 +105,10 @@ class Handle {
     Status s;
     {
       py::gil_scoped_release nogil;
-      s = timeout_s ? h_.Wait(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          std::chrono::duration<double>(*timeout_s)))
-                    : h_.Wait();
+      s = timeout_s
+              ? h_.Wait(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::duration<double>(*timeout_s)))
+              : h_.Wait();
     }
     if (!s.ok()) Throw(s);
   }
@@ -170,7 +171,8 @@ class Client {
     o.rank = rank;
     o.world = world;
     o.name = std::move(name);
-    o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3));
+    o.timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3));
     o.routing.partition_bytes = partition_bytes;
     py::gil_scoped_release nogil;
     auto c = ParamClient::Connect(o);
@@ -184,14 +186,22 @@ class Client {
     membox::ps::SyncConfig c;
     using M = membox::ps::SyncConfig::Mode;
     using O = membox::ps::SyncConfig::Optimizer;
-    if (mode == "sum") c.mode = M::kSum;
-    else if (mode == "average") c.mode = M::kAverage;
-    else if (mode == "async") c.mode = M::kAsync;
-    else throw py::value_error("mode must be sum, average or async");
-    if (optimizer == "none") c.optimizer = O::kNone;
-    else if (optimizer == "sgd") c.optimizer = O::kSgd;
-    else if (optimizer == "adam") c.optimizer = O::kAdam;
-    else throw py::value_error("optimizer must be none, sgd or adam");
+    if (mode == "sum")
+      c.mode = M::kSum;
+    else if (mode == "average")
+      c.mode = M::kAverage;
+    else if (mode == "async")
+      c.mode = M::kAsync;
+    else
+      throw py::value_error("mode must be sum, average or async");
+    if (optimizer == "none")
+      c.optimizer = O::kNone;
+    else if (optimizer == "sgd")
+      c.optimizer = O::kSgd;
+    else if (optimizer == "adam")
+      c.optimizer = O::kAdam;
+    else
+      throw py::value_error("optimizer must be none, sgd or adam");
     c.staleness = staleness;
     c.lr = lr;
     c.momentum = momentum;

@@ -4,17 +4,16 @@
 //   transfer|memserver|async-sgd [--quick] [--csv F] [--plot F.png] [--json F]
 //   membox version
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <unistd.h>
-
-#include <cstdlib>
-#include <vector>
 
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
@@ -208,7 +207,8 @@ int Launch(const std::vector<std::string>& args) {
   if (n <= 0) return 1;
   self[n] = 0;
   std::string path = MEMBOX_PYTHON_DIR;
-  if (const char* old = std::getenv("PYTHONPATH")) path += std::string(":") + old;
+  if (const char* old = std::getenv("PYTHONPATH"))
+    path += std::string(":") + old;
   setenv("PYTHONPATH", path.c_str(), 1);
   std::vector<std::string> argv = {"/usr/bin/python3", "-m", "membox.launch",
                                    "--membox", self};

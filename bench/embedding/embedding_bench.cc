@@ -1,7 +1,5 @@
 #include "bench/embedding/embedding_bench.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -16,9 +14,12 @@
 #include <thread>
 #include <unordered_set>
 
-#include "bench/embedding/rocksdb_store.h"
+#include <unistd.h>
+
 #include "membox/embedding/mem_tier.h"
 #include "membox/embedding/ssd_store.h"
+
+#include "bench/embedding/rocksdb_store.h"
 
 namespace membox::bench {
 namespace {
@@ -44,7 +45,8 @@ class Zipf {
   }
   uint64_t Next(std::mt19937_64& rng) {
     double u = std::uniform_real_distribution<double>(0, 1)(rng);
-    uint64_t rank = std::lower_bound(cdf_.begin(), cdf_.end(), u) - cdf_.begin();
+    uint64_t rank =
+        std::lower_bound(cdf_.begin(), cdf_.end(), u) - cdf_.begin();
     return (rank + 1) * 0x9E3779B97F4A7C15ull;
   }
 
@@ -212,7 +214,8 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
     r.case_name = metric;
     report.Add(r);
   };
-  fs::path base = fs::path(o.dir) / ("membox-embedding-" + std::to_string(getpid()));
+  fs::path base =
+      fs::path(o.dir) / ("membox-embedding-" + std::to_string(getpid()));
   std::map<std::string, TierResult> res;
   for (std::string variant : {"membox", "rocksdb"}) {
     Progress(variant == "membox" ? 0 : 1, 4, variant + " SSD tier");
@@ -282,14 +285,16 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
                 t.rows / t.pull_seconds, t.rows * row / t.pull_seconds / 1e9,
                 t.ssd.write_amplification(), double(t.mem.ssd_reads));
   }
-  std::printf("membox / rocksdb pulls per second: %.2fx; write amplification "
-              "%.2f vs %.2f\n",
-              (m.rows / m.pull_seconds) / (r.rows / r.pull_seconds),
-              m.ssd.write_amplification(), r.ssd.write_amplification());
-  std::printf("prefetch (depth 2, compute %.2f ms/batch): blocked %.3f ms vs "
-              "%.3f ms without = %.2fx\n",
-              compute * 1e3, blocked[1] * 1e3, blocked[0] * 1e3,
-              blocked[1] / std::max(1e-12, blocked[0]));
+  std::printf(
+      "membox / rocksdb pulls per second: %.2fx; write amplification "
+      "%.2f vs %.2f\n",
+      (m.rows / m.pull_seconds) / (r.rows / r.pull_seconds),
+      m.ssd.write_amplification(), r.ssd.write_amplification());
+  std::printf(
+      "prefetch (depth 2, compute %.2f ms/batch): blocked %.3f ms vs "
+      "%.3f ms without = %.2fx\n",
+      compute * 1e3, blocked[1] * 1e3, blocked[0] * 1e3,
+      blocked[1] / std::max(1e-12, blocked[0]));
   Status st = report.Finish(o.common, "pulls_per_s",
                             "embedding tiers: pulls per second", false, "case");
   if (!st.ok()) {

@@ -15,10 +15,10 @@ namespace membox::bench {
 
 struct EmbeddingBenchOptions {
   CommonFlags common;
-  uint64_t keys = 0;       // table size; 0: 10^7 (quick 10^6)
-  int steps = 0;           // batches; 0: 600 (quick 120)
-  int batch = 8192;        // lookups per batch
-  int dim = 16;            // floats per embedding (+ as many Adagrad state)
+  uint64_t keys = 0;  // table size; 0: 10^7 (quick 10^6)
+  int steps = 0;      // batches; 0: 600 (quick 120)
+  int batch = 8192;   // lookups per batch
+  int dim = 16;       // floats per embedding (+ as many Adagrad state)
   double budget_fraction = 0.02;  // memory budget / table size
   std::string dir = "/tmp";
 };

@@ -1,12 +1,12 @@
 #include "bench/embedding/rocksdb_store.h"
 
+#include <cstring>
+#include <mutex>
+
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
 #include <rocksdb/statistics.h>
 #include <rocksdb/write_batch.h>
-
-#include <cstring>
-#include <mutex>
 
 namespace membox::bench {
 namespace {
@@ -31,8 +31,8 @@ class RocksDbStore final : public embedding::SsdStore {
     rocksdb::WriteBatch b;
     for (size_t i = 0; i < keys.size(); ++i) {
       b.Put(rocksdb::Slice(reinterpret_cast<const char*>(&keys[i]), 8),
-            rocksdb::Slice(reinterpret_cast<const char*>(rows.data()) + i * row_,
-                           row_));
+            rocksdb::Slice(
+                reinterpret_cast<const char*>(rows.data()) + i * row_, row_));
     }
     rocksdb::WriteOptions w;
     w.disableWAL = true;
@@ -67,7 +67,8 @@ class RocksDbStore final : public embedding::SsdStore {
 
   Status Erase(std::span<const uint64_t> keys) override {
     rocksdb::WriteBatch b;
-    for (auto& k : keys) b.Delete(rocksdb::Slice(reinterpret_cast<const char*>(&k), 8));
+    for (auto& k : keys)
+      b.Delete(rocksdb::Slice(reinterpret_cast<const char*>(&k), 8));
     rocksdb::WriteOptions w;
     w.disableWAL = true;
     return FromRocks(db_->Write(w, &b));
@@ -107,7 +108,8 @@ Result<std::unique_ptr<embedding::SsdStore>> OpenRocksDbStore(
   o.statistics = rocksdb::CreateDBStatistics();
   rocksdb::DB* db = nullptr;
   auto st = rocksdb::DB::Open(o, dir, &db);
-  if (!st.ok()) return InternalError("rocksdb open " + dir + ": " + st.ToString());
+  if (!st.ok())
+    return InternalError("rocksdb open " + dir + ": " + st.ToString());
   return std::unique_ptr<embedding::SsdStore>(new RocksDbStore(
       std::unique_ptr<rocksdb::DB>(db), o.statistics, row_bytes));
 }

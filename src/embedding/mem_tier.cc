@@ -39,10 +39,10 @@ class MemTierImpl final : public MemTier {
       if (it == rows_.end() || it->second.pins == 0) ++newly;
     }
     if (pinned_ + newly > capacity_) {
-      return ResourceExhaustedError(
-          "the pinned working set (" + std::to_string(pinned_ + newly) +
-          " rows) exceeds the memory budget (" + std::to_string(capacity_) +
-          " rows)");
+      return ResourceExhaustedError("the pinned working set (" +
+                                    std::to_string(pinned_ + newly) +
+                                    " rows) exceeds the memory budget (" +
+                                    std::to_string(capacity_) + " rows)");
     }
     std::vector<uint64_t> missing;
     for (uint64_t k : seen) {
@@ -194,10 +194,10 @@ class MemTierImpl final : public MemTier {
   const uint32_t row_;
   uint64_t capacity_ = 0;  // rows
   mutable std::mutex mu_;
-  std::unordered_map<uint64_t, Entry> rows_;            // GUARDED_BY(mu_)
-  std::list<uint64_t> lru_;                             // front: newest
-  std::set<std::pair<uint64_t, uint64_t>> lfu_;         // (freq, key)
-  std::map<uint64_t, std::set<uint64_t>> batches_;      // batch -> keys
+  std::unordered_map<uint64_t, Entry> rows_;        // GUARDED_BY(mu_)
+  std::list<uint64_t> lru_;                         // front: newest
+  std::set<std::pair<uint64_t, uint64_t>> lfu_;     // (freq, key)
+  std::map<uint64_t, std::set<uint64_t>> batches_;  // batch -> keys
   uint64_t pinned_ = 0;
   MemTierStats stats_;
 };

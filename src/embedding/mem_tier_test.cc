@@ -1,9 +1,9 @@
 #include "membox/embedding/mem_tier.h"
 
+#include <filesystem>
+
 #include <gtest/gtest.h>
 #include <unistd.h>
-
-#include <filesystem>
 
 namespace membox::embedding {
 namespace {
@@ -54,15 +54,15 @@ class MemTierTest : public ::testing::Test {
 };
 
 TEST_F(MemTierTest, LruEvictsIntoLfuWhichEvictsToSsd) {
-  Make(4);  // 4 rows: LRU 2, the rest LFU
+  Make(4);         // 4 rows: LRU 2, the rest LFU
   Touch(1, 1, 3);  // key 1 used three times
   Touch(2, 2);
-  Touch(3, 3);     // LRU [3, 2]; 1 -> LFU
+  Touch(3, 3);  // LRU [3, 2]; 1 -> LFU
   auto s = tier_->Stats();
   EXPECT_EQ(s.lru, 2u);
   EXPECT_EQ(s.lfu, 1u);
   EXPECT_EQ(s.evicted_to_lfu, 1u);
-  Touch(4, 4);     // 2 -> LFU {2 (1 use), 1 (3 uses)}
+  Touch(4, 4);  // 2 -> LFU {2 (1 use), 1 (3 uses)}
   // Change key 2 while it is in memory? It is in the LFU; change key 4
   // (pinned) instead and mark it dirty.
   uint64_t k4 = 4;
@@ -71,8 +71,8 @@ TEST_F(MemTierTest, LruEvictsIntoLfuWhichEvictsToSsd) {
   (*r)[0][0] = 200;
   tier_->MarkDirty(std::span(&k4, 1));
   ASSERT_TRUE(tier_->Release(5).ok());
-  Touch(5, 6);     // LRU [5, 4]; 3 -> LFU; 5 rows > 4: the LFU's least
-                   // used (2, then 3 by key) goes to the SSD
+  Touch(5, 6);  // LRU [5, 4]; 3 -> LFU; 5 rows > 4: the LFU's least
+                // used (2, then 3 by key) goes to the SSD
   s = tier_->Stats();
   EXPECT_EQ(s.evicted_to_ssd, 1u);
   EXPECT_EQ(s.rows_in_memory, 4u);
@@ -122,7 +122,7 @@ TEST_F(MemTierTest, NewRowsAreSeededAndFlushedDurably) {
   std::vector<bool> found;
   ASSERT_TRUE((*again)->Get(keys, out, &found).ok());
   EXPECT_TRUE(found[0] && found[1] && found[2]);
-  EXPECT_EQ(out[kRow], 8);       // key 8's seeded row
+  EXPECT_EQ(out[kRow], 8);  // key 8's seeded row
   EXPECT_EQ(out[kRow + 1], 9);
 }
 

@@ -1,10 +1,5 @@
 #include "membox/embedding/ssd_store.h"
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -13,7 +8,13 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "membox/base/logging.h"
+
 #include "src/embedding/ssd_record.h"
 
 namespace membox::embedding {
@@ -117,9 +118,9 @@ class SsdStoreImpl final : public SsdStore {
     }
     std::lock_guard<std::mutex> l(mu_);
     for (size_t i = 0; i < keys.size(); ++i) {
-      RETURN_IF_ERROR(AppendLocked(
-          keys[i], seq_++, false,
-          rows.subspan(i * opt_.row_bytes, opt_.row_bytes)));
+      RETURN_IF_ERROR(
+          AppendLocked(keys[i], seq_++, false,
+                       rows.subspan(i * opt_.row_bytes, opt_.row_bytes)));
     }
     row_bytes_updated_ += rows.size();
     return FlushBufferLocked();
@@ -255,9 +256,9 @@ class SsdStoreImpl final : public SsdStore {
     }
     if (*rb != opt_.row_bytes) {
       ::close(fd);
-      return FailedPreconditionError(
-          path + " holds rows of " + std::to_string(*rb) + " bytes, not " +
-          std::to_string(opt_.row_bytes));
+      return FailedPreconditionError(path + " holds rows of " +
+                                     std::to_string(*rb) + " bytes, not " +
+                                     std::to_string(opt_.row_bytes));
     }
     uint64_t whole = kFileHeaderBytes +
                      (size - kFileHeaderBytes) / record_bytes_ * record_bytes_;
@@ -272,8 +273,8 @@ class SsdStoreImpl final : public SsdStore {
     files_[n] = f;
     st.files++;
     std::vector<uint8_t> buf;
-    const uint64_t chunk = std::max<uint64_t>(1, (4 << 20) / record_bytes_) *
-                           record_bytes_;
+    const uint64_t chunk =
+        std::max<uint64_t>(1, (4 << 20) / record_bytes_) * record_bytes_;
     for (uint64_t off = kFileHeaderBytes; off < whole;) {
       uint64_t n_bytes = std::min(chunk, whole - off);
       buf.resize(n_bytes);
@@ -378,12 +379,12 @@ class SsdStoreImpl final : public SsdStore {
   SsdOptions opt_;
   size_t record_bytes_ = 0;
   mutable std::mutex mu_;
-  std::map<uint32_t, File> files_;               // GUARDED_BY(mu_)
-  std::unordered_map<uint64_t, Loc> map_;        // GUARDED_BY(mu_)
-  uint32_t active_ = 0, next_file_ = 1;          // GUARDED_BY(mu_)
-  uint64_t seq_ = 1;                             // GUARDED_BY(mu_)
-  bool dir_dirty_ = false;                       // GUARDED_BY(mu_)
-  std::vector<uint8_t> buffer_;                  // GUARDED_BY(mu_)
+  std::map<uint32_t, File> files_;         // GUARDED_BY(mu_)
+  std::unordered_map<uint64_t, Loc> map_;  // GUARDED_BY(mu_)
+  uint32_t active_ = 0, next_file_ = 1;    // GUARDED_BY(mu_)
+  uint64_t seq_ = 1;                       // GUARDED_BY(mu_)
+  bool dir_dirty_ = false;                 // GUARDED_BY(mu_)
+  std::vector<uint8_t> buffer_;            // GUARDED_BY(mu_)
   uint64_t bytes_written_ = 0, row_bytes_updated_ = 0, compactions_ = 0;
 };
 

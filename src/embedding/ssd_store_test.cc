@@ -1,13 +1,13 @@
 #include "membox/embedding/ssd_store.h"
 
-#include <gtest/gtest.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 namespace membox::embedding {
 namespace {
@@ -17,7 +17,8 @@ constexpr uint32_t kRow = 64;
 
 std::vector<uint8_t> Row(uint64_t key, uint64_t version) {
   std::vector<uint8_t> r(kRow);
-  for (uint32_t i = 0; i < kRow; ++i) r[i] = uint8_t(key * 31 + version * 7 + i);
+  for (uint32_t i = 0; i < kRow; ++i)
+    r[i] = uint8_t(key * 31 + version * 7 + i);
   return r;
 }
 

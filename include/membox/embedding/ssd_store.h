@@ -47,10 +47,10 @@ struct SsdOptions {
 
 struct RecoveryStats {
   uint64_t files = 0;
-  uint64_t records = 0;            // valid records scanned
-  uint64_t corrupt_records = 0;    // bad magic / checksum, skipped
-  uint64_t torn_tail_bytes = 0;    // cut off at file ends
-  uint64_t keys = 0;               // live keys after recovery
+  uint64_t records = 0;          // valid records scanned
+  uint64_t corrupt_records = 0;  // bad magic / checksum, skipped
+  uint64_t torn_tail_bytes = 0;  // cut off at file ends
+  uint64_t keys = 0;             // live keys after recovery
 };
 
 struct SsdStats {
@@ -69,9 +69,8 @@ struct SsdStats {
 
 class SsdStore {
  public:
-  static Result<std::unique_ptr<SsdStore>> Open(const SsdOptions& options,
-                                                RecoveryStats* recovery =
-                                                    nullptr);
+  static Result<std::unique_ptr<SsdStore>> Open(
+      const SsdOptions& options, RecoveryStats* recovery = nullptr);
   virtual ~SsdStore() = default;
 
   // Appends rows (rows.size() == keys.size() * row_bytes). Durable after
