@@ -376,6 +376,14 @@ int main(int argc, char** argv) {
   bool tr_no_gloo = false;
   trbench->add_flag("--no-gloo", tr_no_gloo, "skip the Gloo baseline");
 
+  membox::bench::CollectiveBenchOptions copt;
+  auto* colbench = bench->add_subcommand(
+      "collective",
+      "seed 004 C.3: hierarchical AllReduce vs the ring between workers");
+  AddCommonFlags(colbench, &copt.common);
+  colbench->add_option("--workers", copt.workers, "worker processes (8)");
+  colbench->add_option("--local", copt.local, "workers per node (2)");
+
   membox::bench::EmbeddingBenchOptions eopt;
   auto* embench = bench->add_subcommand(
       "embedding",
@@ -444,6 +452,7 @@ int main(int argc, char** argv) {
   if (msbench->parsed()) return membox::bench::RunMemserverBench(mopt);
   if (sgd->parsed()) return membox::bench::RunAsyncSgdBench(aopt);
   if (embench->parsed()) return membox::bench::RunEmbeddingBench(eopt);
+  if (colbench->parsed()) return membox::bench::RunCollectiveBench(copt);
   if (trbench->parsed()) {
     tropt.with_gloo = !tr_no_gloo;
     return membox::bench::RunTrainBench(tropt);
@@ -461,6 +470,9 @@ int main(int argc, char** argv) {
       return membox::bench::RunAsyncSgdWorker(args);
     }
     if (peer_bench == "train") return membox::bench::RunTrainWorker(peer_args);
+    if (peer_bench == "collective") {
+      return membox::bench::RunCollectiveWorker(peer_args);
+    }
     if (peer_bench == "allreduce") {
       return membox::bench::RunAllreduceWorker(peer_args);
     }

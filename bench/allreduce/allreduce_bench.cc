@@ -16,6 +16,8 @@
 
 #include "membox/base/config.h"
 #include "membox/base/subprocess.h"
+#include "membox/collective/hierarchical_allreduce.h"
+#include "membox/collective/ring_allreduce.h"
 #include "membox/ps/param_client.h"
 
 #include "bench/common/server_process.h"
@@ -335,6 +337,125 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
     return 1;
   }
   return 0;
+}
+
+int RunCollectiveWorker(const std::vector<std::string>& a) {
+  if (a.size() < 3) {
+    std::fprintf(stderr, "usage: bench-peer collective worker LOCAL SIZES ITERS\n");
+    return 2;
+  }
+  int provided;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+  int rank, world;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  int local = std::stoi(a[0]);
+  std::vector<uint64_t> sizes;
+  for (auto& s : Split(a[1])) sizes.push_back(std::stoull(s));
+  int iters = std::stoi(a[2]);
+  uint64_t largest = *std::max_element(sizes.begin(), sizes.end());
+  auto fail = [&](const Status& s) {
+    std::fprintf(stderr, "rank %d: error: %s\n", rank, s.ToString().c_str());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  };
+  auto exchange = [&](const std::string& ep) {
+    char mine[128] = {0};
+    std::snprintf(mine, sizeof mine, "%s", ep.c_str());
+    std::vector<char> all(128 * world);
+    MPI_Allgather(mine, 128, MPI_CHAR, all.data(), 128, MPI_CHAR,
+                  MPI_COMM_WORLD);
+    std::vector<std::string> eps;
+    for (int i = 0; i < world; ++i) eps.emplace_back(&all[128 * i]);
+    return eps;
+  };
+  collective::RingOptions ro;
+  ro.rank = rank;
+  ro.world = world;
+  ro.listen = "127.0.0.1:0";
+  ro.max_bytes = largest;
+  auto ring = collective::RingAllreduce::Create(ro);
+  if (!ring.ok()) return fail(ring.status());
+  Status st = (*ring)->Connect(exchange((*ring)->endpoint()));
+  if (!st.ok()) return fail(st);
+  collective::HierarchicalOptions ho;
+  ho.rank = rank;
+  ho.world = world;
+  ho.local_size = local;
+  ho.listen = "127.0.0.1:0";
+  ho.max_bytes = largest;
+  auto hier = collective::HierarchicalAllreduce::Create(ho);
+  if (!hier.ok()) return fail(hier.status());
+  st = (*hier)->Connect(exchange((*hier)->endpoint()));
+  if (!st.ok()) return fail(st);
+  std::vector<float> buf(largest / 4, 1.0f);
+  for (uint64_t n : sizes) {
+    Status err;
+    double tr = TimeCollective(ItersFor(n, iters), [&] {
+      Status s = (*ring)->Allreduce(buf.data(), n / 4);
+      if (!s.ok()) err = s;
+    });
+    double th = TimeCollective(ItersFor(n, iters), [&] {
+      Status s = (*hier)->Allreduce(buf.data(), n / 4);
+      if (!s.ok()) err = s;
+    });
+    if (!err.ok()) return fail(err);
+    if (rank == 0) {
+      std::printf("RESULT ring %llu %.9f\nRESULT hierarchical %llu %.9f\n",
+                  (unsigned long long)n, tr, (unsigned long long)n, th);
+      std::fflush(stdout);
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  MPI_Finalize();
+  return 0;
+}
+
+int RunCollectiveBench(const CollectiveBenchOptions& opt) {
+  const bool q = opt.common.quick;
+  int p = opt.workers > 0 ? opt.workers : (q ? 4 : 8);
+  std::vector<uint64_t> sizes =
+      q ? std::vector<uint64_t>{4 << 10, 1 << 20, 16 << 20}
+        : std::vector<uint64_t>{4 << 10, 64 << 10, 1 << 20, 16 << 20,
+                                64 << 20};
+  Progress(0, 1, "ring and hierarchical, p=" + std::to_string(p));
+  std::vector<std::string> argv = {
+      "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+      "-np", std::to_string(p), "--mca", "btl", "self,vader", SelfPath(),
+      "bench-peer", "collective", "worker", std::to_string(opt.local),
+      Join(sizes), q ? "5" : "0"};
+  auto proc = Subprocess::Start(argv);
+  if (!proc) return 1;
+  auto res = ReadResults(*proc, 2 * sizes.size());
+  proc->Wait(std::chrono::minutes(2));
+  if (res.size() != 2 * sizes.size()) {
+    std::fprintf(stderr, "error: the collective run failed\n");
+    return 1;
+  }
+  Progress(1, 1, "done");
+  Report report("collective");
+  std::printf("\n%d workers in nodes of %d\n%-9s %12s %14s %8s\n", p,
+              opt.local, "size", "ring ms", "hierarchical", "h/ring");
+  for (uint64_t n : sizes) {
+    double r = res[{"ring", n}], h = res[{"hierarchical", n}];
+    for (auto [v, t] : {std::make_pair("ring", r),
+                        std::make_pair("hierarchical", h)}) {
+      Record rec;
+      rec.bench = "collective";
+      rec.variant = v;
+      rec.size_bytes = n;
+      rec.workers = p;
+      rec.metric = "time";
+      rec.value = t * 1e3;
+      rec.unit = "ms";
+      report.Add(rec);
+    }
+    std::printf("%-9s %12.3f %14.3f %8.2f\n", SizeLabel(n).c_str(), r * 1e3,
+                h * 1e3, h / r);
+  }
+  Status s = report.Finish(opt.common, "time",
+                           "worker collectives: hierarchical vs ring", true);
+  return s.ok() ? 0 : 1;
 }
 
 }  // namespace membox::bench

@@ -25,6 +25,18 @@ struct AllreduceOptions {
 };
 
 int RunAllreduceBench(const AllreduceOptions& options);
+
+// `membox bench collective`: the workers' own collectives (seed 004 §C.3):
+// hierarchical AllReduce (nodes of `local` ranks, pairwise exchanges
+// between nodes, trees inside) vs the ring, p worker processes under mpirun.
+struct CollectiveBenchOptions {
+  CommonFlags common;
+  int workers = 0;  // 0: 8 (quick 4)
+  int local = 2;    // ranks per "node"
+};
+int RunCollectiveBench(const CollectiveBenchOptions& options);
+// One rank: LOCAL SIZES ITERS.
+int RunCollectiveWorker(const std::vector<std::string>& args);
 // One MPI rank (started by mpirun): PROXIES|- SECRET_FILE SIZES ITERS
 // PARTITION_BYTES. Measures membox PushPull (when proxies are given) and
 // MPI_Allreduce; rank 0 prints "RESULT <variant> <bytes> <seconds>".

@@ -1,0 +1,244 @@
+#include "membox/collective/hierarchical_allreduce.h"
+
+#include <cstring>
+#include <functional>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "membox/transport/device.h"
+#include "src/collective/ring_message.h"
+#include "src/memserver/accumulate.h"
+
+namespace membox::collective {
+namespace {
+
+using transport::Channel;
+using transport::MemRegion;
+using transport::RemoteMemRegion;
+
+// Both directions with one peer: `out` (we connected: we write into the
+// peer's receive buffer and send READY; we receive its ACKs) and `in` (it
+// connected: its READYs arrive there; we send ACKs).
+struct Link {
+  std::shared_ptr<Channel> out, in;
+  std::shared_ptr<RemoteMemRegion> remote_recv;
+  std::unique_ptr<MemRegion> recv;  // the peer writes here
+};
+
+class HierImpl final : public HierarchicalAllreduce {
+ public:
+  explicit HierImpl(HierarchicalOptions o) : opt_(std::move(o)) {}
+  ~HierImpl() override {
+    for (auto& [p, l] : links_) {
+      if (l.out) l.out->Close();
+      if (l.in) l.in->Close();
+    }
+    links_.clear();
+    send_.reset();
+    device_.reset();
+  }
+
+  Status Init() {
+    if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world ||
+        opt_.local_size < 1 || opt_.world % opt_.local_size != 0) {
+      return InvalidArgumentError(
+          "need 0 <= rank < world and world a multiple of local_size");
+    }
+    int nodes = opt_.world / opt_.local_size;
+    if ((nodes & (nodes - 1)) != 0) {
+      return InvalidArgumentError("the number of nodes must be a power of two");
+    }
+    transport::DeviceOptions d;
+    d.listen_address = opt_.listen;
+    d.transports = opt_.transports;
+    d.name = "hier-" + std::to_string(opt_.rank);
+    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    ASSIGN_OR_RETURN(send_, device_->AllocateMemRegion(opt_.max_bytes));
+    return Status::Ok();
+  }
+
+  std::string endpoint() const override { return device_->listen_endpoint(); }
+
+  Status Connect(const std::vector<std::string>& endpoints) override {
+    if (endpoints.size() != static_cast<size_t>(opt_.world)) {
+      return InvalidArgumentError("one endpoint per worker");
+    }
+    std::set<int> peers;
+    const int L = opt_.local_size, r = opt_.rank;
+    const int node = r / L, local = r % L, nodes = opt_.world / L;
+    if (local > 0) peers.insert(node * L + (local - 1) / 2);
+    for (int c : {2 * local + 1, 2 * local + 2})
+      if (c < L) peers.insert(node * L + c);
+    if (local == 0)
+      for (int k = 1; k < nodes; k <<= 1) peers.insert((node ^ k) * L);
+    // Connect out to every peer, then accept one channel from each.
+    for (int p : peers) {
+      Link& l = links_[p];
+      ASSIGN_OR_RETURN(l.recv, device_->AllocateMemRegion(opt_.max_bytes));
+      auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
+      Status last;
+      while (!l.out && std::chrono::steady_clock::now() < deadline) {
+        auto ch = device_->GetChannel(endpoints[p]);
+        if (ch.ok()) {
+          l.out = *ch;
+        } else {
+          last = ch.status();
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+      }
+      if (!l.out) {
+        return UnavailableError("cannot reach worker " + std::to_string(p) +
+                                ": " + last.ToString());
+      }
+      // Who we are, so the peer can file our inbound channel.
+      RingMessage hello;
+      hello.type = RingType::kReady;
+      hello.call = static_cast<uint64_t>(opt_.rank);
+      hello.step = 0xffffffffu;
+      RETURN_IF_ERROR(l.out->SendControl(EncodeRing(hello)));
+    }
+    for (size_t i = 0; i < peers.size(); ++i) {
+      ASSIGN_OR_RETURN(auto ch, device_->Accept(opt_.timeout));
+      ASSIGN_OR_RETURN(auto bytes, ch->RecvControl(opt_.timeout));
+      ASSIGN_OR_RETURN(RingMessage m, DecodeRing(bytes));
+      int p = static_cast<int>(m.call);
+      if (!peers.count(p) || links_[p].in) {
+        return DataLossError("unexpected worker " + std::to_string(p));
+      }
+      links_[p].in = ch;
+      RingMessage d;
+      d.type = RingType::kDescriptor;
+      d.payload = links_[p].recv->Export().Serialize();
+      RETURN_IF_ERROR(ch->SendControl(EncodeRing(d)));
+    }
+    for (auto& [p, l] : links_) {
+      ASSIGN_OR_RETURN(RingMessage d, Recv(*l.out, RingType::kDescriptor, 0, 0));
+      ASSIGN_OR_RETURN(auto desc,
+                       transport::RegionDescriptor::Deserialize(d.payload));
+      ASSIGN_OR_RETURN(l.remote_recv, l.out->Import(desc, opt_.timeout));
+    }
+    return Status::Ok();
+  }
+
+  Status Allreduce(float* data, size_t count) override {
+    if (opt_.world == 1 || count == 0) return Status::Ok();
+    if (count * sizeof(float) > opt_.max_bytes) {
+      return InvalidArgumentError("buffer larger than max_bytes");
+    }
+    const uint64_t call = ++calls_;
+    const size_t bytes = count * sizeof(float);
+    const int L = opt_.local_size, r = opt_.rank;
+    const int node = r / L, local = r % L, nodes = opt_.world / L;
+    std::vector<int> children;
+    for (int c : {2 * local + 1, 2 * local + 2})
+      if (c < L) children.push_back(node * L + c);
+    const int parent = local > 0 ? node * L + (local - 1) / 2 : -1;
+    uint32_t step = 0;
+    // 1. Reduce up the tree.
+    for (int c : children) RETURN_IF_ERROR(RecvAdd(c, data, count, call, step));
+    ++step;
+    if (parent >= 0) RETURN_IF_ERROR(Send(parent, data, bytes, call, step - 1));
+    // 2. Leaders: recursive doubling.
+    if (local == 0) {
+      for (int k = 1; k < nodes; k <<= 1, ++step) {
+        int partner = (node ^ k) * L;
+        RETURN_IF_ERROR(Send(partner, data, bytes, call, step));
+        RETURN_IF_ERROR(RecvAdd(partner, data, count, call, step));
+      }
+    }
+    // 3. Broadcast down the tree.
+    const uint32_t down = 1000;
+    if (parent >= 0) RETURN_IF_ERROR(RecvCopy(parent, data, bytes, call, down));
+    for (int c : children) RETURN_IF_ERROR(Send(c, data, bytes, call, down));
+    // Every buffer we wrote into has been consumed (ACKs) before we return.
+    for (auto& [p, pend] : pending_acks_) {
+      for (uint32_t s : pend) RETURN_IF_ERROR(Recv(*links_[p].out, RingType::kAck, call, s).status());
+    }
+    pending_acks_.clear();
+    return Status::Ok();
+  }
+
+ private:
+  Status Send(int peer, const float* data, size_t bytes, uint64_t call,
+              uint32_t step) {
+    Link& l = links_.at(peer);
+    // The peer's buffer must be free: wait for its ACK of our last send.
+    auto& pend = pending_acks_[peer];
+    for (uint32_t s : pend) RETURN_IF_ERROR(Recv(*l.out, RingType::kAck, call, s).status());
+    pend.clear();
+    std::memcpy(send_->data(), data, bytes);
+    ASSIGN_OR_RETURN(auto h, l.out->Write(send_->data(), *send_,
+                                          l.remote_recv->address(),
+                                          *l.remote_recv, bytes));
+    RETURN_IF_ERROR(h.Wait(opt_.timeout));
+    ASSIGN_OR_RETURN(auto f, l.out->Flush());
+    RETURN_IF_ERROR(f.Wait(opt_.timeout));
+    RingMessage m;
+    m.type = RingType::kReady;
+    m.call = call;
+    m.step = step;
+    RETURN_IF_ERROR(l.out->SendControl(EncodeRing(m)));
+    pend.push_back(step);
+    return Status::Ok();
+  }
+
+  Status Consume(int peer, uint64_t call, uint32_t step,
+                 const std::function<void(const float*)>& fn) {
+    Link& l = links_.at(peer);
+    RETURN_IF_ERROR(Recv(*l.in, RingType::kReady, call, step).status());
+    fn(static_cast<const float*>(l.recv->data()));
+    RingMessage a;
+    a.type = RingType::kAck;
+    a.call = call;
+    a.step = step;
+    return l.in->SendControl(EncodeRing(a));
+  }
+
+  Status RecvAdd(int peer, float* data, size_t count, uint64_t call,
+                 uint32_t step) {
+    return Consume(peer, call, step, [&](const float* in) {
+      memserver::AccumulateKernel(transport::DType::kFloat32, data, in, count,
+                                  1.0);
+    });
+  }
+
+  Status RecvCopy(int peer, float* data, size_t bytes, uint64_t call,
+                  uint32_t step) {
+    return Consume(peer, call, step,
+                   [&](const float* in) { std::memcpy(data, in, bytes); });
+  }
+
+  Result<RingMessage> Recv(Channel& ch, RingType type, uint64_t call,
+                           uint32_t step) {
+    auto bytes = ch.RecvControl(opt_.timeout);
+    if (!bytes.ok()) {
+      return Status(bytes.status().code(),
+                    "worker " + ch.peer() + ": " +
+                        std::string(bytes.status().message()));
+    }
+    ASSIGN_OR_RETURN(RingMessage m, DecodeRing(*bytes));
+    if (m.type != type || m.call != call || m.step != step) {
+      return DataLossError("worker " + ch.peer() + " is out of step");
+    }
+    return m;
+  }
+
+  HierarchicalOptions opt_;
+  std::unique_ptr<transport::Device> device_;
+  std::unique_ptr<MemRegion> send_;
+  std::map<int, Link> links_;
+  std::map<int, std::vector<uint32_t>> pending_acks_;
+  uint64_t calls_ = 0;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<HierarchicalAllreduce>> HierarchicalAllreduce::Create(
+    const HierarchicalOptions& options) {
+  auto h = std::make_unique<HierImpl>(options);
+  RETURN_IF_ERROR(h->Init());
+  return std::unique_ptr<HierarchicalAllreduce>(std::move(h));
+}
+
+}  // namespace membox::collective
