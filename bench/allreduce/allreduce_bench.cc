@@ -341,7 +341,8 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
 
 int RunCollectiveWorker(const std::vector<std::string>& a) {
   if (a.size() < 3) {
-    std::fprintf(stderr, "usage: bench-peer collective worker LOCAL SIZES ITERS\n");
+    std::fprintf(stderr,
+                 "usage: bench-peer collective worker LOCAL SIZES ITERS\n");
     return 2;
   }
   int provided;
@@ -416,14 +417,25 @@ int RunCollectiveBench(const CollectiveBenchOptions& opt) {
   int p = opt.workers > 0 ? opt.workers : (q ? 4 : 8);
   std::vector<uint64_t> sizes =
       q ? std::vector<uint64_t>{4 << 10, 1 << 20, 16 << 20}
-        : std::vector<uint64_t>{4 << 10, 64 << 10, 1 << 20, 16 << 20,
-                                64 << 20};
+        : std::vector<uint64_t>{4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20};
   Progress(0, 1, "ring and hierarchical, p=" + std::to_string(p));
-  std::vector<std::string> argv = {
-      "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-      "-np", std::to_string(p), "--mca", "btl", "self,vader", SelfPath(),
-      "bench-peer", "collective", "worker", std::to_string(opt.local),
-      Join(sizes), q ? "5" : "0"};
+  std::vector<std::string> argv = {"mpirun",
+                                   "--allow-run-as-root",
+                                   "--oversubscribe",
+                                   "--bind-to",
+                                   "none",
+                                   "-np",
+                                   std::to_string(p),
+                                   "--mca",
+                                   "btl",
+                                   "self,vader",
+                                   SelfPath(),
+                                   "bench-peer",
+                                   "collective",
+                                   "worker",
+                                   std::to_string(opt.local),
+                                   Join(sizes),
+                                   q ? "5" : "0"};
   auto proc = Subprocess::Start(argv);
   if (!proc) return 1;
   auto res = ReadResults(*proc, 2 * sizes.size());
@@ -434,12 +446,12 @@ int RunCollectiveBench(const CollectiveBenchOptions& opt) {
   }
   Progress(1, 1, "done");
   Report report("collective");
-  std::printf("\n%d workers in nodes of %d\n%-9s %12s %14s %8s\n", p,
-              opt.local, "size", "ring ms", "hierarchical", "h/ring");
+  std::printf("\n%d workers in nodes of %d\n%-9s %12s %14s %8s\n", p, opt.local,
+              "size", "ring ms", "hierarchical", "h/ring");
   for (uint64_t n : sizes) {
     double r = res[{"ring", n}], h = res[{"hierarchical", n}];
-    for (auto [v, t] : {std::make_pair("ring", r),
-                        std::make_pair("hierarchical", h)}) {
+    for (auto [v, t] :
+         {std::make_pair("ring", r), std::make_pair("hierarchical", h)}) {
       Record rec;
       rec.bench = "collective";
       rec.variant = v;

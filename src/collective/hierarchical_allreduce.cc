@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "membox/transport/device.h"
+
 #include "src/collective/ring_message.h"
 #include "src/memserver/accumulate.h"
 
@@ -113,7 +114,8 @@ class HierImpl final : public HierarchicalAllreduce {
       RETURN_IF_ERROR(ch->SendControl(EncodeRing(d)));
     }
     for (auto& [p, l] : links_) {
-      ASSIGN_OR_RETURN(RingMessage d, Recv(*l.out, RingType::kDescriptor, 0, 0));
+      ASSIGN_OR_RETURN(RingMessage d,
+                       Recv(*l.out, RingType::kDescriptor, 0, 0));
       ASSIGN_OR_RETURN(auto desc,
                        transport::RegionDescriptor::Deserialize(d.payload));
       ASSIGN_OR_RETURN(l.remote_recv, l.out->Import(desc, opt_.timeout));
@@ -153,7 +155,8 @@ class HierImpl final : public HierarchicalAllreduce {
     for (int c : children) RETURN_IF_ERROR(Send(c, data, bytes, call, down));
     // Every buffer we wrote into has been consumed (ACKs) before we return.
     for (auto& [p, pend] : pending_acks_) {
-      for (uint32_t s : pend) RETURN_IF_ERROR(Recv(*links_[p].out, RingType::kAck, call, s).status());
+      for (uint32_t s : pend)
+        RETURN_IF_ERROR(Recv(*links_[p].out, RingType::kAck, call, s).status());
     }
     pending_acks_.clear();
     return Status::Ok();
@@ -165,12 +168,13 @@ class HierImpl final : public HierarchicalAllreduce {
     Link& l = links_.at(peer);
     // The peer's buffer must be free: wait for its ACK of our last send.
     auto& pend = pending_acks_[peer];
-    for (uint32_t s : pend) RETURN_IF_ERROR(Recv(*l.out, RingType::kAck, call, s).status());
+    for (uint32_t s : pend)
+      RETURN_IF_ERROR(Recv(*l.out, RingType::kAck, call, s).status());
     pend.clear();
     std::memcpy(send_->data(), data, bytes);
-    ASSIGN_OR_RETURN(auto h, l.out->Write(send_->data(), *send_,
-                                          l.remote_recv->address(),
-                                          *l.remote_recv, bytes));
+    ASSIGN_OR_RETURN(
+        auto h, l.out->Write(send_->data(), *send_, l.remote_recv->address(),
+                             *l.remote_recv, bytes));
     RETURN_IF_ERROR(h.Wait(opt_.timeout));
     ASSIGN_OR_RETURN(auto f, l.out->Flush());
     RETURN_IF_ERROR(f.Wait(opt_.timeout));
@@ -213,9 +217,9 @@ class HierImpl final : public HierarchicalAllreduce {
                            uint32_t step) {
     auto bytes = ch.RecvControl(opt_.timeout);
     if (!bytes.ok()) {
-      return Status(bytes.status().code(),
-                    "worker " + ch.peer() + ": " +
-                        std::string(bytes.status().message()));
+      return Status(
+          bytes.status().code(),
+          "worker " + ch.peer() + ": " + std::string(bytes.status().message()));
     }
     ASSIGN_OR_RETURN(RingMessage m, DecodeRing(*bytes));
     if (m.type != type || m.call != call || m.step != step) {

@@ -1,8 +1,8 @@
 #include "membox/collective/hierarchical_allreduce.h"
 
-#include <gtest/gtest.h>
-
 #include <thread>
+
+#include <gtest/gtest.h>
 
 namespace membox::collective {
 namespace {
