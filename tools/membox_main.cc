@@ -17,6 +17,7 @@
 
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
+#include "membox/base/subprocess.h"
 #include "membox/memserver/client.h"
 #include "membox/memserver/server.h"
 #include "membox/ps/proxy.h"
@@ -202,10 +203,7 @@ int PrintStatus(const std::string& server, const std::string& secret,
 // a simpler supervisor than C++ here); this execs it with the package from
 // this build and this binary as the memory node.
 int Launch(const std::vector<std::string>& args) {
-  char self[4096];
-  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) return 1;
-  self[n] = 0;
+  std::string self = membox::SelfExePath();
   std::string path = MEMBOX_PYTHON_DIR;
   if (const char* old = std::getenv("PYTHONPATH"))
     path += std::string(":") + old;

@@ -50,12 +50,6 @@ int ItersFor(uint64_t size, int asked) {
   return 20;
 }
 
-std::string SelfPath() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "membox";
-}
-
 // Median over iterations of the slowest rank's time.
 template <typename Fn>
 double TimeCollective(int iters, Fn&& fn) {
@@ -238,7 +232,7 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
                                      "--mca",
                                      "btl",
                                      "self,vader",
-                                     SelfPath(),
+                                     SelfExePath(),
                                      "bench-peer",
                                      "allreduce",
                                      "worker"};
@@ -429,7 +423,7 @@ int RunCollectiveBench(const CollectiveBenchOptions& opt) {
                                    "--mca",
                                    "btl",
                                    "self,vader",
-                                   SelfPath(),
+                                   SelfExePath(),
                                    "bench-peer",
                                    "collective",
                                    "worker",

@@ -235,12 +235,6 @@ int MemboxWorker(bool overlapped, size_t bytes, int compute_ms, int iters,
   return 0;
 }
 
-std::string SelfPath() {
-  char buf[4096] = {0};
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "membox";
-}
-
 struct Outcome {
   double comm_ms = 0;
   double iter_ms = 0;
@@ -259,7 +253,7 @@ Result<Outcome> Launch(int ranks, const std::vector<std::string>& worker_args,
                                    "--mca",
                                    "btl",
                                    "self,vader",
-                                   SelfPath(),
+                                   SelfExePath(),
                                    "bench-peer",
                                    "async-sgd"};
   argv.insert(argv.end(), worker_args.begin(), worker_args.end());

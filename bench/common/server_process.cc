@@ -40,18 +40,7 @@ Result<ServerProcess> ServerProcess::Start(uint64_t pool_bytes,
   return s;
 }
 
-int ServerProcess::FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t n = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
-  int port = ntohs(a.sin_port);
-  ::close(fd);
-  return port;
-}
+int ServerProcess::FreePort() { return PickFreeLocalPort(); }
 
 Result<ServerProcess> ServerProcess::StartWithProxy(
     const std::string& transports, int sync_cores, const std::string& ps_listen,

@@ -42,12 +42,6 @@ void Compute(double ms) {
   std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
 }
 
-std::string SelfPath() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "membox";
-}
-
 std::vector<std::string> Split(const std::string& s, char sep = ',') {
   std::vector<std::string> out;
   std::stringstream in(s);
@@ -498,7 +492,7 @@ int RunTrainBench(const TrainOptions& opt) {
                                          "--mca",
                                          "btl",
                                          "self,vader",
-                                         SelfPath(),
+                                         SelfExePath(),
                                          "bench-peer",
                                          "train",
                                          "worker"};

@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "membox/base/subprocess.h"
 #include "membox/ps/param_client.h"
 #include "membox/ps/proxy.h"
 
@@ -23,19 +24,6 @@ using transport::DType;
 
 constexpr char kSecret[] = "ps-test-secret";
 
-int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t n = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
-  int port = ntohs(a.sin_port);
-  ::close(fd);
-  return port;
-}
-
 struct Cluster {
   std::vector<std::string> endpoints;
   std::vector<std::unique_ptr<Proxy>> proxies;
@@ -44,7 +32,7 @@ struct Cluster {
                        std::string ckpt_dir = "", bool restore = false) {
     Cluster c;
     for (int i = 0; i < n; ++i) {
-      c.endpoints.push_back("127.0.0.1:" + std::to_string(FreePort()));
+      c.endpoints.push_back("127.0.0.1:" + std::to_string(PickFreeLocalPort()));
     }
     for (int i = 0; i < n; ++i) {
       ProxyOptions o;

@@ -22,19 +22,6 @@ using transport::DType;
 
 constexpr char kSecret[] = "ps-daemon-secret";
 
-int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t n = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
-  int port = ntohs(a.sin_port);
-  ::close(fd);
-  return port;
-}
-
 class PsDaemonTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -44,7 +31,7 @@ class PsDaemonTest : public ::testing::Test {
     secret_file_ = (dir_ / "secret").string();
     std::ofstream(secret_file_) << kSecret << "\n";
     for (int i = 0; i < 2; ++i) {
-      peers_.push_back("127.0.0.1:" + std::to_string(FreePort()));
+      peers_.push_back("127.0.0.1:" + std::to_string(PickFreeLocalPort()));
     }
   }
   void TearDown() override {

@@ -14,6 +14,13 @@
 
 namespace membox {
 
+// The running executable's path (/proc/self/exe), for starting copies of
+// this program as peers.
+std::string SelfExePath();
+// A TCP port on 127.0.0.1 that was free a moment ago, for endpoints that
+// must be known before the process that listens on them starts.
+int PickFreeLocalPort();
+
 class Subprocess {
  public:
   // Starts argv[0] (searched in PATH) with the arguments; stdin and stdout
