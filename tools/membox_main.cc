@@ -20,6 +20,7 @@
 #include "membox/base/subprocess.h"
 #include "membox/memserver/client.h"
 #include "membox/memserver/server.h"
+#include "membox/embedding/server.h"
 #include "membox/ps/proxy.h"
 
 #ifdef MEMBOX_WITH_BENCH
@@ -91,9 +92,11 @@ membox::Result<std::string> ResolveSecret(const std::string& secret,
   return line;
 }
 
-// "auto": the memory server's port + 1 on the same host; "off": none.
-membox::Result<std::string> ProxyListen(const std::string& ps_listen,
-                                        const std::string& listen) {
+// "auto": the memory server's port + `offset` on the same host (+1 the
+// parameter proxy, +2 the embedding server); "off": none.
+membox::Result<std::string> ServiceListen(const std::string& ps_listen,
+                                          const std::string& listen,
+                                          int offset) {
   if (ps_listen != "auto") return ps_listen;
   auto colon = listen.rfind(':');
   if (colon == std::string::npos) {
@@ -101,25 +104,34 @@ membox::Result<std::string> ProxyListen(const std::string& ps_listen,
   }
   int port = std::atoi(listen.c_str() + colon + 1);
   if (port == 0) return listen.substr(0, colon) + ":0";
-  return listen.substr(0, colon) + ":" + std::to_string(port + 1);
+  return listen.substr(0, colon) + ":" + std::to_string(port + offset);
 }
+
+// The embedding server's flags (`membox serve --emb-*`).
+struct EmbeddingFlags {
+  std::string listen = "auto", dir, budget = "1GiB", file_size = "64MiB";
+  int flush_interval_ms = 10000;
+};
 
 int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
           const std::string& ps_listen, const std::string& ps_max,
           const std::string& secret, const std::string& secret_file,
           const std::string& pool, const std::string& min_block,
           const std::string& max_block, const std::string& quota,
-          int heartbeat_ms) {
+          int heartbeat_ms, const EmbeddingFlags& ef) {
   auto sec = ResolveSecret(secret, secret_file);
   auto p = membox::ParseByteSize(pool);
   auto mn = membox::ParseByteSize(min_block);
   auto mx = membox::ParseByteSize(max_block);
   auto q = membox::ParseByteSize(quota);
   auto pm = membox::ParseByteSize(ps_max);
-  auto pl = ProxyListen(ps_listen, o.listen);
+  auto pl = ServiceListen(ps_listen, o.listen, 1);
+  auto el = ServiceListen(ef.listen, o.listen, 2);
+  auto eb = membox::ParseByteSize(ef.budget);
+  auto efs = membox::ParseByteSize(ef.file_size);
   for (const membox::Status& st :
        {sec.status(), p.status(), mn.status(), mx.status(), q.status(),
-        pm.status(), pl.status()}) {
+        pm.status(), pl.status(), el.status(), eb.status(), efs.status()}) {
     if (!st.ok()) {
       std::fprintf(stderr, "membox serve: %s\n", st.ToString().c_str());
       return 2;
@@ -161,11 +173,34 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
     std::printf("membox serve: parameter proxy on %s\n",
                 proxy->endpoint().c_str());
   }
+  std::unique_ptr<membox::embedding::EmbeddingServer> embedding;
+  if (!ef.dir.empty() && *el != "off") {
+    membox::embedding::EmbeddingServerOptions eo;
+    eo.listen = *el;
+    eo.transports = o.transports;
+    eo.secret = *sec;
+    eo.dir = ef.dir;
+    eo.budget_bytes = *eb;
+    eo.file_bytes = *efs;
+    eo.flush_interval = std::chrono::milliseconds(ef.flush_interval_ms);
+    auto es = membox::embedding::EmbeddingServer::Start(eo);
+    if (!es.ok()) {
+      std::fprintf(stderr, "membox serve: embedding server: %s\n",
+                   es.status().ToString().c_str());
+      if (proxy) proxy->Stop();
+      (*server)->Stop();
+      return 1;
+    }
+    embedding = std::move(*es);
+    std::printf("membox serve: embedding server on %s\n",
+                embedding->endpoint().c_str());
+  }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&set, &sig);
   MEMBOX_LOG_INFO("received {}, shutting down",
                   sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  if (embedding) embedding->Stop();  // flushes: every update durable
   if (proxy) proxy->Stop();
   (*server)->Stop();
   return 0;
@@ -284,6 +319,17 @@ int main(int argc, char** argv) {
                   "load the checkpoint (--restore-name) on start");
   serve->add_option("--restore-name", popt.restore_name,
                     "checkpoint file name (default latest.mbck)");
+  EmbeddingFlags eflags;
+  serve->add_option("--emb-dir", eflags.dir,
+                    "run the embedding server; its tables live here");
+  serve->add_option("--emb-listen", eflags.listen,
+                    "embedding server address (auto: --listen port + 2; off)");
+  serve->add_option("--emb-budget", eflags.budget,
+                    "memory tier of each embedding table (e.g. 2GiB)");
+  serve->add_option("--emb-file-size", eflags.file_size,
+                    "size of the SSD tier's parameter files");
+  serve->add_option("--emb-flush-interval-ms", eflags.flush_interval_ms,
+                    "write and sync changed rows this often (0: on request)");
   bool exit_with_parent = false;
   serve->add_flag("--exit-with-parent", exit_with_parent,
                   "stop when the parent process dies (benchmarks, tests)");
@@ -429,7 +475,7 @@ int main(int argc, char** argv) {
                          : membox::ps::Scheduler::kPerClientQueues;
     popt.transports = sopt.transports;
     return Serve(sopt, popt, ps_listen, ps_max, secret, secret_file, pool,
-                 min_block, max_block, quota, heartbeat_ms);
+                 min_block, max_block, quota, heartbeat_ms, eflags);
   }
   if (status->parsed()) return PrintStatus(status_server, secret, secret_file);
   if (launch->parsed()) return Launch(launch->remaining());

@@ -10,36 +10,14 @@ namespace {
 
 using transport::wire::Reader;
 using transport::wire::Writer;
+using transport::wire::GetF64;
+using transport::wire::GetStr;
+using transport::wire::PutF64;
+using transport::wire::PutStr;
 
 constexpr uint8_t kRequestMagic = 'Q';
 constexpr uint8_t kResponseMagic = 'A';
 constexpr uint8_t kVersion = 1;
-
-void PutStr(Writer& w, const std::string& s) {
-  w.U32(static_cast<uint32_t>(s.size()));
-  w.Bytes(s.data(), s.size());
-}
-
-bool GetStr(Reader& r, std::string* s, size_t max) {
-  uint32_t n = 0;
-  std::vector<uint8_t> b;
-  if (!r.U32(&n) || n > max || !r.Bytes(&b, n)) return false;
-  s->assign(b.begin(), b.end());
-  return true;
-}
-
-void PutF64(Writer& w, double d) {
-  uint64_t u;
-  std::memcpy(&u, &d, 8);
-  w.U64(u);
-}
-
-bool GetF64(Reader& r, double* d) {
-  uint64_t u;
-  if (!r.U64(&u)) return false;
-  std::memcpy(d, &u, 8);
-  return true;
-}
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed memory-server ") + what);

@@ -10,52 +10,16 @@ namespace {
 
 using transport::wire::Reader;
 using transport::wire::Writer;
+using transport::wire::GetBool;
+using transport::wire::GetBytes;
+using transport::wire::GetF64;
+using transport::wire::GetStr;
+using transport::wire::PutBytes;
+using transport::wire::PutF64;
+using transport::wire::PutStr;
 
 constexpr uint8_t kMagic = 'P';
 constexpr uint8_t kVersion = 1;
-
-void PutStr(Writer& w, const std::string& s) {
-  w.U32(static_cast<uint32_t>(s.size()));
-  w.Bytes(s.data(), s.size());
-}
-
-bool GetStr(Reader& r, std::string* s, size_t max) {
-  uint32_t n = 0;
-  std::vector<uint8_t> b;
-  if (!r.U32(&n) || n > max || !r.Bytes(&b, n)) return false;
-  s->assign(b.begin(), b.end());
-  return true;
-}
-
-void PutBytes(Writer& w, const std::vector<uint8_t>& b) {
-  w.U32(static_cast<uint32_t>(b.size()));
-  w.Bytes(b.data(), b.size());
-}
-
-bool GetBytes(Reader& r, std::vector<uint8_t>* b, size_t max) {
-  uint32_t n = 0;
-  return r.U32(&n) && n <= max && r.Bytes(b, n);
-}
-
-void PutF64(Writer& w, double d) {
-  uint64_t u;
-  std::memcpy(&u, &d, 8);
-  w.U64(u);
-}
-
-bool GetF64(Reader& r, double* d) {
-  uint64_t u;
-  if (!r.U64(&u)) return false;
-  std::memcpy(d, &u, 8);
-  return std::isfinite(*d);
-}
-
-bool GetBool(Reader& r, bool* b) {
-  uint8_t v = 0;
-  if (!r.U8(&v) || v > 1) return false;
-  *b = v != 0;
-  return true;
-}
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed ps message: ") + what);

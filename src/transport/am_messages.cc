@@ -7,13 +7,14 @@
 namespace membox::transport::msg {
 namespace {
 
-void PutStr(wire::Writer& w, const std::string& s) {
+// U16-prefixed, capped at kMaxString (the transport handshake format).
+void PutShortStr(wire::Writer& w, const std::string& s) {
   size_t n = std::min(s.size(), kMaxString);
   w.U16(static_cast<uint16_t>(n));
   w.Bytes(s.data(), n);
 }
 
-bool GetStr(wire::Reader& r, std::string* s) {
+bool GetShortStr(wire::Reader& r, std::string* s) {
   uint16_t n = 0;
   std::vector<uint8_t> b;
   if (!r.U16(&n) || n > kMaxString || !r.Bytes(&b, n)) return false;
@@ -35,8 +36,8 @@ std::vector<uint8_t> EncodeHello(const Hello& m, bool with_lane) {
   wire::Writer w;
   w.U64(m.channel_id);
   if (with_lane) w.U32(m.lane);
-  PutStr(w, m.name);
-  PutStr(w, m.host);
+  PutShortStr(w, m.name);
+  PutShortStr(w, m.host);
   w.U32(static_cast<uint32_t>(m.address.size()));
   w.Bytes(m.address.data(), m.address.size());
   return std::move(w.buffer());
@@ -48,7 +49,7 @@ Result<Hello> DecodeHello(std::span<const uint8_t> in, bool with_lane) {
   uint32_t alen = 0;
   if (!r.U64(&m.channel_id) || m.channel_id == 0) return Malformed("hello");
   if (with_lane && !r.U32(&m.lane)) return Malformed("hello");
-  if (!GetStr(r, &m.name) || !GetStr(r, &m.host) || !r.U32(&alen) ||
+  if (!GetShortStr(r, &m.name) || !GetShortStr(r, &m.host) || !r.U32(&alen) ||
       alen == 0 || alen > kMaxAddress || !r.Bytes(&m.address, alen)) {
     return Malformed("hello");
   }
@@ -83,14 +84,14 @@ std::vector<uint8_t> EncodeReply(const Reply& m) {
   wire::Writer w;
   w.U64(m.request);
   w.U32(m.code);
-  PutStr(w, m.message);
+  PutShortStr(w, m.message);
   return std::move(w.buffer());
 }
 
 Result<Reply> DecodeReply(std::span<const uint8_t> in) {
   wire::Reader r(in);
   Reply m;
-  if (!r.U64(&m.request) || !r.U32(&m.code) || !GetStr(r, &m.message) ||
+  if (!r.U64(&m.request) || !r.U32(&m.code) || !GetShortStr(r, &m.message) ||
       m.request == 0) {
     return Malformed("reply");
   }
@@ -138,14 +139,14 @@ Result<uint64_t> DecodeId(std::span<const uint8_t> in) {
 std::vector<uint8_t> EncodeError(const Error& m) {
   wire::Writer w;
   w.U32(m.code);
-  PutStr(w, m.message);
+  PutShortStr(w, m.message);
   return std::move(w.buffer());
 }
 
 Result<Error> DecodeError(std::span<const uint8_t> in) {
   wire::Reader r(in);
   Error m;
-  if (!r.U32(&m.code) || !GetStr(r, &m.message)) return Malformed("error");
+  if (!r.U32(&m.code) || !GetShortStr(r, &m.message)) return Malformed("error");
   RETURN_IF_ERROR(Done(r, "error"));
   return m;
 }

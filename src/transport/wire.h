@@ -4,9 +4,11 @@
 #ifndef MEMBOX_SRC_TRANSPORT_WIRE_H_
 #define MEMBOX_SRC_TRANSPORT_WIRE_H_
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace membox::transport::wire {
@@ -46,6 +48,8 @@ class Reader {
     pos_ += n;
     return true;
   }
+  // Copies n raw bytes into dst.
+  bool Copy(void* dst, size_t n) { return Get(dst, n); }
   size_t consumed() const { return pos_; }
   size_t remaining() const { return in_.size() - pos_; }
 
@@ -59,6 +63,52 @@ class Reader {
   std::span<const uint8_t> in_;
   size_t pos_ = 0;
 };
+
+// Length-prefixed strings and byte strings, doubles, booleans: the shapes
+// every membox message uses. Get* return false on short, oversize (> max)
+// or invalid (non-finite double, boolean other than 0/1) input.
+inline void PutStr(Writer& w, const std::string& s) {
+  w.U32(static_cast<uint32_t>(s.size()));
+  w.Bytes(s.data(), s.size());
+}
+
+inline bool GetStr(Reader& r, std::string* s, size_t max) {
+  uint32_t n = 0;
+  std::vector<uint8_t> b;
+  if (!r.U32(&n) || n > max || !r.Bytes(&b, n)) return false;
+  s->assign(b.begin(), b.end());
+  return true;
+}
+
+inline void PutBytes(Writer& w, const std::vector<uint8_t>& b) {
+  w.U32(static_cast<uint32_t>(b.size()));
+  w.Bytes(b.data(), b.size());
+}
+
+inline bool GetBytes(Reader& r, std::vector<uint8_t>* b, size_t max) {
+  uint32_t n = 0;
+  return r.U32(&n) && n <= max && r.Bytes(b, n);
+}
+
+inline void PutF64(Writer& w, double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, 8);
+  w.U64(u);
+}
+
+inline bool GetF64(Reader& r, double* d) {
+  uint64_t u;
+  if (!r.U64(&u)) return false;
+  std::memcpy(d, &u, 8);
+  return std::isfinite(*d);
+}
+
+inline bool GetBool(Reader& r, bool* b) {
+  uint8_t v = 0;
+  if (!r.U8(&v) || v > 1) return false;
+  *b = v != 0;
+  return true;
+}
 
 uint32_t Crc32(const void* data, size_t n);
 

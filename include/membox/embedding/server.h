@@ -1,0 +1,73 @@
+// Embedding server: the sparse parameter store's memory-node service
+// (seed 004: MEM-PS + SSD-PS), run inside `membox serve --emb-dir DIR`.
+//
+// Workers open tables (TableConfig), pull rows by key and push gradients;
+// the server applies the table's optimizer to the row and its state, which
+// live together. Every table has its own MemTier (LRU -> LFU -> SSD, byte
+// budget) over its own SsdStore in <dir>/<table>/, plus a TABLE file that
+// fixes its dim and optimizer across restarts. Rows are created on first
+// touch by the seeded initializer, so which node holds a key (the client's
+// partition function) does not change its initial value.
+//
+// Pinning: a pull that names a batch pins that batch's rows in the memory
+// tier until the worker pushes the batch with `release` or releases it, or
+// disconnects (the working set of the batches being trained and prefetched
+// cannot be evicted under them).
+//
+// Durability: a push is acknowledged once applied in memory. Flush() -- a
+// worker's kFlush, the flush_interval timer, or Stop() -- writes every
+// changed row to the SSD tier and syncs it; what a flush acknowledged
+// survives kill -9 (EmbeddingServerTest.KillAndRestart). Files more than
+// half stale are compacted after each flush.
+//
+// Threading: the transport's progress thread queues messages; one event
+// thread applies them in arrival order (per client order is preserved).
+// Start/Stop from one thread; Stats/StatusText from any thread.
+#ifndef MEMBOX_EMBEDDING_SERVER_H_
+#define MEMBOX_EMBEDDING_SERVER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "membox/base/status.h"
+
+namespace membox::embedding {
+
+struct EmbeddingServerOptions {
+  std::string listen = "0.0.0.0:7312";
+  std::string transports = "auto";
+  std::string secret;                // required, >= 8 bytes
+  std::string dir;                   // required; tables live in <dir>/<name>
+  uint64_t budget_bytes = 1ull << 30;  // memory tier of each table
+  uint64_t file_bytes = 64ull << 20;   // SSD tier file size
+  std::chrono::milliseconds flush_interval{10000};  // 0: only when asked
+  uint32_t max_tables = 64;
+};
+
+struct EmbeddingServerStats {
+  uint64_t tables = 0, clients = 0;
+  uint64_t pulls = 0, pushes = 0;  // messages
+  uint64_t rows_pulled = 0, rows_pushed = 0;
+  uint64_t flushes = 0, rejected = 0;
+};
+
+class EmbeddingServer {
+ public:
+  static Result<std::unique_ptr<EmbeddingServer>> Start(
+      const EmbeddingServerOptions& options);
+  virtual ~EmbeddingServer() = default;
+  virtual std::string endpoint() const = 0;
+  virtual EmbeddingServerStats Stats() const = 0;
+  // Per table: rows in memory, pinned, SSD keys/files, write amplification.
+  virtual std::string StatusText() const = 0;
+  // Flushes every table (rows written and synced); returns when durable.
+  virtual Status Flush() = 0;
+  // Flushes, then stops. Idempotent.
+  virtual void Stop() = 0;
+};
+
+}  // namespace membox::embedding
+
+#endif  // MEMBOX_EMBEDDING_SERVER_H_

@@ -1,0 +1,501 @@
+#include "membox/embedding/client.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <future>
+#include <map>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+#include "membox/base/logging.h"
+#include "membox/transport/device.h"
+#include "src/embedding/protocol.h"
+
+namespace membox::embedding {
+
+struct EmbeddingHandle::State {
+  std::mutex mu;
+  std::condition_variable cv;
+  int remaining = 0;
+  Status status;
+  bool done = false;
+
+  void Finish(const Status& s) {
+    std::lock_guard<std::mutex> l(mu);
+    if (!s.ok() && status.ok()) status = s;
+    if (--remaining == 0) {
+      done = true;
+      cv.notify_all();
+    }
+  }
+};
+
+Status EmbeddingHandle::Wait(std::chrono::nanoseconds timeout) {
+  if (!s_) return FailedPreconditionError("empty handle");
+  std::unique_lock<std::mutex> l(s_->mu);
+  if (!s_->cv.wait_for(l, timeout, [this] { return s_->done; })) {
+    return DeadlineExceededError("embedding operation still running");
+  }
+  return s_->status;
+}
+
+bool EmbeddingHandle::done() const {
+  if (!s_) return true;
+  std::lock_guard<std::mutex> l(s_->mu);
+  return s_->done;
+}
+
+PartitionFn ModuloPartition() {
+  return [](uint64_t key, uint32_t nodes) {
+    return static_cast<uint32_t>(key % nodes);
+  };
+}
+
+PartitionFn HashPartition() {
+  return [](uint64_t key, uint32_t nodes) {
+    uint64_t z = key + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return static_cast<uint32_t>((z ^ (z >> 31)) % nodes);
+  };
+}
+
+Result<PartitionFn> PartitionByName(const std::string& name) {
+  if (name == "modulo") return ModuloPartition();
+  if (name == "hash") return HashPartition();
+  return InvalidArgumentError("unknown partition '" + name +
+                              "' (modulo, hash)");
+}
+
+Status EmbeddingClient::Pull(uint32_t table, std::span<const uint64_t> keys,
+                             float* out, uint64_t batch) {
+  ASSIGN_OR_RETURN(EmbeddingHandle h, PullAsync(table, keys, out, batch));
+  return h.Wait();
+}
+
+Status EmbeddingClient::Push(uint32_t table, std::span<const uint64_t> keys,
+                             std::span<const float> grads, uint64_t batch,
+                             bool release) {
+  ASSIGN_OR_RETURN(EmbeddingHandle h,
+                   PushAsync(table, keys, grads, batch, release));
+  return h.Wait();
+}
+
+namespace {
+
+using proto::Message;
+using proto::Type;
+using ReplyFn = std::function<void(Result<Message>)>;
+
+// One memory node: its channel and the requests waiting for replies.
+class Node {
+ public:
+  Node(std::string endpoint, std::shared_ptr<transport::Channel> ch)
+      : endpoint_(std::move(endpoint)), ch_(std::move(ch)) {}
+
+  void Start() {
+    ch_->SetHandlers([this](std::vector<uint8_t> b) { OnReply(b); },
+                     [this](const Status& s) { Fail(s); });
+  }
+
+  // Sends `m` (its id is assigned here); `done` runs exactly once, on the
+  // progress thread or -- when sending fails -- in this call.
+  void Send(Message m, ReplyFn done) {
+    Status failed;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (failed_.ok()) {
+        m.id = next_id_++;
+        pending_[m.id] = std::move(done);
+      } else {
+        failed = failed_;
+      }
+    }
+    if (!failed.ok()) return done(failed);
+    Status s = ch_->SendControl(proto::Encode(m));
+    if (!s.ok()) {
+      ReplyFn f;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        auto it = pending_.find(m.id);
+        if (it == pending_.end()) return;  // failed meanwhile
+        f = std::move(it->second);
+        pending_.erase(it);
+      }
+      f(UnavailableError("embedding node " + endpoint_ + ": " +
+                         std::string(s.message())));
+    }
+  }
+
+  Result<Message> Call(Message m, std::chrono::milliseconds timeout) {
+    auto p = std::make_shared<std::promise<Result<Message>>>();
+    auto f = p->get_future();
+    Send(std::move(m), [p](Result<Message> r) { p->set_value(std::move(r)); });
+    if (f.wait_for(timeout) != std::future_status::ready) {
+      return DeadlineExceededError("embedding node " + endpoint_ +
+                                   " did not answer in time");
+    }
+    return f.get();
+  }
+
+  const std::string& endpoint() const { return endpoint_; }
+  void Close() { ch_->Close(); }
+
+ private:
+  void OnReply(const std::vector<uint8_t>& bytes) {
+    auto m = proto::Decode(bytes);
+    if (!m.ok() || m->type != Type::kReply) {
+      Fail(DataLossError("embedding node " + endpoint_ +
+                         " sent a bad reply: " +
+                         (m.ok() ? std::string("not a reply")
+                                 : m.status().ToString())));
+      return;
+    }
+    ReplyFn f;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = pending_.find(m->id);
+      if (it == pending_.end()) return;
+      f = std::move(it->second);
+      pending_.erase(it);
+    }
+    if (m->code != 0) {
+      f(Status(static_cast<StatusCode>(m->code),
+               "embedding node " + endpoint_ + ": " + m->message));
+    } else {
+      f(std::move(*m));
+    }
+  }
+
+  void Fail(const Status& why) {
+    std::map<uint64_t, ReplyFn> pending;
+    Status s = UnavailableError("embedding node " + endpoint_ +
+                                " is gone: " + std::string(why.message()));
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (failed_.ok()) failed_ = s;
+      pending.swap(pending_);
+    }
+    for (auto& [id, f] : pending) f(s);
+  }
+
+  const std::string endpoint_;
+  std::shared_ptr<transport::Channel> ch_;
+  std::mutex mu_;
+  uint64_t next_id_ = 1;                 // GUARDED_BY(mu_)
+  std::map<uint64_t, ReplyFn> pending_;  // GUARDED_BY(mu_)
+  Status failed_;                        // GUARDED_BY(mu_)
+};
+
+struct OpenedTable {
+  TableConfig config;
+  std::vector<uint32_t> ids;  // per node
+};
+
+class ClientImpl final : public EmbeddingClient {
+ public:
+  explicit ClientImpl(EmbeddingClientOptions o) : opt_(std::move(o)) {
+    if (!opt_.partition) opt_.partition = ModuloPartition();
+  }
+  ~ClientImpl() override {
+    // Channels closed and progress threads stopped before the Nodes their
+    // handlers point to go away.
+    for (auto& n : nodes_) n->Close();
+    device_.reset();
+    nodes_.clear();
+  }
+
+  Status Init() {
+    if (opt_.nodes.empty()) {
+      return InvalidArgumentError("no embedding nodes given");
+    }
+    transport::DeviceOptions d;
+    d.transports = opt_.transports;
+    d.name = "membox-embedding-" + opt_.name;
+    d.connect_timeout = opt_.timeout;
+    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    for (const std::string& ep : opt_.nodes) {
+      auto ch = device_->GetChannel(ep);
+      if (!ch.ok()) {
+        return UnavailableError("embedding node " + ep + ": " +
+                                std::string(ch.status().message()));
+      }
+      nodes_.push_back(std::make_unique<Node>(ep, *ch));
+      nodes_.back()->Start();
+      Message h;
+      h.type = Type::kHello;
+      h.secret = opt_.secret;
+      h.name = opt_.name;
+      RETURN_IF_ERROR(nodes_.back()->Call(h, opt_.timeout).status());
+    }
+    return Status::Ok();
+  }
+
+  Result<uint32_t> OpenTable(const TableConfig& config) override {
+    RETURN_IF_ERROR(ValidateTableConfig(config));
+    OpenedTable t;
+    t.config = config;
+    for (auto& n : nodes_) {
+      Message m;
+      m.type = Type::kOpenTable;
+      m.table = config;
+      ASSIGN_OR_RETURN(Message r, n->Call(m, opt_.timeout));
+      t.ids.push_back(r.table_id);
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    tables_.push_back(std::make_unique<OpenedTable>(std::move(t)));
+    return static_cast<uint32_t>(tables_.size() - 1);
+  }
+
+  const TableConfig& table(uint32_t table) const override {
+    std::lock_guard<std::mutex> l(mu_);
+    return tables_.at(table)->config;
+  }
+
+  Result<EmbeddingHandle> PullAsync(uint32_t table,
+                                    std::span<const uint64_t> keys, float* out,
+                                    uint64_t batch) override {
+    ASSIGN_OR_RETURN(const OpenedTable* t, Find(table));
+    const uint32_t d = t->config.dim;
+    // Distinct keys; next[i] chains the positions that share a key.
+    struct Op {
+      std::vector<uint64_t> unique;
+      std::vector<int64_t> first, next;
+      float* out;
+    };
+    auto op = std::make_shared<Op>();
+    op->out = out;
+    op->next.assign(keys.size(), -1);
+    std::unordered_map<uint64_t, uint32_t> index;
+    index.reserve(keys.size());
+    std::vector<int64_t> last;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto [it, fresh] = index.try_emplace(keys[i], op->unique.size());
+      if (fresh) {
+        op->unique.push_back(keys[i]);
+        op->first.push_back(static_cast<int64_t>(i));
+        last.push_back(static_cast<int64_t>(i));
+      } else {
+        op->next[last[it->second]] = static_cast<int64_t>(i);
+        last[it->second] = static_cast<int64_t>(i);
+      }
+    }
+    auto by_node = GroupByNode(op->unique);
+    if (batch != 0) NotePinned(table, batch, by_node);
+    const uint32_t per_msg = proto::MaxKeysPerMessage(d);
+    auto state = std::make_shared<EmbeddingHandle::State>();
+    std::vector<std::pair<uint32_t, Message>> msgs;
+    std::vector<std::vector<uint32_t>> msg_idx;
+    for (uint32_t n = 0; n < by_node.size(); ++n) {
+      for (size_t s = 0; s < by_node[n].size(); s += per_msg) {
+        size_t e = std::min(by_node[n].size(), s + per_msg);
+        Message m;
+        m.type = Type::kPull;
+        m.table_id = t->ids[n];
+        m.batch = batch;
+        std::vector<uint32_t> idx(by_node[n].begin() + s,
+                                  by_node[n].begin() + e);
+        for (uint32_t u : idx) m.keys.push_back(op->unique[u]);
+        msgs.emplace_back(n, std::move(m));
+        msg_idx.push_back(std::move(idx));
+      }
+    }
+    state->remaining = static_cast<int>(msgs.size()) + 1;
+    for (size_t k = 0; k < msgs.size(); ++k) {
+      auto idx = std::make_shared<std::vector<uint32_t>>(std::move(msg_idx[k]));
+      nodes_[msgs[k].first]->Send(
+          std::move(msgs[k].second), [op, idx, state, d](Result<Message> r) {
+            if (!r.ok()) return state->Finish(r.status());
+            if (r->values.size() != idx->size() * size_t(d)) {
+              return state->Finish(
+                  DataLossError("embedding node replied with " +
+                                std::to_string(r->values.size()) +
+                                " values for " + std::to_string(idx->size()) +
+                                " rows"));
+            }
+            for (size_t j = 0; j < idx->size(); ++j) {
+              const float* row = r->values.data() + j * d;
+              for (int64_t i = op->first[(*idx)[j]]; i >= 0; i = op->next[i]) {
+                std::memcpy(op->out + size_t(i) * d, row, size_t(d) * 4);
+              }
+            }
+            state->Finish(Status::Ok());
+          });
+    }
+    state->Finish(Status::Ok());  // the submitter's share
+    return EmbeddingHandle(state);
+  }
+
+  Result<EmbeddingHandle> PushAsync(uint32_t table,
+                                    std::span<const uint64_t> keys,
+                                    std::span<const float> grads,
+                                    uint64_t batch, bool release) override {
+    ASSIGN_OR_RETURN(const OpenedTable* t, Find(table));
+    const uint32_t d = t->config.dim;
+    if (grads.size() != keys.size() * size_t(d)) {
+      return InvalidArgumentError(
+          "push: " + std::to_string(grads.size()) + " gradient values for " +
+          std::to_string(keys.size()) + " keys of dim " + std::to_string(d));
+    }
+    // Sum the gradients of repeated keys.
+    std::vector<uint64_t> unique;
+    std::vector<float> summed;
+    std::unordered_map<uint64_t, uint32_t> index;
+    index.reserve(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto [it, fresh] = index.try_emplace(keys[i], unique.size());
+      const float* g = grads.data() + i * d;
+      if (fresh) {
+        unique.push_back(keys[i]);
+        summed.insert(summed.end(), g, g + d);
+      } else {
+        float* s = summed.data() + size_t(it->second) * d;
+        for (uint32_t j = 0; j < d; ++j) s[j] += g[j];
+      }
+    }
+    auto by_node = GroupByNode(unique);
+    std::set<uint32_t> pinned;
+    if (batch != 0 && release) pinned = TakePinned(table, batch);
+    const uint32_t per_msg = proto::MaxKeysPerMessage(d);
+    std::vector<std::pair<uint32_t, Message>> msgs;
+    for (uint32_t n = 0; n < by_node.size(); ++n) {
+      const auto& u = by_node[n];
+      for (size_t s = 0; s < u.size(); s += per_msg) {
+        size_t e = std::min(u.size(), s + per_msg);
+        Message m;
+        m.type = Type::kPush;
+        m.table_id = t->ids[n];
+        m.batch = batch;
+        m.release = e == u.size() && pinned.count(n);
+        for (size_t j = s; j < e; ++j) {
+          m.keys.push_back(unique[u[j]]);
+          const float* g = summed.data() + size_t(u[j]) * d;
+          m.values.insert(m.values.end(), g, g + d);
+        }
+        msgs.emplace_back(n, std::move(m));
+      }
+      if (u.empty() && pinned.count(n)) {
+        Message m;
+        m.type = Type::kRelease;
+        m.table_id = t->ids[n];
+        m.batch = batch;
+        msgs.emplace_back(n, std::move(m));
+      }
+    }
+    return SendAll(std::move(msgs));
+  }
+
+  Status Release(uint32_t table, uint64_t batch) override {
+    ASSIGN_OR_RETURN(const OpenedTable* t, Find(table));
+    std::vector<std::pair<uint32_t, Message>> msgs;
+    for (uint32_t n : TakePinned(table, batch)) {
+      Message m;
+      m.type = Type::kRelease;
+      m.table_id = t->ids[n];
+      m.batch = batch;
+      msgs.emplace_back(n, std::move(m));
+    }
+    ASSIGN_OR_RETURN(EmbeddingHandle h, SendAll(std::move(msgs)));
+    return h.Wait(opt_.timeout);
+  }
+
+  Status Flush() override {
+    std::vector<std::pair<uint32_t, Message>> msgs;
+    for (uint32_t n = 0; n < nodes_.size(); ++n) {
+      Message m;
+      m.type = Type::kFlush;
+      msgs.emplace_back(n, std::move(m));
+    }
+    ASSIGN_OR_RETURN(EmbeddingHandle h, SendAll(std::move(msgs)));
+    return h.Wait(opt_.timeout);
+  }
+
+  Result<std::string> NodeStatus(uint32_t node) override {
+    if (node >= nodes_.size()) return InvalidArgumentError("no such node");
+    Message m;
+    m.type = Type::kStats;
+    ASSIGN_OR_RETURN(Message r, nodes_[node]->Call(m, opt_.timeout));
+    return r.text;
+  }
+
+  uint32_t num_nodes() const override {
+    return static_cast<uint32_t>(nodes_.size());
+  }
+
+  uint32_t NodeOf(uint64_t key) const override {
+    return opt_.partition(key, num_nodes());
+  }
+
+ private:
+  Result<const OpenedTable*> Find(uint32_t table) const {
+    std::lock_guard<std::mutex> l(mu_);
+    if (table >= tables_.size()) {
+      return InvalidArgumentError("no table " + std::to_string(table) +
+                                  " (OpenTable first)");
+    }
+    return tables_[table].get();
+  }
+
+  // Indices into `keys`, per node.
+  std::vector<std::vector<uint32_t>> GroupByNode(
+      const std::vector<uint64_t>& keys) const {
+    std::vector<std::vector<uint32_t>> by(nodes_.size());
+    for (uint32_t i = 0; i < keys.size(); ++i) {
+      uint32_t n = opt_.partition(keys[i], num_nodes());
+      by[n < by.size() ? n : n % by.size()].push_back(i);
+    }
+    return by;
+  }
+
+  void NotePinned(uint32_t table, uint64_t batch,
+                  const std::vector<std::vector<uint32_t>>& by_node) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto& s = pinned_[{table, batch}];
+    for (uint32_t n = 0; n < by_node.size(); ++n) {
+      if (!by_node[n].empty()) s.insert(n);
+    }
+  }
+
+  std::set<uint32_t> TakePinned(uint32_t table, uint64_t batch) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = pinned_.find({table, batch});
+    if (it == pinned_.end()) return {};
+    std::set<uint32_t> s = std::move(it->second);
+    pinned_.erase(it);
+    return s;
+  }
+
+  Result<EmbeddingHandle> SendAll(
+      std::vector<std::pair<uint32_t, Message>> msgs) {
+    auto state = std::make_shared<EmbeddingHandle::State>();
+    state->remaining = static_cast<int>(msgs.size()) + 1;
+    for (auto& [n, m] : msgs) {
+      nodes_[n]->Send(std::move(m), [state](Result<Message> r) {
+        state->Finish(r.status());
+      });
+    }
+    state->Finish(Status::Ok());
+    return EmbeddingHandle(state);
+  }
+
+  EmbeddingClientOptions opt_;
+  std::unique_ptr<transport::Device> device_;
+  std::vector<std::unique_ptr<Node>> nodes_;
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<OpenedTable>> tables_;  // GUARDED_BY(mu_)
+  std::map<std::pair<uint32_t, uint64_t>, std::set<uint32_t>>
+      pinned_;  // GUARDED_BY(mu_)
+};
+
+}  // namespace
+
+Result<std::unique_ptr<EmbeddingClient>> EmbeddingClient::Connect(
+    const EmbeddingClientOptions& options) {
+  auto c = std::make_unique<ClientImpl>(options);
+  RETURN_IF_ERROR(c->Init());
+  return std::unique_ptr<EmbeddingClient>(std::move(c));
+}
+
+}  // namespace membox::embedding

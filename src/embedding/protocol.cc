@@ -1,0 +1,189 @@
+#include "src/embedding/protocol.h"
+
+#include <algorithm>
+
+#include "membox/transport/channel.h"
+#include "src/transport/wire.h"
+
+namespace membox::embedding::proto {
+namespace {
+
+using transport::wire::GetBool;
+using transport::wire::GetF64;
+using transport::wire::GetStr;
+using transport::wire::PutF64;
+using transport::wire::PutStr;
+using transport::wire::Reader;
+using transport::wire::Writer;
+
+constexpr uint8_t kMagic = 'E';
+constexpr uint8_t kVersion = 1;
+
+Status Bad(const char* what) {
+  return InvalidArgumentError(std::string("malformed embedding message: ") +
+                              what);
+}
+
+void PutKeys(Writer& w, const std::vector<uint64_t>& k) {
+  w.U32(static_cast<uint32_t>(k.size()));
+  w.Bytes(k.data(), k.size() * 8);
+}
+
+bool GetKeys(Reader& r, std::vector<uint64_t>* k) {
+  uint32_t n = 0;
+  if (!r.U32(&n) || n > kMaxKeys || uint64_t(n) * 8 > r.remaining()) {
+    return false;
+  }
+  k->resize(n);
+  return r.Copy(k->data(), size_t(n) * 8);
+}
+
+void PutValues(Writer& w, const std::vector<float>& v) {
+  w.U32(static_cast<uint32_t>(v.size()));
+  w.Bytes(v.data(), v.size() * 4);
+}
+
+bool GetValues(Reader& r, std::vector<float>* v) {
+  uint32_t n = 0;
+  if (!r.U32(&n) || n > kMaxValues || uint64_t(n) * 4 > r.remaining()) {
+    return false;
+  }
+  v->resize(n);
+  return r.Copy(v->data(), size_t(n) * 4);
+}
+
+}  // namespace
+
+const char* TypeName(Type t) {
+  switch (t) {
+    case Type::kHello:
+      return "hello";
+    case Type::kOpenTable:
+      return "open-table";
+    case Type::kPull:
+      return "pull";
+    case Type::kPush:
+      return "push";
+    case Type::kRelease:
+      return "release";
+    case Type::kFlush:
+      return "flush";
+    case Type::kStats:
+      return "stats";
+    case Type::kReply:
+      return "reply";
+  }
+  return "?";
+}
+
+uint32_t MaxKeysPerMessage(uint32_t dim) {
+  size_t budget = transport::Channel::kMaxControlMessage - kHeaderSlack;
+  size_t per_key = 8 + size_t(std::max<uint32_t>(dim, 1)) * 4;
+  size_t n = std::min<size_t>(budget / per_key, kMaxKeys);
+  n = std::min<size_t>(n, kMaxValues / std::max<uint32_t>(dim, 1));
+  return static_cast<uint32_t>(std::max<size_t>(n, 1));
+}
+
+std::vector<uint8_t> Encode(const Message& m) {
+  Writer w;
+  w.U8(kMagic);
+  w.U8(kVersion);
+  w.U8(static_cast<uint8_t>(m.type));
+  w.U64(m.id);
+  switch (m.type) {
+    case Type::kHello:
+      PutStr(w, m.secret);
+      PutStr(w, m.name);
+      break;
+    case Type::kOpenTable:
+      PutStr(w, m.table.name);
+      w.U32(m.table.dim);
+      w.U8(static_cast<uint8_t>(m.table.optimizer));
+      PutF64(w, m.table.lr);
+      PutF64(w, m.table.eps);
+      PutF64(w, m.table.beta1);
+      PutF64(w, m.table.beta2);
+      PutF64(w, m.table.initial_accumulator);
+      w.U64(m.table.seed);
+      PutF64(w, m.table.init_scale);
+      break;
+    case Type::kPull:
+      w.U32(m.table_id);
+      w.U64(m.batch);
+      PutKeys(w, m.keys);
+      break;
+    case Type::kPush:
+      w.U32(m.table_id);
+      w.U64(m.batch);
+      w.U8(m.release ? 1 : 0);
+      PutKeys(w, m.keys);
+      PutValues(w, m.values);
+      break;
+    case Type::kRelease:
+      w.U32(m.table_id);
+      w.U64(m.batch);
+      break;
+    case Type::kFlush:
+    case Type::kStats:
+      break;
+    case Type::kReply:
+      w.U32(m.code);
+      PutStr(w, m.message);
+      w.U32(m.table_id);
+      PutValues(w, m.values);
+      PutStr(w, m.text);
+      break;
+  }
+  return std::move(w.buffer());
+}
+
+Result<Message> Decode(std::span<const uint8_t> in) {
+  Reader r(in);
+  uint8_t magic = 0, version = 0, type = 0;
+  if (!r.U8(&magic) || magic != kMagic) return Bad("bad magic");
+  if (!r.U8(&version) || version != kVersion) return Bad("unknown version");
+  if (!r.U8(&type) || type < 1 || type > 8) return Bad("unknown type");
+  Message m;
+  m.type = static_cast<Type>(type);
+  if (!r.U64(&m.id)) return Bad("short header");
+  bool ok = true;
+  switch (m.type) {
+    case Type::kHello:
+      ok = GetStr(r, &m.secret, kMaxSecret) && GetStr(r, &m.name, kMaxName);
+      break;
+    case Type::kOpenTable: {
+      uint8_t opt = 0;
+      ok = GetStr(r, &m.table.name, kMaxName) && r.U32(&m.table.dim) &&
+           r.U8(&opt) && opt <= 2 && GetF64(r, &m.table.lr) &&
+           GetF64(r, &m.table.eps) && GetF64(r, &m.table.beta1) &&
+           GetF64(r, &m.table.beta2) &&
+           GetF64(r, &m.table.initial_accumulator) && r.U64(&m.table.seed) &&
+           GetF64(r, &m.table.init_scale);
+      m.table.optimizer = static_cast<RowOptimizer>(opt);
+      break;
+    }
+    case Type::kPull:
+      ok = r.U32(&m.table_id) && r.U64(&m.batch) && GetKeys(r, &m.keys);
+      break;
+    case Type::kPush:
+      ok = r.U32(&m.table_id) && r.U64(&m.batch) && GetBool(r, &m.release) &&
+           GetKeys(r, &m.keys) && GetValues(r, &m.values);
+      break;
+    case Type::kRelease:
+      ok = r.U32(&m.table_id) && r.U64(&m.batch);
+      break;
+    case Type::kFlush:
+    case Type::kStats:
+      break;
+    case Type::kReply:
+      ok = r.U32(&m.code) && GetStr(r, &m.message, kMaxText) &&
+           r.U32(&m.table_id) && GetValues(r, &m.values) &&
+           GetStr(r, &m.text, kMaxText);
+      break;
+  }
+  if (!ok) return Bad(TypeName(m.type));
+  if (r.remaining() != 0) return Bad("trailing bytes");
+  return m;
+}
+
+}  // namespace membox::embedding::proto

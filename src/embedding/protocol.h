@@ -1,0 +1,70 @@
+// Messages of the embedding service (docs/formats/embedding_protocol.md):
+// worker (EmbeddingClient) <-> memory node (EmbeddingServer). They travel
+// as transport control messages (<= 1 MiB, so clients split large batches)
+// and come from other processes: the decoder checks every length, count and
+// enum and rejects trailing bytes; fuzz/embedding_protocol_fuzzer.cc drives
+// it. Semantic checks (rows * dim == values, finite gradients, known
+// tables) are the server's.
+// Thread-safety: pure functions.
+#ifndef MEMBOX_SRC_EMBEDDING_PROTOCOL_H_
+#define MEMBOX_SRC_EMBEDDING_PROTOCOL_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+#include "membox/embedding/table.h"
+
+namespace membox::embedding::proto {
+
+enum class Type : uint8_t {
+  kHello = 1,      // secret, name
+  kOpenTable = 2,  // TableConfig -> reply.table_id
+  kPull = 3,       // table_id, batch (0: no pin), keys -> reply.values
+  kPush = 4,       // table_id, batch, release, keys, values (gradients)
+  kRelease = 5,    // table_id, batch: unpin what the batch pulled
+  kFlush = 6,      // make every update durable (SSD tier synced)
+  kStats = 7,      // -> reply.text
+  kReply = 8,      // id, code, message, table_id, values, text
+};
+const char* TypeName(Type t);
+
+constexpr size_t kMaxSecret = 1024;
+constexpr size_t kMaxName = 256;
+constexpr size_t kMaxText = 1 << 16;
+constexpr uint32_t kMaxKeys = 1 << 17;
+constexpr uint32_t kMaxValues = 1 << 18;  // floats; 1 MiB
+constexpr size_t kHeaderSlack = 256;      // fixed fields of a pull/push
+
+struct Message {
+  Type type = Type::kStats;
+  uint64_t id = 0;  // request id, echoed in kReply
+  // kHello
+  std::string secret;
+  std::string name;
+  // kOpenTable
+  TableConfig table;
+  // kPull / kPush / kRelease; kReply to kOpenTable
+  uint32_t table_id = 0;
+  uint64_t batch = 0;
+  bool release = false;  // kPush: release the batch's pins afterwards
+  std::vector<uint64_t> keys;
+  std::vector<float> values;  // kPush: gradients; kReply to kPull: rows
+  // kReply
+  uint32_t code = 0;
+  std::string message;
+  std::string text;
+};
+
+std::vector<uint8_t> Encode(const Message& m);
+Result<Message> Decode(std::span<const uint8_t> in);
+
+// The most keys of a `dim`-wide table one pull or push message may carry
+// so that it -- and the pull's reply -- fits a control message.
+uint32_t MaxKeysPerMessage(uint32_t dim);
+
+}  // namespace membox::embedding::proto
+
+#endif  // MEMBOX_SRC_EMBEDDING_PROTOCOL_H_

@@ -1,0 +1,95 @@
+#include "src/embedding/protocol.h"
+
+#include <cstring>
+
+#include <gtest/gtest.h>
+
+#include "membox/transport/channel.h"
+
+namespace membox::embedding::proto {
+namespace {
+
+TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
+  Message push;
+  push.type = Type::kPush;
+  push.id = 9;
+  push.table_id = 2;
+  push.batch = 77;
+  push.release = true;
+  push.keys = {1, 2, 3};
+  push.values = {0.5f, -1.f, 2.f, 3.f, 4.f, 5.f};
+  auto d = Decode(Encode(push));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->keys, push.keys);
+  EXPECT_EQ(d->values, push.values);
+  EXPECT_TRUE(d->release);
+  EXPECT_EQ(d->batch, 77u);
+
+  Message open;
+  open.type = Type::kOpenTable;
+  open.table.name = "ids";
+  open.table.dim = 16;
+  open.table.optimizer = RowOptimizer::kAdam;
+  open.table.seed = 5;
+  auto o = Decode(Encode(open));
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->table, open.table);
+
+  for (Type t : {Type::kHello, Type::kPull, Type::kRelease, Type::kFlush,
+                 Type::kStats, Type::kReply}) {
+    Message m;
+    m.type = t;
+    m.text = "x";
+    m.secret = "s";
+    auto r = Decode(Encode(m));
+    EXPECT_TRUE(r.ok()) << TypeName(t) << ": " << r.status().ToString();
+  }
+}
+
+TEST(EmbeddingProtocolTest, RejectsDamagedInput) {
+  Message m;
+  m.type = Type::kPull;
+  m.keys = {1, 2, 3};
+  auto b = Encode(m);
+  for (size_t n = 0; n < b.size(); ++n) {
+    EXPECT_FALSE(Decode({b.data(), n}).ok()) << "prefix " << n;
+  }
+  auto longer = b;
+  longer.push_back(0);
+  EXPECT_FALSE(Decode(longer).ok());
+  auto bad_type = b;
+  bad_type[2] = 99;
+  EXPECT_FALSE(Decode(bad_type).ok());
+  // A key count far beyond the bytes present is refused before allocating.
+  auto huge = b;
+  uint32_t n = 0xFFFFFFF0u;
+  std::memcpy(huge.data() + 3 + 8 + 4 + 8, &n, 4);
+  auto r = Decode(huge);
+  EXPECT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("pull"), std::string::npos);
+  Message open;
+  open.type = Type::kOpenTable;
+  open.table.name = "t";
+  auto ob = Encode(open);
+  ob[3 + 8 + 4 + 1 + 4] = 7;  // optimizer byte
+  EXPECT_FALSE(Decode(ob).ok());
+}
+
+TEST(EmbeddingProtocolTest, MessagesOfMaxKeysFitAControlMessage) {
+  for (uint32_t dim : {1u, 8u, 64u, 1000u, 4096u}) {
+    uint32_t k = MaxKeysPerMessage(dim);
+    ASSERT_GE(k, 1u);
+    Message m;
+    m.type = Type::kPush;
+    m.keys.assign(k, 1);
+    m.values.assign(size_t(k) * dim, 1.f);
+    EXPECT_LE(Encode(m).size(), transport::Channel::kMaxControlMessage) << dim;
+    Message r;
+    r.type = Type::kReply;
+    r.values = m.values;
+    EXPECT_LE(Encode(r).size(), transport::Channel::kMaxControlMessage);
+  }
+}
+
+}  // namespace
+}  // namespace membox::embedding::proto

@@ -1,0 +1,545 @@
+#include "membox/embedding/server.h"
+
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "membox/base/logging.h"
+#include "membox/embedding/mem_tier.h"
+#include "membox/embedding/ssd_store.h"
+#include "membox/embedding/table.h"
+#include "membox/transport/device.h"
+#include "src/embedding/protocol.h"
+
+namespace membox::embedding {
+namespace {
+
+using proto::Message;
+using proto::Type;
+using transport::Channel;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kTableFileMagic = "membox-embedding-table 1";
+
+Status WriteFileAtomically(const std::string& dir, const std::string& name,
+                           const std::string& text) {
+  std::string tmp = dir + "/." + name + ".tmp", path = dir + "/" + name;
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return InternalError("create " + tmp + ": " + strerror(errno));
+  bool ok = ::write(fd, text.data(), text.size()) ==
+                static_cast<ssize_t>(text.size()) &&
+            ::fsync(fd) == 0;
+  ::close(fd);
+  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    return InternalError("write " + path + ": " + strerror(errno));
+  }
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  return Status::Ok();
+}
+
+// <dir>/TABLE fixes what the row layout depends on; hyperparameters come
+// from the first opener of each server run.
+std::string TableFileText(const TableConfig& c) {
+  return std::string(kTableFileMagic) + "\ndim " + std::to_string(c.dim) +
+         "\noptimizer " + RowOptimizerName(c.optimizer) + "\n";
+}
+
+struct Table {
+  uint32_t id = 0;
+  TableConfig config;
+  std::string dir;
+  std::unique_ptr<SsdStore> ssd;
+  std::unique_ptr<MemTier> mem;
+  RecoveryStats recovery;
+  uint64_t rows_pulled = 0, rows_pushed = 0;
+};
+
+struct Conn {
+  std::shared_ptr<Channel> channel;
+  bool authenticated = false;
+  std::string name;
+  // (table, client batch) -> the memory tier's batch tag
+  std::map<std::pair<uint32_t, uint64_t>, uint64_t> batches;
+};
+
+struct Event {
+  uint64_t conn = 0;
+  bool disconnect = false;
+  std::vector<uint8_t> bytes;
+  std::function<void()> task;
+};
+
+class ServerImpl final : public EmbeddingServer {
+ public:
+  explicit ServerImpl(EmbeddingServerOptions o) : opt_(std::move(o)) {}
+  ~ServerImpl() override { Stop(); }
+
+  Status Init() {
+    if (opt_.secret.size() < 8) {
+      return InvalidArgumentError(
+          "the embedding server secret must be at least 8 bytes");
+    }
+    if (opt_.dir.empty()) {
+      return InvalidArgumentError("the embedding server needs a directory");
+    }
+    if (::mkdir(opt_.dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      return InternalError("mkdir " + opt_.dir + ": " + strerror(errno));
+    }
+    transport::DeviceOptions d;
+    d.listen_address = opt_.listen;
+    d.transports = opt_.transports;
+    d.name = "membox-embedding";
+    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    running_ = true;
+    acceptor_ = std::thread([this] { AcceptLoop(); });
+    events_thread_ = std::thread([this] { EventLoop(); });
+    MEMBOX_LOG_INFO("embedding server listening on {} (tables in {})",
+                    device_->listen_endpoint(), opt_.dir);
+    return Status::Ok();
+  }
+
+  std::string endpoint() const override { return device_->listen_endpoint(); }
+
+  EmbeddingServerStats Stats() const override {
+    EmbeddingServerStats s;
+    s.tables = n_tables_.load();
+    s.clients = n_clients_.load();
+    s.pulls = pulls_.load();
+    s.pushes = pushes_.load();
+    s.rows_pulled = rows_pulled_.load();
+    s.rows_pushed = rows_pushed_.load();
+    s.flushes = flushes_.load();
+    s.rejected = rejected_.load();
+    return s;
+  }
+
+  std::string StatusText() const override {
+    auto* self = const_cast<ServerImpl*>(this);
+    auto r =
+        self->RunOnEventThread<std::string>([self] { return self->Text(); });
+    return r ? *r : "embedding server stopped\n";
+  }
+
+  Status Flush() override {
+    auto r = RunOnEventThread<Status>([this] { return FlushAll(); });
+    return r ? *r : UnavailableError("embedding server stopped");
+  }
+
+  void Stop() override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!running_) return;
+      running_ = false;
+    }
+    cv_.notify_all();
+    if (acceptor_.joinable()) acceptor_.join();
+    if (events_thread_.joinable()) events_thread_.join();
+    // Tasks queued by RunOnEventThread before the stop still answer.
+    for (Event& e : events_) {
+      if (e.task) e.task();
+    }
+    events_.clear();
+    Status s = FlushAll();  // the event thread is gone: safe here
+    if (!s.ok()) MEMBOX_LOG_ERROR("final flush: {}", s.ToString());
+    for (auto& [id, c] : conns_) {
+      if (c.channel) c.channel->Close();
+    }
+    conns_.clear();
+    tables_.clear();
+    device_.reset();
+    MEMBOX_LOG_INFO("embedding server stopped");
+  }
+
+ private:
+  // ------------------------------------------------------------ plumbing
+
+  // nullopt when the server is stopping.
+  template <typename T>
+  std::optional<T> RunOnEventThread(std::function<T()> f) {
+    auto p = std::make_shared<std::promise<T>>();
+    auto fut = p->get_future();
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!running_) return std::nullopt;
+      events_.push_back(Event{0, false, {}, [p, f] { p->set_value(f()); }});
+    }
+    cv_.notify_one();
+    return fut.get();
+  }
+
+  void AcceptLoop() {
+    while (running_) {
+      auto ch = device_->Accept(std::chrono::milliseconds(100));
+      if (!ch.ok()) continue;
+      uint64_t id = next_conn_++;
+      std::shared_ptr<Channel> c = *ch;
+      Post(Event{id, false, {}, [this, id, c] { conns_[id].channel = c; }});
+      c->SetHandlers(
+          [this, id](std::vector<uint8_t> m) {
+            Post(Event{id, false, std::move(m), nullptr});
+          },
+          [this, id](const Status&) { Post(Event{id, true, {}, nullptr}); });
+    }
+  }
+
+  void Post(Event e) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      events_.push_back(std::move(e));
+    }
+    cv_.notify_one();
+  }
+
+  void EventLoop() {
+    auto next_flush = Clock::now() + opt_.flush_interval;
+    for (;;) {
+      Event e;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        auto ready = [this] { return !running_ || !events_.empty(); };
+        if (opt_.flush_interval.count() > 0) {
+          cv_.wait_until(l, next_flush, ready);
+        } else {
+          cv_.wait(l, ready);
+        }
+        if (!running_) return;
+        if (events_.empty()) {
+          l.unlock();
+          Status s = FlushAll();
+          if (!s.ok()) MEMBOX_LOG_ERROR("periodic flush: {}", s.ToString());
+          next_flush = Clock::now() + opt_.flush_interval;
+          continue;
+        }
+        e = std::move(events_.front());
+        events_.pop_front();
+      }
+      if (e.task) {
+        e.task();
+      } else if (e.disconnect) {
+        OnDisconnect(e.conn);
+      } else {
+        OnMessage(e.conn, e.bytes);
+      }
+      if (opt_.flush_interval.count() > 0 && Clock::now() >= next_flush) {
+        Status s = FlushAll();
+        if (!s.ok()) MEMBOX_LOG_ERROR("periodic flush: {}", s.ToString());
+        next_flush = Clock::now() + opt_.flush_interval;
+      }
+    }
+  }
+
+  void Reply(uint64_t conn, Message m, const Status& s) {
+    auto it = conns_.find(conn);
+    if (it == conns_.end() || !it->second.channel) return;
+    m.type = Type::kReply;
+    m.code = static_cast<uint32_t>(s.code());
+    m.message = std::string(s.message());
+    if (!s.ok()) {
+      rejected_++;
+      m.values.clear();
+    }
+    Status st = it->second.channel->SendControl(proto::Encode(m));
+    if (!st.ok()) MEMBOX_LOG_DEBUG("reply failed: {}", st.ToString());
+  }
+
+  // ------------------------------------------------------------ requests
+
+  void OnMessage(uint64_t conn, const std::vector<uint8_t>& bytes) {
+    auto d = proto::Decode(bytes);
+    Message reply;
+    if (!d.ok()) {
+      MEMBOX_LOG_WARN("connection {}: {}", conn, d.status().ToString());
+      Reply(conn, reply, d.status());
+      return;
+    }
+    Message& m = *d;
+    reply.id = m.id;
+    Conn& c = conns_[conn];
+    if (!c.authenticated && m.type != Type::kHello) {
+      Reply(conn, reply, UnauthenticatedError("say hello with the secret"));
+      return;
+    }
+    Status s;
+    switch (m.type) {
+      case Type::kHello:
+        if (m.secret != opt_.secret) {
+          MEMBOX_LOG_WARN("connection {} ({}): wrong secret", conn, m.name);
+          s = UnauthenticatedError("wrong secret");
+        } else if (!c.authenticated) {
+          c.authenticated = true;
+          c.name = m.name;
+          n_clients_++;
+        }
+        break;
+      case Type::kOpenTable:
+        s = OpenTable(m.table, &reply.table_id);
+        break;
+      case Type::kPull:
+        s = Pull(c, m, &reply.values);
+        break;
+      case Type::kPush:
+        s = Push(c, m);
+        break;
+      case Type::kRelease:
+        s = ReleaseBatch(c, m.table_id, m.batch);
+        break;
+      case Type::kFlush:
+        s = FlushAll();
+        break;
+      case Type::kStats:
+        reply.text = Text();
+        break;
+      case Type::kReply:
+        s = InvalidArgumentError("a reply is not a request");
+        break;
+    }
+    Reply(conn, std::move(reply), s);
+  }
+
+  void OnDisconnect(uint64_t conn) {
+    auto it = conns_.find(conn);
+    if (it == conns_.end()) return;
+    for (auto& [tb, tag] : it->second.batches) {
+      Table* t = tables_[tb.first].get();
+      Status s = t->mem->Release(tag);
+      if (!s.ok()) MEMBOX_LOG_WARN("release on disconnect: {}", s.ToString());
+    }
+    if (it->second.authenticated) {
+      n_clients_--;
+      MEMBOX_LOG_INFO("client {} disconnected; released {} pinned batches",
+                      it->second.name, it->second.batches.size());
+    }
+    if (it->second.channel) it->second.channel->Close();
+    conns_.erase(it);
+  }
+
+  Status OpenTable(const TableConfig& c, uint32_t* id) {
+    RETURN_IF_ERROR(ValidateTableConfig(c));
+    for (auto& t : tables_) {
+      if (t->config.name != c.name) continue;
+      if (!(t->config == c)) {
+        return FailedPreconditionError(
+            "table '" + c.name +
+            "' is open with a different configuration (dim " +
+            std::to_string(t->config.dim) + ", " +
+            RowOptimizerName(t->config.optimizer) + ", lr " +
+            std::to_string(t->config.lr) + ")");
+      }
+      *id = t->id;
+      return Status::Ok();
+    }
+    if (tables_.size() >= opt_.max_tables) {
+      return ResourceExhaustedError("too many tables (" +
+                                    std::to_string(opt_.max_tables) + ")");
+    }
+    auto t = std::make_unique<Table>();
+    t->id = static_cast<uint32_t>(tables_.size());
+    t->config = c;
+    t->dir = opt_.dir + "/" + c.name;
+    if (::mkdir(t->dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      return InternalError("mkdir " + t->dir + ": " + strerror(errno));
+    }
+    std::string want = TableFileText(c);
+    std::ifstream in(t->dir + "/TABLE");
+    if (in) {
+      std::stringstream have;
+      have << in.rdbuf();
+      if (have.str() != want) {
+        return FailedPreconditionError(
+            "table '" + c.name + "' exists in " + t->dir +
+            " with another row layout: " + have.str().substr(0, 200));
+      }
+    } else {
+      RETURN_IF_ERROR(WriteFileAtomically(t->dir, "TABLE", want));
+    }
+    SsdOptions so;
+    so.dir = t->dir;
+    so.row_bytes = c.row_bytes();
+    so.file_bytes = opt_.file_bytes;
+    ASSIGN_OR_RETURN(t->ssd, SsdStore::Open(so, &t->recovery));
+    MemTierOptions mo;
+    mo.budget_bytes = std::max<uint64_t>(opt_.budget_bytes, c.row_bytes());
+    TableConfig cfg = c;
+    mo.initializer = [cfg](uint64_t key, std::span<uint8_t> row) {
+      InitializeRow(cfg, key,
+                    {reinterpret_cast<float*>(row.data()), row.size() / 4});
+    };
+    ASSIGN_OR_RETURN(t->mem, MemTier::Create(mo, t->ssd.get()));
+    MEMBOX_LOG_INFO(
+        "table {}: dim {} {} in {}; recovered {} keys from {} files ({} "
+        "corrupt records skipped, {} torn bytes cut)",
+        c.name, c.dim, RowOptimizerName(c.optimizer), t->dir, t->recovery.keys,
+        t->recovery.files, t->recovery.corrupt_records,
+        t->recovery.torn_tail_bytes);
+    *id = t->id;
+    tables_.push_back(std::move(t));
+    n_tables_ = tables_.size();
+    return Status::Ok();
+  }
+
+  Result<Table*> FindTable(uint32_t id) {
+    if (id >= tables_.size()) {
+      return NotFoundError("no table " + std::to_string(id) +
+                           " (open it first)");
+    }
+    return tables_[id].get();
+  }
+
+  // The memory tier's tag for (table, batch) of this connection; 0 -> a
+  // fresh one-off tag.
+  uint64_t Tag(Conn& c, uint32_t table, uint64_t batch) {
+    if (batch == 0) return next_tag_++;
+    auto [it, fresh] = c.batches.try_emplace({table, batch}, 0);
+    if (fresh) it->second = next_tag_++;
+    return it->second;
+  }
+
+  Status Pull(Conn& c, const Message& m, std::vector<float>* out) {
+    ASSIGN_OR_RETURN(Table * t, FindTable(m.table_id));
+    const uint32_t d = t->config.dim;
+    if (m.keys.size() > proto::MaxKeysPerMessage(d)) {
+      return InvalidArgumentError("too many keys in one pull (" +
+                                  std::to_string(m.keys.size()) + " > " +
+                                  std::to_string(proto::MaxKeysPerMessage(d)) +
+                                  ")");
+    }
+    bool fresh = m.batch != 0 && !c.batches.count({m.table_id, m.batch});
+    uint64_t tag = Tag(c, m.table_id, m.batch);
+    auto rows = t->mem->Acquire(m.keys, tag);
+    if (!rows.ok()) {
+      if (fresh) c.batches.erase({m.table_id, m.batch});
+      return rows.status();
+    }
+    out->resize(m.keys.size() * size_t(d));
+    for (size_t i = 0; i < m.keys.size(); ++i) {
+      std::memcpy(out->data() + i * d, (*rows)[i], d * 4);
+    }
+    if (m.batch == 0) RETURN_IF_ERROR(t->mem->Release(tag));
+    pulls_++;
+    rows_pulled_ += m.keys.size();
+    t->rows_pulled += m.keys.size();
+    return Status::Ok();
+  }
+
+  Status Push(Conn& c, const Message& m) {
+    ASSIGN_OR_RETURN(Table * t, FindTable(m.table_id));
+    const uint32_t d = t->config.dim;
+    if (m.values.size() != m.keys.size() * size_t(d)) {
+      return InvalidArgumentError(
+          "push carries " + std::to_string(m.values.size()) +
+          " values for " + std::to_string(m.keys.size()) + " keys of dim " +
+          std::to_string(d));
+    }
+    for (float v : m.values) {
+      if (!std::isfinite(v)) {
+        return InvalidArgumentError("push carries a non-finite gradient");
+      }
+    }
+    uint64_t tag = next_tag_++;
+    ASSIGN_OR_RETURN(std::vector<uint8_t*> rows, t->mem->Acquire(m.keys, tag));
+    const uint32_t rf = t->config.row_floats();
+    for (size_t i = 0; i < m.keys.size(); ++i) {
+      ApplyGradient(t->config, {reinterpret_cast<float*>(rows[i]), rf},
+                    {m.values.data() + i * d, d});
+    }
+    t->mem->MarkDirty(m.keys);
+    RETURN_IF_ERROR(t->mem->Release(tag));
+    pushes_++;
+    rows_pushed_ += m.keys.size();
+    t->rows_pushed += m.keys.size();
+    if (m.release && m.batch != 0) {
+      return ReleaseBatch(c, m.table_id, m.batch);
+    }
+    return Status::Ok();
+  }
+
+  Status ReleaseBatch(Conn& c, uint32_t table, uint64_t batch) {
+    ASSIGN_OR_RETURN(Table * t, FindTable(table));
+    auto it = c.batches.find({table, batch});
+    if (it == c.batches.end()) {
+      return NotFoundError("batch " + std::to_string(batch) +
+                           " holds nothing on table " + t->config.name);
+    }
+    uint64_t tag = it->second;
+    c.batches.erase(it);
+    return t->mem->Release(tag);
+  }
+
+  Status FlushAll() {
+    for (auto& t : tables_) {
+      RETURN_IF_ERROR(t->mem->Flush());
+      RETURN_IF_ERROR(t->ssd->Compact());
+    }
+    flushes_++;
+    return Status::Ok();
+  }
+
+  std::string Text() const {
+    std::ostringstream o;
+    o << "embedding server at " << endpoint() << " (" << opt_.dir << ")\n"
+      << "clients " << n_clients_.load() << "\npulls " << pulls_.load()
+      << "\npushes " << pushes_.load() << "\nflushes " << flushes_.load()
+      << "\nrejected " << rejected_.load() << "\n";
+    for (auto& t : tables_) {
+      MemTierStats ms = t->mem->Stats();
+      SsdStats ss = t->ssd->Stats();
+      o << "table " << t->config.name << " dim " << t->config.dim << " "
+        << RowOptimizerName(t->config.optimizer) << "\n  rows_pulled "
+        << t->rows_pulled << " rows_pushed " << t->rows_pushed
+        << "\n  memory rows " << ms.rows_in_memory << " pinned " << ms.pinned
+        << " lru " << ms.lru << " lfu " << ms.lfu << " created " << ms.created
+        << " ssd_reads " << ms.ssd_reads << " evicted_to_ssd "
+        << ms.evicted_to_ssd << "\n  ssd keys " << ss.keys << " files "
+        << ss.files << " live_bytes " << ss.live_bytes << " file_bytes "
+        << ss.file_bytes << " write_amplification "
+        << ss.write_amplification() << " compactions " << ss.compactions
+        << "\n";
+    }
+    return o.str();
+  }
+
+  EmbeddingServerOptions opt_;
+  std::unique_ptr<transport::Device> device_;
+  std::thread acceptor_, events_thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<bool> running_{false};  // written under mu_
+  std::deque<Event> events_;     // GUARDED_BY(mu_)
+  std::atomic<uint64_t> next_conn_{1};
+  // Event thread only:
+  std::unordered_map<uint64_t, Conn> conns_;
+  std::vector<std::unique_ptr<Table>> tables_;
+  uint64_t next_tag_ = 1;
+  std::atomic<uint64_t> n_tables_{0}, n_clients_{0}, pulls_{0}, pushes_{0},
+      rows_pulled_{0}, rows_pushed_{0}, flushes_{0}, rejected_{0};
+};
+
+}  // namespace
+
+Result<std::unique_ptr<EmbeddingServer>> EmbeddingServer::Start(
+    const EmbeddingServerOptions& options) {
+  auto s = std::make_unique<ServerImpl>(options);
+  RETURN_IF_ERROR(s->Init());
+  return std::unique_ptr<EmbeddingServer>(std::move(s));
+}
+
+}  // namespace membox::embedding

@@ -1,0 +1,430 @@
+// The embedding service end to end in one process: servers on loopback,
+// clients, the pipeline. Real daemons and kill -9 are in
+// tests/integration/embedding_daemon_test.cc.
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <random>
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include "membox/embedding/client.h"
+#include "membox/embedding/pipeline.h"
+#include "membox/embedding/server.h"
+#include "membox/transport/device.h"
+#include "src/embedding/protocol.h"
+
+namespace membox::embedding {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr char kSecret[] = "embedding-test-secret";
+
+class EmbeddingServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ("membox-emb-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override {
+    servers_.clear();
+    std::filesystem::remove_all(dir_);
+  }
+
+  void StartServers(int n, uint64_t budget = 64 << 20) {
+    for (int i = 0; i < n; ++i) {
+      EmbeddingServerOptions o;
+      o.listen = "127.0.0.1:0";
+      o.secret = kSecret;
+      o.dir = (dir_ / ("node" + std::to_string(i))).string();
+      o.budget_bytes = budget;
+      o.flush_interval = 0ms;
+      auto s = EmbeddingServer::Start(o);
+      ASSERT_TRUE(s.ok()) << s.status().ToString();
+      servers_.push_back(std::move(*s));
+    }
+  }
+
+  std::unique_ptr<EmbeddingClient> Client(PartitionFn p = nullptr,
+                                          std::string secret = kSecret) {
+    EmbeddingClientOptions o;
+    for (auto& s : servers_) o.nodes.push_back(s->endpoint());
+    o.secret = std::move(secret);
+    o.timeout = 20s;
+    o.partition = std::move(p);
+    auto c = EmbeddingClient::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  std::filesystem::path dir_;
+  std::vector<std::unique_ptr<EmbeddingServer>> servers_;
+};
+
+TableConfig Config(RowOptimizer o = RowOptimizer::kAdagrad, uint32_t dim = 8) {
+  TableConfig c;
+  c.name = "clicks";
+  c.dim = dim;
+  c.optimizer = o;
+  c.lr = 0.05;
+  c.seed = 11;
+  c.init_scale = 0.1;
+  return c;
+}
+
+std::vector<float> InitialValue(const TableConfig& c, uint64_t key) {
+  std::vector<float> row(c.row_floats());
+  InitializeRow(c, key, row);
+  row.resize(c.dim);
+  return row;
+}
+
+TEST_F(EmbeddingServerTest, PullCreatesSeededRowsPushAppliesTheOptimizer) {
+  StartServers(2);
+  auto c = Client();
+  ASSERT_TRUE(c);
+  TableConfig cfg = Config();
+  auto t = c->OpenTable(cfg);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  const uint32_t d = cfg.dim;
+  std::vector<uint64_t> keys = {1, 2, 3, 1, 1000000007ull, 1};
+  std::vector<float> out(keys.size() * d);
+  ASSERT_TRUE(c->Pull(*t, keys, out.data()).ok());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    std::vector<float> row(out.begin() + i * d, out.begin() + (i + 1) * d);
+    EXPECT_EQ(row, InitialValue(cfg, keys[i])) << "key " << keys[i];
+  }
+  // Gradients of repeated keys are summed before the optimizer sees them.
+  std::vector<float> grads(keys.size() * d);
+  for (size_t i = 0; i < grads.size(); ++i) grads[i] = 0.01f * (i % 7 + 1);
+  ASSERT_TRUE(c->Push(*t, keys, grads).ok());
+  std::map<uint64_t, std::vector<float>> summed;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto& s = summed[keys[i]];
+    s.resize(d);
+    for (uint32_t j = 0; j < d; ++j) s[j] += grads[i * d + j];
+  }
+  ASSERT_TRUE(c->Pull(*t, keys, out.data()).ok());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    std::vector<float> row(cfg.row_floats());
+    InitializeRow(cfg, keys[i], row);
+    ApplyGradient(cfg, row, summed[keys[i]]);
+    for (uint32_t j = 0; j < d; ++j) {
+      EXPECT_FLOAT_EQ(out[i * d + j], row[j]) << "key " << keys[i];
+    }
+  }
+  // Keys were spread by modulo: odd keys on node 1.
+  auto s0 = c->NodeStatus(0), s1 = c->NodeStatus(1);
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  // Two pulls of the distinct keys: key 2 on node 0; 1, 3, 1e9+7 on node 1.
+  EXPECT_NE(s0->find("rows_pulled 2 "), std::string::npos) << *s0;
+  EXPECT_NE(s1->find("rows_pulled 6 "), std::string::npos) << *s1;
+}
+
+TEST_F(EmbeddingServerTest, PartitionFunctionIsPluggable) {
+  StartServers(2);
+  auto everything_on_1 = [](uint64_t, uint32_t) { return 1u; };
+  auto c = Client(everything_on_1);
+  ASSERT_TRUE(c);
+  auto t = c->OpenTable(Config());
+  ASSERT_TRUE(t.ok());
+  std::vector<uint64_t> keys(100);
+  for (uint64_t i = 0; i < keys.size(); ++i) keys[i] = i;
+  std::vector<float> out(keys.size() * 8);
+  ASSERT_TRUE(c->Pull(*t, keys, out.data()).ok());
+  EXPECT_EQ(servers_[0]->Stats().rows_pulled, 0u);
+  EXPECT_EQ(servers_[1]->Stats().rows_pulled, 100u);
+  // The initial rows do not depend on where a key lives.
+  EXPECT_EQ(std::vector<float>(out.begin() + 8 * 42, out.begin() + 8 * 43),
+            InitialValue(Config(), 42));
+  auto h = HashPartition();
+  int on0 = 0;
+  for (uint64_t k = 0; k < 1000; ++k) on0 += h(k * 2, 2) == 0;  // even keys
+  EXPECT_GT(on0, 400);  // unlike modulo, hashing spreads even keys
+  EXPECT_LT(on0, 600);
+  EXPECT_FALSE(PartitionByName("range").ok());
+}
+
+TEST_F(EmbeddingServerTest, LargeBatchesSplitIntoMessages) {
+  StartServers(1);
+  auto c = Client();
+  TableConfig cfg = Config(RowOptimizer::kSgd, 64);
+  auto t = c->OpenTable(cfg);
+  ASSERT_TRUE(t.ok());
+  uint32_t per = proto::MaxKeysPerMessage(64);
+  std::vector<uint64_t> keys(per * 3 + 17);
+  for (uint64_t i = 0; i < keys.size(); ++i) keys[i] = i * 31;
+  std::vector<float> out(keys.size() * 64);
+  ASSERT_TRUE(c->Pull(*t, keys, out.data()).ok());
+  EXPECT_GE(servers_[0]->Stats().pulls, 4u);
+  EXPECT_EQ(std::vector<float>(out.end() - 64, out.end()),
+            InitialValue(cfg, keys.back()));
+  std::vector<float> g(out.size(), 1.0f);
+  ASSERT_TRUE(c->Push(*t, keys, g).ok());
+  EXPECT_EQ(servers_[0]->Stats().rows_pushed, keys.size());
+}
+
+TEST_F(EmbeddingServerTest, BadInputIsRefusedAndChangesNothing) {
+  StartServers(1);
+  {
+    EmbeddingClientOptions o;
+    o.nodes = {servers_[0]->endpoint()};
+    o.secret = "wrong-secret";
+    o.timeout = 10s;
+    auto bad = EmbeddingClient::Connect(o);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.status().code(), StatusCode::kUnauthenticated);
+  }
+  auto c = Client();
+  TableConfig cfg = Config();
+  TableConfig bad = cfg;
+  bad.dim = 0;
+  EXPECT_EQ(c->OpenTable(bad).status().code(), StatusCode::kInvalidArgument);
+  auto t = c->OpenTable(cfg);
+  ASSERT_TRUE(t.ok());
+  TableConfig other = cfg;
+  other.dim = 16;
+  auto clash = c->OpenTable(other);
+  EXPECT_EQ(clash.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(clash.status().message().find("clicks"), std::string::npos);
+
+  std::vector<uint64_t> keys = {5};
+  std::vector<float> before(8), after(8);
+  ASSERT_TRUE(c->Pull(*t, keys, before.data()).ok());
+  std::vector<float> wrong_size(7, 1.f);
+  EXPECT_EQ(c->Push(*t, keys, wrong_size).code(),
+            StatusCode::kInvalidArgument);
+  std::vector<float> nan(8, std::nanf(""));
+  auto st = c->Push(*t, keys, nan);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_EQ(c->Release(*t, 12345).code(), StatusCode::kOk);  // nothing pinned
+  ASSERT_TRUE(c->Pull(*t, keys, after.data()).ok());
+  EXPECT_EQ(before, after);
+  EXPECT_EQ(c->Pull(99, keys, after.data()).code(),
+            StatusCode::kInvalidArgument);
+
+  // Raw garbage and unauthenticated requests on a fresh connection.
+  transport::DeviceOptions dopt;
+  auto dev = transport::Device::Create(dopt);
+  ASSERT_TRUE(dev.ok());
+  auto ch = (*dev)->GetChannel(servers_[0]->endpoint());
+  ASSERT_TRUE(ch.ok());
+  auto expect_error = [&](std::vector<uint8_t> bytes, StatusCode code) {
+    ASSERT_TRUE((*ch)->SendControl(bytes).ok());
+    auto r = (*ch)->RecvControl(10s);
+    ASSERT_TRUE(r.ok());
+    auto m = proto::Decode(*r);
+    ASSERT_TRUE(m.ok());
+    EXPECT_EQ(m->code, static_cast<uint32_t>(code)) << m->message;
+  };
+  expect_error({1, 2, 3}, StatusCode::kInvalidArgument);
+  proto::Message pull;
+  pull.type = proto::Type::kPull;
+  pull.keys = {5};
+  expect_error(proto::Encode(pull), StatusCode::kUnauthenticated);
+  proto::Message hello;
+  hello.type = proto::Type::kHello;
+  hello.secret = kSecret;
+  expect_error(proto::Encode(hello), StatusCode::kOk);
+  proto::Message release;
+  release.type = proto::Type::kRelease;
+  release.batch = 9;
+  expect_error(proto::Encode(release), StatusCode::kNotFound);
+  proto::Message too_many = pull;
+  too_many.keys.assign(proto::MaxKeysPerMessage(8) + 1, 1);
+  expect_error(proto::Encode(too_many), StatusCode::kInvalidArgument);
+  proto::Message push;
+  push.type = proto::Type::kPush;
+  push.keys = {5};
+  push.values = {1.f};  // 1 value for dim 8
+  expect_error(proto::Encode(push), StatusCode::kInvalidArgument);
+  (*ch)->Close();
+  ASSERT_TRUE(c->Pull(*t, keys, after.data()).ok());
+  EXPECT_EQ(before, after);
+  EXPECT_GE(servers_[0]->Stats().rejected, 8u);
+}
+
+TEST_F(EmbeddingServerTest, PinnedBatchesHoldTheBudgetUntilReleased) {
+  TableConfig cfg = Config(RowOptimizer::kSgd, 8);  // 32-byte rows
+  StartServers(1, 10 * cfg.row_bytes());            // 10 rows
+  auto c = Client();
+  auto t = c->OpenTable(cfg);
+  ASSERT_TRUE(t.ok());
+  std::vector<uint64_t> a = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::vector<uint64_t> b = {11, 12, 13, 14, 15, 16, 17, 18};
+  std::vector<float> out(8 * 8);
+  ASSERT_TRUE(c->Pull(*t, a, out.data(), /*batch=*/1).ok());
+  auto full = c->Pull(*t, b, out.data(), /*batch=*/2);
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted) << full.ToString();
+  std::vector<float> g(a.size() * 8, 0.5f);
+  ASSERT_TRUE(c->Push(*t, a, g, /*batch=*/1, /*release=*/true).ok());
+  ASSERT_TRUE(c->Pull(*t, b, out.data(), /*batch=*/2).ok());
+  // A client that disconnects gives its pins back.
+  c.reset();
+  auto c2 = Client();
+  auto t2 = c2->OpenTable(cfg);
+  ASSERT_TRUE(t2.ok());
+  Status s;
+  for (int i = 0; i < 100; ++i) {  // the disconnect is noticed asynchronously
+    s = c2->Pull(*t2, a, out.data(), /*batch=*/3);
+    if (s.ok()) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  // Batch 1's update went through the SSD tier (the rows were evicted).
+  EXPECT_FLOAT_EQ(out[0], InitialValue(cfg, 1)[0] - 0.05f * 0.5f);
+}
+
+TEST_F(EmbeddingServerTest, TablesSurviveARestart) {
+  StartServers(1);
+  TableConfig cfg = Config(RowOptimizer::kAdam, 4);
+  std::vector<uint64_t> keys = {3, 30, 300};
+  std::vector<float> pushed(keys.size() * 4);
+  {
+    auto c = Client();
+    auto t = c->OpenTable(cfg);
+    ASSERT_TRUE(t.ok());
+    std::vector<float> g(keys.size() * 4, 0.25f);
+    ASSERT_TRUE(c->Push(*t, keys, g).ok());
+    ASSERT_TRUE(c->Push(*t, keys, g).ok());
+    ASSERT_TRUE(c->Pull(*t, keys, pushed.data()).ok());
+    ASSERT_TRUE(c->Flush().ok());
+  }
+  servers_.clear();
+  StartServers(1);
+  auto c = Client();
+  TableConfig wider = cfg;
+  wider.dim = 8;
+  auto clash = c->OpenTable(wider);
+  EXPECT_EQ(clash.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(clash.status().message().find("row layout"), std::string::npos);
+  auto t = c->OpenTable(cfg);
+  ASSERT_TRUE(t.ok());
+  std::vector<float> out(pushed.size());
+  ASSERT_TRUE(c->Pull(*t, keys, out.data()).ok());
+  EXPECT_EQ(out, pushed);
+  // The optimizer state came back too: a third step continues Adam.
+  std::vector<float> g(keys.size() * 4, 0.25f);
+  ASSERT_TRUE(c->Push(*t, keys, g).ok());
+  std::vector<float> row(cfg.row_floats());
+  InitializeRow(cfg, 3, row);
+  for (int i = 0; i < 3; ++i) ApplyGradient(cfg, row, {g.data(), 4});
+  ASSERT_TRUE(c->Pull(*t, keys, out.data()).ok());
+  EXPECT_FLOAT_EQ(out[0], row[0]);
+}
+
+TEST_F(EmbeddingServerTest, PipelinePrefetchesAndPushesEveryBatch) {
+  StartServers(2);
+  auto c = Client();
+  TableConfig cfg = Config(RowOptimizer::kSgd, 4);
+  cfg.lr = 0.125;  // exact in float
+  auto t = c->OpenTable(cfg);
+  ASSERT_TRUE(t.ok());
+  // 30 batches of 64 Zipf-ish keys; gradient 1 per occurrence, so the final
+  // row is init - lr * (occurrences summed per batch), whatever the order.
+  std::mt19937_64 rng(5);
+  std::vector<std::vector<uint64_t>> data(30);
+  for (auto& b : data) {
+    for (int i = 0; i < 64; ++i) b.push_back(rng() % 8 * (rng() % 8));
+  }
+  size_t next = 0;
+  PipelineOptions po;
+  po.depth = 2;
+  po.partitions = 3;
+  auto p = EmbeddingPipeline::Start(
+      c.get(), *t,
+      [&](std::vector<uint64_t>* keys) -> Result<bool> {
+        if (next == data.size()) return false;
+        *keys = data[next++];
+        return true;
+      },
+      po);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  std::map<uint64_t, std::vector<int>> per_batch;  // key -> counts
+  uint64_t seen = 0;
+  for (;;) {
+    auto b = (*p)->Next();
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    if (!*b) break;
+    PipelineBatch& batch = **b;
+    EXPECT_EQ(batch.id, ++seen);
+    WorkingSet& ws = *batch.working_set;
+    EXPECT_EQ(ws.partitions(), 3u);
+    std::map<uint64_t, int> count;
+    std::vector<float> one(4, 1.0f);
+    for (size_t i = 0; i < batch.keys.size(); ++i) {
+      ws.AddGradient(i, one);
+      count[batch.keys[i]]++;
+      // Duplicates share one slot; the row arrived in its partition.
+      EXPECT_EQ(ws.unique_keys()[ws.slot(i)], batch.keys[i]);
+    }
+    for (auto& [k, n] : count) per_batch[k].push_back(n);
+    ASSERT_TRUE((*p)->Complete(std::move(*b)).ok());
+  }
+  EXPECT_EQ(seen, data.size());
+  ASSERT_TRUE((*p)->Finish().ok());
+  EXPECT_EQ((*p)->Stats().batches, data.size());
+  for (auto& [k, counts] : per_batch) {
+    std::vector<float> got(4);
+    ASSERT_TRUE(c->Pull(*t, std::span<const uint64_t>(&k, 1), got.data()).ok());
+    float want = InitialValue(cfg, k)[0];
+    for (int n : counts) want -= 0.125f * float(n);
+    EXPECT_FLOAT_EQ(got[0], want) << "key " << k;
+  }
+  // Every pin was released.
+  for (auto& s : servers_) {
+    EXPECT_NE(s->StatusText().find(" pinned 0 "), std::string::npos)
+        << s->StatusText();
+  }
+}
+
+TEST_F(EmbeddingServerTest, APipelineStoppedEarlyReleasesPrefetchedPins) {
+  StartServers(1);
+  auto c = Client();
+  auto t = c->OpenTable(Config());
+  ASSERT_TRUE(t.ok());
+  uint64_t n = 0;
+  auto p = EmbeddingPipeline::Start(
+      c.get(), *t,
+      [&](std::vector<uint64_t>* keys) -> Result<bool> {
+        if (n == 5) return InternalError("reader broke");
+        *keys = {n, n + 1000};
+        ++n;
+        return true;
+      },
+      PipelineOptions{});
+  ASSERT_TRUE(p.ok());
+  auto b = (*p)->Next();
+  ASSERT_TRUE(b.ok() && *b);
+  ASSERT_TRUE((*p)->Complete(std::move(*b)).ok());
+  ASSERT_TRUE((*p)->Finish().ok());
+  EXPECT_NE(servers_[0]->StatusText().find(" pinned 0 "), std::string::npos)
+      << servers_[0]->StatusText();
+  // A reader error reaches the trainer.
+  n = 3;
+  auto p2 = EmbeddingPipeline::Start(
+      c.get(), *t,
+      [&](std::vector<uint64_t>* keys) -> Result<bool> {
+        if (n == 5) return InternalError("reader broke");
+        *keys = {n++};
+        return true;
+      },
+      PipelineOptions{});
+  ASSERT_TRUE(p2.ok());
+  Status err;
+  for (int i = 0; i < 5 && err.ok(); ++i) {
+    auto r = (*p2)->Next();
+    if (!r.ok()) err = r.status();
+    else if (*r) ASSERT_TRUE((*p2)->Complete(std::move(*r)).ok());
+  }
+  EXPECT_NE(err.message().find("reader broke"), std::string::npos);
+  EXPECT_FALSE(EmbeddingPipeline::Start(c.get(), *t, nullptr, {}).ok());
+}
+
+}  // namespace
+}  // namespace membox::embedding
