@@ -128,6 +128,7 @@ class MemTierImpl final : public MemTier {
   MemTierStats Stats() const override {
     std::lock_guard<std::mutex> l(mu_);
     MemTierStats s = stats_;
+    s.capacity_rows = capacity_;
     s.rows_in_memory = rows_.size();
     s.pinned = pinned_;
     s.lru = lru_.size();

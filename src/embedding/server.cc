@@ -422,18 +422,29 @@ class ServerImpl final : public EmbeddingServer {
                                   std::to_string(proto::MaxKeysPerMessage(d)) +
                                   ")");
     }
-    bool fresh = m.batch != 0 && !c.batches.count({m.table_id, m.batch});
-    uint64_t tag = Tag(c, m.table_id, m.batch);
-    auto rows = t->mem->Acquire(m.keys, tag);
-    if (!rows.ok()) {
-      if (fresh) c.batches.erase({m.table_id, m.batch});
-      return rows.status();
-    }
     out->resize(m.keys.size() * size_t(d));
-    for (size_t i = 0; i < m.keys.size(); ++i) {
-      std::memcpy(out->data() + i * d, (*rows)[i], d * 4);
+    if (m.batch == 0) {
+      // Nothing stays pinned: go through the memory tier in pieces that fit
+      // its budget whatever the request's size.
+      RETURN_IF_ERROR(ForEachChunk(t, m.keys, [&](size_t b, size_t e,
+                                                   std::vector<uint8_t*>& r) {
+        for (size_t i = b; i < e; ++i) {
+          std::memcpy(out->data() + i * d, r[i - b], d * 4);
+        }
+      }));
+    } else {
+      // The batch's working set stays pinned: it must fit as a whole.
+      bool fresh = !c.batches.count({m.table_id, m.batch});
+      uint64_t tag = Tag(c, m.table_id, m.batch);
+      auto rows = t->mem->Acquire(m.keys, tag);
+      if (!rows.ok()) {
+        if (fresh) c.batches.erase({m.table_id, m.batch});
+        return rows.status();
+      }
+      for (size_t i = 0; i < m.keys.size(); ++i) {
+        std::memcpy(out->data() + i * d, (*rows)[i], d * 4);
+      }
     }
-    if (m.batch == 0) RETURN_IF_ERROR(t->mem->Release(tag));
     pulls_++;
     rows_pulled_ += m.keys.size();
     t->rows_pulled += m.keys.size();
@@ -454,20 +465,38 @@ class ServerImpl final : public EmbeddingServer {
         return InvalidArgumentError("push carries a non-finite gradient");
       }
     }
-    uint64_t tag = next_tag_++;
-    ASSIGN_OR_RETURN(std::vector<uint8_t*> rows, t->mem->Acquire(m.keys, tag));
     const uint32_t rf = t->config.row_floats();
-    for (size_t i = 0; i < m.keys.size(); ++i) {
-      ApplyGradient(t->config, {reinterpret_cast<float*>(rows[i]), rf},
-                    {m.values.data() + i * d, d});
-    }
-    t->mem->MarkDirty(m.keys);
-    RETURN_IF_ERROR(t->mem->Release(tag));
+    RETURN_IF_ERROR(ForEachChunk(
+        t, m.keys, [&](size_t b, size_t e, std::vector<uint8_t*>& rows) {
+          for (size_t i = b; i < e; ++i) {
+            ApplyGradient(t->config,
+                          {reinterpret_cast<float*>(rows[i - b]), rf},
+                          {m.values.data() + i * d, d});
+          }
+          t->mem->MarkDirty({m.keys.data() + b, e - b});
+        }));
     pushes_++;
     rows_pushed_ += m.keys.size();
     t->rows_pushed += m.keys.size();
     if (m.release && m.batch != 0) {
       return ReleaseBatch(c, m.table_id, m.batch);
+    }
+    return Status::Ok();
+  }
+
+  // Pins keys[b, e) a quarter of the memory budget at a time, runs `f` on
+  // them and unpins them.
+  Status ForEachChunk(
+      Table* t, const std::vector<uint64_t>& keys,
+      const std::function<void(size_t, size_t, std::vector<uint8_t*>&)>& f) {
+    size_t chunk = std::max<size_t>(1, t->mem->Stats().capacity_rows / 4);
+    for (size_t b = 0; b < keys.size(); b += chunk) {
+      size_t e = std::min(keys.size(), b + chunk);
+      uint64_t tag = next_tag_++;
+      ASSIGN_OR_RETURN(std::vector<uint8_t*> rows,
+                       t->mem->Acquire({keys.data() + b, e - b}, tag));
+      f(b, e, rows);
+      RETURN_IF_ERROR(t->mem->Release(tag));
     }
     return Status::Ok();
   }

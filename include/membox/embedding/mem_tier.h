@@ -34,6 +34,7 @@ struct MemTierOptions {
 };
 
 struct MemTierStats {
+  uint64_t capacity_rows = 0;  // the budget in rows
   uint64_t rows_in_memory = 0, pinned = 0, lru = 0, lfu = 0;
   uint64_t hits_lru = 0, hits_lfu = 0, hits_pinned = 0;
   uint64_t ssd_reads = 0, created = 0;

@@ -1,0 +1,168 @@
+// The embedding store through real memory-node processes: two `membox
+// serve --emb-dir` daemons, a worker that pushes, flushes (the
+// acknowledgement) and pushes more, kill -9 of a node, its restart from the
+// same directory, and a check that every acknowledged update is there.
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include "membox/base/subprocess.h"
+#include "membox/embedding/client.h"
+
+namespace membox::embedding {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr char kSecret[] = "embedding-daemon-secret";
+
+class EmbeddingDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ("membox-emb-daemon-" + std::to_string(getpid()));
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+    secret_file_ = (dir_ / "secret").string();
+    std::ofstream(secret_file_) << kSecret << "\n";
+    for (int i = 0; i < 2; ++i) {
+      eps_.push_back("127.0.0.1:" + std::to_string(PickFreeLocalPort()));
+    }
+    nodes_.resize(2);
+  }
+  void TearDown() override {
+    for (auto& d : nodes_) {
+      if (d) {
+        d->Kill(15);
+        d->Wait(10s);
+      }
+    }
+    std::filesystem::remove_all(dir_);
+  }
+
+  void StartNode(int i, const std::string& budget) {
+    auto d = Subprocess::Start(
+        {MEMBOX_BIN, "serve", "--listen", "127.0.0.1:0", "--pool-size",
+         "16MiB", "--secret-file", secret_file_, "--ps-listen", "off",
+         "--emb-listen", eps_[i], "--emb-dir",
+         (dir_ / ("node" + std::to_string(i))).string(), "--emb-budget",
+         budget, "--emb-file-size", "256KiB", "--emb-flush-interval-ms", "0"});
+    ASSERT_TRUE(d);
+    ASSERT_TRUE(d->WaitFor("membox serve: embedding server on ", 30s))
+        << "node " << i << " did not start";
+    nodes_[i] = std::move(d);
+  }
+
+  std::unique_ptr<EmbeddingClient> Worker() {
+    EmbeddingClientOptions o;
+    o.nodes = eps_;
+    o.secret = kSecret;
+    o.timeout = 20s;
+    auto c = EmbeddingClient::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  std::filesystem::path dir_;
+  std::string secret_file_;
+  std::vector<std::string> eps_;
+  std::vector<std::optional<Subprocess>> nodes_;
+};
+
+TableConfig Config() {
+  TableConfig c;
+  c.name = "ads";
+  c.dim = 16;
+  c.optimizer = RowOptimizer::kAdagrad;
+  c.lr = 0.1;
+  c.seed = 3;
+  return c;
+}
+
+std::vector<uint64_t> Keys(uint64_t n, uint64_t salt) {
+  std::vector<uint64_t> k(n);
+  for (uint64_t i = 0; i < n; ++i) k[i] = (i * 2654435761ull + salt) % 100000;
+  return k;
+}
+
+// Runs with a memory budget that holds everything (the unflushed updates
+// exist only in the killed process: they must be gone, the flushed ones
+// intact) and with one that forces the SSD tier (evicted rows may carry
+// later, unacknowledged updates; acknowledged ones are never lost).
+class KillTest : public EmbeddingDaemonTest,
+                 public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
+  const std::string budget = GetParam();
+  const bool all_in_memory = budget == "64MiB";
+  StartNode(0, budget);
+  StartNode(1, budget);
+  auto w = Worker();
+  ASSERT_TRUE(w);
+  TableConfig cfg = Config();
+  auto t = w->OpenTable(cfg);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  const uint32_t d = cfg.dim;
+  std::vector<uint64_t> keys = Keys(3000, 1);
+  std::vector<float> g(keys.size() * d, 0.5f);
+  for (int round = 0; round < 3; ++round) ASSERT_TRUE(w->Push(*t, keys, g).ok());
+  ASSERT_TRUE(w->Flush().ok());  // acknowledged
+  std::vector<float> acked(keys.size() * d);
+  ASSERT_TRUE(w->Pull(*t, keys, acked.data()).ok());
+  // More updates, never flushed.
+  std::vector<float> g2(keys.size() * d, -2.0f);
+  ASSERT_TRUE(w->Push(*t, keys, g2).ok());
+  std::vector<float> later(keys.size() * d);
+  ASSERT_TRUE(w->Pull(*t, keys, later.data()).ok());
+
+  nodes_[1]->Kill(9);
+  nodes_[1]->Wait(10s);
+  nodes_[1].reset();
+  // The worker hears about it: an error naming the node, not a hang.
+  Status s = w->Pull(*t, keys, later.data());
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find(eps_[1]), std::string::npos) << s.ToString();
+  w.reset();
+
+  StartNode(1, budget);
+  auto w2 = Worker();
+  ASSERT_TRUE(w2);
+  auto t2 = w2->OpenTable(cfg);
+  ASSERT_TRUE(t2.ok()) << t2.status().ToString();
+  std::vector<float> now(keys.size() * d);
+  ASSERT_TRUE(w2->Pull(*t2, keys, now.data()).ok());
+  size_t on_killed = 0, lost = 0, unflushed_kept = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    bool killed_node = w2->NodeOf(keys[i]) == 1;
+    for (uint32_t j = 0; j < d; ++j) {
+      float v = now[i * d + j];
+      if (!killed_node) {
+        ASSERT_EQ(v, later[i * d + j]) << "node 0 lost nothing";
+        continue;
+      }
+      if (j == 0) on_killed++;
+      if (v == acked[i * d + j]) continue;
+      if (v == later[i * d + j] && !all_in_memory) {
+        if (j == 0) unflushed_kept++;
+        continue;
+      }
+      lost++;
+    }
+  }
+  EXPECT_GT(on_killed, 1000u);
+  EXPECT_EQ(lost, 0u) << "values that are neither the acknowledged nor the "
+                         "later state";
+  if (all_in_memory) EXPECT_EQ(unflushed_kept, 0u);
+  auto text = w2->NodeStatus(1);
+  ASSERT_TRUE(text.ok());
+  EXPECT_NE(text->find("ssd keys"), std::string::npos) << *text;
+}
+
+INSTANTIATE_TEST_SUITE_P(Budgets, KillTest,
+                         ::testing::Values("64MiB", "64KiB"));
+
+}  // namespace
+}  // namespace membox::embedding
