@@ -1,4 +1,5 @@
-// membox._core: thin pybind11 bindings over membox::ps::ParamClient.
+// membox._core: thin pybind11 bindings over membox::ps::ParamClient and
+// membox::embedding::EmbeddingClient.
 //
 // * Every blocking call releases the GIL.
 // * Errors become membox.MemboxError (membox.ProxyUnavailable for a memory
@@ -20,6 +21,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "membox/embedding/client.h"
 #include "membox/ps/param_client.h"
 
 namespace py = pybind11;
@@ -349,6 +351,186 @@ class Client {
   std::map<uint64_t, uint64_t> declared_;  // key -> bytes
 };
 
+// ------------------------------------------------------------ embeddings
+
+using membox::embedding::EmbeddingClient;
+using membox::embedding::EmbeddingHandle;
+using KeyArray = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+// A pull in flight: owns its output rows; wait() hands them to numpy
+// without a copy. Dropping it before completion waits for the pull (the
+// rows are being written).
+class PullHandle {
+ public:
+  PullHandle(EmbeddingHandle h, std::shared_ptr<std::vector<float>> rows,
+             size_t n, uint32_t dim)
+      : h_(std::move(h)), rows_(std::move(rows)), n_(n), dim_(dim) {}
+  PullHandle(PullHandle&&) = default;
+  ~PullHandle() {
+    if (rows_ && !h_.done()) {
+      py::gil_scoped_release nogil;
+      (void)h_.Wait();
+    }
+  }
+  py::array Wait(std::optional<double> timeout_s) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = timeout_s
+              ? h_.Wait(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::duration<double>(*timeout_s)))
+              : h_.Wait();
+    }
+    if (!s.ok()) Throw(s);
+    auto* keep = new std::shared_ptr<std::vector<float>>(rows_);
+    py::capsule owner(keep, [](void* p) {
+      delete static_cast<std::shared_ptr<std::vector<float>>*>(p);
+    });
+    return py::array_t<float>({static_cast<ssize_t>(n_),
+                               static_cast<ssize_t>(dim_)},
+                              (*keep)->data(), owner);
+  }
+  bool done() const { return h_.done(); }
+
+ private:
+  EmbeddingHandle h_;
+  std::shared_ptr<std::vector<float>> rows_;
+  size_t n_;
+  uint32_t dim_;
+};
+
+class PushHandle {
+ public:
+  explicit PushHandle(EmbeddingHandle h) : h_(std::move(h)) {}
+  void Wait(std::optional<double> timeout_s) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = timeout_s
+              ? h_.Wait(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::duration<double>(*timeout_s)))
+              : h_.Wait();
+    }
+    if (!s.ok()) Throw(s);
+  }
+  bool done() const { return h_.done(); }
+
+ private:
+  EmbeddingHandle h_;
+};
+
+class PyEmbeddingClient {
+ public:
+  PyEmbeddingClient(std::vector<std::string> nodes, std::string secret,
+                    std::string name, double timeout_s,
+                    const std::string& partition) {
+    membox::embedding::EmbeddingClientOptions o;
+    o.nodes = std::move(nodes);
+    o.secret = std::move(secret);
+    o.name = std::move(name);
+    o.timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3));
+    o.partition = Check(membox::embedding::PartitionByName(partition));
+    py::gil_scoped_release nogil;
+    auto c = EmbeddingClient::Connect(o);
+    py::gil_scoped_acquire gil;
+    c_ = Check(std::move(c));
+  }
+
+  uint32_t OpenTable(const std::string& name, uint32_t dim,
+                     const std::string& optimizer, double lr, double eps,
+                     double beta1, double beta2, double initial_accumulator,
+                     uint64_t seed, double init_scale) {
+    membox::embedding::TableConfig c;
+    c.name = name;
+    c.dim = dim;
+    c.optimizer = Check(membox::embedding::ParseRowOptimizer(optimizer));
+    c.lr = lr;
+    c.eps = eps;
+    c.beta1 = beta1;
+    c.beta2 = beta2;
+    c.initial_accumulator = initial_accumulator;
+    c.seed = seed;
+    c.init_scale = init_scale;
+    membox::Result<uint32_t> t = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      t = c_->OpenTable(c);
+    }
+    return Check(std::move(t));
+  }
+
+  uint32_t Dim(uint32_t table) {
+    if (table >= c_->num_tables()) throw py::value_error("no such table");
+    return c_->table(table).dim;
+  }
+
+  PullHandle PullAsync(uint32_t table, KeyArray keys, uint64_t batch) {
+    uint32_t d = Dim(table);
+    size_t n = static_cast<size_t>(keys.size());
+    auto rows = std::make_shared<std::vector<float>>(n * d);
+    std::span<const uint64_t> k(keys.data(), n);
+    membox::Result<EmbeddingHandle> h = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      h = c_->PullAsync(table, k, rows->data(), batch);
+    }
+    return PullHandle(Check(std::move(h)), rows, n, d);
+  }
+
+  PushHandle PushAsync(uint32_t table, KeyArray keys, FloatArray grads,
+                       uint64_t batch, bool release) {
+    uint32_t d = Dim(table);
+    size_t n = static_cast<size_t>(keys.size());
+    if (static_cast<size_t>(grads.size()) != n * d) {
+      throw py::value_error("grads must hold len(keys) * dim = " +
+                            std::to_string(n * d) + " floats, not " +
+                            std::to_string(grads.size()));
+    }
+    membox::Result<EmbeddingHandle> h = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      h = c_->PushAsync(table, {keys.data(), n}, {grads.data(), n * d},
+                        batch, release);
+    }
+    return PushHandle(Check(std::move(h)));
+  }
+
+  void Release(uint32_t table, uint64_t batch) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = c_->Release(table, batch);
+    }
+    if (!s.ok()) Throw(s);
+  }
+
+  void Flush() {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = c_->Flush();
+    }
+    if (!s.ok()) Throw(s);
+  }
+
+  std::string NodeStatus(uint32_t node) {
+    membox::Result<std::string> t = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      t = c_->NodeStatus(node);
+    }
+    return Check(std::move(t));
+  }
+
+  uint32_t num_nodes() const { return c_->num_nodes(); }
+  uint32_t NodeOf(uint64_t key) const { return c_->NodeOf(key); }
+
+ private:
+  std::unique_ptr<EmbeddingClient> c_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -409,4 +591,52 @@ PYBIND11_MODULE(_core, m) {
       .def("profile", &Client::Profile)
       .def("proxy_status", &Client::ProxyStatus, py::arg("proxy") = 0)
       .def_property_readonly("num_proxies", &Client::num_proxies);
+
+  py::class_<PullHandle>(m, "PullHandle")
+      .def("wait", &PullHandle::Wait, py::arg("timeout") = py::none(),
+           "Waits (GIL released); returns the rows, float32 (len(keys), dim).")
+      .def("done", &PullHandle::done);
+  py::class_<PushHandle>(m, "PushHandle")
+      .def("wait", &PushHandle::Wait, py::arg("timeout") = py::none())
+      .def("done", &PushHandle::done);
+  py::class_<PyEmbeddingClient>(m, "EmbeddingClient")
+      .def(py::init<std::vector<std::string>, std::string, std::string, double,
+                    std::string>(),
+           py::arg("nodes"), py::arg("secret"), py::arg("name") = "worker",
+           py::arg("timeout") = 60.0, py::arg("partition") = "modulo")
+      .def("open_table", &PyEmbeddingClient::OpenTable, py::arg("name"),
+           py::arg("dim"), py::arg("optimizer") = "adagrad",
+           py::arg("lr") = 0.01, py::arg("eps") = 1e-8, py::arg("beta1") = 0.9,
+           py::arg("beta2") = 0.999, py::arg("initial_accumulator") = 0.0,
+           py::arg("seed") = 0, py::arg("init_scale") = 0.01)
+      .def("dim", &PyEmbeddingClient::Dim, py::arg("table"))
+      .def("pull_async", &PyEmbeddingClient::PullAsync, py::arg("table"),
+           py::arg("keys"), py::arg("batch") = 0)
+      .def(
+          "pull",
+          [](PyEmbeddingClient& c, uint32_t table, KeyArray keys,
+             uint64_t batch) {
+            return c.PullAsync(table, std::move(keys), batch)
+                .Wait(std::nullopt);
+          },
+          py::arg("table"), py::arg("keys"), py::arg("batch") = 0)
+      .def("push_async", &PyEmbeddingClient::PushAsync, py::arg("table"),
+           py::arg("keys"), py::arg("grads"), py::arg("batch") = 0,
+           py::arg("release") = true)
+      .def(
+          "push",
+          [](PyEmbeddingClient& c, uint32_t table, KeyArray keys,
+             FloatArray grads, uint64_t batch, bool release) {
+            c.PushAsync(table, std::move(keys), std::move(grads), batch,
+                        release)
+                .Wait(std::nullopt);
+          },
+          py::arg("table"), py::arg("keys"), py::arg("grads"),
+          py::arg("batch") = 0, py::arg("release") = true)
+      .def("release", &PyEmbeddingClient::Release, py::arg("table"),
+           py::arg("batch"))
+      .def("flush", &PyEmbeddingClient::Flush)
+      .def("node_status", &PyEmbeddingClient::NodeStatus, py::arg("node") = 0)
+      .def("node_of", &PyEmbeddingClient::NodeOf, py::arg("key"))
+      .def_property_readonly("num_nodes", &PyEmbeddingClient::num_nodes);
 }

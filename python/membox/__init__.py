@@ -6,15 +6,24 @@
     client.declare(1, nbytes)
     client.push_pull(1, grads, grads).wait()
 
-See membox.torch for the PyTorch DDP hook and parameter-server API, and
-`membox launch` for starting memory nodes and workers.
+    emb = membox.connect_embeddings()    # from MEMBOX_EMBEDDING_NODES
+    t = emb.open_table("ids", dim=16, optimizer="adagrad", lr=0.05)
+    rows = emb.pull(t, keys)             # float32 (len(keys), 16)
+    emb.push(t, keys, grads)             # the nodes apply Adagrad
+
+See membox.torch for the PyTorch DDP hook, the parameter-server API and
+the embedding layers, and `membox launch` for starting memory nodes and
+workers.
 """
 import os
 
 from membox import _core
-from membox._core import Handle, MemboxError, ProxyUnavailable
+from membox._core import (EmbeddingClient, Handle, MemboxError, ProxyUnavailable,
+                          PullHandle, PushHandle)
 
-__all__ = ["Client", "Handle", "MemboxError", "ProxyUnavailable", "connect"]
+__all__ = ["Client", "EmbeddingClient", "Handle", "MemboxError",
+           "ProxyUnavailable", "PullHandle", "PushHandle", "connect",
+           "connect_embeddings"]
 
 
 def _buffer(x):
@@ -73,3 +82,21 @@ def connect(proxies=None, secret=None, rank=None, world=None, name=None,
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     return Client(list(proxies), secret or _secret(), rank, world,
                   name or f"worker-{rank}", timeout, partition_bytes)
+
+
+def connect_embeddings(nodes=None, secret=None, name=None, timeout=60.0,
+                       partition="modulo"):
+    """An EmbeddingClient for this worker: the sparse parameter store on the
+    memory nodes. Missing arguments come from the environment `membox
+    launch` sets: MEMBOX_EMBEDDING_NODES (comma-separated host:port),
+    MEMBOX_SECRET or MEMBOX_SECRET_FILE. `partition` spreads keys over the
+    nodes: "modulo" (key % nodes) or "hash"."""
+    if nodes is None:
+        env = os.environ.get("MEMBOX_EMBEDDING_NODES")
+        if not env:
+            raise MemboxError("no embedding nodes: set MEMBOX_EMBEDDING_NODES "
+                              "(membox launch does)")
+        nodes = env.split(",")
+    rank = int(os.environ.get("RANK", 0))
+    return EmbeddingClient(list(nodes), secret or _secret(),
+                           name or f"worker-{rank}", timeout, partition)

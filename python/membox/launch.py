@@ -3,9 +3,12 @@
     membox launch --nodes 2 --workers 4 -- /usr/bin/python3 train.py ...
 
 Starts N `membox serve` memory nodes whose parameter proxies form one ring,
-then P workers with the rendezvous environment: RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR / MASTER_PORT (for torch.distributed), and
-MEMBOX_PROXIES, MEMBOX_SECRET_FILE (for membox.connect). Every output line
+each with an embedding server (its tables under --checkpoint-dir, or a
+temporary directory), then P workers with the rendezvous environment:
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / MASTER_PORT (for
+torch.distributed), MEMBOX_PROXIES, MEMBOX_SECRET_FILE (for
+membox.connect) and MEMBOX_EMBEDDING_NODES (for
+membox.connect_embeddings). Every output line
 is prefixed with its process's role and rank. When a worker fails or a
 memory node dies, everything is stopped with a message naming it and the
 exit status is non-zero; when all workers succeed, the nodes are stopped
@@ -23,6 +26,7 @@ PMI_*) into the one above and exec the command:
 import argparse
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -54,7 +58,7 @@ class Proc:
     def _pump(self, lock):
         for line in self.p.stdout:
             line = line.rstrip("\n")
-            if "parameter proxy on" in line:
+            if "embedding server on" in line:  # printed last by serve
                 self.ready.set()
             self.lines.append(line)
             with lock:
@@ -88,6 +92,8 @@ def attach(a, cmd):
     if not a.proxies:
         sys.exit("membox launch --attach: --proxies is required")
     env["MEMBOX_PROXIES"] = a.proxies
+    if a.embedding_nodes:
+        env["MEMBOX_EMBEDDING_NODES"] = a.embedding_nodes
     if a.secret_file:
         env["MEMBOX_SECRET_FILE"] = a.secret_file
     if a.master:
@@ -117,6 +123,10 @@ def main(argv=None):
     ap.add_argument("--secret-file", default="", help="--attach: the secret")
     ap.add_argument("--master", default="", help="--attach: MASTER_ADDR:PORT "
                     "for torch.distributed")
+    ap.add_argument("--embedding-nodes", default="", help="--attach: the "
+                    "memory nodes' embedding servers, host:port,...")
+    ap.add_argument("--emb-budget", default="256MiB",
+                    help="memory tier of each embedding table per node")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -145,9 +155,11 @@ def main(argv=None):
                 p.p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 p.stop(signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)  # secret, scratch tables
         return code
 
     ps_eps = [f"127.0.0.1:{free_port()}" for _ in range(a.nodes)]
+    emb_eps = [f"127.0.0.1:{free_port()}" for _ in range(a.nodes)]
     try:
         for i in range(a.nodes):
             argv_n = [a.membox, "--log-level", "warn", "serve",
@@ -157,6 +169,9 @@ def main(argv=None):
                       "--exit-with-parent"]
             if a.nodes > 1:
                 argv_n += ["--ps-peers", ",".join(ps_eps)]
+            emb_dir = os.path.join(a.checkpoint_dir or tmp, f"embedding-{i}")
+            argv_n += ["--emb-listen", emb_eps[i], "--emb-dir", emb_dir,
+                       "--emb-budget", a.emb_budget]
             if a.checkpoint_dir:
                 argv_n += ["--checkpoint-dir", a.checkpoint_dir]
             if a.resume:
@@ -170,7 +185,8 @@ def main(argv=None):
         env.update({"WORLD_SIZE": str(a.workers), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(free_port()),
                     "MEMBOX_SECRET_FILE": secret_file,
-                    "MEMBOX_PROXIES": ",".join(ps_eps)})
+                    "MEMBOX_PROXIES": ",".join(ps_eps),
+                    "MEMBOX_EMBEDDING_NODES": ",".join(emb_eps)})
         if a.checkpoint_dir:
             env["MEMBOX_CHECKPOINT_DIR"] = a.checkpoint_dir
         if a.resume:

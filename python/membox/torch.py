@@ -15,10 +15,20 @@ torch 2.x keeps (GradBucket.buffer()/index(), torch.futures.Future).
 ParameterServer is the explicit API for custom loops and asynchronous
 training: workers push gradients and pull weights, the memory nodes run the
 optimizer.
+
+Embedding and EmbeddingBag (sum / mean pooling) are layers whose table
+lives in the memory nodes' sparse parameter store (memory + SSD tiers):
+forward pulls the rows of the batch's distinct keys, backward pushes their
+gradients and the nodes apply the table's optimizer (Adagrad by default) --
+the rows never join a torch optimizer. prefetch() pulls a later batch's
+rows while this one trains.
 """
+import itertools
 import threading
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 import membox
 
@@ -139,3 +149,122 @@ class ParameterServer:
                                             priority=i - n))
         for h in hs:
             h.wait()
+
+
+# ------------------------------------------------------------ embeddings
+
+_emb_client = None
+_pin_tags = itertools.count(1)  # batch ids the nodes pin rows under
+
+
+def embeddings():
+    """This process's EmbeddingClient (membox.connect_embeddings())."""
+    global _emb_client
+    with _lock:
+        if _emb_client is None:
+            _emb_client = membox.connect_embeddings()
+        return _emb_client
+
+
+def _keys(input):
+    """int64 ids (tensor or array) -> flat uint64 keys, shape."""
+    a = input.detach().cpu().numpy() if hasattr(input, "detach") else \
+        np.asarray(input)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"embedding ids must be integers, not {a.dtype}")
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    return a.reshape(-1).view(np.uint64), a.shape
+
+
+class Prefetched:
+    """The rows of one batch, being pulled (from Embedding.prefetch)."""
+
+    def __init__(self, layer, input, pin):
+        self.flat, self.shape = _keys(input)
+        self.unique, inverse = np.unique(self.flat, return_inverse=True)
+        self.inverse = torch.from_numpy(inverse.astype(np.int64))
+        self.batch = next(_pin_tags) if pin else 0
+        self.layer = layer
+        self.handle = layer.client.pull_async(layer.table, self.unique,
+                                              self.batch)
+        self.used = False
+
+
+class _StoreLayer(torch.nn.Module):
+    def __init__(self, name, dim, optimizer="adagrad", lr=0.01, seed=0,
+                 init_scale=0.01, client=None, **table_options):
+        super().__init__()
+        self.client = client or embeddings()
+        self.name, self.dim = name, dim
+        self.table = self.client.open_table(
+            name, dim, optimizer=optimizer, lr=lr, seed=seed,
+            init_scale=init_scale, **table_options)
+        self._pushes = []
+
+    def prefetch(self, input):
+        """Starts pulling the rows `input` will need; pass the result to
+        forward(..., prefetched=) of that batch. In training mode the rows
+        stay pinned in the nodes' memory until this batch's gradients are
+        pushed."""
+        return Prefetched(self, input, pin=self.training)
+
+    def _rows(self, input, prefetched):
+        p = prefetched if prefetched is not None else self.prefetch(input)
+        if p.layer is not self or p.used:
+            raise ValueError("this prefetch belongs to another layer or was "
+                             "used already")
+        flat, _ = _keys(input)
+        if p.flat.shape != flat.shape or not np.array_equal(p.flat, flat):
+            raise ValueError("forward's ids differ from the prefetched ones")
+        p.used = True
+        rows = torch.from_numpy(p.handle.wait())
+        if self.training and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            rows.register_hook(self._push_hook(p))
+        elif p.batch:
+            self.client.release(self.table, p.batch)
+        return rows, p.inverse.view(p.shape)
+
+    def _push_hook(self, p):
+        def push(grad):
+            g = grad.detach().to(torch.float32).contiguous().numpy()
+            self._pushes.append(self.client.push_async(
+                self.table, p.unique, g, p.batch, True))
+            while self._pushes and self._pushes[0].done():
+                self._pushes.pop(0).wait()  # raises a failed push's error
+        return push
+
+    def synchronize(self):
+        """Waits until every gradient pushed so far is applied."""
+        while self._pushes:
+            self._pushes.pop(0).wait()
+
+    def extra_repr(self):
+        return f"table={self.name!r}, dim={self.dim}"
+
+
+class Embedding(_StoreLayer):
+    """Like torch.nn.Embedding (any id shape -> shape + (dim,)), with the
+    table in the memory nodes; ids are any 64-bit integers (no
+    num_embeddings: rows are created on first use)."""
+
+    def forward(self, input, prefetched=None):
+        rows, idx = self._rows(input, prefetched)
+        return F.embedding(idx, rows)
+
+
+class EmbeddingBag(_StoreLayer):
+    """Like torch.nn.EmbeddingBag with mode "sum" or "mean": (B, L) ids, or
+    1-D ids with offsets, -> (B, dim)."""
+
+    def __init__(self, name, dim, mode="mean", **kw):
+        if mode not in ("sum", "mean"):
+            raise ValueError("mode must be sum or mean")
+        super().__init__(name, dim, **kw)
+        self.mode = mode
+
+    def forward(self, input, offsets=None, per_sample_weights=None,
+                prefetched=None):
+        rows, idx = self._rows(input, prefetched)
+        return F.embedding_bag(idx, rows, offsets, mode=self.mode,
+                               per_sample_weights=per_sample_weights)

@@ -254,6 +254,11 @@ class ClientImpl final : public EmbeddingClient {
     return tables_.at(table)->config;
   }
 
+  uint32_t num_tables() const override {
+    std::lock_guard<std::mutex> l(mu_);
+    return static_cast<uint32_t>(tables_.size());
+  }
+
   Result<EmbeddingHandle> PullAsync(uint32_t table,
                                     std::span<const uint64_t> keys, float* out,
                                     uint64_t batch) override {

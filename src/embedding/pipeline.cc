@@ -290,6 +290,9 @@ Result<std::unique_ptr<EmbeddingPipeline>> EmbeddingPipeline::Start(
   if (client == nullptr || !reader) {
     return InvalidArgumentError("the pipeline needs a client and a reader");
   }
+  if (table >= client->num_tables()) {
+    return InvalidArgumentError("no table " + std::to_string(table));
+  }
   if (options.depth == 0 || options.depth > 64) {
     return InvalidArgumentError("prefetch depth must be in 1..64");
   }

@@ -75,7 +75,9 @@ class EmbeddingClient {
   // handle used below. kFailedPrecondition when it exists with another
   // dim / optimizer / hyperparameters.
   virtual Result<uint32_t> OpenTable(const TableConfig& config) = 0;
+  // The configuration of an opened table (table < num_tables()).
   virtual const TableConfig& table(uint32_t table) const = 0;
+  virtual uint32_t num_tables() const = 0;
 
   // out: keys.size() * dim floats, row i for keys[i].
   virtual Result<EmbeddingHandle> PullAsync(uint32_t table,

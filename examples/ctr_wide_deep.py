@@ -1,0 +1,219 @@
+#!/usr/bin/python3
+"""Wide & deep click-through-rate model on a synthetic click log whose ids
+follow a power law, with its sparse features in membox's embedding store.
+
+    membox launch --nodes 2 --workers 2 -- /usr/bin/python3 examples/ctr_wide_deep.py
+    /usr/bin/python3 examples/ctr_wide_deep.py --local     # same model, torch tables
+
+The click log (the same on every worker, from --seed): each impression has
+--fields categorical fields plus a variable-length "history" bag; ids of
+every field are Zipf(--alpha) distributed over --vocab values, and a hidden
+weight per id decides the click probability (logistic), so there is a
+model to learn and a best achievable AUC to compare with.
+
+Model: wide = EmbeddingBag(dim 1, sum) over the fields' ids; deep =
+Embedding(dim --dim) per field, EmbeddingBag(mean) over the history,
+concatenated into an MLP. Sparse tables live in the memory nodes
+(membox.torch.Embedding / EmbeddingBag: Adagrad on the nodes, rows pulled
+--prefetch batches ahead and pinned until their gradients are pushed); the
+MLP is data-parallel through DDP with membox's allreduce hook (the
+parameter-synchronisation layer). --local trains the same model in one
+process with torch.nn.EmbeddingBag / Embedding and torch's Adagrad, as the
+reference.
+
+Rank 0 prints one line per epoch and a final `RESULT {json}` line: test
+AUC and log loss, the hidden model's AUC (the ceiling), throughput.
+"""
+import argparse
+import collections
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from sklearn.metrics import log_loss, roc_auc_score
+
+
+def click_log(a):
+    """(fields ids (N, F) as global keys, history keys, history offsets,
+    labels, true click probabilities)."""
+    rng = np.random.default_rng(a.seed)
+    p = 1.0 / np.arange(1, a.vocab + 1) ** a.alpha
+    p /= p.sum()
+    n, f, v = a.samples, a.fields, a.vocab
+    ids = np.empty((n, f), dtype=np.int64)
+    for j in range(f):
+        perm = rng.permutation(v)  # each field's popular ids differ
+        ids[:, j] = j * v + perm[rng.choice(v, size=n, p=p)]
+    hist_len = rng.integers(1, 6, size=n)
+    hist = f * v + rng.permutation(v)[rng.choice(v, size=int(hist_len.sum()),
+                                                  p=p)]
+    offsets = np.concatenate([[0], np.cumsum(hist_len)[:-1]])
+    w = rng.normal(0.0, 0.6, size=(f + 1) * v)
+    logit = w[ids].sum(1) + np.add.reduceat(w[hist], offsets) / hist_len - 1.5
+    prob = 1.0 / (1.0 + np.exp(-logit))
+    labels = (rng.random(n) < prob).astype(np.float32)
+    return ids, hist, offsets, hist_len, labels, prob
+
+
+def batches(ids, hist, offsets, hist_len, labels, idx, size):
+    for s in range(0, len(idx), size):
+        b = idx[s:s + size]
+        h = [hist[offsets[i]:offsets[i] + hist_len[i]] for i in b]
+        lens = np.array([len(x) for x in h])
+        yield (torch.from_numpy(ids[b]),
+               torch.from_numpy(np.concatenate(h)),
+               torch.from_numpy(np.concatenate([[0], np.cumsum(lens)[:-1]])),
+               torch.from_numpy(labels[b]))
+
+
+class WideDeep(nn.Module):
+    def __init__(self, a, store):
+        super().__init__()
+        if store:
+            import membox.torch as mt
+            kw = dict(optimizer="adagrad", lr=a.sparse_lr, seed=a.seed,
+                      init_scale=0.05)
+            self.wide = mt.EmbeddingBag("wide", 1, mode="sum", **kw)
+            self.deep = mt.Embedding("deep", a.dim, **kw)
+            self.hist = mt.EmbeddingBag("history", a.dim, mode="mean", **kw)
+        else:
+            rows = (a.fields + 1) * a.vocab
+            self.wide = nn.EmbeddingBag(rows, 1, mode="sum", sparse=True)
+            self.deep = nn.Embedding(rows, a.dim, sparse=True)
+            self.hist = nn.EmbeddingBag(rows, a.dim, mode="mean", sparse=True)
+            for e in (self.wide, self.deep, self.hist):
+                nn.init.uniform_(e.weight, -0.05, 0.05)
+        self.mlp = nn.Sequential(
+            nn.Linear((a.fields + 1) * a.dim, 64), nn.ReLU(),
+            nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.store = store
+
+    def prefetch(self, x, h):
+        return (self.wide.prefetch(x), self.deep.prefetch(x),
+                self.hist.prefetch(h))
+
+    def forward(self, x, h, ho, pre=(None, None, None)):
+        kw = (lambda p: {"prefetched": p}) if self.store else (lambda p: {})
+        wide = self.wide(x, **kw(pre[0]))
+        deep = torch.cat([self.deep(x, **kw(pre[1])).flatten(1),
+                          self.hist(h, ho, **kw(pre[2]))], 1)
+        return (wide + self.mlp(deep)).squeeze(1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=200000)
+    ap.add_argument("--fields", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=100000)
+    ap.add_argument("--alpha", type=float, default=1.05)
+    ap.add_argument("--dim", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=256, help="per worker")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--sparse-lr", type=float, default=0.05)
+    ap.add_argument("--dense-lr", type=float, default=0.003)
+    ap.add_argument("--prefetch", type=int, default=2,
+                    help="batches pulled ahead (0: pull in forward)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--local", action="store_true",
+                    help="torch tables in this process (the reference)")
+    a = ap.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if a.local and world != 1:
+        raise SystemExit("--local runs in one process")
+    ids, hist, offsets, hist_len, labels, prob = click_log(a)
+    n_test = a.samples // 10
+    train_idx = np.arange(n_test, a.samples)
+    test_idx = np.arange(n_test)
+    model = WideDeep(a, store=not a.local)
+    dense = model.mlp
+    if world > 1:
+        import membox.torch as mt
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        mt.init()
+        dense = nn.parallel.DistributedDataParallel(model.mlp)
+        dense.register_comm_hook(None, mt.allreduce_hook)
+        model.mlp = dense
+    opt = torch.optim.Adam(model.mlp.parameters(), lr=a.dense_lr)
+    sparse_opt = None
+    if a.local:
+        sparse_opt = torch.optim.Adagrad(
+            [p for n, p in model.named_parameters() if not n.startswith("mlp")],
+            lr=a.sparse_lr)
+    lossf = nn.BCEWithLogitsLoss()
+
+    def evaluate():
+        model.eval()
+        preds = []
+        with torch.no_grad():
+            for x, h, ho, y in batches(ids, hist, offsets, hist_len, labels,
+                                       test_idx, 4096):
+                preds.append(torch.sigmoid(model(x, h, ho)).numpy())
+        model.train()
+        p = np.clip(np.concatenate(preds), 1e-7, 1 - 1e-7)
+        y = labels[test_idx]
+        return roc_auc_score(y, p), log_loss(y, p)
+
+    history = []
+    t_train = 0.0
+    seen = 0
+    for epoch in range(a.epochs):
+        rng = np.random.default_rng(a.seed + 100 + epoch)
+        order = rng.permutation(train_idx)
+        mine = order[rank::world]
+        steps = len(mine) // a.batch  # equal on every worker (DDP)
+        mine = mine[:steps * a.batch]
+        data = batches(ids, hist, offsets, hist_len, labels, mine, a.batch)
+        ahead = collections.deque()
+        t0 = time.perf_counter()
+        total = 0.0
+        for step in range(steps):
+            while len(ahead) <= a.prefetch and (step + len(ahead)) < steps:
+                x, h, ho, y = next(data)
+                pre = (model.prefetch(x, h) if not a.local and a.prefetch
+                       else (None, None, None))
+                ahead.append((x, h, ho, y, pre))
+            x, h, ho, y, pre = ahead.popleft()
+            loss = lossf(model(x, h, ho, pre), y)
+            opt.zero_grad()
+            if sparse_opt:
+                sparse_opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if sparse_opt:
+                sparse_opt.step()
+            total += float(loss)
+            seen += len(y)
+        if not a.local:
+            for layer in (model.wide, model.deep, model.hist):
+                layer.synchronize()
+        if world > 1:
+            dist.barrier()
+        t_train += time.perf_counter() - t0
+        auc, ll = evaluate()
+        row = {"epoch": epoch + 1, "train_loss": total / max(steps, 1),
+               "test_auc": auc, "test_logloss": ll}
+        history.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    if rank == 0:
+        y = labels[test_idx]
+        best = roc_auc_score(y, prob[test_idx])
+        base = log_loss(y, np.full(len(y), labels[train_idx].mean()))
+        print("RESULT " + json.dumps({
+            "backend": "torch-local" if a.local else "membox",
+            "workers": world, "test_auc": history[-1]["test_auc"],
+            "test_logloss": history[-1]["test_logloss"],
+            "hidden_model_auc": best, "constant_logloss": base,
+            "samples_per_s": seen * world / t_train}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

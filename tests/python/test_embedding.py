@@ -1,0 +1,188 @@
+#!/usr/bin/python3
+"""The sparse parameter store from Python against real `membox serve
+--emb-dir` processes (MEMBOX_BIN): the EmbeddingClient, the
+membox.torch Embedding / EmbeddingBag layers (same training as torch's own
+layers), prefetching, the errors a user sees, and the wide & deep example
+under `membox launch`."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import membox
+import membox.torch as mt
+
+MEMBOX = os.environ.get("MEMBOX_BIN", "membox")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Node:
+    def __init__(self, tmp, i):
+        self.secret = "python-embedding-secret"
+        path = os.path.join(tmp, "secret")
+        with open(path, "w") as f:
+            f.write(self.secret + "\n")
+        self.p = subprocess.Popen(
+            [MEMBOX, "--log-level", "warn", "serve", "--listen", "127.0.0.1:0",
+             "--pool-size", "16MiB", "--secret-file", path, "--ps-listen",
+             "off", "--emb-dir", os.path.join(tmp, f"emb{i}"),
+             "--exit-with-parent"], stdout=subprocess.PIPE, text=True)
+        self.endpoint = None
+        for line in self.p.stdout:
+            if line.startswith("membox serve: embedding server on "):
+                self.endpoint = line.split()[-1]
+                break
+        assert self.endpoint, "membox serve did not start"
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+        self.p.stdout.close()
+
+
+class EmbeddingTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        self.nodes = [Node(self.tmp, i) for i in range(2)]
+        self.client = membox.connect_embeddings(
+            [n.endpoint for n in self.nodes], self.nodes[0].secret,
+            timeout=10.0)
+
+    def tearDown(self):
+        for n in self.nodes:
+            n.kill()
+
+    def test_pull_push_with_duplicates_applies_adagrad(self):
+        c = self.client
+        t = c.open_table("ids", 4, optimizer="adagrad", lr=0.1, seed=3)
+        keys = np.array([7, 8, 7, 2**40 + 1], dtype=np.int64)
+        rows = c.pull(t, keys)
+        self.assertEqual(rows.shape, (4, 4))
+        np.testing.assert_array_equal(rows[0], rows[2])
+        self.assertTrue(np.all(np.abs(rows) <= 0.01))
+        g = np.ones((4, 4), dtype=np.float32)
+        c.push(t, keys, g)
+        after = c.pull(t, keys)
+        # key 7 appears twice: one Adagrad step with gradient 2.
+        want7 = rows[0] - 0.1 * 2 / (np.sqrt(4) + 1e-8)
+        np.testing.assert_allclose(after[0], want7, rtol=1e-5)
+        want8 = rows[1] - 0.1 * 1 / (np.sqrt(1) + 1e-8)
+        np.testing.assert_allclose(after[1], want8, rtol=1e-5)
+        self.assertEqual({c.node_of(7), c.node_of(8)}, {0, 1})
+        self.assertIn("rows_pushed", c.node_status(1))
+
+    def test_store_layers_train_like_torch_layers(self):
+        vocab, dim = 50, 3
+        bag = mt.EmbeddingBag("bag", dim, mode="mean", optimizer="sgd",
+                              lr=0.5, client=self.client, seed=1)
+        emb = mt.Embedding("emb", dim, optimizer="sgd", lr=0.5,
+                           client=self.client, seed=2)
+        keys = np.arange(vocab, dtype=np.int64)
+        ref_bag = torch.nn.EmbeddingBag(vocab, dim, mode="mean")
+        ref_emb = torch.nn.Embedding(vocab, dim)
+        with torch.no_grad():
+            ref_bag.weight.copy_(torch.from_numpy(self.client.pull(bag.table, keys)))
+            ref_emb.weight.copy_(torch.from_numpy(self.client.pull(emb.table, keys)))
+        opt = torch.optim.SGD(list(ref_bag.parameters()) +
+                              list(ref_emb.parameters()), lr=0.5)
+        g = torch.Generator().manual_seed(0)
+        for step in range(6):
+            x = torch.randint(0, vocab, (8, 4), generator=g)
+            y = torch.randn(8, generator=g)
+            out = bag(x).sum(1) + emb(x[:, 0]).sum(1)
+            ref = ref_bag(x).sum(1) + ref_emb(x[:, 0]).sum(1)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+            F.mse_loss(out, y).backward()
+            bag.synchronize()
+            emb.synchronize()
+            opt.zero_grad()
+            F.mse_loss(ref, y).backward()
+            opt.step()
+        np.testing.assert_allclose(self.client.pull(bag.table, keys),
+                                   ref_bag.weight.detach().numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        # 1-D ids with offsets, and sum pooling.
+        s = mt.EmbeddingBag("bag", dim, mode="mean", optimizer="sgd", lr=0.5,
+                            client=self.client, seed=1)
+        ids = torch.tensor([1, 2, 3, 4])
+        out = s(ids, torch.tensor([0, 1]))
+        torch.testing.assert_close(out, ref_bag(ids, torch.tensor([0, 1])),
+                                   rtol=1e-5, atol=1e-6)
+
+    def test_prefetch_pins_and_checks_its_batch(self):
+        bag = mt.EmbeddingBag("p", 2, mode="sum", client=self.client)
+        x = torch.tensor([[1, 2], [3, 4]])
+        p1 = bag.prefetch(x)
+        p2 = bag.prefetch(x + 10)
+        status = self.client.node_status(0) + self.client.node_status(1)
+        # keys 1..4 and 11..14: four rows of each node pinned for the two
+        # batches
+        self.assertEqual(status.count(" pinned 4 "), 2, status)
+        with self.assertRaises(ValueError):
+            bag(x, prefetched=p2)  # another batch's rows
+        bag(x, prefetched=p1).sum().backward()
+        bag(x + 10, prefetched=p2).sum().backward()
+        bag.synchronize()
+        for i in range(2):
+            self.assertIn(" pinned 0 ", self.client.node_status(i))
+        with self.assertRaises(ValueError):
+            bag(x, prefetched=p1)  # used already
+        bag.eval()
+        with torch.no_grad():
+            bag(x)
+        for i in range(2):
+            self.assertIn(" pinned 0 ", self.client.node_status(i))
+
+    def test_errors(self):
+        c = self.client
+        t = c.open_table("e", 4)
+        with self.assertRaises(ValueError):
+            c.push(t, np.array([1], dtype=np.int64), np.ones(3, np.float32))
+        with self.assertRaises(membox.MemboxError):
+            c.open_table("e", 8)  # exists with dim 4
+        with self.assertRaises(membox.MemboxError):
+            c.open_table("bad/name", 4)
+        with self.assertRaises(ValueError):
+            c.pull(99, np.array([1], dtype=np.int64))
+        with self.assertRaises(membox.MemboxError):
+            membox.connect_embeddings([self.nodes[0].endpoint], "wrong-secret",
+                                      timeout=5.0)
+        with self.assertRaises(TypeError):
+            mt.Embedding("e", 4, client=c)(torch.tensor([0.5]))
+        self.nodes[1].kill()
+        with self.assertRaises(membox.ProxyUnavailable) as e:
+            c.pull(t, np.arange(10, dtype=np.int64))
+        self.assertIn(self.nodes[1].endpoint, str(e.exception))
+
+
+class WideDeepExampleTest(unittest.TestCase):
+    def test_membox_matches_local_torch(self):
+        args = ["examples/ctr_wide_deep.py", "--samples", "40000",
+                "--vocab", "20000", "--batch", "128"]
+        local = subprocess.run([sys.executable] + args + ["--local"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+        self.assertEqual(local.returncode, 0, local.stderr[-2000:])
+        run = subprocess.run(
+            [MEMBOX, "launch", "--nodes", "2", "--workers", "2", "--",
+             sys.executable] + args, cwd=ROOT, capture_output=True, text=True,
+            timeout=300)
+        self.assertEqual(run.returncode, 0, run.stdout[-3000:])
+
+        def result(out):
+            line = [l for l in out.splitlines() if "RESULT " in l][-1]
+            return json.loads(line.split("RESULT ", 1)[1])
+        ref, got = result(local.stdout), result(run.stdout)
+        self.assertGreater(ref["test_auc"], 0.6)
+        self.assertGreater(got["test_auc"], 0.6)
+        self.assertLess(abs(got["test_auc"] - ref["test_auc"]), 0.03)
+        self.assertLess(got["test_logloss"], got["constant_logloss"])
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
