@@ -42,6 +42,36 @@ Result<ServerProcess> ServerProcess::Start(uint64_t pool_bytes,
 
 int ServerProcess::FreePort() { return PickFreeLocalPort(); }
 
+Result<ServerProcess> ServerProcess::StartEmbeddingNode(
+    const std::string& dir, uint64_t budget, const std::string& secret) {
+  ServerProcess s;
+  s.secret_ = secret;
+  static int n = 0;
+  s.secret_file_ = "/tmp/membox-bench-secret-" + std::to_string(getpid()) +
+                   "-emb-" + std::to_string(n++);
+  {
+    std::ofstream out(s.secret_file_);
+    out << s.secret_ << "\n";
+    if (!out) return InternalError("cannot write " + s.secret_file_);
+  }
+  s.proc_ = Subprocess::Start(
+      {"/proc/self/exe", "--log-level", "warn", "serve", "--listen",
+       "127.0.0.1:0", "--exit-with-parent", "--pool-size", "16MiB",
+       "--secret-file", s.secret_file_, "--ps-listen", "off", "--emb-listen",
+       "127.0.0.1:0", "--emb-dir", dir, "--emb-budget", std::to_string(budget),
+       "--emb-flush-interval-ms", "0"});
+  if (!s.proc_) return InternalError("cannot start membox serve");
+  auto ep =
+      s.proc_->WaitFor("membox serve: listening on ", std::chrono::seconds(60));
+  if (!ep) return UnavailableError("membox serve did not start");
+  s.endpoint_ = *ep;
+  auto ee = s.proc_->WaitFor("membox serve: embedding server on ",
+                             std::chrono::seconds(60));
+  if (!ee) return UnavailableError("the embedding server did not start");
+  s.embedding_endpoint_ = *ee;
+  return s;
+}
+
 Result<ServerProcess> ServerProcess::StartWithProxy(
     const std::string& transports, int sync_cores, const std::string& ps_listen,
     const std::vector<std::string>& ps_peers, int ps_rank,
@@ -129,6 +159,7 @@ ServerProcess::ServerProcess(ServerProcess&& o) noexcept
     : proc_(std::move(o.proc_)),
       endpoint_(std::move(o.endpoint_)),
       proxy_endpoint_(std::move(o.proxy_endpoint_)),
+      embedding_endpoint_(std::move(o.embedding_endpoint_)),
       secret_file_(std::move(o.secret_file_)),
       secret_(std::move(o.secret_)) {
   o.proc_.reset();

@@ -33,6 +33,11 @@ class ServerProcess {
   // `endpoints` receives the proxies' endpoints in ring order.
   static Result<std::vector<ServerProcess>> StartProxyCluster(
       int nodes, int sync_cores, std::vector<std::string>* endpoints);
+  // A memory node running only the embedding server, its tables in `dir`
+  // with `budget` bytes of memory tier each; embedding_endpoint() is set.
+  static Result<ServerProcess> StartEmbeddingNode(const std::string& dir,
+                                                  uint64_t budget,
+                                                  const std::string& secret);
   ServerProcess(ServerProcess&& o) noexcept;
   ServerProcess& operator=(ServerProcess&&) = delete;
   ~ServerProcess();
@@ -40,11 +45,13 @@ class ServerProcess {
   const std::string& secret_file() const { return secret_file_; }
   const std::string& secret() const { return secret_; }
   const std::string& proxy_endpoint() const { return proxy_endpoint_; }
+  const std::string& embedding_endpoint() const { return embedding_endpoint_; }
 
  private:
   ServerProcess() = default;
   std::optional<Subprocess> proc_;
-  std::string endpoint_, proxy_endpoint_, secret_file_, secret_;
+  std::string endpoint_, proxy_endpoint_, embedding_endpoint_, secret_file_,
+      secret_;
 };
 
 }  // namespace membox::bench

@@ -16,9 +16,12 @@
 
 #include <unistd.h>
 
+#include "membox/embedding/client.h"
 #include "membox/embedding/mem_tier.h"
+#include "membox/embedding/pipeline.h"
 #include "membox/embedding/ssd_store.h"
 
+#include "bench/common/server_process.h"
 #include "bench/embedding/rocksdb_store.h"
 
 namespace membox::bench {
@@ -187,6 +190,127 @@ Result<double> RunPipeline(embedding::SsdStore* ssd,
   return blocked / trace.size();
 }
 
+// The cross-process path: two memory-node processes with embedding servers
+// (memory tier + SSD tier each), this process as the worker. Without
+// prefetch each batch is pulled (pinned), "trained" for compute_s and
+// pushed; with it, EmbeddingPipeline fetches `depth` batches ahead.
+struct RemoteResult {
+  double mean_pull_s = 0;   // warm-up: pull time per batch, nothing else
+  double mean_push_s = 0;   // warm-up: push time per batch
+  double rows_per_s = 0;    // warm-up pulls
+  double compute_s = 0;
+  double blocked_off_s = 0, blocked_on_s = 0;  // per batch
+};
+
+Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
+                               std::vector<std::vector<uint64_t>> trace,
+                               const fs::path& base) {
+  const uint32_t row = static_cast<uint32_t>(2 * o.dim * sizeof(float));
+  std::random_device rd;
+  std::string secret = "bench-" + std::to_string(rd()) + std::to_string(rd());
+  std::vector<ServerProcess> nodes;
+  embedding::EmbeddingClientOptions co;
+  for (int i = 0; i < 2; ++i) {
+    fs::path d = base / ("node" + std::to_string(i));
+    fs::create_directories(d);
+    ASSIGN_OR_RETURN(
+        auto s, ServerProcess::StartEmbeddingNode(
+                    d.string(),
+                    static_cast<uint64_t>(keys * row * o.budget_fraction / 2),
+                    secret));
+    co.nodes.push_back(s.embedding_endpoint());
+    nodes.push_back(std::move(s));
+  }
+  co.secret = secret;
+  co.name = "bench-embedding";
+  ASSIGN_OR_RETURN(auto client, embedding::EmbeddingClient::Connect(co));
+  auto open = [&](const std::string& name) {
+    embedding::TableConfig c;
+    c.name = name;
+    c.dim = static_cast<uint32_t>(o.dim);
+    c.optimizer = embedding::RowOptimizer::kAdagrad;
+    c.lr = 0.05;
+    return client->OpenTable(c);
+  };
+  const size_t dim = o.dim;
+  std::vector<float> grads;
+  auto grads_for = [&](size_t n) -> std::span<const float> {
+    if (grads.size() < n * dim) grads.assign(n * dim, 0.01f);
+    return {grads.data(), n * dim};
+  };
+  RemoteResult r;
+  // Warm-up table: the fetch time per batch, and pulls per second.
+  {
+    ASSIGN_OR_RETURN(uint32_t t, open("warmup"));
+    size_t n = std::min<size_t>(trace.size(), 40), rows = 0;
+    double pull = 0, push = 0;
+    std::vector<float> out;
+    for (size_t s = 0; s < n; ++s) {
+      out.resize(trace[s].size() * dim);
+      auto t0 = Clock::now();
+      RETURN_IF_ERROR(client->Pull(t, trace[s], out.data(), s + 1));
+      pull += Sec(Clock::now() - t0);
+      rows += trace[s].size();
+      t0 = Clock::now();
+      RETURN_IF_ERROR(client->Push(t, trace[s], grads_for(trace[s].size()),
+                                   s + 1, true));
+      push += Sec(Clock::now() - t0);
+    }
+    r.mean_pull_s = pull / n;
+    r.mean_push_s = push / n;
+    r.rows_per_s = rows / pull;
+  }
+  // Compute per batch >= the batch's communication (pull + push): on two
+  // cores the nodes' push work competes with the next pulls.
+  r.compute_s = std::max(0.001, (r.mean_pull_s + r.mean_push_s) * 1.2);
+  auto compute = [&] {
+    std::this_thread::sleep_for(std::chrono::duration<double>(r.compute_s));
+  };
+  {  // no prefetch
+    ASSIGN_OR_RETURN(uint32_t t, open("no-prefetch"));
+    std::vector<float> out;
+    double blocked = 0;
+    for (size_t s = 0; s < trace.size(); ++s) {
+      out.resize(trace[s].size() * dim);
+      auto t0 = Clock::now();
+      RETURN_IF_ERROR(client->Pull(t, trace[s], out.data(), s + 1));
+      blocked += Sec(Clock::now() - t0);
+      compute();
+      RETURN_IF_ERROR(client->Push(t, trace[s], grads_for(trace[s].size()),
+                                   s + 1, true));
+    }
+    r.blocked_off_s = blocked / trace.size();
+  }
+  {  // the 4-stage pipeline, depth 2
+    ASSIGN_OR_RETURN(uint32_t t, open("prefetch"));
+    size_t next = 0;
+    embedding::PipelineOptions po;
+    po.depth = 2;
+    po.partitions = 2;
+    ASSIGN_OR_RETURN(
+        auto p, embedding::EmbeddingPipeline::Start(
+                    client.get(), t,
+                    [&](std::vector<uint64_t>* k) -> Result<bool> {
+                      if (next == trace.size()) return false;
+                      *k = trace[next++];
+                      return true;
+                    },
+                    po));
+    for (;;) {
+      ASSIGN_OR_RETURN(auto b, p->Next());
+      if (!b) break;
+      compute();
+      auto& ws = *b->working_set;
+      std::vector<float> one(dim, 0.01f);
+      for (size_t i = 0; i < b->keys.size(); ++i) ws.AddGradient(i, one);
+      RETURN_IF_ERROR(p->Complete(std::move(b)));
+    }
+    RETURN_IF_ERROR(p->Finish());
+    r.blocked_on_s = p->Stats().blocked_seconds / trace.size();
+  }
+  return r;
+}
+
 }  // namespace
 
 int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
@@ -275,7 +399,21 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
     s->reset();
     fs::remove_all(base);
   }
-  Progress(4, 4, "done");
+  // Through real memory-node processes.
+  Progress(4, 5, "remote: 2 memory nodes, prefetch off / on");
+  fs::remove_all(base);
+  std::vector<std::vector<uint64_t>> remote_trace(
+      trace.begin(), trace.begin() + std::min<size_t>(trace.size(), q ? 60 : 200));
+  auto rr = RunRemote(o, keys, remote_trace, base);
+  fs::remove_all(base);
+  if (!rr.ok()) {
+    std::fprintf(stderr, "error: %s\n", rr.status().ToString().c_str());
+    return 1;
+  }
+  add("remote-membox", "pulls_per_s", rr->rows_per_s, "rows/s");
+  add("remote-no-prefetch", "blocked_ms", rr->blocked_off_s * 1e3, "ms/batch");
+  add("remote-prefetch", "blocked_ms", rr->blocked_on_s * 1e3, "ms/batch");
+  Progress(5, 5, "done");
   auto& m = res["membox"];
   auto& r = res["rocksdb"];
   std::printf("\n%-9s %14s %10s %10s %14s\n", "SSD tier", "pulls/s", "GB/s",
@@ -295,6 +433,14 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
       "%.3f ms without = %.2fx\n",
       compute * 1e3, blocked[1] * 1e3, blocked[0] * 1e3,
       blocked[1] / std::max(1e-12, blocked[0]));
+  std::printf(
+      "remote (2 memory-node processes, worker pipeline depth 2; pull "
+      "%.2f + push %.2f ms/batch, compute %.2f ms/batch): pulls %.0f "
+      "rows/s; blocked %.3f ms vs %.3f ms without = %.2fx\n",
+      rr->mean_pull_s * 1e3, rr->mean_push_s * 1e3, rr->compute_s * 1e3,
+      rr->rows_per_s, rr->blocked_on_s * 1e3,
+      rr->blocked_off_s * 1e3,
+      rr->blocked_on_s / std::max(1e-12, rr->blocked_off_s));
   Status st = report.Finish(o.common, "pulls_per_s",
                             "embedding tiers: pulls per second", false, "case");
   if (!st.ok()) {
