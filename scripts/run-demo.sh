@@ -14,7 +14,10 @@
 #   4. synchronous PushPull through 1 and 2 memory nodes vs MPI_Allreduce
 #      and Gloo (torch.distributed);
 #   5. seed 000 Figs. 16-17 -- emulated data-parallel training of ResNet-50,
-#      membox vs DENSE, MPI and Gloo AllReduce, with ablations.
+#      membox vs DENSE, MPI and Gloo AllReduce, with ablations;
+#   6. seed 004 -- a wide & deep CTR model whose sparse tables live in the
+#      memory nodes' embedding store (2 nodes, 2 workers), against the same
+#      model with torch's own embedding layers in one process.
 # Tables are printed; CSV, JSON and PNG files go to out/.
 # Usage: bash scripts/run-demo.sh [--no-install]
 set -euo pipefail
@@ -31,4 +34,7 @@ for bench in transfer async-sgd memserver allreduce train; do
   "$membox" bench "$bench" --quick \
     --csv "out/$bench.csv" --json "out/$bench.json" --plot "out/$bench.png"
 done
+echo "== sparse embeddings: wide & deep CTR, membox store vs torch layers"
+/usr/bin/python3 examples/ctr_wide_deep.py --local | grep RESULT
+"$membox" launch --nodes 2 --workers 2 -- /usr/bin/python3 examples/ctr_wide_deep.py | grep RESULT
 echo "wrote out/digits.png and out/{transfer,async-sgd,memserver,allreduce,train}.{csv,json,png}"

@@ -197,7 +197,7 @@ Result<double> RunPipeline(embedding::SsdStore* ssd,
 struct RemoteResult {
   double mean_pull_s = 0;   // warm-up: pull time per batch, nothing else
   double mean_push_s = 0;   // warm-up: push time per batch
-  double rows_per_s = 0;    // warm-up pulls
+  double rows_per_s = 0;    // pulls of the no-prefetch run
   double compute_s = 0;
   double blocked_off_s = 0, blocked_on_s = 0;  // per batch
 };
@@ -239,10 +239,10 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
     return {grads.data(), n * dim};
   };
   RemoteResult r;
-  // Warm-up table: the fetch time per batch, and pulls per second.
+  // Warm-up table: pull and push time per batch.
   {
     ASSIGN_OR_RETURN(uint32_t t, open("warmup"));
-    size_t n = std::min<size_t>(trace.size(), 40), rows = 0;
+    size_t n = std::min<size_t>(trace.size(), 40);
     double pull = 0, push = 0;
     std::vector<float> out;
     for (size_t s = 0; s < n; ++s) {
@@ -250,7 +250,6 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
       auto t0 = Clock::now();
       RETURN_IF_ERROR(client->Pull(t, trace[s], out.data(), s + 1));
       pull += Sec(Clock::now() - t0);
-      rows += trace[s].size();
       t0 = Clock::now();
       RETURN_IF_ERROR(client->Push(t, trace[s], grads_for(trace[s].size()),
                                    s + 1, true));
@@ -258,7 +257,6 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
     }
     r.mean_pull_s = pull / n;
     r.mean_push_s = push / n;
-    r.rows_per_s = rows / pull;
   }
   // Compute per batch >= the batch's communication (pull + push): on two
   // cores the nodes' push work competes with the next pulls.
@@ -269,17 +267,19 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
   {  // no prefetch
     ASSIGN_OR_RETURN(uint32_t t, open("no-prefetch"));
     std::vector<float> out;
-    double blocked = 0;
+    double blocked = 0, rows = 0;
     for (size_t s = 0; s < trace.size(); ++s) {
       out.resize(trace[s].size() * dim);
       auto t0 = Clock::now();
       RETURN_IF_ERROR(client->Pull(t, trace[s], out.data(), s + 1));
       blocked += Sec(Clock::now() - t0);
+      rows += trace[s].size();
       compute();
       RETURN_IF_ERROR(client->Push(t, trace[s], grads_for(trace[s].size()),
                                    s + 1, true));
     }
     r.blocked_off_s = blocked / trace.size();
+    r.rows_per_s = rows / blocked;
   }
   {  // the 4-stage pipeline, depth 2
     ASSIGN_OR_RETURN(uint32_t t, open("prefetch"));

@@ -426,5 +426,63 @@ TEST_F(EmbeddingServerTest, APipelineStoppedEarlyReleasesPrefetchedPins) {
   EXPECT_FALSE(EmbeddingPipeline::Start(c.get(), *t, nullptr, {}).ok());
 }
 
+// Random pulls and pushes (with duplicate keys) through a memory tier far
+// smaller than the table -- rows keep moving LRU -> LFU -> SSD and back --
+// with flushes (and so compactions) in between, checked after every step
+// against an in-memory model of the table.
+TEST_F(EmbeddingServerTest, RandomPullPushFlushMatchesAModel) {
+  TableConfig cfg = Config(RowOptimizer::kAdagrad, 4);
+  StartServers(2, 40 * cfg.row_bytes());  // 40 rows per node
+  auto c = Client(HashPartition());
+  auto t = c->OpenTable(cfg);
+  ASSERT_TRUE(t.ok());
+  std::map<uint64_t, std::vector<float>> model;  // key -> full row
+  auto row_of = [&](uint64_t k) -> std::vector<float>& {
+    auto it = model.find(k);
+    if (it == model.end()) {
+      std::vector<float> r(cfg.row_floats());
+      InitializeRow(cfg, k, r);
+      it = model.emplace(k, std::move(r)).first;
+    }
+    return it->second;
+  };
+  std::mt19937_64 rng(99);
+  for (int step = 0; step < 300; ++step) {
+    std::vector<uint64_t> keys(1 + rng() % 30);
+    for (auto& k : keys) k = rng() % 400;
+    if (rng() % 2) {
+      std::vector<float> out(keys.size() * 4);
+      ASSERT_TRUE(c->Pull(*t, keys, out.data()).ok());
+      for (size_t i = 0; i < keys.size(); ++i) {
+        auto& r = row_of(keys[i]);
+        for (int j = 0; j < 4; ++j) {
+          ASSERT_EQ(out[i * 4 + j], r[j]) << "step " << step;
+        }
+      }
+    } else {
+      std::vector<float> g(keys.size() * 4);
+      for (auto& v : g) v = float(int(rng() % 9) - 4) / 8;
+      ASSERT_TRUE(c->Push(*t, keys, g).ok());
+      std::map<uint64_t, std::vector<float>> summed;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        auto& sg = summed[keys[i]];
+        sg.resize(4);
+        for (int j = 0; j < 4; ++j) sg[j] += g[i * 4 + j];
+      }
+      for (auto& [k, sg] : summed) ApplyGradient(cfg, row_of(k), sg);
+    }
+    if (step % 50 == 49) ASSERT_TRUE(c->Flush().ok());
+  }
+  uint64_t ssd_reads = 0;
+  for (int i = 0; i < 2; ++i) {
+    auto text = c->NodeStatus(i);
+    ASSERT_TRUE(text.ok());
+    auto pos = text->find("ssd_reads ");
+    ASSERT_NE(pos, std::string::npos);
+    ssd_reads += std::stoull(text->substr(pos + 10));
+  }
+  EXPECT_GT(ssd_reads, 100u) << "the SSD tier was not exercised";
+}
+
 }  // namespace
 }  // namespace membox::embedding
