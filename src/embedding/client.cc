@@ -200,11 +200,11 @@ class ClientImpl final : public EmbeddingClient {
     if (!opt_.partition) opt_.partition = ModuloPartition();
   }
   ~ClientImpl() override {
-    // Channels closed and progress threads stopped before the Nodes their
-    // handlers point to go away.
+    // Closed channels call no handler any more: the Nodes may go, then the
+    // device (channels must not outlive it).
     for (auto& n : nodes_) n->Close();
-    device_.reset();
     nodes_.clear();
+    device_.reset();
   }
 
   Status Init() {

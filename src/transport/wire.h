@@ -56,6 +56,7 @@ class Reader {
  private:
   bool Get(void* v, size_t n) {
     if (n > in_.size() - pos_) return false;
+    if (n == 0) return true;  // v may be null (an empty vector's data())
     std::memcpy(v, in_.data() + pos_, n);
     pos_ += n;
     return true;
