@@ -112,6 +112,7 @@ class ServerImpl final : public EmbeddingServer {
     running_ = true;
     acceptor_ = std::thread([this] { AcceptLoop(); });
     events_thread_ = std::thread([this] { EventLoop(); });
+    compactor_ = std::thread([this] { CompactLoop(); });
     MEMBOX_LOG_INFO("embedding server listening on {} (tables in {})",
                     device_->listen_endpoint(), opt_.dir);
     return Status::Ok();
@@ -153,6 +154,12 @@ class ServerImpl final : public EmbeddingServer {
     cv_.notify_all();
     if (acceptor_.joinable()) acceptor_.join();
     if (events_thread_.joinable()) events_thread_.join();
+    {
+      std::lock_guard<std::mutex> l(compact_mu_);
+      compact_stop_ = true;
+    }
+    compact_cv_.notify_all();
+    if (compactor_.joinable()) compactor_.join();
     // Tasks queued by RunOnEventThread before the stop still answer.
     for (Event& e : events_) {
       if (e.task) e.task();
@@ -513,13 +520,41 @@ class ServerImpl final : public EmbeddingServer {
     return t->mem->Release(tag);
   }
 
+  // Writes and syncs every table's changed rows, then asks the compactor
+  // to look at the tables' files.
   Status FlushAll() {
+    std::vector<SsdStore*> stores;
     for (auto& t : tables_) {
       RETURN_IF_ERROR(t->mem->Flush());
-      RETURN_IF_ERROR(t->ssd->Compact());
+      stores.push_back(t->ssd.get());
     }
     flushes_++;
+    {
+      std::lock_guard<std::mutex> l(compact_mu_);
+      compact_queue_ = std::move(stores);
+    }
+    compact_cv_.notify_all();
     return Status::Ok();
+  }
+
+  // The background compaction (SSD-PS): merges files more than half stale
+  // while the event thread serves requests. The stores outlive this thread
+  // (Stop joins it before the tables go).
+  void CompactLoop() {
+    for (;;) {
+      std::vector<SsdStore*> stores;
+      {
+        std::unique_lock<std::mutex> l(compact_mu_);
+        compact_cv_.wait(
+            l, [this] { return compact_stop_ || !compact_queue_.empty(); });
+        if (compact_stop_) return;
+        stores.swap(compact_queue_);
+      }
+      for (SsdStore* s : stores) {
+        Status st = s->Compact();
+        if (!st.ok()) MEMBOX_LOG_ERROR("compaction: {}", st.ToString());
+      }
+    }
   }
 
   std::string Text() const {
@@ -548,7 +583,11 @@ class ServerImpl final : public EmbeddingServer {
 
   EmbeddingServerOptions opt_;
   std::unique_ptr<transport::Device> device_;
-  std::thread acceptor_, events_thread_;
+  std::thread acceptor_, events_thread_, compactor_;
+  std::mutex compact_mu_;
+  std::condition_variable compact_cv_;
+  std::vector<SsdStore*> compact_queue_;  // GUARDED_BY(compact_mu_)
+  bool compact_stop_ = false;            // GUARDED_BY(compact_mu_)
   std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<bool> running_{false};  // written under mu_

@@ -161,47 +161,27 @@ class SsdStoreImpl final : public SsdStore {
     return Status::Ok();
   }
 
+  // Holds the lock only per chunk of records, so Put / Get / Sync from other
+  // threads go on while a background thread compacts.
   Status Compact() override {
-    std::lock_guard<std::mutex> l(mu_);
     std::vector<uint32_t> victims;
-    for (auto& [n, f] : files_) {
-      uint64_t total = f.live + f.stale;
-      if (n != active_ && total > 0 &&
-          double(f.stale) / double(total) > opt_.compact_stale_fraction) {
-        victims.push_back(n);
-      }
-    }
-    if (victims.empty()) return Status::Ok();
-    std::vector<uint8_t> rec(record_bytes_);
-    for (uint32_t n : victims) {
-      File& f = files_.at(n);
-      for (uint64_t off = kFileHeaderBytes; off + record_bytes_ <= f.size;
-           off += record_bytes_) {
-        RETURN_IF_ERROR(ReadAt(f.fd, rec.data(), rec.size(), off));
-        auto r = DecodeRecord(rec, opt_.row_bytes);
-        if (!r.ok()) continue;
-        auto it = map_.find(r->key);
-        if (it == map_.end() || it->second.file != n ||
-            it->second.offset != off) {
-          continue;  // stale
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (compacting_) return Status::Ok();  // another thread is at it
+      for (auto& [n, f] : files_) {
+        uint64_t total = f.live + f.stale;
+        if (n != active_ && total > 0 &&
+            double(f.stale) / double(total) > opt_.compact_stale_fraction) {
+          victims.push_back(n);
         }
-        // Same sequence number: if we crash before the old file is gone,
-        // recovery sees two identical versions.
-        RETURN_IF_ERROR(AppendLocked(r->key, r->seq, r->tombstone, r->row));
       }
-      RETURN_IF_ERROR(FlushBufferLocked());
+      if (victims.empty()) return Status::Ok();
+      compacting_ = true;
     }
-    // The rewritten records are durable before the old files go.
-    RETURN_IF_ERROR(SyncLocked());
-    for (uint32_t n : victims) {
-      File f = files_.at(n);
-      ::close(f.fd);
-      if (::unlink(Path(n).c_str()) != 0) return Errno("unlink " + Path(n));
-      files_.erase(n);
-    }
-    dir_dirty_ = true;
-    compactions_ += victims.size();
-    return SyncLocked();
+    Status s = CompactFiles(victims);
+    std::lock_guard<std::mutex> l(mu_);
+    compacting_ = false;
+    return s;
   }
 
   SsdStats Stats() const override {
@@ -296,6 +276,61 @@ class SsdStoreImpl final : public SsdStore {
     return Status::Ok();
   }
 
+  // Re-appends the live records of `victims` (not the active file; only
+  // the compacting thread removes files, so they stay), a chunk at a time
+  // under the lock, then syncs and deletes them.
+  Status CompactFiles(const std::vector<uint32_t>& victims) {
+    constexpr uint64_t kChunkRecords = 1024;
+    std::vector<uint8_t> buf;
+    for (uint32_t n : victims) {
+      uint64_t size;
+      int fd;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        size = files_.at(n).size;
+        fd = files_.at(n).fd;
+      }
+      for (uint64_t off = kFileHeaderBytes; off + record_bytes_ <= size;) {
+        uint64_t count =
+            std::min(kChunkRecords, (size - off) / record_bytes_);
+        buf.resize(count * record_bytes_);
+        // The victim is immutable (not active), so it is read unlocked.
+        RETURN_IF_ERROR(ReadAt(fd, buf.data(), buf.size(), off));
+        std::lock_guard<std::mutex> l(mu_);
+        for (uint64_t i = 0; i < count; ++i) {
+          uint64_t at = off + i * record_bytes_;
+          auto r = DecodeRecord(
+              std::span(buf).subspan(i * record_bytes_, record_bytes_),
+              opt_.row_bytes);
+          if (!r.ok()) continue;
+          auto it = map_.find(r->key);
+          if (it == map_.end() || it->second.file != n ||
+              it->second.offset != at) {
+            continue;  // stale
+          }
+          // Same sequence number: if we crash before the old file is gone,
+          // recovery sees two identical versions.
+          RETURN_IF_ERROR(AppendLocked(r->key, r->seq, r->tombstone, r->row));
+        }
+        off += count * record_bytes_;
+      }
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    RETURN_IF_ERROR(FlushBufferLocked());
+    // The rewritten records are durable before the old files go.
+    RETURN_IF_ERROR(SyncLocked());
+    for (uint32_t n : victims) {
+      File f = files_.at(n);
+      if (f.live != 0) continue;  // cannot happen; never delete live data
+      ::close(f.fd);
+      if (::unlink(Path(n).c_str()) != 0) return Errno("unlink " + Path(n));
+      files_.erase(n);
+      compactions_++;
+    }
+    dir_dirty_ = true;
+    return SyncLocked();
+  }
+
   // Points `key` at `loc` if it is newer; keeps the live/stale counts.
   void Index(uint64_t key, const Loc& loc) {
     auto [it, inserted] = map_.try_emplace(key, loc);
@@ -384,6 +419,7 @@ class SsdStoreImpl final : public SsdStore {
   uint32_t active_ = 0, next_file_ = 1;    // GUARDED_BY(mu_)
   uint64_t seq_ = 1;                       // GUARDED_BY(mu_)
   bool dir_dirty_ = false;                 // GUARDED_BY(mu_)
+  bool compacting_ = false;                // GUARDED_BY(mu_)
   std::vector<uint8_t> buffer_;            // GUARDED_BY(mu_)
   uint64_t bytes_written_ = 0, row_bytes_updated_ = 0, compactions_ = 0;
 };

@@ -1,9 +1,11 @@
 #include "membox/embedding/ssd_store.h"
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -219,6 +221,51 @@ TEST_F(SsdStoreTest, StressAgainstAModel) {
   for (uint64_t k = 0; k < 300; ++k) {
     int64_t want = model.count(k) ? int64_t(model[k]) : -1;
     ASSERT_EQ(VersionOf(*s, k, 5000), want) << k;
+  }
+}
+
+// Compaction on a background thread while puts, erases, gets and syncs go
+// on (the embedding server's arrangement); then a reopen.
+TEST_F(SsdStoreTest, BackgroundCompactionRacesWithWrites) {
+  std::mt19937_64 rng(11);
+  std::map<uint64_t, uint64_t> model;
+  auto s = Open(nullptr, 8 << 10);
+  std::atomic<bool> done{false};
+  std::atomic<int> rounds{0};
+  std::thread compactor([&] {
+    while (!done) {
+      EXPECT_TRUE(s->Compact().ok());
+      rounds++;
+      std::this_thread::yield();
+    }
+  });
+  for (int step = 0; step < 6000; ++step) {
+    uint64_t key = rng() % 200;
+    int op = static_cast<int>(rng() % 100);
+    if (op < 80) {
+      uint64_t v = model.count(key) ? model[key] + 1 : 0;
+      Put(*s, key, v);
+      model[key] = v;
+    } else if (op < 88) {
+      ASSERT_TRUE(s->Erase(std::span(&key, 1)).ok());
+      model.erase(key);
+    } else if (op < 98) {
+      int64_t want = model.count(key) ? int64_t(model[key]) : -1;
+      ASSERT_EQ(VersionOf(*s, key, 10000), want) << "step " << step;
+    } else {
+      ASSERT_TRUE(s->Sync().ok());
+    }
+  }
+  done = true;
+  compactor.join();
+  EXPECT_GT(rounds.load(), 0);
+  EXPECT_GT(s->Stats().compactions, 0u);
+  ASSERT_TRUE(s->Sync().ok());
+  s.reset();
+  s = Open(nullptr, 8 << 10);
+  for (uint64_t k = 0; k < 200; ++k) {
+    int64_t want = model.count(k) ? int64_t(model[k]) : -1;
+    ASSERT_EQ(VersionOf(*s, k, 10000), want) << k;
   }
 }
 

@@ -17,11 +17,12 @@
 // Durability: a push is acknowledged once applied in memory. Flush() -- a
 // worker's kFlush, the flush_interval timer, or Stop() -- writes every
 // changed row to the SSD tier and syncs it; what a flush acknowledged
-// survives kill -9 (EmbeddingServerTest.KillAndRestart). Files more than
-// half stale are compacted after each flush.
+// survives kill -9 (tests/integration/embedding_daemon_test.cc). After each
+// flush a background thread compacts the files more than half stale.
 //
 // Threading: the transport's progress thread queues messages; one event
-// thread applies them in arrival order (per client order is preserved).
+// thread applies them in arrival order (per client order is preserved); a
+// compaction thread rewrites stale SSD files meanwhile.
 // Start/Stop from one thread; Stats/StatusText from any thread.
 #ifndef MEMBOX_EMBEDDING_SERVER_H_
 #define MEMBOX_EMBEDDING_SERVER_H_

@@ -24,7 +24,10 @@
 // found, so damage is never silent.
 //
 // Thread-safety: all methods may be called from any thread; one mutex
-// serialises them (the SSD is the bottleneck, not the lock).
+// serialises them (the SSD is the bottleneck, not the lock), except that
+// Compact() holds it only per chunk of 1024 records, so it can run on a
+// background thread while Put / Get / Sync go on (one Compact at a time;
+// a second call returns at once).
 #ifndef MEMBOX_EMBEDDING_SSD_STORE_H_
 #define MEMBOX_EMBEDDING_SSD_STORE_H_
 
@@ -84,6 +87,7 @@ class SsdStore {
                      std::vector<bool>* found) = 0;
   virtual Status Erase(std::span<const uint64_t> keys) = 0;
   // Rewrites and deletes files more than compact_stale_fraction stale.
+  // Safe to run concurrently with the other methods (see above).
   virtual Status Compact() = 0;
   virtual SsdStats Stats() const = 0;
   virtual uint32_t row_bytes() const = 0;
