@@ -355,8 +355,10 @@ class Client {
 
 using membox::embedding::EmbeddingClient;
 using membox::embedding::EmbeddingHandle;
-using KeyArray = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
-using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using KeyArray =
+    py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+using FloatArray =
+    py::array_t<float, py::array::c_style | py::array::forcecast>;
 
 // A pull in flight: owns its output rows; wait() hands them to numpy
 // without a copy. Dropping it before completion waits for the pull (the
@@ -387,9 +389,9 @@ class PullHandle {
     py::capsule owner(keep, [](void* p) {
       delete static_cast<std::shared_ptr<std::vector<float>>*>(p);
     });
-    return py::array_t<float>({static_cast<ssize_t>(n_),
-                               static_cast<ssize_t>(dim_)},
-                              (*keep)->data(), owner);
+    return py::array_t<float>(
+        {static_cast<ssize_t>(n_), static_cast<ssize_t>(dim_)}, (*keep)->data(),
+        owner);
   }
   bool done() const { return h_.done(); }
 
@@ -484,15 +486,15 @@ class PyEmbeddingClient {
     uint32_t d = Dim(table);
     size_t n = static_cast<size_t>(keys.size());
     if (static_cast<size_t>(grads.size()) != n * d) {
-      throw py::value_error("grads must hold len(keys) * dim = " +
-                            std::to_string(n * d) + " floats, not " +
-                            std::to_string(grads.size()));
+      throw py::value_error(
+          "grads must hold len(keys) * dim = " + std::to_string(n * d) +
+          " floats, not " + std::to_string(grads.size()));
     }
     membox::Result<EmbeddingHandle> h = membox::InternalError("");
     {
       py::gil_scoped_release nogil;
-      h = c_->PushAsync(table, {keys.data(), n}, {grads.data(), n * d},
-                        batch, release);
+      h = c_->PushAsync(table, {keys.data(), n}, {grads.data(), n * d}, batch,
+                        release);
     }
     return PushHandle(Check(std::move(h)));
   }

@@ -18,9 +18,9 @@
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
 #include "membox/base/subprocess.h"
+#include "membox/embedding/server.h"
 #include "membox/memserver/client.h"
 #include "membox/memserver/server.h"
-#include "membox/embedding/server.h"
 #include "membox/ps/proxy.h"
 
 #ifdef MEMBOX_WITH_BENCH

@@ -54,12 +54,27 @@ Result<ServerProcess> ServerProcess::StartEmbeddingNode(
     out << s.secret_ << "\n";
     if (!out) return InternalError("cannot write " + s.secret_file_);
   }
-  s.proc_ = Subprocess::Start(
-      {"/proc/self/exe", "--log-level", "warn", "serve", "--listen",
-       "127.0.0.1:0", "--exit-with-parent", "--pool-size", "16MiB",
-       "--secret-file", s.secret_file_, "--ps-listen", "off", "--emb-listen",
-       "127.0.0.1:0", "--emb-dir", dir, "--emb-budget", std::to_string(budget),
-       "--emb-flush-interval-ms", "0"});
+  s.proc_ = Subprocess::Start({"/proc/self/exe",
+                               "--log-level",
+                               "warn",
+                               "serve",
+                               "--listen",
+                               "127.0.0.1:0",
+                               "--exit-with-parent",
+                               "--pool-size",
+                               "16MiB",
+                               "--secret-file",
+                               s.secret_file_,
+                               "--ps-listen",
+                               "off",
+                               "--emb-listen",
+                               "127.0.0.1:0",
+                               "--emb-dir",
+                               dir,
+                               "--emb-budget",
+                               std::to_string(budget),
+                               "--emb-flush-interval-ms",
+                               "0"});
   if (!s.proc_) return InternalError("cannot start membox serve");
   auto ep =
       s.proc_->WaitFor("membox serve: listening on ", std::chrono::seconds(60));

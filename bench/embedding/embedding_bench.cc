@@ -195,9 +195,9 @@ Result<double> RunPipeline(embedding::SsdStore* ssd,
 // prefetch each batch is pulled (pinned), "trained" for compute_s and
 // pushed; with it, EmbeddingPipeline fetches `depth` batches ahead.
 struct RemoteResult {
-  double mean_pull_s = 0;   // warm-up: pull time per batch, nothing else
-  double mean_push_s = 0;   // warm-up: push time per batch
-  double rows_per_s = 0;    // pulls of the no-prefetch run
+  double mean_pull_s = 0;  // warm-up: pull time per batch, nothing else
+  double mean_push_s = 0;  // warm-up: push time per batch
+  double rows_per_s = 0;   // pulls of the no-prefetch run
   double compute_s = 0;
   double blocked_off_s = 0, blocked_on_s = 0;  // per batch
 };
@@ -214,10 +214,10 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
     fs::path d = base / ("node" + std::to_string(i));
     fs::create_directories(d);
     ASSIGN_OR_RETURN(
-        auto s, ServerProcess::StartEmbeddingNode(
-                    d.string(),
-                    static_cast<uint64_t>(keys * row * o.budget_fraction / 2),
-                    secret));
+        auto s,
+        ServerProcess::StartEmbeddingNode(
+            d.string(),
+            static_cast<uint64_t>(keys * row * o.budget_fraction / 2), secret));
     co.nodes.push_back(s.embedding_endpoint());
     nodes.push_back(std::move(s));
   }
@@ -251,8 +251,8 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
       RETURN_IF_ERROR(client->Pull(t, trace[s], out.data(), s + 1));
       pull += Sec(Clock::now() - t0);
       t0 = Clock::now();
-      RETURN_IF_ERROR(client->Push(t, trace[s], grads_for(trace[s].size()),
-                                   s + 1, true));
+      RETURN_IF_ERROR(
+          client->Push(t, trace[s], grads_for(trace[s].size()), s + 1, true));
       push += Sec(Clock::now() - t0);
     }
     r.mean_pull_s = pull / n;
@@ -275,8 +275,8 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
       blocked += Sec(Clock::now() - t0);
       rows += trace[s].size();
       compute();
-      RETURN_IF_ERROR(client->Push(t, trace[s], grads_for(trace[s].size()),
-                                   s + 1, true));
+      RETURN_IF_ERROR(
+          client->Push(t, trace[s], grads_for(trace[s].size()), s + 1, true));
     }
     r.blocked_off_s = blocked / trace.size();
     r.rows_per_s = rows / blocked;
@@ -287,15 +287,14 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
     embedding::PipelineOptions po;
     po.depth = 2;
     po.partitions = 2;
-    ASSIGN_OR_RETURN(
-        auto p, embedding::EmbeddingPipeline::Start(
-                    client.get(), t,
-                    [&](std::vector<uint64_t>* k) -> Result<bool> {
-                      if (next == trace.size()) return false;
-                      *k = trace[next++];
-                      return true;
-                    },
-                    po));
+    ASSIGN_OR_RETURN(auto p, embedding::EmbeddingPipeline::Start(
+                                 client.get(), t,
+                                 [&](std::vector<uint64_t>* k) -> Result<bool> {
+                                   if (next == trace.size()) return false;
+                                   *k = trace[next++];
+                                   return true;
+                                 },
+                                 po));
     for (;;) {
       ASSIGN_OR_RETURN(auto b, p->Next());
       if (!b) break;
@@ -403,7 +402,8 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
   Progress(4, 5, "remote: 2 memory nodes, prefetch off / on");
   fs::remove_all(base);
   std::vector<std::vector<uint64_t>> remote_trace(
-      trace.begin(), trace.begin() + std::min<size_t>(trace.size(), q ? 60 : 200));
+      trace.begin(),
+      trace.begin() + std::min<size_t>(trace.size(), q ? 60 : 200));
   auto rr = RunRemote(o, keys, remote_trace, base);
   fs::remove_all(base);
   if (!rr.ok()) {
@@ -438,8 +438,7 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
       "%.2f + push %.2f ms/batch, compute %.2f ms/batch): pulls %.0f "
       "rows/s; blocked %.3f ms vs %.3f ms without = %.2fx\n",
       rr->mean_pull_s * 1e3, rr->mean_push_s * 1e3, rr->compute_s * 1e3,
-      rr->rows_per_s, rr->blocked_on_s * 1e3,
-      rr->blocked_off_s * 1e3,
+      rr->rows_per_s, rr->blocked_on_s * 1e3, rr->blocked_off_s * 1e3,
       rr->blocked_on_s / std::max(1e-12, rr->blocked_off_s));
   Status st = report.Finish(o.common, "pulls_per_s",
                             "embedding tiers: pulls per second", false, "case");

@@ -11,6 +11,7 @@
 
 #include "membox/base/logging.h"
 #include "membox/transport/device.h"
+
 #include "src/embedding/protocol.h"
 
 namespace membox::embedding {
@@ -147,10 +148,9 @@ class Node {
   void OnReply(const std::vector<uint8_t>& bytes) {
     auto m = proto::Decode(bytes);
     if (!m.ok() || m->type != Type::kReply) {
-      Fail(DataLossError("embedding node " + endpoint_ +
-                         " sent a bad reply: " +
-                         (m.ok() ? std::string("not a reply")
-                                 : m.status().ToString())));
+      Fail(DataLossError(
+          "embedding node " + endpoint_ + " sent a bad reply: " +
+          (m.ok() ? std::string("not a reply") : m.status().ToString())));
       return;
     }
     ReplyFn f;
@@ -314,11 +314,10 @@ class ClientImpl final : public EmbeddingClient {
           std::move(msgs[k].second), [op, idx, state, d](Result<Message> r) {
             if (!r.ok()) return state->Finish(r.status());
             if (r->values.size() != idx->size() * size_t(d)) {
-              return state->Finish(
-                  DataLossError("embedding node replied with " +
-                                std::to_string(r->values.size()) +
-                                " values for " + std::to_string(idx->size()) +
-                                " rows"));
+              return state->Finish(DataLossError(
+                  "embedding node replied with " +
+                  std::to_string(r->values.size()) + " values for " +
+                  std::to_string(idx->size()) + " rows"));
             }
             for (size_t j = 0; j < idx->size(); ++j) {
               const float* row = r->values.data() + j * d;

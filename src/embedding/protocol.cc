@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "membox/transport/channel.h"
+
 #include "src/transport/wire.h"
 
 namespace membox::embedding::proto {

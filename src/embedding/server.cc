@@ -24,6 +24,7 @@
 #include "membox/embedding/ssd_store.h"
 #include "membox/embedding/table.h"
 #include "membox/transport/device.h"
+
 #include "src/embedding/protocol.h"
 
 namespace membox::embedding {
@@ -204,7 +205,9 @@ class ServerImpl final : public EmbeddingServer {
           [this, id](std::vector<uint8_t> m) {
             Post(Event{id, false, std::move(m), nullptr});
           },
-          [this, id](const Status&) { Post(Event{id, true, {}, nullptr}); });
+          [this, id](const Status&) {
+            Post(Event{id, true, {}, nullptr});
+          });
     }
   }
 
@@ -424,21 +427,20 @@ class ServerImpl final : public EmbeddingServer {
     ASSIGN_OR_RETURN(Table * t, FindTable(m.table_id));
     const uint32_t d = t->config.dim;
     if (m.keys.size() > proto::MaxKeysPerMessage(d)) {
-      return InvalidArgumentError("too many keys in one pull (" +
-                                  std::to_string(m.keys.size()) + " > " +
-                                  std::to_string(proto::MaxKeysPerMessage(d)) +
-                                  ")");
+      return InvalidArgumentError(
+          "too many keys in one pull (" + std::to_string(m.keys.size()) +
+          " > " + std::to_string(proto::MaxKeysPerMessage(d)) + ")");
     }
     out->resize(m.keys.size() * size_t(d));
     if (m.batch == 0) {
       // Nothing stays pinned: go through the memory tier in pieces that fit
       // its budget whatever the request's size.
-      RETURN_IF_ERROR(ForEachChunk(t, m.keys, [&](size_t b, size_t e,
-                                                   std::vector<uint8_t*>& r) {
-        for (size_t i = b; i < e; ++i) {
-          std::memcpy(out->data() + i * d, r[i - b], d * 4);
-        }
-      }));
+      RETURN_IF_ERROR(ForEachChunk(
+          t, m.keys, [&](size_t b, size_t e, std::vector<uint8_t*>& r) {
+            for (size_t i = b; i < e; ++i) {
+              std::memcpy(out->data() + i * d, r[i - b], d * 4);
+            }
+          }));
     } else {
       // The batch's working set stays pinned: it must fit as a whole.
       bool fresh = !c.batches.count({m.table_id, m.batch});
@@ -463,9 +465,8 @@ class ServerImpl final : public EmbeddingServer {
     const uint32_t d = t->config.dim;
     if (m.values.size() != m.keys.size() * size_t(d)) {
       return InvalidArgumentError(
-          "push carries " + std::to_string(m.values.size()) +
-          " values for " + std::to_string(m.keys.size()) + " keys of dim " +
-          std::to_string(d));
+          "push carries " + std::to_string(m.values.size()) + " values for " +
+          std::to_string(m.keys.size()) + " keys of dim " + std::to_string(d));
     }
     for (float v : m.values) {
       if (!std::isfinite(v)) {
@@ -574,9 +575,8 @@ class ServerImpl final : public EmbeddingServer {
         << " ssd_reads " << ms.ssd_reads << " evicted_to_ssd "
         << ms.evicted_to_ssd << "\n  ssd keys " << ss.keys << " files "
         << ss.files << " live_bytes " << ss.live_bytes << " file_bytes "
-        << ss.file_bytes << " write_amplification "
-        << ss.write_amplification() << " compactions " << ss.compactions
-        << "\n";
+        << ss.file_bytes << " write_amplification " << ss.write_amplification()
+        << " compactions " << ss.compactions << "\n";
     }
     return o.str();
   }
@@ -587,11 +587,11 @@ class ServerImpl final : public EmbeddingServer {
   std::mutex compact_mu_;
   std::condition_variable compact_cv_;
   std::vector<SsdStore*> compact_queue_;  // GUARDED_BY(compact_mu_)
-  bool compact_stop_ = false;            // GUARDED_BY(compact_mu_)
+  bool compact_stop_ = false;             // GUARDED_BY(compact_mu_)
   std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<bool> running_{false};  // written under mu_
-  std::deque<Event> events_;     // GUARDED_BY(mu_)
+  std::deque<Event> events_;          // GUARDED_BY(mu_)
   std::atomic<uint64_t> next_conn_{1};
   // Event thread only:
   std::unordered_map<uint64_t, Conn> conns_;

@@ -1,6 +1,8 @@
 // The embedding service end to end in one process: servers on loopback,
 // clients, the pipeline. Real daemons and kill -9 are in
 // tests/integration/embedding_daemon_test.cc.
+#include "membox/embedding/server.h"
+
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -11,8 +13,8 @@
 
 #include "membox/embedding/client.h"
 #include "membox/embedding/pipeline.h"
-#include "membox/embedding/server.h"
 #include "membox/transport/device.h"
+
 #include "src/embedding/protocol.h"
 
 namespace membox::embedding {
@@ -197,8 +199,7 @@ TEST_F(EmbeddingServerTest, BadInputIsRefusedAndChangesNothing) {
   std::vector<float> before(8), after(8);
   ASSERT_TRUE(c->Pull(*t, keys, before.data()).ok());
   std::vector<float> wrong_size(7, 1.f);
-  EXPECT_EQ(c->Push(*t, keys, wrong_size).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->Push(*t, keys, wrong_size).code(), StatusCode::kInvalidArgument);
   std::vector<float> nan(8, std::nanf(""));
   auto st = c->Push(*t, keys, nan);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
@@ -419,8 +420,10 @@ TEST_F(EmbeddingServerTest, APipelineStoppedEarlyReleasesPrefetchedPins) {
   Status err;
   for (int i = 0; i < 5 && err.ok(); ++i) {
     auto r = (*p2)->Next();
-    if (!r.ok()) err = r.status();
-    else if (*r) ASSERT_TRUE((*p2)->Complete(std::move(*r)).ok());
+    if (!r.ok())
+      err = r.status();
+    else if (*r)
+      ASSERT_TRUE((*p2)->Complete(std::move(*r)).ok());
   }
   EXPECT_NE(err.message().find("reader broke"), std::string::npos);
   EXPECT_FALSE(EmbeddingPipeline::Start(c.get(), *t, nullptr, {}).ok());

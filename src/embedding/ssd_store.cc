@@ -291,8 +291,7 @@ class SsdStoreImpl final : public SsdStore {
         fd = files_.at(n).fd;
       }
       for (uint64_t off = kFileHeaderBytes; off + record_bytes_ <= size;) {
-        uint64_t count =
-            std::min(kChunkRecords, (size - off) / record_bytes_);
+        uint64_t count = std::min(kChunkRecords, (size - off) / record_bytes_);
         buf.resize(count * record_bytes_);
         // The victim is immutable (not active), so it is read unlocked.
         RETURN_IF_ERROR(ReadAt(fd, buf.data(), buf.size(), off));

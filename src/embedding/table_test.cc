@@ -28,7 +28,8 @@ TEST(TableTest, RowLayoutPerOptimizer) {
 TEST(TableTest, InitializerIsSeededPerKeyAndBounded) {
   TableConfig c = Config(RowOptimizer::kAdagrad, 16);
   c.initial_accumulator = 0.5;
-  std::vector<float> a(c.row_floats()), b(c.row_floats()), other(c.row_floats());
+  std::vector<float> a(c.row_floats()), b(c.row_floats()),
+      other(c.row_floats());
   InitializeRow(c, 42, a);
   InitializeRow(c, 42, b);
   InitializeRow(c, 43, other);

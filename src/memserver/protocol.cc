@@ -8,12 +8,12 @@
 namespace membox::memserver::proto {
 namespace {
 
-using transport::wire::Reader;
-using transport::wire::Writer;
 using transport::wire::GetF64;
 using transport::wire::GetStr;
 using transport::wire::PutF64;
 using transport::wire::PutStr;
+using transport::wire::Reader;
+using transport::wire::Writer;
 
 constexpr uint8_t kRequestMagic = 'Q';
 constexpr uint8_t kResponseMagic = 'A';

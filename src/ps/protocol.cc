@@ -8,8 +8,6 @@
 namespace membox::ps::proto {
 namespace {
 
-using transport::wire::Reader;
-using transport::wire::Writer;
 using transport::wire::GetBool;
 using transport::wire::GetBytes;
 using transport::wire::GetF64;
@@ -17,6 +15,8 @@ using transport::wire::GetStr;
 using transport::wire::PutBytes;
 using transport::wire::PutF64;
 using transport::wire::PutStr;
+using transport::wire::Reader;
+using transport::wire::Writer;
 
 constexpr uint8_t kMagic = 'P';
 constexpr uint8_t kVersion = 1;

@@ -44,12 +44,26 @@ class EmbeddingDaemonTest : public ::testing::Test {
   }
 
   void StartNode(int i, const std::string& budget) {
-    auto d = Subprocess::Start(
-        {MEMBOX_BIN, "serve", "--listen", "127.0.0.1:0", "--pool-size",
-         "16MiB", "--secret-file", secret_file_, "--ps-listen", "off",
-         "--emb-listen", eps_[i], "--emb-dir",
-         (dir_ / ("node" + std::to_string(i))).string(), "--emb-budget",
-         budget, "--emb-file-size", "256KiB", "--emb-flush-interval-ms", "0"});
+    auto d = Subprocess::Start({MEMBOX_BIN,
+                                "serve",
+                                "--listen",
+                                "127.0.0.1:0",
+                                "--pool-size",
+                                "16MiB",
+                                "--secret-file",
+                                secret_file_,
+                                "--ps-listen",
+                                "off",
+                                "--emb-listen",
+                                eps_[i],
+                                "--emb-dir",
+                                (dir_ / ("node" + std::to_string(i))).string(),
+                                "--emb-budget",
+                                budget,
+                                "--emb-file-size",
+                                "256KiB",
+                                "--emb-flush-interval-ms",
+                                "0"});
     ASSERT_TRUE(d);
     ASSERT_TRUE(d->WaitFor("membox serve: embedding server on ", 30s))
         << "node " << i << " did not start";
@@ -108,7 +122,8 @@ TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
   const uint32_t d = cfg.dim;
   std::vector<uint64_t> keys = Keys(3000, 1);
   std::vector<float> g(keys.size() * d, 0.5f);
-  for (int round = 0; round < 3; ++round) ASSERT_TRUE(w->Push(*t, keys, g).ok());
+  for (int round = 0; round < 3; ++round)
+    ASSERT_TRUE(w->Push(*t, keys, g).ok());
   ASSERT_TRUE(w->Flush().ok());  // acknowledged
   std::vector<float> acked(keys.size() * d);
   ASSERT_TRUE(w->Pull(*t, keys, acked.data()).ok());

@@ -38,10 +38,11 @@ namespace membox::embedding {
 // accumulators contiguously.
 class WorkingSet {
  public:
-  WorkingSet(std::span<const uint64_t> keys, uint32_t dim,
-             uint32_t partitions);
+  WorkingSet(std::span<const uint64_t> keys, uint32_t dim, uint32_t partitions);
   uint32_t dim() const { return dim_; }
-  uint32_t partitions() const { return static_cast<uint32_t>(begin_.size()) - 1; }
+  uint32_t partitions() const {
+    return static_cast<uint32_t>(begin_.size()) - 1;
+  }
   size_t batch_size() const { return slot_.size(); }
   // Distinct keys, partition by partition.
   std::span<const uint64_t> unique_keys() const { return unique_; }
@@ -64,8 +65,8 @@ class WorkingSet {
 };
 
 struct PipelineBatch {
-  uint64_t id = 0;                // 1, 2, ...
-  std::vector<uint64_t> keys;     // as read, duplicates included
+  uint64_t id = 0;             // 1, 2, ...
+  std::vector<uint64_t> keys;  // as read, duplicates included
   std::unique_ptr<WorkingSet> working_set;
   uint64_t pin_tag = 0;  // the batch id the nodes pinned its rows under
 };
@@ -83,7 +84,7 @@ struct PipelineStats {
   uint64_t batches = 0;
   double blocked_seconds = 0;  // Next() waiting for a batch
   double read_seconds = 0, pull_seconds = 0, place_seconds = 0;
-  double push_seconds = 0;     // Complete() submitting
+  double push_seconds = 0;  // Complete() submitting
 };
 
 class EmbeddingPipeline {

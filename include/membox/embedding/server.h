@@ -39,8 +39,8 @@ namespace membox::embedding {
 struct EmbeddingServerOptions {
   std::string listen = "0.0.0.0:7312";
   std::string transports = "auto";
-  std::string secret;                // required, >= 8 bytes
-  std::string dir;                   // required; tables live in <dir>/<name>
+  std::string secret;                  // required, >= 8 bytes
+  std::string dir;                     // required; tables live in <dir>/<name>
   uint64_t budget_bytes = 1ull << 30;  // memory tier of each table
   uint64_t file_bytes = 64ull << 20;   // SSD tier file size
   std::chrono::milliseconds flush_interval{10000};  // 0: only when asked

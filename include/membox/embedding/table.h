@@ -5,8 +5,8 @@
 //
 // Row layout (floats): [value: dim][state: StateFloats()]
 //   kSgd      no state                     w -= lr * g
-//   kAdagrad  accumulator: dim             a += g*g; w -= lr * g / (sqrt(a) + eps)
-//   kAdam     m: dim, v: dim, step: 1      per-row step count for the bias
+//   kAdagrad  accumulator: dim             a += g*g; w -= lr * g / (sqrt(a) +
+//   eps) kAdam     m: dim, v: dim, step: 1      per-row step count for the bias
 //             correction (a row's moments only advance when it is touched,
 //             the "lazy" sparse Adam)
 // New rows: values uniform in [-init_scale, init_scale] from a generator
