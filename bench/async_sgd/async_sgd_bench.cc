@@ -180,8 +180,44 @@ Status PipelinedExchange(memserver::Client& c, memserver::Segment* w,
   return err_r;
 }
 
-int MemboxWorker(bool overlapped, size_t bytes, int compute_ms, int iters,
-                 const std::string& server, const std::string& secret_file) {
+// The same exchange for a worker on the memory node's host that produces its
+// gradient straight into the mapped gradient segment (Segment::Map(), the
+// load/store access of seed 003 §III.G): no write-sync; the node
+// accumulates from the segment and the weights are read-synced, pipelined
+// over the same chunks.
+Status MappedExchange(memserver::Client& c, memserver::Segment* w,
+                      memserver::Segment* g, size_t bytes) {
+  constexpr size_t kChunks = 4;
+  size_t chunk = (bytes / kChunks + 4095) & ~size_t{4095};
+  std::vector<std::pair<size_t, size_t>> parts;
+  for (size_t off = 0; off < bytes; off += chunk) {
+    parts.emplace_back(off, std::min(chunk, bytes - off));
+  }
+  std::atomic<size_t> accumulated{0};
+  EventCount ev;
+  Status err_a, err_r;
+  std::thread rd([&] {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      SpinThenBlock([&] { return accumulated.load() >= i + 1; }, &ev,
+                    std::chrono::minutes(5));
+      if (err_r.ok()) err_r = c.ReadSync(w, parts[i].first, parts[i].second);
+    }
+  });
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (err_a.ok()) {
+      err_a = c.Accumulate(w, g, transport::DType::kFloat32, -0.01,
+                           parts[i].first, parts[i].second);
+    }
+    accumulated.store(i + 1);
+    ev.Notify();
+  }
+  rd.join();
+  return err_a.ok() ? err_r : err_a;
+}
+
+int MemboxWorker(bool overlapped, bool mapped, size_t bytes, int compute_ms,
+                 int iters, const std::string& server,
+                 const std::string& secret_file) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   memserver::ClientOptions o;
@@ -212,12 +248,23 @@ int MemboxWorker(bool overlapped, size_t bytes, int compute_ms, int iters,
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
   std::fill_n(static_cast<float*>((*g)->data()), bytes / 4, 0.001f);
+  if (mapped) {
+    // The gradient lives in the node's pool; "computing" it writes there.
+    auto* in_pool = static_cast<float*>((*g)->Map());
+    if (in_pool == nullptr) {
+      std::fprintf(stderr, "rank %d: the segment cannot be mapped here\n",
+                   rank);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    std::fill_n(in_pool, bytes / 4, 0.001f);
+  }
   double comm = 0, iter = 0;
   Status err;
   Loop(
       overlapped, compute_ms, iters,
       [&] {
-        Status s = PipelinedExchange(**c, *w, *g, bytes);
+        Status s = mapped ? MappedExchange(**c, *w, *g, bytes)
+                          : PipelinedExchange(**c, *w, *g, bytes);
         if (!s.ok()) err = s;
       },
       &comm, &iter);
@@ -297,9 +344,10 @@ int RunAsyncSgdWorker(const std::vector<std::string>& a) {
   bool overlapped = a[1] == "overlapped";
   size_t bytes = std::stoull(a[2]) / 4 * 4;
   int compute = std::stoi(a[3]), iters = std::stoi(a[4]);
-  int rc = a[0] == "mpi" ? MpiWorker(overlapped, bytes, compute, iters)
-                         : MemboxWorker(overlapped, bytes, compute, iters,
-                                        a.at(5), a.at(6));
+  int rc = a[0] == "mpi"
+               ? MpiWorker(overlapped, bytes, compute, iters)
+               : MemboxWorker(overlapped, a[0] == "membox-mapped", bytes,
+                              compute, iters, a.at(5), a.at(6));
   MPI_Finalize();
   return rc;
 }
@@ -347,22 +395,28 @@ int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
         std::vector<std::string> common = {sc, std::to_string(bytes),
                                            std::to_string(m.compute_ms),
                                            std::to_string(iters)};
-        std::vector<std::string> mpi_args = {"mpi"}, mbx_args = {"membox"};
+        std::vector<std::string> mpi_args = {"mpi"}, mbx_args = {"membox"},
+                                 map_args = {"membox-mapped"};
         mpi_args.insert(mpi_args.end(), common.begin(), common.end());
-        mbx_args.insert(mbx_args.end(), common.begin(), common.end());
-        mbx_args.push_back(server->endpoint());
-        mbx_args.push_back(server->secret_file());
+        for (auto* a : {&mbx_args, &map_args}) {
+          a->insert(a->end(), common.begin(), common.end());
+          a->push_back(server->endpoint());
+          a->push_back(server->secret_file());
+        }
         auto mpi = Launch(w + 1, mpi_args, w);
         auto mbx = Launch(w, mbx_args, w);
-        if (!mpi.ok() || !mbx.ok()) {
-          std::fprintf(stderr, "%s: mpi %s, membox %s\n", m.name,
-                       mpi.status().ToString().c_str(),
-                       mbx.status().ToString().c_str());
+        auto map = Launch(w, map_args, w);
+        if (!mpi.ok() || !mbx.ok() || !map.ok()) {
+          std::fprintf(stderr, "%s: mpi %s, membox %s, membox-mapped %s\n",
+                       m.name, mpi.status().ToString().c_str(),
+                       mbx.status().ToString().c_str(),
+                       map.status().ToString().c_str());
           return 1;
         }
         for (auto& [variant, out] :
              {std::pair<const char*, Outcome>{"mpi", *mpi},
-              std::pair<const char*, Outcome>{"membox", *mbx}}) {
+              std::pair<const char*, Outcome>{"membox", *mbx},
+              std::pair<const char*, Outcome>{"membox-mapped", *map}}) {
           rep.Add({"", variant, bytes, w, std::string(sc) + "_comm_time",
                    out.comm_ms, "ms", m.name});
           rep.Add({"", variant, bytes, w, std::string(sc) + "_iteration_time",
@@ -372,7 +426,7 @@ int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
     }
   }
 
-  double ratio_sum = 0;
+  double ratio_sum = 0, map_ratio_sum = 0;
   int ratio_n = 0;
   for (const char* sc : scenarios) {
     std::printf(
@@ -380,9 +434,9 @@ int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
         "over "
         "workers\n\n",
         sc);
-    std::printf("%-20s %4s | %9s %9s %7s | %9s %9s %7s\n", "model", "W",
-                "mpi comm", "mbx comm", "ratio", "mpi iter", "mbx iter",
-                "ratio");
+    std::printf("%-20s %4s | %9s %9s %7s %9s %7s | %9s %9s %7s %9s %7s\n",
+                "model", "W", "mpi comm", "mbx comm", "ratio", "map comm",
+                "ratio", "mpi iter", "mbx iter", "ratio", "map iter", "ratio");
     for (const Model& m : models) {
       const uint64_t bytes = static_cast<uint64_t>(m.megabytes * 1e6);
       for (int w : workers) {
@@ -397,13 +451,19 @@ int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
         };
         double mc = get("mpi", std::string(sc) + "_comm_time");
         double bc = get("membox", std::string(sc) + "_comm_time");
+        double pc = get("membox-mapped", std::string(sc) + "_comm_time");
         double mi = get("mpi", std::string(sc) + "_iteration_time");
         double bi = get("membox", std::string(sc) + "_iteration_time");
+        double pi = get("membox-mapped", std::string(sc) + "_iteration_time");
         if (std::isnan(mc)) continue;
-        std::printf("%-20s %4d | %9.1f %9.1f %6.2fx | %9.1f %9.1f %6.2fx\n",
-                    m.name, w, mc, bc, mc / bc, mi, bi, mi / bi);
+        std::printf(
+            "%-20s %4d | %9.1f %9.1f %6.2fx %9.1f %6.2fx | %9.1f %9.1f %6.2fx "
+            "%9.1f %6.2fx\n",
+            m.name, w, mc, bc, mc / bc, pc, mc / pc, mi, bi, mi / bi, pi,
+            mi / pi);
         if (std::string(sc) == "sequential") {
           ratio_sum += mc / bc;
+          map_ratio_sum += mc / pc;
           ++ratio_n;
         }
       }
@@ -413,8 +473,9 @@ int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
     std::printf(
         "\nsequential communication time, MPI / membox, mean over models and "
         "worker "
-        "counts: %.2fx\n",
-        ratio_sum / ratio_n);
+        "counts: %.2fx (write-sync, accumulate, read-sync); %.2fx with the "
+        "gradient produced in the mapped segment (accumulate, read-sync)\n",
+        ratio_sum / ratio_n, map_ratio_sum / ratio_n);
   }
   if (!skipped.empty()) {
     std::printf("skipped (memory budget %s): ",

@@ -311,6 +311,9 @@ class SsdStoreImpl final : public SsdStore {
           // recovery sees two identical versions.
           RETURN_IF_ERROR(AppendLocked(r->key, r->seq, r->tombstone, r->row));
         }
+        // Get reads records from the files: none may stay in the buffer
+        // when the lock goes.
+        RETURN_IF_ERROR(FlushBufferLocked());
         off += count * record_bytes_;
       }
     }

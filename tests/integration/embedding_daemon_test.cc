@@ -126,7 +126,8 @@ TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
     ASSERT_TRUE(w->Push(*t, keys, g).ok());
   ASSERT_TRUE(w->Flush().ok());  // acknowledged
   std::vector<float> acked(keys.size() * d);
-  ASSERT_TRUE(w->Pull(*t, keys, acked.data()).ok());
+  Status pulled = w->Pull(*t, keys, acked.data());
+  ASSERT_TRUE(pulled.ok()) << pulled.ToString();
   // More updates, never flushed.
   std::vector<float> g2(keys.size() * d, -2.0f);
   ASSERT_TRUE(w->Push(*t, keys, g2).ok());
@@ -170,7 +171,9 @@ TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
   EXPECT_GT(on_killed, 1000u);
   EXPECT_EQ(lost, 0u) << "values that are neither the acknowledged nor the "
                          "later state";
-  if (all_in_memory) EXPECT_EQ(unflushed_kept, 0u);
+  if (all_in_memory) {
+    EXPECT_EQ(unflushed_kept, 0u);
+  }
   auto text = w2->NodeStatus(1);
   ASSERT_TRUE(text.ok());
   EXPECT_NE(text->find("ssd keys"), std::string::npos) << *text;
