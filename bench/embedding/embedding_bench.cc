@@ -85,6 +85,9 @@ void Update(std::vector<uint8_t*>& rows, int dim) {
 
 struct TierResult {
   double pull_seconds = 0, rows = 0, lookups = 0;
+  // Apply + unpin, and every 20 batches the flush (and compaction) that
+  // writes the updated rows to the SSD tier.
+  double push_seconds = 0;
   embedding::SsdStats ssd;
   embedding::MemTierStats mem;
   double mean_fetch_s = 0;
@@ -111,6 +114,7 @@ Result<TierResult> RunTier(embedding::SsdStore* ssd,
     r.pull_seconds += Sec(Clock::now() - t0);
     r.rows += rows.size();
     r.lookups += o.batch;
+    t0 = Clock::now();
     Update(rows, o.dim);
     tier->MarkDirty(trace[s]);
     RETURN_IF_ERROR(tier->Release(s));
@@ -118,6 +122,7 @@ Result<TierResult> RunTier(embedding::SsdStore* ssd,
       RETURN_IF_ERROR(tier->Flush());
       RETURN_IF_ERROR(ssd->Compact());
     }
+    r.push_seconds += Sec(Clock::now() - t0);
   }
   RETURN_IF_ERROR(tier->Flush());
   r.ssd = ssd->Stats();
@@ -198,6 +203,7 @@ struct RemoteResult {
   double mean_pull_s = 0;  // warm-up: pull time per batch, nothing else
   double mean_push_s = 0;  // warm-up: push time per batch
   double rows_per_s = 0;   // pulls of the no-prefetch run
+  double push_rows_per_s = 0;  // pushes of the no-prefetch run
   double compute_s = 0;
   double blocked_off_s = 0, blocked_on_s = 0;  // per batch
 };
@@ -267,7 +273,7 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
   {  // no prefetch
     ASSIGN_OR_RETURN(uint32_t t, open("no-prefetch"));
     std::vector<float> out;
-    double blocked = 0, rows = 0;
+    double blocked = 0, rows = 0, push = 0;
     for (size_t s = 0; s < trace.size(); ++s) {
       out.resize(trace[s].size() * dim);
       auto t0 = Clock::now();
@@ -275,11 +281,14 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
       blocked += Sec(Clock::now() - t0);
       rows += trace[s].size();
       compute();
+      t0 = Clock::now();
       RETURN_IF_ERROR(
           client->Push(t, trace[s], grads_for(trace[s].size()), s + 1, true));
+      push += Sec(Clock::now() - t0);
     }
     r.blocked_off_s = blocked / trace.size();
     r.rows_per_s = rows / blocked;
+    r.push_rows_per_s = rows / push;
   }
   {  // the 4-stage pipeline, depth 2
     ASSIGN_OR_RETURN(uint32_t t, open("prefetch"));
@@ -371,6 +380,8 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
     res[variant] = *r;
     add(variant, "pulls_per_s", r->rows / r->pull_seconds, "rows/s");
     add(variant, "pull_GBps", r->rows * row / r->pull_seconds / 1e9, "GB/s");
+    add(variant, "pushes_per_s", r->rows / r->push_seconds, "rows/s");
+    add(variant, "push_GBps", r->rows * row / r->push_seconds / 1e9, "GB/s");
     add(variant, "write_amplification", r->ssd.write_amplification(), "x");
     add(variant, "ssd_rows_read", double(r->mem.ssd_reads), "rows");
     ssd.reset();
@@ -411,16 +422,20 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
     return 1;
   }
   add("remote-membox", "pulls_per_s", rr->rows_per_s, "rows/s");
+  add("remote-membox", "pushes_per_s", rr->push_rows_per_s, "rows/s");
   add("remote-no-prefetch", "blocked_ms", rr->blocked_off_s * 1e3, "ms/batch");
   add("remote-prefetch", "blocked_ms", rr->blocked_on_s * 1e3, "ms/batch");
   Progress(5, 5, "done");
   auto& m = res["membox"];
   auto& r = res["rocksdb"];
-  std::printf("\n%-9s %14s %10s %10s %14s\n", "SSD tier", "pulls/s", "GB/s",
-              "write amp", "SSD rows read");
+  std::printf("\n%-9s %12s %8s %12s %8s %10s %14s\n", "SSD tier",
+              "pulls/s", "GB/s", "pushes/s", "GB/s", "write amp",
+              "SSD rows read");
   for (auto& [name, t] : res) {
-    std::printf("%-9s %14.0f %10.3f %10.2f %14.0f\n", name.c_str(),
-                t.rows / t.pull_seconds, t.rows * row / t.pull_seconds / 1e9,
+    std::printf("%-9s %12.0f %8.3f %12.0f %8.3f %10.2f %14.0f\n",
+                name.c_str(), t.rows / t.pull_seconds,
+                t.rows * row / t.pull_seconds / 1e9, t.rows / t.push_seconds,
+                t.rows * row / t.push_seconds / 1e9,
                 t.ssd.write_amplification(), double(t.mem.ssd_reads));
   }
   std::printf(
@@ -436,9 +451,10 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
   std::printf(
       "remote (2 memory-node processes, worker pipeline depth 2; pull "
       "%.2f + push %.2f ms/batch, compute %.2f ms/batch): pulls %.0f "
-      "rows/s; blocked %.3f ms vs %.3f ms without = %.2fx\n",
+      "rows/s, pushes %.0f rows/s; blocked %.3f ms vs %.3f ms without = "
+      "%.2fx\n",
       rr->mean_pull_s * 1e3, rr->mean_push_s * 1e3, rr->compute_s * 1e3,
-      rr->rows_per_s, rr->blocked_on_s * 1e3, rr->blocked_off_s * 1e3,
+      rr->rows_per_s, rr->push_rows_per_s, rr->blocked_on_s * 1e3, rr->blocked_off_s * 1e3,
       rr->blocked_on_s / std::max(1e-12, rr->blocked_off_s));
   Status st = report.Finish(o.common, "pulls_per_s",
                             "embedding tiers: pulls per second", false, "case");

@@ -1,6 +1,7 @@
 #include "src/memserver/accumulate.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <latch>
@@ -233,22 +234,26 @@ void SyncCores::Run(DType t, void* dst, const void* src, size_t count,
                     double scale) {
   const size_t esize = transport::DTypeSize(t);
   const size_t min_chunk = std::max<size_t>(1, (256 << 10) / esize);
-  size_t chunks =
-      std::min<size_t>(workers_.size(), std::max<size_t>(1, count / min_chunk));
-  if (chunks <= 1) {
+  if (workers_.size() <= 1 || count < 2 * min_chunk) {
     AccumulateKernel(t, dst, src, count, scale);
     return;
   }
-  size_t per = (count + chunks - 1) / chunks;
-  per = (per + 15) & ~size_t{15};  // keep chunks vector-aligned
-  std::latch done(static_cast<std::ptrdiff_t>(chunks));
+  // Pieces of ~2 MiB handed out dynamically: on a crowded machine a sync
+  // core that loses its CPU for a while does fewer pieces instead of
+  // holding up a fixed half of the work.
+  size_t piece = std::max(min_chunk, (size_t{2} << 20) / esize);
+  piece = (piece + 15) & ~size_t{15};  // keep pieces vector-aligned
+  const size_t pieces = (count + piece - 1) / piece;
+  const size_t jobs = std::min(workers_.size(), pieces);
+  std::atomic<size_t> next{0};
+  std::latch done(static_cast<std::ptrdiff_t>(jobs));
   {
     std::lock_guard<std::mutex> l(mu_);
-    for (size_t c = 0; c < chunks; ++c) {
-      size_t begin = c * per;
-      size_t n = begin >= count ? 0 : std::min(per, count - begin);
-      q_.push_back([=, &done] {
-        if (n > 0) {
+    for (size_t j = 0; j < jobs; ++j) {
+      q_.push_back([=, &next, &done] {
+        for (size_t i = next.fetch_add(1); i < pieces; i = next.fetch_add(1)) {
+          size_t begin = i * piece;
+          size_t n = std::min(piece, count - begin);
           AccumulateKernel(t, static_cast<char*>(dst) + begin * esize,
                            static_cast<const char*>(src) + begin * esize, n,
                            scale);

@@ -39,8 +39,9 @@ class SyncCores {
   SyncCores(const SyncCores&) = delete;
   SyncCores& operator=(const SyncCores&) = delete;
 
-  // Splits the vectors into chunks (>= 256 KiB each, at most one per core)
-  // and returns when every chunk is done.
+  // Splits the vectors into pieces of about 2 MiB that the sync cores take
+  // dynamically (vectors under 512 KiB run in the caller) and returns when
+  // every piece is done.
   void Run(DType t, void* dst, const void* src, size_t count, double scale);
   // Runs fn(begin, end) over [0, count) split into at most threads() ranges
   // of at least `grain` items (aligned to 16 items), and returns when all
