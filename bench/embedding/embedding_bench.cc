@@ -200,9 +200,9 @@ Result<double> RunPipeline(embedding::SsdStore* ssd,
 // prefetch each batch is pulled (pinned), "trained" for compute_s and
 // pushed; with it, EmbeddingPipeline fetches `depth` batches ahead.
 struct RemoteResult {
-  double mean_pull_s = 0;  // warm-up: pull time per batch, nothing else
-  double mean_push_s = 0;  // warm-up: push time per batch
-  double rows_per_s = 0;   // pulls of the no-prefetch run
+  double mean_pull_s = 0;      // warm-up: pull time per batch, nothing else
+  double mean_push_s = 0;      // warm-up: push time per batch
+  double rows_per_s = 0;       // pulls of the no-prefetch run
   double push_rows_per_s = 0;  // pushes of the no-prefetch run
   double compute_s = 0;
   double blocked_off_s = 0, blocked_on_s = 0;  // per batch
@@ -428,14 +428,12 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
   Progress(5, 5, "done");
   auto& m = res["membox"];
   auto& r = res["rocksdb"];
-  std::printf("\n%-9s %12s %8s %12s %8s %10s %14s\n", "SSD tier",
-              "pulls/s", "GB/s", "pushes/s", "GB/s", "write amp",
-              "SSD rows read");
+  std::printf("\n%-9s %12s %8s %12s %8s %10s %14s\n", "SSD tier", "pulls/s",
+              "GB/s", "pushes/s", "GB/s", "write amp", "SSD rows read");
   for (auto& [name, t] : res) {
-    std::printf("%-9s %12.0f %8.3f %12.0f %8.3f %10.2f %14.0f\n",
-                name.c_str(), t.rows / t.pull_seconds,
-                t.rows * row / t.pull_seconds / 1e9, t.rows / t.push_seconds,
-                t.rows * row / t.push_seconds / 1e9,
+    std::printf("%-9s %12.0f %8.3f %12.0f %8.3f %10.2f %14.0f\n", name.c_str(),
+                t.rows / t.pull_seconds, t.rows * row / t.pull_seconds / 1e9,
+                t.rows / t.push_seconds, t.rows * row / t.push_seconds / 1e9,
                 t.ssd.write_amplification(), double(t.mem.ssd_reads));
   }
   std::printf(
@@ -454,7 +452,8 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
       "rows/s, pushes %.0f rows/s; blocked %.3f ms vs %.3f ms without = "
       "%.2fx\n",
       rr->mean_pull_s * 1e3, rr->mean_push_s * 1e3, rr->compute_s * 1e3,
-      rr->rows_per_s, rr->push_rows_per_s, rr->blocked_on_s * 1e3, rr->blocked_off_s * 1e3,
+      rr->rows_per_s, rr->push_rows_per_s, rr->blocked_on_s * 1e3,
+      rr->blocked_off_s * 1e3,
       rr->blocked_on_s / std::max(1e-12, rr->blocked_off_s));
   Status st = report.Finish(o.common, "pulls_per_s",
                             "embedding tiers: pulls per second", false, "case");
