@@ -48,6 +48,20 @@ T Check(membox::Result<T> r) {
   return std::move(*r);
 }
 
+// Waits for a C++ handle (PsHandle, EmbeddingHandle) with the GIL released;
+// a failure becomes the matching Python exception.
+template <typename H>
+void WaitWithoutGil(H& h, std::optional<double> timeout_s) {
+  Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = timeout_s ? h.Wait(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::duration<double>(*timeout_s)))
+                  : h.Wait();
+  }
+  if (!s.ok()) Throw(s);
+}
+
 // Runs Python callbacks and drops buffer references with the GIL, off the
 // transport's threads.
 class Completions {
@@ -103,17 +117,7 @@ class Handle {
  public:
   Handle(PsHandle h, std::shared_ptr<PyOp> op)
       : h_(std::move(h)), op_(std::move(op)) {}
-  void Wait(std::optional<double> timeout_s) {
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = timeout_s
-              ? h_.Wait(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::duration<double>(*timeout_s)))
-              : h_.Wait();
-    }
-    if (!s.ok()) Throw(s);
-  }
+  void Wait(std::optional<double> timeout_s) { WaitWithoutGil(h_, timeout_s); }
   bool done() const { return h_.done(); }
   uint64_t version() const { return h_.version(); }
   // fn(error_message_or_None) runs once when the operation completes.
@@ -376,15 +380,7 @@ class PullHandle {
     }
   }
   py::array Wait(std::optional<double> timeout_s) {
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = timeout_s
-              ? h_.Wait(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::duration<double>(*timeout_s)))
-              : h_.Wait();
-    }
-    if (!s.ok()) Throw(s);
+    WaitWithoutGil(h_, timeout_s);
     auto* keep = new std::shared_ptr<std::vector<float>>(rows_);
     py::capsule owner(keep, [](void* p) {
       delete static_cast<std::shared_ptr<std::vector<float>>*>(p);
@@ -405,17 +401,7 @@ class PullHandle {
 class PushHandle {
  public:
   explicit PushHandle(EmbeddingHandle h) : h_(std::move(h)) {}
-  void Wait(std::optional<double> timeout_s) {
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = timeout_s
-              ? h_.Wait(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::duration<double>(*timeout_s)))
-              : h_.Wait();
-    }
-    if (!s.ok()) Throw(s);
-  }
+  void Wait(std::optional<double> timeout_s) { WaitWithoutGil(h_, timeout_s); }
   bool done() const { return h_.done(); }
 
  private:

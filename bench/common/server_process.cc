@@ -13,6 +13,16 @@
 #include "membox/base/config.h"
 
 namespace membox::bench {
+namespace {
+
+Status WriteSecretFile(const std::string& path, const std::string& secret) {
+  std::ofstream out(path);
+  out << secret << "\n";
+  if (!out) return InternalError("cannot write " + path);
+  return Status::Ok();
+}
+
+}  // namespace
 
 Result<ServerProcess> ServerProcess::Start(uint64_t pool_bytes,
                                            const std::string& transports,
@@ -21,11 +31,7 @@ Result<ServerProcess> ServerProcess::Start(uint64_t pool_bytes,
   std::random_device rd;
   s.secret_ = "bench-" + std::to_string(rd()) + std::to_string(rd());
   s.secret_file_ = "/tmp/membox-bench-secret-" + std::to_string(getpid());
-  {
-    std::ofstream out(s.secret_file_);
-    out << s.secret_ << "\n";
-    if (!out) return InternalError("cannot write " + s.secret_file_);
-  }
+  RETURN_IF_ERROR(WriteSecretFile(s.secret_file_, s.secret_));
   s.proc_ = Subprocess::Start(
       {"/proc/self/exe", "--log-level", "warn", "serve", "--listen",
        "127.0.0.1:0", "--exit-with-parent", "--pool-size",
@@ -49,11 +55,7 @@ Result<ServerProcess> ServerProcess::StartEmbeddingNode(
   static int n = 0;
   s.secret_file_ = "/tmp/membox-bench-secret-" + std::to_string(getpid()) +
                    "-emb-" + std::to_string(n++);
-  {
-    std::ofstream out(s.secret_file_);
-    out << s.secret_ << "\n";
-    if (!out) return InternalError("cannot write " + s.secret_file_);
-  }
+  RETURN_IF_ERROR(WriteSecretFile(s.secret_file_, s.secret_));
   s.proc_ = Subprocess::Start({"/proc/self/exe",
                                "--log-level",
                                "warn",
@@ -98,11 +100,7 @@ Result<ServerProcess> ServerProcess::StartWithProxy(
                   : secret;
   s.secret_file_ = "/tmp/membox-bench-secret-" + std::to_string(getpid()) +
                    "-" + std::to_string(ps_rank);
-  {
-    std::ofstream out(s.secret_file_);
-    out << s.secret_ << "\n";
-    if (!out) return InternalError("cannot write " + s.secret_file_);
-  }
+  RETURN_IF_ERROR(WriteSecretFile(s.secret_file_, s.secret_));
   std::vector<std::string> argv = {"/proc/self/exe",
                                    "--log-level",
                                    "warn",
