@@ -22,27 +22,54 @@ Status WriteSecretFile(const std::string& path, const std::string& secret) {
   return Status::Ok();
 }
 
+std::string RandomSecret() {
+  std::random_device rd;
+  return "bench-" + std::to_string(rd()) + std::to_string(rd());
+}
+
 }  // namespace
+
+Status ServerProcess::Spawn(const std::string& secret,
+                            const std::string& file_suffix,
+                            const std::vector<std::string>& args) {
+  secret_ = secret;
+  secret_file_ =
+      "/tmp/membox-bench-secret-" + std::to_string(getpid()) + file_suffix;
+  RETURN_IF_ERROR(WriteSecretFile(secret_file_, secret_));
+  std::vector<std::string> argv = {"/proc/self/exe",
+                                   "--log-level",
+                                   "warn",
+                                   "serve",
+                                   "--listen",
+                                   "127.0.0.1:0",
+                                   "--exit-with-parent",
+                                   "--secret-file",
+                                   secret_file_};
+  argv.insert(argv.end(), args.begin(), args.end());
+  proc_ = Subprocess::Start(argv);
+  if (!proc_) return InternalError("cannot start membox serve");
+  auto ep =
+      proc_->WaitFor("membox serve: listening on ", std::chrono::seconds(60));
+  if (!ep) return UnavailableError("membox serve did not start");
+  endpoint_ = *ep;
+  return Status::Ok();
+}
+
+Result<std::string> ServerProcess::AwaitService(const std::string& what) {
+  auto ep = proc_->WaitFor("membox serve: " + what + " on ",
+                           std::chrono::seconds(60));
+  if (!ep) return UnavailableError("the " + what + " did not start");
+  return *ep;
+}
 
 Result<ServerProcess> ServerProcess::Start(uint64_t pool_bytes,
                                            const std::string& transports,
                                            int sync_cores) {
   ServerProcess s;
-  std::random_device rd;
-  s.secret_ = "bench-" + std::to_string(rd()) + std::to_string(rd());
-  s.secret_file_ = "/tmp/membox-bench-secret-" + std::to_string(getpid());
-  RETURN_IF_ERROR(WriteSecretFile(s.secret_file_, s.secret_));
-  s.proc_ = Subprocess::Start(
-      {"/proc/self/exe", "--log-level", "warn", "serve", "--listen",
-       "127.0.0.1:0", "--exit-with-parent", "--pool-size",
-       std::to_string(pool_bytes), "--secret-file", s.secret_file_,
-       "--transports", transports, "--sync-cores", std::to_string(sync_cores),
-       "--ps-listen", "off"});
-  if (!s.proc_) return InternalError("cannot start membox serve");
-  auto ep =
-      s.proc_->WaitFor("membox serve: listening on ", std::chrono::seconds(60));
-  if (!ep) return UnavailableError("membox serve did not start");
-  s.endpoint_ = *ep;
+  RETURN_IF_ERROR(s.Spawn(
+      RandomSecret(), "",
+      {"--pool-size", std::to_string(pool_bytes), "--transports", transports,
+       "--sync-cores", std::to_string(sync_cores), "--ps-listen", "off"}));
   return s;
 }
 
@@ -51,41 +78,13 @@ int ServerProcess::FreePort() { return PickFreeLocalPort(); }
 Result<ServerProcess> ServerProcess::StartEmbeddingNode(
     const std::string& dir, uint64_t budget, const std::string& secret) {
   ServerProcess s;
-  s.secret_ = secret;
   static int n = 0;
-  s.secret_file_ = "/tmp/membox-bench-secret-" + std::to_string(getpid()) +
-                   "-emb-" + std::to_string(n++);
-  RETURN_IF_ERROR(WriteSecretFile(s.secret_file_, s.secret_));
-  s.proc_ = Subprocess::Start({"/proc/self/exe",
-                               "--log-level",
-                               "warn",
-                               "serve",
-                               "--listen",
-                               "127.0.0.1:0",
-                               "--exit-with-parent",
-                               "--pool-size",
-                               "16MiB",
-                               "--secret-file",
-                               s.secret_file_,
-                               "--ps-listen",
-                               "off",
-                               "--emb-listen",
-                               "127.0.0.1:0",
-                               "--emb-dir",
-                               dir,
-                               "--emb-budget",
-                               std::to_string(budget),
-                               "--emb-flush-interval-ms",
-                               "0"});
-  if (!s.proc_) return InternalError("cannot start membox serve");
-  auto ep =
-      s.proc_->WaitFor("membox serve: listening on ", std::chrono::seconds(60));
-  if (!ep) return UnavailableError("membox serve did not start");
-  s.endpoint_ = *ep;
-  auto ee = s.proc_->WaitFor("membox serve: embedding server on ",
-                             std::chrono::seconds(60));
-  if (!ee) return UnavailableError("the embedding server did not start");
-  s.embedding_endpoint_ = *ee;
+  RETURN_IF_ERROR(
+      s.Spawn(secret, "-emb-" + std::to_string(n++),
+              {"--pool-size", "16MiB", "--ps-listen", "off", "--emb-listen",
+               "127.0.0.1:0", "--emb-dir", dir, "--emb-budget",
+               std::to_string(budget), "--emb-flush-interval-ms", "0"}));
+  ASSIGN_OR_RETURN(s.embedding_endpoint_, s.AwaitService("embedding server"));
   return s;
 }
 
@@ -94,48 +93,20 @@ Result<ServerProcess> ServerProcess::StartWithProxy(
     const std::vector<std::string>& ps_peers, int ps_rank,
     const std::string& secret) {
   ServerProcess s;
-  std::random_device rd;
-  s.secret_ = secret.empty()
-                  ? "bench-" + std::to_string(rd()) + std::to_string(rd())
-                  : secret;
-  s.secret_file_ = "/tmp/membox-bench-secret-" + std::to_string(getpid()) +
-                   "-" + std::to_string(ps_rank);
-  RETURN_IF_ERROR(WriteSecretFile(s.secret_file_, s.secret_));
-  std::vector<std::string> argv = {"/proc/self/exe",
-                                   "--log-level",
-                                   "warn",
-                                   "serve",
-                                   "--listen",
-                                   "127.0.0.1:0",
-                                   "--exit-with-parent",
-                                   "--pool-size",
-                                   "64MiB",
-                                   "--secret-file",
-                                   s.secret_file_,
-                                   "--transports",
-                                   transports,
-                                   "--sync-cores",
-                                   std::to_string(sync_cores),
-                                   "--ps-listen",
-                                   ps_listen,
-                                   "--ps-rank",
-                                   std::to_string(ps_rank)};
+  std::vector<std::string> args = {"--pool-size",  "64MiB",
+                                   "--transports", transports,
+                                   "--sync-cores", std::to_string(sync_cores),
+                                   "--ps-listen",  ps_listen,
+                                   "--ps-rank",    std::to_string(ps_rank)};
   if (!ps_peers.empty()) {
     std::string peers;
     for (const auto& p : ps_peers) peers += (peers.empty() ? "" : ",") + p;
-    argv.push_back("--ps-peers");
-    argv.push_back(peers);
+    args.push_back("--ps-peers");
+    args.push_back(peers);
   }
-  s.proc_ = Subprocess::Start(argv);
-  if (!s.proc_) return InternalError("cannot start membox serve");
-  auto ep =
-      s.proc_->WaitFor("membox serve: listening on ", std::chrono::seconds(60));
-  if (!ep) return UnavailableError("membox serve did not start");
-  s.endpoint_ = *ep;
-  auto pe = s.proc_->WaitFor("membox serve: parameter proxy on ",
-                             std::chrono::seconds(60));
-  if (!pe) return UnavailableError("the parameter proxy did not start");
-  s.proxy_endpoint_ = *pe;
+  RETURN_IF_ERROR(s.Spawn(secret.empty() ? RandomSecret() : secret,
+                          "-" + std::to_string(ps_rank), args));
+  ASSIGN_OR_RETURN(s.proxy_endpoint_, s.AwaitService("parameter proxy"));
   return s;
 }
 
@@ -147,8 +118,7 @@ Result<std::vector<ServerProcess>> ServerProcess::StartProxyCluster(
     for (int i = 0; i < nodes; ++i) {
       peers.push_back("127.0.0.1:" + std::to_string(FreePort()));
     }
-    std::random_device rd;
-    std::string secret = "bench-" + std::to_string(rd()) + std::to_string(rd());
+    std::string secret = RandomSecret();
     std::vector<ServerProcess> servers;
     for (int i = 0; i < nodes; ++i) {
       auto s = StartWithProxy("auto", sync_cores, peers[i],

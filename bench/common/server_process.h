@@ -49,6 +49,13 @@ class ServerProcess {
 
  private:
   ServerProcess() = default;
+  // Writes the secret to /tmp/membox-bench-secret-<pid><file_suffix>, starts
+  // `membox serve` with the flags every benchmark node shares plus `args`,
+  // and waits until the memory node listens (endpoint_ set).
+  Status Spawn(const std::string& secret, const std::string& file_suffix,
+               const std::vector<std::string>& args);
+  // Waits for the `membox serve: <what> on ` line and returns its endpoint.
+  Result<std::string> AwaitService(const std::string& what);
   std::optional<Subprocess> proc_;
   std::string endpoint_, proxy_endpoint_, embedding_endpoint_, secret_file_,
       secret_;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
@@ -244,52 +245,47 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
     if (grads.size() < n * dim) grads.assign(n * dim, 0.01f);
     return {grads.data(), n * dim};
   };
-  RemoteResult r;
-  // Warm-up table: pull and push time per batch.
-  {
-    ASSIGN_OR_RETURN(uint32_t t, open("warmup"));
-    size_t n = std::min<size_t>(trace.size(), 40);
-    double pull = 0, push = 0;
+  // Pulls (pinned) and pushes `batches` batches of the trace on a fresh
+  // table without prefetch, running `between` after each pull.
+  struct Loop {
+    double pull = 0, push = 0, rows = 0;
+  };
+  auto run_loop = [&](const std::string& table, size_t batches,
+                      const std::function<void()>& between) -> Result<Loop> {
+    ASSIGN_OR_RETURN(uint32_t t, open(table));
+    Loop l;
     std::vector<float> out;
-    for (size_t s = 0; s < n; ++s) {
+    for (size_t s = 0; s < batches; ++s) {
       out.resize(trace[s].size() * dim);
       auto t0 = Clock::now();
       RETURN_IF_ERROR(client->Pull(t, trace[s], out.data(), s + 1));
-      pull += Sec(Clock::now() - t0);
+      l.pull += Sec(Clock::now() - t0);
+      l.rows += trace[s].size();
+      between();
       t0 = Clock::now();
       RETURN_IF_ERROR(
           client->Push(t, trace[s], grads_for(trace[s].size()), s + 1, true));
-      push += Sec(Clock::now() - t0);
+      l.push += Sec(Clock::now() - t0);
     }
-    r.mean_pull_s = pull / n;
-    r.mean_push_s = push / n;
-  }
+    return l;
+  };
+  RemoteResult r;
+  // Warm-up table: pull and push time per batch.
+  size_t warm = std::min<size_t>(trace.size(), 40);
+  ASSIGN_OR_RETURN(Loop w, run_loop("warmup", warm, [] {}));
+  r.mean_pull_s = w.pull / warm;
+  r.mean_push_s = w.push / warm;
   // Compute per batch >= the batch's communication (pull + push): on two
   // cores the nodes' push work competes with the next pulls.
   r.compute_s = std::max(0.001, (r.mean_pull_s + r.mean_push_s) * 1.2);
   auto compute = [&] {
     std::this_thread::sleep_for(std::chrono::duration<double>(r.compute_s));
   };
-  {  // no prefetch
-    ASSIGN_OR_RETURN(uint32_t t, open("no-prefetch"));
-    std::vector<float> out;
-    double blocked = 0, rows = 0, push = 0;
-    for (size_t s = 0; s < trace.size(); ++s) {
-      out.resize(trace[s].size() * dim);
-      auto t0 = Clock::now();
-      RETURN_IF_ERROR(client->Pull(t, trace[s], out.data(), s + 1));
-      blocked += Sec(Clock::now() - t0);
-      rows += trace[s].size();
-      compute();
-      t0 = Clock::now();
-      RETURN_IF_ERROR(
-          client->Push(t, trace[s], grads_for(trace[s].size()), s + 1, true));
-      push += Sec(Clock::now() - t0);
-    }
-    r.blocked_off_s = blocked / trace.size();
-    r.rows_per_s = rows / blocked;
-    r.push_rows_per_s = rows / push;
-  }
+  // No prefetch: the trainer blocks for every pull.
+  ASSIGN_OR_RETURN(Loop off, run_loop("no-prefetch", trace.size(), compute));
+  r.blocked_off_s = off.pull / trace.size();
+  r.rows_per_s = off.rows / off.pull;
+  r.push_rows_per_s = off.rows / off.push;
   {  // the 4-stage pipeline, depth 2
     ASSIGN_OR_RETURN(uint32_t t, open("prefetch"));
     size_t next = 0;

@@ -13,6 +13,7 @@
 #include "membox/transport/device.h"
 
 #include "src/embedding/protocol.h"
+#include "src/embedding/splitmix.h"
 
 namespace membox::embedding {
 
@@ -56,10 +57,8 @@ PartitionFn ModuloPartition() {
 
 PartitionFn HashPartition() {
   return [](uint64_t key, uint32_t nodes) {
-    uint64_t z = key + 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return static_cast<uint32_t>((z ^ (z >> 31)) % nodes);
+    uint64_t state = key;
+    return static_cast<uint32_t>(SplitMix64(state) % nodes);
   };
 }
 

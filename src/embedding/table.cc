@@ -2,15 +2,10 @@
 
 #include <cmath>
 
+#include "src/embedding/splitmix.h"
+
 namespace membox::embedding {
 namespace {
-
-uint64_t SplitMix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 bool ValidName(const std::string& n) {
   if (n.empty() || n.size() > 64 || n == "." || n == "..") return false;
