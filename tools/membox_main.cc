@@ -384,6 +384,10 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   sgd->add_option("--iterations", aopt.iterations,
                   "measured iterations per run");
+  sgd->add_option("--models", aopt.models,
+                  "models of seed 003 Table 2 (default: all six; --quick: "
+                  "inception_v1,vgg16)")
+      ->delimiter(',');
 
   membox::bench::AllreduceOptions ropt;
   auto* arbench = bench->add_subcommand(

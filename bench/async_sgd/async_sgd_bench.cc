@@ -359,11 +359,24 @@ int RunAsyncSgdBench(const AsyncSgdOptions& opt) {
                                  : std::vector<int>{2, 4, 6, 8, 12, 18, 24, 32};
   if (!opt.workers.empty()) workers = opt.workers;
   std::vector<Model> models;
-  for (const Model& m : kModels) {
-    if (!quick || std::string(m.name) == "inception_v1" ||
-        std::string(m.name) == "vgg16") {
-      models.push_back(m);
+  for (const std::string& name : opt.models) {
+    if (std::none_of(std::begin(kModels), std::end(kModels),
+                     [&](const Model& m) { return name == m.name; })) {
+      std::fprintf(stderr,
+                   "unknown model '%s' (seed 003 Table 2: inception_v1, "
+                   "inception_v3, resnet_50, inception_resnet_v2, resnet_152, "
+                   "vgg16)\n",
+                   name.c_str());
+      return 2;
     }
+  }
+  for (const Model& m : kModels) {
+    bool wanted = opt.models.empty()
+                      ? !quick || std::string(m.name) == "inception_v1" ||
+                            std::string(m.name) == "vgg16"
+                      : std::find(opt.models.begin(), opt.models.end(),
+                                  m.name) != opt.models.end();
+    if (wanted) models.push_back(m);
   }
   const int iters = opt.iterations > 0 ? opt.iterations : (quick ? 3 : 5);
   const char* scenarios[] = {"sequential", "overlapped"};

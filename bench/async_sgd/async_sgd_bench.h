@@ -21,6 +21,7 @@ struct AsyncSgdOptions {
   uint64_t memory_budget = 12ull << 30;  // configurations above it are skipped
   std::vector<int> workers;              // empty: 2, 4, 6, 8, 12, 18, 24, 32
   int iterations = 0;                    // 0: 5 (3 with --quick)
+  std::vector<std::string> models;       // empty: all (2 with --quick)
 };
 
 int RunAsyncSgdBench(const AsyncSgdOptions& options);

@@ -6,6 +6,7 @@
 #include <set>
 #include <thread>
 
+#include "membox/base/copy.h"
 #include "membox/transport/device.h"
 
 #include "src/collective/ring_message.h"
@@ -171,7 +172,7 @@ class HierImpl final : public HierarchicalAllreduce {
     for (uint32_t s : pend)
       RETURN_IF_ERROR(Recv(*l.out, RingType::kAck, call, s).status());
     pend.clear();
-    std::memcpy(send_->data(), data, bytes);
+    CopyBytes(send_->data(), data, bytes);
     ASSIGN_OR_RETURN(
         auto h, l.out->Write(send_->data(), *send_, l.remote_recv->address(),
                              *l.remote_recv, bytes));
@@ -210,7 +211,7 @@ class HierImpl final : public HierarchicalAllreduce {
   Status RecvCopy(int peer, float* data, size_t bytes, uint64_t call,
                   uint32_t step) {
     return Consume(peer, call, step,
-                   [&](const float* in) { std::memcpy(data, in, bytes); });
+                   [&](const float* in) { CopyBytes(data, in, bytes); });
   }
 
   Result<RingMessage> Recv(Channel& ch, RingType type, uint64_t call,

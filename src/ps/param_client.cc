@@ -11,6 +11,7 @@
 
 #include <unistd.h>
 
+#include "membox/base/copy.h"
 #include "membox/base/logging.h"
 #include "membox/transport/device.h"
 
@@ -619,7 +620,7 @@ class ParamClientImpl final : public ParamClient {
           op.in_offset = static_cast<const uint8_t*>(in) -
                          static_cast<const uint8_t*>(r->data());
         } else {
-          std::memcpy(staging, in, k.bytes);
+          CopyBytes(staging, in, k.bytes);
           k.last_staged = op.state;
           op.in_region = k.staging->id();
           op.in_offset = 0;
@@ -638,7 +639,7 @@ class ParamClientImpl final : public ParamClient {
           op.out_offset = k.bytes;
           size_t n = k.bytes;
           const uint8_t* from = staging + k.bytes;
-          op.state->on_success = [out, from, n] { std::memcpy(out, from, n); };
+          op.state->on_success = [out, from, n] { CopyBytes(out, from, n); };
           k.last_staged = op.state;
         }
       }

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "membox/base/copy.h"
 #include "membox/base/logging.h"
 #include "membox/transport/device.h"
 
@@ -358,7 +359,7 @@ class ProxyImpl final : public Proxy {
     if (rr->mapped()) {
       uint8_t* dst = static_cast<uint8_t*>(rr->mapped()) + offset;
       sync_->ParallelFor(len, 1 << 20, [&](size_t b, size_t e) {
-        std::memcpy(dst + b, src + b, e - b);
+        CopyPiece(dst + b, src + b, e - b, len);
       });
       std::atomic_thread_fence(std::memory_order_release);
       return Status::Ok();
@@ -1128,7 +1129,7 @@ class ProxyImpl final : public Proxy {
       sync_->Run(key.dtype, dst, src, len / es, 1.0);
     } else if (src != dst) {
       sync_->ParallelFor(len, 1 << 20, [&](size_t b, size_t e) {
-        std::memcpy(dst + b, src + b, e - b);
+        CopyPiece(dst + b, src + b, e - b, len);
       });
     }
     return Status::Ok();

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <set>
 
+#include "membox/base/copy.h"
 #include "membox/base/logging.h"
 
 #include "src/transport/am_messages.h"
@@ -422,9 +423,9 @@ Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
     // Load/store path: the peer's memory is mapped here.
     char* p = static_cast<char*>(base) + (remote_addr - remote.address());
     if (direction == Direction::kWrite) {
-      std::memcpy(p, local_addr, size);
+      CopyBytes(p, local_addr, size);
     } else {
-      std::memcpy(local_addr, p, size);
+      CopyBytes(local_addr, p, size);
     }
     if (cb) cb(Status::Ok());
     return OpHandle::Done(Status::Ok());
