@@ -98,24 +98,26 @@ def main():
             series[key].append((x, float(row["value"])))
             style[key] = (row.get("case") or row["metric"] if len(metrics) > 1 or row.get("case")
                           else row["variant"], row["variant"].startswith("membox"),
-                          int(row["workers"] or 0))
+                          int(row["workers"] or 0), row["variant"])
             unit = row["unit"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
     xs = set()
-    groups = sorted({g for g, _, _ in style.values()})
+    groups = sorted({g for g, _, _, _ in style.values()})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for key in sorted(series):
         pts = sorted(series[key])
         xs.update(p[0] for p in pts)
-        group, ours, workers = style[key]
+        group, ours, workers, variant = style[key]
         # Same colour per model/metric (or variant); with several worker
-        # counts the line style tells them apart, else membox solid and
-        # baselines dashed.
+        # counts the line style tells them apart, else membox solid, other
+        # membox variants dotted and baselines dashed.
+        variant_of_ours = ours and variant != "membox"
         if many_p and a.x == "size":
             ls = dashes[p_values.index(workers) % len(dashes)]
         else:
-            ls = "-" if ours else "--"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if ours else "s",
+            ls = (":" if variant_of_ours else "-") if ours else "--"
+        marker = ("^" if variant_of_ours else "o") if ours else "s"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker,
                 linestyle=ls,
                 color=colors[groups.index(group) % len(colors)], label=key)
     ax.set_xscale("log", base=2)
