@@ -96,8 +96,12 @@ def main():
             else:
                 x = int(row["workers"])
             series[key].append((x, float(row["value"])))
-            style[key] = (row.get("case") or row["metric"] if len(metrics) > 1 or row.get("case")
-                          else row["variant"], row["variant"].startswith("membox"),
+            ours = row["variant"].startswith("membox")
+            group = (row.get("case") or row["metric"] if len(metrics) > 1 or row.get("case")
+                     else row["variant"])
+            if len(metrics) > 1 and not row.get("case") and not ours:
+                group += " " + row["variant"]  # several bounds of one metric
+            style[key] = (group, ours,
                           int(row["workers"] or 0), row["variant"])
             unit = row["unit"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
