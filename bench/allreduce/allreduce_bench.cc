@@ -20,6 +20,7 @@
 #include "membox/collective/ring_allreduce.h"
 #include "membox/ps/param_client.h"
 
+#include "bench/common/mpi_launch.h"
 #include "bench/common/server_process.h"
 
 namespace membox::bench {
@@ -84,17 +85,13 @@ double MemcpyBandwidth() {
 std::map<std::pair<std::string, uint64_t>, double> ReadResults(Subprocess& p,
                                                                size_t expect) {
   std::map<std::pair<std::string, uint64_t>, double> out;
-  while (out.size() < expect) {
-    auto line = p.ReadLine(std::chrono::minutes(10));
-    if (!line) break;
+  for (const std::string& line :
+       ReadResultLines(p, expect, std::chrono::minutes(10))) {
     char variant[64];
     unsigned long long size;
     double sec;
-    if (std::sscanf(line->c_str(), "RESULT %63s %llu %lf", variant, &size,
-                    &sec) == 3) {
+    if (std::sscanf(line.c_str(), "%63s %llu %lf", variant, &size, &sec) == 3) {
       out[{variant, size}] = sec;
-    } else if (line->find("rror") != std::string::npos) {
-      std::fprintf(stderr, "  %s\n", line->c_str());
     }
   }
   return out;
@@ -222,22 +219,9 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
     report.Add(r);
   };
   auto mpirun = [&](int p, const std::vector<std::string>& args) {
-    std::vector<std::string> argv = {"mpirun",
-                                     "--allow-run-as-root",
-                                     "--oversubscribe",
-                                     "--bind-to",
-                                     "none",
-                                     "-np",
-                                     std::to_string(p),
-                                     "--mca",
-                                     "btl",
-                                     "self,vader",
-                                     SelfExePath(),
-                                     "bench-peer",
-                                     "allreduce",
-                                     "worker"};
-    argv.insert(argv.end(), args.begin(), args.end());
-    return Subprocess::Start(argv);
+    std::vector<std::string> peer = {"allreduce", "worker"};
+    peer.insert(peer.end(), args.begin(), args.end());
+    return StartMpiRanks(p, peer);
   };
   const std::string iters_s = std::to_string(iters);
   for (int p : workers) {
@@ -413,24 +397,9 @@ int RunCollectiveBench(const CollectiveBenchOptions& opt) {
       q ? std::vector<uint64_t>{4 << 10, 1 << 20, 16 << 20}
         : std::vector<uint64_t>{4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20};
   Progress(0, 1, "ring and hierarchical, p=" + std::to_string(p));
-  std::vector<std::string> argv = {"mpirun",
-                                   "--allow-run-as-root",
-                                   "--oversubscribe",
-                                   "--bind-to",
-                                   "none",
-                                   "-np",
-                                   std::to_string(p),
-                                   "--mca",
-                                   "btl",
-                                   "self,vader",
-                                   SelfExePath(),
-                                   "bench-peer",
-                                   "collective",
-                                   "worker",
-                                   std::to_string(opt.local),
-                                   Join(sizes),
-                                   q ? "5" : "0"};
-  auto proc = Subprocess::Start(argv);
+  auto proc =
+      StartMpiRanks(p, {"collective", "worker", std::to_string(opt.local),
+                        Join(sizes), q ? "5" : "0"});
   if (!proc) return 1;
   auto res = ReadResults(*proc, 2 * sizes.size());
   proc->Wait(std::chrono::minutes(2));

@@ -21,6 +21,7 @@
 #include "membox/base/wait.h"
 #include "membox/memserver/client.h"
 
+#include "bench/common/mpi_launch.h"
 #include "bench/common/server_process.h"
 
 namespace membox::bench {
@@ -290,30 +291,17 @@ struct Outcome {
 // Runs one configuration under mpirun; returns the mean over workers.
 Result<Outcome> Launch(int ranks, const std::vector<std::string>& worker_args,
                        int expect_results) {
-  std::vector<std::string> argv = {"mpirun",
-                                   "--allow-run-as-root",
-                                   "--oversubscribe",
-                                   "--bind-to",
-                                   "none",
-                                   "-np",
-                                   std::to_string(ranks),
-                                   "--mca",
-                                   "btl",
-                                   "self,vader",
-                                   SelfExePath(),
-                                   "bench-peer",
-                                   "async-sgd"};
-  argv.insert(argv.end(), worker_args.begin(), worker_args.end());
-  auto p = Subprocess::Start(argv);
+  std::vector<std::string> peer = {"async-sgd"};
+  peer.insert(peer.end(), worker_args.begin(), worker_args.end());
+  auto p = StartMpiRanks(ranks, peer);
   if (!p) return InternalError("cannot start mpirun");
   Outcome o;
   int got = 0;
-  while (got < expect_results) {
-    auto line = p->ReadLine(std::chrono::minutes(10));
-    if (!line) break;
+  for (const std::string& line : ReadResultLines(
+           *p, static_cast<size_t>(expect_results), std::chrono::minutes(10))) {
     int rank;
     double c, i;
-    if (std::sscanf(line->c_str(), "RESULT %d %lf %lf", &rank, &c, &i) == 3) {
+    if (std::sscanf(line.c_str(), "%d %lf %lf", &rank, &c, &i) == 3) {
       o.comm_ms += c;
       o.iter_ms += i;
       ++got;

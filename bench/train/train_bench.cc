@@ -23,6 +23,7 @@
 #include "membox/collective/ring_allreduce.h"
 #include "membox/ps/param_client.h"
 
+#include "bench/common/mpi_launch.h"
 #include "bench/common/server_process.h"
 #include "bench/train/models.h"
 
@@ -482,33 +483,18 @@ int RunTrainBench(const TrainOptions& opt) {
           args.push_back(std::string("partition=") + (s.partition ? "1" : "0"));
           args.push_back(std::string("dual=") + (s.dual ? "1" : "0"));
         }
-        std::vector<std::string> argv = {"mpirun",
-                                         "--allow-run-as-root",
-                                         "--oversubscribe",
-                                         "--bind-to",
-                                         "none",
-                                         "-np",
-                                         std::to_string(p),
-                                         "--mca",
-                                         "btl",
-                                         "self,vader",
-                                         SelfExePath(),
-                                         "bench-peer",
-                                         "train",
-                                         "worker"};
-        argv.insert(argv.end(), args.begin(), args.end());
-        proc = Subprocess::Start(argv);
+        std::vector<std::string> peer = {"train", "worker"};
+        peer.insert(peer.end(), args.begin(), args.end());
+        proc = StartMpiRanks(p, peer);
       }
       if (!proc) return 1;
       bool got = false;
-      for (;;) {
-        auto line = proc->ReadLine(std::chrono::minutes(10));
-        if (!line) break;
+      for (const std::string& line :
+           ReadResultLines(*proc, 1, std::chrono::minutes(10))) {
         double it_ms, bl_ms;
-        if (std::sscanf(line->c_str(), "RESULT %lf %lf", &it_ms, &bl_ms) == 2) {
+        if (std::sscanf(line.c_str(), "%lf %lf", &it_ms, &bl_ms) == 2) {
           res[{name, s.name}] = {it_ms, bl_ms};
           got = true;
-          break;
         }
       }
       proc->Wait(std::chrono::minutes(2));
