@@ -323,20 +323,34 @@ class ProxyImpl final : public Proxy {
     return staging_.get();
   }
 
+  // The worker's registered region `region` if [offset, offset + len) lies
+  // inside it; `what` ("input" / "output") names the side in errors.
+  static Result<const RemoteMemRegion*> WorkerRange(const Conn& c,
+                                                    uint64_t region,
+                                                    uint64_t offset,
+                                                    uint64_t len,
+                                                    const char* what) {
+    auto it = c.regions.find(region);
+    if (it == c.regions.end()) {
+      return NotFoundError(std::string(what) + " region " +
+                           std::to_string(region) +
+                           " was not registered with this proxy");
+    }
+    const RemoteMemRegion* rr = it->second.get();
+    if (offset > rr->size() || len > rr->size() - offset) {
+      return OutOfRangeError(std::string(what) +
+                             " range outside the registered region");
+    }
+    return rr;
+  }
+
   // Resolves a worker's (region, offset, length) to something readable:
   // a mapped pointer, or the bytes read into `into` (registered).
   Result<const uint8_t*> ReadWorker(Conn& c, uint64_t region, uint64_t offset,
                                     uint64_t len, uint8_t* into,
                                     const MemRegion& into_region) {
-    auto it = c.regions.find(region);
-    if (it == c.regions.end()) {
-      return NotFoundError("region " + std::to_string(region) +
-                           " was not registered with this proxy");
-    }
-    const auto& rr = it->second;
-    if (offset > rr->size() || len > rr->size() - offset) {
-      return OutOfRangeError("range outside the registered region");
-    }
+    ASSIGN_OR_RETURN(const RemoteMemRegion* rr,
+                     WorkerRange(c, region, offset, len, "input"));
     if (rr->mapped()) return static_cast<const uint8_t*>(rr->mapped()) + offset;
     ASSIGN_OR_RETURN(auto h, c.channel->Read(into, into_region,
                                              rr->address() + offset, *rr, len));
@@ -347,15 +361,8 @@ class ProxyImpl final : public Proxy {
   Status WriteWorker(Conn& c, uint64_t region, uint64_t offset,
                      const uint8_t* src, uint64_t len,
                      const MemRegion& src_region) {
-    auto it = c.regions.find(region);
-    if (it == c.regions.end()) {
-      return NotFoundError("output region " + std::to_string(region) +
-                           " was not registered with this proxy");
-    }
-    const auto& rr = it->second;
-    if (offset > rr->size() || len > rr->size() - offset) {
-      return OutOfRangeError("output range outside the registered region");
-    }
+    ASSIGN_OR_RETURN(const RemoteMemRegion* rr,
+                     WorkerRange(c, region, offset, len, "output"));
     if (rr->mapped()) {
       uint8_t* dst = static_cast<uint8_t*>(rr->mapped()) + offset;
       sync_->ParallelFor(len, 1 << 20, [&](size_t b, size_t e) {
