@@ -445,9 +445,11 @@ int RunTrainBench(const TrainOptions& opt) {
       if (std::string(s.name) == "gloo" && !opt.with_gloo) continue;
       std::optional<Subprocess> proc;
       std::vector<ServerProcess> servers;
+      std::string model_file;  // the layer list for the Gloo script
       if (std::string(s.name) == "gloo") {
         std::string file =
             "/tmp/membox-train-model-" + std::to_string(getpid());
+        model_file = file;
         {
           std::ofstream out(file);
           for (size_t l = 0; l < m.layers.size(); ++l)
@@ -498,6 +500,7 @@ int RunTrainBench(const TrainOptions& opt) {
         }
       }
       proc->Wait(std::chrono::minutes(2));
+      if (!model_file.empty()) std::remove(model_file.c_str());
       if (!got) {
         std::fprintf(stderr, "error: %s %s produced no result\n", name.c_str(),
                      s.name);

@@ -12,6 +12,8 @@
 #include "membox/base/subprocess.h"
 #include "membox/embedding/client.h"
 
+#include "tests/integration/serve_process.h"
+
 namespace membox::embedding {
 namespace {
 
@@ -22,51 +24,22 @@ constexpr char kSecret[] = "embedding-daemon-secret";
 class EmbeddingDaemonTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::path(::testing::TempDir()) /
-           ("membox-emb-daemon-" + std::to_string(getpid()));
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
-    secret_file_ = (dir_ / "secret").string();
-    std::ofstream(secret_file_) << kSecret << "\n";
     for (int i = 0; i < 2; ++i) {
       eps_.push_back("127.0.0.1:" + std::to_string(PickFreeLocalPort()));
     }
     nodes_.resize(2);
   }
-  void TearDown() override {
-    for (auto& d : nodes_) {
-      if (d) {
-        d->Kill(15);
-        d->Wait(10s);
-      }
-    }
-    std::filesystem::remove_all(dir_);
-  }
+  void TearDown() override { testing::StopServes(nodes_); }
 
   void StartNode(int i, const std::string& budget) {
-    auto d = Subprocess::Start({MEMBOX_BIN,
-                                "serve",
-                                "--listen",
-                                "127.0.0.1:0",
-                                "--pool-size",
-                                "16MiB",
-                                "--secret-file",
-                                secret_file_,
-                                "--ps-listen",
-                                "off",
-                                "--emb-listen",
-                                eps_[i],
-                                "--emb-dir",
-                                (dir_ / ("node" + std::to_string(i))).string(),
-                                "--emb-budget",
-                                budget,
-                                "--emb-file-size",
-                                "256KiB",
-                                "--emb-flush-interval-ms",
-                                "0"});
-    ASSERT_TRUE(d);
-    ASSERT_TRUE(d->WaitFor("membox serve: embedding server on ", 30s))
-        << "node " << i << " did not start";
+    auto d = testing::StartServe(
+        {"--listen", "127.0.0.1:0", "--pool-size", "16MiB", "--secret-file",
+         scratch_.secret_file(), "--ps-listen", "off", "--emb-listen", eps_[i],
+         "--emb-dir", (scratch_.dir() / ("node" + std::to_string(i))).string(),
+         "--emb-budget", budget, "--emb-file-size", "256KiB",
+         "--emb-flush-interval-ms", "0"},
+        "membox serve: embedding server on ", 30s);
+    ASSERT_TRUE(d) << "node " << i << " did not start";
     nodes_[i] = std::move(d);
   }
 
@@ -80,8 +53,7 @@ class EmbeddingDaemonTest : public ::testing::Test {
     return c.ok() ? std::move(*c) : nullptr;
   }
 
-  std::filesystem::path dir_;
-  std::string secret_file_;
+  testing::ServeScratch scratch_{"emb-daemon", kSecret};
   std::vector<std::string> eps_;
   std::vector<std::optional<Subprocess>> nodes_;
 };

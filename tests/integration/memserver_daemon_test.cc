@@ -11,6 +11,8 @@
 #include "membox/base/subprocess.h"
 #include "membox/memserver/client.h"
 
+#include "tests/integration/serve_process.h"
+
 namespace membox::memserver {
 namespace {
 
@@ -31,29 +33,17 @@ Status FirstFailure(const std::function<Status()>& op) {
 class DaemonTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    secret_file_ =
-        ::testing::TempDir() + "/membox-secret-" + std::to_string(getpid());
-    std::ofstream(secret_file_) << "daemon-test-secret\n";
-    auto d =
-        Subprocess::Start({MEMBOX_BIN, "serve", "--listen", "127.0.0.1:0",
-                           "--pool-size", "512MiB", "--secret-file",
-                           secret_file_, "--heartbeat-timeout-ms", "2000"});
-    ASSERT_TRUE(d);
-    daemon_.emplace(std::move(*d));
-    auto ep = daemon_->WaitFor("membox serve: listening on ", 20s);
-    ASSERT_TRUE(ep) << "daemon did not start";
-    endpoint_ = *ep;
+    daemons_.push_back(testing::StartServe(
+        {"--listen", "127.0.0.1:0", "--pool-size", "512MiB", "--secret-file",
+         scratch_.secret_file(), "--heartbeat-timeout-ms", "2000"},
+        "membox serve: listening on ", 20s, &endpoint_));
+    ASSERT_TRUE(daemons_[0]) << "daemon did not start";
     setenv("MEMBOX_SERVER", endpoint_.c_str(), 1);
-    setenv("MEMBOX_SECRET_FILE", secret_file_.c_str(), 1);
+    setenv("MEMBOX_SECRET_FILE", scratch_.secret_file().c_str(), 1);
     unsetenv("MEMBOX_SECRET");
   }
-  void TearDown() override {
-    if (daemon_) {
-      daemon_->Kill(15);
-      daemon_->Wait(10s);
-    }
-    std::remove(secret_file_.c_str());
-  }
+  void TearDown() override { testing::StopServes(daemons_); }
+  std::optional<Subprocess>& daemon() { return daemons_[0]; }
   std::unique_ptr<Client> Connect(const std::string& name) {
     ClientOptions o;
     o.server = endpoint_;
@@ -72,9 +62,9 @@ class DaemonTest : public ::testing::Test {
     return std::stoull(text->substr(pos + name.size() + 2));
   }
 
-  std::string secret_file_;
+  testing::ServeScratch scratch_{"daemon", "daemon-test-secret"};
   std::string endpoint_;
-  std::optional<Subprocess> daemon_;
+  std::vector<std::optional<Subprocess>> daemons_;
 };
 
 TEST_F(DaemonTest, CApiRoundTrip) {
@@ -130,9 +120,9 @@ TEST_F(DaemonTest, StoppingTheDaemonGivesAClearError) {
   ASSERT_TRUE(c);
   auto seg = c->Create(0, 1 << 20);
   ASSERT_TRUE(seg.ok());
-  daemon_->Kill(15);
-  ASSERT_EQ(daemon_->Wait(20s), 0);  // clean shutdown on SIGTERM
-  daemon_.reset();
+  daemon()->Kill(15);
+  ASSERT_EQ(daemon()->Wait(20s), 0);  // clean shutdown on SIGTERM
+  daemon().reset();
   auto t0 = std::chrono::steady_clock::now();
   Status st = FirstFailure([&] { return c->WriteSync(*seg, 0, 1 << 20); });
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
@@ -146,9 +136,9 @@ TEST_F(DaemonTest, KillDashNineDaemon) {
   ASSERT_TRUE(c);
   auto seg = c->Create(0, 1 << 20);
   ASSERT_TRUE(seg.ok());
-  daemon_->Kill(9);
-  daemon_->Wait(10s);
-  daemon_.reset();
+  daemon()->Kill(9);
+  daemon()->Wait(10s);
+  daemon().reset();
   Status st = FirstFailure(
       [&] { return c->Accumulate(*seg, *seg, transport::DType::kFloat32); });
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();

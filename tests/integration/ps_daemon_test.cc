@@ -14,6 +14,8 @@
 #include "membox/base/subprocess.h"
 #include "membox/ps/param_client.h"
 
+#include "tests/integration/serve_process.h"
+
 namespace membox::ps {
 namespace {
 
@@ -25,37 +27,24 @@ constexpr char kSecret[] = "ps-daemon-secret";
 class PsDaemonTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::path(::testing::TempDir()) /
-           ("membox-ps-daemon-" + std::to_string(getpid()));
-    std::filesystem::create_directories(dir_);
-    secret_file_ = (dir_ / "secret").string();
-    std::ofstream(secret_file_) << kSecret << "\n";
     for (int i = 0; i < 2; ++i) {
       peers_.push_back("127.0.0.1:" + std::to_string(PickFreeLocalPort()));
     }
   }
-  void TearDown() override {
-    for (auto& d : nodes_) {
-      if (d) {
-        d->Kill(15);
-        d->Wait(10s);
-      }
-    }
-    std::filesystem::remove_all(dir_);
-  }
+  void TearDown() override { testing::StopServes(nodes_); }
 
   std::optional<Subprocess> Launch(int rank, bool restore) {
     std::vector<std::string> argv = {
-        MEMBOX_BIN,         "serve",
         "--listen",         "127.0.0.1:0",
         "--pool-size",      "64MiB",
-        "--secret-file",    secret_file_,
+        "--secret-file",    scratch_.secret_file(),
         "--ps-listen",      peers_[rank],
         "--ps-peers",       peers_[0] + "," + peers_[1],
         "--ps-rank",        std::to_string(rank),
-        "--checkpoint-dir", dir_.string(),
+        "--checkpoint-dir", scratch_.dir().string(),
         "--sync-cores",     "1"};
     if (restore) argv.push_back("--restore");
+    argv.insert(argv.begin(), {MEMBOX_BIN, "serve"});
     return Subprocess::Start(argv);
   }
 
@@ -84,8 +73,7 @@ class PsDaemonTest : public ::testing::Test {
     return w.ok() ? std::move(*w) : nullptr;
   }
 
-  std::filesystem::path dir_;
-  std::string secret_file_;
+  testing::ServeScratch scratch_{"ps-daemon", kSecret};
   std::vector<std::string> peers_;
   std::vector<std::optional<Subprocess>> nodes_;
 };
@@ -135,8 +123,10 @@ TEST_F(PsDaemonTest, RingCheckpointKillAndResume) {
     EXPECT_NEAR(ckpt[0], w, 1e-5);
     EXPECT_NEAR(ckpt[kN - 1], w, 1e-5);
     ASSERT_TRUE(a->Checkpoint("latest.mbck").ok());
-    EXPECT_TRUE(std::filesystem::exists(dir_ / "proxy-0-latest.mbck"));
-    EXPECT_TRUE(std::filesystem::exists(dir_ / "proxy-1-latest.mbck"));
+    EXPECT_TRUE(
+        std::filesystem::exists(scratch_.dir() / "proxy-0-latest.mbck"));
+    EXPECT_TRUE(
+        std::filesystem::exists(scratch_.dir() / "proxy-1-latest.mbck"));
 
     // kill -9 node 1: both workers get a clear error, nobody hangs.
     nodes_[1]->Kill(9);
@@ -170,7 +160,7 @@ TEST_F(PsDaemonTest, RingCheckpointKillAndResume) {
 }
 
 TEST_F(PsDaemonTest, DamagedCheckpointIsRefused) {
-  std::ofstream(dir_ / "proxy-0-latest.mbck")
+  std::ofstream(scratch_.dir() / "proxy-0-latest.mbck")
       << "MBXCKPT1 not really a checkpoint";
   auto d = Launch(0, true);
   ASSERT_TRUE(d);
