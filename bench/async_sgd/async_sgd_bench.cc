@@ -132,88 +132,48 @@ int MpiWorker(bool overlapped, size_t bytes, int compute_ms, int iters) {
   return 0;
 }
 
-// One exchange: write-sync the gradient, accumulate it into the weights on
-// the memory node, read-sync the weights -- pipelined over kChunks pieces so
-// that the three stages overlap (chunk i is accumulated while chunk i+1 is
-// written and chunk i-1 read back), as COARSE pipelines shards over both
-// directions of a link.
-Status PipelinedExchange(memserver::Client& c, memserver::Segment* w,
-                         memserver::Segment* g, size_t bytes) {
-  constexpr size_t kChunks = 4;
-  size_t chunk = (bytes / kChunks + 4095) & ~size_t{4095};
-  std::vector<std::pair<size_t, size_t>> parts;  // offset, length
-  for (size_t off = 0; off < bytes; off += chunk) {
-    parts.emplace_back(off, std::min(chunk, bytes - off));
-  }
-  std::atomic<size_t> written{0}, accumulated{0};
-  EventCount ev;
-  Status err_w, err_a, err_r;
-  auto wait_for = [&](std::atomic<size_t>& stage, size_t n) {
-    SpinThenBlock([&] { return stage.load() >= n; }, &ev,
-                  std::chrono::minutes(5));
-  };
-  std::thread acc([&] {
-    for (size_t i = 0; i < parts.size(); ++i) {
-      wait_for(written, i + 1);
-      if (err_w.ok() && err_a.ok()) {
-        err_a = c.Accumulate(w, g, transport::DType::kFloat32, -0.01,
-                             parts[i].first, parts[i].second);
-      }
-      accumulated.store(i + 1);
-      ev.Notify();
-    }
-  });
-  std::thread rd([&] {
-    for (size_t i = 0; i < parts.size(); ++i) {
-      wait_for(accumulated, i + 1);
-      if (err_r.ok()) err_r = c.ReadSync(w, parts[i].first, parts[i].second);
-    }
-  });
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (err_w.ok()) err_w = c.WriteSync(g, parts[i].first, parts[i].second);
-    written.store(i + 1);
-    ev.Notify();
-  }
-  acc.join();
-  rd.join();
-  if (!err_w.ok()) return err_w;
-  if (!err_a.ok()) return err_a;
-  return err_r;
-}
-
-// The same exchange for a worker on the memory node's host that produces its
-// gradient straight into the mapped gradient segment (Segment::Map(), the
-// load/store access of seed 003 §III.G): no write-sync; the node
-// accumulates from the segment and the weights are read-synced, pipelined
-// over the same chunks.
-Status MappedExchange(memserver::Client& c, memserver::Segment* w,
-                      memserver::Segment* g, size_t bytes) {
+// The exchange's pieces: kChunks page-aligned (offset, length) ranges.
+std::vector<std::pair<size_t, size_t>> Chunks(size_t bytes) {
   constexpr size_t kChunks = 4;
   size_t chunk = (bytes / kChunks + 4095) & ~size_t{4095};
   std::vector<std::pair<size_t, size_t>> parts;
   for (size_t off = 0; off < bytes; off += chunk) {
     parts.emplace_back(off, std::min(chunk, bytes - off));
   }
-  std::atomic<size_t> accumulated{0};
-  EventCount ev;
-  Status err_a, err_r;
-  std::thread rd([&] {
-    for (size_t i = 0; i < parts.size(); ++i) {
-      SpinThenBlock([&] { return accumulated.load() >= i + 1; }, &ev,
-                    std::chrono::minutes(5));
-      if (err_r.ok()) err_r = c.ReadSync(w, parts[i].first, parts[i].second);
-    }
-  });
+  return parts;
+}
+
+// One exchange: write-sync the gradient, accumulate it into the weights on
+// the memory node, read-sync the weights -- pipelined over the chunks from
+// one thread with AccumulateAsync: chunk i is accumulated on the node while
+// the worker writes chunk i+1 and then reads chunk i-1 back, as COARSE
+// pipelines shards over both directions of a link. `mapped`: the gradient
+// is already in the node's pool (produced in Segment::Map()), so there is no
+// write-sync and every accumulate goes out at once.
+Status PipelinedExchange(memserver::Client& c, memserver::Segment* w,
+                         memserver::Segment* g, size_t bytes, bool mapped) {
+  const auto parts = Chunks(bytes);
+  std::vector<transport::OpHandle> acc(parts.size());
+  Status err;
+  auto read_back = [&](size_t i) {
+    Status a = acc[i].Wait(std::chrono::minutes(5));
+    if (err.ok() && !a.ok()) err = a;
+    if (err.ok()) err = c.ReadSync(w, parts[i].first, parts[i].second);
+  };
   for (size_t i = 0; i < parts.size(); ++i) {
-    if (err_a.ok()) {
-      err_a = c.Accumulate(w, g, transport::DType::kFloat32, -0.01,
-                           parts[i].first, parts[i].second);
+    if (!mapped && err.ok()) {
+      err = c.WriteSync(g, parts[i].first, parts[i].second);
     }
-    accumulated.store(i + 1);
-    ev.Notify();
+    acc[i] = err.ok()
+                 ? c.AccumulateAsync(w, g, transport::DType::kFloat32, -0.01,
+                                     parts[i].first, parts[i].second)
+                 : transport::OpHandle::Done(err);
+    if (!mapped && i > 0) read_back(i - 1);
   }
-  rd.join();
-  return err_a.ok() ? err_r : err_a;
+  for (size_t i = mapped ? 0 : parts.size() - 1; i < parts.size(); ++i) {
+    read_back(i);
+  }
+  return err;
 }
 
 int MemboxWorker(bool overlapped, bool mapped, size_t bytes, int compute_ms,
@@ -264,8 +224,7 @@ int MemboxWorker(bool overlapped, bool mapped, size_t bytes, int compute_ms,
   Loop(
       overlapped, compute_ms, iters,
       [&] {
-        Status s = mapped ? MappedExchange(**c, *w, *g, bytes)
-                          : PipelinedExchange(**c, *w, *g, bytes);
+        Status s = PipelinedExchange(**c, *w, *g, bytes, mapped);
         if (!s.ok()) err = s;
       },
       &comm, &iter);

@@ -46,6 +46,11 @@ class ClientImpl final : public Client {
 
   ~ClientImpl() override {
     {
+      std::lock_guard<std::mutex> l(pending_mu_);
+      closing_ = true;
+    }
+    FailAllAsync(AbortedError("the memory-node client was closed"));
+    {
       std::lock_guard<std::mutex> l(hb_mu_);
       stop_ = true;
     }
@@ -76,7 +81,10 @@ class ClientImpl final : public Client {
     channel_ = *ch;
     channel_->SetHandlers(
         [this](std::vector<uint8_t> m) { OnMessage(std::move(m)); },
-        [this](const Status&) { pending_ev_.Notify(); });
+        [this](const Status&) {
+          FailAllAsync(health());
+          pending_ev_.Notify();
+        });
     Request q;
     q.op = Op::kRegister;
     q.secret = opt_.secret;
@@ -109,17 +117,36 @@ class ClientImpl final : public Client {
 
   Status Accumulate(Segment* dst, Segment* src, transport::DType dtype,
                     double scale, size_t offset, size_t length) override {
-    RETURN_IF_ERROR(CheckOwned(dst));
-    RETURN_IF_ERROR(CheckOwned(src));
-    Request q;
-    q.op = Op::kAccumulate;
-    q.key = dst->key();
-    q.src_key = src->key();
-    q.dtype = static_cast<uint8_t>(dtype);
-    q.scale = scale;
-    q.offset = offset;
-    q.length = length;
+    ASSIGN_OR_RETURN(Request q,
+                     AccumulateRequest(dst, src, dtype, scale, offset, length));
     return Call(q).status();
+  }
+
+  transport::OpHandle AccumulateAsync(Segment* dst, Segment* src,
+                                      transport::DType dtype, double scale,
+                                      size_t offset, size_t length) override {
+    auto q = AccumulateRequest(dst, src, dtype, scale, offset, length);
+    if (!q.ok()) return transport::OpHandle::Done(q.status());
+    q->id = next_id_.fetch_add(1);
+    auto state = std::make_shared<transport::OpState>(&pending_ev_);
+    state->set_progress(
+        [](void* self) {
+          static_cast<ClientImpl*>(self)->channel_->Progress();
+        },
+        this);
+    {
+      std::lock_guard<std::mutex> l(pending_mu_);
+      if (closing_) {
+        return transport::OpHandle::Done(
+            AbortedError("the memory-node client is closing"));
+      }
+      async_[q->id] = state;
+    }
+    Status s = channel_->SendControl(proto::EncodeRequest(*q));
+    if (!s.ok()) FailAsync(q->id, Annotate(s));
+    // A channel that broke before the request was tracked fails it here.
+    if (!channel_->health().ok()) FailAsync(q->id, health());
+    return transport::OpHandle(std::move(state));
   }
 
   Result<std::string> ServerStatus() override {
@@ -149,6 +176,45 @@ class ClientImpl final : public Client {
   }
 
  private:
+  Result<Request> AccumulateRequest(Segment* dst, Segment* src,
+                                    transport::DType dtype, double scale,
+                                    size_t offset, size_t length) const {
+    RETURN_IF_ERROR(CheckOwned(dst));
+    RETURN_IF_ERROR(CheckOwned(src));
+    Request q;
+    q.op = Op::kAccumulate;
+    q.key = dst->key();
+    q.src_key = src->key();
+    q.dtype = static_cast<uint8_t>(dtype);
+    q.scale = scale;
+    q.offset = offset;
+    q.length = length;
+    return q;
+  }
+
+  // Completes the asynchronous request `id` (if still pending) with `s`.
+  void FailAsync(uint64_t id, const Status& s) {
+    std::shared_ptr<transport::OpState> st;
+    {
+      std::lock_guard<std::mutex> l(pending_mu_);
+      auto it = async_.find(id);
+      if (it == async_.end()) return;
+      st = std::move(it->second);
+      async_.erase(it);
+    }
+    st->Complete(s);
+  }
+
+  // Fails every pending asynchronous request (broken channel, shutdown).
+  void FailAllAsync(const Status& s) {
+    std::map<uint64_t, std::shared_ptr<transport::OpState>> all;
+    {
+      std::lock_guard<std::mutex> l(pending_mu_);
+      all.swap(async_);
+    }
+    for (auto& [id, st] : all) st->Complete(s);
+  }
+
   Status CheckOwned(Segment* s) const {
     std::lock_guard<std::mutex> l(mu_);
     if (s == nullptr || !segments_.count(s)) {
@@ -320,6 +386,22 @@ class ClientImpl final : public Client {
                       a.status().ToString());
       return;
     }
+    std::shared_ptr<transport::OpState> async;
+    {
+      std::lock_guard<std::mutex> l(pending_mu_);
+      if (auto at = async_.find(a->id); at != async_.end()) {
+        async = std::move(at->second);
+        async_.erase(at);
+      }
+    }
+    if (async) {
+      async->Complete(a->code == 0
+                          ? Status::Ok()
+                          : Status(static_cast<StatusCode>(a->code),
+                                   std::string(proto::OpName(Op::kAccumulate)) +
+                                       ": " + a->message));
+      return;
+    }
     {
       std::lock_guard<std::mutex> l(pending_mu_);
       auto it = pending_.find(a->id);
@@ -360,6 +442,10 @@ class ClientImpl final : public Client {
   std::mutex pending_mu_;
   std::map<uint64_t, std::optional<Response>>
       pending_;  // GUARDED_BY(pending_mu_)
+  // Asynchronous requests (AccumulateAsync), completed by OnMessage.
+  std::map<uint64_t, std::shared_ptr<transport::OpState>>
+      async_;             // GUARDED_BY(pending_mu_)
+  bool closing_ = false;  // GUARDED_BY(pending_mu_)
   EventCount pending_ev_;
 
   std::mutex arena_mu_;

@@ -1135,8 +1135,9 @@ class ProxyImpl final : public Proxy {
     if (reduce) {
       sync_->Run(key.dtype, dst, src, len / es, 1.0);
     } else if (src != dst) {
-      sync_->ParallelFor(len, 1 << 20, [&](size_t b, size_t e) {
-        CopyPiece(dst + b, src + b, e - b, len);
+      const size_t total = len;  // a structured binding: not capturable
+      sync_->ParallelFor(total, 1 << 20, [&](size_t b, size_t e) {
+        CopyPiece(dst + b, src + b, e - b, total);
       });
     }
     return Status::Ok();

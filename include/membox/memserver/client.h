@@ -8,7 +8,8 @@
 // cache, WriteSync local cache -> remote (visible to the server and other
 // clients when it returns); on the same host Map() gives a pointer straight
 // into the server's pool for load/store. Accumulate runs on the server's sync
-// cores and returns when the result is visible.
+// cores and returns when the result is visible; AccumulateAsync returns at
+// once with an OpHandle that completes then.
 //
 // Errors: every call returns a Status; when the memory node dies or the
 // connection breaks, calls fail with kUnavailable naming the server instead
@@ -26,6 +27,7 @@
 #include <string>
 
 #include "membox/base/status.h"
+#include "membox/transport/op_handle.h"
 #include "membox/transport/tensor_transfer.h"
 
 namespace membox::memserver {
@@ -84,6 +86,19 @@ class Client {
   virtual Status Accumulate(Segment* dst, Segment* src, transport::DType dtype,
                             double scale = 1.0, size_t offset = 0,
                             size_t length = 0) = 0;
+  // The same without blocking: the request is on its way when this returns
+  // and the handle completes (with Accumulate's status) when the result is
+  // visible, so one thread can write-sync the next range, or read-sync an
+  // earlier one, while the server adds. Arguments are checked here (errors
+  // come back as a completed handle). Several accumulates in flight may be
+  // applied in any order (addition commutes up to rounding); a read-sync of
+  // the range must wait for the handle. Handles must be waited on before the
+  // Client is destroyed (its destructor fails pending ones with kAborted).
+  virtual transport::OpHandle AccumulateAsync(Segment* dst, Segment* src,
+                                              transport::DType dtype,
+                                              double scale = 1.0,
+                                              size_t offset = 0,
+                                              size_t length = 0) = 0;
   // The server's status text.
   virtual Result<std::string> ServerStatus() = 0;
   // The segment whose local cache contains `p`, or nullptr.
