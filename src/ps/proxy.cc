@@ -511,13 +511,21 @@ class ProxyImpl final : public Proxy {
   }
 
   // Synchronous rounds need every proxy.
+  // A peer that leaves while workers are connected is a failure of the job
+  // (a warning); with no worker connected it is the end of one (the nodes of
+  // a finished job stop one after another), so it is only noted.
   void PeerDown(uint32_t rank, const Status& why) {
-    if (!dead_worker_.empty() || mode_ == proto::Mode::kAsync) return;
+    if (!running_) return;  // this proxy is stopping too
     bool any_client = false;
     for (auto& [id, c] : conns_) any_client |= c.role == Conn::Role::kClient;
     std::string who = "proxy " + std::to_string(rank) + " at " +
                       opt_.peers[rank] + " is down (" + why.ToString() + ")";
-    MEMBOX_LOG_WARN("{}", who);
+    if (any_client) {
+      MEMBOX_LOG_WARN("{}", who);
+    } else {
+      MEMBOX_LOG_INFO("{}; no workers connected", who);
+    }
+    if (!dead_worker_.empty() || mode_ == proto::Mode::kAsync) return;
     if (any_client) FailPendingRounds(who);
   }
 
@@ -1314,8 +1322,9 @@ class ProxyImpl final : public Proxy {
               }
             },
             [this, rank](const Status& s) {
-              MEMBOX_LOG_WARN("link to proxy {} failed: {}", rank,
-                              s.ToString());
+              // PeerDown reports it, at a level that fits the moment.
+              MEMBOX_LOG_DEBUG("link to proxy {} failed: {}", rank,
+                               s.ToString());
               Post(Event{
                   0, false, {}, {}, [this, rank, s] { PeerDown(rank, s); }});
             });
