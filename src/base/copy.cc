@@ -119,20 +119,16 @@ void StreamingCopy(void* dst, const void* src, size_t n) {
 #endif
 }
 
-void CopyBytes(void* dst, const void* src, size_t n) {
-  if (n >= StreamingCopyThreshold()) {
-    StreamingCopy(dst, src, n);
-  } else {
-    std::memcpy(dst, src, n);
-  }
-}
-
 void CopyPiece(void* dst, const void* src, size_t n, size_t transfer_bytes) {
   if (transfer_bytes >= StreamingCopyThreshold()) {
     StreamingCopy(dst, src, n);
   } else {
     std::memcpy(dst, src, n);
   }
+}
+
+void CopyBytes(void* dst, const void* src, size_t n) {
+  CopyPiece(dst, src, n, n);
 }
 
 }  // namespace membox

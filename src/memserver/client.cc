@@ -192,17 +192,27 @@ class ClientImpl final : public Client {
     return q;
   }
 
+  // Removes the asynchronous request `id` from the table; null if it is not
+  // (or no longer) pending.
+  std::shared_ptr<transport::OpState> TakeAsync(uint64_t id) {
+    std::lock_guard<std::mutex> l(pending_mu_);
+    auto it = async_.find(id);
+    if (it == async_.end()) return nullptr;
+    auto st = std::move(it->second);
+    async_.erase(it);
+    return st;
+  }
+
   // Completes the asynchronous request `id` (if still pending) with `s`.
   void FailAsync(uint64_t id, const Status& s) {
-    std::shared_ptr<transport::OpState> st;
-    {
-      std::lock_guard<std::mutex> l(pending_mu_);
-      auto it = async_.find(id);
-      if (it == async_.end()) return;
-      st = std::move(it->second);
-      async_.erase(it);
-    }
-    st->Complete(s);
+    if (auto st = TakeAsync(id)) st->Complete(s);
+  }
+
+  // The status a reply to `op` carries.
+  static Status ReplyStatus(Op op, const Response& a) {
+    if (a.code == 0) return Status::Ok();
+    return Status(static_cast<StatusCode>(a.code),
+                  std::string(proto::OpName(op)) + ": " + a.message);
   }
 
   // Fails every pending asynchronous request (broken channel, shutdown).
@@ -372,10 +382,7 @@ class ClientImpl final : public Client {
       pending_.erase(q.id);
     }
     if (!s.ok()) return s;
-    if (got->code != 0) {
-      return Status(static_cast<StatusCode>(got->code),
-                    std::string(proto::OpName(q.op)) + ": " + got->message);
-    }
+    RETURN_IF_ERROR(ReplyStatus(q.op, *got));
     return std::move(*got);
   }
 
@@ -386,20 +393,8 @@ class ClientImpl final : public Client {
                       a.status().ToString());
       return;
     }
-    std::shared_ptr<transport::OpState> async;
-    {
-      std::lock_guard<std::mutex> l(pending_mu_);
-      if (auto at = async_.find(a->id); at != async_.end()) {
-        async = std::move(at->second);
-        async_.erase(at);
-      }
-    }
-    if (async) {
-      async->Complete(a->code == 0
-                          ? Status::Ok()
-                          : Status(static_cast<StatusCode>(a->code),
-                                   std::string(proto::OpName(Op::kAccumulate)) +
-                                       ": " + a->message));
+    if (auto async = TakeAsync(a->id)) {  // only accumulates are async
+      async->Complete(ReplyStatus(Op::kAccumulate, *a));
       return;
     }
     {

@@ -11,9 +11,10 @@
 // StreamingCopyThreshold() bytes and uses memcpy below it, where the
 // destination is likely still in cache when the consumer reads it.
 //
-// Completion: CopyBytes() ends with a store fence, so the copied bytes are
-// ordered before any later store of the calling thread (e.g. the flag or
-// message that tells another process the data is there), as with memcpy.
+// Completion: a streamed copy ends with a store fence (streaming stores are
+// weakly ordered), so with either path the copied bytes are ordered before
+// any later store of the calling thread (e.g. the flag or message that tells
+// another process the data is there), as with memcpy.
 //
 // Thread-safety: reentrant; the threshold is computed once.
 #ifndef MEMBOX_BASE_COPY_H_
