@@ -21,6 +21,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "membox/base/secret.h"
 #include "membox/embedding/client.h"
 #include "membox/ps/param_client.h"
 
@@ -528,6 +529,16 @@ PYBIND11_MODULE(_core, m) {
                                                 err.ptr());
   g_error = err.ptr();
   g_unavailable = gone.ptr();
+
+  m.def(
+      "resolve_secret",
+      [](const std::string& secret, const std::string& file) {
+        return Check(membox::ResolveSecret(secret, file));
+      },
+      py::arg("secret"), py::arg("file"),
+      "The secret by membox's one rule: `secret`, else the first line of "
+      "`file`, else MEMBOX_SECRET, else MEMBOX_SECRET_FILE; trailing "
+      "whitespace and CR removed.");
 
   py::class_<Handle>(m, "Handle")
       .def("wait", &Handle::Wait, py::arg("timeout") = py::none(),

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "membox/base/config.h"
+#include "membox/base/secret.h"
 #include "membox/base/logging.h"
 #include "membox/base/subprocess.h"
 #include "membox/embedding/server.h"
@@ -68,30 +69,6 @@ membox::Status ApplyConfigFile(CLI::App* cmd, const std::string& path) {
   return membox::Status::Ok();
 }
 
-// The secret from --secret, --secret-file or MEMBOX_SECRET /
-// MEMBOX_SECRET_FILE.
-membox::Result<std::string> ResolveSecret(const std::string& secret,
-                                          const std::string& file) {
-  std::string path = file;
-  if (!secret.empty()) return secret;
-  if (path.empty()) {
-    if (auto env = membox::GetEnv("MEMBOX_SECRET")) return *env;
-    if (auto env = membox::GetEnv("MEMBOX_SECRET_FILE")) path = *env;
-  }
-  if (path.empty()) {
-    return membox::InvalidArgumentError(
-        "no secret: pass --secret-file (or --secret, MEMBOX_SECRET, "
-        "MEMBOX_SECRET_FILE)");
-  }
-  std::ifstream in(path);
-  std::string line;
-  if (!in || !std::getline(in, line) || line.empty()) {
-    return membox::InvalidArgumentError("cannot read a secret from '" + path +
-                                        "'");
-  }
-  return line;
-}
-
 // "auto": the memory server's port + `offset` on the same host (+1 the
 // parameter proxy, +2 the embedding server); "off": none.
 membox::Result<std::string> ServiceListen(const std::string& ps_listen,
@@ -119,7 +96,7 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
           const std::string& pool, const std::string& min_block,
           const std::string& max_block, const std::string& quota,
           int heartbeat_ms, const EmbeddingFlags& ef) {
-  auto sec = ResolveSecret(secret, secret_file);
+  auto sec = membox::ResolveSecret(secret, secret_file);
   auto p = membox::ParseByteSize(pool);
   auto mn = membox::ParseByteSize(min_block);
   auto mx = membox::ParseByteSize(max_block);
@@ -208,7 +185,7 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
 
 int PrintStatus(const std::string& server, const std::string& secret,
                 const std::string& secret_file) {
-  auto sec = ResolveSecret(secret, secret_file);
+  auto sec = membox::ResolveSecret(secret, secret_file);
   if (!sec.ok()) {
     std::fprintf(stderr, "membox status: %s\n",
                  sec.status().ToString().c_str());

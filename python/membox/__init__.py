@@ -57,14 +57,13 @@ class Client(_core.Client):
 
 
 def _secret():
-    if os.environ.get("MEMBOX_SECRET"):
-        return os.environ["MEMBOX_SECRET"]
-    path = os.environ.get("MEMBOX_SECRET_FILE")
-    if not path:
+    # The same rule as membox serve and the C API (membox/base/secret.h):
+    # first line, trailing whitespace and CR removed.
+    if not os.environ.get("MEMBOX_SECRET") and \
+            not os.environ.get("MEMBOX_SECRET_FILE"):
         raise MemboxError("no secret: set MEMBOX_SECRET or MEMBOX_SECRET_FILE "
                           "(membox launch does)")
-    with open(path) as f:
-        return f.readline().strip()
+    return _core.resolve_secret("", "")
 
 
 def connect(proxies=None, secret=None, rank=None, world=None, name=None,

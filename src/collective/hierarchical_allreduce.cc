@@ -54,6 +54,7 @@ class HierImpl final : public HierarchicalAllreduce {
     transport::DeviceOptions d;
     d.listen_address = opt_.listen;
     d.transports = opt_.transports;
+    d.secret = opt_.secret;
     d.name = "hier-" + std::to_string(opt_.rank);
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
     ASSIGN_OR_RETURN(send_, device_->AllocateMemRegion(opt_.max_bytes));

@@ -37,6 +37,7 @@ class RingImpl final : public RingAllreduce {
     transport::DeviceOptions d;
     d.listen_address = opt_.listen;
     d.transports = opt_.transports;
+    d.secret = opt_.secret;
     d.name = "ring-" + std::to_string(opt_.rank);
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
     size_t chunk = ChunkCapacity();

@@ -212,6 +212,7 @@ class ClientImpl final : public EmbeddingClient {
     }
     transport::DeviceOptions d;
     d.transports = opt_.transports;
+    d.secret = opt_.secret;
     d.name = "membox-embedding-" + opt_.name;
     d.connect_timeout = opt_.timeout;
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
@@ -225,7 +226,6 @@ class ClientImpl final : public EmbeddingClient {
       nodes_.back()->Start();
       Message h;
       h.type = Type::kHello;
-      h.secret = opt_.secret;
       h.name = opt_.name;
       RETURN_IF_ERROR(nodes_.back()->Call(h, opt_.timeout).status());
     }

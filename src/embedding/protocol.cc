@@ -93,7 +93,6 @@ std::vector<uint8_t> Encode(const Message& m) {
   w.U64(m.id);
   switch (m.type) {
     case Type::kHello:
-      PutStr(w, m.secret);
       PutStr(w, m.name);
       break;
     case Type::kOpenTable:
@@ -150,7 +149,7 @@ Result<Message> Decode(std::span<const uint8_t> in) {
   bool ok = true;
   switch (m.type) {
     case Type::kHello:
-      ok = GetStr(r, &m.secret, kMaxSecret) && GetStr(r, &m.name, kMaxName);
+      ok = GetStr(r, &m.name, kMaxName);
       break;
     case Type::kOpenTable: {
       uint8_t opt = 0;

@@ -20,7 +20,7 @@
 namespace membox::embedding::proto {
 
 enum class Type : uint8_t {
-  kHello = 1,      // secret, name
+  kHello = 1,      // name (the channel is authenticated by the transport)
   kOpenTable = 2,  // TableConfig -> reply.table_id
   kPull = 3,       // table_id, batch (0: no pin), keys -> reply.values
   kPush = 4,       // table_id, batch, release, keys, values (gradients)
@@ -31,7 +31,6 @@ enum class Type : uint8_t {
 };
 const char* TypeName(Type t);
 
-constexpr size_t kMaxSecret = 1024;
 constexpr size_t kMaxName = 256;
 constexpr size_t kMaxText = 1 << 16;
 constexpr uint32_t kMaxKeys = 1 << 17;
@@ -42,7 +41,6 @@ struct Message {
   Type type = Type::kStats;
   uint64_t id = 0;  // request id, echoed in kReply
   // kHello
-  std::string secret;
   std::string name;
   // kOpenTable
   TableConfig table;

@@ -108,6 +108,7 @@ class ServerImpl final : public EmbeddingServer {
     transport::DeviceOptions d;
     d.listen_address = opt_.listen;
     d.transports = opt_.transports;
+    d.secret = opt_.secret;
     d.name = "membox-embedding";
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
     running_ = true;
@@ -285,16 +286,14 @@ class ServerImpl final : public EmbeddingServer {
     reply.id = m.id;
     Conn& c = conns_[conn];
     if (!c.authenticated && m.type != Type::kHello) {
-      Reply(conn, reply, UnauthenticatedError("say hello with the secret"));
+      Reply(conn, reply, UnauthenticatedError("say hello first"));
       return;
     }
     Status s;
     switch (m.type) {
       case Type::kHello:
-        if (m.secret != opt_.secret) {
-          MEMBOX_LOG_WARN("connection {} ({}): wrong secret", conn, m.name);
-          s = UnauthenticatedError("wrong secret");
-        } else if (!c.authenticated) {
+        // The channel proved the secret in the transport's handshake.
+        if (!c.authenticated) {
           c.authenticated = true;
           c.name = m.name;
           n_clients_++;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "membox/base/config.h"
+#include "membox/base/secret.h"
 #include "membox/c/smb.h"
 #include "membox/memserver/client.h"
 
@@ -30,17 +31,6 @@ Client* Get() {
   return g_client.get();
 }
 
-membox::Result<std::string> ReadSecretFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in)
-    return membox::NotFoundError("cannot read secret file '" + path + "'");
-  std::string s;
-  std::getline(in, s);
-  if (s.empty())
-    return membox::InvalidArgumentError("secret file '" + path + "' is empty");
-  return s;
-}
-
 }  // namespace
 
 extern "C" {
@@ -52,9 +42,9 @@ int smb_init(void) {
     auto cfg = membox::ConfigFile::Load(*cfg_path);
     if (!cfg.ok()) return Fail(cfg.status());
     if (auto v = cfg->Get("server")) o.server = *v;
-    if (auto v = cfg->Get("secret")) o.secret = *v;
+    if (auto v = cfg->Get("secret")) o.secret = membox::TrimSecret(*v);
     if (auto v = cfg->Get("secret_file")) {
-      auto s = ReadSecretFile(*v);
+      auto s = membox::ReadSecretFile(*v);
       if (!s.ok()) return Fail(s.status());
       o.secret = *s;
     }
@@ -62,11 +52,11 @@ int smb_init(void) {
   if (auto v = membox::GetEnv("MEMBOX_SERVER")) o.server = *v;
   // Precedence: config file < MEMBOX_SECRET_FILE < MEMBOX_SECRET.
   if (auto v = membox::GetEnv("MEMBOX_SECRET_FILE")) {
-    auto s = ReadSecretFile(*v);
+    auto s = membox::ReadSecretFile(*v);
     if (!s.ok()) return Fail(s.status());
     o.secret = *s;
   }
-  if (auto v = membox::GetEnv("MEMBOX_SECRET")) o.secret = *v;
+  if (auto v = membox::GetEnv("MEMBOX_SECRET")) o.secret = membox::TrimSecret(*v);
   if (o.server.empty()) {
     return Fail(membox::InvalidArgumentError(
         "no memory node: set MEMBOX_SERVER or MEMBOX_CONFIG"));

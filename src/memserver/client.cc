@@ -74,6 +74,7 @@ class ClientImpl final : public Client {
       return InvalidArgumentError("no memory-node address given");
     transport::DeviceOptions d;
     d.transports = opt_.transports;
+    d.secret = opt_.secret;
     d.name = opt_.name;
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
     auto ch = device_->GetChannel(opt_.server, 0);
@@ -87,7 +88,6 @@ class ClientImpl final : public Client {
         });
     Request q;
     q.op = Op::kRegister;
-    q.secret = opt_.secret;
     q.name = opt_.name;
     q.pid = static_cast<uint32_t>(getpid());
     ASSIGN_OR_RETURN(Response a, Call(q));

@@ -55,7 +55,6 @@ std::vector<uint8_t> EncodeRequest(const Request& q) {
   w.U64(q.id);
   switch (q.op) {
     case Op::kRegister:
-      PutStr(w, q.secret);
       PutStr(w, q.name);
       w.U32(q.pid);
       break;
@@ -100,7 +99,7 @@ Result<Request> DecodeRequest(std::span<const uint8_t> in) {
   bool ok = true;
   switch (q.op) {
     case Op::kRegister:
-      ok = GetStr(r, &q.secret, kMaxSecret) && GetStr(r, &q.name, kMaxName) &&
+      ok = GetStr(r, &q.name, kMaxName) &&
            r.U32(&q.pid);
       break;
     case Op::kCreate:

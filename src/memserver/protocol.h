@@ -16,7 +16,7 @@
 namespace membox::memserver::proto {
 
 enum class Op : uint8_t {
-  kRegister = 1,    // secret, name, pid -> client id, heartbeat interval
+  kRegister = 1,    // name, pid -> client id, heartbeat interval
   kCreate = 2,      // key (0: assign), size -> segment
   kAttach = 3,      // key, size -> segment
   kDetach = 4,      // key
@@ -27,7 +27,6 @@ enum class Op : uint8_t {
 };
 const char* OpName(Op op);
 
-constexpr size_t kMaxSecret = 1024;
 constexpr size_t kMaxName = 256;
 constexpr size_t kMaxDescriptor = 8192;
 constexpr size_t kMaxText = 1 << 16;
@@ -35,8 +34,7 @@ constexpr size_t kMaxText = 1 << 16;
 struct Request {
   Op op = Op::kHeartbeat;
   uint64_t id = 0;  // chosen by the client, echoed in the response
-  // kRegister
-  std::string secret;
+  // kRegister (the connection is already authenticated by the transport)
   std::string name;
   uint32_t pid = 0;
   // kCreate / kAttach / kDetach / kDelete; kAccumulate uses key as dst

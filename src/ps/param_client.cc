@@ -176,6 +176,7 @@ class ParamClientImpl final : public ParamClient {
     }
     transport::DeviceOptions d;
     d.transports = opt_.transports;
+    d.secret = opt_.secret;
     d.name = opt_.name + "-" + std::to_string(opt_.rank);
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
     for (size_t i = 0; i < opt_.proxies.size(); ++i) {
@@ -193,7 +194,6 @@ class ParamClientImpl final : public ParamClient {
       }
       Message h;
       h.type = Type::kHello;
-      h.secret = opt_.secret;
       h.name = opt_.name;
       h.rank = static_cast<uint32_t>(opt_.rank);
       h.world = static_cast<uint32_t>(opt_.world);

@@ -70,7 +70,6 @@ std::vector<uint8_t> Encode(const Message& m) {
   switch (m.type) {
     case Type::kHello:
     case Type::kPeerHello:
-      PutStr(w, m.secret);
       PutStr(w, m.name);
       w.U32(m.rank);
       w.U32(m.world);
@@ -166,7 +165,7 @@ Result<Message> Decode(std::span<const uint8_t> in) {
   switch (m.type) {
     case Type::kHello:
     case Type::kPeerHello:
-      ok = GetStr(r, &m.secret, kMaxSecret) && GetStr(r, &m.name, kMaxName) &&
+      ok = GetStr(r, &m.name, kMaxName) &&
            r.U32(&m.rank) && r.U32(&m.world);
       if (ok && m.type == Type::kHello)
         ok = m.world >= 1 && m.world <= kMaxWorld && m.rank < m.world;

@@ -18,7 +18,7 @@ namespace membox::ps::proto {
 
 enum class Type : uint8_t {
   // worker -> proxy
-  kHello = 1,       // secret, name, rank, world
+  kHello = 1,       // name, rank, world
   kRegion = 2,      // descriptor of a worker region the proxy may read/write
   kConfigure = 3,   // sync mode, staleness, optimizer
   kDeclare = 4,     // key, bytes, dtype, shard_bytes [, init from a region]
@@ -31,13 +31,12 @@ enum class Type : uint8_t {
   // proxy -> worker
   kReply = 11,
   // proxy <-> proxy
-  kPeerHello = 12,  // secret, proxy rank
+  kPeerHello = 12,  // proxy rank
   kReady = 13,      // my ring buffer for (key, shard, round, step) is ready
   kDone = 14,       // I have read your buffer for (key, shard, round, step)
 };
 const char* TypeName(Type t);
 
-constexpr size_t kMaxSecret = 1024;
 constexpr size_t kMaxName = 256;
 constexpr size_t kMaxText = 1 << 16;
 constexpr size_t kMaxDescriptor = 8192;
@@ -51,8 +50,7 @@ enum class Optimizer : uint8_t { kNone = 0, kSgd = 1, kAdam = 2 };
 struct Message {
   Type type = Type::kStats;
   uint64_t id = 0;  // request id, echoed in kReply
-  // kHello / kPeerHello
-  std::string secret;
+  // kHello / kPeerHello (the channel is authenticated by the transport)
   std::string name;
   uint32_t rank = 0;
   uint32_t world = 0;

@@ -126,6 +126,7 @@ class ProxyImpl final : public Proxy {
     transport::DeviceOptions d;
     d.listen_address = opt_.listen;
     d.transports = opt_.transports;
+    d.secret = opt_.secret;
     d.name = "membox-proxy-" + std::to_string(opt_.rank);
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
     sync_ = std::make_unique<memserver::SyncCores>(opt_.sync_cores);
@@ -394,7 +395,7 @@ class ProxyImpl final : public Proxy {
     if (c.role == Conn::Role::kUnknown && m->type != Type::kHello &&
         m->type != Type::kPeerHello) {
       Reply(conn, m->id,
-            UnauthenticatedError("say hello with the secret first"));
+            UnauthenticatedError("say hello first"));
       return;
     }
     switch (m->type) {
@@ -415,11 +416,7 @@ class ProxyImpl final : public Proxy {
   }
 
   void OnHello(uint64_t conn, Conn& c, const Message& m) {
-    if (m.secret != opt_.secret) {
-      MEMBOX_LOG_WARN("connection {} ({}): wrong secret", conn, m.name);
-      Reply(conn, m.id, UnauthenticatedError("wrong secret"));
-      return;
-    }
+    // The channel proved the secret in the transport's handshake.
     if (c.role != Conn::Role::kUnknown) {
       Reply(conn, m.id, FailedPreconditionError("already said hello"));
       return;
@@ -1330,7 +1327,6 @@ class ProxyImpl final : public Proxy {
             });
         Message h;
         h.type = Type::kPeerHello;
-        h.secret = opt_.secret;
         h.name = device_->options().name;
         h.rank = opt_.rank;
         RETURN_IF_ERROR((*ch)->SendControl(proto::Encode(h)));

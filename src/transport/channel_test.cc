@@ -338,7 +338,7 @@ INSTANTIATE_TEST_SUITE_P(
         Param{"rma", "auto", ProtocolChoice::kRma, Protocol::kRma},
         Param{"am", "auto", ProtocolChoice::kActiveMessage,
               Protocol::kActiveMessage},
-        Param{"tcp", "tcp", ProtocolChoice::kAuto, Protocol::kActiveMessage}),
+        Param{"tcp", "tcp", ProtocolChoice::kAuto, Protocol::kTcp}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(DeviceTest, ConnectToNobodyFailsClearly) {

@@ -60,7 +60,7 @@ TEST_P(MultiProcessTest, TensorsCrossProcessesIntact) {
   auto done = peer->WaitFor("DONE ", 20s);
   ASSERT_TRUE(done);
   EXPECT_EQ(*done,
-            std::string(transports) == "tcp" ? "active-message" : "mapped");
+            std::string(transports) == "tcp" ? "tcp" : "mapped");
   EXPECT_EQ(peer->Wait(20s), 0);
 }
 

@@ -31,6 +31,9 @@ struct HierarchicalOptions {
   int local_size = 1;  // workers per node; world % local_size == 0
   std::string listen = "0.0.0.0:0";
   std::string transports = "auto";
+  // Shared secret of the ring: peers prove it when they connect (the
+  // workers' listeners face the network too).
+  std::string secret;
   size_t max_bytes = 64 << 20;
   std::chrono::milliseconds timeout{60000};
 };

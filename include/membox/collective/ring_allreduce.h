@@ -36,6 +36,9 @@ struct RingOptions {
   int world = 1;
   std::string listen = "0.0.0.0:0";
   std::string transports = "auto";
+  // Shared secret of the ring: peers prove it when they connect (the
+  // workers' listeners face the network too).
+  std::string secret;
   size_t max_bytes = 64 << 20;  // largest buffer Allreduce will be given
   std::chrono::milliseconds timeout{60000};
 };

@@ -21,8 +21,11 @@
 //            InfiniBand/RoCE verbs);
 //   kActiveMessage  UCX active messages carrying the data; the peer's
 //            progress thread places it after validating the target range.
-//            Used over TCP, where UCX 1.13's put is ~100x slower than its
-//            active messages for large transfers (docs/design/transport.md).
+//            Forced with ProtocolChoice::kActiveMessage (measurement).
+//   kTcp     membox's own data path over the authenticated TCP connection
+//            (between hosts without RDMA, and for transports = "tcp"): the
+//            peer's reader thread places writes after validating the target
+//            range (src/transport/net/tcp_channel.h).
 //
 // Pending operations per buffer: any number of reads may be pending against
 // one local buffer; while a write from a buffer or a read into it is pending,
@@ -57,7 +60,7 @@
 namespace membox::transport {
 
 enum class Direction { kRead, kWrite };
-enum class Protocol { kMapped, kRma, kActiveMessage };
+enum class Protocol { kMapped, kRma, kActiveMessage, kTcp };
 const char* ProtocolName(Protocol p);
 
 // A remote region imported on one channel: validated with its owner (address

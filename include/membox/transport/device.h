@@ -3,7 +3,9 @@
 //
 // A Device owns the transport context (UCX), its progress threads -- the
 // paper's completion queues, each thread drives one UCX worker --, its
-// listener, and every channel and memory registration made through it.
+// listener (a plain TCP socket: every channel starts with the authenticated
+// handshake, and no byte from an unauthenticated peer reaches UCX), and
+// every channel and memory registration made through it.
 // Channels to one peer are spread over the progress threads round-robin by
 // lane, as the paper spreads QPs over CQs.
 //
@@ -40,9 +42,21 @@ struct DeviceOptions {
   // "host:port" to accept channels on ("0.0.0.0:0" picks a free port); empty
   // means this device only connects out.
   std::string listen_address;
-  // Transports UCX may use: "auto" (shared memory and TCP here; verbs and
-  // CUDA where present), "tcp", or any UCX_TLS list.
+  // Data paths: "auto" (UCX shared memory between processes of one host,
+  // UCX RDMA between hosts that have it, membox's own TCP path otherwise),
+  // "tcp" (membox's TCP path always), or a UCX_TLS list for the UCX paths
+  // (it may not name tcp: UCX's TCP transport never touches the network).
   std::string transports = "auto";
+  // Shared secret both ends of every channel prove they know
+  // (HMAC-SHA-256 challenge-response, never sent; see
+  // src/transport/net/handshake.h). Devices that talk to each other need the
+  // same secret; empty is a valid secret for tests and closed machines.
+  std::string secret;
+  // A connection that has not completed the handshake within this time is
+  // dropped; at most `max_pending_handshakes` may be open at once (the
+  // oldest is dropped for a new one).
+  std::chrono::milliseconds handshake_timeout{5000};
+  int max_pending_handshakes = 256;
   ProtocolChoice protocol = ProtocolChoice::kAuto;
   std::string name = "membox";  // shown to peers and in logs
   std::chrono::milliseconds connect_timeout{10000};

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <set>
 
+#include <sys/socket.h>
+
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
 
@@ -109,17 +111,15 @@ void UcxChannel::Fail(const Status& s) {
 
 void UcxChannel::Close() {
   // Mark the channel failed first, so concurrent callers stop before the
-  // endpoints go away.
-  Fail(AbortedError("channel closed"));
+  // endpoint goes away.
   const bool healthy = !failed_.load(std::memory_order_acquire);
-  for (ucp_ep_h* slot : {&ep_, &boot_ep_}) {
-    ucp_ep_h ep = *slot;
-    if (ep == nullptr) continue;
-    *slot = nullptr;
+  Fail(AbortedError("channel closed"));
+  if (ucp_ep_h ep = ep_) {
+    ep_ = nullptr;
     // Force-closing requires peer error handling on both sides; a data
     // endpoint without it (shared memory) is closed with a flush while the
     // peer is alive, for a bounded time.
-    const bool graceful = slot == &ep_ && !data_ep_peer_errors_ && healthy;
+    const bool graceful = !data_ep_peer_errors_ && healthy;
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = graceful ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
@@ -127,18 +127,32 @@ void UcxChannel::Close() {
     if (UCS_PTR_IS_PTR(req)) {
       auto deadline =
           std::chrono::steady_clock::now() + std::chrono::seconds(2);
-      // The bootstrap endpoint of an accepted channel lives on worker 0.
       while (ucp_request_check_status(req) == UCS_INPROGRESS &&
              std::chrono::steady_clock::now() < deadline) {
         ucp_worker_progress(worker_->worker());
-        ucp_worker_progress(dev_->worker(0)->worker());
       }
       if (ucp_request_check_status(req) != UCS_INPROGRESS)
         ucp_request_free(req);
     }
   }
   data_ready_.store(false, std::memory_order_release);
-  Fail(AbortedError("channel closed"));
+  if (liveness_) {
+    dev_->ForgetLiveness(liveness_.get());
+    shutdown(liveness_.get(), SHUT_RDWR);
+    liveness_.reset();
+  }
+}
+
+Status UcxChannel::ConnectData(const msg::Hello& peer) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    peer_name_ = peer.name;
+    peer_host_ = peer.host;
+  }
+  remote_id_ = peer.channel_id;
+  peer_same_host_ = peer.host == dev_->host_id();
+  protocol_ = ChooseProtocol();
+  return CreateDataEp(peer.address);
 }
 
 void UcxChannel::SetErrorHandling(ucp_ep_params_t* ep, UcxChannel* ch,
@@ -159,10 +173,10 @@ Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
   // UCX 1.13 selects only transports with peer-failure detection for
   // endpoints in UCP_ERR_HANDLING_MODE_PEER, which excludes shared memory
   // (posix, sysv, cma). Between processes on one host the data endpoint
-  // therefore runs without it; the bootstrap endpoint (TCP) detects a dead
-  // peer and Fail() completes what is in flight.
-  data_ep_peer_errors_ =
-      !(peer_same_host_ && dev_->options().transports != "tcp");
+  // therefore runs without it; the channel's TCP connection detects a dead
+  // peer (the device's network thread) and Fail() completes what is in
+  // flight.
+  data_ep_peer_errors_ = !peer_same_host_;
   SetErrorHandling(&ep, this,
                    data_ep_peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER
                                         : UCP_ERR_HANDLING_MODE_NONE);
@@ -188,17 +202,11 @@ Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
 Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr,
                           const void* data, size_t len,
                           std::shared_ptr<OpState> state) {
-  const bool bootstrap = id == kAmHello || id == kAmHelloAck;
-  ucp_ep_h ep = bootstrap ? boot_ep_ : ep_;
-  if (bootstrap) {
-    if (failed_.load(std::memory_order_acquire)) return health();
-    if (ep == nullptr) return FailedPreconditionError("channel is closed");
-  } else {
-    RETURN_IF_ERROR(CheckUsable());
-  }
+  RETURN_IF_ERROR(CheckUsable());
+  ucp_ep_h ep = ep_;
   auto* c = new SendCtx;
-  // Every message starts with the receiving side's channel id (0: bootstrap).
-  uint64_t dest = bootstrap ? 0 : remote_id_;
+  // Every message starts with the receiving side's channel id.
+  uint64_t dest = remote_id_;
   c->hdr.resize(sizeof(dest) + hdr.size());
   std::memcpy(c->hdr.data(), &dest, sizeof(dest));
   if (!hdr.empty())
@@ -302,26 +310,6 @@ void UcxChannel::Untrack(const std::shared_ptr<OpState>& st) {
   inflight_.erase(st);
 }
 
-Status UcxChannel::Handshake(std::chrono::milliseconds timeout) {
-  auto state = std::make_shared<OpState>(dev_->events());
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    rpcs_[0] = state;
-  }
-  msg::Hello hello{id_, static_cast<uint32_t>(lane_), dev_->options().name,
-                   dev_->host_id(), worker_->address()};
-  RETURN_IF_ERROR(
-      SendAm(kAmHello, msg::EncodeHello(hello, true), nullptr, 0, nullptr));
-  OpHandle h(state);
-  Status s = h.Wait(timeout);
-  if (s.code() == StatusCode::kDeadlineExceeded) {
-    Fail(UnavailableError("no answer to the connection handshake within " +
-                          std::to_string(timeout.count()) + " ms"));
-    return health();
-  }
-  return s;
-}
-
 Protocol UcxChannel::ChooseProtocol() const {
   switch (dev_->options().protocol) {
     case ProtocolChoice::kRma:
@@ -332,9 +320,6 @@ Protocol UcxChannel::ChooseProtocol() const {
     case ProtocolChoice::kNoMapping:
       break;
   }
-  // UCX 1.13's put/get over TCP are ~100x slower than its active messages
-  // for large transfers (docs/design/transport.md), so TCP uses messages.
-  if (dev_->options().transports == "tcp") return Protocol::kActiveMessage;
   if (peer_same_host_) {
     return dev_->options().protocol == ProtocolChoice::kAuto ? Protocol::kMapped
                                                              : Protocol::kRma;
@@ -500,6 +485,7 @@ Status UcxChannel::Fence() {
       if (st != UCS_OK) return UcsError(st, "ucp_worker_fence");
       return Status::Ok();
     }
+    case Protocol::kTcp:  // never a UCX channel's protocol
     case Protocol::kActiveMessage: {
       bool ok = SpinThenBlock(
           [this] {
@@ -642,51 +628,6 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
     return UCS_OK;
   };
   switch (id) {
-    case kAmHello:
-    case kAmHelloAck: {
-      auto m = msg::DecodeHello(hdr, id == kAmHello);
-      if (!m.ok()) return drop(m.status());
-      if (data_ready_.load())
-        return drop(InvalidArgumentError("duplicate hello"));
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        peer_name_ = m->name;
-        peer_host_ = m->host;
-      }
-      remote_id_ = m->channel_id;
-      peer_same_host_ = m->host == dev_->host_id();
-      protocol_ = ChooseProtocol();
-      if (id == kAmHello) {
-        lane_ = static_cast<int>(m->lane);
-        // Accepted channels are spread over the progress threads.
-        worker_ = dev_->NextAcceptWorker();
-        Status s = CreateDataEp(m->address);
-        if (!s.ok()) {
-          MEMBOX_LOG_WARN("refusing a channel from {}: {}", m->name,
-                          s.ToString());
-          return UCS_OK;
-        }
-        msg::Hello ack{id_, 0, dev_->options().name, dev_->host_id(),
-                       worker_->address()};
-        (void)SendAm(kAmHelloAck, msg::EncodeHello(ack, false), nullptr, 0,
-                     nullptr);
-        hello_seen_.store(true);
-        dev_->OnHello(this);
-      } else {
-        Status s = CreateDataEp(m->address);
-        std::shared_ptr<OpState> st;
-        {
-          std::lock_guard<std::mutex> l(mu_);
-          auto it = rpcs_.find(0);
-          if (it != rpcs_.end()) {
-            st = it->second;
-            rpcs_.erase(it);
-          }
-        }
-        if (st) st->Complete(s);
-      }
-      return UCS_OK;
-    }
     case kAmControl: {
       if (len > kMaxControlMessage)
         return drop(InvalidArgumentError("control message too large"));

@@ -26,6 +26,7 @@
 
 #include "membox/transport/channel.h"
 
+#include "src/transport/am_messages.h"
 #include "src/transport/ucx/ucx_device.h"
 
 namespace membox::transport::ucx {
@@ -74,8 +75,12 @@ class UcxChannel final : public Channel,
   std::string peer() const override;
 
   // --- internal ---
-  void set_boot_ep(ucp_ep_h ep) { boot_ep_ = ep; }
-  ucp_ep_h boot_ep() const { return boot_ep_; }
+  // Creates the data endpoint from the peer's hello (authenticated by the
+  // handshake) and picks the protocol.
+  Status ConnectData(const msg::Hello& peer);
+  // The channel's TCP connection: watched by the device for liveness, shut
+  // down by Close() so the peer sees the channel drop.
+  void set_liveness(net::Fd fd) { liveness_ = std::move(fd); }
   void set_id(uint64_t id) { id_ = id; }
   uint64_t id() const { return id_; }
   UcxWorker* worker() const { return worker_; }
@@ -84,15 +89,12 @@ class UcxChannel final : public Channel,
   // until `state` completes (nullptr state: fire and forget for small data).
   Status SendAm(AmId id, const std::vector<uint8_t>& hdr, const void* data,
                 size_t len, std::shared_ptr<OpState> state);
-  // Client side: sends hello and waits for the ack.
-  Status Handshake(std::chrono::milliseconds timeout);
   // Handlers, called on the progress thread.
   ucs_status_t OnAm(AmId id, const void* header, size_t hlen, void* data,
                     size_t len, const ucp_am_recv_param_t* param);
   void Close() override;
   void Track(const std::shared_ptr<OpState>& st);    // a pending UCX request
   void Untrack(const std::shared_ptr<OpState>& st);  // its completion
-  bool hello_seen() const { return hello_seen_.load(); }
 
  private:
   struct PendingRead {
@@ -134,7 +136,7 @@ class UcxChannel final : public Channel,
   int lane_;
   std::string peer_;
   bool accepted_;
-  ucp_ep_h boot_ep_ = nullptr;  // connection-manager endpoint: hello, liveness
+  net::Fd liveness_;            // the authenticated TCP connection
   ucp_ep_h ep_ = nullptr;       // data endpoint, from the peer's worker address
   uint64_t id_ = 0;             // our channel id (peers put it in headers)
   uint64_t remote_id_ = 0;      // the peer's id for this channel
@@ -142,7 +144,6 @@ class UcxChannel final : public Channel,
   bool data_ep_peer_errors_ = true;  // data ep in UCP_ERR_HANDLING_MODE_PEER
   Protocol protocol_ = Protocol::kRma;
   bool peer_same_host_ = false;
-  std::atomic<bool> hello_seen_{false};
   std::atomic<bool> failed_{false};
   std::atomic<bool> rma_since_fence_{false};  // an RMA write awaits a fence
   std::atomic<bool> rma_since_flush_{false};  // an RMA write awaits a flush

@@ -10,7 +10,9 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/epoll.h>
+#include <fcntl.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "membox/base/config.h"
@@ -41,6 +43,8 @@ const char* ProtocolName(Protocol p) {
       return "rma";
     case Protocol::kActiveMessage:
       return "active-message";
+    case Protocol::kTcp:
+      return "tcp";
   }
   return "?";
 }
@@ -82,34 +86,6 @@ std::string ReadFirstLine(const char* path) {
   std::string s;
   std::getline(in, s);
   return s;
-}
-
-Result<sockaddr_storage> Resolve(const std::string& endpoint, socklen_t* len,
-                                 bool passive) {
-  auto colon = endpoint.rfind(':');
-  if (colon == std::string::npos || colon == 0) {
-    return InvalidArgumentError("endpoint '" + endpoint + "' is not host:port");
-  }
-  std::string host = endpoint.substr(0, colon);
-  std::string port = endpoint.substr(colon + 1);
-  if (!host.empty() && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = passive ? AI_PASSIVE : 0;
-  addrinfo* res = nullptr;
-  int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
-  if (rc != 0 || res == nullptr) {
-    return InvalidArgumentError("cannot resolve '" + endpoint +
-                                "': " + gai_strerror(rc));
-  }
-  sockaddr_storage ss{};
-  std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
-  *len = res->ai_addrlen;
-  freeaddrinfo(res);
-  return ss;
 }
 
 // One MemRegion registered with UCX.
@@ -284,11 +260,6 @@ uint64_t UcxDevice::RandomToken() {
 }
 
 Status UcxDevice::Init() {
-  // A restarted daemon must be able to listen on its old port while
-  // connections of its previous life linger in TIME_WAIT. The TCP
-  // connection manager reads this from the environment only (ucp_config_
-  // modify does not reach it); an explicit setting wins (overwrite = 0).
-  ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return UcsError(st, "ucp_config_read");
@@ -299,12 +270,26 @@ Status UcxDevice::Init() {
   if (!GetEnv("UCX_KEEPALIVE_INTERVAL")) {
     (void)ucp_config_modify(config, "KEEPALIVE_INTERVAL", "10s");
   }
-  if (options_.transports != "auto" && !options_.transports.empty()) {
-    st = ucp_config_modify(config, "TLS", options_.transports.c_str());
-    if (st != UCS_OK) {
+  // UCX's TCP transport listens on every interface and asserts on malformed
+  // bytes, so it is never enabled: TCP between hosts is membox's own path
+  // (net::TcpChannel). This also overrides a UCX_TLS from the environment.
+  std::string tls = "^tcp";
+  if (options_.transports != "auto" && options_.transports != "tcp" &&
+      !options_.transports.empty()) {
+    if (options_.transports.find("tcp") != std::string::npos ||
+        options_.transports.front() == '^') {
       ucp_config_release(config);
-      return UcsError(st, "invalid transports '" + options_.transports + "'");
+      return InvalidArgumentError(
+          "transports '" + options_.transports +
+          "': name UCX transports to use (not tcp); TCP is membox's own path, "
+          "chosen with transports = \"tcp\" or \"auto\"");
     }
+    tls = options_.transports;
+  }
+  st = ucp_config_modify(config, "TLS", tls.c_str());
+  if (st != UCS_OK) {
+    ucp_config_release(config);
+    return UcsError(st, "invalid transports '" + options_.transports + "'");
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES |
@@ -321,7 +306,7 @@ Status UcxDevice::Init() {
   for (int i = 0; i < options_.progress_threads; ++i) {
     auto w = std::make_unique<UcxWorker>(this, i);
     RETURN_IF_ERROR(w->Init(ctx_));
-    for (int id = kAmHello; id < kAmCount; ++id) {
+    for (int id = kAmControl; id < kAmCount; ++id) {
       auto arg = std::make_unique<AmHandlerArg>(
           AmHandlerArg{this, static_cast<AmId>(id)});
       ucp_am_handler_param_t hp{};
@@ -341,71 +326,330 @@ Status UcxDevice::Init() {
   }
   if (!options_.listen_address.empty()) RETURN_IF_ERROR(CreateListener());
   for (auto& w : workers_) w->Start();
-  return Status::Ok();
+  return StartNetThread();
 }
 
 Status UcxDevice::CreateListener() {
-  socklen_t len = 0;
-  ASSIGN_OR_RETURN(sockaddr_storage ss,
-                   Resolve(options_.listen_address, &len, true));
-  ucp_listener_params_t lp{};
-  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
-                  UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-  lp.sockaddr.addrlen = len;
-  lp.conn_handler.cb = [](ucp_conn_request_h req, void* arg) {
-    static_cast<UcxDevice*>(arg)->OnConnRequest(req);
-  };
-  lp.conn_handler.arg = this;
-  ucs_status_t st = ucp_listener_create(workers_[0]->worker(), &lp, &listener_);
-  if (st != UCS_OK) {
-    return UcsError(st, "cannot listen on '" + options_.listen_address + "'");
-  }
-  ucp_listener_attr_t attr{};
-  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-  st = ucp_listener_query(listener_, &attr);
-  if (st != UCS_OK) return UcsError(st, "ucp_listener_query");
-  char host[INET6_ADDRSTRLEN] = {0};
-  uint16_t port = 0;
-  if (attr.sockaddr.ss_family == AF_INET) {
-    auto* sin = reinterpret_cast<sockaddr_in*>(&attr.sockaddr);
-    inet_ntop(AF_INET, &sin->sin_addr, host, sizeof(host));
-    port = ntohs(sin->sin_port);
-  } else {
-    auto* sin6 = reinterpret_cast<sockaddr_in6*>(&attr.sockaddr);
-    inet_ntop(AF_INET6, &sin6->sin6_addr, host, sizeof(host));
-    port = ntohs(sin6->sin6_port);
-  }
-  std::string h = host;
-  // A wildcard listener is reached through the address that was asked for.
-  if (h == "0.0.0.0" || h == "::") {
-    auto colon = options_.listen_address.rfind(':');
-    h = options_.listen_address.substr(0, colon);
-    if (h == "0.0.0.0" || h == "::" || h.empty()) h = "127.0.0.1";
-  }
-  listen_endpoint_ = h + ":" + std::to_string(port);
+  ASSIGN_OR_RETURN(listen_fd_,
+                   net::Listen(options_.listen_address, &listen_endpoint_));
   MEMBOX_LOG_DEBUG("device {} listening on {}", options_.name,
                    listen_endpoint_);
   return Status::Ok();
 }
 
+namespace {
+constexpr uint64_t kListenToken = 1;
+constexpr uint64_t kWakeToken = 2;
+}  // namespace
+
+Status UcxDevice::StartNetThread() {
+  epoll_fd_.reset(epoll_create1(EPOLL_CLOEXEC));
+  wake_fd_.reset(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  spare_fd_.reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!epoll_fd_ || !wake_fd_) return InternalError("epoll/eventfd failed");
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kWakeToken;
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &ev);
+  if (listen_fd_) {
+    ev.data.u64 = kListenToken;
+    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, listen_fd_.get(), &ev);
+  }
+  net_thread_ = std::thread([this] { NetLoop(); });
+  return Status::Ok();
+}
+
 UcxDevice::~UcxDevice() {
-  if (listener_) ucp_listener_destroy(listener_);
+  if (net_thread_.joinable()) {
+    net_stop_.store(true);
+    uint64_t one = 1;
+    (void)!write(wake_fd_.get(), &one, sizeof(one));
+    net_thread_.join();
+  }
+  pending_.clear();
+  listen_fd_.reset();
   for (auto& w : workers_) w->Stop();
-  std::vector<std::shared_ptr<UcxChannel>> all;
+  std::vector<std::shared_ptr<Channel>> all;
   {
     std::lock_guard<std::mutex> l(mu_);
-    for (auto& [ep, ch] : by_ep_) all.push_back(ch);
-    by_ep_.clear();
+    all.swap(channels_);
     by_id_.clear();
     out_.clear();
     accept_q_.clear();
+    liveness_.clear();
+    liveness_tokens_.clear();
   }
   for (auto& ch : all) ch->Close();
   all.clear();
   workers_.clear();
   if (ctx_) ucp_cleanup(ctx_);
 }
+
+void UcxDevice::NetLoop() {
+  epoll_event evs[64];
+  while (!net_stop_.load()) {
+    int timeout_ms = 1000;
+    if (!pending_.empty()) timeout_ms = 100;
+    int n = epoll_wait(epoll_fd_.get(), evs, 64, timeout_ms);
+    for (int i = 0; i < n; ++i) {
+      uint64_t token = evs[i].data.u64;
+      if (token == kWakeToken) {
+        uint64_t v;
+        (void)!read(wake_fd_.get(), &v, sizeof(v));
+      } else if (token == kListenToken) {
+        AcceptConnections();
+      } else if (pending_.count(token)) {
+        OnPendingReadable(token);
+      } else {
+        // A UCX channel's connection: any event means it closed, reset, or
+        // the peer broke protocol by sending after the handshake.
+        std::shared_ptr<UcxChannel> ch;
+        int fd = -1;
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          auto it = liveness_.find(token);
+          if (it == liveness_.end()) continue;
+          ch = it->second.lock();
+          for (auto& [f, t] : liveness_tokens_) {
+            if (t == token) fd = f;
+          }
+        }
+        if (fd >= 0) {
+          char c;
+          ssize_t r = recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK);
+          if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+        }
+        ForgetLiveness(fd);
+        if (ch) ch->Fail(UnavailableError("connection lost"));
+      }
+    }
+    ExpirePending();
+  }
+}
+
+void UcxDevice::AcceptConnections() {
+  for (;;) {
+    int fd = accept4(listen_fd_.get(), nullptr, nullptr,
+                     SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if ((errno == EMFILE || errno == ENFILE) && spare_fd_) {
+        // Out of descriptors: take the connection with the spare one and
+        // close it, so the listener does not stay readable forever.
+        spare_fd_.reset();
+        int victim = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+        if (victim >= 0) close(victim);
+        spare_fd_.reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
+        MEMBOX_LOG_WARN("{}: out of file descriptors, refused a connection",
+                        options_.name);
+        continue;
+      }
+      return;  // EAGAIN, or an error that a later wake-up retries
+    }
+    net::TuneStream(fd);
+    if (pending_.size() >= static_cast<size_t>(options_.max_pending_handshakes)) {
+      // Evict the oldest half-open connection: idle floods cannot lock out
+      // the clients that do complete the handshake.
+      auto oldest = pending_.begin();
+      for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+        if (it->second.seq < oldest->second.seq) oldest = it;
+      }
+      DropPending(oldest->first, "too many connections in handshake");
+    }
+    uint64_t token = next_token_++;
+    Pending p;
+    p.fd.reset(fd);
+    p.deadline = std::chrono::steady_clock::now() + options_.handshake_timeout;
+    p.seq = next_seq_++;
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.u64 = token;
+    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) continue;
+    pending_.emplace(token, std::move(p));
+  }
+}
+
+void UcxDevice::DropPending(uint64_t token, const char* why) {
+  auto it = pending_.find(token);
+  if (it == pending_.end()) return;
+  MEMBOX_LOG_DEBUG("{}: dropping connection from {}: {}", options_.name,
+                   net::PeerName(it->second.fd.get()), why);
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, it->second.fd.get(), nullptr);
+  pending_.erase(it);
+}
+
+void UcxDevice::ExpirePending() {
+  auto now = std::chrono::steady_clock::now();
+  std::vector<uint64_t> late;
+  for (auto& [token, p] : pending_) {
+    if (now >= p.deadline) late.push_back(token);
+  }
+  for (uint64_t t : late) DropPending(t, "handshake timed out");
+}
+
+void UcxDevice::OnPendingReadable(uint64_t token) {
+  Pending& p = pending_.at(token);
+  for (;;) {
+    auto got = p.reader.ReadFrom(p.fd.get());
+    if (!got.ok()) {
+      DropPending(token, "handshake failed");
+      return;
+    }
+    if (!*got) return;  // more bytes needed
+    if (!AdvanceHandshake(p)) {
+      DropPending(token, "handshake rejected");
+      return;
+    }
+    if (!p.fd) {  // handed over to a channel
+      pending_.erase(token);
+      return;
+    }
+  }
+}
+
+uint32_t UcxDevice::LocalFlags() const {
+  uint32_t f = 0;
+  if (options_.transports == "tcp") f |= net::kFlagTcpOnly;
+  if (rdma_present_) f |= net::kFlagRdma;
+  return f;
+}
+
+bool UcxDevice::UseUcx(uint32_t peer_flags, const std::string& peer_host) const {
+  uint32_t mine = LocalFlags();
+  if ((mine | peer_flags) & net::kFlagTcpOnly) return false;
+  if (peer_host == host_id_) return true;  // shared memory
+  return (mine & net::kFlagRdma) && (peer_flags & net::kFlagRdma);
+}
+
+bool UcxDevice::AdvanceHandshake(Pending& p) {
+  const auto send_deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  if (p.stage == 0) {
+    auto hello = net::DecodeClientHello(p.reader.frame());
+    if (!hello.ok()) return false;
+    p.client_nonce = hello->nonce;
+    p.server_nonce = net::NewNonce();
+    net::ServerProof sp{p.server_nonce,
+                        net::ServerProofFor(options_.secret, p.client_nonce,
+                                            p.server_nonce)};
+    if (!net::SendFrame(p.fd.get(), net::EncodeServerProof(sp), send_deadline)
+             .ok()) {
+      return false;
+    }
+    p.stage = 1;
+    p.reader.Reset(net::kMaxProofFrame);
+    return true;
+  }
+  auto cp = net::DecodeClientProof(p.reader.frame());
+  if (!cp.ok()) return false;
+  net::Proof want = net::ClientProofFor(options_.secret, p.client_nonce,
+                                        p.server_nonce, *cp);
+  if (!net::ProofEquals(want, cp->proof)) {
+    MEMBOX_LOG_WARN("{}: connection from {} ({}) failed authentication",
+                    options_.name, net::PeerName(p.fd.get()), cp->hello.name);
+    net::ServerVerdict v;
+    v.code = static_cast<uint32_t>(StatusCode::kUnauthenticated);
+    v.message = "wrong secret";
+    (void)net::SendFrame(p.fd.get(), net::EncodeServerVerdict(v),
+                         send_deadline);
+    return false;
+  }
+  const bool ucx = UseUcx(cp->flags, cp->hello.host);
+  UcxWorker* w = NextAcceptWorker();
+  std::shared_ptr<UcxChannel> uch;
+  net::ServerVerdict v;
+  v.path = ucx ? net::DataPath::kUcx : net::DataPath::kTcp;
+  v.hello.channel_id = NewChannelId();
+  v.hello.name = options_.name;
+  v.hello.host = host_id_;
+  v.hello.address = w->address();
+  int lane = static_cast<int>(cp->hello.lane);
+  if (ucx) {
+    uch = std::make_shared<UcxChannel>(this, w, lane, cp->hello.name, true);
+    uch->set_id(v.hello.channel_id);
+    std::lock_guard<std::mutex> l(mu_);
+    by_id_[v.hello.channel_id] = uch;
+  }
+  net::Fd fd = std::move(p.fd);
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd.get(), nullptr);
+  int raw = fd.get();
+  auto ch = MakeChannel(std::move(fd), v.path, cp->hello, uch, lane,
+                        cp->hello.name);
+  if (!ch.ok()) {
+    MEMBOX_LOG_WARN("{}: refusing a channel from {}: {}", options_.name,
+                    cp->hello.name, ch.status().ToString());
+    if (uch) {
+      std::lock_guard<std::mutex> l(mu_);
+      by_id_.erase(v.hello.channel_id);
+    }
+    return true;  // fd already moved out: the caller forgets the entry
+  }
+  // The verdict goes out after the channel exists, so the client's first
+  // message finds it; a TCP channel's threads start after it.
+  Status sent = net::SendFrame(raw, net::EncodeServerVerdict(v), send_deadline);
+  if (!sent.ok()) {
+    (*ch)->Close();
+    return true;
+  }
+  if (auto tcp = std::dynamic_pointer_cast<net::TcpChannel>(*ch)) tcp->Start();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    accept_q_.push_back(*ch);
+  }
+  accept_ev_.Notify();
+  return true;
+}
+
+Result<std::shared_ptr<Channel>> UcxDevice::MakeChannel(
+    net::Fd fd, net::DataPath path, const msg::Hello& peer,
+    const std::shared_ptr<UcxChannel>& ucx, int lane,
+    const std::string& peer_label) {
+  if (path == net::DataPath::kTcp) {
+    RETURN_IF_ERROR(net::SetBlocking(fd.get(), true));
+    auto ch = std::make_shared<net::TcpChannel>(this, std::move(fd), lane,
+                                                peer_label);
+    RegisterChannel(ch);
+    return std::shared_ptr<Channel>(ch);
+  }
+  RETURN_IF_ERROR(ucx->ConnectData(peer));
+  int raw = fd.get();
+  ucx->set_liveness(std::move(fd));
+  WatchLiveness(raw, ucx);
+  RegisterChannel(ucx);
+  return std::shared_ptr<Channel>(ucx);
+}
+
+void UcxDevice::RegisterChannel(const std::shared_ptr<Channel>& ch) {
+  std::lock_guard<std::mutex> l(mu_);
+  // Forget channels that failed long ago, so a long-lived server does not
+  // keep every connection it ever had.
+  std::erase_if(channels_, [](const std::shared_ptr<Channel>& c) {
+    return !c->health().ok() && c.use_count() == 1;
+  });
+  channels_.push_back(ch);
+}
+
+void UcxDevice::WatchLiveness(int fd, const std::shared_ptr<UcxChannel>& ch) {
+  std::lock_guard<std::mutex> l(mu_);
+  uint64_t token = next_liveness_token_++;  // never a pending token
+  liveness_[token] = ch;
+  liveness_tokens_[fd] = token;
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.u64 = token;
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev);
+}
+
+void UcxDevice::ForgetLiveness(int fd) {
+  if (fd < 0) return;
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = liveness_tokens_.find(fd);
+  if (it == liveness_tokens_.end()) return;
+  liveness_.erase(it->second);
+  liveness_tokens_.erase(it);
+  if (epoll_fd_) epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
+}
+
 
 Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {
   if (bytes == 0) return InvalidArgumentError("AllocateMemRegion: size 0");
@@ -501,23 +745,10 @@ bool UcxDevice::CheckRkeyCrc(uint64_t region_id, uint32_t crc) {
   return it != exports_.end() && it->second.rkey_crc == crc;
 }
 
-UcxChannel* UcxDevice::ChannelForEp(ucp_ep_h ep) {
-  std::lock_guard<std::mutex> l(mu_);
-  auto it = by_ep_.find(ep);
-  return it == by_ep_.end() ? nullptr : it->second.get();
-}
-
 UcxChannel* UcxDevice::ChannelForId(uint64_t id) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = by_id_.find(id);
   return it == by_id_.end() ? nullptr : it->second.get();
-}
-
-uint64_t UcxDevice::AddChannelId(const std::shared_ptr<UcxChannel>& ch) {
-  std::lock_guard<std::mutex> l(mu_);
-  uint64_t id = next_channel_id_++;
-  by_id_[id] = ch;
-  return id;
 }
 
 UcxWorker* UcxDevice::NextAcceptWorker() {
@@ -528,43 +759,14 @@ UcxWorker* UcxDevice::NextAcceptWorker() {
 
 int UcxDevice::thread_index() const { return tls_worker_index; }
 
-void UcxDevice::OnConnRequest(ucp_conn_request_h req) {
-  // Runs on worker 0's progress thread: the listener's worker accepts.
-  UcxWorker* w = workers_[0].get();
-  auto ch = std::make_shared<UcxChannel>(this, w, 0, "", true);
-  ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.conn_request = req;
-  UcxChannel::SetErrorHandling(&ep, ch.get(), UCP_ERR_HANDLING_MODE_PEER);
-  ucp_ep_h h = nullptr;
-  ucs_status_t st = ucp_ep_create(w->worker(), &ep, &h);
-  if (st != UCS_OK) {
-    MEMBOX_LOG_WARN("rejecting a connection: {}", ucs_status_string(st));
-    return;
-  }
-  ch->set_boot_ep(h);
-  ch->set_id(AddChannelId(ch));
+uint64_t UcxDevice::NewChannelId() {
   std::lock_guard<std::mutex> l(mu_);
-  by_ep_[h] = ch;
-}
-
-void UcxDevice::OnHello(UcxChannel* ch) {
-  std::shared_ptr<UcxChannel> sp;
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = by_ep_.find(ch->boot_ep());
-    if (it == by_ep_.end()) return;
-    sp = it->second;
-    accept_q_.push_back(sp);
-  }
-  accept_ev_.Notify();
+  return next_channel_id_++;
 }
 
 Result<std::shared_ptr<Channel>> UcxDevice::Accept(
     std::chrono::nanoseconds timeout) {
-  std::shared_ptr<UcxChannel> got;
+  std::shared_ptr<Channel> got;
   bool ok = SpinThenBlock(
       [&] {
         std::lock_guard<std::mutex> l(mu_);
@@ -576,7 +778,7 @@ Result<std::shared_ptr<Channel>> UcxDevice::Accept(
       &accept_ev_, timeout);
   if (!ok)
     return DeadlineExceededError("no incoming channel before the timeout");
-  return std::shared_ptr<Channel>(got);
+  return got;
 }
 
 Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
@@ -590,46 +792,78 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
   {
     std::lock_guard<std::mutex> l(mu_);
     auto it = out_.find(key);
-    if (it != out_.end() && it->second->health().ok()) {
-      return std::shared_ptr<Channel>(it->second);
+    if (it != out_.end() && it->second->health().ok()) return it->second;
+  }
+  auto connect = [&]() -> Result<std::shared_ptr<Channel>> {
+    const auto deadline =
+        std::chrono::steady_clock::now() + options_.connect_timeout;
+    ASSIGN_OR_RETURN(net::Fd fd, net::Connect(remote_endpoint, deadline));
+    net::ClientHello hello{net::NewNonce()};
+    RETURN_IF_ERROR(
+        net::SendFrame(fd.get(), net::EncodeClientHello(hello), deadline));
+    ASSIGN_OR_RETURN(std::vector<uint8_t> f1,
+                     net::RecvFrame(fd.get(), net::kMaxHelloFrame, deadline));
+    ASSIGN_OR_RETURN(net::ServerProof sp, net::DecodeServerProof(f1));
+    if (!net::ProofEquals(sp.proof, net::ServerProofFor(options_.secret,
+                                                        hello.nonce,
+                                                        sp.nonce))) {
+      return UnauthenticatedError(
+          "wrong secret: the peer proved a different shared secret (check "
+          "--secret-file / MEMBOX_SECRET on both sides)");
     }
-  }
-  socklen_t len = 0;
-  ASSIGN_OR_RETURN(sockaddr_storage ss, Resolve(remote_endpoint, &len, false));
-  // Lanes of one peer are spread over the progress threads round-robin.
-  UcxWorker* w = workers_[static_cast<size_t>(lane) % workers_.size()].get();
-  auto ch = std::make_shared<UcxChannel>(this, w, lane, remote_endpoint, false);
-  ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-  ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-  ep.sockaddr.addrlen = len;
-  UcxChannel::SetErrorHandling(&ep, ch.get(), UCP_ERR_HANDLING_MODE_PEER);
-  ucp_ep_h h = nullptr;
-  ucs_status_t st = ucp_ep_create(w->worker(), &ep, &h);
-  if (st != UCS_OK) return UcsError(st, "cannot connect to " + remote_endpoint);
-  ch->set_boot_ep(h);
-  ch->set_id(AddChannelId(ch));
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    by_ep_[h] = ch;
-  }
-  w->Signal();
-  Status hs = ch->Handshake(options_.connect_timeout);
-  if (!hs.ok()) {
+    // Lanes of one peer are spread over the progress threads round-robin.
+    UcxWorker* w = workers_[static_cast<size_t>(lane) % workers_.size()].get();
+    auto uch = std::make_shared<UcxChannel>(this, w, lane, remote_endpoint,
+                                            false);
+    uch->set_id(NewChannelId());
+    net::ClientProof cp;
+    cp.flags = LocalFlags();
+    cp.hello = msg::Hello{uch->id(), static_cast<uint32_t>(lane),
+                          options_.name, host_id_, w->address()};
+    cp.proof = net::ClientProofFor(options_.secret, hello.nonce, sp.nonce, cp);
     {
+      // Registered before the proof goes out: the server may send on the
+      // data path as soon as it has answered.
       std::lock_guard<std::mutex> l(mu_);
-      by_ep_.erase(h);
-      by_id_.erase(ch->id());
+      by_id_[uch->id()] = uch;
     }
-    ch->Close();
-    return hs.WithContext("cannot connect to " + remote_endpoint);
+    auto forget = [&] {
+      std::lock_guard<std::mutex> l(mu_);
+      by_id_.erase(uch->id());
+    };
+    Status s = net::SendFrame(fd.get(), net::EncodeClientProof(cp), deadline);
+    Result<std::vector<uint8_t>> f2 =
+        s.ok() ? net::RecvFrame(fd.get(), net::kMaxProofFrame, deadline)
+               : Result<std::vector<uint8_t>>(s);
+    Result<net::ServerVerdict> v =
+        f2.ok() ? net::DecodeServerVerdict(*f2)
+                : Result<net::ServerVerdict>(f2.status());
+    if (v.ok() && v->code != 0) {
+      v = msg::StatusFromWire(v->code, v->message);
+    }
+    if (!v.ok() || v->path != net::DataPath::kUcx) forget();
+    if (!v.ok()) {
+      if (v.status().code() == StatusCode::kUnavailable) {
+        return UnavailableError(
+            "the peer closed the connection during the handshake (wrong "
+            "secret, or it is not a membox service)");
+      }
+      return v.status();
+    }
+    ASSIGN_OR_RETURN(auto ch, MakeChannel(std::move(fd), v->path, v->hello,
+                                          uch, lane, remote_endpoint));
+    if (auto tcp = std::dynamic_pointer_cast<net::TcpChannel>(ch)) {
+      tcp->Start();
+    }
+    return ch;
+  };
+  auto ch = connect();
+  if (!ch.ok()) {
+    return ch.status().WithContext("cannot connect to " + remote_endpoint);
   }
   std::lock_guard<std::mutex> l(mu_);
-  out_[key] = ch;
-  return std::shared_ptr<Channel>(ch);
+  out_[key] = *ch;
+  return *ch;
 }
 
 ucs_status_t UcxDevice::AmHandler(void* arg, const void* header, size_t hlen,
@@ -647,17 +881,7 @@ ucs_status_t UcxDevice::AmHandler(void* arg, const void* header, size_t hlen,
   };
   if (hlen < sizeof(dest)) return drop("header too short");
   std::memcpy(&dest, header, sizeof(dest));
-  UcxChannel* ch = nullptr;
-  if (dest == 0) {
-    // Hello / hello-ack travel on the bootstrap endpoint.
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
-        param->reply_ep == nullptr) {
-      return drop("bootstrap message without a reply endpoint");
-    }
-    ch = a->dev->ChannelForEp(param->reply_ep);
-  } else {
-    ch = a->dev->ChannelForId(dest);
-  }
+  UcxChannel* ch = a->dev->ChannelForId(dest);
   if (ch == nullptr) return drop("unknown channel");
   return ch->OnAm(a->id, static_cast<const uint8_t*>(header) + sizeof(dest),
                   hlen - sizeof(dest), data, len, param);

@@ -9,16 +9,21 @@
 //               thread that drives it (the paper's CQ polling thread).
 //   UcxChannel  one ucp_ep on one worker: a lane to one peer.
 //
-// Connection set-up: a channel first connects a bootstrap endpoint through
-// the UCX connection manager (sockaddr, TCP); over it the two sides exchange
-// hello messages carrying their worker addresses, and each side then creates
-// its data endpoint from the other's worker address. UCX 1.13 gives
-// client-server endpoints TCP lanes only, while address-based endpoints get
-// the best transports (shared memory / cross-memory attach on one host,
-// verbs on a fabric). Every data message starts with the receiving side's
-// channel id, so dispatch does not depend on UCX endpoint matching. The
-// bootstrap endpoint stays open as a liveness detector: when the peer
-// process dies its TCP connection resets at once.
+// Connection set-up (docs/design/network_face.md): a channel starts as a
+// plain TCP connection to the device's listener, served by the device's
+// network thread. The two sides run the authenticated handshake
+// (src/transport/net/handshake.h) and exchange their UCX worker addresses
+// inside it; only then does the server pick the data path:
+//   UCX     processes on one host (shared memory, cross-memory attach) and
+//           hosts with RDMA: each side creates its data endpoint from the
+//           other's worker address, and the TCP connection stays open as a
+//           liveness detector (the network thread fails the channel when it
+//           closes or resets);
+//   TCP     otherwise: the connection itself becomes a net::TcpChannel.
+// UCX never listens and never sees a byte from an unauthenticated peer: its
+// connection manager is not used and its TCP transport is disabled. Every
+// UCX data message starts with the receiving side's channel id, so dispatch
+// does not depend on UCX endpoint matching.
 //
 // Active-message ids and their headers are in docs/formats/wire_protocol.md.
 //
@@ -44,12 +49,14 @@
 #include "membox/base/wait.h"
 #include "membox/transport/device.h"
 
+#include "src/transport/net/handshake.h"
+#include "src/transport/net/socket.h"
+#include "src/transport/net/tcp_channel.h"
+
 namespace membox::transport::ucx {
 
 // Active-message ids (docs/formats/wire_protocol.md).
 enum AmId : uint16_t {
-  kAmHello = 1,
-  kAmHelloAck = 2,
   kAmControl = 3,
   kAmValidateReq = 4,
   kAmValidateResp = 5,
@@ -111,7 +118,7 @@ struct ExportedRegion {
   uint32_t rkey_crc;  // crc32 of the packed remote key handed out
 };
 
-class UcxDevice final : public Device {
+class UcxDevice final : public Device, public net::ChannelHost {
  public:
   explicit UcxDevice(DeviceOptions options);
   ~UcxDevice() override;
@@ -130,7 +137,7 @@ class UcxDevice final : public Device {
 
   // --- internal, used by channels, regions and AM handlers ---
   ucp_context_h context() const { return ctx_; }
-  EventCount* events() { return &events_; }
+  EventCount* events() override { return &events_; }
   const std::string& host_id() const { return host_id_; }
   bool rdma_present() const { return rdma_present_; }
   void RegisterExport(uint64_t id, const ExportedRegion& r);
@@ -138,21 +145,48 @@ class UcxDevice final : public Device {
   // Checks an access against the export table. `addr`/`len` must lie inside
   // the region with id `region_id` whose token is `token`.
   Status CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
-                     uint64_t len);
-  bool CheckRkeyCrc(uint64_t region_id, uint32_t crc);
+                     uint64_t len) override;
+  bool CheckRkeyCrc(uint64_t region_id, uint32_t crc) override;
   uint64_t NextRegionId() { return next_region_id_.fetch_add(1); }
   uint64_t RandomToken();
-  UcxChannel* ChannelForEp(ucp_ep_h ep);  // bootstrap endpoints
+  uint64_t NewChannelId();
   UcxChannel* ChannelForId(uint64_t id);  // data messages
-  uint64_t AddChannelId(const std::shared_ptr<UcxChannel>& ch);
   UcxWorker* NextAcceptWorker();
   UcxWorker* worker(size_t i) { return workers_[i % workers_.size()].get(); }
-  void OnConnRequest(ucp_conn_request_h req);
-  void OnHello(UcxChannel* ch);  // acceptor side: hello arrived
-  int thread_index() const;      // index of the worker whose thread is calling
+  int thread_index() const;  // index of the worker whose thread is calling
+  // A UCX channel's TCP connection is watched by the network thread until
+  // the channel forgets it (Close).
+  void WatchLiveness(int fd, const std::shared_ptr<UcxChannel>& ch);
+  void ForgetLiveness(int fd);
 
  private:
+  // One connection in the handshake, owned by the network thread.
+  struct Pending {
+    net::Fd fd;
+    net::FrameReader reader{net::kMaxHelloFrame};
+    int stage = 0;  // 0: awaiting ClientHello, 1: awaiting ClientProof
+    net::Nonce client_nonce{};
+    net::Nonce server_nonce{};
+    std::chrono::steady_clock::time_point deadline;
+    uint64_t seq = 0;  // arrival order, for eviction
+  };
   Status CreateListener();
+  Status StartNetThread();
+  void NetLoop();
+  void AcceptConnections();
+  void OnPendingReadable(uint64_t token);
+  // Handles one complete handshake frame; false drops the connection.
+  bool AdvanceHandshake(Pending& p);
+  void DropPending(uint64_t token, const char* why);
+  void ExpirePending();
+  uint32_t LocalFlags() const;
+  bool UseUcx(uint32_t peer_flags, const std::string& peer_host) const;
+  // Builds the channel for an authenticated connection on either side.
+  Result<std::shared_ptr<Channel>> MakeChannel(
+      net::Fd fd, net::DataPath path, const msg::Hello& peer,
+      const std::shared_ptr<UcxChannel>& ucx, int lane,
+      const std::string& peer_label);
+  void RegisterChannel(const std::shared_ptr<Channel>& ch);
   // Packs the remote key, records the export and wraps `memh` (unmapped on
   // failure).
   Result<std::unique_ptr<MemRegion>> FinishRegistration(ucp_mem_h memh,
@@ -169,21 +203,32 @@ class UcxDevice final : public Device {
   bool rdma_present_ = false;
   ucp_context_h ctx_ = nullptr;
   std::vector<std::unique_ptr<UcxWorker>> workers_;
-  ucp_listener_h listener_ = nullptr;
   std::string listen_endpoint_;
+  // Network thread: listener, handshakes, liveness of UCX channels.
+  net::Fd listen_fd_;
+  net::Fd epoll_fd_;
+  net::Fd wake_fd_;
+  net::Fd spare_fd_;  // released to accept-and-close when out of descriptors
+  std::thread net_thread_;
+  std::atomic<bool> net_stop_{false};
+  uint64_t next_token_ = 16;                   // network thread only
+  uint64_t next_seq_ = 0;                      // network thread only
+  std::map<uint64_t, Pending> pending_;        // network thread only
+  uint64_t next_liveness_token_ = uint64_t{1} << 62;  // GUARDED_BY(mu_)
+  std::map<int, uint64_t> liveness_tokens_;    // GUARDED_BY(mu_)
+  std::map<uint64_t, std::weak_ptr<UcxChannel>> liveness_;  // GUARDED_BY(mu_)
   EventCount events_;
   std::atomic<uint64_t> next_region_id_{1};
 
   std::mutex mu_;
   std::map<uint64_t, ExportedRegion> exports_;  // GUARDED_BY(mu_)
-  std::unordered_map<ucp_ep_h, std::shared_ptr<UcxChannel>>
-      by_ep_;  // GUARDED_BY(mu_)
+  std::vector<std::shared_ptr<Channel>> channels_;  // GUARDED_BY(mu_)
   std::unordered_map<uint64_t, std::shared_ptr<UcxChannel>>
       by_id_;                     // GUARDED_BY(mu_)
   uint64_t next_channel_id_ = 1;  // GUARDED_BY(mu_)
-  std::map<std::pair<std::string, int>, std::shared_ptr<UcxChannel>>
-      out_;                                           // GUARDED_BY(mu_)
-  std::deque<std::shared_ptr<UcxChannel>> accept_q_;  // GUARDED_BY(mu_)
+  std::map<std::pair<std::string, int>, std::shared_ptr<Channel>>
+      out_;                                        // GUARDED_BY(mu_)
+  std::deque<std::shared_ptr<Channel>> accept_q_;  // GUARDED_BY(mu_)
   EventCount accept_ev_;
   std::mutex rng_mu_;
   uint64_t rng_state_;

@@ -1,0 +1,197 @@
+#include "src/transport/net/handshake.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include <cstring>
+#include <random>
+
+#include "src/transport/wire.h"
+
+namespace membox::transport::net {
+namespace {
+
+void PutHeader(wire::Writer& w) {
+  w.U32(kHandshakeMagic);
+  w.U16(kHandshakeVersion);
+}
+
+Status GetHeader(wire::Reader& r, const char* what) {
+  uint32_t magic = 0;
+  uint16_t version = 0;
+  if (!r.U32(&magic) || !r.U16(&version)) {
+    return InvalidArgumentError(std::string(what) + ": truncated");
+  }
+  if (magic != kHandshakeMagic) {
+    return InvalidArgumentError(std::string(what) +
+                                ": not a membox peer (bad magic)");
+  }
+  if (version != kHandshakeVersion) {
+    return InvalidArgumentError(std::string(what) +
+                                ": unsupported handshake version " +
+                                std::to_string(version));
+  }
+  return Status::Ok();
+}
+
+Status Done(const wire::Reader& r, const char* what) {
+  if (r.remaining() != 0) {
+    return InvalidArgumentError(std::string(what) + ": trailing bytes");
+  }
+  return Status::Ok();
+}
+
+std::vector<uint8_t> ProofBody(const ClientProof& m) {
+  wire::Writer w;
+  w.U32(m.flags);
+  wire::PutBytes(w, msg::EncodeHello(m.hello, true));
+  return std::move(w.buffer());
+}
+
+Proof Hmac(const std::string& secret, std::span<const uint8_t> data) {
+  Proof out{};
+  unsigned int len = 0;
+  // An empty key is legal for HMAC; OpenSSL wants a non-null pointer.
+  static const uint8_t kEmpty = 0;
+  const void* key = secret.empty() ? static_cast<const void*>(&kEmpty)
+                                   : static_cast<const void*>(secret.data());
+  HMAC(EVP_sha256(), key, static_cast<int>(secret.size()), data.data(),
+       data.size(), out.data(), &len);
+  return out;
+}
+
+}  // namespace
+
+std::vector<uint8_t> EncodeClientHello(const ClientHello& m) {
+  wire::Writer w;
+  PutHeader(w);
+  w.Bytes(m.nonce.data(), m.nonce.size());
+  return std::move(w.buffer());
+}
+
+Result<ClientHello> DecodeClientHello(std::span<const uint8_t> in) {
+  wire::Reader r(in);
+  RETURN_IF_ERROR(GetHeader(r, "client hello"));
+  ClientHello m;
+  if (!r.Copy(m.nonce.data(), m.nonce.size())) {
+    return InvalidArgumentError("client hello: truncated nonce");
+  }
+  RETURN_IF_ERROR(Done(r, "client hello"));
+  return m;
+}
+
+std::vector<uint8_t> EncodeServerProof(const ServerProof& m) {
+  wire::Writer w;
+  PutHeader(w);
+  w.Bytes(m.nonce.data(), m.nonce.size());
+  w.Bytes(m.proof.data(), m.proof.size());
+  return std::move(w.buffer());
+}
+
+Result<ServerProof> DecodeServerProof(std::span<const uint8_t> in) {
+  wire::Reader r(in);
+  RETURN_IF_ERROR(GetHeader(r, "server proof"));
+  ServerProof m;
+  if (!r.Copy(m.nonce.data(), m.nonce.size()) ||
+      !r.Copy(m.proof.data(), m.proof.size())) {
+    return InvalidArgumentError("server proof: truncated");
+  }
+  RETURN_IF_ERROR(Done(r, "server proof"));
+  return m;
+}
+
+std::vector<uint8_t> EncodeClientProof(const ClientProof& m) {
+  wire::Writer w;
+  w.Bytes(m.proof.data(), m.proof.size());
+  std::vector<uint8_t> body = ProofBody(m);
+  w.Bytes(body.data(), body.size());
+  return std::move(w.buffer());
+}
+
+Result<ClientProof> DecodeClientProof(std::span<const uint8_t> in) {
+  wire::Reader r(in);
+  ClientProof m;
+  std::vector<uint8_t> hello;
+  if (!r.Copy(m.proof.data(), m.proof.size()) || !r.U32(&m.flags) ||
+      !wire::GetBytes(r, &hello, kMaxProofFrame)) {
+    return InvalidArgumentError("client proof: truncated");
+  }
+  RETURN_IF_ERROR(Done(r, "client proof"));
+  ASSIGN_OR_RETURN(m.hello, msg::DecodeHello(hello, true));
+  return m;
+}
+
+std::vector<uint8_t> EncodeServerVerdict(const ServerVerdict& m) {
+  wire::Writer w;
+  w.U32(m.code);
+  wire::PutStr(w, m.message);
+  if (m.code == 0) {
+    w.U8(static_cast<uint8_t>(m.path));
+    wire::PutBytes(w, msg::EncodeHello(m.hello, false));
+  }
+  return std::move(w.buffer());
+}
+
+Result<ServerVerdict> DecodeServerVerdict(std::span<const uint8_t> in) {
+  wire::Reader r(in);
+  ServerVerdict m;
+  if (!r.U32(&m.code) || !wire::GetStr(r, &m.message, msg::kMaxString)) {
+    return InvalidArgumentError("server verdict: truncated");
+  }
+  if (m.code != 0) {
+    RETURN_IF_ERROR(Done(r, "server verdict"));
+    return m;
+  }
+  uint8_t path = 0;
+  std::vector<uint8_t> hello;
+  if (!r.U8(&path) || !wire::GetBytes(r, &hello, kMaxProofFrame)) {
+    return InvalidArgumentError("server verdict: truncated");
+  }
+  if (path != static_cast<uint8_t>(DataPath::kUcx) &&
+      path != static_cast<uint8_t>(DataPath::kTcp)) {
+    return InvalidArgumentError("server verdict: unknown data path");
+  }
+  m.path = static_cast<DataPath>(path);
+  RETURN_IF_ERROR(Done(r, "server verdict"));
+  ASSIGN_OR_RETURN(m.hello, msg::DecodeHello(hello, false));
+  return m;
+}
+
+Nonce NewNonce() {
+  Nonce n{};
+  if (RAND_bytes(n.data(), static_cast<int>(n.size())) != 1) {
+    // OpenSSL's generator failing is not recoverable in a sane way; fall
+    // back to the OS through std::random_device rather than a zero nonce.
+    std::random_device rd;
+    for (auto& b : n) b = static_cast<uint8_t>(rd());
+  }
+  return n;
+}
+
+Proof ServerProofFor(const std::string& secret, const Nonce& client,
+                     const Nonce& server) {
+  static const char kLabel[] = "membox/1 server";
+  std::vector<uint8_t> data(kLabel, kLabel + sizeof(kLabel) - 1);
+  data.insert(data.end(), client.begin(), client.end());
+  data.insert(data.end(), server.begin(), server.end());
+  return Hmac(secret, data);
+}
+
+Proof ClientProofFor(const std::string& secret, const Nonce& client,
+                     const Nonce& server, const ClientProof& m) {
+  static const char kLabel[] = "membox/1 client";
+  std::vector<uint8_t> data(kLabel, kLabel + sizeof(kLabel) - 1);
+  data.insert(data.end(), client.begin(), client.end());
+  data.insert(data.end(), server.begin(), server.end());
+  std::vector<uint8_t> body = ProofBody(m);
+  data.insert(data.end(), body.begin(), body.end());
+  return Hmac(secret, data);
+}
+
+bool ProofEquals(const Proof& a, const Proof& b) {
+  return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+}  // namespace membox::transport::net

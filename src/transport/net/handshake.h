@@ -1,0 +1,94 @@
+// The authenticated connection handshake every membox channel starts with
+// (docs/formats/handshake.md, docs/design/network_face.md).
+//
+// Mutual challenge-response over a plain TCP connection, before any byte
+// reaches UCX or a service:
+//   1. client -> server  ClientHello    magic, version, client nonce (32 B)
+//   2. server -> client  ServerProof    magic, version, server nonce,
+//                                       HMAC(K, "membox/1 server" | nc | ns)
+//   3. client -> server  ClientProof    HMAC(K, "membox/1 client" | nc | ns |
+//                                       body), body = the channel hello
+//   4. server -> client  ServerVerdict  status code + message, and on success
+//                                       the server's channel hello
+// K is the shared secret (HMAC-SHA-256, OpenSSL). The secret never travels;
+// nonces are fresh per connection, so a recorded exchange cannot be
+// replayed; both proofs are compared in constant time. Every frame is
+// length-prefixed (u32) with a per-step maximum, and every decoder rejects
+// short, oversize and trailing input (fuzz/handshake_fuzzer.cc).
+//
+// Thread-safety: pure functions.
+#ifndef MEMBOX_SRC_TRANSPORT_NET_HANDSHAKE_H_
+#define MEMBOX_SRC_TRANSPORT_NET_HANDSHAKE_H_
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+#include "src/transport/am_messages.h"
+
+namespace membox::transport::net {
+
+constexpr uint32_t kHandshakeMagic = 0x3142584d;  // "MXB1" little endian
+constexpr uint16_t kHandshakeVersion = 1;
+constexpr size_t kNonceBytes = 32;
+constexpr size_t kProofBytes = 32;  // HMAC-SHA-256
+// The largest frame of each step (the hello carries a UCX worker address).
+constexpr size_t kMaxHelloFrame = 128;  // ClientHello 38 B, ServerProof 70 B
+constexpr size_t kMaxProofFrame = 128 * 1024;
+
+using Nonce = std::array<uint8_t, kNonceBytes>;
+using Proof = std::array<uint8_t, kProofBytes>;
+
+// Channel capabilities the client offers; the server picks the data path.
+enum HelloFlags : uint32_t {
+  kFlagTcpOnly = 1,  // this side was told to use TCP only
+  kFlagRdma = 2,     // this side has RDMA devices UCX can use
+};
+
+struct ClientHello {
+  Nonce nonce{};
+};
+struct ServerProof {
+  Nonce nonce{};
+  Proof proof{};
+};
+struct ClientProof {
+  Proof proof{};
+  uint32_t flags = 0;
+  msg::Hello hello;  // channel id, lane, name, host, UCX worker address
+};
+// Data path the server chose for the channel.
+enum class DataPath : uint8_t { kUcx = 1, kTcp = 2 };
+struct ServerVerdict {
+  uint32_t code = 0;  // StatusCode; 0 = accepted
+  std::string message;
+  DataPath path = DataPath::kTcp;
+  msg::Hello hello;  // the server's side (when accepted)
+};
+
+std::vector<uint8_t> EncodeClientHello(const ClientHello& m);
+Result<ClientHello> DecodeClientHello(std::span<const uint8_t> in);
+std::vector<uint8_t> EncodeServerProof(const ServerProof& m);
+Result<ServerProof> DecodeServerProof(std::span<const uint8_t> in);
+std::vector<uint8_t> EncodeClientProof(const ClientProof& m);
+Result<ClientProof> DecodeClientProof(std::span<const uint8_t> in);
+std::vector<uint8_t> EncodeServerVerdict(const ServerVerdict& m);
+Result<ServerVerdict> DecodeServerVerdict(std::span<const uint8_t> in);
+
+// Fresh random nonce from the OS (RAND_bytes).
+Nonce NewNonce();
+Proof ServerProofFor(const std::string& secret, const Nonce& client,
+                     const Nonce& server);
+// The client's proof also covers the hello it sends (flags + encoded hello).
+Proof ClientProofFor(const std::string& secret, const Nonce& client,
+                     const Nonce& server, const ClientProof& m);
+// Constant-time comparison.
+bool ProofEquals(const Proof& a, const Proof& b);
+
+}  // namespace membox::transport::net
+
+#endif  // MEMBOX_SRC_TRANSPORT_NET_HANDSHAKE_H_

@@ -1,0 +1,493 @@
+#include "src/transport/net/tcp_channel.h"
+
+#include <sys/socket.h>
+
+#include <cstring>
+
+#include "membox/base/logging.h"
+
+#include "src/transport/am_messages.h"
+#include "src/transport/wire.h"
+
+namespace membox::transport::net {
+namespace {
+
+constexpr auto kForever = Clock::time_point::max();
+// A peer that accepts no bytes for this long is treated as gone.
+constexpr auto kSendStall = std::chrono::seconds(120);
+constexpr uint32_t kMaxFrameHeader = 64 * 1024;
+// Payloads larger than any region could be are a protocol error.
+constexpr uint64_t kMaxPayload = uint64_t{1} << 44;
+
+class TcpRemoteMemRegion final : public RemoteMemRegion {
+ public:
+  TcpRemoteMemRegion(RegionDescriptor d, const void* channel)
+      : RemoteMemRegion(std::move(d), nullptr), channel_(channel) {}
+  const void* channel() const { return channel_; }
+
+ private:
+  const void* channel_;
+};
+
+}  // namespace
+
+TcpChannel::TcpChannel(ChannelHost* host, Fd fd, int lane, std::string peer)
+    : host_(host), fd_(std::move(fd)), lane_(lane), peer_(std::move(peer)) {}
+
+TcpChannel::~TcpChannel() {
+  Close();
+  for (std::thread* t : {&reader_, &writer_}) {
+    if (!t->joinable()) continue;
+    if (t->get_id() == std::this_thread::get_id()) {
+      t->detach();
+    } else {
+      t->join();
+    }
+  }
+}
+
+void TcpChannel::Start() {
+  reader_ = std::thread([this] { ReaderLoop(); });
+  writer_ = std::thread([this] { WriterLoop(); });
+}
+
+Status TcpChannel::health() const {
+  if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
+  std::lock_guard<std::mutex> l(mu_);
+  return failure_;
+}
+
+void TcpChannel::Fail(const Status& s) {
+  std::map<uint64_t, PendingRead> reads;
+  std::map<uint64_t, std::shared_ptr<OpState>> rpcs;
+  std::deque<OutFrame> queued;
+  FailureHandler on_failure;
+  Status failure;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!failed_.load()) {
+      failure_ = Status(s.code(), peer_ + ": " + std::string(s.message()));
+      failed_.store(true, std::memory_order_release);
+      on_failure = on_failure_;
+      MEMBOX_LOG_DEBUG("tcp channel to {} failed: {}", peer_, s.ToString());
+      // Wakes the reader (recv returns 0) and the writer (send fails).
+      if (fd_) shutdown(fd_.get(), SHUT_RDWR);
+    }
+    failure = failure_;
+    reads.swap(reads_);
+    rpcs.swap(rpcs_);
+    queued.swap(sendq_);
+  }
+  send_cv_.notify_all();
+  for (auto& [id, r] : reads) r.state->Complete(failure);
+  for (auto& [id, st] : rpcs) st->Complete(failure);
+  for (auto& f : queued) {
+    if (f.state) f.state->Complete(failure);
+  }
+  if (on_failure) on_failure(failure);
+  inbox_ev_.Notify();
+  host_->events()->Notify();
+}
+
+void TcpChannel::Close() { Fail(AbortedError("channel closed")); }
+
+Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
+                           const void* payload, size_t len,
+                           std::vector<uint8_t> owned,
+                           std::shared_ptr<OpState> state) {
+  OutFrame f;
+  uint32_t hlen = static_cast<uint32_t>(header.size());
+  uint64_t plen = len;
+  std::memcpy(f.head, &type, 4);
+  std::memcpy(f.head + 4, &hlen, 4);
+  std::memcpy(f.head + 8, &plen, 8);
+  f.header = std::move(header);
+  f.owned = std::move(owned);
+  f.payload = f.owned.empty() ? payload : f.owned.data();
+  f.payload_len = len;
+  f.state = std::move(state);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (failed_.load()) return failure_;
+    sendq_.push_back(std::move(f));
+  }
+  send_cv_.notify_one();
+  return Status::Ok();
+}
+
+void TcpChannel::WriterLoop() {
+  for (;;) {
+    OutFrame f;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      send_cv_.wait(l, [&] { return failed_.load() || !sendq_.empty(); });
+      if (failed_.load()) return;
+      f = std::move(sendq_.front());
+      sendq_.pop_front();
+    }
+    iovec v[3] = {{f.head, sizeof(f.head)},
+                  {f.header.data(), f.header.size()},
+                  {const_cast<void*>(f.payload), f.payload_len}};
+    Status s = SendAllV(fd_.get(), v, 3, Clock::now() + kSendStall);
+    if (!s.ok()) {
+      if (f.state) f.state->Complete(UnavailableError(std::string(s.message())));
+      Fail(UnavailableError("connection lost: " + std::string(s.message())));
+      return;
+    }
+    if (f.state) f.state->Complete(Status::Ok());
+  }
+}
+
+void TcpChannel::ReaderLoop() {
+  for (;;) {
+    uint8_t head[16];
+    Status s = RecvAll(fd_.get(), head, sizeof(head), kForever);
+    if (!s.ok()) {
+      Fail(UnavailableError("connection lost: " + std::string(s.message())));
+      return;
+    }
+    uint32_t type = 0, hlen = 0;
+    uint64_t plen = 0;
+    std::memcpy(&type, head, 4);
+    std::memcpy(&hlen, head + 4, 4);
+    std::memcpy(&plen, head + 8, 8);
+    if (hlen > kMaxFrameHeader || plen > kMaxPayload) {
+      Fail(DataLossError("malformed frame (header " + std::to_string(hlen) +
+                         " B, payload " + std::to_string(plen) + " B)"));
+      return;
+    }
+    std::vector<uint8_t> header(hlen);
+    s = RecvAll(fd_.get(), header.data(), hlen, kForever);
+    if (s.ok()) s = HandleFrame(type, header, plen);
+    if (!s.ok()) {
+      Fail(s.code() == StatusCode::kUnavailable
+               ? s
+               : DataLossError("protocol error: " + std::string(s.message())));
+      return;
+    }
+  }
+}
+
+Status TcpChannel::Discard(uint64_t n) {
+  uint8_t buf[16384];
+  while (n > 0) {
+    size_t k = n < sizeof(buf) ? static_cast<size_t>(n) : sizeof(buf);
+    RETURN_IF_ERROR(RecvAll(fd_.get(), buf, k, kForever));
+    n -= k;
+  }
+  return Status::Ok();
+}
+
+Result<std::shared_ptr<OpState>> TcpChannel::TakeRpc(uint64_t id) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = rpcs_.find(id);
+  if (it == rpcs_.end()) {
+    return InvalidArgumentError("answer to an unknown request " +
+                                std::to_string(id));
+  }
+  auto st = it->second;
+  rpcs_.erase(it);
+  return st;
+}
+
+Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
+                               uint64_t plen) {
+  auto no_payload = [&]() -> Status {
+    if (plen != 0) return InvalidArgumentError("unexpected payload");
+    return Status::Ok();
+  };
+  switch (type) {
+    case kTcpControl: {
+      if (plen > kMaxControlMessage || !header.empty()) {
+        return InvalidArgumentError("control message too large");
+      }
+      std::vector<uint8_t> m(plen);
+      RETURN_IF_ERROR(RecvAll(fd_.get(), m.data(), m.size(), kForever));
+      ControlHandler handler;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        if (on_message_) {
+          handler = on_message_;
+        } else {
+          inbox_.push_back(std::move(m));
+        }
+      }
+      if (handler) {
+        handler(std::move(m));
+      } else {
+        inbox_ev_.Notify();
+      }
+      return Status::Ok();
+    }
+    case kTcpValidateReq: {
+      RETURN_IF_ERROR(no_payload());
+      ASSIGN_OR_RETURN(msg::ValidateRequest m,
+                       msg::DecodeValidateRequest(header));
+      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length);
+      if (s.ok() && !host_->CheckRkeyCrc(m.region_id, m.rkey_crc)) {
+        s = PermissionDeniedError("remote key bytes do not match region " +
+                                  std::to_string(m.region_id));
+      }
+      msg::Reply r{m.request, static_cast<uint32_t>(s.code()),
+                   std::string(s.message())};
+      return Enqueue(kTcpValidateResp, msg::EncodeReply(r), nullptr, 0, {},
+                     nullptr);
+    }
+    case kTcpValidateResp:
+    case kTcpFlushResp: {
+      RETURN_IF_ERROR(no_payload());
+      msg::Reply reply;
+      if (type == kTcpValidateResp) {
+        ASSIGN_OR_RETURN(reply, msg::DecodeReply(header));
+      } else {
+        ASSIGN_OR_RETURN(reply.request, msg::DecodeId(header));
+      }
+      ASSIGN_OR_RETURN(auto st, TakeRpc(reply.request));
+      st->Complete(msg::StatusFromWire(reply.code, reply.message));
+      return Status::Ok();
+    }
+    case kTcpWrite: {
+      ASSIGN_OR_RETURN(msg::Access m, msg::DecodeAccess(header, false));
+      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length);
+      if (s.ok() && m.length != plen) {
+        s = InvalidArgumentError("write length mismatch");
+      }
+      if (!s.ok()) {
+        RETURN_IF_ERROR(Discard(plen));
+        msg::Error e{static_cast<uint32_t>(s.code()),
+                     "write rejected: " + std::string(s.message())};
+        return Enqueue(kTcpError, msg::EncodeError(e), nullptr, 0, {},
+                       nullptr);
+      }
+      return RecvAll(fd_.get(), reinterpret_cast<void*>(m.address), plen,
+                     kForever);
+    }
+    case kTcpReadReq: {
+      RETURN_IF_ERROR(no_payload());
+      ASSIGN_OR_RETURN(msg::Access m, msg::DecodeAccess(header, true));
+      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length);
+      msg::Reply r{m.request, static_cast<uint32_t>(s.code()),
+                   std::string(s.message())};
+      // The source is the registered region itself (zero copy); it must
+      // outlive the send, as for UCX's active-message reads.
+      return Enqueue(kTcpReadResp, msg::EncodeReply(r),
+                     s.ok() ? reinterpret_cast<void*>(m.address) : nullptr,
+                     s.ok() ? m.length : 0, {}, nullptr);
+    }
+    case kTcpReadResp: {
+      ASSIGN_OR_RETURN(msg::Reply m, msg::DecodeReply(header));
+      PendingRead pr{};
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        auto it = reads_.find(m.request);
+        if (it == reads_.end()) {
+          return InvalidArgumentError("read answer to an unknown request");
+        }
+        pr = it->second;
+        reads_.erase(it);
+      }
+      Status s = msg::StatusFromWire(m.code, m.message);
+      if (!s.ok()) {
+        if (plen != 0) return InvalidArgumentError("failed read with data");
+        pr.state->Complete(s);
+        return Status::Ok();
+      }
+      if (plen != pr.len) {
+        pr.state->Complete(DataLossError("read answer of the wrong length"));
+        return InvalidArgumentError("read answer of the wrong length");
+      }
+      Status r = RecvAll(fd_.get(), pr.local, pr.len, kForever);
+      pr.state->Complete(r);
+      return r;
+    }
+    case kTcpFlushReq: {
+      RETURN_IF_ERROR(no_payload());
+      ASSIGN_OR_RETURN(uint64_t id, msg::DecodeId(header));
+      // Writes are applied by this thread in arrival order: everything sent
+      // before the request is in place.
+      return Enqueue(kTcpFlushResp, msg::EncodeId(id), nullptr, 0, {},
+                     nullptr);
+    }
+    case kTcpError: {
+      RETURN_IF_ERROR(no_payload());
+      ASSIGN_OR_RETURN(msg::Error m, msg::DecodeError(header));
+      Status s = msg::StatusFromWire(m.code, m.message);
+      MEMBOX_LOG_WARN("peer {} reported: {}", peer_, s.ToString());
+      std::lock_guard<std::mutex> l(mu_);
+      if (async_error_.ok()) async_error_ = s;
+      return Status::Ok();
+    }
+    default:
+      return InvalidArgumentError("unknown frame type " + std::to_string(type));
+  }
+}
+
+Status TcpChannel::RoundTrip(uint32_t type, std::vector<uint8_t> header,
+                             uint64_t id,
+                             const std::shared_ptr<OpState>& state) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (failed_.load()) return failure_;
+    rpcs_[id] = state;
+  }
+  Status s = Enqueue(type, std::move(header), nullptr, 0, {}, nullptr);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    rpcs_.erase(id);
+  }
+  return s;
+}
+
+Result<std::shared_ptr<RemoteMemRegion>> TcpChannel::Import(
+    const RegionDescriptor& desc, std::chrono::nanoseconds timeout,
+    bool verify_with_owner) {
+  RETURN_IF_ERROR(health());
+  if (desc.length == 0 || desc.address + desc.length < desc.address) {
+    return InvalidArgumentError("descriptor has an empty or overflowing range");
+  }
+  if (desc.packed_rkey.size() > RegionDescriptor::kMaxPackedRkey) {
+    return InvalidArgumentError("descriptor remote key too large");
+  }
+  if (verify_with_owner) {
+    uint64_t id = next_op_.fetch_add(1);
+    auto state = std::make_shared<OpState>(host_->events());
+    msg::ValidateRequest vr{
+        id,
+        desc.region_id,
+        desc.token,
+        desc.address,
+        desc.length,
+        wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size())};
+    Status s =
+        RoundTrip(kTcpValidateReq, msg::EncodeValidateRequest(vr), id, state);
+    if (s.ok()) s = OpHandle(state).Wait(timeout);
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      rpcs_.erase(id);
+      return s.WithContext("import of region " +
+                           std::to_string(desc.region_id));
+    }
+  }
+  return std::shared_ptr<RemoteMemRegion>(
+      std::make_shared<TcpRemoteMemRegion>(desc, this));
+}
+
+Result<OpHandle> TcpChannel::Memcpy(void* local_addr, const MemRegion& local,
+                                    uint64_t remote_addr,
+                                    const RemoteMemRegion& remote, size_t size,
+                                    Direction direction, Completion cb) {
+  RETURN_IF_ERROR(health());
+  if (!local.Contains(local_addr, size)) {
+    return OutOfRangeError("local range of " + std::to_string(size) +
+                           " bytes is outside the local region");
+  }
+  if (!remote.Contains(remote_addr, size)) {
+    return OutOfRangeError("remote range [" + std::to_string(remote_addr) +
+                           ", +" + std::to_string(size) +
+                           ") is outside the remote region");
+  }
+  auto* r = dynamic_cast<const TcpRemoteMemRegion*>(&remote);
+  if (r == nullptr || r->channel() != this) {
+    return InvalidArgumentError(
+        "remote region was not imported on this channel");
+  }
+  if (size == 0) {
+    if (cb) cb(Status::Ok());
+    return OpHandle::Done(Status::Ok());
+  }
+  auto state = std::make_shared<OpState>(host_->events(), std::move(cb));
+  if (direction == Direction::kWrite) {
+    msg::Access a{0, remote_addr, remote.descriptor().region_id,
+                  remote.descriptor().token, size};
+    RETURN_IF_ERROR(Enqueue(kTcpWrite, msg::EncodeAccess(a, false), local_addr,
+                            size, {}, state));
+    return OpHandle(std::move(state));
+  }
+  uint64_t id = next_op_.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (failed_.load()) return failure_;
+    reads_[id] = PendingRead{local_addr, size, state};
+  }
+  msg::Access a{id, remote_addr, remote.descriptor().region_id,
+                remote.descriptor().token, size};
+  Status s = Enqueue(kTcpReadReq, msg::EncodeAccess(a, true), nullptr, 0, {},
+                     nullptr);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    reads_.erase(id);
+    return s;
+  }
+  return OpHandle(std::move(state));
+}
+
+Status TcpChannel::Fence() {
+  // One stream, applied in order by the peer's reader: always ordered.
+  return health();
+}
+
+Result<OpHandle> TcpChannel::Flush(Completion cb) {
+  RETURN_IF_ERROR(health());
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!async_error_.ok()) {
+      Status e = async_error_;
+      async_error_ = Status();
+      if (cb) cb(e);
+      return OpHandle::Done(e);
+    }
+  }
+  auto state = std::make_shared<OpState>(host_->events(), std::move(cb));
+  uint64_t id = next_op_.fetch_add(1);
+  RETURN_IF_ERROR(RoundTrip(kTcpFlushReq, msg::EncodeId(id), id, state));
+  return OpHandle(std::move(state));
+}
+
+Status TcpChannel::SendControl(std::span<const uint8_t> msg) {
+  if (msg.size() > kMaxControlMessage) {
+    return InvalidArgumentError("control message of " +
+                                std::to_string(msg.size()) +
+                                " bytes exceeds the limit");
+  }
+  return Enqueue(kTcpControl, {}, nullptr, msg.size(),
+                 std::vector<uint8_t>(msg.begin(), msg.end()), nullptr);
+}
+
+Result<std::vector<uint8_t>> TcpChannel::RecvControl(
+    std::chrono::nanoseconds timeout) {
+  std::vector<uint8_t> out;
+  bool got = false;
+  SpinThenBlock(
+      [&] {
+        std::lock_guard<std::mutex> l(mu_);
+        if (!inbox_.empty()) {
+          out = std::move(inbox_.front());
+          inbox_.pop_front();
+          got = true;
+          return true;
+        }
+        return failed_.load();
+      },
+      &inbox_ev_, timeout);
+  if (got) return out;
+  if (failed_.load()) return health();
+  return DeadlineExceededError("no control message from " + peer_ +
+                               " before the timeout");
+}
+
+void TcpChannel::SetHandlers(ControlHandler on_message,
+                             FailureHandler on_failure) {
+  std::deque<std::vector<uint8_t>> queued;
+  Status failed;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    on_message_ = on_message;
+    on_failure_ = on_failure;
+    queued.swap(inbox_);
+    if (failed_.load()) failed = failure_;
+  }
+  for (auto& m : queued) on_message(std::move(m));
+  if (!failed.ok() && on_failure) on_failure(failed);
+}
+
+}  // namespace membox::transport::net

@@ -1,0 +1,150 @@
+// TcpChannel: membox's own data path over one authenticated TCP connection
+// (the Channel contract of include/membox/transport/channel.h, protocol
+// kTcp). Used between hosts without RDMA and whenever a device is told
+// `transports = "tcp"`; UCX keeps shared memory and RDMA (docs/design/
+// network_face.md says why: UCX's TCP transport listens on every interface
+// and aborts on malformed bytes).
+//
+// Frames (docs/formats/wire_protocol.md, "TCP data path"): a 16-byte header
+// {u32 type, u32 header length, u64 payload length}, the header bytes (the
+// same encodings as the active-message headers) and the payload. Writes are
+// received straight into the target region after the owner's export table
+// has checked region, access token and range; reads are answered from the
+// region itself, so neither side copies beyond the socket.
+//
+// Threads: one reader thread (applies writes in arrival order, answers
+// requests, completes reads) and one writer thread (sends queued frames; a
+// write's completion means its bytes are in the kernel, so the local buffer
+// may be reused). The reader never blocks on sending, so two peers reading
+// from each other cannot deadlock. Ordering: one stream, applied in order,
+// so Fence() is free and a flush answer proves every earlier write is in
+// place.
+//
+// Failure: EOF, a reset, keepalive expiry or any malformed frame fails the
+// channel: every pending operation completes with kUnavailable (or the
+// protocol error) naming the peer.
+#ifndef MEMBOX_SRC_TRANSPORT_NET_TCP_CHANNEL_H_
+#define MEMBOX_SRC_TRANSPORT_NET_TCP_CHANNEL_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "membox/base/wait.h"
+#include "membox/transport/channel.h"
+
+#include "src/transport/net/socket.h"
+
+namespace membox::transport::net {
+
+// What a channel needs from the device that owns it: the waiters' event
+// count and the export table that guards incoming accesses.
+class ChannelHost {
+ public:
+  virtual ~ChannelHost() = default;
+  virtual EventCount* events() = 0;
+  virtual Status CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
+                             uint64_t len) = 0;
+  virtual bool CheckRkeyCrc(uint64_t region_id, uint32_t crc) = 0;
+};
+
+enum TcpFrame : uint32_t {
+  kTcpControl = 1,
+  kTcpValidateReq = 2,
+  kTcpValidateResp = 3,
+  kTcpWrite = 4,
+  kTcpReadReq = 5,
+  kTcpReadResp = 6,
+  kTcpFlushReq = 7,
+  kTcpFlushResp = 8,
+  kTcpError = 9,
+};
+
+class TcpChannel final : public Channel,
+                         public std::enable_shared_from_this<TcpChannel> {
+ public:
+  // Takes the authenticated, blocking socket. `peer` names the other side in
+  // errors ("host:port" or the peer device's name).
+  TcpChannel(ChannelHost* host, Fd fd, int lane, std::string peer);
+  ~TcpChannel() override;
+  void Start();
+
+  Result<std::shared_ptr<RemoteMemRegion>> Import(
+      const RegionDescriptor& desc, std::chrono::nanoseconds timeout,
+      bool verify_with_owner) override;
+  Result<OpHandle> Memcpy(void* local_addr, const MemRegion& local,
+                          uint64_t remote_addr, const RemoteMemRegion& remote,
+                          size_t size, Direction direction,
+                          Completion callback) override;
+  Status Fence() override;
+  Result<OpHandle> Flush(Completion callback) override;
+  Status SendControl(std::span<const uint8_t> msg) override;
+  Result<std::vector<uint8_t>> RecvControl(
+      std::chrono::nanoseconds timeout) override;
+  void SetHandlers(ControlHandler on_message,
+                   FailureHandler on_failure) override;
+  void Progress() override {}
+  void Close() override;
+  Protocol protocol() const override { return Protocol::kTcp; }
+  Status health() const override;
+  int lane() const override { return lane_; }
+  std::string peer() const override { return peer_; }
+
+ private:
+  struct OutFrame {
+    uint8_t head[16];
+    std::vector<uint8_t> header;
+    const void* payload = nullptr;  // not owned (user buffer or region)
+    size_t payload_len = 0;
+    std::vector<uint8_t> owned;  // owned payload (control messages)
+    std::shared_ptr<OpState> state;  // completed once sent (may be null)
+  };
+  struct PendingRead {
+    void* local;
+    size_t len;
+    std::shared_ptr<OpState> state;
+  };
+  Status Enqueue(uint32_t type, std::vector<uint8_t> header,
+                 const void* payload, size_t len, std::vector<uint8_t> owned,
+                 std::shared_ptr<OpState> state);
+  void Fail(const Status& s);
+  void ReaderLoop();
+  void WriterLoop();
+  Status HandleFrame(uint32_t type, std::vector<uint8_t>& header,
+                     uint64_t payload_len);
+  Status Discard(uint64_t n);
+  Result<std::shared_ptr<OpState>> TakeRpc(uint64_t id);
+  Status RoundTrip(uint32_t type, std::vector<uint8_t> header, uint64_t id,
+                   const std::shared_ptr<OpState>& state);
+
+  ChannelHost* host_;
+  Fd fd_;
+  const int lane_;
+  const std::string peer_;
+  std::thread reader_;
+  std::thread writer_;
+  std::atomic<bool> failed_{false};
+  std::atomic<uint64_t> next_op_{1};
+
+  mutable std::mutex mu_;
+  std::condition_variable send_cv_;
+  Status failure_;                                     // GUARDED_BY(mu_)
+  Status async_error_;                                 // GUARDED_BY(mu_)
+  std::deque<OutFrame> sendq_;                         // GUARDED_BY(mu_)
+  std::deque<std::vector<uint8_t>> inbox_;             // GUARDED_BY(mu_)
+  std::map<uint64_t, PendingRead> reads_;              // GUARDED_BY(mu_)
+  std::map<uint64_t, std::shared_ptr<OpState>> rpcs_;  // GUARDED_BY(mu_)
+  ControlHandler on_message_;                          // GUARDED_BY(mu_)
+  FailureHandler on_failure_;                          // GUARDED_BY(mu_)
+  EventCount inbox_ev_;
+};
+
+}  // namespace membox::transport::net
+
+#endif  // MEMBOX_SRC_TRANSPORT_NET_TCP_CHANNEL_H_
