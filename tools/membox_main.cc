@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -120,6 +121,13 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
   o.max_block = *mx;
   o.quota_bytes = *q;
   o.heartbeat_timeout = std::chrono::milliseconds(heartbeat_ms);
+  // Authenticated clients each hold a connection; let the daemon use every
+  // descriptor it is allowed (the handshake cap bounds unauthenticated ones).
+  rlimit nofile{};
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &nofile);
+  }
   // Block the stop signals before any thread starts, then wait for them here.
   sigset_t set;
   sigemptyset(&set);

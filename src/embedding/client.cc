@@ -219,8 +219,9 @@ class ClientImpl final : public EmbeddingClient {
     for (const std::string& ep : opt_.nodes) {
       auto ch = device_->GetChannel(ep);
       if (!ch.ok()) {
-        return UnavailableError("embedding node " + ep + ": " +
-                                std::string(ch.status().message()));
+        // Keep the code: a wrong secret is kUnauthenticated, not a dead node.
+        return Status(ch.status().code(), "embedding node " + ep + ": " +
+                                              std::string(ch.status().message()));
       }
       nodes_.push_back(std::make_unique<Node>(ep, *ch));
       nodes_.back()->Start();

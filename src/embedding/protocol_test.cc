@@ -40,7 +40,6 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
     Message m;
     m.type = t;
     m.text = "x";
-    m.secret = "s";
     auto r = Decode(Encode(m));
     EXPECT_TRUE(r.ok()) << TypeName(t) << ": " << r.status().ToString();
   }

@@ -10,7 +10,6 @@ namespace {
 TEST(ProtocolTest, RequestsRoundTripAndTruncationsFail) {
   std::vector<Request> reqs(8);
   reqs[0].op = Op::kRegister;
-  reqs[0].secret = "s3cret-s3cret";
   reqs[0].name = "w0";
   reqs[0].pid = 42;
   reqs[1].op = Op::kCreate;

@@ -184,9 +184,11 @@ class ParamClientImpl final : public ParamClient {
       link.endpoint = opt_.proxies[i];
       auto ch = device_->GetChannel(link.endpoint);
       if (!ch.ok()) {
-        return UnavailableError("cannot reach proxy " + std::to_string(i) +
-                                " at " + link.endpoint + ": " +
-                                ch.status().ToString());
+        // Keep the code: a wrong secret is kUnauthenticated, not a dead node.
+        return Status(ch.status().code(),
+                      "cannot reach proxy " + std::to_string(i) + " at " +
+                          link.endpoint + ": " +
+                          std::string(ch.status().message()));
       }
       link.channel = *ch;
       if (!opt_.links.empty()) {

@@ -10,7 +10,6 @@ TEST(PsProtocolTest, RoundTripsEveryType) {
     Message m;
     m.type = static_cast<Type>(t);
     m.id = 77;
-    m.secret = "sekret-sekret";
     m.name = "w";
     m.rank = 1;
     m.world = 4;

@@ -82,7 +82,7 @@ TEST_F(DaemonTest, WrongSecretIsRefused) {
   ASSERT_TRUE(line);
   EXPECT_NE(line->find("-16"), std::string::npos)
       << *line;  // -kUnauthenticated
-  EXPECT_NE(line->find("wrong server secret"), std::string::npos) << *line;
+  EXPECT_NE(line->find("wrong secret"), std::string::npos) << *line;
   EXPECT_EQ(c->Wait(20s), 3);
 }
 

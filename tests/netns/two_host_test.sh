@@ -48,7 +48,7 @@ run_round() {  # $1 = bytes, $2 = rounds
   ip netns exec "$B" env UCX_NET_DEVICES="$VB" "$peer_bin" send tcp "$ep" "$1" "$2" >/dev/null
   wait $rpid
   local t1; t1=$(date +%s.%N)
-  grep -q "^DONE active-message" "$out" || { echo "FAIL: receiver output:"; cat "$out"; return 1; }
+  grep -q "^DONE tcp" "$out" || { echo "FAIL: receiver output:"; cat "$out"; return 1; }
   elapsed=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')
   echo "moved $2 x $1 across namespaces in $elapsed s"
   rm -f "$out"

@@ -243,9 +243,13 @@ UcxDevice::UcxDevice(DeviceOptions options) : options_(std::move(options)) {
   id_ = RandomToken();
   char hn[256] = {0};
   gethostname(hn, sizeof(hn) - 1);
-  host_id_ =
-      std::string(hn) + "/" + ReadFirstLine("/proc/sys/kernel/random/boot_id");
+  // Processes in different network namespaces count as different hosts, so
+  // an emulated cluster (hosts as namespaces) sends over its shaped links
+  // rather than through shared memory.
   std::error_code ec;
+  std::string netns = std::filesystem::read_symlink("/proc/self/ns/net", ec);
+  host_id_ = std::string(hn) + "/" +
+             ReadFirstLine("/proc/sys/kernel/random/boot_id") + "/" + netns;
   rdma_present_ = std::filesystem::exists("/sys/class/infiniband", ec) &&
                   !std::filesystem::is_empty("/sys/class/infiniband", ec);
 }
