@@ -192,8 +192,17 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
 }
 
 int PrintStatus(const std::string& server, const std::string& secret,
-                const std::string& secret_file) {
+                const std::string& secret_file, const std::string& admin_file) {
   auto sec = membox::ResolveSecret(secret, secret_file);
+  std::string admin;
+  if (!admin_file.empty()) {
+    auto a = membox::ReadSecretFile(admin_file);
+    if (!a.ok()) {
+      std::fprintf(stderr, "membox status: %s\n", a.status().ToString().c_str());
+      return 2;
+    }
+    admin = *a;
+  }
   if (!sec.ok()) {
     std::fprintf(stderr, "membox status: %s\n",
                  sec.status().ToString().c_str());
@@ -209,7 +218,7 @@ int PrintStatus(const std::string& server, const std::string& secret,
     std::fprintf(stderr, "membox status: %s\n", c.status().ToString().c_str());
     return 1;
   }
-  auto text = (*c)->ServerStatus();
+  auto text = (*c)->ServerStatus(admin);
   if (!text.ok()) {
     std::fprintf(stderr, "membox status: %s\n",
                  text.status().ToString().c_str());
@@ -281,7 +290,14 @@ int main(int argc, char** argv) {
   serve->add_flag("--release-master-segments", sopt.release_master_segments,
                   "delete the segments of a client that disconnects");
   serve->add_option("--quota-bytes", quota,
-                    "per-client bytes of created segments (0: pool)");
+                    "per-client bytes of created segments (0: half the pool)");
+  int64_t orphan_grace_ms = 60000;
+  serve->add_option("--orphan-grace-ms", orphan_grace_ms,
+                    "delete a dead master's segments after this long unless "
+                    "it comes back (same client name); 0: keep them");
+  std::string admin_secret_file;
+  serve->add_option("--admin-secret-file", admin_secret_file,
+                    "credential for the full `membox status` listing");
   serve->add_option("--quota-segments", sopt.quota_segments,
                     "per-client segments");
   membox::ps::ProxyOptions popt;
@@ -334,6 +350,9 @@ int main(int argc, char** argv) {
   status->add_option("--secret", secret, "authentication secret");
   status->add_option("--secret-file", secret_file,
                      "file whose first line is the secret");
+  status->add_option("--admin-secret-file", admin_secret_file,
+                     "list every client and segment (the server's admin "
+                     "secret); without it, this client's view");
 
 #ifdef MEMBOX_WITH_BENCH
   auto* bench = app.add_subcommand("bench", "run a benchmark");
@@ -463,10 +482,21 @@ int main(int argc, char** argv) {
                          ? membox::ps::Scheduler::kFirstComeFirstServe
                          : membox::ps::Scheduler::kPerClientQueues;
     popt.transports = sopt.transports;
+    sopt.orphan_grace = std::chrono::milliseconds(orphan_grace_ms);
+    if (!admin_secret_file.empty()) {
+      auto a = membox::ReadSecretFile(admin_secret_file);
+      if (!a.ok()) {
+        std::fprintf(stderr, "membox serve: %s\n", a.status().ToString().c_str());
+        return 2;
+      }
+      sopt.admin_secret = *a;
+    }
     return Serve(sopt, popt, ps_listen, ps_max, secret, secret_file, pool,
                  min_block, max_block, quota, heartbeat_ms, eflags);
   }
-  if (status->parsed()) return PrintStatus(status_server, secret, secret_file);
+  if (status->parsed()) {
+    return PrintStatus(status_server, secret, secret_file, admin_secret_file);
+  }
   if (launch->parsed()) return Launch(launch->remaining());
 #ifdef MEMBOX_WITH_BENCH
   if (transfer->parsed()) {

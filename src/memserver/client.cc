@@ -8,6 +8,7 @@
 
 #include <unistd.h>
 
+#include "membox/base/hmac.h"
 #include "membox/base/logging.h"
 #include "membox/base/wait.h"
 #include "membox/transport/device.h"
@@ -92,6 +93,7 @@ class ClientImpl final : public Client {
     q.pid = static_cast<uint32_t>(getpid());
     ASSIGN_OR_RETURN(Response a, Call(q));
     client_id_ = a.client_id;
+    challenge_ = a.challenge;
     auto period =
         std::chrono::milliseconds(std::max<uint32_t>(a.heartbeat_ms / 4, 50));
     heartbeat_ = std::thread([this, period] { HeartbeatLoop(period); });
@@ -149,9 +151,13 @@ class ClientImpl final : public Client {
     return transport::OpHandle(std::move(state));
   }
 
-  Result<std::string> ServerStatus() override {
+  Result<std::string> ServerStatus(const std::string& admin_secret) override {
     Request q;
     q.op = Op::kStatus;
+    if (!admin_secret.empty()) {
+      Digest proof = AdminProof(admin_secret, challenge_);
+      q.admin_proof.assign(proof.begin(), proof.end());
+    }
     ASSIGN_OR_RETURN(Response a, Call(q));
     return a.text;
   }
@@ -431,6 +437,7 @@ class ClientImpl final : public Client {
   std::unique_ptr<transport::Device> device_;
   std::shared_ptr<Channel> channel_;
   uint64_t client_id_ = 0;
+  std::vector<uint8_t> challenge_;  // from the server, for admin proofs
   std::atomic<uint64_t> next_id_{1};
   std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0};
 

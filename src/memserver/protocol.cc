@@ -8,8 +8,10 @@
 namespace membox::memserver::proto {
 namespace {
 
+using transport::wire::GetBytes;
 using transport::wire::GetF64;
 using transport::wire::GetStr;
+using transport::wire::PutBytes;
 using transport::wire::PutF64;
 using transport::wire::PutStr;
 using transport::wire::Reader;
@@ -80,6 +82,7 @@ std::vector<uint8_t> EncodeRequest(const Request& q) {
       w.U64(q.bytes_written);
       break;
     case Op::kStatus:
+      PutBytes(w, q.admin_proof);
       break;
   }
   return std::move(w.buffer());
@@ -119,6 +122,7 @@ Result<Request> DecodeRequest(std::span<const uint8_t> in) {
       ok = r.U64(&q.bytes_read) && r.U64(&q.bytes_written);
       break;
     case Op::kStatus:
+      ok = GetBytes(r, &q.admin_proof, kMaxProof);
       break;
   }
   if (!ok || r.remaining() != 0) return Bad(OpName(q.op));
@@ -139,6 +143,7 @@ std::vector<uint8_t> EncodeResponse(const Response& a) {
   w.U32(static_cast<uint32_t>(a.descriptor.size()));
   w.Bytes(a.descriptor.data(), a.descriptor.size());
   PutStr(w, a.text);
+  PutBytes(w, a.challenge);
   return std::move(w.buffer());
 }
 
@@ -152,7 +157,8 @@ Result<Response> DecodeResponse(std::span<const uint8_t> in) {
       !GetStr(r, &a.message, kMaxText) || !r.U64(&a.client_id) ||
       !r.U32(&a.heartbeat_ms) || !r.U64(&a.key) || !r.U64(&a.size) ||
       !r.U32(&dlen) || dlen > kMaxDescriptor || !r.Bytes(&a.descriptor, dlen) ||
-      !GetStr(r, &a.text, kMaxText) || r.remaining() != 0) {
+      !GetStr(r, &a.text, kMaxText) ||
+      !GetBytes(r, &a.challenge, kMaxProof) || r.remaining() != 0) {
     return Bad("response");
   }
   if (a.code > static_cast<uint32_t>(StatusCode::kUnauthenticated)) {

@@ -30,6 +30,7 @@ const char* OpName(Op op);
 constexpr size_t kMaxName = 256;
 constexpr size_t kMaxDescriptor = 8192;
 constexpr size_t kMaxText = 1 << 16;
+constexpr size_t kMaxProof = 64;
 
 struct Request {
   Op op = Op::kHeartbeat;
@@ -50,6 +51,9 @@ struct Request {
   // see one-sided reads and writes itself)
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
+  // kStatus: AdminProof(admin secret, the challenge of the kRegister reply)
+  // for the full listing; empty for the caller's own view.
+  std::vector<uint8_t> admin_proof;
 };
 
 struct Response {
@@ -62,6 +66,7 @@ struct Response {
   uint64_t size = 0;
   std::vector<uint8_t> descriptor;  // RegionDescriptor of the segment
   std::string text;                 // kStatus
+  std::vector<uint8_t> challenge;   // kRegister: for admin proofs
 };
 
 std::vector<uint8_t> EncodeRequest(const Request& r);

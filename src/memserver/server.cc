@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "membox/base/config.h"
+#include "membox/base/hmac.h"
 #include "membox/base/logging.h"
 #include "membox/transport/device.h"
 
@@ -33,7 +34,10 @@ struct Segment {
   uint64_t key = 0;
   uint64_t offset = 0;
   uint64_t size = 0;
-  uint64_t master = 0;
+  uint64_t master = 0;  // 0 while orphaned
+  std::string master_name;
+  bool orphaned = false;
+  Clock::time_point orphaned_since;
   std::set<uint64_t> attached;
   bool deleted = false;
   bool ready = false;  // zeroed; others may attach
@@ -57,6 +61,7 @@ struct ClientState {
   uint64_t created_bytes = 0;
   uint64_t bytes_read = 0;  // as last reported by the client
   uint64_t bytes_written = 0;
+  std::vector<uint8_t> challenge;  // for admin proofs (kRegister reply)
 };
 
 struct Work {
@@ -170,7 +175,11 @@ class ServerImpl final : public Server {
     return s;
   }
 
-  std::string StatusText() const override {
+  std::string StatusText() const override { return StatusTextFor(0, true); }
+
+  // `viewer` sees the pool totals and its own client and segments (created
+  // or attached); `full` shows everything.
+  std::string StatusTextFor(uint64_t viewer, bool full) const {
     ServerStats s = Stats();
     std::ostringstream o;
     o << "endpoint " << endpoint() << "\n"
@@ -191,11 +200,16 @@ class ServerImpl final : public Server {
       << "bytes_written " << s.bytes_written << "\n";
     std::lock_guard<std::mutex> l(mu_);
     for (auto& [key, seg] : segments_) {
+      if (!full && seg->master != viewer && !seg->attached.count(viewer)) {
+        continue;
+      }
       o << "segment " << key << " size " << seg->size << " master "
         << seg->master << " attached " << seg->attached.size()
-        << (seg->deleted ? " deleting" : "") << "\n";
+ << (seg->deleted ? " deleting" : "")
+        << (seg->orphaned ? " orphaned" : "") << "\n";
     }
     for (auto& [id, c] : clients_) {
+      if (!full && id != viewer) continue;
       o << "client " << id << " name " << (c.name.empty() ? "-" : c.name)
         << " pid " << c.pid << " attached " << c.attached.size()
         << " created_bytes " << c.created_bytes
@@ -283,6 +297,29 @@ class ServerImpl final : public Server {
         }
       }
       for (auto& [id, why] : dead) ReleaseClient(id, why, true);
+      ReclaimOrphans(now);
+    }
+  }
+
+  // Deletes orphaned segments whose grace period ended.
+  void ReclaimOrphans(Clock::time_point now) {
+    if (opt_.orphan_grace.count() <= 0) return;
+    std::lock_guard<std::mutex> l(mu_);
+    std::vector<std::shared_ptr<Segment>> late;
+    for (auto& [key, seg] : segments_) {
+      if (seg->orphaned && !seg->deleted &&
+          now - seg->orphaned_since >= opt_.orphan_grace) {
+        late.push_back(seg);
+      }
+    }
+    for (auto& seg : late) {
+      MEMBOX_LOG_INFO(
+          "segment {} of {} reclaimed: its master did not come back within "
+          "{} ms ({} attachments remain)",
+          seg->key, seg->master_name, opt_.orphan_grace.count(),
+          seg->attached.size());
+      seg->deleted = true;
+      MaybeFreeLocked(seg);
     }
   }
 
@@ -348,9 +385,28 @@ class ServerImpl final : public Server {
       case Op::kAccumulate:
         s = DoAccumulate(client, *req);
         break;
-      case Op::kStatus:
-        a.text = StatusText();
+      case Op::kStatus: {
+        bool full = false;
+        if (!req->admin_proof.empty()) {
+          std::vector<uint8_t> challenge;
+          {
+            std::lock_guard<std::mutex> l(mu_);
+            challenge = clients_.at(client).challenge;
+          }
+          Digest want = AdminProof(opt_.admin_secret, challenge);
+          if (opt_.admin_secret.empty() ||
+              !ConstantTimeEquals(want, req->admin_proof)) {
+            s = PermissionDeniedError(
+                opt_.admin_secret.empty()
+                    ? "this server has no admin secret (--admin-secret-file)"
+                    : "wrong admin secret");
+            break;
+          }
+          full = true;
+        }
+        a.text = StatusTextFor(client, full);
         break;
+      }
       case Op::kHeartbeat: {
         std::lock_guard<std::mutex> l(mu_);
         ClientState& c = clients_.at(client);
@@ -378,6 +434,8 @@ class ServerImpl final : public Server {
     c.registered = true;
     c.name = q.name;
     c.pid = q.pid;
+    c.challenge = RandomBytes(32);
+    a->challenge = c.challenge;
     a->client_id = client;
     a->heartbeat_ms = static_cast<uint32_t>(opt_.heartbeat_timeout.count());
     MEMBOX_LOG_INFO("client {} registered: {} (pid {})", client, q.name, q.pid);
@@ -385,7 +443,7 @@ class ServerImpl final : public Server {
   }
 
   uint64_t QuotaBytes() const {
-    return opt_.quota_bytes ? opt_.quota_bytes : opt_.pool_bytes;
+    return opt_.quota_bytes ? opt_.quota_bytes : opt_.pool_bytes / 2;
   }
 
   Status DoCreate(uint64_t client, const Request& q, Response* a) {
@@ -429,6 +487,7 @@ class ServerImpl final : public Server {
     seg->offset = off;
     seg->size = q.size;
     seg->master = client;
+    seg->master_name = c.name;
     seg->attached.insert(client);
     seg->desc = *desc;
     seg->desc_bytes = desc->Serialize();
@@ -476,6 +535,14 @@ class ServerImpl final : public Server {
     if (!c.attached.count(q.key) && c.attached.size() >= opt_.quota_segments) {
       return ResourceExhaustedError("client segment quota exceeded");
     }
+    if (seg.orphaned && !c.name.empty() && c.name == seg.master_name) {
+      // The master came back within the grace period: it owns it again.
+      seg.orphaned = false;
+      seg.master = client;
+      c.created_bytes += seg.size;
+      MEMBOX_LOG_INFO("segment {} adopted again by {} (client {})", seg.key,
+                      c.name, client);
+    }
     seg.attached.insert(client);
     c.attached.insert(q.key);
     a->key = seg.key;
@@ -494,8 +561,13 @@ class ServerImpl final : public Server {
   Status DetachLocked(uint64_t client, uint64_t key, bool destroy) {
     auto it = segments_.find(key);
     auto cit = clients_.find(client);
+    // The master may delete its segment even after dropping its own
+    // attachment (attach + detach of one's own segment, then free).
+    const bool master_delete = destroy && it != segments_.end() &&
+                               it->second->master == client &&
+                               !it->second->deleted;
     if (it == segments_.end() || cit == clients_.end() ||
-        !cit->second.attached.count(key)) {
+        (!cit->second.attached.count(key) && !master_delete)) {
       return NotFoundError("segment " + std::to_string(key) +
                            " is not attached by this client");
     }
@@ -596,6 +668,22 @@ class ServerImpl final : public Server {
         bool destroy = opt_.release_master_segments && s != segments_.end() &&
                        s->second->master == client;
         (void)DetachLocked(client, key, destroy);
+      }
+      // Segments it created and did not delete become orphans (they may be
+      // attached by nobody now, including segments it had detached from).
+      std::vector<std::shared_ptr<Segment>> mine;
+      for (auto& [key, seg] : segments_) {
+        if (seg->master == client && !seg->deleted) mine.push_back(seg);
+      }
+      for (auto& seg : mine) {
+        if (opt_.release_master_segments) {
+          seg->deleted = true;
+          MaybeFreeLocked(seg);
+          continue;
+        }
+        seg->master = 0;
+        seg->orphaned = true;
+        seg->orphaned_since = Clock::now();
       }
       MEMBOX_LOG_INFO("client {} ({}) released: {} ({} attachments)", client,
                       it->second.name.empty() ? "-" : it->second.name,

@@ -252,6 +252,130 @@ TEST_P(ServerTest, StoppedServerGivesClientsAClearError) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
 }
 
+TEST_P(ServerTest, StatusShowsOwnSegmentsUnlessAdmin) {
+  auto a = Connect("alice");
+  auto b = Connect("bob");
+  ASSERT_TRUE(a->Create(501, 4096).ok());
+  ASSERT_TRUE(b->Create(502, 4096).ok());
+  auto mine = a->ServerStatus();
+  ASSERT_TRUE(mine.ok()) << mine.status().ToString();
+  EXPECT_NE(mine->find("segment 501 "), std::string::npos) << *mine;
+  EXPECT_EQ(mine->find("segment 502 "), std::string::npos) << *mine;
+  EXPECT_EQ(mine->find("name bob"), std::string::npos) << *mine;
+  EXPECT_NE(mine->find("segments 2"), std::string::npos);  // totals stay
+  // No admin secret on this server: asking for the full listing is refused.
+  EXPECT_EQ(a->ServerStatus("guess").status().code(),
+            StatusCode::kPermissionDenied);
+  // The in-process owner sees everything.
+  EXPECT_NE(server_->StatusText().find("segment 502 "), std::string::npos);
+}
+
+TEST_P(ServerTest, AdminSecretUnlocksTheFullListing) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.transports = GetParam();
+  o.pool_bytes = 8 << 20;
+  o.secret = "correct horse battery";
+  o.admin_secret = "the admin credential";
+  auto srv = Server::Start(o);
+  ASSERT_TRUE(srv.ok());
+  ClientOptions co;
+  co.server = (*srv)->endpoint();
+  co.secret = o.secret;
+  co.transports = GetParam();
+  co.name = "someone";
+  auto c1 = Client::Connect(co);
+  co.name = "operator";
+  auto c2 = Client::Connect(co);
+  ASSERT_TRUE(c1.ok() && c2.ok());
+  ASSERT_TRUE((*c1)->Create(77, 4096).ok());
+  auto full = (*c2)->ServerStatus("the admin credential");
+  ASSERT_TRUE(full.ok()) << full.status().ToString();
+  EXPECT_NE(full->find("segment 77 "), std::string::npos) << *full;
+  EXPECT_NE(full->find("name someone"), std::string::npos) << *full;
+  auto wrong = (*c2)->ServerStatus("not the admin credential");
+  EXPECT_EQ(wrong.status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ((*c2)->ServerStatus()->find("segment 77 "), std::string::npos);
+}
+
+TEST_P(ServerTest, DefaultQuotaIsHalfThePool) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.transports = GetParam();
+  o.pool_bytes = 8 << 20;
+  o.secret = "correct horse battery";
+  auto srv = Server::Start(o);
+  ASSERT_TRUE(srv.ok());
+  ClientOptions co;
+  co.server = (*srv)->endpoint();
+  co.secret = o.secret;
+  co.transports = GetParam();
+  auto c = Client::Connect(co);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->Create(1, 4 << 20).ok());
+  auto more = (*c)->Create(2, 4096);
+  EXPECT_EQ(more.status().code(), StatusCode::kResourceExhausted)
+      << more.status().ToString();
+  co.name = "other";
+  auto d = Client::Connect(co);
+  ASSERT_TRUE(d.ok());
+  EXPECT_TRUE((*d)->Create(3, 2 << 20).ok());  // others still get memory
+}
+
+TEST_P(ServerTest, MasterMayFreeAfterDroppingItsOwnAttachment) {
+  auto c = Connect("self");
+  auto s = c->Create(61, 8192);
+  ASSERT_TRUE(s.ok());
+  auto again = c->Attach(61, 8192);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  ASSERT_TRUE(c->Detach(*again).ok());
+  Status st = c->Delete(*s);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  for (int i = 0; i < 50 && server_->Stats().segments != 0; ++i)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(server_->Stats().segments, 0u);
+}
+
+TEST_P(ServerTest, OrphansAreAdoptedWithinGraceAndReclaimedAfter) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.transports = GetParam();
+  o.pool_bytes = 8 << 20;
+  o.secret = "correct horse battery";
+  o.heartbeat_timeout = 1000ms;
+  o.orphan_grace = 1500ms;
+  auto srv = Server::Start(o);
+  ASSERT_TRUE(srv.ok());
+  ClientOptions co;
+  co.server = (*srv)->endpoint();
+  co.secret = o.secret;
+  co.transports = GetParam();
+  co.name = "trainer";
+  auto wait_clients = [&](uint64_t n) {
+    for (int i = 0; i < 200 && (*srv)->Stats().clients != n; ++i)
+      std::this_thread::sleep_for(20ms);
+  };
+  {
+    auto m = Client::Connect(co);
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE((*m)->Create(11, 1 << 20).ok());
+    ASSERT_TRUE((*m)->Create(12, 1 << 20).ok());
+  }  // the master dies
+  wait_clients(0);
+  EXPECT_NE((*srv)->StatusText().find("orphaned"), std::string::npos);
+  // It comes back in time and adopts segment 11 by attaching it.
+  auto back = Client::Connect(co);
+  ASSERT_TRUE(back.ok());
+  auto s11 = (*back)->Attach(11, 1 << 20);
+  ASSERT_TRUE(s11.ok()) << s11.status().ToString();
+  std::this_thread::sleep_for(2500ms);
+  // 12 was reclaimed; 11 is owned again: its master may delete it.
+  EXPECT_EQ((*srv)->Stats().segments, 1u) << (*srv)->StatusText();
+  ASSERT_TRUE((*back)->Delete(*s11).ok());
+  EXPECT_EQ((*srv)->Stats().segments, 0u);
+  EXPECT_EQ((*srv)->Stats().allocated_bytes, 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, ServerTest,
                          ::testing::Values("auto", "tcp"));
 

@@ -99,8 +99,11 @@ class Client {
                                               double scale = 1.0,
                                               size_t offset = 0,
                                               size_t length = 0) = 0;
-  // The server's status text.
-  virtual Result<std::string> ServerStatus() = 0;
+  // The server's status text: pool totals, this client and its segments;
+  // with the server's admin secret (proved by challenge-response, never
+  // sent) every client and segment. kPermissionDenied for a wrong one.
+  virtual Result<std::string> ServerStatus(
+      const std::string& admin_secret = "") = 0;
   // The segment whose local cache contains `p`, or nullptr.
   virtual Segment* Find(const void* p) const = 0;
   // OK while the server is reachable.

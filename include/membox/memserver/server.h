@@ -37,9 +37,21 @@ struct ServerOptions {
   int sync_cores = 2;
   int handler_threads = 2;
   std::chrono::milliseconds heartbeat_timeout{5000};
+  // Segments of a master that died: freed at once with
+  // release_master_segments; otherwise kept for `orphan_grace` so a
+  // restarted master (same client name) can attach and adopt them, then
+  // deleted (their memory returns once the last attachment goes). 0 keeps
+  // orphans until the daemon stops.
   bool release_master_segments = false;
-  uint64_t quota_bytes = 0;        // per client, segments created; 0: pool size
+  std::chrono::milliseconds orphan_grace{60000};
+  // Per client, bytes of segments created; 0: half the pool (one client
+  // cannot take all of it by default).
+  uint64_t quota_bytes = 0;
   uint32_t quota_segments = 1024;  // per client, created + attached
+  // Credential for the full `membox status` listing (every client and
+  // segment); without it a client sees its own. Empty: no full listing
+  // over the network.
+  std::string admin_secret;
 };
 
 struct ServerStats {

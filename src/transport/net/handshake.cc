@@ -1,12 +1,9 @@
 #include "src/transport/net/handshake.h"
 
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
-#include <openssl/rand.h>
-
+#include <algorithm>
 #include <cstring>
-#include <random>
+
+#include "membox/base/hmac.h"
 
 #include "src/transport/wire.h"
 
@@ -51,15 +48,7 @@ std::vector<uint8_t> ProofBody(const ClientProof& m) {
 }
 
 Proof Hmac(const std::string& secret, std::span<const uint8_t> data) {
-  Proof out{};
-  unsigned int len = 0;
-  // An empty key is legal for HMAC; OpenSSL wants a non-null pointer.
-  static const uint8_t kEmpty = 0;
-  const void* key = secret.empty() ? static_cast<const void*>(&kEmpty)
-                                   : static_cast<const void*>(secret.data());
-  HMAC(EVP_sha256(), key, static_cast<int>(secret.size()), data.data(),
-       data.size(), out.data(), &len);
-  return out;
+  return HmacSha256(secret, {data});
 }
 
 }  // namespace
@@ -161,12 +150,8 @@ Result<ServerVerdict> DecodeServerVerdict(std::span<const uint8_t> in) {
 
 Nonce NewNonce() {
   Nonce n{};
-  if (RAND_bytes(n.data(), static_cast<int>(n.size())) != 1) {
-    // OpenSSL's generator failing is not recoverable in a sane way; fall
-    // back to the OS through std::random_device rather than a zero nonce.
-    std::random_device rd;
-    for (auto& b : n) b = static_cast<uint8_t>(rd());
-  }
+  std::vector<uint8_t> r = RandomBytes(n.size());
+  std::copy(r.begin(), r.end(), n.begin());
   return n;
 }
 
@@ -191,7 +176,7 @@ Proof ClientProofFor(const std::string& secret, const Nonce& client,
 }
 
 bool ProofEquals(const Proof& a, const Proof& b) {
-  return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+  return ConstantTimeEquals(a, b);
 }
 
 }  // namespace membox::transport::net
