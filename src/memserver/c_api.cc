@@ -74,7 +74,7 @@ void smb_terminate(void) {
   g_client.reset();
 }
 
-void* shm_alloc(u64* key, u64 size, int shmflg) {
+void* shm_alloc(uint64_t* key, uint64_t size, int shmflg) {
   Client* c = Get();
   if (c == nullptr) {
     Fail(membox::FailedPreconditionError("smb_init() was not called"));
@@ -93,21 +93,20 @@ void* shm_alloc(u64* key, u64 size, int shmflg) {
   return (*s)->data();
 }
 
-void shm_free(void* ptr) {
+int shm_free(void* ptr) {
   Client* c = Get();
   Segment* s = c ? c->Find(ptr) : nullptr;
   if (s == nullptr || s->data() != ptr) {
-    Fail(membox::InvalidArgumentError("shm_free: not a segment buffer"));
-    return;
+    return Fail(membox::InvalidArgumentError("shm_free: not a segment buffer"));
   }
   Status st = s->master() ? c->Delete(s) : c->Detach(s);
-  if (!st.ok()) Fail(st);
+  return st.ok() ? 0 : Fail(st);
 }
 
-unsigned long shm_get_key(void* ptr) {
+uint64_t shm_get_key(void* ptr) {
   Client* c = Get();
   Segment* s = c ? c->Find(ptr) : nullptr;
-  return s ? static_cast<unsigned long>(s->key()) : 0;
+  return s ? s->key() : 0;
 }
 
 static int SyncImpl(void* ptr, size_t size, bool write) {

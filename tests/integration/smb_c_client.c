@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   }
   if (strcmp(argv[1], "roundtrip") == 0) {
     const size_t n = 1 << 18;
-    u64 wkey = 0, gkey = 4242;
+    uint64_t wkey = 0, gkey = 4242;
     float* w = shm_alloc(&wkey, n * sizeof(float), SMB_CREATE);
     float* g = shm_alloc(&gkey, n * sizeof(float), SMB_CREATE);
     if (!w || !g) return fail("shm_alloc");
@@ -57,17 +57,19 @@ int main(int argc, char** argv) {
       return fail("rsync of a stray pointer succeeded");
     if (shm_accum(w, g, n * sizeof(float), 99) == 0)
       return fail("bad dtype accepted");
-    u64 k = wkey;
+    uint64_t k = wkey;
     if (shm_alloc(&k, 12345, SMB_ATTACH) != NULL)
       return fail("wrong size attached");
-    shm_free(g);
-    shm_free(w);
+    if (shm_free(&stray) >= 0) return fail("shm_free of a stray pointer succeeded");
+    if (shm_free(g) != 0) return fail(smb_last_error());
+    if (shm_free(w) != 0) return fail(smb_last_error());
+    if (shm_free(w) >= 0) return fail("double shm_free succeeded");
     smb_terminate();
     printf("OK\n");
     return 0;
   }
   if (strcmp(argv[1], "wsync-loop") == 0 && argc == 4) {
-    u64 key = strtoull(argv[2], NULL, 10);
+    uint64_t key = strtoull(argv[2], NULL, 10);
     size_t bytes = (size_t)strtoull(argv[3], NULL, 10) << 20;
     char* p = shm_alloc(&key, bytes, SMB_ATTACH);
     if (!p) return fail("attach");

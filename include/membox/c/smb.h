@@ -11,7 +11,8 @@
  *                    server choose and stores it in *key); SMB_ATTACH: attach
  *                    the segment *key of exactly `size` bytes. Returns the
  *                    local cache buffer of the segment, or NULL on error.
- *   shm_free(ptr)    the master deletes, others detach.
+ *   shm_free(ptr)    the master deletes, others detach; 0 or a negative
+ *                    error (e.g. -3 for a pointer that is not a segment).
  *   shm_get_key(ptr) the key of the segment whose buffer contains ptr (0:
  * none). shm_rsync(ptr, size) / shm_wsync(ptr, size) read-sync remote -> local
  * / write-sync local -> remote for [ptr, ptr + size) inside one segment's
@@ -33,16 +34,14 @@
 extern "C" {
 #endif
 
-typedef uint64_t u64;
-
 enum { SMB_ATTACH = 0, SMB_CREATE = 1 };
 enum { SMB_FLOAT = 1, SMB_DOUBLE = 2, SMB_FLOAT16 = 3, SMB_BFLOAT16 = 4 };
 
 int smb_init(void);
 void smb_terminate(void);
-void* shm_alloc(u64* key, u64 size, int shmflg);
-void shm_free(void* ptr);
-unsigned long shm_get_key(void* ptr);
+void* shm_alloc(uint64_t* key, uint64_t size, int shmflg);
+int shm_free(void* ptr);
+uint64_t shm_get_key(void* ptr);
 int shm_rsync(void* ptr, size_t size);
 int shm_wsync(void* ptr, size_t size);
 int shm_accum(void* dst, void* src, size_t size, unsigned int type);

@@ -1,0 +1,50 @@
+/* A C program against an installed membox (smb.h, seed 003's API):
+ *   cc smb_hello.c $(pkg-config --cflags --libs membox) -o smb_hello
+ *   MEMBOX_SERVER=host:7300 MEMBOX_SECRET_FILE=/etc/membox.secret ./smb_hello
+ * Creates a segment, writes it, accumulates it into itself on the memory
+ * node (x += x), reads it back, frees it. */
+#include <stdio.h>
+#include <string.h>
+
+#include <membox/c/smb.h>
+
+int main(void) {
+  if (smb_init() != 0) {
+    fprintf(stderr, "smb_init: %s\n", smb_last_error());
+    return 1;
+  }
+  enum { N = 1024 };
+  uint64_t a = 0, b = 0;
+  float* x = shm_alloc(&a, N * sizeof(float), SMB_CREATE);
+  float* y = shm_alloc(&b, N * sizeof(float), SMB_CREATE);
+  if (x == NULL || y == NULL) {
+    fprintf(stderr, "shm_alloc: %s\n", smb_last_error());
+    return 1;
+  }
+  for (int i = 0; i < N; ++i) x[i] = y[i] = (float)i;
+  if (shm_wsync(x, N * sizeof(float)) != 0 ||
+      shm_wsync(y, N * sizeof(float)) != 0 ||
+      shm_accum(x, y, N * sizeof(float), SMB_FLOAT) != 0 ||
+      shm_rsync(x, N * sizeof(float)) != 0) {
+    fprintf(stderr, "sync/accumulate: %s\n", smb_last_error());
+    return 1;
+  }
+  for (int i = 0; i < N; ++i) {
+    if (x[i] != 2.0f * (float)i) {
+      fprintf(stderr, "x[%d] = %f, expected %f\n", i, x[i], 2.0f * i);
+      return 1;
+    }
+  }
+  if (shm_free(y) != 0 || shm_free(x) != 0) {
+    fprintf(stderr, "shm_free: %s\n", smb_last_error());
+    return 1;
+  }
+  if (shm_free(x) == 0) {
+    fprintf(stderr, "a second shm_free of the same buffer succeeded\n");
+    return 1;
+  }
+  smb_terminate();
+  printf("OK segments %llu %llu\n", (unsigned long long)a,
+         (unsigned long long)b);
+  return 0;
+}
