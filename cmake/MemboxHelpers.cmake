@@ -9,6 +9,17 @@ target_compile_options(membox_build_flags INTERFACE
 if(CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
   target_compile_options(membox_build_flags INTERFACE -Wthread-safety)
 endif()
+# Warnings in project code fail the build (GCC and clang). GCC 12's
+# -Wrestrict / -Wstringop-overflow fire inside libstdc++'s std::string and
+# std::fill on code that is correct (GCC bugs 105329, 105651), so those two
+# stay warnings there.
+if(MEMBOX_WERROR)
+  target_compile_options(membox_build_flags INTERFACE -Werror)
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+    target_compile_options(membox_build_flags INTERFACE
+      -Wno-error=restrict -Wno-error=stringop-overflow)
+  endif()
+endif()
 if(MEMBOX_SANITIZE)
   target_compile_options(membox_build_flags INTERFACE
     -fsanitize=${MEMBOX_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)

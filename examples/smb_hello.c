@@ -3,10 +3,9 @@
  *   MEMBOX_SERVER=host:7300 MEMBOX_SECRET_FILE=/etc/membox.secret ./smb_hello
  * Creates a segment, writes it, accumulates it into itself on the memory
  * node (x += x), reads it back, frees it. */
+#include <membox/c/smb.h>
 #include <stdio.h>
 #include <string.h>
-
-#include <membox/c/smb.h>
 
 int main(void) {
   if (smb_init() != 0) {

@@ -39,9 +39,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       // a proof under a secret the fuzzer cannot know.
       if (m.ok()) {
         net::Nonce a{}, b{};
-        if (net::ProofEquals(m->proof, net::ClientProofFor(
-                                           "fuzz-secret-not-in-input", a, b,
-                                           *m))) {
+        if (net::ProofEquals(
+                m->proof,
+                net::ClientProofFor("fuzz-secret-not-in-input", a, b, *m))) {
           std::abort();
         }
       }

@@ -17,4 +17,4 @@ $SUDO apt-get install -y --no-install-recommends \
   python3 python3-matplotlib python3-torch python3-sklearn \
   pybind11-dev python3-pybind11 \
   iperf3 iproute2 procps \
-  clang libclang-rt-14-dev
+  clang clang-format libclang-rt-14-dev

@@ -16,6 +16,15 @@ run_ctest() {  # $1 = preset; adds its test count to $total
 if [[ "${1:-}" != "--no-install" ]]; then bash scripts/install-deps.sh; fi
 jobs=$(nproc)
 
+echo "== format check (clang-format, .clang-format)"
+unformatted=$(git ls-files '*.cc' '*.h' '*.c' | xargs clang-format --dry-run 2>&1 \
+  | sed -n 's/^\([^:]*\):[0-9]*:[0-9]*: warning:.*/\1/p' | sort -u)
+if [[ -n $unformatted ]]; then
+  echo "unformatted files (run clang-format -i on them):"
+  echo "$unformatted"
+  exit 1
+fi
+
 echo "== release build and tests"
 cmake --preset release
 cmake --build --preset release -j"$jobs"

@@ -12,13 +12,13 @@
 #include <CLI/CLI.hpp>
 #include <pthread.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "membox/base/config.h"
-#include "membox/base/secret.h"
 #include "membox/base/logging.h"
+#include "membox/base/secret.h"
 #include "membox/base/subprocess.h"
 #include "membox/embedding/server.h"
 #include "membox/memserver/client.h"
@@ -124,7 +124,8 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
   // Authenticated clients each hold a connection; let the daemon use every
   // descriptor it is allowed (the handshake cap bounds unauthenticated ones).
   rlimit nofile{};
-  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 &&
+      nofile.rlim_cur < nofile.rlim_max) {
     nofile.rlim_cur = nofile.rlim_max;
     setrlimit(RLIMIT_NOFILE, &nofile);
   }
@@ -198,7 +199,8 @@ int PrintStatus(const std::string& server, const std::string& secret,
   if (!admin_file.empty()) {
     auto a = membox::ReadSecretFile(admin_file);
     if (!a.ok()) {
-      std::fprintf(stderr, "membox status: %s\n", a.status().ToString().c_str());
+      std::fprintf(stderr, "membox status: %s\n",
+                   a.status().ToString().c_str());
       return 2;
     }
     admin = *a;
@@ -486,7 +488,8 @@ int main(int argc, char** argv) {
     if (!admin_secret_file.empty()) {
       auto a = membox::ReadSecretFile(admin_secret_file);
       if (!a.ok()) {
-        std::fprintf(stderr, "membox serve: %s\n", a.status().ToString().c_str());
+        std::fprintf(stderr, "membox serve: %s\n",
+                     a.status().ToString().c_str());
         return 2;
       }
       sopt.admin_secret = *a;

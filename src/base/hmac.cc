@@ -1,31 +1,39 @@
 #include "membox/base/hmac.h"
 
+#include <cstdlib>
+#include <random>
+
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
-#include <openssl/hmac.h>
+#include <openssl/core_names.h>
+#include <openssl/params.h>
 #include <openssl/rand.h>
-
-#include <random>
 
 namespace membox {
 
 Digest HmacSha256(const std::string& key,
                   std::initializer_list<std::span<const uint8_t>> parts) {
   Digest out{};
+  // An empty key is legal for HMAC; EVP_MAC_init wants a non-null pointer
+  // to set one (null means "keep the previous key").
   static const uint8_t kEmpty = 0;
-  const void* k = key.empty() ? static_cast<const void*>(&kEmpty)
-                              : static_cast<const void*>(key.data());
-  HMAC_CTX* ctx = HMAC_CTX_new();
-  unsigned int len = 0;
-  if (ctx != nullptr &&
-      HMAC_Init_ex(ctx, k, static_cast<int>(key.size()), EVP_sha256(),
-                   nullptr) == 1) {
-    for (auto p : parts) {
-      if (!p.empty()) HMAC_Update(ctx, p.data(), p.size());
-    }
-    HMAC_Final(ctx, out.data(), &len);
+  const auto* k =
+      key.empty() ? &kEmpty : reinterpret_cast<const uint8_t*>(key.data());
+  static EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  EVP_MAC_CTX* ctx = mac ? EVP_MAC_CTX_new(mac) : nullptr;
+  char digest[] = "SHA256";
+  OSSL_PARAM params[] = {
+      OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0),
+      OSSL_PARAM_construct_end()};
+  size_t len = 0;
+  bool ok = ctx != nullptr && EVP_MAC_init(ctx, k, key.size(), params) == 1;
+  for (auto p : parts) {
+    if (ok && !p.empty()) ok = EVP_MAC_update(ctx, p.data(), p.size()) == 1;
   }
-  HMAC_CTX_free(ctx);
+  if (ok) ok = EVP_MAC_final(ctx, out.data(), &len, out.size()) == 1;
+  EVP_MAC_CTX_free(ctx);
+  // A failing libcrypto must never yield a digest an attacker can predict.
+  if (!ok || len != out.size()) std::abort();
   return out;
 }
 
@@ -47,11 +55,10 @@ std::vector<uint8_t> RandomBytes(size_t n) {
 Digest AdminProof(const std::string& admin_secret,
                   std::span<const uint8_t> challenge) {
   static const char kLabel[] = "membox/1 admin";
-  return HmacSha256(admin_secret,
-                    {std::span<const uint8_t>(
-                         reinterpret_cast<const uint8_t*>(kLabel),
-                         sizeof(kLabel) - 1),
-                     challenge});
+  return HmacSha256(admin_secret, {std::span<const uint8_t>(
+                                       reinterpret_cast<const uint8_t*>(kLabel),
+                                       sizeof(kLabel) - 1),
+                                   challenge});
 }
 
 }  // namespace membox

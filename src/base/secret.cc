@@ -9,9 +9,9 @@ namespace membox {
 std::string TrimSecret(std::string s) {
   auto nl = s.find('\n');
   if (nl != std::string::npos) s.resize(nl);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' ||
-                        s.back() == '\r' || s.back() == '\v' ||
-                        s.back() == '\f')) {
+  while (!s.empty() &&
+         (s.back() == ' ' || s.back() == '\t' || s.back() == '\r' ||
+          s.back() == '\v' || s.back() == '\f')) {
     s.pop_back();
   }
   return s;

@@ -220,8 +220,9 @@ class ClientImpl final : public EmbeddingClient {
       auto ch = device_->GetChannel(ep);
       if (!ch.ok()) {
         // Keep the code: a wrong secret is kUnauthenticated, not a dead node.
-        return Status(ch.status().code(), "embedding node " + ep + ": " +
-                                              std::string(ch.status().message()));
+        return Status(
+            ch.status().code(),
+            "embedding node " + ep + ": " + std::string(ch.status().message()));
       }
       nodes_.push_back(std::make_unique<Node>(ep, *ch));
       nodes_.back()->Start();

@@ -428,10 +428,11 @@ TEST_F(EmbeddingServerTest, APipelineStoppedEarlyReleasesPrefetchedPins) {
   Status err;
   for (int i = 0; i < 5 && err.ok(); ++i) {
     auto r = (*p2)->Next();
-    if (!r.ok())
+    if (!r.ok()) {
       err = r.status();
-    else if (*r)
+    } else if (*r) {
       ASSERT_TRUE((*p2)->Complete(std::move(*r)).ok());
+    }
   }
   EXPECT_NE(err.message().find("reader broke"), std::string::npos);
   EXPECT_FALSE(EmbeddingPipeline::Start(c.get(), *t, nullptr, {}).ok());
@@ -482,7 +483,9 @@ TEST_F(EmbeddingServerTest, RandomPullPushFlushMatchesAModel) {
       }
       for (auto& [k, sg] : summed) ApplyGradient(cfg, row_of(k), sg);
     }
-    if (step % 50 == 49) ASSERT_TRUE(c->Flush().ok());
+    if (step % 50 == 49) {
+      ASSERT_TRUE(c->Flush().ok());
+    }
   }
   uint64_t ssd_reads = 0;
   for (int i = 0; i < 2; ++i) {

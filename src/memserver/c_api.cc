@@ -56,7 +56,8 @@ int smb_init(void) {
     if (!s.ok()) return Fail(s.status());
     o.secret = *s;
   }
-  if (auto v = membox::GetEnv("MEMBOX_SECRET")) o.secret = membox::TrimSecret(*v);
+  if (auto v = membox::GetEnv("MEMBOX_SECRET"))
+    o.secret = membox::TrimSecret(*v);
   if (o.server.empty()) {
     return Fail(membox::InvalidArgumentError(
         "no memory node: set MEMBOX_SERVER or MEMBOX_CONFIG"));

@@ -102,8 +102,7 @@ Result<Request> DecodeRequest(std::span<const uint8_t> in) {
   bool ok = true;
   switch (q.op) {
     case Op::kRegister:
-      ok = GetStr(r, &q.name, kMaxName) &&
-           r.U32(&q.pid);
+      ok = GetStr(r, &q.name, kMaxName) && r.U32(&q.pid);
       break;
     case Op::kCreate:
     case Op::kAttach:
@@ -157,8 +156,8 @@ Result<Response> DecodeResponse(std::span<const uint8_t> in) {
       !GetStr(r, &a.message, kMaxText) || !r.U64(&a.client_id) ||
       !r.U32(&a.heartbeat_ms) || !r.U64(&a.key) || !r.U64(&a.size) ||
       !r.U32(&dlen) || dlen > kMaxDescriptor || !r.Bytes(&a.descriptor, dlen) ||
-      !GetStr(r, &a.text, kMaxText) ||
-      !GetBytes(r, &a.challenge, kMaxProof) || r.remaining() != 0) {
+      !GetStr(r, &a.text, kMaxText) || !GetBytes(r, &a.challenge, kMaxProof) ||
+      r.remaining() != 0) {
     return Bad("response");
   }
   if (a.code > static_cast<uint32_t>(StatusCode::kUnauthenticated)) {

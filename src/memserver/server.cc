@@ -205,7 +205,7 @@ class ServerImpl final : public Server {
       }
       o << "segment " << key << " size " << seg->size << " master "
         << seg->master << " attached " << seg->attached.size()
- << (seg->deleted ? " deleting" : "")
+        << (seg->deleted ? " deleting" : "")
         << (seg->orphaned ? " orphaned" : "") << "\n";
     }
     for (auto& [id, c] : clients_) {
@@ -359,8 +359,7 @@ class ServerImpl final : public Server {
     }
     if (req->op != Op::kRegister && !registered) {
       rejected_.fetch_add(1);
-      Reply(ch, Error(req->id, UnauthenticatedError(
-                                   "register first")));
+      Reply(ch, Error(req->id, UnauthenticatedError("register first")));
       return;
     }
     Response a;

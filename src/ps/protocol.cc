@@ -165,8 +165,7 @@ Result<Message> Decode(std::span<const uint8_t> in) {
   switch (m.type) {
     case Type::kHello:
     case Type::kPeerHello:
-      ok = GetStr(r, &m.name, kMaxName) &&
-           r.U32(&m.rank) && r.U32(&m.world);
+      ok = GetStr(r, &m.name, kMaxName) && r.U32(&m.rank) && r.U32(&m.world);
       if (ok && m.type == Type::kHello)
         ok = m.world >= 1 && m.world <= kMaxWorld && m.rank < m.world;
       if (ok && m.type == Type::kPeerHello) ok = m.rank < kMaxProxies;

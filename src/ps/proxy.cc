@@ -394,8 +394,7 @@ class ProxyImpl final : public Proxy {
     }
     if (c.role == Conn::Role::kUnknown && m->type != Type::kHello &&
         m->type != Type::kPeerHello) {
-      Reply(conn, m->id,
-            UnauthenticatedError("say hello first"));
+      Reply(conn, m->id, UnauthenticatedError("say hello first"));
       return;
     }
     switch (m->type) {

@@ -59,8 +59,7 @@ TEST_P(MultiProcessTest, TensorsCrossProcessesIntact) {
   ASSERT_TRUE((*s)->WaitReleased(30s).ok());
   auto done = peer->WaitFor("DONE ", 20s);
   ASSERT_TRUE(done);
-  EXPECT_EQ(*done,
-            std::string(transports) == "tcp" ? "tcp" : "mapped");
+  EXPECT_EQ(*done, std::string(transports) == "tcp" ? "tcp" : "mapped");
   EXPECT_EQ(peer->Wait(20s), 0);
 }
 

@@ -60,7 +60,8 @@ int main(int argc, char** argv) {
     uint64_t k = wkey;
     if (shm_alloc(&k, 12345, SMB_ATTACH) != NULL)
       return fail("wrong size attached");
-    if (shm_free(&stray) >= 0) return fail("shm_free of a stray pointer succeeded");
+    if (shm_free(&stray) >= 0)
+      return fail("shm_free of a stray pointer succeeded");
     if (shm_free(g) != 0) return fail(smb_last_error());
     if (shm_free(w) != 0) return fail(smb_last_error());
     if (shm_free(w) >= 0) return fail("double shm_free succeeded");

@@ -2,14 +2,13 @@
 // ways, hostile bytes, idle floods, time-outs.
 #include "src/transport/net/handshake.h"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <random>
 #include <thread>
 
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "membox/transport/device.h"
 
@@ -63,10 +62,10 @@ TEST(HandshakeCodec, RoundTripsAndRejectsEveryTruncation) {
 
 TEST(HandshakeCodec, ProofsDependOnSecretNoncesAndHello) {
   Nonce a = NewNonce(), b = NewNonce();
-  EXPECT_FALSE(ProofEquals(ServerProofFor("k1", a, b),
-                           ServerProofFor("k2", a, b)));
-  EXPECT_FALSE(ProofEquals(ServerProofFor("k1", a, b),
-                           ServerProofFor("k1", b, a)));
+  EXPECT_FALSE(
+      ProofEquals(ServerProofFor("k1", a, b), ServerProofFor("k2", a, b)));
+  EXPECT_FALSE(
+      ProofEquals(ServerProofFor("k1", a, b), ServerProofFor("k1", b, a)));
   ClientProof cp;
   cp.hello = SampleHello();
   Proof p1 = ClientProofFor("k1", a, b, cp);
@@ -143,7 +142,8 @@ TEST_F(NetFaceTest, WrongSecretIsRefusedBothWays) {
   // refused by the server with a verdict.
   Fd fd = RawConnect(s->listen_endpoint());
   ClientHello h{NewNonce()};
-  ASSERT_TRUE(SendFrame(fd.get(), EncodeClientHello(h), Clock::now() + 5s).ok());
+  ASSERT_TRUE(
+      SendFrame(fd.get(), EncodeClientHello(h), Clock::now() + 5s).ok());
   auto f = RecvFrame(fd.get(), kMaxHelloFrame, Clock::now() + 5s);
   ASSERT_TRUE(f.ok());
   ClientProof cp;
@@ -167,7 +167,7 @@ TEST_F(NetFaceTest, HostileBytesNeverReachAnythingAndServerKeepsServing) {
       std::vector<uint8_t>(16, 0xff),
       {0x78, 0x56, 0x34, 0x12, 0xbe, 0xba, 0xfe, 0xca, 0x20, 0xff, 0xff, 0xff,
        0xff},
-      {0xff, 0xff, 0xff, 0x7f},           // a 2 GiB frame length
+      {0xff, 0xff, 0xff, 0x7f},             // a 2 GiB frame length
       {0x26, 0, 0, 0, 'M', 'X', 'B', '1'},  // truncated hello
   };
   for (int i = 0; i < 40; ++i) {
@@ -186,7 +186,8 @@ TEST_F(NetFaceTest, HostileBytesNeverReachAnythingAndServerKeepsServing) {
 TEST_F(NetFaceTest, IdleFloodDoesNotLockOutClients) {
   auto s = Server("flood-test-secret", /*max_pending=*/16, 60s);
   std::vector<Fd> idle;
-  for (int i = 0; i < 200; ++i) idle.push_back(RawConnect(s->listen_endpoint()));
+  for (int i = 0; i < 200; ++i)
+    idle.push_back(RawConnect(s->listen_endpoint()));
   auto c = Client("flood-test-secret");
   ExpectWorks(*s, *c);
   // The oldest idle connections were dropped to make room.

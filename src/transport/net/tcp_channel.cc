@@ -1,8 +1,8 @@
 #include "src/transport/net/tcp_channel.h"
 
-#include <sys/socket.h>
-
 #include <cstring>
+
+#include <sys/socket.h>
 
 #include "membox/base/logging.h"
 
@@ -130,7 +130,8 @@ void TcpChannel::WriterLoop() {
                   {const_cast<void*>(f.payload), f.payload_len}};
     Status s = SendAllV(fd_.get(), v, 3, Clock::now() + kSendStall);
     if (!s.ok()) {
-      if (f.state) f.state->Complete(UnavailableError(std::string(s.message())));
+      if (f.state)
+        f.state->Complete(UnavailableError(std::string(s.message())));
       Fail(UnavailableError("connection lost: " + std::string(s.message())));
       return;
     }
@@ -256,8 +257,7 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
         RETURN_IF_ERROR(Discard(plen));
         msg::Error e{static_cast<uint32_t>(s.code()),
                      "write rejected: " + std::string(s.message())};
-        return Enqueue(kTcpError, msg::EncodeError(e), nullptr, 0, {},
-                       nullptr);
+        return Enqueue(kTcpError, msg::EncodeError(e), nullptr, 0, {}, nullptr);
       }
       return RecvAll(fd_.get(), reinterpret_cast<void*>(m.address), plen,
                      kForever);
@@ -305,8 +305,7 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
       ASSIGN_OR_RETURN(uint64_t id, msg::DecodeId(header));
       // Writes are applied by this thread in arrival order: everything sent
       // before the request is in place.
-      return Enqueue(kTcpFlushResp, msg::EncodeId(id), nullptr, 0, {},
-                     nullptr);
+      return Enqueue(kTcpFlushResp, msg::EncodeId(id), nullptr, 0, {}, nullptr);
     }
     case kTcpError: {
       RETURN_IF_ERROR(no_payload());
@@ -411,8 +410,8 @@ Result<OpHandle> TcpChannel::Memcpy(void* local_addr, const MemRegion& local,
   }
   msg::Access a{id, remote_addr, remote.descriptor().region_id,
                 remote.descriptor().token, size};
-  Status s = Enqueue(kTcpReadReq, msg::EncodeAccess(a, true), nullptr, 0, {},
-                     nullptr);
+  Status s =
+      Enqueue(kTcpReadReq, msg::EncodeAccess(a, true), nullptr, 0, {}, nullptr);
   if (!s.ok()) {
     std::lock_guard<std::mutex> l(mu_);
     reads_.erase(id);

@@ -102,7 +102,7 @@ class TcpChannel final : public Channel,
     std::vector<uint8_t> header;
     const void* payload = nullptr;  // not owned (user buffer or region)
     size_t payload_len = 0;
-    std::vector<uint8_t> owned;  // owned payload (control messages)
+    std::vector<uint8_t> owned;      // owned payload (control messages)
     std::shared_ptr<OpState> state;  // completed once sent (may be null)
   };
   struct PendingRead {

@@ -136,10 +136,10 @@ class UcxChannel final : public Channel,
   int lane_;
   std::string peer_;
   bool accepted_;
-  net::Fd liveness_;            // the authenticated TCP connection
-  ucp_ep_h ep_ = nullptr;       // data endpoint, from the peer's worker address
-  uint64_t id_ = 0;             // our channel id (peers put it in headers)
-  uint64_t remote_id_ = 0;      // the peer's id for this channel
+  net::Fd liveness_;        // the authenticated TCP connection
+  ucp_ep_h ep_ = nullptr;   // data endpoint, from the peer's worker address
+  uint64_t id_ = 0;         // our channel id (peers put it in headers)
+  uint64_t remote_id_ = 0;  // the peer's id for this channel
   std::atomic<bool> data_ready_{false};
   bool data_ep_peer_errors_ = true;  // data ep in UCP_ERR_HANDLING_MODE_PEER
   Protocol protocol_ = Protocol::kRma;

@@ -8,9 +8,9 @@
 #include <set>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <sys/epoll.h>
-#include <fcntl.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -451,7 +451,8 @@ void UcxDevice::AcceptConnections() {
       return;  // EAGAIN, or an error that a later wake-up retries
     }
     net::TuneStream(fd);
-    if (pending_.size() >= static_cast<size_t>(options_.max_pending_handshakes)) {
+    if (pending_.size() >=
+        static_cast<size_t>(options_.max_pending_handshakes)) {
       // Evict the oldest half-open connection: idle floods cannot lock out
       // the clients that do complete the handshake.
       auto oldest = pending_.begin();
@@ -518,7 +519,8 @@ uint32_t UcxDevice::LocalFlags() const {
   return f;
 }
 
-bool UcxDevice::UseUcx(uint32_t peer_flags, const std::string& peer_host) const {
+bool UcxDevice::UseUcx(uint32_t peer_flags,
+                       const std::string& peer_host) const {
   uint32_t mine = LocalFlags();
   if ((mine | peer_flags) & net::kFlagTcpOnly) return false;
   if (peer_host == host_id_) return true;  // shared memory
@@ -533,9 +535,9 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
     if (!hello.ok()) return false;
     p.client_nonce = hello->nonce;
     p.server_nonce = net::NewNonce();
-    net::ServerProof sp{p.server_nonce,
-                        net::ServerProofFor(options_.secret, p.client_nonce,
-                                            p.server_nonce)};
+    net::ServerProof sp{
+        p.server_nonce,
+        net::ServerProofFor(options_.secret, p.client_nonce, p.server_nonce)};
     if (!net::SendFrame(p.fd.get(), net::EncodeServerProof(sp), send_deadline)
              .ok()) {
       return false;
@@ -546,8 +548,8 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   }
   auto cp = net::DecodeClientProof(p.reader.frame());
   if (!cp.ok()) return false;
-  net::Proof want = net::ClientProofFor(options_.secret, p.client_nonce,
-                                        p.server_nonce, *cp);
+  net::Proof want =
+      net::ClientProofFor(options_.secret, p.client_nonce, p.server_nonce, *cp);
   if (!net::ProofEquals(want, cp->proof)) {
     MEMBOX_LOG_WARN("{}: connection from {} ({}) failed authentication",
                     options_.name, net::PeerName(p.fd.get()), cp->hello.name);
@@ -577,8 +579,8 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   net::Fd fd = std::move(p.fd);
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd.get(), nullptr);
   int raw = fd.get();
-  auto ch = MakeChannel(std::move(fd), v.path, cp->hello, uch, lane,
-                        cp->hello.name);
+  auto ch =
+      MakeChannel(std::move(fd), v.path, cp->hello, uch, lane, cp->hello.name);
   if (!ch.ok()) {
     MEMBOX_LOG_WARN("{}: refusing a channel from {}: {}", options_.name,
                     cp->hello.name, ch.status().ToString());
@@ -653,7 +655,6 @@ void UcxDevice::ForgetLiveness(int fd) {
   liveness_tokens_.erase(it);
   if (epoll_fd_) epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
 }
-
 
 Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {
   if (bytes == 0) return InvalidArgumentError("AllocateMemRegion: size 0");
@@ -808,22 +809,22 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
     ASSIGN_OR_RETURN(std::vector<uint8_t> f1,
                      net::RecvFrame(fd.get(), net::kMaxHelloFrame, deadline));
     ASSIGN_OR_RETURN(net::ServerProof sp, net::DecodeServerProof(f1));
-    if (!net::ProofEquals(sp.proof, net::ServerProofFor(options_.secret,
-                                                        hello.nonce,
-                                                        sp.nonce))) {
+    if (!net::ProofEquals(
+            sp.proof,
+            net::ServerProofFor(options_.secret, hello.nonce, sp.nonce))) {
       return UnauthenticatedError(
           "wrong secret: the peer proved a different shared secret (check "
           "--secret-file / MEMBOX_SECRET on both sides)");
     }
     // Lanes of one peer are spread over the progress threads round-robin.
     UcxWorker* w = workers_[static_cast<size_t>(lane) % workers_.size()].get();
-    auto uch = std::make_shared<UcxChannel>(this, w, lane, remote_endpoint,
-                                            false);
+    auto uch =
+        std::make_shared<UcxChannel>(this, w, lane, remote_endpoint, false);
     uch->set_id(NewChannelId());
     net::ClientProof cp;
     cp.flags = LocalFlags();
-    cp.hello = msg::Hello{uch->id(), static_cast<uint32_t>(lane),
-                          options_.name, host_id_, w->address()};
+    cp.hello = msg::Hello{uch->id(), static_cast<uint32_t>(lane), options_.name,
+                          host_id_, w->address()};
     cp.proof = net::ClientProofFor(options_.secret, hello.nonce, sp.nonce, cp);
     {
       // Registered before the proof goes out: the server may send on the
@@ -854,8 +855,8 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
       }
       return v.status();
     }
-    ASSIGN_OR_RETURN(auto ch, MakeChannel(std::move(fd), v->path, v->hello,
-                                          uch, lane, remote_endpoint));
+    ASSIGN_OR_RETURN(auto ch, MakeChannel(std::move(fd), v->path, v->hello, uch,
+                                          lane, remote_endpoint));
     if (auto tcp = std::dynamic_pointer_cast<net::TcpChannel>(ch)) {
       tcp->Start();
     }

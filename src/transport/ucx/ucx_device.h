@@ -211,17 +211,17 @@ class UcxDevice final : public Device, public net::ChannelHost {
   net::Fd spare_fd_;  // released to accept-and-close when out of descriptors
   std::thread net_thread_;
   std::atomic<bool> net_stop_{false};
-  uint64_t next_token_ = 16;                   // network thread only
-  uint64_t next_seq_ = 0;                      // network thread only
-  std::map<uint64_t, Pending> pending_;        // network thread only
+  uint64_t next_token_ = 16;                          // network thread only
+  uint64_t next_seq_ = 0;                             // network thread only
+  std::map<uint64_t, Pending> pending_;               // network thread only
   uint64_t next_liveness_token_ = uint64_t{1} << 62;  // GUARDED_BY(mu_)
-  std::map<int, uint64_t> liveness_tokens_;    // GUARDED_BY(mu_)
+  std::map<int, uint64_t> liveness_tokens_;           // GUARDED_BY(mu_)
   std::map<uint64_t, std::weak_ptr<UcxChannel>> liveness_;  // GUARDED_BY(mu_)
   EventCount events_;
   std::atomic<uint64_t> next_region_id_{1};
 
   std::mutex mu_;
-  std::map<uint64_t, ExportedRegion> exports_;  // GUARDED_BY(mu_)
+  std::map<uint64_t, ExportedRegion> exports_;      // GUARDED_BY(mu_)
   std::vector<std::shared_ptr<Channel>> channels_;  // GUARDED_BY(mu_)
   std::unordered_map<uint64_t, std::shared_ptr<UcxChannel>>
       by_id_;                     // GUARDED_BY(mu_)
