@@ -3,9 +3,9 @@
 #include <cstdlib>
 #include <random>
 
+#include <openssl/core_names.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
-#include <openssl/core_names.h>
 #include <openssl/params.h>
 #include <openssl/rand.h>
 

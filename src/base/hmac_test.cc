@@ -31,8 +31,8 @@ TEST(HmacTest, KnownVectors) {
   EXPECT_EQ(Hex(HmacSha256("Jefe", {Bytes(data)})),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
   // Parts are concatenated.
-  EXPECT_EQ(Hex(HmacSha256("Jefe", {Bytes("what do ya "),
-                                    Bytes("want for nothing?")})),
+  EXPECT_EQ(Hex(HmacSha256("Jefe",
+                           {Bytes("what do ya "), Bytes("want for nothing?")})),
             Hex(HmacSha256("Jefe", {Bytes(data)})));
   // Empty key and empty message.
   EXPECT_EQ(Hex(HmacSha256("", {})),
