@@ -1,7 +1,9 @@
 #include "src/transport/net/tcp_channel.h"
 
+#include <cerrno>
 #include <cstring>
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include "membox/base/logging.h"
@@ -12,7 +14,6 @@
 namespace membox::transport::net {
 namespace {
 
-constexpr auto kForever = Clock::time_point::max();
 // A peer that accepts no bytes for this long is treated as gone.
 constexpr auto kSendStall = std::chrono::seconds(120);
 constexpr uint32_t kMaxFrameHeader = 64 * 1024;
@@ -32,7 +33,32 @@ class TcpRemoteMemRegion final : public RemoteMemRegion {
 }  // namespace
 
 TcpChannel::TcpChannel(ChannelHost* host, Fd fd, int lane, std::string peer)
-    : host_(host), fd_(std::move(fd)), lane_(lane), peer_(std::move(peer)) {}
+    : host_(host), fd_(std::move(fd)), lane_(lane), peer_(std::move(peer)) {
+  // The writer sends blocking; a peer that takes no bytes for this long
+  // fails the channel.
+  timeval tv{static_cast<time_t>(kSendStall.count()), 0};
+  setsockopt(fd_.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+namespace {
+// Blocking receive of exactly n bytes (the reader thread's socket is
+// blocking): MSG_WAITALL lets the kernel fill large payloads in one call.
+Status RecvExact(int fd, void* data, size_t n) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    ssize_t r = recv(fd, p, n, MSG_WAITALL);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0) return UnavailableError("connection closed by the peer");
+    if (errno == EINTR) continue;
+    return UnavailableError(std::string("recv: ") + std::strerror(errno));
+  }
+  return Status::Ok();
+}
+}  // namespace
 
 TcpChannel::~TcpChannel() {
   Close();
@@ -106,13 +132,79 @@ Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
   f.payload = f.owned.empty() ? payload : f.owned.data();
   f.payload_len = len;
   f.state = std::move(state);
+  bool inline_send = false;
   {
     std::lock_guard<std::mutex> l(mu_);
     if (failed_.load()) return failure_;
-    sendq_.push_back(std::move(f));
+    // Nothing queued and nobody sending: try the socket from this thread
+    // (no hand-off to the writer thread for a message that fits the socket
+    // buffer: a small request costs one system call).
+    if (!sending_ && sendq_.empty()) {
+      sending_ = true;
+      inline_send = true;
+    } else {
+      sendq_.push_back(std::move(f));
+    }
+  }
+  if (!inline_send) {
+    send_cv_.notify_one();
+    return Status::Ok();
+  }
+  Result<bool> done = SendSome(f, /*block=*/false);
+  bool finished = done.ok() && *done;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    sending_ = false;
+    // The rest (if any) goes first: frames never interleave on the stream.
+    if (done.ok() && !finished && !failed_.load()) {
+      sendq_.push_front(std::move(f));
+    }
   }
   send_cv_.notify_one();
+  if (!done.ok()) {
+    Fail(UnavailableError("connection lost: " +
+                          std::string(done.status().message())));
+    return health();
+  }
+  if (finished && f.state) f.state->Complete(Status::Ok());
   return Status::Ok();
+}
+
+Result<bool> TcpChannel::SendSome(OutFrame& f, bool block) {
+  for (;;) {
+    iovec v[3];
+    int n = 0;
+    size_t skip = f.sent;
+    auto add = [&](const void* p, size_t len) {
+      if (skip >= len) {
+        skip -= len;
+        return;
+      }
+      v[n++] = {const_cast<char*>(static_cast<const char*>(p)) + skip,
+                len - skip};
+      skip = 0;
+    };
+    add(f.head, sizeof(f.head));
+    add(f.header.data(), f.header.size());
+    add(f.payload, f.payload_len);
+    if (n == 0) return true;
+    msghdr mh{};
+    mh.msg_iov = v;
+    mh.msg_iovlen = static_cast<size_t>(n);
+    ssize_t r =
+        sendmsg(fd_.get(), &mh, MSG_NOSIGNAL | (block ? 0 : MSG_DONTWAIT));
+    if (r > 0) {
+      f.sent += static_cast<size_t>(r);
+      continue;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!block) return false;
+      return DeadlineExceededError("peer accepted no bytes for " +
+                                   std::to_string(kSendStall.count()) + " s");
+    }
+    return UnavailableError(r == 0 ? "send returned 0" : std::strerror(errno));
+  }
 }
 
 void TcpChannel::WriterLoop() {
@@ -120,15 +212,22 @@ void TcpChannel::WriterLoop() {
     OutFrame f;
     {
       std::unique_lock<std::mutex> l(mu_);
-      send_cv_.wait(l, [&] { return failed_.load() || !sendq_.empty(); });
+      send_cv_.wait(
+          l, [&] { return failed_.load() || (!sending_ && !sendq_.empty()); });
       if (failed_.load()) return;
       f = std::move(sendq_.front());
       sendq_.pop_front();
+      sending_ = true;
     }
-    iovec v[3] = {{f.head, sizeof(f.head)},
-                  {f.header.data(), f.header.size()},
-                  {const_cast<void*>(f.payload), f.payload_len}};
-    Status s = SendAllV(fd_.get(), v, 3, Clock::now() + kSendStall);
+    // Blocking from where the frame stands (an inline send may have started
+    // it).
+    Result<bool> done = SendSome(f, /*block=*/true);
+    Status s = done.status();
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      sending_ = false;
+    }
+    send_cv_.notify_one();
     if (!s.ok()) {
       if (f.state)
         f.state->Complete(UnavailableError(std::string(s.message())));
@@ -142,7 +241,7 @@ void TcpChannel::WriterLoop() {
 void TcpChannel::ReaderLoop() {
   for (;;) {
     uint8_t head[16];
-    Status s = RecvAll(fd_.get(), head, sizeof(head), kForever);
+    Status s = RecvExact(fd_.get(), head, sizeof(head));
     if (!s.ok()) {
       Fail(UnavailableError("connection lost: " + std::string(s.message())));
       return;
@@ -158,7 +257,7 @@ void TcpChannel::ReaderLoop() {
       return;
     }
     std::vector<uint8_t> header(hlen);
-    s = RecvAll(fd_.get(), header.data(), hlen, kForever);
+    s = RecvExact(fd_.get(), header.data(), hlen);
     if (s.ok()) s = HandleFrame(type, header, plen);
     if (!s.ok()) {
       Fail(s.code() == StatusCode::kUnavailable
@@ -173,7 +272,7 @@ Status TcpChannel::Discard(uint64_t n) {
   uint8_t buf[16384];
   while (n > 0) {
     size_t k = n < sizeof(buf) ? static_cast<size_t>(n) : sizeof(buf);
-    RETURN_IF_ERROR(RecvAll(fd_.get(), buf, k, kForever));
+    RETURN_IF_ERROR(RecvExact(fd_.get(), buf, k));
     n -= k;
   }
   return Status::Ok();
@@ -203,7 +302,7 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
         return InvalidArgumentError("control message too large");
       }
       std::vector<uint8_t> m(plen);
-      RETURN_IF_ERROR(RecvAll(fd_.get(), m.data(), m.size(), kForever));
+      RETURN_IF_ERROR(RecvExact(fd_.get(), m.data(), m.size()));
       ControlHandler handler;
       {
         std::lock_guard<std::mutex> l(mu_);
@@ -259,8 +358,7 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
                      "write rejected: " + std::string(s.message())};
         return Enqueue(kTcpError, msg::EncodeError(e), nullptr, 0, {}, nullptr);
       }
-      return RecvAll(fd_.get(), reinterpret_cast<void*>(m.address), plen,
-                     kForever);
+      return RecvExact(fd_.get(), reinterpret_cast<void*>(m.address), plen);
     }
     case kTcpReadReq: {
       RETURN_IF_ERROR(no_payload());
@@ -296,7 +394,7 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
         pr.state->Complete(DataLossError("read answer of the wrong length"));
         return InvalidArgumentError("read answer of the wrong length");
       }
-      Status r = RecvAll(fd_.get(), pr.local, pr.len, kForever);
+      Status r = RecvExact(fd_.get(), pr.local, pr.len);
       pr.state->Complete(r);
       return r;
     }

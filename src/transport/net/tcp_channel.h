@@ -15,10 +15,12 @@
 // Threads: one reader thread (applies writes in arrival order, answers
 // requests, completes reads) and one writer thread (sends queued frames; a
 // write's completion means its bytes are in the kernel, so the local buffer
-// may be reused). The reader never blocks on sending, so two peers reading
-// from each other cannot deadlock. Ordering: one stream, applied in order,
-// so Fence() is free and a flush answer proves every earlier write is in
-// place.
+// may be reused). A frame submitted while nothing is queued is first tried
+// without blocking from the submitting thread; what the socket does not take
+// goes to the writer, ahead of later frames. The reader never blocks on
+// sending, so two peers reading from each other cannot deadlock. Ordering: one
+// stream, applied in order, so Fence() is free and a flush answer proves every
+// earlier write is in place.
 //
 // Failure: EOF, a reset, keepalive expiry or any malformed frame fails the
 // channel: every pending operation completes with kUnavailable (or the
@@ -102,7 +104,8 @@ class TcpChannel final : public Channel,
     std::vector<uint8_t> header;
     const void* payload = nullptr;  // not owned (user buffer or region)
     size_t payload_len = 0;
-    std::vector<uint8_t> owned;      // owned payload (control messages)
+    std::vector<uint8_t> owned;  // owned payload (control messages)
+    size_t sent = 0;  // bytes of head + header + payload already sent
     std::shared_ptr<OpState> state;  // completed once sent (may be null)
   };
   struct PendingRead {
@@ -114,6 +117,9 @@ class TcpChannel final : public Channel,
                  const void* payload, size_t len, std::vector<uint8_t> owned,
                  std::shared_ptr<OpState> state);
   void Fail(const Status& s);
+  // Sends the rest of `f`; without `block`, only what the socket takes now.
+  // True when the whole frame is out.
+  Result<bool> SendSome(OutFrame& f, bool block);
   void ReaderLoop();
   void WriterLoop();
   Status HandleFrame(uint32_t type, std::vector<uint8_t>& header,
@@ -134,9 +140,10 @@ class TcpChannel final : public Channel,
 
   mutable std::mutex mu_;
   std::condition_variable send_cv_;
-  Status failure_;                                     // GUARDED_BY(mu_)
-  Status async_error_;                                 // GUARDED_BY(mu_)
-  std::deque<OutFrame> sendq_;                         // GUARDED_BY(mu_)
+  Status failure_;              // GUARDED_BY(mu_)
+  Status async_error_;          // GUARDED_BY(mu_)
+  std::deque<OutFrame> sendq_;  // GUARDED_BY(mu_)
+  bool sending_ = false;  // GUARDED_BY(mu_): a thread owns the socket's send
   std::deque<std::vector<uint8_t>> inbox_;             // GUARDED_BY(mu_)
   std::map<uint64_t, PendingRead> reads_;              // GUARDED_BY(mu_)
   std::map<uint64_t, std::shared_ptr<OpState>> rpcs_;  // GUARDED_BY(mu_)
