@@ -43,6 +43,25 @@ class ServerTest : public ::testing::TestWithParam<const char*> {
     return c.ok() ? std::move(*c) : nullptr;
   }
 
+  // A second, small server with its own options (8 MiB pool), and the
+  // client options that reach it.
+  ServerOptions SmallServerOptions() const {
+    ServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.transports = GetParam();
+    o.pool_bytes = 8 << 20;
+    o.secret = "correct horse battery";
+    return o;
+  }
+  ClientOptions ClientFor(const Server& srv, const std::string& name) const {
+    ClientOptions co;
+    co.server = srv.endpoint();
+    co.secret = "correct horse battery";
+    co.transports = GetParam();
+    co.name = name;
+    return co;
+  }
+
   std::unique_ptr<Server> server_;
 };
 
@@ -271,22 +290,12 @@ TEST_P(ServerTest, StatusShowsOwnSegmentsUnlessAdmin) {
 }
 
 TEST_P(ServerTest, AdminSecretUnlocksTheFullListing) {
-  ServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.transports = GetParam();
-  o.pool_bytes = 8 << 20;
-  o.secret = "correct horse battery";
+  ServerOptions o = SmallServerOptions();
   o.admin_secret = "the admin credential";
   auto srv = Server::Start(o);
   ASSERT_TRUE(srv.ok());
-  ClientOptions co;
-  co.server = (*srv)->endpoint();
-  co.secret = o.secret;
-  co.transports = GetParam();
-  co.name = "someone";
-  auto c1 = Client::Connect(co);
-  co.name = "operator";
-  auto c2 = Client::Connect(co);
+  auto c1 = Client::Connect(ClientFor(**srv, "someone"));
+  auto c2 = Client::Connect(ClientFor(**srv, "operator"));
   ASSERT_TRUE(c1.ok() && c2.ok());
   ASSERT_TRUE((*c1)->Create(77, 4096).ok());
   auto full = (*c2)->ServerStatus("the admin credential");
@@ -299,25 +308,15 @@ TEST_P(ServerTest, AdminSecretUnlocksTheFullListing) {
 }
 
 TEST_P(ServerTest, DefaultQuotaIsHalfThePool) {
-  ServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.transports = GetParam();
-  o.pool_bytes = 8 << 20;
-  o.secret = "correct horse battery";
-  auto srv = Server::Start(o);
+  auto srv = Server::Start(SmallServerOptions());
   ASSERT_TRUE(srv.ok());
-  ClientOptions co;
-  co.server = (*srv)->endpoint();
-  co.secret = o.secret;
-  co.transports = GetParam();
-  auto c = Client::Connect(co);
+  auto c = Client::Connect(ClientFor(**srv, "client"));
   ASSERT_TRUE(c.ok());
   ASSERT_TRUE((*c)->Create(1, 4 << 20).ok());
   auto more = (*c)->Create(2, 4096);
   EXPECT_EQ(more.status().code(), StatusCode::kResourceExhausted)
       << more.status().ToString();
-  co.name = "other";
-  auto d = Client::Connect(co);
+  auto d = Client::Connect(ClientFor(**srv, "other"));
   ASSERT_TRUE(d.ok());
   EXPECT_TRUE((*d)->Create(3, 2 << 20).ok());  // others still get memory
 }
@@ -337,20 +336,12 @@ TEST_P(ServerTest, MasterMayFreeAfterDroppingItsOwnAttachment) {
 }
 
 TEST_P(ServerTest, OrphansAreAdoptedWithinGraceAndReclaimedAfter) {
-  ServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.transports = GetParam();
-  o.pool_bytes = 8 << 20;
-  o.secret = "correct horse battery";
+  ServerOptions o = SmallServerOptions();
   o.heartbeat_timeout = 1000ms;
   o.orphan_grace = 1500ms;
   auto srv = Server::Start(o);
   ASSERT_TRUE(srv.ok());
-  ClientOptions co;
-  co.server = (*srv)->endpoint();
-  co.secret = o.secret;
-  co.transports = GetParam();
-  co.name = "trainer";
+  ClientOptions co = ClientFor(**srv, "trainer");
   auto wait_clients = [&](uint64_t n) {
     for (int i = 0; i < 200 && (*srv)->Stats().clients != n; ++i)
       std::this_thread::sleep_for(20ms);

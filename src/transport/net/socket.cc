@@ -227,6 +227,22 @@ Status RecvAll(int fd, void* data, size_t n, Clock::time_point deadline) {
   return Status::Ok();
 }
 
+Status RecvExact(int fd, void* data, size_t n) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    ssize_t r = recv(fd, p, n, MSG_WAITALL);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0) return UnavailableError("connection closed by the peer");
+    if (errno == EINTR) continue;
+    return Errno("recv");
+  }
+  return Status::Ok();
+}
+
 Status SendFrame(int fd, std::span<const uint8_t> body,
                  Clock::time_point deadline) {
   uint32_t len = static_cast<uint32_t>(body.size());

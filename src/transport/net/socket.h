@@ -59,6 +59,10 @@ Status SetBlocking(int fd, bool blocking);
 Status SendAll(int fd, const void* data, size_t n, Clock::time_point deadline);
 Status SendAllV(int fd, iovec* iov, int iovcnt, Clock::time_point deadline);
 Status RecvAll(int fd, void* data, size_t n, Clock::time_point deadline);
+// Blocking sockets without a deadline (a channel's reader thread): receives
+// exactly `n` bytes, letting the kernel fill large payloads in one call
+// (MSG_WAITALL). kUnavailable on EOF or error.
+Status RecvExact(int fd, void* data, size_t n);
 
 // Frames: u32 little-endian length + body.
 Status SendFrame(int fd, std::span<const uint8_t> body,

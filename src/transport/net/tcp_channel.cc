@@ -40,26 +40,6 @@ TcpChannel::TcpChannel(ChannelHost* host, Fd fd, int lane, std::string peer)
   setsockopt(fd_.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
-namespace {
-// Blocking receive of exactly n bytes (the reader thread's socket is
-// blocking): MSG_WAITALL lets the kernel fill large payloads in one call.
-Status RecvExact(int fd, void* data, size_t n) {
-  auto* p = static_cast<char*>(data);
-  while (n > 0) {
-    ssize_t r = recv(fd, p, n, MSG_WAITALL);
-    if (r > 0) {
-      p += r;
-      n -= static_cast<size_t>(r);
-      continue;
-    }
-    if (r == 0) return UnavailableError("connection closed by the peer");
-    if (errno == EINTR) continue;
-    return UnavailableError(std::string("recv: ") + std::strerror(errno));
-  }
-  return Status::Ok();
-}
-}  // namespace
-
 TcpChannel::~TcpChannel() {
   Close();
   for (std::thread* t : {&reader_, &writer_}) {
