@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command of README.md (and of .ci/run): installs what is needed,
-# builds, and runs every test suite twice -- a release build, then an
-# ASan+UBSan build -- and finally runs each fuzz target for a short time.
+# checks formatting, builds (warnings are errors), and runs every test suite
+# twice -- a release build, then an ASan+UBSan build --, the transport,
+# memory-server and hostile-network tests under ThreadSanitizer, and finally
+# each fuzz target for a short time.
 # Usage: bash scripts/test.sh [--no-install]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +37,22 @@ cmake --preset asan
 cmake --build --preset asan -j"$jobs"
 run_ctest asan
 
+echo "== ThreadSanitizer: transport (handshake, TCP path), memory server, a real daemon under hostile input"
+cmake --preset tsan
+cmake --build --preset tsan -j"$jobs" --target transport_test memserver_test membox
+export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp" UCX_MEM_EVENTS=no
+# WriteAndReadManySizes/am: a 9 MiB rendezvous through instrumented memcpy
+# exceeds its 10 s wait under TSan (tests/tsan.supp).
+build/tsan/src/transport/transport_test --gtest_filter='-*WriteAndReadManySizes/am' >build/tsan/transport_test.log 2>&1 \
+  || { tail -n 80 build/tsan/transport_test.log; exit 1; }
+build/tsan/src/memserver/memserver_test >build/tsan/memserver_test.log 2>&1 \
+  || { tail -n 80 build/tsan/memserver_test.log; exit 1; }
+/usr/bin/python3 tests/hostile/hostile_network_test.py build/tsan/tools/membox \
+  >build/tsan/hostile_network_test.log 2>&1 \
+  || { tail -n 80 build/tsan/hostile_network_test.log; exit 1; }
+unset TSAN_OPTIONS UCX_MEM_EVENTS
+echo "tsan: transport_test, memserver_test, hostile_network_test clean"
+
 echo "== fuzz targets (libFuzzer, 20 s each)"
 cmake --preset fuzz
 cmake --build --preset fuzz -j"$jobs"
@@ -49,5 +67,5 @@ for f in build/fuzz/fuzz/*_fuzzer; do
   fi
   echo "fuzzer $name: $(grep -o 'Done [0-9]* runs' "build/fuzz/$name.log" | tail -n 1), no failure"
 done
-echo "all test suites passed (release and ASan+UBSan ctest runs, fuzzers clean)"
+echo "all test suites passed (release and ASan+UBSan ctest runs, TSan runs, fuzzers clean)"
 echo "ctest: ${total} passed, 0 failed"
