@@ -192,19 +192,26 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
   return 0;
 }
 
+// The admin secret of `--admin-secret-file` (empty when not given); false
+// after printing why the file cannot be used.
+bool ReadAdminSecret(const std::string& file, const char* command,
+                     std::string* out) {
+  if (file.empty()) return true;
+  auto a = membox::ReadSecretFile(file);
+  if (!a.ok()) {
+    std::fprintf(stderr, "membox %s: %s\n", command,
+                 a.status().ToString().c_str());
+    return false;
+  }
+  *out = *a;
+  return true;
+}
+
 int PrintStatus(const std::string& server, const std::string& secret,
                 const std::string& secret_file, const std::string& admin_file) {
   auto sec = membox::ResolveSecret(secret, secret_file);
   std::string admin;
-  if (!admin_file.empty()) {
-    auto a = membox::ReadSecretFile(admin_file);
-    if (!a.ok()) {
-      std::fprintf(stderr, "membox status: %s\n",
-                   a.status().ToString().c_str());
-      return 2;
-    }
-    admin = *a;
-  }
+  if (!ReadAdminSecret(admin_file, "status", &admin)) return 2;
   if (!sec.ok()) {
     std::fprintf(stderr, "membox status: %s\n",
                  sec.status().ToString().c_str());
@@ -485,14 +492,8 @@ int main(int argc, char** argv) {
                          : membox::ps::Scheduler::kPerClientQueues;
     popt.transports = sopt.transports;
     sopt.orphan_grace = std::chrono::milliseconds(orphan_grace_ms);
-    if (!admin_secret_file.empty()) {
-      auto a = membox::ReadSecretFile(admin_secret_file);
-      if (!a.ok()) {
-        std::fprintf(stderr, "membox serve: %s\n",
-                     a.status().ToString().c_str());
-        return 2;
-      }
-      sopt.admin_secret = *a;
+    if (!ReadAdminSecret(admin_secret_file, "serve", &sopt.admin_secret)) {
+      return 2;
     }
     return Serve(sopt, popt, ps_listen, ps_max, secret, secret_file, pool,
                  min_block, max_block, quota, heartbeat_ms, eflags);

@@ -86,22 +86,38 @@ def main():
     secret_file = os.path.join(tmp, "secret")
     with open(secret_file, "w") as f:
         f.write("hostile-network-test-secret\r\n")  # CRLF on purpose
-    base = free_base_port()
-    log = open(os.path.join(tmp, "serve.log"), "w")
-    proc = subprocess.Popen(
-        [MEMBOX, "serve", "--listen", f"127.0.0.1:{base}", "--pool-size",
-         "64MiB", "--secret-file", secret_file, "--emb-dir",
-         os.path.join(tmp, "emb")], stdout=log, stderr=subprocess.STDOUT)
     failures = []
-    try:
+    # A port chosen free can be taken before the daemon binds it (other
+    # processes' ephemeral ports): start again on other ports, as the
+    # benchmark clusters do.
+    for attempt in range(5):
+        base = free_base_port()
+        log = open(os.path.join(tmp, "serve.log"), "w")
+        proc = subprocess.Popen(
+            [MEMBOX, "serve", "--listen", f"127.0.0.1:{base}", "--pool-size",
+             "64MiB", "--secret-file", secret_file, "--emb-dir",
+             os.path.join(tmp, "emb")], stdout=log, stderr=subprocess.STDOUT)
+        up = False
         for _ in range(100):
+            if proc.poll() is not None:
+                break
             r, _ = status(secret_file, base)
             if r.returncode == 0:
+                up = True
                 break
             time.sleep(0.2)
-        else:
-            raise SystemExit("daemon did not come up:\n" +
-                             open(os.path.join(tmp, "serve.log")).read())
+        if up:
+            break
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
+        print(f"daemon did not start on ports {base}..{base + 2} "
+              f"(attempt {attempt + 1}):\n" +
+              open(os.path.join(tmp, "serve.log")).read()[-2000:])
+    else:
+        raise SystemExit("daemon did not come up")
+    try:
         ports = listening_ports(proc.pid)
         want = {f"127.0.0.1:{base + i}" for i in range(3)}
         print("listening:", sorted(ports))

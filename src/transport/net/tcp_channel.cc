@@ -9,6 +9,7 @@
 #include "membox/base/logging.h"
 
 #include "src/transport/am_messages.h"
+#include "src/transport/control_inbox.h"
 #include "src/transport/wire.h"
 
 namespace membox::transport::net {
@@ -40,8 +41,11 @@ TcpChannel::TcpChannel(ChannelHost* host, Fd fd, int lane, std::string peer)
   setsockopt(fd_.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
-TcpChannel::~TcpChannel() {
+TcpChannel::~TcpChannel() { Stop(); }
+
+void TcpChannel::Stop() {
   Close();
+  std::lock_guard<std::mutex> l(stop_mu_);
   for (std::thread* t : {&reader_, &writer_}) {
     if (!t->joinable()) continue;
     if (t->get_id() == std::this_thread::get_id()) {
@@ -67,14 +71,12 @@ void TcpChannel::Fail(const Status& s) {
   std::map<uint64_t, PendingRead> reads;
   std::map<uint64_t, std::shared_ptr<OpState>> rpcs;
   std::deque<OutFrame> queued;
-  FailureHandler on_failure;
   Status failure;
   {
     std::lock_guard<std::mutex> l(mu_);
     if (!failed_.load()) {
       failure_ = Status(s.code(), peer_ + ": " + std::string(s.message()));
       failed_.store(true, std::memory_order_release);
-      on_failure = on_failure_;
       MEMBOX_LOG_DEBUG("tcp channel to {} failed: {}", peer_, s.ToString());
       // Wakes the reader (recv returns 0) and the writer (send fails).
       if (fd_) shutdown(fd_.get(), SHUT_RDWR);
@@ -90,8 +92,7 @@ void TcpChannel::Fail(const Status& s) {
   for (auto& f : queued) {
     if (f.state) f.state->Complete(failure);
   }
-  if (on_failure) on_failure(failure);
-  inbox_ev_.Notify();
+  inbox_.Fail(failure);
   host_->events()->Notify();
 }
 
@@ -283,20 +284,7 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
       }
       std::vector<uint8_t> m(plen);
       RETURN_IF_ERROR(RecvExact(fd_.get(), m.data(), m.size()));
-      ControlHandler handler;
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        if (on_message_) {
-          handler = on_message_;
-        } else {
-          inbox_.push_back(std::move(m));
-        }
-      }
-      if (handler) {
-        handler(std::move(m));
-      } else {
-        inbox_ev_.Notify();
-      }
+      inbox_.Deliver(std::move(m));
       return Status::Ok();
     }
     case kTcpValidateReq: {
@@ -419,12 +407,7 @@ Result<std::shared_ptr<RemoteMemRegion>> TcpChannel::Import(
     const RegionDescriptor& desc, std::chrono::nanoseconds timeout,
     bool verify_with_owner) {
   RETURN_IF_ERROR(health());
-  if (desc.length == 0 || desc.address + desc.length < desc.address) {
-    return InvalidArgumentError("descriptor has an empty or overflowing range");
-  }
-  if (desc.packed_rkey.size() > RegionDescriptor::kMaxPackedRkey) {
-    return InvalidArgumentError("descriptor remote key too large");
-  }
+  RETURN_IF_ERROR(CheckDescriptorShape(desc));
   if (verify_with_owner) {
     uint64_t id = next_op_.fetch_add(1);
     auto state = std::make_shared<OpState>(host_->events());
@@ -454,20 +437,9 @@ Result<OpHandle> TcpChannel::Memcpy(void* local_addr, const MemRegion& local,
                                     const RemoteMemRegion& remote, size_t size,
                                     Direction direction, Completion cb) {
   RETURN_IF_ERROR(health());
-  if (!local.Contains(local_addr, size)) {
-    return OutOfRangeError("local range of " + std::to_string(size) +
-                           " bytes is outside the local region");
-  }
-  if (!remote.Contains(remote_addr, size)) {
-    return OutOfRangeError("remote range [" + std::to_string(remote_addr) +
-                           ", +" + std::to_string(size) +
-                           ") is outside the remote region");
-  }
   auto* r = dynamic_cast<const TcpRemoteMemRegion*>(&remote);
-  if (r == nullptr || r->channel() != this) {
-    return InvalidArgumentError(
-        "remote region was not imported on this channel");
-  }
+  RETURN_IF_ERROR(CheckMemcpyArgs(local_addr, local, remote_addr, remote, size,
+                                  r ? r->channel() : nullptr, this));
   if (size == 0) {
     if (cb) cb(Status::Ok());
     return OpHandle::Done(Status::Ok());
@@ -532,39 +504,12 @@ Status TcpChannel::SendControl(std::span<const uint8_t> msg) {
 
 Result<std::vector<uint8_t>> TcpChannel::RecvControl(
     std::chrono::nanoseconds timeout) {
-  std::vector<uint8_t> out;
-  bool got = false;
-  SpinThenBlock(
-      [&] {
-        std::lock_guard<std::mutex> l(mu_);
-        if (!inbox_.empty()) {
-          out = std::move(inbox_.front());
-          inbox_.pop_front();
-          got = true;
-          return true;
-        }
-        return failed_.load();
-      },
-      &inbox_ev_, timeout);
-  if (got) return out;
-  if (failed_.load()) return health();
-  return DeadlineExceededError("no control message from " + peer_ +
-                               " before the timeout");
+  return inbox_.Receive(timeout, peer_);
 }
 
 void TcpChannel::SetHandlers(ControlHandler on_message,
                              FailureHandler on_failure) {
-  std::deque<std::vector<uint8_t>> queued;
-  Status failed;
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    on_message_ = on_message;
-    on_failure_ = on_failure;
-    queued.swap(inbox_);
-    if (failed_.load()) failed = failure_;
-  }
-  for (auto& m : queued) on_message(std::move(m));
-  if (!failed.ok() && on_failure) on_failure(failed);
+  inbox_.SetHandlers(std::move(on_message), std::move(on_failure));
 }
 
 }  // namespace membox::transport::net

@@ -41,6 +41,7 @@
 #include "membox/base/wait.h"
 #include "membox/transport/channel.h"
 
+#include "src/transport/control_inbox.h"
 #include "src/transport/net/socket.h"
 
 namespace membox::transport::net {
@@ -93,6 +94,10 @@ class TcpChannel final : public Channel,
                    FailureHandler on_failure) override;
   void Progress() override {}
   void Close() override;
+  // Close() and wait for the reader and writer threads to end, so nothing
+  // touches the owning device afterwards (the device calls it before it
+  // goes away; the destructor too).
+  void Stop();
   Protocol protocol() const override { return Protocol::kTcp; }
   Status health() const override;
   int lane() const override { return lane_; }
@@ -133,6 +138,7 @@ class TcpChannel final : public Channel,
   Fd fd_;
   const int lane_;
   const std::string peer_;
+  std::mutex stop_mu_;  // serialises Stop() (device teardown vs destructor)
   std::thread reader_;
   std::thread writer_;
   std::atomic<bool> failed_{false};
@@ -144,12 +150,9 @@ class TcpChannel final : public Channel,
   Status async_error_;          // GUARDED_BY(mu_)
   std::deque<OutFrame> sendq_;  // GUARDED_BY(mu_)
   bool sending_ = false;  // GUARDED_BY(mu_): a thread owns the socket's send
-  std::deque<std::vector<uint8_t>> inbox_;             // GUARDED_BY(mu_)
   std::map<uint64_t, PendingRead> reads_;              // GUARDED_BY(mu_)
   std::map<uint64_t, std::shared_ptr<OpState>> rpcs_;  // GUARDED_BY(mu_)
-  ControlHandler on_message_;                          // GUARDED_BY(mu_)
-  FailureHandler on_failure_;                          // GUARDED_BY(mu_)
-  EventCount inbox_ev_;
+  ControlInbox inbox_;
 };
 
 }  // namespace membox::transport::net

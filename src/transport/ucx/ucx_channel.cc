@@ -11,6 +11,7 @@
 #include "membox/base/logging.h"
 
 #include "src/transport/am_messages.h"
+#include "src/transport/control_inbox.h"
 #include "src/transport/wire.h"
 
 namespace membox::transport::ucx {
@@ -83,11 +84,9 @@ void UcxChannel::Fail(const Status& s) {
   std::map<uint64_t, std::shared_ptr<OpState>> rpcs;
   std::set<std::shared_ptr<OpState>> inflight;
   Status failure;
-  FailureHandler on_failure;
   {
     std::lock_guard<std::mutex> l(mu_);
     if (!failed_.load()) {
-      on_failure = on_failure_;
       std::string who = accepted_ ? ("peer " + peer_name_) : peer_;
       failure_ = Status(s.code(), who + ": " + std::string(s.message()));
       failed_.store(true, std::memory_order_release);
@@ -104,8 +103,7 @@ void UcxChannel::Fail(const Status& s) {
   for (auto& [id, r] : reads) r.state->Complete(failure);
   for (auto& [id, st] : rpcs) st->Complete(failure);
   for (auto& st : inflight) st->Complete(failure);
-  if (on_failure) on_failure(failure);
-  inbox_ev_.Notify();
+  inbox_.Fail(failure);
   dev_->events()->Notify();
 }
 
@@ -251,17 +249,7 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr,
 
 void UcxChannel::SetHandlers(ControlHandler on_message,
                              FailureHandler on_failure) {
-  std::deque<std::vector<uint8_t>> queued;
-  Status failed;
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    on_message_ = on_message;
-    on_failure_ = on_failure;
-    queued.swap(inbox_);
-    if (failed_.load()) failed = failure_;
-  }
-  for (auto& m : queued) on_message(std::move(m));
-  if (!failed.ok() && on_failure) on_failure(failed);
+  inbox_.SetHandlers(std::move(on_message), std::move(on_failure));
 }
 
 void UcxChannel::Progress() {
@@ -331,12 +319,7 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
     const RegionDescriptor& desc, std::chrono::nanoseconds timeout,
     bool verify_with_owner) {
   RETURN_IF_ERROR(CheckUsable());
-  if (desc.length == 0 || desc.address + desc.length < desc.address) {
-    return InvalidArgumentError("descriptor has an empty or overflowing range");
-  }
-  if (desc.packed_rkey.size() > RegionDescriptor::kMaxPackedRkey) {
-    return InvalidArgumentError("descriptor remote key too large");
-  }
+  RETURN_IF_ERROR(CheckDescriptorShape(desc));
   if (verify_with_owner) {
     uint64_t req = next_op_.fetch_add(1);
     auto state = std::make_shared<OpState>(dev_->events());
@@ -386,20 +369,9 @@ Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
                                     const RemoteMemRegion& remote, size_t size,
                                     Direction direction, Completion cb) {
   RETURN_IF_ERROR(CheckUsable());
-  if (!local.Contains(local_addr, size)) {
-    return OutOfRangeError("local range of " + std::to_string(size) +
-                           " bytes is outside the local region");
-  }
-  if (!remote.Contains(remote_addr, size)) {
-    return OutOfRangeError("remote range [" + std::to_string(remote_addr) +
-                           ", +" + std::to_string(size) +
-                           ") is outside the remote region");
-  }
   auto* r = dynamic_cast<const UcxRemoteMemRegion*>(&remote);
-  if (r == nullptr || r->channel() != this) {
-    return InvalidArgumentError(
-        "remote region was not imported on this channel");
-  }
+  RETURN_IF_ERROR(CheckMemcpyArgs(local_addr, local, remote_addr, remote, size,
+                                  r ? r->channel() : nullptr, this));
   if (size == 0) {
     if (cb) cb(Status::Ok());
     return OpHandle::Done(Status::Ok());
@@ -553,25 +525,7 @@ Status UcxChannel::SendControl(std::span<const uint8_t> msg) {
 
 Result<std::vector<uint8_t>> UcxChannel::RecvControl(
     std::chrono::nanoseconds timeout) {
-  std::vector<uint8_t> out;
-  bool got = false;
-  bool ok = SpinThenBlock(
-      [&] {
-        std::lock_guard<std::mutex> l(mu_);
-        if (!inbox_.empty()) {
-          out = std::move(inbox_.front());
-          inbox_.pop_front();
-          got = true;
-          return true;
-        }
-        return failed_.load();
-      },
-      &inbox_ev_, timeout);
-  if (got) return out;
-  if (failed_.load()) return health();
-  (void)ok;
-  return DeadlineExceededError("no control message from " + peer() +
-                               " before the timeout");
+  return inbox_.Receive(timeout, peer());
 }
 
 void UcxChannel::RecvInto(void* desc, void* dst, size_t len,
@@ -633,21 +587,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
         return drop(InvalidArgumentError("control message too large"));
       auto buf = std::make_shared<std::vector<uint8_t>>(len);
       auto deliver = [this, buf](const Status& s) {
-        if (!s.ok()) return;
-        ControlHandler handler;
-        {
-          std::lock_guard<std::mutex> l(mu_);
-          if (on_message_) {
-            handler = on_message_;
-          } else {
-            inbox_.push_back(std::move(*buf));
-          }
-        }
-        if (handler) {
-          handler(std::move(*buf));
-        } else {
-          inbox_ev_.Notify();
-        }
+        if (s.ok()) inbox_.Deliver(std::move(*buf));
       };
       if (rndv) {
         RecvInto(data, buf->data(), len, param, deliver);

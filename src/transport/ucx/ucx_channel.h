@@ -27,6 +27,7 @@
 #include "membox/transport/channel.h"
 
 #include "src/transport/am_messages.h"
+#include "src/transport/control_inbox.h"
 #include "src/transport/ucx/ucx_device.h"
 
 namespace membox::transport::ucx {
@@ -153,7 +154,6 @@ class UcxChannel final : public Channel,
   mutable std::mutex mu_;
   Status failure_;                                     // GUARDED_BY(mu_)
   Status async_error_;                                 // GUARDED_BY(mu_)
-  std::deque<std::vector<uint8_t>> inbox_;             // GUARDED_BY(mu_)
   std::map<uint64_t, PendingRead> reads_;              // GUARDED_BY(mu_)
   std::map<uint64_t, std::shared_ptr<OpState>> rpcs_;  // GUARDED_BY(mu_)
   std::set<std::shared_ptr<OpState>> inflight_;        // GUARDED_BY(mu_)
@@ -161,9 +161,7 @@ class UcxChannel final : public Channel,
   std::vector<uint64_t> deferred_flushes_;             // GUARDED_BY(mu_)
   std::string peer_name_;                              // GUARDED_BY(mu_)
   std::string peer_host_;                              // GUARDED_BY(mu_)
-  EventCount inbox_ev_;
-  ControlHandler on_message_;  // GUARDED_BY(mu_) when set
-  FailureHandler on_failure_;  // GUARDED_BY(mu_) when set
+  ControlInbox inbox_;
   friend class UcxDevice;
 };
 

@@ -383,7 +383,15 @@ UcxDevice::~UcxDevice() {
     liveness_.clear();
     liveness_tokens_.clear();
   }
-  for (auto& ch : all) ch->Close();
+  for (auto& ch : all) {
+    // TCP channels may outlive the device in their users' hands; their
+    // threads must not.
+    if (auto tcp = std::dynamic_pointer_cast<net::TcpChannel>(ch)) {
+      tcp->Stop();
+    } else {
+      ch->Close();
+    }
+  }
   all.clear();
   workers_.clear();
   if (ctx_) ucp_cleanup(ctx_);
@@ -413,10 +421,8 @@ void UcxDevice::NetLoop() {
           std::lock_guard<std::mutex> l(mu_);
           auto it = liveness_.find(token);
           if (it == liveness_.end()) continue;
-          ch = it->second.lock();
-          for (auto& [f, t] : liveness_tokens_) {
-            if (t == token) fd = f;
-          }
+          fd = it->second.fd;
+          ch = it->second.channel.lock();
         }
         if (fd >= 0) {
           char c;
@@ -638,7 +644,7 @@ void UcxDevice::RegisterChannel(const std::shared_ptr<Channel>& ch) {
 void UcxDevice::WatchLiveness(int fd, const std::shared_ptr<UcxChannel>& ch) {
   std::lock_guard<std::mutex> l(mu_);
   uint64_t token = next_liveness_token_++;  // never a pending token
-  liveness_[token] = ch;
+  liveness_[token] = Watched{fd, ch};
   liveness_tokens_[fd] = token;
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP;

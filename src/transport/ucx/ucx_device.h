@@ -215,8 +215,12 @@ class UcxDevice final : public Device, public net::ChannelHost {
   uint64_t next_seq_ = 0;                             // network thread only
   std::map<uint64_t, Pending> pending_;               // network thread only
   uint64_t next_liveness_token_ = uint64_t{1} << 62;  // GUARDED_BY(mu_)
-  std::map<int, uint64_t> liveness_tokens_;           // GUARDED_BY(mu_)
-  std::map<uint64_t, std::weak_ptr<UcxChannel>> liveness_;  // GUARDED_BY(mu_)
+  struct Watched {
+    int fd;
+    std::weak_ptr<UcxChannel> channel;
+  };
+  std::map<int, uint64_t> liveness_tokens_;  // GUARDED_BY(mu_): fd -> token
+  std::map<uint64_t, Watched> liveness_;     // GUARDED_BY(mu_)
   EventCount events_;
   std::atomic<uint64_t> next_region_id_{1};
 

@@ -1,0 +1,63 @@
+// What every Channel backend shares: the inbox of control messages with the
+// event-driven handlers of Channel::SetHandlers, and the argument checks of
+// Import and Memcpy. Internal to the transport layer.
+//
+// ControlInbox threading: Deliver runs on the backend's receiving thread,
+// Receive on any user thread, SetHandlers once from a user thread, Fail from
+// whichever thread notices the failure. Its own mutex; handlers run outside
+// it. The failure handler runs exactly once, whether the failure comes
+// before or after SetHandlers.
+#ifndef MEMBOX_SRC_TRANSPORT_CONTROL_INBOX_H_
+#define MEMBOX_SRC_TRANSPORT_CONTROL_INBOX_H_
+
+#include <chrono>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+#include "membox/base/wait.h"
+#include "membox/transport/channel.h"
+
+namespace membox::transport {
+
+class ControlInbox {
+ public:
+  // Hands `m` to the handler if one is set, else queues it for Receive.
+  void Deliver(std::vector<uint8_t> m);
+  // Installs the handlers and hands them what was queued (and the failure,
+  // if the channel already failed).
+  void SetHandlers(Channel::ControlHandler on_message,
+                   Channel::FailureHandler on_failure);
+  // Records the channel's failure (first call wins), wakes receivers and
+  // runs the failure handler if one is set.
+  void Fail(const Status& failure);
+  // The next message; the failure once failed; kDeadlineExceeded naming
+  // `peer` after `timeout`.
+  Result<std::vector<uint8_t>> Receive(std::chrono::nanoseconds timeout,
+                                       const std::string& peer);
+
+ private:
+  std::mutex mu_;
+  std::deque<std::vector<uint8_t>> queue_;  // GUARDED_BY(mu_)
+  Channel::ControlHandler on_message_;      // GUARDED_BY(mu_)
+  Channel::FailureHandler on_failure_;      // GUARDED_BY(mu_)
+  Status failure_;                          // GUARDED_BY(mu_)
+  bool failed_ = false;                     // GUARDED_BY(mu_)
+  EventCount ev_;
+};
+
+// Import's checks of a descriptor's shape (non-empty, no overflow, bounded
+// remote key).
+Status CheckDescriptorShape(const RegionDescriptor& desc);
+// Memcpy's checks: both ranges inside their regions, and `remote` imported
+// on the calling channel (`imported_on` is the channel the region names).
+Status CheckMemcpyArgs(const void* local_addr, const MemRegion& local,
+                       uint64_t remote_addr, const RemoteMemRegion& remote,
+                       size_t size, const void* imported_on,
+                       const void* this_channel);
+
+}  // namespace membox::transport
+
+#endif  // MEMBOX_SRC_TRANSPORT_CONTROL_INBOX_H_
