@@ -118,8 +118,14 @@ def main():
     else:
         raise SystemExit("daemon did not come up")
     try:
-        ports = listening_ports(proc.pid)
+        # The memory server answers first; the proxy and the embedding
+        # server may still be opening their listeners.
         want = {f"127.0.0.1:{base + i}" for i in range(3)}
+        for _ in range(100):
+            ports = listening_ports(proc.pid)
+            if want <= ports:
+                break
+            time.sleep(0.1)
         print("listening:", sorted(ports))
         if ports != want:
             failures.append(f"daemon listens on {sorted(ports)}, "
