@@ -3,8 +3,10 @@
 //   ... membox status --server H:P [--secret-file F] membox bench
 //   transfer|memserver|async-sgd [--quick] [--csv F] [--plot F.png] [--json F]
 //   membox version
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -238,22 +240,28 @@ int PrintStatus(const std::string& server, const std::string& secret,
 }
 
 // `membox launch` is membox/launch.py (Python's subprocess and threads make
-// a simpler supervisor than C++ here); this execs it with the package from
-// this build and this binary as the memory node.
-int Launch(const std::vector<std::string>& args) {
+// a simpler supervisor than C++ here) and `membox bench gpu` is
+// membox/gpu_bench.py (it drives torch): this execs the module with the
+// package from this build, MEMBOX_PYTHON (default: the interpreter the
+// extension was built for) and this binary as the memory node.
+int ExecPythonModule(const std::string& module,
+                     const std::vector<std::string>& args) {
   std::string self = membox::SelfExePath();
   std::string path = MEMBOX_PYTHON_DIR;
   if (const char* old = std::getenv("PYTHONPATH"))
     path += std::string(":") + old;
   setenv("PYTHONPATH", path.c_str(), 1);
-  std::vector<std::string> argv = {"/usr/bin/python3", "-m", "membox.launch",
-                                   "--membox", self};
+  setenv("MEMBOX_BIN", self.c_str(), 1);
+  std::string python = MEMBOX_PYTHON_EXECUTABLE;
+  if (const char* p = std::getenv("MEMBOX_PYTHON"); p && *p) python = p;
+  std::vector<std::string> argv = {python, "-m", module};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
   cargv.push_back(nullptr);
   execv(cargv[0], cargv.data());
-  std::perror("membox launch: cannot run /usr/bin/python3");
+  std::fprintf(stderr, "membox: cannot run %s: %s\n", python.c_str(),
+               std::strerror(errno));
   return 127;
 }
 
@@ -363,9 +371,16 @@ int main(int argc, char** argv) {
                      "list every client and segment (the server's admin "
                      "secret); without it, this client's view");
 
-#ifdef MEMBOX_WITH_BENCH
   auto* bench = app.add_subcommand("bench", "run a benchmark");
   bench->require_subcommand(1);
+  auto* gpubench = bench->add_subcommand(
+      "gpu",
+      "CUDA training through membox vs Gloo, and the staging copy rate "
+      "(membox/gpu_bench.py; needs a CUDA GPU and torch with CUDA)");
+  gpubench->prefix_command();  // everything after goes to membox.gpu_bench
+  gpubench->allow_extras();
+  gpubench->set_help_flag();  // --help reaches the module
+#ifdef MEMBOX_WITH_BENCH
   membox::bench::TransferOptions topt;
   std::string min_size = "1KiB", max_size = "1GiB";
   auto* transfer = bench->add_subcommand(
@@ -501,7 +516,14 @@ int main(int argc, char** argv) {
   if (status->parsed()) {
     return PrintStatus(status_server, secret, secret_file, admin_secret_file);
   }
-  if (launch->parsed()) return Launch(launch->remaining());
+  if (launch->parsed()) {
+    std::vector<std::string> args = {"--membox", membox::SelfExePath()};
+    for (const auto& a : launch->remaining()) args.push_back(a);
+    return ExecPythonModule("membox.launch", args);
+  }
+  if (gpubench->parsed()) {
+    return ExecPythonModule("membox.gpu_bench", gpubench->remaining());
+  }
 #ifdef MEMBOX_WITH_BENCH
   if (transfer->parsed()) {
     auto mn = membox::ParseByteSize(min_size);

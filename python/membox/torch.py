@@ -25,6 +25,7 @@ rows while this one trains.
 """
 import itertools
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -54,8 +55,8 @@ def client():
 
 def _flat_numpy(t):
     if t.device.type != "cpu":
-        raise membox.MemboxError("membox.torch moves CPU tensors (got %s)"
-                                 % t.device)
+        raise membox.MemboxError("membox.torch moves CPU and CUDA tensors "
+                                 "(got %s)" % t.device)
     return t.detach().contiguous().view(-1).numpy()
 
 
@@ -74,15 +75,180 @@ def _declare(key, t):
             _declared.add(key)
 
 
+class _CudaStaging:
+    """Page-locked, transport-registered host memory for CUDA tensors.
+
+    A GPU tensor crosses the wire through host memory the transport
+    registered (Client.allocate) and CUDA page-locked (cudaHostRegister), so
+    one asynchronous copy per direction moves it and the memory nodes read
+    and write that memory in place: device -> staging on a device-to-host
+    stream, push/pull in place, staging -> device on a host-to-device stream
+    (two streams: the copy engines of both directions run at once). The
+    streams wait on CUDA events only, never on the whole device.
+
+    Threading: buffer() and the copies run on the caller's thread; a daemon
+    thread waits for each device-to-host copy (an event, without the GIL)
+    and only then starts the transfer, so backward compute, copies and the
+    network overlap bucket by bucket. Buffers live as long as the client.
+    """
+
+    def __init__(self, client):
+        self._client = weakref.ref(client)  # the client holds this object
+        self._buffers = {}  # key -> (numpy uint8 over registered memory, tensor)
+        self._streams = {}  # device index -> (d2h, h2d)
+        self._lock = threading.Lock()
+        self._queue = None
+        # Achieved copy rates (bytes, CUDA event pairs), see staging_stats().
+        self.timing = False
+        self._timed = {"d2h": [], "h2d": []}
+
+    def buffer(self, key, nbytes):
+        """The staging buffer of `key` (allocated and pinned on first use)."""
+        with self._lock:
+            b = self._buffers.get(key)
+            if b is not None and b[0].nbytes == nbytes:
+                return b
+        arr = self._client().allocate(nbytes)
+        ptr = arr.ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise membox.MemboxError(
+                "cannot page-lock %d bytes of registered memory for CUDA "
+                "staging (cudaHostRegister error %d)" % (nbytes, int(err)))
+        # Unlocked when the client goes (its memory is unmapped after).
+        weakref.finalize(self._client(), _unpin, ptr)
+        b = (arr, torch.from_numpy(arr))
+        with self._lock:
+            self._buffers[key] = b
+        return b
+
+    def streams(self, device):
+        with self._lock:
+            s = self._streams.get(device.index)
+            if s is None:
+                s = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+                self._streams[device.index] = s
+            return s
+
+    def _event(self):
+        return torch.cuda.Event(enable_timing=self.timing)
+
+    def to_host(self, src, host, device):
+        """Starts copying `src` (on `device`) into pinned `host` once the
+        current stream's work on it is done; returns the completion event."""
+        if not src.is_contiguous():
+            src = src.contiguous()
+        d2h, _ = self.streams(device)
+        ready = torch.cuda.current_stream(device).record_event()
+        d2h.wait_event(ready)
+        with torch.cuda.stream(d2h):
+            start = self._event()
+            start.record(d2h)
+            host.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+            done = self._event()
+            done.record(d2h)
+        src.record_stream(d2h)
+        if self.timing:
+            self._timed["d2h"].append((host.numel(), start, done))
+        return done
+
+    def to_device(self, host, dst, device):
+        """Enqueues pinned `host` -> `dst` on the host-to-device stream; the
+        caller's current stream must wait on that stream (or on a Future
+        completed inside it) before using dst."""
+        if not dst.is_contiguous():
+            raise membox.MemboxError("membox needs contiguous CUDA tensors")
+        _, h2d = self.streams(device)
+        with torch.cuda.stream(h2d):
+            start = self._event()
+            start.record(h2d)
+            dst.reshape(-1).view(torch.uint8).copy_(host, non_blocking=True)
+            done = self._event()
+            done.record(h2d)
+        dst.record_stream(h2d)
+        if self.timing:
+            self._timed["h2d"].append((host.numel(), start, done))
+        return h2d
+
+    def after(self, event, fn):
+        """Runs fn() on the staging thread once `event` has completed."""
+        with self._lock:
+            if self._queue is None:
+                import queue
+                self._queue = queue.SimpleQueue()
+                threading.Thread(target=self._run, name="membox-cuda-staging",
+                                 daemon=True).start()
+        self._queue.put((event, fn))
+
+    def _run(self):
+        while True:
+            event, fn = self._queue.get()
+            event.synchronize()  # releases the GIL
+            fn()
+
+    def stats(self):
+        out = {}
+        for d, rows in self._timed.items():
+            nbytes = sum(r[0] for r in rows)
+            ms = 0.0
+            for _, a, b in rows:
+                b.synchronize()
+                ms += a.elapsed_time(b)
+            out[d] = {"bytes": nbytes, "copies": len(rows),
+                      "seconds": ms / 1e3,
+                      "gbps": nbytes / (ms / 1e3) / 1e9 if ms > 0 else 0.0}
+            rows.clear()
+        return out
+
+
+def _unpin(ptr):
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - interpreter shutting down
+        pass
+
+
+def _staging_for(c):
+    """The client's _CudaStaging (kept on the client: it lives as long)."""
+    s = getattr(c, "_membox_cuda_staging", None)
+    if s is None:
+        with _lock:
+            s = getattr(c, "_membox_cuda_staging", None)
+            if s is None:
+                s = _CudaStaging(c)
+                c._membox_cuda_staging = s
+    return s
+
+
+def staging_stats(timing=None, of=None):
+    """Achieved rates of the CUDA staging copies since the last call:
+    {"d2h": {"bytes", "copies", "seconds", "gbps"}, "h2d": {...}}.
+    staging_stats(timing=True) starts timing them (CUDA events per copy);
+    `of` is the client (default: this worker's, from init())."""
+    s = _staging_for(of if of is not None else client())
+    st = s.stats()
+    if timing is not None:
+        s.timing = bool(timing)
+    return st
+
+
 def allreduce_hook(state, bucket):
     """DDP communication hook: average the bucket across workers through the
-    memory nodes. Returns a Future completed with the averaged bucket."""
+    memory nodes. Returns a Future completed with the averaged bucket.
+
+    CPU buckets are pushed and pulled in place; CUDA buckets go through
+    page-locked staging memory (see _CudaStaging): device-to-host copy on a
+    side stream, push/pull once that copy is done, host-to-device copy on
+    another side stream, and the Future completes on that stream, so DDP's
+    stream waits for it without blocking the host."""
     t = bucket.buffer()
     nbytes = t.numel() * t.element_size()
     # DDP rebuilds its buckets after the first iteration: a key per
     # (index, size) keeps every declaration consistent on all workers.
     key = (bucket.index() << 40) | nbytes
     _declare(key, t)
+    if t.device.type == "cuda":
+        return _cuda_push_pull(client(), key, t, -bucket.index())
     arr = _flat_numpy(t)
     fut = torch.futures.Future()
     handle = client().push_pull(key, arr, arr, priority=-bucket.index())
@@ -94,6 +260,38 @@ def allreduce_hook(state, bucket):
             fut.set_exception(membox.MemboxError(err))
 
     handle.add_done_callback(done)
+    return fut
+
+
+def _cuda_push_pull(c, key, t, priority):
+    device = t.device
+    staging = _staging_for(c)
+    nbytes = t.numel() * t.element_size()
+    arr, host = staging.buffer(key, nbytes)
+    fut = torch.futures.Future(devices=[device])
+    copied = staging.to_host(t, host, device)
+
+    def fail(err):
+        fut.set_exception(membox.MemboxError(err))
+
+    def done(err):
+        if err is not None:
+            return fail(err)
+        try:
+            h2d = staging.to_device(host, t, device)
+            with torch.cuda.device(device), torch.cuda.stream(h2d):
+                fut.set_result(t)  # records an event on h2d for the waiter
+        except Exception as e:  # noqa: BLE001 - reach the waiter
+            fut.set_exception(e)
+
+    def start():
+        try:
+            c.push_pull(key, arr, arr, priority=priority) \
+                .add_done_callback(done)
+        except Exception as e:  # noqa: BLE001 - reach the waiter
+            fut.set_exception(e)
+
+    staging.after(copied, start)
     return fut
 
 
@@ -123,32 +321,72 @@ class ParameterServer:
         self.version = 0
         for i, p in enumerate(self.params):
             key = first_key + i
-            data = _flat_numpy(p.data)
+            data = _flat_numpy(p.data.detach().cpu())
             # The first worker's initial weights win on every node.
             v = self.client.declare(key, data.nbytes, _dtype(p.data), data)
             self.version = max(self.version, v)
             self.keys.append(key)
         self.pull()
 
+    def _cuda(self):
+        return [i for i, p in enumerate(self.params) if p.data.is_cuda]
+
     def pull(self):
-        """Overwrites the local parameters with the memory nodes' weights."""
-        hs = [self.client.pull(k, _flat_numpy(p.data))
-              for k, p in zip(self.keys, self.params)]
-        for h in hs:
+        """Overwrites the local parameters with the memory nodes' weights
+        (CUDA parameters through page-locked staging memory)."""
+        gpu = set(self._cuda())
+        hs = []
+        for i, (k, p) in enumerate(zip(self.keys, self.params)):
+            if i in gpu:
+                arr, host = _staging_for(self.client).buffer(
+                    k, p.numel() * p.element_size())
+                hs.append(self.client.pull(k, arr))
+            else:
+                hs.append(self.client.pull(k, _flat_numpy(p.data)))
+        self._finish(hs, gpu)
+
+    def _finish(self, hs, gpu):
+        """Waits for the transfers in order; each CUDA parameter's
+        host-to-device copy starts as soon as its pull is back, and the
+        current stream waits for all of them (no device-wide sync)."""
+        staging = _staging_for(self.client) if gpu else None
+        streams = {}
+        for i, h in enumerate(hs):
             h.wait()
+            if i in gpu:
+                p = self.params[i]
+                _, host = staging.buffer(self.keys[i],
+                                         p.numel() * p.element_size())
+                streams[p.device] = staging.to_device(host, p.data, p.device)
+        for device, h2d in streams.items():
+            torch.cuda.current_stream(device).wait_stream(h2d)
 
     def step(self):
         """Pushes every gradient (first layers first) and pulls the updated
-        weights."""
-        hs = []
+        weights. CUDA gradients are copied to page-locked staging memory on a
+        side stream and each is pushed as soon as its copy is done; the
+        weights come back the same way."""
+        gpu = set(self._cuda())
         n = len(self.params)
-        for i, (k, p) in enumerate(zip(self.keys, self.params)):
+        copied = {}
+        staging = _staging_for(self.client) if gpu else None
+        for i in sorted(gpu):
+            p = self.params[i]
             g = p.grad if p.grad is not None else torch.zeros_like(p.data)
-            hs.append(self.client.push_pull(k, _flat_numpy(g),
-                                            _flat_numpy(p.data),
-                                            priority=i - n))
-        for h in hs:
-            h.wait()
+            _, host = staging.buffer(self.keys[i], p.numel() * p.element_size())
+            copied[i] = staging.to_host(g, host, p.device)
+        hs = []
+        for i, (k, p) in enumerate(zip(self.keys, self.params)):
+            if i in gpu:
+                arr, _ = staging.buffer(k, p.numel() * p.element_size())
+                copied[i].synchronize()  # this copy only, GIL released
+                hs.append(self.client.push_pull(k, arr, arr, priority=i - n))
+            else:
+                g = p.grad if p.grad is not None else torch.zeros_like(p.data)
+                hs.append(self.client.push_pull(k, _flat_numpy(g),
+                                                _flat_numpy(p.data),
+                                                priority=i - n))
+        self._finish(hs, gpu)
 
 
 # ------------------------------------------------------------ embeddings

@@ -370,5 +370,31 @@ TEST(DeviceTest, BadOptions) {
             StatusCode::kInvalidArgument);
 }
 
+// GPU memory: registered where UCX has CUDA, otherwise refused with an error
+// that says what is missing and what to do (Debian's UCX has no CUDA, so CI
+// sees the refusal; the lent GPU machine's libucx-cu13 build, docs/results/
+// gpu.md, the other branch).
+TEST(DeviceTest, CudaMemoryNeedsACudaUcx) {
+  auto d = Device::Create(DeviceOptions{});
+  ASSERT_TRUE(d.ok());
+  EXPECT_TRUE((*d)->SupportsMemoryType(MemoryType::kHost));
+  if ((*d)->SupportsMemoryType(MemoryType::kCuda)) {
+    GTEST_SKIP() << "this UCX has CUDA: cuda_memory_test covers it";
+  }
+  std::vector<uint8_t> not_gpu(4096);
+  auto r = (*d)->RegisterMemRegion(not_gpu.data(), not_gpu.size(),
+                                   MemoryType::kCuda);
+  ASSERT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("without CUDA support"),
+            std::string::npos)
+      << r.status().ToString();
+  EXPECT_NE(r.status().message().find("stage"), std::string::npos);
+  auto host = (*d)->RegisterMemRegion(not_gpu.data(), not_gpu.size(),
+                                      MemoryType::kHost);
+  ASSERT_TRUE(host.ok()) << host.status().ToString();
+  EXPECT_EQ((*host)->memory_type(), MemoryType::kHost);
+  EXPECT_STREQ(MemoryTypeName(MemoryType::kCuda), "CUDA");
+}
+
 }  // namespace
 }  // namespace membox::transport

@@ -18,6 +18,16 @@ uint32_t Crc32(const void* data, size_t n) {
 }
 }  // namespace wire
 
+const char* MemoryTypeName(MemoryType t) {
+  switch (t) {
+    case MemoryType::kHost:
+      return "host";
+    case MemoryType::kCuda:
+      return "CUDA";
+  }
+  return "unknown";
+}
+
 namespace {
 constexpr uint32_t kMagic = 0x4452424D;  // "MBRD"
 constexpr uint16_t kVersion = 1;

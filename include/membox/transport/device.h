@@ -73,8 +73,17 @@ class Device {
   virtual Result<std::unique_ptr<MemRegion>> AllocateMemRegion(
       size_t bytes) = 0;
   // Registers memory the caller owns and keeps alive longer than the region.
+  // `type` kCuda registers GPU memory: kFailedPrecondition, naming what is
+  // missing, unless SupportsMemoryType(kCuda) (mem_region.h).
   virtual Result<std::unique_ptr<MemRegion>> RegisterMemRegion(
-      void* addr, size_t bytes) = 0;
+      void* addr, size_t bytes, MemoryType type) = 0;
+  Result<std::unique_ptr<MemRegion>> RegisterMemRegion(void* addr,
+                                                       size_t bytes) {
+    return RegisterMemRegion(addr, bytes, MemoryType::kHost);
+  }
+  // True when RegisterMemRegion accepts memory of `type` (kHost always;
+  // kCuda when the transport library was built with CUDA).
+  virtual bool SupportsMemoryType(MemoryType type) const = 0;
 
   // Connects (or returns the cached connection) to `remote_endpoint`
   // ("host:port") on lane `lane` in [0, lanes_per_peer).

@@ -8,7 +8,12 @@
 //   * a registration of memory the caller already owns
 //     (Device::RegisterMemRegion): zero-copy for existing tensors; peers on the
 //     same host reach it through cross-memory attach, remote peers through
-//     the network.
+//     the network. That memory may be GPU memory (MemoryType::kCuda) where
+//     the transport's UCX build supports CUDA: such a region is reached only
+//     by UCX's one-sided operations (never by membox's TCP path, active
+//     messages or load/store mapping, which need host memory); elsewhere
+//     registering it fails with kFailedPrecondition, and GPU tensors are
+//     staged through registered host memory instead (membox.torch does).
 //
 // Export() produces a RegionDescriptor: address, length, the region's random
 // access token and the transport's packed remote key. The descriptor is what
@@ -54,6 +59,13 @@ struct RegionDescriptor {
   static constexpr size_t kMaxPackedRkey = 4096;
 };
 
+// Where a region's memory lives.
+enum class MemoryType : uint8_t {
+  kHost = 0,  // CPU memory (pageable or page-locked)
+  kCuda = 1,  // NVIDIA GPU memory (cudaMalloc)
+};
+const char* MemoryTypeName(MemoryType t);
+
 class MemRegion {
  public:
   virtual ~MemRegion() = default;
@@ -65,6 +77,7 @@ class MemRegion {
   uint64_t id() const { return id_; }
   // True when the transport allocated the memory (shareable by mapping).
   bool device_allocated() const { return device_allocated_; }
+  MemoryType memory_type() const { return memory_type_; }
   // True when [p, p + n) lies inside the region.
   bool Contains(const void* p, size_t n) const {
     auto b = reinterpret_cast<uintptr_t>(data_);
@@ -86,17 +99,20 @@ class MemRegion {
   virtual void RevokeRange(uint64_t range_id) = 0;
 
  protected:
-  MemRegion(void* data, size_t size, uint64_t id, bool device_allocated)
+  MemRegion(void* data, size_t size, uint64_t id, bool device_allocated,
+            MemoryType memory_type = MemoryType::kHost)
       : data_(data),
         size_(size),
         id_(id),
-        device_allocated_(device_allocated) {}
+        device_allocated_(device_allocated),
+        memory_type_(memory_type) {}
 
  private:
   void* data_;
   size_t size_;
   uint64_t id_;
   bool device_allocated_;
+  MemoryType memory_type_;
 };
 
 }  // namespace membox::transport

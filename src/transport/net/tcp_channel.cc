@@ -291,7 +291,8 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
       RETURN_IF_ERROR(no_payload());
       ASSIGN_OR_RETURN(msg::ValidateRequest m,
                        msg::DecodeValidateRequest(header));
-      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length);
+      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length,
+                                    /*host_memory=*/true);
       if (s.ok() && !host_->CheckRkeyCrc(m.region_id, m.rkey_crc)) {
         s = PermissionDeniedError("remote key bytes do not match region " +
                                   std::to_string(m.region_id));
@@ -316,7 +317,8 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
     }
     case kTcpWrite: {
       ASSIGN_OR_RETURN(msg::Access m, msg::DecodeAccess(header, false));
-      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length);
+      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length,
+                                    /*host_memory=*/true);
       if (s.ok() && m.length != plen) {
         s = InvalidArgumentError("write length mismatch");
       }
@@ -331,7 +333,8 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
     case kTcpReadReq: {
       RETURN_IF_ERROR(no_payload());
       ASSIGN_OR_RETURN(msg::Access m, msg::DecodeAccess(header, true));
-      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length);
+      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length,
+                                    /*host_memory=*/true);
       msg::Reply r{m.request, static_cast<uint32_t>(s.code()),
                    std::string(s.message())};
       // The source is the registered region itself (zero copy); it must
@@ -440,6 +443,12 @@ Result<OpHandle> TcpChannel::Memcpy(void* local_addr, const MemRegion& local,
   auto* r = dynamic_cast<const TcpRemoteMemRegion*>(&remote);
   RETURN_IF_ERROR(CheckMemcpyArgs(local_addr, local, remote_addr, remote, size,
                                   r ? r->channel() : nullptr, this));
+  if (local.memory_type() != MemoryType::kHost) {
+    return FailedPreconditionError(
+        std::string("membox's TCP path moves host memory, not ") +
+        MemoryTypeName(local.memory_type()) +
+        " memory: stage it through a registered host region");
+  }
   if (size == 0) {
     if (cb) cb(Status::Ok());
     return OpHandle::Done(Status::Ok());

@@ -53,7 +53,7 @@ class ChannelHost {
   virtual ~ChannelHost() = default;
   virtual EventCount* events() = 0;
   virtual Status CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
-                             uint64_t len) = 0;
+                             uint64_t len, bool host_memory) = 0;
   virtual bool CheckRkeyCrc(uint64_t region_id, uint32_t crc) = 0;
 };
 

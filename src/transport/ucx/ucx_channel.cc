@@ -376,8 +376,10 @@ Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
     if (cb) cb(Status::Ok());
     return OpHandle::Done(Status::Ok());
   }
-  if (void* base = remote.mapped()) {
-    // Load/store path: the peer's memory is mapped here.
+  void* base = remote.mapped();
+  if (base != nullptr && local.memory_type() == MemoryType::kHost) {
+    // Load/store path: the peer's memory is mapped here (GPU memory takes
+    // the RMA path below: UCX copies it with CUDA).
     char* p = static_cast<char*>(base) + (remote_addr - remote.address());
     if (direction == Direction::kWrite) {
       CopyBytes(p, local_addr, size);
@@ -601,7 +603,8 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       auto m = msg::DecodeValidateRequest(hdr);
       if (!m.ok()) return drop(m.status());
       Status s =
-          dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
+          dev_->CheckAccess(m->region_id, m->token, m->address, m->length,
+                            /*host_memory=*/false);
       // The key bytes are checked too, so the importer never unpacks bytes
       // the owner did not produce.
       if (s.ok() && !dev_->CheckRkeyCrc(m->region_id, m->rkey_crc)) {
@@ -639,7 +642,8 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       auto m = msg::DecodeAccess(hdr, false);
       if (!m.ok()) return drop(m.status());
       Status s =
-          dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
+          dev_->CheckAccess(m->region_id, m->token, m->address, m->length,
+                            /*host_memory=*/true);
       if (s.ok() && m->length != len)
         s = InvalidArgumentError("write length mismatch");
       if (!s.ok()) {
@@ -666,7 +670,8 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       auto m = msg::DecodeAccess(hdr, true);
       if (!m.ok()) return drop(m.status());
       Status s =
-          dev_->CheckAccess(m->region_id, m->token, m->address, m->length);
+          dev_->CheckAccess(m->region_id, m->token, m->address, m->length,
+                            /*host_memory=*/true);
       msg::Reply reply{m->request, static_cast<uint32_t>(s.code()),
                        std::string(s.message())};
       // The source is the registered region itself, which outlives the send.

@@ -92,9 +92,9 @@ std::string ReadFirstLine(const char* path) {
 class UcxMemRegion final : public MemRegion {
  public:
   UcxMemRegion(UcxDevice* dev, ucp_mem_h memh, void* data, size_t size,
-               uint64_t id, bool allocated, uint64_t token,
+               uint64_t id, bool allocated, MemoryType type, uint64_t token,
                std::vector<uint8_t> rkey)
-      : MemRegion(data, size, id, allocated),
+      : MemRegion(data, size, id, allocated, type),
         dev_(dev),
         memh_(memh),
         token_(token),
@@ -117,9 +117,9 @@ class UcxMemRegion final : public MemRegion {
     d.length = length;
     d.region_id = dev_->NextRegionId();
     d.token = dev_->RandomToken();
-    dev_->RegisterExport(
-        d.region_id,
-        {d.address, length, d.token, wire::Crc32(rkey_.data(), rkey_.size())});
+    dev_->RegisterExport(d.region_id, {d.address, length, d.token,
+                                       wire::Crc32(rkey_.data(), rkey_.size()),
+                                       memory_type() == MemoryType::kHost});
     std::lock_guard<std::mutex> l(mu_);
     ranges_.insert(d.region_id);
     return d;
@@ -304,6 +304,11 @@ Status UcxDevice::Init() {
   st = ucp_init(&params, config, &ctx_);
   ucp_config_release(config);
   if (st != UCS_OK) return UcsError(st, "ucp_init");
+  ucp_context_attr_t cattr{};
+  cattr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(ctx_, &cattr) == UCS_OK) {
+    ucx_memory_types_ = cattr.memory_types;
+  }
 
   static std::vector<std::unique_ptr<AmHandlerArg>> args_keepalive;
   static std::mutex args_mu;
@@ -684,7 +689,7 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {
 }
 
 Result<std::unique_ptr<MemRegion>> UcxDevice::FinishRegistration(
-    ucp_mem_h memh, void* addr, size_t bytes, bool allocated) {
+    ucp_mem_h memh, void* addr, size_t bytes, bool allocated, MemoryType type) {
   void* rkey_buf = nullptr;
   size_t rkey_len = 0;
   ucs_status_t st = ucp_rkey_pack(ctx_, memh, &rkey_buf, &rkey_len);
@@ -697,26 +702,52 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::FinishRegistration(
   ucp_rkey_buffer_release(rkey_buf);
   uint64_t id = NextRegionId();
   uint64_t token = RandomToken();
-  RegisterExport(id, {reinterpret_cast<uint64_t>(addr), bytes, token,
-                      wire::Crc32(rkey.data(), rkey.size())});
+  RegisterExport(
+      id, {reinterpret_cast<uint64_t>(addr), bytes, token,
+           wire::Crc32(rkey.data(), rkey.size()), type == MemoryType::kHost});
   return std::unique_ptr<MemRegion>(std::make_unique<UcxMemRegion>(
-      this, memh, addr, bytes, id, allocated, token, std::move(rkey)));
+      this, memh, addr, bytes, id, allocated, type, token, std::move(rkey)));
 }
 
-Result<std::unique_ptr<MemRegion>> UcxDevice::RegisterMemRegion(void* addr,
-                                                                size_t bytes) {
+bool UcxDevice::SupportsMemoryType(MemoryType type) const {
+  switch (type) {
+    case MemoryType::kHost:
+      return true;
+    case MemoryType::kCuda:
+      return (ucx_memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  }
+  return false;
+}
+
+Result<std::unique_ptr<MemRegion>> UcxDevice::RegisterMemRegion(
+    void* addr, size_t bytes, MemoryType type) {
   if (addr == nullptr || bytes == 0) {
     return InvalidArgumentError("RegisterMemRegion: null address or size 0");
   }
+  if (!SupportsMemoryType(type)) {
+    return FailedPreconditionError(
+        std::string("cannot register ") + MemoryTypeName(type) +
+        " memory: this UCX (" + ucp_get_version_string() +
+        ") was built without " + MemoryTypeName(type) +
+        " support (Debian's libucx0 has none; PyPI's libucx-cu13 has it); "
+        "stage "
+        "GPU tensors through registered host memory, as membox.torch does");
+  }
   ucp_mem_map_params_t mp{};
-  mp.field_mask =
-      UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_ADDRESS;
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                  UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
   mp.address = addr;
   mp.length = bytes;
+  mp.memory_type =
+      type == MemoryType::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(ctx_, &mp, &memh);
-  if (st != UCS_OK) return UcsError(st, "cannot register user memory");
-  return FinishRegistration(memh, addr, bytes, /*allocated=*/false);
+  if (st != UCS_OK) {
+    return UcsError(st, std::string("cannot register ") + MemoryTypeName(type) +
+                            " memory of " + std::to_string(bytes) + " bytes");
+  }
+  return FinishRegistration(memh, addr, bytes, /*allocated=*/false, type);
 }
 
 void UcxDevice::RegisterExport(uint64_t id, const ExportedRegion& r) {
@@ -730,7 +761,7 @@ void UcxDevice::UnregisterExport(uint64_t id) {
 }
 
 Status UcxDevice::CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
-                              uint64_t len) {
+                              uint64_t len, bool host_memory) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = exports_.find(region_id);
   if (it == exports_.end()) {
@@ -741,6 +772,12 @@ Status UcxDevice::CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
   if (r.token != token) {
     return PermissionDeniedError("wrong access key for region " +
                                  std::to_string(region_id));
+  }
+  if (host_memory && !r.host) {
+    return FailedPreconditionError(
+        "region " + std::to_string(region_id) +
+        " is GPU memory: only UCX's one-sided operations reach it, not "
+        "membox's TCP path or active messages");
   }
   if (addr < r.address || len > r.length || addr - r.address > r.length - len) {
     return OutOfRangeError("range [" + std::to_string(addr) + ", +" +

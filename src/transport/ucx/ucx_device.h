@@ -116,6 +116,7 @@ struct ExportedRegion {
   uint64_t length;
   uint64_t token;
   uint32_t rkey_crc;  // crc32 of the packed remote key handed out
+  bool host = true;   // false: GPU memory, reachable by UCX RMA only
 };
 
 class UcxDevice final : public Device, public net::ChannelHost {
@@ -125,8 +126,10 @@ class UcxDevice final : public Device, public net::ChannelHost {
   Status Init();
 
   Result<std::unique_ptr<MemRegion>> AllocateMemRegion(size_t bytes) override;
-  Result<std::unique_ptr<MemRegion>> RegisterMemRegion(void* addr,
-                                                       size_t bytes) override;
+  using Device::RegisterMemRegion;
+  Result<std::unique_ptr<MemRegion>> RegisterMemRegion(
+      void* addr, size_t bytes, MemoryType type) override;
+  bool SupportsMemoryType(MemoryType type) const override;
   Result<std::shared_ptr<Channel>> GetChannel(
       const std::string& remote_endpoint, int lane) override;
   Result<std::shared_ptr<Channel>> Accept(
@@ -145,7 +148,7 @@ class UcxDevice final : public Device, public net::ChannelHost {
   // Checks an access against the export table. `addr`/`len` must lie inside
   // the region with id `region_id` whose token is `token`.
   Status CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
-                     uint64_t len) override;
+                     uint64_t len, bool host_memory) override;
   bool CheckRkeyCrc(uint64_t region_id, uint32_t crc) override;
   uint64_t NextRegionId() { return next_region_id_.fetch_add(1); }
   uint64_t RandomToken();
@@ -189,10 +192,9 @@ class UcxDevice final : public Device, public net::ChannelHost {
   void RegisterChannel(const std::shared_ptr<Channel>& ch);
   // Packs the remote key, records the export and wraps `memh` (unmapped on
   // failure).
-  Result<std::unique_ptr<MemRegion>> FinishRegistration(ucp_mem_h memh,
-                                                        void* addr,
-                                                        size_t bytes,
-                                                        bool allocated);
+  Result<std::unique_ptr<MemRegion>> FinishRegistration(
+      ucp_mem_h memh, void* addr, size_t bytes, bool allocated,
+      MemoryType type = MemoryType::kHost);
   static ucs_status_t AmHandler(void* arg, const void* header, size_t hlen,
                                 void* data, size_t len,
                                 const ucp_am_recv_param_t* param);
@@ -201,6 +203,7 @@ class UcxDevice final : public Device, public net::ChannelHost {
   uint64_t id_;
   std::string host_id_;
   bool rdma_present_ = false;
+  uint64_t ucx_memory_types_ = 0;  // ucp_context_query: UCS_BIT(type)
   ucp_context_h ctx_ = nullptr;
   std::vector<std::unique_ptr<UcxWorker>> workers_;
   std::string listen_endpoint_;
