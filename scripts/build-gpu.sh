@@ -36,6 +36,16 @@ out="$(cd "$out" && pwd)"
 cmake_args=(-DCMAKE_BUILD_TYPE=Release -DMEMBOX_BUILD_TESTS=OFF
             -DMEMBOX_BUILD_BENCH=OFF -DMEMBOX_WERROR=OFF
             -DMEMBOX_PYTHON="$py")
+# Next to torch, build with torch's own pybind11 headers (python/
+# CMakeLists.txt says why).
+torch_inc="$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))' 2>/dev/null || true)"
+if [[ -n "$torch_inc" && -d "$torch_inc/pybind11" && -z "${MEMBOX_NO_TORCH_PYBIND11:-}" ]]; then
+  mkdir -p "$out/torch-pybind11"
+  ln -sfn "$torch_inc/pybind11" "$out/torch-pybind11/pybind11"
+  cmake_args+=(-DMEMBOX_PYBIND11_INCLUDE="$out/torch-pybind11")
+fi
+[[ -n "${MEMBOX_PYBIND11_INTERNALS_VERSION:-}" ]] && \
+  cmake_args+=(-DMEMBOX_PYBIND11_INTERNALS_VERSION="$MEMBOX_PYBIND11_INTERNALS_VERSION")
 libpath=""
 if [[ -n "$debs" ]]; then
   prefix="$out/deps"

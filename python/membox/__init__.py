@@ -17,7 +17,12 @@ workers.
 """
 import os
 
-from membox import _core
+# UCX's malloc hooks replace malloc/free for the whole process; next to
+# torch's CUDA libraries (loaded after membox) that ends in "free(): invalid
+# pointer". membox registers its memory explicitly and needs no hooks.
+os.environ.setdefault("UCX_MEM_MALLOC_HOOKS", "no")
+
+from membox import _core  # noqa: E402
 from membox._core import (EmbeddingClient, Handle, MemboxError, ProxyUnavailable,
                           PullHandle, PushHandle)
 
