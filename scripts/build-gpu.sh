@@ -16,17 +16,20 @@
 #               so device memory can be registered).
 #   --python PY the interpreter (default: python3 on PATH).
 #   --out DIR   build directory (default: build/gpu).
+#   --cuda-test also build src/transport/cuda_memory_test (MEMBOX_WITH_CUDA:
+#               the CUDA toolkit and googletest, libgtest-dev in --debs).
 #
 # Prints the environment to run the result with (LD_LIBRARY_PATH), also
 # written to DIR/env.sh.
 set -euo pipefail
-debs="" ucx="" py="$(command -v python3)" out="build/gpu"
+debs="" ucx="" py="$(command -v python3)" out="build/gpu" targets=(membox membox_python_core)
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --debs) debs="$2"; shift 2 ;;
     --ucx) ucx="$2"; shift 2 ;;
     --python) py="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
+    --cuda-test) cuda_test=1; shift ;;
     *) echo "build-gpu.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -82,10 +85,14 @@ if [[ -n "$ucx" ]]; then
   fi
 fi
 export LD_LIBRARY_PATH="$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if [[ -n "${cuda_test:-}" ]]; then
+  cmake_args+=(-DMEMBOX_WITH_CUDA=ON)
+  targets+=(cuda_memory_test)
+fi
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$root" -B "$out" "${generator[@]}" "${cmake_args[@]}"
-cmake --build "$out" -j"$(nproc)" --target membox membox_python_core
+cmake --build "$out" -j"$(nproc)" --target "${targets[@]}"
 cat >"$out/env.sh" <<EOF
 export LD_LIBRARY_PATH="$libpath\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export PYTHONPATH="$out/python\${PYTHONPATH:+:\$PYTHONPATH}"
