@@ -110,13 +110,15 @@ class _CudaStaging:
                 return b
         arr = self._client().allocate(nbytes)
         ptr = arr.ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-        if int(err) != 0:
-            raise membox.MemboxError(
-                "cannot page-lock %d bytes of registered memory for CUDA "
-                "staging (cudaHostRegister error %d)" % (nbytes, int(err)))
-        # Unlocked when the client goes (its memory is unmapped after).
-        weakref.finalize(self._client(), _unpin, ptr)
+        # A UCX built with CUDA page-locks what it registers already.
+        if not torch.from_numpy(arr).is_pinned():
+            err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+            if err != 0:
+                raise membox.MemboxError(
+                    "cannot page-lock %d bytes of registered memory for CUDA "
+                    "staging (cudaHostRegister error %d)" % (nbytes, err))
+            # Unlocked when the client goes (its memory is unmapped after).
+            weakref.finalize(self._client(), _unpin, ptr)
         b = (arr, torch.from_numpy(arr))
         with self._lock:
             self._buffers[key] = b
