@@ -17,9 +17,9 @@ workers.
 """
 import os
 
-# UCX's malloc hooks replace malloc/free for the whole process; next to
-# torch's CUDA libraries (loaded after membox) that ends in "free(): invalid
-# pointer". membox registers its memory explicitly and needs no hooks.
+# UCX's malloc hooks would interpose malloc/free for the whole process (the
+# user's torch and its allocators included); membox registers its memory
+# explicitly and needs none. Set UCX_MEM_MALLOC_HOOKS=yes to have them.
 os.environ.setdefault("UCX_MEM_MALLOC_HOOKS", "no")
 
 from membox import _core  # noqa: E402
