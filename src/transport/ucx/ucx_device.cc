@@ -1,6 +1,7 @@
 #include "src/transport/ucx/ucx_device.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -294,6 +295,14 @@ Status UcxDevice::Init() {
   if (st != UCS_OK) {
     ucp_config_release(config);
     return UcsError(st, "invalid transports '" + options_.transports + "'");
+  }
+  // A UCX with CUDA (1.2x) registers the whole cudaMalloc allocation around
+  // a registered GPU buffer, from a memory-type detection that comes back
+  // empty here (a [0, 0) region: "Invalid parameter", docs/results/gpu.md).
+  // membox registers exactly the range it is given. Older UCX has no such
+  // setting (the modify fails and nothing changes); the environment wins.
+  if (std::getenv("UCX_MEMTYPE_REG_WHOLE_ALLOC_TYPES") == nullptr) {
+    (void)ucp_config_modify(config, "MEMTYPE_REG_WHOLE_ALLOC_TYPES", "");
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES |
