@@ -65,6 +65,14 @@ void WaitWithoutGil(H& h, std::optional<double> timeout_s) {
 
 // Runs Python callbacks and drops buffer references with the GIL, off the
 // transport's threads.
+//
+// Exit: Stop() runs from Python's atexit, before the interpreter finalizes.
+// It lets the thread finish the callback in hand and ends it, so no C++
+// thread asks for the GIL of a finalizing interpreter (Python would end it
+// with pthread_exit, whose unwinding through noexcept frames aborts the
+// process: "terminate called without an active exception" after training
+// had finished). Work posted after that stays queued and is never run or
+// destroyed (its Python references must not be dropped without the GIL).
 class Completions {
  public:
   static Completions& Get() {
@@ -78,6 +86,14 @@ class Completions {
     }
     cv_.notify_one();
   }
+  // Called with the GIL held (atexit); returns once the thread has ended.
+  void Stop() {
+    py::gil_scoped_release nogil;  // the callback in hand may need it
+    std::unique_lock<std::mutex> l(mu_);
+    stopping_ = true;
+    cv_.notify_all();
+    cv_.wait(l, [this] { return stopped_; });
+  }
 
  private:
   Completions() {
@@ -86,23 +102,30 @@ class Completions {
         std::function<void()> f;
         {
           std::unique_lock<std::mutex> l(mu_);
-          cv_.wait(l, [this] { return !q_.empty(); });
+          cv_.wait(l, [this] { return !q_.empty() || stopping_; });
+          if (stopping_) {
+            stopped_ = true;
+            cv_.notify_all();
+            return;
+          }
           f = std::move(q_.front());
           q_.pop_front();
         }
-        if (!Py_IsInitialized()) continue;
         py::gil_scoped_acquire gil;
         try {
           f();
         } catch (py::error_already_set& e) {
           e.discard_as_unraisable("membox completion callback");
         }
+        f = nullptr;  // drops the Python references while the GIL is held
       }
     }).detach();
   }
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> q_;
+  bool stopping_ = false;  // GUARDED_BY(mu_)
+  bool stopped_ = false;   // GUARDED_BY(mu_)
 };
 
 // What a pending operation keeps alive, and its Python callbacks.
@@ -529,6 +552,8 @@ PYBIND11_MODULE(_core, m) {
                                                 err.ptr());
   g_error = err.ptr();
   g_unavailable = gone.ptr();
+  py::module_::import("atexit").attr("register")(
+      py::cpp_function([] { Completions::Get().Stop(); }));
 
   m.def(
       "resolve_secret",

@@ -241,16 +241,21 @@ int PrintStatus(const std::string& server, const std::string& secret,
 
 // `membox launch` is membox/launch.py (Python's subprocess and threads make
 // a simpler supervisor than C++ here) and `membox bench gpu` is
-// membox/gpu_bench.py (it drives torch): this execs the module with the
-// package from this build, MEMBOX_PYTHON (default: the interpreter the
-// extension was built for) and this binary as the memory node.
+// membox/gpu_bench.py (it drives torch): this execs the module with
+// MEMBOX_PYTHON (default: the interpreter the extension was built for) and
+// this binary as the memory node.
 int ExecPythonModule(const std::string& module,
                      const std::vector<std::string>& args) {
   std::string self = membox::SelfExePath();
-  std::string path = MEMBOX_PYTHON_DIR;
-  if (const char* old = std::getenv("PYTHONPATH"))
-    path += std::string(":") + old;
-  setenv("PYTHONPATH", path.c_str(), 1);
+  // The build tree's binary runs the build tree's package; an installed one
+  // (cmake --install, pip install .) the package installed beside it, found
+  // by its interpreter without help.
+  if (self == MEMBOX_BUILD_TREE_EXE) {
+    std::string path = MEMBOX_PYTHON_DIR;
+    if (const char* old = std::getenv("PYTHONPATH"); old && *old)
+      path += std::string(":") + old;
+    setenv("PYTHONPATH", path.c_str(), 1);
+  }
   setenv("MEMBOX_BIN", self.c_str(), 1);
   std::string python = MEMBOX_PYTHON_EXECUTABLE;
   if (const char* p = std::getenv("MEMBOX_PYTHON"); p && *p) python = p;
@@ -358,6 +363,7 @@ int main(int argc, char** argv) {
       "[--nodes N] [--workers P] [--checkpoint-dir D] [--resume] -- CMD...");
   launch->prefix_command();  // everything after goes to membox.launch
   launch->allow_extras();
+  launch->set_help_flag();  // --help reaches membox.launch (all its options)
 
   std::string status_server;
   auto* status = app.add_subcommand(

@@ -72,6 +72,18 @@ class Proc:
                 pass
 
 
+def _with_package(env):
+    """Lets the workers import this membox: a build tree's package goes on
+    PYTHONPATH (once); an installed one is found without it."""
+    import site
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    installed = set(site.getsitepackages() + [site.getusersitepackages()])
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if pkg in installed or pkg in parts:
+        return
+    env["PYTHONPATH"] = os.pathsep.join([pkg] + parts)
+
+
 def attach(a, cmd):
     """Worker side of a multi-host launch: rank and size from mpirun, Slurm
     or PMI, memory nodes from --proxies; then exec the command."""
@@ -99,8 +111,7 @@ def attach(a, cmd):
     if a.master:
         host, _, port = a.master.rpartition(":")
         env["MASTER_ADDR"], env["MASTER_PORT"] = host, port
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+    _with_package(env)
     os.execvpe(cmd[0], cmd, env)
 
 
@@ -191,8 +202,7 @@ def main(argv=None):
             env["MEMBOX_CHECKPOINT_DIR"] = a.checkpoint_dir
         if a.resume:
             env["MEMBOX_RESUMED"] = "1"
-        pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+        _with_package(env)
         workers = []
         for r in range(a.workers):
             e = dict(env, RANK=str(r), LOCAL_RANK=str(r))

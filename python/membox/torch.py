@@ -176,15 +176,26 @@ class _CudaStaging:
         """Runs fn() on the staging thread once `event` has completed."""
         with self._lock:
             if self._queue is None:
+                import atexit
                 import queue
                 self._queue = queue.SimpleQueue()
-                threading.Thread(target=self._run, name="membox-cuda-staging",
-                                 daemon=True).start()
+                t = threading.Thread(target=self._run,
+                                     name="membox-cuda-staging", daemon=True)
+                t.start()
+                # Ended before the interpreter finalizes: a thread inside
+                # torch's C++ then would abort the process at exit.
+                atexit.register(self._stop, t)
         self._queue.put((event, fn))
+
+    def _stop(self, thread):
+        self._queue.put((None, None))
+        thread.join(timeout=10)
 
     def _run(self):
         while True:
             event, fn = self._queue.get()
+            if event is None:
+                return
             event.synchronize()  # releases the GIL
             fn()
 

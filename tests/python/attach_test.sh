@@ -4,14 +4,16 @@
 # mpirun's rank variables; the digits job must train.
 # Usage: attach_test.sh PATH/TO/membox
 set -euo pipefail
+# MEMBOX_TEST_PYTHON: another interpreter (a venv with PyPI torch 2.x).
+py=${MEMBOX_TEST_PYTHON:-/usr/bin/python3}
 membox=${1:?usage: attach_test.sh membox}
 here=$(cd "$(dirname "$0")/../.." && pwd)
-/usr/bin/python3 -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs python3-torch and python3-sklearn"; exit 77; }
+"$py" -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs python3-torch and python3-sklearn"; exit 77; }
 command -v mpirun >/dev/null || { echo "SKIP: needs mpirun"; exit 77; }
 dir=$(mktemp -d)
 echo "attach-test-secret" > "$dir/secret"
-port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-master=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+master=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 "$membox" --log-level warn serve --listen 127.0.0.1:0 --ps-listen "127.0.0.1:$port" \
   --secret-file "$dir/secret" --pool-size 16MiB >"$dir/node.log" 2>&1 &
 node=$!
@@ -20,6 +22,6 @@ for _ in $(seq 100); do grep -q "parameter proxy on" "$dir/node.log" && break; s
 mpirun --allow-run-as-root --oversubscribe -np 2 --mca btl self,vader \
   "$membox" launch --attach --proxies "127.0.0.1:$port" --secret-file "$dir/secret" \
   --master "127.0.0.1:$master" -- \
-  /usr/bin/python3 "$here/examples/train_digits.py" --backend membox --epochs 1 | tee "$dir/out"
+  "$py" "$here/examples/train_digits.py" --backend membox --epochs 1 | tee "$dir/out"
 grep -q "epoch 1 " "$dir/out"
 echo "PASS: workers started by mpirun trained through membox"

@@ -3,16 +3,18 @@
 # (to float tolerance): examples/train_digits.py under `membox launch`.
 # Usage: digits_equivalence_test.sh PATH/TO/membox
 set -euo pipefail
+# MEMBOX_TEST_PYTHON: another interpreter (a venv with PyPI torch 2.x).
+py=${MEMBOX_TEST_PYTHON:-/usr/bin/python3}
 membox=${1:?usage: digits_equivalence_test.sh membox}
 here=$(cd "$(dirname "$0")/../.." && pwd)
-/usr/bin/python3 -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs python3-torch and python3-sklearn"; exit 77; }
+"$py" -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs python3-torch and python3-sklearn"; exit 77; }
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-"$membox" launch --nodes 2 --workers 2 -- /usr/bin/python3 "$here/examples/train_digits.py" \
+"$membox" launch --nodes 2 --workers 2 -- "$py" "$here/examples/train_digits.py" \
   --backend membox --epochs 2 --out "$out/m.jsonl"
-"$membox" launch --nodes 0 --workers 2 -- /usr/bin/python3 "$here/examples/train_digits.py" \
+"$membox" launch --nodes 0 --workers 2 -- "$py" "$here/examples/train_digits.py" \
   --backend gloo --epochs 2 --out "$out/g.jsonl"
-/usr/bin/python3 - "$out/m.jsonl" "$out/g.jsonl" <<'PY'
+"$py" - "$out/m.jsonl" "$out/g.jsonl" <<'PY'
 import json, sys
 m = [json.loads(l) for l in open(sys.argv[1])]
 g = [json.loads(l) for l in open(sys.argv[2])]

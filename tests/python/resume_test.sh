@@ -8,12 +8,12 @@
 set -uo pipefail
 membox=${1:?usage: resume_test.sh membox}
 here=$(cd "$(dirname "$0")/../.." && pwd)
-/usr/bin/python3 -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs python3-torch and python3-sklearn"; exit 77; }
+"$py" -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs python3-torch and python3-sklearn"; exit 77; }
 ck=$(mktemp -d)
 log=$(mktemp)
 trap 'rm -rf "$ck" "$log"' EXIT
 "$membox" launch --nodes 2 --workers 2 --checkpoint-dir "$ck" -- \
-  /usr/bin/python3 "$here/examples/train_ps.py" --epochs 4 --pause-after-epoch 2 >"$log" 2>&1 &
+  "$py" "$here/examples/train_ps.py" --epochs 4 --pause-after-epoch 2 >"$log" 2>&1 &
 launch=$!
 for _ in $(seq 300); do
   grep -q '"epoch": 2' "$log" && break
@@ -31,7 +31,7 @@ grep -q "ProxyUnavailable" "$log" || { echo "FAIL: no ProxyUnavailable in the wo
 grep -q "membox launch: .*stopping everything" "$log" || { echo "FAIL: launch did not say why it stopped"; exit 1; }
 # Resume: training continues with epoch 3 from the checkpoint.
 "$membox" launch --nodes 2 --workers 2 --checkpoint-dir "$ck" --resume -- \
-  /usr/bin/python3 "$here/examples/train_ps.py" --epochs 4 >"$log" 2>&1 || { cat "$log"; echo "FAIL: resume"; exit 1; }
+  "$py" "$here/examples/train_ps.py" --epochs 4 >"$log" 2>&1 || { cat "$log"; echo "FAIL: resume"; exit 1; }
 grep -v '^\[node' "$log" | tail -n 4
 grep -q "resumed from checkpoint at epoch 2" "$log" || { echo "FAIL: did not resume at epoch 2"; exit 1; }
 grep -q '"epoch": 3' "$log" && grep -q '"epoch": 4' "$log" || { echo "FAIL: epochs 3-4 missing"; exit 1; }

@@ -4,6 +4,7 @@ buffers, the parameter server with SGD on the node, and the errors a user
 sees -- wrong secret, wrong buffer size, a memory node that dies."""
 import os
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
@@ -112,6 +113,45 @@ class ClientTest(unittest.TestCase):
                             np.zeros(10, np.float32)).wait(10)
                 time.sleep(0.1)
         self.assertIn(self.node.endpoint, str(e.exception))
+
+
+class ExitTest(unittest.TestCase):
+    """A worker that leaves while completion callbacks are still due must
+    exit 0 (issue seen as 'terminate called without an active exception',
+    exit -6, after training had finished)."""
+
+    SCRIPT = r"""
+import sys, time
+import numpy as np
+import membox
+c = membox.connect([sys.argv[1]], sys.argv[2], 0, 1, timeout=10.0)
+c.configure(mode="sum")
+bufs = []
+for k in range(1, 9):
+    c.declare(k, 1 << 16)
+for i in range(400):
+    x = np.ones(1 << 14, np.float32)
+    bufs.append(x)
+    h = c.push_pull(1 + i % 8, x, x)
+    h.add_done_callback(lambda err: time.sleep(0.0005))
+# leave with callbacks still queued
+"""
+
+    def test_exit_with_callbacks_in_flight(self):
+        tmp = tempfile.mkdtemp()
+        node = Node(tmp)
+        try:
+            for run in range(12):
+                p = subprocess.run(
+                    [sys.executable, "-c", self.SCRIPT, node.endpoint,
+                     node.secret], capture_output=True, text=True,
+                    timeout=60)
+                self.assertEqual(p.returncode, 0,
+                                 f"run {run}: exit {p.returncode}\n"
+                                 f"{p.stderr[-2000:]}")
+                self.assertNotIn("terminate called", p.stderr)
+        finally:
+            node.kill()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# `pip install .` into a fresh virtual environment, then the installed
+# package and `membox` command as a user has them, with no PYTHONPATH:
+# the command is on the venv's PATH, `membox launch --help` lists its
+# options, the client test passes against the installed extension, and the
+# workers of an installed `membox launch` import the installed package.
+# With --torch, PyPI's torch 2.x goes into the same venv (size and time
+# printed) and the DDP-hook equivalence test (membox vs Gloo, same losses)
+# and the CUDA test (skips without a GPU) run on it.
+#
+# Usage: pip_install_test.sh [--torch] [VENV_DIR]
+# MEMBOX_VENV_PYTHON: the interpreter the venv is made from (default
+# /usr/bin/python3, Debian's, with python3-venv).
+set -euo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+with_torch=0
+if [[ "${1:-}" == --torch ]]; then with_torch=1; shift; fi
+work=$(mktemp -d)
+venv=${1:-$work/venv}
+trap 'rm -rf "$work"' EXIT
+base=${MEMBOX_VENV_PYTHON:-/usr/bin/python3}
+"$base" -m venv "$venv" 2>/dev/null ||
+  { echo "SKIP: $base cannot make a venv (apt-get install python3-venv)"; exit 77; }
+unset PYTHONPATH
+py="$venv/bin/python"
+t0=$(date +%s)
+"$venv/bin/pip" install -q --disable-pip-version-check "$here"
+echo "pip install .: $(( $(date +%s) - t0 )) s"
+cd "$work"  # nothing of the source tree on sys.path
+
+test -x "$venv/bin/membox" || { echo "FAIL: no membox command in $venv/bin"; exit 1; }
+"$venv/bin/membox" version
+help=$("$venv/bin/membox" launch --help)
+grep -q -- "--pool-size" <<<"$help" ||
+  { echo "$help"; echo "FAIL: membox launch --help does not list its options"; exit 1; }
+where=$("$py" -c 'import membox, os; print(os.path.dirname(membox.__file__))')
+[[ "$where" == "$venv"/* ]] || { echo "FAIL: membox imported from $where"; exit 1; }
+
+MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_client.py"
+
+# Workers of the installed launcher import the installed package, once on
+# the path (no build tree in PYTHONPATH).
+"$venv/bin/membox" launch --nodes 1 --workers 2 -- "$py" -c "
+import os, membox
+assert membox.__file__.startswith('$venv'), membox.__file__
+assert 'build' not in os.environ.get('PYTHONPATH', ''), os.environ.get('PYTHONPATH')
+c = membox.connect()
+c.configure(mode='sum')
+c.declare(1, 4000)
+import numpy as np
+x = np.full(1000, int(os.environ['RANK']) + 1, np.float32)
+c.push_pull(1, x, x).wait()
+assert (x == 3).all(), x[:4]
+print('installed launch: worker', os.environ['RANK'], 'ok')
+"
+
+if [[ $with_torch == 1 ]]; then
+  t0=$(date +%s)
+  "$venv/bin/pip" install -q --disable-pip-version-check torch scikit-learn
+  echo "pip install torch scikit-learn: $(( $(date +%s) - t0 )) s," \
+    "venv $(du -sh "$venv" | cut -f1)"
+  "$py" -c 'import torch; print("torch", torch.__version__)'
+  MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/digits_equivalence_test.sh" \
+    "$venv/bin/membox"
+  rc=0
+  MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_cuda.py" || rc=$?
+  [[ $rc == 0 || $rc == 77 ]] || { echo "FAIL: test_cuda ($rc)"; exit 1; }
+fi
+echo "PASS: pip install"
