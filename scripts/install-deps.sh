@@ -14,7 +14,7 @@ $SUDO apt-get install -y --no-install-recommends \
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
   librocksdb-dev \
   openmpi-bin libopenmpi-dev \
-  python3 python3-matplotlib python3-torch python3-sklearn \
+  python3 python3-venv python3-matplotlib python3-torch python3-sklearn \
   pybind11-dev python3-pybind11 \
   iperf3 iproute2 procps \
   clang clang-format libclang-rt-14-dev

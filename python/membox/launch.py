@@ -36,8 +36,33 @@ import threading
 import time
 
 
+def _ephemeral_range():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port():
-    with socket.socket() as s:
+    """A port for a server the launcher starts later (memory nodes, the
+    torch.distributed master). Chosen below the kernel's ephemeral range:
+    a port bound to 0 and released could be handed to any outgoing
+    connection before the server binds it ("Address already in use"); one
+    below the range only to an explicit bind."""
+    import random
+    lo, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, lo))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range is taken
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -162,5 +162,18 @@ for i in range(400):
             node.kill()
 
 
+class LaunchPortTest(unittest.TestCase):
+    def test_ports_are_below_the_ephemeral_range_and_free(self):
+        from membox import launch
+        lo, _ = launch._ephemeral_range()
+        for _ in range(50):
+            port = launch.free_port()
+            self.assertLess(port, lo)  # never handed to outgoing connections
+            self.assertGreaterEqual(port, 10000)
+            import socket
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))  # still free
+
+
 if __name__ == "__main__":
     unittest.main()
