@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command of README.md (and of .ci/run): installs what is needed,
 # checks formatting, builds (warnings are errors), and runs every test suite
-# twice -- a release build, then an ASan+UBSan build --, the transport,
+# twice -- a release build, then an ASan+UBSan build --, `pip install .` into
+# a venv with PyPI's torch 2.x (the Python side against torch 2.x), the
+# transport,
 # memory-server and hostile-network tests under ThreadSanitizer, and finally
 # each fuzz target for a short time.
 # Usage: bash scripts/test.sh [--no-install]
@@ -31,6 +33,10 @@ echo "== release build and tests"
 cmake --preset release
 cmake --build --preset release -j"$jobs"
 run_ctest release
+
+echo "== pip install . into a venv, then PyPI's torch 2.x there (tests/install/pip_install_test.sh)"
+bash tests/install/pip_install_test.sh --torch 2>&1 | tee build/pip_install_test.log
+grep -q "^PASS: pip install" build/pip_install_test.log
 
 echo "== ASan + UBSan build and tests"
 cmake --preset asan
