@@ -50,6 +50,11 @@ def main():
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="micro-batches per step (the first ones under "
+                         "DDP's no_sync())")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the DDP model (torch 2.x)")
     a = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -69,6 +74,9 @@ def main():
         membox.torch.init()                                          # line 1
         model.register_comm_hook(None, membox.torch.allreduce_hook)  # line 2
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    ddp = model
+    if a.compile:
+        model = torch.compile(model)
     loss_fn = nn.CrossEntropyLoss()
 
     def batches(epoch):
@@ -83,7 +91,7 @@ def main():
     compute = []
     for i in range(6):
         t0 = time.perf_counter()
-        with model.no_sync():
+        with ddp.no_sync():
             opt.zero_grad()
             loss_fn(model(xb), yb).backward()
         compute.append(time.perf_counter() - t0)
@@ -93,14 +101,23 @@ def main():
     for epoch in range(a.epochs):
         model.train()
         losses, times = [], []
+        micro = []
         for xb, yb in batches(epoch):
+            micro.append((xb, yb))
+            if len(micro) < a.accumulate:
+                continue
             t0 = time.perf_counter()
             opt.zero_grad()
-            loss = loss_fn(model(xb), yb)
+            for xm, ym in micro[:-1]:  # accumulate locally, no communication
+                with ddp.no_sync():
+                    (loss_fn(model(xm), ym) / a.accumulate).backward()
+            xm, ym = micro[-1]
+            loss = loss_fn(model(xm), ym) / a.accumulate
             loss.backward()       # gradients synchronised here
             opt.step()
+            micro = []
             times.append(time.perf_counter() - t0)
-            losses.append(loss.item())
+            losses.append(loss.item() * a.accumulate)
         stats = torch.tensor([float(np.mean(losses)), float(np.mean(times))],
                              dtype=torch.float64)
         dist.all_reduce(stats)

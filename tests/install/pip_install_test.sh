@@ -5,8 +5,10 @@
 # options, the client test passes against the installed extension, and the
 # workers of an installed `membox launch` import the installed package.
 # With --torch, PyPI's torch 2.x goes into the same venv (size and time
-# printed) and the DDP-hook equivalence test (membox vs Gloo, same losses)
-# and the CUDA test (skips without a GPU) run on it.
+# printed) and the DDP-hook equivalence tests (membox vs Gloo, same losses:
+# under `membox launch`, and under torchrun with separately started memory
+# nodes, with no_sync() accumulation and torch.compile) and the CUDA test
+# (skips without a GPU) run on it.
 #
 # Usage: pip_install_test.sh [--torch] [VENV_DIR]
 # MEMBOX_VENV_PYTHON: the interpreter the venv is made from (default
@@ -61,6 +63,8 @@ if [[ $with_torch == 1 ]]; then
     "venv $(du -sh "$venv" | cut -f1)"
   "$py" -c 'import torch; print("torch", torch.__version__)'
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/digits_equivalence_test.sh" \
+    "$venv/bin/membox"
+  MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/torchrun_test.sh" \
     "$venv/bin/membox"
   rc=0
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_cuda.py" || rc=$?
