@@ -279,6 +279,27 @@ class Client {
                      {static_cast<ssize_t>(1)}, ptr, self);
   }
 
+  // Registers a writable buffer the caller keeps alive (see
+  // ParamClient::RegisterTensor); operations on it are then zero copy.
+  void RegisterTensor(py::object buffer) {
+    Buffer b = GetBuffer(buffer, true);
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = c_->RegisterTensor(b.ptr, b.bytes);
+    }
+    if (!s.ok()) Throw(s);
+  }
+  void UnregisterTensor(py::object buffer) {
+    Buffer b = GetBuffer(buffer, true);
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = c_->UnregisterTensor(b.ptr);
+    }
+    if (!s.ok()) Throw(s);
+  }
+
   Handle Submit(int kind, uint64_t key, py::object in, py::object out,
                 int priority) {
     auto op = std::make_shared<PyOp>();
@@ -593,6 +614,8 @@ PYBIND11_MODULE(_core, m) {
             return self.cast<Client&>().Allocate(nbytes, self);
           },
           py::arg("nbytes"))
+      .def("register_tensor", &Client::RegisterTensor, py::arg("buffer"))
+      .def("unregister_tensor", &Client::UnregisterTensor, py::arg("buffer"))
       .def(
           "push",
           [](Client& c, uint64_t key, py::object data, int priority) {

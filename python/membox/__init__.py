@@ -51,6 +51,14 @@ class Client(_core.Client):
     def declare(self, key, nbytes, dtype="float32", init=None):
         return super().declare(key, nbytes, dtype, _buffer(init))
 
+    def register_tensor(self, t):
+        """Registers a buffer or CPU tensor you keep alive: pushes and pulls
+        on it are then zero copy (unregister_tensor before freeing it)."""
+        return super().register_tensor(_buffer(t))
+
+    def unregister_tensor(self, t):
+        return super().unregister_tensor(_buffer(t))
+
     def push(self, key, data, priority=0):
         return super().push(key, _buffer(data), priority)
 

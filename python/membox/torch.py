@@ -263,6 +263,7 @@ def allreduce_hook(state, bucket):
     if t.device.type == "cuda":
         return _cuda_push_pull(client(), key, t, -bucket.index())
     arr = _flat_numpy(t)
+    _register_bucket(client(), bucket.index(), t, arr)
     fut = torch.futures.Future()
     handle = client().push_pull(key, arr, arr, priority=-bucket.index())
 
@@ -274,6 +275,28 @@ def allreduce_hook(state, bucket):
 
     handle.add_done_callback(done)
     return fut
+
+
+_buckets = {}  # bucket index -> (address, bytes, tensor) registered
+
+
+def _register_bucket(c, index, t, arr):
+    """Registers DDP's bucket buffer with the transport the first time it is
+    seen (and again after DDP rebuilds its buckets, dropping the old one), so
+    every later round is pushed and pulled in place: no staging copies. The
+    tensor is kept referenced while registered."""
+    ptr, nbytes = arr.ctypes.data, arr.nbytes
+    with _lock:
+        old = _buckets.get(index)
+        if old is not None and old[0] == ptr and old[1] == nbytes:
+            return
+        _buckets[index] = (ptr, nbytes, t)
+    if old is not None:
+        try:
+            c.unregister_tensor(old[2].detach().view(-1).numpy())
+        except membox.MemboxError:
+            pass  # already replaced by an overlapping registration
+    c.register_tensor(arr)
 
 
 def _cuda_push_pull(c, key, t, priority):

@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <queue>
+#include <set>
 #include <thread>
 
 #include <unistd.h>
@@ -232,6 +233,48 @@ class ParamClientImpl final : public ParamClient {
     std::lock_guard<std::mutex> l(mu_);
     regions_[reinterpret_cast<uintptr_t>(p)] = std::move(r);
     return p;
+  }
+
+  Status RegisterTensor(void* data, size_t bytes) override {
+    if (data == nullptr || bytes == 0) {
+      return InvalidArgumentError("RegisterTensor: null address or size 0");
+    }
+    auto start = reinterpret_cast<uintptr_t>(data);
+    std::vector<std::unique_ptr<MemRegion>> stale;  // unmapped unlocked
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (Locate(data, bytes) != nullptr) return Status::Ok();
+      for (auto it = user_regions_.begin(); it != user_regions_.end();) {
+        auto r = regions_.find(*it);
+        uintptr_t b = r->first, e = b + r->second->size();
+        if (b < start + bytes && start < e) {
+          stale.push_back(std::move(r->second));
+          regions_.erase(r);
+          it = user_regions_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    stale.clear();
+    ASSIGN_OR_RETURN(auto r, device_->RegisterMemRegion(data, bytes));
+    RETURN_IF_ERROR(RegisterRegion(*r));
+    std::lock_guard<std::mutex> l(mu_);
+    regions_[start] = std::move(r);
+    user_regions_.insert(start);
+    return Status::Ok();
+  }
+
+  Status UnregisterTensor(void* data) override {
+    auto start = reinterpret_cast<uintptr_t>(data);
+    std::unique_ptr<MemRegion> gone;
+    std::lock_guard<std::mutex> l(mu_);
+    if (user_regions_.erase(start) == 0) {
+      return NotFoundError("no tensor registered at this address");
+    }
+    gone = std::move(regions_[start]);
+    regions_.erase(start);
+    return Status::Ok();
   }
 
   Status Configure(const SyncConfig& c) override {
@@ -749,11 +792,12 @@ class ParamClientImpl final : public ParamClient {
   };
   std::vector<RouteEntry> route_history_;                    // GUARDED_BY(mu_)
   std::map<uintptr_t, std::unique_ptr<MemRegion>> regions_;  // GUARDED_BY(mu_)
-  std::map<uint64_t, KeyInfo> keys_;                         // GUARDED_BY(mu_)
-  std::map<uint64_t, Pending> pending_;                      // GUARDED_BY(mu_)
-  std::map<uint32_t, Status> failed_;                        // GUARDED_BY(mu_)
-  bool async_ = false;                                       // GUARDED_BY(mu_)
-  uint64_t next_seq_ = 0;                                    // GUARDED_BY(mu_)
+  std::set<uintptr_t> user_regions_;     // RegisterTensor's; GUARDED_BY(mu_)
+  std::map<uint64_t, KeyInfo> keys_;     // GUARDED_BY(mu_)
+  std::map<uint64_t, Pending> pending_;  // GUARDED_BY(mu_)
+  std::map<uint32_t, Status> failed_;    // GUARDED_BY(mu_)
+  bool async_ = false;                   // GUARDED_BY(mu_)
+  uint64_t next_seq_ = 0;                // GUARDED_BY(mu_)
   std::atomic<uint64_t> next_id_{1};
 
   std::mutex profile_mu_;

@@ -6,6 +6,8 @@
 # `membox launch --resume` continues from the epoch-2 checkpoint.
 # Usage: resume_test.sh PATH/TO/membox
 set -uo pipefail
+# MEMBOX_TEST_PYTHON: another interpreter (a venv with PyPI torch 2.x).
+py=${MEMBOX_TEST_PYTHON:-/usr/bin/python3}
 membox=${1:?usage: resume_test.sh membox}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 "$py" -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs python3-torch and python3-sklearn"; exit 77; }

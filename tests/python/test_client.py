@@ -77,6 +77,36 @@ class ClientTest(unittest.TestCase):
         time.sleep(0.1)
         self.assertEqual(seen, [None])
 
+    def test_registered_buffers_are_pushed_in_place(self):
+        a, b = self.client(0, 2), self.client(1, 2)
+        for c in (a, b):
+            c.declare(5, 4096)
+        x = np.full(1024, 1.0, np.float32)
+        y = np.full(1024, 2.0, np.float32)
+        a.register_tensor(x)
+        a.register_tensor(x)            # again: already reachable
+        b.register_tensor(y[:1024])
+        ha, hb = a.push_pull(5, x, x), b.push_pull(5, y, y)
+        ha.wait(10)
+        hb.wait(10)
+        self.assertTrue((x == 3).all() and (y == 3).all())
+        b.unregister_tensor(y)
+        with self.assertRaises(membox.MemboxError):
+            b.unregister_tensor(y)      # NOT_FOUND
+        # Memory freed and reused by a bigger buffer: the old registration
+        # it overlaps is dropped, the new one serves the next round.
+        b.register_tensor(y[256:])
+        b.register_tensor(y)
+        with self.assertRaises(membox.MemboxError):
+            b.unregister_tensor(y[256:])  # dropped
+        b.register_tensor(y[:512])      # inside: accepted as is
+        ha, hb = a.push_pull(5, x, x), b.push_pull(5, y, y)
+        ha.wait(10)
+        hb.wait(10)
+        self.assertTrue((x == 6).all() and (y == 6).all())
+        with self.assertRaises(ValueError):
+            b.register_tensor(np.ones(4, np.float32)[::2])  # not contiguous
+
     @unittest.skipUnless(HAVE_TORCH, "needs torch")
     def test_torch_tensors_are_shared_not_copied(self):
         import torch

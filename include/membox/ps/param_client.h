@@ -100,6 +100,15 @@ class ParamClient {
   // Memory the proxies can reach directly (zero copy). Valid until the
   // client is destroyed.
   virtual Result<void*> AllocateTensor(size_t bytes) = 0;
+  // Registers memory the caller owns (a framework's gradient buffer) so the
+  // proxies read and write it in place like AllocateTensor's: one
+  // registration, then every Push / Pull / PushPull on it is zero copy.
+  // Memory already reachable is accepted as is; earlier registrations the
+  // range overlaps are dropped first (the caller freed and reused that
+  // memory). The caller keeps the memory alive while registered, and calls
+  // UnregisterTensor (with no operation on it in flight) before freeing it.
+  virtual Status RegisterTensor(void* data, size_t bytes) = 0;
+  virtual Status UnregisterTensor(void* data) = 0;
 
   // Sets the synchronisation mode on every proxy. Every worker must pass the
   // same configuration (a differing one is refused); call before Declare.
