@@ -271,10 +271,30 @@ def allreduce_hook(state, bucket):
         if err is None:
             fut.set_result(t)
         else:
-            fut.set_exception(membox.MemboxError(err))
+            fut.set_exception(_error(err))
 
     handle.add_done_callback(done)
-    return fut
+    return _for_ddp(fut)
+
+
+def _error(err):
+    """membox's exception for a failed round's message (ProxyUnavailable for
+    a memory node that is gone or a job it broke)."""
+    gone = err.startswith(("UNAVAILABLE", "ABORTED"))
+    return (membox.ProxyUnavailable if gone else membox.MemboxError)(err)
+
+
+def _raise_or_value(f):
+    return f.value()  # raises the exception set_exception stored
+
+
+def _for_ddp(fut):
+    """torch's Future.set_exception stores the exception as the value, to be
+    raised by a Python wait(); DDP reads the value in C++ and then fails with
+    "Unable to cast <message> to Tensor". A then() whose callback raises it
+    makes the error one C++ sees: backward() raises it with membox's message
+    (the node named)."""
+    return fut.then(_raise_or_value)
 
 
 _buckets = {}  # bucket index -> (address, bytes, tensor) registered
@@ -308,7 +328,7 @@ def _cuda_push_pull(c, key, t, priority):
     copied = staging.to_host(t, host, device)
 
     def fail(err):
-        fut.set_exception(membox.MemboxError(err))
+        fut.set_exception(_error(err))
 
     def done(err):
         if err is not None:
@@ -328,7 +348,7 @@ def _cuda_push_pull(c, key, t, priority):
             fut.set_exception(e)
 
     staging.after(copied, start)
-    return fut
+    return _for_ddp(fut)
 
 
 class ParameterServer:
