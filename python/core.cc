@@ -394,6 +394,7 @@ class Client {
   }
 
   int num_proxies() const { return c_->num_proxies(); }
+  bool proxies_map_memory() const { return c_->proxies_map_memory(); }
 
  private:
   std::unique_ptr<ParamClient> c_;
@@ -637,7 +638,8 @@ PYBIND11_MODULE(_core, m) {
       .def("checkpoint", &Client::Checkpoint, py::arg("name") = "latest.mbck")
       .def("profile", &Client::Profile)
       .def("proxy_status", &Client::ProxyStatus, py::arg("proxy") = 0)
-      .def_property_readonly("num_proxies", &Client::num_proxies);
+      .def_property_readonly("num_proxies", &Client::num_proxies)
+      .def_property_readonly("proxies_map_memory", &Client::proxies_map_memory);
 
   py::class_<PullHandle>(m, "PullHandle")
       .def("wait", &PullHandle::Wait, py::arg("timeout") = py::none(),

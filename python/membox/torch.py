@@ -263,7 +263,8 @@ def allreduce_hook(state, bucket):
     if t.device.type == "cuda":
         return _cuda_push_pull(client(), key, t, -bucket.index())
     arr = _flat_numpy(t)
-    _register_bucket(client(), bucket.index(), t, arr)
+    if not client().proxies_map_memory:
+        _register_bucket(client(), bucket.index(), t, arr)
     fut = torch.futures.Future()
     handle = client().push_pull(key, arr, arr, priority=-bucket.index())
 
@@ -304,7 +305,9 @@ def _register_bucket(c, index, t, arr):
     """Registers DDP's bucket buffer with the transport the first time it is
     seen (and again after DDP rebuilds its buckets, dropping the old one), so
     every later round is pushed and pulled in place: no staging copies. The
-    tensor is kept referenced while registered."""
+    tensor is kept referenced while registered. Only where the memory nodes
+    do not map this worker's memory (other hosts): on one host the staged
+    path through mapped memory is faster (ParamClient::proxies_map_memory)."""
     ptr, nbytes = arr.ctypes.data, arr.nbytes
     with _lock:
         old = _buckets.get(index)

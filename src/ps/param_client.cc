@@ -226,6 +226,15 @@ class ParamClientImpl final : public ParamClient {
 
   int num_proxies() const override { return static_cast<int>(proxies_.size()); }
 
+  bool proxies_map_memory() const override {
+    for (const auto& p : proxies_) {
+      if (!p.channel || p.channel->protocol() != transport::Protocol::kMapped) {
+        return false;
+      }
+    }
+    return !proxies_.empty();
+  }
+
   Result<void*> AllocateTensor(size_t bytes) override {
     ASSIGN_OR_RETURN(auto r, device_->AllocateMemRegion(bytes));
     RETURN_IF_ERROR(RegisterRegion(*r));

@@ -23,7 +23,7 @@ MEMBOX = os.environ.get("MEMBOX_BIN", "membox")
 
 
 class Node:
-    def __init__(self, tmp):
+    def __init__(self, tmp, extra=()):
         self.secret = "python-test-secret"
         path = os.path.join(tmp, "secret")
         with open(path, "w") as f:
@@ -31,7 +31,7 @@ class Node:
         self.p = subprocess.Popen(
             [MEMBOX, "--log-level", "warn", "serve", "--listen", "127.0.0.1:0",
              "--pool-size", "16MiB", "--secret-file", path,
-             "--exit-with-parent"], stdout=subprocess.PIPE, text=True)
+             "--exit-with-parent", *extra], stdout=subprocess.PIPE, text=True)
         self.endpoint = None
         for line in self.p.stdout:
             if line.startswith("membox serve: parameter proxy on "):
@@ -151,6 +151,52 @@ class ClientTest(unittest.TestCase):
                             np.zeros(10, np.float32)).wait(10)
                 time.sleep(0.1)
         self.assertIn(self.node.endpoint, str(e.exception))
+
+
+class Bucket:  # what DDP hands a comm hook
+    def __init__(self, t, index):
+        self.t, self.i = t, index
+
+    def buffer(self):
+        return self.t
+
+    def index(self):
+        return self.i
+
+
+@unittest.skipUnless(HAVE_TORCH, "needs torch")
+class HookTest(unittest.TestCase):
+    """The DDP hook's data path: staged through mapped memory when the node
+    maps it (one host), DDP's bucket registered in place otherwise."""
+
+    def run_hook(self, extra):
+        import torch
+        import membox.torch as mt
+        tmp = tempfile.mkdtemp()
+        node = Node(tmp, extra)
+        try:
+            c = membox.connect([node.endpoint], node.secret, 0, 1,
+                               timeout=10.0)
+            mt._declared.clear()
+            mt._buckets.clear()
+            mt.init(mode="average", client=c)
+            t = torch.arange(4096, dtype=torch.float32)
+            for _ in range(3):
+                out = mt.allreduce_hook(None, Bucket(t, 0)).wait()
+                self.assertTrue(torch.equal(out, torch.arange(4096.0)))
+            return c.proxies_map_memory, dict(mt._buckets), t
+        finally:
+            node.kill()
+
+    def test_one_host_stages_through_mapped_memory(self):
+        mapped, buckets, _ = self.run_hook(())
+        self.assertTrue(mapped)
+        self.assertEqual(buckets, {})
+
+    def test_tcp_node_reads_the_bucket_in_place(self):
+        mapped, buckets, t = self.run_hook(("--transports", "tcp"))
+        self.assertFalse(mapped)
+        self.assertEqual(buckets[0][0], t.data_ptr())  # registered once
 
 
 class ExitTest(unittest.TestCase):

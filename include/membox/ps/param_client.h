@@ -109,6 +109,14 @@ class ParamClient {
   // UnregisterTensor (with no operation on it in flight) before freeing it.
   virtual Status RegisterTensor(void* data, size_t bytes) = 0;
   virtual Status UnregisterTensor(void* data) = 0;
+  // True when every proxy maps this worker's AllocateTensor memory (same
+  // host, shared memory): there, staging a tensor through that memory (one
+  // copy each way, the proxies then load and store it directly) beat
+  // RegisterTensor's in-place path, which the proxies reach by RMA (cross-
+  // memory attach): 1.95 s vs 2.45 s per iteration of examples/
+  // comm_bound.py (docs/results/digits.md). Elsewhere (TCP, RDMA) in-place
+  // saves both copies.
+  virtual bool proxies_map_memory() const = 0;
 
   // Sets the synchronisation mode on every proxy. Every worker must pass the
   // same configuration (a differing one is refused); call before Declare.
