@@ -253,8 +253,17 @@ def allreduce_hook(state, bucket):
     page-locked staging memory (see _CudaStaging): device-to-host copy on a
     side stream, push/pull once that copy is done, host-to-device copy on
     another side stream, and the Future completes on that stream, so DDP's
-    stream waits for it without blocking the host."""
+    stream waits for it without blocking the host.
+
+    The first iteration goes through the process group's own AllReduce (what
+    DDP does without a hook): DDP rebuilds its buckets after it, so keys,
+    node storage and staging set up for the first layout would serve one
+    iteration and double the start-up cost (4.1 s and 4.5 s for the first two
+    iterations of an 84 M-parameter MLP against Gloo's 1.3 s)."""
     t = bucket.buffer()
+    if _first_iteration(bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        return default_hooks.allreduce_hook(None, bucket)
     nbytes = t.numel() * t.element_size()
     # DDP rebuilds its buckets after the first iteration: a key per
     # (index, size) keeps every declaration consistent on all workers.
@@ -276,6 +285,21 @@ def allreduce_hook(state, bucket):
 
     handle.add_done_callback(done)
     return _for_ddp(fut)
+
+
+_iterations_seen = 0  # DDP iterations whose last bucket reached the hook
+
+
+def _first_iteration(bucket):
+    """True for the buckets of DDP's first iteration (before its bucket
+    rebuild), when torch.distributed is up to carry them."""
+    global _iterations_seen
+    import torch.distributed as dist
+    with _lock:
+        first = _iterations_seen == 0
+        if bucket.is_last():
+            _iterations_seen += 1
+    return first and dist.is_available() and dist.is_initialized()
 
 
 def _error(err):

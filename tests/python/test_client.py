@@ -163,6 +163,9 @@ class Bucket:  # what DDP hands a comm hook
     def index(self):
         return self.i
 
+    def is_last(self):
+        return True
+
 
 @unittest.skipUnless(HAVE_TORCH, "needs torch")
 class HookTest(unittest.TestCase):

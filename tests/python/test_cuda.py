@@ -48,9 +48,11 @@ class DdpHookTest(unittest.TestCase):
                     self.assertAlmostEqual(a, b, delta=1e-4 * max(1, abs(b)),
                                            msg=f"step {i}")
                 self.assertLess(mb["losses"][-1], mb["losses"][0])
-                # Every bucket went through the staging copies.
+                # Every bucket after the first iteration (which DDP's own
+                # AllReduce carries, see allreduce_hook) went through the
+                # staging copies.
                 self.assertGreaterEqual(mb["staged_bytes"],
-                                        Args.iters * mb["param_bytes"])
+                                        (Args.iters - 1) * mb["param_bytes"])
                 self.assertGreater(mb["staging_d2h_gbps"], 0)
 
 
