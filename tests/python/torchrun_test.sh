@@ -78,16 +78,7 @@ for variant in "" "--accumulate 2" "--compile"; do
   "$py" -m torch.distributed.run --standalone --nproc_per_node 2 \
     "$here/examples/train_digits.py" --backend gloo --epochs 2 $variant \
     --out "$work/g$tag.jsonl"
-  "$py" - "$work/m$tag.jsonl" "$work/g$tag.jsonl" "${variant:-plain}" <<'PY'
-import json, sys
-m = [json.loads(l) for l in open(sys.argv[1])]
-g = [json.loads(l) for l in open(sys.argv[2])]
-assert len(m) == len(g) == 2, (m, g)
-for a, b in zip(m, g):
-    rel = abs(a["loss"] - b["loss"]) / max(1e-12, abs(b["loss"]))
-    print(f"{sys.argv[3]}: epoch {a['epoch']}: membox {a['loss']:.7f} "
-          f"gloo {b['loss']:.7f} rel {rel:.2e}")
-    assert rel < 1e-4, "losses differ"
-PY
+  "$py" "$here/tests/python/same_losses.py" "$work/m$tag.jsonl" "$work/g$tag.jsonl" \
+    --label="${variant:-plain}"
 done
 echo "PASS: torchrun with separately started memory nodes (plain, no_sync accumulation, torch.compile)"
