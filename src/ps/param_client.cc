@@ -313,7 +313,7 @@ class ParamClientImpl final : public ParamClient {
           "tensor size must be a non-zero multiple of "
           "the element size");
     }
-    uint64_t shard = routing().partition_bytes;
+    uint64_t shard = std::max(routing().partition_bytes, kMinShardBytes);
     shard = std::max<uint64_t>(es, shard - shard % es);
     shard = std::min<uint64_t>(shard, bytes);
     KeyInfo k;

@@ -15,6 +15,7 @@
 
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
+#include "membox/ps/routing.h"
 #include "membox/transport/device.h"
 
 #include "src/memserver/accumulate.h"
@@ -688,6 +689,11 @@ class ProxyImpl final : public Proxy {
     }
     if (m.bytes > opt_.max_bytes) {
       return ResourceExhaustedError("tensor larger than the proxy storage");
+    }
+    if (m.shard_bytes < std::min<uint64_t>(m.bytes, kMinShardBytes)) {
+      return InvalidArgumentError(
+          "shards must be at least " + std::to_string(kMinShardBytes) +
+          " bytes (or the whole tensor)");
     }
     if ((mode_ == proto::Mode::kAverage ||
          config_.optimizer != proto::Optimizer::kNone) &&

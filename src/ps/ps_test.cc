@@ -134,6 +134,17 @@ TEST(PsTest, SumOneProxyTwoWorkersShardedRegistered) {
   EXPECT_EQ(s.rounds_completed, 3u * 2 * 7);
 }
 
+TEST(PsTest, TinyPartitionIsClampedToTheMinimumShard) {
+  // A 4-byte partition would ask the proxy for 25,000 one-float shards (each
+  // a registered region); the client splits at kMinShardBytes instead.
+  auto c = Cluster::Start(1);
+  RoutingTable r;
+  r.partition_bytes = 4;
+  RunRounds(c, 2, 25000, 2, r, false, true);
+  EXPECT_EQ(c.proxies[0]->Stats().rounds_completed,
+            2u * 2 * ((25000 * 4 + kMinShardBytes - 1) / kMinShardBytes));
+}
+
 TEST(PsTest, AverageOneProxyThreeWorkersStaged) {
   auto c = Cluster::Start(1);
   RunRounds(c, 3, 4096, 2, RoutingTable{}, true, false);

@@ -23,11 +23,17 @@
 
 namespace membox::ps {
 
+// The smallest shard a key may be split into (a proxy refuses smaller ones:
+// every shard is a registered region of its own, and a tensor in 4-byte
+// shards would make a proxy allocate a million of them). Tensors smaller
+// than this are one shard.
+constexpr uint64_t kMinShardBytes = 4096;
+
 struct RoutingTable {
   uint64_t threshold = 0;  // S: sizes < S go to lat_proxy
   uint32_t lat_proxy = 0;
   uint32_t bw_proxy = 0;
-  uint64_t partition_bytes = 4 << 20;  // S'
+  uint64_t partition_bytes = 4 << 20;  // S' (at least kMinShardBytes)
   uint32_t Route(uint64_t bytes) const {
     return bytes < threshold ? lat_proxy : bw_proxy;
   }
