@@ -365,6 +365,14 @@ int main(int argc, char** argv) {
   launch->allow_extras();
   launch->set_help_flag();  // --help reaches membox.launch (all its options)
 
+  auto* cluster = app.add_subcommand(
+      "cluster",
+      "an emulated cluster on this machine (root): membox cluster "
+      "up|run|exec|status|down TOPOLOGY.toml [-- CMD...]");
+  cluster->prefix_command();  // everything after goes to membox.cluster
+  cluster->allow_extras();
+  cluster->set_help_flag();
+
   std::string status_server;
   auto* status = app.add_subcommand(
       "status", "print a memory node's pool, segments, clients");
@@ -386,6 +394,14 @@ int main(int argc, char** argv) {
   gpubench->prefix_command();  // everything after goes to membox.gpu_bench
   gpubench->allow_extras();
   gpubench->set_help_flag();  // --help reaches the module
+  auto* clbench = bench->add_subcommand(
+      "cluster",
+      "issue 13 / seed 000 across hosts: PushPull vs MPI and Gloo, 1-4 memory "
+      "nodes, emulated training on an emulated cluster (membox/"
+      "cluster_bench.py; root)");
+  clbench->prefix_command();
+  clbench->allow_extras();
+  clbench->set_help_flag();
 #ifdef MEMBOX_WITH_BENCH
   membox::bench::TransferOptions topt;
   std::string min_size = "1KiB", max_size = "1GiB";
@@ -526,6 +542,12 @@ int main(int argc, char** argv) {
     std::vector<std::string> args = {"--membox", membox::SelfExePath()};
     for (const auto& a : launch->remaining()) args.push_back(a);
     return ExecPythonModule("membox.launch", args);
+  }
+  if (cluster->parsed()) {
+    return ExecPythonModule("membox.cluster", cluster->remaining());
+  }
+  if (clbench->parsed()) {
+    return ExecPythonModule("membox.cluster_bench", clbench->remaining());
   }
   if (gpubench->parsed()) {
     return ExecPythonModule("membox.gpu_bench", gpubench->remaining());

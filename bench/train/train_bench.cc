@@ -16,7 +16,10 @@
 #include <sstream>
 #include <thread>
 
+#include <arpa/inet.h>
 #include <mpi.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "membox/base/subprocess.h"
@@ -169,6 +172,28 @@ WorkerResult RunMpi(const Model& m, int iters) {
 
 // ---------------------------------------------------------------- membox
 
+// The address of this host's interface that reaches `endpoint` (host:port):
+// where the workers' own ring listens, so that it also works across hosts
+// (`membox bench cluster`). 127.0.0.1 when the route cannot be found.
+std::string LocalAddressToward(const std::string& endpoint) {
+  std::string host = endpoint.substr(0, endpoint.rfind(':'));
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(9);
+  if (inet_pton(AF_INET, host.c_str(), &to.sin_addr) != 1) return "127.0.0.1";
+  int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  if (fd < 0) return "127.0.0.1";
+  sockaddr_in me{};
+  socklen_t len = sizeof me;
+  char buf[INET_ADDRSTRLEN] = "127.0.0.1";
+  if (connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) == 0) {
+    inet_ntop(AF_INET, &me.sin_addr, buf, sizeof buf);
+  }
+  close(fd);
+  return buf;
+}
+
 struct MemboxConfig {
   std::vector<std::string> proxies;
   std::string secret;
@@ -223,7 +248,7 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     collective::RingOptions ro;
     ro.rank = rank;
     ro.world = world;
-    ro.listen = "127.0.0.1:0";
+    ro.listen = LocalAddressToward(cfg.proxies[0]) + ":0";
     ro.max_bytes = f.total;
     ASSIGN_OR_RETURN(ring, collective::RingAllreduce::Create(ro));
     char ep[128] = {0};
@@ -362,6 +387,16 @@ int RunTrainWorker(const std::vector<std::string>& a) {
   double scale = kv.count("scale") ? std::stod(kv["scale"]) : 1.0;
   m.forward_ms *= scale;
   m.backward_ms *= scale;
+  // size_scale: every tensor scaled (at least one element), for links too
+  // slow to move the real model in a short run (`membox bench cluster`).
+  if (kv.count("size_scale")) {
+    double ss = std::stod(kv["size_scale"]);
+    for (auto& layer : m.layers) {
+      for (auto& n : layer.tensors) {
+        n = std::max<uint64_t>(1, static_cast<uint64_t>(n * ss));
+      }
+    }
+  }
   int iters = kv.count("iters") ? std::stoi(kv["iters"]) : 6;
   WorkerResult r;
   MPI_Barrier(MPI_COMM_WORLD);

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <queue>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <unistd.h>
@@ -142,6 +144,40 @@ struct ProxyLink {
   std::shared_ptr<Channel> channel;
 };
 
+
+// MEMBOX_PROXY_DELAYS_MS="d0,d1,...": one added latency per proxy (ms, in
+// the proxies' order), for emulated clusters whose kernel has no netem
+// (`membox cluster` sets it on the workers). Unset or empty: none.
+Result<std::vector<transport::FaultPolicy>> DelaysFromEnvironment(
+    size_t proxies) {
+  std::vector<transport::FaultPolicy> links;
+  const char* env = std::getenv("MEMBOX_PROXY_DELAYS_MS");
+  if (!env || !*env) return links;
+  std::stringstream in(env);
+  std::string item;
+  bool any = false;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    double ms = std::strtod(item.c_str(), &end);
+    if (item.empty() || *end != '\0' || !(ms >= 0) || ms > 60000) {
+      return InvalidArgumentError("MEMBOX_PROXY_DELAYS_MS: bad delay '" +
+                                  item + "' (milliseconds, 0..60000)");
+    }
+    transport::FaultPolicy p;
+    p.fixed_latency = std::chrono::nanoseconds(static_cast<int64_t>(ms * 1e6));
+    any = any || ms > 0;
+    links.push_back(p);
+  }
+  if (links.size() != proxies) {
+    return InvalidArgumentError("MEMBOX_PROXY_DELAYS_MS lists " +
+                                std::to_string(links.size()) +
+                                " delays for " + std::to_string(proxies) +
+                                " proxies");
+  }
+  if (!any) links.clear();
+  return links;
+}
+
 class ParamClientImpl final : public ParamClient {
  public:
   explicit ParamClientImpl(ParamClientOptions o) : opt_(std::move(o)) {
@@ -171,6 +207,9 @@ class ParamClientImpl final : public ParamClient {
     if (opt_.proxies.empty()) return InvalidArgumentError("no proxies given");
     if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world) {
       return InvalidArgumentError("rank must be in [0, world)");
+    }
+    if (opt_.links.empty()) {
+      ASSIGN_OR_RETURN(opt_.links, DelaysFromEnvironment(opt_.proxies.size()));
     }
     if (!opt_.links.empty() && opt_.links.size() != opt_.proxies.size()) {
       return InvalidArgumentError("one link model per proxy, or none");

@@ -57,7 +57,9 @@ struct ParamClientOptions {
   std::string transports = "auto";
   std::chrono::milliseconds timeout{60000};
   // Emulated link per proxy (latency / bandwidth; see fault_channel.h), for
-  // tests and experiments with non-uniform links. Empty: real links only.
+  // tests and experiments with non-uniform links. Empty: real links, plus
+  // the latencies MEMBOX_PROXY_DELAYS_MS="ms,ms,..." lists (one per proxy;
+  // set by `membox cluster` where the kernel cannot delay packets).
   std::vector<transport::FaultPolicy> links;
   RoutingTable routing;  // used until Profile() replaces it
   std::chrono::milliseconds reprofile_interval{0};

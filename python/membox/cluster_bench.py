@@ -1,0 +1,404 @@
+"""membox bench cluster: membox across hosts on an emulated cluster.
+
+    membox bench cluster [--quick] [--csv F] [--json F] [--plot F.png]
+                         [--workers 4] [--rate 400mbit] [--nodes 1,2,4]
+                         [--sizes 1MiB,16MiB,...] [--parts allreduce,train]
+
+Brings up `membox cluster` topologies (worker hosts and memory hosts as
+network namespaces, every link shaped to --rate per direction) and measures
+on them, with the baselines in the same run:
+
+  allreduce  synchronous PushPull (membox, through 1, 2, 4 memory nodes) vs
+             MPI_Allreduce (Open MPI, TCP) and Gloo's all_reduce (torch)
+             across the worker hosts, 1 MiB ... 256 MiB, with each scheme's
+             link bound in the same table:
+               membox: max(n / worker link, p n / (M memory-node link))
+               ring AllReduce: 2 (p - 1) / p  n / worker link
+  train      `membox bench train`'s emulated data-parallel training
+             (compute as sleeps, the real model's tensors scaled by
+             --model-scale) with MPI, DENSE (one node, no COARSE features),
+             membox with M nodes and one node, and each COARSE feature off.
+
+Records follow the benchmark contract ({"bench","variant","size_bytes",
+"workers","metric","value","unit","case"}); `case` names the topology
+("4w2m-400mbit"). Every run also records the machine's CPU use ("cpu",
+percent of all cores): a result counts only where the links, not the
+cores, were the bottleneck. Needs root (network namespaces).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from membox import cluster
+
+MiB = 1 << 20
+
+
+def _cpu_times():
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]
+    return sum(v), idle
+
+
+class CpuMeter:
+    """Busy share of all cores between start and stop (percent)."""
+
+    def __enter__(self):
+        self.t0 = _cpu_times()
+        return self
+
+    def __exit__(self, *exc):
+        t1 = _cpu_times()
+        total, idle = t1[0] - self.t0[0], t1[1] - self.t0[1]
+        self.percent = 100.0 * (total - idle) / total if total else 0.0
+
+
+def _label(n):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
+def _size(s):
+    s = s.strip()
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if s.endswith(unit):
+            return int(float(s[:-3]) * (1 << shift))
+    return int(s)
+
+
+def topology(name, workers, memory, rate, pool, extra=None):
+    path = os.path.join(tempfile.gettempdir(), f"membox-bench-{name}.toml")
+    with open(path, "w") as f:
+        f.write(f'name = "{name}"\nsubnet = "10.82.0"\nworkers = {workers}\n'
+                f'memory = {memory}\nrate = "{rate}"\npool = "{pool}"\n'
+                f'emb_budget = "16MiB"\n')
+        f.write(extra or "")
+    return cluster.load_topology(path)
+
+
+def results(proc_out):
+    out = {}
+    for line in proc_out.splitlines():
+        if line.startswith("RESULT "):
+            out.setdefault("lines", []).append(line[7:].split())
+    return out.get("lines", [])
+
+
+def mpirun(topo, cmd, attach=False, timeout=900):
+    argv = cluster.mpirun_argv(topo, cmd, attach=attach)
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        sys.stderr.write(p.stdout[-3000:] + p.stderr[-3000:])
+        raise RuntimeError(f"run failed (exit {p.returncode}): {' '.join(cmd[:4])}")
+    return results(p.stdout)
+
+
+def gloo_worker(sizes, iters):
+    """One rank of the Gloo baseline (started through launch --attach)."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for size in sizes:
+        t = torch.full((size // 4,), float(rank + 1))
+        times = []
+        n = iters if iters > 0 else (3 if size >= 128 * MiB else 6)
+        for i in range(n + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if i > 0:
+                times.append(dt.item())
+        if rank == 0:
+            print("RESULT gloo %d %.9f" % (size, statistics.median(times)),
+                  flush=True)
+    dist.destroy_process_group()
+
+
+class Records:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, variant, size, workers, metric, value, unit, case):
+        self.rows.append({"bench": "cluster", "variant": variant,
+                          "size_bytes": int(size), "workers": workers,
+                          "metric": metric, "value": round(value, 6),
+                          "unit": unit, "case": case})
+
+    def get(self, variant, size, metric, case):
+        for r in self.rows:
+            if (r["variant"], r["size_bytes"], r["metric"], r["case"]) == (
+                    variant, size, metric, case):
+                return r["value"]
+        return float("nan")
+
+
+def run_allreduce(a, rec):
+    membox = cluster._membox_bin()
+    p = a.workers
+    sizes_s = ",".join(str(s) for s in a.sizes)
+    link = cluster._rate_bits(a.rate) / 8  # bytes/s per direction
+    python = os.environ.get("MEMBOX_PYTHON", sys.executable)
+    for m in a.nodes:
+        case = f"{p}w{m}m-{a.rate}"
+        topo = topology("bcl", p, m, a.rate, a.pool)
+        cluster.up(topo, log=lambda s: print(s, file=sys.stderr))
+        try:
+            for n in a.sizes:
+                rec.add("membox-bound", n, p, "time",
+                        1e3 * max(n / link, p * n / (m * link)), "ms", case)
+            runs = [("membox", [membox, "bench-peer", "allreduce", "worker",
+                                cluster.proxies(topo), cluster.secret_file(topo),
+                                sizes_s, str(a.iters), str(a.partition)], False)]
+            if m == a.nodes[0]:
+                for n in a.sizes:
+                    rec.add("ring-bound", n, p, "time",
+                            1e3 * 2 * (p - 1) / p * n / link, "ms", case)
+                runs.append(("mpi", [membox, "bench-peer", "allreduce",
+                                     "worker", "-", "-", sizes_s,
+                                     str(a.iters), "0"], False))
+                if not a.no_gloo:
+                    runs.append(("gloo", [python, "-m", "membox.cluster_bench",
+                                          "--gloo-worker", "--sizes", sizes_s,
+                                          "--iters", str(a.iters)], True))
+            for variant, cmd, attach in runs:
+                print(f"[{case}] {variant} ...", file=sys.stderr, flush=True)
+                with CpuMeter() as cpu:
+                    res = mpirun(topo, cmd, attach=attach)
+                if len(res) != len(a.sizes):
+                    raise RuntimeError(f"{variant}: {len(res)} of "
+                                       f"{len(a.sizes)} results")
+                name = variant if variant != "membox" else f"membox-{m}node"
+                for _, size, sec in res:
+                    rec.add(name, int(size), p, "time", float(sec) * 1e3, "ms",
+                            case)
+                rec.add(name, 0, p, "cpu", cpu.percent, "%", case)
+        finally:
+            cluster.down(topo, quiet=True)
+
+
+TRAIN_SCHEMES = [
+    # name, nodes (0: MPI), routing, partition, dual
+    ("mpi", 0, 0, 0, 0),
+    ("dense", 1, 0, 0, 0),
+    ("membox", None, 1, 1, 1),
+    ("membox-1node", 1, 1, 1, 1),
+    ("membox-no-routing", None, 0, 1, 1),
+    ("membox-no-partition", None, 1, 0, 1),
+    ("membox-no-dual", None, 1, 1, 0),
+]
+
+
+def run_train(a, rec):
+    membox = cluster._membox_bin()
+    p, m = a.workers, max(a.nodes)
+    case_topo = f"{p}w{m}m-{a.rate}"
+    topo = topology("btr", p, m, a.rate, a.pool)
+    cluster.up(topo, log=lambda s: print(s, file=sys.stderr))
+    try:
+        eps = cluster.proxies(topo).split(",")
+        for model in a.models:
+            case = f"{model}@{case_topo}"
+            for name, nodes, routing, partition, dual in TRAIN_SCHEMES:
+                nodes = m if nodes is None else nodes
+                args = [membox, "bench-peer", "train",
+                        f"model={model}", f"iters={a.train_iters}",
+                        f"scale={a.compute_scale}",
+                        f"size_scale={a.model_scale}"]
+                if nodes == 0:
+                    args.append("scheme=mpi")
+                else:
+                    args += ["scheme=membox", "proxies=" + ",".join(eps[:nodes]),
+                             "secret_file=" + cluster.secret_file(topo),
+                             f"routing={routing}", f"partition={partition}",
+                             f"dual={dual}"]
+                print(f"[{case}] {name} ...", file=sys.stderr, flush=True)
+                with CpuMeter() as cpu:
+                    res = mpirun(topo, args)
+                if len(res) != 1:
+                    raise RuntimeError(f"{name}: no result")
+                it, blocked = float(res[0][0]), float(res[0][1])
+                rec.add(name, 0, p, "iteration", it, "ms", case)
+                rec.add(name, 0, p, "blocked", blocked, "ms", case)
+                rec.add(name, 0, p, "cpu", cpu.percent, "%", case)
+    finally:
+        cluster.down(topo, quiet=True)
+
+
+def print_tables(a, rec):
+    cases = sorted({r["case"] for r in rec.rows if r["metric"] == "time"})
+    for case in cases:
+        nodes = sorted({int(r["variant"].split("-")[1][:-4]) for r in rec.rows
+                        if r["case"] == case and
+                        r["variant"].startswith("membox-") and
+                        r["variant"].endswith("node")})
+        print(f"\n{case}: time per synchronous sum (ms), p={a.workers}")
+        head = f"{'size':>7} " + " ".join(
+            f"{'mbx-%dn' % x:>9}" for x in nodes) + \
+            f" {'mpi':>9} {'gloo':>9} {'mbx-bnd':>9} {'ring-bnd':>9} |" \
+            f" {'mbx/bnd':>7} {'mbx/gloo':>8} {'mbx/mpi':>7}"
+        print(head)
+        for n in a.sizes:
+            g = lambda v: rec.get(v, n, "time", case)  # noqa: E731
+            mb = [g(f"membox-{x}node") for x in nodes]
+            best = min(mb) if mb else float("nan")
+            print(f"{_label(n):>7} " + " ".join(f"{x:9.2f}" for x in mb) +
+                  f" {g('mpi'):9.2f} {g('gloo'):9.2f} {g('membox-bound'):9.2f}"
+                  f" {g('ring-bound'):9.2f} | {best / g('membox-bound'):7.2f}"
+                  f" {best / g('gloo'):8.2f} {best / g('mpi'):7.2f}")
+        cpu = {r["variant"]: r["value"] for r in rec.rows
+               if r["case"] == case and r["metric"] == "cpu"}
+        print("  CPU use of the runs (% of all cores): " +
+              ", ".join(f"{k} {v:.0f}" for k, v in cpu.items()))
+    tcases = sorted({r["case"] for r in rec.rows if r["metric"] == "iteration"})
+    for case in tcases:
+        print(f"\n{case}: iteration / blocked (ms), CPU %")
+        it = {r["variant"]: r["value"] for r in rec.rows
+              if r["case"] == case and r["metric"] == "iteration"}
+        for v, t in it.items():
+            b = rec.get(v, 0, "blocked", case)
+            c = rec.get(v, 0, "cpu", case)
+            print(f"  {v:22} {t:9.1f} {b:9.1f} {c:5.0f}%   "
+                  f"x{t / it.get('mpi', float('nan')):.2f} of MPI, "
+                  f"x{t / it.get('dense', float('nan')):.2f} of DENSE")
+
+
+def write(a, rec):
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rec.rows, f, indent=1)
+    if a.csv:
+        import csv
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rec.rows[0]))
+            w.writeheader()
+            w.writerows(rec.rows)
+    if a.plot:
+        plot(a, rec)
+
+
+def plot(a, rec):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = sorted({r["case"] for r in rec.rows if r["metric"] == "time"})
+    tcases = sorted({r["case"] for r in rec.rows if r["metric"] == "iteration"})
+    panels = len(cases) + (1 if tcases else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        variants = []
+        for r in rec.rows:
+            if r["case"] == case and r["metric"] == "time" and \
+                    r["variant"] not in variants:
+                variants.append(r["variant"])
+        for v in variants:
+            pts = sorted((r["size_bytes"], r["value"]) for r in rec.rows
+                         if r["case"] == case and r["metric"] == "time" and
+                         r["variant"] == v)
+            style = ":" if v.endswith("bound") else "-"
+            ax.plot([x for x, _ in pts], [y for _, y in pts], style,
+                    marker="" if style == ":" else "o", label=v)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(a.sizes)
+        ax.set_xticklabels([_label(s) for s in a.sizes], fontsize=7)
+        ax.set_xlabel("tensor size")
+        ax.set_ylabel("time per sum (ms)")
+        ax.set_title(case)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    if tcases:
+        ax = axes[0][-1]
+        names = [s[0] for s in TRAIN_SCHEMES]
+        width = 0.8 / len(names)
+        for i, v in enumerate(names):
+            ys = [rec.get(v, 0, "iteration", c) for c in tcases]
+            ax.bar([j + i * width for j in range(len(tcases))], ys, width,
+                   label=v)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tcases))])
+        ax.set_xticklabels([c.split("@")[0] for c in tcases])
+        ax.set_ylabel("iteration (ms)")
+        ax.set_title("emulated training @ " + tcases[0].split("@")[1])
+        ax.legend(fontsize=7, ncol=2)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("membox bench cluster (emulated hosts, shaped links)")
+    fig.tight_layout()
+    fig.savefig(a.plot, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="membox bench cluster",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--csv", default="")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--plot", default="")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--rate", default="400mbit",
+                    help="every host link, per direction")
+    ap.add_argument("--nodes", default="", help="memory nodes, e.g. 1,2,4")
+    ap.add_argument("--sizes", default="")
+    ap.add_argument("--iters", type=int, default=0)
+    ap.add_argument("--partition", default="4MiB",
+                    help="membox shard size")
+    ap.add_argument("--pool", default="2GiB")
+    ap.add_argument("--parts", default="allreduce,train")
+    ap.add_argument("--models", default="")
+    ap.add_argument("--model-scale", type=float, default=0.0,
+                    help="train: fraction of each model's tensor bytes")
+    ap.add_argument("--compute-scale", type=float, default=0.0,
+                    help="train: fraction of each model's compute time")
+    ap.add_argument("--train-iters", type=int, default=0)
+    ap.add_argument("--no-gloo", action="store_true")
+    ap.add_argument("--gloo-worker", action="store_true",
+                    help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.sizes = [_size(s) for s in a.sizes.split(",")] if a.sizes else (
+        [1 * MiB, 16 * MiB, 64 * MiB] if a.quick else
+        [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB])
+    if a.gloo_worker:
+        gloo_worker(a.sizes, a.iters)
+        return 0
+    a.nodes = [int(x) for x in a.nodes.split(",")] if a.nodes else (
+        [1, 2] if a.quick else [1, 2, 4])
+    a.partition = _size(a.partition)
+    if a.iters == 0 and a.quick:
+        a.iters = 3
+    a.models = a.models.split(",") if a.models else (
+        ["resnet50"] if a.quick else ["resnet50", "vgg16", "bert-large"])
+    a.model_scale = a.model_scale or (0.1 if a.quick else 0.25)
+    a.compute_scale = a.compute_scale or a.model_scale
+    a.train_iters = a.train_iters or (4 if a.quick else 6)
+    parts = set(a.parts.split(","))
+    try:
+        cluster.require_root()
+    except cluster.ClusterError as e:
+        print(f"membox bench cluster: {e}", file=sys.stderr)
+        return 77
+    rec = Records()
+    t0 = time.time()
+    if "allreduce" in parts:
+        run_allreduce(a, rec)
+    if "train" in parts:
+        run_train(a, rec)
+    print_tables(a, rec)
+    print(f"\n({time.time() - t0:.0f} s; ratios < 1: membox faster or "
+          f"within the bound factor)")
+    write(a, rec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
