@@ -103,7 +103,7 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
   if (a.size() < 5) {
     std::fprintf(stderr,
                  "usage: bench-peer allreduce worker PROXIES|- SECRET_FILE "
-                 "SIZES ITERS PARTITION\n");
+                 "SIZES ITERS PARTITION [stripe]\n");
     return 2;
   }
   int provided;
@@ -139,6 +139,9 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
     o.routing.lat_proxy = o.routing.bw_proxy = mine;
     o.routing.threshold = 0;
     o.routing.partition_bytes = partition;
+    // "stripe": shards spread over all proxies (routing.h) instead of each
+    // worker using the one next to it and the proxies' ring.
+    o.routing.stripe = a.size() > 5 && a[5] == "stripe";
     auto c = ps::ParamClient::Connect(o);
     if (!c.ok()) return fail(c.status());
     auto& client = *c;

@@ -219,14 +219,19 @@ def _write_agent(topo):
     """mpirun's remote-start agent: `agent HOST CMD...` runs CMD in the
     host's namespace (what ssh does on a real cluster)."""
     path = os.path.join(topo["state"], "agent")
-    cases = "\n".join(f"  {h['ip']}|{h['name']}) ns={h['ns']} ;;"
+    log = os.path.join(topo["state"], "agent.log")
+    cases = "\n".join(f"  {h['ip']}|{h['name']}) ns={h['ns']} name={h['name']} ;;"
                       for h in topo["hosts"])
     with open(path, "w") as f:
         f.write("#!/bin/sh\n# membox cluster: mpirun's rsh agent\n"
                 "host=$1; shift\ncase $host in\n" + cases +
                 "\n  *) echo \"membox cluster agent: unknown host $host\" >&2;"
                 " exit 255 ;;\nesac\n"
-                "exec ip netns exec \"$ns\" /bin/sh -c \"$*\"\n")
+                f"echo \"$(date +%T.%N) $host: $*\" >>{log}\n"
+                # Its own hostname too (a UTS namespace), as a real host has:
+                # Open MPI's daemons tell hosts apart by name.
+                f"exec ip netns exec \"$ns\" unshare --uts /bin/sh -c "
+                f"\"hostname $name; $*\" 2>>{log}\n")
     os.chmod(path, 0o755)
     return path
 
@@ -402,6 +407,8 @@ def mpirun_argv(topo, cmd, slots=1, attach=True, env_names=()):
             "-H", ",".join(f"{h['ip']}:{slots}" for h in ws),
             "--mca", "plm_rsh_agent", os.path.join(topo["state"], "agent"),
             "--mca", "plm_rsh_no_tree_spawn", "1",
+            # A daemon that cannot start fails the run instead of hanging it.
+            "--mca", "orte_startup_timeout", "30",
             "--mca", "btl", "self,vader,tcp",
             "--mca", "btl_tcp_if_include", subnet,
             "--mca", "oob_tcp_if_include", subnet]
@@ -505,6 +512,8 @@ def main(argv=None):
         args, cmd = args[:i], args[i + 1:]
     a = ap.parse_args(args)
     try:
+        if a.action != "status":
+            require_root()
         topo = load_topology(a.topology)
         if a.action == "up":
             up(topo)

@@ -10,6 +10,7 @@
 #include <queue>
 #include <set>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include <unistd.h>
@@ -115,8 +116,9 @@ struct KeyInfo {
   DType dtype = DType::kFloat32;
   uint64_t shard_bytes = 0;
   uint32_t shards = 0;
-  uint64_t rounds = 0;                           // pushes issued by this worker
-  uint64_t base_version = 0;                     // stored version when declared
+  bool striped = false;       // shard s lives on proxy (key + s) % proxies
+  uint64_t rounds = 0;        // pushes issued by this worker
+  uint64_t base_version = 0;  // stored version when declared
   std::unique_ptr<MemRegion> staging;            // [in | out], registered
   std::shared_ptr<PsHandle::State> last_staged;  // last op using staging
 };
@@ -132,6 +134,7 @@ struct Op {
   uint64_t out_region = 0, out_offset = 0;
   uint64_t shard_bytes = 0, bytes = 0;
   uint32_t shards = 0;
+  bool striped = false;
   RoutingTable route;
   std::shared_ptr<PsHandle::State> state;
   bool operator<(const Op& o) const {  // priority_queue: top = smallest
@@ -143,7 +146,6 @@ struct ProxyLink {
   std::string endpoint;
   std::shared_ptr<Channel> channel;
 };
-
 
 // MEMBOX_PROXY_DELAYS_MS="d0,d1,...": one added latency per proxy (ms, in
 // the proxies' order), for emulated clusters whose kernel has no netem
@@ -160,8 +162,8 @@ Result<std::vector<transport::FaultPolicy>> DelaysFromEnvironment(
     char* end = nullptr;
     double ms = std::strtod(item.c_str(), &end);
     if (item.empty() || *end != '\0' || !(ms >= 0) || ms > 60000) {
-      return InvalidArgumentError("MEMBOX_PROXY_DELAYS_MS: bad delay '" +
-                                  item + "' (milliseconds, 0..60000)");
+      return InvalidArgumentError("MEMBOX_PROXY_DELAYS_MS: bad delay '" + item +
+                                  "' (milliseconds, 0..60000)");
     }
     transport::FaultPolicy p;
     p.fixed_latency = std::chrono::nanoseconds(static_cast<int64_t>(ms * 1e6));
@@ -170,9 +172,8 @@ Result<std::vector<transport::FaultPolicy>> DelaysFromEnvironment(
   }
   if (links.size() != proxies) {
     return InvalidArgumentError("MEMBOX_PROXY_DELAYS_MS lists " +
-                                std::to_string(links.size()) +
-                                " delays for " + std::to_string(proxies) +
-                                " proxies");
+                                std::to_string(links.size()) + " delays for " +
+                                std::to_string(proxies) + " proxies");
   }
   if (!any) links.clear();
   return links;
@@ -368,6 +369,7 @@ class ParamClientImpl final : public ParamClient {
     m.bytes = bytes;
     m.dtype = static_cast<uint8_t>(dtype);
     m.shard_bytes = shard;
+    m.striped = routing().stripe && proxies_.size() > 1;
     if (init) {
       std::memcpy(k.staging->data(), init, bytes);
       m.has_input = true;
@@ -385,18 +387,25 @@ class ParamClientImpl final : public ParamClient {
       PsHandle h(st);
       RETURN_IF_ERROR(h.Wait(opt_.timeout));
       uint64_t v = h.version();
-      uint64_t shard_bytes = std::strtoull(text->c_str(), nullptr, 10);
-      if (i > 0 && (v != version || shard_bytes != k.shard_bytes)) {
+      char* rest = nullptr;
+      uint64_t shard_bytes = std::strtoull(text->c_str(), &rest, 10);
+      bool striped = rest && std::string_view(rest) == " striped";
+      // A striped key's shards advance on their owners only: the version
+      // is the newest any proxy reports.
+      if (i > 0 && ((!striped && v != version) ||
+                    shard_bytes != k.shard_bytes || striped != k.striped)) {
         return DataLossError("proxies disagree on key " + std::to_string(key));
       }
       if (shard_bytes == 0 || shard_bytes % es != 0) {
         return DataLossError("proxy gave a bad shard size for key " +
                              std::to_string(key));
       }
-      version = v;
+      version = striped ? std::max(version, v) : v;
       k.shard_bytes = shard_bytes;
       k.shards = static_cast<uint32_t>((bytes + shard_bytes - 1) / shard_bytes);
+      k.striped = striped;
       m.shard_bytes = shard_bytes;
+      m.striped = striped;
     }
     k.base_version = version;
     std::lock_guard<std::mutex> l(mu_);
@@ -701,6 +710,7 @@ class ParamClientImpl final : public ParamClient {
       op.bytes = k.bytes;
       op.shard_bytes = k.shard_bytes;
       op.shards = k.shards;
+      op.striped = k.striped;
       op.route = in ? RouteFor(key, k.base_version + k.rounds) : routing_;
       op.seq = next_seq_++;
       op.state = NewState(static_cast<int>(k.shards), std::move(cb));
@@ -785,7 +795,9 @@ class ParamClientImpl final : public ParamClient {
       for (uint32_t s = 0; s < op.shards; ++s) {
         uint64_t off = uint64_t{s} * op.shard_bytes;
         uint64_t n = std::min(op.shard_bytes, op.bytes - off);
-        uint32_t target = op.route.Route(n);
+        uint32_t target =
+            op.striped ? static_cast<uint32_t>((op.key + s) % proxies_.size())
+                       : op.route.Route(n);
         Message m;
         m.key = op.key;
         m.shard = s;

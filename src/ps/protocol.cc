@@ -92,7 +92,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U64(m.bytes);
       w.U8(m.dtype);
       w.U64(m.shard_bytes);
-      w.U8(m.has_input ? 1 : 0);
+      w.U8((m.has_input ? 1 : 0) | (m.striped ? 2 : 0));
       w.U64(m.region);
       w.U64(m.offset);
       break;
@@ -185,12 +185,16 @@ Result<Message> Decode(std::span<const uint8_t> in) {
            m.beta1 >= 0 && m.beta1 < 1 && m.beta2 >= 0 && m.beta2 < 1 &&
            m.eps > 0;
       break;
-    case Type::kDeclare:
+    case Type::kDeclare: {
+      uint8_t flags = 0;
       ok = r.U64(&m.key) && r.U64(&m.bytes) && r.U8(&m.dtype) &&
-           r.U64(&m.shard_bytes) && GetBool(r, &m.has_input) &&
-           r.U64(&m.region) && r.U64(&m.offset);
-      ok = ok && m.bytes > 0 && m.shard_bytes > 0;
+           r.U64(&m.shard_bytes) && r.U8(&flags) && r.U64(&m.region) &&
+           r.U64(&m.offset);
+      ok = ok && m.bytes > 0 && m.shard_bytes > 0 && (flags & ~3u) == 0;
+      m.has_input = flags & 1;
+      m.striped = flags & 2;
       break;
+    }
     case Type::kPush:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) &&
            r.U64(&m.region) && r.U64(&m.offset) && GetBool(r, &m.has_output) &&

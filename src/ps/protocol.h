@@ -79,6 +79,9 @@ struct Message {
   uint64_t region = 0;
   uint64_t offset = 0;
   bool has_input = false;  // kDeclare: initial value present
+  // kDeclare: shard s of the key lives on proxy (key + s) % proxies only
+  // (striped), instead of following each worker's routing table.
+  bool striped = false;
   // kPush (PushPull) / kPull: where the result goes
   bool has_output = false;
   uint64_t out_region = 0;

@@ -84,6 +84,24 @@ TEST(PsProtocolTest, ValidatesFields) {
   d.bytes = 0;
   d.shard_bytes = 4;
   EXPECT_FALSE(Decode(Encode(d)).ok());
+  // Declare flags: has_input (bit 0) and striped (bit 1) round-trip; any
+  // other bit is refused.
+  d.bytes = 8192;
+  d.striped = true;
+  d.has_input = true;
+  auto ok = Decode(Encode(d));
+  ASSERT_TRUE(ok.ok());
+  EXPECT_TRUE(ok->striped);
+  EXPECT_TRUE(ok->has_input);
+  auto bytes = Encode(d);
+  d.striped = false;
+  auto plain = Encode(d);
+  ASSERT_EQ(bytes.size(), plain.size());
+  size_t flags = 0;  // the one byte the striped bit changes
+  while (flags < bytes.size() && bytes[flags] == plain[flags]) ++flags;
+  ASSERT_LT(flags, bytes.size());
+  bytes[flags] |= 4;
+  EXPECT_FALSE(Decode(bytes).ok());
 }
 
 }  // namespace

@@ -78,6 +78,11 @@ struct Key {
   DType dtype = DType::kFloat32;
   uint64_t shard_bytes = 0;
   bool initialized = false;
+  // Striped: shard s is summed and stored by proxy (key + s) % proxies
+  // alone (every worker sends it there; no ring). Fixed by the first
+  // worker's Declare; a key restored from a checkpoint takes it from there.
+  bool striped = false;
+  bool declared = false;  // by a worker since this proxy started
   std::vector<Shard> shards;
 };
 
@@ -567,7 +572,10 @@ class ProxyImpl final : public Proxy {
         // The reply's text is the key's shard size: the first declaration
         // fixed it, later ones adopt it.
         std::string shard;
-        if (v.ok()) shard = std::to_string(keys_[m.key].shard_bytes);
+        if (v.ok()) {
+          const Key& k = keys_[m.key];
+          shard = std::to_string(k.shard_bytes) + (k.striped ? " striped" : "");
+        }
         Reply(conn, m.id, v.status(), v.ok() ? *v : 0, shard);
         return MaybeStartAll();
       }
@@ -691,9 +699,9 @@ class ProxyImpl final : public Proxy {
       return ResourceExhaustedError("tensor larger than the proxy storage");
     }
     if (m.shard_bytes < std::min<uint64_t>(m.bytes, kMinShardBytes)) {
-      return InvalidArgumentError(
-          "shards must be at least " + std::to_string(kMinShardBytes) +
-          " bytes (or the whole tensor)");
+      return InvalidArgumentError("shards must be at least " +
+                                  std::to_string(kMinShardBytes) +
+                                  " bytes (or the whole tensor)");
     }
     if ((mode_ == proto::Mode::kAverage ||
          config_.optimizer != proto::Optimizer::kNone) &&
@@ -709,11 +717,17 @@ class ProxyImpl final : public Proxy {
             "key " + std::to_string(m.key) +
             " was declared with a different size or dtype");
       }
+      // The first worker's declaration fixes the striping (like the shard
+      // size); later ones adopt it from the reply.
+      if (!k.declared) k.striped = m.striped && nproxies_ > 1;
+      k.declared = true;
     } else {
       Key k;
       k.bytes = m.bytes;
       k.dtype = dt;
       k.shard_bytes = m.shard_bytes;
+      k.striped = m.striped && nproxies_ > 1;
+      k.declared = true;
       uint64_t n = (m.bytes + m.shard_bytes - 1) / m.shard_bytes;
       if (n > (1u << 20)) return InvalidArgumentError("too many shards");
       for (uint64_t i = 0; i < n; ++i) {
@@ -744,6 +758,13 @@ class ProxyImpl final : public Proxy {
         if (src != dst) std::memcpy(dst, src, sh.bytes);
       }
       k.initialized = true;
+    }
+    if (k.striped) {  // only the shards this proxy owns advance here
+      uint64_t v = 0;
+      for (uint32_t s = 0; s < k.shards.size(); ++s) {
+        if (Owner(m.key, s) == opt_.rank) v = std::max(v, k.shards[s].version);
+      }
+      return v;
     }
     return k.shards[0].version;
   }
@@ -827,7 +848,8 @@ class ProxyImpl final : public Proxy {
       Reply(conn, m.id, InvalidArgumentError("duplicate push for a round"));
       return;
     }
-    if (!RoutedHere(c, m.key, sh.bytes, m.round)) {
+    if (key.striped ? Owner(m.key, m.shard) != opt_.rank
+                    : !RoutedHere(c, m.key, sh.bytes, m.round)) {
       Reply(conn, m.id,
             FailedPreconditionError("this push contradicts the routing table "
                                     "the worker announced"));
@@ -861,6 +883,11 @@ class ProxyImpl final : public Proxy {
     return target == opt_.rank;
   }
 
+  // The proxy that owns shard s of a striped key.
+  uint32_t Owner(uint64_t k, uint32_t s) const {
+    return static_cast<uint32_t>((k + s) % std::max<uint32_t>(1, nproxies_));
+  }
+
   // Starts round `version` of a shard once every worker has pushed it here
   // or routes it elsewhere (no message needed: the proxies know every
   // worker's table). A proxy nobody pushes to joins the ring with zeros.
@@ -869,11 +896,13 @@ class ProxyImpl final : public Proxy {
     Key& key = keys_[k];
     Shard& sh = key.shards[s];
     if (sh.reducing || !dead_worker_.empty()) return;
+    if (key.striped && Owner(k, s) != opt_.rank) return;
     uint32_t present = 0;
     for (auto& [id, c] : conns_) {
       if (c.role != Conn::Role::kClient) continue;
       ++present;
       if (sh.pushes.count(c.rank)) continue;
+      if (key.striped) return;
       if (c.routes.empty() || RoutedHere(c, k, sh.bytes, sh.version)) return;
     }
     if (present != world_) return;
@@ -914,7 +943,7 @@ class ProxyImpl final : public Proxy {
       return;
     }
     sh.reducing = true;
-    if (nproxies_ == 1) return FinishRound(k, s);
+    if (nproxies_ == 1 || key.striped) return FinishRound(k, s);
     sh.step = 0;
     sh.read_done = false;
     EnterStep(k, s);

@@ -162,6 +162,56 @@ TEST(PsTest, TwoProxiesRingWithRoutingBySize) {
   EXPECT_GT(c.proxies[1]->Stats().ring_steps, 0u);
 }
 
+TEST(PsTest, StripedShardsSkipTheRing) {
+  // Shard s of key k lives on proxy (k + s) % 3 alone: sums are exact and
+  // the proxies never run a ring step.
+  auto c = Cluster::Start(3);
+  RoutingTable r;
+  r.partition_bytes = 4 << 10;
+  r.stripe = true;
+  RunRounds(c, 3, 7000, 3, r, false, true);
+  uint64_t rounds = 0;
+  for (auto& p : c.proxies) {
+    EXPECT_EQ(p->Stats().ring_steps, 0u);
+    EXPECT_GT(p->Stats().rounds_completed, 0u);
+    rounds += p->Stats().rounds_completed;
+  }
+  // 2 keys x 7 shards x 3 rounds, each completed by one proxy only.
+  EXPECT_EQ(rounds, 2u * 7 * 3);
+  // A worker declaring the key again (a restart) finds its version, though
+  // each proxy advanced only the shards it owns.
+  auto again = Worker(c, 0, 3, r);
+  auto v = again->Declare(1, 7000 * 4, DType::kFloat32);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(*v, 3u);
+  // Averaging through staged (unregistered) buffers, two proxies.
+  auto c2 = Cluster::Start(2);
+  RunRounds(c2, 2, 3000, 2, r, true, false);
+  EXPECT_EQ(c2.proxies[0]->Stats().ring_steps, 0u);
+}
+
+TEST(PsTest, LaterDeclarationsAdoptTheFirstOnesStriping) {
+  // Workers whose profiles disagree still agree on a key: the first
+  // declaration fixes the striping and the others follow it.
+  auto c = Cluster::Start(2);
+  RoutingTable striped, plain;
+  striped.stripe = true;
+  striped.partition_bytes = plain.partition_bytes = 4 << 10;
+  auto w0 = Worker(c, 0, 2, striped);
+  auto w1 = Worker(c, 1, 2, plain);
+  ASSERT_TRUE(w0->Declare(1, 64 << 10, DType::kFloat32).ok());
+  ASSERT_TRUE(w1->Declare(1, 64 << 10, DType::kFloat32).ok());
+  std::vector<float> a(16 << 10, 1.0f), b(16 << 10, 2.0f), o0(a.size()),
+      o1(a.size());
+  auto h0 = w0->PushPull(1, a.data(), o0.data());
+  auto h1 = w1->PushPull(1, b.data(), o1.data());
+  ASSERT_TRUE(h0.Wait(20s).ok());
+  ASSERT_TRUE(h1.Wait(20s).ok());
+  EXPECT_EQ(o0.back(), 3.0f);
+  EXPECT_EQ(o1.front(), 3.0f);
+  EXPECT_EQ(c.proxies[0]->Stats().ring_steps, 0u);
+}
+
 TEST(PsTest, ThreeProxiesBothRingDirections) {
   auto c = Cluster::Start(3);
   RoutingTable r;

@@ -11,12 +11,13 @@ namespace membox::ps {
 std::string RoutingTable::ToString() const {
   std::ostringstream o;
   o << "S=" << threshold << " LatProxy=" << lat_proxy << " BwProxy=" << bw_proxy
-    << " S'=" << partition_bytes;
+    << " S'=" << partition_bytes << (stripe ? " striped" : "");
   return o.str();
 }
 
 Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
-                                   double full_bandwidth_fraction) {
+                                   double full_bandwidth_fraction,
+                                   double stripe_fraction) {
   std::map<uint32_t, std::map<uint64_t, double>> t;  // proxy -> size -> s
   std::set<uint64_t> sizes;
   for (const auto& s : samples) {
@@ -64,6 +65,11 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
       }
       prev = s;
     }
+  }
+  r.stripe = t.size() > 1;
+  for (auto& [p, m] : t) {
+    r.stripe = r.stripe && static_cast<double>(largest) / m[largest] >=
+                               stripe_fraction * best_bw;
   }
   const auto& bwp = t[r.bw_proxy];
   double peak = 0;

@@ -40,6 +40,19 @@ TEST(RoutingTest, OneProxyBestAtEverything) {
   EXPECT_EQ(t->Route(1u << 30), 0u);
 }
 
+TEST(RoutingTest, StripesOverEqualProxiesOnly) {
+  // Equal links (within 30 %): spread shards over both.
+  auto eq = ChooseRouting(Grid(50e-6, 1e9, 60e-6, 0.8e9));
+  ASSERT_TRUE(eq.ok());
+  EXPECT_TRUE(eq->stripe);
+  // Anti-locality (8x bandwidth difference) and one proxy: no striping.
+  EXPECT_FALSE(ChooseRouting(Grid(10e-6, 1e9, 200e-6, 8e9))->stripe);
+  std::vector<ProfileSample> one;
+  for (auto& x : Grid(1e-5, 1e9, 1e-5, 1e9))
+    if (x.proxy == 0) one.push_back(x);
+  EXPECT_FALSE(ChooseRouting(one)->stripe);
+}
+
 TEST(RoutingTest, RejectsIncompleteGrids) {
   auto s = Grid(1e-5, 1e9, 1e-5, 1e9);
   s.pop_back();

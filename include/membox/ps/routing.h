@@ -11,7 +11,10 @@
 // S is the first measured size at which BwProxy's time is not above
 // LatProxy's (linearly interpolated between the two sizes around the
 // crossing); S' is the smallest size reaching >= 90 % of BwProxy's best
-// bandwidth. Pure functions; thread-safe.
+// bandwidth. Stripe is chosen when there are several proxies and each
+// reaches at least `stripe_fraction` of BwProxy's bandwidth: then spreading
+// shards over all of them beats sending everything to one (no proxy's link
+// is much worse). Pure functions; thread-safe.
 #ifndef MEMBOX_PS_ROUTING_H_
 #define MEMBOX_PS_ROUTING_H_
 
@@ -34,6 +37,12 @@ struct RoutingTable {
   uint32_t lat_proxy = 0;
   uint32_t bw_proxy = 0;
   uint64_t partition_bytes = 4 << 20;  // S' (at least kMinShardBytes)
+  // Stripe: shard s of a key declared under this table lives on proxy
+  // (key + s) % proxies alone -- every worker sends it there, that proxy
+  // sums and stores it, no ring between proxies. Spreads the load over
+  // memory nodes with equal links (each node moves p n / M bytes each way);
+  // fixed per key by its first declaration.
+  bool stripe = false;
   uint32_t Route(uint64_t bytes) const {
     return bytes < threshold ? lat_proxy : bw_proxy;
   }
@@ -50,7 +59,8 @@ struct ProfileSample {
 // `sizes` ascending, every proxy measured at every size. kInvalidArgument
 // when the samples do not form that grid.
 Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
-                                   double full_bandwidth_fraction = 0.9);
+                                   double full_bandwidth_fraction = 0.9,
+                                   double stripe_fraction = 0.7);
 
 // Dual synchronisation (§III.F): with p workers, n bytes per iteration, the
 // first m bytes (in backward order: the last layers) synchronised by the
