@@ -213,17 +213,17 @@ TRAIN_SCHEMES = [
 
 
 def run_train(a, rec):
+    """Each scheme on fresh memory nodes (a key's shard size and striping
+    are fixed by its first declaration) with as many nodes as it uses."""
     membox = cluster._membox_bin()
     p, m = a.workers, max(a.nodes)
-    case_topo = f"{p}w{m}m-{a.rate}"
-    topo = topology("btr", p, m, a.rate, a.pool)
-    cluster.up(topo, log=lambda s: print(s, file=sys.stderr))
-    try:
-        eps = cluster.proxies(topo).split(",")
-        for model in a.models:
-            case = f"{model}@{case_topo}"
-            for name, nodes, routing, partition, dual in TRAIN_SCHEMES:
-                nodes = m if nodes is None else nodes
+    for model in a.models:
+        case = f"{model}@{p}w{m}m-{a.rate}"
+        for name, nodes, routing, partition, dual in TRAIN_SCHEMES:
+            nodes = m if nodes is None else nodes
+            topo = topology("btr", p, max(1, nodes), a.rate, a.pool)
+            cluster.up(topo, log=lambda s: None)
+            try:
                 args = [membox, "bench-peer", "train", "worker",
                         f"model={model}", f"iters={a.train_iters}",
                         f"scale={a.compute_scale}",
@@ -231,21 +231,22 @@ def run_train(a, rec):
                 if nodes == 0:
                     args.append("scheme=mpi")
                 else:
-                    args += ["scheme=membox", "proxies=" + ",".join(eps[:nodes]),
+                    args += ["scheme=membox",
+                             "proxies=" + cluster.proxies(topo),
                              "secret_file=" + cluster.secret_file(topo),
                              f"routing={routing}", f"partition={partition}",
                              f"dual={dual}"]
                 print(f"[{case}] {name} ...", file=sys.stderr, flush=True)
                 with CpuMeter() as cpu:
                     res = mpirun(topo, args)
-                if len(res) != 1:
-                    raise RuntimeError(f"{name}: no result")
-                it, blocked = float(res[0][0]), float(res[0][1])
-                rec.add(name, 0, p, "iteration", it, "ms", case)
-                rec.add(name, 0, p, "blocked", blocked, "ms", case)
-                rec.add(name, 0, p, "cpu", cpu.percent, "%", case)
-    finally:
-        cluster.down(topo, quiet=True)
+            finally:
+                cluster.down(topo, quiet=True)
+            if len(res) != 1:
+                raise RuntimeError(f"{name}: no result")
+            it, blocked = float(res[0][0]), float(res[0][1])
+            rec.add(name, 0, p, "iteration", it, "ms", case)
+            rec.add(name, 0, p, "blocked", blocked, "ms", case)
+            rec.add(name, 0, p, "cpu", cpu.percent, "%", case)
 
 
 def print_tables(a, rec):
@@ -405,14 +406,17 @@ def main(argv=None):
         return 77
     rec = Records()
     t0 = time.time()
-    if "allreduce" in parts:
-        run_allreduce(a, rec)
-    if "train" in parts:
-        run_train(a, rec)
-    print_tables(a, rec)
+    try:
+        if "allreduce" in parts:
+            run_allreduce(a, rec)
+        if "train" in parts:
+            run_train(a, rec)
+    finally:  # what was measured is kept even when a later part fails
+        if rec.rows:
+            print_tables(a, rec)
+            write(a, rec)
     print(f"\n({time.time() - t0:.0f} s; ratios < 1: membox faster or "
           f"within the bound factor)")
-    write(a, rec)
     return 0
 
 

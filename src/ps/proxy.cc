@@ -203,6 +203,7 @@ class ProxyImpl final : public Proxy {
     }
     for (auto& [id, c] : conns_) c.channel->Close();
     for (auto& [r, ch] : peer_out_) ch->Close();
+    inflight_.clear();  // closed channels complete them
     conns_.clear();
     peer_out_.clear();
     peer_regions_.clear();
@@ -384,6 +385,41 @@ class ProxyImpl final : public Proxy {
     RETURN_IF_ERROR(h.Wait(kIoTimeout));
     ASSIGN_OR_RETURN(auto f, c.channel->Flush());
     return f.Wait(kIoTimeout);
+  }
+
+  // Writes a round's result to a worker and replies once it is visible
+  // there, without waiting on the event thread: the write and a flush are
+  // issued, and the flush's completion posts the reply. The node's link then
+  // carries this shard's results out while the next shard's pushes come in
+  // (waiting here made every node use its link one direction at a time).
+  // `src` is held until the write completes, so the value it points into is
+  // copied on write meanwhile (Apply / LocalSum check use_count()).
+  void WriteThenReply(uint64_t conn, uint64_t id, uint64_t region,
+                      uint64_t offset, std::shared_ptr<MemRegion> src,
+                      uint64_t len, uint64_t version) {
+    Conn& c = conns_[conn];
+    auto rr = WorkerRange(c, region, offset, len, "output");
+    if (!rr.ok()) return Reply(conn, id, rr.status(), version);
+    if ((*rr)->mapped() || !c.channel) {
+      Status s =
+          WriteWorker(c, region, offset,
+                      static_cast<const uint8_t*>(src->data()), len, *src);
+      return Reply(conn, id, s, version);
+    }
+    while (!inflight_.empty() && inflight_.front().done()) {
+      inflight_.pop_front();
+    }
+    auto w = c.channel->Write(src->data(), *src, (*rr)->address() + offset,
+                              **rr, len, [src](const Status&) {});
+    if (!w.ok()) return Reply(conn, id, w.status(), version);
+    inflight_.push_back(std::move(*w));
+    auto f = c.channel->Flush([this, conn, id, version](const Status& s) {
+      Post(Event{conn, false, {}, {}, [this, conn, id, s, version] {
+                   Reply(conn, id, s, version);
+                 }});
+    });
+    if (!f.ok()) return Reply(conn, id, f.status(), version);
+    inflight_.push_back(std::move(*f));
   }
 
   // ------------------------------------------------------------ messages
@@ -1210,13 +1246,12 @@ class ProxyImpl final : public Proxy {
       rounds_.fetch_add(1);
     }
     for (auto& [r, p] : pushes) {
-      Status ps = st;
-      if (ps.ok() && p.has_output) {
-        ps = WriteWorker(conns_[p.conn], p.out_region, p.out_offset,
-                         static_cast<const uint8_t*>(sh.value->data()),
-                         sh.bytes, *sh.value);
+      if (st.ok() && p.has_output) {
+        WriteThenReply(p.conn, p.id, p.out_region, p.out_offset, sh.value,
+                       sh.bytes, sh.version);
+      } else {
+        Reply(p.conn, p.id, st, sh.version);
       }
-      Reply(p.conn, p.id, ps, sh.version);
     }
     ServeWaitingPulls(k, sh);
     if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
@@ -1534,6 +1569,9 @@ class ProxyImpl final : public Proxy {
   std::vector<Message> early_notices_;
   std::unique_ptr<MemRegion> staging_;
   std::unique_ptr<MemRegion> probe_;
+  // Result writes and flushes in flight (WriteThenReply); done ones are
+  // dropped as new ones start.
+  std::deque<transport::OpHandle> inflight_;
   uint32_t world_ = 0;
   bool configured_ = false;
   Message config_;
