@@ -1,7 +1,9 @@
 #include "src/transport/net/tcp_channel.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -18,6 +20,8 @@ namespace {
 // A peer that accepts no bytes for this long is treated as gone.
 constexpr auto kSendStall = std::chrono::seconds(120);
 constexpr uint32_t kMaxFrameHeader = 64 * 1024;
+// Largest write frame (Memcpy splits larger writes).
+constexpr size_t kWriteChunk = 256 * 1024;
 // Payloads larger than any region could be are a protocol error.
 constexpr uint64_t kMaxPayload = uint64_t{1} << 44;
 
@@ -103,6 +107,7 @@ Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
                            std::vector<uint8_t> owned,
                            std::shared_ptr<OpState> state) {
   OutFrame f;
+  f.type = type;
   uint32_t hlen = static_cast<uint32_t>(header.size());
   uint64_t plen = len;
   std::memcpy(f.head, &type, 4);
@@ -123,6 +128,19 @@ Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
     if (!sending_ && sendq_.empty()) {
       sending_ = true;
       inline_send = true;
+    } else if (type == kTcpReadReq) {
+      // A read request (a few bytes) goes ahead of the bulk writes queued
+      // at the tail (not of anything else, and never into a frame already
+      // started): a node reading the next pushes from a worker must not
+      // wait behind the results it is writing to that worker, or its link
+      // is used one direction at a time. Reads are not ordered after
+      // earlier writes on any data path (UCX's RMA neither); Flush orders.
+      auto pos = sendq_.end();
+      while (pos != sendq_.begin() && std::prev(pos)->type == kTcpWrite &&
+             std::prev(pos)->sent == 0) {
+        --pos;
+      }
+      sendq_.insert(pos, std::move(f));
     } else {
       sendq_.push_back(std::move(f));
     }
@@ -455,10 +473,23 @@ Result<OpHandle> TcpChannel::Memcpy(void* local_addr, const MemRegion& local,
   }
   auto state = std::make_shared<OpState>(host_->events(), std::move(cb));
   if (direction == Direction::kWrite) {
-    msg::Access a{0, remote_addr, remote.descriptor().region_id,
-                  remote.descriptor().token, size};
-    RETURN_IF_ERROR(Enqueue(kTcpWrite, msg::EncodeAccess(a, false), local_addr,
-                            size, {}, state));
+    // In frames of at most kWriteChunk, so a read request queued behind a
+    // large write waits for one chunk at most. Frames of one write go out
+    // in order: the last one's completion completes the write.
+    const char* src = static_cast<const char*>(local_addr);
+    for (size_t off = 0; off < size; off += kWriteChunk) {
+      size_t n = std::min(kWriteChunk, size - off);
+      bool last = off + n == size;
+      msg::Access a{0, remote_addr + off, remote.descriptor().region_id,
+                    remote.descriptor().token, n};
+      Status s = Enqueue(kTcpWrite, msg::EncodeAccess(a, false), src + off, n,
+                         {}, last ? state : nullptr);
+      if (!s.ok()) {
+        if (off == 0) return s;  // nothing started
+        state->Complete(s);      // a part went out: the write failed
+        return OpHandle(std::move(state));
+      }
+    }
     return OpHandle(std::move(state));
   }
   uint64_t id = next_op_.fetch_add(1);

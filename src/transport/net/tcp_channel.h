@@ -105,6 +105,7 @@ class TcpChannel final : public Channel,
 
  private:
   struct OutFrame {
+    uint32_t type = 0;
     uint8_t head[16];
     std::vector<uint8_t> header;
     const void* payload = nullptr;  // not owned (user buffer or region)
