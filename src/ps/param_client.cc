@@ -354,6 +354,13 @@ class ParamClientImpl final : public ParamClient {
           "the element size");
     }
     uint64_t shard = std::max(routing().partition_bytes, kMinShardBytes);
+    const uint64_t np = proxies_.size();
+    if (routing().stripe && np > 1) {
+      // Striped: at least one shard per proxy, so a tensor smaller than M
+      // partitions still spreads over every node.
+      uint64_t per = (bytes + np - 1) / np;
+      shard = std::min(shard, std::max(per, kMinShardBytes));
+    }
     shard = std::max<uint64_t>(es, shard - shard % es);
     shard = std::min<uint64_t>(shard, bytes);
     KeyInfo k;

@@ -46,6 +46,11 @@ struct Contribution {
   uint64_t region = 0, offset = 0;
   bool has_output = false;
   uint64_t out_region = 0, out_offset = 0;
+  // Prefetched (pushes the proxy cannot map): read into the shard's inbox
+  // for this rank as soon as admitted; `fetching` until the read is back.
+  bool prefetched = false;
+  bool fetching = false;
+  Status fetched;
 };
 
 struct PendingPull {
@@ -71,6 +76,10 @@ struct Shard {
   std::set<std::pair<uint64_t, uint32_t>> done;
   std::vector<PendingPull> pulls;
   std::vector<uint64_t> applied;  // kAsync: pushes applied per rank
+  // Per-rank buffers prefetched pushes are read into (allocated on first
+  // use, reused every round: a round's next pushes are admitted only after
+  // its sum is done).
+  std::map<uint32_t, std::shared_ptr<MemRegion>> inbox;
 };
 
 struct Key {
@@ -894,7 +903,57 @@ class ProxyImpl final : public Proxy {
     sh.pushes[c.rank] =
         Contribution{conn,     m.id,         c.rank,       m.region,
                      m.offset, m.has_output, m.out_region, m.out_offset};
+    Prefetch(m.key, m.shard, c, sh.pushes[c.rank]);
     MaybeStart(m.key, m.shard);
+  }
+
+  // Starts reading a push the proxy cannot map (TCP, RMA) into the shard's
+  // inbox right away, instead of when the round starts: a node then reads
+  // the next shards' pushes while it writes the last ones' results, and
+  // its link carries both directions at once. The read's completion posts
+  // a task that marks it and retries the round's start.
+  void Prefetch(uint64_t k, uint32_t s, Conn& c, Contribution& p) {
+    Shard& sh = keys_[k].shards[s];
+    auto it = c.regions.find(p.region);
+    if (it == c.regions.end() || it->second->mapped() || !c.channel) return;
+    auto rr = WorkerRange(c, p.region, p.offset, sh.bytes, "input");
+    if (!rr.ok()) return;  // LocalSum reports it
+    auto& buf = sh.inbox[p.rank];
+    if (!buf || buf->size() < sh.bytes) {
+      auto b = Allocate(sh.bytes);
+      if (!b.ok()) return;  // LocalSum reads it the slow way
+      buf = std::move(*b);
+    }
+    uint64_t round = sh.version;
+    uint32_t rank = p.rank;
+    auto h = c.channel->Read(
+        buf->data(), *buf, (*rr)->address() + p.offset, **rr, sh.bytes,
+        [this, k, s, rank, round](const Status& st) {
+          Post(Event{0, false, {}, {}, [this, k, s, rank, round, st] {
+                       Fetched(k, s, rank, round, st);
+                     }});
+        });
+    if (!h.ok()) return;
+    p.prefetched = true;
+    p.fetching = true;
+    while (!inflight_.empty() && inflight_.front().done()) {
+      inflight_.pop_front();
+    }
+    inflight_.push_back(std::move(*h));
+  }
+
+  void Fetched(uint64_t k, uint32_t s, uint32_t rank, uint64_t round,
+               const Status& st) {
+    auto kit = keys_.find(k);
+    if (kit == keys_.end() || s >= kit->second.shards.size()) return;
+    Shard& sh = kit->second.shards[s];
+    auto it = sh.pushes.find(rank);
+    if (sh.version != round || it == sh.pushes.end() || !it->second.fetching) {
+      return;  // the round failed or ended meanwhile
+    }
+    it->second.fetching = false;
+    it->second.fetched = st.ok() ? Status::Ok() : st;
+    MaybeStart(k, s);
   }
 
   // Whether worker `c`'s table sends (key, round) of a `bytes` shard here.
@@ -933,6 +992,9 @@ class ProxyImpl final : public Proxy {
     Shard& sh = key.shards[s];
     if (sh.reducing || !dead_worker_.empty()) return;
     if (key.striped && Owner(k, s) != opt_.rank) return;
+    for (auto& [r, p] : sh.pushes) {
+      if (p.fetching) return;  // Fetched() calls again
+    }
     uint32_t present = 0;
     for (auto& [id, c] : conns_) {
       if (c.role != Conn::Role::kClient) continue;
@@ -1004,16 +1066,19 @@ class ProxyImpl final : public Proxy {
           sh.bytes > it->second->size() - p.offset) {
         return OutOfRangeError("push range outside the registered region");
       }
-      all_mapped &= it->second->mapped() != nullptr;
+      if (p.prefetched) {
+        RETURN_IF_ERROR(p.fetched);
+        srcs.push_back(sh.inbox[r]->data());
+      } else if (it->second->mapped()) {
+        srcs.push_back(static_cast<const uint8_t*>(it->second->mapped()) +
+                       p.offset);
+      } else {
+        all_mapped = false;  // read below, one push at a time
+      }
     }
     if (sh.pushes.empty()) {
       std::memset(dst, 0, sh.bytes);
-    } else if (all_mapped) {
-      for (auto& [r, p] : sh.pushes) {
-        srcs.push_back(static_cast<const uint8_t*>(
-                           conns_[p.conn].regions[p.region]->mapped()) +
-                       p.offset);
-      }
+    } else if (all_mapped) {  // mapped or prefetched: sum on the sync cores
       SumInto(*sync_, key.dtype, dst, srcs, sh.bytes);
     } else {
       bool first = true;
@@ -1026,9 +1091,13 @@ class ProxyImpl final : public Proxy {
           into = static_cast<uint8_t*>(st->data());
           into_region = st;
         }
-        ASSIGN_OR_RETURN(
-            const uint8_t* src,
-            ReadWorker(c, p.region, p.offset, sh.bytes, into, *into_region));
+        const uint8_t* src = nullptr;
+        if (p.prefetched) {
+          src = static_cast<const uint8_t*>(sh.inbox[r]->data());
+        } else {
+          ASSIGN_OR_RETURN(src, ReadWorker(c, p.region, p.offset, sh.bytes,
+                                           into, *into_region));
+        }
         if (first) {
           if (src != dst) std::memcpy(dst, src, sh.bytes);
           first = false;
