@@ -215,7 +215,18 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
   ASSIGN_OR_RETURN(auto client, ps::ParamClient::Connect(o));
   if (cfg.routing && cfg.proxies.size() > 1) {
     ASSIGN_OR_RETURN(auto t, client->Profile());
-    (void)t;
+    // Every worker uses rank 0's table: profiles taken at the same time
+    // through shared links differ by noise, and workers routing the same
+    // key differently make the proxies fall back to their ring.
+    uint64_t v[5] = {t.threshold, t.lat_proxy, t.bw_proxy, t.partition_bytes,
+                     t.stripe ? 1u : 0u};
+    MPI_Bcast(v, 5, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+    t.threshold = v[0];
+    t.lat_proxy = static_cast<uint32_t>(v[1]);
+    t.bw_proxy = static_cast<uint32_t>(v[2]);
+    t.partition_bytes = v[3];
+    t.stripe = v[4] != 0;
+    client->SetRouting(t);
   }
   if (!cfg.partition) {
     ps::RoutingTable t = client->routing();

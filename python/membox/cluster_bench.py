@@ -323,7 +323,7 @@ def plot(a, rec):
             pts = sorted((r["size_bytes"], r["value"]) for r in rec.rows
                          if r["case"] == case and r["metric"] == "time" and
                          r["variant"] == v)
-            style = ":" if v.endswith("bound") else "-"
+            style = ":" if "bound" in v else "-"
             ax.plot([x for x, _ in pts], [y for _, y in pts], style,
                     marker="" if style == ":" else "o", label=v)
         ax.set_xscale("log", base=2)
