@@ -17,7 +17,12 @@
 #      membox vs DENSE, MPI and Gloo AllReduce, with ablations;
 #   6. seed 004 -- a wide & deep CTR model whose sparse tables live in the
 #      memory nodes' embedding store (2 nodes, 2 workers), against the same
-#      model with torch's own embedding layers in one process.
+#      model with torch's own embedding layers in one process;
+#   7. across hosts, when run as root where network namespaces can be made:
+#      an emulated cluster (examples/cluster/4w2m.toml: 4 worker hosts,
+#      2 memory hosts, 400 Mbit/s links) trains the transformer example
+#      with membox's hook and with Gloo DDP (docs/cluster.md); skipped with
+#      a note otherwise.
 # Tables are printed; CSV, JSON and PNG files go to out/.
 # Usage: bash scripts/run-demo.sh [--no-install]
 set -euo pipefail
@@ -37,4 +42,15 @@ done
 echo "== sparse embeddings: wide & deep CTR, membox store vs torch layers"
 /usr/bin/python3 examples/ctr_wide_deep.py --local | grep RESULT
 "$membox" launch --nodes 2 --workers 2 -- /usr/bin/python3 examples/ctr_wide_deep.py | grep RESULT
+echo "== across hosts: emulated cluster, transformer LM, membox vs Gloo DDP"
+if [[ $(id -u) -eq 0 ]] && ip netns add "mbx-demo-probe-$$" 2>/dev/null; then
+  ip netns del "mbx-demo-probe-$$"
+  for backend in membox gloo; do
+    "$membox" cluster run examples/cluster/4w2m.toml -- /usr/bin/python3 \
+      "$PWD/examples/transformer_lm.py" --backend "$backend" --steps 20 |
+      grep "^step 20" | sed "s/^/$backend: /"
+  done
+else
+  echo "(skipped: needs root and network namespaces; see docs/cluster.md)"
+fi
 echo "wrote out/digits.png and out/{transfer,async-sgd,memserver,allreduce,train}.{csv,json,png}"
