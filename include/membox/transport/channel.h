@@ -27,6 +27,11 @@
 //            peer's reader thread places writes after validating the target
 //            range (src/transport/net/tcp_channel.h).
 //
+// Ordering between a read and earlier writes on the same channel is not
+// guaranteed (UCX RMA does not order them; membox's TCP path lets a read
+// request overtake queued writes): a read that must observe a write waits
+// for that write's Flush().
+//
 // Pending operations per buffer: any number of reads may be pending against
 // one local buffer; while a write from a buffer or a read into it is pending,
 // the caller must not modify (write) or read (read) that buffer. Overlapping
