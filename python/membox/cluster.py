@@ -123,7 +123,10 @@ def load_topology(path):
                  "veth": f"mbx{name}{hn}"[:15],
                  "rate": str(o.get("rate", rate)),
                  "delay_ms": float(o.get("delay_ms", delay))}
-            _rate_bits(h["rate"])  # validates
+            try:
+                _rate_bits(h["rate"])
+            except ClusterError as e:
+                raise ClusterError(f"{path}: {hn}: {e}")
             if h["delay_ms"] < 0:
                 raise ClusterError(f"{path}: negative delay for {hn}")
             hosts.append(h)
