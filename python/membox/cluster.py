@@ -163,7 +163,7 @@ def secret_file(topo):
 
 # ------------------------------------------------------------------ plumbing
 
-def _sh(*argv, check=True, quiet=False):
+def _sh(*argv, check=True):
     p = subprocess.run(argv, capture_output=True, text=True)
     if check and p.returncode != 0:
         raise ClusterError(f"{' '.join(argv)}: {p.stderr.strip() or p.returncode}")

@@ -87,11 +87,9 @@ def topology(name, workers, memory, rate, pool, extra=None):
 
 
 def results(proc_out):
-    out = {}
-    for line in proc_out.splitlines():
-        if line.startswith("RESULT "):
-            out.setdefault("lines", []).append(line[7:].split())
-    return out.get("lines", [])
+    """The fields of every "RESULT ..." line."""
+    return [line[7:].split() for line in proc_out.splitlines()
+            if line.startswith("RESULT ")]
 
 
 def mpirun(topo, cmd, attach=False, timeout=900):

@@ -415,20 +415,26 @@ class ProxyImpl final : public Proxy {
                       static_cast<const uint8_t*>(src->data()), len, *src);
       return Reply(conn, id, s, version);
     }
-    while (!inflight_.empty() && inflight_.front().done()) {
-      inflight_.pop_front();
-    }
     auto w = c.channel->Write(src->data(), *src, (*rr)->address() + offset,
                               **rr, len, [src](const Status&) {});
     if (!w.ok()) return Reply(conn, id, w.status(), version);
-    inflight_.push_back(std::move(*w));
+    Track(std::move(*w));
     auto f = c.channel->Flush([this, conn, id, version](const Status& s) {
       Post(Event{conn, false, {}, {}, [this, conn, id, s, version] {
                    Reply(conn, id, s, version);
                  }});
     });
     if (!f.ok()) return Reply(conn, id, f.status(), version);
-    inflight_.push_back(std::move(*f));
+    Track(std::move(*f));
+  }
+
+  // Keeps a transfer's handle until it completes (a pending handle's
+  // destructor would wait for it); completed ones are dropped here.
+  void Track(transport::OpHandle h) {
+    while (!inflight_.empty() && inflight_.front().done()) {
+      inflight_.pop_front();
+    }
+    inflight_.push_back(std::move(h));
   }
 
   // ------------------------------------------------------------ messages
@@ -936,10 +942,7 @@ class ProxyImpl final : public Proxy {
     if (!h.ok()) return;
     p.prefetched = true;
     p.fetching = true;
-    while (!inflight_.empty() && inflight_.front().done()) {
-      inflight_.pop_front();
-    }
-    inflight_.push_back(std::move(*h));
+    Track(std::move(*h));
   }
 
   void Fetched(uint64_t k, uint32_t s, uint32_t rank, uint64_t round,
