@@ -55,6 +55,9 @@ def main():
                          "DDP's no_sync())")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the DDP model (torch 2.x)")
+    ap.add_argument("--wire-dtype", choices=("bfloat16", "float16"),
+                    help="membox: send gradients in this type (the nodes "
+                         "sum in float32)")
     a = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -71,7 +74,7 @@ def main():
     model = nn.parallel.DistributedDataParallel(Net())
     if a.backend == "membox":
         import membox.torch
-        membox.torch.init()                                          # line 1
+        membox.torch.init(wire_dtype=a.wire_dtype)                   # line 1
         model.register_comm_hook(None, membox.torch.allreduce_hook)  # line 2
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     ddp = model

@@ -14,6 +14,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include <pybind11/functional.h>
@@ -210,12 +211,32 @@ class Client {
     c_ = Check(std::move(c));
   }
 
+  static membox::ps::OptimizerConfig ParseOptimizer(
+      const std::string& optimizer, double lr, double momentum, double beta1,
+      double beta2, double eps) {
+    using K = membox::ps::OptimizerConfig::Kind;
+    membox::ps::OptimizerConfig o;
+    if (optimizer == "none")
+      o.kind = K::kNone;
+    else if (optimizer == "sgd")
+      o.kind = K::kSgd;
+    else if (optimizer == "adam")
+      o.kind = K::kAdam;
+    else
+      throw py::value_error("optimizer must be none, sgd or adam");
+    o.lr = lr;
+    o.momentum = momentum;
+    o.beta1 = beta1;
+    o.beta2 = beta2;
+    o.eps = eps;
+    return o;
+  }
+
   void Configure(const std::string& mode, uint32_t staleness,
-                 const std::string& optimizer, double lr, double momentum,
-                 double beta1, double beta2, double eps) {
+                 std::optional<std::string> optimizer, double lr,
+                 double momentum, double beta1, double beta2, double eps) {
     membox::ps::SyncConfig c;
     using M = membox::ps::SyncConfig::Mode;
-    using O = membox::ps::SyncConfig::Optimizer;
     if (mode == "sum")
       c.mode = M::kSum;
     else if (mode == "average")
@@ -224,20 +245,10 @@ class Client {
       c.mode = M::kAsync;
     else
       throw py::value_error("mode must be sum, average or async");
-    if (optimizer == "none")
-      c.optimizer = O::kNone;
-    else if (optimizer == "sgd")
-      c.optimizer = O::kSgd;
-    else if (optimizer == "adam")
-      c.optimizer = O::kAdam;
-    else
-      throw py::value_error("optimizer must be none, sgd or adam");
     c.staleness = staleness;
-    c.lr = lr;
-    c.momentum = momentum;
-    c.beta1 = beta1;
-    c.beta2 = beta2;
-    c.eps = eps;
+    if (optimizer) {
+      c.optimizer = ParseOptimizer(*optimizer, lr, momentum, beta1, beta2, eps);
+    }
     Status s;
     {
       py::gil_scoped_release nogil;
@@ -247,7 +258,9 @@ class Client {
   }
 
   uint64_t Declare(uint64_t key, uint64_t nbytes, const std::string& dtype,
-                   py::object init) {
+                   py::object init, std::optional<std::string> optimizer,
+                   double lr, double momentum, double beta1, double beta2,
+                   double eps) {
     const void* p = nullptr;
     Buffer b;
     if (!init.is_none()) {
@@ -256,14 +269,31 @@ class Client {
       p = b.ptr;
     }
     auto dt = ParseDType(dtype);
+    std::optional<membox::ps::OptimizerConfig> o;
+    if (optimizer) {
+      o = ParseOptimizer(*optimizer, lr, momentum, beta1, beta2, eps);
+    }
     membox::Result<uint64_t> v = membox::InternalError("");
     {
       py::gil_scoped_release nogil;
-      v = c_->Declare(key, nbytes, dt, p);
+      v = o ? c_->DeclareWithOptimizer(key, nbytes, dt, p, *o)
+            : c_->Declare(key, nbytes, dt, p);
     }
     uint64_t version = Check(std::move(v));
     declared_[key] = nbytes;
     return version;
+  }
+
+  void Tune(uint64_t first_key, uint64_t end_key, const std::string& optimizer,
+            double lr, double momentum, double beta1, double beta2,
+            double eps) {
+    auto o = ParseOptimizer(optimizer, lr, momentum, beta1, beta2, eps);
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = c_->Tune(first_key, end_key, o);
+    }
+    if (!s.ok()) Throw(s);
   }
 
   // A writable uint8 numpy array over registered memory.
@@ -603,12 +633,27 @@ PYBIND11_MODULE(_core, m) {
            py::arg("world"), py::arg("name") = "worker",
            py::arg("timeout") = 60.0, py::arg("partition_bytes") = 4 << 20)
       .def("configure", &Client::Configure, py::arg("mode") = "sum",
-           py::arg("staleness") = 0, py::arg("optimizer") = "none",
+           py::arg("staleness") = 0, py::arg("optimizer") = py::none(),
            py::arg("lr") = 0.01, py::arg("momentum") = 0.0,
            py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
-           py::arg("eps") = 1e-8)
+           py::arg("eps") = 1e-8,
+           "Job-wide mode and staleness (the same on every worker, every "
+           "call); optimizer (none/sgd/adam, with its hyperparameters) is "
+           "this worker's default for later declarations (None: unchanged).")
       .def("declare", &Client::Declare, py::arg("key"), py::arg("nbytes"),
-           py::arg("dtype") = "float32", py::arg("init") = py::none())
+           py::arg("dtype") = "float32", py::arg("init") = py::none(),
+           py::arg("optimizer") = py::none(), py::arg("lr") = 0.01,
+           py::arg("momentum") = 0.0, py::arg("beta1") = 0.9,
+           py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
+           "Declares a tensor. init: rank 0's initial values win. optimizer "
+           "(none/sgd/adam): this tensor's own, else configure()'s default.")
+      .def("tune", &Client::Tune, py::arg("first_key"), py::arg("end_key"),
+           py::arg("optimizer"), py::arg("lr") = 0.01,
+           py::arg("momentum") = 0.0, py::arg("beta1") = 0.9,
+           py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
+           "New hyperparameters for the declared keys in [first_key, "
+           "end_key) from the next round on (same optimizer kind); every "
+           "worker calls it between the same two steps with the same values.")
       .def(
           "allocate",
           [](py::object self, uint64_t nbytes) {

@@ -40,6 +40,9 @@ def _buffer(x):
         raise MemboxError(f"membox moves CPU tensors (got {x.device})")
     if not x.is_contiguous():
         raise ValueError("membox needs contiguous tensors")
+    if str(x.dtype) == "torch.bfloat16":  # numpy has no bfloat16: same bits
+        import torch
+        return x.detach().view(torch.int16).numpy()
     return x.detach().numpy()
 
 
@@ -48,8 +51,12 @@ class Client(_core.Client):
     Accepts numpy arrays, any buffer, and torch CPU tensors (shared, not
     copied)."""
 
-    def declare(self, key, nbytes, dtype="float32", init=None):
-        return super().declare(key, nbytes, dtype, _buffer(init))
+    def declare(self, key, nbytes, dtype="float32", init=None, **optimizer):
+        """Declares a tensor (every worker, same size and dtype). init: the
+        initial value (rank 0's wins). optimizer="sgd"/"adam"/"none" with
+        lr, momentum, beta1, beta2, eps: the tensor's own optimizer on the
+        memory nodes (default: configure()'s)."""
+        return super().declare(key, nbytes, dtype, _buffer(init), **optimizer)
 
     def register_tensor(self, t):
         """Registers a buffer or CPU tensor you keep alive: pushes and pulls

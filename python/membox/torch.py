@@ -36,12 +36,25 @@ import membox
 _client = None
 _declared = set()
 _lock = threading.Lock()
+_wire = None  # dtype the hook sends float gradients in (init(wire_dtype=))
+_WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def init(mode="average", client=None, **configure):
+def init(mode="average", client=None, wire_dtype=None, **configure):
     """Connects this worker to the memory nodes (environment of `membox
-    launch`, see membox.connect) and sets the synchronisation mode."""
-    global _client
+    launch`, see membox.connect) and sets the synchronisation mode.
+
+    wire_dtype="bfloat16" or "float16": the DDP hook sends float32/float64
+    gradient buckets in that type (half the bytes); the memory nodes sum
+    them in float32 and round once, and the average comes back into the
+    bucket. CPU buckets only."""
+    global _client, _wire
+    if wire_dtype is not None:
+        key = str(wire_dtype).replace("torch.", "")
+        if key not in _WIRE_DTYPES:
+            raise ValueError("wire_dtype must be float16 or bfloat16")
+        wire_dtype = _WIRE_DTYPES[key]
+    _wire = wire_dtype
     _client = client or membox.connect()
     _client.configure(mode=mode, **configure)
     return _client
@@ -57,7 +70,10 @@ def _flat_numpy(t):
     if t.device.type != "cpu":
         raise membox.MemboxError("membox.torch moves CPU and CUDA tensors "
                                  "(got %s)" % t.device)
-    return t.detach().contiguous().view(-1).numpy()
+    flat = t.detach().contiguous().view(-1)
+    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: same bits
+        flat = flat.view(torch.int16)
+    return flat.numpy()
 
 
 def _dtype(t):
@@ -264,6 +280,8 @@ def allreduce_hook(state, bucket):
     if _first_iteration(bucket):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         return default_hooks.allreduce_hook(None, bucket)
+    if _wire is not None and t.dtype in (torch.float32, torch.float64):
+        return _narrow_push_pull(client(), bucket.index(), t)
     nbytes = t.numel() * t.element_size()
     # DDP rebuilds its buckets after the first iteration: a key per
     # (index, size) keeps every declaration consistent on all workers.
@@ -284,6 +302,46 @@ def allreduce_hook(state, bucket):
             fut.set_exception(_error(err))
 
     handle.add_done_callback(done)
+    return _for_ddp(fut)
+
+
+_narrow = {}  # bucket index -> the bucket's wire-dtype buffer
+
+
+def _narrow_push_pull(c, index, t):
+    """The hook with wire_dtype: the bucket is rounded into a buffer of the
+    wire type (kept per bucket index, registered with the transport where
+    the nodes do not map this worker's memory), averaged on the nodes in
+    that type with float32 sums, and widened back into the bucket."""
+    if t.device.type != "cpu":
+        raise membox.MemboxError(
+            "wire_dtype applies to CPU gradient buckets (this bucket is on "
+            "%s); leave wire_dtype unset for GPU training" % t.device)
+    with _lock:
+        w = _narrow.get(index)
+        if w is None or w.numel() != t.numel() or w.dtype != _wire:
+            w = torch.empty(t.numel(), dtype=_wire)
+            _narrow[index] = w
+    w.copy_(t.view(-1))
+    nbytes = w.numel() * w.element_size()
+    # Keys of wire-type buckets have bit 39 set: never a full-width bucket.
+    key = (index << 40) | (1 << 39) | nbytes
+    _declare(key, w)
+    arr = _flat_numpy(w)
+    if not c.proxies_map_memory:
+        _register_bucket(c, index, w, arr)
+    fut = torch.futures.Future()
+
+    def done(err):
+        if err is not None:
+            return fut.set_exception(_error(err))
+        try:
+            t.view(-1).copy_(w)
+            fut.set_result(t)
+        except Exception as e:  # noqa: BLE001 - reach the waiter
+            fut.set_exception(e)
+
+    c.push_pull(key, arr, arr, priority=-index).add_done_callback(done)
     return _for_ddp(fut)
 
 
@@ -340,7 +398,7 @@ def _register_bucket(c, index, t, arr):
         _buckets[index] = (ptr, nbytes, t)
     if old is not None:
         try:
-            c.unregister_tensor(old[2].detach().view(-1).numpy())
+            c.unregister_tensor(_flat_numpy(old[2]))
         except membox.MemboxError:
             pass  # already replaced by an overlapping registration
     c.register_tensor(arr)
@@ -378,6 +436,15 @@ def _cuda_push_pull(c, key, t, priority):
     return _for_ddp(fut)
 
 
+class _NodeOptimizer(torch.optim.Optimizer):
+    """The hyperparameters of a ParameterServer, in the form torch's LR
+    schedulers drive (param_groups). The memory nodes run the optimizer:
+    step() here does nothing."""
+
+    def step(self, closure=None):  # noqa: D401 - the nodes step
+        return closure() if closure is not None else None
+
+
 class ParameterServer:
     """Explicit parameter-server training: the memory nodes keep the weights
     and run the optimizer ("sgd" with momentum, or "adam"); workers push
@@ -395,9 +462,17 @@ class ParameterServer:
         self.params = [p for p in params]
         self.client = client or (_client if _client is not None
                                  else membox.connect())
-        self.client.configure(mode=mode, staleness=staleness,
-                              optimizer=optimizer, lr=lr, momentum=momentum,
-                              beta1=beta1, beta2=beta2, eps=eps)
+        # Mode and staleness are the job's (the same as init()'s when both
+        # are used); the optimizer belongs to this server's tensors only.
+        self.client.configure(mode=mode, staleness=staleness)
+        self._kind = optimizer
+        hyper = dict(lr=lr, momentum=momentum, beta1=beta1, beta2=beta2,
+                     eps=eps)
+        # A torch Optimizer over the same parameters whose param_groups[0]
+        # holds the hyperparameters: torch's LR schedulers drive it, and
+        # step() sends what they changed to the memory nodes.
+        self.optimizer = _NodeOptimizer(self.params, hyper)
+        self._sent = dict(hyper)
         self.keys = []
         # Rounds completed on the memory nodes: 0 for a new job, the
         # checkpoint's after `membox launch --resume`.
@@ -405,11 +480,41 @@ class ParameterServer:
         for i, p in enumerate(self.params):
             key = first_key + i
             data = _flat_numpy(p.data.detach().cpu())
-            # The first worker's initial weights win on every node.
-            v = self.client.declare(key, data.nbytes, _dtype(p.data), data)
+            # Rank 0's initial weights win on every node (as DDP's
+            # broadcast); other ranks' first pull waits for them.
+            v = self.client.declare(key, data.nbytes, _dtype(p.data), data,
+                                    optimizer=optimizer, **hyper)
             self.version = max(self.version, v)
             self.keys.append(key)
         self.pull()
+
+    @property
+    def lr(self):
+        return self.optimizer.param_groups[0]["lr"]
+
+    def set_lr(self, lr, **hyper):
+        """Sets the learning rate (and optionally momentum, beta1, beta2,
+        eps) from the next step on. Every worker calls it between the same
+        two steps with the same values (a schedule does); the memory nodes
+        refuse differing values for one round."""
+        g = self.optimizer.param_groups[0]
+        g["lr"] = lr
+        for name, value in hyper.items():
+            if name not in self._sent:
+                raise TypeError("unknown hyperparameter %r" % name)
+            g[name] = value
+        self._tune()
+
+    def _tune(self):
+        g = self.optimizer.param_groups[0]
+        want = {name: float(g[name]) for name in self._sent}
+        if want == self._sent or not self.keys:
+            return
+        if self._kind == "none":
+            raise membox.MemboxError("a ParameterServer without an optimizer "
+                                     "has no learning rate")
+        self.client.tune(self.keys[0], self.keys[-1] + 1, self._kind, **want)
+        self._sent = want
 
     def _cuda(self):
         return [i for i, p in enumerate(self.params) if p.data.is_cuda]
@@ -448,7 +553,11 @@ class ParameterServer:
         """Pushes every gradient (first layers first) and pulls the updated
         weights. CUDA gradients are copied to page-locked staging memory on a
         side stream and each is pushed as soon as its copy is done; the
-        weights come back the same way."""
+        weights come back the same way. A learning rate changed since the
+        last step (set_lr, or an LR scheduler on self.optimizer) is sent to
+        the memory nodes first."""
+        self._tune()
+        self.optimizer.step()  # bookkeeping torch's LR schedulers check
         gpu = set(self._cuda())
         n = len(self.params)
         copied = {}

@@ -147,6 +147,24 @@ void AddF16(uint16_t* d, const uint16_t* s, size_t n, float a) {
 
 }  // namespace
 
+void WidenToFloat(DType t, const void* src, float* dst, size_t count) {
+  const auto* h = static_cast<const uint16_t*>(src);
+  if (t == DType::kBFloat16) {
+    for (size_t i = 0; i < count; ++i) dst[i] = Bf16ToF32(h[i]);
+  } else {
+    for (size_t i = 0; i < count; ++i) dst[i] = HalfToF32(h[i]);
+  }
+}
+
+void NarrowFromFloat(DType t, const float* src, void* dst, size_t count) {
+  auto* h = static_cast<uint16_t*>(dst);
+  if (t == DType::kBFloat16) {
+    for (size_t i = 0; i < count; ++i) h[i] = F32ToBf16(src[i]);
+  } else {
+    for (size_t i = 0; i < count; ++i) h[i] = F32ToHalf(src[i]);
+  }
+}
+
 bool AccumulateSupports(DType t) {
   return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kFloat16 ||
          t == DType::kBFloat16;

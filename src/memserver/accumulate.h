@@ -31,6 +31,10 @@ bool AccumulateSupports(DType t);
 // Single-threaded kernel over `count` elements.
 void AccumulateKernel(DType t, void* dst, const void* src, size_t count,
                       double scale);
+// float16 / bfloat16 <-> float32 (t is kFloat16 or kBFloat16; rounding to
+// nearest even), for sums that accumulate in float32 and round once.
+void WidenToFloat(DType t, const void* src, float* dst, size_t count);
+void NarrowFromFloat(DType t, const float* src, void* dst, size_t count);
 
 class SyncCores {
  public:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -331,22 +332,71 @@ class ParamClientImpl final : public ParamClient {
     m.type = Type::kConfigure;
     m.mode = static_cast<proto::Mode>(c.mode);
     m.staleness = c.staleness;
-    m.optimizer = static_cast<proto::Optimizer>(c.optimizer);
-    m.lr = c.lr;
-    m.momentum = c.momentum;
-    m.beta1 = c.beta1;
-    m.beta2 = c.beta2;
-    m.eps = c.eps;
     for (uint32_t i = 0; i < proxies_.size(); ++i) {
       RETURN_IF_ERROR(Call(i, m).status());
     }
     std::lock_guard<std::mutex> l(mu_);
     async_ = c.mode == SyncConfig::Mode::kAsync;
+    if (c.optimizer) default_optimizer_ = *c.optimizer;
+    return Status::Ok();
+  }
+
+  static void PutOptimizer(const OptimizerConfig& o, Message* m) {
+    m->optimizer = static_cast<proto::Optimizer>(o.kind);
+    m->lr = o.lr;
+    m->momentum = o.momentum;
+    m->beta1 = o.beta1;
+    m->beta2 = o.beta2;
+    m->eps = o.eps;
+  }
+
+  // The proxies refuse what the decoder would; saying so here names the
+  // field instead of failing the channel's message.
+  static Status CheckOptimizer(const OptimizerConfig& o) {
+    if (!(o.lr >= 0) || !std::isfinite(o.lr)) {
+      return InvalidArgumentError("lr must be a finite number >= 0");
+    }
+    if (!(o.momentum >= 0 && o.momentum < 1) ||
+        !(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1)) {
+      return InvalidArgumentError("momentum and betas must be in [0, 1)");
+    }
+    if (!(o.eps > 0) || !std::isfinite(o.eps)) {
+      return InvalidArgumentError("eps must be a finite number > 0");
+    }
+    return Status::Ok();
+  }
+
+  Status Tune(uint64_t first_key, uint64_t end_key,
+              const OptimizerConfig& o) override {
+    if (first_key >= end_key) {
+      return InvalidArgumentError("empty key range");
+    }
+    RETURN_IF_ERROR(CheckOptimizer(o));
+    Message m;
+    m.type = Type::kTune;
+    m.key = first_key;
+    m.key_end = end_key;
+    PutOptimizer(o, &m);
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      RETURN_IF_ERROR(Call(i, m).status());
+    }
     return Status::Ok();
   }
 
   Result<uint64_t> Declare(uint64_t key, size_t bytes, DType dtype,
                            const void* init) override {
+    OptimizerConfig o;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      o = default_optimizer_;
+    }
+    return DeclareWithOptimizer(key, bytes, dtype, init, o);
+  }
+
+  Result<uint64_t> DeclareWithOptimizer(uint64_t key, size_t bytes, DType dtype,
+                                        const void* init,
+                                        const OptimizerConfig& o) override {
+    RETURN_IF_ERROR(CheckOptimizer(o));
     size_t es = transport::DTypeSize(dtype);
     if (bytes == 0 || bytes % es != 0) {
       return InvalidArgumentError(
@@ -377,6 +427,7 @@ class ParamClientImpl final : public ParamClient {
     m.dtype = static_cast<uint8_t>(dtype);
     m.shard_bytes = shard;
     m.striped = routing().stripe && proxies_.size() > 1;
+    PutOptimizer(o, &m);
     if (init) {
       std::memcpy(k.staging->data(), init, bytes);
       m.has_input = true;
@@ -864,6 +915,7 @@ class ParamClientImpl final : public ParamClient {
   std::map<uint64_t, Pending> pending_;  // GUARDED_BY(mu_)
   std::map<uint32_t, Status> failed_;    // GUARDED_BY(mu_)
   bool async_ = false;                   // GUARDED_BY(mu_)
+  OptimizerConfig default_optimizer_;    // GUARDED_BY(mu_)
   uint64_t next_seq_ = 0;                // GUARDED_BY(mu_)
   std::atomic<uint64_t> next_id_{1};
 

@@ -19,7 +19,28 @@ using transport::wire::Reader;
 using transport::wire::Writer;
 
 constexpr uint8_t kMagic = 'P';
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 2;  // 2: per-key optimizers, kTune
+
+void PutOptimizer(Writer& w, const Message& m) {
+  w.U8(static_cast<uint8_t>(m.optimizer));
+  PutF64(w, m.lr);
+  PutF64(w, m.momentum);
+  PutF64(w, m.beta1);
+  PutF64(w, m.beta2);
+  PutF64(w, m.eps);
+}
+
+bool GetOptimizer(Reader& r, Message* m) {
+  uint8_t u8 = 0;
+  if (!r.U8(&u8) || u8 > static_cast<uint8_t>(Optimizer::kAdam)) return false;
+  m->optimizer = static_cast<Optimizer>(u8);
+  bool ok = GetF64(r, &m->lr) && GetF64(r, &m->momentum) &&
+            GetF64(r, &m->beta1) && GetF64(r, &m->beta2) && GetF64(r, &m->eps);
+  // Written so that NaN fails every comparison.
+  return ok && m->lr >= 0 && m->momentum >= 0 && m->momentum < 1 &&
+         m->beta1 >= 0 && m->beta1 < 1 && m->beta2 >= 0 && m->beta2 < 1 &&
+         m->eps > 0 && std::isfinite(m->lr) && std::isfinite(m->eps);
+}
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed ps message: ") + what);
@@ -57,6 +78,8 @@ const char* TypeName(Type t) {
       return "ready";
     case Type::kDone:
       return "done";
+    case Type::kTune:
+      return "tune";
   }
   return "?";
 }
@@ -80,12 +103,6 @@ std::vector<uint8_t> Encode(const Message& m) {
     case Type::kConfigure:
       w.U8(static_cast<uint8_t>(m.mode));
       w.U32(m.staleness);
-      w.U8(static_cast<uint8_t>(m.optimizer));
-      PutF64(w, m.lr);
-      PutF64(w, m.momentum);
-      PutF64(w, m.beta1);
-      PutF64(w, m.beta2);
-      PutF64(w, m.eps);
       break;
     case Type::kDeclare:
       w.U64(m.key);
@@ -95,6 +112,12 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U8((m.has_input ? 1 : 0) | (m.striped ? 2 : 0));
       w.U64(m.region);
       w.U64(m.offset);
+      PutOptimizer(w, m);
+      break;
+    case Type::kTune:
+      w.U64(m.key);
+      w.U64(m.key_end);
+      PutOptimizer(w, m);
       break;
     case Type::kPush:
       w.U64(m.key);
@@ -155,7 +178,7 @@ Result<Message> Decode(std::span<const uint8_t> in) {
   Message m;
   if (!r.U8(&magic) || magic != kMagic) return Bad("magic");
   if (!r.U8(&version) || version != kVersion) return Bad("version");
-  if (!r.U8(&type) || type < 1 || type > static_cast<uint8_t>(Type::kDone)) {
+  if (!r.U8(&type) || type < 1 || type > static_cast<uint8_t>(kLastType)) {
     return Bad("unknown type");
   }
   m.type = static_cast<Type>(type);
@@ -176,25 +199,22 @@ Result<Message> Decode(std::span<const uint8_t> in) {
     case Type::kConfigure:
       ok = r.U8(&u8) && u8 <= static_cast<uint8_t>(Mode::kAsync);
       m.mode = static_cast<Mode>(u8);
-      ok = ok && r.U32(&m.staleness) && r.U8(&u8) &&
-           u8 <= static_cast<uint8_t>(Optimizer::kAdam);
-      m.optimizer = static_cast<Optimizer>(u8);
-      ok = ok && GetF64(r, &m.lr) && GetF64(r, &m.momentum) &&
-           GetF64(r, &m.beta1) && GetF64(r, &m.beta2) && GetF64(r, &m.eps);
-      ok = ok && m.lr >= 0 && m.momentum >= 0 && m.momentum < 1 &&
-           m.beta1 >= 0 && m.beta1 < 1 && m.beta2 >= 0 && m.beta2 < 1 &&
-           m.eps > 0;
+      ok = ok && r.U32(&m.staleness);
       break;
     case Type::kDeclare: {
       uint8_t flags = 0;
       ok = r.U64(&m.key) && r.U64(&m.bytes) && r.U8(&m.dtype) &&
            r.U64(&m.shard_bytes) && r.U8(&flags) && r.U64(&m.region) &&
-           r.U64(&m.offset);
+           r.U64(&m.offset) && GetOptimizer(r, &m);
       ok = ok && m.bytes > 0 && m.shard_bytes > 0 && (flags & ~3u) == 0;
       m.has_input = flags & 1;
       m.striped = flags & 2;
       break;
     }
+    case Type::kTune:
+      ok = r.U64(&m.key) && r.U64(&m.key_end) && m.key < m.key_end &&
+           GetOptimizer(r, &m);
+      break;
     case Type::kPush:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) &&
            r.U64(&m.region) && r.U64(&m.offset) && GetBool(r, &m.has_output) &&

@@ -20,8 +20,8 @@ enum class Type : uint8_t {
   // worker -> proxy
   kHello = 1,       // name, rank, world
   kRegion = 2,      // descriptor of a worker region the proxy may read/write
-  kConfigure = 3,   // sync mode, staleness, optimizer
-  kDeclare = 4,     // key, bytes, dtype, shard_bytes [, init from a region]
+  kConfigure = 3,   // sync mode, staleness (job-wide)
+  kDeclare = 4,     // key, bytes, dtype, shard_bytes, optimizer [, init]
   kPush = 5,        // key, shard, round, input [, output for PushPull]
   kRoute = 6,       // this worker's routing table, from given rounds on
   kPull = 7,        // key, shard, min_version, output
@@ -34,7 +34,10 @@ enum class Type : uint8_t {
   kPeerHello = 12,  // proxy rank
   kReady = 13,      // my ring buffer for (key, shard, round, step) is ready
   kDone = 14,       // I have read your buffer for (key, shard, round, step)
+  // worker -> proxy
+  kTune = 15,  // new optimizer hyperparameters for keys [key, key_end)
 };
+constexpr Type kLastType = Type::kTune;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;
@@ -59,6 +62,7 @@ struct Message {
   // kConfigure
   Mode mode = Mode::kSum;
   uint32_t staleness = 0;  // kAsync: max rounds a worker may run ahead
+  // kDeclare (the key's optimizer) / kTune (its new hyperparameters)
   Optimizer optimizer = Optimizer::kNone;
   double lr = 0, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   // kRoute: the table, and for every key declared so far the first round
@@ -68,6 +72,7 @@ struct Message {
   std::vector<std::pair<uint64_t, uint64_t>> from_rounds;
   // kDeclare / kPush / kPull / kReady / kDone
   uint64_t key = 0;
+  uint64_t key_end = 0;      // kTune: keys [key, key_end)
   uint64_t bytes = 0;        // kDeclare: tensor size; kProbe: length
   uint8_t dtype = 0;         // kDeclare
   uint64_t shard_bytes = 0;  // kDeclare

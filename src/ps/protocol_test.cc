@@ -1,12 +1,14 @@
 #include "src/ps/protocol.h"
 
+#include <cmath>
+
 #include <gtest/gtest.h>
 
 namespace membox::ps::proto {
 namespace {
 
 TEST(PsProtocolTest, RoundTripsEveryType) {
-  for (uint8_t t = 1; t <= static_cast<uint8_t>(Type::kDone); ++t) {
+  for (uint8_t t = 1; t <= static_cast<uint8_t>(kLastType); ++t) {
     Message m;
     m.type = static_cast<Type>(t);
     m.id = 77;
@@ -15,6 +17,7 @@ TEST(PsProtocolTest, RoundTripsEveryType) {
     m.world = 4;
     m.descriptor = {1, 2, 3};
     m.key = 9;
+    m.key_end = 12;
     m.bytes = 4096;
     m.dtype = 1;
     m.shard_bytes = 1024;
@@ -77,8 +80,35 @@ TEST(PsProtocolTest, ValidatesFields) {
   EXPECT_FALSE(Decode(Encode(c)).ok());
   Message cfg;
   cfg.type = Type::kConfigure;
-  cfg.momentum = 1.5;
+  cfg.mode = static_cast<Mode>(7);
   EXPECT_FALSE(Decode(Encode(cfg)).ok());
+  // Optimizer settings (declare, tune): ranges checked, NaN refused.
+  for (auto t : {Type::kDeclare, Type::kTune}) {
+    Message o;
+    o.type = t;
+    o.bytes = o.shard_bytes = 4096;
+    o.key = 1;
+    o.key_end = 2;
+    o.optimizer = Optimizer::kSgd;
+    o.lr = 0.5;
+    ASSERT_TRUE(Decode(Encode(o)).ok()) << TypeName(t);
+    EXPECT_EQ(Decode(Encode(o))->lr, 0.5);
+    for (double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+      Message b = o;
+      b.lr = bad;
+      EXPECT_FALSE(Decode(Encode(b)).ok()) << TypeName(t) << " lr " << bad;
+    }
+    Message b = o;
+    b.momentum = 1.5;
+    EXPECT_FALSE(Decode(Encode(b)).ok());
+    b = o;
+    b.optimizer = static_cast<Optimizer>(3);
+    EXPECT_FALSE(Decode(Encode(b)).ok());
+  }
+  Message tune;
+  tune.type = Type::kTune;
+  tune.key = tune.key_end = 5;  // an empty key range
+  EXPECT_FALSE(Decode(Encode(tune)).ok());
   Message d;
   d.type = Type::kDeclare;
   d.bytes = 0;

@@ -82,11 +82,40 @@ struct Shard {
   std::map<uint32_t, std::shared_ptr<MemRegion>> inbox;
 };
 
+// A key's optimizer and hyperparameters: fixed in kind by the first worker's
+// Declare, hyperparameters changed by kTune between rounds.
+struct OptimizerSettings {
+  proto::Optimizer kind = proto::Optimizer::kNone;
+  double lr = 0, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+
+  static OptimizerSettings From(const Message& m) {
+    return {m.optimizer, m.lr, m.momentum, m.beta1, m.beta2, m.eps};
+  }
+  bool operator==(const OptimizerSettings&) const = default;
+  std::string ToString() const {
+    const char* names[] = {"none", "sgd", "adam"};
+    return std::string(names[static_cast<int>(kind)]) +
+           " (lr=" + std::to_string(lr) +
+           " momentum=" + std::to_string(momentum) +
+           " betas=" + std::to_string(beta1) + "," + std::to_string(beta2) +
+           " eps=" + std::to_string(eps) + ")";
+  }
+};
+
 struct Key {
   uint64_t bytes = 0;
   DType dtype = DType::kFloat32;
   uint64_t shard_bytes = 0;
   bool initialized = false;
+  // Declared with initial values by a worker other than rank 0, whose
+  // declaration has not arrived: rank 0's values win (as DDP's broadcast),
+  // so pulls and pushes of the key wait for it.
+  bool awaiting_init = false;
+  OptimizerSettings opt;
+  // The round the hyperparameters were last changed for, and by whom: two
+  // workers asking for different values for one round is an error.
+  uint64_t tuned_round = UINT64_MAX;
+  std::set<uint32_t> tuned_by;
   // Striped: shard s is summed and stored by proxy (key + s) % proxies
   // alone (every worker sends it there; no ring). Fixed by the first
   // worker's Declare; a key restored from a checkpoint takes it from there.
@@ -552,6 +581,7 @@ class ProxyImpl final : public Proxy {
       }
       world_ = 0;
       for (auto& [k, key] : keys_) {
+        key.awaiting_init = false;
         for (auto& sh : key.shards) {
           sh.pushes.clear();
           sh.pulls.clear();
@@ -618,6 +648,8 @@ class ProxyImpl final : public Proxy {
       }
       case Type::kConfigure:
         return Reply(conn, m.id, Configure(m));
+      case Type::kTune:
+        return Reply(conn, m.id, Tune(c, m));
       case Type::kDeclare: {
         auto v = Declare(c, m);
         // The reply's text is the key's shard size: the first declaration
@@ -660,9 +692,12 @@ class ProxyImpl final : public Proxy {
       case Type::kPull: {
         Status s = CheckShardRequest(m);
         if (!s.ok()) return Reply(conn, m.id, s);
-        Shard& sh = keys_[m.key].shards[m.shard];
+        Key& key = keys_[m.key];
+        Shard& sh = key.shards[m.shard];
         PendingPull p{conn, m.id, m.min_version, m.out_region, m.out_offset};
-        if (sh.version >= p.min_version) return ServePull(m.key, sh, p);
+        if (sh.version >= p.min_version && !key.awaiting_init) {
+          return ServePull(m.key, sh, p);
+        }
         if (!dead_worker_.empty()) {
           return Reply(conn, m.id, AbortedError(dead_worker_));
         }
@@ -705,33 +740,93 @@ class ProxyImpl final : public Proxy {
     }
   }
 
+  // The job-wide part of the configuration: the synchronisation mode and the
+  // staleness bound. (Optimizers are per key: Declare / Tune.)
   Status Configure(const Message& m) {
     if (m.mode == proto::Mode::kAsync && nproxies_ > 1) {
       return UnimplementedError(
           "asynchronous mode runs on one proxy (replicas would diverge)");
     }
-    if ((m.mode == proto::Mode::kAverage ||
-         m.optimizer != proto::Optimizer::kNone)) {
+    if (m.mode == proto::Mode::kAverage) {
       for (auto& [k, key] : keys_) {
-        if (!SupportsArithmetic(key.dtype)) {
+        if (!SupportsAveraging(key.dtype)) {
           return InvalidArgumentError(
-              "averaging and optimizers need float32 or float64 tensors");
+              "averaging needs floating-point tensors (key " +
+              std::to_string(k) + " is not)");
         }
       }
     }
     if (configured_) {
-      if (m.mode != mode_ || m.optimizer != config_.optimizer ||
-          m.staleness != config_.staleness || m.lr != config_.lr ||
-          m.momentum != config_.momentum || m.beta1 != config_.beta1 ||
-          m.beta2 != config_.beta2 || m.eps != config_.eps) {
+      if (m.mode != mode_ || m.staleness != staleness_) {
         return FailedPreconditionError(
-            "a different synchronisation configuration is already in force");
+            "a different synchronisation mode is already in force (mode and "
+            "staleness are fixed for the job; optimizer settings are per "
+            "tensor)");
       }
       return Status::Ok();
     }
     configured_ = true;
-    config_ = m;
+    staleness_ = m.staleness;
     mode_ = m.mode;
+    return Status::Ok();
+  }
+
+  // The round a worker's next push of `key` belongs to (striped keys: the
+  // shards this proxy owns).
+  uint64_t CurrentRound(uint64_t id, const Key& k) const {
+    if (!k.striped) return k.shards[0].version;
+    uint64_t v = 0;
+    for (uint32_t s = 0; s < k.shards.size(); ++s) {
+      if (Owner(id, s) == opt_.rank) v = std::max(v, k.shards[s].version);
+    }
+    return v;
+  }
+
+  // New hyperparameters for the declared keys in [m.key, m.key_end), from
+  // the next round on (workers tune between rounds: after a step's results
+  // are back, before the next step's pushes). All or nothing.
+  Status Tune(const Conn& c, const Message& m) {
+    const OptimizerSettings want = OptimizerSettings::From(m);
+    auto first = keys_.lower_bound(m.key);
+    auto last = keys_.lower_bound(m.key_end);
+    bool any = false;
+    for (auto it = first; it != last; ++it) {
+      const Key& k = it->second;
+      if (!k.declared) continue;
+      any = true;
+      if (k.opt.kind != want.kind) {
+        return FailedPreconditionError(
+            "key " + std::to_string(it->first) + " uses optimizer " +
+            k.opt.ToString() +
+            ": tuning changes hyperparameters, not the optimizer");
+      }
+      if (k.opt == want) continue;
+      const uint64_t round = CurrentRound(it->first, k);
+      if (k.tuned_round == round) {
+        for (uint32_t r : k.tuned_by) {
+          if (r == c.rank) continue;
+          return FailedPreconditionError(
+              "workers disagree on the optimizer of key " +
+              std::to_string(it->first) + " for round " +
+              std::to_string(round) + ": rank " + std::to_string(r) + " set " +
+              k.opt.ToString() + ", rank " + std::to_string(c.rank) +
+              " asks for " + want.ToString());
+        }
+      }
+    }
+    if (!any) {
+      return NotFoundError("no declared key in [" + std::to_string(m.key) +
+                           ", " + std::to_string(m.key_end) + ")");
+    }
+    for (auto it = first; it != last; ++it) {
+      Key& k = it->second;
+      if (!k.declared) continue;
+      const uint64_t round = CurrentRound(it->first, k);
+      if (k.tuned_round != round) k.tuned_by.clear();
+      k.tuned_round = round;
+      k.tuned_by.insert(c.rank);
+      k.opt = want;
+    }
     return Status::Ok();
   }
 
@@ -754,11 +849,15 @@ class ProxyImpl final : public Proxy {
                                   std::to_string(kMinShardBytes) +
                                   " bytes (or the whole tensor)");
     }
-    if ((mode_ == proto::Mode::kAverage ||
-         config_.optimizer != proto::Optimizer::kNone) &&
-        !SupportsArithmetic(dt)) {
+    if (mode_ == proto::Mode::kAverage && !SupportsAveraging(dt)) {
       return InvalidArgumentError(
-          "averaging and optimizers need float32 or float64 tensors");
+          "averaging needs floating-point tensors (float32, float64, float16 "
+          "or bfloat16)");
+    }
+    if (m.optimizer != proto::Optimizer::kNone && !SupportsArithmetic(dt)) {
+      return InvalidArgumentError(
+          "optimizers run on float32 or float64 weights (keep float32 master "
+          "weights for a float16/bfloat16 model)");
     }
     auto it = keys_.find(m.key);
     if (it != keys_.end()) {
@@ -768,9 +867,19 @@ class ProxyImpl final : public Proxy {
             "key " + std::to_string(m.key) +
             " was declared with a different size or dtype");
       }
+      if (k.declared && k.opt.kind != m.optimizer) {
+        return FailedPreconditionError(
+            "key " + std::to_string(m.key) + " was declared with optimizer " +
+            k.opt.ToString() +
+            " by another worker: every worker declares it with the same one");
+      }
       // The first worker's declaration fixes the striping (like the shard
-      // size); later ones adopt it from the reply.
-      if (!k.declared) k.striped = m.striped && nproxies_ > 1;
+      // size) and the optimizer; later ones adopt them (hyperparameters
+      // change only through Tune).
+      if (!k.declared) {
+        k.striped = m.striped && nproxies_ > 1;
+        k.opt = OptimizerSettings::From(m);
+      }
       k.declared = true;
     } else {
       Key k;
@@ -778,6 +887,7 @@ class ProxyImpl final : public Proxy {
       k.dtype = dt;
       k.shard_bytes = m.shard_bytes;
       k.striped = m.striped && nproxies_ > 1;
+      k.opt = OptimizerSettings::From(m);
       k.declared = true;
       uint64_t n = (m.bytes + m.shard_bytes - 1) / m.shard_bytes;
       if (n > (1u << 20)) return InvalidArgumentError("too many shards");
@@ -800,24 +910,28 @@ class ProxyImpl final : public Proxy {
       for (auto& e : early) OnPeerNotice(e);
     }
     Key& k = it->second;
-    if (m.has_input && !k.initialized) {
-      for (auto& sh : k.shards) {
-        uint8_t* dst = static_cast<uint8_t*>(sh.value->data());
-        ASSIGN_OR_RETURN(const uint8_t* src,
-                         ReadWorker(c, m.region, m.offset + sh.offset, sh.bytes,
-                                    dst, *sh.value));
-        if (src != dst) std::memcpy(dst, src, sh.bytes);
+    // Initial values: rank 0's win, whatever the order declarations arrive
+    // in; until rank 0 has declared, the key's pulls and pushes wait.
+    if (!k.initialized && c.rank == 0) {
+      if (m.has_input) {
+        for (auto& sh : k.shards) {
+          uint8_t* dst = static_cast<uint8_t*>(sh.value->data());
+          ASSIGN_OR_RETURN(const uint8_t* src,
+                           ReadWorker(c, m.region, m.offset + sh.offset,
+                                      sh.bytes, dst, *sh.value));
+          if (src != dst) std::memcpy(dst, src, sh.bytes);
+        }
+        k.initialized = true;
       }
-      k.initialized = true;
-    }
-    if (k.striped) {  // only the shards this proxy owns advance here
-      uint64_t v = 0;
-      for (uint32_t s = 0; s < k.shards.size(); ++s) {
-        if (Owner(m.key, s) == opt_.rank) v = std::max(v, k.shards[s].version);
+      if (k.awaiting_init) {
+        k.awaiting_init = false;
+        for (auto& sh : k.shards) ServeWaitingPulls(m.key, sh);
+        Schedule();
       }
-      return v;
+    } else if (!k.initialized && m.has_input) {
+      k.awaiting_init = true;
     }
-    return k.shards[0].version;
+    return CurrentRound(m.key, k);
   }
 
   Status CheckShardRequest(const Message& m) {
@@ -869,9 +983,11 @@ class ProxyImpl final : public Proxy {
   }
 
   bool Admissible(const Conn& c, const Message& m) {
-    Shard& sh = keys_[m.key].shards[m.shard];
+    Key& key = keys_[m.key];
+    if (key.awaiting_init) return false;
+    Shard& sh = key.shards[m.shard];
     if (mode_ == proto::Mode::kAsync) {
-      if (config_.staleness == 0) return true;
+      if (staleness_ == 0) return true;
       if (sh.applied.size() < world_) sh.applied.resize(world_, 0);
       // This worker's pushes are applied in order, so its next one is
       // number applied[rank]; it may run `staleness` ahead of the slowest.
@@ -879,7 +995,7 @@ class ProxyImpl final : public Proxy {
       // starts its count at the version it found.)
       uint64_t slowest =
           *std::min_element(sh.applied.begin(), sh.applied.end());
-      return sh.applied[c.rank] <= slowest + config_.staleness;
+      return sh.applied[c.rank] <= slowest + staleness_;
     }
     if (m.round != sh.version || sh.reducing) return false;
     if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
@@ -1343,8 +1459,8 @@ class ProxyImpl final : public Proxy {
   Status Apply(Key& key, Shard& sh, MemRegion* g, double scale,
                bool swap_allowed) {
     const size_t n = sh.bytes / transport::DTypeSize(key.dtype);
-    if (config_.optimizer == proto::Optimizer::kNone &&
-        mode_ != proto::Mode::kAsync) {
+    const OptimizerSettings& opt = key.opt;
+    if (opt.kind == proto::Optimizer::kNone && mode_ != proto::Mode::kAsync) {
       if (scale != 1.0) ScaleInPlace(key.dtype, g->data(), n, scale);
       std::swap(sh.value, sh.scratch);  // the old value becomes scratch
       return Status::Ok();
@@ -1354,14 +1470,14 @@ class ProxyImpl final : public Proxy {
       std::memcpy(fresh->data(), sh.value->data(), sh.bytes);
       sh.value = std::move(fresh);
     }
-    if (config_.optimizer == proto::Optimizer::kNone) {  // kAsync, plain sum
+    if (opt.kind == proto::Optimizer::kNone) {  // kAsync, plain sum
       sync_->Run(key.dtype, sh.value->data(), g->data(), n, 1.0);
       return Status::Ok();
     }
     if (!sh.m1) {
       ASSIGN_OR_RETURN(sh.m1, Allocate(sh.bytes));
     }
-    if (config_.optimizer == proto::Optimizer::kAdam && !sh.m2) {
+    if (opt.kind == proto::Optimizer::kAdam && !sh.m2) {
       ASSIGN_OR_RETURN(sh.m2, Allocate(sh.bytes));
     }
     for (auto* st : {&sh.m1, &sh.m2}) {
@@ -1372,14 +1488,13 @@ class ProxyImpl final : public Proxy {
       }
     }
     OptimizerStep step;
-    step.kind = config_.optimizer == proto::Optimizer::kSgd
-                    ? OptimizerStep::kSgd
-                    : OptimizerStep::kAdam;
-    step.lr = config_.lr;
-    step.momentum = config_.momentum;
-    step.beta1 = config_.beta1;
-    step.beta2 = config_.beta2;
-    step.eps = config_.eps;
+    step.kind = opt.kind == proto::Optimizer::kSgd ? OptimizerStep::kSgd
+                                                   : OptimizerStep::kAdam;
+    step.lr = opt.lr;
+    step.momentum = opt.momentum;
+    step.beta1 = opt.beta1;
+    step.beta2 = opt.beta2;
+    step.eps = opt.eps;
     step.t = sh.version + 1;
     step.grad_scale = scale;
     ApplyOptimizer(*sync_, key.dtype, step, sh.value->data(), g->data(),
@@ -1420,6 +1535,7 @@ class ProxyImpl final : public Proxy {
   }
 
   void ServeWaitingPulls(uint64_t k, Shard& sh) {
+    if (keys_[k].awaiting_init) return;
     std::vector<PendingPull> keep;
     for (auto& p : sh.pulls) {
       if (sh.version >= p.min_version) {
@@ -1524,7 +1640,7 @@ class ProxyImpl final : public Proxy {
     h.proxy_rank = opt_.rank;
     h.proxies = nproxies_;
     h.mode = static_cast<uint8_t>(mode_);
-    h.optimizer = static_cast<uint8_t>(config_.optimizer);
+    h.optimizer = 0;  // optimizers are per key now (format: unused)
     std::string path = CheckpointPath(name);
     std::lock_guard<std::mutex> l(writers_mu_);
     writers_.emplace_back([this, snap, h, path, done = std::move(done)] {
@@ -1646,7 +1762,7 @@ class ProxyImpl final : public Proxy {
   std::deque<transport::OpHandle> inflight_;
   uint32_t world_ = 0;
   bool configured_ = false;
-  Message config_;
+  uint32_t staleness_ = 0;
   proto::Mode mode_ = proto::Mode::kSum;
   std::string dead_worker_;
 

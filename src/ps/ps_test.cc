@@ -2,6 +2,7 @@
 // its own transport device, talking over UCX as separate processes would).
 // The daemon-level tests with real `membox serve` processes are in
 // tests/integration/ps_daemon_test.cc.
+#include <cmath>
 #include <filesystem>
 #include <numeric>
 #include <thread>
@@ -15,6 +16,8 @@
 #include "membox/base/subprocess.h"
 #include "membox/ps/param_client.h"
 #include "membox/ps/proxy.h"
+
+#include "src/memserver/accumulate.h"
 
 namespace membox::ps {
 namespace {
@@ -226,12 +229,11 @@ TEST(PsTest, SgdOnTheMemoryNode) {
   auto w0 = Worker(c, 0, 2), w1 = Worker(c, 1, 2);
   SyncConfig cfg;
   cfg.mode = SyncConfig::Mode::kAverage;
-  cfg.optimizer = SyncConfig::Optimizer::kSgd;
-  cfg.lr = 0.5;
+  cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.5};
   ASSERT_TRUE(w0->Configure(cfg).ok());
   ASSERT_TRUE(w1->Configure(cfg).ok());
   SyncConfig other = cfg;
-  other.lr = 0.1;
+  other.mode = SyncConfig::Mode::kSum;  // the mode is the job's
   EXPECT_EQ(w1->Configure(other).code(), StatusCode::kFailedPrecondition);
   std::vector<float> w(100, 1.0f), g0(100, 2.0f), g1(100, 4.0f), out(100);
   ASSERT_TRUE(w0->Declare(5, 400, DType::kFloat32, w.data()).ok());
@@ -243,6 +245,147 @@ TEST(PsTest, SgdOnTheMemoryNode) {
   ASSERT_TRUE(w0->Pull(5, out.data()).Wait(20s).ok());
   EXPECT_FLOAT_EQ(out[0], 1.0f - 0.5f * 3.0f);  // average gradient 3
   EXPECT_FLOAT_EQ(out[99], 1.0f - 0.5f * 3.0f);
+}
+
+// Optimizers are per key: an SGD tensor and a plain averaged one in one job
+// (a ParameterServer next to the DDP hook), on two proxies; the learning
+// rate changes between rounds (a schedule); what workers cannot do is
+// refused with the reason.
+TEST(PsTest, PerKeyOptimizersAndLearningRateSchedules) {
+  auto c = Cluster::Start(2);
+  auto w0 = Worker(c, 0, 2), w1 = Worker(c, 1, 2);
+  SyncConfig cfg;
+  cfg.mode = SyncConfig::Mode::kAverage;
+  for (auto* w : {w0.get(), w1.get()}) ASSERT_TRUE(w->Configure(cfg).ok());
+  OptimizerConfig sgd{OptimizerConfig::Kind::kSgd, 0.5};
+  const size_t n = 4096;  // 16 KiB: shards on both proxies
+  std::vector<float> init(n, 1.0f), g0(n, 2.0f), g1(n, 4.0f), out(n);
+  for (auto* w : {w0.get(), w1.get()}) {
+    ASSERT_TRUE(
+        w->DeclareWithOptimizer(1, n * 4, DType::kFloat32, init.data(), sgd)
+            .ok());
+    ASSERT_TRUE(w->Declare(2, n * 4, DType::kFloat32).ok());  // no optimizer
+  }
+  // Another kind for a declared key is refused.
+  OptimizerConfig adam{OptimizerConfig::Kind::kAdam};
+  EXPECT_EQ(w1->DeclareWithOptimizer(1, n * 4, DType::kFloat32, nullptr, adam)
+                .status()
+                .code(),
+            StatusCode::kFailedPrecondition);
+  auto round = [&](float expect1, float expect2) {
+    auto a = w0->PushPull(1, g0.data(), out.data());
+    auto b = w1->PushPull(1, g1.data(), out.data());
+    auto d = w0->PushPull(2, g0.data(), out.data());
+    auto e = w1->PushPull(2, g1.data(), out.data());
+    for (auto* h : {&a, &b, &d, &e}) ASSERT_TRUE(h->Wait(20s).ok());
+    std::vector<float> v1(n), v2(n);
+    ASSERT_TRUE(w0->Pull(1, v1.data()).Wait(20s).ok());
+    ASSERT_TRUE(w0->Pull(2, v2.data()).Wait(20s).ok());
+    EXPECT_FLOAT_EQ(v1[0], expect1);
+    EXPECT_FLOAT_EQ(v1[n - 1], expect1);
+    EXPECT_FLOAT_EQ(v2[n - 1], expect2);
+  };
+  round(1.0f - 0.5f * 3.0f, 3.0f);  // average gradient 3; key 2 = average
+  // Both workers lower the learning rate between rounds.
+  OptimizerConfig lower = sgd;
+  lower.lr = 0.25;
+  ASSERT_TRUE(w0->Tune(1, 2, lower).ok());
+  ASSERT_TRUE(w1->Tune(1, 2, lower).ok());
+  round(-0.5f - 0.25f * 3.0f, 3.0f);
+  // Disagreeing workers: the second is refused, naming both.
+  OptimizerConfig w0_wants = sgd, w1_wants = sgd;
+  w0_wants.lr = 0.1;
+  w1_wants.lr = 0.2;
+  ASSERT_TRUE(w0->Tune(1, 2, w0_wants).ok());
+  Status s = w1->Tune(1, 2, w1_wants);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.ToString().find("disagree"), std::string::npos) << s.ToString();
+  ASSERT_TRUE(w1->Tune(1, 2, w0_wants).ok());
+  round(-1.25f - 0.1f * 3.0f, 3.0f);
+  // Tuning cannot change the kind; a range without declared keys is
+  // NOT_FOUND; out-of-range hyperparameters never leave the client.
+  EXPECT_EQ(w0->Tune(1, 2, adam).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(w0->Tune(100, 200, sgd).code(), StatusCode::kNotFound);
+  OptimizerConfig bad = sgd;
+  bad.momentum = 1.0;
+  EXPECT_EQ(w0->Tune(1, 2, bad).code(), StatusCode::kInvalidArgument);
+  bad = sgd;
+  bad.lr = std::nan("");
+  EXPECT_EQ(w0->Tune(1, 2, bad).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(w0->Tune(2, 2, sgd).code(), StatusCode::kInvalidArgument);
+}
+
+// Rank 0's initial values win whatever order the declarations arrive in;
+// until rank 0 has declared, a pull waits.
+TEST(PsTest, RankZeroInitialValuesWin) {
+  auto c = Cluster::Start(2);
+  auto w0 = Worker(c, 0, 2), w1 = Worker(c, 1, 2);
+  const size_t n = 4096;
+  std::vector<float> mine(n, 7.0f), rank0(n, 3.0f), out(n, 0.0f);
+  ASSERT_TRUE(w1->Declare(4, n * 4, DType::kFloat32, mine.data()).ok());
+  auto pull = w1->Pull(4, out.data());
+  EXPECT_EQ(pull.Wait(300ms).code(), StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(w0->Declare(4, n * 4, DType::kFloat32, rank0.data()).ok());
+  ASSERT_TRUE(pull.Wait(20s).ok());
+  EXPECT_EQ(out[0], 3.0f);
+  EXPECT_EQ(out[n - 1], 3.0f);
+  // Rounds then go on from rank 0's values (sum mode: value <- sum).
+  std::vector<float> one(n, 1.0f);
+  auto a = w0->PushPull(4, one.data(), out.data());
+  auto b = w1->PushPull(4, one.data(), out.data());
+  ASSERT_TRUE(a.Wait(20s).ok());
+  ASSERT_TRUE(b.Wait(20s).ok());
+  EXPECT_EQ(out[7], 2.0f);
+}
+
+uint16_t ToHalf(float f, DType t) {
+  uint16_t h = 0;
+  memserver::NarrowFromFloat(t, &f, &h, 1);
+  return h;
+}
+
+float FromHalf(uint16_t h, DType t) {
+  float f = 0;
+  memserver::WidenToFloat(t, &h, &f, 1);
+  return f;
+}
+
+// float16 / bfloat16 tensors average on the nodes, summed in float32 and
+// rounded once: 4 workers push big, 1, 1, 0; adding in the narrow type
+// would lose both ones (big + 1 rounds back to big).
+TEST(PsTest, HalfPrecisionAveragesInFloat32) {
+  for (auto [dt, big] : {std::pair{DType::kFloat16, 2048.0f},
+                         std::pair{DType::kBFloat16, 256.0f}}) {
+    auto c = Cluster::Start(1);
+    std::vector<std::unique_ptr<ParamClient>> w;
+    SyncConfig cfg;
+    cfg.mode = SyncConfig::Mode::kAverage;
+    for (int r = 0; r < 4; ++r) {
+      w.push_back(Worker(c, r, 4));
+      ASSERT_TRUE(w.back()->Configure(cfg).ok());
+      ASSERT_TRUE(w.back()->Declare(1, 8192 * 2, dt).ok());
+    }
+    // Optimizers stay float32/float64 (master weights).
+    EXPECT_EQ(w[0]->DeclareWithOptimizer(2, 8192 * 2, dt, nullptr,
+                                         {OptimizerConfig::Kind::kSgd})
+                  .status()
+                  .code(),
+              StatusCode::kInvalidArgument);
+    const float in[4] = {big, 1.0f, 1.0f, 0.0f};
+    std::vector<std::vector<uint16_t>> data(4), out(4);
+    std::vector<PsHandle> hs;
+    for (int r = 0; r < 4; ++r) {
+      data[r].assign(8192, ToHalf(in[r], dt));
+      out[r].assign(8192, 0);
+      hs.push_back(w[r]->PushPull(1, data[r].data(), out[r].data()));
+    }
+    for (auto& h : hs) ASSERT_TRUE(h.Wait(20s).ok());
+    const float want = (big + 2.0f) / 4.0f;  // exact in both types
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(FromHalf(out[r][0], dt), want) << static_cast<int>(dt);
+      EXPECT_EQ(FromHalf(out[r][8191], dt), want) << static_cast<int>(dt);
+    }
+  }
 }
 
 TEST(PsTest, AsyncWithStalenessBound) {

@@ -1,10 +1,15 @@
 #include "src/ps/reduce.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 namespace membox::ps {
 namespace {
+
+using memserver::NarrowFromFloat;
+using memserver::WidenToFloat;
 
 constexpr size_t kBlockBytes = 64 << 10;  // stays in L2 while inputs stream
 
@@ -40,6 +45,32 @@ bool SupportsArithmetic(DType t) {
   return t == DType::kFloat32 || t == DType::kFloat64;
 }
 
+bool SupportsAveraging(DType t) {
+  return SupportsArithmetic(t) || t == DType::kFloat16 || t == DType::kBFloat16;
+}
+
+namespace {
+
+bool IsHalf(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16; }
+
+// float16 / bfloat16: every input widened and added in float32, the sum
+// rounded once (adding in the narrow type would round after every input).
+void SumHalfBlock(DType t, uint16_t* dst, const std::vector<const void*>& srcs,
+                  size_t first, size_t n) {
+  thread_local std::vector<float> acc, in;
+  acc.resize(n);
+  in.resize(n);
+  WidenToFloat(t, static_cast<const uint16_t*>(srcs[0]) + first, acc.data(), n);
+  for (size_t k = 1; k < srcs.size(); ++k) {
+    WidenToFloat(t, static_cast<const uint16_t*>(srcs[k]) + first, in.data(),
+                 n);
+    for (size_t i = 0; i < n; ++i) acc[i] += in[i];
+  }
+  NarrowFromFloat(t, acc.data(), dst + first, n);
+}
+
+}  // namespace
+
 void SumInto(memserver::SyncCores& cores, DType t, void* dst,
              const std::vector<const void*>& srcs, size_t bytes) {
   if (srcs.empty()) {
@@ -53,6 +84,10 @@ void SumInto(memserver::SyncCores& cores, DType t, void* dst,
     const size_t block = kBlockBytes / es;
     for (size_t i = b; i < e; i += block) {
       size_t n = std::min(block, e - i);
+      if (IsHalf(t)) {
+        SumHalfBlock(t, static_cast<uint16_t*>(dst), srcs, i, n);
+        continue;
+      }
       std::memcpy(d + i * es, static_cast<const uint8_t*>(srcs[0]) + i * es,
                   n * es);
       for (size_t k = 1; k < srcs.size(); ++k) {
@@ -72,6 +107,16 @@ void ScaleInPlace(DType t, void* p, size_t count, double factor) {
   } else if (t == DType::kFloat64) {
     auto* f = static_cast<double*>(p);
     for (size_t i = 0; i < count; ++i) f[i] *= factor;
+  } else if (IsHalf(t)) {
+    auto* h = static_cast<uint16_t*>(p);
+    float a = static_cast<float>(factor);
+    float tmp[1024];
+    for (size_t i = 0; i < count; i += 1024) {
+      size_t n = std::min<size_t>(1024, count - i);
+      WidenToFloat(t, h + i, tmp, n);
+      for (size_t j = 0; j < n; ++j) tmp[j] *= a;
+      NarrowFromFloat(t, tmp, h + i, n);
+    }
   }
 }
 

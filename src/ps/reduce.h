@@ -14,15 +14,18 @@ namespace membox::ps {
 
 using transport::DType;
 
-// dtypes that averaging and optimizers support (float32, float64).
+// dtypes optimizers support (float32, float64).
 bool SupportsArithmetic(DType t);
+// dtypes averaging supports: those and float16 / bfloat16.
+bool SupportsAveraging(DType t);
 
 // dst <- srcs[0] + srcs[1] + ... (in that order, element by element), for
-// any dtype AccumulateSupports(). `bytes` is a multiple of the element size.
+// any dtype AccumulateSupports(). float16 / bfloat16 inputs are summed in
+// float32 and rounded once. `bytes` is a multiple of the element size.
 void SumInto(memserver::SyncCores& cores, DType t, void* dst,
              const std::vector<const void*>& srcs, size_t bytes);
 
-// p[i] *= factor (float32 / float64).
+// p[i] *= factor (float32 / float64; float16 / bfloat16 through float32).
 void ScaleInPlace(DType t, void* p, size_t count, double factor);
 
 struct OptimizerStep {

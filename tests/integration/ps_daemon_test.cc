@@ -83,9 +83,7 @@ constexpr size_t kN = 50000;  // 200 KB: 4 shards of 64 KiB
 SyncConfig Sgd() {
   SyncConfig c;
   c.mode = SyncConfig::Mode::kAverage;
-  c.optimizer = SyncConfig::Optimizer::kSgd;
-  c.lr = 0.1;
-  c.momentum = 0.5;
+  c.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.5};
   return c;
 }
 

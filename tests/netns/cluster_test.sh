@@ -67,10 +67,13 @@ for f in "$state"/m*/serve.log; do
 done
 
 # A Python worker per host through launch --attach: rank, proxies, master.
+# One write per rank: unbuffered print() writes piece by piece, and mpirun
+# forwards the ranks' pieces interleaved.
 "$membox" cluster run "$topo" -- /usr/bin/python3 -c '
-import os, socket
-print("ATTACHED", os.environ["RANK"], os.environ["WORLD_SIZE"],
-      os.environ["MEMBOX_PROXIES"], os.environ["MASTER_ADDR"])' | tee "$dir/attach.out"
+import os
+e = os.environ
+os.write(1, ("ATTACHED %s %s %s %s\n" % (e["RANK"], e["WORLD_SIZE"],
+             e["MEMBOX_PROXIES"], e["MASTER_ADDR"])).encode())' | tee "$dir/attach.out"
 [[ $(grep -c "^ATTACHED [01] 2 " "$dir/attach.out") -eq 2 ]] || fail "attach"
 
 # A failing job on a cluster that run brings up itself: non-zero status,

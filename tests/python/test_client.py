@@ -153,6 +153,130 @@ class ClientTest(unittest.TestCase):
         self.assertIn(self.node.endpoint, str(e.exception))
 
 
+@unittest.skipUnless(HAVE_TORCH, "needs torch")
+class ParameterServerTest(unittest.TestCase):
+    """Two workers (threads of this process) and one node: rank 0's weights
+    win, a torch LR scheduler drives the nodes' learning rate, and a plain
+    averaged tensor (what the DDP hook declares) lives in the same job."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        self.node = Node(self.tmp)
+
+    def tearDown(self):
+        self.node.kill()
+
+    def both(self, fn):
+        """fn(rank) on two threads at once (synchronous rounds need both)."""
+        import threading
+        out, errors = [None, None], []
+
+        def run(r):
+            try:
+                out[r] = fn(r)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        ts = [threading.Thread(target=run, args=(r,)) for r in (1, 0)]
+        for t in ts:
+            t.start()
+            time.sleep(0.2)  # rank 1 declares first
+        for t in ts:
+            t.join(60)
+        if errors:
+            raise errors[0]
+        return out
+
+    def test_rank0_weights_lr_schedule_and_plain_tensors_in_one_job(self):
+        import torch
+        import membox.torch as mt
+        clients = [membox.connect([self.node.endpoint], self.node.secret, r,
+                                  2, timeout=20.0) for r in (0, 1)]
+        for c in clients:
+            c.configure(mode="average")  # what membox.torch.init() does
+        weights = [torch.nn.Parameter(torch.full((1024,), 10.0 + r))
+                   for r in (0, 1)]
+        servers = self.both(lambda r: mt.ParameterServer(
+            [weights[r]], optimizer="sgd", lr=0.5, client=clients[r]))
+        # Rank 0's initial weights on both, though rank 1 declared first.
+        for w in weights:
+            self.assertTrue(torch.equal(w.data, torch.full((1024,), 10.0)))
+        scheds = [torch.optim.lr_scheduler.StepLR(ps.optimizer, 1, 0.5)
+                  for ps in servers]
+        # A tensor without an optimizer in the same job: averaged.
+        for c in clients:
+            c.declare(7, 4096)
+        expect = 10.0
+        for step in range(3):
+            lr = 0.5 * 0.5 ** step
+            self.assertAlmostEqual(servers[0].lr, lr)
+
+            def one(r):
+                weights[r].grad = torch.full((1024,), 1.0 + 2 * r)  # avg 2
+                servers[r].step()
+                out = np.zeros(1024, np.float32)
+                clients[r].push_pull(7, np.full(1024, 2.0 * r, np.float32),
+                                     out).wait(20)
+                return out
+            outs = self.both(one)
+            expect -= lr * 2.0
+            for w in weights:
+                self.assertTrue(torch.allclose(
+                    w.data, torch.full((1024,), expect)), (step, w[:3]))
+            for o in outs:
+                self.assertTrue(np.all(o == 1.0))
+            for sc in scheds:
+                sc.step()
+        # Workers that disagree on the rate for one step are refused.
+        servers[0].set_lr(0.01)
+        with self.assertRaisesRegex(membox.MemboxError, "disagree"):
+            servers[1].set_lr(0.02)
+
+
+@unittest.skipUnless(HAVE_TORCH, "needs torch")
+class HalfPrecisionTest(unittest.TestCase):
+    """float16 / bfloat16 gradients through the hook, and float32 buckets
+    sent as bfloat16 / float16 (init(wire_dtype=...))."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+
+    def hook(self, t, wire, extra=()):
+        import membox.torch as mt
+        node = Node(self.tmp, extra)
+        try:
+            c = membox.connect([node.endpoint], node.secret, 0, 1,
+                               timeout=10.0)
+            mt._declared.clear()
+            mt._buckets.clear()
+            mt._narrow.clear()
+            mt.init(mode="average", client=c, wire_dtype=wire)
+            return [mt.allreduce_hook(None, Bucket(t.clone(), 0)).wait()
+                    for _ in range(2)][-1]
+        finally:
+            mt._wire = None
+            node.kill()
+
+    def test_half_buckets_and_narrow_wire(self):
+        import torch
+        ints = torch.arange(-128, 128, dtype=torch.float32).repeat(16)
+        for dtype in (torch.float16, torch.bfloat16):
+            out = self.hook(ints.to(dtype), None)
+            self.assertEqual(out.dtype, dtype)
+            self.assertTrue(torch.equal(out.float(), ints))
+        for wire in ("bfloat16", "float16"):
+            for extra in ((), ("--transports", "tcp")):
+                out = self.hook(ints, wire, extra)
+                self.assertEqual(out.dtype, torch.float32)
+                self.assertTrue(torch.equal(out, ints), (wire, extra))
+        # Values the wire type cannot hold come back rounded to it.
+        x = torch.full((4096,), 1.0 + 2 ** -10)
+        self.assertTrue(torch.equal(self.hook(x, "bfloat16"),
+                                    torch.ones(4096)))
+        with self.assertRaisesRegex(ValueError, "wire_dtype"):
+            import membox.torch as mt
+            mt.init(wire_dtype="int8", client=object())
+
+
 class Bucket:  # what DDP hands a comm hook
     def __init__(self, t, index):
         self.t, self.i = t, index

@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,11 +66,22 @@ struct ParamClientOptions {
   std::chrono::milliseconds reprofile_interval{0};
 };
 
+// The optimizer the memory nodes run on a tensor's reduced gradient, and its
+// hyperparameters. kNone: the reduced value (sum or average) replaces the
+// stored one. Each tensor has its own (fixed in kind when it is declared;
+// hyperparameters change with Tune).
+struct OptimizerConfig {
+  enum class Kind { kNone, kSgd, kAdam } kind = Kind::kNone;
+  double lr = 0.01, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+};
+
 struct SyncConfig {
+  // Job-wide: every worker passes the same mode and staleness, every time.
   enum class Mode { kSum, kAverage, kAsync } mode = Mode::kSum;
   uint32_t staleness = 0;  // kAsync; 0: unbounded
-  enum class Optimizer { kNone, kSgd, kAdam } optimizer = Optimizer::kNone;
-  double lr = 0.01, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  // The optimizer of tensors this worker declares from now on without one
+  // of their own (Declare); unset keeps the current one (none at first).
+  std::optional<OptimizerConfig> optimizer;
 };
 
 class PsHandle {
@@ -120,17 +132,32 @@ class ParamClient {
   // saves both copies.
   virtual bool proxies_map_memory() const = 0;
 
-  // Sets the synchronisation mode on every proxy. Every worker must pass the
-  // same configuration (a differing one is refused); call before Declare.
+  // Sets the synchronisation mode on every proxy (a mode or staleness that
+  // differs from the job's is refused: kFailedPrecondition) and this
+  // worker's default optimizer for later declarations. Call before the
+  // first Declare; may be called again (same mode) to change the default.
   virtual Status Configure(const SyncConfig& config) = 0;
 
-  // Declares a tensor; every worker declares every key with the same size
-  // and dtype. `init` (optional) sets the initial value -- the first
-  // declaration with one wins. Returns the stored version (non-zero after a
-  // restore from a checkpoint).
+  // Declares a tensor with the default optimizer (Configure); every worker
+  // declares every key with the same size, dtype and optimizer kind.
+  // `init` (optional) sets the initial value: rank 0's wins, and until rank
+  // 0 has declared the key its pulls and pushes wait (a key declared with
+  // initial values by other ranks only is never served). Returns the stored
+  // version (non-zero after a restore from a checkpoint).
   virtual Result<uint64_t> Declare(uint64_t key, size_t bytes,
                                    transport::DType dtype,
                                    const void* init = nullptr) = 0;
+  // Declare with this tensor's own optimizer.
+  virtual Result<uint64_t> DeclareWithOptimizer(
+      uint64_t key, size_t bytes, transport::DType dtype, const void* init,
+      const OptimizerConfig& optimizer) = 0;
+  // New hyperparameters (lr, momentum, betas, eps; same kind) for the
+  // declared keys in [first_key, end_key), on every proxy, from the next
+  // round on: call between rounds (after a step's results are back, before
+  // the next step's pushes), every worker with the same values --
+  // differing values for one round are refused (kFailedPrecondition).
+  virtual Status Tune(uint64_t first_key, uint64_t end_key,
+                      const OptimizerConfig& optimizer) = 0;
 
   virtual PsHandle Push(uint64_t key, const void* data, int priority = 0,
                         std::function<void(const Status&)> cb = nullptr) = 0;
