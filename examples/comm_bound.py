@@ -22,6 +22,8 @@ def main():
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--width", type=int, default=5792)
     ap.add_argument("--bucket-mb", type=int, default=25)
+    ap.add_argument("--wire-dtype", choices=("bfloat16", "float16"),
+                    help="membox: gradients on the wire in this type")
     ap.add_argument("--no-sync", action="store_true",
                     help="compute only (DDP's no_sync): the floor")
     a = ap.parse_args()
@@ -37,7 +39,7 @@ def main():
                                                 bucket_cap_mb=a.bucket_mb)
     if a.backend == "membox":
         import membox.torch
-        membox.torch.init()
+        membox.torch.init(wire_dtype=a.wire_dtype)
         model.register_comm_hook(None, membox.torch.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(2, w)
@@ -57,7 +59,8 @@ def main():
     dist.all_reduce(t)
     if rank == 0:
         print("RESULT %s params %d iteration_ms %.1f" %
-              ("compute-only" if a.no_sync else a.backend, params,
+              ("compute-only" if a.no_sync else
+               a.backend + ("-" + a.wire_dtype if a.wire_dtype else ""), params,
                t.item() / world * 1e3), flush=True)
     dist.destroy_process_group()
 

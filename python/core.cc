@@ -399,19 +399,48 @@ class Client {
     if (!s.ok()) Throw(s);
   }
 
-  py::dict Profile() {
-    membox::Result<membox::ps::RoutingTable> t = membox::InternalError("");
-    {
-      py::gil_scoped_release nogil;
-      t = c_->Profile();
-    }
-    auto r = Check(std::move(t));
+  static py::dict RoutingDict(const membox::ps::RoutingTable& r) {
     py::dict d;
     d["threshold"] = r.threshold;
     d["lat_proxy"] = r.lat_proxy;
     d["bw_proxy"] = r.bw_proxy;
     d["partition_bytes"] = r.partition_bytes;
+    d["stripe"] = r.stripe;
     return d;
+  }
+
+  py::dict Profile(std::optional<std::vector<uint64_t>> sizes, int repeats) {
+    membox::ps::ProfileOptions o;
+    if (sizes) o.sizes = *sizes;
+    o.repeats = repeats;
+    membox::Result<membox::ps::RoutingTable> t = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      t = c_->Profile(o);
+    }
+    return RoutingDict(Check(std::move(t)));
+  }
+
+  py::dict Routing() const { return RoutingDict(c_->routing()); }
+
+  // Installs a table (another worker's profile: every worker of a job
+  // routes the same way). Validated here: it names proxies by index.
+  void SetRouting(const py::dict& d) {
+    membox::ps::RoutingTable r;
+    r.threshold = d["threshold"].cast<uint64_t>();
+    r.lat_proxy = d["lat_proxy"].cast<uint32_t>();
+    r.bw_proxy = d["bw_proxy"].cast<uint32_t>();
+    r.partition_bytes = d["partition_bytes"].cast<uint64_t>();
+    r.stripe = d.contains("stripe") && d["stripe"].cast<bool>();
+    const auto n = static_cast<uint32_t>(c_->num_proxies());
+    if (r.lat_proxy >= n || r.bw_proxy >= n) {
+      throw py::value_error("routing names a proxy this client does not have");
+    }
+    if (r.partition_bytes < membox::ps::kMinShardBytes) {
+      throw py::value_error("partition_bytes below the minimum shard size");
+    }
+    py::gil_scoped_release nogil;
+    c_->SetRouting(r);
   }
 
   std::string ProxyStatus(uint32_t proxy) {
@@ -681,7 +710,13 @@ PYBIND11_MODULE(_core, m) {
           py::arg("key"), py::arg("data"), py::arg("out"),
           py::arg("priority") = 0)
       .def("checkpoint", &Client::Checkpoint, py::arg("name") = "latest.mbck")
-      .def("profile", &Client::Profile)
+      .def("profile", &Client::Profile, py::arg("sizes") = py::none(),
+           py::arg("repeats") = 5,
+           "Measures every memory node from this worker and installs the "
+           "routing table it implies (returned as a dict).")
+      .def("routing", &Client::Routing)
+      .def("set_routing", &Client::SetRouting, py::arg("table"),
+           "Installs a routing table (e.g. rank 0's profile).")
       .def("proxy_status", &Client::ProxyStatus, py::arg("proxy") = 0)
       .def_property_readonly("num_proxies", &Client::num_proxies)
       .def_property_readonly("proxies_map_memory", &Client::proxies_map_memory);

@@ -40,9 +40,16 @@ _wire = None  # dtype the hook sends float gradients in (init(wire_dtype=))
 _WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def init(mode="average", client=None, wire_dtype=None, **configure):
+def init(mode="average", client=None, wire_dtype=None, profile=True,
+         **configure):
     """Connects this worker to the memory nodes (environment of `membox
     launch`, see membox.connect) and sets the synchronisation mode.
+
+    With several memory nodes (and profile=True), the nodes are measured
+    once from this worker and the routing the measurement implies is used
+    (docs/design/ps.md: striped over nodes with equal links, otherwise
+    small tensors to the nearest node and large ones to the widest link);
+    under torch.distributed rank 0 measures and every rank uses its table.
 
     wire_dtype="bfloat16" or "float16": the DDP hook sends float32/float64
     gradient buckets in that type (half the bytes); the memory nodes sum
@@ -57,7 +64,30 @@ def init(mode="average", client=None, wire_dtype=None, **configure):
     _wire = wire_dtype
     _client = client or membox.connect()
     _client.configure(mode=mode, **configure)
+    if profile and _client.num_proxies > 1:
+        _route(_client)
     return _client
+
+
+# Sizes the routing profile measures at init(): enough to tell a near node
+# from a wide one and find the shard size that fills a link, and short on
+# slow links (3 x 5.3 MB per node).
+_PROFILE_SIZES = [256 << 10, 1 << 20, 4 << 20]
+
+
+def _route(c):
+    """Every worker routes by rank 0's measurement (sent through
+    torch.distributed when it is up; otherwise each measures itself)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and \
+            dist.get_world_size() > 1:
+        rank = dist.get_rank()
+        table = [c.profile(_PROFILE_SIZES, 3) if rank == 0 else None]
+        dist.broadcast_object_list(table, src=0)
+        if rank != 0:
+            c.set_routing(table[0])
+    else:
+        c.profile(_PROFILE_SIZES, 3)
 
 
 def client():

@@ -120,7 +120,7 @@ struct Key {
   // alone (every worker sends it there; no ring). Fixed by the first
   // worker's Declare; a key restored from a checkpoint takes it from there.
   bool striped = false;
-  bool declared = false;  // by a worker since this proxy started
+  bool declared = false;  // by a worker of the current job
   std::vector<Shard> shards;
 };
 
@@ -580,8 +580,14 @@ class ProxyImpl final : public Proxy {
         p = peer_out_.erase(p);
       }
       world_ = 0;
+      // The next job configures its own mode (a job that left the nodes
+      // averaging must not make the next one's sums averages).
+      configured_ = false;
+      mode_ = proto::Mode::kSum;
+      staleness_ = 0;
       for (auto& [k, key] : keys_) {
         key.awaiting_init = false;
+        key.declared = false;  // the next job's first declaration decides
         for (auto& sh : key.shards) {
           sh.pushes.clear();
           sh.pulls.clear();
@@ -873,12 +879,22 @@ class ProxyImpl final : public Proxy {
             k.opt.ToString() +
             " by another worker: every worker declares it with the same one");
       }
-      // The first worker's declaration fixes the striping (like the shard
-      // size) and the optimizer; later ones adopt them (hyperparameters
-      // change only through Tune).
+      // The first worker's declaration (of this job: keys outlive jobs on a
+      // node) fixes the striping (like the shard size) and the optimizer;
+      // later ones adopt them (hyperparameters change only through Tune).
+      // A key may become striped -- every proxy holds its whole current
+      // value -- but not the reverse: a striped key's shards are current on
+      // their owners only.
       if (!k.declared) {
-        k.striped = m.striped && nproxies_ > 1;
-        k.opt = OptimizerSettings::From(m);
+        if (m.striped && nproxies_ > 1) k.striped = true;
+        OptimizerSettings o = OptimizerSettings::From(m);
+        if (o.kind != k.opt.kind) {
+          for (auto& sh : k.shards) {
+            sh.m1.reset();
+            sh.m2.reset();
+          }
+        }
+        k.opt = o;
       }
       k.declared = true;
     } else {
@@ -1110,6 +1126,10 @@ class ProxyImpl final : public Proxy {
     Key& key = keys_[k];
     Shard& sh = key.shards[s];
     if (sh.reducing || !dead_worker_.empty()) return;
+    // A key this job has not declared (kept from an earlier job, or
+    // restored) has no round yet: its striping is decided by the
+    // declaration, and a proxy must not join a ring for it before.
+    if (!key.declared) return;
     if (key.striped && Owner(k, s) != opt_.rank) return;
     for (auto& [r, p] : sh.pushes) {
       if (p.fetching) return;  // Fetched() calls again

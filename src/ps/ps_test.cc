@@ -215,6 +215,46 @@ TEST(PsTest, LaterDeclarationsAdoptTheFirstOnesStriping) {
   EXPECT_EQ(c.proxies[0]->Stats().ring_steps, 0u);
 }
 
+TEST(PsTest, ANewJobDecidesItsKeysStripingAgain) {
+  // Keys outlive jobs on the nodes. A key a first job used on the ring is
+  // striped for a next job whose workers stripe, keeping its values and
+  // version; the next job's sums are not the last job's mode either.
+  auto c = Cluster::Start(2);
+  RoutingTable striped, plain;
+  striped.stripe = true;
+  striped.partition_bytes = plain.partition_bytes = 4 << 10;
+  std::vector<float> init(16 << 10, 5.0f), one(16 << 10, 1.0f), o0(one.size()),
+      o1(one.size());
+  {
+    auto w0 = Worker(c, 0, 2, plain), w1 = Worker(c, 1, 2, plain);
+    SyncConfig avg;
+    avg.mode = SyncConfig::Mode::kAverage;
+    ASSERT_TRUE(w0->Configure(avg).ok());
+    ASSERT_TRUE(w1->Configure(avg).ok());
+    ASSERT_TRUE(w0->Declare(1, 64 << 10, DType::kFloat32, init.data()).ok());
+    ASSERT_TRUE(w1->Declare(1, 64 << 10, DType::kFloat32).ok());
+    ASSERT_TRUE(w0->Pull(1, o0.data()).Wait(20s).ok());
+    EXPECT_EQ(o0.back(), 5.0f);
+  }
+  std::this_thread::sleep_for(300ms);  // the proxies see both leave
+  auto w0 = Worker(c, 0, 2, striped), w1 = Worker(c, 1, 2, striped);
+  auto v = w0->Declare(1, 64 << 10, DType::kFloat32);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(*v, 0u);
+  ASSERT_TRUE(w1->Declare(1, 64 << 10, DType::kFloat32).ok());
+  ASSERT_TRUE(w1->Pull(1, o1.data()).Wait(20s).ok());
+  EXPECT_EQ(o1.front(), 5.0f);  // the value is kept
+  EXPECT_EQ(o1.back(), 5.0f);
+  auto h0 = w0->PushPull(1, one.data(), o0.data());
+  auto h1 = w1->PushPull(1, one.data(), o1.data());
+  ASSERT_TRUE(h0.Wait(20s).ok());
+  ASSERT_TRUE(h1.Wait(20s).ok());
+  EXPECT_EQ(o0.back(), 2.0f);  // a sum: this job did not ask to average
+  EXPECT_EQ(o1.front(), 2.0f);
+  EXPECT_EQ(c.proxies[0]->Stats().ring_steps, 0u);  // striped
+  EXPECT_EQ(c.proxies[1]->Stats().ring_steps, 0u);
+}
+
 TEST(PsTest, ThreeProxiesBothRingDirections) {
   auto c = Cluster::Start(3);
   RoutingTable r;
