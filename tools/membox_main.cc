@@ -402,6 +402,13 @@ int main(int argc, char** argv) {
   clbench->prefix_command();
   clbench->allow_extras();
   clbench->set_help_flag();
+  auto* psbench = bench->add_subcommand(
+      "ps",
+      "ParameterServer on hundreds of small tensors: one key per tensor vs "
+      "fused buckets, against Gloo DDP (membox/ps_bench.py)");
+  psbench->prefix_command();
+  psbench->allow_extras();
+  psbench->set_help_flag();
 #ifdef MEMBOX_WITH_BENCH
   membox::bench::TransferOptions topt;
   std::string min_size = "1KiB", max_size = "1GiB";
@@ -551,6 +558,9 @@ int main(int argc, char** argv) {
   }
   if (gpubench->parsed()) {
     return ExecPythonModule("membox.gpu_bench", gpubench->remaining());
+  }
+  if (psbench->parsed()) {
+    return ExecPythonModule("membox.ps_bench", psbench->remaining());
   }
 #ifdef MEMBOX_WITH_BENCH
   if (transfer->parsed()) {
