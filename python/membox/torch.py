@@ -313,9 +313,7 @@ def allreduce_hook(state, bucket):
     if _wire is not None and t.dtype in (torch.float32, torch.float64):
         return _narrow_push_pull(client(), bucket.index(), t)
     nbytes = t.numel() * t.element_size()
-    # DDP rebuilds its buckets after the first iteration: a key per
-    # (index, size) keeps every declaration consistent on all workers.
-    key = (bucket.index() << 40) | nbytes
+    key = _bucket_key(bucket.index(), t.dtype, nbytes)
     _declare(key, t)
     if t.device.type == "cuda":
         return _cuda_push_pull(client(), key, t, -bucket.index())
@@ -336,6 +334,17 @@ def allreduce_hook(state, bucket):
 
 
 _narrow = {}  # bucket index -> the bucket's wire-dtype buffer
+_DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3,
+                torch.bfloat16: 4}
+
+
+def _bucket_key(index, dtype, nbytes):
+    """DDP rebuilds its buckets after the first iteration: a key per
+    (index, dtype, size) keeps every declaration consistent on all workers
+    (and apart from a wire-type bucket of the same index)."""
+    if nbytes >= 1 << 36:
+        raise membox.MemboxError("gradient bucket of 64 GiB or more")
+    return (index << 40) | (_DTYPE_CODES.get(dtype, 0) << 36) | nbytes
 
 
 def _narrow_push_pull(c, index, t):
@@ -353,9 +362,7 @@ def _narrow_push_pull(c, index, t):
             w = torch.empty(t.numel(), dtype=_wire)
             _narrow[index] = w
     w.copy_(t.view(-1))
-    nbytes = w.numel() * w.element_size()
-    # Keys of wire-type buckets have bit 39 set: never a full-width bucket.
-    key = (index << 40) | (1 << 39) | nbytes
+    key = _bucket_key(index, w.dtype, w.numel() * w.element_size())
     _declare(key, w)
     arr = _flat_numpy(w)
     if not c.proxies_map_memory:

@@ -121,6 +121,7 @@ struct Key {
   // worker's Declare; a key restored from a checkpoint takes it from there.
   bool striped = false;
   bool declared = false;  // by a worker of the current job
+  bool restored = false;  // from a checkpoint (never replaced: see Declare)
   std::vector<Shard> shards;
 };
 
@@ -866,6 +867,17 @@ class ProxyImpl final : public Proxy {
           "weights for a float16/bfloat16 model)");
     }
     auto it = keys_.find(m.key);
+    if (it != keys_.end() && !it->second.declared && !it->second.restored &&
+        (it->second.bytes != m.bytes || it->second.dtype != dt)) {
+      // Kept from an earlier job that used the key for another tensor
+      // (nodes outlive jobs: torchrun, `membox serve` on memory hosts):
+      // this job's tensor replaces it. A checkpoint's key is never replaced
+      // -- a different size there is the wrong model, refused below.
+      n_shards_.fetch_sub(it->second.shards.size());
+      n_keys_.fetch_sub(1);
+      keys_.erase(it);
+      it = keys_.end();
+    }
     if (it != keys_.end()) {
       Key& k = it->second;
       if (k.bytes != m.bytes || k.dtype != dt) {
@@ -897,6 +909,7 @@ class ProxyImpl final : public Proxy {
         k.opt = o;
       }
       k.declared = true;
+      k.restored = false;  // adopted by this job
     } else {
       Key k;
       k.bytes = m.bytes;
@@ -1712,6 +1725,7 @@ class ProxyImpl final : public Proxy {
         k.dtype = dt;
         k.shard_bytes = c.shard_bytes;
         k.initialized = true;
+        k.restored = true;
         uint64_t n = (k.bytes + k.shard_bytes - 1) / k.shard_bytes;
         if (n > (1u << 20)) return DataLossError(path + ": too many shards");
         k.shards.resize(n);

@@ -235,6 +235,10 @@ TEST(PsTest, ANewJobDecidesItsKeysStripingAgain) {
     ASSERT_TRUE(w1->Declare(1, 64 << 10, DType::kFloat32).ok());
     ASSERT_TRUE(w0->Pull(1, o0.data()).Wait(20s).ok());
     EXPECT_EQ(o0.back(), 5.0f);
+    ASSERT_TRUE(w0->Declare(2, 4096, DType::kFloat32).ok());
+    // Within a job a key keeps its size.
+    EXPECT_EQ(w1->Declare(2, 8192, DType::kFloat32).status().code(),
+              StatusCode::kFailedPrecondition);
   }
   std::this_thread::sleep_for(300ms);  // the proxies see both leave
   auto w0 = Worker(c, 0, 2, striped), w1 = Worker(c, 1, 2, striped);
@@ -242,6 +246,9 @@ TEST(PsTest, ANewJobDecidesItsKeysStripingAgain) {
   ASSERT_TRUE(v.ok()) << v.status().ToString();
   EXPECT_EQ(*v, 0u);
   ASSERT_TRUE(w1->Declare(1, 64 << 10, DType::kFloat32).ok());
+  // Key 2 is another tensor in this job: the old one is replaced.
+  ASSERT_TRUE(w0->Declare(2, 8192, DType::kFloat16).ok());
+  ASSERT_TRUE(w1->Declare(2, 8192, DType::kFloat16).ok());
   ASSERT_TRUE(w1->Pull(1, o1.data()).Wait(20s).ok());
   EXPECT_EQ(o1.front(), 5.0f);  // the value is kept
   EXPECT_EQ(o1.back(), 5.0f);
