@@ -26,7 +26,6 @@ percent of all cores): a result counts only where the links, not the
 cores, were the bottleneck. Needs root (network namespaces).
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -290,15 +289,8 @@ def print_tables(a, rec):
 
 
 def write(a, rec):
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rec.rows, f, indent=1)
-    if a.csv:
-        import csv
-        with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rec.rows[0]))
-            w.writeheader()
-            w.writerows(rec.rows)
+    from membox.bench_report import write_records
+    write_records(rec.rows, a.csv, a.json)
     if a.plot:
         plot(a, rec)
 

@@ -306,16 +306,8 @@ def main(argv=None):
                   f"{r['pinned_h2d_gbps']:.1f} GB/s; during training D2H "
                   f"{r['train_d2h_gbps']:.1f} GB/s, H2D "
                   f"{r['train_h2d_gbps']:.1f} GB/s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(records, f, indent=1)
-    if a.csv:
-        keys = ["bench", "variant", "size_bytes", "workers", "metric",
-                "value", "unit", "case"]
-        with open(a.csv, "w") as f:
-            f.write(",".join(keys) + "\n")
-            for r in records:
-                f.write(",".join(str(r[k]) for k in keys) + "\n")
+    from membox.bench_report import write_records
+    write_records(records, a.csv, a.json)
     if a.plot:
         plot(rows, models, a.plot, gpu, a.workers)
     return 0

@@ -167,16 +167,8 @@ def main(argv=None):
     if rows["fused"]["loss"] != rows["per-tensor"]["loss"]:
         _die("fused and per-tensor training disagree: %r vs %r" %
              (rows["fused"]["loss"], rows["per-tensor"]["loss"]))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(records, f, indent=1)
-    if a.csv:
-        keys = ["bench", "variant", "size_bytes", "workers", "metric",
-                "value", "unit", "case"]
-        with open(a.csv, "w") as f:
-            f.write(",".join(keys) + "\n")
-            for r in records:
-                f.write(",".join(str(r[k]) for k in keys) + "\n")
+    from membox.bench_report import write_records
+    write_records(records, a.csv, a.json)
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")

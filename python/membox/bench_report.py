@@ -1,0 +1,20 @@
+"""Writing benchmark records (docs/design/benchmarks.md) from the Python
+benchmarks: a JSON list and a CSV with the contract's columns."""
+import csv
+import json
+
+FIELDS = ["bench", "variant", "size_bytes", "workers", "metric", "value",
+          "unit", "case"]
+
+
+def write_records(records, csv_path="", json_path=""):
+    """Writes `records` (dicts with the contract's keys; extra keys go to
+    the JSON only) to the paths given (an empty path: not written)."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(records, f, indent=1)
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(records)
