@@ -47,6 +47,8 @@ def main():
     ap.add_argument("--backend", choices=("membox", "gloo"), required=True)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--wire-dtype", choices=("bfloat16", "float16"),
+                    help="membox: gradients on the wire in this type")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -55,7 +57,7 @@ def main():
     model = nn.parallel.DistributedDataParallel(LM())
     if a.backend == "membox":
         import membox.torch
-        membox.torch.init()
+        membox.torch.init(wire_dtype=a.wire_dtype)
         model.register_comm_hook(None, membox.torch.allreduce_hook)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1000 + rank)

@@ -62,11 +62,38 @@ def init(mode="average", client=None, wire_dtype=None, profile=True,
             raise ValueError("wire_dtype must be float16 or bfloat16")
         wire_dtype = _WIRE_DTYPES[key]
     _wire = wire_dtype
-    _client = client or membox.connect()
+    _client = client or membox.connect(_proxies())
     _client.configure(mode=mode, **configure)
     if profile and _client.num_proxies > 1:
         _route(_client)
     return _client
+
+
+_STORE_KEY = "membox/proxies"
+
+
+def _proxies():
+    """The memory nodes: MEMBOX_PROXIES, or under torch.distributed (e.g.
+    torchrun) what a rank that has MEMBOX_PROXIES put into the process
+    group's store -- so one host's environment is enough. Every rank that
+    has the variable publishes it; a rank without it waits up to 60 s."""
+    import os
+    env = os.environ.get("MEMBOX_PROXIES")
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return env.split(",") if env else None
+    from datetime import timedelta
+    store = dist.distributed_c10d._get_default_store()
+    if env:
+        store.set(_STORE_KEY, env)
+        return env.split(",")
+    try:
+        store.wait([_STORE_KEY], timedelta(seconds=60))
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds
+        raise membox.MemboxError(
+            "no memory nodes: MEMBOX_PROXIES is not set here and no rank put "
+            "it into torch.distributed's store within 60 s (%s)" % e)
+    return store.get(_STORE_KEY).decode().split(",")
 
 
 # Sizes the routing profile measures at init(): enough to tell a near node

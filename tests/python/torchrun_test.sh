@@ -5,7 +5,8 @@
 # --nproc_per_node 2` with MEMBOX_PROXIES and MEMBOX_SECRET_FILE in their
 # environment (docs/python.md). The digits job must train with the two-line
 # hook and give Gloo DDP's losses, also with gradient accumulation under
-# DDP's no_sync() and with a torch.compile'd model.
+# DDP's no_sync() and with a torch.compile'd model; and with MEMBOX_PROXIES
+# on rank 0 only (the others read it from torch.distributed's store).
 # Usage: torchrun_test.sh PATH/TO/membox
 set -euo pipefail
 # MEMBOX_TEST_PYTHON: another interpreter (a venv with PyPI torch 2.x).
@@ -82,3 +83,14 @@ for variant in "" "--accumulate 2" "--compile"; do
     --label="${variant:-plain}"
 done
 echo "PASS: torchrun with separately started memory nodes (plain, no_sync accumulation, torch.compile)"
+
+# Only rank 0 has MEMBOX_PROXIES (as when one host's environment names the
+# nodes): the other ranks find them in torch.distributed's store.
+MEMBOX_PROXIES="$peers" MEMBOX_SECRET_FILE="$work/secret" \
+  "$py" -m torch.distributed.run --standalone --nproc_per_node 2 --no-python \
+  /bin/sh -c '[ "$RANK" = 0 ] || unset MEMBOX_PROXIES; exec "$0" "$@"' \
+  "$py" "$here/examples/train_digits.py" --backend membox --epochs 2 \
+  --out "$work/mstore.jsonl"
+"$py" "$here/tests/python/same_losses.py" "$work/mstore.jsonl" "$work/g.jsonl" \
+  --label="nodes from the store"
+echo "PASS: ranks without MEMBOX_PROXIES find the nodes in torchrun's store"
