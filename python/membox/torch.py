@@ -24,6 +24,7 @@ the rows never join a torch optimizer. prefetch() pulls a later batch's
 rows while this one trains.
 """
 import itertools
+import os
 import threading
 import weakref
 
@@ -77,7 +78,6 @@ def _proxies():
     torchrun) what a rank that has MEMBOX_PROXIES put into the process
     group's store -- so one host's environment is enough. Every rank that
     has the variable publishes it; a rank without it waits up to 60 s."""
-    import os
     env = os.environ.get("MEMBOX_PROXIES")
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
@@ -599,9 +599,9 @@ class ParameterServer:
                 data = b.arr
             # Rank 0's initial weights win on every node (as DDP's
             # broadcast); other ranks' first pull waits for them.
-            v = self.client.declare(b.key, b.nbytes, _dtype(b.flat if not
-                                    b.cuda else self.params[b.indices[0]]),
-                                    data, optimizer=optimizer, **hyper)
+            v = self.client.declare(b.key, b.nbytes,
+                                    _dtype(self.params[b.indices[0]]), data,
+                                    optimizer=optimizer, **hyper)
             self.version = max(self.version, v)
         self.pull()
 
