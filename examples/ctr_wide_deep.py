@@ -4,6 +4,7 @@ follow a power law, with its sparse features in membox's embedding store.
 
     membox launch --nodes 2 --workers 2 -- /usr/bin/python3 examples/ctr_wide_deep.py
     /usr/bin/python3 examples/ctr_wide_deep.py --local     # same model, torch tables
+    python examples/ctr_wide_deep.py --torchrec   # same model, TorchRec tables
 
 The click log (the same on every worker, from --seed): each impression has
 --fields categorical fields plus a variable-length "history" bag; ids of
@@ -19,7 +20,12 @@ concatenated into an MLP. Sparse tables live in the memory nodes
 MLP is data-parallel through DDP with membox's allreduce hook (the
 parameter-synchronisation layer). --local trains the same model in one
 process with torch.nn.EmbeddingBag / Embedding and torch's Adagrad, as the
-reference.
+reference. --torchrec trains it in one process with TorchRec's
+FusedEmbeddingBagCollection (fbgemm's batched CPU kernels, Adagrad fused
+into backward; needs torchrec and fbgemm-gpu-cpu): the three tables are
+looked up in one call from a KeyedJaggedTensor. fbgemm wants dims that are
+multiples of 4, so TorchRec's wide table is 4 wide and the model reads its
+first column (the other columns get no gradient).
 
 Rank 0 prints one line per epoch and a final `RESULT {json}` line: test
 AUC and log loss, the hidden model's AUC (the ceiling), throughput.
@@ -70,16 +76,69 @@ def batches(ids, hist, offsets, hist_len, labels, idx, size):
                torch.from_numpy(labels[b]))
 
 
+class TorchRecTables(nn.Module):
+    """The wide, deep and history tables as one TorchRec
+    FusedEmbeddingBagCollection; forward takes the same (ids, history,
+    offsets) and returns what WideDeep's three layers return."""
+
+    def __init__(self, a):
+        super().__init__()
+        from torchrec import EmbeddingBagConfig, PoolingType
+        from torchrec.modules.fused_embedding_modules import \
+            FusedEmbeddingBagCollection
+        rows = (a.fields + 1) * a.vocab
+        gen = torch.Generator().manual_seed(a.seed)
+
+        def init(t):
+            with torch.no_grad():
+                return t.uniform_(-0.05, 0.05, generator=gen)
+        self.fields = [f"f{j}" for j in range(a.fields)]
+        tables = [
+            EmbeddingBagConfig(name="wide", embedding_dim=4,
+                               num_embeddings=rows, feature_names=["wide"],
+                               pooling=PoolingType.SUM, init_fn=init),
+            EmbeddingBagConfig(name="deep", embedding_dim=a.dim,
+                               num_embeddings=rows, feature_names=self.fields,
+                               pooling=PoolingType.SUM, init_fn=init),
+            EmbeddingBagConfig(name="history", embedding_dim=a.dim,
+                               num_embeddings=rows, feature_names=["hist"],
+                               pooling=PoolingType.MEAN, init_fn=init)]
+        self.ebc = FusedEmbeddingBagCollection(
+            tables=tables, optimizer_type=torch.optim.Adagrad,
+            optimizer_kwargs={"lr": a.sparse_lr}, device=torch.device("cpu"))
+
+    def forward(self, x, h, ho):
+        from torchrec import KeyedJaggedTensor
+        b, f = x.shape
+        hl = torch.diff(ho, append=torch.tensor([len(h)]))
+        kjt = KeyedJaggedTensor(
+            keys=["wide"] + self.fields + ["hist"],
+            values=torch.cat([x.reshape(-1), x.t().reshape(-1), h]),
+            lengths=torch.cat([torch.full((b,), f, dtype=torch.long),
+                               torch.ones(b * f, dtype=torch.long), hl]))
+        out = self.ebc(kjt).to_dict()
+        wide = out["wide"][:, :1]
+        deep = torch.stack([out[k] for k in self.fields], 1)
+        return wide, deep, out["hist"]
+
+
 class WideDeep(nn.Module):
     def __init__(self, a, store):
         super().__init__()
-        if store:
+        self.torchrec = None
+        if a.torchrec:
+            self.torchrec = TorchRecTables(a)
+        elif store:
             import membox.torch as mt
             kw = dict(optimizer="adagrad", lr=a.sparse_lr, seed=a.seed,
                       init_scale=0.05)
             self.wide = mt.EmbeddingBag("wide", 1, mode="sum", **kw)
             self.deep = mt.Embedding("deep", a.dim, **kw)
             self.hist = mt.EmbeddingBag("history", a.dim, mode="mean", **kw)
+            # One request per memory node per step for the three tables
+            # (--no-group: one per table).
+            self.group = (None if a.no_group else
+                          mt.EmbeddingGroup(self.wide, self.deep, self.hist))
         else:
             rows = (a.fields + 1) * a.vocab
             self.wide = nn.EmbeddingBag(rows, 1, mode="sum", sparse=True)
@@ -93,10 +152,16 @@ class WideDeep(nn.Module):
         self.store = store
 
     def prefetch(self, x, h):
-        return (self.wide.prefetch(x), self.deep.prefetch(x),
-                self.hist.prefetch(h))
+        if self.group is None:
+            return (self.wide.prefetch(x), self.deep.prefetch(x),
+                    self.hist.prefetch(h))
+        return self.group.prefetch(x, x, h)
 
     def forward(self, x, h, ho, pre=(None, None, None)):
+        if self.torchrec is not None:
+            wide, deep, hist = self.torchrec(x, h, ho)
+            return (wide + self.mlp(torch.cat([deep.flatten(1), hist], 1))
+                    ).squeeze(1)
         kw = (lambda p: {"prefetched": p}) if self.store else (lambda p: {})
         wide = self.wide(x, **kw(pre[0]))
         deep = torch.cat([self.deep(x, **kw(pre[1])).flatten(1),
@@ -120,7 +185,21 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--local", action="store_true",
                     help="torch tables in this process (the reference)")
+    ap.add_argument("--no-group", action="store_true",
+                    help="a pull and a push request per table per node "
+                    "(default: one per node for all tables)")
+    ap.add_argument("--torchrec", action="store_true",
+                    help="TorchRec's FusedEmbeddingBagCollection in this "
+                    "process (needs torchrec and fbgemm-gpu-cpu)")
     a = ap.parse_args()
+    if a.torchrec:
+        try:
+            import torchrec  # noqa: F401
+        except ImportError as e:
+            raise SystemExit(f"--torchrec needs torchrec and fbgemm-gpu-cpu "
+                             f"(pip install torchrec fbgemm-gpu-cpu with a "
+                             f"matching torch): {e}")
+        a.local = True
 
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
@@ -143,7 +222,7 @@ def main():
         model.mlp = dense
     opt = torch.optim.Adam(model.mlp.parameters(), lr=a.dense_lr)
     sparse_opt = None
-    if a.local:
+    if a.local and not a.torchrec:  # TorchRec's optimizer runs in backward
         sparse_opt = torch.optim.Adagrad(
             [p for n, p in model.named_parameters() if not n.startswith("mlp")],
             lr=a.sparse_lr)
@@ -189,7 +268,7 @@ def main():
             opt.step()
             if sparse_opt:
                 sparse_opt.step()
-            total += float(loss)
+            total += float(loss.detach())
             seen += len(y)
         if not a.local:
             for layer in (model.wide, model.deep, model.hist):
@@ -208,7 +287,8 @@ def main():
         best = roc_auc_score(y, prob[test_idx])
         base = log_loss(y, np.full(len(y), labels[train_idx].mean()))
         print("RESULT " + json.dumps({
-            "backend": "torch-local" if a.local else "membox",
+            "backend": ("torchrec" if a.torchrec else
+                        "torch-local" if a.local else "membox"),
             "workers": world, "test_auc": history[-1]["test_auc"],
             "test_logloss": history[-1]["test_logloss"],
             "hidden_model_auc": best, "constant_logloss": base,

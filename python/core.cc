@@ -16,6 +16,8 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
@@ -469,38 +471,47 @@ using KeyArray =
 using FloatArray =
     py::array_t<float, py::array::c_style | py::array::forcecast>;
 
-// A pull in flight: owns its output rows; wait() hands them to numpy
-// without a copy. Dropping it before completion waits for the pull (the
-// rows are being written).
+// A pull in flight (of one table, or of several from pull_many): owns its
+// output rows; wait() hands them to numpy without a copy -- one array, or a
+// list in the order of the parts. Dropping it before completion waits for
+// the pull (the rows are being written).
 class PullHandle {
  public:
-  PullHandle(EmbeddingHandle h, std::shared_ptr<std::vector<float>> rows,
-             size_t n, uint32_t dim)
-      : h_(std::move(h)), rows_(std::move(rows)), n_(n), dim_(dim) {}
+  struct Rows {
+    std::shared_ptr<std::vector<float>> data;
+    size_t n = 0;
+    uint32_t dim = 0;
+  };
+  PullHandle(EmbeddingHandle h, std::vector<Rows> rows, bool many)
+      : h_(std::move(h)), rows_(std::move(rows)), many_(many) {}
   PullHandle(PullHandle&&) = default;
   ~PullHandle() {
-    if (rows_ && !h_.done()) {
+    if (!rows_.empty() && !h_.done()) {
       py::gil_scoped_release nogil;
       (void)h_.Wait();
     }
   }
-  py::array Wait(std::optional<double> timeout_s) {
+  py::object Wait(std::optional<double> timeout_s) {
     WaitWithoutGil(h_, timeout_s);
-    auto* keep = new std::shared_ptr<std::vector<float>>(rows_);
-    py::capsule owner(keep, [](void* p) {
-      delete static_cast<std::shared_ptr<std::vector<float>>*>(p);
-    });
-    return py::array_t<float>(
-        {static_cast<ssize_t>(n_), static_cast<ssize_t>(dim_)}, (*keep)->data(),
-        owner);
+    py::list out;
+    for (const Rows& r : rows_) {
+      auto* keep = new std::shared_ptr<std::vector<float>>(r.data);
+      py::capsule owner(keep, [](void* p) {
+        delete static_cast<std::shared_ptr<std::vector<float>>*>(p);
+      });
+      out.append(py::array_t<float>(
+          {static_cast<ssize_t>(r.n), static_cast<ssize_t>(r.dim)},
+          (*keep)->data(), owner));
+    }
+    if (many_) return out;
+    return out[0];
   }
   bool done() const { return h_.done(); }
 
  private:
   EmbeddingHandle h_;
-  std::shared_ptr<std::vector<float>> rows_;
-  size_t n_;
-  uint32_t dim_;
+  std::vector<Rows> rows_;
+  bool many_;
 };
 
 class PushHandle {
@@ -560,32 +571,59 @@ class PyEmbeddingClient {
   }
 
   PullHandle PullAsync(uint32_t table, KeyArray keys, uint64_t batch) {
-    uint32_t d = Dim(table);
-    size_t n = static_cast<size_t>(keys.size());
-    auto rows = std::make_shared<std::vector<float>>(n * d);
-    std::span<const uint64_t> k(keys.data(), n);
+    std::vector<std::pair<uint32_t, KeyArray>> parts;
+    parts.emplace_back(table, std::move(keys));
+    return PullMany(std::move(parts), batch, false);
+  }
+
+  // parts: (table, keys) each; one request per node for all of them.
+  PullHandle PullMany(std::vector<std::pair<uint32_t, KeyArray>> parts,
+                      uint64_t batch, bool many = true) {
+    std::vector<EmbeddingClient::TablePull> pulls;
+    std::vector<PullHandle::Rows> rows;
+    for (auto& [table, keys] : parts) {
+      uint32_t d = Dim(table);
+      size_t n = static_cast<size_t>(keys.size());
+      PullHandle::Rows& r = rows.emplace_back();
+      r.data = std::make_shared<std::vector<float>>(n * d);
+      r.n = n;
+      r.dim = d;
+      pulls.push_back({table, {keys.data(), n}, r.data->data()});
+    }
     membox::Result<EmbeddingHandle> h = membox::InternalError("");
     {
       py::gil_scoped_release nogil;
-      h = c_->PullAsync(table, k, rows->data(), batch);
+      h = c_->PullManyAsync(pulls, batch);
     }
-    return PullHandle(Check(std::move(h)), rows, n, d);
+    return PullHandle(Check(std::move(h)), std::move(rows), many);
   }
 
   PushHandle PushAsync(uint32_t table, KeyArray keys, FloatArray grads,
                        uint64_t batch, bool release) {
-    uint32_t d = Dim(table);
-    size_t n = static_cast<size_t>(keys.size());
-    if (static_cast<size_t>(grads.size()) != n * d) {
-      throw py::value_error(
-          "grads must hold len(keys) * dim = " + std::to_string(n * d) +
-          " floats, not " + std::to_string(grads.size()));
+    std::vector<std::tuple<uint32_t, KeyArray, FloatArray>> parts;
+    parts.emplace_back(table, std::move(keys), std::move(grads));
+    return PushMany(std::move(parts), batch, release);
+  }
+
+  // parts: (table, keys, grads) each; one request per node for all.
+  PushHandle PushMany(
+      std::vector<std::tuple<uint32_t, KeyArray, FloatArray>> parts,
+      uint64_t batch, bool release) {
+    std::vector<EmbeddingClient::TablePush> pushes;
+    for (auto& [table, keys, grads] : parts) {
+      uint32_t d = Dim(table);
+      size_t n = static_cast<size_t>(keys.size());
+      if (static_cast<size_t>(grads.size()) != n * d) {
+        throw py::value_error(
+            "grads must hold len(keys) * dim = " + std::to_string(n * d) +
+            " floats, not " + std::to_string(grads.size()));
+      }
+      pushes.push_back({table, {keys.data(), n}, {grads.data(), n * d}});
     }
     membox::Result<EmbeddingHandle> h = membox::InternalError("");
     {
       py::gil_scoped_release nogil;
-      h = c_->PushAsync(table, {keys.data(), n}, {grads.data(), n * d}, batch,
-                        release);
+      h = c_->PushManyAsync(pushes, batch, release);
     }
     return PushHandle(Check(std::move(h)));
   }
@@ -741,6 +779,18 @@ PYBIND11_MODULE(_core, m) {
       .def("dim", &PyEmbeddingClient::Dim, py::arg("table"))
       .def("pull_async", &PyEmbeddingClient::PullAsync, py::arg("table"),
            py::arg("keys"), py::arg("batch") = 0)
+      .def(
+          "pull_many",
+          [](PyEmbeddingClient& c,
+             std::vector<std::pair<uint32_t, KeyArray>> parts,
+             uint64_t batch) { return c.PullMany(std::move(parts), batch); },
+          py::arg("parts"), py::arg("batch") = 0,
+          "parts: [(table, keys), ...], pulled with one request per node; "
+          "wait() returns the rows of each part, in order.")
+      .def("push_many", &PyEmbeddingClient::PushMany, py::arg("parts"),
+           py::arg("batch") = 0, py::arg("release") = true,
+           "parts: [(table, keys, grads), ...], pushed with one request per "
+           "node; `release` unpins `batch` on every part's table.")
       .def(
           "pull",
           [](PyEmbeddingClient& c, uint32_t table, KeyArray keys,

@@ -409,6 +409,13 @@ int main(int argc, char** argv) {
   psbench->prefix_command();
   psbench->allow_extras();
   psbench->set_help_flag();
+  auto* ctrbench = bench->add_subcommand(
+      "ctr",
+      "wide & deep CTR with tables in the embedding store, against torch's "
+      "layers and TorchRec in one process (membox/ctr_bench.py)");
+  ctrbench->prefix_command();
+  ctrbench->allow_extras();
+  ctrbench->set_help_flag();
 #ifdef MEMBOX_WITH_BENCH
   membox::bench::TransferOptions topt;
   std::string min_size = "1KiB", max_size = "1GiB";
@@ -561,6 +568,9 @@ int main(int argc, char** argv) {
   }
   if (psbench->parsed()) {
     return ExecPythonModule("membox.ps_bench", psbench->remaining());
+  }
+  if (ctrbench->parsed()) {
+    return ExecPythonModule("membox.ctr_bench", ctrbench->remaining());
   }
 #ifdef MEMBOX_WITH_BENCH
   if (transfer->parsed()) {

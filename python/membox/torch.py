@@ -735,17 +735,141 @@ def _keys(input):
 
 
 class Prefetched:
-    """The rows of one batch, being pulled (from Embedding.prefetch)."""
+    """The rows of one batch of one layer, being pulled (from
+    Embedding.prefetch or EmbeddingGroup.prefetch)."""
 
-    def __init__(self, layer, input, pin):
+    def __init__(self, layer, input, pin, batch=None, step=None):
         self.flat, self.shape = _keys(input)
         self.unique, inverse = np.unique(self.flat, return_inverse=True)
         self.inverse = torch.from_numpy(inverse.astype(np.int64))
-        self.batch = next(_pin_tags) if pin else 0
+        self.batch = batch if batch is not None else \
+            (next(_pin_tags) if pin else 0)
         self.layer = layer
-        self.handle = layer.client.pull_async(layer.table, self.unique,
-                                              self.batch)
+        self.step = step  # the group's step, or None
+        self.handle = None
+        self.rows = None
+        if step is None:
+            self.handle = layer.client.pull_async(layer.table, self.unique,
+                                                  self.batch)
         self.used = False
+
+    def wait(self):
+        if self.rows is None:
+            self.rows = (self.handle.wait() if self.handle is not None
+                         else self.step.rows(self))
+        return self.rows
+
+
+class _GroupStep:
+    """One prefetch of an EmbeddingGroup: the rows of every member arrive
+    with one request per node, and the members' gradients leave the same
+    way once every member whose rows entered the graph has its gradient
+    (or when the group is synchronized)."""
+
+    def __init__(self, group, pres):
+        self.group = group
+        self.pres = pres
+        self.index = {id(p): i for i, p in enumerate(pres)}
+        self.hooked = set()  # members whose rows entered the graph
+        self.grads = {}      # member -> gradient rows not sent yet
+        self.sent = set()
+        self.handle = group.client.pull_many(
+            [(p.layer.table, p.unique) for p in pres], pres[0].batch)
+        self.result = None
+
+    def rows(self, pre):
+        if self.result is None:
+            self.result = self.handle.wait()
+        return self.result[self.index[id(pre)]]
+
+    def expect(self, pre):
+        self.hooked.add(self.index[id(pre)])
+
+    def add(self, pre, grad):
+        self.grads[self.index[id(pre)]] = grad
+        if self.hooked <= self.sent | set(self.grads):
+            self.send()
+        else:
+            self.group._waiting.add(self)
+
+    def send(self):
+        """Sends the gradients in hand, one request per node; each part
+        unpins its member's rows."""
+        self.group._waiting.discard(self)
+        if not self.grads:
+            return
+        parts = [(self.pres[i].layer.table, self.pres[i].unique, g)
+                 for i, g in sorted(self.grads.items())]
+        self.sent |= set(self.grads)
+        self.grads = {}
+        self.group._track(self.group.client.push_many(
+            parts, self.pres[0].batch, True))
+
+
+class EmbeddingGroup:
+    """Store layers whose pulls and pushes travel together: one request per
+    memory node per step for all their tables, instead of one per table
+    (seed 004's batched requests; what TorchRec's EmbeddingBagCollection
+    does in one process). The layers must share one client (the default).
+
+        group = membox.torch.EmbeddingGroup(wide, deep, hist)
+        pre = group.prefetch(x, x, h)          # rows of all three tables
+        out = wide(x, prefetched=pre[0]) ...    # as with layer.prefetch
+        loss.backward()                         # one push for all three
+
+    The push leaves when every member whose rows entered the graph has its
+    gradient. group.synchronize() sends any step still waiting (a member
+    whose output did not reach the loss) and waits until every push is
+    applied."""
+
+    def __init__(self, *layers):
+        if not layers:
+            raise ValueError("an EmbeddingGroup needs at least one layer")
+        for layer in layers:
+            if not isinstance(layer, _StoreLayer):
+                raise TypeError("EmbeddingGroup members are membox.torch."
+                                "Embedding / EmbeddingBag layers, not "
+                                f"{type(layer).__name__}")
+            if layer.client is not layers[0].client:
+                raise ValueError("EmbeddingGroup members must share one "
+                                 "embedding client")
+        if len({id(layer) for layer in layers}) != len(layers):
+            raise ValueError("a layer appears twice in the EmbeddingGroup")
+        self.layers = tuple(layers)
+        for layer in layers:
+            layer._groups.append(self)
+        self.client = layers[0].client
+        self._waiting = set()  # steps holding gradients not sent yet
+        self._pushes = []      # push handles in flight
+
+    def prefetch(self, *inputs):
+        """Starts pulling every member's rows for one batch (inputs in the
+        members' order); returns a tuple of Prefetched, one per member, to
+        pass as each member's forward(..., prefetched=)."""
+        if len(inputs) != len(self.layers):
+            raise ValueError(f"{len(inputs)} inputs for "
+                             f"{len(self.layers)} layers")
+        training = any(layer.training for layer in self.layers)
+        batch = next(_pin_tags) if training else 0
+        pres = tuple(Prefetched(layer, x, training, batch=batch, step=True)
+                     for layer, x in zip(self.layers, inputs))
+        step = _GroupStep(self, pres)
+        for p in pres:
+            p.step = step
+        return pres
+
+    def _track(self, handle):
+        self._pushes.append(handle)
+        while self._pushes and self._pushes[0].done():
+            self._pushes.pop(0).wait()  # raises a failed push's error
+
+    def synchronize(self):
+        """Pushes what every finished step holds and waits until every
+        push so far is applied."""
+        for step in list(self._waiting):
+            step.send()
+        while self._pushes:
+            self._pushes.pop(0).wait()
 
 
 class _StoreLayer(torch.nn.Module):
@@ -758,6 +882,7 @@ class _StoreLayer(torch.nn.Module):
             name, dim, optimizer=optimizer, lr=lr, seed=seed,
             init_scale=init_scale, **table_options)
         self._pushes = []
+        self._groups = []  # EmbeddingGroups this layer belongs to
 
     def prefetch(self, input):
         """Starts pulling the rows `input` will need; pass the result to
@@ -775,10 +900,12 @@ class _StoreLayer(torch.nn.Module):
         if p.flat.shape != flat.shape or not np.array_equal(p.flat, flat):
             raise ValueError("forward's ids differ from the prefetched ones")
         p.used = True
-        rows = torch.from_numpy(p.handle.wait())
+        rows = torch.from_numpy(p.wait())
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             rows.register_hook(self._push_hook(p))
+            if p.step is not None:
+                p.step.expect(p)
         elif p.batch:
             self.client.release(self.table, p.batch)
         return rows, p.inverse.view(p.shape)
@@ -786,6 +913,9 @@ class _StoreLayer(torch.nn.Module):
     def _push_hook(self, p):
         def push(grad):
             g = grad.detach().to(torch.float32).contiguous().numpy()
+            if p.step is not None:
+                p.step.add(p, g)
+                return
             self._pushes.append(self.client.push_async(
                 self.table, p.unique, g, p.batch, True))
             while self._pushes and self._pushes[0].done():
@@ -793,7 +923,10 @@ class _StoreLayer(torch.nn.Module):
         return push
 
     def synchronize(self):
-        """Waits until every gradient pushed so far is applied."""
+        """Waits until every gradient pushed so far is applied (also those
+        of the EmbeddingGroups it is in)."""
+        for g in self._groups:
+            g.synchronize()
         while self._pushes:
             self._pushes.pop(0).wait()
 

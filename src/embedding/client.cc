@@ -69,6 +69,20 @@ Result<PartitionFn> PartitionByName(const std::string& name) {
                               "' (modulo, hash)");
 }
 
+Result<EmbeddingHandle> EmbeddingClient::PullAsync(
+    uint32_t table, std::span<const uint64_t> keys, float* out,
+    uint64_t batch) {
+  TablePull p{table, keys, out};
+  return PullManyAsync({&p, 1}, batch);
+}
+
+Result<EmbeddingHandle> EmbeddingClient::PushAsync(
+    uint32_t table, std::span<const uint64_t> keys,
+    std::span<const float> grads, uint64_t batch, bool release) {
+  TablePush p{table, keys, grads};
+  return PushManyAsync({&p, 1}, batch, release);
+}
+
 Status EmbeddingClient::Pull(uint32_t table, std::span<const uint64_t> keys,
                              float* out, uint64_t batch) {
   ASSIGN_OR_RETURN(EmbeddingHandle h, PullAsync(table, keys, out, batch));
@@ -260,136 +274,150 @@ class ClientImpl final : public EmbeddingClient {
     return static_cast<uint32_t>(tables_.size());
   }
 
-  Result<EmbeddingHandle> PullAsync(uint32_t table,
-                                    std::span<const uint64_t> keys, float* out,
-                                    uint64_t batch) override {
-    ASSIGN_OR_RETURN(const OpenedTable* t, Find(table));
-    const uint32_t d = t->config.dim;
-    // Distinct keys; next[i] chains the positions that share a key.
-    struct Op {
+  Result<EmbeddingHandle> PullManyAsync(std::span<const TablePull> parts,
+                                        uint64_t batch) override {
+    // Per part: its distinct keys; next[i] chains the positions that share
+    // a key (a reply row is copied to each of them).
+    struct Part {
+      uint32_t dim = 0;
       std::vector<uint64_t> unique;
       std::vector<int64_t> first, next;
-      float* out;
+      float* out = nullptr;
     };
-    auto op = std::make_shared<Op>();
-    op->out = out;
-    op->next.assign(keys.size(), -1);
-    std::unordered_map<uint64_t, uint32_t> index;
-    index.reserve(keys.size());
-    std::vector<int64_t> last;
-    for (size_t i = 0; i < keys.size(); ++i) {
-      auto [it, fresh] = index.try_emplace(keys[i], op->unique.size());
-      if (fresh) {
-        op->unique.push_back(keys[i]);
-        op->first.push_back(static_cast<int64_t>(i));
-        last.push_back(static_cast<int64_t>(i));
-      } else {
-        op->next[last[it->second]] = static_cast<int64_t>(i);
-        last[it->second] = static_cast<int64_t>(i);
+    std::vector<uint32_t> tables;
+    for (const TablePull& p : parts) tables.push_back(p.table);
+    ASSIGN_OR_RETURN(std::vector<const OpenedTable*> opened, FindAll(tables));
+    auto ps = std::make_shared<std::vector<Part>>(parts.size());
+    std::vector<std::vector<std::vector<uint32_t>>> by_node(parts.size());
+    for (size_t j = 0; j < parts.size(); ++j) {
+      Part& op = (*ps)[j];
+      std::span<const uint64_t> keys = parts[j].keys;
+      op.dim = opened[j]->config.dim;
+      op.out = parts[j].out;
+      op.next.assign(keys.size(), -1);
+      std::unordered_map<uint64_t, uint32_t> index;
+      index.reserve(keys.size());
+      std::vector<int64_t> last;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        auto [it, fresh] = index.try_emplace(keys[i], op.unique.size());
+        if (fresh) {
+          op.unique.push_back(keys[i]);
+          op.first.push_back(static_cast<int64_t>(i));
+          last.push_back(static_cast<int64_t>(i));
+        } else {
+          op.next[last[it->second]] = static_cast<int64_t>(i);
+          last[it->second] = static_cast<int64_t>(i);
+        }
       }
+      by_node[j] = GroupByNode(op.unique);
+      if (batch != 0) NotePinned(parts[j].table, batch, by_node[j]);
     }
-    auto by_node = GroupByNode(op->unique);
-    if (batch != 0) NotePinned(table, batch, by_node);
-    const uint32_t per_msg = proto::MaxKeysPerMessage(d);
+    std::vector<Packed> msgs;
+    for (uint32_t n = 0; n < nodes_.size(); ++n) {
+      Packer pack(Type::kPull, batch, n, &msgs);
+      for (size_t j = 0; j < parts.size(); ++j) {
+        const Part& op = (*ps)[j];
+        pack.Add(static_cast<uint32_t>(j), opened[j]->ids[n], op.dim,
+                 by_node[j][n], false, [&](proto::Section& s, uint32_t u) {
+                   s.keys.push_back(op.unique[u]);
+                 });
+      }
+      pack.Finish();
+    }
     auto state = std::make_shared<EmbeddingHandle::State>();
-    std::vector<std::pair<uint32_t, Message>> msgs;
-    std::vector<std::vector<uint32_t>> msg_idx;
-    for (uint32_t n = 0; n < by_node.size(); ++n) {
-      for (size_t s = 0; s < by_node[n].size(); s += per_msg) {
-        size_t e = std::min(by_node[n].size(), s + per_msg);
-        Message m;
-        m.type = Type::kPull;
-        m.table_id = t->ids[n];
-        m.batch = batch;
-        std::vector<uint32_t> idx(by_node[n].begin() + s,
-                                  by_node[n].begin() + e);
-        for (uint32_t u : idx) m.keys.push_back(op->unique[u]);
-        msgs.emplace_back(n, std::move(m));
-        msg_idx.push_back(std::move(idx));
-      }
-    }
     state->remaining = static_cast<int>(msgs.size()) + 1;
-    for (size_t k = 0; k < msgs.size(); ++k) {
-      auto idx = std::make_shared<std::vector<uint32_t>>(std::move(msg_idx[k]));
-      nodes_[msgs[k].first]->Send(
-          std::move(msgs[k].second), [op, idx, state, d](Result<Message> r) {
-            if (!r.ok()) return state->Finish(r.status());
-            if (r->values.size() != idx->size() * size_t(d)) {
-              return state->Finish(DataLossError(
-                  "embedding node replied with " +
-                  std::to_string(r->values.size()) + " values for " +
-                  std::to_string(idx->size()) + " rows"));
+    for (Packed& pm : msgs) {
+      auto pieces = std::make_shared<std::vector<Piece>>(std::move(pm.pieces));
+      nodes_[pm.node]->Send(std::move(pm.msg), [ps, pieces,
+                                                state](Result<Message> r) {
+        if (!r.ok()) return state->Finish(r.status());
+        size_t want = 0;
+        for (const Piece& pc : *pieces) {
+          want += pc.rows.size() * size_t((*ps)[pc.part].dim);
+        }
+        if (r->values.size() != want) {
+          return state->Finish(DataLossError("embedding node replied with " +
+                                             std::to_string(r->values.size()) +
+                                             " values for " +
+                                             std::to_string(want)));
+        }
+        const float* row = r->values.data();
+        for (const Piece& pc : *pieces) {
+          const Part& op = (*ps)[pc.part];
+          for (uint32_t u : pc.rows) {
+            for (int64_t i = op.first[u]; i >= 0; i = op.next[i]) {
+              std::memcpy(op.out + size_t(i) * op.dim, row, size_t(op.dim) * 4);
             }
-            for (size_t j = 0; j < idx->size(); ++j) {
-              const float* row = r->values.data() + j * d;
-              for (int64_t i = op->first[(*idx)[j]]; i >= 0; i = op->next[i]) {
-                std::memcpy(op->out + size_t(i) * d, row, size_t(d) * 4);
-              }
-            }
-            state->Finish(Status::Ok());
-          });
+            row += op.dim;
+          }
+        }
+        state->Finish(Status::Ok());
+      });
     }
     state->Finish(Status::Ok());  // the submitter's share
     return EmbeddingHandle(state);
   }
 
-  Result<EmbeddingHandle> PushAsync(uint32_t table,
-                                    std::span<const uint64_t> keys,
-                                    std::span<const float> grads,
-                                    uint64_t batch, bool release) override {
-    ASSIGN_OR_RETURN(const OpenedTable* t, Find(table));
-    const uint32_t d = t->config.dim;
-    if (grads.size() != keys.size() * size_t(d)) {
-      return InvalidArgumentError(
-          "push: " + std::to_string(grads.size()) + " gradient values for " +
-          std::to_string(keys.size()) + " keys of dim " + std::to_string(d));
-    }
-    // Sum the gradients of repeated keys.
-    std::vector<uint64_t> unique;
-    std::vector<float> summed;
-    std::unordered_map<uint64_t, uint32_t> index;
-    index.reserve(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      auto [it, fresh] = index.try_emplace(keys[i], unique.size());
-      const float* g = grads.data() + i * d;
-      if (fresh) {
-        unique.push_back(keys[i]);
-        summed.insert(summed.end(), g, g + d);
-      } else {
-        float* s = summed.data() + size_t(it->second) * d;
-        for (uint32_t j = 0; j < d; ++j) s[j] += g[j];
+  Result<EmbeddingHandle> PushManyAsync(std::span<const TablePush> parts,
+                                        uint64_t batch, bool release) override {
+    std::vector<uint32_t> tables;
+    for (const TablePush& p : parts) tables.push_back(p.table);
+    ASSIGN_OR_RETURN(std::vector<const OpenedTable*> opened, FindAll(tables));
+    // Per part: the distinct keys and their summed gradients.
+    struct Part {
+      std::vector<uint64_t> unique;
+      std::vector<float> summed;
+    };
+    std::vector<Part> ps(parts.size());
+    std::vector<std::vector<std::vector<uint32_t>>> by_node(parts.size());
+    std::vector<std::set<uint32_t>> pinned(parts.size());
+    for (size_t j = 0; j < parts.size(); ++j) {
+      const uint32_t d = opened[j]->config.dim;
+      std::span<const uint64_t> keys = parts[j].keys;
+      std::span<const float> grads = parts[j].grads;
+      if (grads.size() != keys.size() * size_t(d)) {
+        return InvalidArgumentError(
+            "push: " + std::to_string(grads.size()) + " gradient values for " +
+            std::to_string(keys.size()) + " keys of dim " + std::to_string(d));
       }
-    }
-    auto by_node = GroupByNode(unique);
-    std::set<uint32_t> pinned;
-    if (batch != 0 && release) pinned = TakePinned(table, batch);
-    const uint32_t per_msg = proto::MaxKeysPerMessage(d);
-    std::vector<std::pair<uint32_t, Message>> msgs;
-    for (uint32_t n = 0; n < by_node.size(); ++n) {
-      const auto& u = by_node[n];
-      for (size_t s = 0; s < u.size(); s += per_msg) {
-        size_t e = std::min(u.size(), s + per_msg);
-        Message m;
-        m.type = Type::kPush;
-        m.table_id = t->ids[n];
-        m.batch = batch;
-        m.release = e == u.size() && pinned.count(n);
-        for (size_t j = s; j < e; ++j) {
-          m.keys.push_back(unique[u[j]]);
-          const float* g = summed.data() + size_t(u[j]) * d;
-          m.values.insert(m.values.end(), g, g + d);
+      Part& op = ps[j];
+      std::unordered_map<uint64_t, uint32_t> index;
+      index.reserve(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) {
+        auto [it, fresh] = index.try_emplace(keys[i], op.unique.size());
+        const float* g = grads.data() + i * d;
+        if (fresh) {
+          op.unique.push_back(keys[i]);
+          op.summed.insert(op.summed.end(), g, g + d);
+        } else {
+          float* acc = op.summed.data() + size_t(it->second) * d;
+          for (uint32_t k = 0; k < d; ++k) acc[k] += g[k];
         }
-        msgs.emplace_back(n, std::move(m));
       }
-      if (u.empty() && pinned.count(n)) {
-        Message m;
-        m.type = Type::kRelease;
-        m.table_id = t->ids[n];
-        m.batch = batch;
-        msgs.emplace_back(n, std::move(m));
-      }
+      by_node[j] = GroupByNode(op.unique);
     }
-    return SendAll(std::move(msgs));
+    // Only once every part is valid: from here the pins are ours to drop.
+    for (size_t j = 0; j < parts.size(); ++j) {
+      if (batch != 0 && release) pinned[j] = TakePinned(parts[j].table, batch);
+    }
+    std::vector<Packed> msgs;
+    for (uint32_t n = 0; n < nodes_.size(); ++n) {
+      Packer pack(Type::kPush, batch, n, &msgs);
+      for (size_t j = 0; j < parts.size(); ++j) {
+        const uint32_t d = opened[j]->config.dim;
+        const Part& op = ps[j];
+        pack.Add(static_cast<uint32_t>(j), opened[j]->ids[n], d, by_node[j][n],
+                 pinned[j].count(n) > 0, [&](proto::Section& s, uint32_t u) {
+                   s.keys.push_back(op.unique[u]);
+                   const float* g = op.summed.data() + size_t(u) * d;
+                   s.values.insert(s.values.end(), g, g + d);
+                 });
+      }
+      pack.Finish();
+    }
+    std::vector<std::pair<uint32_t, Message>> out;
+    for (Packed& pm : msgs) out.emplace_back(pm.node, std::move(pm.msg));
+    return SendAll(std::move(out));
   }
 
   Status Release(uint32_t table, uint64_t batch) override {
@@ -434,6 +462,111 @@ class ClientImpl final : public EmbeddingClient {
   }
 
  private:
+  // A section's rows of one part, in the order they travel.
+  struct Piece {
+    uint32_t part = 0;
+    std::vector<uint32_t> rows;  // indices into the part's distinct keys
+  };
+  struct Packed {
+    uint32_t node = 0;
+    Message msg;
+    std::vector<Piece> pieces;
+  };
+
+  // Packs the parts' rows for one node into pull or push messages that
+  // each fit a control message (proto::kMessageBudget, the key, value and
+  // section limits): as few messages as possible, usually one.
+  class Packer {
+   public:
+    Packer(Type type, uint64_t batch, uint32_t node, std::vector<Packed>* out)
+        : type_(type), batch_(batch), node_(node), out_(out) {}
+
+    // Adds rows (indices into the part's distinct keys) of one part, as
+    // one section or more; `add` appends one row's key (and gradient).
+    // `release`: the part's last section on this node releases the batch
+    // (a section with no rows if it has none here).
+    template <typename AddRow>
+    void Add(uint32_t part, uint32_t table_id, uint32_t dim,
+             const std::vector<uint32_t>& rows, bool release, AddRow add) {
+      if (rows.empty() && !release) return;
+      size_t start = 0;
+      do {
+        if (!open_ || cur_.msg.sections.size() >= proto::kMaxSections ||
+            bytes_ + proto::kSectionBytes + proto::RowBytes(dim) >
+                proto::kMessageBudget) {
+          if (open_ && !cur_.msg.sections.empty()) Flush();
+          Open();
+        }
+        size_t room = (proto::kMessageBudget - bytes_ - proto::kSectionBytes) /
+                      proto::RowBytes(dim);
+        room = std::min(room, size_t(proto::kMaxKeys) - keys_);
+        room = std::min(room, (size_t(proto::kMaxValues) - values_) / dim);
+        size_t end = std::min(rows.size(), start + room);
+        if (end == start && start < rows.size()) {  // this message is full
+          Flush();
+          Open();
+          continue;
+        }
+        proto::Section& s = cur_.msg.sections.emplace_back();
+        s.table_id = table_id;
+        s.release = release && end == rows.size();
+        Piece& pc = cur_.pieces.emplace_back();
+        pc.part = part;
+        for (size_t i = start; i < end; ++i) {
+          add(s, rows[i]);
+          pc.rows.push_back(rows[i]);
+        }
+        bytes_ += proto::kSectionBytes + (end - start) * proto::RowBytes(dim);
+        keys_ += end - start;
+        values_ += (end - start) * dim;
+        start = end;
+      } while (start < rows.size());
+    }
+
+    void Finish() {
+      if (open_ && !cur_.msg.sections.empty()) Flush();
+      open_ = false;
+    }
+
+   private:
+    void Open() {
+      cur_ = Packed{};
+      cur_.node = node_;
+      cur_.msg.type = type_;
+      cur_.msg.batch = batch_;
+      bytes_ = keys_ = values_ = 0;
+      open_ = true;
+    }
+    void Flush() {
+      out_->push_back(std::move(cur_));
+      open_ = false;
+    }
+
+    const Type type_;
+    const uint64_t batch_;
+    const uint32_t node_;
+    std::vector<Packed>* out_;
+    Packed cur_;
+    bool open_ = false;
+    size_t bytes_ = 0, keys_ = 0, values_ = 0;
+  };
+
+  // The opened tables, each named at most once.
+  Result<std::vector<const OpenedTable*>> FindAll(
+      const std::vector<uint32_t>& tables) const {
+    std::vector<const OpenedTable*> out;
+    std::set<uint32_t> seen;
+    for (uint32_t t : tables) {
+      if (!seen.insert(t).second) {
+        return InvalidArgumentError("table " + std::to_string(t) +
+                                    " named twice in one request");
+      }
+      ASSIGN_OR_RETURN(const OpenedTable* o, Find(t));
+      out.push_back(o);
+    }
+    return out;
+  }
+
   Result<const OpenedTable*> Find(uint32_t table) const {
     std::lock_guard<std::mutex> l(mu_);
     if (table >= tables_.size()) {

@@ -18,7 +18,7 @@ using transport::wire::Reader;
 using transport::wire::Writer;
 
 constexpr uint8_t kMagic = 'E';
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 2;  // 2: pulls and pushes carry sections
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed embedding message: ") +
@@ -53,6 +53,28 @@ bool GetValues(Reader& r, std::vector<float>* v) {
   return r.Copy(v->data(), size_t(n) * 4);
 }
 
+// Sections: u32 count (<= kMaxSections, each at least 8 bytes), then per
+// section table u32, keys[, release bool, values]; totals within kMaxKeys
+// and kMaxValues.
+bool GetSections(Reader& r, bool push, std::vector<Section>* out) {
+  uint32_t n = 0;
+  if (!r.U32(&n) || n > kMaxSections || uint64_t(n) * 8 > r.remaining()) {
+    return false;
+  }
+  out->resize(n);
+  size_t keys = 0, values = 0;
+  for (Section& s : *out) {
+    if (!r.U32(&s.table_id) || !GetKeys(r, &s.keys)) return false;
+    if (push && (!GetBool(r, &s.release) || !GetValues(r, &s.values))) {
+      return false;
+    }
+    keys += s.keys.size();
+    values += s.values.size();
+    if (keys > kMaxKeys || values > kMaxValues) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 const char* TypeName(Type t) {
@@ -77,9 +99,15 @@ const char* TypeName(Type t) {
   return "?";
 }
 
+size_t RowBytes(uint32_t dim) {
+  return 8 + size_t(std::max<uint32_t>(dim, 1)) * 4;
+}
+
 uint32_t MaxKeysPerMessage(uint32_t dim) {
-  size_t budget = transport::Channel::kMaxControlMessage - kHeaderSlack;
-  size_t per_key = 8 + size_t(std::max<uint32_t>(dim, 1)) * 4;
+  static_assert(kMessageBudget + kHeaderSlack ==
+                transport::Channel::kMaxControlMessage);
+  size_t budget = kMessageBudget - kSectionBytes;
+  size_t per_key = RowBytes(dim);
   size_t n = std::min<size_t>(budget / per_key, kMaxKeys);
   n = std::min<size_t>(n, kMaxValues / std::max<uint32_t>(dim, 1));
   return static_cast<uint32_t>(std::max<size_t>(n, 1));
@@ -108,16 +136,17 @@ std::vector<uint8_t> Encode(const Message& m) {
       PutF64(w, m.table.init_scale);
       break;
     case Type::kPull:
-      w.U32(m.table_id);
-      w.U64(m.batch);
-      PutKeys(w, m.keys);
-      break;
     case Type::kPush:
-      w.U32(m.table_id);
       w.U64(m.batch);
-      w.U8(m.release ? 1 : 0);
-      PutKeys(w, m.keys);
-      PutValues(w, m.values);
+      w.U32(static_cast<uint32_t>(m.sections.size()));
+      for (const Section& s : m.sections) {
+        w.U32(s.table_id);
+        PutKeys(w, s.keys);
+        if (m.type == Type::kPush) {
+          w.U8(s.release ? 1 : 0);
+          PutValues(w, s.values);
+        }
+      }
       break;
     case Type::kRelease:
       w.U32(m.table_id);
@@ -163,11 +192,9 @@ Result<Message> Decode(std::span<const uint8_t> in) {
       break;
     }
     case Type::kPull:
-      ok = r.U32(&m.table_id) && r.U64(&m.batch) && GetKeys(r, &m.keys);
-      break;
     case Type::kPush:
-      ok = r.U32(&m.table_id) && r.U64(&m.batch) && GetBool(r, &m.release) &&
-           GetKeys(r, &m.keys) && GetValues(r, &m.values);
+      ok =
+          r.U64(&m.batch) && GetSections(r, m.type == Type::kPush, &m.sections);
       break;
     case Type::kRelease:
       ok = r.U32(&m.table_id) && r.U64(&m.batch);

@@ -22,8 +22,8 @@ namespace membox::embedding::proto {
 enum class Type : uint8_t {
   kHello = 1,      // name (the channel is authenticated by the transport)
   kOpenTable = 2,  // TableConfig -> reply.table_id
-  kPull = 3,       // table_id, batch (0: no pin), keys -> reply.values
-  kPush = 4,       // table_id, batch, release, keys, values (gradients)
+  kPull = 3,       // batch (0: no pin), sections (table, keys) -> values
+  kPush = 4,       // batch, sections (table, release, keys, gradients)
   kRelease = 5,    // table_id, batch: unpin what the batch pulled
   kFlush = 6,      // make every update durable (SSD tier synced)
   kStats = 7,      // -> reply.text
@@ -36,6 +36,18 @@ constexpr size_t kMaxText = 1 << 16;
 constexpr uint32_t kMaxKeys = 1 << 17;
 constexpr uint32_t kMaxValues = 1 << 18;  // floats; 1 MiB
 constexpr size_t kHeaderSlack = 256;      // fixed fields of a pull/push
+constexpr uint32_t kMaxSections = 256;    // tables in one pull/push
+constexpr size_t kSectionBytes = 24;      // a section's fixed fields, rounded
+
+// One table's part of a pull or push: a step's rows of every table travel
+// to a node in one message (seed 004's batched MEM-PS requests).
+struct Section {
+  uint32_t table_id = 0;
+  bool release = false;  // kPush: release the batch's pins on this table
+  std::vector<uint64_t> keys;
+  std::vector<float> values;  // kPush: gradients, keys x dim
+  bool operator==(const Section&) const = default;
+};
 
 struct Message {
   Type type = Type::kStats;
@@ -44,12 +56,15 @@ struct Message {
   std::string name;
   // kOpenTable
   TableConfig table;
-  // kPull / kPush / kRelease; kReply to kOpenTable
+  // kRelease; kReply to kOpenTable
   uint32_t table_id = 0;
+  // kPull / kPush / kRelease
   uint64_t batch = 0;
-  bool release = false;  // kPush: release the batch's pins afterwards
-  std::vector<uint64_t> keys;
-  std::vector<float> values;  // kPush: gradients; kReply to kPull: rows
+  // kPull / kPush: at most kMaxSections, in total at most kMaxKeys keys
+  // and kMaxValues values.
+  std::vector<Section> sections;
+  // kReply to kPull: the sections' rows, one after another
+  std::vector<float> values;
   // kReply
   uint32_t code = 0;
   std::string message;
@@ -62,6 +77,12 @@ Result<Message> Decode(std::span<const uint8_t> in);
 // The most keys of a `dim`-wide table one pull or push message may carry
 // so that it -- and the pull's reply -- fits a control message.
 uint32_t MaxKeysPerMessage(uint32_t dim);
+
+// What a pull or push with these sections costs against a control message:
+// the request (push) or reply (pull) bytes. A sender adds sections and keys
+// while MessageBytes stays <= kMessageBudget (and the count limits hold).
+constexpr size_t kMessageBudget = (1u << 20) - kHeaderSlack;
+size_t RowBytes(uint32_t dim);  // one key's share: 8 + 4 * dim
 
 }  // namespace membox::embedding::proto
 

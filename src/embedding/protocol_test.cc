@@ -13,17 +13,24 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
   Message push;
   push.type = Type::kPush;
   push.id = 9;
-  push.table_id = 2;
   push.batch = 77;
-  push.release = true;
-  push.keys = {1, 2, 3};
-  push.values = {0.5f, -1.f, 2.f, 3.f, 4.f, 5.f};
+  push.sections.push_back(
+      {2, true, {1, 2, 3}, {0.5f, -1.f, 2.f, 3.f, 4.f, 5.f}});
+  push.sections.push_back({0, false, {9}, {1.f}});
+  push.sections.push_back({4, true, {}, {}});  // a release alone
   auto d = Decode(Encode(push));
   ASSERT_TRUE(d.ok()) << d.status().ToString();
-  EXPECT_EQ(d->keys, push.keys);
-  EXPECT_EQ(d->values, push.values);
-  EXPECT_TRUE(d->release);
+  EXPECT_EQ(d->sections, push.sections);
   EXPECT_EQ(d->batch, 77u);
+
+  Message pull;
+  pull.type = Type::kPull;
+  pull.batch = 3;
+  pull.sections.push_back({1, false, {4, 5}, {}});
+  pull.sections.push_back({2, false, {6}, {}});
+  auto pd = Decode(Encode(pull));
+  ASSERT_TRUE(pd.ok()) << pd.status().ToString();
+  EXPECT_EQ(pd->sections, pull.sections);
 
   Message open;
   open.type = Type::kOpenTable;
@@ -48,7 +55,7 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
 TEST(EmbeddingProtocolTest, RejectsDamagedInput) {
   Message m;
   m.type = Type::kPull;
-  m.keys = {1, 2, 3};
+  m.sections.push_back({0, false, {1, 2, 3}, {}});
   auto b = Encode(m);
   for (size_t n = 0; n < b.size(); ++n) {
     EXPECT_FALSE(Decode({b.data(), n}).ok()) << "prefix " << n;
@@ -62,10 +69,22 @@ TEST(EmbeddingProtocolTest, RejectsDamagedInput) {
   // A key count far beyond the bytes present is refused before allocating.
   auto huge = b;
   uint32_t n = 0xFFFFFFF0u;
-  std::memcpy(huge.data() + 3 + 8 + 4 + 8, &n, 4);
+  std::memcpy(huge.data() + 3 + 8 + 8 + 4 + 4, &n, 4);
   auto r = Decode(huge);
   EXPECT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("pull"), std::string::npos);
+  // So is a section count far beyond the bytes present or the limit.
+  auto many = b;
+  std::memcpy(many.data() + 3 + 8 + 8, &n, 4);
+  EXPECT_FALSE(Decode(many).ok());
+  // Sections whose keys add up beyond kMaxKeys are refused.
+  Message big;
+  big.type = Type::kPull;
+  big.sections.push_back({0, false, std::vector<uint64_t>(kMaxKeys, 1), {}});
+  big.sections.push_back({1, false, {2}, {}});
+  EXPECT_FALSE(Decode(Encode(big)).ok());
+  big.sections.pop_back();
+  EXPECT_TRUE(Decode(Encode(big)).ok());
   Message open;
   open.type = Type::kOpenTable;
   open.table.name = "t";
@@ -80,12 +99,12 @@ TEST(EmbeddingProtocolTest, MessagesOfMaxKeysFitAControlMessage) {
     ASSERT_GE(k, 1u);
     Message m;
     m.type = Type::kPush;
-    m.keys.assign(k, 1);
-    m.values.assign(size_t(k) * dim, 1.f);
+    m.sections.push_back({0, true, std::vector<uint64_t>(k, 1),
+                          std::vector<float>(size_t(k) * dim, 1.f)});
     EXPECT_LE(Encode(m).size(), transport::Channel::kMaxControlMessage) << dim;
     Message r;
     r.type = Type::kReply;
-    r.values = m.values;
+    r.values = m.sections[0].values;
     EXPECT_LE(Encode(r).size(), transport::Channel::kMaxControlMessage);
   }
 }

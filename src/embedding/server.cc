@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
@@ -422,71 +423,118 @@ class ServerImpl final : public EmbeddingServer {
     return it->second;
   }
 
+  // A pull's sections are checked as a whole (tables known, the reply fits
+  // a control message) before any row is touched; rows are then appended
+  // section after section.
   Status Pull(Conn& c, const Message& m, std::vector<float>* out) {
-    ASSIGN_OR_RETURN(Table * t, FindTable(m.table_id));
-    const uint32_t d = t->config.dim;
-    if (m.keys.size() > proto::MaxKeysPerMessage(d)) {
-      return InvalidArgumentError(
-          "too many keys in one pull (" + std::to_string(m.keys.size()) +
-          " > " + std::to_string(proto::MaxKeysPerMessage(d)) + ")");
+    std::vector<Table*> tables;
+    size_t bytes = 0, values = 0;
+    for (const proto::Section& s : m.sections) {
+      ASSIGN_OR_RETURN(Table * t, FindTable(s.table_id));
+      tables.push_back(t);
+      bytes +=
+          proto::kSectionBytes + s.keys.size() * proto::RowBytes(t->config.dim);
+      values += s.keys.size() * size_t(t->config.dim);
     }
-    out->resize(m.keys.size() * size_t(d));
-    if (m.batch == 0) {
+    if (bytes > proto::kMessageBudget || values > proto::kMaxValues) {
+      return InvalidArgumentError("pull too large for one reply (" +
+                                  std::to_string(values) +
+                                  " values; split it: MaxKeysPerMessage)");
+    }
+    out->resize(values);
+    float* dst = out->data();
+    for (size_t k = 0; k < m.sections.size(); ++k) {
+      const proto::Section& s = m.sections[k];
+      RETURN_IF_ERROR(PullSection(c, tables[k], s, m.batch, dst));
+      dst += s.keys.size() * size_t(tables[k]->config.dim);
+    }
+    pulls_++;
+    return Status::Ok();
+  }
+
+  Status PullSection(Conn& c, Table* t, const proto::Section& s, uint64_t batch,
+                     float* out) {
+    const uint32_t d = t->config.dim;
+    if (batch == 0) {
       // Nothing stays pinned: go through the memory tier in pieces that fit
       // its budget whatever the request's size.
       RETURN_IF_ERROR(ForEachChunk(
-          t, m.keys, [&](size_t b, size_t e, std::vector<uint8_t*>& r) {
+          t, s.keys, [&](size_t b, size_t e, std::vector<uint8_t*>& r) {
             for (size_t i = b; i < e; ++i) {
-              std::memcpy(out->data() + i * d, r[i - b], d * 4);
+              std::memcpy(out + i * d, r[i - b], d * 4);
             }
           }));
     } else {
       // The batch's working set stays pinned: it must fit as a whole.
-      bool fresh = !c.batches.count({m.table_id, m.batch});
-      uint64_t tag = Tag(c, m.table_id, m.batch);
-      auto rows = t->mem->Acquire(m.keys, tag);
+      bool fresh = !c.batches.count({s.table_id, batch});
+      uint64_t tag = Tag(c, s.table_id, batch);
+      auto rows = t->mem->Acquire(s.keys, tag);
       if (!rows.ok()) {
-        if (fresh) c.batches.erase({m.table_id, m.batch});
+        if (fresh) c.batches.erase({s.table_id, batch});
         return rows.status();
       }
-      for (size_t i = 0; i < m.keys.size(); ++i) {
-        std::memcpy(out->data() + i * d, (*rows)[i], d * 4);
+      for (size_t i = 0; i < s.keys.size(); ++i) {
+        std::memcpy(out + i * d, (*rows)[i], d * 4);
       }
     }
-    pulls_++;
-    rows_pulled_ += m.keys.size();
-    t->rows_pulled += m.keys.size();
+    rows_pulled_ += s.keys.size();
+    t->rows_pulled += s.keys.size();
     return Status::Ok();
   }
 
+  // Every section is validated (table, sizes, finite gradients, a release
+  // that names a pinned batch) before any row changes, so a bad push
+  // changes nothing.
   Status Push(Conn& c, const Message& m) {
-    ASSIGN_OR_RETURN(Table * t, FindTable(m.table_id));
-    const uint32_t d = t->config.dim;
-    if (m.values.size() != m.keys.size() * size_t(d)) {
-      return InvalidArgumentError(
-          "push carries " + std::to_string(m.values.size()) + " values for " +
-          std::to_string(m.keys.size()) + " keys of dim " + std::to_string(d));
-    }
-    for (float v : m.values) {
-      if (!std::isfinite(v)) {
-        return InvalidArgumentError("push carries a non-finite gradient");
+    std::vector<Table*> tables;
+    std::set<uint32_t> released;
+    for (const proto::Section& s : m.sections) {
+      ASSIGN_OR_RETURN(Table * t, FindTable(s.table_id));
+      const uint32_t d = t->config.dim;
+      if (s.release && !released.insert(s.table_id).second) {
+        return InvalidArgumentError("push releases table " + t->config.name +
+                                    " twice");
       }
+      if (s.values.size() != s.keys.size() * size_t(d)) {
+        return InvalidArgumentError(
+            "push carries " + std::to_string(s.values.size()) + " values for " +
+            std::to_string(s.keys.size()) + " keys of dim " +
+            std::to_string(d) + " (table " + t->config.name + ")");
+      }
+      for (float v : s.values) {
+        if (!std::isfinite(v)) {
+          return InvalidArgumentError("push carries a non-finite gradient");
+        }
+      }
+      if (s.release && m.batch != 0 &&
+          !c.batches.count({s.table_id, m.batch})) {
+        return NotFoundError("batch " + std::to_string(m.batch) +
+                             " holds nothing on table " + t->config.name);
+      }
+      tables.push_back(t);
     }
-    const uint32_t rf = t->config.row_floats();
-    RETURN_IF_ERROR(ForEachChunk(
-        t, m.keys, [&](size_t b, size_t e, std::vector<uint8_t*>& rows) {
-          for (size_t i = b; i < e; ++i) {
-            ApplyGradient(t->config,
-                          {reinterpret_cast<float*>(rows[i - b]), rf},
-                          {m.values.data() + i * d, d});
-          }
-          t->mem->MarkDirty({m.keys.data() + b, e - b});
-        }));
+    for (size_t k = 0; k < m.sections.size(); ++k) {
+      const proto::Section& s = m.sections[k];
+      Table* t = tables[k];
+      const uint32_t d = t->config.dim;
+      const uint32_t rf = t->config.row_floats();
+      RETURN_IF_ERROR(ForEachChunk(
+          t, s.keys, [&](size_t b, size_t e, std::vector<uint8_t*>& rows) {
+            for (size_t i = b; i < e; ++i) {
+              ApplyGradient(t->config,
+                            {reinterpret_cast<float*>(rows[i - b]), rf},
+                            {s.values.data() + i * d, d});
+            }
+            t->mem->MarkDirty({s.keys.data() + b, e - b});
+          }));
+      rows_pushed_ += s.keys.size();
+      t->rows_pushed += s.keys.size();
+    }
     pushes_++;
-    rows_pushed_ += m.keys.size();
-    t->rows_pushed += m.keys.size();
-    if (m.release && m.batch != 0) {
-      return ReleaseBatch(c, m.table_id, m.batch);
+    for (const proto::Section& s : m.sections) {
+      if (s.release && m.batch != 0) {
+        RETURN_IF_ERROR(ReleaseBatch(c, s.table_id, m.batch));
+      }
     }
     return Status::Ok();
   }

@@ -171,6 +171,104 @@ TEST_F(EmbeddingServerTest, LargeBatchesSplitIntoMessages) {
   EXPECT_EQ(servers_[0]->Stats().rows_pushed, keys.size());
 }
 
+// A step's rows of several tables travel in one request per node, split
+// only where a control message would overflow; results equal per-table
+// calls, and a grouped push with pins releases every table's batch.
+TEST_F(EmbeddingServerTest, ManyTablesTravelInOneRequestPerNode) {
+  StartServers(2, 256 << 20);
+  auto c = Client();
+  ASSERT_TRUE(c);
+  std::vector<TableConfig> cfgs;
+  std::vector<uint32_t> ids;
+  for (uint32_t dim : {1u, 8u, 300u}) {
+    TableConfig cfg = Config(RowOptimizer::kAdagrad, dim);
+    cfg.name = "t" + std::to_string(dim);
+    auto t = c->OpenTable(cfg);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    cfgs.push_back(cfg);
+    ids.push_back(*t);
+  }
+  std::mt19937_64 rng(3);
+  auto keys_of = [&](size_t n) {
+    std::vector<uint64_t> k(n);
+    for (auto& x : k) x = rng() % 5000;  // with repeats
+    return k;
+  };
+  // Small: one request per node.
+  std::vector<std::vector<uint64_t>> keys = {keys_of(64), keys_of(64),
+                                             keys_of(16)};
+  std::vector<std::vector<float>> out(3);
+  std::vector<EmbeddingClient::TablePull> pulls;
+  for (size_t j = 0; j < 3; ++j) {
+    out[j].resize(keys[j].size() * cfgs[j].dim);
+    pulls.push_back({ids[j], keys[j], out[j].data()});
+  }
+  uint64_t before = servers_[0]->Stats().pulls + servers_[1]->Stats().pulls;
+  auto h = c->PullManyAsync(pulls, /*batch=*/7);
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(h->Wait().ok());
+  EXPECT_EQ(servers_[0]->Stats().pulls + servers_[1]->Stats().pulls - before,
+            2u);
+  for (size_t j = 0; j < 3; ++j) {
+    for (size_t i = 0; i < keys[j].size(); ++i) {
+      std::vector<float> row(out[j].begin() + i * cfgs[j].dim,
+                             out[j].begin() + (i + 1) * cfgs[j].dim);
+      ASSERT_EQ(row, InitialValue(cfgs[j], keys[j][i])) << j << " " << i;
+    }
+  }
+  // The grouped push applies every table's gradients and unpins batch 7.
+  std::vector<std::vector<float>> grads(3);
+  std::vector<EmbeddingClient::TablePush> pushes;
+  for (size_t j = 0; j < 3; ++j) {
+    grads[j].assign(out[j].size(), 0.25f);
+    pushes.push_back({ids[j], keys[j], grads[j]});
+  }
+  auto p = c->PushManyAsync(pushes, 7, /*release=*/true);
+  ASSERT_TRUE(p.ok());
+  ASSERT_TRUE(p->Wait().ok());
+  for (size_t j = 0; j < 3; ++j) {
+    EXPECT_EQ(c->Release(ids[j], 7).code(), StatusCode::kOk);  // nothing left
+    std::vector<float> again(out[j].size());
+    ASSERT_TRUE(c->Pull(ids[j], keys[j], again.data()).ok());
+    std::map<uint64_t, int> count;
+    for (uint64_t k : keys[j]) count[k]++;
+    for (size_t i = 0; i < keys[j].size(); ++i) {
+      std::vector<float> row(cfgs[j].row_floats());
+      InitializeRow(cfgs[j], keys[j][i], row);
+      std::vector<float> g(cfgs[j].dim, 0.25f * count[keys[j][i]]);
+      ApplyGradient(cfgs[j], row, g);
+      for (uint32_t d = 0; d < cfgs[j].dim; ++d) {
+        ASSERT_FLOAT_EQ(again[i * cfgs[j].dim + d], row[d]) << j << " " << i;
+      }
+    }
+  }
+  // Large: 3000 distinct rows of 300 floats do not fit one message; the
+  // split results still equal a per-table pull.
+  std::vector<uint64_t> wide(3000);
+  for (size_t i = 0; i < wide.size(); ++i) wide[i] = 10000 + i;
+  std::vector<float> w1(wide.size() * 300), w2(w1.size()), n1(8 * 64);
+  std::vector<EmbeddingClient::TablePull> big = {{ids[2], wide, w1.data()},
+                                                 {ids[1], keys[1], n1.data()}};
+  before = servers_[0]->Stats().pulls + servers_[1]->Stats().pulls;
+  auto hb = c->PullManyAsync(big);
+  ASSERT_TRUE(hb.ok());
+  ASSERT_TRUE(hb->Wait().ok());
+  EXPECT_GT(servers_[0]->Stats().pulls + servers_[1]->Stats().pulls - before,
+            2u);
+  ASSERT_TRUE(c->Pull(ids[2], wide, w2.data()).ok());
+  EXPECT_EQ(w1, w2);
+  // Naming a table twice, or an unknown one, is refused before anything
+  // is sent.
+  std::vector<EmbeddingClient::TablePull> twice = {
+      {ids[0], keys[0], out[0].data()}, {ids[0], keys[0], out[0].data()}};
+  EXPECT_EQ(c->PullManyAsync(twice).status().code(),
+            StatusCode::kInvalidArgument);
+  std::vector<EmbeddingClient::TablePush> unknown = {
+      {ids[0], keys[0], grads[0]}, {99, keys[0], grads[0]}};
+  EXPECT_EQ(c->PushManyAsync(unknown).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST_F(EmbeddingServerTest, BadInputIsRefusedAndChangesNothing) {
   StartServers(1);
   {
@@ -235,7 +333,7 @@ TEST_F(EmbeddingServerTest, BadInputIsRefusedAndChangesNothing) {
   expect_error({1, 2, 3}, StatusCode::kInvalidArgument);
   proto::Message pull;
   pull.type = proto::Type::kPull;
-  pull.keys = {5};
+  pull.sections.push_back({0, false, {5}, {}});
   expect_error(proto::Encode(pull), StatusCode::kUnauthenticated);
   proto::Message hello;
   hello.type = proto::Type::kHello;
@@ -245,13 +343,32 @@ TEST_F(EmbeddingServerTest, BadInputIsRefusedAndChangesNothing) {
   release.batch = 9;
   expect_error(proto::Encode(release), StatusCode::kNotFound);
   proto::Message too_many = pull;
-  too_many.keys.assign(proto::MaxKeysPerMessage(8) + 1, 1);
+  too_many.sections[0].keys.assign(proto::MaxKeysPerMessage(8) + 1, 1);
   expect_error(proto::Encode(too_many), StatusCode::kInvalidArgument);
+  // Two sections that fit one by one but not together in a reply.
+  proto::Message too_many_together = pull;
+  too_many_together.sections[0].keys.assign(proto::MaxKeysPerMessage(8) / 2 + 1,
+                                            1);
+  too_many_together.sections.push_back(too_many_together.sections[0]);
+  expect_error(proto::Encode(too_many_together), StatusCode::kInvalidArgument);
   proto::Message push;
   push.type = proto::Type::kPush;
-  push.keys = {5};
-  push.values = {1.f};  // 1 value for dim 8
+  push.sections.push_back({0, false, {5}, {1.f}});  // 1 value for dim 8
   expect_error(proto::Encode(push), StatusCode::kInvalidArgument);
+  // A valid section before a bad one changes nothing either (checked at
+  // the end: `after` equals `before`).
+  proto::Message half_bad;
+  half_bad.type = proto::Type::kPush;
+  half_bad.sections.push_back(
+      {0, false, keys, std::vector<float>(keys.size() * 8, 1.f)});
+  half_bad.sections.push_back({0, false, {5}, std::vector<float>(8, NAN)});
+  expect_error(proto::Encode(half_bad), StatusCode::kInvalidArgument);
+  half_bad.sections[1] = {
+      7, false, {5}, std::vector<float>(8, 1.f)};  // no table 7
+  expect_error(proto::Encode(half_bad), StatusCode::kNotFound);
+  half_bad.sections[1] = {0, true, {}, {}};  // releases a batch never pinned
+  half_bad.batch = 4;
+  expect_error(proto::Encode(half_bad), StatusCode::kNotFound);
   (*ch)->Close();
   ASSERT_TRUE(c->Pull(*t, keys, after.data()).ok());
   EXPECT_EQ(before, after);

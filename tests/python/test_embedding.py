@@ -139,6 +139,81 @@ class EmbeddingTest(unittest.TestCase):
         for i in range(2):
             self.assertIn(" pinned 0 ", self.client.node_status(i))
 
+    def test_group_moves_every_table_in_one_request_per_node(self):
+        # The same training through an EmbeddingGroup and through layers
+        # on their own gives the same weights; the group's step costs one
+        # pull and one push request per node for its three tables.
+        def stats():
+            out = []
+            for i in range(2):
+                kv = dict(line.split(" ", 1) for line in
+                          self.client.node_status(i).splitlines()
+                          if line.startswith(("pulls ", "pushes ")))
+                out.append((int(kv["pulls "[:-1]]), int(kv["pushes "[:-1]])))
+            return out
+
+        def train(prefix, grouped):
+            layers = [mt.EmbeddingBag(prefix + "w", 1, mode="sum",
+                                      optimizer="adagrad", lr=0.3,
+                                      client=self.client, seed=4),
+                      mt.Embedding(prefix + "d", 3, optimizer="adagrad",
+                                   lr=0.3, client=self.client, seed=5),
+                      mt.EmbeddingBag(prefix + "h", 3, mode="mean",
+                                      optimizer="adagrad", lr=0.3,
+                                      client=self.client, seed=6)]
+            group = mt.EmbeddingGroup(*layers) if grouped else None
+            g = torch.Generator().manual_seed(1)
+            for step in range(4):
+                x = torch.randint(0, 40, (6, 3), generator=g)
+                h = torch.randint(0, 40, (6, 5), generator=g)
+                y = torch.randn(6, generator=g)
+                before = stats()
+                pre = (group.prefetch(x, x, h) if grouped else
+                       (None, None, None))
+                out = (layers[0](x, prefetched=pre[0]).sum(1) +
+                       layers[1](x, prefetched=pre[1]).sum((1, 2)) +
+                       layers[2](h, prefetched=pre[2]).sum(1))
+                F.mse_loss(out, y).backward()
+                for layer in layers:
+                    layer.synchronize()
+                if grouped:
+                    after = stats()
+                    for (p0, q0), (p1, q1) in zip(before, after):
+                        self.assertEqual((p1 - p0, q1 - q0), (1, 1))
+            keys = np.arange(40, dtype=np.int64)
+            return [self.client.pull(layer.table, keys) for layer in layers]
+
+        for a, b in zip(train("g", True), train("s", False)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        for i in range(2):
+            self.assertIn(" pinned 0 ", self.client.node_status(i))
+
+        # A member whose output does not reach the loss: the others' push
+        # leaves at synchronize(), and its own pins are dropped.
+        bags = [mt.EmbeddingBag(n, 2, mode="sum", client=self.client)
+                for n in ("ga", "gb")]
+        group = mt.EmbeddingGroup(*bags)
+        x = torch.tensor([[1, 2], [3, 4]])
+        pa, pb = group.prefetch(x, x)
+        unused = bags[1](x, prefetched=pb)
+        del unused
+        bags[0](x, prefetched=pa).sum().backward()
+        group.synchronize()
+        rows = self.client.pull(bags[0].table, np.array([1], np.int64))
+        self.assertFalse(np.allclose(rows, self.client.pull(
+            bags[1].table, np.array([1], np.int64))))
+        # Pins of the unused member stay until released: release them the
+        # way a user would, then nothing is pinned.
+        self.client.release(bags[1].table, pb.batch)
+        for i in range(2):
+            self.assertIn(" pinned 0 ", self.client.node_status(i))
+        with self.assertRaises(TypeError):
+            mt.EmbeddingGroup(torch.nn.Linear(2, 2))
+        with self.assertRaises(ValueError):
+            mt.EmbeddingGroup(bags[0], bags[0])
+        with self.assertRaises(ValueError):
+            group.prefetch(x)  # one input for two layers
+
     def test_errors(self):
         c = self.client
         t = c.open_table("e", 4)

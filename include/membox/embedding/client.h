@@ -7,6 +7,8 @@
 // the one copy -- with one request per node (split into messages of at most
 // 1 MiB), all sent at once; Push(keys, grads) sums the gradients of
 // repeated keys before sending, and the node applies the table's optimizer.
+// PullMany / PushMany do the same for several tables at once: a training
+// step's rows of every table travel to each node in one request.
 //
 // A nonzero `batch` on Pull pins the rows on the nodes until Push(..,
 // batch, release) or Release(batch): that is how the pipeline keeps the
@@ -79,16 +81,38 @@ class EmbeddingClient {
   virtual const TableConfig& table(uint32_t table) const = 0;
   virtual uint32_t num_tables() const = 0;
 
-  // out: keys.size() * dim floats, row i for keys[i].
-  virtual Result<EmbeddingHandle> PullAsync(uint32_t table,
-                                            std::span<const uint64_t> keys,
-                                            float* out, uint64_t batch = 0) = 0;
+  // One table's part of a PullManyAsync: out holds keys.size() * dim
+  // floats, row i for keys[i].
+  struct TablePull {
+    uint32_t table = 0;
+    std::span<const uint64_t> keys;
+    float* out = nullptr;
+  };
+  // One table's part of a PushManyAsync: grads holds keys.size() * dim
+  // floats.
+  struct TablePush {
+    uint32_t table = 0;
+    std::span<const uint64_t> keys;
+    std::span<const float> grads;
+  };
+  // Pulls every part with one request per node (split only where a request
+  // would exceed a control message). The handle fails if any part fails.
+  virtual Result<EmbeddingHandle> PullManyAsync(
+      std::span<const TablePull> parts, uint64_t batch = 0) = 0;
+  // Pushes every part likewise; `release` unpins `batch` on every part's
+  // table afterwards. A part whose table it names twice is refused.
+  virtual Result<EmbeddingHandle> PushManyAsync(
+      std::span<const TablePush> parts, uint64_t batch = 0,
+      bool release = true) = 0;
+  // One table: out holds keys.size() * dim floats, row i for keys[i].
+  Result<EmbeddingHandle> PullAsync(uint32_t table,
+                                    std::span<const uint64_t> keys, float* out,
+                                    uint64_t batch = 0);
   // grads: keys.size() * dim floats. `release`: unpin `batch` afterwards.
-  virtual Result<EmbeddingHandle> PushAsync(uint32_t table,
-                                            std::span<const uint64_t> keys,
-                                            std::span<const float> grads,
-                                            uint64_t batch = 0,
-                                            bool release = true) = 0;
+  Result<EmbeddingHandle> PushAsync(uint32_t table,
+                                    std::span<const uint64_t> keys,
+                                    std::span<const float> grads,
+                                    uint64_t batch = 0, bool release = true);
   Status Pull(uint32_t table, std::span<const uint64_t> keys, float* out,
               uint64_t batch = 0);
   Status Push(uint32_t table, std::span<const uint64_t> keys,

@@ -1,0 +1,190 @@
+"""membox bench ctr: the wide & deep CTR model of examples/ctr_wide_deep.py
+with its sparse tables in membox's embedding store, against the same model
+on torch's own layers and on TorchRec's, same data and seed, same machine.
+
+    membox bench ctr [--quick] [--csv F] [--json F] [--plot F.png]
+                     [--samples N] [--repeats R] [--workers 2] [--nodes 2]
+                     [--script examples/ctr_wide_deep.py]
+
+Variants (each a separate run of the example, interleaved R times; the
+median samples/s is reported):
+
+  torch-local      one process, torch.nn.EmbeddingBag / Embedding with
+                   sparse gradients and torch's Adagrad (the reference)
+  torchrec         one process, TorchRec's FusedEmbeddingBagCollection
+                   (fbgemm's batched CPU kernels, Adagrad fused into
+                   backward); skipped with a note when this interpreter
+                   cannot import torchrec
+  membox           `membox launch --nodes N --workers W`: tables in the
+                   memory nodes, one pull and one push request per node per
+                   step for all three tables (membox.torch.EmbeddingGroup),
+                   two batches prefetched, the MLP through DDP with
+                   membox's hook
+  membox-per-table the same with a request per table per node (--no-group:
+                   what membox did before grouping)
+
+Every variant trains the same model on the same click log and reports its
+test AUC; the table shows samples/s, the ratios to torch-local and to
+torchrec, AUC, and the CPU the run used (user + system seconds of every
+process, per wall second: two cores give at most 2.0). All variants run
+under this interpreter (MEMBOX_PYTHON picks it: TorchRec's wheels need a
+torch of the same release). Records follow docs/design/benchmarks.md.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+VARIANTS = ("torch-local", "torchrec", "membox", "membox-per-table")
+
+
+def _die(msg):
+    print(f"membox bench ctr: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _find_script(path):
+    if path:
+        if not os.path.isfile(path):
+            _die(f"no such script: {path}")
+        return path
+    here = os.path.dirname(os.path.abspath(__file__))
+    for up in range(1, 6):
+        root = os.path.normpath(os.path.join(here, *[".."] * up))
+        cand = os.path.join(root, "examples", "ctr_wide_deep.py")
+        if os.path.isfile(cand):
+            return cand
+    _die("cannot find examples/ctr_wide_deep.py from the source tree; "
+         "pass --script PATH")
+
+
+def _children_cpu():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_case(a, variant, script):
+    py = sys.executable
+    args = ["--samples", str(a.samples), "--seed", str(a.seed)]
+    if variant == "torch-local":
+        cmd = [py, script, "--local"] + args
+    elif variant == "torchrec":
+        cmd = [py, script, "--torchrec"] + args
+    else:
+        membox_bin = os.environ.get("MEMBOX_BIN", "membox")
+        cmd = [membox_bin, "launch", "--nodes", str(a.nodes), "--workers",
+               str(a.workers), "--", py, script] + args
+        if variant == "membox-per-table":
+            cmd.append("--no-group")
+    cpu0, t0 = _children_cpu(), time.perf_counter()
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+    wall = time.perf_counter() - t0
+    cpu = (_children_cpu() - cpu0) / wall
+    result = None
+    for line in p.stdout.splitlines():
+        if "RESULT " in line:
+            result = json.loads(line.split("RESULT ", 1)[1])
+    if p.returncode != 0 or result is None:
+        sys.stderr.write(p.stdout[-6000:])
+        _die(f"{variant} failed (exit {p.returncode})")
+    result["cpu_per_wall"] = cpu
+    return result
+
+
+def _has_torchrec():
+    try:
+        import torchrec  # noqa: F401
+        import fbgemm_gpu  # noqa: F401
+        return True
+    except Exception as e:  # ImportError, or fbgemm's OSError on a mismatch
+        print(f"membox bench ctr: torchrec skipped ({type(e).__name__}: "
+              f"{str(e)[:160]}); install torchrec and fbgemm-gpu-cpu built "
+              f"for this torch", file=sys.stderr)
+        return False
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="membox bench ctr", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--csv", default="")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--plot", default="")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=0)
+    ap.add_argument("--script", default="")
+    a = ap.parse_args(argv)
+    a.samples = a.samples or (60000 if a.quick else 200000)
+    repeats = a.repeats or (1 if a.quick else 3)
+    script = _find_script(a.script)
+    variants = [v for v in VARIANTS if v != "torchrec" or _has_torchrec()]
+    res = {}
+    n = len(variants) * repeats
+    for r in range(repeats):  # interleaved: drift hits every variant alike
+        for v in variants:
+            print(f"[{sum(map(len, res.values())) + 1}/{n}] {v}",
+                  file=sys.stderr, flush=True)
+            res.setdefault(v, []).append(run_case(a, v, script))
+    rows = {}
+    for v, runs in res.items():
+        runs = sorted(runs, key=lambda x: x["samples_per_s"])
+        rows[v] = dict(runs[len(runs) // 2],
+                       all=[round(x["samples_per_s"]) for x in res[v]])
+    local = rows["torch-local"]["samples_per_s"]
+    trec = rows["torchrec"]["samples_per_s"] if "torchrec" in rows else None
+    import torch
+    print(f"\nwide & deep CTR, {a.samples} samples, torch {torch.__version__};"
+          f" membox: {a.workers} workers, {a.nodes} nodes; median of "
+          f"{repeats} run(s)")
+    print(f"{'variant':17} {'samples/s':>10} {'vs local':>9} {'vs torchrec':>12}"
+          f" {'test AUC':>9} {'CPU':>5}  runs")
+    records = []
+    for v in variants:
+        r = rows[v]
+        sps = r["samples_per_s"]
+        vs_trec = f"{sps / trec:11.2f}x" if trec else f"{'-':>12}"
+        print(f"{v:17} {sps:10.0f} {sps / local:8.2f}x {vs_trec} "
+              f"{r['test_auc']:9.4f} {r['cpu_per_wall']:5.2f}  {r['all']}")
+        metrics = [("samples_per_s", sps, "samples/s"),
+                   ("vs_torch_local", sps / local, "x"),
+                   ("test_auc", r["test_auc"], "auc"),
+                   ("cpu_per_wall", r["cpu_per_wall"], "cores")]
+        if trec:
+            metrics.append(("vs_torchrec", sps / trec, "x"))
+        for metric, value, unit in metrics:
+            records.append({"bench": "ctr", "variant": v,
+                            "size_bytes": 0, "workers": r["workers"],
+                            "metric": metric, "value": value, "unit": unit,
+                            "case": f"wide-deep-{a.samples}"})
+    print(f"hidden model's AUC (the ceiling): "
+          f"{rows['torch-local']['hidden_model_auc']:.4f}")
+    from membox.bench_report import write_records
+    write_records(records, a.csv, a.json)
+    if a.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        vals = [rows[v]["samples_per_s"] for v in variants]
+        bars = ax.bar(variants, vals,
+                      color=["#7f7f7f", "#2ca02c", "#1f77b4", "#aec7e8"][:len(variants)])
+        for b, v in zip(bars, variants):
+            ax.annotate(f"AUC {rows[v]['test_auc']:.4f}",
+                        (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("training samples/s (median)")
+        ax.set_title(f"wide & deep CTR, {a.samples} samples")
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=100)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
