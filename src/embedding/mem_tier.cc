@@ -6,13 +6,16 @@
 #include <mutex>
 #include <set>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace membox::embedding {
 namespace {
 
 struct Entry {
   std::unique_ptr<uint8_t[]> row;
+  uint64_t key = 0;
   uint64_t freq = 0;
+  uint64_t mark = 0;  // the Acquire call that saw it last (dedups keys)
   int pins = 0;
   bool dirty = false;
   enum class Where { kPinned, kLru, kLfu } where = Where::kPinned;
@@ -27,16 +30,31 @@ class MemTierImpl final : public MemTier {
     capacity_ = std::max<uint64_t>(1, opt_.budget_bytes / row_);
   }
 
+  // One hash lookup per key for rows in memory (entries do not move: the
+  // map keeps references stable and pinned rows are never erased).
   Result<std::vector<uint8_t*>> Acquire(std::span<const uint64_t> keys,
                                         uint64_t batch) override {
     std::lock_guard<std::mutex> l(mu_);
-    // Count the rows this batch would newly pin.
-    uint64_t newly = 0;
-    std::set<uint64_t> seen;
-    for (uint64_t k : keys) {
-      if (!seen.insert(k).second) continue;
-      auto it = rows_.find(k);
-      if (it == rows_.end() || it->second.pins == 0) ++newly;
+    const uint64_t mark = ++marks_;
+    std::vector<Entry*> entries(keys.size(), nullptr);
+    std::vector<uint64_t> missing;
+    std::unordered_set<uint64_t> missing_seen;
+    uint64_t newly = 0;  // distinct rows this batch would newly pin
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto it = rows_.find(keys[i]);
+      if (it == rows_.end()) {
+        if (missing_seen.insert(keys[i]).second) {
+          missing.push_back(keys[i]);
+          ++newly;
+        }
+        continue;
+      }
+      Entry& e = it->second;
+      entries[i] = &e;
+      if (e.mark != mark) {
+        e.mark = mark;
+        if (e.pins == 0) ++newly;
+      }
     }
     if (pinned_ + newly > capacity_) {
       return ResourceExhaustedError("the pinned working set (" +
@@ -44,45 +62,62 @@ class MemTierImpl final : public MemTier {
                                     " rows) exceeds the memory budget (" +
                                     std::to_string(capacity_) + " rows)");
     }
-    std::vector<uint64_t> missing;
-    for (uint64_t k : seen) {
-      if (!rows_.count(k)) missing.push_back(k);
-    }
     // Load what is on the SSD, create the rest.
     if (!missing.empty()) {
-      std::vector<uint8_t> buf(missing.size() * row_);
-      std::vector<bool> found;
-      RETURN_IF_ERROR(ssd_->Get(missing, buf, &found));
-      for (size_t i = 0; i < missing.size(); ++i) {
-        Entry e;
-        e.row.reset(new uint8_t[row_]);
-        if (found[i]) {
-          std::memcpy(e.row.get(), buf.data() + i * row_, row_);
-          stats_.ssd_reads++;
-        } else {
-          std::span<uint8_t> r(e.row.get(), row_);
-          if (opt_.initializer) {
-            opt_.initializer(missing[i], r);
-          } else {
-            std::memset(r.data(), 0, r.size());
-          }
-          e.dirty = true;  // exists nowhere else yet
-          stats_.created++;
-        }
-        rows_.emplace(missing[i], std::move(e));
+      RETURN_IF_ERROR(LoadLocked(missing, /*to_pin=*/true));
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (entries[i] == nullptr) entries[i] = &rows_.at(keys[i]);
       }
     }
     std::vector<uint8_t*> out;
     out.reserve(keys.size());
     auto& held = batches_[batch];
-    for (uint64_t k : keys) {
-      Entry& e = rows_.at(k);
-      if (held.insert(k).second) Pin(k, e);
-      e.freq++;
-      out.push_back(e.row.get());
+    for (Entry* e : entries) {
+      // A key named twice (or in two Acquires of one batch) is pinned twice
+      // and unpinned twice by Release: the count stays right.
+      Pin(*e);
+      held.push_back(e);
+      e->freq++;
+      out.push_back(e->row.get());
     }
     RETURN_IF_ERROR(EvictLocked());
     return out;
+  }
+
+  Status ForEachRow(std::span<const uint64_t> keys,
+                    const std::function<void(size_t, uint8_t*)>& fn,
+                    bool changes) override {
+    std::lock_guard<std::mutex> l(mu_);
+    std::vector<size_t> missing;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto it = rows_.find(keys[i]);
+      if (it == rows_.end()) {
+        missing.push_back(i);
+        continue;
+      }
+      Visit(it->second, changes);
+      fn(i, it->second.row.get());
+    }
+    // Rows not in memory: loaded a quarter of the budget at a time, each
+    // piece used, then the budget restored by eviction.
+    const size_t chunk = std::max<uint64_t>(1, capacity_ / 4);
+    for (size_t b = 0; b < missing.size(); b += chunk) {
+      size_t e = std::min(missing.size(), b + chunk);
+      std::vector<uint64_t> load;
+      std::unordered_set<uint64_t> seen;
+      for (size_t j = b; j < e; ++j) {
+        uint64_t k = keys[missing[j]];
+        if (!rows_.count(k) && seen.insert(k).second) load.push_back(k);
+      }
+      RETURN_IF_ERROR(LoadLocked(load));
+      for (size_t j = b; j < e; ++j) {
+        Entry& en = rows_.at(keys[missing[j]]);
+        Visit(en, changes);
+        fn(missing[j], en.row.get());
+      }
+      RETURN_IF_ERROR(EvictLocked());
+    }
+    return Status::Ok();
   }
 
   void MarkDirty(std::span<const uint64_t> keys) override {
@@ -97,13 +132,12 @@ class MemTierImpl final : public MemTier {
     std::lock_guard<std::mutex> l(mu_);
     auto b = batches_.find(batch);
     if (b == batches_.end()) return NotFoundError("no such batch");
-    for (uint64_t k : b->second) {
-      Entry& e = rows_.at(k);
-      if (--e.pins == 0) {
+    for (Entry* e : b->second) {
+      if (--e->pins == 0) {
         pinned_--;
-        lru_.push_front(k);
-        e.lru_it = lru_.begin();
-        e.where = Entry::Where::kLru;
+        lru_.push_front(e->key);
+        e->lru_it = lru_.begin();
+        e->where = Entry::Where::kLru;
       }
     }
     batches_.erase(b);
@@ -137,11 +171,68 @@ class MemTierImpl final : public MemTier {
   }
 
  private:
-  void Pin(uint64_t k, Entry& e) {
+  // Loads `keys` (none in memory, distinct) from the SSD tier, or creates
+  // them, into memory: unpinned rows at the LRU's front, or (`to_pin`)
+  // rows in no list that the caller pins at once.
+  Status LoadLocked(const std::vector<uint64_t>& keys, bool to_pin = false) {
+    if (keys.empty()) return Status::Ok();
+    std::vector<uint8_t> buf(keys.size() * row_);
+    std::vector<bool> found;
+    RETURN_IF_ERROR(ssd_->Get(keys, buf, &found));
+    for (size_t i = 0; i < keys.size(); ++i) {
+      Entry e;
+      e.key = keys[i];
+      e.row.reset(new uint8_t[row_]);
+      if (found[i]) {
+        std::memcpy(e.row.get(), buf.data() + i * row_, row_);
+        stats_.ssd_reads++;
+      } else {
+        std::span<uint8_t> r(e.row.get(), row_);
+        if (opt_.initializer) {
+          opt_.initializer(keys[i], r);
+        } else {
+          std::memset(r.data(), 0, r.size());
+        }
+        e.dirty = true;  // exists nowhere else yet
+        stats_.created++;
+      }
+      if (to_pin) {
+        e.where = Entry::Where::kPinned;  // pins 0 until the caller's Pin
+      } else {
+        lru_.push_front(keys[i]);
+        e.lru_it = lru_.begin();
+        e.where = Entry::Where::kLru;
+      }
+      rows_.emplace(keys[i], std::move(e));
+    }
+    return Status::Ok();
+  }
+
+  // An access that does not pin: the row becomes the LRU's newest (from
+  // the LFU too, as a pin and release would), and is dirty if `changes`.
+  void Visit(Entry& e, bool changes) {
+    e.freq++;
+    if (changes) e.dirty = true;
+    if (e.where == Entry::Where::kLru) {
+      lru_.splice(lru_.begin(), lru_, e.lru_it);
+      stats_.hits_lru++;
+    } else if (e.where == Entry::Where::kLfu) {
+      lfu_.erase(e.lfu_it);
+      lru_.push_front(e.key);
+      e.lru_it = lru_.begin();
+      e.where = Entry::Where::kLru;
+      stats_.hits_lfu++;
+    } else {
+      stats_.hits_pinned++;
+    }
+  }
+
+  void Pin(Entry& e) {
     if (e.pins++ > 0) {
       stats_.hits_pinned++;
       return;
     }
+    // where == kPinned with no pins: just loaded (LoadLocked's to_pin).
     if (e.where == Entry::Where::kLru) {
       lru_.erase(e.lru_it);
       stats_.hits_lru++;
@@ -195,10 +286,12 @@ class MemTierImpl final : public MemTier {
   const uint32_t row_;
   uint64_t capacity_ = 0;  // rows
   mutable std::mutex mu_;
-  std::unordered_map<uint64_t, Entry> rows_;        // GUARDED_BY(mu_)
-  std::list<uint64_t> lru_;                         // front: newest
-  std::set<std::pair<uint64_t, uint64_t>> lfu_;     // (freq, key)
-  std::map<uint64_t, std::set<uint64_t>> batches_;  // batch -> keys
+  std::unordered_map<uint64_t, Entry> rows_;     // GUARDED_BY(mu_)
+  std::list<uint64_t> lru_;                      // front: newest
+  std::set<std::pair<uint64_t, uint64_t>> lfu_;  // (freq, key)
+  // batch -> the rows it pinned (a row once per time it was pinned)
+  std::unordered_map<uint64_t, std::vector<Entry*>> batches_;
+  uint64_t marks_ = 0;
   uint64_t pinned_ = 0;
   MemTierStats stats_;
 };

@@ -105,6 +105,59 @@ TEST_F(MemTierTest, PinnedRowsAreNeverEvicted) {
   EXPECT_EQ(tier_->Release(1).code(), StatusCode::kNotFound);
 }
 
+// ForEachRow reaches rows wherever they are (pinned, LRU, LFU, SSD, not yet
+// created) without pinning them, keeps changed rows through eviction, and
+// loads a request larger than the budget piece by piece.
+TEST_F(MemTierTest, ForEachRowUpdatesWithoutPinning) {
+  Make(4);
+  std::vector<uint64_t> pinned = {1};
+  auto held = tier_->Acquire(pinned, 1);
+  ASSERT_TRUE(held.ok());
+  std::vector<uint64_t> keys = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 2};
+  std::vector<int> seen(keys.size(), 0);
+  ASSERT_TRUE(tier_
+                  ->ForEachRow(
+                      keys,
+                      [&](size_t i, uint8_t* row) {
+                        seen[i]++;
+                        row[0] = uint8_t(row[0] + 100);
+                      },
+                      /*changes=*/true)
+                  .ok());
+  for (int n : seen) EXPECT_EQ(n, 1);
+  EXPECT_EQ(tier_->Stats().pinned, 1u);
+  EXPECT_LE(tier_->Stats().rows_in_memory, 4u);
+  EXPECT_EQ((*held)[0][0], 101);  // the pinned row, changed in place
+  ASSERT_TRUE(tier_->Release(1).ok());
+  // Key 2 was named twice: changed twice. Every other row once, and the
+  // evicted ones kept their change through the SSD tier.
+  EXPECT_EQ(Touch(2, 5), uint8_t(2 + 200));
+  for (uint64_t k : {3, 5, 8, 10}) EXPECT_EQ(Touch(k, 6), uint8_t(k + 100));
+  // Reading does not mark rows changed.
+  std::vector<uint64_t> one = {20};
+  ASSERT_TRUE(tier_
+                  ->ForEachRow(
+                      one, [](size_t, uint8_t* row) { EXPECT_EQ(row[0], 20); },
+                      /*changes=*/false)
+                  .ok());
+}
+
+// A key named twice in one batch (or in two Acquires of the batch) is
+// pinned until that batch's release, and counted once against the budget.
+TEST_F(MemTierTest, RepeatedKeysInABatchPinOnce) {
+  Make(2);
+  std::vector<uint64_t> keys = {1, 1, 2};
+  ASSERT_TRUE(tier_->Acquire(keys, 1).ok());
+  ASSERT_TRUE(tier_->Acquire(keys, 1).ok());
+  EXPECT_EQ(tier_->Stats().pinned, 2u);
+  std::vector<uint64_t> other = {3};
+  EXPECT_EQ(tier_->Acquire(other, 2).status().code(),
+            StatusCode::kResourceExhausted);
+  ASSERT_TRUE(tier_->Release(1).ok());
+  EXPECT_EQ(tier_->Stats().pinned, 0u);
+  EXPECT_TRUE(tier_->Acquire(other, 2).ok());
+}
+
 TEST_F(MemTierTest, NewRowsAreSeededAndFlushedDurably) {
   Make(100);
   std::vector<uint64_t> keys = {7, 8, 9};

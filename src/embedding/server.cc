@@ -456,14 +456,11 @@ class ServerImpl final : public EmbeddingServer {
                      float* out) {
     const uint32_t d = t->config.dim;
     if (batch == 0) {
-      // Nothing stays pinned: go through the memory tier in pieces that fit
-      // its budget whatever the request's size.
-      RETURN_IF_ERROR(ForEachChunk(
-          t, s.keys, [&](size_t b, size_t e, std::vector<uint8_t*>& r) {
-            for (size_t i = b; i < e; ++i) {
-              std::memcpy(out + i * d, r[i - b], d * 4);
-            }
-          }));
+      // Nothing stays pinned.
+      RETURN_IF_ERROR(t->mem->ForEachRow(
+          s.keys,
+          [&](size_t i, uint8_t* row) { std::memcpy(out + i * d, row, d * 4); },
+          /*changes=*/false));
     } else {
       // The batch's working set stays pinned: it must fit as a whole.
       bool fresh = !c.batches.count({s.table_id, batch});
@@ -518,15 +515,13 @@ class ServerImpl final : public EmbeddingServer {
       Table* t = tables[k];
       const uint32_t d = t->config.dim;
       const uint32_t rf = t->config.row_floats();
-      RETURN_IF_ERROR(ForEachChunk(
-          t, s.keys, [&](size_t b, size_t e, std::vector<uint8_t*>& rows) {
-            for (size_t i = b; i < e; ++i) {
-              ApplyGradient(t->config,
-                            {reinterpret_cast<float*>(rows[i - b]), rf},
-                            {s.values.data() + i * d, d});
-            }
-            t->mem->MarkDirty({s.keys.data() + b, e - b});
-          }));
+      RETURN_IF_ERROR(t->mem->ForEachRow(
+          s.keys,
+          [&](size_t i, uint8_t* row) {
+            ApplyGradient(t->config, {reinterpret_cast<float*>(row), rf},
+                          {s.values.data() + i * d, d});
+          },
+          /*changes=*/true));
       rows_pushed_ += s.keys.size();
       t->rows_pushed += s.keys.size();
     }
@@ -535,23 +530,6 @@ class ServerImpl final : public EmbeddingServer {
       if (s.release && m.batch != 0) {
         RETURN_IF_ERROR(ReleaseBatch(c, s.table_id, m.batch));
       }
-    }
-    return Status::Ok();
-  }
-
-  // Pins keys[b, e) a quarter of the memory budget at a time, runs `f` on
-  // them and unpins them.
-  Status ForEachChunk(
-      Table* t, const std::vector<uint64_t>& keys,
-      const std::function<void(size_t, size_t, std::vector<uint8_t*>&)>& f) {
-    size_t chunk = std::max<size_t>(1, t->mem->Stats().capacity_rows / 4);
-    for (size_t b = 0; b < keys.size(); b += chunk) {
-      size_t e = std::min(keys.size(), b + chunk);
-      uint64_t tag = next_tag_++;
-      ASSIGN_OR_RETURN(std::vector<uint8_t*> rows,
-                       t->mem->Acquire({keys.data() + b, e - b}, tag));
-      f(b, e, rows);
-      RETURN_IF_ERROR(t->mem->Release(tag));
     }
     return Status::Ok();
   }

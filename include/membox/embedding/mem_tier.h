@@ -52,6 +52,14 @@ class MemTier {
   // would exceed the budget; nothing is pinned then.
   virtual Result<std::vector<uint8_t*>> Acquire(std::span<const uint64_t> keys,
                                                 uint64_t batch) = 0;
+  // Runs fn(i, row) on the row of each keys[i] without pinning it (loading
+  // or creating it as Acquire does; the row counts as used, and as changed
+  // if `changes`): the update path of pushes and unpinned pulls, one hash
+  // lookup per row in memory. Rows not in memory are loaded a quarter of
+  // the budget at a time. `fn` runs under the tier's lock.
+  virtual Status ForEachRow(std::span<const uint64_t> keys,
+                            const std::function<void(size_t, uint8_t*)>& fn,
+                            bool changes) = 0;
   // Marks rows of `batch` as changed (they are written to the SSD before
   // their memory is freed).
   virtual void MarkDirty(std::span<const uint64_t> keys) = 0;
