@@ -78,6 +78,20 @@ def main():
         model.register_comm_hook(None, membox.torch.allreduce_hook)  # line 2
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     ddp = model
+    # Checkpoints (with `membox launch --checkpoint-dir`): the weights,
+    # the optimizer's state and the epoch, after every epoch; `membox
+    # launch --resume` continues after the last one.
+    saving = bool(os.environ.get("MEMBOX_CHECKPOINT_DIR"))
+    start = 0
+    if saving:
+        import membox.torch
+        state = membox.torch.load_checkpoint()
+        if state is not None:
+            ddp.module.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            start = state["epoch"]
+            if rank == 0:
+                print(f"resumed after epoch {start}", flush=True)
     if a.compile:
         model = torch.compile(model)
     loss_fn = nn.CrossEntropyLoss()
@@ -101,7 +115,7 @@ def main():
     opt.zero_grad()
     compute_s = float(np.median(compute[1:]))
 
-    for epoch in range(a.epochs):
+    for epoch in range(start, a.epochs):
         model.train()
         losses, times = [], []
         micro = []
@@ -140,6 +154,10 @@ def main():
             if a.out:
                 with open(a.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+        if saving:
+            membox.torch.save_checkpoint({"model": ddp.module.state_dict(),
+                                          "opt": opt.state_dict(),
+                                          "epoch": epoch + 1})
     dist.destroy_process_group()
 
 

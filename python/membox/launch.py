@@ -150,7 +150,9 @@ def main(argv=None):
     ap.add_argument("--pool-size", default="64MiB")
     ap.add_argument("--checkpoint-dir", default="")
     ap.add_argument("--resume", action="store_true",
-                    help="restart the memory nodes from their last checkpoint")
+                    help="restart the memory nodes from their last checkpoint "
+                    "(none written: they start empty) and tell the workers "
+                    "(MEMBOX_RESUMED=1; membox.torch.load_checkpoint)")
     ap.add_argument("--attach", action="store_true",
                     help="multi-host: this process is one worker started by "
                          "mpirun / srun; map its rank and exec the command")
@@ -172,6 +174,11 @@ def main(argv=None):
         return attach(a, cmd)
     if a.resume and not a.checkpoint_dir:
         ap.error("--resume needs --checkpoint-dir")
+    if a.checkpoint_dir:
+        try:
+            os.makedirs(a.checkpoint_dir, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--checkpoint-dir {a.checkpoint_dir}: {e.strerror}")
     lock = threading.Lock()
     tmp = tempfile.mkdtemp(prefix="membox-launch-")
     secret_file = os.path.join(tmp, "secret")
@@ -196,6 +203,26 @@ def main(argv=None):
 
     ps_eps = [f"127.0.0.1:{free_port()}" for _ in range(a.nodes)]
     emb_eps = [f"127.0.0.1:{free_port()}" for _ in range(a.nodes)]
+    restore = a.resume
+    if a.resume:
+        # The nodes restore their parameter-server checkpoints; a job that
+        # never wrote one (DDP keeps its weights in the workers:
+        # membox.torch.save_checkpoint) resumes with empty nodes. Some
+        # nodes' checkpoints without the others' is an error.
+        have = [os.path.exists(os.path.join(a.checkpoint_dir,
+                                            f"proxy-{i}-latest.mbck"))
+                for i in range(a.nodes)]
+        if any(have) and not all(have):
+            missing = [i for i, h in enumerate(have) if not h]
+            return shutdown(2, f"--resume: {a.checkpoint_dir} has no "
+                               f"checkpoint of node(s) {missing} but has the "
+                               f"others' (was the job run with another "
+                               f"--nodes?)")
+        if not any(have):
+            restore = False
+            print(f"membox launch: no parameter-server checkpoint in "
+                  f"{a.checkpoint_dir}: the nodes start empty; the workers "
+                  f"resume from their own (MEMBOX_RESUMED=1)", flush=True)
     try:
         for i in range(a.nodes):
             argv_n = [a.membox, "--log-level", "warn", "serve",
@@ -210,7 +237,7 @@ def main(argv=None):
                        "--emb-budget", a.emb_budget]
             if a.checkpoint_dir:
                 argv_n += ["--checkpoint-dir", a.checkpoint_dir]
-            if a.resume:
+            if restore:
                 argv_n += ["--restore"]
             procs.append(Proc("node", i, argv_n, dict(os.environ), lock))
         for p in procs:

@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <future>
@@ -103,8 +104,11 @@ class ServerImpl final : public EmbeddingServer {
     if (opt_.dir.empty()) {
       return InvalidArgumentError("the embedding server needs a directory");
     }
-    if (::mkdir(opt_.dir.c_str(), 0755) != 0 && errno != EEXIST) {
-      return InternalError("mkdir " + opt_.dir + ": " + strerror(errno));
+    // The operator's directory, with its parents (`--emb-dir a/b/c`).
+    std::error_code ec;
+    std::filesystem::create_directories(opt_.dir, ec);
+    if (ec) {
+      return InternalError("cannot create " + opt_.dir + ": " + ec.message());
     }
     transport::DeviceOptions d;
     d.listen_address = opt_.listen;

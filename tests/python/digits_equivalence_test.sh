@@ -25,3 +25,17 @@ echo "PASS: same losses"
 "$py" "$here/tests/python/same_losses.py" "$out/b.jsonl" "$out/g.jsonl" \
   --accuracy --rtol 0.03 --atol-accuracy 0.03 --label bfloat16
 echo "PASS: bfloat16 on the wire trains like Gloo"
+# Checkpoint and restart of a DDP job (membox.torch.save_checkpoint /
+# load_checkpoint): one epoch, then `membox launch --resume` for the second;
+# the nodes hold no DDP state, so they start empty, and the workers continue
+# from their checkpoint. The concatenated epochs equal the straight run's.
+"$membox" launch --nodes 2 --workers 2 --checkpoint-dir "$out/ck/sub" -- "$py" \
+  "$here/examples/train_digits.py" --backend membox --epochs 1 --out "$out/r.jsonl"
+test -f "$out/ck/sub/ddp.pt" || { echo "FAIL: no checkpoint written"; exit 1; }
+log=$("$membox" launch --nodes 2 --workers 2 --checkpoint-dir "$out/ck/sub" --resume -- \
+  "$py" "$here/examples/train_digits.py" --backend membox --epochs 2 --out "$out/r.jsonl")
+echo "$log"
+grep -q "resumed after epoch 1" <<<"$log" || { echo "FAIL: did not resume"; exit 1; }
+"$py" "$here/tests/python/same_losses.py" "$out/r.jsonl" "$out/m.jsonl" --accuracy \
+  --rtol 1e-6 --label resumed
+echo "PASS: a resumed DDP job continues where it stopped"
