@@ -24,6 +24,11 @@
 #      with membox's hook and with Gloo DDP (docs/cluster.md); skipped with
 #      a note otherwise.
 # Tables are printed; CSV, JSON and PNG files go to out/.
+# Python runs on PyPI's torch 2.x, as users run it: a venv in out/venv made
+# from Debian's python3 (its numpy, scikit-learn and matplotlib visible:
+# --system-site-packages) into which pip installs torch alone (about 2.8 GB
+# with its CUDA runtime packages, once; kept for the next run). The build
+# tree's membox extension is for that same interpreter.
 # Usage: bash scripts/run-demo.sh [--no-install]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,21 +37,33 @@ cmake --preset release
 cmake --build --preset release -j"$(nproc)"
 mkdir -p out
 membox=./build/release/tools/membox
+venv=out/venv
+if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+  echo "== a venv with PyPI's torch 2.x ($venv)"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+  t0=$(date +%s)
+  "$venv/bin/pip" install -q --disable-pip-version-check torch
+  echo "pip install torch: $(( $(date +%s) - t0 )) s, venv $(du -sh "$venv" | cut -f1)"
+fi
+py=$PWD/$venv/bin/python
+export MEMBOX_PYTHON=$py  # what `membox launch` and the Python benches run on
+"$py" -c 'import torch; print("torch", torch.__version__)'
+
 echo "== training: membox vs Gloo DDP on sklearn's digits"
-/usr/bin/python3 examples/digits_demo.py --membox "$membox" --out out
+"$py" examples/digits_demo.py --membox "$membox" --out out
 for bench in transfer async-sgd memserver allreduce train; do
   echo "== membox bench $bench --quick"
   "$membox" bench "$bench" --quick \
     --csv "out/$bench.csv" --json "out/$bench.json" --plot "out/$bench.png"
 done
 echo "== sparse embeddings: wide & deep CTR, membox store vs torch layers"
-/usr/bin/python3 examples/ctr_wide_deep.py --local | grep RESULT
-"$membox" launch --nodes 2 --workers 2 -- /usr/bin/python3 examples/ctr_wide_deep.py | grep RESULT
+PYTHONPATH=$PWD/build/release/python "$py" examples/ctr_wide_deep.py --local | grep RESULT
+"$membox" launch --nodes 2 --workers 2 -- "$py" examples/ctr_wide_deep.py | grep RESULT
 echo "== across hosts: emulated cluster, transformer LM, membox vs Gloo DDP"
 if [[ $(id -u) -eq 0 ]] && ip netns add "mbx-demo-probe-$$" 2>/dev/null; then
   ip netns del "mbx-demo-probe-$$"
   for backend in membox gloo; do
-    "$membox" cluster run examples/cluster/4w2m.toml -- /usr/bin/python3 \
+    "$membox" cluster run examples/cluster/4w2m.toml -- "$py" \
       "$PWD/examples/transformer_lm.py" --backend "$backend" --steps 20 |
       grep "^step 20" | sed "s/^/$backend: /"
   done

@@ -272,7 +272,7 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
     if (opt.with_gloo) {
       Progress(done++, total, "gloo p=" + std::to_string(p));
       auto proc = Subprocess::Start(
-          {"/usr/bin/python3",
+          {BaselinePython(),
            std::string(MEMBOX_SOURCE_DIR) +
                "/bench/allreduce/gloo_allreduce.py",
            "--workers", std::to_string(p), "--sizes", Join(sizes), "--iters",

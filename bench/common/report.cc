@@ -1,6 +1,7 @@
 #include "bench/common/report.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -10,6 +11,11 @@
 #include "membox/base/config.h"
 
 namespace membox::bench {
+
+std::string BaselinePython() {
+  const char* p = std::getenv("MEMBOX_PYTHON");
+  return p && *p ? std::string(p) : std::string("/usr/bin/python3");
+}
 namespace {
 
 std::string JsonEscape(const std::string& s) {
@@ -98,8 +104,8 @@ Status Report::Plot(const std::string& png, const std::string& metric,
   if (script.empty()) return NotFoundError("bench/plot_bench.py not found");
   std::string csv = png + ".tmp.csv";
   RETURN_IF_ERROR(WriteCsv(csv));
-  std::string cmd = "/usr/bin/python3 '" + script + "' --csv '" + csv +
-                    "' --out '" + png + "' --metric '" + metric +
+  std::string cmd = "'" + BaselinePython() + "' '" + script + "' --csv '" +
+                    csv + "' --out '" + png + "' --metric '" + metric +
                     "' --title '" + title + "'" + (log_y ? " --log-y" : "") +
                     " --x " + x;
   int rc = std::system(cmd.c_str());

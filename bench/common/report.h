@@ -34,6 +34,11 @@ struct CommonFlags {
   std::string json;
 };
 
+// The interpreter that runs the Python baselines (Gloo through torch) and
+// the plots: MEMBOX_PYTHON when set (a venv with PyPI's torch 2.x, as
+// scripts/run-demo.sh sets it), else Debian's /usr/bin/python3.
+std::string BaselinePython();
+
 class Report {
  public:
   explicit Report(std::string bench) : bench_(std::move(bench)) {}
@@ -45,7 +50,7 @@ class Report {
 
   Status WriteJson(const std::string& path) const;
   Status WriteCsv(const std::string& path) const;
-  // Calls bench/plot_bench.py (Debian's python3-matplotlib) on a CSV.
+  // Calls bench/plot_bench.py (matplotlib, under BaselinePython()) on a CSV.
   // `spec` tells the plotter which metric to draw and how.
   // `metric` may list several, comma-separated; `x` is "size" or "workers".
   Status Plot(const std::string& png, const std::string& metric,

@@ -502,7 +502,7 @@ int RunTrainBench(const TrainOptions& opt) {
             for (auto n : m.layers[l].tensors) out << l << " " << n << "\n";
         }
         proc = Subprocess::Start(
-            {"/usr/bin/python3",
+            {BaselinePython(),
              std::string(MEMBOX_SOURCE_DIR) + "/bench/train/gloo_train.py",
              "--workers", std::to_string(p), "--model", file, "--forward-ms",
              std::to_string(m.forward_ms * opt.compute_scale), "--backward-ms",
