@@ -38,11 +38,13 @@ cmake --build --preset release -j"$(nproc)"
 mkdir -p out
 membox=./build/release/tools/membox
 venv=out/venv
-if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+has_torch2='import sys, torch; sys.exit(int(torch.__version__.split(".")[0]) < 2)'
+if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c "$has_torch2" 2>/dev/null; then
   echo "== a venv with PyPI's torch 2.x ($venv)"
   /usr/bin/python3 -m venv --system-site-packages "$venv"
   t0=$(date +%s)
-  "$venv/bin/pip" install -q --disable-pip-version-check torch
+  # "torch>=2": Debian's 1.13 is visible through the system packages.
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch>=2"
   echo "pip install torch: $(( $(date +%s) - t0 )) s, venv $(du -sh "$venv" | cut -f1)"
 fi
 py=$PWD/$venv/bin/python

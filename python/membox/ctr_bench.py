@@ -22,6 +22,8 @@ median samples/s is reported):
                    membox's hook
   membox-per-table the same with a request per table per node (--no-group:
                    what membox did before grouping)
+  membox-1-node    `membox` with one memory node (--nodes 1): three
+                   processes on the machine instead of four
 
 Every variant trains the same model on the same click log and reports its
 test AUC; the table shows samples/s, the ratios to torch-local and to
@@ -38,7 +40,8 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("torch-local", "torchrec", "membox", "membox-per-table")
+VARIANTS = ("torch-local", "torchrec", "membox", "membox-per-table",
+            "membox-1-node")
 
 
 def _die(msg):
@@ -75,7 +78,8 @@ def run_case(a, variant, script):
         cmd = [py, script, "--torchrec"] + args
     else:
         membox_bin = os.environ.get("MEMBOX_BIN", "membox")
-        cmd = [membox_bin, "launch", "--nodes", str(a.nodes), "--workers",
+        nodes = 1 if variant == "membox-1-node" else a.nodes
+        cmd = [membox_bin, "launch", "--nodes", str(nodes), "--workers",
                str(a.workers), "--", py, script] + args
         if variant == "membox-per-table":
             cmd.append("--no-group")
@@ -171,10 +175,11 @@ def main(argv=None):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(8, 4))
         vals = [rows[v]["samples_per_s"] for v in variants]
         bars = ax.bar(variants, vals,
-                      color=["#7f7f7f", "#2ca02c", "#1f77b4", "#aec7e8"][:len(variants)])
+                      color=["#7f7f7f", "#2ca02c", "#1f77b4", "#aec7e8",
+                             "#9467bd"][:len(variants)])
         for b, v in zip(bars, variants):
             ax.annotate(f"AUC {rows[v]['test_auc']:.4f}",
                         (b.get_x() + b.get_width() / 2, b.get_height()),
