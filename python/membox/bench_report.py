@@ -18,3 +18,13 @@ def write_records(records, csv_path="", json_path=""):
             w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
             w.writeheader()
             w.writerows(records)
+
+
+def add_contract_flags(ap):
+    """The flags every benchmark takes (docs/design/benchmarks.md): --quick,
+    --csv F, --json F, --plot F.png."""
+    ap.add_argument("--quick", action="store_true",
+                    help="a short run (smaller sizes, fewer repeats)")
+    ap.add_argument("--csv", default="", help="write the records as CSV")
+    ap.add_argument("--json", default="", help="write the records as JSON")
+    ap.add_argument("--plot", default="", help="write a PNG plot")

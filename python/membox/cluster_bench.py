@@ -348,10 +348,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="membox bench cluster",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--csv", default="")
-    ap.add_argument("--json", default="")
-    ap.add_argument("--plot", default="")
+    from membox.bench_report import add_contract_flags
+    add_contract_flags(ap)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rate", default="400mbit",
                     help="every host link, per direction")

@@ -111,10 +111,8 @@ def run_case(a, variant, tmp):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="membox bench ps", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--csv", default="")
-    ap.add_argument("--json", default="")
-    ap.add_argument("--plot", default="")
+    from membox.bench_report import add_contract_flags
+    add_contract_flags(ap)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--layers", type=int, default=200)

@@ -7,7 +7,8 @@
 # With --torch, PyPI's torch 2.x goes into the same venv (size and time
 # printed) and the DDP-hook equivalence tests (membox vs Gloo, same losses:
 # under `membox launch`, and under torchrun with separately started memory
-# nodes, with no_sync() accumulation and torch.compile) and the CUDA test
+# nodes, with no_sync() accumulation and torch.compile), the embedding
+# layers and the CTR example, and the CUDA test
 # (skips without a GPU) run on it.
 #
 # Usage: pip_install_test.sh [--torch] [VENV_DIR]
@@ -66,6 +67,8 @@ if [[ $with_torch == 1 ]]; then
     "$venv/bin/membox"
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/torchrun_test.sh" \
     "$venv/bin/membox"
+  # The sparse store's layers, EmbeddingGroup and the CTR example on torch 2.x.
+  MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_embedding.py"
   rc=0
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_cuda.py" || rc=$?
   [[ $rc == 0 || $rc == 77 ]] || { echo "FAIL: test_cuda ($rc)"; exit 1; }

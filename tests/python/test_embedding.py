@@ -258,6 +258,29 @@ class WideDeepExampleTest(unittest.TestCase):
         self.assertLess(abs(got["test_auc"] - ref["test_auc"]), 0.03)
         self.assertLess(got["test_logloss"], got["constant_logloss"])
 
+    def test_torchrec_baseline_matches_local_torch(self):
+        # The TorchRec baseline of `membox bench ctr` trains the same model.
+        # Needs torchrec and an fbgemm-gpu-cpu built for this torch (none
+        # exists for torch 2.15 yet: skipped in CI; run in a venv with
+        # torch 2.14, see docs/results/ctr.md).
+        try:
+            import torchrec  # noqa: F401
+            import fbgemm_gpu  # noqa: F401
+        except Exception as e:  # ImportError, or OSError on an ABI mismatch
+            self.skipTest(f"torchrec unavailable: {type(e).__name__}")
+        args = ["examples/ctr_wide_deep.py", "--samples", "40000",
+                "--vocab", "20000", "--batch", "128"]
+        res = {}
+        for flag in ("--local", "--torchrec"):
+            p = subprocess.run([sys.executable] + args + [flag], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+            self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+            line = [l for l in p.stdout.splitlines() if "RESULT " in l][-1]
+            res[flag] = json.loads(line.split("RESULT ", 1)[1])
+        self.assertEqual(res["--torchrec"]["backend"], "torchrec")
+        self.assertLess(abs(res["--torchrec"]["test_auc"] -
+                            res["--local"]["test_auc"]), 0.02)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
