@@ -28,3 +28,19 @@ def add_contract_flags(ap):
     ap.add_argument("--csv", default="", help="write the records as CSV")
     ap.add_argument("--json", default="", help="write the records as JSON")
     ap.add_argument("--plot", default="", help="write a PNG plot")
+
+
+def run_interleaved(variants, repeats, run):
+    """{variant: [run(variant) per repeat]}: every variant once per round,
+    `repeats` rounds, so drift on a shared machine hits every variant
+    alike; progress goes to stderr."""
+    import sys
+    res = {v: [] for v in variants}
+    n = len(variants) * repeats
+    done = 0
+    for _ in range(repeats):
+        for v in variants:
+            done += 1
+            print(f"[{done}/{n}] {v}", file=sys.stderr, flush=True)
+            res[v].append(run(v))
+    return res

@@ -127,13 +127,8 @@ def main(argv=None):
     repeats = a.repeats or (1 if a.quick else 3)
     script = _find_script(a.script)
     variants = [v for v in VARIANTS if v != "torchrec" or _has_torchrec()]
-    res = {}
-    n = len(variants) * repeats
-    for r in range(repeats):  # interleaved: drift hits every variant alike
-        for v in variants:
-            print(f"[{sum(map(len, res.values())) + 1}/{n}] {v}",
-                  file=sys.stderr, flush=True)
-            res.setdefault(v, []).append(run_case(a, v, script))
+    from membox.bench_report import run_interleaved
+    res = run_interleaved(variants, repeats, lambda v: run_case(a, v, script))
     rows = {}
     for v, runs in res.items():
         runs = sorted(runs, key=lambda x: x["samples_per_s"])

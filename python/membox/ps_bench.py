@@ -130,13 +130,8 @@ def main(argv=None):
     a.steps = a.steps or (20 if a.quick else 50)
     repeats = a.repeats or (1 if a.quick else 3)
     tmp = tempfile.mkdtemp(prefix="membox-ps-bench-")
-    res = {}
-    n = len(VARIANTS) * repeats
-    for r in range(repeats):  # interleaved: drift hits every variant alike
-        for v in VARIANTS:
-            print(f"[{len(sum(res.values(), [])) + 1}/{n}] {v}",
-                  file=sys.stderr, flush=True)
-            res.setdefault(v, []).append(run_case(a, v, tmp))
+    from membox.bench_report import run_interleaved
+    res = run_interleaved(VARIANTS, repeats, lambda v: run_case(a, v, tmp))
     rows = {}
     for v, runs in res.items():
         steps = sorted(x["step_s"] for x in runs)

@@ -799,17 +799,17 @@ class Prefetched:
     """The rows of one batch of one layer, being pulled (from
     Embedding.prefetch or EmbeddingGroup.prefetch)."""
 
-    def __init__(self, layer, input, pin, batch=None, step=None):
+    def __init__(self, layer, input, pin, batch=None, grouped=False):
         self.flat, self.shape = _keys(input)
         self.unique, inverse = np.unique(self.flat, return_inverse=True)
         self.inverse = torch.from_numpy(inverse.astype(np.int64))
         self.batch = batch if batch is not None else \
             (next(_pin_tags) if pin else 0)
         self.layer = layer
-        self.step = step  # the group's step, or None
+        self.step = None  # the EmbeddingGroup's step (set by it), or None
         self.handle = None
         self.rows = None
-        if step is None:
+        if not grouped:  # a group pulls all its members' rows at once
             self.handle = layer.client.pull_async(layer.table, self.unique,
                                                   self.batch)
         self.used = False
@@ -912,7 +912,7 @@ class EmbeddingGroup:
                              f"{len(self.layers)} layers")
         training = any(layer.training for layer in self.layers)
         batch = next(_pin_tags) if training else 0
-        pres = tuple(Prefetched(layer, x, training, batch=batch, step=True)
+        pres = tuple(Prefetched(layer, x, training, batch=batch, grouped=True)
                      for layer, x in zip(self.layers, inputs))
         step = _GroupStep(self, pres)
         for p in pres:
