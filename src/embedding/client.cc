@@ -295,18 +295,25 @@ class ClientImpl final : public EmbeddingClient {
       op.dim = opened[j]->config.dim;
       op.out = parts[j].out;
       op.next.assign(keys.size(), -1);
-      std::unordered_map<uint64_t, uint32_t> index;
-      index.reserve(keys.size());
-      std::vector<int64_t> last;
-      for (size_t i = 0; i < keys.size(); ++i) {
-        auto [it, fresh] = index.try_emplace(keys[i], op.unique.size());
-        if (fresh) {
-          op.unique.push_back(keys[i]);
-          op.first.push_back(static_cast<int64_t>(i));
-          last.push_back(static_cast<int64_t>(i));
-        } else {
-          op.next[last[it->second]] = static_cast<int64_t>(i);
-          last[it->second] = static_cast<int64_t>(i);
+      if (StrictlyIncreasing(keys)) {
+        // Already distinct (e.g. numpy.unique's output): no map needed.
+        op.unique.assign(keys.begin(), keys.end());
+        op.first.resize(keys.size());
+        for (size_t i = 0; i < keys.size(); ++i) op.first[i] = int64_t(i);
+      } else {
+        std::unordered_map<uint64_t, uint32_t> index;
+        index.reserve(keys.size());
+        std::vector<int64_t> last;
+        for (size_t i = 0; i < keys.size(); ++i) {
+          auto [it, fresh] = index.try_emplace(keys[i], op.unique.size());
+          if (fresh) {
+            op.unique.push_back(keys[i]);
+            op.first.push_back(static_cast<int64_t>(i));
+            last.push_back(static_cast<int64_t>(i));
+          } else {
+            op.next[last[it->second]] = static_cast<int64_t>(i);
+            last[it->second] = static_cast<int64_t>(i);
+          }
         }
       }
       by_node[j] = GroupByNode(op.unique);
@@ -381,17 +388,22 @@ class ClientImpl final : public EmbeddingClient {
             std::to_string(keys.size()) + " keys of dim " + std::to_string(d));
       }
       Part& op = ps[j];
-      std::unordered_map<uint64_t, uint32_t> index;
-      index.reserve(keys.size());
-      for (size_t i = 0; i < keys.size(); ++i) {
-        auto [it, fresh] = index.try_emplace(keys[i], op.unique.size());
-        const float* g = grads.data() + i * d;
-        if (fresh) {
-          op.unique.push_back(keys[i]);
-          op.summed.insert(op.summed.end(), g, g + d);
-        } else {
-          float* acc = op.summed.data() + size_t(it->second) * d;
-          for (uint32_t k = 0; k < d; ++k) acc[k] += g[k];
+      if (StrictlyIncreasing(keys)) {  // already distinct: nothing to sum
+        op.unique.assign(keys.begin(), keys.end());
+        op.summed.assign(grads.begin(), grads.end());
+      } else {
+        std::unordered_map<uint64_t, uint32_t> index;
+        index.reserve(keys.size());
+        for (size_t i = 0; i < keys.size(); ++i) {
+          auto [it, fresh] = index.try_emplace(keys[i], op.unique.size());
+          const float* g = grads.data() + i * d;
+          if (fresh) {
+            op.unique.push_back(keys[i]);
+            op.summed.insert(op.summed.end(), g, g + d);
+          } else {
+            float* acc = op.summed.data() + size_t(it->second) * d;
+            for (uint32_t k = 0; k < d; ++k) acc[k] += g[k];
+          }
         }
       }
       by_node[j] = GroupByNode(op.unique);
@@ -550,6 +562,13 @@ class ClientImpl final : public EmbeddingClient {
     bool open_ = false;
     size_t bytes_ = 0, keys_ = 0, values_ = 0;
   };
+
+  static bool StrictlyIncreasing(std::span<const uint64_t> keys) {
+    for (size_t i = 1; i < keys.size(); ++i) {
+      if (keys[i] <= keys[i - 1]) return false;
+    }
+    return true;
+  }
 
   // The opened tables, each named at most once.
   Result<std::vector<const OpenedTable*>> FindAll(
