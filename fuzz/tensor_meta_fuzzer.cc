@@ -2,8 +2,7 @@
 #include <cstdlib>
 
 #include "membox/transport/tensor_transfer.h"
-
-using membox::transport::DTypeSize;
+using membox::DTypeSize;
 using membox::transport::TensorMeta;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

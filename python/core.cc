@@ -184,8 +184,8 @@ Buffer GetBuffer(py::object o, bool writable) {
   return Buffer{info.ptr, static_cast<size_t>(info.size * info.itemsize), o};
 }
 
-membox::transport::DType ParseDType(const std::string& s) {
-  using membox::transport::DType;
+membox::DType ParseDType(const std::string& s) {
+  using membox::DType;
   if (s == "float32") return DType::kFloat32;
   if (s == "float64") return DType::kFloat64;
   if (s == "float16") return DType::kFloat16;

@@ -154,7 +154,7 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
     std::fill(x, x + largest / 4, float(rank + 1));
     for (size_t i = 0; i < sizes.size(); ++i) {
       uint64_t n = sizes[i];
-      auto d = client->Declare(i + 1, n, transport::DType::kFloat32);
+      auto d = client->Declare(i + 1, n, DType::kFloat32);
       if (!d.ok()) return fail(d.status());
       Status err;
       double t = TimeCollective(ItersFor(n, iters), [&] {

@@ -164,10 +164,9 @@ Status PipelinedExchange(memserver::Client& c, memserver::Segment* w,
     if (!mapped && err.ok()) {
       err = c.WriteSync(g, parts[i].first, parts[i].second);
     }
-    acc[i] = err.ok()
-                 ? c.AccumulateAsync(w, g, transport::DType::kFloat32, -0.01,
-                                     parts[i].first, parts[i].second)
-                 : transport::OpHandle::Done(err);
+    acc[i] = err.ok() ? c.AccumulateAsync(w, g, DType::kFloat32, -0.01,
+                                          parts[i].first, parts[i].second)
+                      : transport::OpHandle::Done(err);
     if (!mapped && i > 0) read_back(i - 1);
   }
   for (size_t i = mapped ? 0 : parts.size() - 1; i < parts.size(); ++i) {

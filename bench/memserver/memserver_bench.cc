@@ -249,8 +249,7 @@ int RunMemserverBench(const MemserverBenchOptions& opt) {
   std::vector<double> acc;
   for (int i = 0; i < 7; ++i) {
     auto t0 = Clock::now();
-    if (!(*master)->Accumulate(*d, *g, transport::DType::kFloat32).ok())
-      return 1;
+    if (!(*master)->Accumulate(*d, *g, DType::kFloat32).ok()) return 1;
     acc.push_back(Seconds(Clock::now() - t0));
   }
   std::sort(acc.begin(), acc.end());

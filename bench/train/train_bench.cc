@@ -247,7 +247,7 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
   for (int l = 0; l < L; ++l) {
     ASSIGN_OR_RETURN(auto v,
                      client->Declare(l + 1, layer_off[l + 1] - layer_off[l],
-                                     transport::DType::kFloat32));
+                                     DType::kFloat32));
     (void)v;
   }
   // Dual synchronisation: measure both paths on 16 MiB, apply the cost
@@ -270,8 +270,7 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     for (int i = 0; i < world; ++i) eps.emplace_back(&all[128 * i]);
     RETURN_IF_ERROR(ring->Connect(eps));
     ASSIGN_OR_RETURN(void* pm, client->AllocateTensor(probe));
-    RETURN_IF_ERROR(
-        client->Declare(1u << 30, probe, transport::DType::kFloat32).status());
+    RETURN_IF_ERROR(client->Declare(1u << 30, probe, DType::kFloat32).status());
     double f2 = 2.0 * (world - 1) / world;
     auto time_it = [&](auto&& fn) -> Result<double> {
       double best = 1e9;

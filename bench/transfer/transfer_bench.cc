@@ -18,11 +18,11 @@
 
 #include "membox/base/logging.h"
 #include "membox/base/subprocess.h"
+#include "membox/base/wire.h"
 #include "membox/transport/device.h"
 #include "membox/transport/tensor_transfer.h"
 
 #include "bench/transfer/tensor_service.grpc.pb.h"
-#include "src/transport/wire.h"
 
 namespace membox::bench {
 namespace {
@@ -112,7 +112,7 @@ int RunMemboxPeer(const std::string& transports) {
       std::fprintf(stderr, "peer: %s\n", msg.status().ToString().c_str());
       return 1;
     }
-    transport::wire::Reader r(*msg);
+    wire::Reader r(*msg);
     uint8_t type = 0;
     uint64_t size = 0, iters = 0;
     uint8_t consume = 0;
@@ -218,7 +218,7 @@ class MemboxSender {
   Result<double> Run(uint64_t size, uint64_t iters, bool consume, bool copy) {
     const uint64_t warm = 1;
     const uint64_t per = std::max<uint64_t>(1, iters / kBatches);
-    transport::wire::Writer w;
+    wire::Writer w;
     w.U8('R');
     w.U64(size);
     w.U64(warm + per * kBatches);

@@ -6,11 +6,11 @@
 #include <set>
 #include <thread>
 
+#include "membox/base/accumulate.h"
 #include "membox/base/copy.h"
 #include "membox/transport/device.h"
 
 #include "src/collective/ring_message.h"
-#include "src/memserver/accumulate.h"
 
 namespace membox::collective {
 namespace {
@@ -204,8 +204,7 @@ class HierImpl final : public HierarchicalAllreduce {
   Status RecvAdd(int peer, float* data, size_t count, uint64_t call,
                  uint32_t step) {
     return Consume(peer, call, step, [&](const float* in) {
-      memserver::AccumulateKernel(transport::DType::kFloat32, data, in, count,
-                                  1.0);
+      AccumulateKernel(DType::kFloat32, data, in, count, 1.0);
     });
   }
 

@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cstring>
 
+#include "membox/base/accumulate.h"
 #include "membox/transport/device.h"
 
 #include "src/collective/ring_message.h"
-#include "src/memserver/accumulate.h"
 
 namespace membox::collective {
 namespace {
@@ -125,8 +125,7 @@ class RingImpl final : public RingAllreduce {
       auto [rb, rn] = chunk(recv_c);
       const float* in = static_cast<const float*>(recv_->data());
       if (reduce) {
-        memserver::AccumulateKernel(transport::DType::kFloat32, data + rb, in,
-                                    rn, 1.0);
+        AccumulateKernel(DType::kFloat32, data + rb, in, rn, 1.0);
       } else {
         std::memcpy(data + rb, in, rn * sizeof(float));
       }

@@ -1,11 +1,11 @@
 #include "src/collective/ring_message.h"
 
-#include "src/transport/wire.h"
+#include "membox/base/wire.h"
 
 namespace membox::collective {
 
-using transport::wire::Reader;
-using transport::wire::Writer;
+using wire::Reader;
+using wire::Writer;
 
 std::vector<uint8_t> EncodeRing(const RingMessage& m) {
   Writer w;

@@ -10,44 +10,13 @@
 #include <unordered_map>
 
 #include "membox/base/logging.h"
+#include "membox/service/client.h"
 #include "membox/transport/device.h"
 
 #include "src/embedding/protocol.h"
 #include "src/embedding/splitmix.h"
 
 namespace membox::embedding {
-
-struct EmbeddingHandle::State {
-  std::mutex mu;
-  std::condition_variable cv;
-  int remaining = 0;
-  Status status;
-  bool done = false;
-
-  void Finish(const Status& s) {
-    std::lock_guard<std::mutex> l(mu);
-    if (!s.ok() && status.ok()) status = s;
-    if (--remaining == 0) {
-      done = true;
-      cv.notify_all();
-    }
-  }
-};
-
-Status EmbeddingHandle::Wait(std::chrono::nanoseconds timeout) {
-  if (!s_) return FailedPreconditionError("empty handle");
-  std::unique_lock<std::mutex> l(s_->mu);
-  if (!s_->cv.wait_for(l, timeout, [this] { return s_->done; })) {
-    return DeadlineExceededError("embedding operation still running");
-  }
-  return s_->status;
-}
-
-bool EmbeddingHandle::done() const {
-  if (!s_) return true;
-  std::lock_guard<std::mutex> l(s_->mu);
-  return s_->done;
-}
 
 PartitionFn ModuloPartition() {
   return [](uint64_t key, uint32_t nodes) {
@@ -103,103 +72,49 @@ using proto::Message;
 using proto::Type;
 using ReplyFn = std::function<void(Result<Message>)>;
 
-// One memory node: its channel and the requests waiting for replies.
+// One memory node: a service client whose replies are decoded here. A
+// reply this client cannot decode fails the node (service::Client's policy).
 class Node {
  public:
-  Node(std::string endpoint, std::shared_ptr<transport::Channel> ch)
-      : endpoint_(std::move(endpoint)), ch_(std::move(ch)) {}
+  explicit Node(std::unique_ptr<service::Client> c) : c_(std::move(c)) {}
 
-  void Start() {
-    ch_->SetHandlers([this](std::vector<uint8_t> b) { OnReply(b); },
-                     [this](const Status& s) { Fail(s); });
+  // Sends `m`; `done` runs exactly once, on the progress thread or -- when
+  // the node has failed -- in this call.
+  void Send(const Message& m, ReplyFn done) {
+    c_->Send(
+        static_cast<uint16_t>(m.type), proto::Encode(m),
+        [this, done = std::move(done)](const Status& s,
+                                       std::span<const uint8_t> body) {
+          if (!s.ok()) return done(s);
+          auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), body);
+          if (!r.ok()) {
+            Status bad =
+                DataLossError("sent a bad reply: " + r.status().ToString());
+            c_->Fail(bad);
+            return done(c_->health());
+          }
+          done(std::move(*r));
+        });
   }
 
-  // Sends `m` (its id is assigned here); `done` runs exactly once, on the
-  // progress thread or -- when sending fails -- in this call.
-  void Send(Message m, ReplyFn done) {
-    Status failed;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (failed_.ok()) {
-        m.id = next_id_++;
-        pending_[m.id] = std::move(done);
-      } else {
-        failed = failed_;
-      }
-    }
-    if (!failed.ok()) return done(failed);
-    Status s = ch_->SendControl(proto::Encode(m));
-    if (!s.ok()) {
-      ReplyFn f;
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        auto it = pending_.find(m.id);
-        if (it == pending_.end()) return;  // failed meanwhile
-        f = std::move(it->second);
-        pending_.erase(it);
-      }
-      f(UnavailableError("embedding node " + endpoint_ + ": " +
-                         std::string(s.message())));
-    }
-  }
-
-  Result<Message> Call(Message m, std::chrono::milliseconds timeout) {
+  Result<Message> Call(const Message& m, std::chrono::milliseconds timeout) {
     auto p = std::make_shared<std::promise<Result<Message>>>();
     auto f = p->get_future();
-    Send(std::move(m), [p](Result<Message> r) { p->set_value(std::move(r)); });
+    Send(m, [p](Result<Message> r) { p->set_value(std::move(r)); });
     if (f.wait_for(timeout) != std::future_status::ready) {
-      return DeadlineExceededError("embedding node " + endpoint_ +
-                                   " did not answer in time");
+      return DeadlineExceededError(c_->name() + " did not answer in time");
     }
     return f.get();
   }
 
-  const std::string& endpoint() const { return endpoint_; }
-  void Close() { ch_->Close(); }
+  // A reply that contradicts its request fails the node.
+  Status Malformed(const std::string& what) {
+    c_->Fail(DataLossError(what));
+    return c_->health();
+  }
 
  private:
-  void OnReply(const std::vector<uint8_t>& bytes) {
-    auto m = proto::Decode(bytes);
-    if (!m.ok() || m->type != Type::kReply) {
-      Fail(DataLossError(
-          "embedding node " + endpoint_ + " sent a bad reply: " +
-          (m.ok() ? std::string("not a reply") : m.status().ToString())));
-      return;
-    }
-    ReplyFn f;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      auto it = pending_.find(m->id);
-      if (it == pending_.end()) return;
-      f = std::move(it->second);
-      pending_.erase(it);
-    }
-    if (m->code != 0) {
-      f(Status(static_cast<StatusCode>(m->code),
-               "embedding node " + endpoint_ + ": " + m->message));
-    } else {
-      f(std::move(*m));
-    }
-  }
-
-  void Fail(const Status& why) {
-    std::map<uint64_t, ReplyFn> pending;
-    Status s = UnavailableError("embedding node " + endpoint_ +
-                                " is gone: " + std::string(why.message()));
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (failed_.ok()) failed_ = s;
-      pending.swap(pending_);
-    }
-    for (auto& [id, f] : pending) f(s);
-  }
-
-  const std::string endpoint_;
-  std::shared_ptr<transport::Channel> ch_;
-  std::mutex mu_;
-  uint64_t next_id_ = 1;                 // GUARDED_BY(mu_)
-  std::map<uint64_t, ReplyFn> pending_;  // GUARDED_BY(mu_)
-  Status failed_;                        // GUARDED_BY(mu_)
+  std::unique_ptr<service::Client> c_;
 };
 
 struct OpenedTable {
@@ -213,9 +128,8 @@ class ClientImpl final : public EmbeddingClient {
     if (!opt_.partition) opt_.partition = ModuloPartition();
   }
   ~ClientImpl() override {
-    // Closed channels call no handler any more: the Nodes may go, then the
-    // device (channels must not outlive it).
-    for (auto& n : nodes_) n->Close();
+    // Closed channels call no handler any more: the Nodes go first, then
+    // the device (channels must not outlive it).
     nodes_.clear();
     device_.reset();
   }
@@ -231,15 +145,10 @@ class ClientImpl final : public EmbeddingClient {
     d.connect_timeout = opt_.timeout;
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
     for (const std::string& ep : opt_.nodes) {
-      auto ch = device_->GetChannel(ep);
-      if (!ch.ok()) {
-        // Keep the code: a wrong secret is kUnauthenticated, not a dead node.
-        return Status(
-            ch.status().code(),
-            "embedding node " + ep + ": " + std::string(ch.status().message()));
-      }
-      nodes_.push_back(std::make_unique<Node>(ep, *ch));
-      nodes_.back()->Start();
+      service::ClientOptions co;
+      co.node_kind = "embedding node";
+      ASSIGN_OR_RETURN(auto c, service::Client::Connect(*device_, ep, co));
+      nodes_.push_back(std::make_unique<Node>(std::move(c)));
       Message h;
       h.type = Type::kHello;
       h.name = opt_.name;
@@ -331,22 +240,21 @@ class ClientImpl final : public EmbeddingClient {
       }
       pack.Finish();
     }
-    auto state = std::make_shared<EmbeddingHandle::State>();
-    state->remaining = static_cast<int>(msgs.size()) + 1;
+    service::Call call = service::Call::Make(static_cast<int>(msgs.size()) + 1);
+    auto state = call.state();
     for (Packed& pm : msgs) {
       auto pieces = std::make_shared<std::vector<Piece>>(std::move(pm.pieces));
-      nodes_[pm.node]->Send(std::move(pm.msg), [ps, pieces,
-                                                state](Result<Message> r) {
+      Node* node = nodes_[pm.node].get();
+      node->Send(pm.msg, [ps, pieces, state, node](Result<Message> r) {
         if (!r.ok()) return state->Finish(r.status());
         size_t want = 0;
         for (const Piece& pc : *pieces) {
           want += pc.rows.size() * size_t((*ps)[pc.part].dim);
         }
         if (r->values.size() != want) {
-          return state->Finish(DataLossError("embedding node replied with " +
-                                             std::to_string(r->values.size()) +
-                                             " values for " +
-                                             std::to_string(want)));
+          return state->Finish(node->Malformed(
+              "replied with " + std::to_string(r->values.size()) +
+              " values for " + std::to_string(want)));
         }
         const float* row = r->values.data();
         for (const Piece& pc : *pieces) {
@@ -362,7 +270,7 @@ class ClientImpl final : public EmbeddingClient {
       });
     }
     state->Finish(Status::Ok());  // the submitter's share
-    return EmbeddingHandle(state);
+    return call;
   }
 
   Result<EmbeddingHandle> PushManyAsync(std::span<const TablePush> parts,
@@ -626,15 +534,14 @@ class ClientImpl final : public EmbeddingClient {
 
   Result<EmbeddingHandle> SendAll(
       std::vector<std::pair<uint32_t, Message>> msgs) {
-    auto state = std::make_shared<EmbeddingHandle::State>();
-    state->remaining = static_cast<int>(msgs.size()) + 1;
+    service::Call call = service::Call::Make(static_cast<int>(msgs.size()) + 1);
+    auto state = call.state();
     for (auto& [n, m] : msgs) {
-      nodes_[n]->Send(std::move(m), [state](Result<Message> r) {
-        state->Finish(r.status());
-      });
+      nodes_[n]->Send(
+          m, [state](Result<Message> r) { state->Finish(r.status()); });
     }
     state->Finish(Status::Ok());
-    return EmbeddingHandle(state);
+    return call;
   }
 
   EmbeddingClientOptions opt_;

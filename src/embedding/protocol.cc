@@ -2,23 +2,25 @@
 
 #include <algorithm>
 
+#include "membox/base/wire.h"
+#include "membox/service/envelope.h"
 #include "membox/transport/channel.h"
-
-#include "src/transport/wire.h"
 
 namespace membox::embedding::proto {
 namespace {
 
-using transport::wire::GetBool;
-using transport::wire::GetF64;
-using transport::wire::GetStr;
-using transport::wire::PutF64;
-using transport::wire::PutStr;
-using transport::wire::Reader;
-using transport::wire::Writer;
+using wire::GetBool;
+using wire::GetF64;
+using wire::GetStr;
+using wire::PutF64;
+using wire::PutStr;
+using wire::Reader;
+using wire::Writer;
 
 constexpr uint8_t kMagic = 'E';
-constexpr uint8_t kVersion = 2;  // 2: pulls and pushes carry sections
+// 2: pulls and pushes carry sections; 3: inside the service envelope (the
+// request id, method and error travel there).
+constexpr uint8_t kVersion = 3;
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed embedding message: ") +
@@ -114,11 +116,9 @@ uint32_t MaxKeysPerMessage(uint32_t dim) {
 }
 
 std::vector<uint8_t> Encode(const Message& m) {
-  Writer w;
+  Writer w(service::NewMessage());
   w.U8(kMagic);
   w.U8(kVersion);
-  w.U8(static_cast<uint8_t>(m.type));
-  w.U64(m.id);
   switch (m.type) {
     case Type::kHello:
       PutStr(w, m.name);
@@ -156,8 +156,6 @@ std::vector<uint8_t> Encode(const Message& m) {
     case Type::kStats:
       break;
     case Type::kReply:
-      w.U32(m.code);
-      PutStr(w, m.message);
       w.U32(m.table_id);
       PutValues(w, m.values);
       PutStr(w, m.text);
@@ -166,15 +164,14 @@ std::vector<uint8_t> Encode(const Message& m) {
   return std::move(w.buffer());
 }
 
-Result<Message> Decode(std::span<const uint8_t> in) {
+Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
+  if (type < 1 || type > 8) return Bad("unknown type");
   Reader r(in);
-  uint8_t magic = 0, version = 0, type = 0;
+  uint8_t magic = 0, version = 0;
   if (!r.U8(&magic) || magic != kMagic) return Bad("bad magic");
   if (!r.U8(&version) || version != kVersion) return Bad("unknown version");
-  if (!r.U8(&type) || type < 1 || type > 8) return Bad("unknown type");
   Message m;
   m.type = static_cast<Type>(type);
-  if (!r.U64(&m.id)) return Bad("short header");
   bool ok = true;
   switch (m.type) {
     case Type::kHello:
@@ -203,8 +200,7 @@ Result<Message> Decode(std::span<const uint8_t> in) {
     case Type::kStats:
       break;
     case Type::kReply:
-      ok = r.U32(&m.code) && GetStr(r, &m.message, kMaxText) &&
-           r.U32(&m.table_id) && GetValues(r, &m.values) &&
+      ok = r.U32(&m.table_id) && GetValues(r, &m.values) &&
            GetStr(r, &m.text, kMaxText);
       break;
   }

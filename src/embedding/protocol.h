@@ -1,10 +1,11 @@
-// Messages of the embedding service (docs/formats/embedding_protocol.md):
+// Message bodies of the embedding service (docs/formats/embedding_protocol.md):
 // worker (EmbeddingClient) <-> memory node (EmbeddingServer). They travel
-// as transport control messages (<= 1 MiB, so clients split large batches)
-// and come from other processes: the decoder checks every length, count and
-// enum and rejects trailing bytes; fuzz/embedding_protocol_fuzzer.cc drives
-// it. Semantic checks (rows * dim == values, finite gradients, known
-// tables) are the server's.
+// inside the service envelope (service/envelope.h: method = the request's
+// Type, request id, error code and message) as transport control messages
+// (<= 1 MiB, so clients split large batches) and come from other
+// processes: the decoder checks every length, count and enum and rejects
+// trailing bytes; fuzz/embedding_protocol_fuzzer.cc drives it. Semantic checks
+// (rows * dim == values, finite gradients, known tables) are the server's.
 // Thread-safety: pure functions.
 #ifndef MEMBOX_SRC_EMBEDDING_PROTOCOL_H_
 #define MEMBOX_SRC_EMBEDDING_PROTOCOL_H_
@@ -27,7 +28,7 @@ enum class Type : uint8_t {
   kRelease = 5,    // table_id, batch: unpin what the batch pulled
   kFlush = 6,      // make every update durable (SSD tier synced)
   kStats = 7,      // -> reply.text
-  kReply = 8,      // id, code, message, table_id, values, text
+  kReply = 8,      // an ok reply's body: table_id, values, text
 };
 const char* TypeName(Type t);
 
@@ -51,7 +52,6 @@ struct Section {
 
 struct Message {
   Type type = Type::kStats;
-  uint64_t id = 0;  // request id, echoed in kReply
   // kHello
   std::string name;
   // kOpenTable
@@ -65,14 +65,16 @@ struct Message {
   std::vector<Section> sections;
   // kReply to kPull: the sections' rows, one after another
   std::vector<float> values;
-  // kReply
-  uint32_t code = 0;
-  std::string message;
+  // kReply to kStats
   std::string text;
 };
 
+// The body of `m`, after room for the service envelope's header
+// (service::NewMessage).
 std::vector<uint8_t> Encode(const Message& m);
-Result<Message> Decode(std::span<const uint8_t> in);
+// Decodes a body of `type` (the envelope's method for a request; kReply
+// for a reply).
+Result<Message> Decode(uint16_t type, std::span<const uint8_t> body);
 
 // The most keys of a `dim`-wide table one pull or push message may carry
 // so that it -- and the pull's reply -- fits a control message.

@@ -4,21 +4,33 @@
 
 #include <gtest/gtest.h>
 
+#include "membox/service/envelope.h"
 #include "membox/transport/channel.h"
 
 namespace membox::embedding::proto {
 namespace {
 
+using service::kHeaderBytes;
+
+// The body Encode wrote after the envelope's header room.
+std::vector<uint8_t> Body(const Message& m) {
+  auto b = Encode(m);
+  return {b.begin() + kHeaderBytes, b.end()};
+}
+
+Result<Message> RoundTrip(const Message& m) {
+  return Decode(static_cast<uint16_t>(m.type), Body(m));
+}
+
 TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
   Message push;
   push.type = Type::kPush;
-  push.id = 9;
   push.batch = 77;
   push.sections.push_back(
       {2, true, {1, 2, 3}, {0.5f, -1.f, 2.f, 3.f, 4.f, 5.f}});
   push.sections.push_back({0, false, {9}, {1.f}});
   push.sections.push_back({4, true, {}, {}});  // a release alone
-  auto d = Decode(Encode(push));
+  auto d = RoundTrip(push);
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_EQ(d->sections, push.sections);
   EXPECT_EQ(d->batch, 77u);
@@ -28,7 +40,7 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
   pull.batch = 3;
   pull.sections.push_back({1, false, {4, 5}, {}});
   pull.sections.push_back({2, false, {6}, {}});
-  auto pd = Decode(Encode(pull));
+  auto pd = RoundTrip(pull);
   ASSERT_TRUE(pd.ok()) << pd.status().ToString();
   EXPECT_EQ(pd->sections, pull.sections);
 
@@ -38,7 +50,7 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
   open.table.dim = 16;
   open.table.optimizer = RowOptimizer::kAdam;
   open.table.seed = 5;
-  auto o = Decode(Encode(open));
+  auto o = RoundTrip(open);
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(o->table, open.table);
 
@@ -47,7 +59,7 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
     Message m;
     m.type = t;
     m.text = "x";
-    auto r = Decode(Encode(m));
+    auto r = RoundTrip(m);
     EXPECT_TRUE(r.ok()) << TypeName(t) << ": " << r.status().ToString();
   }
 }
@@ -56,41 +68,44 @@ TEST(EmbeddingProtocolTest, RejectsDamagedInput) {
   Message m;
   m.type = Type::kPull;
   m.sections.push_back({0, false, {1, 2, 3}, {}});
-  auto b = Encode(m);
+  auto b = Body(m);
+  const uint16_t pull = static_cast<uint16_t>(Type::kPull);
   for (size_t n = 0; n < b.size(); ++n) {
-    EXPECT_FALSE(Decode({b.data(), n}).ok()) << "prefix " << n;
+    EXPECT_FALSE(Decode(pull, {b.data(), n}).ok()) << "prefix " << n;
   }
   auto longer = b;
   longer.push_back(0);
-  EXPECT_FALSE(Decode(longer).ok());
-  auto bad_type = b;
-  bad_type[2] = 99;
-  EXPECT_FALSE(Decode(bad_type).ok());
+  EXPECT_FALSE(Decode(pull, longer).ok());
+  EXPECT_FALSE(Decode(99, b).ok());
+  EXPECT_FALSE(Decode(0, b).ok());
+  auto bad_version = b;
+  bad_version[1] = 2;
+  EXPECT_FALSE(Decode(pull, bad_version).ok());
   // A key count far beyond the bytes present is refused before allocating.
   auto huge = b;
   uint32_t n = 0xFFFFFFF0u;
-  std::memcpy(huge.data() + 3 + 8 + 8 + 4 + 4, &n, 4);
-  auto r = Decode(huge);
+  std::memcpy(huge.data() + 2 + 8 + 4 + 4, &n, 4);
+  auto r = Decode(pull, huge);
   EXPECT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("pull"), std::string::npos);
   // So is a section count far beyond the bytes present or the limit.
   auto many = b;
-  std::memcpy(many.data() + 3 + 8 + 8, &n, 4);
-  EXPECT_FALSE(Decode(many).ok());
+  std::memcpy(many.data() + 2 + 8, &n, 4);
+  EXPECT_FALSE(Decode(pull, many).ok());
   // Sections whose keys add up beyond kMaxKeys are refused.
   Message big;
   big.type = Type::kPull;
   big.sections.push_back({0, false, std::vector<uint64_t>(kMaxKeys, 1), {}});
   big.sections.push_back({1, false, {2}, {}});
-  EXPECT_FALSE(Decode(Encode(big)).ok());
+  EXPECT_FALSE(RoundTrip(big).ok());
   big.sections.pop_back();
-  EXPECT_TRUE(Decode(Encode(big)).ok());
+  EXPECT_TRUE(RoundTrip(big).ok());
   Message open;
   open.type = Type::kOpenTable;
   open.table.name = "t";
-  auto ob = Encode(open);
-  ob[3 + 8 + 4 + 1 + 4] = 7;  // optimizer byte
-  EXPECT_FALSE(Decode(ob).ok());
+  auto ob = Body(open);
+  ob[2 + 4 + 1 + 4] = 7;  // optimizer byte
+  EXPECT_FALSE(Decode(static_cast<uint16_t>(Type::kOpenTable), ob).ok());
 }
 
 TEST(EmbeddingProtocolTest, MessagesOfMaxKeysFitAControlMessage) {

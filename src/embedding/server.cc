@@ -25,6 +25,7 @@
 #include "membox/embedding/mem_tier.h"
 #include "membox/embedding/ssd_store.h"
 #include "membox/embedding/table.h"
+#include "membox/service/server.h"
 #include "membox/transport/device.h"
 
 #include "src/embedding/protocol.h"
@@ -77,21 +78,16 @@ struct Table {
 };
 
 struct Conn {
-  std::shared_ptr<Channel> channel;
   bool authenticated = false;
   std::string name;
   // (table, client batch) -> the memory tier's batch tag
   std::map<std::pair<uint32_t, uint64_t>, uint64_t> batches;
 };
 
-struct Event {
-  uint64_t conn = 0;
-  bool disconnect = false;
-  std::vector<uint8_t> bytes;
-  std::function<void()> task;
-};
-
-class ServerImpl final : public EmbeddingServer {
+// Runs on a service::Server with one serial event loop: every request,
+// disconnect, flush timer and status query of this node is applied on that
+// loop, so tables and connections need no locks.
+class ServerImpl final : public EmbeddingServer, public service::Service {
  public:
   explicit ServerImpl(EmbeddingServerOptions o) : opt_(std::move(o)) {}
   ~ServerImpl() override { Stop(); }
@@ -110,22 +106,33 @@ class ServerImpl final : public EmbeddingServer {
     if (ec) {
       return InternalError("cannot create " + opt_.dir + ": " + ec.message());
     }
-    transport::DeviceOptions d;
-    d.listen_address = opt_.listen;
-    d.transports = opt_.transports;
-    d.secret = opt_.secret;
-    d.name = "membox-embedding";
-    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
-    running_ = true;
-    acceptor_ = std::thread([this] { AcceptLoop(); });
-    events_thread_ = std::thread([this] { EventLoop(); });
+    service::ServerOptions so;
+    so.device.listen_address = opt_.listen;
+    so.device.transports = opt_.transports;
+    so.device.secret = opt_.secret;
+    so.device.name = "membox-embedding";
+    so.service = "embedding server";
+    so.handler_threads = 0;  // serial: tables are touched by one thread
     compactor_ = std::thread([this] { CompactLoop(); });
+    auto server = service::Server::Start(so, this);
+    if (!server.ok()) {
+      StopCompactor();
+      return server.status();
+    }
+    server_ = std::move(*server);
+    endpoint_ = server_->endpoint();
+    if (opt_.flush_interval.count() > 0) {
+      server_->Every(opt_.flush_interval, [this] {
+        Status s = FlushAll();
+        if (!s.ok()) MEMBOX_LOG_ERROR("periodic flush: {}", s.ToString());
+      });
+    }
     MEMBOX_LOG_INFO("embedding server listening on {} (tables in {})",
-                    device_->listen_endpoint(), opt_.dir);
+                    server_->endpoint(), opt_.dir);
     return Status::Ok();
   }
 
-  std::string endpoint() const override { return device_->listen_endpoint(); }
+  std::string endpoint() const override { return endpoint_; }
 
   EmbeddingServerStats Stats() const override {
     EmbeddingServerStats s;
@@ -142,156 +149,61 @@ class ServerImpl final : public EmbeddingServer {
 
   std::string StatusText() const override {
     auto* self = const_cast<ServerImpl*>(this);
-    auto r =
-        self->RunOnEventThread<std::string>([self] { return self->Text(); });
+    auto r = self->server_->RunOnExecutor<std::string>(
+        [self] { return self->Text(); });
     return r ? *r : "embedding server stopped\n";
   }
 
   Status Flush() override {
-    auto r = RunOnEventThread<Status>([this] { return FlushAll(); });
+    auto r = server_->RunOnExecutor<Status>([this] { return FlushAll(); });
     return r ? *r : UnavailableError("embedding server stopped");
   }
 
   void Stop() override {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (!running_) return;
-      running_ = false;
-    }
-    cv_.notify_all();
-    if (acceptor_.joinable()) acceptor_.join();
-    if (events_thread_.joinable()) events_thread_.join();
+    if (!server_ || stopped_) return;
+    stopped_ = true;
+    // Ends the event loop (tasks posted before, e.g. a Flush(), still run)
+    // and closes every connection.
+    server_->Stop();
+    StopCompactor();
+    Status s = FlushAll();  // the event loop is gone: safe here
+    if (!s.ok()) MEMBOX_LOG_ERROR("final flush: {}", s.ToString());
+    conns_.clear();
+    tables_.clear();
+    MEMBOX_LOG_INFO("embedding server stopped");
+  }
+
+ private:
+  void StopCompactor() {
     {
       std::lock_guard<std::mutex> l(compact_mu_);
       compact_stop_ = true;
     }
     compact_cv_.notify_all();
     if (compactor_.joinable()) compactor_.join();
-    // Tasks queued by RunOnEventThread before the stop still answer.
-    for (Event& e : events_) {
-      if (e.task) e.task();
-    }
-    events_.clear();
-    Status s = FlushAll();  // the event thread is gone: safe here
-    if (!s.ok()) MEMBOX_LOG_ERROR("final flush: {}", s.ToString());
-    for (auto& [id, c] : conns_) {
-      if (c.channel) c.channel->Close();
-    }
-    conns_.clear();
-    tables_.clear();
-    device_.reset();
-    MEMBOX_LOG_INFO("embedding server stopped");
   }
 
- private:
-  // ------------------------------------------------------------ plumbing
+  // ------------------------------------------------------------ service
 
-  // nullopt when the server is stopping.
-  template <typename T>
-  std::optional<T> RunOnEventThread(std::function<T()> f) {
-    auto p = std::make_shared<std::promise<T>>();
-    auto fut = p->get_future();
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (!running_) return std::nullopt;
-      events_.push_back(Event{0, false, {}, [p, f] { p->set_value(f()); }});
-    }
-    cv_.notify_one();
-    return fut.get();
+  void OnConnect(service::ConnectionId conn, const std::string&) override {
+    conns_[conn];
   }
 
-  void AcceptLoop() {
-    while (running_) {
-      auto ch = device_->Accept(std::chrono::milliseconds(100));
-      if (!ch.ok()) continue;
-      uint64_t id = next_conn_++;
-      std::shared_ptr<Channel> c = *ch;
-      Post(Event{id, false, {}, [this, id, c] { conns_[id].channel = c; }});
-      c->SetHandlers(
-          [this, id](std::vector<uint8_t> m) {
-            Post(Event{id, false, std::move(m), nullptr});
-          },
-          [this, id](const Status&) {
-            Post(Event{id, true, {}, nullptr});
-          });
-    }
-  }
-
-  void Post(Event e) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      events_.push_back(std::move(e));
-    }
-    cv_.notify_one();
-  }
-
-  void EventLoop() {
-    auto next_flush = Clock::now() + opt_.flush_interval;
-    for (;;) {
-      Event e;
-      {
-        std::unique_lock<std::mutex> l(mu_);
-        auto ready = [this] { return !running_ || !events_.empty(); };
-        if (opt_.flush_interval.count() > 0) {
-          cv_.wait_until(l, next_flush, ready);
-        } else {
-          cv_.wait(l, ready);
-        }
-        if (!running_) return;
-        if (events_.empty()) {
-          l.unlock();
-          Status s = FlushAll();
-          if (!s.ok()) MEMBOX_LOG_ERROR("periodic flush: {}", s.ToString());
-          next_flush = Clock::now() + opt_.flush_interval;
-          continue;
-        }
-        e = std::move(events_.front());
-        events_.pop_front();
-      }
-      if (e.task) {
-        e.task();
-      } else if (e.disconnect) {
-        OnDisconnect(e.conn);
-      } else {
-        OnMessage(e.conn, e.bytes);
-      }
-      if (opt_.flush_interval.count() > 0 && Clock::now() >= next_flush) {
-        Status s = FlushAll();
-        if (!s.ok()) MEMBOX_LOG_ERROR("periodic flush: {}", s.ToString());
-        next_flush = Clock::now() + opt_.flush_interval;
-      }
-    }
-  }
-
-  void Reply(uint64_t conn, Message m, const Status& s) {
-    auto it = conns_.find(conn);
-    if (it == conns_.end() || !it->second.channel) return;
-    m.type = Type::kReply;
-    m.code = static_cast<uint32_t>(s.code());
-    m.message = std::string(s.message());
-    if (!s.ok()) {
-      rejected_++;
-      m.values.clear();
-    }
-    Status st = it->second.channel->SendControl(proto::Encode(m));
-    if (!st.ok()) MEMBOX_LOG_DEBUG("reply failed: {}", st.ToString());
-  }
-
-  // ------------------------------------------------------------ requests
-
-  void OnMessage(uint64_t conn, const std::vector<uint8_t>& bytes) {
-    auto d = proto::Decode(bytes);
-    Message reply;
+  void OnRequest(const service::Request& r) override {
+    auto d = proto::Decode(r.method, r.body);
     if (!d.ok()) {
-      MEMBOX_LOG_WARN("connection {}: {}", conn, d.status().ToString());
-      Reply(conn, reply, d.status());
+      rejected_++;
+      MEMBOX_LOG_WARN("connection {}: {}", r.conn, d.status().ToString());
+      server_->Reply(r, d.status());
       return;
     }
     Message& m = *d;
-    reply.id = m.id;
-    Conn& c = conns_[conn];
+    Message reply;
+    reply.type = Type::kReply;
+    Conn& c = conns_[r.conn];
     if (!c.authenticated && m.type != Type::kHello) {
-      Reply(conn, reply, UnauthenticatedError("say hello first"));
+      rejected_++;
+      server_->Reply(r, UnauthenticatedError("say hello first"));
       return;
     }
     Status s;
@@ -302,6 +214,7 @@ class ServerImpl final : public EmbeddingServer {
           c.authenticated = true;
           c.name = m.name;
           n_clients_++;
+          server_->Establish(r.conn);
         }
         break;
       case Type::kOpenTable:
@@ -326,10 +239,15 @@ class ServerImpl final : public EmbeddingServer {
         s = InvalidArgumentError("a reply is not a request");
         break;
     }
-    Reply(conn, std::move(reply), s);
+    if (!s.ok()) {
+      rejected_++;
+      server_->Reply(r, s);
+      return;
+    }
+    server_->Reply(r, Status::Ok(), proto::Encode(reply));
   }
 
-  void OnDisconnect(uint64_t conn) {
+  void OnDisconnect(service::ConnectionId conn, const Status&) override {
     auto it = conns_.find(conn);
     if (it == conns_.end()) return;
     for (auto& [tb, tag] : it->second.batches) {
@@ -342,7 +260,6 @@ class ServerImpl final : public EmbeddingServer {
       MEMBOX_LOG_INFO("client {} disconnected; released {} pinned batches",
                       it->second.name, it->second.batches.size());
     }
-    if (it->second.channel) it->second.channel->Close();
     conns_.erase(it);
   }
 
@@ -611,19 +528,16 @@ class ServerImpl final : public EmbeddingServer {
   }
 
   EmbeddingServerOptions opt_;
-  std::unique_ptr<transport::Device> device_;
-  std::thread acceptor_, events_thread_, compactor_;
+  std::unique_ptr<service::Server> server_;  // stopped, not freed, by Stop
+  std::string endpoint_;
+  bool stopped_ = false;  // Start/Stop thread
+  std::thread compactor_;
   std::mutex compact_mu_;
   std::condition_variable compact_cv_;
   std::vector<SsdStore*> compact_queue_;  // GUARDED_BY(compact_mu_)
   bool compact_stop_ = false;             // GUARDED_BY(compact_mu_)
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::atomic<bool> running_{false};  // written under mu_
-  std::deque<Event> events_;          // GUARDED_BY(mu_)
-  std::atomic<uint64_t> next_conn_{1};
-  // Event thread only:
-  std::unordered_map<uint64_t, Conn> conns_;
+  // Event loop only:
+  std::unordered_map<service::ConnectionId, Conn> conns_;
   std::vector<std::unique_ptr<Table>> tables_;
   uint64_t next_tag_ = 1;
   std::atomic<uint64_t> n_tables_{0}, n_clients_{0}, pulls_{0}, pushes_{0},

@@ -13,6 +13,7 @@
 
 #include "membox/embedding/client.h"
 #include "membox/embedding/pipeline.h"
+#include "membox/service/envelope.h"
 #include "membox/transport/device.h"
 
 #include "src/embedding/protocol.h"
@@ -322,39 +323,58 @@ TEST_F(EmbeddingServerTest, BadInputIsRefusedAndChangesNothing) {
   ASSERT_TRUE(dev.ok());
   auto ch = (*dev)->GetChannel(servers_[0]->endpoint());
   ASSERT_TRUE(ch.ok());
-  auto expect_error = [&](std::vector<uint8_t> bytes, StatusCode code) {
-    ASSERT_TRUE((*ch)->SendControl(bytes).ok());
+  // Requests go in the service envelope (method = the body's type).
+  uint64_t next_id = 1;
+  auto send = [&](std::vector<uint8_t> bytes, uint16_t method) {
+    service::WriteHeader(service::Header{service::Kind::kRequest, method,
+                                         StatusCode::kOk, next_id++},
+                         &bytes);
+    return (*ch)->SendControl(bytes);
+  };
+  auto expect_error_on = [&](std::vector<uint8_t> bytes, uint16_t method,
+                             StatusCode code) {
+    ASSERT_TRUE(send(std::move(bytes), method).ok());
     auto r = (*ch)->RecvControl(10s);
     ASSERT_TRUE(r.ok());
-    auto m = proto::Decode(*r);
-    ASSERT_TRUE(m.ok());
-    EXPECT_EQ(m->code, static_cast<uint32_t>(code)) << m->message;
+    std::span<const uint8_t> body;
+    auto h = service::Decode(*r, &body);
+    ASSERT_TRUE(h.ok());
+    EXPECT_EQ(h->id, next_id - 1);
+    EXPECT_EQ(h->code, code) << std::string(body.begin(), body.end());
   };
-  expect_error({1, 2, 3}, StatusCode::kInvalidArgument);
+  auto expect_error = [&](const proto::Message& m, StatusCode code) {
+    expect_error_on(proto::Encode(m), static_cast<uint16_t>(m.type), code);
+  };
+  // A body that does not decode gets an error; the connection stays.
+  std::vector<uint8_t> junk = service::NewMessage();
+  junk.insert(junk.end(), {1, 2, 3});
+  expect_error_on(junk, static_cast<uint16_t>(proto::Type::kPull),
+                  StatusCode::kInvalidArgument);
+  expect_error_on(service::NewMessage(), 99, StatusCode::kInvalidArgument);
   proto::Message pull;
   pull.type = proto::Type::kPull;
   pull.sections.push_back({0, false, {5}, {}});
-  expect_error(proto::Encode(pull), StatusCode::kUnauthenticated);
+  expect_error((pull), StatusCode::kUnauthenticated);
   proto::Message hello;
   hello.type = proto::Type::kHello;
-  expect_error(proto::Encode(hello), StatusCode::kOk);
+  expect_error((hello), StatusCode::kOk);
   proto::Message release;
   release.type = proto::Type::kRelease;
   release.batch = 9;
-  expect_error(proto::Encode(release), StatusCode::kNotFound);
+  expect_error((release), StatusCode::kNotFound);
   proto::Message too_many = pull;
   too_many.sections[0].keys.assign(proto::MaxKeysPerMessage(8) + 1, 1);
-  expect_error(proto::Encode(too_many), StatusCode::kInvalidArgument);
+  expect_error((too_many), StatusCode::kInvalidArgument);
   // Two sections that fit one by one but not together in a reply.
   proto::Message too_many_together = pull;
   too_many_together.sections[0].keys.assign(proto::MaxKeysPerMessage(8) / 2 + 1,
                                             1);
   too_many_together.sections.push_back(too_many_together.sections[0]);
-  expect_error(proto::Encode(too_many_together), StatusCode::kInvalidArgument);
+  expect_error((too_many_together), StatusCode::kInvalidArgument);
   proto::Message push;
   push.type = proto::Type::kPush;
   push.sections.push_back({0, false, {5}, {1.f}});  // 1 value for dim 8
-  expect_error(proto::Encode(push), StatusCode::kInvalidArgument);
+  expect_error((push), StatusCode::kInvalidArgument);
   // A valid section before a bad one changes nothing either (checked at
   // the end: `after` equals `before`).
   proto::Message half_bad;
@@ -362,14 +382,23 @@ TEST_F(EmbeddingServerTest, BadInputIsRefusedAndChangesNothing) {
   half_bad.sections.push_back(
       {0, false, keys, std::vector<float>(keys.size() * 8, 1.f)});
   half_bad.sections.push_back({0, false, {5}, std::vector<float>(8, NAN)});
-  expect_error(proto::Encode(half_bad), StatusCode::kInvalidArgument);
+  expect_error((half_bad), StatusCode::kInvalidArgument);
   half_bad.sections[1] = {
       7, false, {5}, std::vector<float>(8, 1.f)};  // no table 7
-  expect_error(proto::Encode(half_bad), StatusCode::kNotFound);
+  expect_error((half_bad), StatusCode::kNotFound);
   half_bad.sections[1] = {0, true, {}, {}};  // releases a batch never pinned
   half_bad.batch = 4;
-  expect_error(proto::Encode(half_bad), StatusCode::kNotFound);
+  expect_error((half_bad), StatusCode::kNotFound);
   (*ch)->Close();
+  // Bytes that are not a service message close their connection only.
+  auto raw = (*dev)->GetChannel(servers_[0]->endpoint());
+  ASSERT_TRUE(raw.ok());
+  ASSERT_TRUE((*raw)->SendControl(std::vector<uint8_t>{1, 2, 3}).ok());
+  for (int i = 0; i < 300 && (*raw)->health().ok(); ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_FALSE((*raw)->health().ok());
+  (*raw)->Close();
   ASSERT_TRUE(c->Pull(*t, keys, after.data()).ok());
   EXPECT_EQ(before, after);
   EXPECT_GE(servers_[0]->Stats().rejected, 6u);

@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "src/transport/wire.h"
+#include "membox/base/wire.h"
 
 namespace membox::embedding {
 namespace {
@@ -27,7 +27,7 @@ std::vector<uint8_t> EncodeFileHeader(uint32_t row_bytes) {
   std::vector<uint8_t> h(kFileHeaderBytes, 0);
   std::memcpy(h.data(), kFileMagic, 8);
   std::memcpy(h.data() + 8, &row_bytes, 4);
-  uint32_t crc = transport::wire::Crc32(h.data(), 12);
+  uint32_t crc = wire::Crc32(h.data(), 12);
   std::memcpy(h.data() + 12, &crc, 4);
   return h;
 }
@@ -37,7 +37,7 @@ Result<uint32_t> DecodeFileHeader(std::span<const uint8_t> in) {
       std::memcmp(in.data(), kFileMagic, 8) != 0) {
     return DataLossError("not a membox parameter file (bad magic)");
   }
-  if (transport::wire::Crc32(in.data(), 12) != Get32(in.data() + 12)) {
+  if (wire::Crc32(in.data(), 12) != Get32(in.data() + 12)) {
     return DataLossError("parameter file header checksum mismatch");
   }
   uint32_t row = Get32(in.data() + 8);
@@ -60,8 +60,7 @@ void EncodeRecord(uint64_t key, uint64_t seq, bool tombstone,
   std::memcpy(p + 24, &flags, 4);
   std::memcpy(p + 28, &n, 4);
   if (!row.empty()) std::memcpy(p + kRecordHeaderBytes, row.data(), row.size());
-  uint32_t crc =
-      transport::wire::Crc32(p + 8, kRecordHeaderBytes - 8 + row.size());
+  uint32_t crc = wire::Crc32(p + 8, kRecordHeaderBytes - 8 + row.size());
   std::memcpy(p + 4, &crc, 4);
 }
 
@@ -72,7 +71,7 @@ Result<RecordView> DecodeRecord(std::span<const uint8_t> in,
   }
   const uint8_t* p = in.data();
   if (Get32(p) != kRecordMagic) return DataLossError("record: bad magic");
-  if (transport::wire::Crc32(p + 8, in.size() - 8) != Get32(p + 4)) {
+  if (wire::Crc32(p + 8, in.size() - 8) != Get32(p + 4)) {
     return DataLossError("record: checksum mismatch");
   }
   uint32_t flags = Get32(p + 24), n = Get32(p + 28);

@@ -145,8 +145,8 @@ int shm_accum(void* dst, void* src, size_t size, unsigned int type) {
         membox::InvalidArgumentError("shm_accum: dst and src offsets differ"));
   }
   if (size == 0) return Fail(membox::InvalidArgumentError("shm_accum: size 0"));
-  Status st = c->Accumulate(d, s, static_cast<membox::transport::DType>(type),
-                            1.0, doff, size);
+  Status st =
+      c->Accumulate(d, s, static_cast<membox::DType>(type), 1.0, doff, size);
   return st.ok() ? 0 : Fail(st);
 }
 

@@ -117,16 +117,16 @@ class ClientImpl final : public Client {
     return Sync(s, offset, length, transport::Direction::kWrite);
   }
 
-  Status Accumulate(Segment* dst, Segment* src, transport::DType dtype,
-                    double scale, size_t offset, size_t length) override {
+  Status Accumulate(Segment* dst, Segment* src, DType dtype, double scale,
+                    size_t offset, size_t length) override {
     ASSIGN_OR_RETURN(Request q,
                      AccumulateRequest(dst, src, dtype, scale, offset, length));
     return Call(q).status();
   }
 
-  transport::OpHandle AccumulateAsync(Segment* dst, Segment* src,
-                                      transport::DType dtype, double scale,
-                                      size_t offset, size_t length) override {
+  transport::OpHandle AccumulateAsync(Segment* dst, Segment* src, DType dtype,
+                                      double scale, size_t offset,
+                                      size_t length) override {
     auto q = AccumulateRequest(dst, src, dtype, scale, offset, length);
     if (!q.ok()) return transport::OpHandle::Done(q.status());
     q->id = next_id_.fetch_add(1);
@@ -182,9 +182,9 @@ class ClientImpl final : public Client {
   }
 
  private:
-  Result<Request> AccumulateRequest(Segment* dst, Segment* src,
-                                    transport::DType dtype, double scale,
-                                    size_t offset, size_t length) const {
+  Result<Request> AccumulateRequest(Segment* dst, Segment* src, DType dtype,
+                                    double scale, size_t offset,
+                                    size_t length) const {
     RETURN_IF_ERROR(CheckOwned(dst));
     RETURN_IF_ERROR(CheckOwned(src));
     Request q;

@@ -3,19 +3,19 @@
 #include <cmath>
 #include <cstring>
 
-#include "src/transport/wire.h"
+#include "membox/base/wire.h"
 
 namespace membox::memserver::proto {
 namespace {
 
-using transport::wire::GetBytes;
-using transport::wire::GetF64;
-using transport::wire::GetStr;
-using transport::wire::PutBytes;
-using transport::wire::PutF64;
-using transport::wire::PutStr;
-using transport::wire::Reader;
-using transport::wire::Writer;
+using wire::GetBytes;
+using wire::GetF64;
+using wire::GetStr;
+using wire::PutBytes;
+using wire::PutF64;
+using wire::PutStr;
+using wire::Reader;
+using wire::Writer;
 
 constexpr uint8_t kRequestMagic = 'Q';
 constexpr uint8_t kResponseMagic = 'A';

@@ -12,12 +12,12 @@
 #include <sstream>
 #include <thread>
 
+#include "membox/base/accumulate.h"
 #include "membox/base/config.h"
 #include "membox/base/hmac.h"
 #include "membox/base/logging.h"
 #include "membox/transport/device.h"
 
-#include "src/memserver/accumulate.h"
 #include "src/memserver/buddy_allocator.h"
 #include "src/memserver/protocol.h"
 
@@ -599,7 +599,7 @@ class ServerImpl final : public Server {
       return InvalidArgumentError("accumulate: unsupported dtype " +
                                   std::to_string(q.dtype));
     }
-    const uint64_t esize = transport::DTypeSize(dtype);
+    const uint64_t esize = DTypeSize(dtype);
     std::shared_ptr<Segment> dst, src;
     uint64_t length = q.length;
     {

@@ -89,17 +89,14 @@ TEST_P(ServerTest, MasterCreatesOthersAttachSyncAndAccumulate) {
   auto* gf = static_cast<float*>((*g)->data());
   for (size_t i = 0; i < n; ++i) gf[i] = static_cast<float>(i % 7);
   ASSERT_TRUE(worker->WriteSync(*g, 0, n * 4).ok());
-  ASSERT_TRUE(
-      worker->Accumulate(*wa, *g, transport::DType::kFloat32, 0.5).ok());
+  ASSERT_TRUE(worker->Accumulate(*wa, *g, DType::kFloat32, 0.5).ok());
   ASSERT_TRUE(master->ReadSync(*w, 0, n * 4).ok());
   for (size_t i = 0; i < n; i += 997) {
     ASSERT_FLOAT_EQ(wf[i], 1.0f + 0.5f * static_cast<float>(i % 7)) << i;
   }
   // A range of the segment only.
   ASSERT_TRUE(
-      worker
-          ->Accumulate(*wa, *g, transport::DType::kFloat32, 1.0, 4 * 10, 4 * 5)
-          .ok());
+      worker->Accumulate(*wa, *g, DType::kFloat32, 1.0, 4 * 10, 4 * 5).ok());
   ASSERT_TRUE(master->ReadSync(*w, 40, 20).ok());
   EXPECT_FLOAT_EQ(wf[10], 1.0f + 1.5f * (10 % 7));
   EXPECT_FLOAT_EQ(wf[15], 1.0f + 0.5f * (15 % 7));
@@ -139,12 +136,12 @@ TEST_P(ServerTest, AccumulateAsyncPipelinesFromOneThread) {
   std::vector<transport::OpHandle> acc;
   for (size_t p = 0; p < parts; ++p) {
     ASSERT_TRUE(c->WriteSync(*g, p * per * 4, per * 4).ok());
-    acc.push_back(c->AccumulateAsync(*w, *g, transport::DType::kFloat32, 2.0,
-                                     p * per * 4, per * 4));
+    acc.push_back(
+        c->AccumulateAsync(*w, *g, DType::kFloat32, 2.0, p * per * 4, per * 4));
   }
   // Two more over the whole segment while the four are in flight.
-  acc.push_back(c->AccumulateAsync(*w, *g, transport::DType::kFloat32));
-  acc.push_back(c->AccumulateAsync(*w, *g, transport::DType::kFloat32, -1.0));
+  acc.push_back(c->AccumulateAsync(*w, *g, DType::kFloat32));
+  acc.push_back(c->AccumulateAsync(*w, *g, DType::kFloat32, -1.0));
   for (auto& h : acc) ASSERT_TRUE(h.Wait(10s).ok());
   std::memset(wf, 0, n * 4);
   ASSERT_TRUE(c->ReadSync(*w, 0, n * 4).ok());
@@ -152,12 +149,11 @@ TEST_P(ServerTest, AccumulateAsyncPipelinesFromOneThread) {
     ASSERT_FLOAT_EQ(wf[i], 1.0f + 2.0f * static_cast<float>(i % 5)) << i;
   }
   // Refused arguments: a completed handle with the error; nothing changed.
-  auto bad = c->AccumulateAsync(*w, *g, static_cast<transport::DType>(9));
+  auto bad = c->AccumulateAsync(*w, *g, static_cast<DType>(9));
   EXPECT_EQ(bad.Wait(10s).code(), StatusCode::kInvalidArgument);
-  auto misaligned =
-      c->AccumulateAsync(*w, *g, transport::DType::kFloat32, 1.0, 2, 8);
+  auto misaligned = c->AccumulateAsync(*w, *g, DType::kFloat32, 1.0, 2, 8);
   EXPECT_EQ(misaligned.Wait(10s).code(), StatusCode::kInvalidArgument);
-  auto foreign = c->AccumulateAsync(nullptr, *g, transport::DType::kFloat32);
+  auto foreign = c->AccumulateAsync(nullptr, *g, DType::kFloat32);
   EXPECT_TRUE(foreign.done());
   EXPECT_EQ(foreign.Wait(0s).code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(c->ReadSync(*w, 0, 64).ok());
@@ -166,7 +162,7 @@ TEST_P(ServerTest, AccumulateAsyncPipelinesFromOneThread) {
   server_->Stop();
   Status st = Status::Ok();
   for (int i = 0; i < 50 && st.ok(); ++i) {
-    st = c->AccumulateAsync(*w, *g, transport::DType::kFloat32).Wait(10s);
+    st = c->AccumulateAsync(*w, *g, DType::kFloat32).Wait(10s);
     if (st.ok()) std::this_thread::sleep_for(100ms);
   }
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
@@ -212,11 +208,10 @@ TEST_P(ServerTest, BadRequestsAreRefusedAndChangeNothing) {
   EXPECT_EQ(d->WriteSync(*sd, 4096, 8192).code(), StatusCode::kOutOfRange);
   EXPECT_EQ(d->Delete(*sd).code(), StatusCode::kPermissionDenied);
   // Accumulate with a wrong dtype or a misaligned range.
-  EXPECT_EQ(d->Accumulate(*sd, *sd, static_cast<transport::DType>(9)).code(),
+  EXPECT_EQ(d->Accumulate(*sd, *sd, static_cast<DType>(9)).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(
-      d->Accumulate(*sd, *sd, transport::DType::kFloat32, 1.0, 2, 8).code(),
-      StatusCode::kInvalidArgument);
+  EXPECT_EQ(d->Accumulate(*sd, *sd, DType::kFloat32, 1.0, 2, 8).code(),
+            StatusCode::kInvalidArgument);
   auto after = server_->Stats();
   EXPECT_EQ(after.segments, before.segments);
   EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);

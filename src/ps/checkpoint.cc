@@ -9,14 +9,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "src/transport/wire.h"
+#include "membox/base/wire.h"
 
 namespace membox::ps {
 namespace {
 
-using transport::wire::Crc32;
-using transport::wire::Reader;
-using transport::wire::Writer;
+using wire::Crc32;
+using wire::Reader;
+using wire::Writer;
 
 constexpr char kMagic[8] = {'M', 'B', 'X', 'C', 'K', 'P', 'T', '1'};
 constexpr uint32_t kFormat = 1;

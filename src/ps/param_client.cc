@@ -94,7 +94,6 @@ namespace {
 using proto::Message;
 using proto::Type;
 using transport::Channel;
-using transport::DType;
 using transport::MemRegion;
 using Clock = std::chrono::steady_clock;
 
@@ -397,7 +396,7 @@ class ParamClientImpl final : public ParamClient {
                                         const void* init,
                                         const OptimizerConfig& o) override {
     RETURN_IF_ERROR(CheckOptimizer(o));
-    size_t es = transport::DTypeSize(dtype);
+    size_t es = DTypeSize(dtype);
     if (bytes == 0 || bytes % es != 0) {
       return InvalidArgumentError(
           "tensor size must be a non-zero multiple of "

@@ -3,20 +3,20 @@
 #include <cmath>
 #include <cstring>
 
-#include "src/transport/wire.h"
+#include "membox/base/wire.h"
 
 namespace membox::ps::proto {
 namespace {
 
-using transport::wire::GetBool;
-using transport::wire::GetBytes;
-using transport::wire::GetF64;
-using transport::wire::GetStr;
-using transport::wire::PutBytes;
-using transport::wire::PutF64;
-using transport::wire::PutStr;
-using transport::wire::Reader;
-using transport::wire::Writer;
+using wire::GetBool;
+using wire::GetBytes;
+using wire::GetF64;
+using wire::GetStr;
+using wire::PutBytes;
+using wire::PutF64;
+using wire::PutStr;
+using wire::Reader;
+using wire::Writer;
 
 constexpr uint8_t kMagic = 'P';
 constexpr uint8_t kVersion = 2;  // 2: per-key optimizers, kTune

@@ -13,12 +13,12 @@
 #include <sstream>
 #include <thread>
 
+#include "membox/base/accumulate.h"
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
 #include "membox/ps/routing.h"
 #include "membox/transport/device.h"
 
-#include "src/memserver/accumulate.h"
 #include "src/ps/checkpoint.h"
 #include "src/ps/protocol.h"
 #include "src/ps/reduce.h"
@@ -29,7 +29,6 @@ namespace {
 using proto::Message;
 using proto::Type;
 using transport::Channel;
-using transport::DType;
 using transport::MemRegion;
 using transport::RegionDescriptor;
 using transport::RemoteMemRegion;
@@ -174,7 +173,7 @@ class ProxyImpl final : public Proxy {
     d.secret = opt_.secret;
     d.name = "membox-proxy-" + std::to_string(opt_.rank);
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
-    sync_ = std::make_unique<memserver::SyncCores>(opt_.sync_cores);
+    sync_ = std::make_unique<SyncCores>(opt_.sync_cores);
     if (opt_.restore) RETURN_IF_ERROR(Restore());
     running_ = true;
     acceptor_ = std::thread([this] { AcceptLoop(); });
@@ -840,10 +839,10 @@ class ProxyImpl final : public Proxy {
   Result<uint64_t> Declare(Conn& c, const Message& m) {
     auto dt = static_cast<DType>(m.dtype);
     if (m.dtype < 1 || m.dtype > static_cast<uint8_t>(DType::kUInt8) ||
-        !memserver::AccumulateSupports(dt)) {
+        !AccumulateSupports(dt)) {
       return InvalidArgumentError("unsupported dtype for synchronisation");
     }
-    size_t es = transport::DTypeSize(dt);
+    size_t es = DTypeSize(dt);
     if (m.bytes % es != 0 || m.shard_bytes % es != 0) {
       return InvalidArgumentError(
           "sizes must be multiples of the element size");
@@ -1254,7 +1253,7 @@ class ProxyImpl final : public Proxy {
           if (src != dst) std::memcpy(dst, src, sh.bytes);
           first = false;
         } else {
-          size_t es = transport::DTypeSize(key.dtype);
+          size_t es = DTypeSize(key.dtype);
           sync_->Run(key.dtype, dst, src, sh.bytes / es, 1.0);
         }
       }
@@ -1389,7 +1388,7 @@ class ProxyImpl final : public Proxy {
   // first P-1 steps, all-gather (copy it) after.
   Status RingRead(Key& key, Shard& sh, const Ring& ring,
                   const RegionDescriptor& desc) {
-    const size_t es = transport::DTypeSize(key.dtype);
+    const size_t es = DTypeSize(key.dtype);
     const uint32_t P = ring.P;
     uint32_t step = static_cast<uint32_t>(sh.step);
     bool reduce = step < P - 1;
@@ -1491,7 +1490,7 @@ class ProxyImpl final : public Proxy {
   // by an unfinished snapshot is never modified in place.
   Status Apply(Key& key, Shard& sh, MemRegion* g, double scale,
                bool swap_allowed) {
-    const size_t n = sh.bytes / transport::DTypeSize(key.dtype);
+    const size_t n = sh.bytes / DTypeSize(key.dtype);
     const OptimizerSettings& opt = key.opt;
     if (opt.kind == proto::Optimizer::kNone && mode_ != proto::Mode::kAsync) {
       if (scale != 1.0) ScaleInPlace(key.dtype, g->data(), n, scale);
@@ -1716,8 +1715,8 @@ class ProxyImpl final : public Proxy {
       auto dt = static_cast<DType>(c.dtype);
       if (k.shards.empty()) {
         if (c.dtype < 1 || c.dtype > static_cast<uint8_t>(DType::kUInt8) ||
-            !memserver::AccumulateSupports(dt) || c.shard_bytes == 0 ||
-            c.key_bytes % transport::DTypeSize(dt) != 0) {
+            !AccumulateSupports(dt) || c.shard_bytes == 0 ||
+            c.key_bytes % DTypeSize(dt) != 0) {
           return DataLossError(path + ": bad dtype or sizes for key " +
                                std::to_string(c.key));
         }
@@ -1771,7 +1770,7 @@ class ProxyImpl final : public Proxy {
   ProxyOptions opt_;
   uint32_t nproxies_ = 1;
   std::unique_ptr<transport::Device> device_;
-  std::unique_ptr<memserver::SyncCores> sync_;
+  std::unique_ptr<SyncCores> sync_;
   std::atomic<bool> running_{false};
   std::thread acceptor_, events_thread_;
   std::mutex mu_;

@@ -13,17 +13,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "membox/base/accumulate.h"
 #include "membox/base/subprocess.h"
 #include "membox/ps/param_client.h"
 #include "membox/ps/proxy.h"
-
-#include "src/memserver/accumulate.h"
 
 namespace membox::ps {
 namespace {
 
 using namespace std::chrono_literals;
-using transport::DType;
 
 constexpr char kSecret[] = "ps-test-secret";
 
@@ -387,13 +385,13 @@ TEST(PsTest, RankZeroInitialValuesWin) {
 
 uint16_t ToHalf(float f, DType t) {
   uint16_t h = 0;
-  memserver::NarrowFromFloat(t, &f, &h, 1);
+  NarrowFromFloat(t, &f, &h, 1);
   return h;
 }
 
 float FromHalf(uint16_t h, DType t) {
   float f = 0;
-  memserver::WidenToFloat(t, &h, &f, 1);
+  WidenToFloat(t, &h, &f, 1);
   return f;
 }
 

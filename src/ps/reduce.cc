@@ -8,9 +8,6 @@
 namespace membox::ps {
 namespace {
 
-using memserver::NarrowFromFloat;
-using memserver::WidenToFloat;
-
 constexpr size_t kBlockBytes = 64 << 10;  // stays in L2 while inputs stream
 
 template <typename T>
@@ -71,13 +68,13 @@ void SumHalfBlock(DType t, uint16_t* dst, const std::vector<const void*>& srcs,
 
 }  // namespace
 
-void SumInto(memserver::SyncCores& cores, DType t, void* dst,
+void SumInto(SyncCores& cores, DType t, void* dst,
              const std::vector<const void*>& srcs, size_t bytes) {
   if (srcs.empty()) {
     std::memset(dst, 0, bytes);
     return;
   }
-  const size_t es = transport::DTypeSize(t);
+  const size_t es = DTypeSize(t);
   const size_t count = bytes / es;
   auto* d = static_cast<uint8_t*>(dst);
   cores.ParallelFor(count, (256 << 10) / es, [&](size_t b, size_t e) {
@@ -91,9 +88,8 @@ void SumInto(memserver::SyncCores& cores, DType t, void* dst,
       std::memcpy(d + i * es, static_cast<const uint8_t*>(srcs[0]) + i * es,
                   n * es);
       for (size_t k = 1; k < srcs.size(); ++k) {
-        memserver::AccumulateKernel(
-            t, d + i * es, static_cast<const uint8_t*>(srcs[k]) + i * es, n,
-            1.0);
+        AccumulateKernel(t, d + i * es,
+                         static_cast<const uint8_t*>(srcs[k]) + i * es, n, 1.0);
       }
     }
   });
@@ -120,9 +116,8 @@ void ScaleInPlace(DType t, void* p, size_t count, double factor) {
   }
 }
 
-void ApplyOptimizer(memserver::SyncCores& cores, DType t,
-                    const OptimizerStep& step, void* w, const void* g, void* m,
-                    void* v, size_t count) {
+void ApplyOptimizer(SyncCores& cores, DType t, const OptimizerStep& step,
+                    void* w, const void* g, void* m, void* v, size_t count) {
   cores.ParallelFor(count, 1 << 16, [&](size_t b, size_t e) {
     if (t == DType::kFloat32) {
       Optimize<float>(step, static_cast<float*>(w),

@@ -8,11 +8,9 @@
 #include <cstddef>
 #include <vector>
 
-#include "src/memserver/accumulate.h"
+#include "membox/base/accumulate.h"
 
 namespace membox::ps {
-
-using transport::DType;
 
 // dtypes optimizers support (float32, float64).
 bool SupportsArithmetic(DType t);
@@ -22,7 +20,7 @@ bool SupportsAveraging(DType t);
 // dst <- srcs[0] + srcs[1] + ... (in that order, element by element), for
 // any dtype AccumulateSupports(). float16 / bfloat16 inputs are summed in
 // float32 and rounded once. `bytes` is a multiple of the element size.
-void SumInto(memserver::SyncCores& cores, DType t, void* dst,
+void SumInto(SyncCores& cores, DType t, void* dst,
              const std::vector<const void*>& srcs, size_t bytes);
 
 // p[i] *= factor (float32 / float64; float16 / bfloat16 through float32).
@@ -38,9 +36,8 @@ struct OptimizerStep {
 // SGD:  m <- momentum * m + g;  w <- w - lr * m   (PyTorch's convention)
 // Adam: m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;
 //       w <- w - lr * m_hat / (sqrt(v_hat) + eps)
-void ApplyOptimizer(memserver::SyncCores& cores, DType t,
-                    const OptimizerStep& step, void* w, const void* g, void* m,
-                    void* v, size_t count);
+void ApplyOptimizer(SyncCores& cores, DType t, const OptimizerStep& step,
+                    void* w, const void* g, void* m, void* v, size_t count);
 
 }  // namespace membox::ps
 

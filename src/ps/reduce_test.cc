@@ -9,7 +9,7 @@ namespace membox::ps {
 namespace {
 
 TEST(ReduceTest, SumIntoAddsInRankOrder) {
-  memserver::SyncCores cores(2);
+  SyncCores cores(2);
   const size_t n = (1 << 20) + 7;
   std::vector<std::vector<float>> in(3, std::vector<float>(n));
   std::mt19937 rng(1);
@@ -30,7 +30,7 @@ TEST(ReduceTest, SumIntoAddsInRankOrder) {
 }
 
 TEST(ReduceTest, SgdWithMomentumMatchesReference) {
-  memserver::SyncCores cores(2);
+  SyncCores cores(2);
   std::vector<double> w = {1, 2}, g = {0.5, -1}, m = {0, 0};
   OptimizerStep s;
   s.kind = OptimizerStep::kSgd;
@@ -46,7 +46,7 @@ TEST(ReduceTest, SgdWithMomentumMatchesReference) {
 }
 
 TEST(ReduceTest, AdamFirstStepMovesByLr) {
-  memserver::SyncCores cores(1);
+  SyncCores cores(1);
   std::vector<float> w = {1, 1}, g = {3, -0.01f}, m = {0, 0}, v = {0, 0};
   OptimizerStep s;
   s.kind = OptimizerStep::kAdam;

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "src/transport/wire.h"
+#include "membox/base/wire.h"
 
 namespace membox::transport::msg {
 namespace {

@@ -1,22 +1,7 @@
-#include <bit>
-
-#include <zlib.h>
-
+#include "membox/base/wire.h"
 #include "membox/transport/mem_region.h"
 
-#include "src/transport/wire.h"
-
 namespace membox::transport {
-
-static_assert(std::endian::native == std::endian::little,
-              "wire formats are little-endian; add byte swaps for this target");
-
-namespace wire {
-uint32_t Crc32(const void* data, size_t n) {
-  return static_cast<uint32_t>(
-      crc32(0L, static_cast<const Bytef*>(data), static_cast<uInt>(n)));
-}
-}  // namespace wire
 
 const char* MemoryTypeName(MemoryType t) {
   switch (t) {

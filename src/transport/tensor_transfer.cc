@@ -3,7 +3,7 @@
 #include <atomic>
 #include <cstring>
 
-#include "src/transport/wire.h"
+#include "membox/base/wire.h"
 
 namespace membox::transport {
 namespace {
@@ -112,26 +112,6 @@ Status WaitWord(const void* word, uint64_t at_least,
 }
 
 }  // namespace
-
-size_t DTypeSize(DType t) {
-  switch (t) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kFloat64:
-      return 8;
-    case DType::kFloat16:
-      return 2;
-    case DType::kBFloat16:
-      return 2;
-    case DType::kInt32:
-      return 4;
-    case DType::kInt64:
-      return 8;
-    case DType::kUInt8:
-      return 1;
-  }
-  return 0;
-}
 
 TensorMeta TensorMeta::Make(DType dtype, std::span<const uint64_t> dims) {
   TensorMeta m;

@@ -139,8 +139,8 @@ TEST_F(DaemonTest, KillDashNineDaemon) {
   daemon()->Kill(9);
   daemon()->Wait(10s);
   daemon().reset();
-  Status st = FirstFailure(
-      [&] { return c->Accumulate(*seg, *seg, transport::DType::kFloat32); });
+  Status st =
+      FirstFailure([&] { return c->Accumulate(*seg, *seg, DType::kFloat32); });
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
 }
 

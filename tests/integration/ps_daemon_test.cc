@@ -20,7 +20,6 @@ namespace membox::ps {
 namespace {
 
 using namespace std::chrono_literals;
-using transport::DType;
 
 constexpr char kSecret[] = "ps-daemon-secret";
 

@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < kSmall + kLarge; ++i) {
     size_t n = i < kSmall ? small : large;
     auto a = client->AllocateTensor(n), b = client->AllocateTensor(n);
-    auto d = client->Declare(i + 1, n, transport::DType::kFloat32);
+    auto d = client->Declare(i + 1, n, DType::kFloat32);
     if (!a.ok() || !b.ok() || !d.ok()) {
       std::fprintf(stderr, "setup failed\n");
       return 1;

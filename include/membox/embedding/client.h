@@ -15,9 +15,11 @@
 // working set of prefetched batches in memory.
 //
 // Completion: the *Async calls return an EmbeddingHandle at once; the
-// output of a pull is complete when the handle is done. A failed node fails
-// the operations that touch it with kUnavailable naming the node (other
-// nodes' parts still complete); the client stays usable for the others.
+// output of a pull is complete when the handle is done. A failed node (dead
+// channel, or a reply it cannot decode: service::Client's policy) fails the
+// operations that touch it with an error naming the node (kUnavailable,
+// kDataLoss); other nodes' parts still complete and the client stays usable
+// for them.
 //
 // Ownership: `out` of PullAsync must stay valid until the handle is done;
 // keys and gradients are copied. Thread-safety: all methods may be called
@@ -35,6 +37,7 @@
 
 #include "membox/base/status.h"
 #include "membox/embedding/table.h"
+#include "membox/service/call.h"
 
 namespace membox::embedding {
 
@@ -53,19 +56,8 @@ struct EmbeddingClientOptions {
   PartitionFn partition;                     // empty: ModuloPartition()
 };
 
-class EmbeddingHandle {
- public:
-  struct State;
-  EmbeddingHandle() = default;
-  explicit EmbeddingHandle(std::shared_ptr<State> s) : s_(std::move(s)) {}
-  // The operation's status; kDeadlineExceeded if not done in time (it goes
-  // on).
-  Status Wait(std::chrono::nanoseconds timeout = std::chrono::hours(24));
-  bool done() const;
-
- private:
-  std::shared_ptr<State> s_;
-};
+// The service layer's one handle type: Wait() / done().
+using EmbeddingHandle = service::Call;
 
 class EmbeddingClient {
  public:

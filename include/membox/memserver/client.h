@@ -83,7 +83,7 @@ class Client {
   virtual Status WriteSync(Segment* segment, size_t offset, size_t length) = 0;
   // dst <- dst + scale * src on the server over [offset, offset + length)
   // bytes of both (length 0: whole segments, which must be equal in size).
-  virtual Status Accumulate(Segment* dst, Segment* src, transport::DType dtype,
+  virtual Status Accumulate(Segment* dst, Segment* src, DType dtype,
                             double scale = 1.0, size_t offset = 0,
                             size_t length = 0) = 0;
   // The same without blocking: the request is on its way when this returns
@@ -95,8 +95,7 @@ class Client {
   // the range must wait for the handle. Handles must be waited on before the
   // Client is destroyed (its destructor fails pending ones with kAborted).
   virtual transport::OpHandle AccumulateAsync(Segment* dst, Segment* src,
-                                              transport::DType dtype,
-                                              double scale = 1.0,
+                                              DType dtype, double scale = 1.0,
                                               size_t offset = 0,
                                               size_t length = 0) = 0;
   // The server's status text: pool totals, this client and its segments;

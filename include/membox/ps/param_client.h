@@ -144,12 +144,11 @@ class ParamClient {
   // 0 has declared the key its pulls and pushes wait (a key declared with
   // initial values by other ranks only is never served). Returns the stored
   // version (non-zero after a restore from a checkpoint).
-  virtual Result<uint64_t> Declare(uint64_t key, size_t bytes,
-                                   transport::DType dtype,
+  virtual Result<uint64_t> Declare(uint64_t key, size_t bytes, DType dtype,
                                    const void* init = nullptr) = 0;
   // Declare with this tensor's own optimizer.
   virtual Result<uint64_t> DeclareWithOptimizer(
-      uint64_t key, size_t bytes, transport::DType dtype, const void* init,
+      uint64_t key, size_t bytes, DType dtype, const void* init,
       const OptimizerConfig& optimizer) = 0;
   // New hyperparameters (lr, momentum, betas, eps; same kind) for the
   // declared keys in [first_key, end_key), on every proxy, from the next

@@ -42,24 +42,13 @@
 #include <span>
 #include <vector>
 
+#include "membox/base/dtype.h"
 #include "membox/base/status.h"
 #include "membox/transport/channel.h"
 #include "membox/transport/device.h"
 #include "membox/transport/registered_pool.h"
 
 namespace membox::transport {
-
-enum class DType : uint8_t {
-  kFloat32 = 1,
-  kFloat64 = 2,
-  kFloat16 = 3,
-  kBFloat16 = 4,
-  kInt32 = 5,
-  kInt64 = 6,
-  kUInt8 = 7,
-};
-// 0 for values that are not a DType.
-size_t DTypeSize(DType t);
 
 // Tensor metadata written into the receiver's slot (dynamic protocol).
 struct TensorMeta {

@@ -4,8 +4,7 @@
 #include <cstring>
 
 #include "membox/base/hmac.h"
-
-#include "src/transport/wire.h"
+#include "membox/base/wire.h"
 
 namespace membox::transport::net {
 namespace {

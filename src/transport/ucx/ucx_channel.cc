@@ -9,10 +9,10 @@
 
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
+#include "membox/base/wire.h"
 
 #include "src/transport/am_messages.h"
 #include "src/transport/control_inbox.h"
-#include "src/transport/wire.h"
 
 namespace membox::transport::ucx {
 namespace {

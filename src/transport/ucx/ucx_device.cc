@@ -18,9 +18,9 @@
 
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
+#include "membox/base/wire.h"
 
 #include "src/transport/ucx/ucx_channel.h"
-#include "src/transport/wire.h"
 
 namespace membox::transport {
 

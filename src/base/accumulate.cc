@@ -1,4 +1,4 @@
-#include "src/memserver/accumulate.h"
+#include "membox/base/accumulate.h"
 
 #include <algorithm>
 #include <atomic>
@@ -18,7 +18,7 @@
 #define MEMBOX_CLONES __attribute__((target_clones("avx2", "default")))
 #endif
 
-namespace membox::memserver {
+namespace membox {
 namespace {
 
 MEMBOX_CLONES void AddF32(float* __restrict d, const float* __restrict s,
@@ -250,7 +250,7 @@ void SyncCores::ParallelFor(size_t count, size_t grain,
 
 void SyncCores::Run(DType t, void* dst, const void* src, size_t count,
                     double scale) {
-  const size_t esize = transport::DTypeSize(t);
+  const size_t esize = DTypeSize(t);
   const size_t min_chunk = std::max<size_t>(1, (256 << 10) / esize);
   if (workers_.size() <= 1 || count < 2 * min_chunk) {
     AccumulateKernel(t, dst, src, count, scale);
@@ -284,4 +284,4 @@ void SyncCores::Run(DType t, void* dst, const void* src, size_t count,
   done.wait();
 }
 
-}  // namespace membox::memserver
+}  // namespace membox

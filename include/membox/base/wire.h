@@ -1,8 +1,9 @@
-// Little-endian encoding helpers for the transport's wire messages. Readers
-// never trust input: every Get* checks the remaining length.
+// Little-endian byte coding for every membox wire and disk format (transport
+// frames, service messages, checkpoints, SSD records) and the CRC-32 they
+// carry. Readers never trust input: every Get* checks the remaining length.
 // Thread-safety: plain values; no shared state.
-#ifndef MEMBOX_SRC_TRANSPORT_WIRE_H_
-#define MEMBOX_SRC_TRANSPORT_WIRE_H_
+#ifndef MEMBOX_BASE_WIRE_H_
+#define MEMBOX_BASE_WIRE_H_
 
 #include <cmath>
 #include <cstdint>
@@ -11,10 +12,13 @@
 #include <string>
 #include <vector>
 
-namespace membox::transport::wire {
+namespace membox::wire {
 
 class Writer {
  public:
+  Writer() = default;
+  // Appends after `start` (e.g. a service message's reserved header).
+  explicit Writer(std::vector<uint8_t> start) : buf_(std::move(start)) {}
   void U8(uint8_t v) { buf_.push_back(v); }
   void U16(uint16_t v) { Put(&v, 2); }
   void U32(uint32_t v) { Put(&v, 4); }
@@ -29,6 +33,7 @@ class Writer {
 
  private:
   // x86-64 and aarch64 Linux are little-endian; the static_assert in wire.cc
+  // (src/base)
   // keeps a big-endian build from silently producing a different format.
   void Put(const void* p, size_t n) { Bytes(p, n); }
   std::vector<uint8_t> buf_;
@@ -111,8 +116,9 @@ inline bool GetBool(Reader& r, bool* b) {
   return true;
 }
 
+// CRC-32 (zlib's polynomial) of n bytes.
 uint32_t Crc32(const void* data, size_t n);
 
-}  // namespace membox::transport::wire
+}  // namespace membox::wire
 
-#endif  // MEMBOX_SRC_TRANSPORT_WIRE_H_
+#endif  // MEMBOX_BASE_WIRE_H_

@@ -1,5 +1,6 @@
-// Server-side accumulate (seed 003's shm_accum): dst <- dst + scale * src for
-// FLOAT, DOUBLE, FP16 and BF16 vectors, run by a pool of "sync cores".
+// Accumulate kernels (seed 003's shm_accum, also the ps and collective sums):
+// dst <- dst + scale * src for FLOAT, DOUBLE, FP16 and BF16 vectors, run by a
+// pool of "sync cores".
 //
 // Kernels are compiled for AVX2 (+F16C) and a portable baseline and picked at
 // run time (GCC target_clones / cpu checks), so one binary runs everywhere.
@@ -8,8 +9,8 @@
 //
 // Thread-safety: SyncCores::Run may be called from several threads at once;
 // each call waits for its own chunks. The kernels are reentrant.
-#ifndef MEMBOX_SRC_MEMSERVER_ACCUMULATE_H_
-#define MEMBOX_SRC_MEMSERVER_ACCUMULATE_H_
+#ifndef MEMBOX_BASE_ACCUMULATE_H_
+#define MEMBOX_BASE_ACCUMULATE_H_
 
 #include <condition_variable>
 #include <cstddef>
@@ -19,12 +20,10 @@
 #include <thread>
 #include <vector>
 
+#include "membox/base/dtype.h"
 #include "membox/base/status.h"
-#include "membox/transport/tensor_transfer.h"
 
-namespace membox::memserver {
-
-using transport::DType;
+namespace membox {
 
 // True for the dtypes accumulate supports.
 bool AccumulateSupports(DType t);
@@ -63,6 +62,6 @@ class SyncCores {
   std::vector<std::thread> workers_;
 };
 
-}  // namespace membox::memserver
+}  // namespace membox
 
-#endif  // MEMBOX_SRC_MEMSERVER_ACCUMULATE_H_
+#endif  // MEMBOX_BASE_ACCUMULATE_H_

@@ -1,4 +1,4 @@
-#include "src/memserver/accumulate.h"
+#include "membox/base/accumulate.h"
 
 #include <cmath>
 #include <cstring>
@@ -6,7 +6,7 @@
 
 #include <gtest/gtest.h>
 
-namespace membox::memserver {
+namespace membox {
 namespace {
 
 uint16_t ToBf16(float f) {
@@ -78,4 +78,4 @@ TEST(AccumulateTest, SyncCoresSplitLargeVectors) {
 }
 
 }  // namespace
-}  // namespace membox::memserver
+}  // namespace membox

@@ -1,0 +1,135 @@
+// service::Server: the one network face of membox's daemons. The memory
+// server, the parameter proxy and the embedding server are Services run by
+// it; none of them accepts connections, queues events or frames replies
+// itself.
+//
+// What the server does for every service:
+//   * owns the transport Device (its listener: the address it was given,
+//     nothing else), so every channel has passed the transport's
+//     authenticated handshake (deadline, cap on half-open connections,
+//     docs/design/network_face.md) before a byte reaches a service;
+//   * checks every message's envelope (service/envelope.h); a message that
+//     is not a well-formed request or notice closes its connection;
+//   * closes a connection the service has not Establish()ed within
+//     `hello_timeout` (a peer that authenticated but never introduced
+//     itself), and an established one silent for `idle_timeout` (when set;
+//     the memory server's heartbeats);
+//   * runs the service's handlers on its executor: one serial event loop
+//     (handler_threads = 0; handlers never run concurrently, messages of a
+//     connection in arrival order) or a pool of handler_threads threads
+//     (handlers run concurrently, in no particular order);
+//   * runs posted tasks and periodic timers on the same executor.
+//
+// Ownership: the Service outlives the Server (Stop() before destroying the
+// Service). Threading: Reply / Notify / Close / Post / Every / Stop may be
+// called from any thread, handlers included (Stop excepted).
+#ifndef MEMBOX_SERVICE_SERVER_H_
+#define MEMBOX_SERVICE_SERVER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+#include "membox/service/envelope.h"
+#include "membox/transport/device.h"
+
+namespace membox::service {
+
+using ConnectionId = uint64_t;
+
+struct Request {
+  ConnectionId conn = 0;
+  uint16_t method = 0;
+  uint64_t id = 0;                // 0 for notices
+  bool notice = false;            // a notice expects no reply
+  std::span<const uint8_t> body;  // valid during the handler call
+};
+
+// What a service implements. Handlers run on the server's executor and must
+// not block for long (queue slow work); a handler answers a request through
+// Server::Reply, at once or later from any thread.
+class Service {
+ public:
+  virtual ~Service() = default;
+  virtual void OnConnect(ConnectionId /*conn*/, const std::string& /*peer*/) {}
+  virtual void OnRequest(const Request& req) = 0;
+  // Once per connection that connected: the peer left, failed, was closed
+  // by Close() or by a timeout. Not called for connections open at Stop().
+  virtual void OnDisconnect(ConnectionId /*conn*/, const Status& /*why*/) {}
+};
+
+struct ServerOptions {
+  transport::DeviceOptions device;  // listen address, transports, secret
+  std::string service = "service";  // in log lines and errors
+  int handler_threads = 0;          // 0: serial event loop; N: a pool
+  std::chrono::milliseconds hello_timeout{10000};
+  std::chrono::milliseconds idle_timeout{0};  // 0: never
+};
+
+struct ServerStats {
+  uint64_t connections = 0;  // open now
+  uint64_t accepted = 0, requests = 0, errors = 0, malformed = 0;
+};
+
+class Server {
+ public:
+  static Result<std::unique_ptr<Server>> Start(const ServerOptions& options,
+                                               Service* service);
+  virtual ~Server() = default;
+
+  virtual std::string endpoint() const = 0;
+  virtual transport::Device& device() = 0;
+  virtual ServerStats stats() const = 0;
+
+  // Answers request (method, id) of `conn`. An ok status sends `body` (a
+  // NewMessage buffer, service body appended); an error sends its message.
+  // No-op when the connection is gone.
+  virtual void Reply(ConnectionId conn, uint16_t method, uint64_t id,
+                     const Status& s, std::vector<uint8_t> body = {}) = 0;
+  void Reply(const Request& r, const Status& s,
+             std::vector<uint8_t> body = {}) {
+    if (!r.notice) Reply(r.conn, r.method, r.id, s, std::move(body));
+  }
+  // A message the client did not ask for (method, body; no reply).
+  virtual void Notify(ConnectionId conn, uint16_t method,
+                      std::vector<uint8_t> body) = 0;
+  // The connection introduced itself: the hello timeout no longer applies,
+  // the idle timeout does.
+  virtual void Establish(ConnectionId conn) = 0;
+  // Drops a connection; OnDisconnect(conn, why) follows on the executor.
+  virtual void Close(ConnectionId conn, const Status& why) = 0;
+  // The connection's channel (RMA imports, its peer name); null when gone.
+  virtual std::shared_ptr<transport::Channel> channel(
+      ConnectionId conn) const = 0;
+
+  // Runs `task` on the executor. False (task dropped) once stopping.
+  virtual bool Post(std::function<void()> task) = 0;
+  // Runs `fn` on the executor every `period` until Stop().
+  virtual void Every(std::chrono::milliseconds period,
+                     std::function<void()> fn) = 0;
+  // Runs f on the executor and returns its value; nullopt when stopping.
+  // Not from a handler of a serial server (it would wait for itself).
+  template <typename T>
+  std::optional<T> RunOnExecutor(std::function<T()> f) {
+    auto p = std::make_shared<std::promise<T>>();
+    auto fut = p->get_future();
+    if (!Post([p, f] { p->set_value(f()); })) return std::nullopt;
+    return fut.get();
+  }
+
+  // Stops accepting, ends the executor (tasks posted before still run,
+  // queued messages are dropped), closes every connection and the device.
+  // Idempotent; not from a handler.
+  virtual void Stop() = 0;
+};
+
+}  // namespace membox::service
+
+#endif  // MEMBOX_SERVICE_SERVER_H_

@@ -1,0 +1,373 @@
+#include "membox/service/server.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "membox/base/logging.h"
+
+namespace membox::service {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using transport::Channel;
+
+class ServerImpl final : public Server {
+ public:
+  ServerImpl(ServerOptions o, Service* s) : opt_(std::move(o)), svc_(s) {}
+  ~ServerImpl() override { Stop(); }
+
+  Status Init() {
+    if (svc_ == nullptr) return InvalidArgumentError("no service to serve");
+    if (opt_.handler_threads < 0) {
+      return InvalidArgumentError("handler_threads must be >= 0");
+    }
+    ASSIGN_OR_RETURN(device_, transport::Device::Create(opt_.device));
+    running_ = true;
+    int n = std::max(1, opt_.handler_threads);
+    for (int i = 0; i < n; ++i) executors_.emplace_back([this] { Run(); });
+    acceptor_ = std::thread([this] { AcceptLoop(); });
+    return Status::Ok();
+  }
+
+  std::string endpoint() const override { return device_->listen_endpoint(); }
+  transport::Device& device() override { return *device_; }
+
+  ServerStats stats() const override {
+    ServerStats s;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      s.connections = conns_.size();
+    }
+    s.accepted = accepted_.load();
+    s.requests = requests_.load();
+    s.errors = errors_.load();
+    s.malformed = malformed_.load();
+    return s;
+  }
+
+  void Reply(ConnectionId conn, uint16_t method, uint64_t id, const Status& s,
+             std::vector<uint8_t> body) override {
+    std::shared_ptr<Channel> ch = channel(conn);
+    if (!ch) return;
+    std::vector<uint8_t> msg;
+    if (s.ok()) {
+      msg = std::move(body);
+      Header h;
+      h.kind = Kind::kReply;
+      h.method = method;
+      h.id = id;
+      WriteHeader(h, &msg);
+    } else {
+      errors_++;
+      msg = ErrorReply(method, id, s);
+    }
+    Status st = ch->SendControl(msg);
+    if (!st.ok()) {
+      MEMBOX_LOG_DEBUG("{}: reply to connection {} failed: {}", opt_.service,
+                       conn, st.ToString());
+    }
+  }
+
+  void Notify(ConnectionId conn, uint16_t method,
+              std::vector<uint8_t> body) override {
+    std::shared_ptr<Channel> ch = channel(conn);
+    if (!ch) return;
+    Header h;
+    h.kind = Kind::kNotice;
+    h.method = method;
+    WriteHeader(h, &body);
+    Status st = ch->SendControl(body);
+    if (!st.ok()) {
+      MEMBOX_LOG_DEBUG("{}: notice to connection {} failed: {}", opt_.service,
+                       conn, st.ToString());
+    }
+  }
+
+  void Establish(ConnectionId conn) override {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = conns_.find(conn);
+    if (it != conns_.end()) it->second.established = true;
+  }
+
+  // The channel closes on the executor: closing a UCX endpoint progresses
+  // its worker, which a progress-thread caller (OnBytes) must not do.
+  void Close(ConnectionId conn, const Status& why) override { Gone(conn, why); }
+
+  std::shared_ptr<Channel> channel(ConnectionId conn) const override {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = conns_.find(conn);
+    return it == conns_.end() ? nullptr : it->second.channel;
+  }
+
+  bool Post(std::function<void()> task) override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!running_) return false;
+      events_.push_back(
+          Event{0, EventType::kTask, {}, std::move(task), {}, {}});
+    }
+    cv_.notify_one();
+    return true;
+  }
+
+  void Every(std::chrono::milliseconds period,
+             std::function<void()> fn) override {
+    std::lock_guard<std::mutex> l(mu_);
+    timers_.push_back(
+        Timer{period, Clock::now() + period,
+              std::make_shared<std::function<void()>>(std::move(fn)),
+              std::make_shared<std::atomic<bool>>(false)});
+  }
+
+  void Stop() override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!running_) return;
+      running_ = false;
+    }
+    cv_.notify_all();
+    if (acceptor_.joinable()) acceptor_.join();
+    for (auto& t : executors_) t.join();
+    executors_.clear();
+    // Tasks posted before the stop still run (callers wait on them).
+    std::deque<Event> left;
+    std::map<ConnectionId, Conn> conns;
+    std::vector<std::shared_ptr<Channel>> orphans;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      left.swap(events_);
+      conns.swap(conns_);
+      orphans.swap(orphans_);
+    }
+    for (Event& e : left) {
+      if (e.type == EventType::kTask && e.task) e.task();
+      if (e.channel) e.channel->Close();
+    }
+    for (auto& [id, c] : conns) c.channel->Close();
+    for (auto& ch : orphans) ch->Close();
+    conns.clear();
+    // Joins the progress threads: no channel handler runs after this.
+    device_.reset();
+  }
+
+ private:
+  enum class EventType { kConnect, kMessage, kDisconnect, kTask };
+  struct Event {
+    ConnectionId conn = 0;
+    EventType type = EventType::kTask;
+    std::vector<uint8_t> bytes;
+    std::function<void()> task;
+    Status why;
+    std::shared_ptr<Channel> channel;  // kDisconnect: to be closed
+  };
+  struct Conn {
+    std::shared_ptr<Channel> channel;
+    Clock::time_point connected;
+    std::shared_ptr<std::atomic<int64_t>> last_seen;  // Clock ticks
+    bool established = false;
+  };
+  struct Timer {
+    std::chrono::milliseconds period;
+    Clock::time_point next;
+    std::shared_ptr<std::function<void()>> fn;
+    std::shared_ptr<std::atomic<bool>> queued;  // not posted twice
+  };
+
+  void Push(Event e) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!running_) return;
+      events_.push_back(std::move(e));
+    }
+    cv_.notify_one();
+  }
+
+  // Removes the connection and queues its closing and OnDisconnect, once.
+  void Gone(ConnectionId conn, const Status& why) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = conns_.find(conn);
+      if (it == conns_.end()) return;
+      Event e{conn, EventType::kDisconnect, {}, nullptr, why, {}};
+      e.channel = std::move(it->second.channel);
+      conns_.erase(it);
+      if (!running_) {
+        orphans_.push_back(std::move(e.channel));
+        return;
+      }
+      events_.push_back(std::move(e));
+    }
+    cv_.notify_one();
+  }
+
+  void AcceptLoop() {
+    while (running_) {
+      auto ch = device_->Accept(std::chrono::milliseconds(100));
+      if (ch.ok()) Admit(*ch);
+      Housekeeping();
+    }
+  }
+
+  void Admit(std::shared_ptr<Channel> ch) {
+    ConnectionId id = next_conn_++;
+    auto seen = std::make_shared<std::atomic<int64_t>>(
+        Clock::now().time_since_epoch().count());
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!running_) {
+        ch->Close();
+        return;
+      }
+      conns_[id] = Conn{ch, Clock::now(), seen, false};
+      events_.push_back(Event{id, EventType::kConnect, {}, nullptr, {}, {}});
+    }
+    cv_.notify_one();
+    accepted_++;
+    ch->SetHandlers(
+        [this, id, seen](std::vector<uint8_t> m) {
+          seen->store(Clock::now().time_since_epoch().count(),
+                      std::memory_order_relaxed);
+          OnBytes(id, std::move(m));
+        },
+        [this, id](const Status& s) { Gone(id, s); });
+  }
+
+  // Progress thread: the envelope is checked here, so a malformed message
+  // never reaches a service and closes its connection at once.
+  void OnBytes(ConnectionId id, std::vector<uint8_t> m) {
+    auto h = Decode(m);
+    if (!h.ok() || h->kind == Kind::kReply) {
+      malformed_++;
+      Status why = h.ok() ? InvalidArgumentError("a reply is not a request")
+                          : h.status();
+      MEMBOX_LOG_WARN(
+          "{}: connection {} sent a malformed message ({}); "
+          "closing it",
+          opt_.service, id, why.ToString());
+      Close(id, why);
+      return;
+    }
+    Push(Event{id, EventType::kMessage, std::move(m), nullptr, {}, {}});
+  }
+
+  void Housekeeping() {
+    auto now = Clock::now();
+    std::vector<std::pair<ConnectionId, Status>> late;
+    std::vector<Timer> due;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (auto& [id, c] : conns_) {
+        if (!c.established) {
+          if (opt_.hello_timeout.count() > 0 &&
+              now - c.connected > opt_.hello_timeout) {
+            late.emplace_back(
+                id, UnauthenticatedError(
+                        "did not introduce itself within " +
+                        std::to_string(opt_.hello_timeout.count()) + " ms"));
+          }
+          continue;
+        }
+        Clock::time_point seen{
+            Clock::duration(c.last_seen->load(std::memory_order_relaxed))};
+        if (opt_.idle_timeout.count() > 0 && now - seen > opt_.idle_timeout) {
+          late.emplace_back(
+              id, UnavailableError("silent for more than " +
+                                   std::to_string(opt_.idle_timeout.count()) +
+                                   " ms"));
+        }
+      }
+      for (Timer& t : timers_) {
+        if (now < t.next) continue;
+        t.next = now + t.period;
+        if (!t.queued->exchange(true)) due.push_back(t);
+      }
+    }
+    for (auto& [id, why] : late) {
+      MEMBOX_LOG_INFO("{}: closing connection {}: {}", opt_.service, id,
+                      why.ToString());
+      Close(id, why);
+    }
+    for (Timer& t : due) {
+      auto fn = t.fn;
+      auto queued = t.queued;
+      if (!Post([fn, queued] {
+            queued->store(false);
+            (*fn)();
+          })) {
+        return;
+      }
+    }
+  }
+
+  void Run() {
+    for (;;) {
+      Event e;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [this] { return !running_ || !events_.empty(); });
+        if (!running_) return;
+        e = std::move(events_.front());
+        events_.pop_front();
+      }
+      switch (e.type) {
+        case EventType::kTask:
+          e.task();
+          break;
+        case EventType::kConnect: {
+          auto ch = channel(e.conn);
+          if (ch) svc_->OnConnect(e.conn, ch->peer());
+          break;
+        }
+        case EventType::kDisconnect:
+          e.channel->Close();
+          svc_->OnDisconnect(e.conn, e.why);
+          break;
+        case EventType::kMessage: {
+          if (!channel(e.conn)) break;  // closed meanwhile
+          requests_++;
+          std::span<const uint8_t> body;
+          Header h = *Decode(e.bytes, &body);  // checked in OnBytes
+          Request r;
+          r.conn = e.conn;
+          r.method = h.method;
+          r.id = h.id;
+          r.notice = h.kind == Kind::kNotice;
+          r.body = body;
+          svc_->OnRequest(r);
+          break;
+        }
+      }
+    }
+  }
+
+  const ServerOptions opt_;
+  Service* const svc_;
+  std::unique_ptr<transport::Device> device_;
+  std::thread acceptor_;
+  std::vector<std::thread> executors_;
+  std::atomic<ConnectionId> next_conn_{1};
+  std::atomic<uint64_t> accepted_{0}, requests_{0}, errors_{0}, malformed_{0};
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<bool> running_{false};               // written under mu_
+  std::deque<Event> events_;                       // GUARDED_BY(mu_)
+  std::map<ConnectionId, Conn> conns_;             // GUARDED_BY(mu_)
+  std::vector<Timer> timers_;                      // GUARDED_BY(mu_)
+  std::vector<std::shared_ptr<Channel>> orphans_;  // GUARDED_BY(mu_)
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options,
+                                              Service* service) {
+  auto s = std::make_unique<ServerImpl>(options, service);
+  RETURN_IF_ERROR(s->Init());
+  return std::unique_ptr<Server>(std::move(s));
+}
+
+}  // namespace membox::service
