@@ -153,7 +153,7 @@ std::vector<std::pair<size_t, size_t>> Chunks(size_t bytes) {
 Status PipelinedExchange(memserver::Client& c, memserver::Segment* w,
                          memserver::Segment* g, size_t bytes, bool mapped) {
   const auto parts = Chunks(bytes);
-  std::vector<transport::OpHandle> acc(parts.size());
+  std::vector<service::Call> acc(parts.size());
   Status err;
   auto read_back = [&](size_t i) {
     Status a = acc[i].Wait(std::chrono::minutes(5));
@@ -166,7 +166,7 @@ Status PipelinedExchange(memserver::Client& c, memserver::Segment* w,
     }
     acc[i] = err.ok() ? c.AccumulateAsync(w, g, DType::kFloat32, -0.01,
                                           parts[i].first, parts[i].second)
-                      : transport::OpHandle::Done(err);
+                      : service::Call::Done(err);
     if (!mapped && i > 0) read_back(i - 1);
   }
   for (size_t i = mapped ? 0 : parts.size() - 1; i < parts.size(); ++i) {

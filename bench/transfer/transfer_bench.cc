@@ -19,6 +19,8 @@
 #include "membox/base/logging.h"
 #include "membox/base/subprocess.h"
 #include "membox/base/wire.h"
+#include "membox/service/client.h"
+#include "membox/service/server.h"
 #include "membox/transport/device.h"
 #include "membox/transport/tensor_transfer.h"
 
@@ -87,6 +89,72 @@ int RunGrpcPeer() {
   }
   server->Shutdown();
   return 0;
+}
+
+// The service layer's echo: a request's body comes back as the reply
+// (`membox bench-peer transfer service-auto|service-tcp`). The serial loop
+// polls its channels before blocking, as the parameter proxy does.
+class EchoService final : public service::Service {
+ public:
+  service::Server* server = nullptr;
+  void OnConnect(service::ConnectionId conn, const std::string&) override {
+    server->Establish(conn);
+  }
+  void OnRequest(const service::Request& r) override {
+    std::vector<uint8_t> body = service::NewMessage(r.body.size());
+    body.insert(body.end(), r.body.begin(), r.body.end());
+    server->Reply(r, Status::Ok(), std::move(body));
+  }
+};
+
+int RunServicePeer(const std::string& transports) {
+  EchoService svc;
+  service::ServerOptions o;
+  o.device.listen_address = "127.0.0.1:0";
+  o.device.transports = transports;
+  o.device.name = "bench-echo";
+  o.service = "echo";
+  o.poll_before_block = 300us;
+  auto server = service::Server::Start(o, &svc);
+  if (!server.ok()) {
+    std::fprintf(stderr, "peer: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  svc.server = server->get();
+  std::printf("READY %s\n", (*server)->endpoint().c_str());
+  std::fflush(stdout);
+  char c;
+  while (read(0, &c, 1) > 0) {
+  }
+  (*server)->Stop();
+  return 0;
+}
+
+// Request/reply round trips of a `bytes`-byte body through the service
+// layer: (p50, p99) in seconds.
+Result<std::pair<double, double>> ServiceRoundTrips(const std::string& ep,
+                                                    const std::string& trans,
+                                                    size_t bytes, int n) {
+  DeviceOptions o;
+  o.transports = trans;
+  o.name = "bench-rtt";
+  ASSIGN_OR_RETURN(auto dev, Device::Create(o));
+  service::ClientOptions co;
+  co.node_kind = "echo node";
+  ASSIGN_OR_RETURN(auto c, service::Client::Connect(*dev, ep, co));
+  std::vector<double> t;
+  t.reserve(n);
+  for (int i = 0; i < n + n / 10; ++i) {  // the first tenth warms up
+    std::vector<uint8_t> m = service::NewMessage(bytes);
+    m.resize(service::kHeaderBytes + bytes, static_cast<uint8_t>(i));
+    auto t0 = Clock::now();
+    ASSIGN_OR_RETURN(auto reply, c->Call(1, std::move(m), 10s));
+    double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (reply.size() != bytes) return DataLossError("echo changed the size");
+    if (i >= n / 10) t.push_back(dt);
+  }
+  std::sort(t.begin(), t.end());
+  return std::make_pair(t[t.size() / 2], t[t.size() * 99 / 100]);
 }
 
 int RunMemboxPeer(const std::string& transports) {
@@ -361,6 +429,8 @@ std::string Num(std::optional<double> v) {
 int RunTransferPeer(const std::string& mode) {
   if (mode == "grpc") return RunGrpcPeer();
   if (mode == "auto" || mode == "tcp") return RunMemboxPeer(mode);
+  if (mode == "service-auto") return RunServicePeer("auto");
+  if (mode == "service-tcp") return RunServicePeer("tcp");
   std::fprintf(stderr, "unknown peer mode '%s'\n", mode.c_str());
   return 2;
 }
@@ -416,7 +486,7 @@ int RunTransferBench(const TransferOptions& opt) {
         grpc_child->endpoint, grpc::InsecureChannelCredentials(), args));
   }
 
-  int total = static_cast<int>(sizes.size()) + 1;
+  int total = static_cast<int>(sizes.size()) + 2;
   int step = 0;
   auto fail = [&](const Status& s, const char* what) {
     std::fprintf(stderr, "%s failed: %s\n", what, s.ToString().c_str());
@@ -456,6 +526,24 @@ int RunTransferBench(const TransferOptions& opt) {
   if (tlat.ok())
     rep.Add({"", "membox-tcp", 64, 2, "one_way_latency", *tlat / 2 * 1e6, "us",
              ""});
+  // Request/reply round trips through the service layer (the envelope, the
+  // server's serial loop, the client's pending map and Call), 64-byte
+  // bodies: what every memory-server, proxy and embedding request pays.
+  Progress(++step, total, "service round trip");
+  std::optional<std::pair<double, double>> rtt_shm, rtt_tcp;
+  for (const char* trans : {"auto", "tcp"}) {
+    auto child = Child::Spawn(
+        {"membox", "bench-peer", "transfer", std::string("service-") + trans});
+    if (!child.ok()) return fail(child.status(), "service peer");
+    int n = opt.common.quick ? 2000 : 20000;
+    auto r = ServiceRoundTrips(child->endpoint, trans, 64, n);
+    child->Stop();
+    if (!r.ok()) return fail(r.status(), "service round trip");
+    std::string variant = std::string("service-") + trans;
+    rep.Add({"", variant, 64, 2, "rtt_p50", r->first * 1e6, "us", ""});
+    rep.Add({"", variant, 64, 2, "rtt_p99", r->second * 1e6, "us", ""});
+    (std::string(trans) == "auto" ? rtt_shm : rtt_tcp) = *r;
+  }
   std::optional<double> iperf;
   if (opt.with_iperf) {
     iperf = Iperf3BytesPerSecond(opt.common.quick);
@@ -491,6 +579,11 @@ int RunTransferBench(const TransferOptions& opt) {
   }
   std::printf("\none-way 64-byte latency: shared memory %.2f us, TCP %s us\n",
               *lat / 2 * 1e6, tlat.ok() ? Num(*tlat / 2 * 1e6).c_str() : "-");
+  std::printf(
+      "service request/reply round trip, 64-byte body: shared memory p50 "
+      "%.2f us p99 %.2f us; TCP p50 %.2f us p99 %.2f us\n",
+      rtt_shm->first * 1e6, rtt_shm->second * 1e6, rtt_tcp->first * 1e6,
+      rtt_tcp->second * 1e6);
   if (iperf) {
     auto tc64 = rep.Find("membox-tcp", 64ull << 20, "throughput");
     std::printf(

@@ -11,6 +11,7 @@
 #include "membox/base/hmac.h"
 #include "membox/base/logging.h"
 #include "membox/base/wait.h"
+#include "membox/service/client.h"
 #include "membox/transport/device.h"
 #include "membox/transport/registered_pool.h"
 
@@ -47,11 +48,6 @@ class ClientImpl final : public Client {
 
   ~ClientImpl() override {
     {
-      std::lock_guard<std::mutex> l(pending_mu_);
-      closing_ = true;
-    }
-    FailAllAsync(AbortedError("the memory-node client was closed"));
-    {
       std::lock_guard<std::mutex> l(hb_mu_);
       stop_ = true;
     }
@@ -65,7 +61,8 @@ class ClientImpl final : public Client {
       std::lock_guard<std::mutex> l(arena_mu_);
       arenas_.clear();  // registered memory goes before its device
     }
-    if (channel_) channel_->Close();
+    // Closes the channel; pending calls fail with kAborted.
+    node_.reset();
     channel_.reset();
     device_.reset();
   }
@@ -78,15 +75,11 @@ class ClientImpl final : public Client {
     d.secret = opt_.secret;
     d.name = opt_.name;
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
-    auto ch = device_->GetChannel(opt_.server, 0);
-    if (!ch.ok()) return ch.status().WithContext("memory node " + opt_.server);
-    channel_ = *ch;
-    channel_->SetHandlers(
-        [this](std::vector<uint8_t> m) { OnMessage(std::move(m)); },
-        [this](const Status&) {
-          FailAllAsync(health());
-          pending_ev_.Notify();
-        });
+    service::ClientOptions co;
+    co.node_kind = "memory node";
+    ASSIGN_OR_RETURN(node_,
+                     service::Client::Connect(*device_, opt_.server, co));
+    channel_ = node_->channel_ptr();
     Request q;
     q.op = Op::kRegister;
     q.name = opt_.name;
@@ -124,31 +117,16 @@ class ClientImpl final : public Client {
     return Call(q).status();
   }
 
-  transport::OpHandle AccumulateAsync(Segment* dst, Segment* src, DType dtype,
-                                      double scale, size_t offset,
-                                      size_t length) override {
+  service::Call AccumulateAsync(Segment* dst, Segment* src, DType dtype,
+                                double scale, size_t offset,
+                                size_t length) override {
     auto q = AccumulateRequest(dst, src, dtype, scale, offset, length);
-    if (!q.ok()) return transport::OpHandle::Done(q.status());
-    q->id = next_id_.fetch_add(1);
-    auto state = std::make_shared<transport::OpState>(&pending_ev_);
-    state->set_progress(
-        [](void* self) {
-          static_cast<ClientImpl*>(self)->channel_->Progress();
-        },
-        this);
-    {
-      std::lock_guard<std::mutex> l(pending_mu_);
-      if (closing_) {
-        return transport::OpHandle::Done(
-            AbortedError("the memory-node client is closing"));
-      }
-      async_[q->id] = state;
-    }
-    Status s = channel_->SendControl(proto::EncodeRequest(*q));
-    if (!s.ok()) FailAsync(q->id, Annotate(s));
-    // A channel that broke before the request was tracked fails it here.
-    if (!channel_->health().ok()) FailAsync(q->id, health());
-    return transport::OpHandle(std::move(state));
+    if (!q.ok()) return service::Call::Done(q.status());
+    service::Call call = service::Call::Make(1);
+    call.state()->set_progress([ch = channel_] { ch->Progress(); });
+    node_->SendPart(static_cast<uint16_t>(Op::kAccumulate),
+                    proto::EncodeRequest(*q), call.state());
+    return call;
   }
 
   Result<std::string> ServerStatus(const std::string& admin_secret) override {
@@ -174,10 +152,11 @@ class ClientImpl final : public Client {
   }
 
   Status health() const override {
+    RETURN_IF_ERROR(node_->health());
     Status h = channel_->health();
     if (!h.ok())
       return UnavailableError("memory node " + opt_.server +
-                              " unreachable: " + std::string(h.message()));
+                              " is unreachable: " + std::string(h.message()));
     return Status::Ok();
   }
 
@@ -196,39 +175,6 @@ class ClientImpl final : public Client {
     q.offset = offset;
     q.length = length;
     return q;
-  }
-
-  // Removes the asynchronous request `id` from the table; null if it is not
-  // (or no longer) pending.
-  std::shared_ptr<transport::OpState> TakeAsync(uint64_t id) {
-    std::lock_guard<std::mutex> l(pending_mu_);
-    auto it = async_.find(id);
-    if (it == async_.end()) return nullptr;
-    auto st = std::move(it->second);
-    async_.erase(it);
-    return st;
-  }
-
-  // Completes the asynchronous request `id` (if still pending) with `s`.
-  void FailAsync(uint64_t id, const Status& s) {
-    if (auto st = TakeAsync(id)) st->Complete(s);
-  }
-
-  // The status a reply to `op` carries.
-  static Status ReplyStatus(Op op, const Response& a) {
-    if (a.code == 0) return Status::Ok();
-    return Status(static_cast<StatusCode>(a.code),
-                  std::string(proto::OpName(op)) + ": " + a.message);
-  }
-
-  // Fails every pending asynchronous request (broken channel, shutdown).
-  void FailAllAsync(const Status& s) {
-    std::map<uint64_t, std::shared_ptr<transport::OpState>> all;
-    {
-      std::lock_guard<std::mutex> l(pending_mu_);
-      all.swap(async_);
-    }
-    for (auto& [id, st] : all) st->Complete(s);
   }
 
   Status CheckOwned(Segment* s) const {
@@ -347,75 +293,21 @@ class ClientImpl final : public Client {
     return s;
   }
 
-  Result<Response> Call(Request q) {
-    q.id = next_id_.fetch_add(1);
-    {
-      std::lock_guard<std::mutex> l(pending_mu_);
-      pending_[q.id] = std::nullopt;
+  // One request and its reply; an ok reply body the client cannot decode
+  // fails the node (service::Client's policy).
+  Result<Response> Call(const Request& q) {
+    auto r = node_->Call(static_cast<uint16_t>(q.op), proto::EncodeRequest(q),
+                         opt_.timeout);
+    if (!r.ok()) {
+      return Status(r.status().code(), std::string(proto::OpName(q.op)) + ": " +
+                                           std::string(r.status().message()));
     }
-    Status s = channel_->SendControl(proto::EncodeRequest(q));
-    std::optional<Response> got;
-    if (s.ok()) {
-      bool ok = SpinThenBlock(
-          [&] {
-            auto take = [&] {
-              std::lock_guard<std::mutex> l(pending_mu_);
-              auto it = pending_.find(q.id);
-              if (!it->second) return false;
-              got = std::move(it->second);
-              return true;
-            };
-            if (take()) return true;
-            // The response may be waiting on the worker; progress runs
-            // OnMessage, which takes pending_mu_, so never under the lock.
-            channel_->Progress();
-            return take() || !channel_->health().ok();
-          },
-          &pending_ev_, opt_.timeout);
-      if (!got) {
-        s = !channel_->health().ok()
-                ? health()
-                : DeadlineExceededError(std::string(proto::OpName(q.op)) +
-                                        ": no answer from memory node " +
-                                        opt_.server);
-        (void)ok;
-      }
-    } else {
-      s = Annotate(s);
-    }
-    {
-      std::lock_guard<std::mutex> l(pending_mu_);
-      pending_.erase(q.id);
-    }
-    if (!s.ok()) return s;
-    RETURN_IF_ERROR(ReplyStatus(q.op, *got));
-    return std::move(*got);
-  }
-
-  void OnMessage(std::vector<uint8_t> m) {
-    auto a = proto::DecodeResponse(m);
+    auto a = proto::DecodeResponse(*r);
     if (!a.ok()) {
-      MEMBOX_LOG_WARN("dropping a malformed response from {}: {}", opt_.server,
-                      a.status().ToString());
-      return;
+      node_->Fail(DataLossError("sent a bad reply: " + a.status().ToString()));
+      return node_->health();
     }
-    if (auto async = TakeAsync(a->id)) {  // only accumulates are async
-      async->Complete(ReplyStatus(Op::kAccumulate, *a));
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> l(pending_mu_);
-      auto it = pending_.find(a->id);
-      if (it == pending_.end()) {
-        if (a->id == 0 && a->code != 0) {
-          MEMBOX_LOG_WARN("memory node {} rejected a request: {}", opt_.server,
-                          a->message);
-        }
-        return;
-      }
-      it->second = std::move(*a);
-    }
-    pending_ev_.Notify();
+    return std::move(*a);
   }
 
   void HeartbeatLoop(std::chrono::milliseconds period) {
@@ -428,27 +320,19 @@ class ClientImpl final : public Client {
       q.op = Op::kHeartbeat;
       q.bytes_read = bytes_read_.load();
       q.bytes_written = bytes_written_.load();
-      (void)channel_->SendControl(proto::EncodeRequest(q));
+      (void)node_->Notify(static_cast<uint16_t>(Op::kHeartbeat),
+                          proto::EncodeRequest(q));
       l.lock();
     }
   }
 
   ClientOptions opt_;
   std::unique_ptr<transport::Device> device_;
-  std::shared_ptr<Channel> channel_;
+  std::unique_ptr<service::Client> node_;
+  std::shared_ptr<Channel> channel_;  // node_'s, for segment transfers
   uint64_t client_id_ = 0;
   std::vector<uint8_t> challenge_;  // from the server, for admin proofs
-  std::atomic<uint64_t> next_id_{1};
   std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0};
-
-  std::mutex pending_mu_;
-  std::map<uint64_t, std::optional<Response>>
-      pending_;  // GUARDED_BY(pending_mu_)
-  // Asynchronous requests (AccumulateAsync), completed by OnMessage.
-  std::map<uint64_t, std::shared_ptr<transport::OpState>>
-      async_;             // GUARDED_BY(pending_mu_)
-  bool closing_ = false;  // GUARDED_BY(pending_mu_)
-  EventCount pending_ev_;
 
   std::mutex arena_mu_;
   std::vector<std::shared_ptr<transport::RegisteredPool>>

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "membox/base/wire.h"
+#include "membox/service/envelope.h"
 
 namespace membox::memserver::proto {
 namespace {
@@ -19,7 +20,9 @@ using wire::Writer;
 
 constexpr uint8_t kRequestMagic = 'Q';
 constexpr uint8_t kResponseMagic = 'A';
-constexpr uint8_t kVersion = 1;
+// 2: inside the service envelope (op = the envelope's method; request id,
+// status code and error message travel there).
+constexpr uint8_t kVersion = 2;
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed memory-server ") + what);
@@ -50,11 +53,9 @@ const char* OpName(Op op) {
 }
 
 std::vector<uint8_t> EncodeRequest(const Request& q) {
-  Writer w;
+  Writer w(service::NewMessage());
   w.U8(kRequestMagic);
   w.U8(kVersion);
-  w.U8(static_cast<uint8_t>(q.op));
-  w.U64(q.id);
   switch (q.op) {
     case Op::kRegister:
       PutStr(w, q.name);
@@ -88,17 +89,16 @@ std::vector<uint8_t> EncodeRequest(const Request& q) {
   return std::move(w.buffer());
 }
 
-Result<Request> DecodeRequest(std::span<const uint8_t> in) {
-  Reader r(in);
-  uint8_t magic = 0, version = 0, op = 0;
+Result<Request> DecodeRequest(uint16_t op, std::span<const uint8_t> in) {
   Request q;
-  if (!r.U8(&magic) || magic != kRequestMagic) return Bad("request (magic)");
-  if (!r.U8(&version) || version != kVersion) return Bad("request (version)");
-  if (!r.U8(&op) || op < 1 || op > static_cast<uint8_t>(Op::kHeartbeat)) {
+  if (op < 1 || op > static_cast<uint8_t>(Op::kHeartbeat)) {
     return Bad("request (unknown operation)");
   }
   q.op = static_cast<Op>(op);
-  if (!r.U64(&q.id)) return Bad("request (id)");
+  Reader r(in);
+  uint8_t magic = 0, version = 0;
+  if (!r.U8(&magic) || magic != kRequestMagic) return Bad("request (magic)");
+  if (!r.U8(&version) || version != kVersion) return Bad("request (version)");
   bool ok = true;
   switch (q.op) {
     case Op::kRegister:
@@ -129,12 +129,9 @@ Result<Request> DecodeRequest(std::span<const uint8_t> in) {
 }
 
 std::vector<uint8_t> EncodeResponse(const Response& a) {
-  Writer w;
+  Writer w(service::NewMessage());
   w.U8(kResponseMagic);
   w.U8(kVersion);
-  w.U64(a.id);
-  w.U32(a.code);
-  PutStr(w, a.message);
   w.U64(a.client_id);
   w.U32(a.heartbeat_ms);
   w.U64(a.key);
@@ -152,16 +149,12 @@ Result<Response> DecodeResponse(std::span<const uint8_t> in) {
   Response a;
   uint32_t dlen = 0;
   if (!r.U8(&magic) || magic != kResponseMagic || !r.U8(&version) ||
-      version != kVersion || !r.U64(&a.id) || !r.U32(&a.code) ||
-      !GetStr(r, &a.message, kMaxText) || !r.U64(&a.client_id) ||
-      !r.U32(&a.heartbeat_ms) || !r.U64(&a.key) || !r.U64(&a.size) ||
-      !r.U32(&dlen) || dlen > kMaxDescriptor || !r.Bytes(&a.descriptor, dlen) ||
+      version != kVersion || !r.U64(&a.client_id) || !r.U32(&a.heartbeat_ms) ||
+      !r.U64(&a.key) || !r.U64(&a.size) || !r.U32(&dlen) ||
+      dlen > kMaxDescriptor || !r.Bytes(&a.descriptor, dlen) ||
       !GetStr(r, &a.text, kMaxText) || !GetBytes(r, &a.challenge, kMaxProof) ||
       r.remaining() != 0) {
     return Bad("response");
-  }
-  if (a.code > static_cast<uint32_t>(StatusCode::kUnauthenticated)) {
-    return Bad("response (status code)");
   }
   return a;
 }

@@ -1,8 +1,9 @@
-// The memory server's request/response messages (docs/formats/
-// memserver_protocol.md). They travel as transport control messages; every
-// byte comes from another process, so the decoders check every length and
-// reject trailing bytes. fuzz/memserver_protocol_fuzzer.cc drives them.
-// Thread-safety: pure functions.
+// The memory server's request/response bodies (docs/formats/
+// memserver_protocol.md). They travel inside the service envelope
+// (service/envelope.h: method = Op, request id, error code and message) as
+// transport control messages; every byte comes from another process, so the
+// decoders check every length and reject trailing bytes.
+// fuzz/memserver_protocol_fuzzer.cc drives them. Thread-safety: pure functions.
 #ifndef MEMBOX_SRC_MEMSERVER_PROTOCOL_H_
 #define MEMBOX_SRC_MEMSERVER_PROTOCOL_H_
 
@@ -34,7 +35,6 @@ constexpr size_t kMaxProof = 64;
 
 struct Request {
   Op op = Op::kHeartbeat;
-  uint64_t id = 0;  // chosen by the client, echoed in the response
   // kRegister (the connection is already authenticated by the transport)
   std::string name;
   uint32_t pid = 0;
@@ -56,10 +56,8 @@ struct Request {
   std::vector<uint8_t> admin_proof;
 };
 
+// The body of an ok reply (errors travel in the envelope).
 struct Response {
-  uint64_t id = 0;
-  uint32_t code = 0;  // StatusCode
-  std::string message;
   uint64_t client_id = 0;     // kRegister
   uint32_t heartbeat_ms = 0;  // kRegister
   uint64_t key = 0;           // kCreate / kAttach
@@ -69,8 +67,10 @@ struct Response {
   std::vector<uint8_t> challenge;   // kRegister: for admin proofs
 };
 
+// Encoders write after room for the envelope header (service::NewMessage).
 std::vector<uint8_t> EncodeRequest(const Request& r);
-Result<Request> DecodeRequest(std::span<const uint8_t> in);
+// `op`: the envelope's method.
+Result<Request> DecodeRequest(uint16_t op, std::span<const uint8_t> in);
 std::vector<uint8_t> EncodeResponse(const Response& r);
 Result<Response> DecodeResponse(std::span<const uint8_t> in);
 

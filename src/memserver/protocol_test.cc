@@ -4,8 +4,17 @@
 
 #include <gtest/gtest.h>
 
+#include "membox/service/envelope.h"
+
 namespace membox::memserver::proto {
 namespace {
+
+using service::kHeaderBytes;
+
+// What an encoder wrote after the envelope's header room.
+std::vector<uint8_t> Body(std::vector<uint8_t> m) {
+  return {m.begin() + kHeaderBytes, m.end()};
+}
 
 TEST(ProtocolTest, RequestsRoundTripAndTruncationsFail) {
   std::vector<Request> reqs(8);
@@ -30,45 +39,48 @@ TEST(ProtocolTest, RequestsRoundTripAndTruncationsFail) {
   reqs[6].op = Op::kStatus;
   reqs[7].op = Op::kHeartbeat;
   for (auto& q : reqs) {
-    q.id = 99;
-    auto b = EncodeRequest(q);
-    auto d = DecodeRequest(b);
+    auto b = Body(EncodeRequest(q));
+    uint16_t op = static_cast<uint16_t>(q.op);
+    auto d = DecodeRequest(op, b);
     ASSERT_TRUE(d.ok()) << OpName(q.op) << ": " << d.status().ToString();
     EXPECT_EQ(d->op, q.op);
-    EXPECT_EQ(d->id, 99u);
     EXPECT_EQ(d->key, q.key);
     EXPECT_EQ(d->scale, q.scale);
     for (size_t n = 0; n < b.size(); ++n) {
-      EXPECT_FALSE(DecodeRequest({b.data(), n}).ok())
+      EXPECT_FALSE(DecodeRequest(op, {b.data(), n}).ok())
           << OpName(q.op) << " prefix " << n;
     }
     b.push_back(0);
-    EXPECT_FALSE(DecodeRequest(b).ok());
+    EXPECT_FALSE(DecodeRequest(op, b).ok());
   }
-  auto bad = EncodeRequest(reqs[1]);
-  bad[2] = 99;  // unknown op
-  EXPECT_FALSE(DecodeRequest(bad).ok());
+  auto create = Body(EncodeRequest(reqs[1]));
+  EXPECT_FALSE(DecodeRequest(99, create).ok());  // unknown op
+  EXPECT_FALSE(DecodeRequest(0, create).ok());
+  auto old = create;
+  old[1] = 1;  // version 1 (before the envelope)
+  EXPECT_FALSE(DecodeRequest(2, old).ok());
   Request nan = reqs[5];
   nan.scale = std::nan("");
-  EXPECT_FALSE(DecodeRequest(EncodeRequest(nan)).ok());
+  EXPECT_FALSE(DecodeRequest(6, Body(EncodeRequest(nan))).ok());
 }
 
 TEST(ProtocolTest, ResponsesRoundTrip) {
   Response a;
-  a.id = 5;
-  a.code = 7;
-  a.message = "denied";
+  a.client_id = 5;
   a.descriptor = {1, 2, 3};
   a.text = "segments 1\n";
-  auto b = EncodeResponse(a);
+  a.challenge = {9, 9};
+  auto b = Body(EncodeResponse(a));
   auto d = DecodeResponse(b);
   ASSERT_TRUE(d.ok());
-  EXPECT_EQ(d->message, "denied");
+  EXPECT_EQ(d->client_id, 5u);
   EXPECT_EQ(d->descriptor, a.descriptor);
+  EXPECT_EQ(d->text, a.text);
+  EXPECT_EQ(d->challenge, a.challenge);
   for (size_t n = 0; n < b.size(); ++n)
     EXPECT_FALSE(DecodeResponse({b.data(), n}).ok());
-  a.code = 1000;
-  EXPECT_FALSE(DecodeResponse(EncodeResponse(a)).ok());
+  a.descriptor.assign(kMaxDescriptor + 1, 0);
+  EXPECT_FALSE(DecodeResponse(Body(EncodeResponse(a))).ok());
 }
 
 }  // namespace

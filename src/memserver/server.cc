@@ -16,6 +16,7 @@
 #include "membox/base/config.h"
 #include "membox/base/hmac.h"
 #include "membox/base/logging.h"
+#include "membox/service/server.h"
 #include "membox/transport/device.h"
 
 #include "src/memserver/buddy_allocator.h"
@@ -48,15 +49,10 @@ struct Segment {
 };
 
 struct ClientState {
-  uint64_t id = 0;
-  std::shared_ptr<Channel> channel;
+  uint64_t id = 0;  // the service layer's connection id
   std::string name;
   uint32_t pid = 0;
   bool registered = false;
-  // Updated by the receive callback (not the handlers), so a backlog in the
-  // request ring never makes a live client look silent.
-  std::shared_ptr<std::atomic<int64_t>> last_seen;
-  Clock::time_point connected;
   std::set<uint64_t> attached;
   uint64_t created_bytes = 0;
   uint64_t bytes_read = 0;  // as last reported by the client
@@ -64,16 +60,14 @@ struct ClientState {
   std::vector<uint8_t> challenge;  // for admin proofs (kRegister reply)
 };
 
-struct Work {
-  uint64_t client = 0;
-  bool disconnect = false;
-  Status reason;
-  std::vector<uint8_t> message;
-};
-
 bool IsPowerOfTwo(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
 
-class ServerImpl final : public Server {
+// Runs on a service::Server with a pool of handler threads (requests of
+// different clients, and accumulates, run in parallel; the tables below are
+// under mu_). The service layer drops clients that do not register within
+// 10 s or, once registered, miss heartbeats for heartbeat_timeout (timed on
+// arrival, so a backlog of requests never makes a live client look silent).
+class ServerImpl final : public Server, public service::Service {
  public:
   explicit ServerImpl(ServerOptions o)
       : opt_(std::move(o)), rng_(std::random_device{}()) {}
@@ -95,57 +89,49 @@ class ServerImpl final : public Server {
     ASSIGN_OR_RETURN(auto buddy, BuddyAllocator::Create(opt_.pool_bytes,
                                                         min_order, max_order));
     buddy_ = std::make_unique<BuddyAllocator>(std::move(buddy));
-    transport::DeviceOptions d;
-    d.listen_address = opt_.listen;
-    d.transports = opt_.transports;
-    d.secret = opt_.secret;
-    d.name = "membox-serve";
-    d.progress_threads = 1;
-    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
-    // The pool is registered once; segments are ranges of it.
-    ASSIGN_OR_RETURN(pool_, device_->AllocateMemRegion(opt_.pool_bytes));
     sync_ = std::make_unique<SyncCores>(opt_.sync_cores);
-    running_ = true;
-    acceptor_ = std::thread([this] { AcceptLoop(); });
-    for (int i = 0; i < std::max(1, opt_.handler_threads); ++i) {
-      handlers_.emplace_back([this] { HandlerLoop(); });
-    }
-    reaper_ = std::thread([this] { ReaperLoop(); });
+    service::ServerOptions so;
+    so.device.listen_address = opt_.listen;
+    so.device.transports = opt_.transports;
+    so.device.secret = opt_.secret;
+    so.device.name = "membox-serve";
+    so.device.progress_threads = 1;
+    so.service = "memory node";
+    so.handler_threads = std::max(1, opt_.handler_threads);
+    so.hello_timeout = std::chrono::seconds(10);
+    so.idle_timeout = opt_.heartbeat_timeout;
+    ASSIGN_OR_RETURN(server_, service::Server::Start(so, this));
+    endpoint_ = server_->endpoint();
+    server_->Every(std::chrono::milliseconds(100),
+                   [this] { ReclaimOrphans(Clock::now()); });
     MEMBOX_LOG_INFO(
         "memory node listening on {}: pool {}, blocks {}..{}, {} sync cores",
-        device_->listen_endpoint(), FormatByteSize(opt_.pool_bytes),
+        endpoint_, FormatByteSize(opt_.pool_bytes),
         FormatByteSize(opt_.min_block), FormatByteSize(opt_.max_block),
         sync_->threads());
     return Status::Ok();
   }
 
-  std::string endpoint() const override { return device_->listen_endpoint(); }
+  std::string endpoint() const override { return endpoint_; }
 
   void Stop() override {
-    {
-      std::lock_guard<std::mutex> l(ring_mu_);
-      if (!running_) return;
-      running_ = false;
-    }
-    ring_cv_.notify_all();
-    if (acceptor_.joinable()) acceptor_.join();
-    for (auto& t : handlers_) t.join();
-    handlers_.clear();
-    if (reaper_.joinable()) reaper_.join();
+    if (!server_ || stopped_.exchange(true)) return;
+    // Ends the handlers and closes every connection.
+    server_->Stop();
     std::vector<uint64_t> ids;
     {
       std::lock_guard<std::mutex> l(mu_);
       for (auto& [id, c] : clients_) ids.push_back(id);
     }
     for (uint64_t id : ids)
-      ReleaseClient(id, AbortedError("server shutting down"), true);
+      ReleaseClient(id, AbortedError("server shutting down"));
     {
       std::lock_guard<std::mutex> l(mu_);
       segments_.clear();
     }
     sync_.reset();
-    pool_.reset();
-    device_.reset();
+    pool_.reset();  // registered memory goes before its device
+    server_.reset();
     MEMBOX_LOG_INFO("memory node stopped");
   }
 
@@ -219,86 +205,22 @@ class ServerImpl final : public Server {
   }
 
  private:
-  // ------------------------------------------------------------ threads
+  // ------------------------------------------------------------ service
 
-  void AcceptLoop() {
-    while (running_) {
-      auto ch = device_->Accept(std::chrono::milliseconds(100));
-      if (!ch.ok()) continue;
-      uint64_t id;
-      std::shared_ptr<std::atomic<int64_t>> seen;
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        id = next_client_++;
-        ClientState& c = clients_[id];
-        c.id = id;
-        c.channel = *ch;
-        c.connected = Clock::now();
-        c.last_seen = std::make_shared<std::atomic<int64_t>>(
-            c.connected.time_since_epoch().count());
-        seen = c.last_seen;
-      }
-      (*ch)->SetHandlers(
-          [this, id, seen](std::vector<uint8_t> m) {
-            seen->store(Clock::now().time_since_epoch().count(),
-                        std::memory_order_relaxed);
-            Push(Work{id, false, Status(), std::move(m)});
-          },
-          [this, id](const Status& s) {
-            Push(Work{id, true, s, {}});
-          });
-      MEMBOX_LOG_DEBUG("client {} connected from {}", id, (*ch)->peer());
-    }
+  Status OnStart(transport::Device& device) override {
+    // The pool is registered once; segments are ranges of it.
+    ASSIGN_OR_RETURN(pool_, device.AllocateMemRegion(opt_.pool_bytes));
+    return Status::Ok();
   }
 
-  void Push(Work w) {
-    {
-      std::lock_guard<std::mutex> l(ring_mu_);
-      ring_.push_back(std::move(w));
-    }
-    ring_cv_.notify_one();
+  void OnConnect(service::ConnectionId id, const std::string& peer) override {
+    std::lock_guard<std::mutex> l(mu_);
+    clients_[id].id = id;
+    MEMBOX_LOG_DEBUG("client {} connected from {}", id, peer);
   }
 
-  void HandlerLoop() {
-    for (;;) {
-      Work w;
-      {
-        std::unique_lock<std::mutex> l(ring_mu_);
-        ring_cv_.wait(l, [this] { return !running_ || !ring_.empty(); });
-        if (ring_.empty()) return;
-        w = std::move(ring_.front());
-        ring_.pop_front();
-      }
-      if (w.disconnect) {
-        ReleaseClient(w.client, w.reason, false);
-      } else {
-        Handle(w.client, w.message);
-      }
-    }
-  }
-
-  void ReaperLoop() {
-    while (running_) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      std::vector<std::pair<uint64_t, Status>> dead;
-      auto now = Clock::now();
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        for (auto& [id, c] : clients_) {
-          Clock::time_point seen{
-              Clock::duration(c.last_seen->load(std::memory_order_relaxed))};
-          if (c.registered && now - seen > opt_.heartbeat_timeout) {
-            dead.emplace_back(id, UnavailableError("missed heartbeats"));
-          } else if (!c.registered &&
-                     now - c.connected > std::chrono::seconds(10)) {
-            dead.emplace_back(id,
-                              UnauthenticatedError("did not register in time"));
-          }
-        }
-      }
-      for (auto& [id, why] : dead) ReleaseClient(id, why, true);
-      ReclaimOrphans(now);
-    }
+  void OnDisconnect(service::ConnectionId id, const Status& why) override {
+    ReleaseClient(id, why);
   }
 
   // Deletes orphaned segments whose grace period ended.
@@ -325,41 +247,26 @@ class ServerImpl final : public Server {
 
   // ------------------------------------------------------------ requests
 
-  void Reply(const std::shared_ptr<Channel>& ch, Response a) {
-    if (!ch) return;
-    Status s = ch->SendControl(proto::EncodeResponse(a));
-    if (!s.ok()) MEMBOX_LOG_DEBUG("reply failed: {}", s.ToString());
-  }
-
-  static Response Error(uint64_t id, const Status& s) {
-    Response a;
-    a.id = id;
-    a.code = static_cast<uint32_t>(s.code());
-    a.message = std::string(s.message());
-    return a;
-  }
-
-  void Handle(uint64_t client, const std::vector<uint8_t>& bytes) {
+  void OnRequest(const service::Request& r) override {
     requests_.fetch_add(1);
-    std::shared_ptr<Channel> ch;
+    const uint64_t client = r.conn;
     bool registered;
     {
       std::lock_guard<std::mutex> l(mu_);
       auto it = clients_.find(client);
       if (it == clients_.end()) return;  // released meanwhile
-      ch = it->second.channel;
       registered = it->second.registered;
     }
-    auto req = proto::DecodeRequest(bytes);
+    auto req = proto::DecodeRequest(r.method, r.body);
     if (!req.ok()) {
       rejected_.fetch_add(1);
       MEMBOX_LOG_WARN("client {}: {}", client, req.status().ToString());
-      Reply(ch, Error(0, req.status()));
+      server_->Reply(r, req.status());
       return;
     }
     if (req->op != Op::kRegister && !registered) {
       rejected_.fetch_add(1);
-      Reply(ch, Error(req->id, UnauthenticatedError("register first")));
+      server_->Reply(r, UnauthenticatedError("register first"));
       return;
     }
     Response a;
@@ -418,12 +325,11 @@ class ServerImpl final : public Server {
       rejected_.fetch_add(1);
       MEMBOX_LOG_DEBUG("client {} {}: {}", client, proto::OpName(req->op),
                        s.ToString());
-      Reply(ch, Error(req->id, s));
-      if (req->op == Op::kRegister) ReleaseClient(client, s, true);
+      server_->Reply(r, s);
+      if (req->op == Op::kRegister) server_->Close(client, s);
       return;
     }
-    a.id = req->id;
-    Reply(ch, std::move(a));
+    server_->Reply(r, Status::Ok(), proto::EncodeResponse(a));
   }
 
   Status DoRegister(uint64_t client, const Request& q, Response* a) {
@@ -431,6 +337,7 @@ class ServerImpl final : public Server {
     std::lock_guard<std::mutex> l(mu_);
     ClientState& c = clients_.at(client);
     c.registered = true;
+    server_->Establish(client);
     c.name = q.name;
     c.pid = q.pid;
     c.challenge = RandomBytes(32);
@@ -653,13 +560,11 @@ class ServerImpl final : public Server {
     return Status::Ok();
   }
 
-  void ReleaseClient(uint64_t client, const Status& why, bool close) {
-    std::shared_ptr<Channel> ch;
+  void ReleaseClient(uint64_t client, const Status& why) {
     {
       std::lock_guard<std::mutex> l(mu_);
       auto it = clients_.find(client);
       if (it == clients_.end()) return;
-      ch = it->second.channel;
       std::vector<uint64_t> keys(it->second.attached.begin(),
                                  it->second.attached.end());
       for (uint64_t key : keys) {
@@ -692,11 +597,12 @@ class ServerImpl final : public Server {
       clients_.erase(it);
       released_.fetch_add(1);
     }
-    if (close && ch) ch->Close();
   }
 
   ServerOptions opt_;
-  std::unique_ptr<transport::Device> device_;
+  std::unique_ptr<service::Server> server_;
+  std::string endpoint_;
+  std::atomic<bool> stopped_{false};
   std::unique_ptr<transport::MemRegion> pool_;
   std::unique_ptr<SyncCores> sync_;
 
@@ -705,18 +611,10 @@ class ServerImpl final : public Server {
   std::map<uint64_t, std::shared_ptr<Segment>> segments_;  // GUARDED_BY(mu_)
   std::map<uint64_t, ClientState> clients_;                // GUARDED_BY(mu_)
   uint64_t departed_read_ = 0, departed_written_ = 0;      // GUARDED_BY(mu_)
-  uint64_t next_client_ = 1;                               // GUARDED_BY(mu_)
   std::mt19937_64 rng_;                                    // GUARDED_BY(mu_)
-
-  std::mutex ring_mu_;
-  std::condition_variable ring_cv_;
-  std::deque<Work> ring_;  // GUARDED_BY(ring_mu_): the request ring
-  std::atomic<bool> running_{false};
 
   std::atomic<uint64_t> bytes_accumulated_{0}, accumulates_{0}, requests_{0},
       rejected_{0}, released_{0};
-  std::thread acceptor_, reaper_;
-  std::vector<std::thread> handlers_;
 };
 
 }  // namespace

@@ -133,7 +133,7 @@ TEST_P(ServerTest, AccumulateAsyncPipelinesFromOneThread) {
     gf[i] = static_cast<float>(i % 5);
   }
   ASSERT_TRUE(c->WriteSync(*w, 0, n * 4).ok());
-  std::vector<transport::OpHandle> acc;
+  std::vector<service::Call> acc;
   for (size_t p = 0; p < parts; ++p) {
     ASSERT_TRUE(c->WriteSync(*g, p * per * 4, per * 4).ok());
     acc.push_back(

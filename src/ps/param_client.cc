@@ -18,76 +18,12 @@
 
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
+#include "membox/service/client.h"
 #include "membox/transport/device.h"
 
 #include "src/ps/protocol.h"
 
 namespace membox::ps {
-
-struct PsHandle::State {
-  std::mutex mu;
-  std::condition_variable cv;
-  int remaining = 0;
-  bool done = false;
-  Status status;
-  uint64_t version = 0;
-  std::function<void(const Status&)> cb;
-  std::function<void()> on_success;  // runs once before completion
-  std::function<void()> progress;    // drives the client's channels
-  std::atomic<bool> finished{false};
-
-  void Finish(const Status& s, uint64_t v) {
-    std::function<void(const Status&)> run;
-    Status final;
-    {
-      std::lock_guard<std::mutex> l(mu);
-      if (done) return;
-      if (!s.ok() && status.ok()) status = s;
-      version = std::max(version, v);
-      if (--remaining > 0) return;
-      if (status.ok() && on_success) on_success();
-      done = true;
-      finished.store(true, std::memory_order_release);
-      final = status;
-      run = std::move(cb);
-    }
-    cv.notify_all();
-    if (run) run(final);
-  }
-};
-
-Status PsHandle::Wait(std::chrono::nanoseconds timeout) {
-  if (!s_) return FailedPreconditionError("empty handle");
-  // Replies are usually microseconds away: poll the channels (saving the
-  // progress thread's wake-up) and yield for a short while, then block.
-  if (s_->progress && !s_->finished.load(std::memory_order_acquire)) {
-    auto until = std::chrono::steady_clock::now() +
-                 std::min<std::chrono::nanoseconds>(
-                     timeout, std::chrono::microseconds(500));
-    while (!s_->finished.load(std::memory_order_acquire) &&
-           std::chrono::steady_clock::now() < until) {
-      s_->progress();
-      std::this_thread::yield();
-    }
-  }
-  std::unique_lock<std::mutex> l(s_->mu);
-  if (!s_->cv.wait_for(l, timeout, [&] { return s_->done; })) {
-    return DeadlineExceededError("parameter operation still pending");
-  }
-  return s_->status;
-}
-
-bool PsHandle::done() const {
-  if (!s_) return false;
-  std::lock_guard<std::mutex> l(s_->mu);
-  return s_->done;
-}
-
-uint64_t PsHandle::version() const {
-  if (!s_) return 0;
-  std::lock_guard<std::mutex> l(s_->mu);
-  return s_->version;
-}
 
 namespace {
 
@@ -97,12 +33,9 @@ using transport::Channel;
 using transport::MemRegion;
 using Clock = std::chrono::steady_clock;
 
-std::shared_ptr<PsHandle::State> NewState(
+std::shared_ptr<service::CallState> NewState(
     int n, std::function<void(const Status&)> cb) {
-  auto s = std::make_shared<PsHandle::State>();
-  s->remaining = n;
-  s->cb = std::move(cb);
-  return s;
+  return std::make_shared<service::CallState>(n, std::move(cb));
 }
 
 PsHandle Failed(const Status& s, std::function<void(const Status&)> cb) {
@@ -119,8 +52,8 @@ struct KeyInfo {
   bool striped = false;       // shard s lives on proxy (key + s) % proxies
   uint64_t rounds = 0;        // pushes issued by this worker
   uint64_t base_version = 0;  // stored version when declared
-  std::unique_ptr<MemRegion> staging;            // [in | out], registered
-  std::shared_ptr<PsHandle::State> last_staged;  // last op using staging
+  std::unique_ptr<MemRegion> staging;               // [in | out], registered
+  std::shared_ptr<service::CallState> last_staged;  // last op using staging
 };
 
 struct Op {
@@ -136,7 +69,7 @@ struct Op {
   uint32_t shards = 0;
   bool striped = false;
   RoutingTable route;
-  std::shared_ptr<PsHandle::State> state;
+  std::shared_ptr<service::CallState> state;
   bool operator<(const Op& o) const {  // priority_queue: top = smallest
     return priority != o.priority ? priority > o.priority : seq > o.seq;
   }
@@ -144,7 +77,8 @@ struct Op {
 
 struct ProxyLink {
   std::string endpoint;
-  std::shared_ptr<Channel> channel;
+  std::unique_ptr<service::Client> client;
+  std::shared_ptr<Channel> channel;  // client's (maybe fault-wrapped)
 };
 
 // MEMBOX_PROXY_DELAYS_MS="d0,d1,...": one added latency per proxy (ms, in
@@ -193,10 +127,8 @@ class ParamClientImpl final : public ParamClient {
     q_cv_.notify_all();
     if (sender_.joinable()) sender_.join();
     if (reprofiler_.joinable()) reprofiler_.join();
-    for (auto& p : proxies_) {
-      if (p.channel) p.channel->Close();
-    }
-    FailAll(AbortedError("parameter client closed"));
+    // Closing each link fails its pending calls with kAborted.
+    for (auto& p : proxies_) p.client.reset();
     keys_.clear();
     probe_.reset();
     regions_.clear();
@@ -235,22 +167,19 @@ class ParamClientImpl final : public ParamClient {
       if (!opt_.links.empty()) {
         link.channel = transport::WrapWithFaults(link.channel, opt_.links[i]);
       }
+      service::ClientOptions co;
+      co.node_kind = "proxy";
+      co.name = "proxy " + std::to_string(i) + " (" + link.endpoint + ")";
+      link.client = service::Client::Over(link.channel, link.endpoint, co);
       Message h;
       h.type = Type::kHello;
       h.name = opt_.name;
       h.rank = static_cast<uint32_t>(opt_.rank);
       h.world = static_cast<uint32_t>(opt_.world);
-      RETURN_IF_ERROR(link.channel->SendControl(proto::Encode(h)));
-      ASSIGN_OR_RETURN(auto bytes, link.channel->RecvControl(opt_.timeout));
-      ASSIGN_OR_RETURN(auto a, proto::Decode(bytes));
-      if (a.code != 0) {
-        return Status(static_cast<StatusCode>(a.code),
-                      "proxy " + link.endpoint + ": " + a.message);
-      }
-      uint32_t idx = static_cast<uint32_t>(i);
-      link.channel->SetHandlers(
-          [this, idx](std::vector<uint8_t> m) { OnReply(idx, m); },
-          [this, idx](const Status& s) { OnFailure(idx, s); });
+      RETURN_IF_ERROR(link.client
+                          ->Call(static_cast<uint16_t>(Type::kHello),
+                                 proto::Encode(h), opt_.timeout)
+                          .status());
       proxies_.push_back(std::move(link));
     }
     progress_ = [this] {
@@ -438,7 +367,7 @@ class ParamClientImpl final : public ParamClient {
       // The first declaration of a key fixes its shard size; later ones
       // (this worker's S' may differ) adopt it.
       auto st = NewState(1, nullptr);
-      st->progress = progress_;
+      st->set_progress(progress_);
       auto text = std::make_shared<std::string>();
       RETURN_IF_ERROR(SendRequest(i, m, st, text));
       PsHandle h(st);
@@ -608,104 +537,38 @@ class ParamClientImpl final : public ParamClient {
  private:
   // ------------------------------------------------------------ requests
 
-  struct Pending {
-    std::shared_ptr<PsHandle::State> state;
-    uint32_t proxy = 0;
-    std::shared_ptr<std::string> text;  // kStats: the status text
-  };
-
-  Status SendRequest(uint32_t proxy, Message m,
-                     const std::shared_ptr<PsHandle::State>& st,
+  // Sends `m` to proxy `proxy`; the reply finishes one part of `st` with
+  // its version (and stores the status text of kStats / kDeclare / kProbe
+  // in `text`). The service client's failure policy applies: a dead link
+  // or a malformed reply fails every pending call naming the proxy.
+  Status SendRequest(uint32_t proxy, const Message& m,
+                     const std::shared_ptr<service::CallState>& st,
                      std::shared_ptr<std::string> text = nullptr) {
-    m.id = next_id_.fetch_add(1);
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (!failed_[proxy].ok()) return failed_[proxy];
-      pending_[m.id] = Pending{st, proxy, text};
-    }
-    Status s = proxies_[proxy].channel->SendControl(proto::Encode(m));
-    if (!s.ok()) {
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        pending_.erase(m.id);
-      }
-      return ProxyError(proxy, s);
-    }
+    service::Client* c = proxies_[proxy].client.get();
+    RETURN_IF_ERROR(c->health());
+    c->Send(static_cast<uint16_t>(m.type), proto::Encode(m),
+            [c, st, text](const Status& s, std::span<const uint8_t> body) {
+              if (!s.ok()) return st->Finish(s, 0);
+              auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), body);
+              if (!r.ok()) {
+                c->Fail(DataLossError("sent a bad reply: " +
+                                      r.status().ToString()));
+                return st->Finish(c->health(), 0);
+              }
+              if (text) *text = r->text;
+              st->Finish(Status::Ok(), r->version);
+            });
     return Status::Ok();
   }
 
   // Sends and waits; returns the reply's version.
   Result<uint64_t> Call(uint32_t proxy, const Message& m) {
     auto st = NewState(1, nullptr);
-    st->progress = progress_;
+    st->set_progress(progress_);
     RETURN_IF_ERROR(SendRequest(proxy, m, st));
     PsHandle h(st);
     RETURN_IF_ERROR(h.Wait(opt_.timeout));
     return h.version();
-  }
-
-  Status ProxyError(uint32_t proxy, const Status& s) {
-    return Status(s.code(), "proxy " + std::to_string(proxy) + " (" +
-                                proxies_[proxy].endpoint +
-                                "): " + std::string(s.message()));
-  }
-
-  void OnReply(uint32_t proxy, const std::vector<uint8_t>& bytes) {
-    auto m = proto::Decode(bytes);
-    if (!m.ok() || m->type != Type::kReply) {
-      MEMBOX_LOG_WARN("proxy {} sent a bad reply: {}", proxy,
-                      m.ok() ? "not a reply" : m.status().ToString());
-      return;
-    }
-    Pending p;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      auto it = pending_.find(m->id);
-      if (it == pending_.end()) {
-        if (m->code != 0) {
-          MEMBOX_LOG_WARN("proxy {}: {}", proxy, m->message);
-        }
-        return;
-      }
-      p = std::move(it->second);
-      pending_.erase(it);
-      if (p.text) *p.text = m->text;
-    }
-    Status s = m->code == 0
-                   ? Status::Ok()
-                   : ProxyError(proxy, Status(static_cast<StatusCode>(m->code),
-                                              m->message));
-    p.state->Finish(s, m->version);
-  }
-
-  void OnFailure(uint32_t proxy, const Status& why) {
-    Status s = UnavailableError("proxy " + std::to_string(proxy) + " (" +
-                                proxies_[proxy].endpoint +
-                                ") is unreachable: " + why.ToString());
-    std::vector<Pending> fail;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      failed_[proxy] = s;
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        if (it->second.proxy == proxy) {
-          fail.push_back(std::move(it->second));
-          it = pending_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-    }
-    for (auto& p : fail) p.state->Finish(s, 0);
-  }
-
-  void FailAll(const Status& s) {
-    std::vector<Pending> fail;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      for (auto& [id, p] : pending_) fail.push_back(std::move(p));
-      pending_.clear();
-    }
-    for (auto& p : fail) p.state->Finish(s, 0);
   }
 
   Status RegisterRegion(const MemRegion& r) {
@@ -748,7 +611,7 @@ class ParamClientImpl final : public ParamClient {
     op.key = key;
     // The per-key staging buffer serves one operation at a time: wait for
     // the previous one that used it.
-    std::shared_ptr<PsHandle::State> previous;
+    std::shared_ptr<service::CallState> previous;
     {
       std::lock_guard<std::mutex> l(mu_);
       auto it = keys_.find(key);
@@ -771,7 +634,7 @@ class ParamClientImpl final : public ParamClient {
       op.route = in ? RouteFor(key, k.base_version + k.rounds) : routing_;
       op.seq = next_seq_++;
       op.state = NewState(static_cast<int>(k.shards), std::move(cb));
-      op.state->progress = progress_;
+      op.state->set_progress(progress_);
       uint8_t* staging = static_cast<uint8_t*>(k.staging->data());
       if (in) {
         const MemRegion* r = Locate(in, k.bytes);
@@ -799,7 +662,10 @@ class ParamClientImpl final : public ParamClient {
           op.out_offset = k.bytes;
           size_t n = k.bytes;
           const uint8_t* from = staging + k.bytes;
-          op.state->on_success = [out, from, n] { CopyBytes(out, from, n); };
+          op.state->set_finisher([out, from, n] {
+            CopyBytes(out, from, n);
+            return Status::Ok();
+          });
           k.last_staged = op.state;
         }
       }
@@ -909,14 +775,11 @@ class ParamClientImpl final : public ParamClient {
   };
   std::vector<RouteEntry> route_history_;                    // GUARDED_BY(mu_)
   std::map<uintptr_t, std::unique_ptr<MemRegion>> regions_;  // GUARDED_BY(mu_)
-  std::set<uintptr_t> user_regions_;     // RegisterTensor's; GUARDED_BY(mu_)
-  std::map<uint64_t, KeyInfo> keys_;     // GUARDED_BY(mu_)
-  std::map<uint64_t, Pending> pending_;  // GUARDED_BY(mu_)
-  std::map<uint32_t, Status> failed_;    // GUARDED_BY(mu_)
-  bool async_ = false;                   // GUARDED_BY(mu_)
-  OptimizerConfig default_optimizer_;    // GUARDED_BY(mu_)
-  uint64_t next_seq_ = 0;                // GUARDED_BY(mu_)
-  std::atomic<uint64_t> next_id_{1};
+  std::set<uintptr_t> user_regions_;   // RegisterTensor's; GUARDED_BY(mu_)
+  std::map<uint64_t, KeyInfo> keys_;   // GUARDED_BY(mu_)
+  bool async_ = false;                 // GUARDED_BY(mu_)
+  OptimizerConfig default_optimizer_;  // GUARDED_BY(mu_)
+  uint64_t next_seq_ = 0;              // GUARDED_BY(mu_)
 
   std::mutex profile_mu_;
   std::unique_ptr<MemRegion> probe_;         // GUARDED_BY(profile_mu_)

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "membox/base/wire.h"
+#include "membox/service/envelope.h"
 
 namespace membox::ps::proto {
 namespace {
@@ -19,7 +20,10 @@ using wire::Reader;
 using wire::Writer;
 
 constexpr uint8_t kMagic = 'P';
-constexpr uint8_t kVersion = 2;  // 2: per-key optimizers, kTune
+// 2: per-key optimizers, kTune; 3: inside the service envelope (type =
+// the envelope's method; request id, status code and error message travel
+// there).
+constexpr uint8_t kVersion = 3;
 
 void PutOptimizer(Writer& w, const Message& m) {
   w.U8(static_cast<uint8_t>(m.optimizer));
@@ -85,11 +89,9 @@ const char* TypeName(Type t) {
 }
 
 std::vector<uint8_t> Encode(const Message& m) {
-  Writer w;
+  Writer w(service::NewMessage());
   w.U8(kMagic);
   w.U8(kVersion);
-  w.U8(static_cast<uint8_t>(m.type));
-  w.U64(m.id);
   switch (m.type) {
     case Type::kHello:
     case Type::kPeerHello:
@@ -155,8 +157,6 @@ std::vector<uint8_t> Encode(const Message& m) {
     case Type::kStats:
       break;
     case Type::kReply:
-      w.U32(m.code);
-      PutStr(w, m.message);
       w.U64(m.version);
       PutStr(w, m.text);
       break;
@@ -172,17 +172,16 @@ std::vector<uint8_t> Encode(const Message& m) {
   return std::move(w.buffer());
 }
 
-Result<Message> Decode(std::span<const uint8_t> in) {
-  Reader r(in);
-  uint8_t magic = 0, version = 0, type = 0;
+Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
   Message m;
-  if (!r.U8(&magic) || magic != kMagic) return Bad("magic");
-  if (!r.U8(&version) || version != kVersion) return Bad("version");
-  if (!r.U8(&type) || type < 1 || type > static_cast<uint8_t>(kLastType)) {
+  if (type < 1 || type > static_cast<uint8_t>(kLastType)) {
     return Bad("unknown type");
   }
   m.type = static_cast<Type>(type);
-  if (!r.U64(&m.id)) return Bad("id");
+  Reader r(in);
+  uint8_t magic = 0, version = 0;
+  if (!r.U8(&magic) || magic != kMagic) return Bad("magic");
+  if (!r.U8(&version) || version != kVersion) return Bad("version");
   bool ok = true;
   uint8_t u8 = 0;
   switch (m.type) {
@@ -249,8 +248,7 @@ Result<Message> Decode(std::span<const uint8_t> in) {
     case Type::kStats:
       break;
     case Type::kReply:
-      ok = r.U32(&m.code) && GetStr(r, &m.message, kMaxText) &&
-           r.U64(&m.version) && GetStr(r, &m.text, kMaxText);
+      ok = r.U64(&m.version) && GetStr(r, &m.text, kMaxText);
       break;
     case Type::kReady:
     case Type::kDone:

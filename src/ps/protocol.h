@@ -1,7 +1,9 @@
-// Messages of the parameter-synchronisation service (docs/formats/
-// ps_protocol.md): worker <-> proxy and proxy <-> proxy. They travel as
-// transport control messages and come from other processes, so the decoder
-// checks every length and range and rejects trailing bytes;
+// Message bodies of the parameter-synchronisation service (docs/formats/
+// ps_protocol.md): worker <-> proxy and proxy <-> proxy. They travel inside
+// the service envelope (service/envelope.h: method = Type; request id, error
+// code and message there; kReady / kDone as notices) and come from other
+// processes, so the decoder checks every length and range and rejects
+// trailing bytes;
 // fuzz/ps_protocol_fuzzer.cc drives it.
 // Thread-safety: pure functions.
 #ifndef MEMBOX_SRC_PS_PROTOCOL_H_
@@ -29,7 +31,7 @@ enum class Type : uint8_t {
   kCheckpoint = 9,  // write a snapshot now
   kStats = 10,
   // proxy -> worker
-  kReply = 11,
+  kReply = 11,  // an ok reply's body: version, text
   // proxy <-> proxy
   kPeerHello = 12,  // proxy rank
   kReady = 13,      // my ring buffer for (key, shard, round, step) is ready
@@ -51,8 +53,8 @@ enum class Mode : uint8_t { kSum = 0, kAverage = 1, kAsync = 2 };
 enum class Optimizer : uint8_t { kNone = 0, kSgd = 1, kAdam = 2 };
 
 struct Message {
-  Type type = Type::kStats;
-  uint64_t id = 0;  // request id, echoed in kReply
+  Type type = Type::kStats;  // the envelope's method
+  uint64_t id = 0;  // the envelope's request id (set on receipt; not coded)
   // kHello / kPeerHello (the channel is authenticated by the transport)
   std::string name;
   uint32_t rank = 0;
@@ -94,14 +96,14 @@ struct Message {
   // kCheckpoint: optional file name inside the proxy's checkpoint directory
   std::string path;
   // kReply
-  uint32_t code = 0;
-  std::string message;
   uint64_t version = 0;
   std::string text;
 };
 
+// The body of `m` after room for the envelope header (service::NewMessage).
 std::vector<uint8_t> Encode(const Message& m);
-Result<Message> Decode(std::span<const uint8_t> in);
+// Decodes a body of `type` (the envelope's method; kReply for replies).
+Result<Message> Decode(uint16_t type, std::span<const uint8_t> body);
 
 }  // namespace membox::ps::proto
 

@@ -17,6 +17,8 @@
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
 #include "membox/ps/routing.h"
+#include "membox/service/client.h"
+#include "membox/service/server.h"
 #include "membox/transport/device.h"
 
 #include "src/ps/checkpoint.h"
@@ -142,15 +144,12 @@ struct Conn {
   std::deque<Message> queue;  // pushes / skips not yet admitted
 };
 
-struct Event {
-  uint64_t conn = 0;
-  bool disconnect = false;
-  Status status;
-  std::vector<uint8_t> bytes;
-  std::function<void()> task;  // internal work on the event thread
-};
-
-class ProxyImpl final : public Proxy {
+// Runs on a service::Server with one serial event loop: workers' and peer
+// proxies' messages, transfer completions (posted tasks) and checkpoints are
+// applied on that loop, so the storage and ring state need no locks
+// (docs/design/ps.md). Peer proxies are reached through service::Clients of
+// the same device.
+class ProxyImpl final : public Proxy, public service::Service {
  public:
   explicit ProxyImpl(ProxyOptions o) : opt_(std::move(o)) {}
   ~ProxyImpl() override { Stop(); }
@@ -167,26 +166,34 @@ class ProxyImpl final : public Proxy {
       return InvalidArgumentError("proxy rank " + std::to_string(opt_.rank) +
                                   " outside the peer list");
     }
-    transport::DeviceOptions d;
-    d.listen_address = opt_.listen;
-    d.transports = opt_.transports;
-    d.secret = opt_.secret;
-    d.name = "membox-proxy-" + std::to_string(opt_.rank);
-    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
     sync_ = std::make_unique<SyncCores>(opt_.sync_cores);
-    if (opt_.restore) RETURN_IF_ERROR(Restore());
+    service::ServerOptions so;
+    so.device.listen_address = opt_.listen;
+    so.device.transports = opt_.transports;
+    so.device.secret = opt_.secret;
+    so.device.name = "membox-proxy-" + std::to_string(opt_.rank);
+    so.service = "proxy " + std::to_string(opt_.rank);
+    so.handler_threads = 0;  // one state machine per node
+    // The next message is usually microseconds away (the other half of a
+    // ring step, the next shard).
+    so.poll_before_block = std::chrono::microseconds(300);
     running_ = true;
-    acceptor_ = std::thread([this] { AcceptLoop(); });
-    events_thread_ = std::thread([this] { EventLoop(); });
+    auto server = service::Server::Start(so, this);
+    if (!server.ok()) {
+      running_ = false;
+      return server.status();
+    }
+    server_ = std::move(*server);
+    endpoint_ = server_->endpoint();
     MEMBOX_LOG_INFO("parameter proxy {}/{} listening on {} ({} scheduler)",
-                    opt_.rank, nproxies_, device_->listen_endpoint(),
+                    opt_.rank, nproxies_, endpoint_,
                     opt_.scheduler == Scheduler::kPerClientQueues
                         ? "per-client queues"
                         : "first-come-first-serve");
     return Status::Ok();
   }
 
-  std::string endpoint() const override { return device_->listen_endpoint(); }
+  std::string endpoint() const override { return endpoint_; }
 
   ProxyStats Stats() const override {
     ProxyStats s;
@@ -219,127 +226,68 @@ class ProxyImpl final : public Proxy {
   Status Checkpoint(const std::string& name) override {
     std::promise<Status> p;
     auto f = p.get_future();
-    Post(Event{0, false, {}, {}, [this, name, &p] {
-                 StartCheckpoint(name, [&p](Status s) { p.set_value(s); });
-               }});
+    if (!server_->Post([this, name, &p] {
+          StartCheckpoint(name, [&p](Status s) { p.set_value(s); });
+        })) {
+      return UnavailableError("the proxy is stopping");
+    }
     return f.get();
   }
 
   void Stop() override {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (!running_) return;
-      running_ = false;
-    }
-    cv_.notify_all();
-    if (acceptor_.joinable()) acceptor_.join();
-    if (events_thread_.joinable()) events_thread_.join();
+    if (!server_ || !running_.exchange(false)) return;
+    // Ends the event loop (posted tasks still run) and closes every
+    // connection; the device stays until server_ goes, after the memory
+    // registered with it.
+    server_->Stop();
     {
       std::lock_guard<std::mutex> l(writers_mu_);
       for (auto& t : writers_) t.join();
       writers_.clear();
     }
-    for (auto& [id, c] : conns_) c.channel->Close();
-    for (auto& [r, ch] : peer_out_) ch->Close();
+    peer_regions_.clear();
+    peer_out_.clear();  // closes the links to peers
     inflight_.clear();  // closed channels complete them
     conns_.clear();
-    peer_out_.clear();
-    peer_regions_.clear();
     keys_.clear();
     staging_.reset();
     probe_.reset();
     sync_.reset();
-    device_.reset();
+    server_.reset();
     MEMBOX_LOG_INFO("parameter proxy stopped");
   }
 
  private:
   // ------------------------------------------------------------ plumbing
 
-  void AcceptLoop() {
-    while (running_) {
-      auto ch = device_->Accept(std::chrono::milliseconds(100));
-      if (!ch.ok()) continue;
-      uint64_t id = next_conn_.fetch_add(1);
-      std::shared_ptr<Channel> c = *ch;
-      Post(Event{id, false, {}, {}, [this, id, c] { conns_[id].channel = c; }});
-      c->SetHandlers(
-          [this, id](std::vector<uint8_t> m) {
-            Post(Event{id, false, {}, std::move(m), nullptr});
-          },
-          [this, id](const Status& s) {
-            Post(Event{id, true, s, {}, nullptr});
-          });
+  // ------------------------------------------------------------ service
+
+  Status OnStart(transport::Device& device) override {
+    device_ = &device;
+    if (opt_.restore) RETURN_IF_ERROR(Restore());
+    return Status::Ok();
+  }
+
+  void OnConnect(service::ConnectionId conn, const std::string&) override {
+    conns_[conn].channel = server_->channel(conn);
+  }
+
+  void Post(std::function<void()> task) { server_->Post(std::move(task)); }
+
+  // Answers request (method, id) of `conn`; an ok reply carries the
+  // version (and the status text of kStats).
+  void Reply(uint64_t conn, Type method, uint64_t id, const Status& s,
+             uint64_t version = 0, std::string text = {}) {
+    if (!s.ok()) {
+      rejected_.fetch_add(1);
+      return server_->Reply(conn, static_cast<uint16_t>(method), id, s);
     }
-  }
-
-  void Post(Event e) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      events_.push_back(std::move(e));
-    }
-    cv_.notify_one();
-  }
-
-  void EventLoop() {
-    for (;;) {
-      Event e;
-      {
-        std::unique_lock<std::mutex> l(mu_);
-        if (events_.empty() && running_) {
-          // The next message is usually microseconds away (the other half
-          // of a ring step, the next shard): drive the channels ourselves
-          // for a moment instead of waiting for the progress thread's
-          // wake-up, then block.
-          l.unlock();
-          auto until = Clock::now() + std::chrono::microseconds(300);
-          while (Clock::now() < until) {
-            for (auto& [id, c] : conns_) {
-              if (c.channel) c.channel->Progress();
-            }
-            for (auto& [r, ch] : peer_out_) ch->Progress();
-            {
-              std::lock_guard<std::mutex> g(mu_);
-              if (!events_.empty() || !running_) break;
-            }
-            std::this_thread::yield();
-          }
-          l.lock();
-        }
-        cv_.wait(l, [this] { return !running_ || !events_.empty(); });
-        if (!running_) return;
-        e = std::move(events_.front());
-        events_.pop_front();
-      }
-      if (e.task) {
-        e.task();
-      } else if (e.disconnect) {
-        OnDisconnect(e.conn, e.status);
-      } else {
-        OnMessage(e.conn, e.bytes);
-      }
-    }
-  }
-
-  void Send(const std::shared_ptr<Channel>& ch, const Message& m) {
-    if (!ch) return;
-    Status s = ch->SendControl(proto::Encode(m));
-    if (!s.ok()) MEMBOX_LOG_DEBUG("send failed: {}", s.ToString());
-  }
-
-  void Reply(uint64_t conn, uint64_t id, const Status& s, uint64_t version = 0,
-             std::string text = {}) {
-    auto it = conns_.find(conn);
-    if (it == conns_.end()) return;
     Message m;
     m.type = Type::kReply;
-    m.id = id;
-    m.code = static_cast<uint32_t>(s.code());
-    m.message = std::string(s.message());
     m.version = version;
     m.text = std::move(text);
-    if (!s.ok()) rejected_.fetch_add(1);
-    Send(it->second.channel, m);
+    server_->Reply(conn, static_cast<uint16_t>(method), id, Status::Ok(),
+                   proto::Encode(m));
   }
 
   Result<std::shared_ptr<MemRegion>> Allocate(uint64_t bytes) {
@@ -432,28 +380,29 @@ class ProxyImpl final : public Proxy {
   // (waiting here made every node use its link one direction at a time).
   // `src` is held until the write completes, so the value it points into is
   // copied on write meanwhile (Apply / LocalSum check use_count()).
-  void WriteThenReply(uint64_t conn, uint64_t id, uint64_t region,
+  void WriteThenReply(uint64_t conn, Type method, uint64_t id, uint64_t region,
                       uint64_t offset, std::shared_ptr<MemRegion> src,
                       uint64_t len, uint64_t version) {
     Conn& c = conns_[conn];
     auto rr = WorkerRange(c, region, offset, len, "output");
-    if (!rr.ok()) return Reply(conn, id, rr.status(), version);
+    if (!rr.ok()) return Reply(conn, method, id, rr.status(), version);
     if ((*rr)->mapped() || !c.channel) {
       Status s =
           WriteWorker(c, region, offset,
                       static_cast<const uint8_t*>(src->data()), len, *src);
-      return Reply(conn, id, s, version);
+      return Reply(conn, method, id, s, version);
     }
     auto w = c.channel->Write(src->data(), *src, (*rr)->address() + offset,
                               **rr, len, [src](const Status&) {});
-    if (!w.ok()) return Reply(conn, id, w.status(), version);
+    if (!w.ok()) return Reply(conn, method, id, w.status(), version);
     Track(std::move(*w));
-    auto f = c.channel->Flush([this, conn, id, version](const Status& s) {
-      Post(Event{conn, false, {}, {}, [this, conn, id, s, version] {
-                   Reply(conn, id, s, version);
-                 }});
-    });
-    if (!f.ok()) return Reply(conn, id, f.status(), version);
+    auto f =
+        c.channel->Flush([this, conn, method, id, version](const Status& s) {
+          Post([this, conn, method, id, s, version] {
+            Reply(conn, method, id, s, version);
+          });
+        });
+    if (!f.ok()) return Reply(conn, method, id, f.status(), version);
     Track(std::move(*f));
   }
 
@@ -468,19 +417,32 @@ class ProxyImpl final : public Proxy {
 
   // ------------------------------------------------------------ messages
 
-  void OnMessage(uint64_t conn, const std::vector<uint8_t>& bytes) {
+  void OnRequest(const service::Request& r) override {
+    const uint64_t conn = r.conn;
     auto cit = conns_.find(conn);
     if (cit == conns_.end()) return;
     Conn& c = cit->second;
-    auto m = proto::Decode(bytes);
+    auto m = proto::Decode(r.method, r.body);
     if (!m.ok()) {
       MEMBOX_LOG_WARN("connection {}: {}", conn, m.status().ToString());
-      Reply(conn, 0, m.status());
-      return;
+      rejected_.fetch_add(1);
+      return server_->Reply(r, m.status());
+    }
+    m->id = r.id;
+    // Ring notices arrive as notices; everything else is a request.
+    const bool ring = m->type == Type::kReady || m->type == Type::kDone;
+    if (r.notice != ring) {
+      rejected_.fetch_add(1);
+      MEMBOX_LOG_WARN("connection {}: {} sent as a {}", conn,
+                      proto::TypeName(m->type),
+                      r.notice ? "notice" : "request");
+      return server_->Reply(
+          r, InvalidArgumentError(std::string(proto::TypeName(m->type)) +
+                                  " must be sent as a notice"));
     }
     if (c.role == Conn::Role::kUnknown && m->type != Type::kHello &&
         m->type != Type::kPeerHello) {
-      Reply(conn, m->id, UnauthenticatedError("say hello first"));
+      Reply(conn, m->type, m->id, UnauthenticatedError("say hello first"));
       return;
     }
     switch (m->type) {
@@ -495,7 +457,7 @@ class ProxyImpl final : public Proxy {
         if (c.role != Conn::Role::kClient) break;
         return OnClientMessage(conn, c, std::move(*m));
     }
-    Reply(conn, m->id,
+    Reply(conn, m->type, m->id,
           PermissionDeniedError(std::string(proto::TypeName(m->type)) +
                                 " not allowed on this connection"));
   }
@@ -503,21 +465,22 @@ class ProxyImpl final : public Proxy {
   void OnHello(uint64_t conn, Conn& c, const Message& m) {
     // The channel proved the secret in the transport's handshake.
     if (c.role != Conn::Role::kUnknown) {
-      Reply(conn, m.id, FailedPreconditionError("already said hello"));
+      Reply(conn, m.type, m.id, FailedPreconditionError("already said hello"));
       return;
     }
     if (m.type == Type::kPeerHello) {
       if (m.rank >= nproxies_ || m.rank == opt_.rank) {
-        Reply(conn, m.id, InvalidArgumentError("bad peer proxy rank"));
+        Reply(conn, m.type, m.id, InvalidArgumentError("bad peer proxy rank"));
         return;
       }
       c.role = Conn::Role::kPeer;
       c.rank = m.rank;
-      Reply(conn, m.id, Status::Ok());
+      server_->Establish(conn);
+      Reply(conn, m.type, m.id, Status::Ok());
       return;
     }
     if (world_ != 0 && m.world != world_) {
-      Reply(conn, m.id,
+      Reply(conn, m.type, m.id,
             InvalidArgumentError("world size " + std::to_string(m.world) +
                                  " differs from the job's " +
                                  std::to_string(world_)));
@@ -525,28 +488,29 @@ class ProxyImpl final : public Proxy {
     }
     for (auto& [id, o] : conns_) {
       if (o.role == Conn::Role::kClient && o.rank == m.rank) {
-        Reply(conn, m.id,
+        Reply(conn, m.type, m.id,
               AlreadyExistsError("worker rank " + std::to_string(m.rank) +
                                  " is already connected"));
         return;
       }
     }
     if (!dead_worker_.empty()) {
-      Reply(conn, m.id, AbortedError(dead_worker_));
+      Reply(conn, m.type, m.id, AbortedError(dead_worker_));
       return;
     }
     world_ = m.world;
+    server_->Establish(conn);
     c.role = Conn::Role::kClient;
     c.rank = m.rank;
     c.name = m.name;
     n_clients_.fetch_add(1);
     MEMBOX_LOG_DEBUG("worker {} ({}) joined, world {}", m.rank, m.name,
                      m.world);
-    Reply(conn, m.id, Status::Ok());
+    Reply(conn, m.type, m.id, Status::Ok());
     MaybeStartAll();
   }
 
-  void OnDisconnect(uint64_t conn, const Status& why) {
+  void OnDisconnect(service::ConnectionId conn, const Status& why) override {
     auto it = conns_.find(conn);
     if (it == conns_.end()) return;
     if (it->second.role == Conn::Role::kClient) {
@@ -627,15 +591,15 @@ class ProxyImpl final : public Proxy {
     Status s = AbortedError(dead_worker_);
     for (auto& [k, key] : keys_) {
       for (auto& sh : key.shards) {
-        for (auto& [r, p] : sh.pushes) Reply(p.conn, p.id, s);
-        for (auto& p : sh.pulls) Reply(p.conn, p.id, s);
+        for (auto& [r, p] : sh.pushes) Reply(p.conn, Type::kPush, p.id, s);
+        for (auto& p : sh.pulls) Reply(p.conn, Type::kPull, p.id, s);
         sh.pushes.clear();
         sh.pulls.clear();
       }
     }
     for (auto& [id, c] : conns_) {
       for (auto& m : c.queue) {
-        if (m.type == Type::kPush) Reply(id, m.id, s);
+        if (m.type == Type::kPush) Reply(id, m.type, m.id, s);
       }
       queued_.fetch_sub(c.queue.size());
       c.queue.clear();
@@ -646,16 +610,16 @@ class ProxyImpl final : public Proxy {
     switch (m.type) {
       case Type::kRegion: {
         auto d = RegionDescriptor::Deserialize(m.descriptor);
-        if (!d.ok()) return Reply(conn, m.id, d.status());
+        if (!d.ok()) return Reply(conn, m.type, m.id, d.status());
         auto rr = c.channel->Import(*d, kIoTimeout);
-        if (!rr.ok()) return Reply(conn, m.id, rr.status());
+        if (!rr.ok()) return Reply(conn, m.type, m.id, rr.status());
         c.regions[d->region_id] = *rr;
-        return Reply(conn, m.id, Status::Ok());
+        return Reply(conn, m.type, m.id, Status::Ok());
       }
       case Type::kConfigure:
-        return Reply(conn, m.id, Configure(m));
+        return Reply(conn, m.type, m.id, Configure(m));
       case Type::kTune:
-        return Reply(conn, m.id, Tune(c, m));
+        return Reply(conn, m.type, m.id, Tune(c, m));
       case Type::kDeclare: {
         auto v = Declare(c, m);
         // The reply's text is the key's shard size: the first declaration
@@ -665,12 +629,13 @@ class ProxyImpl final : public Proxy {
           const Key& k = keys_[m.key];
           shard = std::to_string(k.shard_bytes) + (k.striped ? " striped" : "");
         }
-        Reply(conn, m.id, v.status(), v.ok() ? *v : 0, shard);
+        Reply(conn, m.type, m.id, v.status(), v.ok() ? *v : 0, shard);
         return MaybeStartAll();
       }
       case Type::kRoute: {
         if (m.lat_proxy >= nproxies_ || m.bw_proxy >= nproxies_) {
-          return Reply(conn, m.id, InvalidArgumentError("no such proxy"));
+          return Reply(conn, m.type, m.id,
+                       InvalidArgumentError("no such proxy"));
         }
         RouteEntry e;
         e.threshold = m.threshold;
@@ -678,14 +643,14 @@ class ProxyImpl final : public Proxy {
         e.bw = m.bw_proxy;
         e.from.insert(m.from_rounds.begin(), m.from_rounds.end());
         c.routes.push_back(std::move(e));
-        Reply(conn, m.id, Status::Ok());
+        Reply(conn, m.type, m.id, Status::Ok());
         return MaybeStartAll();
       }
       case Type::kPush: {
         Status s = CheckShardRequest(m);
-        if (!s.ok()) return Reply(conn, m.id, s);
+        if (!s.ok()) return Reply(conn, m.type, m.id, s);
         if (!dead_worker_.empty()) {
-          return Reply(conn, m.id, AbortedError(dead_worker_));
+          return Reply(conn, m.type, m.id, AbortedError(dead_worker_));
         }
         c.queue.push_back(std::move(m));
         queued_.fetch_add(1);
@@ -697,7 +662,7 @@ class ProxyImpl final : public Proxy {
       }
       case Type::kPull: {
         Status s = CheckShardRequest(m);
-        if (!s.ok()) return Reply(conn, m.id, s);
+        if (!s.ok()) return Reply(conn, m.type, m.id, s);
         Key& key = keys_[m.key];
         Shard& sh = key.shards[m.shard];
         PendingPull p{conn, m.id, m.min_version, m.out_region, m.out_offset};
@@ -705,7 +670,7 @@ class ProxyImpl final : public Proxy {
           return ServePull(m.key, sh, p);
         }
         if (!dead_worker_.empty()) {
-          return Reply(conn, m.id, AbortedError(dead_worker_));
+          return Reply(conn, m.type, m.id, AbortedError(dead_worker_));
         }
         sh.pulls.push_back(p);
         return;
@@ -713,36 +678,34 @@ class ProxyImpl final : public Proxy {
       case Type::kProbe: {
         // The profiler writes into this buffer over the worker's own link.
         if (m.bytes > (256u << 20)) {
-          return Reply(conn, m.id, InvalidArgumentError("probe too large"));
+          return Reply(conn, m.type, m.id,
+                       InvalidArgumentError("probe too large"));
         }
         if (!probe_ || probe_->size() < m.bytes) {
           probe_.reset();
           auto r = device_->AllocateMemRegion(m.bytes);
-          if (!r.ok()) return Reply(conn, m.id, r.status());
+          if (!r.ok()) return Reply(conn, m.type, m.id, r.status());
           probe_ = std::move(*r);
         }
         auto d = probe_->Export().Serialize();
-        return Reply(conn, m.id, Status::Ok(), 0,
+        return Reply(conn, m.type, m.id, Status::Ok(), 0,
                      std::string(d.begin(), d.end()));
       }
       case Type::kCheckpoint: {
+        // The writer thread answers (service::Server::Reply is
+        // thread-safe; a connection gone meanwhile is skipped).
         uint64_t id = m.id;
-        std::shared_ptr<Channel> ch = c.channel;
         StartCheckpoint(m.path.empty() ? opt_.restore_name : m.path,
-                        [this, id, ch](Status s) {
-                          Message r;
-                          r.type = Type::kReply;
-                          r.id = id;
-                          r.code = static_cast<uint32_t>(s.code());
-                          r.message = std::string(s.message());
-                          Send(ch, r);
+                        [this, conn, id](Status s) {
+                          Reply(conn, Type::kCheckpoint, id, s);
                         });
         return;
       }
       case Type::kStats:
-        return Reply(conn, m.id, Status::Ok(), 0, StatusText());
+        return Reply(conn, m.type, m.id, Status::Ok(), 0, StatusText());
       default:
-        return Reply(conn, m.id, InvalidArgumentError("unexpected message"));
+        return Reply(conn, m.type, m.id,
+                     InvalidArgumentError("unexpected message"));
     }
   }
 
@@ -1040,12 +1003,13 @@ class ProxyImpl final : public Proxy {
     Shard& sh = key.shards[m.shard];
     if (mode_ == proto::Mode::kAsync) return ApplyAsync(conn, c, key, sh, m);
     if (sh.pushes.count(c.rank)) {
-      Reply(conn, m.id, InvalidArgumentError("duplicate push for a round"));
+      Reply(conn, m.type, m.id,
+            InvalidArgumentError("duplicate push for a round"));
       return;
     }
     if (key.striped ? Owner(m.key, m.shard) != opt_.rank
                     : !RoutedHere(c, m.key, sh.bytes, m.round)) {
-      Reply(conn, m.id,
+      Reply(conn, m.type, m.id,
             FailedPreconditionError("this push contradicts the routing table "
                                     "the worker announced"));
       return;
@@ -1076,13 +1040,13 @@ class ProxyImpl final : public Proxy {
     }
     uint64_t round = sh.version;
     uint32_t rank = p.rank;
-    auto h = c.channel->Read(
-        buf->data(), *buf, (*rr)->address() + p.offset, **rr, sh.bytes,
-        [this, k, s, rank, round](const Status& st) {
-          Post(Event{0, false, {}, {}, [this, k, s, rank, round, st] {
-                       Fetched(k, s, rank, round, st);
-                     }});
-        });
+    auto h =
+        c.channel->Read(buf->data(), *buf, (*rr)->address() + p.offset, **rr,
+                        sh.bytes, [this, k, s, rank, round](const Status& st) {
+                          Post([this, k, s, rank, round, st] {
+                            Fetched(k, s, rank, round, st);
+                          });
+                        });
     if (!h.ok()) return;
     p.prefetched = true;
     p.fetching = true;
@@ -1187,7 +1151,7 @@ class ProxyImpl final : public Proxy {
     Status st = LocalSum(key, sh);
     if (!st.ok()) {
       MEMBOX_LOG_WARN("key {} shard {}: {}", k, s, st.ToString());
-      for (auto& [r, p] : sh.pushes) Reply(p.conn, p.id, st);
+      for (auto& [r, p] : sh.pushes) Reply(p.conn, Type::kPush, p.id, st);
       sh.pushes.clear();
       return;
     }
@@ -1443,8 +1407,8 @@ class ProxyImpl final : public Proxy {
     MEMBOX_LOG_WARN("key {} shard {} round {}: {}", k, s, sh.version,
                     why.ToString());
     Status st = UnavailableError("proxy ring failed: " + why.ToString());
-    for (auto& [r, p] : sh.pushes) Reply(p.conn, p.id, st);
-    for (auto& p : sh.pulls) Reply(p.conn, p.id, st);
+    for (auto& [r, p] : sh.pushes) Reply(p.conn, Type::kPush, p.id, st);
+    for (auto& p : sh.pulls) Reply(p.conn, Type::kPull, p.id, st);
     sh.pushes.clear();
     sh.pulls.clear();
     sh.reducing = false;
@@ -1467,10 +1431,10 @@ class ProxyImpl final : public Proxy {
     }
     for (auto& [r, p] : pushes) {
       if (st.ok() && p.has_output) {
-        WriteThenReply(p.conn, p.id, p.out_region, p.out_offset, sh.value,
-                       sh.bytes, sh.version);
+        WriteThenReply(p.conn, Type::kPush, p.id, p.out_region, p.out_offset,
+                       sh.value, sh.bytes, sh.version);
       } else {
-        Reply(p.conn, p.id, st, sh.version);
+        Reply(p.conn, Type::kPush, p.id, st, sh.version);
       }
     }
     ServeWaitingPulls(k, sh);
@@ -1537,13 +1501,13 @@ class ProxyImpl final : public Proxy {
   void ApplyAsync(uint64_t conn, Conn& c, Key& key, Shard& sh,
                   const Message& m) {
     auto st = Staging(sh.bytes);
-    if (!st.ok()) return Reply(conn, m.id, st.status());
+    if (!st.ok()) return Reply(conn, m.type, m.id, st.status());
     uint8_t* into = static_cast<uint8_t*>((*st)->data());
     auto src = ReadWorker(c, m.region, m.offset, sh.bytes, into, **st);
-    if (!src.ok()) return Reply(conn, m.id, src.status());
+    if (!src.ok()) return Reply(conn, m.type, m.id, src.status());
     if (*src != into) std::memcpy(into, *src, sh.bytes);
     Status s = Apply(key, sh, *st, 1.0, false);
-    if (!s.ok()) return Reply(conn, m.id, s);
+    if (!s.ok()) return Reply(conn, m.type, m.id, s);
     sh.version++;
     if (sh.applied.size() < world_) sh.applied.resize(world_, 0);
     sh.applied[c.rank]++;
@@ -1554,7 +1518,7 @@ class ProxyImpl final : public Proxy {
                       static_cast<const uint8_t*>(sh.value->data()), sh.bytes,
                       *sh.value);
     }
-    Reply(conn, m.id, s, sh.version);
+    Reply(conn, m.type, m.id, s, sh.version);
   }
 
   void ServePull(uint64_t k, Shard& sh, const PendingPull& p) {
@@ -1563,7 +1527,7 @@ class ProxyImpl final : public Proxy {
     Status s = WriteWorker(it->second, p.out_region, p.out_offset,
                            static_cast<const uint8_t*>(sh.value->data()),
                            sh.bytes, *sh.value);
-    Reply(p.conn, p.id, s, sh.version);
+    Reply(p.conn, Type::kPull, p.id, s, sh.version);
   }
 
   void ServeWaitingPulls(uint64_t k, Shard& sh) {
@@ -1581,57 +1545,63 @@ class ProxyImpl final : public Proxy {
 
   // ------------------------------------------------------------ peers
 
-  Result<std::shared_ptr<Channel>> PeerChannel(uint32_t rank) {
+  // The link to peer proxy `rank`, connected on first use (retrying while
+  // the peer starts up). A link that was up and failed fails fast.
+  Result<service::Client*> PeerClient(uint32_t rank) {
     auto it = peer_out_.find(rank);
     if (it != peer_out_.end()) {
-      if (it->second->health().ok()) return it->second;
-      // It was up and went down: fail fast (retrying is for start-up).
+      Status h = it->second->health();
+      if (h.ok()) return it->second.get();
       return UnavailableError("proxy " + std::to_string(rank) + " at " +
-                              opt_.peers[rank] +
-                              " is down: " + it->second->health().ToString());
+                              opt_.peers[rank] + " is down: " + h.ToString());
     }
     auto deadline = Clock::now() + kPeerTimeout;
     Status last;
     while (Clock::now() < deadline && running_) {
-      auto ch = device_->GetChannel(opt_.peers[rank]);
-      if (ch.ok()) {
+      service::ClientOptions co;
+      co.node_kind = "proxy " + std::to_string(rank);
+      co.on_failure = [this, rank](const Status& s) {
+        // PeerDown reports it, at a level that fits the moment.
+        MEMBOX_LOG_DEBUG("link to proxy {} failed: {}", rank, s.ToString());
+        Post([this, rank, s] { PeerDown(rank, s); });
+      };
+      auto c = service::Client::Connect(*device_, opt_.peers[rank], co);
+      if (c.ok()) {
         // Do not wait for the hello's answer here: the peer may be doing the
-        // same towards us from its event thread. Messages on a channel are
+        // same towards us from its event loop. Messages on a channel are
         // ordered, so the peer sees the hello before anything else; a
         // refusal arrives later and is logged.
-        (*ch)->SetHandlers(
-            [rank](std::vector<uint8_t> b) {
-              auto r = proto::Decode(b);
-              if (!r.ok() || r->code != 0) {
-                MEMBOX_LOG_ERROR("proxy {} refused us: {}", rank,
-                                 r.ok() ? r->message : r.status().ToString());
-              }
-            },
-            [this, rank](const Status& s) {
-              // PeerDown reports it, at a level that fits the moment.
-              MEMBOX_LOG_DEBUG("link to proxy {} failed: {}", rank,
-                               s.ToString());
-              Post(Event{
-                  0, false, {}, {}, [this, rank, s] { PeerDown(rank, s); }});
-            });
         Message h;
         h.type = Type::kPeerHello;
         h.name = device_->options().name;
         h.rank = opt_.rank;
-        RETURN_IF_ERROR((*ch)->SendControl(proto::Encode(h)));
-        peer_out_[rank] = *ch;
-        return *ch;
+        (*c)->Send(static_cast<uint16_t>(Type::kPeerHello), proto::Encode(h),
+                   [rank](const Status& s, std::span<const uint8_t>) {
+                     if (!s.ok()) {
+                       MEMBOX_LOG_ERROR("proxy {} refused us: {}", rank,
+                                        s.ToString());
+                     }
+                   });
+        service::Client* raw = c->get();
+        peer_out_[rank] = std::move(*c);
+        return raw;
       }
-      last = ch.status();
+      last = c.status();
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     return UnavailableError("cannot reach proxy " + std::to_string(rank) +
                             " at " + opt_.peers[rank] + ": " + last.ToString());
   }
 
+  Result<std::shared_ptr<Channel>> PeerChannel(uint32_t rank) {
+    ASSIGN_OR_RETURN(service::Client * c, PeerClient(rank));
+    return c->channel_ptr();
+  }
+
+  // Ring notices (kReady, kDone) travel as service notices.
   Status SendToPeer(uint32_t rank, const Message& m) {
-    ASSIGN_OR_RETURN(auto ch, PeerChannel(rank));
-    return ch->SendControl(proto::Encode(m));
+    ASSIGN_OR_RETURN(service::Client * c, PeerClient(rank));
+    return c->Notify(static_cast<uint16_t>(m.type), proto::Encode(m));
   }
 
   // ------------------------------------------------------------ checkpoints
@@ -1688,7 +1658,7 @@ class ProxyImpl final : public Proxy {
       }
       // Release the snapshot's buffers on the event thread, where the
       // copy-on-write checks read the use counts.
-      Post(Event{0, false, {}, {}, [snap] { snap->clear(); }});
+      Post([snap] { snap->clear(); });
       done(s);
     });
   }
@@ -1769,20 +1739,17 @@ class ProxyImpl final : public Proxy {
 
   ProxyOptions opt_;
   uint32_t nproxies_ = 1;
-  std::unique_ptr<transport::Device> device_;
+  std::unique_ptr<service::Server> server_;
+  transport::Device* device_ = nullptr;  // server_'s
+  std::string endpoint_;
   std::unique_ptr<SyncCores> sync_;
   std::atomic<bool> running_{false};
-  std::thread acceptor_, events_thread_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Event> events_;  // GUARDED_BY(mu_)
-  std::atomic<uint64_t> next_conn_{1};
   std::mutex writers_mu_;
   std::vector<std::thread> writers_;
 
   // Event-thread state.
   std::map<uint64_t, Conn> conns_;
-  std::map<uint32_t, std::shared_ptr<Channel>> peer_out_;
+  std::map<uint32_t, std::unique_ptr<service::Client>> peer_out_;
   std::map<std::pair<uint32_t, uint64_t>, std::shared_ptr<RemoteMemRegion>>
       peer_regions_;
   std::map<uint64_t, Key> keys_;

@@ -2,36 +2,39 @@
 
 namespace membox::service {
 
-void CallState::Finish(const Status& s) {
-  std::function<void(const Status&)> done;
-  Status result;
+void CallState::Finish(const Status& s, uint64_t version) {
+  std::function<Status()> finisher;
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (done_ || remaining_ <= 0) return;
+    if (done_.load(std::memory_order_relaxed) || remaining_ <= 0) return;
     if (!s.ok() && status_.ok()) status_ = s;
+    version_ = std::max(version_, version);
     if (--remaining_ > 0) return;
-    result = status_;
-    done.swap(on_done_);
+    finisher.swap(finisher_);
   }
+  // The last part: no other thread touches the state until done_.
+  if (finisher && status_.ok()) {
+    Status f = finisher();
+    if (!f.ok()) status_ = f;
+  }
+  Status result = status_;
+  std::function<void(const Status&)> done;
+  done.swap(on_done_);
+  done_.store(true, std::memory_order_release);
+  events_.Notify();
   if (done) done(result);
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    done_ = true;
-  }
-  cv_.notify_all();
-}
-
-bool CallState::done() const {
-  std::lock_guard<std::mutex> l(mu_);
-  return done_;
 }
 
 Status CallState::Wait(std::chrono::nanoseconds timeout) {
-  std::unique_lock<std::mutex> l(mu_);
-  if (!cv_.wait_for(l, timeout, [this] { return done_; })) {
-    return DeadlineExceededError("the call is still running");
-  }
-  return status_;
+  bool ok = SpinThenBlock(
+      [this] {
+        if (done()) return true;
+        if (progress_) progress_();
+        return done();
+      },
+      &events_, timeout);
+  if (!ok) return DeadlineExceededError("the call is still running");
+  return status_;  // final once done_ (acquire in done())
 }
 
 Call Call::Done(const Status& s) {

@@ -1,7 +1,5 @@
 #include "membox/service/client.h"
 
-#include <future>
-
 #include "membox/base/logging.h"
 
 namespace membox::service {
@@ -16,8 +14,14 @@ Result<std::unique_ptr<Client>> Client::Connect(transport::Device& device,
                                           ": " +
                                           std::string(ch.status().message()));
   }
+  return Over(std::move(*ch), endpoint, std::move(options));
+}
+
+std::unique_ptr<Client> Client::Over(std::shared_ptr<transport::Channel> ch,
+                                     const std::string& endpoint,
+                                     ClientOptions options) {
   std::unique_ptr<Client> c(
-      new Client(endpoint, std::move(options), std::move(*ch)));
+      new Client(endpoint, std::move(options), std::move(ch)));
   Client* self = c.get();
   c->ch_->SetHandlers(
       [self](std::vector<uint8_t> b) { self->OnMessage(b); },
@@ -32,11 +36,13 @@ Client::Client(std::string endpoint, ClientOptions o,
                std::shared_ptr<transport::Channel> ch)
     : endpoint_(std::move(endpoint)),
       opt_(std::move(o)),
-      name_(opt_.node_kind + " " + endpoint_),
+      name_(opt_.name.empty() ? opt_.node_kind + " " + endpoint_ : opt_.name),
       ch_(std::move(ch)) {}
 
 Client::~Client() {
-  // A closed channel calls no handler any more; pending callbacks fail.
+  // A closed channel calls no handler any more; pending callbacks fail
+  // (on_failure does not run for the client's own closing).
+  closing_.store(true);
   ch_->Close();
   FailWith(AbortedError(name_ + ": the client was closed"));
 }
@@ -82,22 +88,22 @@ void Client::SendPart(uint16_t method, std::vector<uint8_t> msg,
 Result<std::vector<uint8_t>> Client::Call(uint16_t method,
                                           std::vector<uint8_t> msg,
                                           std::chrono::nanoseconds timeout) {
-  auto p = std::make_shared<std::promise<Result<std::vector<uint8_t>>>>();
-  auto f = p->get_future();
+  auto reply = std::make_shared<std::vector<uint8_t>>();
+  auto state = std::make_shared<CallState>(1);
+  state->set_progress([ch = ch_] { ch->Progress(); });
   Send(method, std::move(msg),
-       [p](const Status& s, std::span<const uint8_t> body) {
-         if (!s.ok()) {
-           p->set_value(s);
-         } else {
-           p->set_value(std::vector<uint8_t>(body.begin(), body.end()));
-         }
+       [reply, state](const Status& s, std::span<const uint8_t> body) {
+         if (s.ok()) reply->assign(body.begin(), body.end());
+         state->Finish(s);
        });
-  if (f.wait_for(timeout) != std::future_status::ready) {
+  Status s = state->Wait(timeout);
+  if (s.code() == StatusCode::kDeadlineExceeded && !state->done()) {
     return DeadlineExceededError(name_ + " did not answer within " +
                                  std::to_string(timeout.count() / 1000000) +
                                  " ms");
   }
-  return f.get();
+  RETURN_IF_ERROR(s);
+  return std::move(*reply);
 }
 
 Status Client::Notify(uint16_t method, std::vector<uint8_t> msg) {
@@ -137,6 +143,7 @@ void Client::FailWith(const Status& s) {
   if (first && s.code() != StatusCode::kAborted) {
     MEMBOX_LOG_DEBUG("{}", s.ToString());
   }
+  if (first && opt_.on_failure && !closing_.load()) opt_.on_failure(s);
   Status err = health();
   for (auto& [id, p] : pending) p.second(err, {});
 }

@@ -18,7 +18,12 @@ using transport::Channel;
 class ServerImpl final : public Server {
  public:
   ServerImpl(ServerOptions o, Service* s) : opt_(std::move(o)), svc_(s) {}
-  ~ServerImpl() override { Stop(); }
+  ~ServerImpl() override {
+    Stop();
+    // Joins the progress threads: no channel handler runs after this (the
+    // members they touch are still alive here).
+    device_.reset();
+  }
 
   Status Init() {
     if (svc_ == nullptr) return InvalidArgumentError("no service to serve");
@@ -26,6 +31,7 @@ class ServerImpl final : public Server {
       return InvalidArgumentError("handler_threads must be >= 0");
     }
     ASSIGN_OR_RETURN(device_, transport::Device::Create(opt_.device));
+    RETURN_IF_ERROR(svc_->OnStart(*device_));
     running_ = true;
     int n = std::max(1, opt_.handler_threads);
     for (int i = 0; i < n; ++i) executors_.emplace_back([this] { Run(); });
@@ -150,8 +156,8 @@ class ServerImpl final : public Server {
     for (auto& [id, c] : conns) c.channel->Close();
     for (auto& ch : orphans) ch->Close();
     conns.clear();
-    // Joins the progress threads: no channel handler runs after this.
-    device_.reset();
+    // The device stays until the destructor: the service may still hold
+    // registered memory of it (released before the Server is destroyed).
   }
 
  private:
@@ -303,11 +309,33 @@ class ServerImpl final : public Server {
     }
   }
 
+  // Drives every connection's channel until an event arrives or the poll
+  // budget is spent (ServerOptions::poll_before_block).
+  void PollBeforeBlock(std::unique_lock<std::mutex>& l) {
+    std::vector<std::shared_ptr<Channel>> chs;
+    chs.reserve(conns_.size());
+    for (auto& [id, c] : conns_) chs.push_back(c.channel);
+    l.unlock();
+    auto until = Clock::now() + opt_.poll_before_block;
+    while (Clock::now() < until) {
+      for (auto& ch : chs) ch->Progress();
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (!events_.empty() || !running_) break;
+      }
+      std::this_thread::yield();
+    }
+    l.lock();
+  }
+
   void Run() {
+    const bool poll =
+        opt_.handler_threads == 0 && opt_.poll_before_block.count() > 0;
     for (;;) {
       Event e;
       {
         std::unique_lock<std::mutex> l(mu_);
+        if (poll && events_.empty() && running_) PollBeforeBlock(l);
         cv_.wait(l, [this] { return !running_ || !events_.empty(); });
         if (!running_) return;
         e = std::move(events_.front());

@@ -349,17 +349,44 @@ TEST(CallTest, PartsFinishWithTheFirstError) {
   EXPECT_TRUE(Call::Done(Status::Ok()).Wait().ok());
 }
 
-TEST(CallTest, OnDoneRunsOnceBeforeWaitersWake) {
+TEST(CallTest, OnDoneRunsOnceAfterTheCallIsDone) {
   std::atomic<int> runs{0};
-  Call c = Call::Make(2, [&runs](const Status& s) {
+  Call c = Call::Make(2);
+  c = Call(std::make_shared<CallState>(2, [&runs, &c](const Status& s) {
     EXPECT_TRUE(s.ok());
+    EXPECT_TRUE(c.done());
+    EXPECT_TRUE(c.Wait(std::chrono::seconds(1)).ok());  // no self-deadlock
     runs++;
-  });
-  std::thread t([&c] { c.state()->Finish(Status::Ok()); });
-  c.state()->Finish(Status::Ok());
+  }));
+  std::thread t([&c] { c.state()->Finish(Status::Ok(), 7); });
+  c.state()->Finish(Status::Ok(), 3);
   t.join();
   ASSERT_TRUE(c.Wait().ok());
   EXPECT_EQ(runs.load(), 1);
+  EXPECT_EQ(c.version(), 7u);
+}
+
+TEST(CallTest, TheFinisherRunsOnSuccessOnlyAndMayFail) {
+  int ran = 0;
+  Call ok = Call::Make(1);
+  ok.state()->set_finisher([&ran] {
+    ran++;
+    return Status::Ok();
+  });
+  ok.state()->Finish(Status::Ok());
+  EXPECT_TRUE(ok.Wait().ok());
+  Call failed = Call::Make(1);
+  failed.state()->set_finisher([&ran] {
+    ran++;
+    return Status::Ok();
+  });
+  failed.state()->Finish(NotFoundError("x"));
+  EXPECT_EQ(failed.Wait().code(), StatusCode::kNotFound);
+  EXPECT_EQ(ran, 1);
+  Call bad_copy = Call::Make(1);
+  bad_copy.state()->set_finisher([] { return DataLossError("copy"); });
+  bad_copy.state()->Finish(Status::Ok());
+  EXPECT_EQ(bad_copy.Wait().code(), StatusCode::kDataLoss);
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include <string>
 
 #include "membox/base/status.h"
+#include "membox/service/call.h"
 #include "membox/transport/op_handle.h"
 #include "membox/transport/tensor_transfer.h"
 
@@ -94,10 +95,9 @@ class Client {
   // applied in any order (addition commutes up to rounding); a read-sync of
   // the range must wait for the handle. Handles must be waited on before the
   // Client is destroyed (its destructor fails pending ones with kAborted).
-  virtual transport::OpHandle AccumulateAsync(Segment* dst, Segment* src,
-                                              DType dtype, double scale = 1.0,
-                                              size_t offset = 0,
-                                              size_t length = 0) = 0;
+  virtual service::Call AccumulateAsync(Segment* dst, Segment* src, DType dtype,
+                                        double scale = 1.0, size_t offset = 0,
+                                        size_t length = 0) = 0;
   // The server's status text: pool totals, this client and its segments;
   // with the server's admin secret (proved by challenge-response, never
   // sent) every client and segment. kPermissionDenied for a wrong one.

@@ -44,6 +44,7 @@
 
 #include "membox/base/status.h"
 #include "membox/ps/routing.h"
+#include "membox/service/call.h"
 #include "membox/transport/fault_channel.h"
 #include "membox/transport/tensor_transfer.h"
 
@@ -84,20 +85,10 @@ struct SyncConfig {
   std::optional<OptimizerConfig> optimizer;
 };
 
-class PsHandle {
- public:
-  struct State;
-  PsHandle() = default;
-  explicit PsHandle(std::shared_ptr<State> s) : s_(std::move(s)) {}
-  // kDeadlineExceeded when not done in time (the operation goes on).
-  Status Wait(std::chrono::nanoseconds timeout = std::chrono::hours(24));
-  bool done() const;
-  // The storage version the operation saw (Pull / PushPull).
-  uint64_t version() const;
-
- private:
-  std::shared_ptr<State> s_;
-};
+// The service layer's one handle type: Wait() (kDeadlineExceeded when not
+// done in time; the operation goes on), done(), and version() -- the
+// storage version the operation saw (Pull / PushPull).
+using PsHandle = service::Call;
 
 struct ProfileOptions {
   std::vector<uint64_t> sizes = {4 << 10, 16 << 10, 64 << 10, 256 << 10,

@@ -18,6 +18,7 @@
 #ifndef MEMBOX_SERVICE_CLIENT_H_
 #define MEMBOX_SERVICE_CLIENT_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -44,8 +45,13 @@ using NoticeFn =
 
 struct ClientOptions {
   std::string node_kind = "node";  // "memory node", "proxy", ... in errors
+  // How errors name the node; empty: node_kind + " " + endpoint.
+  std::string name;
   int lane = 0;
   NoticeFn on_notice;  // messages the node sends unasked; may be empty
+  // Runs once when the client fails (its error), on the thread that found
+  // the failure (often the progress thread: queue, do not block).
+  std::function<void(const Status&)> on_failure;
 };
 
 class Client {
@@ -54,6 +60,11 @@ class Client {
   static Result<std::unique_ptr<Client>> Connect(transport::Device& device,
                                                  const std::string& endpoint,
                                                  ClientOptions options);
+  // The same over a channel already connected (e.g. one wrapped by the
+  // fault / link model of transport/fault_channel.h).
+  static std::unique_ptr<Client> Over(std::shared_ptr<transport::Channel> ch,
+                                      const std::string& endpoint,
+                                      ClientOptions options);
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
@@ -69,7 +80,10 @@ class Client {
       uint16_t method, std::vector<uint8_t> msg,
       std::shared_ptr<CallState> state,
       std::function<Status(std::span<const uint8_t>)> on_ok = nullptr);
-  // Sends and waits: the reply body, or the error.
+  // Drives this client's channel once (see CallState::set_progress: a
+  // waiter that polls picks up a near reply without a wake-up).
+  void Progress() { ch_->Progress(); }
+  // Sends and waits (spinning briefly first): the reply body, or the error.
   Result<std::vector<uint8_t>> Call(
       uint16_t method, std::vector<uint8_t> msg,
       std::chrono::nanoseconds timeout = kDefaultCallTimeout);
@@ -103,6 +117,7 @@ class Client {
   uint64_t next_id_ = 1;                                      // GUARDED_BY(mu_)
   std::map<uint64_t, std::pair<uint16_t, ReplyFn>> pending_;  // GUARDED_BY(mu_)
   Status failed_;                                             // GUARDED_BY(mu_)
+  std::atomic<bool> closing_{false};
 };
 
 }  // namespace membox::service

@@ -58,6 +58,10 @@ struct Request {
 class Service {
  public:
   virtual ~Service() = default;
+  // Once, after the device exists and before any connection is admitted:
+  // allocate transport resources (registered memory) here. An error fails
+  // Server::Start.
+  virtual Status OnStart(transport::Device& /*device*/) { return Status::Ok(); }
   virtual void OnConnect(ConnectionId /*conn*/, const std::string& /*peer*/) {}
   virtual void OnRequest(const Request& req) = 0;
   // Once per connection that connected: the peer left, failed, was closed
@@ -71,6 +75,12 @@ struct ServerOptions {
   int handler_threads = 0;          // 0: serial event loop; N: a pool
   std::chrono::milliseconds hello_timeout{10000};
   std::chrono::milliseconds idle_timeout{0};  // 0: never
+  // Serial loop only: when the queue runs empty, drive the connections'
+  // channels from the loop thread for this long before blocking. The next
+  // message is often microseconds away (the other half of a ring step):
+  // this saves the progress thread's wake-up and a hand-off per message,
+  // at the price of a busy loop thread. 0: block at once.
+  std::chrono::microseconds poll_before_block{0};
 };
 
 struct ServerStats {
@@ -125,8 +135,9 @@ class Server {
   }
 
   // Stops accepting, ends the executor (tasks posted before still run,
-  // queued messages are dropped), closes every connection and the device.
-  // Idempotent; not from a handler.
+  // queued messages are dropped) and closes every connection. The device
+  // lives until the Server is destroyed: release memory registered with it
+  // (OnStart) in between. Idempotent; not from a handler.
   virtual void Stop() = 0;
 };
 
