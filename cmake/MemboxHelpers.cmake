@@ -31,14 +31,47 @@ if(MEMBOX_SANITIZE)
   target_link_options(membox_build_flags INTERFACE -fsanitize=${MEMBOX_SANITIZE})
 endif()
 
+# Private headers and the layering rule (docs/design/layers.md). There is no
+# repository-root include path: every target sees include/ (the public
+# headers) and, through a directory of its own under build/private/, only
+# the private tree of its own layer -- so `#include "src/ps/protocol.h"`
+# from the embedding layer does not compile. membox_private_dir(<tree> OUT)
+# makes build/private/<name>/<tree> a link to the source tree <tree>
+# ("src/ps", "bench", "tests") and returns build/private/<name>.
+function(membox_private_dir tree out)
+  string(REPLACE "/" "_" name "${tree}")
+  set(dir ${PROJECT_BINARY_DIR}/private/${name})
+  get_filename_component(parent ${dir}/${tree} DIRECTORY)
+  file(MAKE_DIRECTORY ${parent})
+  if(NOT EXISTS ${dir}/${tree})
+    file(CREATE_LINK ${PROJECT_SOURCE_DIR}/${tree} ${dir}/${tree} SYMBOLIC)
+  endif()
+  set(${out} ${dir} PARENT_SCOPE)
+endfunction()
+
+# The private tree of the directory being configured: src/<layer>, bench or
+# tests.
+function(membox_own_private_dir out)
+  file(RELATIVE_PATH tree ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
+  membox_private_dir(${tree} dir)
+  set(${out} ${dir} PARENT_SCOPE)
+endfunction()
+
 # membox_cc_library(NAME n SRCS ... DEPS ...)
 function(membox_cc_library)
   cmake_parse_arguments(ARG "" "NAME" "SRCS;DEPS" ${ARGN})
   add_library(${ARG_NAME} STATIC ${ARG_SRCS})
   target_include_directories(${ARG_NAME} PUBLIC
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
-    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
     $<INSTALL_INTERFACE:include>)
+  membox_own_private_dir(private)
+  if(CMAKE_CURRENT_SOURCE_DIR MATCHES "/src/")
+    target_include_directories(${ARG_NAME} PRIVATE ${private})
+  else()
+    # bench/: its headers are the interface of the `membox` tool.
+    target_include_directories(${ARG_NAME} PUBLIC
+      $<BUILD_INTERFACE:${private}>)
+  endif()
   target_link_libraries(${ARG_NAME} PUBLIC membox_build_flags ${ARG_DEPS})
   set_target_properties(${ARG_NAME} PROPERTIES POSITION_INDEPENDENT_CODE ON)
 endfunction()
@@ -50,6 +83,8 @@ function(membox_cc_test)
   endif()
   cmake_parse_arguments(ARG "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
   add_executable(${ARG_NAME} ${ARG_SRCS})
+  membox_own_private_dir(private)
+  target_include_directories(${ARG_NAME} PRIVATE ${private})
   target_link_libraries(${ARG_NAME} PRIVATE membox_build_flags ${ARG_DEPS}
     GTest::gtest GTest::gmock GTest::gtest_main)
   if(NOT ARG_TIMEOUT)

@@ -4,7 +4,8 @@
 # twice -- a release build, then an ASan+UBSan build --, `pip install .` into
 # a venv with PyPI's torch 2.x (the Python side against torch 2.x), the
 # transport,
-# memory-server and hostile-network tests under ThreadSanitizer, and finally
+# service-layer, memory-server, proxy, embedding-server and hostile-network
+# tests under ThreadSanitizer, and finally
 # each fuzz target for a short time.
 # Usage: bash scripts/test.sh [--no-install]
 set -euo pipefail
@@ -43,21 +44,23 @@ cmake --preset asan
 cmake --build --preset asan -j"$jobs"
 run_ctest asan
 
-echo "== ThreadSanitizer: transport (handshake, TCP path), memory server, a real daemon under hostile input"
+echo "== ThreadSanitizer: transport (handshake, TCP path), the service layer, the memory server, the proxy, the embedding server, a real daemon under hostile input"
 cmake --preset tsan
-cmake --build --preset tsan -j"$jobs" --target transport_test memserver_test membox
+cmake --build --preset tsan -j"$jobs" --target transport_test service_test memserver_test ps_test embedding_server_test membox
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp" UCX_MEM_EVENTS=no
 # WriteAndReadManySizes/am: a 9 MiB rendezvous through instrumented memcpy
 # exceeds its 10 s wait under TSan (tests/tsan.supp).
 build/tsan/src/transport/transport_test --gtest_filter='-*WriteAndReadManySizes/am' >build/tsan/transport_test.log 2>&1 \
   || { tail -n 80 build/tsan/transport_test.log; exit 1; }
-build/tsan/src/memserver/memserver_test >build/tsan/memserver_test.log 2>&1 \
-  || { tail -n 80 build/tsan/memserver_test.log; exit 1; }
+for t in service/service_test memserver/memserver_test ps/ps_test embedding/embedding_server_test; do
+  build/tsan/src/$t >"build/tsan/${t##*/}.log" 2>&1 \
+    || { tail -n 80 "build/tsan/${t##*/}.log"; exit 1; }
+done
 /usr/bin/python3 tests/hostile/hostile_network_test.py build/tsan/tools/membox \
   >build/tsan/hostile_network_test.log 2>&1 \
   || { tail -n 80 build/tsan/hostile_network_test.log; exit 1; }
 unset TSAN_OPTIONS UCX_MEM_EVENTS
-echo "tsan: transport_test, memserver_test, hostile_network_test clean"
+echo "tsan: transport_test, service_test, memserver_test, ps_test, embedding_server_test, hostile_network_test clean"
 
 echo "== fuzz targets (libFuzzer, 20 s each)"
 cmake --preset fuzz

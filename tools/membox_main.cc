@@ -25,6 +25,7 @@
 #include "membox/embedding/server.h"
 #include "membox/memserver/client.h"
 #include "membox/memserver/server.h"
+#include "membox/node/memory_node.h"
 #include "membox/ps/proxy.h"
 
 #ifdef MEMBOX_WITH_BENCH
@@ -137,60 +138,47 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  auto server = membox::memserver::Server::Start(o);
-  if (!server.ok()) {
-    std::fprintf(stderr, "membox serve: %s\n",
-                 server.status().ToString().c_str());
-    return 1;
-  }
-  std::printf("membox serve: listening on %s\n", (*server)->endpoint().c_str());
-  std::unique_ptr<membox::ps::Proxy> proxy;
+  membox::node::MemoryNodeOptions no;
+  no.secret = *sec;
+  no.transports = o.transports;
+  no.memory = o;
   if (*pl != "off") {
     po.listen = *pl;
-    po.secret = *sec;
     po.sync_cores = o.sync_cores;
     po.max_bytes = *pm;
-    auto px = membox::ps::Proxy::Start(po);
-    if (!px.ok()) {
-      std::fprintf(stderr, "membox serve: parameter proxy: %s\n",
-                   px.status().ToString().c_str());
-      (*server)->Stop();
-      return 1;
-    }
-    proxy = std::move(*px);
-    std::printf("membox serve: parameter proxy on %s\n",
-                proxy->endpoint().c_str());
+    no.proxy = po;
   }
-  std::unique_ptr<membox::embedding::EmbeddingServer> embedding;
   if (!ef.dir.empty() && *el != "off") {
     membox::embedding::EmbeddingServerOptions eo;
     eo.listen = *el;
-    eo.transports = o.transports;
-    eo.secret = *sec;
     eo.dir = ef.dir;
     eo.budget_bytes = *eb;
     eo.file_bytes = *efs;
     eo.flush_interval = std::chrono::milliseconds(ef.flush_interval_ms);
-    auto es = membox::embedding::EmbeddingServer::Start(eo);
-    if (!es.ok()) {
-      std::fprintf(stderr, "membox serve: embedding server: %s\n",
-                   es.status().ToString().c_str());
-      if (proxy) proxy->Stop();
-      (*server)->Stop();
-      return 1;
-    }
-    embedding = std::move(*es);
+    no.embedding = eo;
+  }
+  auto node = membox::node::MemoryNode::Start(no);
+  if (!node.ok()) {
+    std::fprintf(stderr, "membox serve: %s\n",
+                 node.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("membox serve: listening on %s\n",
+              (*node)->memory().endpoint().c_str());
+  if ((*node)->proxy()) {
+    std::printf("membox serve: parameter proxy on %s\n",
+                (*node)->proxy()->endpoint().c_str());
+  }
+  if ((*node)->embedding()) {
     std::printf("membox serve: embedding server on %s\n",
-                embedding->endpoint().c_str());
+                (*node)->embedding()->endpoint().c_str());
   }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&set, &sig);
   MEMBOX_LOG_INFO("received {}, shutting down",
                   sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  if (embedding) embedding->Stop();  // flushes: every update durable
-  if (proxy) proxy->Stop();
-  (*server)->Stop();
+  (*node)->Stop();  // the embedding server's flush makes updates durable
   return 0;
 }
 

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <set>
+#include <thread>
 
 #include <sys/socket.h>
 
@@ -56,6 +57,21 @@ UcxChannel::UcxChannel(UcxDevice* dev, UcxWorker* worker, int lane,
       lane_(lane),
       peer_(std::move(peer)),
       accepted_(accepted) {}
+
+// One UCX call on the data endpoint: ep() is null once the channel closes.
+class UcxChannel::EndpointUse {
+ public:
+  explicit EndpointUse(UcxChannel* c) : c_(c) {
+    c_->ep_users_.fetch_add(1);  // seq_cst: before reading ep_
+    ep_ = c_->ep_.load();
+  }
+  ~EndpointUse() { c_->ep_users_.fetch_sub(1); }
+  ucp_ep_h ep() const { return ep_; }
+
+ private:
+  UcxChannel* c_;
+  ucp_ep_h ep_;
+};
 
 UcxChannel::~UcxChannel() { Close(); }
 
@@ -112,8 +128,11 @@ void UcxChannel::Close() {
   // endpoint goes away.
   const bool healthy = !failed_.load(std::memory_order_acquire);
   Fail(AbortedError("channel closed"));
-  if (ucp_ep_h ep = ep_) {
-    ep_ = nullptr;
+  // Takes the endpoint away from later callers, then waits for the ones
+  // inside a (non-blocking) UCX call on it.
+  ucp_ep_h ep = ep_.exchange(nullptr);
+  while (ep_users_.load() > 0) std::this_thread::yield();
+  if (ep) {
     // Force-closing requires peer error handling on both sides; a data
     // endpoint without it (shared memory) is closed with a flush while the
     // peer is alive, for a bounded time.
@@ -200,8 +219,10 @@ Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
 Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr,
                           const void* data, size_t len,
                           std::shared_ptr<OpState> state) {
+  EndpointUse use(this);
   RETURN_IF_ERROR(CheckUsable());
-  ucp_ep_h ep = ep_;
+  ucp_ep_h ep = use.ep();
+  if (ep == nullptr) return health();
   auto* c = new SendCtx;
   // Every message starts with the receiving side's channel id.
   uint64_t dest = remote_id_;
@@ -261,7 +282,8 @@ void UcxChannel::Progress() {
 
 Status UcxChannel::Submit(
     const std::shared_ptr<OpState>& state, const char* what,
-    const std::function<ucs_status_ptr_t(ucp_request_param_t*)>& post) {
+    const std::function<ucs_status_ptr_t(ucp_ep_h, ucp_request_param_t*)>&
+        post) {
   auto* c = new SendCtx;
   c->state = state;
   c->channel = this;
@@ -270,7 +292,12 @@ Status UcxChannel::Submit(
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &SendCb;
   p.user_data = c;
-  ucs_status_ptr_t req = post(&p);
+  ucs_status_ptr_t req;
+  {
+    EndpointUse use(this);
+    req = use.ep() == nullptr ? UCS_STATUS_PTR(UCS_ERR_CANCELED)
+                              : post(use.ep(), &p);
+  }
   if (req == nullptr) {
     FinishSend(c, UCS_OK);
   } else if (UCS_PTR_IS_ERR(req)) {
@@ -352,7 +379,13 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
   void* mapped = nullptr;
   if (protocol_ != Protocol::kActiveMessage) {
     // Safe to unpack: the owner has just vouched for these exact key bytes.
-    ucs_status_t st = ucp_ep_rkey_unpack(ep_, desc.packed_rkey.data(), &rkey);
+    ucs_status_t st = UCS_ERR_CANCELED;
+    {
+      EndpointUse use(this);
+      if (use.ep()) {
+        st = ucp_ep_rkey_unpack(use.ep(), desc.packed_rkey.data(), &rkey);
+      }
+    }
     if (st != UCS_OK) return UcsError(st, "cannot unpack the remote key");
     if (protocol_ == Protocol::kMapped &&
         ucp_rkey_ptr(rkey, desc.address, &mapped) != UCS_OK) {
@@ -400,11 +433,11 @@ Result<OpHandle> UcxChannel::Memcpy(void* local_addr, const MemRegion& local,
   }
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
   const ucp_rkey_h rkey = r->rkey();
-  RETURN_IF_ERROR(
-      Submit(state, "one-sided transfer", [&](ucp_request_param_t* p) {
+  RETURN_IF_ERROR(Submit(
+      state, "one-sided transfer", [&](ucp_ep_h ep, ucp_request_param_t* p) {
         return direction == Direction::kWrite
-                   ? ucp_put_nbx(ep_, local_addr, size, remote_addr, rkey, p)
-                   : ucp_get_nbx(ep_, local_addr, size, remote_addr, rkey, p);
+                   ? ucp_put_nbx(ep, local_addr, size, remote_addr, rkey, p)
+                   : ucp_get_nbx(ep, local_addr, size, remote_addr, rkey, p);
       }));
   return OpHandle(std::move(state));
 }
@@ -510,9 +543,10 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
     }
     return OpHandle(std::move(state));
   }
-  RETURN_IF_ERROR(Submit(state, "flush", [&](ucp_request_param_t* p) {
-    return ucp_ep_flush_nbx(ep_, p);
-  }));
+  RETURN_IF_ERROR(
+      Submit(state, "flush", [&](ucp_ep_h ep, ucp_request_param_t* p) {
+        return ucp_ep_flush_nbx(ep, p);
+      }));
   return OpHandle(std::move(state));
 }
 

@@ -109,7 +109,8 @@ class UcxChannel final : public Channel,
   // `state` (done now, pending and tracked, or an error with no completion).
   Status Submit(
       const std::shared_ptr<OpState>& state, const char* what,
-      const std::function<ucs_status_ptr_t(ucp_request_param_t*)>& post);
+      const std::function<ucs_status_ptr_t(ucp_ep_h, ucp_request_param_t*)>&
+          post);
   Status CreateDataEp(const std::vector<uint8_t>& peer_address);
 
  public:
@@ -137,8 +138,15 @@ class UcxChannel final : public Channel,
   int lane_;
   std::string peer_;
   bool accepted_;
-  net::Fd liveness_;        // the authenticated TCP connection
-  ucp_ep_h ep_ = nullptr;   // data endpoint, from the peer's worker address
+  net::Fd liveness_;  // the authenticated TCP connection
+  // The data endpoint, from the peer's worker address. A UCX call on it
+  // runs inside an EndpointUse (ep_users_ counted, seq_cst); Close() takes
+  // the endpoint out of ep_ and waits for the users inside before closing
+  // it, so no call ever runs on a closed endpoint. No lock: a sender may
+  // be called from a UCX callback that holds the worker's own lock.
+  std::atomic<ucp_ep_h> ep_{nullptr};
+  std::atomic<int> ep_users_{0};
+  class EndpointUse;
   uint64_t id_ = 0;         // our channel id (peers put it in headers)
   uint64_t remote_id_ = 0;  // the peer's id for this channel
   std::atomic<bool> data_ready_{false};

@@ -1,0 +1,69 @@
+// MemoryNode: one memory node of a membox cluster -- what `membox serve`
+// runs, as a library type (for embedding a node in another program, and for
+// tests that start nodes the way operators do).
+//
+// A node always runs the memory server (seed 003: pool, segments,
+// accumulate); optionally the parameter proxy (seed 000: push / pull,
+// rounds, the ring between nodes) and the embedding server (seed 004: the
+// sparse store's memory and SSD tiers). Each service has its own listener
+// (service::Server), all with the node's one secret and transports.
+//
+// Start starts them in that order and, when one fails, stops the ones
+// already running before it returns the error (naming the service). Stop
+// stops them in reverse: the embedding server first (its final flush makes
+// every acknowledged update durable), then the proxy, then the memory
+// server.
+//
+// Threading: Start / Stop from one thread; the accessors from any.
+#ifndef MEMBOX_NODE_MEMORY_NODE_H_
+#define MEMBOX_NODE_MEMORY_NODE_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "membox/base/status.h"
+#include "membox/embedding/server.h"
+#include "membox/memserver/server.h"
+#include "membox/ps/proxy.h"
+
+namespace membox::node {
+
+struct MemoryNodeOptions {
+  // The node's secret and transports go to every service (the services'
+  // own secret / transports fields are overwritten).
+  std::string secret;
+  std::string transports = "auto";
+  memserver::ServerOptions memory;
+  std::optional<ps::ProxyOptions> proxy;                       // unset: none
+  std::optional<embedding::EmbeddingServerOptions> embedding;  // unset: none
+};
+
+class MemoryNode {
+ public:
+  static Result<std::unique_ptr<MemoryNode>> Start(MemoryNodeOptions options);
+  ~MemoryNode();
+  MemoryNode(const MemoryNode&) = delete;
+  MemoryNode& operator=(const MemoryNode&) = delete;
+
+  memserver::Server& memory() { return *memory_; }
+  ps::Proxy* proxy() { return proxy_.get(); }  // may be null
+  embedding::EmbeddingServer* embedding() { return embedding_.get(); }
+
+  // "memory node h:p, parameter proxy h:p, embedding server h:p".
+  std::string Describe() const;
+
+  // Idempotent.
+  void Stop();
+
+ private:
+  MemoryNode() = default;
+  std::unique_ptr<memserver::Server> memory_;
+  std::unique_ptr<ps::Proxy> proxy_;
+  std::unique_ptr<embedding::EmbeddingServer> embedding_;
+  bool stopped_ = false;
+};
+
+}  // namespace membox::node
+
+#endif  // MEMBOX_NODE_MEMORY_NODE_H_
