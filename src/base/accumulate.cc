@@ -9,6 +9,8 @@
 #include <cpuid.h>
 #include <immintrin.h>
 
+#include "membox/base/mutex.h"
+
 // Run-time dispatch between an AVX2 and a baseline build of each loop. The
 // ifunc resolvers behind target_clones run before ThreadSanitizer's runtime
 // is up and crash it, so TSan builds use the baseline only.
@@ -201,10 +203,10 @@ SyncCores::SyncCores(int threads) {
 
 SyncCores::~SyncCores() {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   for (auto& t : workers_) t.join();
 }
 
@@ -212,8 +214,8 @@ void SyncCores::Loop() {
   for (;;) {
     std::function<void()> job;
     {
-      std::unique_lock<std::mutex> l(mu_);
-      cv_.wait(l, [this] { return stop_ || !q_.empty(); });
+      MutexLock l(&mu_);
+      while (!stop_ && q_.empty()) cv_.Wait(&mu_);
       if (q_.empty()) return;
       job = std::move(q_.front());
       q_.pop_front();
@@ -234,7 +236,7 @@ void SyncCores::ParallelFor(size_t count, size_t grain,
   per = (per + 15) & ~size_t{15};
   std::latch done(static_cast<std::ptrdiff_t>(chunks));
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (size_t c = 0; c < chunks; ++c) {
       size_t begin = std::min(count, c * per);
       size_t end = std::min(count, begin + per);
@@ -244,7 +246,7 @@ void SyncCores::ParallelFor(size_t count, size_t grain,
       });
     }
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   done.wait();
 }
 
@@ -266,7 +268,7 @@ void SyncCores::Run(DType t, void* dst, const void* src, size_t count,
   std::atomic<size_t> next{0};
   std::latch done(static_cast<std::ptrdiff_t>(jobs));
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (size_t j = 0; j < jobs; ++j) {
       q_.push_back([=, &next, &done] {
         for (size_t i = next.fetch_add(1); i < pieces; i = next.fetch_add(1)) {
@@ -280,7 +282,7 @@ void SyncCores::Run(DType t, void* dst, const void* src, size_t count,
       });
     }
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   done.wait();
 }
 

@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "membox/base/logging.h"
+#include "membox/base/mutex.h"
 #include "membox/service/client.h"
 #include "membox/transport/device.h"
 
@@ -168,18 +169,18 @@ class ClientImpl final : public EmbeddingClient {
       ASSIGN_OR_RETURN(Message r, n->Call(m, opt_.timeout));
       t.ids.push_back(r.table_id);
     }
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     tables_.push_back(std::make_unique<OpenedTable>(std::move(t)));
     return static_cast<uint32_t>(tables_.size() - 1);
   }
 
   const TableConfig& table(uint32_t table) const override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     return tables_.at(table)->config;
   }
 
   uint32_t num_tables() const override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     return static_cast<uint32_t>(tables_.size());
   }
 
@@ -495,7 +496,7 @@ class ClientImpl final : public EmbeddingClient {
   }
 
   Result<const OpenedTable*> Find(uint32_t table) const {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (table >= tables_.size()) {
       return InvalidArgumentError("no table " + std::to_string(table) +
                                   " (OpenTable first)");
@@ -516,7 +517,7 @@ class ClientImpl final : public EmbeddingClient {
 
   void NotePinned(uint32_t table, uint64_t batch,
                   const std::vector<std::vector<uint32_t>>& by_node) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     auto& s = pinned_[{table, batch}];
     for (uint32_t n = 0; n < by_node.size(); ++n) {
       if (!by_node[n].empty()) s.insert(n);
@@ -524,7 +525,7 @@ class ClientImpl final : public EmbeddingClient {
   }
 
   std::set<uint32_t> TakePinned(uint32_t table, uint64_t batch) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     auto it = pinned_.find({table, batch});
     if (it == pinned_.end()) return {};
     std::set<uint32_t> s = std::move(it->second);
@@ -547,10 +548,10 @@ class ClientImpl final : public EmbeddingClient {
   EmbeddingClientOptions opt_;
   std::unique_ptr<transport::Device> device_;
   std::vector<std::unique_ptr<Node>> nodes_;
-  mutable std::mutex mu_;
-  std::vector<std::unique_ptr<OpenedTable>> tables_;  // GUARDED_BY(mu_)
-  std::map<std::pair<uint32_t, uint64_t>, std::set<uint32_t>>
-      pinned_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::vector<std::unique_ptr<OpenedTable>> tables_ MEMBOX_GUARDED_BY(mu_);
+  std::map<std::pair<uint32_t, uint64_t>, std::set<uint32_t>> pinned_
+      MEMBOX_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -8,6 +8,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "membox/base/mutex.h"
+
 namespace membox::embedding {
 namespace {
 
@@ -34,7 +36,7 @@ class MemTierImpl final : public MemTier {
   // map keeps references stable and pinned rows are never erased).
   Result<std::vector<uint8_t*>> Acquire(std::span<const uint64_t> keys,
                                         uint64_t batch) override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     const uint64_t mark = ++marks_;
     std::vector<Entry*> entries(keys.size(), nullptr);
     std::vector<uint64_t> missing;
@@ -87,7 +89,7 @@ class MemTierImpl final : public MemTier {
   Status ForEachRow(std::span<const uint64_t> keys,
                     const std::function<void(size_t, uint8_t*)>& fn,
                     bool changes) override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     std::vector<size_t> missing;
     for (size_t i = 0; i < keys.size(); ++i) {
       auto it = rows_.find(keys[i]);
@@ -121,7 +123,7 @@ class MemTierImpl final : public MemTier {
   }
 
   void MarkDirty(std::span<const uint64_t> keys) override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (uint64_t k : keys) {
       auto it = rows_.find(k);
       if (it != rows_.end()) it->second.dirty = true;
@@ -129,7 +131,7 @@ class MemTierImpl final : public MemTier {
   }
 
   Status Release(uint64_t batch) override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     auto b = batches_.find(batch);
     if (b == batches_.end()) return NotFoundError("no such batch");
     for (Entry* e : b->second) {
@@ -145,7 +147,7 @@ class MemTierImpl final : public MemTier {
   }
 
   Status Flush() override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     std::vector<uint64_t> keys;
     std::vector<uint8_t> rows;
     for (auto& [k, e] : rows_) {
@@ -160,7 +162,7 @@ class MemTierImpl final : public MemTier {
   }
 
   MemTierStats Stats() const override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     MemTierStats s = stats_;
     s.capacity_rows = capacity_;
     s.rows_in_memory = rows_.size();
@@ -174,7 +176,8 @@ class MemTierImpl final : public MemTier {
   // Loads `keys` (none in memory, distinct) from the SSD tier, or creates
   // them, into memory: unpinned rows at the LRU's front, or (`to_pin`)
   // rows in no list that the caller pins at once.
-  Status LoadLocked(const std::vector<uint64_t>& keys, bool to_pin = false) {
+  Status LoadLocked(const std::vector<uint64_t>& keys, bool to_pin = false)
+      MEMBOX_REQUIRES(mu_) {
     if (keys.empty()) return Status::Ok();
     std::vector<uint8_t> buf(keys.size() * row_);
     std::vector<bool> found;
@@ -245,7 +248,7 @@ class MemTierImpl final : public MemTier {
   }
 
   // LRU overflow -> LFU; LFU overflow -> SSD (dirty rows written first).
-  Status EvictLocked() {
+  Status EvictLocked() MEMBOX_REQUIRES(mu_) {
     uint64_t unpinned_cap = capacity_ - std::min(capacity_, pinned_);
     uint64_t lru_cap = static_cast<uint64_t>(unpinned_cap * opt_.lru_fraction);
     while (lru_.size() > lru_cap) {
@@ -285,8 +288,8 @@ class MemTierImpl final : public MemTier {
   SsdStore* ssd_;
   const uint32_t row_;
   uint64_t capacity_ = 0;  // rows
-  mutable std::mutex mu_;
-  std::unordered_map<uint64_t, Entry> rows_;     // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::unordered_map<uint64_t, Entry> rows_ MEMBOX_GUARDED_BY(mu_);
   std::list<uint64_t> lru_;                      // front: newest
   std::set<std::pair<uint64_t, uint64_t>> lfu_;  // (freq, key)
   // batch -> the rows it pinned (a row once per time it was pinned)

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "membox/base/logging.h"
+#include "membox/base/mutex.h"
 #include "membox/embedding/mem_tier.h"
 #include "membox/embedding/ssd_store.h"
 #include "membox/embedding/table.h"
@@ -176,10 +177,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
  private:
   void StopCompactor() {
     {
-      std::lock_guard<std::mutex> l(compact_mu_);
+      MutexLock l(&compact_mu_);
       compact_stop_ = true;
     }
-    compact_cv_.notify_all();
+    compact_cv_.NotifyAll();
     if (compactor_.joinable()) compactor_.join();
   }
 
@@ -477,10 +478,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     }
     flushes_++;
     {
-      std::lock_guard<std::mutex> l(compact_mu_);
+      MutexLock l(&compact_mu_);
       compact_queue_ = std::move(stores);
     }
-    compact_cv_.notify_all();
+    compact_cv_.NotifyAll();
     return Status::Ok();
   }
 
@@ -491,9 +492,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     for (;;) {
       std::vector<SsdStore*> stores;
       {
-        std::unique_lock<std::mutex> l(compact_mu_);
-        compact_cv_.wait(
-            l, [this] { return compact_stop_ || !compact_queue_.empty(); });
+        MutexLock l(&compact_mu_);
+        while (!compact_stop_ && compact_queue_.empty()) {
+          compact_cv_.Wait(&compact_mu_);
+        }
         if (compact_stop_) return;
         stores.swap(compact_queue_);
       }
@@ -532,10 +534,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   std::string endpoint_;
   bool stopped_ = false;  // Start/Stop thread
   std::thread compactor_;
-  std::mutex compact_mu_;
-  std::condition_variable compact_cv_;
-  std::vector<SsdStore*> compact_queue_;  // GUARDED_BY(compact_mu_)
-  bool compact_stop_ = false;             // GUARDED_BY(compact_mu_)
+  Mutex compact_mu_;
+  CondVar compact_cv_;
+  std::vector<SsdStore*> compact_queue_ MEMBOX_GUARDED_BY(compact_mu_);
+  bool compact_stop_ MEMBOX_GUARDED_BY(compact_mu_) = false;
   // Event loop only:
   std::unordered_map<service::ConnectionId, Conn> conns_;
   std::vector<std::unique_ptr<Table>> tables_;

@@ -7,18 +7,21 @@
 #include <unistd.h>
 
 #include "membox/base/config.h"
+#include "membox/base/mutex.h"
 #include "membox/base/secret.h"
 #include "membox/c/smb.h"
 #include "membox/memserver/client.h"
 
 namespace {
 
+using membox::Mutex;
+using membox::MutexLock;
 using membox::Status;
 using membox::memserver::Client;
 using membox::memserver::Segment;
 
-std::mutex g_mu;
-std::unique_ptr<Client> g_client;  // GUARDED_BY(g_mu)
+Mutex g_mu;
+std::unique_ptr<Client> g_client MEMBOX_GUARDED_BY(g_mu);
 thread_local std::string t_error;
 
 int Fail(const Status& s) {
@@ -27,7 +30,7 @@ int Fail(const Status& s) {
 }
 
 Client* Get() {
-  std::lock_guard<std::mutex> l(g_mu);
+  MutexLock l(&g_mu);
   return g_client.get();
 }
 
@@ -62,7 +65,7 @@ int smb_init(void) {
     return Fail(membox::InvalidArgumentError(
         "no memory node: set MEMBOX_SERVER or MEMBOX_CONFIG"));
   }
-  std::lock_guard<std::mutex> l(g_mu);
+  MutexLock l(&g_mu);
   if (g_client) return 0;
   auto c = Client::Connect(o);
   if (!c.ok()) return Fail(c.status());
@@ -71,7 +74,7 @@ int smb_init(void) {
 }
 
 void smb_terminate(void) {
-  std::lock_guard<std::mutex> l(g_mu);
+  MutexLock l(&g_mu);
   g_client.reset();
 }
 

@@ -10,6 +10,7 @@
 
 #include "membox/base/hmac.h"
 #include "membox/base/logging.h"
+#include "membox/base/mutex.h"
 #include "membox/base/wait.h"
 #include "membox/service/client.h"
 #include "membox/transport/device.h"
@@ -48,17 +49,17 @@ class ClientImpl final : public Client {
 
   ~ClientImpl() override {
     {
-      std::lock_guard<std::mutex> l(hb_mu_);
+      MutexLock l(&hb_mu_);
       stop_ = true;
     }
-    hb_cv_.notify_all();
+    hb_cv_.NotifyAll();
     if (heartbeat_.joinable()) heartbeat_.join();
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       segments_.clear();  // local caches; the server releases our attachments
     }
     {
-      std::lock_guard<std::mutex> l(arena_mu_);
+      MutexLock l(&arena_mu_);
       arenas_.clear();  // registered memory goes before its device
     }
     // Closes the channel; pending calls fail with kAborted.
@@ -141,7 +142,7 @@ class ClientImpl final : public Client {
   }
 
   Segment* Find(const void* p) const override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     auto addr = reinterpret_cast<uintptr_t>(p);
     auto it = by_addr_.upper_bound(addr);
     if (it == by_addr_.begin()) return nullptr;
@@ -178,7 +179,7 @@ class ClientImpl final : public Client {
   }
 
   Status CheckOwned(Segment* s) const {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (s == nullptr || !segments_.count(s)) {
       return InvalidArgumentError("not a segment of this client");
     }
@@ -217,7 +218,7 @@ class ClientImpl final : public Client {
     auto seg = std::make_unique<SegmentImpl>(
         a.key, size, op == Op::kCreate, std::move(*cache), std::move(*remote));
     Segment* raw = seg.get();
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     by_addr_[reinterpret_cast<uintptr_t>(raw->data())] = raw;
     segments_[raw] = std::move(seg);
     return raw;
@@ -228,7 +229,7 @@ class ClientImpl final : public Client {
   // kArenaBytes). Registration stays off the attach path in steady state.
   static constexpr size_t kArenaBytes = 64 << 20;
   Result<transport::RegisteredPool::Block> AllocateCache(size_t size) {
-    std::lock_guard<std::mutex> l(arena_mu_);
+    MutexLock l(&arena_mu_);
     for (auto& arena : arenas_) {
       auto b = arena->Allocate(size);
       if (b.ok()) return b;
@@ -247,7 +248,7 @@ class ClientImpl final : public Client {
     q.key = s->key();
     Status st = Call(q).status();
     if (!st.ok() && st.code() == StatusCode::kPermissionDenied) return st;
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     by_addr_.erase(reinterpret_cast<uintptr_t>(s->data()));
     segments_.erase(s);
     return st;
@@ -311,18 +312,18 @@ class ClientImpl final : public Client {
   }
 
   void HeartbeatLoop(std::chrono::milliseconds period) {
-    std::unique_lock<std::mutex> l(hb_mu_);
-    while (!stop_) {
-      hb_cv_.wait_for(l, period);
-      if (stop_) break;
-      l.unlock();
+    for (;;) {
+      {
+        MutexLock l(&hb_mu_);
+        if (!stop_) hb_cv_.WaitFor(&hb_mu_, period);
+        if (stop_) return;
+      }
       Request q;
       q.op = Op::kHeartbeat;
       q.bytes_read = bytes_read_.load();
       q.bytes_written = bytes_written_.load();
       (void)node_->Notify(static_cast<uint16_t>(Op::kHeartbeat),
                           proto::EncodeRequest(q));
-      l.lock();
     }
   }
 
@@ -334,18 +335,18 @@ class ClientImpl final : public Client {
   std::vector<uint8_t> challenge_;  // from the server, for admin proofs
   std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0};
 
-  std::mutex arena_mu_;
-  std::vector<std::shared_ptr<transport::RegisteredPool>>
-      arenas_;  // GUARDED_BY(arena_mu_)
+  Mutex arena_mu_;
+  std::vector<std::shared_ptr<transport::RegisteredPool>> arenas_
+      MEMBOX_GUARDED_BY(arena_mu_);
 
-  mutable std::mutex mu_;
-  std::map<Segment*, std::unique_ptr<SegmentImpl>>
-      segments_;                           // GUARDED_BY(mu_)
-  std::map<uintptr_t, Segment*> by_addr_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<Segment*, std::unique_ptr<SegmentImpl>> segments_
+      MEMBOX_GUARDED_BY(mu_);
+  std::map<uintptr_t, Segment*> by_addr_ MEMBOX_GUARDED_BY(mu_);
 
-  std::mutex hb_mu_;
-  std::condition_variable hb_cv_;
-  bool stop_ = false;  // GUARDED_BY(hb_mu_)
+  Mutex hb_mu_;
+  CondVar hb_cv_;
+  bool stop_ MEMBOX_GUARDED_BY(hb_mu_) = false;
   std::thread heartbeat_;
 };
 

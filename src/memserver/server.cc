@@ -16,6 +16,7 @@
 #include "membox/base/config.h"
 #include "membox/base/hmac.h"
 #include "membox/base/logging.h"
+#include "membox/base/mutex.h"
 #include "membox/service/server.h"
 #include "membox/transport/device.h"
 
@@ -45,7 +46,7 @@ struct Segment {
   int busy = 0;        // accumulates running on it
   transport::RegionDescriptor desc;
   std::vector<uint8_t> desc_bytes;
-  std::mutex accumulate_mu;  // serialises accumulates into this segment
+  Mutex accumulate_mu;  // serialises accumulates into this segment
 };
 
 struct ClientState {
@@ -88,7 +89,10 @@ class ServerImpl final : public Server, public service::Service {
     }
     ASSIGN_OR_RETURN(auto buddy, BuddyAllocator::Create(opt_.pool_bytes,
                                                         min_order, max_order));
-    buddy_ = std::make_unique<BuddyAllocator>(std::move(buddy));
+    {
+      MutexLock l(&mu_);  // before any handler runs; for the analysis
+      buddy_ = std::make_unique<BuddyAllocator>(std::move(buddy));
+    }
     sync_ = std::make_unique<SyncCores>(opt_.sync_cores);
     service::ServerOptions so;
     so.device.listen_address = opt_.listen;
@@ -120,13 +124,13 @@ class ServerImpl final : public Server, public service::Service {
     server_->Stop();
     std::vector<uint64_t> ids;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       for (auto& [id, c] : clients_) ids.push_back(id);
     }
     for (uint64_t id : ids)
       ReleaseClient(id, AbortedError("server shutting down"));
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       segments_.clear();
     }
     sync_.reset();
@@ -136,7 +140,7 @@ class ServerImpl final : public Server, public service::Service {
   }
 
   ServerStats Stats() const override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ServerStats s;
     BuddyStats b = buddy_->Stats();
     s.pool_bytes = b.pool_bytes;
@@ -184,7 +188,7 @@ class ServerImpl final : public Server, public service::Service {
       << "bytes_accumulated " << s.bytes_accumulated << "\n"
       << "bytes_read " << s.bytes_read << "\n"
       << "bytes_written " << s.bytes_written << "\n";
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (auto& [key, seg] : segments_) {
       if (!full && seg->master != viewer && !seg->attached.count(viewer)) {
         continue;
@@ -214,7 +218,7 @@ class ServerImpl final : public Server, public service::Service {
   }
 
   void OnConnect(service::ConnectionId id, const std::string& peer) override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     clients_[id].id = id;
     MEMBOX_LOG_DEBUG("client {} connected from {}", id, peer);
   }
@@ -226,7 +230,7 @@ class ServerImpl final : public Server, public service::Service {
   // Deletes orphaned segments whose grace period ended.
   void ReclaimOrphans(Clock::time_point now) {
     if (opt_.orphan_grace.count() <= 0) return;
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     std::vector<std::shared_ptr<Segment>> late;
     for (auto& [key, seg] : segments_) {
       if (seg->orphaned && !seg->deleted &&
@@ -252,7 +256,7 @@ class ServerImpl final : public Server, public service::Service {
     const uint64_t client = r.conn;
     bool registered;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       auto it = clients_.find(client);
       if (it == clients_.end()) return;  // released meanwhile
       registered = it->second.registered;
@@ -296,7 +300,7 @@ class ServerImpl final : public Server, public service::Service {
         if (!req->admin_proof.empty()) {
           std::vector<uint8_t> challenge;
           {
-            std::lock_guard<std::mutex> l(mu_);
+            MutexLock l(&mu_);
             challenge = clients_.at(client).challenge;
           }
           Digest want = AdminProof(opt_.admin_secret, challenge);
@@ -314,7 +318,7 @@ class ServerImpl final : public Server, public service::Service {
         break;
       }
       case Op::kHeartbeat: {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ClientState& c = clients_.at(client);
         c.bytes_read = req->bytes_read;
         c.bytes_written = req->bytes_written;
@@ -334,7 +338,7 @@ class ServerImpl final : public Server, public service::Service {
 
   Status DoRegister(uint64_t client, const Request& q, Response* a) {
     // The channel proved the secret in the transport's handshake.
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ClientState& c = clients_.at(client);
     c.registered = true;
     server_->Establish(client);
@@ -364,7 +368,7 @@ class ServerImpl final : public Server, public service::Service {
                                   " bytes exceeds the largest block (" +
                                   FormatByteSize(opt_.max_block) + ")");
     }
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ClientState& c = clients_.at(client);
     if (c.created_bytes + q.size > QuotaBytes()) {
       return ResourceExhaustedError("client quota of " +
@@ -411,18 +415,18 @@ class ServerImpl final : public Server, public service::Service {
   void ZeroAndPublish(uint64_t key) {
     std::shared_ptr<Segment> seg;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       auto it = segments_.find(key);
       if (it == segments_.end()) return;
       seg = it->second;
     }
     std::memset(static_cast<char*>(pool_->data()) + seg->offset, 0, seg->size);
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     seg->ready = true;
   }
 
   Status DoAttach(uint64_t client, const Request& q, Response* a) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     auto it = segments_.find(q.key);
     if (it == segments_.end() || it->second->deleted) {
       return NotFoundError("no segment with key " + std::to_string(q.key));
@@ -460,11 +464,12 @@ class ServerImpl final : public Server, public service::Service {
   // Detaches `client` from `key`; with `destroy`, the master also deletes the
   // segment, whose memory returns to the pool once the last user detached.
   Status DoDetach(uint64_t client, uint64_t key, bool destroy) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     return DetachLocked(client, key, destroy);
   }
 
-  Status DetachLocked(uint64_t client, uint64_t key, bool destroy) {
+  Status DetachLocked(uint64_t client, uint64_t key, bool destroy)
+      MEMBOX_REQUIRES(mu_) {
     auto it = segments_.find(key);
     auto cit = clients_.find(client);
     // The master may delete its segment even after dropping its own
@@ -491,7 +496,8 @@ class ServerImpl final : public Server, public service::Service {
     return Status::Ok();
   }
 
-  void MaybeFreeLocked(const std::shared_ptr<Segment>& seg) {
+  void MaybeFreeLocked(const std::shared_ptr<Segment>& seg)
+      MEMBOX_REQUIRES(mu_) {
     if (!seg->deleted || !seg->attached.empty() || seg->busy > 0) return;
     pool_->RevokeRange(seg->desc.region_id);
     Status s = buddy_->Free(seg->offset);
@@ -510,7 +516,7 @@ class ServerImpl final : public Server, public service::Service {
     std::shared_ptr<Segment> dst, src;
     uint64_t length = q.length;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       auto d = segments_.find(q.key);
       auto s = segments_.find(q.src_key);
       const ClientState& c = clients_.at(client);
@@ -545,14 +551,14 @@ class ServerImpl final : public Server, public service::Service {
       ++src->busy;
     }
     {
-      std::lock_guard<std::mutex> lock(dst->accumulate_mu);
+      MutexLock lock(&dst->accumulate_mu);
       char* base = static_cast<char*>(pool_->data());
       sync_->Run(dtype, base + dst->offset + q.offset,
                  base + src->offset + q.offset, length / esize, q.scale);
     }
     bytes_accumulated_.fetch_add(length);
     accumulates_.fetch_add(1);
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     --dst->busy;
     --src->busy;
     MaybeFreeLocked(dst);
@@ -562,7 +568,7 @@ class ServerImpl final : public Server, public service::Service {
 
   void ReleaseClient(uint64_t client, const Status& why) {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       auto it = clients_.find(client);
       if (it == clients_.end()) return;
       std::vector<uint64_t> keys(it->second.attached.begin(),
@@ -606,12 +612,13 @@ class ServerImpl final : public Server, public service::Service {
   std::unique_ptr<transport::MemRegion> pool_;
   std::unique_ptr<SyncCores> sync_;
 
-  mutable std::mutex mu_;
-  std::unique_ptr<BuddyAllocator> buddy_;                  // GUARDED_BY(mu_)
-  std::map<uint64_t, std::shared_ptr<Segment>> segments_;  // GUARDED_BY(mu_)
-  std::map<uint64_t, ClientState> clients_;                // GUARDED_BY(mu_)
-  uint64_t departed_read_ = 0, departed_written_ = 0;      // GUARDED_BY(mu_)
-  std::mt19937_64 rng_;                                    // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::unique_ptr<BuddyAllocator> buddy_ MEMBOX_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<Segment>> segments_ MEMBOX_GUARDED_BY(mu_);
+  std::map<uint64_t, ClientState> clients_ MEMBOX_GUARDED_BY(mu_);
+  uint64_t departed_read_ MEMBOX_GUARDED_BY(mu_) = 0;
+  uint64_t departed_written_ MEMBOX_GUARDED_BY(mu_) = 0;
+  std::mt19937_64 rng_ MEMBOX_GUARDED_BY(mu_);
 
   std::atomic<uint64_t> bytes_accumulated_{0}, accumulates_{0}, requests_{0},
       rejected_{0}, released_{0};

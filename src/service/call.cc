@@ -5,7 +5,7 @@ namespace membox::service {
 void CallState::Finish(const Status& s, uint64_t version) {
   std::function<Status()> finisher;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (done_.load(std::memory_order_relaxed) || remaining_ <= 0) return;
     if (!s.ok() && status_.ok()) status_ = s;
     version_ = std::max(version_, version);

@@ -51,7 +51,7 @@ void Client::Send(uint16_t method, std::vector<uint8_t> msg, ReplyFn on_reply) {
   uint64_t id = 0;
   Status failed;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (failed_.ok()) {
       id = next_id_++;
       pending_.emplace(id, std::make_pair(method, std::move(on_reply)));
@@ -120,12 +120,12 @@ void Client::Fail(const Status& why) {
 }
 
 Status Client::health() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return failed_;
 }
 
 size_t Client::pending() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return pending_.size();
 }
 
@@ -133,7 +133,7 @@ void Client::FailWith(const Status& s) {
   std::map<uint64_t, std::pair<uint16_t, ReplyFn>> pending;
   bool first = false;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (failed_.ok()) {
       failed_ = s;
       first = true;
@@ -165,7 +165,7 @@ void Client::OnMessage(const std::vector<uint8_t>& bytes) {
   }
   ReplyFn fn;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     auto it = pending_.find(h->id);
     if (it != pending_.end() && it->second.first == h->method) {
       fn = std::move(it->second.second);

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "membox/base/logging.h"
+#include "membox/base/mutex.h"
 
 namespace membox::service {
 namespace {
@@ -45,7 +46,7 @@ class ServerImpl final : public Server {
   ServerStats stats() const override {
     ServerStats s;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       s.connections = conns_.size();
     }
     s.accepted = accepted_.load();
@@ -94,7 +95,7 @@ class ServerImpl final : public Server {
   }
 
   void Establish(ConnectionId conn) override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     auto it = conns_.find(conn);
     if (it != conns_.end()) it->second.established = true;
   }
@@ -104,25 +105,25 @@ class ServerImpl final : public Server {
   void Close(ConnectionId conn, const Status& why) override { Gone(conn, why); }
 
   std::shared_ptr<Channel> channel(ConnectionId conn) const override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     auto it = conns_.find(conn);
     return it == conns_.end() ? nullptr : it->second.channel;
   }
 
   bool Post(std::function<void()> task) override {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (!running_) return false;
       events_.push_back(
           Event{0, EventType::kTask, {}, std::move(task), {}, {}});
     }
-    cv_.notify_one();
+    cv_.NotifyOne();
     return true;
   }
 
   void Every(std::chrono::milliseconds period,
              std::function<void()> fn) override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     timers_.push_back(
         Timer{period, Clock::now() + period,
               std::make_shared<std::function<void()>>(std::move(fn)),
@@ -131,11 +132,11 @@ class ServerImpl final : public Server {
 
   void Stop() override {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (!running_) return;
       running_ = false;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     if (acceptor_.joinable()) acceptor_.join();
     for (auto& t : executors_) t.join();
     executors_.clear();
@@ -144,7 +145,7 @@ class ServerImpl final : public Server {
     std::map<ConnectionId, Conn> conns;
     std::vector<std::shared_ptr<Channel>> orphans;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       left.swap(events_);
       conns.swap(conns_);
       orphans.swap(orphans_);
@@ -185,17 +186,17 @@ class ServerImpl final : public Server {
 
   void Push(Event e) {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (!running_) return;
       events_.push_back(std::move(e));
     }
-    cv_.notify_one();
+    cv_.NotifyOne();
   }
 
   // Removes the connection and queues its closing and OnDisconnect, once.
   void Gone(ConnectionId conn, const Status& why) {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       auto it = conns_.find(conn);
       if (it == conns_.end()) return;
       Event e{conn, EventType::kDisconnect, {}, nullptr, why, {}};
@@ -207,7 +208,7 @@ class ServerImpl final : public Server {
       }
       events_.push_back(std::move(e));
     }
-    cv_.notify_one();
+    cv_.NotifyOne();
   }
 
   void AcceptLoop() {
@@ -223,7 +224,7 @@ class ServerImpl final : public Server {
     auto seen = std::make_shared<std::atomic<int64_t>>(
         Clock::now().time_since_epoch().count());
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (!running_) {
         ch->Close();
         return;
@@ -231,7 +232,7 @@ class ServerImpl final : public Server {
       conns_[id] = Conn{ch, Clock::now(), seen, false};
       events_.push_back(Event{id, EventType::kConnect, {}, nullptr, {}, {}});
     }
-    cv_.notify_one();
+    cv_.NotifyOne();
     accepted_++;
     ch->SetHandlers(
         [this, id, seen](std::vector<uint8_t> m) {
@@ -265,7 +266,7 @@ class ServerImpl final : public Server {
     std::vector<std::pair<ConnectionId, Status>> late;
     std::vector<Timer> due;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       for (auto& [id, c] : conns_) {
         if (!c.established) {
           if (opt_.hello_timeout.count() > 0 &&
@@ -311,21 +312,21 @@ class ServerImpl final : public Server {
 
   // Drives every connection's channel until an event arrives or the poll
   // budget is spent (ServerOptions::poll_before_block).
-  void PollBeforeBlock(std::unique_lock<std::mutex>& l) {
+  void PollBeforeBlock() MEMBOX_REQUIRES(mu_) {
     std::vector<std::shared_ptr<Channel>> chs;
     chs.reserve(conns_.size());
     for (auto& [id, c] : conns_) chs.push_back(c.channel);
-    l.unlock();
+    mu_.Unlock();
     auto until = Clock::now() + opt_.poll_before_block;
     while (Clock::now() < until) {
       for (auto& ch : chs) ch->Progress();
       {
-        std::lock_guard<std::mutex> g(mu_);
+        MutexLock g(&mu_);
         if (!events_.empty() || !running_) break;
       }
       std::this_thread::yield();
     }
-    l.lock();
+    mu_.Lock();
   }
 
   void Run() {
@@ -334,9 +335,9 @@ class ServerImpl final : public Server {
     for (;;) {
       Event e;
       {
-        std::unique_lock<std::mutex> l(mu_);
-        if (poll && events_.empty() && running_) PollBeforeBlock(l);
-        cv_.wait(l, [this] { return !running_ || !events_.empty(); });
+        MutexLock l(&mu_);
+        if (poll && events_.empty() && running_) PollBeforeBlock();
+        while (running_ && events_.empty()) cv_.Wait(&mu_);
         if (!running_) return;
         e = std::move(events_.front());
         events_.pop_front();
@@ -380,13 +381,13 @@ class ServerImpl final : public Server {
   std::atomic<ConnectionId> next_conn_{1};
   std::atomic<uint64_t> accepted_{0}, requests_{0}, errors_{0}, malformed_{0};
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::atomic<bool> running_{false};               // written under mu_
-  std::deque<Event> events_;                       // GUARDED_BY(mu_)
-  std::map<ConnectionId, Conn> conns_;             // GUARDED_BY(mu_)
-  std::vector<Timer> timers_;                      // GUARDED_BY(mu_)
-  std::vector<std::shared_ptr<Channel>> orphans_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::atomic<bool> running_{false};  // written under mu_
+  std::deque<Event> events_ MEMBOX_GUARDED_BY(mu_);
+  std::map<ConnectionId, Conn> conns_ MEMBOX_GUARDED_BY(mu_);
+  std::vector<Timer> timers_ MEMBOX_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Channel>> orphans_ MEMBOX_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "membox/base/dtype.h"
+#include "membox/base/mutex.h"
 #include "membox/base/status.h"
 
 namespace membox {
@@ -55,10 +56,10 @@ class SyncCores {
 
  private:
   void Loop();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> q_;  // GUARDED_BY(mu_)
-  bool stop_ = false;                    // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<std::function<void()>> q_ MEMBOX_GUARDED_BY(mu_);
+  bool stop_ MEMBOX_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };
 

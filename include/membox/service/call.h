@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 
+#include "membox/base/mutex.h"
 #include "membox/base/status.h"
 #include "membox/base/wait.h"
 
@@ -59,10 +60,13 @@ class CallState {
   }
 
  private:
-  std::mutex mu_;
-  int remaining_;         // GUARDED_BY(mu_)
-  Status status_;         // GUARDED_BY(mu_); final once done_
-  uint64_t version_ = 0;  // GUARDED_BY(mu_); final once done_
+  Mutex mu_;
+  int remaining_ MEMBOX_GUARDED_BY(mu_);
+  // Written under mu_ by the thread that finishes the last part, before
+  // done_ is set (release); read without the lock after done() (acquire):
+  // final then.
+  Status status_;
+  uint64_t version_ = 0;
   std::atomic<bool> done_{false};
   EventCount events_;
   std::function<void(const Status&)> on_done_;

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "membox/base/mutex.h"
 #include "membox/base/status.h"
 #include "membox/service/call.h"
 #include "membox/service/envelope.h"
@@ -113,10 +114,11 @@ class Client {
   const ClientOptions opt_;
   const std::string name_;
   std::shared_ptr<transport::Channel> ch_;
-  mutable std::mutex mu_;
-  uint64_t next_id_ = 1;                                      // GUARDED_BY(mu_)
-  std::map<uint64_t, std::pair<uint16_t, ReplyFn>> pending_;  // GUARDED_BY(mu_)
-  Status failed_;                                             // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  uint64_t next_id_ MEMBOX_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, std::pair<uint16_t, ReplyFn>> pending_
+      MEMBOX_GUARDED_BY(mu_);
+  Status failed_ MEMBOX_GUARDED_BY(mu_);
   std::atomic<bool> closing_{false};
 };
 
