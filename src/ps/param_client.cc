@@ -18,6 +18,7 @@
 
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
+#include "membox/base/mutex.h"
 #include "membox/service/client.h"
 #include "membox/transport/device.h"
 
@@ -121,10 +122,10 @@ class ParamClientImpl final : public ParamClient {
 
   ~ParamClientImpl() override {
     {
-      std::lock_guard<std::mutex> l(q_mu_);
+      MutexLock l(&q_mu_);
       stop_ = true;
     }
-    q_cv_.notify_all();
+    q_cv_.NotifyAll();
     if (sender_.joinable()) sender_.join();
     if (reprofiler_.joinable()) reprofiler_.join();
     // Closing each link fails its pending calls with kAborted.
@@ -208,7 +209,7 @@ class ParamClientImpl final : public ParamClient {
     ASSIGN_OR_RETURN(auto r, device_->AllocateMemRegion(bytes));
     RETURN_IF_ERROR(RegisterRegion(*r));
     void* p = r->data();
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     regions_[reinterpret_cast<uintptr_t>(p)] = std::move(r);
     return p;
   }
@@ -220,7 +221,7 @@ class ParamClientImpl final : public ParamClient {
     auto start = reinterpret_cast<uintptr_t>(data);
     std::vector<std::unique_ptr<MemRegion>> stale;  // unmapped unlocked
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (Locate(data, bytes) != nullptr) return Status::Ok();
       for (auto it = user_regions_.begin(); it != user_regions_.end();) {
         auto r = regions_.find(*it);
@@ -237,7 +238,7 @@ class ParamClientImpl final : public ParamClient {
     stale.clear();
     ASSIGN_OR_RETURN(auto r, device_->RegisterMemRegion(data, bytes));
     RETURN_IF_ERROR(RegisterRegion(*r));
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     regions_[start] = std::move(r);
     user_regions_.insert(start);
     return Status::Ok();
@@ -246,7 +247,7 @@ class ParamClientImpl final : public ParamClient {
   Status UnregisterTensor(void* data) override {
     auto start = reinterpret_cast<uintptr_t>(data);
     std::unique_ptr<MemRegion> gone;
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (user_regions_.erase(start) == 0) {
       return NotFoundError("no tensor registered at this address");
     }
@@ -263,7 +264,7 @@ class ParamClientImpl final : public ParamClient {
     for (uint32_t i = 0; i < proxies_.size(); ++i) {
       RETURN_IF_ERROR(Call(i, m).status());
     }
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     async_ = c.mode == SyncConfig::Mode::kAsync;
     if (c.optimizer) default_optimizer_ = *c.optimizer;
     return Status::Ok();
@@ -315,7 +316,7 @@ class ParamClientImpl final : public ParamClient {
                            const void* init) override {
     OptimizerConfig o;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       o = default_optimizer_;
     }
     return DeclareWithOptimizer(key, bytes, dtype, init, o);
@@ -394,7 +395,7 @@ class ParamClientImpl final : public ParamClient {
       m.striped = striped;
     }
     k.base_version = version;
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     keys_[key] = std::move(k);
     return version;
   }
@@ -418,7 +419,7 @@ class ParamClientImpl final : public ParamClient {
     if (o.sizes.empty() || o.repeats < 1) {
       return InvalidArgumentError("profile needs sizes and repeats");
     }
-    std::lock_guard<std::mutex> pl(profile_mu_);
+    MutexLock pl(&profile_mu_);
     uint64_t largest = *std::max_element(o.sizes.begin(), o.sizes.end());
     if (!probe_ || probe_->size() < largest) {
       probe_.reset();
@@ -468,7 +469,7 @@ class ParamClientImpl final : public ParamClient {
   }
 
   RoutingTable routing() const override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     return routing_;
   }
   void SetRouting(const RoutingTable& t) override {
@@ -481,12 +482,12 @@ class ParamClientImpl final : public ParamClient {
   // declared key it applies, before any push that uses it: that is how a
   // proxy knows, without a message per tensor, which pushes not to expect.
   Status InstallRouting(const RoutingTable& t) {
-    std::lock_guard<std::mutex> install(install_mu_);
+    MutexLock install(&install_mu_);
     Message m;
     m.type = Type::kRoute;
     RouteEntry e;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       RoutingTable r = t;
       if (r.lat_proxy >= proxies_.size()) r.lat_proxy = 0;
       if (r.bw_proxy >= proxies_.size()) r.bw_proxy = 0;
@@ -507,7 +508,7 @@ class ParamClientImpl final : public ParamClient {
     for (uint32_t i = 0; i < proxies_.size(); ++i) {
       RETURN_IF_ERROR(Call(i, m).status());
     }
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     routing_ = e.table;
     route_history_.push_back(std::move(e));
     return Status::Ok();
@@ -585,7 +586,8 @@ class ParamClientImpl final : public ParamClient {
   // that applies from that round on (a key it did not list: from round 0 in
   // the first table, from round 1 in later ones -- its round 0 may already
   // be under way). The proxies apply the same rule. mu_ held.
-  RoutingTable RouteFor(uint64_t key, uint64_t round) const {
+  RoutingTable RouteFor(uint64_t key, uint64_t round) const
+      MEMBOX_REQUIRES(mu_) {
     for (auto it = route_history_.rbegin(); it != route_history_.rend(); ++it) {
       auto f = it->from.find(key);
       uint64_t from = f != it->from.end() ? f->second : (it->first ? 0 : 1);
@@ -595,7 +597,7 @@ class ParamClientImpl final : public ParamClient {
   }
 
   // The registered region holding [p, p + n), or nullptr. mu_ held.
-  const MemRegion* Locate(const void* p, size_t n) const {
+  const MemRegion* Locate(const void* p, size_t n) const MEMBOX_REQUIRES(mu_) {
     auto a = reinterpret_cast<uintptr_t>(p);
     auto it = regions_.upper_bound(a);
     if (it == regions_.begin()) return nullptr;
@@ -613,13 +615,13 @@ class ParamClientImpl final : public ParamClient {
     // the previous one that used it.
     std::shared_ptr<service::CallState> previous;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       auto it = keys_.find(key);
       if (it != keys_.end()) previous = it->second.last_staged;
     }
     if (previous) (void)PsHandle(previous).Wait(opt_.timeout);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       auto it = keys_.find(key);
       if (it == keys_.end()) {
         return Failed(NotFoundError("key " + std::to_string(key) +
@@ -675,19 +677,22 @@ class ParamClientImpl final : public ParamClient {
     {
       // Nothing queued and nothing being sent: send from this thread (saves
       // the sender thread's wake-up). Otherwise the queue keeps the order.
-      std::unique_lock<std::mutex> l(q_mu_);
+      q_mu_.Lock();
       if (queue_.empty() && !sending_) {
         sending_ = true;
-        l.unlock();
+        q_mu_.Unlock();
         SendOp(op);
-        l.lock();
+        q_mu_.Lock();
         sending_ = false;
-        if (!queue_.empty()) q_cv_.notify_one();
+        bool more = !queue_.empty();
+        q_mu_.Unlock();
+        if (more) q_cv_.NotifyOne();
         return h;
       }
       queue_.push(std::move(op));
+      q_mu_.Unlock();
     }
-    q_cv_.notify_one();
+    q_cv_.NotifyOne();
     return h;
   }
 
@@ -695,9 +700,8 @@ class ParamClientImpl final : public ParamClient {
     for (;;) {
       Op op;
       {
-        std::unique_lock<std::mutex> l(q_mu_);
-        q_cv_.wait(l,
-                   [this] { return stop_ || (!queue_.empty() && !sending_); });
+        MutexLock l(&q_mu_);
+        while (!stop_ && (queue_.empty() || sending_)) q_cv_.Wait(&q_mu_);
         if (stop_) return;
         op = queue_.top();
         queue_.pop();
@@ -705,15 +709,15 @@ class ParamClientImpl final : public ParamClient {
       }
       SendOp(op);
       {
-        std::lock_guard<std::mutex> l(q_mu_);
+        MutexLock l(&q_mu_);
         sending_ = false;
       }
-      q_cv_.notify_all();
+      q_cv_.NotifyAll();
     }
   }
 
   void SendOp(const Op& op) {
-    std::lock_guard<std::mutex> send(send_mu_);
+    MutexLock send(&send_mu_);
     {
       for (uint32_t s = 0; s < op.shards; ++s) {
         uint64_t off = uint64_t{s} * op.shard_bytes;
@@ -750,10 +754,12 @@ class ParamClientImpl final : public ParamClient {
   void ReprofileLoop() {
     for (;;) {
       {
-        std::unique_lock<std::mutex> l(q_mu_);
-        if (q_cv_.wait_for(l, opt_.reprofile_interval,
-                           [this] { return stop_; }))
-          return;
+        auto until = std::chrono::steady_clock::now() + opt_.reprofile_interval;
+        MutexLock l(&q_mu_);
+        while (!stop_ && std::chrono::steady_clock::now() < until) {
+          q_cv_.WaitFor(&q_mu_, until - std::chrono::steady_clock::now());
+        }
+        if (stop_) return;
       }
       auto t = Profile(ProfileOptions{});
       if (!t.ok())
@@ -766,32 +772,33 @@ class ParamClientImpl final : public ParamClient {
   std::vector<ProxyLink> proxies_;
   std::function<void()> progress_;
 
-  mutable std::mutex mu_;
-  RoutingTable routing_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  RoutingTable routing_ MEMBOX_GUARDED_BY(mu_);
   struct RouteEntry {
     RoutingTable table;
     bool first = false;
     std::map<uint64_t, uint64_t> from;  // key -> first round it applies to
   };
-  std::vector<RouteEntry> route_history_;                    // GUARDED_BY(mu_)
-  std::map<uintptr_t, std::unique_ptr<MemRegion>> regions_;  // GUARDED_BY(mu_)
-  std::set<uintptr_t> user_regions_;   // RegisterTensor's; GUARDED_BY(mu_)
-  std::map<uint64_t, KeyInfo> keys_;   // GUARDED_BY(mu_)
-  bool async_ = false;                 // GUARDED_BY(mu_)
-  OptimizerConfig default_optimizer_;  // GUARDED_BY(mu_)
-  uint64_t next_seq_ = 0;              // GUARDED_BY(mu_)
+  std::vector<RouteEntry> route_history_ MEMBOX_GUARDED_BY(mu_);
+  std::map<uintptr_t, std::unique_ptr<MemRegion>> regions_
+      MEMBOX_GUARDED_BY(mu_);
+  std::set<uintptr_t> user_regions_ MEMBOX_GUARDED_BY(mu_);
+  std::map<uint64_t, KeyInfo> keys_ MEMBOX_GUARDED_BY(mu_);
+  bool async_ MEMBOX_GUARDED_BY(mu_) = false;
+  OptimizerConfig default_optimizer_ MEMBOX_GUARDED_BY(mu_);
+  uint64_t next_seq_ MEMBOX_GUARDED_BY(mu_) = 0;
 
-  std::mutex profile_mu_;
-  std::unique_ptr<MemRegion> probe_;         // GUARDED_BY(profile_mu_)
-  std::vector<ProfileSample> last_profile_;  // GUARDED_BY(profile_mu_)
+  Mutex profile_mu_;
+  std::unique_ptr<MemRegion> probe_ MEMBOX_GUARDED_BY(profile_mu_);
+  std::vector<ProfileSample> last_profile_ MEMBOX_GUARDED_BY(profile_mu_);
 
-  std::mutex q_mu_;
-  std::condition_variable q_cv_;
-  std::priority_queue<Op> queue_;  // GUARDED_BY(q_mu_)
-  bool stop_ = false;              // GUARDED_BY(q_mu_)
-  bool sending_ = false;           // GUARDED_BY(q_mu_): one sender at a time
-  std::mutex send_mu_;             // one operation's messages go out together
-  std::mutex install_mu_;          // one routing change at a time
+  Mutex q_mu_;
+  CondVar q_cv_;
+  std::priority_queue<Op> queue_ MEMBOX_GUARDED_BY(q_mu_);
+  bool stop_ MEMBOX_GUARDED_BY(q_mu_) = false;
+  bool sending_ MEMBOX_GUARDED_BY(q_mu_) = false;
+  Mutex send_mu_;     // one operation's messages go out together
+  Mutex install_mu_;  // one routing change at a time
   std::thread sender_, reprofiler_;
 };
 
