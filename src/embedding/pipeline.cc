@@ -72,14 +72,14 @@ class StageQueue {
  public:
   void Push(T v) {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       q_.push_back(std::move(v));
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
   bool Pop(T* v) {
-    std::unique_lock<std::mutex> l(mu_);
-    cv_.wait(l, [this] { return closed_ || !q_.empty(); });
+    MutexLock l(&mu_);
+    while (!closed_ && q_.empty()) cv_.Wait(&mu_);
     if (q_.empty()) return false;
     *v = std::move(q_.front());
     q_.pop_front();
@@ -87,21 +87,21 @@ class StageQueue {
   }
   void Close() {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       closed_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
   std::deque<T> Drain() {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     return std::move(q_);
   }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<T> q_;
-  bool closed_ = false;
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<T> q_ MEMBOX_GUARDED_BY(mu_);
+  bool closed_ MEMBOX_GUARDED_BY(mu_) = false;
 };
 
 struct InFlight {
@@ -129,17 +129,17 @@ class PipelineImpl final : public EmbeddingPipeline {
     InFlight f;
     bool got = ready_.Pop(&f);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       stats_.blocked_seconds += Since(t0);
     }
     if (!got || f.end) return std::unique_ptr<PipelineBatch>();
     if (!f.status.ok()) return f.status;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       slots_++;  // one more batch may be fetched ahead
       stats_.batches++;
     }
-    slot_cv_.notify_all();
+    slot_cv_.NotifyAll();
     return std::move(f.batch);
   }
 
@@ -149,7 +149,7 @@ class PipelineImpl final : public EmbeddingPipeline {
     WorkingSet& ws = *b->working_set;
     auto h = client_->PushAsync(table_, ws.unique_keys(), ws.gradients(),
                                 b->pin_tag, opt_.pin);
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     stats_.push_seconds += Since(t0);
     if (!h.ok()) return h.status();
     pushes_.push_back(*h);
@@ -164,12 +164,12 @@ class PipelineImpl final : public EmbeddingPipeline {
 
   Status Finish() override {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (finished_) return Status::Ok();
       finished_ = true;
       stopping_ = true;
     }
-    slot_cv_.notify_all();
+    slot_cv_.NotifyAll();
     if (reader_thread_.joinable()) reader_thread_.join();
     if (pull_thread_.joinable()) pull_thread_.join();
     if (place_thread_.joinable()) place_thread_.join();
@@ -181,7 +181,7 @@ class PipelineImpl final : public EmbeddingPipeline {
         if (!s.ok() && first.ok()) first = s;
       }
     }
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (auto& h : pushes_) {
       Status s = h.Wait();
       if (!s.ok() && first.ok()) first = s;
@@ -191,7 +191,7 @@ class PipelineImpl final : public EmbeddingPipeline {
   }
 
   PipelineStats Stats() const override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     return stats_;
   }
 
@@ -199,8 +199,8 @@ class PipelineImpl final : public EmbeddingPipeline {
   void ReadStage() {
     for (uint64_t id = 1;; ++id) {
       {
-        std::unique_lock<std::mutex> l(mu_);
-        slot_cv_.wait(l, [this] { return stopping_ || slots_ > 0; });
+        MutexLock l(&mu_);
+        while (!stopping_ && slots_ == 0) slot_cv_.Wait(&mu_);
         if (stopping_) break;
         slots_--;
       }
@@ -210,7 +210,7 @@ class PipelineImpl final : public EmbeddingPipeline {
       f.batch->id = id;
       Result<bool> more = reader_(&f.batch->keys);
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         stats_.read_seconds += Since(t0);
       }
       if (!more.ok() || !*more) {
@@ -237,7 +237,7 @@ class PipelineImpl final : public EmbeddingPipeline {
         auto keys = b.working_set->unique_keys();
         f.staging.resize(keys.size() * dim_);
         f.status = client_->Pull(table_, keys, f.staging.data(), b.pin_tag);
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         stats_.pull_seconds += Since(t0);
       }
       pulled_.Push(std::move(f));
@@ -258,7 +258,7 @@ class PipelineImpl final : public EmbeddingPipeline {
           off += dst.size();
         }
         f.staging = {};
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         stats_.place_seconds += Since(t0);
       }
       ready_.Push(std::move(f));
@@ -273,13 +273,13 @@ class PipelineImpl final : public EmbeddingPipeline {
   uint32_t dim_ = 0;
   StageQueue<InFlight> read_, pulled_, ready_;
   std::thread reader_thread_, pull_thread_, place_thread_;
-  mutable std::mutex mu_;
-  std::condition_variable slot_cv_;
-  uint32_t slots_ = 0;     // GUARDED_BY(mu_): batches that may still be read
-  bool stopping_ = false;  // GUARDED_BY(mu_)
-  bool finished_ = false;  // GUARDED_BY(mu_)
-  std::deque<EmbeddingHandle> pushes_;  // GUARDED_BY(mu_)
-  PipelineStats stats_;                 // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  CondVar slot_cv_;
+  uint32_t slots_ MEMBOX_GUARDED_BY(mu_) = 0;
+  bool stopping_ MEMBOX_GUARDED_BY(mu_) = false;
+  bool finished_ MEMBOX_GUARDED_BY(mu_) = false;
+  std::deque<EmbeddingHandle> pushes_ MEMBOX_GUARDED_BY(mu_);
+  PipelineStats stats_ MEMBOX_GUARDED_BY(mu_);
 };
 
 }  // namespace
