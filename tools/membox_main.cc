@@ -417,6 +417,8 @@ int main(int argc, char** argv) {
   bool no_grpc = false, no_iperf = false;
   transfer->add_flag("--no-grpc", no_grpc, "skip the gRPC baseline");
   transfer->add_flag("--no-iperf", no_iperf, "skip the iperf3 reference");
+  transfer->add_flag("--rtt-only", topt.rtt_only,
+                     "only the service layer's request/reply round trips");
 
   membox::bench::MemserverBenchOptions mopt;
   auto* msbench = bench->add_subcommand(

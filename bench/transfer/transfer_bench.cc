@@ -410,6 +410,34 @@ void AddTiming(Report& rep, const std::string& variant, uint64_t size,
   rep.Add(g);
 }
 
+// Request/reply round trips through the service layer (the envelope, the
+// server's serial loop, the client's pending map and Call), 64-byte bodies:
+// what every memory-server, proxy and embedding request pays.
+Status ServiceRtts(const TransferOptions& opt, int& step, int total,
+                   Report& rep, std::optional<std::pair<double, double>>* shm,
+                   std::optional<std::pair<double, double>>* tcp) {
+  Progress(++step, total, "service round trip");
+  for (const char* trans : {"auto", "tcp"}) {
+    ASSIGN_OR_RETURN(auto child,
+                     Child::Spawn({"membox", "bench-peer", "transfer",
+                                   std::string("service-") + trans}));
+    int n = opt.common.quick ? 2000 : 20000;
+    auto r = ServiceRoundTrips(child.endpoint, trans, 64, n);
+    child.Stop();
+    RETURN_IF_ERROR(r.status());
+    std::string variant = std::string("service-") + trans;
+    rep.Add({"", variant, 64, 2, "rtt_p50", r->first * 1e6, "us", ""});
+    rep.Add({"", variant, 64, 2, "rtt_p99", r->second * 1e6, "us", ""});
+    (std::string(trans) == "auto" ? *shm : *tcp) = *r;
+  }
+  std::printf(
+      "service request/reply round trip, 64-byte body: shared memory p50 "
+      "%.2f us p99 %.2f us; TCP p50 %.2f us p99 %.2f us\n",
+      (*shm)->first * 1e6, (*shm)->second * 1e6, (*tcp)->first * 1e6,
+      (*tcp)->second * 1e6);
+  return Status::Ok();
+}
+
 std::string Ratio(std::optional<double> a, std::optional<double> b) {
   if (!a || !b || *b == 0) return "-";
   char s[32];
@@ -453,6 +481,22 @@ int RunTransferBench(const TransferOptions& opt) {
     return 2;
   }
   Report rep("transfer");
+  if (opt.rtt_only) {
+    int step = 0;
+    std::optional<std::pair<double, double>> shm, tcp;
+    if (Status rs = ServiceRtts(opt, step, 1, rep, &shm, &tcp); !rs.ok()) {
+      std::fprintf(stderr, "service round trip failed: %s\n",
+                   rs.ToString().c_str());
+      return 1;
+    }
+    Status s = rep.Finish(opt.common, "rtt_p50",
+                          "membox bench transfer --rtt-only", true);
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
+      return 1;
+    }
+    return 0;
+  }
   auto shm_child = Child::Spawn({"membox", "bench-peer", "transfer", "auto"});
   auto tcp_child = Child::Spawn({"membox", "bench-peer", "transfer", "tcp"});
   if (!shm_child.ok() || !tcp_child.ok()) {
@@ -526,23 +570,10 @@ int RunTransferBench(const TransferOptions& opt) {
   if (tlat.ok())
     rep.Add({"", "membox-tcp", 64, 2, "one_way_latency", *tlat / 2 * 1e6, "us",
              ""});
-  // Request/reply round trips through the service layer (the envelope, the
-  // server's serial loop, the client's pending map and Call), 64-byte
-  // bodies: what every memory-server, proxy and embedding request pays.
-  Progress(++step, total, "service round trip");
   std::optional<std::pair<double, double>> rtt_shm, rtt_tcp;
-  for (const char* trans : {"auto", "tcp"}) {
-    auto child = Child::Spawn(
-        {"membox", "bench-peer", "transfer", std::string("service-") + trans});
-    if (!child.ok()) return fail(child.status(), "service peer");
-    int n = opt.common.quick ? 2000 : 20000;
-    auto r = ServiceRoundTrips(child->endpoint, trans, 64, n);
-    child->Stop();
-    if (!r.ok()) return fail(r.status(), "service round trip");
-    std::string variant = std::string("service-") + trans;
-    rep.Add({"", variant, 64, 2, "rtt_p50", r->first * 1e6, "us", ""});
-    rep.Add({"", variant, 64, 2, "rtt_p99", r->second * 1e6, "us", ""});
-    (std::string(trans) == "auto" ? rtt_shm : rtt_tcp) = *r;
+  if (Status rs = ServiceRtts(opt, step, total, rep, &rtt_shm, &rtt_tcp);
+      !rs.ok()) {
+    return fail(rs, "service round trip");
   }
   std::optional<double> iperf;
   if (opt.with_iperf) {
@@ -579,11 +610,6 @@ int RunTransferBench(const TransferOptions& opt) {
   }
   std::printf("\none-way 64-byte latency: shared memory %.2f us, TCP %s us\n",
               *lat / 2 * 1e6, tlat.ok() ? Num(*tlat / 2 * 1e6).c_str() : "-");
-  std::printf(
-      "service request/reply round trip, 64-byte body: shared memory p50 "
-      "%.2f us p99 %.2f us; TCP p50 %.2f us p99 %.2f us\n",
-      rtt_shm->first * 1e6, rtt_shm->second * 1e6, rtt_tcp->first * 1e6,
-      rtt_tcp->second * 1e6);
   if (iperf) {
     auto tc64 = rep.Find("membox-tcp", 64ull << 20, "throughput");
     std::printf(

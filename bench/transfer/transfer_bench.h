@@ -18,6 +18,7 @@ struct TransferOptions {
   uint64_t max_size = 1ull << 30;
   bool with_grpc = true;
   bool with_iperf = true;
+  bool rtt_only = false;  // only the service-layer round-trip rows
 };
 
 // The driver: spawns the receiver processes and runs the sweep. Returns a

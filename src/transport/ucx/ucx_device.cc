@@ -11,7 +11,9 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -210,6 +212,8 @@ void UcxWorker::Stop() {
 
 void UcxWorker::Loop() {
   tls_worker_index = index_;
+  // Naps of 100 us stay 100 us (the default timer slack is 50 us).
+  prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
   using Clock = std::chrono::steady_clock;
   auto last_activity = Clock::now();
   // Spin window after the last event: long enough to catch a reply that is
@@ -218,6 +222,19 @@ void UcxWorker::Loop() {
   while (!stop_.load(std::memory_order_relaxed)) {
     if (ucp_worker_progress(worker_) != 0) {
       last_activity = Clock::now();
+      continue;
+    }
+    // While a user thread drives the worker (HelpProgress within the last
+    // 20 us), the progress thread neither spins nor arms the worker (an
+    // armed worker makes every sender signal it and wakes this thread onto
+    // a core the driver needs): it naps 100 us at a time, stop_fd only,
+    // and takes over once the helping stops.
+    if (NowNs() - last_help_ns_.load(std::memory_order_relaxed) < 20000) {
+      pollfd pfd{stop_fd_, POLLIN, 0};
+      timespec nap{0, 100000};
+      sleeping_.store(true, std::memory_order_release);
+      (void)ppoll(&pfd, 1, &nap, nullptr);
+      sleeping_.store(false, std::memory_order_release);
       continue;
     }
     if (Clock::now() - last_activity < spin_window &&

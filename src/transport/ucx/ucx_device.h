@@ -85,8 +85,13 @@ class UcxWorker {
   void Signal() { ucp_worker_signal(worker_); }
   // Progress from a waiting user thread, only while the progress thread is
   // blocked: it saves a wake-up when messages are sparse and never fights
-  // the progress thread for UCX's worker lock when they are dense.
+  // the progress thread for UCX's worker lock when they are dense. A thread
+  // that keeps helping (a caller spinning on its reply, a server loop
+  // polling) becomes the worker's driver: the progress thread stops
+  // spinning and sleeps until the helping stops (Loop), so a round trip
+  // costs one busy thread per side instead of two fighting for a core.
   void HelpProgress() {
+    last_help_ns_.store(NowNs(), std::memory_order_relaxed);
     if (sleeping_.load(std::memory_order_acquire)) ucp_worker_progress(worker_);
   }
   static void HelpProgress(void* self) {
@@ -108,6 +113,10 @@ class UcxWorker {
   int stop_fd_ = -1;
   std::atomic<bool> stop_{false};
   std::atomic<bool> sleeping_{false};  // the progress thread is in epoll_wait
+  std::atomic<int64_t> last_help_ns_{0};  // last HelpProgress (NowNs)
+  static int64_t NowNs() {
+    return std::chrono::steady_clock::now().time_since_epoch().count();
+  }
   std::thread thread_;
 };
 
