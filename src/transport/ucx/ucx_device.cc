@@ -13,8 +13,8 @@
 #include <netdb.h>
 #include <poll.h>
 #include <sys/epoll.h>
-#include <sys/prctl.h>
 #include <sys/eventfd.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
