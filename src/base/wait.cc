@@ -71,6 +71,18 @@ bool MachineOversubscribed() {
   return value;
 }
 
+namespace {
+thread_local bool tls_blocking = false;
+// Sets tls_blocking for a scope (restored on every return path).
+struct BlockingPhase {
+  bool saved = tls_blocking;
+  BlockingPhase() { tls_blocking = true; }
+  ~BlockingPhase() { tls_blocking = saved; }
+};
+}  // namespace
+
+bool InBlockingWait() { return tls_blocking; }
+
 bool SpinThenBlock(const std::function<bool()>& ready, EventCount* events,
                    std::chrono::nanoseconds timeout,
                    const WaitOptions& options) {
@@ -107,6 +119,7 @@ bool SpinThenBlock(const std::function<bool()>& ready, EventCount* events,
       events ? std::max<std::chrono::nanoseconds>(options.max_block,
                                                   std::chrono::milliseconds(50))
              : std::chrono::nanoseconds(options.max_block);
+  BlockingPhase blocking;
   for (;;) {
     uint32_t seen = events ? events->epoch() : 0;
     if (ready()) return true;

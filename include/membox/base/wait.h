@@ -63,6 +63,12 @@ bool SpinThenBlock(const std::function<bool()>& ready, EventCount* events,
                    std::chrono::nanoseconds timeout,
                    const WaitOptions& options = WaitOptions());
 
+// True while the calling thread is in SpinThenBlock's blocking phase (it
+// re-checks its condition between sleeps). A transport that lets a polling
+// waiter drive its progress (UcxWorker::HelpProgress) must not count such a
+// thread as polling: it would then wait for a sleeper.
+bool InBlockingWait();
+
 // One pause instruction (or nothing on other architectures).
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)

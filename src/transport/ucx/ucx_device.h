@@ -91,7 +91,9 @@ class UcxWorker {
   // spinning and sleeps until the helping stops (Loop), so a round trip
   // costs one busy thread per side instead of two fighting for a core.
   void HelpProgress() {
-    last_help_ns_.store(NowNs(), std::memory_order_relaxed);
+    if (!InBlockingWait()) {
+      last_help_ns_.store(NowNs(), std::memory_order_relaxed);
+    }
     if (sleeping_.load(std::memory_order_acquire)) ucp_worker_progress(worker_);
   }
   static void HelpProgress(void* self) {
