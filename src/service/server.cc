@@ -234,6 +234,16 @@ class ServerImpl final : public Server {
     }
     cv_.NotifyOne();
     accepted_++;
+    // The handlers are installed by the kConnect event, after OnConnect:
+    // on a pool, a message handled next to its connection's kConnect could
+    // otherwise reach the service before OnConnect. The channel queues
+    // what arrives meanwhile.
+  }
+
+  // Executor, kConnect: the service has seen the connection; its messages
+  // (queued ones first) and its failure start flowing.
+  void Attach(ConnectionId id, const std::shared_ptr<Channel>& ch,
+              std::shared_ptr<std::atomic<int64_t>> seen) {
     ch->SetHandlers(
         [this, id, seen](std::vector<uint8_t> m) {
           seen->store(Clock::now().time_since_epoch().count(),
@@ -347,8 +357,19 @@ class ServerImpl final : public Server {
           e.task();
           break;
         case EventType::kConnect: {
-          auto ch = channel(e.conn);
-          if (ch) svc_->OnConnect(e.conn, ch->peer());
+          std::shared_ptr<Channel> ch;
+          std::shared_ptr<std::atomic<int64_t>> seen;
+          {
+            MutexLock l(&mu_);
+            auto it = conns_.find(e.conn);
+            if (it != conns_.end()) {
+              ch = it->second.channel;
+              seen = it->second.last_seen;
+            }
+          }
+          if (!ch) break;  // closed meanwhile (hello timeout, Stop)
+          svc_->OnConnect(e.conn, ch->peer());
+          Attach(e.conn, ch, std::move(seen));
           break;
         }
         case EventType::kDisconnect:

@@ -1,6 +1,8 @@
 // The service layer end to end: a real Server (transport Device, listener,
 // authenticated channels) and real Clients in one process.
 #include <atomic>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -40,13 +42,26 @@ class TestService : public Service {
   Status last_disconnect;
   std::mutex mu;
 
-  void OnConnect(ConnectionId, const std::string&) override { connects++; }
+  std::atomic<int> connect_delay_ms{0};
+  std::atomic<int> requests_before_connect{0};
+  std::set<ConnectionId> known;  // guarded by mu
+
+  void OnConnect(ConnectionId conn, const std::string&) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(connect_delay_ms));
+    std::lock_guard<std::mutex> l(mu);
+    known.insert(conn);
+    connects++;
+  }
   void OnDisconnect(ConnectionId, const Status& why) override {
     std::lock_guard<std::mutex> l(mu);
     last_disconnect = why;
     disconnects++;
   }
   void OnRequest(const Request& r) override {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (!known.count(r.conn)) requests_before_connect++;
+    }
     int now = ++running;
     int seen = max_running.load();
     while (now > seen && !max_running.compare_exchange_weak(seen, now)) {
@@ -184,6 +199,22 @@ TEST_P(ServiceTest, SerialLoopRunsOneHandlerAtATimeAndThePoolMany) {
   } else {
     EXPECT_GT(svc_.max_running.load(), 1);
   }
+}
+
+// On a pool too, a connection's first request runs after its OnConnect has
+// returned (a slow OnConnect used to race it: the memory server then
+// dropped a Register as coming from an unknown client).
+TEST_P(ServiceTest, OnConnectReturnsBeforeTheConnectionsFirstRequest) {
+  StartServer();
+  svc_.connect_delay_ms = 100;
+  for (int i = 0; i < 3; ++i) {
+    auto c = Connect();
+    ASSERT_TRUE(c);
+    auto r = c->Call(kEcho, Msg("first"), 10s);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(Str(*r), "first");
+  }
+  EXPECT_EQ(svc_.requests_before_connect.load(), 0);
 }
 
 TEST_P(ServiceTest, NoticesTravelBothWays) {

@@ -62,6 +62,8 @@ class Service {
   // allocate transport resources (registered memory) here. An error fails
   // Server::Start.
   virtual Status OnStart(transport::Device& /*device*/) { return Status::Ok(); }
+  // Before any OnRequest of the connection, on a pool too (its messages
+  // are held until OnConnect returned).
   virtual void OnConnect(ConnectionId /*conn*/, const std::string& /*peer*/) {}
   virtual void OnRequest(const Request& req) = 0;
   // Once per connection that connected: the peer left, failed, was closed
