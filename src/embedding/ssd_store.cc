@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "membox/base/logging.h"
+#include "membox/base/mutex.h"
 
 #include "src/embedding/ssd_record.h"
 
@@ -70,6 +71,7 @@ class SsdStoreImpl final : public SsdStore {
     record_bytes_ = kRecordHeaderBytes + opt_.row_bytes;
   }
   ~SsdStoreImpl() override {
+    MutexLock l(&mu_);
     (void)SyncLocked();
     for (auto& [n, f] : files_) ::close(f.fd);
   }
@@ -99,6 +101,9 @@ class SsdStoreImpl final : public SsdStore {
     std::sort(numbers.begin(), numbers.end());
     RecoveryStats local;
     RecoveryStats& st = rs ? *rs : local;
+    // Nobody else holds the store yet; the lock is for the analysis (and
+    // costs nothing uncontended).
+    MutexLock l(&mu_);
     st = RecoveryStats{};
     for (uint32_t n : numbers) RETURN_IF_ERROR(Recover(n, st));
     st.keys = 0;
@@ -116,7 +121,7 @@ class SsdStoreImpl final : public SsdStore {
     if (rows.size() != keys.size() * opt_.row_bytes) {
       return InvalidArgumentError("rows must be keys.size() * row_bytes");
     }
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (size_t i = 0; i < keys.size(); ++i) {
       RETURN_IF_ERROR(
           AppendLocked(keys[i], seq_++, false,
@@ -127,7 +132,7 @@ class SsdStoreImpl final : public SsdStore {
   }
 
   Status Erase(std::span<const uint64_t> keys) override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     std::vector<uint8_t> zero(opt_.row_bytes, 0);
     for (uint64_t k : keys) {
       auto it = map_.find(k);
@@ -138,7 +143,7 @@ class SsdStoreImpl final : public SsdStore {
   }
 
   Status Sync() override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     return SyncLocked();
   }
 
@@ -147,7 +152,7 @@ class SsdStoreImpl final : public SsdStore {
     if (out.size() != keys.size() * opt_.row_bytes) {
       return InvalidArgumentError("out must be keys.size() * row_bytes");
     }
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     found->assign(keys.size(), false);
     for (size_t i = 0; i < keys.size(); ++i) {
       auto it = map_.find(keys[i]);
@@ -166,7 +171,7 @@ class SsdStoreImpl final : public SsdStore {
   Status Compact() override {
     std::vector<uint32_t> victims;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (compacting_) return Status::Ok();  // another thread is at it
       for (auto& [n, f] : files_) {
         uint64_t total = f.live + f.stale;
@@ -179,13 +184,13 @@ class SsdStoreImpl final : public SsdStore {
       compacting_ = true;
     }
     Status s = CompactFiles(victims);
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     compacting_ = false;
     return s;
   }
 
   SsdStats Stats() const override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     SsdStats s;
     for (auto& [k, loc] : map_) s.keys += loc.tombstone ? 0 : 1;
     s.files = files_.size();
@@ -208,7 +213,7 @@ class SsdStoreImpl final : public SsdStore {
     return opt_.dir + "/" + name;
   }
 
-  Status Recover(uint32_t n, RecoveryStats& st) {
+  Status Recover(uint32_t n, RecoveryStats& st) MEMBOX_REQUIRES(mu_) {
     std::string path = Path(n);
     int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) return Errno("open " + path);
@@ -286,7 +291,7 @@ class SsdStoreImpl final : public SsdStore {
       uint64_t size;
       int fd;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         size = files_.at(n).size;
         fd = files_.at(n).fd;
       }
@@ -295,7 +300,7 @@ class SsdStoreImpl final : public SsdStore {
         buf.resize(count * record_bytes_);
         // The victim is immutable (not active), so it is read unlocked.
         RETURN_IF_ERROR(ReadAt(fd, buf.data(), buf.size(), off));
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         for (uint64_t i = 0; i < count; ++i) {
           uint64_t at = off + i * record_bytes_;
           auto r = DecodeRecord(
@@ -317,7 +322,7 @@ class SsdStoreImpl final : public SsdStore {
         off += count * record_bytes_;
       }
     }
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     RETURN_IF_ERROR(FlushBufferLocked());
     // The rewritten records are durable before the old files go.
     RETURN_IF_ERROR(SyncLocked());
@@ -334,7 +339,7 @@ class SsdStoreImpl final : public SsdStore {
   }
 
   // Points `key` at `loc` if it is newer; keeps the live/stale counts.
-  void Index(uint64_t key, const Loc& loc) {
+  void Index(uint64_t key, const Loc& loc) MEMBOX_REQUIRES(mu_) {
     auto [it, inserted] = map_.try_emplace(key, loc);
     if (inserted) {
       files_[loc.file].live++;
@@ -350,7 +355,7 @@ class SsdStoreImpl final : public SsdStore {
     }
   }
 
-  Status NewActiveFile() {
+  Status NewActiveFile() MEMBOX_REQUIRES(mu_) {
     uint32_t n = next_file_++;
     std::string path = Path(n);
     int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -370,7 +375,7 @@ class SsdStoreImpl final : public SsdStore {
   }
 
   Status AppendLocked(uint64_t key, uint64_t seq, bool tombstone,
-                      std::span<const uint8_t> row) {
+                      std::span<const uint8_t> row) MEMBOX_REQUIRES(mu_) {
     File* f = &files_.at(active_);
     if (f->size + buffer_.size() + record_bytes_ > opt_.file_bytes &&
         f->size + buffer_.size() > kFileHeaderBytes) {
@@ -384,7 +389,7 @@ class SsdStoreImpl final : public SsdStore {
     return Status::Ok();
   }
 
-  Status FlushBufferLocked() {
+  Status FlushBufferLocked() MEMBOX_REQUIRES(mu_) {
     if (buffer_.empty()) return Status::Ok();
     File& f = files_.at(active_);
     RETURN_IF_ERROR(WriteAt(f.fd, buffer_.data(), buffer_.size(), f.size));
@@ -395,7 +400,7 @@ class SsdStoreImpl final : public SsdStore {
     return Status::Ok();
   }
 
-  Status SyncLocked() {
+  Status SyncLocked() MEMBOX_REQUIRES(mu_) {
     RETURN_IF_ERROR(FlushBufferLocked());
     for (auto& [n, f] : files_) {
       if (!f.dirty) continue;
@@ -415,14 +420,15 @@ class SsdStoreImpl final : public SsdStore {
 
   SsdOptions opt_;
   size_t record_bytes_ = 0;
-  mutable std::mutex mu_;
-  std::map<uint32_t, File> files_;         // GUARDED_BY(mu_)
-  std::unordered_map<uint64_t, Loc> map_;  // GUARDED_BY(mu_)
-  uint32_t active_ = 0, next_file_ = 1;    // GUARDED_BY(mu_)
-  uint64_t seq_ = 1;                       // GUARDED_BY(mu_)
-  bool dir_dirty_ = false;                 // GUARDED_BY(mu_)
-  bool compacting_ = false;                // GUARDED_BY(mu_)
-  std::vector<uint8_t> buffer_;            // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<uint32_t, File> files_ MEMBOX_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, Loc> map_ MEMBOX_GUARDED_BY(mu_);
+  uint32_t active_ MEMBOX_GUARDED_BY(mu_) = 0;
+  uint32_t next_file_ MEMBOX_GUARDED_BY(mu_) = 1;
+  uint64_t seq_ MEMBOX_GUARDED_BY(mu_) = 1;
+  bool dir_dirty_ MEMBOX_GUARDED_BY(mu_) = false;
+  bool compacting_ MEMBOX_GUARDED_BY(mu_) = false;
+  std::vector<uint8_t> buffer_ MEMBOX_GUARDED_BY(mu_);
   uint64_t bytes_written_ = 0, row_bytes_updated_ = 0, compactions_ = 0;
 };
 

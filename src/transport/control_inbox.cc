@@ -5,7 +5,7 @@ namespace membox::transport {
 void ControlInbox::Deliver(std::vector<uint8_t> m) {
   Channel::ControlHandler handler;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (on_message_) {
       handler = on_message_;
     } else {
@@ -24,7 +24,7 @@ void ControlInbox::SetHandlers(Channel::ControlHandler on_message,
   std::deque<std::vector<uint8_t>> queued;
   Status failed;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     on_message_ = on_message;
     on_failure_ = on_failure;
     queued.swap(queue_);
@@ -37,7 +37,7 @@ void ControlInbox::SetHandlers(Channel::ControlHandler on_message,
 void ControlInbox::Fail(const Status& failure) {
   Channel::FailureHandler handler;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (failed_) return;
     failed_ = true;
     failure_ = failure;
@@ -54,7 +54,7 @@ Result<std::vector<uint8_t>> ControlInbox::Receive(
   Status failed;
   SpinThenBlock(
       [&] {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         if (!queue_.empty()) {
           out = std::move(queue_.front());
           queue_.pop_front();

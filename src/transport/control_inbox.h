@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "membox/base/mutex.h"
 #include "membox/base/status.h"
 #include "membox/base/wait.h"
 #include "membox/transport/channel.h"
@@ -39,12 +40,12 @@ class ControlInbox {
                                        const std::string& peer);
 
  private:
-  std::mutex mu_;
-  std::deque<std::vector<uint8_t>> queue_;  // GUARDED_BY(mu_)
-  Channel::ControlHandler on_message_;      // GUARDED_BY(mu_)
-  Channel::FailureHandler on_failure_;      // GUARDED_BY(mu_)
-  Status failure_;                          // GUARDED_BY(mu_)
-  bool failed_ = false;                     // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::deque<std::vector<uint8_t>> queue_ MEMBOX_GUARDED_BY(mu_);
+  Channel::ControlHandler on_message_ MEMBOX_GUARDED_BY(mu_);
+  Channel::FailureHandler on_failure_ MEMBOX_GUARDED_BY(mu_);
+  Status failure_ MEMBOX_GUARDED_BY(mu_);
+  bool failed_ MEMBOX_GUARDED_BY(mu_) = false;
   EventCount ev_;
 };
 

@@ -48,7 +48,7 @@ Result<RegisteredPool::Block> RegisteredPool::Allocate(size_t bytes) {
                                   " bytes exceeds the pool size");
   }
   size_t need = (bytes + alignment_ - 1) & ~(alignment_ - 1);
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second < need) continue;
     Block b;
@@ -68,7 +68,7 @@ Result<RegisteredPool::Block> RegisteredPool::Allocate(size_t bytes) {
 }
 
 void RegisteredPool::Free(size_t offset, size_t reserved) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto [it, inserted] = free_.emplace(offset, reserved);
   (void)inserted;
   auto next = std::next(it);
@@ -86,14 +86,14 @@ void RegisteredPool::Free(size_t offset, size_t reserved) {
 }
 
 size_t RegisteredPool::bytes_free() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   size_t n = 0;
   for (auto& [o, len] : free_) n += len;
   return n;
 }
 
 size_t RegisteredPool::largest_free() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   size_t m = 0;
   for (auto& [o, len] : free_) m = std::max(m, len);
   return m;

@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 
+#include "membox/base/mutex.h"
 #include "membox/base/status.h"
 #include "membox/transport/device.h"
 
@@ -67,7 +68,7 @@ class RegisteredPool : public std::enable_shared_from_this<RegisteredPool> {
 
   std::unique_ptr<MemRegion> region_;
   size_t alignment_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::map<size_t, size_t> free_;  // offset -> length; GUARDED_BY(mu_)
 };
 

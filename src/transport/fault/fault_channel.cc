@@ -1,11 +1,11 @@
 #include "membox/transport/fault_channel.h"
 
-#include <condition_variable>
 #include <functional>
-#include <mutex>
 #include <queue>
 #include <random>
 #include <thread>
+
+#include "membox/base/mutex.h"
 
 namespace membox::transport {
 namespace {
@@ -20,10 +20,10 @@ class FaultChannel final : public Channel {
   }
   ~FaultChannel() override {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     timer_.join();
   }
 
@@ -39,7 +39,7 @@ class FaultChannel final : public Channel {
     enum { kNone, kFail, kDrop, kCorrupt } fault = kNone;
     Clock::time_point due;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (Draw(p_.fail_submit)) {
         return UnavailableError("injected fault: submit failed");
       }
@@ -92,7 +92,7 @@ class FaultChannel final : public Channel {
     auto outer = std::make_shared<OpState>(&events_, std::move(cb));
     Clock::time_point due;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       due = std::max(Clock::now(), busy_until_) + p_.fixed_latency;
     }
     ASSIGN_OR_RETURN(OpHandle inner,
@@ -112,12 +112,12 @@ class FaultChannel final : public Channel {
     std::vector<uint8_t> copy(msg.begin(), msg.end());
     std::shared_ptr<Channel> inner = inner_;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       q_.push(Due{
           Clock::now() + p_.fixed_latency, seq_++, nullptr, Status(),
           [inner, copy = std::move(copy)] { (void)inner->SendControl(copy); }});
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     return Status::Ok();
   }
   Result<std::vector<uint8_t>> RecvControl(
@@ -146,7 +146,7 @@ class FaultChannel final : public Channel {
     }
   };
 
-  bool Draw(double p) {  // requires mu_
+  bool Draw(double p) MEMBOX_REQUIRES(mu_) {
     if (p <= 0) return false;
     return std::uniform_real_distribution<double>(0, 1)(rng_) < p;
   }
@@ -157,33 +157,33 @@ class FaultChannel final : public Channel {
       return;
     }
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       q_.push(Due{at, seq_++, std::move(op), std::move(s), nullptr});
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
 
   void TimerLoop() {
-    std::unique_lock<std::mutex> l(mu_);
+    mu_.Lock();
     while (!stop_) {
       if (q_.empty()) {
-        cv_.wait(l);
+        cv_.Wait(&mu_);
         continue;
       }
       auto at = q_.top().at;
       if (Clock::now() < at) {
-        cv_.wait_until(l, at);
+        cv_.WaitFor(&mu_, at - Clock::now());
         continue;
       }
       Due d = q_.top();
       q_.pop();
-      l.unlock();
+      mu_.Unlock();
       if (d.run) {
         d.run();
       } else {
         d.op->Complete(d.status);
       }
-      l.lock();
+      mu_.Lock();
     }
     while (!q_.empty()) {  // complete what is left so no waiter hangs
       if (q_.top().op) {
@@ -191,19 +191,20 @@ class FaultChannel final : public Channel {
       }
       q_.pop();
     }
+    mu_.Unlock();
   }
 
   std::shared_ptr<Channel> inner_;
   FaultPolicy p_;
   EventCount events_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::mt19937_64 rng_;             // GUARDED_BY(mu_)
-  Clock::time_point busy_until_{};  // GUARDED_BY(mu_)
-  std::priority_queue<Due, std::vector<Due>, std::greater<Due>>
-      q_;              // GUARDED_BY(mu_)
-  bool stop_ = false;  // GUARDED_BY(mu_)
-  uint64_t seq_ = 0;   // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  std::mt19937_64 rng_ MEMBOX_GUARDED_BY(mu_);
+  Clock::time_point busy_until_ MEMBOX_GUARDED_BY(mu_){};
+  std::priority_queue<Due, std::vector<Due>, std::greater<Due>> q_
+      MEMBOX_GUARDED_BY(mu_);
+  bool stop_ MEMBOX_GUARDED_BY(mu_) = false;
+  uint64_t seq_ MEMBOX_GUARDED_BY(mu_) = 0;
   std::thread timer_;
 };
 

@@ -49,7 +49,7 @@ TcpChannel::~TcpChannel() { Stop(); }
 
 void TcpChannel::Stop() {
   Close();
-  std::lock_guard<std::mutex> l(stop_mu_);
+  MutexLock l(&stop_mu_);
   for (std::thread* t : {&reader_, &writer_}) {
     if (!t->joinable()) continue;
     if (t->get_id() == std::this_thread::get_id()) {
@@ -67,7 +67,7 @@ void TcpChannel::Start() {
 
 Status TcpChannel::health() const {
   if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return failure_;
 }
 
@@ -77,7 +77,7 @@ void TcpChannel::Fail(const Status& s) {
   std::deque<OutFrame> queued;
   Status failure;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (!failed_.load()) {
       failure_ = Status(s.code(), peer_ + ": " + std::string(s.message()));
       failed_.store(true, std::memory_order_release);
@@ -90,7 +90,7 @@ void TcpChannel::Fail(const Status& s) {
     rpcs.swap(rpcs_);
     queued.swap(sendq_);
   }
-  send_cv_.notify_all();
+  send_cv_.NotifyAll();
   for (auto& [id, r] : reads) r.state->Complete(failure);
   for (auto& [id, st] : rpcs) st->Complete(failure);
   for (auto& f : queued) {
@@ -120,7 +120,7 @@ Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
   f.state = std::move(state);
   bool inline_send = false;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (failed_.load()) return failure_;
     // Nothing queued and nobody sending: try the socket from this thread
     // (no hand-off to the writer thread for a message that fits the socket
@@ -146,20 +146,20 @@ Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
     }
   }
   if (!inline_send) {
-    send_cv_.notify_one();
+    send_cv_.NotifyOne();
     return Status::Ok();
   }
   Result<bool> done = SendSome(f, /*block=*/false);
   bool finished = done.ok() && *done;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     sending_ = false;
     // The rest (if any) goes first: frames never interleave on the stream.
     if (done.ok() && !finished && !failed_.load()) {
       sendq_.push_front(std::move(f));
     }
   }
-  send_cv_.notify_one();
+  send_cv_.NotifyOne();
   if (!done.ok()) {
     Fail(UnavailableError("connection lost: " +
                           std::string(done.status().message())));
@@ -210,9 +210,10 @@ void TcpChannel::WriterLoop() {
   for (;;) {
     OutFrame f;
     {
-      std::unique_lock<std::mutex> l(mu_);
-      send_cv_.wait(
-          l, [&] { return failed_.load() || (!sending_ && !sendq_.empty()); });
+      MutexLock l(&mu_);
+      while (!failed_.load() && (sending_ || sendq_.empty())) {
+        send_cv_.Wait(&mu_);
+      }
       if (failed_.load()) return;
       f = std::move(sendq_.front());
       sendq_.pop_front();
@@ -223,10 +224,10 @@ void TcpChannel::WriterLoop() {
     Result<bool> done = SendSome(f, /*block=*/true);
     Status s = done.status();
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       sending_ = false;
     }
-    send_cv_.notify_one();
+    send_cv_.NotifyOne();
     if (!s.ok()) {
       if (f.state)
         f.state->Complete(UnavailableError(std::string(s.message())));
@@ -278,7 +279,7 @@ Status TcpChannel::Discard(uint64_t n) {
 }
 
 Result<std::shared_ptr<OpState>> TcpChannel::TakeRpc(uint64_t id) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = rpcs_.find(id);
   if (it == rpcs_.end()) {
     return InvalidArgumentError("answer to an unknown request " +
@@ -365,7 +366,7 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
       ASSIGN_OR_RETURN(msg::Reply m, msg::DecodeReply(header));
       PendingRead pr{};
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         auto it = reads_.find(m.request);
         if (it == reads_.end()) {
           return InvalidArgumentError("read answer to an unknown request");
@@ -399,7 +400,7 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
       ASSIGN_OR_RETURN(msg::Error m, msg::DecodeError(header));
       Status s = msg::StatusFromWire(m.code, m.message);
       MEMBOX_LOG_WARN("peer {} reported: {}", peer_, s.ToString());
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (async_error_.ok()) async_error_ = s;
       return Status::Ok();
     }
@@ -412,13 +413,13 @@ Status TcpChannel::RoundTrip(uint32_t type, std::vector<uint8_t> header,
                              uint64_t id,
                              const std::shared_ptr<OpState>& state) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (failed_.load()) return failure_;
     rpcs_[id] = state;
   }
   Status s = Enqueue(type, std::move(header), nullptr, 0, {}, nullptr);
   if (!s.ok()) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     rpcs_.erase(id);
   }
   return s;
@@ -443,7 +444,7 @@ Result<std::shared_ptr<RemoteMemRegion>> TcpChannel::Import(
         RoundTrip(kTcpValidateReq, msg::EncodeValidateRequest(vr), id, state);
     if (s.ok()) s = OpHandle(state).Wait(timeout);
     if (!s.ok()) {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       rpcs_.erase(id);
       return s.WithContext("import of region " +
                            std::to_string(desc.region_id));
@@ -494,7 +495,7 @@ Result<OpHandle> TcpChannel::Memcpy(void* local_addr, const MemRegion& local,
   }
   uint64_t id = next_op_.fetch_add(1);
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (failed_.load()) return failure_;
     reads_[id] = PendingRead{local_addr, size, state};
   }
@@ -503,7 +504,7 @@ Result<OpHandle> TcpChannel::Memcpy(void* local_addr, const MemRegion& local,
   Status s =
       Enqueue(kTcpReadReq, msg::EncodeAccess(a, true), nullptr, 0, {}, nullptr);
   if (!s.ok()) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     reads_.erase(id);
     return s;
   }
@@ -518,7 +519,7 @@ Status TcpChannel::Fence() {
 Result<OpHandle> TcpChannel::Flush(Completion cb) {
   RETURN_IF_ERROR(health());
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (!async_error_.ok()) {
       Status e = async_error_;
       async_error_ = Status();

@@ -38,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "membox/base/mutex.h"
 #include "membox/base/wait.h"
 #include "membox/transport/channel.h"
 
@@ -139,20 +140,21 @@ class TcpChannel final : public Channel,
   Fd fd_;
   const int lane_;
   const std::string peer_;
-  std::mutex stop_mu_;  // serialises Stop() (device teardown vs destructor)
+  Mutex stop_mu_;  // serialises Stop() (device teardown vs destructor)
   std::thread reader_;
   std::thread writer_;
   std::atomic<bool> failed_{false};
   std::atomic<uint64_t> next_op_{1};
 
-  mutable std::mutex mu_;
-  std::condition_variable send_cv_;
-  Status failure_;              // GUARDED_BY(mu_)
-  Status async_error_;          // GUARDED_BY(mu_)
-  std::deque<OutFrame> sendq_;  // GUARDED_BY(mu_)
-  bool sending_ = false;  // GUARDED_BY(mu_): a thread owns the socket's send
-  std::map<uint64_t, PendingRead> reads_;              // GUARDED_BY(mu_)
-  std::map<uint64_t, std::shared_ptr<OpState>> rpcs_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  CondVar send_cv_;
+  Status failure_ MEMBOX_GUARDED_BY(mu_);
+  Status async_error_ MEMBOX_GUARDED_BY(mu_);
+  std::deque<OutFrame> sendq_ MEMBOX_GUARDED_BY(mu_);
+  bool sending_ MEMBOX_GUARDED_BY(mu_) =
+      false;  // a thread owns the socket's send
+  std::map<uint64_t, PendingRead> reads_ MEMBOX_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<OpState>> rpcs_ MEMBOX_GUARDED_BY(mu_);
   ControlInbox inbox_;
 };
 

@@ -76,14 +76,14 @@ class UcxChannel::EndpointUse {
 UcxChannel::~UcxChannel() { Close(); }
 
 std::string UcxChannel::peer() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (accepted_) return peer_name_;
   return peer_;
 }
 
 Status UcxChannel::health() const {
   if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return failure_;
 }
 
@@ -101,7 +101,7 @@ void UcxChannel::Fail(const Status& s) {
   std::set<std::shared_ptr<OpState>> inflight;
   Status failure;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (!failed_.load()) {
       std::string who = accepted_ ? ("peer " + peer_name_) : peer_;
       failure_ = Status(s.code(), who + ": " + std::string(s.message()));
@@ -162,7 +162,7 @@ void UcxChannel::Close() {
 
 Status UcxChannel::ConnectData(const msg::Hello& peer) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     peer_name_ = peer.name;
     peer_host_ = peer.host;
   }
@@ -315,13 +315,13 @@ void UcxChannel::Track(const std::shared_ptr<OpState>& st) {
   // `st` is our own reference: the request's context may already be freed by
   // its completion on the progress thread.
   if (!st) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (st->done()) return;
   inflight_.insert(st);
 }
 
 void UcxChannel::Untrack(const std::shared_ptr<OpState>& st) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   inflight_.erase(st);
 }
 
@@ -352,7 +352,7 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
     auto state = std::make_shared<OpState>(dev_->events());
     state->set_progress(&UcxWorker::HelpProgress, worker_);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       rpcs_[req] = state;
     }
     msg::ValidateRequest vr{
@@ -369,7 +369,7 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
       s = h.Wait(timeout);
     }
     if (!s.ok()) {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       rpcs_.erase(req);
       return s.WithContext("import of region " +
                            std::to_string(desc.region_id));
@@ -460,7 +460,7 @@ Result<OpHandle> UcxChannel::AmRead(void* local, uint64_t raddr,
   state->set_progress(&UcxWorker::HelpProgress, worker_);
   uint64_t op = next_op_.fetch_add(1);
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     reads_[op] = PendingRead{local, size, state};
   }
   msg::Access a{op, raddr, remote.descriptor().region_id,
@@ -468,7 +468,7 @@ Result<OpHandle> UcxChannel::AmRead(void* local, uint64_t raddr,
   Status s =
       SendAm(kAmReadReq, msg::EncodeAccess(a, true), nullptr, 0, nullptr);
   if (!s.ok()) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     reads_.erase(op);
     return s;
   }
@@ -512,7 +512,7 @@ Status UcxChannel::Fence() {
 Result<OpHandle> UcxChannel::Flush(Completion cb) {
   RETURN_IF_ERROR(CheckUsable());
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (!async_error_.ok()) {
       Status e = async_error_;
       async_error_ = Status();
@@ -532,12 +532,12 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
     state->set_progress(&UcxWorker::HelpProgress, worker_);
     uint64_t op = next_op_.fetch_add(1);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       rpcs_[op] = state;
     }
     Status s = SendAm(kAmFlushReq, msg::EncodeId(op), nullptr, 0, nullptr);
     if (!s.ok()) {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       rpcs_.erase(op);
       return s;
     }
@@ -599,7 +599,7 @@ void UcxChannel::SendError(const Status& s) {
 void UcxChannel::RndvDone() {
   std::vector<uint64_t> flushes;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (--rndv_in_progress_ == 0) flushes.swap(deferred_flushes_);
   }
   for (uint64_t op : flushes)
@@ -662,7 +662,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       }
       std::shared_ptr<OpState> st;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         auto it = rpcs_.find(reply.request);
         if (it == rpcs_.end())
           return drop(NotFoundError("response to an unknown request"));
@@ -688,7 +688,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       void* dst = reinterpret_cast<void*>(m->address);
       if (rndv) {
         {
-          std::lock_guard<std::mutex> l(mu_);
+          MutexLock l(&mu_);
           ++rndv_in_progress_;
         }
         RecvInto(data, dst, len, param, [this](const Status& st) {
@@ -720,7 +720,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       if (!m.ok()) return drop(m.status());
       PendingRead pr{};
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         auto it = reads_.find(m->request);
         if (it == reads_.end())
           return drop(NotFoundError("read response to an unknown request"));
@@ -750,7 +750,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       if (!m.ok()) return drop(m.status());
       bool now;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         now = rndv_in_progress_ == 0;
         if (!now) deferred_flushes_.push_back(*m);
       }
@@ -763,7 +763,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       if (!m.ok()) return drop(m.status());
       Status s = msg::StatusFromWire(m->code, m->message);
       MEMBOX_LOG_WARN("peer {} reported: {}", peer(), s.ToString());
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (async_error_.ok()) async_error_ = s;
       return UCS_OK;
     }

@@ -24,6 +24,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include "membox/base/mutex.h"
 #include "membox/transport/channel.h"
 
 #include "src/transport/am_messages.h"
@@ -159,16 +160,16 @@ class UcxChannel final : public Channel,
   std::atomic<int64_t> am_writes_in_flight_{0};
   std::atomic<uint64_t> next_op_{1};
 
-  mutable std::mutex mu_;
-  Status failure_;                                     // GUARDED_BY(mu_)
-  Status async_error_;                                 // GUARDED_BY(mu_)
-  std::map<uint64_t, PendingRead> reads_;              // GUARDED_BY(mu_)
-  std::map<uint64_t, std::shared_ptr<OpState>> rpcs_;  // GUARDED_BY(mu_)
-  std::set<std::shared_ptr<OpState>> inflight_;        // GUARDED_BY(mu_)
-  int64_t rndv_in_progress_ = 0;                       // GUARDED_BY(mu_)
-  std::vector<uint64_t> deferred_flushes_;             // GUARDED_BY(mu_)
-  std::string peer_name_;                              // GUARDED_BY(mu_)
-  std::string peer_host_;                              // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  Status failure_ MEMBOX_GUARDED_BY(mu_);
+  Status async_error_ MEMBOX_GUARDED_BY(mu_);
+  std::map<uint64_t, PendingRead> reads_ MEMBOX_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<OpState>> rpcs_ MEMBOX_GUARDED_BY(mu_);
+  std::set<std::shared_ptr<OpState>> inflight_ MEMBOX_GUARDED_BY(mu_);
+  int64_t rndv_in_progress_ MEMBOX_GUARDED_BY(mu_) = 0;
+  std::vector<uint64_t> deferred_flushes_ MEMBOX_GUARDED_BY(mu_);
+  std::string peer_name_ MEMBOX_GUARDED_BY(mu_);
+  std::string peer_host_ MEMBOX_GUARDED_BY(mu_);
   ControlInbox inbox_;
   friend class UcxDevice;
 };

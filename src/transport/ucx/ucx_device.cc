@@ -105,7 +105,7 @@ class UcxMemRegion final : public MemRegion {
   ~UcxMemRegion() override {
     dev_->UnregisterExport(id());
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       for (uint64_t r : ranges_) dev_->UnregisterExport(r);
     }
     ucp_mem_unmap(dev_->context(), memh_);
@@ -123,12 +123,12 @@ class UcxMemRegion final : public MemRegion {
     dev_->RegisterExport(d.region_id, {d.address, length, d.token,
                                        wire::Crc32(rkey_.data(), rkey_.size()),
                                        memory_type() == MemoryType::kHost});
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ranges_.insert(d.region_id);
     return d;
   }
   void RevokeRange(uint64_t range_id) override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (ranges_.erase(range_id) > 0) dev_->UnregisterExport(range_id);
   }
   RegionDescriptor Export() const override {
@@ -147,8 +147,8 @@ class UcxMemRegion final : public MemRegion {
   ucp_mem_h memh_;
   uint64_t token_;
   std::vector<uint8_t> rkey_;
-  std::mutex mu_;
-  std::set<uint64_t> ranges_;  // GUARDED_BY(mu_): ids from ExportRange
+  Mutex mu_;
+  std::set<uint64_t> ranges_ MEMBOX_GUARDED_BY(mu_);  // ids from ExportRange
 };
 
 struct AmHandlerArg {
@@ -273,7 +273,7 @@ UcxDevice::UcxDevice(DeviceOptions options) : options_(std::move(options)) {
 }
 
 uint64_t UcxDevice::RandomToken() {
-  std::lock_guard<std::mutex> l(rng_mu_);
+  MutexLock l(&rng_mu_);
   // splitmix64 over a seed from std::random_device.
   uint64_t z = (rng_state_ += 0x9e3779b97f4a7c15ULL);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -337,7 +337,7 @@ Status UcxDevice::Init() {
   }
 
   static std::vector<std::unique_ptr<AmHandlerArg>> args_keepalive;
-  static std::mutex args_mu;
+  static Mutex args_mu;
   for (int i = 0; i < options_.progress_threads; ++i) {
     auto w = std::make_unique<UcxWorker>(this, i);
     RETURN_IF_ERROR(w->Init(ctx_));
@@ -354,7 +354,7 @@ Status UcxDevice::Init() {
       hp.arg = arg.get();
       st = ucp_worker_set_am_recv_handler(w->worker(), &hp);
       if (st != UCS_OK) return UcsError(st, "ucp_worker_set_am_recv_handler");
-      std::lock_guard<std::mutex> l(args_mu);
+      MutexLock l(&args_mu);
       args_keepalive.push_back(std::move(arg));
     }
     workers_.push_back(std::move(w));
@@ -406,7 +406,7 @@ UcxDevice::~UcxDevice() {
   for (auto& w : workers_) w->Stop();
   std::vector<std::shared_ptr<Channel>> all;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     all.swap(channels_);
     by_id_.clear();
     out_.clear();
@@ -449,7 +449,7 @@ void UcxDevice::NetLoop() {
         std::shared_ptr<UcxChannel> ch;
         int fd = -1;
         {
-          std::lock_guard<std::mutex> l(mu_);
+          MutexLock l(&mu_);
           auto it = liveness_.find(token);
           if (it == liveness_.end()) continue;
           fd = it->second.fd;
@@ -610,7 +610,7 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   if (ucx) {
     uch = std::make_shared<UcxChannel>(this, w, lane, cp->hello.name, true);
     uch->set_id(v.hello.channel_id);
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     by_id_[v.hello.channel_id] = uch;
   }
   net::Fd fd = std::move(p.fd);
@@ -622,7 +622,7 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
     MEMBOX_LOG_WARN("{}: refusing a channel from {}: {}", options_.name,
                     cp->hello.name, ch.status().ToString());
     if (uch) {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       by_id_.erase(v.hello.channel_id);
     }
     return true;  // fd already moved out: the caller forgets the entry
@@ -636,7 +636,7 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   }
   if (auto tcp = std::dynamic_pointer_cast<net::TcpChannel>(*ch)) tcp->Start();
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     accept_q_.push_back(*ch);
   }
   accept_ev_.Notify();
@@ -663,7 +663,7 @@ Result<std::shared_ptr<Channel>> UcxDevice::MakeChannel(
 }
 
 void UcxDevice::RegisterChannel(const std::shared_ptr<Channel>& ch) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   // Forget channels that failed long ago, so a long-lived server does not
   // keep every connection it ever had.
   std::erase_if(channels_, [](const std::shared_ptr<Channel>& c) {
@@ -673,7 +673,7 @@ void UcxDevice::RegisterChannel(const std::shared_ptr<Channel>& ch) {
 }
 
 void UcxDevice::WatchLiveness(int fd, const std::shared_ptr<UcxChannel>& ch) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   uint64_t token = next_liveness_token_++;  // never a pending token
   liveness_[token] = Watched{fd, ch};
   liveness_tokens_[fd] = token;
@@ -685,7 +685,7 @@ void UcxDevice::WatchLiveness(int fd, const std::shared_ptr<UcxChannel>& ch) {
 
 void UcxDevice::ForgetLiveness(int fd) {
   if (fd < 0) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = liveness_tokens_.find(fd);
   if (it == liveness_tokens_.end()) return;
   liveness_.erase(it->second);
@@ -777,18 +777,18 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::RegisterMemRegion(
 }
 
 void UcxDevice::RegisterExport(uint64_t id, const ExportedRegion& r) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   exports_[id] = r;
 }
 
 void UcxDevice::UnregisterExport(uint64_t id) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   exports_.erase(id);
 }
 
 Status UcxDevice::CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
                               uint64_t len, bool host_memory) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = exports_.find(region_id);
   if (it == exports_.end()) {
     return NotFoundError("region " + std::to_string(region_id) +
@@ -814,13 +814,13 @@ Status UcxDevice::CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
 }
 
 bool UcxDevice::CheckRkeyCrc(uint64_t region_id, uint32_t crc) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = exports_.find(region_id);
   return it != exports_.end() && it->second.rkey_crc == crc;
 }
 
 UcxChannel* UcxDevice::ChannelForId(uint64_t id) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = by_id_.find(id);
   return it == by_id_.end() ? nullptr : it->second.get();
 }
@@ -834,7 +834,7 @@ UcxWorker* UcxDevice::NextAcceptWorker() {
 int UcxDevice::thread_index() const { return tls_worker_index; }
 
 uint64_t UcxDevice::NewChannelId() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return next_channel_id_++;
 }
 
@@ -843,7 +843,7 @@ Result<std::shared_ptr<Channel>> UcxDevice::Accept(
   std::shared_ptr<Channel> got;
   bool ok = SpinThenBlock(
       [&] {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         if (accept_q_.empty()) return false;
         got = accept_q_.front();
         accept_q_.pop_front();
@@ -864,7 +864,7 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
   }
   auto key = std::make_pair(remote_endpoint, lane);
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     auto it = out_.find(key);
     if (it != out_.end() && it->second->health().ok()) return it->second;
   }
@@ -898,11 +898,11 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
     {
       // Registered before the proof goes out: the server may send on the
       // data path as soon as it has answered.
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       by_id_[uch->id()] = uch;
     }
     auto forget = [&] {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       by_id_.erase(uch->id());
     };
     Status s = net::SendFrame(fd.get(), net::EncodeClientProof(cp), deadline);
@@ -935,7 +935,7 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
   if (!ch.ok()) {
     return ch.status().WithContext("cannot connect to " + remote_endpoint);
   }
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   out_[key] = *ch;
   return *ch;
 }

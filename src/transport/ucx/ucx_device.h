@@ -46,6 +46,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include "membox/base/mutex.h"
 #include "membox/base/wait.h"
 #include "membox/transport/device.h"
 
@@ -225,30 +226,31 @@ class UcxDevice final : public Device, public net::ChannelHost {
   net::Fd spare_fd_;  // released to accept-and-close when out of descriptors
   std::thread net_thread_;
   std::atomic<bool> net_stop_{false};
-  uint64_t next_token_ = 16;                          // network thread only
-  uint64_t next_seq_ = 0;                             // network thread only
-  std::map<uint64_t, Pending> pending_;               // network thread only
-  uint64_t next_liveness_token_ = uint64_t{1} << 62;  // GUARDED_BY(mu_)
+  uint64_t next_token_ = 16;             // network thread only
+  uint64_t next_seq_ = 0;                // network thread only
+  std::map<uint64_t, Pending> pending_;  // network thread only
+  uint64_t next_liveness_token_ MEMBOX_GUARDED_BY(mu_) = uint64_t{1} << 62;
   struct Watched {
     int fd;
     std::weak_ptr<UcxChannel> channel;
   };
-  std::map<int, uint64_t> liveness_tokens_;  // GUARDED_BY(mu_): fd -> token
-  std::map<uint64_t, Watched> liveness_;     // GUARDED_BY(mu_)
+  std::map<int, uint64_t> liveness_tokens_
+      MEMBOX_GUARDED_BY(mu_);  // fd -> token
+  std::map<uint64_t, Watched> liveness_ MEMBOX_GUARDED_BY(mu_);
   EventCount events_;
   std::atomic<uint64_t> next_region_id_{1};
 
-  std::mutex mu_;
-  std::map<uint64_t, ExportedRegion> exports_;      // GUARDED_BY(mu_)
-  std::vector<std::shared_ptr<Channel>> channels_;  // GUARDED_BY(mu_)
-  std::unordered_map<uint64_t, std::shared_ptr<UcxChannel>>
-      by_id_;                     // GUARDED_BY(mu_)
-  uint64_t next_channel_id_ = 1;  // GUARDED_BY(mu_)
-  std::map<std::pair<std::string, int>, std::shared_ptr<Channel>>
-      out_;                                        // GUARDED_BY(mu_)
-  std::deque<std::shared_ptr<Channel>> accept_q_;  // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::map<uint64_t, ExportedRegion> exports_ MEMBOX_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Channel>> channels_ MEMBOX_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, std::shared_ptr<UcxChannel>> by_id_
+      MEMBOX_GUARDED_BY(mu_);
+  uint64_t next_channel_id_ MEMBOX_GUARDED_BY(mu_) = 1;
+  std::map<std::pair<std::string, int>, std::shared_ptr<Channel>> out_
+      MEMBOX_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<Channel>> accept_q_ MEMBOX_GUARDED_BY(mu_);
   EventCount accept_ev_;
-  std::mutex rng_mu_;
+  Mutex rng_mu_;
   uint64_t rng_state_;
   std::atomic<int> accept_rr_{0};
 };
