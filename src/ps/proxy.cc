@@ -241,7 +241,7 @@ class ProxyImpl final : public Proxy, public service::Service {
     // registered with it.
     server_->Stop();
     {
-      std::lock_guard<std::mutex> l(writers_mu_);
+      MutexLock l(&writers_mu_);
       for (auto& t : writers_) t.join();
       writers_.clear();
     }
@@ -1644,7 +1644,7 @@ class ProxyImpl final : public Proxy, public service::Service {
     h.mode = static_cast<uint8_t>(mode_);
     h.optimizer = 0;  // optimizers are per key now (format: unused)
     std::string path = CheckpointPath(name);
-    std::lock_guard<std::mutex> l(writers_mu_);
+    MutexLock l(&writers_mu_);
     writers_.emplace_back([this, snap, h, path, done = std::move(done)] {
       std::vector<CheckpointShard> shards;
       for (auto& [c, keep] : *snap) shards.push_back(c);
@@ -1744,8 +1744,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::string endpoint_;
   std::unique_ptr<SyncCores> sync_;
   std::atomic<bool> running_{false};
-  std::mutex writers_mu_;
-  std::vector<std::thread> writers_;
+  Mutex writers_mu_;
+  std::vector<std::thread> writers_ MEMBOX_GUARDED_BY(writers_mu_);
 
   // Event-thread state.
   std::map<uint64_t, Conn> conns_;

@@ -32,4 +32,10 @@ if "$clang" "${flags[@]}" "$scratch/bad.cc" 2>"$scratch/err"; then
 fi
 grep -q "requires holding mutex 'mu_'" "$scratch/err" \
   || { cat "$scratch/err"; echo "FAIL: not refused by the analysis"; exit 1; }
+# Every lock in project code is one the analysis sees: no std::mutex outside
+# base/mutex.h and tests, and no annotation left as a comment.
+left=$(cd "$src" && grep -rnE 'std::(mutex|shared_mutex|lock_guard)|// *GUARDED_BY' \
+  src include --include='*.cc' --include='*.h' \
+  | grep -v '_test\.cc:' | grep -v '^include/membox/base/\(mutex\|thread_annotations\)\.h:' || true)
+[[ -z $left ]] || { echo "$left"; echo "FAIL: locks the analysis cannot see"; exit 1; }
 echo "PASS: -Wthread-safety refuses an unlocked access to a MEMBOX_GUARDED_BY member"
