@@ -411,30 +411,35 @@ void AddTiming(Report& rep, const std::string& variant, uint64_t size,
 }
 
 // Request/reply round trips through the service layer (the envelope, the
-// server's serial loop, the client's pending map and Call), 64-byte bodies:
-// what every memory-server, proxy and embedding request pays.
+// server's serial loop, the client's pending map and Call) with bodies of
+// each of `bodies` bytes: what every memory-server, proxy and embedding
+// request pays. The 64-byte figures go to *shm / *tcp.
 Status ServiceRtts(const TransferOptions& opt, int& step, int total,
-                   Report& rep, std::optional<std::pair<double, double>>* shm,
+                   Report& rep, const std::vector<uint64_t>& bodies,
+                   std::optional<std::pair<double, double>>* shm,
                    std::optional<std::pair<double, double>>* tcp) {
   Progress(++step, total, "service round trip");
   for (const char* trans : {"auto", "tcp"}) {
     ASSIGN_OR_RETURN(auto child,
                      Child::Spawn({"membox", "bench-peer", "transfer",
                                    std::string("service-") + trans}));
-    int n = opt.common.quick ? 2000 : 20000;
-    auto r = ServiceRoundTrips(child.endpoint, trans, 64, n);
-    child.Stop();
-    RETURN_IF_ERROR(r.status());
     std::string variant = std::string("service-") + trans;
-    rep.Add({"", variant, 64, 2, "rtt_p50", r->first * 1e6, "us", ""});
-    rep.Add({"", variant, 64, 2, "rtt_p99", r->second * 1e6, "us", ""});
-    (std::string(trans) == "auto" ? *shm : *tcp) = *r;
+    for (uint64_t body : bodies) {
+      int n = opt.common.quick ? 2000 : 20000;
+      auto r = ServiceRoundTrips(child.endpoint, trans, body, n);
+      if (!r.ok()) {
+        child.Stop();
+        return r.status();
+      }
+      rep.Add({"", variant, body, 2, "rtt_p50", r->first * 1e6, "us", ""});
+      rep.Add({"", variant, body, 2, "rtt_p99", r->second * 1e6, "us", ""});
+      std::printf(
+          "service round trip, %s, %6s body: p50 %8.2f us  p99 %8.2f us\n",
+          trans, SizeLabel(body).c_str(), r->first * 1e6, r->second * 1e6);
+      if (body == 64) (std::string(trans) == "auto" ? *shm : *tcp) = *r;
+    }
+    child.Stop();
   }
-  std::printf(
-      "service request/reply round trip, 64-byte body: shared memory p50 "
-      "%.2f us p99 %.2f us; TCP p50 %.2f us p99 %.2f us\n",
-      (*shm)->first * 1e6, (*shm)->second * 1e6, (*tcp)->first * 1e6,
-      (*tcp)->second * 1e6);
   return Status::Ok();
 }
 
@@ -484,7 +489,9 @@ int RunTransferBench(const TransferOptions& opt) {
   if (opt.rtt_only) {
     int step = 0;
     std::optional<std::pair<double, double>> shm, tcp;
-    if (Status rs = ServiceRtts(opt, step, 1, rep, &shm, &tcp); !rs.ok()) {
+    if (Status rs = ServiceRtts(opt, step, 1, rep, {64, 1024, 16384, 65536},
+                                &shm, &tcp);
+        !rs.ok()) {
       std::fprintf(stderr, "service round trip failed: %s\n",
                    rs.ToString().c_str());
       return 1;
@@ -571,7 +578,7 @@ int RunTransferBench(const TransferOptions& opt) {
     rep.Add({"", "membox-tcp", 64, 2, "one_way_latency", *tlat / 2 * 1e6, "us",
              ""});
   std::optional<std::pair<double, double>> rtt_shm, rtt_tcp;
-  if (Status rs = ServiceRtts(opt, step, total, rep, &rtt_shm, &rtt_tcp);
+  if (Status rs = ServiceRtts(opt, step, total, rep, {64}, &rtt_shm, &rtt_tcp);
       !rs.ok()) {
     return fail(rs, "service round trip");
   }
