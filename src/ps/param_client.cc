@@ -183,9 +183,7 @@ class ParamClientImpl final : public ParamClient {
                           .status());
       proxies_.push_back(std::move(link));
     }
-    progress_ = [this] {
-      for (auto& p : proxies_) p.channel->Progress();
-    };
+    progress_ = [this] { device_->Progress(); };
     RETURN_IF_ERROR(InstallRouting(opt_.routing));
     sender_ = std::thread([this] { SendLoop(); });
     if (opt_.reprofile_interval.count() > 0) {

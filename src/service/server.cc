@@ -320,16 +320,13 @@ class ServerImpl final : public Server {
     }
   }
 
-  // Drives every connection's channel until an event arrives or the poll
-  // budget is spent (ServerOptions::poll_before_block).
+  // Drives the device's channels until an event arrives or the poll budget
+  // is spent (ServerOptions::poll_before_block).
   void PollBeforeBlock() MEMBOX_REQUIRES(mu_) {
-    std::vector<std::shared_ptr<Channel>> chs;
-    chs.reserve(conns_.size());
-    for (auto& [id, c] : conns_) chs.push_back(c.channel);
     mu_.Unlock();
     auto until = Clock::now() + opt_.poll_before_block;
     while (Clock::now() < until) {
-      for (auto& ch : chs) ch->Progress();
+      device_->Progress();
       {
         MutexLock g(&mu_);
         if (!events_.empty() || !running_) break;

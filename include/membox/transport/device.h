@@ -99,6 +99,13 @@ class Device {
   virtual std::string listen_endpoint() const = 0;
   virtual const DeviceOptions& options() const = 0;
   virtual uint64_t id() const = 0;
+
+  // Channel::Progress for every channel of this device at once: drives each
+  // progress engine once from the calling thread (a loop polling many
+  // channels calls this instead of one Progress per channel, which would
+  // drive the same engine once per channel). Never required for
+  // correctness.
+  virtual void Progress() {}
 };
 
 }  // namespace membox::transport

@@ -147,6 +147,9 @@ class UcxDevice final : public Device, public net::ChannelHost {
   Result<std::shared_ptr<Channel>> Accept(
       std::chrono::nanoseconds timeout) override;
   std::string listen_endpoint() const override { return listen_endpoint_; }
+  void Progress() override {
+    for (auto& w : workers_) w->HelpProgress();
+  }
   const DeviceOptions& options() const override { return options_; }
   uint64_t id() const override { return id_; }
 
