@@ -76,36 +76,23 @@ using ReplyFn = std::function<void(Result<Message>)>;
 // One memory node: a service client whose replies are decoded here. A
 // reply this client cannot decode fails the node (service::Client's policy).
 class Node {
+  static Result<Message> DecodeReply(std::span<const uint8_t> body) {
+    return proto::Decode(static_cast<uint16_t>(Type::kReply), body);
+  }
+
  public:
   explicit Node(std::unique_ptr<service::Client> c) : c_(std::move(c)) {}
 
   // Sends `m`; `done` runs exactly once, on the progress thread or -- when
   // the node has failed -- in this call.
   void Send(const Message& m, ReplyFn done) {
-    c_->Send(
-        static_cast<uint16_t>(m.type), proto::Encode(m),
-        [this, done = std::move(done)](const Status& s,
-                                       std::span<const uint8_t> body) {
-          if (!s.ok()) return done(s);
-          auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), body);
-          if (!r.ok()) {
-            Status bad =
-                DataLossError("sent a bad reply: " + r.status().ToString());
-            c_->Fail(bad);
-            return done(c_->health());
-          }
-          done(std::move(*r));
-        });
+    c_->SendDecoded<Message>(static_cast<uint16_t>(m.type), proto::Encode(m),
+                             DecodeReply, std::move(done));
   }
 
   Result<Message> Call(const Message& m, std::chrono::milliseconds timeout) {
-    auto p = std::make_shared<std::promise<Result<Message>>>();
-    auto f = p->get_future();
-    Send(m, [p](Result<Message> r) { p->set_value(std::move(r)); });
-    if (f.wait_for(timeout) != std::future_status::ready) {
-      return DeadlineExceededError(c_->name() + " did not answer in time");
-    }
-    return f.get();
+    return c_->CallDecoded<Message>(static_cast<uint16_t>(m.type),
+                                    proto::Encode(m), DecodeReply, timeout);
   }
 
   // A reply that contradicts its request fails the node.

@@ -297,18 +297,15 @@ class ClientImpl final : public Client {
   // One request and its reply; an ok reply body the client cannot decode
   // fails the node (service::Client's policy).
   Result<Response> Call(const Request& q) {
-    auto r = node_->Call(static_cast<uint16_t>(q.op), proto::EncodeRequest(q),
-                         opt_.timeout);
+    auto r = node_->CallDecoded<Response>(
+        static_cast<uint16_t>(q.op), proto::EncodeRequest(q),
+        [](std::span<const uint8_t> b) { return proto::DecodeResponse(b); },
+        opt_.timeout);
     if (!r.ok()) {
       return Status(r.status().code(), std::string(proto::OpName(q.op)) + ": " +
                                            std::string(r.status().message()));
     }
-    auto a = proto::DecodeResponse(*r);
-    if (!a.ok()) {
-      node_->Fail(DataLossError("sent a bad reply: " + a.status().ToString()));
-      return node_->health();
-    }
-    return std::move(*a);
+    return r;
   }
 
   void HeartbeatLoop(std::chrono::milliseconds period) {

@@ -545,18 +545,16 @@ class ParamClientImpl final : public ParamClient {
                      std::shared_ptr<std::string> text = nullptr) {
     service::Client* c = proxies_[proxy].client.get();
     RETURN_IF_ERROR(c->health());
-    c->Send(static_cast<uint16_t>(m.type), proto::Encode(m),
-            [c, st, text](const Status& s, std::span<const uint8_t> body) {
-              if (!s.ok()) return st->Finish(s, 0);
-              auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), body);
-              if (!r.ok()) {
-                c->Fail(DataLossError("sent a bad reply: " +
-                                      r.status().ToString()));
-                return st->Finish(c->health(), 0);
-              }
-              if (text) *text = r->text;
-              st->Finish(Status::Ok(), r->version);
-            });
+    c->SendDecoded<Message>(
+        static_cast<uint16_t>(m.type), proto::Encode(m),
+        [](std::span<const uint8_t> body) {
+          return proto::Decode(static_cast<uint16_t>(Type::kReply), body);
+        },
+        [st, text](Result<Message> r) {
+          if (!r.ok()) return st->Finish(r.status(), 0);
+          if (text) *text = r->text;
+          st->Finish(Status::Ok(), r->version);
+        });
     return Status::Ok();
   }
 

@@ -119,6 +119,11 @@ void Client::Fail(const Status& why) {
   FailWith(Status(why.code(), name_ + ": " + std::string(why.message())));
 }
 
+Status Client::BadReply(const Status& why) {
+  Fail(DataLossError("sent a bad reply: " + why.ToString()));
+  return health();
+}
+
 Status Client::health() const {
   MutexLock l(&mu_);
   return failed_;

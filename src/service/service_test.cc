@@ -201,6 +201,38 @@ TEST_P(ServiceTest, SerialLoopRunsOneHandlerAtATimeAndThePoolMany) {
   }
 }
 
+// The typed forms decode an ok body; one that does not decode fails the
+// client (both forms), and every later request gets that failure.
+TEST_P(ServiceTest, TypedCallsDecodeAndABadBodyFailsTheClient) {
+  StartServer();
+  auto c = Connect();
+  ASSERT_TRUE(c);
+  auto length = [](std::span<const uint8_t> b) -> Result<size_t> {
+    if (b.size() > 3) return InvalidArgumentError("too long to be a length");
+    return b.size();
+  };
+  auto n = c->CallDecoded<size_t>(kEcho, Msg("abc"), length);
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, 3u);
+  Call async = Call::Make(1);
+  c->SendDecoded<size_t>(
+      kEcho, Msg("ab"), length, [st = async.state()](Result<size_t> r) {
+        st->Finish(r.ok() && *r == 2 ? Status::Ok()
+                                     : InternalError("wrong length"));
+      });
+  ASSERT_TRUE(async.Wait(30s).ok());
+  auto bad = c->CallDecoded<size_t>(kEcho, Msg("abcdef"), length);
+  ASSERT_EQ(bad.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(bad.status().message().find("sent a bad reply"), std::string::npos)
+      << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("test node"), std::string::npos);
+  // The client failed: the next typed send fails at once, with that error.
+  Status later;
+  c->SendDecoded<size_t>(kEcho, Msg("a"), length,
+                         [&later](Result<size_t> r) { later = r.status(); });
+  EXPECT_EQ(later.code(), StatusCode::kDataLoss);
+}
+
 // On a pool too, a connection's first request runs after its OnConnect has
 // returned (a slow OnConnect used to race it: the memory server then
 // dropped a Register as coming from an unknown client).

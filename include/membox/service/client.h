@@ -91,6 +91,36 @@ class Client {
   // A one-way message (no reply).
   Status Notify(uint16_t method, std::vector<uint8_t> msg);
 
+  // The typed forms: `decode` turns an ok reply's body into a T
+  // (Result<T>(std::span<const uint8_t>)). A body it cannot decode fails
+  // the client (DataLoss, "sent a bad reply: ...", the failure policy above)
+  // and the caller gets that failure. `done` runs exactly once, as
+  // on_reply does in Send.
+  template <typename T, typename Decode>
+  void SendDecoded(uint16_t method, std::vector<uint8_t> msg, Decode decode,
+                   std::function<void(Result<T>)> done) {
+    Send(method, std::move(msg),
+         [this, decode = std::move(decode), done = std::move(done)](
+             const Status& s, std::span<const uint8_t> body) {
+           if (!s.ok()) return done(s);
+           Result<T> r = decode(body);
+           done(r.ok() ? std::move(r) : Result<T>(BadReply(r.status())));
+         });
+  }
+  template <typename T, typename Decode>
+  Result<T> CallDecoded(
+      uint16_t method, std::vector<uint8_t> msg, Decode decode,
+      std::chrono::nanoseconds timeout = kDefaultCallTimeout) {
+    ASSIGN_OR_RETURN(std::vector<uint8_t> body,
+                     Call(method, std::move(msg), timeout));
+    Result<T> r = decode(std::span<const uint8_t>(body));
+    if (!r.ok()) return BadReply(r.status());
+    return r;
+  }
+  // Fails the client for a reply body that did not decode (`why`) and
+  // returns the resulting failure.
+  Status BadReply(const Status& why);
+
   // Fails the client (see the file comment); `why` is wrapped with the
   // node's name. Idempotent: the first failure stays.
   void Fail(const Status& why);
