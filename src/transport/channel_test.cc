@@ -2,6 +2,7 @@
 // through UCX exactly as two processes would (separate contexts, loopback).
 #include "membox/transport/channel.h"
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <numeric>
@@ -329,6 +330,32 @@ TEST_P(ChannelTest, HandlersReceiveMessagesAndFailure) {
         return !failure.ok();
       },
       &ev, 10s));
+}
+
+// Close() returns only after a handler call running on the channel's own
+// thread has returned: what the handlers captured (a service client, say)
+// may be destroyed right after Close.
+TEST_P(ChannelTest, CloseWaitsForARunningHandler) {
+  std::atomic<bool> entered{false}, finished{false}, late{false};
+  sch_->SetHandlers(
+      [&](std::vector<uint8_t>) {
+        if (entered.exchange(true)) {
+          late = true;  // a second call: must not happen after Close
+          return;
+        }
+        std::this_thread::sleep_for(200ms);
+        finished = true;
+      },
+      [](const Status&) {});
+  ASSERT_TRUE(cch_->SendControl(std::vector<uint8_t>{7}).ok());
+  for (int i = 0; i < 500 && !entered; ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(entered.load());
+  sch_->Close();
+  EXPECT_TRUE(finished.load());
+  // Messages after the close reach no handler.
+  (void)cch_->SendControl(std::vector<uint8_t>{8});
+  std::this_thread::sleep_for(50ms);
+  EXPECT_FALSE(late.load());
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -1,19 +1,37 @@
 #include "src/transport/control_inbox.h"
 
+#include <algorithm>
+
 namespace membox::transport {
+
+namespace {
+// The inboxes whose handlers this thread is inside of (nesting allowed).
+thread_local std::vector<const ControlInbox*> tls_in_handler;
+}  // namespace
+
+template <typename Fn>
+void ControlInbox::RunCounted(Fn&& fn) {
+  tls_in_handler.push_back(this);
+  fn();
+  tls_in_handler.pop_back();
+  MutexLock l(&mu_);
+  if (--running_ == 0 && detached_) idle_.NotifyAll();
+}
 
 void ControlInbox::Deliver(std::vector<uint8_t> m) {
   Channel::ControlHandler handler;
   {
     MutexLock l(&mu_);
+    if (detached_) return;
     if (on_message_) {
       handler = on_message_;
+      ++running_;
     } else {
       queue_.push_back(std::move(m));
     }
   }
   if (handler) {
-    handler(std::move(m));
+    RunCounted([&] { handler(std::move(m)); });
   } else {
     ev_.Notify();
   }
@@ -25,13 +43,17 @@ void ControlInbox::SetHandlers(Channel::ControlHandler on_message,
   Status failed;
   {
     MutexLock l(&mu_);
+    if (detached_) return;
     on_message_ = on_message;
     on_failure_ = on_failure;
     queued.swap(queue_);
     if (failed_) failed = failure_;
+    ++running_;
   }
-  for (auto& m : queued) on_message(std::move(m));
-  if (!failed.ok() && on_failure) on_failure(failed);
+  RunCounted([&] {
+    for (auto& m : queued) on_message(std::move(m));
+    if (!failed.ok() && on_failure) on_failure(failed);
+  });
 }
 
 void ControlInbox::Fail(const Status& failure) {
@@ -41,10 +63,24 @@ void ControlInbox::Fail(const Status& failure) {
     if (failed_) return;
     failed_ = true;
     failure_ = failure;
-    handler = on_failure_;
+    if (!detached_ && on_failure_) {
+      handler = on_failure_;
+      ++running_;
+    }
   }
-  if (handler) handler(failure);
+  if (handler) RunCounted([&] { handler(failure); });
   ev_.Notify();
+}
+
+void ControlInbox::Detach() {
+  const int own = static_cast<int>(
+      std::count(tls_in_handler.begin(), tls_in_handler.end(), this));
+  MutexLock l(&mu_);
+  detached_ = true;
+  on_message_ = nullptr;
+  on_failure_ = nullptr;
+  queue_.clear();
+  while (running_ > own) idle_.Wait(&mu_);
 }
 
 Result<std::vector<uint8_t>> ControlInbox::Receive(

@@ -38,6 +38,11 @@ class ControlInbox {
   // `peer` after `timeout`.
   Result<std::vector<uint8_t>> Receive(std::chrono::nanoseconds timeout,
                                        const std::string& peer);
+  // The channel closed: no handler is called any more, and a call already
+  // running on another thread has returned when Detach does (one the
+  // calling thread is inside of is not waited for). Later messages are
+  // dropped. What a handler captured may be destroyed after this.
+  void Detach();
 
  private:
   Mutex mu_;
@@ -46,6 +51,14 @@ class ControlInbox {
   Channel::FailureHandler on_failure_ MEMBOX_GUARDED_BY(mu_);
   Status failure_ MEMBOX_GUARDED_BY(mu_);
   bool failed_ MEMBOX_GUARDED_BY(mu_) = false;
+  bool detached_ MEMBOX_GUARDED_BY(mu_) = false;
+  int running_ MEMBOX_GUARDED_BY(mu_) = 0;  // handler calls in progress
+  CondVar idle_;                            // running_ went down
+
+  // Runs `fn` as a handler call counted in running_ (taken under mu_ by
+  // the caller with ++running_).
+  template <typename Fn>
+  void RunCounted(Fn&& fn);
   EventCount ev_;
 };
 

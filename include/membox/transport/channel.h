@@ -164,7 +164,11 @@ class Channel {
   virtual void Progress() = 0;
 
   // Closes the channel: pending operations complete with kAborted, later
-  // calls fail, the peer sees the connection drop. Idempotent.
+  // calls fail, the peer sees the connection drop. When it returns, no
+  // handler (SetHandlers) runs or will run any more -- a call in progress
+  // on another thread has finished -- so what they captured may be
+  // destroyed (a handler call the calling thread itself is inside of is
+  // not waited for). Idempotent.
   virtual void Close() = 0;
 
   virtual Protocol protocol() const = 0;

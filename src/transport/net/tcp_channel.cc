@@ -100,7 +100,12 @@ void TcpChannel::Fail(const Status& s) {
   host_->events()->Notify();
 }
 
-void TcpChannel::Close() { Fail(AbortedError("channel closed")); }
+void TcpChannel::Close() {
+  Fail(AbortedError("channel closed"));
+  // No handler runs after Close returns (the reader thread may be inside
+  // one right now): what the handlers captured may go away.
+  inbox_.Detach();
+}
 
 Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
                            const void* payload, size_t len,

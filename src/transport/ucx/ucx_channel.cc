@@ -128,6 +128,9 @@ void UcxChannel::Close() {
   // endpoint goes away.
   const bool healthy = !failed_.load(std::memory_order_acquire);
   Fail(AbortedError("channel closed"));
+  // No handler runs after Close returns (the progress thread may be inside
+  // one right now): what the handlers captured may go away.
+  inbox_.Detach();
   // Takes the endpoint away from later callers, then waits for the ones
   // inside a (non-blocking) UCX call on it.
   ucp_ep_h ep = ep_.exchange(nullptr);
