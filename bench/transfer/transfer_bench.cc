@@ -413,11 +413,9 @@ void AddTiming(Report& rep, const std::string& variant, uint64_t size,
 // Request/reply round trips through the service layer (the envelope, the
 // server's serial loop, the client's pending map and Call) with bodies of
 // each of `bodies` bytes: what every memory-server, proxy and embedding
-// request pays. The 64-byte figures go to *shm / *tcp.
+// request pays.
 Status ServiceRtts(const TransferOptions& opt, int& step, int total,
-                   Report& rep, const std::vector<uint64_t>& bodies,
-                   std::optional<std::pair<double, double>>* shm,
-                   std::optional<std::pair<double, double>>* tcp) {
+                   Report& rep, const std::vector<uint64_t>& bodies) {
   Progress(++step, total, "service round trip");
   for (const char* trans : {"auto", "tcp"}) {
     ASSIGN_OR_RETURN(auto child,
@@ -436,7 +434,6 @@ Status ServiceRtts(const TransferOptions& opt, int& step, int total,
       std::printf(
           "service round trip, %s, %6s body: p50 %8.2f us  p99 %8.2f us\n",
           trans, SizeLabel(body).c_str(), r->first * 1e6, r->second * 1e6);
-      if (body == 64) (std::string(trans) == "auto" ? *shm : *tcp) = *r;
     }
     child.Stop();
   }
@@ -488,9 +485,7 @@ int RunTransferBench(const TransferOptions& opt) {
   Report rep("transfer");
   if (opt.rtt_only) {
     int step = 0;
-    std::optional<std::pair<double, double>> shm, tcp;
-    if (Status rs = ServiceRtts(opt, step, 1, rep, {64, 1024, 16384, 65536},
-                                &shm, &tcp);
+    if (Status rs = ServiceRtts(opt, step, 1, rep, {64, 1024, 16384, 65536});
         !rs.ok()) {
       std::fprintf(stderr, "service round trip failed: %s\n",
                    rs.ToString().c_str());
@@ -577,9 +572,7 @@ int RunTransferBench(const TransferOptions& opt) {
   if (tlat.ok())
     rep.Add({"", "membox-tcp", 64, 2, "one_way_latency", *tlat / 2 * 1e6, "us",
              ""});
-  std::optional<std::pair<double, double>> rtt_shm, rtt_tcp;
-  if (Status rs = ServiceRtts(opt, step, total, rep, {64}, &rtt_shm, &rtt_tcp);
-      !rs.ok()) {
+  if (Status rs = ServiceRtts(opt, step, total, rep, {64}); !rs.ok()) {
     return fail(rs, "service round trip");
   }
   std::optional<double> iperf;
