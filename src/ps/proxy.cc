@@ -24,6 +24,9 @@
 #include "src/ps/checkpoint.h"
 #include "src/ps/protocol.h"
 #include "src/ps/reduce.h"
+#include "src/ps/ring.h"
+#include "src/ps/scheduler.h"
+#include "src/ps/storage.h"
 
 namespace membox::ps {
 namespace {
@@ -61,46 +64,22 @@ struct PendingPull {
   uint64_t out_region = 0, out_offset = 0;
 };
 
-// A shard of a key: storage (value + optimizer state, copy-on-write against
-// snapshots), the round in progress and the ring state.
-struct Shard {
-  uint64_t offset = 0, bytes = 0;
-  std::shared_ptr<MemRegion> value, scratch, m1, m2;
-  uint64_t version = 0;
+// A shard of a key: what storage keeps (StoredShard), the round in
+// progress and its ring.
+struct Shard : StoredShard {
   // Synchronous round `version`: contributions by rank.
   std::map<uint32_t, Contribution> pushes;
   bool reducing = false;  // local sum done, ring running
-  int step = 0;           // ring step in progress
-  bool read_done = false;
-  // Peer notices, possibly ahead of us: (round, step) -> descriptor.
-  std::map<std::pair<uint64_t, uint32_t>, RegionDescriptor> ready;
-  std::set<std::pair<uint64_t, uint32_t>> done;
+  RingProgress ring;
   std::vector<PendingPull> pulls;
   std::vector<uint64_t> applied;  // kAsync: pushes applied per rank
   // Per-rank buffers prefetched pushes are read into (allocated on first
   // use, reused every round: a round's next pushes are admitted only after
   // its sum is done).
   std::map<uint32_t, std::shared_ptr<MemRegion>> inbox;
-};
-
-// A key's optimizer and hyperparameters: fixed in kind by the first worker's
-// Declare, hyperparameters changed by kTune between rounds.
-struct OptimizerSettings {
-  proto::Optimizer kind = proto::Optimizer::kNone;
-  double lr = 0, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
-
-  static OptimizerSettings From(const Message& m) {
-    return {m.optimizer, m.lr, m.momentum, m.beta1, m.beta2, m.eps};
-  }
-  bool operator==(const OptimizerSettings&) const = default;
-  std::string ToString() const {
-    const char* names[] = {"none", "sgd", "adam"};
-    return std::string(names[static_cast<int>(kind)]) +
-           " (lr=" + std::to_string(lr) +
-           " momentum=" + std::to_string(momentum) +
-           " betas=" + std::to_string(beta1) + "," + std::to_string(beta2) +
-           " eps=" + std::to_string(eps) + ")";
-  }
+  // When the round in progress saw its first push (for explanations of a
+  // wait); zero when none is waiting.
+  Clock::time_point first_push{};
 };
 
 struct Key {
@@ -141,7 +120,6 @@ struct Conn {
   uint32_t rank = 0;
   std::string name;
   std::map<uint64_t, std::shared_ptr<RemoteMemRegion>> regions;
-  std::deque<Message> queue;  // pushes / skips not yet admitted
 };
 
 // Runs on a service::Server with one serial event loop: workers' and peer
@@ -151,7 +129,8 @@ struct Conn {
 // the same device.
 class ProxyImpl final : public Proxy, public service::Service {
  public:
-  explicit ProxyImpl(ProxyOptions o) : opt_(std::move(o)) {}
+  explicit ProxyImpl(ProxyOptions o)
+      : opt_(std::move(o)), sched_(opt_.scheduler) {}
   ~ProxyImpl() override { Stop(); }
 
   Status Init() {
@@ -167,6 +146,9 @@ class ProxyImpl final : public Proxy, public service::Service {
                                   " outside the peer list");
     }
     sync_ = std::make_unique<SyncCores>(opt_.sync_cores);
+    storage_ = std::make_unique<ShardStorage>(
+        [this](uint64_t n) { return device_->AllocateMemRegion(n); },
+        opt_.max_bytes, sync_.get());
     service::ServerOptions so;
     so.device.listen_address = opt_.listen;
     so.device.transports = opt_.transports;
@@ -199,12 +181,12 @@ class ProxyImpl final : public Proxy, public service::Service {
     ProxyStats s;
     s.keys = n_keys_.load();
     s.shards = n_shards_.load();
-    s.stored_bytes = stored_bytes_.load();
+    s.stored_bytes = storage_ ? storage_->stored_bytes() : 0;
     s.clients = n_clients_.load();
     s.rounds_completed = rounds_.load();
     s.bytes_reduced = bytes_reduced_.load();
     s.ring_steps = ring_steps_.load();
-    s.queued_pushes = queued_.load();
+    s.queued_pushes = sched_.queued();
     s.rejected = rejected_.load();
     s.checkpoints = checkpoints_.load();
     return s;
@@ -288,23 +270,6 @@ class ProxyImpl final : public Proxy, public service::Service {
     m.text = std::move(text);
     server_->Reply(conn, static_cast<uint16_t>(method), id, Status::Ok(),
                    proto::Encode(m));
-  }
-
-  Result<std::shared_ptr<MemRegion>> Allocate(uint64_t bytes) {
-    if (stored_bytes_.load() + bytes > opt_.max_bytes) {
-      return ResourceExhaustedError("proxy storage limit reached (" +
-                                    std::to_string(opt_.max_bytes) +
-                                    " bytes); raise --ps-max-bytes");
-    }
-    ASSIGN_OR_RETURN(auto r, device_->AllocateMemRegion(bytes));
-    stored_bytes_.fetch_add(bytes);
-    std::memset(r->data(), 0, bytes);
-    auto* self = this;
-    uint64_t n = bytes;
-    return std::shared_ptr<MemRegion>(r.release(), [self, n](MemRegion* p) {
-      self->stored_bytes_.fetch_sub(n);
-      delete p;
-    });
   }
 
   // A registered staging buffer of at least `bytes` (event thread only).
@@ -519,7 +484,7 @@ class ProxyImpl final : public Proxy, public service::Service {
                         " (" + it->second.name +
                         ") disconnected: " + why.ToString();
       MEMBOX_LOG_INFO("{}", who);
-      queued_.fetch_sub(it->second.queue.size());
+      sched_.Remove(conn);
       conns_.erase(it);
       if (mode_ != proto::Mode::kAsync) FailPendingRounds(who);
     } else {
@@ -556,8 +521,8 @@ class ProxyImpl final : public Proxy, public service::Service {
           sh.pushes.clear();
           sh.pulls.clear();
           sh.reducing = false;
-          sh.ready.clear();
-          sh.done.clear();
+          sh.ring.Reset();
+          sh.first_push = {};
         }
       }
     }
@@ -595,15 +560,10 @@ class ProxyImpl final : public Proxy, public service::Service {
         for (auto& p : sh.pulls) Reply(p.conn, Type::kPull, p.id, s);
         sh.pushes.clear();
         sh.pulls.clear();
+        sh.first_push = {};
       }
     }
-    for (auto& [id, c] : conns_) {
-      for (auto& m : c.queue) {
-        if (m.type == Type::kPush) Reply(id, m.type, m.id, s);
-      }
-      queued_.fetch_sub(c.queue.size());
-      c.queue.clear();
-    }
+    for (auto& [id, m] : sched_.TakeAll()) Reply(id, m.type, m.id, s);
   }
 
   void OnClientMessage(uint64_t conn, Conn& c, Message m) {
@@ -652,12 +612,7 @@ class ProxyImpl final : public Proxy, public service::Service {
         if (!dead_worker_.empty()) {
           return Reply(conn, m.type, m.id, AbortedError(dead_worker_));
         }
-        c.queue.push_back(std::move(m));
-        queued_.fetch_add(1);
-        if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
-          const Message& q = c.queue.back();
-          FcfsArrival(q.key, q.shard, q.round);
-        }
+        sched_.Enqueue(conn, std::move(m));
         return Schedule();
       }
       case Type::kPull: {
@@ -886,7 +841,7 @@ class ProxyImpl final : public Proxy, public service::Service {
         Shard sh;
         sh.offset = i * m.shard_bytes;
         sh.bytes = std::min(m.shard_bytes, m.bytes - sh.offset);
-        ASSIGN_OR_RETURN(sh.value, Allocate(sh.bytes));
+        ASSIGN_OR_RETURN(sh.value, storage_->Allocate(sh.bytes));
         k.shards.push_back(std::move(sh));
       }
       n_shards_.fetch_add(n);
@@ -949,28 +904,18 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   // ------------------------------------------------------------ scheduling
 
-  // Admits queued pushes whose round is current. Per-client queues: any
-  // queued item of any worker may be admitted, whatever is ahead of it.
-  // FCFS: only the oldest tensor is worked on until it completes.
+  // Admits queued pushes the shard's state and the scheduler allow.
   void Schedule() {
-    bool progress = true;
-    while (progress) {
-      progress = false;
-      for (auto& [id, c] : conns_) {
-        if (c.role != Conn::Role::kClient) continue;
-        for (auto q = c.queue.begin(); q != c.queue.end();) {
-          if (Admissible(c, *q)) {
-            Message m = std::move(*q);
-            q = c.queue.erase(q);
-            queued_.fetch_sub(1);
-            Admit(id, c, m);
-            progress = true;
-          } else {
-            ++q;
-          }
-        }
-      }
-    }
+    sched_.Drain(
+        [this](uint64_t conn, const Message& m) {
+          auto it = conns_.find(conn);
+          return it != conns_.end() && Admissible(it->second, m);
+        },
+        [this](const Message&) { return mode_ != proto::Mode::kAsync; },
+        [this](uint64_t conn, Message m) {
+          auto it = conns_.find(conn);
+          if (it != conns_.end()) Admit(conn, it->second, m);
+        });
   }
 
   bool Admissible(const Conn& c, const Message& m) {
@@ -988,14 +933,7 @@ class ProxyImpl final : public Proxy, public service::Service {
           *std::min_element(sh.applied.begin(), sh.applied.end());
       return sh.applied[c.rank] <= slowest + staleness_;
     }
-    if (m.round != sh.version || sh.reducing) return false;
-    if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
-      if (fcfs_.empty()) return false;
-      auto& head = fcfs_.front();
-      return std::get<0>(head) == m.key && std::get<1>(head) == m.shard &&
-             std::get<2>(head) == m.round;
-    }
-    return true;
+    return m.round == sh.version && !sh.reducing;
   }
 
   void Admit(uint64_t conn, Conn& c, const Message& m) {
@@ -1014,6 +952,7 @@ class ProxyImpl final : public Proxy, public service::Service {
                                     "the worker announced"));
       return;
     }
+    if (sh.pushes.empty()) sh.first_push = Clock::now();
     sh.pushes[c.rank] =
         Contribution{conn,     m.id,         c.rank,       m.region,
                      m.offset, m.has_output, m.out_region, m.out_offset};
@@ -1034,7 +973,7 @@ class ProxyImpl final : public Proxy, public service::Service {
     if (!rr.ok()) return;  // LocalSum reports it
     auto& buf = sh.inbox[p.rank];
     if (!buf || buf->size() < sh.bytes) {
-      auto b = Allocate(sh.bytes);
+      auto b = storage_->Allocate(sh.bytes);
       if (!b.ok()) return;  // LocalSum reads it the slow way
       buf = std::move(*b);
     }
@@ -1119,27 +1058,14 @@ class ProxyImpl final : public Proxy, public service::Service {
       if (c.routes.empty() || RoutedHere(c, k, sh.bytes, sh.version)) return;
     }
     if (present != world_) return;
-    if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
-      if (sh.pushes.empty() && nproxies_ == 1) return;
-      if (fcfs_.empty() || fcfs_.front() != std::make_tuple(k, s, sh.version))
-        return;
-    }
     if (sh.pushes.empty() && nproxies_ == 1) return;
+    if (!sched_.MayStart({k, s, sh.version})) return;
     StartReduce(k, s);
   }
 
   void MaybeStartAll() {
     for (auto& [k, key] : keys_) {
       for (uint32_t s = 0; s < key.shards.size(); ++s) MaybeStart(k, s);
-    }
-  }
-
-  // FCFS: a tensor joins the line when its first push or ring notice
-  // arrives.
-  void FcfsArrival(uint64_t k, uint32_t s, uint64_t round) {
-    auto t = std::make_tuple(k, s, round);
-    if (std::find(fcfs_.begin(), fcfs_.end(), t) == fcfs_.end()) {
-      fcfs_.push_back(t);
     }
   }
 
@@ -1153,20 +1079,19 @@ class ProxyImpl final : public Proxy, public service::Service {
       MEMBOX_LOG_WARN("key {} shard {}: {}", k, s, st.ToString());
       for (auto& [r, p] : sh.pushes) Reply(p.conn, Type::kPush, p.id, st);
       sh.pushes.clear();
+      sh.first_push = {};
       return;
     }
     sh.reducing = true;
     if (nproxies_ == 1 || key.striped) return FinishRound(k, s);
-    sh.step = 0;
-    sh.read_done = false;
-    EnterStep(k, s);
+    RunRing(k, s, /*start=*/true);
   }
 
   // scratch <- sum of the pushes in rank order (zeros when every worker sent
   // this shard to another proxy).
   Status LocalSum(Key& key, Shard& sh) {
     if (!sh.scratch || sh.scratch.use_count() > 1) {
-      ASSIGN_OR_RETURN(sh.scratch, Allocate(sh.bytes));
+      ASSIGN_OR_RETURN(sh.scratch, storage_->Allocate(sh.bytes));
     }
     uint8_t* dst = static_cast<uint8_t*>(sh.scratch->data());
     std::vector<const void*> srcs;
@@ -1226,51 +1151,54 @@ class ProxyImpl final : public Proxy, public service::Service {
     return Status::Ok();
   }
 
-  // Ring geometry: shards alternate direction (two groups, Fig. 11b).
-  struct Ring {
-    uint32_t P, pos, next, prev;
-  };
-  Ring RingFor(uint64_t k, uint32_t s) const {
-    Ring r;
-    r.P = nproxies_;
-    bool forward = ((k + s) & 1) == 0;
-    r.pos = forward ? opt_.rank : (r.P - opt_.rank) % r.P;
-    auto rank_of = [&](uint32_t pos) {
-      pos %= r.P;
-      return forward ? pos : (r.P - pos) % r.P;
+  // ------------------------------------------------------------ ring
+
+  RingGeometry RingFor(uint64_t k, uint32_t s) const {
+    return RingGeometry::For(nproxies_, opt_.rank, k, s);
+  }
+
+  // The ring's reads and notices for shard s of key k.
+  RingProgress::Io RingIo(uint64_t k, uint32_t s) {
+    RingProgress::Io io;
+    io.read = [this, k, s](uint32_t step, const RegionDescriptor& d) {
+      Key& key = keys_[k];
+      return RingRead(key, key.shards[s], RingFor(k, s), step, d);
     };
-    r.next = rank_of(r.pos + 1);
-    r.prev = rank_of(r.pos + r.P - 1);
-    return r;
+    io.send_ready = [this, k, s](uint32_t step) {
+      Shard& sh = keys_[k].shards[s];
+      Message m;
+      m.type = Type::kReady;
+      m.key = k;
+      m.shard = s;
+      m.round = sh.version;
+      m.step = step;
+      m.descriptor = sh.scratch->Export().Serialize();
+      return SendToPeer(RingFor(k, s).next, m);
+    };
+    io.send_done = [this, k, s](uint32_t step) {
+      Message d;
+      d.type = Type::kDone;
+      d.key = k;
+      d.shard = s;
+      d.round = keys_[k].shards[s].version;
+      d.step = step;
+      return SendToPeer(RingFor(k, s).prev, d);
+    };
+    return io;
   }
 
-  // Element range of chunk c when `bytes` is split into P chunks.
-  static std::pair<uint64_t, uint64_t> Chunk(uint64_t bytes, size_t es,
-                                             uint32_t P, uint32_t c) {
-    uint64_t n = bytes / es;
-    uint64_t per = (n + P - 1) / P;
-    uint64_t b = std::min<uint64_t>(n, per * c);
-    uint64_t e = std::min<uint64_t>(n, b + per);
-    return {b * es, (e - b) * es};
-  }
-
-  void EnterStep(uint64_t k, uint32_t s) {
+  // Starts the shard's ring for its current round, or runs the steps whose
+  // notices are in; finishes the round when the sum is complete.
+  void RunRing(uint64_t k, uint32_t s, bool start) {
     Shard& sh = keys_[k].shards[s];
-    Ring ring = RingFor(k, s);
-    Message m;
-    m.type = Type::kReady;
-    m.key = k;
-    m.shard = s;
-    m.round = sh.version;
-    m.step = static_cast<uint32_t>(sh.step);
-    m.descriptor = ScratchDescriptor(sh);
-    Status st = SendToPeer(ring.next, m);
-    if (!st.ok()) return AbortRound(k, s, st);
-    AdvanceRing(k, s);
-  }
-
-  std::vector<uint8_t> ScratchDescriptor(Shard& sh) {
-    return sh.scratch->Export().Serialize();
+    const uint64_t before = sh.ring.steps_done();
+    const RingGeometry ring = RingFor(k, s);
+    const RingProgress::Io io = RingIo(k, s);
+    auto r =
+        start ? sh.ring.Start(sh.version, ring, io) : sh.ring.Advance(ring, io);
+    ring_steps_.fetch_add(sh.ring.steps_done() - before);
+    if (!r.ok()) return AbortRound(k, s, r.status());
+    if (*r && sh.reducing) FinishRound(k, s);
   }
 
   void OnPeerNotice(const Message& m) {
@@ -1285,9 +1213,9 @@ class ProxyImpl final : public Proxy, public service::Service {
       return;
     }
     Shard& sh = it->second.shards[m.shard];
-    if (opt_.scheduler == Scheduler::kFirstComeFirstServe &&
-        m.type == Type::kReady && m.round == sh.version) {
-      FcfsArrival(m.key, m.shard, m.round);
+    if (m.type == Type::kReady && m.round == sh.version &&
+        sched_.kind() == Scheduler::kFirstComeFirstServe) {
+      sched_.PeerReady({m.key, m.shard, m.round});
       MaybeStart(m.key, m.shard);
     }
     if (m.type == Type::kReady) {
@@ -1297,68 +1225,20 @@ class ProxyImpl final : public Proxy, public service::Service {
                         d.status().ToString());
         return;
       }
-      sh.ready[{m.round, m.step}] = *d;
+      sh.ring.OnReady(m.round, m.step, std::move(*d));
     } else {
-      sh.done.insert({m.round, m.step});
+      sh.ring.OnDone(m.round, m.step);
     }
-    if (sh.reducing) AdvanceRing(m.key, m.shard);
-  }
-
-  void AdvanceRing(uint64_t k, uint32_t s) {
-    Key& key = keys_[k];
-    Shard& sh = key.shards[s];
-    Ring ring = RingFor(k, s);
-    const uint32_t steps = 2 * (ring.P - 1);
-    while (sh.reducing && static_cast<uint32_t>(sh.step) < steps) {
-      auto id = std::make_pair(sh.version, static_cast<uint32_t>(sh.step));
-      if (!sh.read_done) {
-        auto r = sh.ready.find(id);
-        if (r == sh.ready.end()) return;
-        Status st = RingRead(key, sh, ring, r->second);
-        if (!st.ok()) return AbortRound(k, s, st);
-        sh.ready.erase(r);
-        sh.read_done = true;
-        Message d;
-        d.type = Type::kDone;
-        d.key = k;
-        d.shard = s;
-        d.round = id.first;
-        d.step = id.second;
-        st = SendToPeer(ring.prev, d);
-        if (!st.ok()) return AbortRound(k, s, st);
-      }
-      auto dn = sh.done.find(id);
-      if (dn == sh.done.end()) return;
-      sh.done.erase(dn);
-      ring_steps_.fetch_add(1);
-      sh.step++;
-      sh.read_done = false;
-      if (static_cast<uint32_t>(sh.step) < steps) {
-        Message m;
-        m.type = Type::kReady;
-        m.key = k;
-        m.shard = s;
-        m.round = sh.version;
-        m.step = static_cast<uint32_t>(sh.step);
-        m.descriptor = ScratchDescriptor(sh);
-        Status st = SendToPeer(ring.next, m);
-        if (!st.ok()) return AbortRound(k, s, st);
-      }
-    }
-    if (sh.reducing) FinishRound(k, s);
+    if (sh.reducing && sh.ring.running()) RunRing(m.key, m.shard, false);
   }
 
   // Step `step`: reduce-scatter (add the previous proxy's chunk) for the
   // first P-1 steps, all-gather (copy it) after.
-  Status RingRead(Key& key, Shard& sh, const Ring& ring,
+  Status RingRead(Key& key, Shard& sh, const RingGeometry& ring, uint32_t step,
                   const RegionDescriptor& desc) {
     const size_t es = DTypeSize(key.dtype);
-    const uint32_t P = ring.P;
-    uint32_t step = static_cast<uint32_t>(sh.step);
-    bool reduce = step < P - 1;
-    uint32_t c = reduce ? (ring.pos + 2 * P - 1 - step) % P
-                        : (ring.pos + 2 * P - (step - (P - 1))) % P;
-    auto [off, len] = Chunk(sh.bytes, es, P, c);
+    const bool reduce = ring.Reduces(step);
+    auto [off, len] = RingChunk(sh.bytes, es, ring.P, ring.ChunkAt(step));
     if (len == 0) return Status::Ok();
     if (desc.length != sh.bytes) {
       return DataLossError("peer's ring buffer has a different size");
@@ -1412,6 +1292,8 @@ class ProxyImpl final : public Proxy, public service::Service {
     sh.pushes.clear();
     sh.pulls.clear();
     sh.reducing = false;
+    sh.ring.Stop();
+    sh.first_push = {};
   }
 
   // The sum is complete in scratch: apply mode / optimizer, publish the new
@@ -1419,10 +1301,14 @@ class ProxyImpl final : public Proxy, public service::Service {
   void FinishRound(uint64_t k, uint32_t s) {
     Key& key = keys_[k];
     Shard& sh = key.shards[s];
-    Status st = Apply(key, sh, sh.scratch.get(),
-                      mode_ == proto::Mode::kAverage ? 1.0 / world_ : 1.0,
-                      /*swap_allowed=*/true);
+    Status st = storage_->Apply(
+        key.dtype, key.opt,
+        key.opt.kind == proto::Optimizer::kNone ? Update::kReplace
+                                                : Update::kOptimizer,
+        sh, sh.scratch.get(),
+        mode_ == proto::Mode::kAverage ? 1.0 / world_ : 1.0);
     sh.reducing = false;
+    sh.first_push = {};
     auto pushes = std::move(sh.pushes);
     sh.pushes.clear();
     if (st.ok()) {
@@ -1438,64 +1324,12 @@ class ProxyImpl final : public Proxy, public service::Service {
       }
     }
     ServeWaitingPulls(k, sh);
-    if (opt_.scheduler == Scheduler::kFirstComeFirstServe) {
-      std::erase_if(fcfs_, [&](const auto& t) {
-        return std::get<0>(t) == k && std::get<1>(t) == s &&
-               std::get<2>(t) < sh.version;
-      });
+    if (sched_.kind() == Scheduler::kFirstComeFirstServe) {
+      sched_.Completed(k, s, sh.version);
       MaybeStartAll();  // the next tensor in line
     }
     Schedule();
     MaybeStart(k, s);
-  }
-
-  // value <- f(value, g): the reduced tensor `g` (scaled) replaces the value
-  // (no optimizer) or drives an optimizer step. Copy-on-write: a value held
-  // by an unfinished snapshot is never modified in place.
-  Status Apply(Key& key, Shard& sh, MemRegion* g, double scale,
-               bool swap_allowed) {
-    const size_t n = sh.bytes / DTypeSize(key.dtype);
-    const OptimizerSettings& opt = key.opt;
-    if (opt.kind == proto::Optimizer::kNone && mode_ != proto::Mode::kAsync) {
-      if (scale != 1.0) ScaleInPlace(key.dtype, g->data(), n, scale);
-      std::swap(sh.value, sh.scratch);  // the old value becomes scratch
-      return Status::Ok();
-    }
-    if (sh.value.use_count() > 1) {
-      ASSIGN_OR_RETURN(auto fresh, Allocate(sh.bytes));
-      std::memcpy(fresh->data(), sh.value->data(), sh.bytes);
-      sh.value = std::move(fresh);
-    }
-    if (opt.kind == proto::Optimizer::kNone) {  // kAsync, plain sum
-      sync_->Run(key.dtype, sh.value->data(), g->data(), n, 1.0);
-      return Status::Ok();
-    }
-    if (!sh.m1) {
-      ASSIGN_OR_RETURN(sh.m1, Allocate(sh.bytes));
-    }
-    if (opt.kind == proto::Optimizer::kAdam && !sh.m2) {
-      ASSIGN_OR_RETURN(sh.m2, Allocate(sh.bytes));
-    }
-    for (auto* st : {&sh.m1, &sh.m2}) {
-      if (*st && st->use_count() > 1) {
-        ASSIGN_OR_RETURN(auto fresh, Allocate(sh.bytes));
-        std::memcpy(fresh->data(), (*st)->data(), sh.bytes);
-        *st = std::move(fresh);
-      }
-    }
-    OptimizerStep step;
-    step.kind = opt.kind == proto::Optimizer::kSgd ? OptimizerStep::kSgd
-                                                   : OptimizerStep::kAdam;
-    step.lr = opt.lr;
-    step.momentum = opt.momentum;
-    step.beta1 = opt.beta1;
-    step.beta2 = opt.beta2;
-    step.eps = opt.eps;
-    step.t = sh.version + 1;
-    step.grad_scale = scale;
-    ApplyOptimizer(*sync_, key.dtype, step, sh.value->data(), g->data(),
-                   sh.m1->data(), sh.m2 ? sh.m2->data() : nullptr, n);
-    return Status::Ok();
   }
 
   void ApplyAsync(uint64_t conn, Conn& c, Key& key, Shard& sh,
@@ -1506,7 +1340,11 @@ class ProxyImpl final : public Proxy, public service::Service {
     auto src = ReadWorker(c, m.region, m.offset, sh.bytes, into, **st);
     if (!src.ok()) return Reply(conn, m.type, m.id, src.status());
     if (*src != into) std::memcpy(into, *src, sh.bytes);
-    Status s = Apply(key, sh, *st, 1.0, false);
+    Status s = storage_->Apply(key.dtype, key.opt,
+                               key.opt.kind == proto::Optimizer::kNone
+                                   ? Update::kAdd
+                                   : Update::kOptimizer,
+                               sh, *st, 1.0);
     if (!s.ok()) return Reply(conn, m.type, m.id, s);
     sh.version++;
     if (sh.applied.size() < world_) sh.applied.resize(world_, 0);
@@ -1612,30 +1450,12 @@ class ProxyImpl final : public Proxy, public service::Service {
       return done(FailedPreconditionError(
           "this proxy has no checkpoint directory (--checkpoint-dir)"));
     }
-    // Snapshot: share the current buffers; later updates copy (see Apply).
-    auto snap = std::make_shared<std::vector<
-        std::pair<CheckpointShard, std::vector<std::shared_ptr<MemRegion>>>>>();
+    // Snapshot: share the current buffers; later updates copy (storage).
+    auto snap = std::make_shared<std::vector<ShardStorage::Snapshot>>();
     for (auto& [k, key] : keys_) {
       for (uint32_t i = 0; i < key.shards.size(); ++i) {
-        Shard& sh = key.shards[i];
-        CheckpointShard c;
-        c.key = k;
-        c.shard = i;
-        c.dtype = static_cast<uint8_t>(key.dtype);
-        c.key_bytes = key.bytes;
-        c.shard_bytes = key.shard_bytes;
-        c.version = sh.version;
-        auto view = [&](const std::shared_ptr<MemRegion>& r) {
-          return r ? std::span<const uint8_t>(
-                         static_cast<const uint8_t*>(r->data()), sh.bytes)
-                   : std::span<const uint8_t>();
-        };
-        c.value = view(sh.value);
-        c.m1 = view(sh.m1);
-        c.m2 = view(sh.m2);
-        snap->emplace_back(
-            std::move(c),
-            std::vector<std::shared_ptr<MemRegion>>{sh.value, sh.m1, sh.m2});
+        snap->push_back(ShardStorage::Snap(k, i, key.dtype, key.bytes,
+                                           key.shard_bytes, key.shards[i]));
       }
     }
     CheckpointHeader h;
@@ -1647,7 +1467,7 @@ class ProxyImpl final : public Proxy, public service::Service {
     MutexLock l(&writers_mu_);
     writers_.emplace_back([this, snap, h, path, done = std::move(done)] {
       std::vector<CheckpointShard> shards;
-      for (auto& [c, keep] : *snap) shards.push_back(c);
+      for (auto& sn : *snap) shards.push_back(sn.record);
       Status s = WriteCheckpoint(path, h, shards);
       if (s.ok()) {
         checkpoints_.fetch_add(1);
@@ -1709,20 +1529,8 @@ class ProxyImpl final : public Proxy, public service::Service {
       Shard& sh = k.shards[c.shard];
       sh.offset = uint64_t{c.shard} * k.shard_bytes;
       sh.bytes = std::min(k.shard_bytes, k.bytes - sh.offset);
-      if (c.owned_value.size() != sh.bytes) {
-        return DataLossError(path + ": shard size mismatch");
-      }
-      sh.version = c.version;
-      ASSIGN_OR_RETURN(sh.value, Allocate(sh.bytes));
-      std::memcpy(sh.value->data(), c.owned_value.data(), sh.bytes);
-      if (!c.owned_m1.empty()) {
-        ASSIGN_OR_RETURN(sh.m1, Allocate(sh.bytes));
-        std::memcpy(sh.m1->data(), c.owned_m1.data(), sh.bytes);
-      }
-      if (!c.owned_m2.empty()) {
-        ASSIGN_OR_RETURN(sh.m2, Allocate(sh.bytes));
-        std::memcpy(sh.m2->data(), c.owned_m2.data(), sh.bytes);
-      }
+      RETURN_IF_ERROR(storage_->Load(sh, c).WithContext(path + ": key " +
+                                                        std::to_string(c.key)));
     }
     for (auto& [k, key] : keys_) {
       for (auto& sh : key.shards) {
@@ -1743,6 +1551,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   transport::Device* device_ = nullptr;  // server_'s
   std::string endpoint_;
   std::unique_ptr<SyncCores> sync_;
+  std::unique_ptr<ShardStorage> storage_;  // after sync_: it uses the cores
+  AdmissionScheduler sched_;
   std::atomic<bool> running_{false};
   Mutex writers_mu_;
   std::vector<std::thread> writers_ MEMBOX_GUARDED_BY(writers_mu_);
@@ -1753,7 +1563,6 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::map<std::pair<uint32_t, uint64_t>, std::shared_ptr<RemoteMemRegion>>
       peer_regions_;
   std::map<uint64_t, Key> keys_;
-  std::deque<std::tuple<uint64_t, uint32_t, uint64_t>> fcfs_;
   std::vector<Message> early_notices_;
   std::unique_ptr<MemRegion> staging_;
   std::unique_ptr<MemRegion> probe_;
@@ -1766,9 +1575,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   proto::Mode mode_ = proto::Mode::kSum;
   std::string dead_worker_;
 
-  std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, stored_bytes_{0},
-      n_clients_{0}, rounds_{0}, bytes_reduced_{0}, ring_steps_{0}, queued_{0},
-      rejected_{0}, checkpoints_{0};
+  std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, n_clients_{0}, rounds_{0},
+      bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0};
 };
 
 }  // namespace

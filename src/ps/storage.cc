@@ -1,0 +1,146 @@
+#include "src/ps/storage.h"
+
+#include <cstring>
+
+#include "src/ps/reduce.h"
+
+namespace membox::ps {
+
+using transport::MemRegion;
+
+std::string OptimizerSettings::ToString() const {
+  const char* names[] = {"none", "sgd", "adam"};
+  return std::string(names[static_cast<int>(kind)]) +
+         " (lr=" + std::to_string(lr) +
+         " momentum=" + std::to_string(momentum) +
+         " betas=" + std::to_string(beta1) + "," + std::to_string(beta2) +
+         " eps=" + std::to_string(eps) + ")";
+}
+
+Result<std::shared_ptr<MemRegion>> ShardStorage::Allocate(uint64_t bytes) {
+  if (stored_.load() + bytes > max_bytes_) {
+    return ResourceExhaustedError("proxy storage limit reached (" +
+                                  std::to_string(max_bytes_) +
+                                  " bytes); raise --ps-max-bytes");
+  }
+  ASSIGN_OR_RETURN(auto r, allocate_(bytes));
+  stored_.fetch_add(bytes);
+  std::memset(r->data(), 0, bytes);
+  // The counter outlives this storage while a snapshot holds a buffer.
+  auto counter = stored_counter_;
+  return std::shared_ptr<MemRegion>(r.release(),
+                                    [counter, bytes](MemRegion* p) {
+                                      counter->fetch_sub(bytes);
+                                      delete p;
+                                    });
+}
+
+Status ShardStorage::Create(StoredShard& sh, uint64_t offset, uint64_t bytes) {
+  sh.offset = offset;
+  sh.bytes = bytes;
+  ASSIGN_OR_RETURN(sh.value, Allocate(bytes));
+  return Status::Ok();
+}
+
+Status ShardStorage::Unshare(std::shared_ptr<MemRegion>& buffer,
+                             uint64_t bytes) {
+  if (buffer && buffer.use_count() > 1) {
+    ASSIGN_OR_RETURN(auto fresh, Allocate(bytes));
+    std::memcpy(fresh->data(), buffer->data(), bytes);
+    buffer = std::move(fresh);
+  }
+  return Status::Ok();
+}
+
+Status ShardStorage::Apply(DType dtype, const OptimizerSettings& opt,
+                           Update update, StoredShard& sh, MemRegion* g,
+                           double scale) {
+  const size_t n = sh.bytes / DTypeSize(dtype);
+  if (update == Update::kReplace) {
+    if (scale != 1.0) ScaleInPlace(dtype, g->data(), n, scale);
+    if (sh.scratch && g == sh.scratch.get()) {
+      std::swap(sh.value, sh.scratch);  // the old value becomes scratch
+      return Status::Ok();
+    }
+    RETURN_IF_ERROR(Unshare(sh.value, sh.bytes));
+    std::memcpy(sh.value->data(), g->data(), sh.bytes);
+    return Status::Ok();
+  }
+  RETURN_IF_ERROR(Unshare(sh.value, sh.bytes));
+  if (update == Update::kAdd) {
+    cores_->Run(dtype, sh.value->data(), g->data(), n, scale);
+    return Status::Ok();
+  }
+  if (opt.kind == proto::Optimizer::kNone) {
+    return InternalError("an optimizer update without an optimizer");
+  }
+  if (!sh.m1) {
+    ASSIGN_OR_RETURN(sh.m1, Allocate(sh.bytes));
+  }
+  if (opt.kind == proto::Optimizer::kAdam && !sh.m2) {
+    ASSIGN_OR_RETURN(sh.m2, Allocate(sh.bytes));
+  }
+  RETURN_IF_ERROR(Unshare(sh.m1, sh.bytes));
+  RETURN_IF_ERROR(Unshare(sh.m2, sh.bytes));
+  OptimizerStep step;
+  step.kind = opt.kind == proto::Optimizer::kSgd ? OptimizerStep::kSgd
+                                                 : OptimizerStep::kAdam;
+  step.lr = opt.lr;
+  step.momentum = opt.momentum;
+  step.beta1 = opt.beta1;
+  step.beta2 = opt.beta2;
+  step.eps = opt.eps;
+  step.t = sh.version + 1;
+  step.grad_scale = scale;
+  ApplyOptimizer(*cores_, dtype, step, sh.value->data(), g->data(),
+                 sh.m1->data(), sh.m2 ? sh.m2->data() : nullptr, n);
+  return Status::Ok();
+}
+
+ShardStorage::Snapshot ShardStorage::Snap(uint64_t key, uint32_t index,
+                                          DType dtype, uint64_t key_bytes,
+                                          uint64_t shard_bytes,
+                                          const StoredShard& sh) {
+  Snapshot s;
+  CheckpointShard& c = s.record;
+  c.key = key;
+  c.shard = index;
+  c.dtype = static_cast<uint8_t>(dtype);
+  c.key_bytes = key_bytes;
+  c.shard_bytes = shard_bytes;
+  c.version = sh.version;
+  auto view = [&](const std::shared_ptr<MemRegion>& r) {
+    return r ? std::span<const uint8_t>(static_cast<const uint8_t*>(r->data()),
+                                        sh.bytes)
+             : std::span<const uint8_t>();
+  };
+  c.value = view(sh.value);
+  c.m1 = view(sh.m1);
+  c.m2 = view(sh.m2);
+  s.keep = {sh.value, sh.m1, sh.m2};
+  return s;
+}
+
+Status ShardStorage::Load(StoredShard& sh, const CheckpointShard& record) {
+  if (record.owned_value.size() != sh.bytes ||
+      (!record.owned_m1.empty() && record.owned_m1.size() != sh.bytes) ||
+      (!record.owned_m2.empty() && record.owned_m2.size() != sh.bytes)) {
+    return DataLossError("shard size mismatch");
+  }
+  sh.version = record.version;
+  ASSIGN_OR_RETURN(sh.value, Allocate(sh.bytes));
+  std::memcpy(sh.value->data(), record.owned_value.data(), sh.bytes);
+  sh.m1.reset();
+  sh.m2.reset();
+  if (!record.owned_m1.empty()) {
+    ASSIGN_OR_RETURN(sh.m1, Allocate(sh.bytes));
+    std::memcpy(sh.m1->data(), record.owned_m1.data(), sh.bytes);
+  }
+  if (!record.owned_m2.empty()) {
+    ASSIGN_OR_RETURN(sh.m2, Allocate(sh.bytes));
+    std::memcpy(sh.m2->data(), record.owned_m2.data(), sh.bytes);
+  }
+  return Status::Ok();
+}
+
+}  // namespace membox::ps

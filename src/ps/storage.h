@@ -1,0 +1,117 @@
+// Parameter storage of a memory node (seed 000 COARSE §III.D): shard values,
+// optimizer state and versions, the node's byte limit, copy-on-write against
+// checkpoint snapshots, and the update a finished round applies (replace,
+// add, or an optimizer step).
+//
+// Copy-on-write: a snapshot shares a shard's buffers (shared_ptr); Apply
+// never writes into a buffer someone else holds, it copies it first. So a
+// checkpoint writer reads a consistent version while training goes on.
+//
+// Ownership and threading: a ShardStorage belongs to one proxy and is used
+// on its event loop; the arithmetic runs on the SyncCores passed in.
+// stored_bytes() may be read from any thread. Buffers it allocated may
+// outlive it only as long as the allocator's device does.
+#ifndef MEMBOX_SRC_PS_STORAGE_H_
+#define MEMBOX_SRC_PS_STORAGE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "membox/base/accumulate.h"
+#include "membox/base/status.h"
+#include "membox/transport/mem_region.h"
+
+#include "src/ps/checkpoint.h"
+#include "src/ps/protocol.h"
+
+namespace membox::ps {
+
+// A key's optimizer and hyperparameters: fixed in kind by the first worker's
+// Declare, hyperparameters changed by kTune between rounds.
+struct OptimizerSettings {
+  proto::Optimizer kind = proto::Optimizer::kNone;
+  double lr = 0, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+
+  static OptimizerSettings From(const proto::Message& m) {
+    return {m.optimizer, m.lr, m.momentum, m.beta1, m.beta2, m.eps};
+  }
+  bool operator==(const OptimizerSettings&) const = default;
+  std::string ToString() const;
+};
+
+// What a node stores for one shard of a key.
+struct StoredShard {
+  uint64_t offset = 0, bytes = 0;  // within the key
+  uint64_t version = 0;            // rounds applied
+  // value: the current parameters; scratch: where a round's sum is built
+  // (swapped with value by a plain replace); m1 / m2: optimizer state.
+  std::shared_ptr<transport::MemRegion> value, scratch, m1, m2;
+};
+
+// How a finished round changes a shard.
+enum class Update {
+  kReplace,  // value <- g (synchronous rounds without an optimizer)
+  kAdd,      // value <- value + g (asynchronous pushes without one)
+  kOptimizer,
+};
+
+class ShardStorage {
+ public:
+  using Allocator =
+      std::function<Result<std::unique_ptr<transport::MemRegion>>(uint64_t)>;
+
+  ShardStorage(Allocator allocate, uint64_t max_bytes, SyncCores* cores)
+      : allocate_(std::move(allocate)), max_bytes_(max_bytes), cores_(cores) {}
+  ShardStorage(const ShardStorage&) = delete;
+  ShardStorage& operator=(const ShardStorage&) = delete;
+
+  // A zeroed buffer counted against the limit until its last holder drops
+  // it. RESOURCE_EXHAUSTED past the limit.
+  Result<std::shared_ptr<transport::MemRegion>> Allocate(uint64_t bytes);
+
+  // Buffers for a new shard: a zeroed value.
+  Status Create(StoredShard& sh, uint64_t offset, uint64_t bytes);
+
+  // Applies a round: `g` holds the reduced tensor (scaled by `scale`
+  // first). kReplace swaps `g`'s buffer in when `g` is the shard's scratch;
+  // the others never write into a buffer a snapshot holds. Bumps nothing:
+  // the caller publishes the version.
+  Status Apply(DType dtype, const OptimizerSettings& opt, Update update,
+               StoredShard& sh, transport::MemRegion* g, double scale);
+
+  // Makes `buffer` this shard's own (a fresh copy when a snapshot holds it).
+  Status Unshare(std::shared_ptr<transport::MemRegion>& buffer, uint64_t bytes);
+
+  // A checkpoint record viewing the shard's buffers, and the buffers it
+  // keeps alive until written.
+  struct Snapshot {
+    CheckpointShard record;
+    std::vector<std::shared_ptr<transport::MemRegion>> keep;
+  };
+  static Snapshot Snap(uint64_t key, uint32_t index, DType dtype,
+                       uint64_t key_bytes, uint64_t shard_bytes,
+                       const StoredShard& sh);
+
+  // Loads a checkpoint record into `sh` (offset and bytes already set):
+  // value, optimizer state, version. DATA_LOSS when sizes disagree.
+  Status Load(StoredShard& sh, const CheckpointShard& record);
+
+  uint64_t stored_bytes() const { return stored_.load(); }
+  uint64_t max_bytes() const { return max_bytes_; }
+
+ private:
+  Allocator allocate_;
+  const uint64_t max_bytes_;
+  SyncCores* cores_;
+  std::shared_ptr<std::atomic<uint64_t>> stored_counter_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
+  std::atomic<uint64_t>& stored_ = *stored_counter_;
+};
+
+}  // namespace membox::ps
+
+#endif  // MEMBOX_SRC_PS_STORAGE_H_
