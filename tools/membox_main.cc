@@ -324,6 +324,12 @@ int main(int argc, char** argv) {
                    "per-client (default) or fcfs (deadlocks; for tests)")
       ->check(CLI::IsMember({"per-client", "fcfs"}));
   serve->add_option("--ps-max-bytes", ps_max, "parameter storage limit");
+  double hang_report_s = 10;
+  serve
+      ->add_option("--hang-report-s", hang_report_s,
+                   "log a round waiting longer than this, with who it waits "
+                   "for (0: never)")
+      ->check(CLI::Range(0.0, 86400.0));
   serve->add_option("--checkpoint-dir", popt.checkpoint_dir,
                     "where parameter checkpoints are written");
   serve->add_flag("--restore", popt.restore,
@@ -532,6 +538,8 @@ int main(int argc, char** argv) {
                          ? membox::ps::Scheduler::kFirstComeFirstServe
                          : membox::ps::Scheduler::kPerClientQueues;
     popt.transports = sopt.transports;
+    popt.hang_report =
+        std::chrono::milliseconds(static_cast<int64_t>(hang_report_s * 1000));
     sopt.orphan_grace = std::chrono::milliseconds(orphan_grace_ms);
     if (!ReadAdminSecret(admin_secret_file, "serve", &sopt.admin_secret)) {
       return 2;

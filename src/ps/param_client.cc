@@ -14,6 +14,7 @@
 #include <string_view>
 #include <thread>
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include "membox/base/copy.h"
@@ -128,6 +129,7 @@ class ParamClientImpl final : public ParamClient {
     q_cv_.NotifyAll();
     if (sender_.joinable()) sender_.join();
     if (reprofiler_.joinable()) reprofiler_.join();
+    if (watchdog_.joinable()) watchdog_.join();
     // Closing each link fails its pending calls with kAborted.
     for (auto& p : proxies_) p.client.reset();
     keys_.clear();
@@ -139,6 +141,17 @@ class ParamClientImpl final : public ParamClient {
 
   Status Init() {
     if (opt_.proxies.empty()) return InvalidArgumentError("no proxies given");
+    if (const char* env = std::getenv("MEMBOX_HANG_REPORT_S"); env && *env) {
+      char* end = nullptr;
+      double sec = std::strtod(env, &end);
+      if (*end != '\0' || !(sec >= 0) || sec > 86400) {
+        return InvalidArgumentError(
+            std::string("MEMBOX_HANG_REPORT_S: bad value '") + env +
+            "' (seconds, 0..86400; 0: never)");
+      }
+      opt_.hang_report =
+          std::chrono::milliseconds(static_cast<int64_t>(sec * 1000));
+    }
     if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world) {
       return InvalidArgumentError("rank must be in [0, world)");
     }
@@ -188,6 +201,9 @@ class ParamClientImpl final : public ParamClient {
     sender_ = std::thread([this] { SendLoop(); });
     if (opt_.reprofile_interval.count() > 0) {
       reprofiler_ = std::thread([this] { ReprofileLoop(); });
+    }
+    if (opt_.hang_report.count() > 0) {
+      watchdog_ = std::thread([this] { WatchLoop(); });
     }
     return Status::Ok();
   }
@@ -540,22 +556,125 @@ class ParamClientImpl final : public ParamClient {
   // its version (and stores the status text of kStats / kDeclare / kProbe
   // in `text`). The service client's failure policy applies: a dead link
   // or a malformed reply fails every pending call naming the proxy.
+  // Pushes and pulls are watched (WatchLoop) until their reply.
   Status SendRequest(uint32_t proxy, const Message& m,
                      const std::shared_ptr<service::CallState>& st,
                      std::shared_ptr<std::string> text = nullptr) {
     service::Client* c = proxies_[proxy].client.get();
     RETURN_IF_ERROR(c->health());
+    uint64_t watch = 0;
+    if (opt_.hang_report.count() > 0 &&
+        (m.type == Type::kPush || m.type == Type::kPull)) {
+      MutexLock l(&watch_mu_);
+      watch = ++next_watch_;
+      watched_[watch] =
+          Watched{m.type,  m.key,
+                  m.shard, m.type == Type::kPush ? m.round : m.min_version,
+                  proxy,   Clock::now(),
+                  {}};
+    }
     c->SendDecoded<Message>(
         static_cast<uint16_t>(m.type), proto::Encode(m),
         [](std::span<const uint8_t> body) {
           return proto::Decode(static_cast<uint16_t>(Type::kReply), body);
         },
-        [st, text](Result<Message> r) {
+        [this, st, text, watch](Result<Message> r) {
+          if (watch) {
+            MutexLock l(&watch_mu_);
+            watched_.erase(watch);
+          }
           if (!r.ok()) return st->Finish(r.status(), 0);
           if (text) *text = r->text;
           st->Finish(Status::Ok(), r->version);
         });
     return Status::Ok();
+  }
+
+  // Logs the pushes and pulls waiting longer than hang_report, once per
+  // period each, with what their proxies say the rounds wait for.
+  void WatchLoop() {
+    const auto limit = opt_.hang_report;
+    const auto period = std::clamp(limit / 4, std::chrono::milliseconds(10),
+                                   std::chrono::milliseconds(1000));
+    for (;;) {
+      {
+        auto until = Clock::now() + period;
+        MutexLock l(&q_mu_);
+        while (!stop_ && Clock::now() < until) {
+          q_cv_.WaitFor(&q_mu_, until - Clock::now());
+        }
+        if (stop_) return;
+      }
+      const auto now = Clock::now();
+      std::vector<Watched> late;
+      {
+        MutexLock l(&watch_mu_);
+        for (auto& [id, w] : watched_) {
+          if (now - w.since < limit || now - w.reported < limit) continue;
+          w.reported = now;
+          late.push_back(w);
+        }
+      }
+      if (late.empty()) continue;
+      std::map<uint32_t, std::vector<const Watched*>> by_proxy;
+      for (const auto& w : late) by_proxy[w.proxy].push_back(&w);
+      for (const auto& [proxy, ws] : by_proxy) {
+        std::string mine;
+        for (size_t i = 0; i < ws.size() && i < 8; ++i) {
+          const Watched& w = *ws[i];
+          mine += fmt::format(
+              "{}{} of key {} shard {} {} {} ({:.1f} s)", i ? "; " : "",
+              w.type == Type::kPush ? "push" : "pull", w.key, w.shard,
+              w.type == Type::kPush ? "round" : "for version", w.round,
+              std::chrono::duration<double>(now - w.since).count());
+        }
+        if (ws.size() > 8) mine += fmt::format("; and {} more", ws.size() - 8);
+        MEMBOX_LOG_WARN("worker rank {}: waiting on proxy {} ({}): {}",
+                        opt_.rank, proxy, proxies_[proxy].endpoint, mine);
+        // The proxy's account: its lines about the keys we wait for.
+        auto text = ExplainFrom(proxy);
+        if (!text.ok()) {
+          MEMBOX_LOG_WARN("worker rank {}: proxy {} did not explain: {}",
+                          opt_.rank, proxy, text.status().ToString());
+          continue;
+        }
+        std::istringstream in(*text);
+        std::string line;
+        size_t shown = 0;
+        while (std::getline(in, line) && shown < 8) {
+          if (line.rfind("wait ", 0) != 0) continue;
+          bool ours = false;
+          for (const Watched* w : ws) {
+            ours =
+                ours || line.find(fmt::format("key {} shard {} ", w->key,
+                                              w->shard)) != std::string::npos;
+          }
+          if (!ours) continue;
+          ++shown;
+          MEMBOX_LOG_WARN("worker rank {}: proxy {} says: {}", opt_.rank, proxy,
+                          line.substr(5));
+        }
+        if (shown == 0) {
+          MEMBOX_LOG_WARN(
+              "worker rank {}: proxy {} reports no round of these keys "
+              "waiting (the reply may be on its way, or the proxy has not "
+              "seen the request)",
+              opt_.rank, proxy);
+        }
+      }
+    }
+  }
+
+  // Proxy `proxy`'s status text, within a short deadline (a stuck proxy
+  // must not stall the watchdog).
+  Result<std::string> ExplainFrom(uint32_t proxy) {
+    Message m;
+    m.type = Type::kStats;
+    auto st = NewState(1, nullptr);
+    auto text = std::make_shared<std::string>();
+    RETURN_IF_ERROR(SendRequest(proxy, m, st, text));
+    RETURN_IF_ERROR(PsHandle(st).Wait(std::chrono::seconds(5)));
+    return *text;
   }
 
   // Sends and waits; returns the reply's version.
@@ -795,7 +914,20 @@ class ParamClientImpl final : public ParamClient {
   bool sending_ MEMBOX_GUARDED_BY(q_mu_) = false;
   Mutex send_mu_;     // one operation's messages go out together
   Mutex install_mu_;  // one routing change at a time
-  std::thread sender_, reprofiler_;
+  std::thread sender_, reprofiler_, watchdog_;
+
+  // Pushes and pulls in flight, for WatchLoop.
+  struct Watched {
+    Type type = Type::kPush;
+    uint64_t key = 0;
+    uint32_t shard = 0;
+    uint64_t round = 0;  // push: its round; pull: the version it waits for
+    uint32_t proxy = 0;
+    Clock::time_point since{}, reported{};
+  };
+  Mutex watch_mu_;
+  std::map<uint64_t, Watched> watched_ MEMBOX_GUARDED_BY(watch_mu_);
+  uint64_t next_watch_ MEMBOX_GUARDED_BY(watch_mu_) = 0;
 };
 
 }  // namespace

@@ -13,6 +13,8 @@
 #include <sstream>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "membox/base/accumulate.h"
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
@@ -62,6 +64,7 @@ struct PendingPull {
   uint64_t id = 0;
   uint64_t min_version = 0;
   uint64_t out_region = 0, out_offset = 0;
+  Clock::time_point since{};
 };
 
 // A shard of a key: what storage keeps (StoredShard), the round in
@@ -78,8 +81,8 @@ struct Shard : StoredShard {
   // its sum is done).
   std::map<uint32_t, std::shared_ptr<MemRegion>> inbox;
   // When the round in progress saw its first push (for explanations of a
-  // wait); zero when none is waiting.
-  Clock::time_point first_push{};
+  // wait); zero when none is waiting. When it was last logged as waiting.
+  Clock::time_point first_push{}, reported{};
 };
 
 struct Key {
@@ -167,6 +170,12 @@ class ProxyImpl final : public Proxy, public service::Service {
     }
     server_ = std::move(*server);
     endpoint_ = server_->endpoint();
+    if (opt_.hang_report.count() > 0) {
+      server_->Every(
+          std::clamp(opt_.hang_report / 4, std::chrono::milliseconds(10),
+                     std::chrono::milliseconds(1000)),
+          [this] { ReportWaits(); });
+    }
     MEMBOX_LOG_INFO("parameter proxy {}/{} listening on {} ({} scheduler)",
                     opt_.rank, nproxies_, endpoint_,
                     opt_.scheduler == Scheduler::kPerClientQueues
@@ -202,6 +211,8 @@ class ProxyImpl final : public Proxy, public service::Service {
       << "\nring_steps " << s.ring_steps << "\nqueued_pushes "
       << s.queued_pushes << "\nrejected " << s.rejected << "\ncheckpoints "
       << s.checkpoints << "\n";
+    MutexLock l(&waits_mu_);
+    o << waits_;
     return o.str();
   }
 
@@ -378,6 +389,89 @@ class ProxyImpl final : public Proxy, public service::Service {
       inflight_.pop_front();
     }
     inflight_.push_back(std::move(h));
+  }
+
+  // ------------------------------------------------------------ hangs
+
+  // What shard s of key k waits for, or empty when it waits for nothing.
+  std::string ExplainShard(uint64_t k, uint32_t s) const {
+    const Key& key = keys_.at(k);
+    const Shard& sh = key.shards[s];
+    std::string what;
+    if (key.awaiting_init) {
+      what = "rank 0 has not declared it (its initial value wins)";
+    } else if (sh.reducing) {
+      what = sh.ring.Waiting(RingFor(k, s));
+    } else {
+      std::string pushed, missing, reading;
+      std::set<uint32_t> connected;
+      for (const auto& [id, c] : conns_) {
+        if (c.role != Conn::Role::kClient) continue;
+        connected.insert(c.rank);
+        auto p = sh.pushes.find(c.rank);
+        if (p != sh.pushes.end()) {
+          (p->second.fetching ? reading : pushed) +=
+              " " + std::to_string(c.rank);
+          continue;
+        }
+        if (key.striped || c.routes.empty() ||
+            RoutedHere(c, k, sh.bytes, sh.version)) {
+          missing += " " + std::to_string(c.rank) + " (" + c.name + ")";
+        }
+      }
+      std::string absent;
+      for (uint32_t r = 0; r < world_; ++r) {
+        if (!connected.count(r)) absent += " " + std::to_string(r);
+      }
+      what = "pushed by ranks" + (pushed.empty() ? " none" : pushed);
+      if (!missing.empty()) what += "; waiting for ranks" + missing;
+      if (!reading.empty()) what += "; reading the pushes of ranks" + reading;
+      if (!absent.empty()) what += "; ranks not connected:" + absent;
+      if (missing.empty() && reading.empty() && absent.empty() &&
+          !sched_.MayStart({k, s, sh.version})) {
+        what += "; behind an older tensor (first-come-first-serve)";
+      }
+    }
+    return "key " + std::to_string(k) + " shard " + std::to_string(s) +
+           " round " + std::to_string(sh.version) + ": " + what;
+  }
+
+  // Logs every round (and pull) waiting longer than hang_report, once per
+  // period each, and keeps the explanation for StatusText().
+  void ReportWaits() {
+    const auto now = Clock::now();
+    const auto limit = opt_.hang_report;
+    std::string text;
+    size_t n = 0;
+    auto secs = [&](Clock::time_point t) {
+      return fmt::format("{:.1f}",
+                         std::chrono::duration<double>(now - t).count());
+    };
+    for (auto& [k, key] : keys_) {
+      for (uint32_t s = 0; s < key.shards.size(); ++s) {
+        Shard& sh = key.shards[s];
+        Clock::time_point since = sh.first_push;
+        for (const auto& p : sh.pulls) {
+          if (since == Clock::time_point{} || p.since < since) since = p.since;
+        }
+        if (since == Clock::time_point{} || now - since < limit) continue;
+        std::string line = ExplainShard(k, s);
+        if (sh.pushes.empty() && !sh.pulls.empty()) {
+          line += "; " + std::to_string(sh.pulls.size()) +
+                  " pull(s) waiting for version " +
+                  std::to_string(sh.pulls.front().min_version);
+        }
+        line = "waiting " + secs(since) + " s: " + line;
+        if (++n <= 32) text += "wait " + line + "\n";
+        if (now - sh.reported >= limit) {
+          sh.reported = now;
+          MEMBOX_LOG_WARN("proxy {}: {}", opt_.rank, line);
+        }
+      }
+    }
+    if (n > 32) text += "wait ... and " + std::to_string(n - 32) + " more\n";
+    MutexLock l(&waits_mu_);
+    waits_ = std::move(text);
   }
 
   // ------------------------------------------------------------ messages
@@ -620,7 +714,8 @@ class ProxyImpl final : public Proxy, public service::Service {
         if (!s.ok()) return Reply(conn, m.type, m.id, s);
         Key& key = keys_[m.key];
         Shard& sh = key.shards[m.shard];
-        PendingPull p{conn, m.id, m.min_version, m.out_region, m.out_offset};
+        PendingPull p{conn,         m.id,         m.min_version,
+                      m.out_region, m.out_offset, Clock::now()};
         if (sh.version >= p.min_version && !key.awaiting_init) {
           return ServePull(m.key, sh, p);
         }
@@ -657,6 +752,7 @@ class ProxyImpl final : public Proxy, public service::Service {
         return;
       }
       case Type::kStats:
+        if (opt_.hang_report.count() > 0) ReportWaits();  // fresh lines
         return Reply(conn, m.type, m.id, Status::Ok(), 0, StatusText());
       default:
         return Reply(conn, m.type, m.id,
@@ -1554,6 +1650,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::unique_ptr<ShardStorage> storage_;  // after sync_: it uses the cores
   AdmissionScheduler sched_;
   std::atomic<bool> running_{false};
+  mutable Mutex waits_mu_;
+  std::string waits_ MEMBOX_GUARDED_BY(waits_mu_);  // ReportWaits' lines
   Mutex writers_mu_;
   std::vector<std::thread> writers_ MEMBOX_GUARDED_BY(writers_mu_);
 

@@ -10,6 +10,8 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <spdlog/sinks/ringbuffer_sink.h>
+#include <spdlog/spdlog.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -30,7 +32,8 @@ struct Cluster {
   std::vector<std::unique_ptr<Proxy>> proxies;
 
   static Cluster Start(int n, Scheduler sched = Scheduler::kPerClientQueues,
-                       std::string ckpt_dir = "", bool restore = false) {
+                       std::string ckpt_dir = "", bool restore = false,
+                       std::chrono::milliseconds hang_report = 10s) {
     Cluster c;
     for (int i = 0; i < n; ++i) {
       c.endpoints.push_back("127.0.0.1:" + std::to_string(PickFreeLocalPort()));
@@ -45,6 +48,7 @@ struct Cluster {
       o.scheduler = sched;
       o.checkpoint_dir = ckpt_dir;
       o.restore = restore;
+      o.hang_report = hang_report;
       auto p = Proxy::Start(o);
       EXPECT_TRUE(p.ok()) << p.status().ToString();
       if (p.ok()) c.proxies.push_back(std::move(*p));
@@ -55,7 +59,8 @@ struct Cluster {
 
 std::unique_ptr<ParamClient> Worker(
     const Cluster& c, int rank, int world, RoutingTable r = {},
-    std::vector<transport::FaultPolicy> links = {}) {
+    std::vector<transport::FaultPolicy> links = {},
+    std::chrono::milliseconds hang_report = 10s) {
   ParamClientOptions o;
   o.proxies = c.endpoints;
   o.secret = kSecret;
@@ -64,6 +69,8 @@ std::unique_ptr<ParamClient> Worker(
   o.routing = r;
   o.links = std::move(links);
   o.timeout = 20s;
+  o.hang_report = hang_report;
+  o.name = "worker-" + std::to_string(rank);
   auto w = ParamClient::Connect(o);
   EXPECT_TRUE(w.ok()) << w.status().ToString();
   return w.ok() ? std::move(*w) : nullptr;
@@ -657,6 +664,56 @@ TEST(PsTest, RoutingChangesWhileTraining) {
     ASSERT_EQ(out[0], float(2 * r + 1)) << r;
   }
   t1.join();
+}
+
+// A round one worker never pushes: the proxy's status and log say which
+// rank it waits for, and the blocked worker's log repeats the proxy's
+// account; once the round completes, nothing is reported any more.
+TEST(PsTest, AHungRoundSaysWhoItWaitsFor) {
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(256);
+  spdlog::default_logger()->sinks().push_back(sink);
+  auto c = Cluster::Start(1, Scheduler::kPerClientQueues, "", false, 200ms);
+  auto w0 = Worker(c, 0, 2, {}, {}, 200ms);
+  auto w1 = Worker(c, 1, 2, {}, {}, 200ms);
+  ASSERT_TRUE(w0 && w1);
+  for (auto* w : {w0.get(), w1.get()}) {
+    ASSERT_TRUE(w->Declare(5, 64, DType::kFloat32).ok());
+  }
+  std::vector<float> in(16, 1.0f), out(16), in1(16, 2.0f), out1(16);
+  auto h = w0->PushPull(5, in.data(), out.data());
+  std::string status;
+  for (int i = 0; i < 100; ++i) {
+    std::this_thread::sleep_for(50ms);
+    status = c.proxies[0]->StatusText();
+    if (status.find("waiting for ranks 1 (worker-1)") != std::string::npos) {
+      break;
+    }
+  }
+  EXPECT_NE(status.find("key 5 shard 0 round 0: pushed by ranks 0; waiting "
+                        "for ranks 1 (worker-1)"),
+            std::string::npos)
+      << status;
+  bool worker_said = false;
+  for (int i = 0; i < 100 && !worker_said; ++i) {
+    std::this_thread::sleep_for(50ms);
+    for (const auto& line : sink->last_formatted()) {
+      worker_said =
+          worker_said ||
+          (line.find("worker rank 0: proxy 0 says:") != std::string::npos &&
+           line.find("waiting for ranks 1 (worker-1)") != std::string::npos);
+    }
+  }
+  EXPECT_TRUE(worker_said);
+  EXPECT_FALSE(h.done());
+  auto h1 = w1->PushPull(5, in1.data(), out1.data());
+  ASSERT_TRUE(h.Wait(10s).ok());
+  ASSERT_TRUE(h1.Wait(10s).ok());
+  EXPECT_EQ(out[0], 3.0f);
+  std::this_thread::sleep_for(600ms);
+  EXPECT_EQ(c.proxies[0]->StatusText().find("\nwait "), std::string::npos)
+      << c.proxies[0]->StatusText();
+  auto& sinks = spdlog::default_logger()->sinks();
+  sinks.erase(std::remove(sinks.begin(), sinks.end(), sink), sinks.end());
 }
 
 }  // namespace

@@ -60,7 +60,8 @@ TEST(SchedulerTest, FirstComeFirstServeWorksOnTheOldestTensorOnly) {
   EXPECT_EQ(admitted, (std::vector<uint64_t>{10, 20}));
   // Asynchronous pushes are not held by the line.
   s.Enqueue(3, Push(30, 5));
-  s.Drain(ready, [](const proto::Message&) { return false; }, admit);
+  s.Drain(
+      ready, [](const proto::Message&) { return false; }, admit);
   EXPECT_EQ(admitted.back(), 30u);
 }
 
@@ -123,8 +124,7 @@ TEST(SchedulerTest, FirstComeFirstServeDeadlocksOnFig10) {
 }
 
 TEST(SchedulerTest, PerClientQueuesFinishFig10) {
-  EXPECT_EQ(RunFig10(Scheduler::kPerClientQueues),
-            (std::set<uint64_t>{1, 2}));
+  EXPECT_EQ(RunFig10(Scheduler::kPerClientQueues), (std::set<uint64_t>{1, 2}));
 }
 
 TEST(SchedulerTest, AdmittingMayEnqueueAndDrainAgain) {
@@ -132,14 +132,14 @@ TEST(SchedulerTest, AdmittingMayEnqueueAndDrainAgain) {
   s.Enqueue(1, Push(1, 0));
   std::vector<uint64_t> admitted;
   auto ready = [](uint64_t, const proto::Message&) { return true; };
-  std::function<void(uint64_t, proto::Message)> admit =
-      [&](uint64_t, proto::Message m) {
-        admitted.push_back(m.key);
-        if (m.key < 4) {
-          s.Enqueue(2, Push(m.key + 1, 0));
-          s.Drain(ready, Always, admit);  // deferred to the running loop
-        }
-      };
+  std::function<void(uint64_t, proto::Message)> admit = [&](uint64_t,
+                                                            proto::Message m) {
+    admitted.push_back(m.key);
+    if (m.key < 4) {
+      s.Enqueue(2, Push(m.key + 1, 0));
+      s.Drain(ready, Always, admit);  // deferred to the running loop
+    }
+  };
   s.Drain(ready, Always, admit);
   EXPECT_EQ(admitted, (std::vector<uint64_t>{1, 2, 3, 4}));
   EXPECT_EQ(s.queued(), 0u);

@@ -28,7 +28,9 @@
 // declared.
 //
 // Failure: when a proxy dies, pending and later operations fail with
-// kUnavailable naming it.
+// kUnavailable naming it. A hang explains itself: an operation waiting
+// longer than `hang_report` is logged with the proxy's account of what its
+// round waits for (which workers have not pushed, which peer proxy).
 //
 // Thread-safety: all methods may be called from any thread.
 #ifndef MEMBOX_PS_PARAM_CLIENT_H_
@@ -65,6 +67,11 @@ struct ParamClientOptions {
   std::vector<transport::FaultPolicy> links;
   RoutingTable routing;  // used until Profile() replaces it
   std::chrono::milliseconds reprofile_interval{0};
+  // A push or pull waiting longer than this is logged (once per period)
+  // with the key, shard, round and proxy, and with what that proxy says
+  // the round waits for (its status). Zero: never. The environment's
+  // MEMBOX_HANG_REPORT_S (seconds) overrides it.
+  std::chrono::milliseconds hang_report{10000};
 };
 
 // The optimizer the memory nodes run on a tensor's reduced gradient, and its

@@ -27,12 +27,17 @@
 // atomically (temporary file, fsync, rename, fsync of the directory) with
 // checksums; `restore` loads and verifies it on start.
 //
+// Hangs explain themselves: a round waiting longer than hang_report is
+// logged with who it waits for (workers, peer proxies, a declaration), and
+// StatusText() carries the same lines.
+//
 // Threading: the transport's progress thread queues messages; one event
 // thread runs the state machine; the sync cores do the arithmetic.
 // Start/Stop from one thread; Stats() from any thread.
 #ifndef MEMBOX_PS_PROXY_H_
 #define MEMBOX_PS_PROXY_H_
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -58,6 +63,11 @@ struct ProxyOptions {
   std::string checkpoint_dir;        // empty: checkpoints refused
   bool restore = false;  // load <checkpoint_dir>/proxy-<rank>-<restore_name>
   std::string restore_name = "latest.mbck";
+  // A round (or pull) waiting longer than this is logged, once per period,
+  // with what it waits for: the workers that have not pushed, the peer
+  // proxy a ring step needs, rank 0's declaration. The same explanation is
+  // in StatusText() (and so in a worker's view of a hang). Zero: never.
+  std::chrono::milliseconds hang_report{10000};
 };
 
 struct ProxyStats {
