@@ -12,7 +12,7 @@ $SUDO apt-get install -y --no-install-recommends \
   libgtest-dev libgmock-dev googletest libbenchmark-dev \
   libspdlog-dev libfmt-dev libcli11-dev zlib1g-dev libssl-dev \
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
-  librocksdb-dev \
+  librocksdb-dev libmicrohttpd-dev \
   openmpi-bin libopenmpi-dev \
   python3 python3-venv python3-matplotlib python3-torch python3-sklearn \
   pybind11-dev python3-pybind11 \

@@ -99,7 +99,8 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
           const std::string& secret, const std::string& secret_file,
           const std::string& pool, const std::string& min_block,
           const std::string& max_block, const std::string& quota,
-          int heartbeat_ms, const EmbeddingFlags& ef) {
+          int heartbeat_ms, const EmbeddingFlags& ef,
+          const std::string& metrics_listen) {
   auto sec = membox::ResolveSecret(secret, secret_file);
   auto p = membox::ParseByteSize(pool);
   auto mn = membox::ParseByteSize(min_block);
@@ -157,6 +158,7 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
     eo.flush_interval = std::chrono::milliseconds(ef.flush_interval_ms);
     no.embedding = eo;
   }
+  no.metrics_listen = metrics_listen;
   auto node = membox::node::MemoryNode::Start(no);
   if (!node.ok()) {
     std::fprintf(stderr, "membox serve: %s\n",
@@ -172,6 +174,10 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
   if ((*node)->embedding()) {
     std::printf("membox serve: embedding server on %s\n",
                 (*node)->embedding()->endpoint().c_str());
+  }
+  if (!(*node)->metrics_endpoint().empty()) {
+    std::printf("membox serve: metrics on http://%s/metrics\n",
+                (*node)->metrics_endpoint().c_str());
   }
   std::fflush(stdout);
   int sig = 0;
@@ -347,6 +353,10 @@ int main(int argc, char** argv) {
                     "size of the SSD tier's parameter files");
   serve->add_option("--emb-flush-interval-ms", eflags.flush_interval_ms,
                     "write and sync changed rows this often (0: on request)");
+  std::string metrics_listen;
+  serve->add_option("--metrics-listen", metrics_listen,
+                    "serve Prometheus metrics at http://HOST:PORT/metrics "
+                    "(off by default)");
   bool exit_with_parent = false;
   serve->add_flag("--exit-with-parent", exit_with_parent,
                   "stop when the parent process dies (benchmarks, tests)");
@@ -545,7 +555,8 @@ int main(int argc, char** argv) {
       return 2;
     }
     return Serve(sopt, popt, ps_listen, ps_max, secret, secret_file, pool,
-                 min_block, max_block, quota, heartbeat_ms, eflags);
+                 min_block, max_block, quota, heartbeat_ms, eflags,
+                 metrics_listen);
   }
   if (status->parsed()) {
     return PrintStatus(status_server, secret, secret_file, admin_secret_file);

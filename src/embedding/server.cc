@@ -155,6 +155,61 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     return r ? *r : "embedding server stopped\n";
   }
 
+  void Metrics(MetricsWriter& w) const override {
+    const EmbeddingServerStats s = Stats();
+    w.Gauge("membox_embedding_tables", "Tables open.",
+            static_cast<double>(s.tables));
+    w.Gauge("membox_embedding_clients", "Clients connected.",
+            static_cast<double>(s.clients));
+    w.Counter("membox_embedding_pull_requests_total", "Pull requests.",
+              static_cast<double>(s.pulls));
+    w.Counter("membox_embedding_push_requests_total", "Push requests.",
+              static_cast<double>(s.pushes));
+    w.Counter("membox_embedding_rows_pulled_total", "Rows pulled.",
+              static_cast<double>(s.rows_pulled));
+    w.Counter("membox_embedding_rows_pushed_total", "Rows pushed.",
+              static_cast<double>(s.rows_pushed));
+    struct Table {
+      std::string name;
+      MemTierStats mem;
+      SsdStats ssd;
+    };
+    auto* self = const_cast<ServerImpl*>(this);
+    auto tables = self->server_->RunOnExecutor<std::vector<Table>>([self] {
+      std::vector<Table> v;
+      for (auto& t : self->tables_) {
+        v.push_back({t->config.name, t->mem->Stats(), t->ssd->Stats()});
+      }
+      return v;
+    });
+    for (const auto& t : tables.value_or(std::vector<Table>{})) {
+      const MetricsWriter::Labels l = {{"table", t.name}};
+      w.Counter("membox_embedding_memory_hits_total",
+                "Row lookups served from memory (LRU, LFU or pinned).",
+                static_cast<double>(t.mem.hits_lru + t.mem.hits_lfu +
+                                    t.mem.hits_pinned),
+                l);
+      w.Counter("membox_embedding_ssd_reads_total",
+                "Row lookups that read the SSD tier.",
+                static_cast<double>(t.mem.ssd_reads), l);
+      w.Counter("membox_embedding_rows_created_total",
+                "Rows created on first use.",
+                static_cast<double>(t.mem.created), l);
+      w.Gauge("membox_embedding_memory_rows", "Rows held in memory.",
+              static_cast<double>(t.mem.rows_in_memory), l);
+      w.Counter("membox_embedding_ssd_written_bytes_total",
+                "Bytes appended to the SSD tier's files.",
+                static_cast<double>(t.ssd.bytes_written), l);
+      w.Gauge("membox_embedding_ssd_file_bytes",
+              "Bytes of the SSD tier's files.",
+              static_cast<double>(t.ssd.file_bytes), l);
+      w.Gauge("membox_embedding_ssd_live_bytes",
+              "Bytes of live rows in the SSD tier.",
+              static_cast<double>(t.ssd.live_bytes), l);
+    }
+    service::WriteServerMetrics(*server_, "embedding", w);
+  }
+
   Status Flush() override {
     auto r = server_->RunOnExecutor<Status>([this] { return FlushAll(); });
     return r ? *r : UnavailableError("embedding server stopped");

@@ -31,6 +31,17 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::Start(MemoryNodeOptions o) {
     }
     n->embedding_ = std::move(*e);
   }
+  if (!o.metrics_listen.empty()) {
+    MetricsEndpointOptions mo;
+    mo.listen = o.metrics_listen;
+    MemoryNode* raw = n.get();
+    auto me = MetricsEndpoint::Start(mo, [raw] { return raw->MetricsText(); });
+    if (!me.ok()) {
+      n->Stop();
+      return me.status();
+    }
+    n->metrics_ = std::move(*me);
+  }
   return n;
 }
 
@@ -40,12 +51,26 @@ std::string MemoryNode::Describe() const {
   std::string s = "memory node " + memory_->endpoint();
   if (proxy_) s += ", parameter proxy " + proxy_->endpoint();
   if (embedding_) s += ", embedding server " + embedding_->endpoint();
+  if (metrics_) s += ", metrics http://" + metrics_->endpoint() + "/metrics";
   return s;
+}
+
+std::string MemoryNode::MetricsText() const {
+  MetricsWriter w;
+  w.Gauge("membox_up", "1 while the memory node serves.", 1);
+  w.Gauge("membox_services",
+          "Services this node runs (memory always; proxy, embedding).",
+          1.0 + (proxy_ ? 1 : 0) + (embedding_ ? 1 : 0));
+  if (memory_) memory_->Metrics(w);
+  if (proxy_) proxy_->Metrics(w);
+  if (embedding_) embedding_->Metrics(w);
+  return w.Text();
 }
 
 void MemoryNode::Stop() {
   if (stopped_) return;
   stopped_ = true;
+  if (metrics_) metrics_->Stop();      // no scrape reaches a stopping service
   if (embedding_) embedding_->Stop();  // flushes: every update durable
   if (proxy_) proxy_->Stop();
   if (memory_) memory_->Stop();

@@ -5,7 +5,10 @@
 #include <filesystem>
 #include <vector>
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "membox/embedding/client.h"
@@ -86,6 +89,114 @@ TEST_F(MemoryNodeTest, ServesAllThreeServicesWithOneSecret) {
   mc->reset();
   node.Stop();
   node.Stop();  // idempotent
+}
+
+// Sends `request` to 127.0.0.1:port and returns everything the peer sends
+// back before closing (or "" when it cannot connect).
+std::string Http(int port, const std::string& request) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return "";
+  }
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  (void)!write(fd, request.data(), request.size());
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) out.append(buf, n);
+  close(fd);
+  return out;
+}
+
+int IdleConnection(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  return fd;
+}
+
+// The metrics endpoint: a scrape shows every service's figures (a round the
+// proxy ran, the request latency histogram), and garbage, other methods,
+// other paths, oversized requests and idle connections get bounded answers
+// while scrapes go on.
+TEST_F(MemoryNodeTest, ServesPrometheusMetricsAndShrugsOffBadRequests) {
+  MemoryNodeOptions o = AllThree(dir_.string());
+  o.metrics_listen = "127.0.0.1:0";
+  auto n = MemoryNode::Start(o);
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  MemoryNode& node = **n;
+  const std::string ep = node.metrics_endpoint();
+  ASSERT_FALSE(ep.empty());
+  EXPECT_NE(node.Describe().find("metrics http://" + ep + "/metrics"),
+            std::string::npos);
+  const int port = std::stoi(ep.substr(ep.rfind(':') + 1));
+  ASSERT_GT(port, 0);
+
+  ps::ParamClientOptions po;
+  po.proxies = {node.proxy()->endpoint()};
+  po.secret = kSecret;
+  auto pc = ps::ParamClient::Connect(po);
+  ASSERT_TRUE(pc.ok()) << pc.status().ToString();
+  ASSERT_TRUE((*pc)->Declare(3, 64, DType::kFloat32).ok());
+  std::vector<float> in(16, 1.0f), out(16);
+  ASSERT_TRUE((*pc)->PushPull(3, in.data(), out.data()).Wait().ok());
+
+  std::string page = Http(port,
+                          "GET /metrics HTTP/1.1\r\nHost: x\r\n"
+                          "Connection: close\r\n\r\n");
+  EXPECT_EQ(page.rfind("HTTP/1.1 200", 0), 0u) << page;
+  EXPECT_NE(page.find("text/plain; version=0.0.4"), std::string::npos);
+  for (const char* want :
+       {"\nmembox_up 1\n", "\nmembox_ps_rounds_total 1\n",
+        "\nmembox_ps_workers 1\n", "\nmembox_ps_pushed_bytes_total 64\n",
+        "\nmembox_ps_result_bytes_total 64\n", "\nmembox_pool_bytes 16777216\n",
+        "\nmembox_embedding_tables 0\n",
+        "# TYPE membox_request_latency_seconds histogram\n",
+        "membox_request_latency_seconds_count{service=\"proxy\"} ",
+        "membox_request_latency_seconds_bucket{service=\"memory\",le=\"+Inf\"}",
+        "membox_requests_total{service=\"embedding\"} 0\n"}) {
+    EXPECT_NE(page.find(want), std::string::npos) << want << "\n" << page;
+  }
+  // Requests answered: the proxy's hello, declare, region, push at least.
+  const std::string count =
+      "membox_request_latency_seconds_count{service=\"proxy\"} ";
+  auto pos = page.find(count);
+  ASSERT_NE(pos, std::string::npos);
+  EXPECT_GE(std::stoi(page.substr(pos + count.size())), 3)
+      << page.substr(pos, 80);
+
+  // What the port must shrug off.
+  std::vector<int> idle;
+  for (int i = 0; i < 6; ++i) idle.push_back(IdleConnection(port));
+  EXPECT_NE(Http(port,
+                 "POST /metrics HTTP/1.1\r\nHost: x\r\n"
+                 "Content-Length: 5\r\n\r\nhello")
+                .find(" 405 "),
+            std::string::npos);
+  EXPECT_NE(Http(port, "GET /secrets HTTP/1.0\r\n\r\n").find(" 404 "),
+            std::string::npos);
+  std::string head = Http(port, "HEAD /metrics HTTP/1.0\r\n\r\n");
+  EXPECT_NE(head.find(" 200 "), std::string::npos);
+  EXPECT_EQ(head.find("membox_up"), std::string::npos);
+  std::string junk(4096, '\xff');
+  (void)Http(port, junk);
+  std::string huge = "GET /" + std::string(64 << 10, 'a') + " HTTP/1.1\r\n\r\n";
+  std::string refused = Http(port, huge);
+  EXPECT_EQ(refused.find("membox_up"), std::string::npos);
+  EXPECT_NE(Http(port, "GET /metrics HTTP/1.0\r\n\r\n").find("membox_up 1"),
+            std::string::npos);
+  for (int fd : idle) close(fd);
+  pc->reset();
+  node.Stop();
+  EXPECT_EQ(Http(port, "GET /metrics HTTP/1.0\r\n\r\n"), "");
 }
 
 TEST_F(MemoryNodeTest, AServiceThatCannotStartStopsTheOthers) {

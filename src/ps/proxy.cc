@@ -216,6 +216,38 @@ class ProxyImpl final : public Proxy, public service::Service {
     return o.str();
   }
 
+  void Metrics(MetricsWriter& w) const override {
+    const ProxyStats s = Stats();
+    auto c = [&](const char* name, const char* help, uint64_t v) {
+      w.Counter(name, help, static_cast<double>(v));
+    };
+    auto g = [&](const char* name, const char* help, uint64_t v) {
+      w.Gauge(name, help, static_cast<double>(v));
+    };
+    c("membox_ps_rounds_total", "Shard rounds completed (rate: rounds/s).",
+      s.rounds_completed);
+    c("membox_ps_pushed_bytes_total", "Bytes of pushes summed.",
+      s.bytes_reduced);
+    c("membox_ps_result_bytes_total",
+      "Bytes of results and pulls written to workers.",
+      result_bytes_.load(std::memory_order_relaxed));
+    c("membox_ps_ring_steps_total", "Ring steps with peer proxies.",
+      s.ring_steps);
+    c("membox_ps_rejected_total", "Requests refused.", s.rejected);
+    c("membox_ps_checkpoints_total", "Checkpoints written.", s.checkpoints);
+    g("membox_ps_keys", "Keys stored.", s.keys);
+    g("membox_ps_shards", "Shards stored.", s.shards);
+    g("membox_ps_stored_bytes", "Bytes of values and optimizer state.",
+      s.stored_bytes);
+    g("membox_ps_workers", "Workers connected.", s.clients);
+    g("membox_ps_queued_pushes", "Pushes waiting for admission.",
+      s.queued_pushes);
+    g("membox_ps_waiting_rounds",
+      "Rounds waiting longer than --hang-report-s (see the log or status).",
+      waiting_rounds_.load(std::memory_order_relaxed));
+    if (server_) service::WriteServerMetrics(*server_, "proxy", w);
+  }
+
   Status Checkpoint(const std::string& name) override {
     std::promise<Status> p;
     auto f = p.get_future();
@@ -362,6 +394,7 @@ class ProxyImpl final : public Proxy, public service::Service {
     Conn& c = conns_[conn];
     auto rr = WorkerRange(c, region, offset, len, "output");
     if (!rr.ok()) return Reply(conn, method, id, rr.status(), version);
+    result_bytes_.fetch_add(len, std::memory_order_relaxed);
     if ((*rr)->mapped() || !c.channel) {
       Status s =
           WriteWorker(c, region, offset,
@@ -470,6 +503,7 @@ class ProxyImpl final : public Proxy, public service::Service {
       }
     }
     if (n > 32) text += "wait ... and " + std::to_string(n - 32) + " more\n";
+    waiting_rounds_.store(n, std::memory_order_relaxed);
     MutexLock l(&waits_mu_);
     waits_ = std::move(text);
   }
@@ -1461,6 +1495,7 @@ class ProxyImpl final : public Proxy, public service::Service {
     Status s = WriteWorker(it->second, p.out_region, p.out_offset,
                            static_cast<const uint8_t*>(sh.value->data()),
                            sh.bytes, *sh.value);
+    if (s.ok()) result_bytes_.fetch_add(sh.bytes, std::memory_order_relaxed);
     Reply(p.conn, Type::kPull, p.id, s, sh.version);
   }
 
@@ -1674,7 +1709,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::string dead_worker_;
 
   std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, n_clients_{0}, rounds_{0},
-      bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0};
+      bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0},
+      result_bytes_{0}, waiting_rounds_{0};
 };
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 
 #include "membox/base/logging.h"
 #include "membox/base/mutex.h"
@@ -53,13 +54,30 @@ class ServerImpl final : public Server {
     s.requests = requests_.load();
     s.errors = errors_.load();
     s.malformed = malformed_.load();
+    s.bytes_in = bytes_in_.load(std::memory_order_relaxed);
+    s.bytes_out = bytes_out_.load(std::memory_order_relaxed);
     return s;
   }
 
+  const LatencyHistogram& latency() const override { return latency_; }
+
   void Reply(ConnectionId conn, uint16_t method, uint64_t id, const Status& s,
              std::vector<uint8_t> body) override {
-    std::shared_ptr<Channel> ch = channel(conn);
-    if (!ch) return;
+    std::shared_ptr<Channel> ch;
+    Clock::time_point arrived{};
+    {
+      MutexLock l(&mu_);
+      auto it = conns_.find(conn);
+      if (it == conns_.end()) return;
+      ch = it->second.channel;
+      auto p = it->second.pending.find(id);
+      if (p != it->second.pending.end()) {
+        arrived = p->second;
+        it->second.pending.erase(p);
+      }
+    }
+    if (arrived != Clock::time_point{})
+      latency_.Observe(Clock::now() - arrived);
     std::vector<uint8_t> msg;
     if (s.ok()) {
       msg = std::move(body);
@@ -72,6 +90,7 @@ class ServerImpl final : public Server {
       errors_++;
       msg = ErrorReply(method, id, s);
     }
+    bytes_out_.fetch_add(msg.size(), std::memory_order_relaxed);
     Status st = ch->SendControl(msg);
     if (!st.ok()) {
       MEMBOX_LOG_DEBUG("{}: reply to connection {} failed: {}", opt_.service,
@@ -87,6 +106,7 @@ class ServerImpl final : public Server {
     h.kind = Kind::kNotice;
     h.method = method;
     WriteHeader(h, &body);
+    bytes_out_.fetch_add(body.size(), std::memory_order_relaxed);
     Status st = ch->SendControl(body);
     if (!st.ok()) {
       MEMBOX_LOG_DEBUG("{}: notice to connection {} failed: {}", opt_.service,
@@ -170,13 +190,18 @@ class ServerImpl final : public Server {
     std::function<void()> task;
     Status why;
     std::shared_ptr<Channel> channel;  // kDisconnect: to be closed
+    Clock::time_point at{};            // kMessage: when it arrived
   };
   struct Conn {
     std::shared_ptr<Channel> channel;
     Clock::time_point connected;
     std::shared_ptr<std::atomic<int64_t>> last_seen;  // Clock ticks
     bool established = false;
+    // Requests handed to the service and not answered yet: id -> arrival
+    // (the latency histogram). Bounded: past the cap, not measured.
+    std::unordered_map<uint64_t, Clock::time_point> pending;
   };
+  static constexpr size_t kMaxMeasured = 1 << 16;
   struct Timer {
     std::chrono::milliseconds period;
     Clock::time_point next;
@@ -268,7 +293,9 @@ class ServerImpl final : public Server {
       Close(id, why);
       return;
     }
-    Push(Event{id, EventType::kMessage, std::move(m), nullptr, {}, {}});
+    bytes_in_.fetch_add(m.size(), std::memory_order_relaxed);
+    Push(Event{
+        id, EventType::kMessage, std::move(m), nullptr, {}, {}, Clock::now()});
   }
 
   void Housekeeping() {
@@ -374,10 +401,18 @@ class ServerImpl final : public Server {
           svc_->OnDisconnect(e.conn, e.why);
           break;
         case EventType::kMessage: {
-          if (!channel(e.conn)) break;  // closed meanwhile
-          requests_++;
           std::span<const uint8_t> body;
           Header h = *Decode(e.bytes, &body);  // checked in OnBytes
+          {
+            MutexLock l(&mu_);
+            auto it = conns_.find(e.conn);
+            if (it == conns_.end()) break;  // closed meanwhile
+            if (h.kind != Kind::kNotice &&
+                it->second.pending.size() < kMaxMeasured) {
+              it->second.pending.emplace(h.id, e.at);
+            }
+          }
+          requests_++;
           Request r;
           r.conn = e.conn;
           r.method = h.method;
@@ -398,6 +433,8 @@ class ServerImpl final : public Server {
   std::vector<std::thread> executors_;
   std::atomic<ConnectionId> next_conn_{1};
   std::atomic<uint64_t> accepted_{0}, requests_{0}, errors_{0}, malformed_{0};
+  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};
+  LatencyHistogram latency_;
 
   mutable Mutex mu_;
   CondVar cv_;
@@ -415,6 +452,32 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options,
   auto s = std::make_unique<ServerImpl>(options, service);
   RETURN_IF_ERROR(s->Init());
   return std::unique_ptr<Server>(std::move(s));
+}
+
+void WriteServerMetrics(const Server& server, const std::string& service,
+                        MetricsWriter& w) {
+  const ServerStats s = server.stats();
+  const MetricsWriter::Labels l = {{"service", service}};
+  w.Gauge("membox_connections", "Connections open now.",
+          static_cast<double>(s.connections), l);
+  w.Counter("membox_connections_accepted_total", "Connections accepted.",
+            static_cast<double>(s.accepted), l);
+  w.Counter("membox_requests_total", "Requests and notices received.",
+            static_cast<double>(s.requests), l);
+  w.Counter("membox_request_errors_total", "Requests answered with an error.",
+            static_cast<double>(s.errors), l);
+  w.Counter("membox_malformed_messages_total",
+            "Messages whose envelope was malformed (their connection closed).",
+            static_cast<double>(s.malformed), l);
+  w.Counter("membox_control_bytes_received_total",
+            "Bytes of control messages received.",
+            static_cast<double>(s.bytes_in), l);
+  w.Counter("membox_control_bytes_sent_total",
+            "Bytes of control messages sent.", static_cast<double>(s.bytes_out),
+            l);
+  w.Histogram("membox_request_latency_seconds",
+              "Request arrival to reply, answered at once or later.",
+              server.latency(), l);
 }
 
 }  // namespace membox::service

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""A real `membox serve` (memory server, parameter proxy, embedding server)
-against what an attacker on the same network can send without the secret.
+"""A real `membox serve` (memory server, parameter proxy, embedding server,
+metrics endpoint) against what an attacker on the same network can send
+without the secret.
 
 Asserts that the daemon listens on nothing but the ports it was given (no
 UCX listener), survives every input of issue 12's findings plus random and
 truncated bytes on every port, keeps serving `membox status` while 2,000
-idle connections are held, and exits 0 on SIGTERM afterwards.
+idle connections are held, drops them after its deadlines (the metrics
+port serves scrapes again then), and exits 0 on SIGTERM afterwards.
 
 Usage: hostile_network_test.py MEMBOX_BIN
 """
@@ -22,13 +24,31 @@ import time
 
 MEMBOX = sys.argv[1]
 IDLE = 2000
+PORTS = 4  # memory server, proxy, embedding server, metrics (HTTP)
+
+
+def scrape(port):
+    """GET /metrics; the page, or "" when it cannot be had."""
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        out = b""
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            out += b
+        s.close()
+        return out.decode(errors="replace")
+    except OSError as e:
+        return ""
 
 
 def free_base_port():
     for _ in range(200):
         base = random.randint(20000, 50000)
         ok = True
-        for p in range(base, base + 3):
+        for p in range(base, base + PORTS):
             s = socket.socket()
             try:
                 s.bind(("127.0.0.1", p))
@@ -96,7 +116,8 @@ def main():
         proc = subprocess.Popen(
             [MEMBOX, "serve", "--listen", f"127.0.0.1:{base}", "--pool-size",
              "64MiB", "--secret-file", secret_file, "--emb-dir",
-             os.path.join(tmp, "emb")], stdout=log, stderr=subprocess.STDOUT)
+             os.path.join(tmp, "emb"), "--metrics-listen",
+             f"127.0.0.1:{base + 3}"], stdout=log, stderr=subprocess.STDOUT)
         up = False
         for _ in range(100):
             if proc.poll() is not None:
@@ -112,7 +133,7 @@ def main():
             proc.kill()
         proc.wait()
         log.close()
-        print(f"daemon did not start on ports {base}..{base + 2} "
+        print(f"daemon did not start on ports {base}..{base + PORTS - 1} "
               f"(attempt {attempt + 1}):\n" +
               open(os.path.join(tmp, "serve.log")).read()[-2000:])
     else:
@@ -120,7 +141,7 @@ def main():
     try:
         # The memory server answers first; the proxy and the embedding
         # server may still be opening their listeners.
-        want = {f"127.0.0.1:{base + i}" for i in range(3)}
+        want = {f"127.0.0.1:{base + i}" for i in range(PORTS)}
         for _ in range(100):
             ports = listening_ports(proc.pid)
             if want <= ports:
@@ -147,7 +168,10 @@ def main():
         for size in [1, 2, 3, 5, 8, 13, 64, 100, 1000, 4096, 65536]:
             for _ in range(3):
                 inputs.append(bytes(rng.getrandbits(8) for _ in range(size)))
-        for port in range(base, base + 3):
+        inputs += [b"GET /" + b"a" * 100000 + b" HTTP/1.1\r\n\r\n",
+                   b"POST /metrics HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n",
+                   b"GET /metrics HTTP/1.1\r\n" + b"X: y\r\n" * 5000]
+        for port in range(base, base + PORTS):
             for data in inputs:
                 send(port, data, read=(data is hello))
         if proc.poll() is not None:
@@ -156,13 +180,16 @@ def main():
         r, _ = status(secret_file, base)
         if r.returncode != 0:
             failures.append("status failed after hostile input: " + r.stderr)
-        print(f"sent {len(inputs)} inputs to each of 3 ports; daemon alive")
+        if "membox_up 1" not in scrape(base + 3):
+            failures.append("metrics scrape failed after hostile input")
+        print(f"sent {len(inputs)} inputs to each of {PORTS} ports; "
+              "daemon alive")
 
         idle = []
         for i in range(IDLE):
             s = socket.socket()
             s.setblocking(True)
-            s.connect(("127.0.0.1", base + i % 3))
+            s.connect(("127.0.0.1", base + i % PORTS))
             idle.append(s)
         print(f"holding {len(idle)} idle connections")
         for attempt in range(3):
@@ -171,11 +198,14 @@ def main():
             if r.returncode != 0:
                 failures.append("status failed while flooded: " + r.stderr)
             time.sleep(1)
-        # Past the handshake deadline the idle ones are gone.
-        time.sleep(5)
+        # Past the handshake deadline (the metrics port: its idle timeout)
+        # the idle ones are gone.
+        time.sleep(11)
         r, took = status(secret_file, base)
         if r.returncode != 0:
             failures.append("status failed after the flood: " + r.stderr)
+        if "membox_up 1" not in scrape(base + 3):
+            failures.append("metrics scrape failed after the flood")
         dropped = 0
         for s in idle:
             s.setblocking(False)

@@ -32,6 +32,7 @@
 #include <memory>
 #include <string>
 
+#include "membox/base/metrics.h"
 #include "membox/base/status.h"
 
 namespace membox::embedding {
@@ -63,6 +64,11 @@ class EmbeddingServer {
   virtual EmbeddingServerStats Stats() const = 0;
   // Per table: rows in memory, pinned, SSD keys/files, write amplification.
   virtual std::string StatusText() const = 0;
+  // Prometheus metrics: requests and rows, per table the memory tier's hits
+  // and misses and the SSD tier's bytes, and the service layer's request
+  // metrics. Any thread but a handler's (per-table figures come from the
+  // event loop).
+  virtual void Metrics(MetricsWriter& w) const = 0;
   // Flushes every table (rows written and synced); returns when durable.
   virtual Status Flush() = 0;
   // Flushes, then stops. Idempotent.

@@ -23,6 +23,7 @@
 #include <memory>
 #include <string>
 
+#include "membox/base/metrics.h"
 #include "membox/base/status.h"
 
 namespace membox::memserver {
@@ -82,6 +83,9 @@ class Server {
   virtual ServerStats Stats() const = 0;
   // Human-readable status (what `membox status` prints).
   virtual std::string StatusText() const = 0;
+  // Prometheus metrics: pool use, segments, clients, accumulates, one-sided
+  // traffic, and the service layer's request metrics. Any thread.
+  virtual void Metrics(MetricsWriter& w) const = 0;
   // Stops accepting, releases every client, frees the pool. Idempotent.
   virtual void Stop() = 0;
 };

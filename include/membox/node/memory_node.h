@@ -8,6 +8,9 @@
 // sparse store's memory and SSD tiers). Each service has its own listener
 // (service::Server), all with the node's one secret and transports.
 //
+// With `metrics_listen`, the node also serves every service's metrics in
+// the Prometheus text format over HTTP (metrics_endpoint.h).
+//
 // Start starts them in that order and, when one fails, stops the ones
 // already running before it returns the error (naming the service). Stop
 // stops them in reverse: the embedding server first (its final flush makes
@@ -25,6 +28,7 @@
 #include "membox/base/status.h"
 #include "membox/embedding/server.h"
 #include "membox/memserver/server.h"
+#include "membox/node/metrics_endpoint.h"
 #include "membox/ps/proxy.h"
 
 namespace membox::node {
@@ -37,6 +41,9 @@ struct MemoryNodeOptions {
   memserver::ServerOptions memory;
   std::optional<ps::ProxyOptions> proxy;                       // unset: none
   std::optional<embedding::EmbeddingServerOptions> embedding;  // unset: none
+  // "host:port": serve Prometheus metrics of every service at
+  // http://host:port/metrics (metrics_endpoint.h). Empty: no such port.
+  std::string metrics_listen;
 };
 
 class MemoryNode {
@@ -50,8 +57,16 @@ class MemoryNode {
   ps::Proxy* proxy() { return proxy_.get(); }  // may be null
   embedding::EmbeddingServer* embedding() { return embedding_.get(); }
 
-  // "memory node h:p, parameter proxy h:p, embedding server h:p".
+  // "memory node h:p, parameter proxy h:p, embedding server h:p[, metrics
+  // http://h:p/metrics]".
   std::string Describe() const;
+  // Every service's metrics, in the Prometheus text format (what the
+  // metrics endpoint serves). Any thread.
+  std::string MetricsText() const;
+  // "host:port" of the metrics endpoint; empty when none.
+  std::string metrics_endpoint() const {
+    return metrics_ ? metrics_->endpoint() : "";
+  }
 
   // Idempotent.
   void Stop();
@@ -61,6 +76,7 @@ class MemoryNode {
   std::unique_ptr<memserver::Server> memory_;
   std::unique_ptr<ps::Proxy> proxy_;
   std::unique_ptr<embedding::EmbeddingServer> embedding_;
+  std::unique_ptr<MetricsEndpoint> metrics_;  // stopped first
   bool stopped_ = false;
 };
 

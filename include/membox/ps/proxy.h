@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "membox/base/metrics.h"
 #include "membox/base/status.h"
 
 namespace membox::ps {
@@ -90,6 +91,9 @@ class Proxy {
   virtual std::string endpoint() const = 0;
   virtual ProxyStats Stats() const = 0;
   virtual std::string StatusText() const = 0;
+  // Prometheus metrics: rounds, bytes, keys, storage, workers, queued and
+  // waiting rounds, and the service layer's request metrics. Any thread.
+  virtual void Metrics(MetricsWriter& w) const = 0;
   // Snapshots now and writes <checkpoint_dir>/proxy-<rank>-<name>; returns
   // when written.
   virtual Status Checkpoint(const std::string& name) = 0;

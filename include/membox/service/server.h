@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "membox/base/metrics.h"
 #include "membox/base/status.h"
 #include "membox/service/envelope.h"
 #include "membox/transport/device.h"
@@ -88,6 +89,9 @@ struct ServerOptions {
 struct ServerStats {
   uint64_t connections = 0;  // open now
   uint64_t accepted = 0, requests = 0, errors = 0, malformed = 0;
+  // Envelope bytes of control messages (requests and notices in; replies
+  // and notices out). RMA transfers are the services' own to count.
+  uint64_t bytes_in = 0, bytes_out = 0;
 };
 
 class Server {
@@ -99,6 +103,10 @@ class Server {
   virtual std::string endpoint() const = 0;
   virtual transport::Device& device() = 0;
   virtual ServerStats stats() const = 0;
+  // Request latency: arrival to reply, whether the service answered at once
+  // or later (a parameter round waits for every worker). Notices and
+  // requests never answered are not in it.
+  virtual const LatencyHistogram& latency() const = 0;
 
   // Answers request (method, id) of `conn`. An ok status sends `body` (a
   // NewMessage buffer, service body appended); an error sends its message.
@@ -142,6 +150,12 @@ class Server {
   // (OnStart) in between. Idempotent; not from a handler.
   virtual void Stop() = 0;
 };
+
+// Adds the server's metrics (connections, requests, errors, malformed
+// messages, control bytes, the request latency histogram) labelled
+// service="<service>" to `w`. Any thread.
+void WriteServerMetrics(const Server& server, const std::string& service,
+                        MetricsWriter& w);
 
 }  // namespace membox::service
 
