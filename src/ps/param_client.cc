@@ -932,6 +932,36 @@ class ParamClientImpl final : public ParamClient {
 
 }  // namespace
 
+Result<std::string> QueryProxyStatus(const std::string& endpoint,
+                                     const std::string& secret,
+                                     std::chrono::milliseconds timeout) {
+  transport::DeviceOptions d;
+  d.secret = secret;
+  d.name = "membox-status";
+  ASSIGN_OR_RETURN(auto device, transport::Device::Create(d));
+  service::ClientOptions co;
+  co.node_kind = "proxy";
+  co.name = "proxy at " + endpoint;
+  ASSIGN_OR_RETURN(auto client,
+                   service::Client::Connect(*device, endpoint, co));
+  Message h;
+  h.type = Type::kHello;
+  h.name = "membox-status";
+  h.world = 0;  // an observer
+  RETURN_IF_ERROR(
+      client
+          ->Call(static_cast<uint16_t>(Type::kHello), proto::Encode(h), timeout)
+          .status());
+  Message q;
+  q.type = Type::kStats;
+  ASSIGN_OR_RETURN(auto body, client->Call(static_cast<uint16_t>(Type::kStats),
+                                           proto::Encode(q), timeout));
+  ASSIGN_OR_RETURN(Message r,
+                   proto::Decode(static_cast<uint16_t>(Type::kReply), body));
+  client.reset();
+  return r.text;
+}
+
 Result<std::unique_ptr<ParamClient>> ParamClient::Connect(
     const ParamClientOptions& options) {
   auto c = std::make_unique<ParamClientImpl>(options);

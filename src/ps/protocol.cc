@@ -188,8 +188,10 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
     case Type::kHello:
     case Type::kPeerHello:
       ok = GetStr(r, &m.name, kMaxName) && r.U32(&m.rank) && r.U32(&m.world);
+      // world 0 (rank 0): an observer, which may only ask for kStats.
       if (ok && m.type == Type::kHello)
-        ok = m.world >= 1 && m.world <= kMaxWorld && m.rank < m.world;
+        ok = m.world <= kMaxWorld &&
+             (m.world == 0 ? m.rank == 0 : m.rank < m.world);
       if (ok && m.type == Type::kPeerHello) ok = m.rank < kMaxProxies;
       break;
     case Type::kRegion:

@@ -119,7 +119,8 @@ struct RouteEntry {
 struct Conn {
   std::shared_ptr<Channel> channel;
   std::vector<RouteEntry> routes;
-  enum class Role { kUnknown, kClient, kPeer } role = Role::kUnknown;
+  // kObserver: `membox status` (a hello with world 0), kStats only.
+  enum class Role { kUnknown, kClient, kPeer, kObserver } role = Role::kUnknown;
   uint32_t rank = 0;
   std::string name;
   std::map<uint64_t, std::shared_ptr<RemoteMemRegion>> regions;
@@ -170,12 +171,12 @@ class ProxyImpl final : public Proxy, public service::Service {
     }
     server_ = std::move(*server);
     endpoint_ = server_->endpoint();
-    if (opt_.hang_report.count() > 0) {
-      server_->Every(
-          std::clamp(opt_.hang_report / 4, std::chrono::milliseconds(10),
-                     std::chrono::milliseconds(1000)),
-          [this] { ReportWaits(); });
-    }
+    server_->Every(
+        opt_.hang_report.count() > 0
+            ? std::clamp(opt_.hang_report / 4, std::chrono::milliseconds(10),
+                         std::chrono::milliseconds(1000))
+            : std::chrono::milliseconds(1000),
+        [this] { ReportWaits(); });
     MEMBOX_LOG_INFO("parameter proxy {}/{} listening on {} ({} scheduler)",
                     opt_.rank, nproxies_, endpoint_,
                     opt_.scheduler == Scheduler::kPerClientQueues
@@ -470,11 +471,32 @@ class ProxyImpl final : public Proxy, public service::Service {
   }
 
   // Logs every round (and pull) waiting longer than hang_report, once per
-  // period each, and keeps the explanation for StatusText().
+  // period each, and keeps the explanation -- with a summary of the job:
+  // workers, versions -- for StatusText().
   void ReportWaits() {
     const auto now = Clock::now();
     const auto limit = opt_.hang_report;
     std::string text;
+    {
+      std::string workers;
+      for (const auto& [id, c] : conns_) {
+        if (c.role != Conn::Role::kClient) continue;
+        workers += " " + std::to_string(c.rank) + " (" + c.name + ")";
+      }
+      uint64_t lo = UINT64_MAX, hi = 0;
+      for (const auto& [k, key] : keys_) {
+        for (const auto& sh : key.shards) {
+          lo = std::min(lo, sh.version);
+          hi = std::max(hi, sh.version);
+        }
+      }
+      text += "world " + std::to_string(world_) + "\nworkers" +
+              (workers.empty() ? " none" : workers) + "\n";
+      if (hi >= lo) {
+        text +=
+            "versions " + std::to_string(lo) + ".." + std::to_string(hi) + "\n";
+      }
+    }
     size_t n = 0;
     auto secs = [&](Clock::time_point t) {
       return fmt::format("{:.1f}",
@@ -487,7 +509,10 @@ class ProxyImpl final : public Proxy, public service::Service {
         for (const auto& p : sh.pulls) {
           if (since == Clock::time_point{} || p.since < since) since = p.since;
         }
-        if (since == Clock::time_point{} || now - since < limit) continue;
+        if (limit.count() == 0 || since == Clock::time_point{} ||
+            now - since < limit) {
+          continue;
+        }
         std::string line = ExplainShard(k, s);
         if (sh.pushes.empty() && !sh.pulls.empty()) {
           line += "; " + std::to_string(sh.pulls.size()) +
@@ -546,6 +571,11 @@ class ProxyImpl final : public Proxy, public service::Service {
       case Type::kDone:
         if (c.role != Conn::Role::kPeer) break;
         return OnPeerNotice(*m);
+      case Type::kStats:
+        if (c.role != Conn::Role::kClient && c.role != Conn::Role::kObserver)
+          break;
+        ReportWaits();  // fresh lines
+        return Reply(conn, m->type, m->id, Status::Ok(), 0, StatusText());
       default:
         if (c.role != Conn::Role::kClient) break;
         return OnClientMessage(conn, c, std::move(*m));
@@ -568,6 +598,13 @@ class ProxyImpl final : public Proxy, public service::Service {
       }
       c.role = Conn::Role::kPeer;
       c.rank = m.rank;
+      server_->Establish(conn);
+      Reply(conn, m.type, m.id, Status::Ok());
+      return;
+    }
+    if (m.world == 0) {  // an observer: not part of the job
+      c.role = Conn::Role::kObserver;
+      c.name = m.name;
       server_->Establish(conn);
       Reply(conn, m.type, m.id, Status::Ok());
       return;
@@ -785,9 +822,6 @@ class ProxyImpl final : public Proxy, public service::Service {
                         });
         return;
       }
-      case Type::kStats:
-        if (opt_.hang_report.count() > 0) ReportWaits();  // fresh lines
-        return Reply(conn, m.type, m.id, Status::Ok(), 0, StatusText());
       default:
         return Reply(conn, m.type, m.id,
                      InvalidArgumentError("unexpected message"));

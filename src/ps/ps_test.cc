@@ -705,6 +705,19 @@ TEST(PsTest, AHungRoundSaysWhoItWaitsFor) {
   }
   EXPECT_TRUE(worker_said);
   EXPECT_FALSE(h.done());
+  // `membox status` asks as an observer: it sees the wait and the workers,
+  // and is not counted as one.
+  auto seen = QueryProxyStatus(c.endpoints[0], kSecret, 5s);
+  ASSERT_TRUE(seen.ok()) << seen.status().ToString();
+  EXPECT_NE(seen->find("workers 0 (worker-0) 1 (worker-1)\n"),
+            std::string::npos)
+      << *seen;
+  EXPECT_NE(seen->find("waiting for ranks 1 (worker-1)"), std::string::npos)
+      << *seen;
+  EXPECT_EQ(c.proxies[0]->Stats().clients, 2u);
+  EXPECT_EQ(
+      QueryProxyStatus(c.endpoints[0], "a-wrong-secret", 5s).status().code(),
+      StatusCode::kUnauthenticated);
   auto h1 = w1->PushPull(5, in1.data(), out1.data());
   ASSERT_TRUE(h.Wait(10s).ok());
   ASSERT_TRUE(h1.Wait(10s).ok());

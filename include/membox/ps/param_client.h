@@ -176,6 +176,13 @@ class ParamClient {
   virtual int num_proxies() const = 0;
 };
 
+// The status text of the proxy at `endpoint` (what `membox status` shows):
+// connects as an observer -- not a worker of any job, allowed nothing but
+// this question -- asks once and disconnects.
+Result<std::string> QueryProxyStatus(const std::string& endpoint,
+                                     const std::string& secret,
+                                     std::chrono::milliseconds timeout);
+
 }  // namespace membox::ps
 
 #endif  // MEMBOX_PS_PARAM_CLIENT_H_
