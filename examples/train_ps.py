@@ -4,7 +4,9 @@ memory nodes hold the weights and run SGD with momentum; workers push
 gradients and pull weights (synchronously, or --mode async on one node with
 an optional --staleness bound). A checkpoint is written on every memory
 node after each epoch; started under `membox launch --resume`, training
-continues from the last one.
+continues from the last one. Under `membox launch --max-restarts N`, a
+worker set restarted after a failure continues from the memory nodes'
+current state: at the step their version says, no round lost or repeated.
 
     membox launch --nodes 2 --workers 2 --checkpoint-dir /tmp/ck -- \
         /usr/bin/python3 examples/train_ps.py --epochs 4
@@ -47,19 +49,21 @@ def main():
                             staleness=a.staleness, optimizer="sgd", lr=0.1,
                             momentum=0.9, client=client)
     steps = (len(train) // world) // a.batch
-    first_epoch = 0
-    if os.environ.get("MEMBOX_RESUMED"):  # set by `membox launch --resume`
+    first_epoch, first_step = 0, 0
+    if os.environ.get("MEMBOX_RESUMED"):  # membox launch --resume / restarts
         # Versions count rounds (synchronous) or single pushes (async).
-        per_epoch = steps * (world if a.mode == "async" else 1)
-        first_epoch = ps.version // per_epoch
-    if rank == 0 and first_epoch > 0:
-        print(f"resumed from checkpoint at epoch {first_epoch} "
-              f"(version {ps.version})", flush=True)
+        per_step = world if a.mode == "async" else 1
+        first_epoch = ps.version // (steps * per_step)
+        first_step = (ps.version % (steps * per_step)) // per_step
+    if rank == 0 and (first_epoch or first_step):
+        print(f"resumed at epoch {first_epoch + 1} step {first_step} "
+              f"(version {ps.version}, restart "
+              f"{os.environ.get('MEMBOX_RESTART', '0')})", flush=True)
     loss_fn = nn.CrossEntropyLoss()
     for epoch in range(first_epoch, a.epochs):
         order = np.random.RandomState(epoch + 1).permutation(train)[rank::world]
         losses, t0 = [], time.perf_counter()
-        for i in range(steps):
+        for i in range(first_step if epoch == first_epoch else 0, steps):
             idx = torch.tensor(order[i * a.batch:(i + 1) * a.batch])
             model.zero_grad()
             loss = loss_fn(model(x[idx]), y[idx])

@@ -15,6 +15,16 @@ exit status is non-zero; when all workers succeed, the nodes are stopped
 and the status is 0. --checkpoint-dir makes the nodes write checkpoints
 there; --resume restarts them from the last one.
 
+With --max-restarts N, a failed worker does not end the job: the launcher
+stops the other workers and starts the whole worker set again (up to N
+times; MEMBOX_RESTART=k, MEMBOX_RESUMED=1), while the memory nodes keep
+running with everything they hold. A job on the explicit parameter server
+(membox.torch.ParameterServer) continues from the nodes' current weights,
+optimizer state and version -- no disk, no lost round (examples/
+train_ps.py resumes at ps.version). A DDP job's weights live in its
+workers: it continues from its last membox.torch.save_checkpoint
+(load_checkpoint returns it after a restart).
+
 Across hosts, start `membox serve` on the memory hosts yourself and run the
 workers with your launcher of choice, letting `membox launch --attach`
 translate its environment (mpirun's OMPI_COMM_WORLD_*, Slurm's SLURM_*,
@@ -163,6 +173,9 @@ def main(argv=None):
                     "for torch.distributed")
     ap.add_argument("--embedding-nodes", default="", help="--attach: the "
                     "memory nodes' embedding servers, host:port,...")
+    ap.add_argument("--max-restarts", type=int, default=0,
+                    help="restart the worker set this many times when a "
+                    "worker fails; the memory nodes keep their state")
     ap.add_argument("--emb-budget", default="256MiB",
                     help="memory tier of each embedding table per node")
     ap.add_argument("command", nargs=argparse.REMAINDER)
@@ -255,12 +268,22 @@ def main(argv=None):
         if a.resume:
             env["MEMBOX_RESUMED"] = "1"
         _with_package(env)
-        workers = []
-        for r in range(a.workers):
-            e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
-            workers.append(Proc("worker", r, cmd, e, lock))
-        procs.extend(workers)
         nodes = procs[:a.nodes]
+        workers = []
+        restarts = 0
+
+        def start_workers():
+            if restarts:
+                env["MEMBOX_RESTART"] = str(restarts)
+                env["MEMBOX_RESUMED"] = "1"
+                env["MASTER_PORT"] = str(free_port())  # the old store may linger
+            for r in range(a.workers):
+                e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+                w = Proc("worker", r, cmd, e, lock)
+                workers.append(w)
+                procs.append(w)
+
+        start_workers()
         while True:
             for n in nodes:
                 if n.p.poll() is not None:
@@ -274,10 +297,38 @@ def main(argv=None):
                         time.sleep(0.1)
                     return shutdown(1, f"memory {n.name} died")
             failed = [w for w in workers if w.p.poll() not in (None, 0)]
+            if failed and restarts < a.max_restarts:
+                w = failed[0]
+                restarts += 1
+                t0 = time.time()
+                with lock:
+                    print(f"membox launch: {w.name} failed (exit status "
+                          f"{w.p.returncode}); restarting the workers "
+                          f"(restart {restarts} of {a.max_restarts}); the "
+                          f"memory nodes keep their state", flush=True)
+                for x in workers:
+                    x.stop()
+                deadline = time.time() + 10
+                for x in workers:
+                    try:
+                        x.p.wait(timeout=max(0.1, deadline - time.time()))
+                    except subprocess.TimeoutExpired:
+                        x.stop(signal.SIGKILL)
+                        x.p.wait()
+                    x.t.join(timeout=5)
+                    procs.remove(x)
+                workers.clear()
+                start_workers()
+                with lock:
+                    print(f"membox launch: workers restarted in "
+                          f"{time.time() - t0:.2f} s", flush=True)
+                continue
             if failed:
                 w = failed[0]
-                return shutdown(1, f"{w.name} failed (exit status "
-                                   f"{w.p.returncode})")
+                why = f"{w.name} failed (exit status {w.p.returncode})"
+                if a.max_restarts:
+                    why += f" after {restarts} restart(s)"
+                return shutdown(1, why)
             if all(w.p.poll() == 0 for w in workers):
                 for w in workers:
                     w.t.join(timeout=5)

@@ -46,6 +46,10 @@ PsHandle Failed(const Status& s, std::function<void(const Status&)> cb) {
   return PsHandle(st);
 }
 
+// How long a hello keeps retrying while a proxy closes a previous run's
+// connections (a restarted worker set).
+constexpr auto kRejoinWindow = std::chrono::seconds(20);
+
 struct KeyInfo {
   uint64_t bytes = 0;
   DType dtype = DType::kFloat32;
@@ -190,10 +194,33 @@ class ParamClientImpl final : public ParamClient {
       h.name = opt_.name;
       h.rank = static_cast<uint32_t>(opt_.rank);
       h.world = static_cast<uint32_t>(opt_.world);
-      RETURN_IF_ERROR(link.client
-                          ->Call(static_cast<uint16_t>(Type::kHello),
-                                 proto::Encode(h), opt_.timeout)
-                          .status());
+      // A restarted worker set (membox launch --max-restarts) may say hello
+      // before the proxy has seen the previous run's connections close: it
+      // answers ALREADY_EXISTS (this rank is still connected) or ABORTED
+      // (the failed job is being torn down) until then. Retry for a while.
+      const auto give_up = Clock::now() + kRejoinWindow;
+      for (bool told = false;;) {
+        Status st = link.client
+                        ->Call(static_cast<uint16_t>(Type::kHello),
+                               proto::Encode(h), opt_.timeout)
+                        .status();
+        const bool stale = st.code() == StatusCode::kAlreadyExists ||
+                           st.code() == StatusCode::kAborted;
+        if (st.ok() || !stale || Clock::now() >= give_up) {
+          RETURN_IF_ERROR(st);
+          break;
+        }
+        if (!told) {
+          told = true;
+          MEMBOX_LOG_INFO(
+              "proxy {} is still closing the previous run ({}); retrying "
+              "for up to {} s",
+              i, st.ToString(),
+              std::chrono::duration_cast<std::chrono::seconds>(kRejoinWindow)
+                  .count());
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
       proxies_.push_back(std::move(link));
     }
     progress_ = [this] { device_->Progress(); };

@@ -680,6 +680,22 @@ class ProxyImpl final : public Proxy, public service::Service {
       mode_ = proto::Mode::kSum;
       staleness_ = 0;
       for (auto& [k, key] : keys_) {
+        // A job that failed mid-round may leave a key's shards one round
+        // apart (some completed it). The next job counts one round per key:
+        // the shards behind skip to the newest version (that round's update
+        // of them is lost, and said so).
+        uint64_t lo = UINT64_MAX, hi = 0;
+        for (const auto& sh : key.shards) {
+          lo = std::min(lo, sh.version);
+          hi = std::max(hi, sh.version);
+        }
+        if (!key.shards.empty() && lo != hi && !key.striped) {
+          MEMBOX_LOG_WARN(
+              "key {}: the job ended with its shards at versions {}..{}; "
+              "the shards behind skip to {} (their last round is lost)",
+              k, lo, hi, hi);
+          for (auto& sh : key.shards) sh.version = hi;
+        }
         key.awaiting_init = false;
         key.declared = false;  // the next job's first declaration decides
         for (auto& sh : key.shards) {
@@ -716,8 +732,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   // everybody waiting instead of letting them hang.
   void FailPendingRounds(const std::string& who) {
     dead_worker_ = who +
-                   "; the synchronous job cannot continue (restart "
-                   "from a checkpoint)";
+                   "; the synchronous job cannot continue (membox launch "
+                   "--max-restarts restarts the workers from this node's "
+                   "state; or restart from a checkpoint)";
     Status s = AbortedError(dead_worker_);
     for (auto& [k, key] : keys_) {
       for (auto& sh : key.shards) {
