@@ -33,7 +33,14 @@ for kill_at in 3 9; do
   done
   victim=$(pgrep -f -- "--out $out" | tail -1)
   [[ -n $victim ]] || { cat "$log"; echo "FAIL: no worker to kill"; exit 1; }
+  t0=$(date +%s.%N)
   kill -9 "$victim"
+  # Recovery: from the kill to the restarted workers' first step.
+  for _ in $(seq 1500); do
+    grep -q "resumed at epoch" "$log" && break
+    sleep 0.02
+  done
+  recovery=$("$py" -c "import time; print(round(time.time() - $t0, 2))")
   wait "$launch"
   rc=$?
   [[ $rc == 0 ]] || { grep -v "^\[node" "$log" | tail -30; echo "FAIL: launch exit $rc after a restart"; exit 1; }
@@ -43,6 +50,6 @@ for kill_at in 3 9; do
   n=$(wc -l <"$out")
   [[ $n == "$epochs" ]] || { cat "$out"; echo "FAIL: $n epoch records, want $epochs"; exit 1; }
   [[ $got == "$want" ]] || { echo "FAIL: final (loss accuracy) $got, undisturbed run $want"; exit 1; }
-  echo "kill after epoch $kill_at: $(grep -h 'resumed at\|restarted in' "$log" | sed 's/^\[worker 0\] //' | tr '\n' ';') final $got"
+  echo "kill after epoch $kill_at: recovered in ${recovery} s; $(grep -h 'resumed at\|restarted in' "$log" | sed 's/^\[worker 0\] //' | tr '\n' ';') final $got"
 done
 echo "PASS: both restarted jobs ended with the undisturbed run's loss and accuracy ($want)"
