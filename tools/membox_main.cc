@@ -94,6 +94,7 @@ membox::Result<std::string> ServiceListen(const std::string& ps_listen,
 struct EmbeddingFlags {
   std::string listen = "auto", dir, budget = "1GiB", file_size = "64MiB";
   int flush_interval_ms = 10000;
+  std::string push_log = "on";
 };
 
 int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
@@ -158,6 +159,7 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
     eo.budget_bytes = *eb;
     eo.file_bytes = *efs;
     eo.flush_interval = std::chrono::milliseconds(ef.flush_interval_ms);
+    eo.push_log = ef.push_log == "on";
     no.embedding = eo;
   }
   no.metrics_listen = metrics_listen;
@@ -395,6 +397,11 @@ int main(int argc, char** argv) {
                     "size of the SSD tier's parameter files");
   serve->add_option("--emb-flush-interval-ms", eflags.flush_interval_ms,
                     "write and sync changed rows this often (0: on request)");
+  serve
+      ->add_option("--emb-push-log", eflags.push_log,
+                   "on (default): a push is durable when acknowledged (logged "
+                   "and synced before the reply); off: after the next flush")
+      ->check(CLI::IsMember({"on", "off"}));
   std::string metrics_listen;
   serve->add_option("--metrics-listen", metrics_listen,
                     "serve Prometheus metrics at http://HOST:PORT/metrics "

@@ -76,14 +76,16 @@ Result<ServerProcess> ServerProcess::Start(uint64_t pool_bytes,
 int ServerProcess::FreePort() { return PickFreeLocalPort(); }
 
 Result<ServerProcess> ServerProcess::StartEmbeddingNode(
-    const std::string& dir, uint64_t budget, const std::string& secret) {
+    const std::string& dir, uint64_t budget, const std::string& secret,
+    bool push_log) {
   ServerProcess s;
   static int n = 0;
   RETURN_IF_ERROR(
       s.Spawn(secret, "-emb-" + std::to_string(n++),
               {"--pool-size", "16MiB", "--ps-listen", "off", "--emb-listen",
                "127.0.0.1:0", "--emb-dir", dir, "--emb-budget",
-               std::to_string(budget), "--emb-flush-interval-ms", "0"}));
+               std::to_string(budget), "--emb-flush-interval-ms", "0",
+               "--emb-push-log", push_log ? "on" : "off"}));
   ASSIGN_OR_RETURN(s.embedding_endpoint_, s.AwaitService("embedding server"));
   return s;
 }

@@ -37,7 +37,8 @@ class ServerProcess {
   // with `budget` bytes of memory tier each; embedding_endpoint() is set.
   static Result<ServerProcess> StartEmbeddingNode(const std::string& dir,
                                                   uint64_t budget,
-                                                  const std::string& secret);
+                                                  const std::string& secret,
+                                                  bool push_log = true);
   ServerProcess(ServerProcess&& o) noexcept;
   ServerProcess& operator=(ServerProcess&&) = delete;
   ~ServerProcess();

@@ -30,6 +30,7 @@
 #include "membox/transport/device.h"
 
 #include "src/embedding/protocol.h"
+#include "src/embedding/push_log.h"
 
 namespace membox::embedding {
 namespace {
@@ -66,6 +67,21 @@ Status WriteFileAtomically(const std::string& dir, const std::string& name,
 std::string TableFileText(const TableConfig& c) {
   return std::string(kTableFileMagic) + "\ndim " + std::to_string(c.dim) +
          "\noptimizer " + RowOptimizerName(c.optimizer) + "\n";
+}
+
+// The row layout a TABLE file records (dim, optimizer), for replaying a
+// push log before any client has opened the table.
+Result<TableConfig> ParseTableFile(const std::string& text) {
+  std::istringstream in(text);
+  std::string magic, dim_word, opt_word, opt_name;
+  TableConfig c;
+  if (!std::getline(in, magic) || magic != kTableFileMagic ||
+      !(in >> dim_word >> c.dim >> opt_word >> opt_name) || dim_word != "dim" ||
+      opt_word != "optimizer" || c.dim == 0) {
+    return DataLossError("not a membox TABLE file");
+  }
+  ASSIGN_OR_RETURN(c.optimizer, ParseRowOptimizer(opt_name));
+  return c;
 }
 
 struct Table {
@@ -107,6 +123,13 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     if (ec) {
       return InternalError("cannot create " + opt_.dir + ": " + ec.message());
     }
+    if (opt_.push_log) {
+      // Pushes acknowledged before a crash are in the log: into the SSD
+      // tiers with them before anyone can pull.
+      RETURN_IF_ERROR(ReplayPushLog());
+      ASSIGN_OR_RETURN(log_, PushLog::Open(PushLogPath()));
+      RETURN_IF_ERROR(log_->Truncate());
+    }
     service::ServerOptions so;
     so.device.listen_address = opt_.listen;
     so.device.transports = opt_.transports;
@@ -145,6 +168,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     s.rows_pushed = rows_pushed_.load();
     s.flushes = flushes_.load();
     s.rejected = rejected_.load();
+    s.log_appends = log_appends_.load();
+    s.log_bytes = log_bytes_.load();
+    s.log_sync_seconds = log_sync_ns_.load() * 1e-9;
+    s.log_syncs = log_syncs_.load();
     return s;
   }
 
@@ -169,6 +196,17 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
               static_cast<double>(s.rows_pulled));
     w.Counter("membox_embedding_rows_pushed_total", "Rows pushed.",
               static_cast<double>(s.rows_pushed));
+    w.Counter("membox_embedding_push_log_appends_total",
+              "Pushes made durable in the push log before their reply.",
+              static_cast<double>(s.log_appends));
+    w.Gauge("membox_embedding_push_log_bytes",
+            "Bytes in the push log (emptied by every flush).",
+            static_cast<double>(s.log_bytes));
+    w.Counter("membox_embedding_push_log_syncs_total",
+              "fdatasync calls of the push log (one per group of pushes).",
+              static_cast<double>(s.log_syncs));
+    w.Counter("membox_embedding_push_log_sync_seconds_total",
+              "Time spent in fdatasync of the push log.", s.log_sync_seconds);
     struct Table {
       std::string name;
       MemTierStats mem;
@@ -281,6 +319,15 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         break;
       case Type::kPush:
         s = Push(c, m);
+        if (s.ok() && log_) {
+          // Answered once the log is synced: one fdatasync for every push
+          // queued before the sync task runs (group commit).
+          unsynced_.push_back({r.conn, r.method, r.id, proto::Encode(reply)});
+          if (!sync_posted_) {
+            sync_posted_ = server_->Post([this] { SyncPushLog(); });
+          }
+          return;
+        }
         break;
       case Type::kRelease:
         s = ReleaseBatch(c, m.table_id, m.batch);
@@ -487,20 +534,45 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       }
       tables.push_back(t);
     }
+    PushLogRecord logged;
     for (size_t k = 0; k < m.sections.size(); ++k) {
       const proto::Section& s = m.sections[k];
       Table* t = tables[k];
       const uint32_t d = t->config.dim;
       const uint32_t rf = t->config.row_floats();
+      const uint32_t rb = t->config.row_bytes();
+      PushLogSection* ls = nullptr;
+      if (log_) {
+        ls = &logged.emplace_back();
+        ls->table = t->config.name;
+        ls->row_bytes = rb;
+        ls->keys.assign(s.keys.begin(), s.keys.end());
+        ls->rows.resize(s.keys.size() * size_t{rb});
+      }
       RETURN_IF_ERROR(t->mem->ForEachRow(
           s.keys,
           [&](size_t i, uint8_t* row) {
             ApplyGradient(t->config, {reinterpret_cast<float*>(row), rf},
                           {s.values.data() + i * d, d});
+            if (ls) std::memcpy(ls->rows.data() + i * rb, row, rb);
           },
           /*changes=*/true));
       rows_pushed_ += s.keys.size();
       t->rows_pushed += s.keys.size();
+    }
+    if (log_) {
+      // The reply is the acknowledgement: the new rows are written to the
+      // log now and synced (with the other pushes queued meanwhile) before
+      // OnRequest's caller answers (SyncPushLog).
+      Status st = log_->Write(logged);
+      log_appends_.store(log_->appends());
+      log_bytes_.store(log_->bytes());
+      if (!st.ok()) {
+        MEMBOX_LOG_ERROR("push log: {}", st.ToString());
+        return UnavailableError(
+            "the push was applied in memory but could not be made durable (" +
+            st.ToString() + "); it is not acknowledged");
+      }
     }
     pushes_++;
     for (const proto::Section& s : m.sections) {
@@ -532,6 +604,13 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       stores.push_back(t->ssd.get());
     }
     flushes_++;
+    if (log_) {
+      // Every logged row is in the SSD tiers now: the log can go, and the
+      // pushes waiting for its sync are durable.
+      RETURN_IF_ERROR(log_->Truncate());
+      log_bytes_.store(log_->bytes());
+      AnswerUnsynced(Status::Ok());
+    }
     {
       MutexLock l(&compact_mu_);
       compact_queue_ = std::move(stores);
@@ -566,7 +645,12 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     o << "embedding server at " << endpoint() << " (" << opt_.dir << ")\n"
       << "clients " << n_clients_.load() << "\npulls " << pulls_.load()
       << "\npushes " << pushes_.load() << "\nflushes " << flushes_.load()
-      << "\nrejected " << rejected_.load() << "\n";
+      << "\nrejected " << rejected_.load() << "\npush_log "
+      << (log_ ? "on appends " + std::to_string(log_appends_.load()) +
+                     " syncs " + std::to_string(log_syncs_.load()) + " bytes " +
+                     std::to_string(log_bytes_.load())
+               : std::string("off"))
+      << "\n";
     for (auto& t : tables_) {
       MemTierStats ms = t->mem->Stats();
       SsdStats ss = t->ssd->Stats();
@@ -584,7 +668,101 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     return o.str();
   }
 
+  std::string PushLogPath() const { return opt_.dir + "/PUSHLOG"; }
+
+  // Syncs the push log and answers the pushes it made durable.
+  void SyncPushLog() {
+    sync_posted_ = false;
+    if (unsynced_.empty()) return;
+    Status st = log_->Sync();
+    log_sync_ns_.store(static_cast<uint64_t>(log_->sync_seconds() * 1e9));
+    log_syncs_.store(log_->syncs());
+    if (!st.ok()) MEMBOX_LOG_ERROR("push log: {}", st.ToString());
+    AnswerUnsynced(st.ok() ? st
+                           : UnavailableError(
+                                 "the push was applied in memory but could "
+                                 "not be made durable (" +
+                                 st.ToString() + "); it is not acknowledged"));
+  }
+
+  void AnswerUnsynced(const Status& st) {
+    for (auto& a : unsynced_) {
+      if (st.ok()) {
+        server_->Reply(a.conn, a.method, a.id, st, std::move(a.body));
+      } else {
+        rejected_++;
+        server_->Reply(a.conn, a.method, a.id, st, {});
+      }
+    }
+    unsynced_.clear();
+  }
+
+  // Applies the records of a push log left by a crash to the tables' SSD
+  // tiers, in order, and syncs them. A table named in the log must exist
+  // in the directory with the row size the log says.
+  Status ReplayPushLog() {
+    std::vector<PushLogRecord> records;
+    uint64_t cut = 0;
+    RETURN_IF_ERROR(PushLog::Read(PushLogPath(), &records, &cut));
+    if (records.empty() && cut == 0) return Status::Ok();
+    std::map<std::string, std::unique_ptr<SsdStore>> stores;
+    uint64_t rows = 0;
+    for (const PushLogRecord& rec : records) {
+      for (const PushLogSection& s : rec) {
+        auto it = stores.find(s.table);
+        if (it == stores.end()) {
+          const std::string dir = opt_.dir + "/" + s.table;
+          std::ifstream in(dir + "/TABLE");
+          std::stringstream text;
+          text << in.rdbuf();
+          auto cfg = ParseTableFile(text.str());
+          if (!in || !cfg.ok()) {
+            return DataLossError(
+                PushLogPath() + " holds pushes to table '" + s.table +
+                "', whose " + dir + "/TABLE is missing or unreadable" +
+                (cfg.ok() ? std::string() : ": " + cfg.status().ToString()));
+          }
+          if (cfg->row_bytes() != s.row_bytes) {
+            return DataLossError(
+                PushLogPath() + ": rows of table '" + s.table + "' are " +
+                std::to_string(s.row_bytes) + " bytes in the log, " +
+                std::to_string(cfg->row_bytes()) + " in " + dir + "/TABLE");
+          }
+          SsdOptions so;
+          so.dir = dir;
+          so.row_bytes = s.row_bytes;
+          so.file_bytes = opt_.file_bytes;
+          ASSIGN_OR_RETURN(auto store, SsdStore::Open(so));
+          it = stores.emplace(s.table, std::move(store)).first;
+        }
+        RETURN_IF_ERROR(it->second->Put(s.keys, s.rows));
+        rows += s.keys.size();
+      }
+    }
+    for (auto& [name, store] : stores) RETURN_IF_ERROR(store->Sync());
+    MEMBOX_LOG_INFO(
+        "push log: replayed {} acknowledged pushes ({} rows) into {} tables "
+        "{}",
+        records.size(), rows, stores.size(),
+        cut ? "(" + std::to_string(cut) + " bytes of a torn last record cut)"
+            : std::string());
+    return Status::Ok();
+  }
+
   EmbeddingServerOptions opt_;
+  std::unique_ptr<PushLog> log_;  // event loop (Init before it starts)
+  // Pushes written to the log and not yet synced: answered by SyncPushLog
+  // (or by a flush, which makes their rows durable in the SSD tiers).
+  struct UnsyncedAck {
+    service::ConnectionId conn;
+    uint16_t method;
+    uint64_t id;
+    std::vector<uint8_t> body;
+  };
+  std::vector<UnsyncedAck> unsynced_;
+  bool sync_posted_ = false;
+  std::atomic<uint64_t> log_appends_{0}, log_bytes_{0}, log_sync_ns_{0},
+      log_syncs_{0};
   std::unique_ptr<service::Server> server_;  // stopped, not freed, by Stop
   std::string endpoint_;
   bool stopped_ = false;  // Start/Stop thread

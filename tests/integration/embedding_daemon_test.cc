@@ -1,7 +1,8 @@
 // The embedding store through real memory-node processes: two `membox
-// serve --emb-dir` daemons, a worker that pushes, flushes (the
-// acknowledgement) and pushes more, kill -9 of a node, its restart from the
-// same directory, and a check that every acknowledged update is there.
+// serve --emb-dir` daemons, a worker that pushes, flushes and pushes more,
+// kill -9 of a node, its restart from the same directory, and a check that
+// every acknowledged update is there: with the push log (the default) every
+// push the worker saw answered, without it every push before the flush.
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -31,13 +32,28 @@ class EmbeddingDaemonTest : public ::testing::Test {
   }
   void TearDown() override { testing::StopServes(nodes_); }
 
-  void StartNode(int i, const std::string& budget) {
+  void StartNode(int i, const std::string& budget, bool push_log) {
     auto d = testing::StartServe(
-        {"--listen", "127.0.0.1:0", "--pool-size", "16MiB", "--secret-file",
-         scratch_.secret_file(), "--ps-listen", "off", "--emb-listen", eps_[i],
-         "--emb-dir", (scratch_.dir() / ("node" + std::to_string(i))).string(),
-         "--emb-budget", budget, "--emb-file-size", "256KiB",
-         "--emb-flush-interval-ms", "0"},
+        {"--listen",
+         "127.0.0.1:0",
+         "--pool-size",
+         "16MiB",
+         "--secret-file",
+         scratch_.secret_file(),
+         "--ps-listen",
+         "off",
+         "--emb-listen",
+         eps_[i],
+         "--emb-dir",
+         (scratch_.dir() / ("node" + std::to_string(i))).string(),
+         "--emb-budget",
+         budget,
+         "--emb-file-size",
+         "256KiB",
+         "--emb-flush-interval-ms",
+         "0",
+         "--emb-push-log",
+         push_log ? "on" : "off"},
         "membox serve: embedding server on ", 30s);
     ASSERT_TRUE(d) << "node " << i << " did not start";
     nodes_[i] = std::move(d);
@@ -74,18 +90,23 @@ std::vector<uint64_t> Keys(uint64_t n, uint64_t salt) {
   return k;
 }
 
-// Runs with a memory budget that holds everything (the unflushed updates
-// exist only in the killed process: they must be gone, the flushed ones
-// intact) and with one that forces the SSD tier (evicted rows may carry
-// later, unacknowledged updates; acknowledged ones are never lost).
-class KillTest : public EmbeddingDaemonTest,
-                 public ::testing::WithParamInterface<const char*> {};
+// Runs with a memory budget that holds everything and with one that forces
+// the SSD tier, with the push log and without. With it, the pushes after
+// the flush were acknowledged too: all of them must survive. Without it,
+// the unflushed updates exist only in the killed process: with everything
+// in memory they must be gone and the flushed ones intact; with the SSD
+// tier evicted rows may carry later, unacknowledged updates, and the
+// acknowledged ones are never lost.
+class KillTest
+    : public EmbeddingDaemonTest,
+      public ::testing::WithParamInterface<std::tuple<const char*, bool>> {};
 
 TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
-  const std::string budget = GetParam();
+  const std::string budget = std::get<0>(GetParam());
+  const bool push_log = std::get<1>(GetParam());
   const bool all_in_memory = budget == "64MiB";
-  StartNode(0, budget);
-  StartNode(1, budget);
+  StartNode(0, budget, push_log);
+  StartNode(1, budget, push_log);
   auto w = Worker();
   ASSERT_TRUE(w);
   TableConfig cfg = Config();
@@ -115,7 +136,7 @@ TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
   EXPECT_NE(s.message().find(eps_[1]), std::string::npos) << s.ToString();
   w.reset();
 
-  StartNode(1, budget);
+  StartNode(1, budget, push_log);
   auto w2 = Worker();
   ASSERT_TRUE(w2);
   auto t2 = w2->OpenTable(cfg);
@@ -132,6 +153,11 @@ TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
         continue;
       }
       if (j == 0) on_killed++;
+      if (push_log) {
+        ASSERT_EQ(v, later[i * d + j])
+            << "an acknowledged push was lost (key " << keys[i] << ")";
+        continue;
+      }
       if (v == acked[i * d + j]) continue;
       if (v == later[i * d + j] && !all_in_memory) {
         if (j == 0) unflushed_kept++;
@@ -151,8 +177,13 @@ TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
   EXPECT_NE(text->find("ssd keys"), std::string::npos) << *text;
 }
 
-INSTANTIATE_TEST_SUITE_P(Budgets, KillTest,
-                         ::testing::Values("64MiB", "64KiB"));
+INSTANTIATE_TEST_SUITE_P(
+    BudgetsAndLogs, KillTest,
+    ::testing::Combine(::testing::Values("64MiB", "64KiB"), ::testing::Bool()),
+    [](const ::testing::TestParamInfo<KillTest::ParamType>& i) {
+      return std::string(std::get<0>(i.param)) +
+             (std::get<1>(i.param) ? "_PushLog" : "_FlushOnly");
+    });
 
 }  // namespace
 }  // namespace membox::embedding

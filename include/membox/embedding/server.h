@@ -46,6 +46,11 @@ struct EmbeddingServerOptions {
   uint64_t file_bytes = 64ull << 20;   // SSD tier file size
   std::chrono::milliseconds flush_interval{10000};  // 0: only when asked
   uint32_t max_tables = 64;
+  // A push is durable when it is acknowledged: the rows it changed are
+  // appended to <dir>/PUSHLOG and synced before the reply, replayed after a
+  // crash, and dropped from the log by the next flush. False: durable only
+  // after a flush (Flush(), the flush interval).
+  bool push_log = true;
 };
 
 struct EmbeddingServerStats {
@@ -53,6 +58,9 @@ struct EmbeddingServerStats {
   uint64_t pulls = 0, pushes = 0;  // messages
   uint64_t rows_pulled = 0, rows_pushed = 0;
   uint64_t flushes = 0, rejected = 0;
+  // The push log: records appended, bytes in the file, time in fdatasync.
+  uint64_t log_appends = 0, log_bytes = 0, log_syncs = 0;
+  double log_sync_seconds = 0;
 };
 
 class EmbeddingServer {

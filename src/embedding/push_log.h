@@ -1,0 +1,85 @@
+// The push log of an embedding server (docs/formats/embedding_push_log.md):
+// what makes a push durable when it is acknowledged. Before the server
+// answers a push, the rows it changed -- their whole new contents,
+// optimizer state included -- are appended to <dir>/PUSHLOG and synced.
+// A flush (every table's changed rows written and synced to the SSD tier)
+// empties the log. Write + Sync let a server commit a group of pushes with
+// one fdatasync and answer them all after it. After a crash, Start replays the
+// log into the tables' SSD tiers in order (the last record of a key holds its
+// newest acknowledged row; replay is idempotent) and empties it.
+//
+// The file is untrusted on reading (a torn write at a crash, a disk
+// error): Parse checks every length and checksum and stops at the first
+// bad record, reporting how many bytes it cut; fuzz/
+// embedding_push_log_fuzzer.cc drives it.
+//
+// Ownership and threading: a PushLog owns its file descriptor and is used
+// from one thread (the embedding server's event loop). Parse is pure.
+#ifndef MEMBOX_SRC_EMBEDDING_PUSH_LOG_H_
+#define MEMBOX_SRC_EMBEDDING_PUSH_LOG_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+namespace membox::embedding {
+
+// The rows one push changed in one table.
+struct PushLogSection {
+  std::string table;
+  uint32_t row_bytes = 0;
+  std::vector<uint64_t> keys;
+  std::vector<uint8_t> rows;  // keys.size() * row_bytes
+};
+using PushLogRecord = std::vector<PushLogSection>;
+
+constexpr size_t kMaxPushLogTableName = 255;
+
+class PushLog {
+ public:
+  // Opens (creating) `path` for appending; reads nothing.
+  static Result<std::unique_ptr<PushLog>> Open(const std::string& path);
+  ~PushLog();
+  PushLog(const PushLog&) = delete;
+  PushLog& operator=(const PushLog&) = delete;
+
+  // Appends one record and syncs it (fdatasync): durable on return.
+  Status Append(const PushLogRecord& record);
+  // Appends without syncing; Sync() makes every record written so far
+  // durable with one fdatasync (group commit).
+  Status Write(const PushLogRecord& record);
+  Status Sync();
+  uint64_t syncs() const { return syncs_; }
+  // Empties the log (its rows are durable in the SSD tiers now).
+  Status Truncate();
+
+  uint64_t bytes() const { return bytes_; }      // in the file now
+  uint64_t appends() const { return appends_; }  // since Open
+  double sync_seconds() const { return sync_ns_ * 1e-9; }
+
+  // Encodes one record as it lies in the file (length, CRC, payload).
+  static std::vector<uint8_t> Encode(const PushLogRecord& record);
+  // The records of a log's bytes, in order. A file that does not start
+  // with the header is DATA_LOSS; a torn or corrupt record ends the list
+  // and `cut_bytes` says how much followed it.
+  static Status Parse(std::span<const uint8_t> bytes,
+                      std::vector<PushLogRecord>* records, uint64_t* cut_bytes);
+  // Reads and parses `path`; a missing file has no records.
+  static Status Read(const std::string& path,
+                     std::vector<PushLogRecord>* records, uint64_t* cut_bytes);
+
+ private:
+  PushLog(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  int fd_;
+  std::string path_;
+  uint64_t bytes_ = 0, appends_ = 0, sync_ns_ = 0, syncs_ = 0;
+  bool dirty_ = false;
+};
+
+}  // namespace membox::embedding
+
+#endif  // MEMBOX_SRC_EMBEDDING_PUSH_LOG_H_
