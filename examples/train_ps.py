@@ -56,9 +56,11 @@ def main():
         first_epoch = ps.version // (steps * per_step)
         first_step = (ps.version % (steps * per_step)) // per_step
     if rank == 0 and (first_epoch or first_step):
-        print(f"resumed at epoch {first_epoch + 1} step {first_step} "
-              f"(version {ps.version}, restart "
-              f"{os.environ.get('MEMBOX_RESTART', '0')})", flush=True)
+        restart = int(os.environ.get("MEMBOX_RESTART", "0"))
+        source = "the memory nodes" if restart else "checkpoint"
+        print(f"resumed from {source} at epoch {first_epoch} step "
+              f"{first_step} (version {ps.version}, restart {restart})",
+              flush=True)
     loss_fn = nn.CrossEntropyLoss()
     for epoch in range(first_epoch, a.epochs):
         order = np.random.RandomState(epoch + 1).permutation(train)[rank::world]

@@ -46,9 +46,16 @@ PsHandle Failed(const Status& s, std::function<void(const Status&)> cb) {
   return PsHandle(st);
 }
 
-// How long a hello keeps retrying while a proxy closes a previous run's
-// connections (a restarted worker set).
-constexpr auto kRejoinWindow = std::chrono::seconds(20);
+// How long a restarted worker's hello (MEMBOX_RESTART > 0, set by `membox
+// launch --max-restarts`) keeps retrying while a proxy closes the previous
+// run's connections; below the proxy's 10 s hello deadline. A first start
+// is refused at once (a rank really used twice).
+constexpr auto kRejoinWindow = std::chrono::seconds(8);
+
+bool Restarted() {
+  const char* r = std::getenv("MEMBOX_RESTART");
+  return r && *r && std::strcmp(r, "0") != 0;
+}
 
 struct KeyInfo {
   uint64_t bytes = 0;
@@ -198,7 +205,8 @@ class ParamClientImpl final : public ParamClient {
       // before the proxy has seen the previous run's connections close: it
       // answers ALREADY_EXISTS (this rank is still connected) or ABORTED
       // (the failed job is being torn down) until then. Retry for a while.
-      const auto give_up = Clock::now() + kRejoinWindow;
+      const auto give_up =
+          Clock::now() + (Restarted() ? kRejoinWindow : Clock::duration(0));
       for (bool told = false;;) {
         Status st = link.client
                         ->Call(static_cast<uint16_t>(Type::kHello),

@@ -37,7 +37,7 @@ for kill_at in 3 9; do
   kill -9 "$victim"
   # Recovery: from the kill to the restarted workers' first step.
   for _ in $(seq 1500); do
-    grep -q "resumed at epoch" "$log" && break
+    grep -q "resumed from the memory nodes at epoch" "$log" && break
     sleep 0.02
   done
   recovery=$("$py" -c "import time; print(round(time.time() - $t0, 2))")
@@ -45,11 +45,11 @@ for kill_at in 3 9; do
   rc=$?
   [[ $rc == 0 ]] || { grep -v "^\[node" "$log" | tail -30; echo "FAIL: launch exit $rc after a restart"; exit 1; }
   grep -q "restarting the workers (restart 1 of 2)" "$log" || { cat "$log"; echo "FAIL: no restart logged"; exit 1; }
-  grep -q "resumed at epoch" "$log" || { cat "$log"; echo "FAIL: the workers did not resume from the node's version"; exit 1; }
+  grep -q "resumed from the memory nodes at epoch" "$log" || { cat "$log"; echo "FAIL: the workers did not resume from the node's version"; exit 1; }
   got=$(tail -1 "$out" | "$py" -c 'import json,sys; r=json.load(sys.stdin); print(r["loss"], r["accuracy"])')
   n=$(wc -l <"$out")
   [[ $n == "$epochs" ]] || { cat "$out"; echo "FAIL: $n epoch records, want $epochs"; exit 1; }
   [[ $got == "$want" ]] || { echo "FAIL: final (loss accuracy) $got, undisturbed run $want"; exit 1; }
-  echo "kill after epoch $kill_at: recovered in ${recovery} s; $(grep -h 'resumed at\|restarted in' "$log" | sed 's/^\[worker 0\] //' | tr '\n' ';') final $got"
+  echo "kill after epoch $kill_at: recovered in ${recovery} s; $(grep -h 'resumed from\|restarted in' "$log" | sed 's/^\[worker 0\] //' | tr '\n' ';') final $got"
 done
 echo "PASS: both restarted jobs ended with the undisturbed run's loss and accuracy ($want)"
