@@ -178,6 +178,9 @@ def main(argv=None):
                     "worker fails; the memory nodes keep their state")
     ap.add_argument("--emb-budget", default="256MiB",
                     help="memory tier of each embedding table per node")
+    ap.add_argument("--emb-push-log", choices=("on", "off"), default="on",
+                    help="on: an embedding push is durable when acknowledged "
+                    "(logged and synced first); off: at the next flush")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -247,7 +250,8 @@ def main(argv=None):
                 argv_n += ["--ps-peers", ",".join(ps_eps)]
             emb_dir = os.path.join(a.checkpoint_dir or tmp, f"embedding-{i}")
             argv_n += ["--emb-listen", emb_eps[i], "--emb-dir", emb_dir,
-                       "--emb-budget", a.emb_budget]
+                       "--emb-budget", a.emb_budget,
+                       "--emb-push-log", a.emb_push_log]
             if a.checkpoint_dir:
                 argv_n += ["--checkpoint-dir", a.checkpoint_dir]
             if restore:

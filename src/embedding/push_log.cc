@@ -86,12 +86,10 @@ Status PushLog::Write(const PushLogRecord& record) {
   RETURN_IF_ERROR(WriteAll(fd_, b.data(), b.size()));
   bytes_ += b.size();
   appends_++;
-  dirty_ = true;
   return Status::Ok();
 }
 
 Status PushLog::Sync() {
-  if (!dirty_) return Status::Ok();
   auto t0 = std::chrono::steady_clock::now();
   if (::fdatasync(fd_) != 0) return Errno("fdatasync " + path_);
   sync_ns_ += static_cast<uint64_t>(
@@ -99,7 +97,6 @@ Status PushLog::Sync() {
           std::chrono::steady_clock::now() - t0)
           .count());
   syncs_++;
-  dirty_ = false;
   return Status::Ok();
 }
 
@@ -108,7 +105,6 @@ Status PushLog::Truncate() {
   if (::ftruncate(fd_, sizeof(kMagic)) != 0) return Errno("truncate " + path_);
   if (::fdatasync(fd_) != 0) return Errno("fdatasync " + path_);
   bytes_ = sizeof(kMagic);
-  dirty_ = false;
   return Status::Ok();
 }
 

@@ -13,11 +13,14 @@
 // bad record, reporting how many bytes it cut; fuzz/
 // embedding_push_log_fuzzer.cc drives it.
 //
-// Ownership and threading: a PushLog owns its file descriptor and is used
-// from one thread (the embedding server's event loop). Parse is pure.
+// Ownership and threading: a PushLog owns its file descriptor. Write and
+// Truncate run on one thread (the embedding server's event loop); Sync may
+// run on another at the same time (fdatasync covers every write that
+// returned before it started). Parse is pure.
 #ifndef MEMBOX_SRC_EMBEDDING_PUSH_LOG_H_
 #define MEMBOX_SRC_EMBEDDING_PUSH_LOG_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -49,17 +52,18 @@ class PushLog {
 
   // Appends one record and syncs it (fdatasync): durable on return.
   Status Append(const PushLogRecord& record);
-  // Appends without syncing; Sync() makes every record written so far
-  // durable with one fdatasync (group commit).
+  // Appends without syncing; Sync() makes every record written before it
+  // was called durable with one fdatasync (group commit). Sync may run on
+  // another thread than Write / Truncate (a sync thread), concurrently.
   Status Write(const PushLogRecord& record);
   Status Sync();
-  uint64_t syncs() const { return syncs_; }
+  uint64_t syncs() const { return syncs_.load(); }
   // Empties the log (its rows are durable in the SSD tiers now).
   Status Truncate();
 
   uint64_t bytes() const { return bytes_; }      // in the file now
   uint64_t appends() const { return appends_; }  // since Open
-  double sync_seconds() const { return sync_ns_ * 1e-9; }
+  double sync_seconds() const { return sync_ns_.load() * 1e-9; }
 
   // Encodes one record as it lies in the file (length, CRC, payload).
   static std::vector<uint8_t> Encode(const PushLogRecord& record);
@@ -76,8 +80,8 @@ class PushLog {
   PushLog(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
   int fd_;
   std::string path_;
-  uint64_t bytes_ = 0, appends_ = 0, sync_ns_ = 0, syncs_ = 0;
-  bool dirty_ = false;
+  uint64_t bytes_ = 0, appends_ = 0;             // the writer's thread
+  std::atomic<uint64_t> sync_ns_{0}, syncs_{0};  // any thread
 };
 
 }  // namespace membox::embedding

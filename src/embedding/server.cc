@@ -138,8 +138,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     so.service = "embedding server";
     so.handler_threads = 0;  // serial: tables are touched by one thread
     compactor_ = std::thread([this] { CompactLoop(); });
+    if (log_) syncer_ = std::thread([this] { SyncLoop(); });
     auto server = service::Server::Start(so, this);
     if (!server.ok()) {
+      StopSyncer();
       StopCompactor();
       return server.status();
     }
@@ -259,6 +261,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     // Ends the event loop (tasks posted before, e.g. a Flush(), still run)
     // and closes every connection.
     server_->Stop();
+    StopSyncer();
     StopCompactor();
     Status s = FlushAll();  // the event loop is gone: safe here
     if (!s.ok()) MEMBOX_LOG_ERROR("final flush: {}", s.ToString());
@@ -668,25 +671,71 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     return o.str();
   }
 
+  // A push answered once the log is synced (or a flush made its rows
+  // durable in the SSD tiers).
+  struct UnsyncedAck {
+    service::ConnectionId conn;
+    uint16_t method;
+    uint64_t id;
+    std::vector<uint8_t> body;
+  };
+
   std::string PushLogPath() const { return opt_.dir + "/PUSHLOG"; }
 
   // Syncs the push log and answers the pushes it made durable.
+  // Event loop: hands the pushes written since the last hand-over to the
+  // sync thread, which syncs the log and posts their answers back. The
+  // loop goes on serving (pulls, more pushes) during the fdatasync.
   void SyncPushLog() {
     sync_posted_ = false;
     if (unsynced_.empty()) return;
-    Status st = log_->Sync();
-    log_sync_ns_.store(static_cast<uint64_t>(log_->sync_seconds() * 1e9));
-    log_syncs_.store(log_->syncs());
-    if (!st.ok()) MEMBOX_LOG_ERROR("push log: {}", st.ToString());
-    AnswerUnsynced(st.ok() ? st
-                           : UnavailableError(
-                                 "the push was applied in memory but could "
-                                 "not be made durable (" +
-                                 st.ToString() + "); it is not acknowledged"));
+    {
+      MutexLock l(&sync_mu_);
+      for (auto& a : unsynced_) to_sync_.push_back(std::move(a));
+    }
+    unsynced_.clear();
+    sync_cv_.NotifyOne();
   }
 
-  void AnswerUnsynced(const Status& st) {
-    for (auto& a : unsynced_) {
+  void SyncLoop() {
+    for (;;) {
+      std::vector<UnsyncedAck> batch;
+      {
+        MutexLock l(&sync_mu_);
+        while (!sync_stop_ && to_sync_.empty()) sync_cv_.Wait(&sync_mu_);
+        if (to_sync_.empty()) return;  // stopping, nothing left
+        batch.swap(to_sync_);
+      }
+      // Every record of `batch` was written before it was handed over.
+      Status st = log_->Sync();
+      log_sync_ns_.store(static_cast<uint64_t>(log_->sync_seconds() * 1e9));
+      log_syncs_.store(log_->syncs());
+      if (!st.ok()) MEMBOX_LOG_ERROR("push log: {}", st.ToString());
+      auto answers =
+          std::make_shared<std::vector<UnsyncedAck>>(std::move(batch));
+      // Answered on the loop (a stopped loop drops them: the connections
+      // are closing, and the final flush makes the rows durable anyway).
+      server_->Post([this, answers, st] { Answer(*answers, st); });
+    }
+  }
+
+  void StopSyncer() {
+    {
+      MutexLock l(&sync_mu_);
+      sync_stop_ = true;
+    }
+    sync_cv_.NotifyAll();
+    if (syncer_.joinable()) syncer_.join();
+  }
+
+  void Answer(std::vector<UnsyncedAck>& acks, const Status& synced) {
+    Status st = synced.ok()
+                    ? synced
+                    : UnavailableError(
+                          "the push was applied in memory but could "
+                          "not be made durable (" +
+                          synced.ToString() + "); it is not acknowledged");
+    for (auto& a : acks) {
       if (st.ok()) {
         server_->Reply(a.conn, a.method, a.id, st, std::move(a.body));
       } else {
@@ -694,8 +743,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         server_->Reply(a.conn, a.method, a.id, st, {});
       }
     }
-    unsynced_.clear();
+    acks.clear();
   }
+
+  void AnswerUnsynced(const Status& st) { Answer(unsynced_, st); }
 
   // Applies the records of a push log left by a crash to the tables' SSD
   // tiers, in order, and syncs them. A table named in the log must exist
@@ -751,16 +802,15 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
 
   EmbeddingServerOptions opt_;
   std::unique_ptr<PushLog> log_;  // event loop (Init before it starts)
-  // Pushes written to the log and not yet synced: answered by SyncPushLog
-  // (or by a flush, which makes their rows durable in the SSD tiers).
-  struct UnsyncedAck {
-    service::ConnectionId conn;
-    uint16_t method;
-    uint64_t id;
-    std::vector<uint8_t> body;
-  };
+  // Pushes written to the log and not yet synced (unsynced_, then to_sync_).
   std::vector<UnsyncedAck> unsynced_;
   bool sync_posted_ = false;
+  // The sync thread and the batches handed to it.
+  std::thread syncer_;
+  Mutex sync_mu_;
+  CondVar sync_cv_;
+  std::vector<UnsyncedAck> to_sync_ MEMBOX_GUARDED_BY(sync_mu_);
+  bool sync_stop_ MEMBOX_GUARDED_BY(sync_mu_) = false;
   std::atomic<uint64_t> log_appends_{0}, log_bytes_{0}, log_sync_ns_{0},
       log_syncs_{0};
   std::unique_ptr<service::Server> server_;  // stopped, not freed, by Stop
