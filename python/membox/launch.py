@@ -107,6 +107,20 @@ class Proc:
                 pass
 
 
+def stop_all(procs, grace=10):
+    """SIGTERM to every process group, SIGKILL to those still running after
+    `grace` seconds; returns when all have exited."""
+    for p in procs:
+        p.stop()
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.stop(signal.SIGKILL)
+            p.p.wait()
+
+
 def _with_package(env):
     """Lets the workers import this membox: a build tree's package goes on
     PYTHONPATH (once); an installed one is found without it."""
@@ -206,14 +220,7 @@ def main(argv=None):
         if why:
             with lock:
                 print(f"membox launch: {why}; stopping everything", flush=True)
-        for p in procs:
-            p.stop()
-        deadline = time.time() + 10
-        for p in procs:
-            try:
-                p.p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.stop(signal.SIGKILL)
+        stop_all(procs)
         shutil.rmtree(tmp, ignore_errors=True)  # secret, scratch tables
         return code
 
@@ -310,15 +317,8 @@ def main(argv=None):
                           f"{w.p.returncode}); restarting the workers "
                           f"(restart {restarts} of {a.max_restarts}); the "
                           f"memory nodes keep their state", flush=True)
+                stop_all(workers)
                 for x in workers:
-                    x.stop()
-                deadline = time.time() + 10
-                for x in workers:
-                    try:
-                        x.p.wait(timeout=max(0.1, deadline - time.time()))
-                    except subprocess.TimeoutExpired:
-                        x.stop(signal.SIGKILL)
-                        x.p.wait()
                     x.t.join(timeout=5)
                     procs.remove(x)
                 workers.clear()

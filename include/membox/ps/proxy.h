@@ -31,6 +31,11 @@
 // logged with who it waits for (workers, peer proxies, a declaration), and
 // StatusText() carries the same lines.
 //
+// Parts with logic of their own are units in src/ps with transport-free
+// tests: storage.h (buffers, copy-on-write, updates), scheduler.h
+// (admission: per-client queues, FCFS), ring.h (the ring's geometry and
+// step machine), checkpoint.h (the file format).
+//
 // Threading: the transport's progress thread queues messages; one event
 // thread runs the state machine; the sync cores do the arithmetic.
 // Start/Stop from one thread; Stats() from any thread.
