@@ -186,27 +186,24 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
 
   void Metrics(MetricsWriter& w) const override {
     const EmbeddingServerStats s = Stats();
-    w.Gauge("membox_embedding_tables", "Tables open.",
-            static_cast<double>(s.tables));
-    w.Gauge("membox_embedding_clients", "Clients connected.",
-            static_cast<double>(s.clients));
+    w.Gauge("membox_embedding_tables", "Tables open.", s.tables);
+    w.Gauge("membox_embedding_clients", "Clients connected.", s.clients);
     w.Counter("membox_embedding_pull_requests_total", "Pull requests.",
-              static_cast<double>(s.pulls));
+              s.pulls);
     w.Counter("membox_embedding_push_requests_total", "Push requests.",
-              static_cast<double>(s.pushes));
+              s.pushes);
     w.Counter("membox_embedding_rows_pulled_total", "Rows pulled.",
-              static_cast<double>(s.rows_pulled));
+              s.rows_pulled);
     w.Counter("membox_embedding_rows_pushed_total", "Rows pushed.",
-              static_cast<double>(s.rows_pushed));
+              s.rows_pushed);
     w.Counter("membox_embedding_push_log_appends_total",
               "Pushes made durable in the push log before their reply.",
-              static_cast<double>(s.log_appends));
+              s.log_appends);
     w.Gauge("membox_embedding_push_log_bytes",
-            "Bytes in the push log (emptied by every flush).",
-            static_cast<double>(s.log_bytes));
+            "Bytes in the push log (emptied by every flush).", s.log_bytes);
     w.Counter("membox_embedding_push_log_syncs_total",
               "fdatasync calls of the push log (one per group of pushes).",
-              static_cast<double>(s.log_syncs));
+              s.log_syncs);
     w.Counter("membox_embedding_push_log_sync_seconds_total",
               "Time spent in fdatasync of the push log.", s.log_sync_seconds);
     struct Table {
@@ -226,26 +223,20 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       const MetricsWriter::Labels l = {{"table", t.name}};
       w.Counter("membox_embedding_memory_hits_total",
                 "Row lookups served from memory (LRU, LFU or pinned).",
-                static_cast<double>(t.mem.hits_lru + t.mem.hits_lfu +
-                                    t.mem.hits_pinned),
-                l);
+                t.mem.hits_lru + t.mem.hits_lfu + t.mem.hits_pinned, l);
       w.Counter("membox_embedding_ssd_reads_total",
-                "Row lookups that read the SSD tier.",
-                static_cast<double>(t.mem.ssd_reads), l);
+                "Row lookups that read the SSD tier.", t.mem.ssd_reads, l);
       w.Counter("membox_embedding_rows_created_total",
-                "Rows created on first use.",
-                static_cast<double>(t.mem.created), l);
+                "Rows created on first use.", t.mem.created, l);
       w.Gauge("membox_embedding_memory_rows", "Rows held in memory.",
-              static_cast<double>(t.mem.rows_in_memory), l);
+              t.mem.rows_in_memory, l);
       w.Counter("membox_embedding_ssd_written_bytes_total",
-                "Bytes appended to the SSD tier's files.",
-                static_cast<double>(t.ssd.bytes_written), l);
+                "Bytes appended to the SSD tier's files.", t.ssd.bytes_written,
+                l);
       w.Gauge("membox_embedding_ssd_file_bytes",
-              "Bytes of the SSD tier's files.",
-              static_cast<double>(t.ssd.file_bytes), l);
+              "Bytes of the SSD tier's files.", t.ssd.file_bytes, l);
       w.Gauge("membox_embedding_ssd_live_bytes",
-              "Bytes of live rows in the SSD tier.",
-              static_cast<double>(t.ssd.live_bytes), l);
+              "Bytes of live rows in the SSD tier.", t.ssd.live_bytes, l);
     }
     service::WriteServerMetrics(*server_, "embedding", w);
   }

@@ -141,29 +141,26 @@ class ServerImpl final : public Server, public service::Service {
 
   void Metrics(MetricsWriter& w) const override {
     const ServerStats s = Stats();
-    w.Gauge("membox_pool_bytes", "Size of the memory pool.",
-            static_cast<double>(s.pool_bytes));
+    w.Gauge("membox_pool_bytes", "Size of the memory pool.", s.pool_bytes);
     w.Gauge("membox_pool_allocated_bytes", "Pool bytes in segments.",
-            static_cast<double>(s.allocated_bytes));
+            s.allocated_bytes);
     w.Gauge("membox_pool_largest_free_block_bytes",
-            "Largest segment the pool can still give.",
-            static_cast<double>(s.largest_free_block));
-    w.Gauge("membox_segments", "Segments allocated.",
-            static_cast<double>(s.segments));
+            "Largest segment the pool can still give.", s.largest_free_block);
+    w.Gauge("membox_segments", "Segments allocated.", s.segments);
     w.Gauge("membox_memory_clients",
             "Clients registered with the memory "
             "server.",
-            static_cast<double>(s.clients));
+            s.clients);
     w.Counter("membox_accumulates_total", "Accumulate requests served.",
-              static_cast<double>(s.accumulates));
+              s.accumulates);
     w.Counter("membox_accumulated_bytes_total", "Bytes summed by accumulates.",
-              static_cast<double>(s.bytes_accumulated));
+              s.bytes_accumulated);
     w.Counter("membox_one_sided_read_bytes_total",
               "Bytes clients read from segments (their heartbeats' count).",
-              static_cast<double>(s.bytes_read));
+              s.bytes_read);
     w.Counter("membox_one_sided_written_bytes_total",
               "Bytes clients wrote into segments (their heartbeats' count).",
-              static_cast<double>(s.bytes_written));
+              s.bytes_written);
     if (server_) service::WriteServerMetrics(*server_, "memory", w);
   }
 

@@ -219,33 +219,29 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   void Metrics(MetricsWriter& w) const override {
     const ProxyStats s = Stats();
-    auto c = [&](const char* name, const char* help, uint64_t v) {
-      w.Counter(name, help, static_cast<double>(v));
-    };
-    auto g = [&](const char* name, const char* help, uint64_t v) {
-      w.Gauge(name, help, static_cast<double>(v));
-    };
-    c("membox_ps_rounds_total", "Shard rounds completed (rate: rounds/s).",
-      s.rounds_completed);
-    c("membox_ps_pushed_bytes_total", "Bytes of pushes summed.",
-      s.bytes_reduced);
-    c("membox_ps_result_bytes_total",
-      "Bytes of results and pulls written to workers.",
-      result_bytes_.load(std::memory_order_relaxed));
-    c("membox_ps_ring_steps_total", "Ring steps with peer proxies.",
-      s.ring_steps);
-    c("membox_ps_rejected_total", "Requests refused.", s.rejected);
-    c("membox_ps_checkpoints_total", "Checkpoints written.", s.checkpoints);
-    g("membox_ps_keys", "Keys stored.", s.keys);
-    g("membox_ps_shards", "Shards stored.", s.shards);
-    g("membox_ps_stored_bytes", "Bytes of values and optimizer state.",
-      s.stored_bytes);
-    g("membox_ps_workers", "Workers connected.", s.clients);
-    g("membox_ps_queued_pushes", "Pushes waiting for admission.",
-      s.queued_pushes);
-    g("membox_ps_waiting_rounds",
-      "Rounds waiting longer than --hang-report-s (see the log or status).",
-      waiting_rounds_.load(std::memory_order_relaxed));
+    w.Counter("membox_ps_rounds_total",
+              "Shard rounds completed (rate: rounds/s).", s.rounds_completed);
+    w.Counter("membox_ps_pushed_bytes_total", "Bytes of pushes summed.",
+              s.bytes_reduced);
+    w.Counter("membox_ps_result_bytes_total",
+              "Bytes of results and pulls written to workers.",
+              result_bytes_.load(std::memory_order_relaxed));
+    w.Counter("membox_ps_ring_steps_total", "Ring steps with peer proxies.",
+              s.ring_steps);
+    w.Counter("membox_ps_rejected_total", "Requests refused.", s.rejected);
+    w.Counter("membox_ps_checkpoints_total", "Checkpoints written.",
+              s.checkpoints);
+    w.Gauge("membox_ps_keys", "Keys stored.", s.keys);
+    w.Gauge("membox_ps_shards", "Shards stored.", s.shards);
+    w.Gauge("membox_ps_stored_bytes", "Bytes of values and optimizer state.",
+            s.stored_bytes);
+    w.Gauge("membox_ps_workers", "Workers connected.", s.clients);
+    w.Gauge("membox_ps_queued_pushes", "Pushes waiting for admission.",
+            s.queued_pushes);
+    w.Gauge(
+        "membox_ps_waiting_rounds",
+        "Rounds waiting longer than --hang-report-s (see the log or status).",
+        waiting_rounds_.load(std::memory_order_relaxed));
     if (server_) service::WriteServerMetrics(*server_, "proxy", w);
   }
 

@@ -458,23 +458,20 @@ void WriteServerMetrics(const Server& server, const std::string& service,
                         MetricsWriter& w) {
   const ServerStats s = server.stats();
   const MetricsWriter::Labels l = {{"service", service}};
-  w.Gauge("membox_connections", "Connections open now.",
-          static_cast<double>(s.connections), l);
+  w.Gauge("membox_connections", "Connections open now.", s.connections, l);
   w.Counter("membox_connections_accepted_total", "Connections accepted.",
-            static_cast<double>(s.accepted), l);
+            s.accepted, l);
   w.Counter("membox_requests_total", "Requests and notices received.",
-            static_cast<double>(s.requests), l);
+            s.requests, l);
   w.Counter("membox_request_errors_total", "Requests answered with an error.",
-            static_cast<double>(s.errors), l);
+            s.errors, l);
   w.Counter("membox_malformed_messages_total",
             "Messages whose envelope was malformed (their connection closed).",
-            static_cast<double>(s.malformed), l);
+            s.malformed, l);
   w.Counter("membox_control_bytes_received_total",
-            "Bytes of control messages received.",
-            static_cast<double>(s.bytes_in), l);
+            "Bytes of control messages received.", s.bytes_in, l);
   w.Counter("membox_control_bytes_sent_total",
-            "Bytes of control messages sent.", static_cast<double>(s.bytes_out),
-            l);
+            "Bytes of control messages sent.", s.bytes_out, l);
   w.Histogram("membox_request_latency_seconds",
               "Request arrival to reply, answered at once or later.",
               server.latency(), l);

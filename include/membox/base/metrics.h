@@ -12,6 +12,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <concepts>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -47,6 +48,17 @@ class MetricsWriter {
                const Labels& labels = {});
   void Gauge(const std::string& name, const std::string& help, double value,
              const Labels& labels = {});
+  // Counts (exact in the text up to 2^53).
+  template <std::unsigned_integral T>
+  void Counter(const std::string& name, const std::string& help, T value,
+               const Labels& labels = {}) {
+    Counter(name, help, static_cast<double>(value), labels);
+  }
+  template <std::unsigned_integral T>
+  void Gauge(const std::string& name, const std::string& help, T value,
+             const Labels& labels = {}) {
+    Gauge(name, help, static_cast<double>(value), labels);
+  }
   void Histogram(const std::string& name, const std::string& help,
                  const LatencyHistogram& h, const Labels& labels = {});
 
