@@ -386,6 +386,12 @@ int main(int argc, char** argv) {
                   "load the checkpoint (--restore-name) on start");
   serve->add_option("--restore-name", popt.restore_name,
                     "checkpoint file name (default latest.mbck)");
+  serve->add_flag("--ps-replicate", popt.replicate,
+                  "keep every key on every proxy (no striping), so any one "
+                  "node can die without losing a round");
+  serve->add_flag("--join", popt.join,
+                  "replace a proxy that died: copy the state from the "
+                  "running --ps-peers before serving");
   EmbeddingFlags eflags;
   serve->add_option("--emb-dir", eflags.dir,
                     "run the embedding server; its tables live here");

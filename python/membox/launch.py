@@ -25,6 +25,14 @@ train_ps.py resumes at ps.version). A DDP job's weights live in its
 workers: it continues from its last membox.torch.save_checkpoint
 (load_checkpoint returns it after a restart).
 
+A memory node that dies is replaced the same way (it counts against
+--max-restarts): with several nodes, every node keeps every key
+(`membox serve --ps-replicate`, on when --max-restarts is given), so the
+launcher stops the workers, starts a new node on the dead one's ports with
+`--join` -- it copies the newest state from the survivors -- and starts the
+workers again, which continue from the version the nodes hold. A single
+node's state dies with it: that ends the job as before.
+
 Across hosts, start `membox serve` on the memory hosts yourself and run the
 workers with your launcher of choice, letting `membox launch --attach`
 translate its environment (mpirun's OMPI_COMM_WORLD_*, Slurm's SLURM_*,
@@ -189,7 +197,13 @@ def main(argv=None):
                     "memory nodes' embedding servers, host:port,...")
     ap.add_argument("--max-restarts", type=int, default=0,
                     help="restart the worker set this many times when a "
-                    "worker fails; the memory nodes keep their state")
+                    "worker fails, or replace a memory node that dies "
+                    "(its state copied from the others); the memory nodes "
+                    "keep their state")
+    ap.add_argument("--ps-replicate", choices=["auto", "on", "off"],
+                    default="auto", help="every node keeps every key, so a "
+                    "node can die without losing a round (auto: on with "
+                    "--max-restarts and several nodes)")
     ap.add_argument("--emb-budget", default="256MiB",
                     help="memory tier of each embedding table per node")
     ap.add_argument("--emb-push-log", choices=("on", "off"), default="on",
@@ -246,6 +260,10 @@ def main(argv=None):
             print(f"membox launch: no parameter-server checkpoint in "
                   f"{a.checkpoint_dir}: the nodes start empty; the workers "
                   f"resume from their own (MEMBOX_RESUMED=1)", flush=True)
+    replicate = a.nodes > 1 and (
+        a.ps_replicate == "on" or
+        (a.ps_replicate == "auto" and a.max_restarts > 0))
+    node_argv = []
     try:
         for i in range(a.nodes):
             argv_n = [a.membox, "--log-level", "warn", "serve",
@@ -255,12 +273,15 @@ def main(argv=None):
                       "--exit-with-parent"]
             if a.nodes > 1:
                 argv_n += ["--ps-peers", ",".join(ps_eps)]
+            if replicate:
+                argv_n += ["--ps-replicate"]
             emb_dir = os.path.join(a.checkpoint_dir or tmp, f"embedding-{i}")
             argv_n += ["--emb-listen", emb_eps[i], "--emb-dir", emb_dir,
                        "--emb-budget", a.emb_budget,
                        "--emb-push-log", a.emb_push_log]
             if a.checkpoint_dir:
                 argv_n += ["--checkpoint-dir", a.checkpoint_dir]
+            node_argv.append(list(argv_n))
             if restore:
                 argv_n += ["--restore"]
             procs.append(Proc("node", i, argv_n, dict(os.environ), lock))
@@ -294,19 +315,60 @@ def main(argv=None):
                 workers.append(w)
                 procs.append(w)
 
+        def restart_workers(t0):
+            stop_all(workers)
+            for x in workers:
+                x.t.join(timeout=5)
+                procs.remove(x)
+            workers.clear()
+            start_workers()
+            with lock:
+                print(f"membox launch: workers restarted in "
+                      f"{time.time() - t0:.2f} s", flush=True)
+
         start_workers()
         while True:
-            for n in nodes:
-                if n.p.poll() is not None:
-                    with lock:
-                        print(f"membox launch: memory {n.name} died (exit "
-                              f"status {n.p.returncode}); giving the workers "
-                              f"10 s to report it", flush=True)
-                    deadline = time.time() + 10
-                    while time.time() < deadline and any(
-                            w.p.poll() is None for w in workers):
-                        time.sleep(0.1)
-                    return shutdown(1, f"memory {n.name} died")
+            dead = [n for n in nodes if n.p.poll() is not None]
+            if dead and replicate and restarts < a.max_restarts and \
+                    len(dead) < len(nodes):
+                n = dead[0]
+                restarts += 1
+                t0 = time.time()
+                with lock:
+                    print(f"membox launch: memory {n.name} died (exit "
+                          f"status {n.p.returncode}); replacing it from the "
+                          f"other nodes (restart {restarts} of "
+                          f"{a.max_restarts})", flush=True)
+                stop_all(workers)
+                n.t.join(timeout=5)
+                procs.remove(n)
+                m = Proc("node", n.rank, node_argv[n.rank] + ["--join"],
+                         dict(os.environ), lock)
+                procs.append(m)
+                nodes[n.rank] = m
+                if not m.ready.wait(60):
+                    return shutdown(1, f"the replacement of memory {n.name} "
+                                       f"did not start (exit status "
+                                       f"{m.p.poll()})")
+                with lock:
+                    print(f"membox launch: memory {n.name} replaced in "
+                          f"{time.time() - t0:.2f} s", flush=True)
+                restart_workers(t0)
+                continue
+            for n in dead:
+                with lock:
+                    print(f"membox launch: memory {n.name} died (exit "
+                          f"status {n.p.returncode}); giving the workers "
+                          f"10 s to report it", flush=True)
+                deadline = time.time() + 10
+                while time.time() < deadline and any(
+                        w.p.poll() is None for w in workers):
+                    time.sleep(0.1)
+                why = f"memory {n.name} died"
+                if a.max_restarts and not replicate:
+                    why += (" (a single node's state dies with it)"
+                            if a.nodes == 1 else " (--ps-replicate off)")
+                return shutdown(1, why)
             failed = [w for w in workers if w.p.poll() not in (None, 0)]
             if failed and restarts < a.max_restarts:
                 w = failed[0]
@@ -317,15 +379,7 @@ def main(argv=None):
                           f"{w.p.returncode}); restarting the workers "
                           f"(restart {restarts} of {a.max_restarts}); the "
                           f"memory nodes keep their state", flush=True)
-                stop_all(workers)
-                for x in workers:
-                    x.t.join(timeout=5)
-                    procs.remove(x)
-                workers.clear()
-                start_workers()
-                with lock:
-                    print(f"membox launch: workers restarted in "
-                          f"{time.time() - t0:.2f} s", flush=True)
+                restart_workers(t0)
                 continue
             if failed:
                 w = failed[0]

@@ -62,21 +62,17 @@ Status WriteAll(int fd, const void* p, size_t n) {
 
 }  // namespace
 
-Status WriteCheckpoint(const std::string& path, const CheckpointHeader& header,
-                       const std::vector<CheckpointShard>& shards) {
-  // Header + per-shard metadata are encoded in memory; shard data is
-  // streamed so a large model is never copied twice.
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return InternalError("cannot create " + tmp + ": " + strerror(errno));
-  }
+Status EncodeCheckpoint(const CheckpointHeader& header,
+                        const std::vector<CheckpointShard>& shards,
+                        const CheckpointSink& sink) {
+  // Header + per-shard metadata are encoded in memory; shard data goes to
+  // the sink as it is, so a large model is never copied twice.
   Status s;
   uint32_t crc = 0;  // running checksum of the record headers
   auto emit = [&](Writer& w) {
     if (!s.ok()) return;
     crc = Crc32(&crc, 4) ^ Crc32(w.buffer().data(), w.buffer().size());
-    s = WriteAll(fd, w.buffer().data(), w.buffer().size());
+    s = sink(w.buffer().data(), w.buffer().size());
   };
   {
     Writer w;
@@ -100,18 +96,29 @@ Status WriteCheckpoint(const std::string& path, const CheckpointHeader& header,
     w.U64(sh.value.size());
     w.U32(Crc32(sh.value.data(), sh.value.size()));
     emit(w);
-    if (s.ok()) s = WriteAll(fd, sh.value.data(), sh.value.size());
+    if (s.ok()) s = sink(sh.value.data(), sh.value.size());
     Writer w2;
     PutBlob(w2, sh.m1);
     PutBlob(w2, sh.m2);
     emit(w2);
   }
-  {
-    Writer w;
-    w.U32(crc);
-    w.Bytes("END!", 4);
-    if (s.ok()) s = WriteAll(fd, w.buffer().data(), w.buffer().size());
+  Writer w;
+  w.U32(crc);
+  w.Bytes("END!", 4);
+  if (s.ok()) s = sink(w.buffer().data(), w.buffer().size());
+  return s;
+}
+
+Status WriteCheckpoint(const std::string& path, const CheckpointHeader& header,
+                       const std::vector<CheckpointShard>& shards) {
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return InternalError("cannot create " + tmp + ": " + strerror(errno));
   }
+  Status s = EncodeCheckpoint(header, shards, [fd](const void* p, size_t n) {
+    return WriteAll(fd, p, n);
+  });
   if (s.ok() && ::fsync(fd) != 0) {
     s = InternalError(std::string("fsync: ") + strerror(errno));
   }

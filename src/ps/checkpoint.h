@@ -11,6 +11,7 @@
 #define MEMBOX_SRC_PS_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -38,6 +39,12 @@ struct CheckpointHeader {
   uint8_t optimizer = 0;
 };
 
+// Encodes a checkpoint into `sink` in pieces, in order (the file format
+// without the file: a joining proxy reads its peers' state in this form).
+using CheckpointSink = std::function<Status(const void*, size_t)>;
+Status EncodeCheckpoint(const CheckpointHeader& header,
+                        const std::vector<CheckpointShard>& shards,
+                        const CheckpointSink& sink);
 Status WriteCheckpoint(const std::string& path, const CheckpointHeader& header,
                        const std::vector<CheckpointShard>& shards);
 Status ParseCheckpoint(std::span<const uint8_t> bytes, CheckpointHeader* header,

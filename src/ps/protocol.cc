@@ -84,6 +84,10 @@ const char* TypeName(Type t) {
       return "done";
     case Type::kTune:
       return "tune";
+    case Type::kJoin:
+      return "join";
+    case Type::kJoinDone:
+      return "join-done";
   }
   return "?";
 }
@@ -154,7 +158,11 @@ std::vector<uint8_t> Encode(const Message& m) {
     case Type::kCheckpoint:
       PutStr(w, m.path);
       break;
+    case Type::kJoin:
+      w.U32(m.rank);
+      break;
     case Type::kStats:
+    case Type::kJoinDone:
       break;
     case Type::kReply:
       w.U64(m.version);
@@ -247,7 +255,11 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       ok = ok && m.path.find('/') == std::string::npos &&
            (m.path.empty() || m.path[0] != '.');
       break;
+    case Type::kJoin:
+      ok = r.U32(&m.rank) && m.rank < kMaxProxies;
+      break;
     case Type::kStats:
+    case Type::kJoinDone:
       break;
     case Type::kReply:
       ok = r.U64(&m.version) && GetStr(r, &m.text, kMaxText);

@@ -38,8 +38,14 @@ enum class Type : uint8_t {
   kDone = 14,       // I have read your buffer for (key, shard, round, step)
   // worker -> proxy
   kTune = 15,  // new optimizer hyperparameters for keys [key, key_end)
+  // proxy <-> proxy: a proxy started with --join (replacing a dead one)
+  // asks each peer for its state. The reply carries the descriptor of a
+  // region holding the peer's shards in checkpoint format (text) and its
+  // length (version); kJoinDone releases it.
+  kJoin = 16,      // rank of the joining proxy
+  kJoinDone = 17,  // (nothing)
 };
-constexpr Type kLastType = Type::kTune;
+constexpr Type kLastType = Type::kJoinDone;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;

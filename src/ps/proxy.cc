@@ -149,6 +149,11 @@ class ProxyImpl final : public Proxy, public service::Service {
       return InvalidArgumentError("proxy rank " + std::to_string(opt_.rank) +
                                   " outside the peer list");
     }
+    if (opt_.join && opt_.restore) {
+      return InvalidArgumentError(
+          "--join copies the state from the peers; --restore loads a "
+          "checkpoint: choose one");
+    }
     sync_ = std::make_unique<SyncCores>(opt_.sync_cores);
     storage_ = std::make_unique<ShardStorage>(
         [this](uint64_t n) { return device_->AllocateMemRegion(n); },
@@ -268,6 +273,7 @@ class ProxyImpl final : public Proxy, public service::Service {
       writers_.clear();
     }
     peer_regions_.clear();
+    join_snapshots_.clear();
     peer_out_.clear();  // closes the links to peers
     inflight_.clear();  // closed channels complete them
     conns_.clear();
@@ -287,6 +293,7 @@ class ProxyImpl final : public Proxy, public service::Service {
   Status OnStart(transport::Device& device) override {
     device_ = &device;
     if (opt_.restore) RETURN_IF_ERROR(Restore());
+    if (opt_.join) RETURN_IF_ERROR(Join());
     return Status::Ok();
   }
 
@@ -567,6 +574,10 @@ class ProxyImpl final : public Proxy, public service::Service {
       case Type::kDone:
         if (c.role != Conn::Role::kPeer) break;
         return OnPeerNotice(*m);
+      case Type::kJoin:
+      case Type::kJoinDone:
+        if (c.role != Conn::Role::kPeer) break;
+        return OnJoinRequest(conn, c, *m);
       case Type::kStats:
         if (c.role != Conn::Role::kClient && c.role != Conn::Role::kObserver)
           break;
@@ -594,6 +605,13 @@ class ProxyImpl final : public Proxy, public service::Service {
       }
       c.role = Conn::Role::kPeer;
       c.rank = m.rank;
+      // A proxy that comes back (a replacement: --join) gets a new link.
+      if (auto p = peer_out_.find(m.rank);
+          p != peer_out_.end() && !p->second->health().ok()) {
+        std::erase_if(peer_regions_,
+                      [&](const auto& e) { return e.first.first == m.rank; });
+        peer_out_.erase(p);
+      }
       server_->Establish(conn);
       Reply(conn, m.type, m.id, Status::Ok());
       return;
@@ -637,6 +655,7 @@ class ProxyImpl final : public Proxy, public service::Service {
   }
 
   void OnDisconnect(service::ConnectionId conn, const Status& why) override {
+    join_snapshots_.erase(conn);
     auto it = conns_.find(conn);
     if (it == conns_.end()) return;
     if (it->second.role == Conn::Role::kClient) {
@@ -992,9 +1011,11 @@ class ProxyImpl final : public Proxy, public service::Service {
       // value -- but not the reverse: a striped key's shards are current on
       // their owners only.
       if (!k.declared) {
-        if (m.striped && nproxies_ > 1) k.striped = true;
+        if (m.striped && nproxies_ > 1 && !opt_.replicate) k.striped = true;
         OptimizerSettings o = OptimizerSettings::From(m);
-        if (o.kind != k.opt.kind) {
+        // A restored key's optimizer state is the job's own (its kind was
+        // not recorded): keep it.
+        if (o.kind != k.opt.kind && !k.restored) {
           for (auto& sh : k.shards) {
             sh.m1.reset();
             sh.m2.reset();
@@ -1009,7 +1030,7 @@ class ProxyImpl final : public Proxy, public service::Service {
       k.bytes = m.bytes;
       k.dtype = dt;
       k.shard_bytes = m.shard_bytes;
-      k.striped = m.striped && nproxies_ > 1;
+      k.striped = m.striped && nproxies_ > 1 && !opt_.replicate;
       k.opt = OptimizerSettings::From(m);
       k.declared = true;
       uint64_t n = (m.bytes + m.shard_bytes - 1) / m.shard_bytes;
@@ -1559,6 +1580,183 @@ class ProxyImpl final : public Proxy, public service::Service {
     sh.pulls = std::move(keep);
   }
 
+  // Keys and shards from checkpoint records (a file, or the peers' state a
+  // joining proxy read). `source` names them in errors.
+  Status LoadRecords(const std::vector<CheckpointShard>& shards,
+                     const std::string& path) {
+    for (const auto& c : shards) {
+      Key& k = keys_[c.key];
+      auto dt = static_cast<DType>(c.dtype);
+      if (k.shards.empty()) {
+        if (c.dtype < 1 || c.dtype > static_cast<uint8_t>(DType::kUInt8) ||
+            !AccumulateSupports(dt) || c.shard_bytes == 0 ||
+            c.key_bytes % DTypeSize(dt) != 0) {
+          return DataLossError(path + ": bad dtype or sizes for key " +
+                               std::to_string(c.key));
+        }
+        k.bytes = c.key_bytes;
+        k.dtype = dt;
+        k.shard_bytes = c.shard_bytes;
+        k.initialized = true;
+        k.restored = true;
+        uint64_t n = (k.bytes + k.shard_bytes - 1) / k.shard_bytes;
+        if (n > (1u << 20)) return DataLossError(path + ": too many shards");
+        k.shards.resize(n);
+        n_keys_.fetch_add(1);
+        n_shards_.fetch_add(n);
+      }
+      if (c.shard >= k.shards.size() || k.bytes != c.key_bytes ||
+          k.dtype != dt) {
+        return DataLossError(path + ": inconsistent records for key " +
+                             std::to_string(c.key));
+      }
+      Shard& sh = k.shards[c.shard];
+      sh.offset = uint64_t{c.shard} * k.shard_bytes;
+      sh.bytes = std::min(k.shard_bytes, k.bytes - sh.offset);
+      RETURN_IF_ERROR(storage_->Load(sh, c).WithContext(path + ": key " +
+                                                        std::to_string(c.key)));
+    }
+    for (auto& [k, key] : keys_) {
+      for (auto& sh : key.shards) {
+        if (!sh.value) {
+          return DataLossError(path + ": key " + std::to_string(k) +
+                               " is missing shards");
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  // ------------------------------------------------------------ joining
+
+  // A replacement proxy (--join): for every shard, the newest version any
+  // peer holds (with replicate, every peer holds every key; a peer that
+  // finished a round the others did not have finished is ahead by one).
+  Status Join() {
+    if (nproxies_ < 2) {
+      return FailedPreconditionError("--join needs peers (--ps-peers)");
+    }
+    const auto t0 = Clock::now();
+    std::map<std::pair<uint64_t, uint32_t>, CheckpointShard> newest;
+    uint64_t bytes = 0;
+    for (uint32_t p = 0; p < nproxies_; ++p) {
+      if (p == opt_.rank) continue;
+      auto n = FetchPeerState(p, &newest);
+      if (!n.ok()) {
+        return Status(n.status().code(),
+                      "joining: cannot copy the state of proxy " +
+                          std::to_string(p) + " at " + opt_.peers[p] + ": " +
+                          std::string(n.status().message()));
+      }
+      bytes += *n;
+    }
+    std::vector<CheckpointShard> records;
+    records.reserve(newest.size());
+    for (auto& [id, r] : newest) records.push_back(std::move(r));
+    RETURN_IF_ERROR(LoadRecords(records, "the peers' state"));
+    MEMBOX_LOG_WARN(
+        "proxy {} joined: copied {} keys ({} shards, {} bytes read) from "
+        "{} peer(s) in {:.3f} s",
+        opt_.rank, keys_.size(), records.size(), bytes, nproxies_ - 1,
+        std::chrono::duration<double>(Clock::now() - t0).count());
+    return Status::Ok();
+  }
+
+  // Reads peer `p`'s state and merges it into `newest`; returns its size.
+  Result<uint64_t> FetchPeerState(
+      uint32_t p,
+      std::map<std::pair<uint64_t, uint32_t>, CheckpointShard>* newest) {
+    ASSIGN_OR_RETURN(service::Client * c, PeerClient(p));
+    Message q;
+    q.type = Type::kJoin;
+    q.rank = opt_.rank;
+    ASSIGN_OR_RETURN(auto body, c->Call(static_cast<uint16_t>(Type::kJoin),
+                                        proto::Encode(q), kPeerTimeout));
+    ASSIGN_OR_RETURN(Message r,
+                     proto::Decode(static_cast<uint16_t>(Type::kReply), body));
+    ASSIGN_OR_RETURN(auto desc,
+                     RegionDescriptor::Deserialize(
+                         std::vector<uint8_t>(r.text.begin(), r.text.end())));
+    const uint64_t n = r.version;
+    if (n == 0 || desc.length < n) {
+      return DataLossError("the peer's state has a bad length");
+    }
+    ASSIGN_OR_RETURN(auto ch, PeerChannel(p));
+    ASSIGN_OR_RETURN(auto remote, ch->Import(desc, kIoTimeout));
+    ASSIGN_OR_RETURN(std::unique_ptr<MemRegion> local,
+                     device_->AllocateMemRegion(n));
+    ASSIGN_OR_RETURN(
+        auto h, ch->Read(local->data(), *local, remote->address(), *remote, n));
+    RETURN_IF_ERROR(h.Wait(kIoTimeout));
+    remote.reset();
+    Message done;
+    done.type = Type::kJoinDone;
+    (void)c->Call(static_cast<uint16_t>(Type::kJoinDone), proto::Encode(done),
+                  kPeerTimeout);  // the peer also frees it when we go
+    CheckpointHeader hdr;
+    std::vector<CheckpointShard> shards;
+    RETURN_IF_ERROR(ParseCheckpoint(
+        std::span<const uint8_t>(static_cast<const uint8_t*>(local->data()), n),
+        &hdr, &shards));
+    for (auto& sh : shards) {
+      auto id = std::make_pair(sh.key, sh.shard);
+      auto it = newest->find(id);
+      if (it == newest->end() || it->second.version < sh.version) {
+        (*newest)[id] = std::move(sh);
+      }
+    }
+    return n;
+  }
+
+  // A joining peer asks for this proxy's state (kJoin): every shard in
+  // checkpoint format in a region it reads, kept until kJoinDone or until
+  // it disconnects.
+  void OnJoinRequest(uint64_t conn, Conn& c, const Message& m) {
+    if (m.type == Type::kJoinDone) {
+      join_snapshots_.erase(conn);
+      return Reply(conn, m.type, m.id, Status::Ok());
+    }
+    if (m.rank != c.rank) {
+      return Reply(conn, m.type, m.id,
+                   InvalidArgumentError("a proxy joins as its own rank"));
+    }
+    std::vector<ShardStorage::Snapshot> snap;
+    std::vector<CheckpointShard> records;
+    for (auto& [k, key] : keys_) {
+      for (uint32_t i = 0; i < key.shards.size(); ++i) {
+        if (!key.shards[i].value) continue;
+        snap.push_back(ShardStorage::Snap(k, i, key.dtype, key.bytes,
+                                          key.shard_bytes, key.shards[i]));
+        records.push_back(snap.back().record);
+      }
+    }
+    CheckpointHeader h;
+    h.proxy_rank = opt_.rank;
+    h.proxies = nproxies_;
+    h.mode = static_cast<uint8_t>(mode_);
+    uint64_t n = 0;
+    (void)EncodeCheckpoint(h, records, [&n](const void*, size_t b) {
+      n += b;
+      return Status::Ok();
+    });
+    auto region = device_->AllocateMemRegion(n);
+    if (!region.ok()) return Reply(conn, m.type, m.id, region.status());
+    uint8_t* out = static_cast<uint8_t*>((*region)->data());
+    Status st = EncodeCheckpoint(h, records, [&out](const void* p, size_t b) {
+      std::memcpy(out, p, b);
+      out += b;
+      return Status::Ok();
+    });
+    if (!st.ok()) return Reply(conn, m.type, m.id, st);
+    auto d = (*region)->Export().Serialize();
+    join_snapshots_[conn] = std::move(*region);
+    MEMBOX_LOG_WARN(
+        "proxy {} at {} is joining (replacing the one that was there): "
+        "giving it {} shards ({} bytes)",
+        c.rank, opt_.peers[c.rank], records.size(), n);
+    Reply(conn, m.type, m.id, Status::Ok(), n, std::string(d.begin(), d.end()));
+  }
+
   // ------------------------------------------------------------ peers
 
   // The link to peer proxy `rank`, connected on first use (retrying while
@@ -1678,46 +1876,7 @@ class ProxyImpl final : public Proxy, public service::Service {
           path + " was written by proxy " + std::to_string(h.proxy_rank) +
           " of " + std::to_string(h.proxies) + ", not by this one");
     }
-    for (auto& c : shards) {
-      Key& k = keys_[c.key];
-      auto dt = static_cast<DType>(c.dtype);
-      if (k.shards.empty()) {
-        if (c.dtype < 1 || c.dtype > static_cast<uint8_t>(DType::kUInt8) ||
-            !AccumulateSupports(dt) || c.shard_bytes == 0 ||
-            c.key_bytes % DTypeSize(dt) != 0) {
-          return DataLossError(path + ": bad dtype or sizes for key " +
-                               std::to_string(c.key));
-        }
-        k.bytes = c.key_bytes;
-        k.dtype = dt;
-        k.shard_bytes = c.shard_bytes;
-        k.initialized = true;
-        k.restored = true;
-        uint64_t n = (k.bytes + k.shard_bytes - 1) / k.shard_bytes;
-        if (n > (1u << 20)) return DataLossError(path + ": too many shards");
-        k.shards.resize(n);
-        n_keys_.fetch_add(1);
-        n_shards_.fetch_add(n);
-      }
-      if (c.shard >= k.shards.size() || k.bytes != c.key_bytes ||
-          k.dtype != dt) {
-        return DataLossError(path + ": inconsistent records for key " +
-                             std::to_string(c.key));
-      }
-      Shard& sh = k.shards[c.shard];
-      sh.offset = uint64_t{c.shard} * k.shard_bytes;
-      sh.bytes = std::min(k.shard_bytes, k.bytes - sh.offset);
-      RETURN_IF_ERROR(storage_->Load(sh, c).WithContext(path + ": key " +
-                                                        std::to_string(c.key)));
-    }
-    for (auto& [k, key] : keys_) {
-      for (auto& sh : key.shards) {
-        if (!sh.value) {
-          return DataLossError(path + ": key " + std::to_string(k) +
-                               " is missing shards");
-        }
-      }
-    }
+    RETURN_IF_ERROR(LoadRecords(shards, path));
     MEMBOX_LOG_INFO("restored {} keys ({} shards) from {}", keys_.size(),
                     shards.size(), path);
     return Status::Ok();
@@ -1744,6 +1903,8 @@ class ProxyImpl final : public Proxy, public service::Service {
       peer_regions_;
   std::map<uint64_t, Key> keys_;
   std::vector<Message> early_notices_;
+  // Our state as given to joining peers, by their connection (OnJoinRequest).
+  std::map<uint64_t, std::unique_ptr<MemRegion>> join_snapshots_;
   std::unique_ptr<MemRegion> staging_;
   std::unique_ptr<MemRegion> probe_;
   // Result writes and flushes in flight (WriteThenReply); done ones are

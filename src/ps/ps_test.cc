@@ -33,7 +33,8 @@ struct Cluster {
 
   static Cluster Start(int n, Scheduler sched = Scheduler::kPerClientQueues,
                        std::string ckpt_dir = "", bool restore = false,
-                       std::chrono::milliseconds hang_report = 10s) {
+                       std::chrono::milliseconds hang_report = 10s,
+                       bool replicate = false) {
     Cluster c;
     for (int i = 0; i < n; ++i) {
       c.endpoints.push_back("127.0.0.1:" + std::to_string(PickFreeLocalPort()));
@@ -49,6 +50,7 @@ struct Cluster {
       o.checkpoint_dir = ckpt_dir;
       o.restore = restore;
       o.hang_report = hang_report;
+      o.replicate = replicate;
       auto p = Proxy::Start(o);
       EXPECT_TRUE(p.ok()) << p.status().ToString();
       if (p.ok()) c.proxies.push_back(std::move(*p));
@@ -604,6 +606,92 @@ TEST(PsTest, ProxyDeathFailsPendingWithItsName) {
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
   EXPECT_NE(s.ToString().find(c.endpoints[0]), std::string::npos);
   EXPECT_FALSE(w0->Push(1, v.data()).Wait(30s).ok());
+}
+
+// A memory node dies between rounds; a replacement started with `join`
+// copies the newest state from the survivor, and the restarted workers go
+// on from the version they left: the values after five rounds are the
+// undisturbed run's to the last bit, momentum included, on both proxies.
+// With `replicate`, keys asked to be striped stay on the ring (every proxy
+// holds all of them: that is what survives a death).
+TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
+  constexpr size_t kN = 16 << 10;  // floats: 4 shards of 16 KiB
+  RoutingTable striped;
+  striped.stripe = true;
+  striped.partition_bytes = 16 << 10;
+  auto grad = [](int rank, int round) {
+    std::vector<float> g(kN);
+    for (size_t i = 0; i < kN; ++i) {
+      g[i] = 0.001f * float((i * 7 + rank * 13 + round * 31) % 101) - 0.05f;
+    }
+    return g;
+  };
+  std::vector<float> init(kN);
+  for (size_t i = 0; i < kN; ++i) init[i] = std::sin(float(i));
+  // Rounds [from, to) with two workers routed to proxies 0 and 1.
+  auto train = [&](const Cluster& c, int from, int to,
+                   std::vector<std::vector<float>>* finals) {
+    std::vector<std::unique_ptr<ParamClient>> w;
+    for (int r = 0; r < 2; ++r) {
+      RoutingTable t = striped;
+      t.lat_proxy = t.bw_proxy = uint32_t(r);
+      w.push_back(Worker(c, r, 2, t));
+      ASSERT_NE(w.back(), nullptr);
+      SyncConfig cfg;
+      cfg.mode = SyncConfig::Mode::kAverage;
+      cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
+      ASSERT_TRUE(w[r]->Configure(cfg).ok());
+    }
+    for (int r = 0; r < 2; ++r) {
+      auto v = w[r]->Declare(3, kN * 4, DType::kFloat32,
+                             r == 0 ? init.data() : nullptr);
+      ASSERT_TRUE(v.ok()) << v.status().ToString();
+      EXPECT_EQ(*v, uint64_t(from)) << "the version the nodes hold";
+    }
+    for (int round = from; round < to; ++round) {
+      std::vector<PsHandle> h;
+      std::vector<std::vector<float>> g = {grad(0, round), grad(1, round)};
+      for (int r = 0; r < 2; ++r) h.push_back(w[r]->Push(3, g[r].data()));
+      for (auto& x : h) ASSERT_TRUE(x.Wait(20s).ok()) << x.Wait(0s).ToString();
+    }
+    finals->assign(2, std::vector<float>(kN));
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(w[r]->Pull(3, (*finals)[r].data()).Wait(20s).ok());
+    }
+  };
+  std::vector<std::vector<float>> want, got;
+  {
+    auto ref = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                              /*replicate=*/true);
+    train(ref, 0, 5, &want);
+    EXPECT_EQ(want[0], want[1]);
+    EXPECT_GT(ref.proxies[0]->Stats().ring_steps, 0u) << "not striped";
+  }
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  train(c, 0, 3, &got);
+  std::this_thread::sleep_for(200ms);  // the proxies see the workers leave
+  c.proxies[1]->Stop();                // the node dies
+  c.proxies[1].reset();
+  ProxyOptions o;
+  o.listen = c.endpoints[1];
+  o.secret = kSecret;
+  o.peers = c.endpoints;
+  o.rank = 1;
+  o.sync_cores = 1;
+  o.replicate = true;
+  o.join = true;
+  o.restore = true;
+  EXPECT_EQ(Proxy::Start(o).status().code(), StatusCode::kInvalidArgument)
+      << "join and restore exclude each other";
+  o.restore = false;
+  auto joined = Proxy::Start(o);
+  ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+  c.proxies[1] = std::move(*joined);
+  EXPECT_EQ(c.proxies[1]->Stats().keys, 1u);
+  train(c, 3, 5, &got);
+  EXPECT_EQ(got[0], want[0]) << "through proxy 0";
+  EXPECT_EQ(got[1], want[1]) << "through the replacement";
 }
 
 TEST(PsTest, ProfilerBuildsATable) {

@@ -74,6 +74,15 @@ struct ProxyOptions {
   // proxy a ring step needs, rank 0's declaration. The same explanation is
   // in StatusText() (and so in a worker's view of a hang). Zero: never.
   std::chrono::milliseconds hang_report{10000};
+  // Every proxy keeps every key's current value: keys are never striped
+  // (a declaration asking for it is answered unstriped), so after each
+  // round all proxies hold the same values, optimizer state and versions,
+  // and any one of them can die without losing an acknowledged round.
+  bool replicate = false;
+  // Replace a proxy that died: before serving, copy the state (values,
+  // optimizer state, versions) from every peer, taking for each shard the
+  // newest version any of them holds. The peers must be running.
+  bool join = false;
 };
 
 struct ProxyStats {
