@@ -389,6 +389,12 @@ int main(int argc, char** argv) {
   serve->add_flag("--ps-replicate", popt.replicate,
                   "keep every key on every proxy (no striping), so any one "
                   "node can die without losing a round");
+  double failover_s = 60;
+  serve
+      ->add_option("--ps-failover-s", failover_s,
+                   "with --ps-replicate: how long rounds wait for a dead "
+                   "peer's replacement before they fail")
+      ->check(CLI::Range(0.1, 86400.0));
   serve->add_flag("--join", popt.join,
                   "replace a proxy that died: copy the state from the "
                   "running --ps-peers before serving");
@@ -615,6 +621,8 @@ int main(int argc, char** argv) {
     popt.transports = sopt.transports;
     popt.hang_report =
         std::chrono::milliseconds(static_cast<int64_t>(hang_report_s * 1000));
+    popt.failover_timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(failover_s * 1000));
     sopt.orphan_grace = std::chrono::milliseconds(orphan_grace_ms);
     if (!ReadAdminSecret(admin_secret_file, "serve", &sopt.admin_secret)) {
       return 2;

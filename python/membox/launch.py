@@ -25,13 +25,15 @@ train_ps.py resumes at ps.version). A DDP job's weights live in its
 workers: it continues from its last membox.torch.save_checkpoint
 (load_checkpoint returns it after a restart).
 
-A memory node that dies is replaced the same way (it counts against
---max-restarts): with several nodes, every node keeps every key
-(`membox serve --ps-replicate`, on when --max-restarts is given), so the
-launcher stops the workers, starts a new node on the dead one's ports with
-`--join` -- it copies the newest state from the survivors -- and starts the
-workers again, which continue from the version the nodes hold. A single
-node's state dies with it: that ends the job as before.
+A memory node that dies is replaced (it counts against --max-restarts):
+with several nodes, every node keeps every key (`membox serve
+--ps-replicate`, on when --max-restarts is given), so the launcher starts a
+new node on the dead one's ports with `--join` -- it copies the newest
+state from the survivors -- while the workers carry on: their parameter
+clients keep the dead node's pushes and send them to the replacement, and
+the surviving nodes hold their rounds meanwhile (no round lost or
+repeated; DDP and the explicit parameter server alike). A single node's
+state dies with it: that ends the job as before.
 
 Across hosts, start `membox serve` on the memory hosts yourself and run the
 workers with your launcher of choice, letting `membox launch --attach`
@@ -339,7 +341,6 @@ def main(argv=None):
                           f"status {n.p.returncode}); replacing it from the "
                           f"other nodes (restart {restarts} of "
                           f"{a.max_restarts})", flush=True)
-                stop_all(workers)
                 n.t.join(timeout=5)
                 procs.remove(n)
                 m = Proc("node", n.rank, node_argv[n.rank] + ["--join"],
@@ -352,8 +353,8 @@ def main(argv=None):
                                        f"{m.p.poll()})")
                 with lock:
                     print(f"membox launch: memory {n.name} replaced in "
-                          f"{time.time() - t0:.2f} s", flush=True)
-                restart_workers(t0)
+                          f"{time.time() - t0:.2f} s; the workers carry on",
+                          flush=True)
                 continue
             for n in dead:
                 with lock:

@@ -6,7 +6,9 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <queue>
 #include <set>
@@ -63,6 +65,7 @@ struct KeyInfo {
   uint64_t shard_bytes = 0;
   uint32_t shards = 0;
   bool striped = false;       // shard s lives on proxy (key + s) % proxies
+  Message declaration;        // as sent (without initial values): failover
   uint64_t rounds = 0;        // pushes issued by this worker
   uint64_t base_version = 0;  // stored version when declared
   std::unique_ptr<MemRegion> staging;               // [in | out], registered
@@ -88,10 +91,25 @@ struct Op {
   }
 };
 
+// A proxy's link. `client` and `channel` are replaced when the proxy is
+// replaced (failover); readers take copies under links_mu_.
 struct ProxyLink {
   std::string endpoint;
-  std::unique_ptr<service::Client> client;
+  std::shared_ptr<service::Client> client;
   std::shared_ptr<Channel> channel;  // client's (maybe fault-wrapped)
+  // Failover: reconnecting; the pushes and pulls sent meanwhile (and those
+  // the lost link failed) wait in `stash`, in order. `gone`: not back in
+  // time -- requests fail at once.
+  bool repairing = false;
+  uint64_t generation = 0;  // links replaced so far
+  Status gone;
+  struct Stashed {
+    Message m;
+    std::shared_ptr<service::CallState> st;
+    std::shared_ptr<std::string> text;
+    uint64_t watch = 0;
+  };
+  std::vector<Stashed> stash;
 };
 
 // MEMBOX_PROXY_DELAYS_MS="d0,d1,...": one added latency per proxy (ms, in
@@ -138,10 +156,26 @@ class ParamClientImpl final : public ParamClient {
       stop_ = true;
     }
     q_cv_.NotifyAll();
+    {
+      MutexLock l(&links_mu_);
+      repair_stop_ = true;
+    }
+    links_cv_.NotifyAll();
     if (sender_.joinable()) sender_.join();
     if (reprofiler_.joinable()) reprofiler_.join();
     if (watchdog_.joinable()) watchdog_.join();
+    if (repairer_.joinable()) repairer_.join();
     // Closing each link fails its pending calls with kAborted.
+    std::vector<ProxyLink::Stashed> stashed;
+    {
+      MutexLock l(&links_mu_);
+      for (auto& p : proxies_) {
+        for (auto& x : p.stash) stashed.push_back(std::move(x));
+        p.stash.clear();
+        p.gone = AbortedError("the parameter client is closing");
+      }
+    }
+    for (auto& x : stashed) x.st->Finish(AbortedError("closing"), 0);
     for (auto& p : proxies_) p.client.reset();
     keys_.clear();
     probe_.reset();
@@ -161,6 +195,17 @@ class ParamClientImpl final : public ParamClient {
             "' (seconds, 0..86400; 0: never)");
       }
       opt_.hang_report =
+          std::chrono::milliseconds(static_cast<int64_t>(sec * 1000));
+    }
+    if (const char* env = std::getenv("MEMBOX_FAILOVER_S"); env && *env) {
+      char* end = nullptr;
+      double sec = std::strtod(env, &end);
+      if (*end != '\0' || !(sec >= 0) || sec > 86400) {
+        return InvalidArgumentError(
+            std::string("MEMBOX_FAILOVER_S: bad value '") + env +
+            "' (seconds, 0..86400; 0: off)");
+      }
+      opt_.failover =
           std::chrono::milliseconds(static_cast<int64_t>(sec * 1000));
     }
     if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world) {
@@ -192,15 +237,9 @@ class ParamClientImpl final : public ParamClient {
       if (!opt_.links.empty()) {
         link.channel = transport::WrapWithFaults(link.channel, opt_.links[i]);
       }
-      service::ClientOptions co;
-      co.node_kind = "proxy";
-      co.name = "proxy " + std::to_string(i) + " (" + link.endpoint + ")";
+      service::ClientOptions co = LinkOptions(static_cast<uint32_t>(i), 0);
       link.client = service::Client::Over(link.channel, link.endpoint, co);
-      Message h;
-      h.type = Type::kHello;
-      h.name = opt_.name;
-      h.rank = static_cast<uint32_t>(opt_.rank);
-      h.world = static_cast<uint32_t>(opt_.world);
+      const Message h = HelloMessage();
       // A restarted worker set (membox launch --max-restarts) may say hello
       // before the proxy has seen the previous run's connections close: it
       // answers ALREADY_EXISTS (this rank is still connected) or ABORTED
@@ -233,6 +272,9 @@ class ParamClientImpl final : public ParamClient {
     }
     progress_ = [this] { device_->Progress(); };
     RETURN_IF_ERROR(InstallRouting(opt_.routing));
+    if (opt_.failover.count() > 0 && proxies_.size() > 1) {
+      repairer_ = std::thread([this] { RepairLoop(); });
+    }
     sender_ = std::thread([this] { SendLoop(); });
     if (opt_.reprofile_interval.count() > 0) {
       reprofiler_ = std::thread([this] { ReprofileLoop(); });
@@ -246,6 +288,7 @@ class ParamClientImpl final : public ParamClient {
   int num_proxies() const override { return static_cast<int>(proxies_.size()); }
 
   bool proxies_map_memory() const override {
+    MutexLock l(&links_mu_);
     for (const auto& p : proxies_) {
       if (!p.channel || p.channel->protocol() != transport::Protocol::kMapped) {
         return false;
@@ -314,6 +357,7 @@ class ParamClientImpl final : public ParamClient {
       RETURN_IF_ERROR(Call(i, m).status());
     }
     MutexLock l(&mu_);
+    configuration_ = m;
     async_ = c.mode == SyncConfig::Mode::kAsync;
     if (c.optimizer) default_optimizer_ = *c.optimizer;
     return Status::Ok();
@@ -358,6 +402,12 @@ class ParamClientImpl final : public ParamClient {
     for (uint32_t i = 0; i < proxies_.size(); ++i) {
       RETURN_IF_ERROR(Call(i, m).status());
     }
+    MutexLock l(&mu_);
+    // The latest hyperparameters per key range, for a replaced proxy.
+    std::erase_if(tunes_, [&](const Message& t) {
+      return t.key == m.key && t.key_end == m.key_end;
+    });
+    tunes_.push_back(m);
     return Status::Ok();
   }
 
@@ -444,6 +494,8 @@ class ParamClientImpl final : public ParamClient {
       m.striped = striped;
     }
     k.base_version = version;
+    k.declaration = m;
+    k.declaration.has_input = false;
     MutexLock l(&mu_);
     keys_[key] = std::move(k);
     return version;
@@ -487,7 +539,11 @@ class ParamClientImpl final : public ParamClient {
       std::vector<uint8_t> bytes(text->begin(), text->end());
       ASSIGN_OR_RETURN(auto desc,
                        transport::RegionDescriptor::Deserialize(bytes));
-      auto& ch = proxies_[p].channel;
+      std::shared_ptr<Channel> ch;
+      {
+        MutexLock l(&links_mu_);
+        ch = proxies_[p].channel;
+      }
       ASSIGN_OR_RETURN(auto remote, ch->Import(desc, opt_.timeout));
       for (uint64_t size : o.sizes) {
         std::vector<double> t;
@@ -595,8 +651,29 @@ class ParamClientImpl final : public ParamClient {
   Status SendRequest(uint32_t proxy, const Message& m,
                      const std::shared_ptr<service::CallState>& st,
                      std::shared_ptr<std::string> text = nullptr) {
-    service::Client* c = proxies_[proxy].client.get();
+    const bool retryable = opt_.failover.count() > 0 && proxies_.size() > 1 &&
+                           (m.type == Type::kPush || m.type == Type::kPull);
+    std::shared_ptr<service::Client> c;
+    {
+      MutexLock l(&links_mu_);
+      ProxyLink& link = proxies_[proxy];
+      if (!link.gone.ok()) return link.gone;
+      if (retryable && (link.repairing || !link.client->health().ok())) {
+        // Waits for the replacement (RepairLoop sends it).
+        link.stash.push_back({m, st, text, Watch(proxy, m)});
+        StartRepairLocked(proxy);
+        return Status::Ok();
+      }
+      c = link.client;
+    }
     RETURN_IF_ERROR(c->health());
+    const uint64_t watch = Watch(proxy, m);
+    SendOn(*c, proxy, m, st, text, watch, retryable);
+    return Status::Ok();
+  }
+
+  // Registers a push or pull with the watchdog; 0 when not watched.
+  uint64_t Watch(uint32_t proxy, const Message& m) {
     uint64_t watch = 0;
     if (opt_.hang_report.count() > 0 &&
         (m.type == Type::kPush || m.type == Type::kPull)) {
@@ -608,12 +685,33 @@ class ParamClientImpl final : public ParamClient {
                   proxy,   Clock::now(),
                   {}};
     }
-    c->SendDecoded<Message>(
+    return watch;
+  }
+
+  // Sends on `c`; the reply finishes `st`. A retryable request whose link
+  // is lost before the reply goes to the proxy's stash instead (failover).
+  void SendOn(service::Client& c, uint32_t proxy, const Message& m,
+              const std::shared_ptr<service::CallState>& st,
+              const std::shared_ptr<std::string>& text, uint64_t watch,
+              bool retryable) {
+    std::shared_ptr<service::Client> keep;  // the callback checks its health
+    {
+      MutexLock l(&links_mu_);
+      keep = proxies_[proxy].client;
+    }
+    std::weak_ptr<service::Client> link = keep;
+    c.SendDecoded<Message>(
         static_cast<uint16_t>(m.type), proto::Encode(m),
         [](std::span<const uint8_t> body) {
           return proto::Decode(static_cast<uint16_t>(Type::kReply), body);
         },
-        [this, st, text, watch](Result<Message> r) {
+        [this, st, text, watch, retryable, proxy, m, link](Result<Message> r) {
+          if (!r.ok() && retryable) {
+            auto l = link.lock();
+            if (l && !l->health().ok() && Stash(proxy, m, st, text, watch)) {
+              return;  // the link died: sent again to the replacement
+            }
+          }
           if (watch) {
             MutexLock l(&watch_mu_);
             watched_.erase(watch);
@@ -622,8 +720,227 @@ class ParamClientImpl final : public ParamClient {
           if (text) *text = r->text;
           st->Finish(Status::Ok(), r->version);
         });
-    return Status::Ok();
   }
+
+  // ------------------------------------------------------------ failover
+  //
+  // A proxy whose link dies (kill -9 of its node) is waited for, up to
+  // opt_.failover, instead of failing the job: its pushes and pulls are
+  // kept, in order, while RepairLoop reconnects to the same endpoint
+  // (where `membox serve --join` -- started by `membox launch
+  // --max-restarts`, or by the operator -- holds the survivors' state),
+  // says hello, replays what this worker told the old one (configuration,
+  // regions, routing tables, declarations, hyperparameters) and sends the
+  // kept requests again. The survivors hold their rounds meanwhile
+  // (ProxyOptions::replicate), so no round is lost or repeated.
+
+  // Options of link `generation` to proxy `proxy`: with failover, its
+  // failure starts a repair even with nothing in flight (the replacement
+  // must see every worker, or its rounds wait).
+  service::ClientOptions LinkOptions(uint32_t proxy, uint64_t generation) {
+    service::ClientOptions co;
+    co.node_kind = "proxy";
+    co.name =
+        "proxy " + std::to_string(proxy) + " (" + opt_.proxies[proxy] + ")";
+    if (opt_.failover.count() > 0 && opt_.proxies.size() > 1) {
+      co.on_failure = [this, proxy, generation](const Status&) {
+        MutexLock l(&links_mu_);
+        if (repair_stop_ || proxies_.size() <= proxy) return;
+        ProxyLink& link = proxies_[proxy];
+        if (link.generation == generation && link.gone.ok()) {
+          StartRepairLocked(proxy);
+        }
+      };
+    }
+    return co;
+  }
+
+  Message HelloMessage() const {
+    Message h;
+    h.type = Type::kHello;
+    h.name = opt_.name;
+    h.rank = static_cast<uint32_t>(opt_.rank);
+    h.world = static_cast<uint32_t>(opt_.world);
+    return h;
+  }
+
+  // Keeps a request for proxy `proxy`'s replacement; false when the proxy
+  // is given up on (the caller fails it).
+  bool Stash(uint32_t proxy, const Message& m,
+             const std::shared_ptr<service::CallState>& st,
+             const std::shared_ptr<std::string>& text, uint64_t watch) {
+    MutexLock l(&links_mu_);
+    ProxyLink& link = proxies_[proxy];
+    if (!link.gone.ok()) return false;
+    link.stash.push_back({m, st, text, watch});
+    StartRepairLocked(proxy);
+    return true;
+  }
+
+  void StartRepairLocked(uint32_t proxy) MEMBOX_REQUIRES(links_mu_) {
+    if (proxies_[proxy].repairing) return;
+    proxies_[proxy].repairing = true;
+    to_repair_.push_back(proxy);
+    links_cv_.NotifyAll();
+  }
+
+  void RepairLoop() {
+    for (;;) {
+      uint32_t proxy = 0;
+      {
+        MutexLock l(&links_mu_);
+        while (!repair_stop_ && to_repair_.empty()) links_cv_.Wait(&links_mu_);
+        if (repair_stop_) return;
+        proxy = to_repair_.front();
+        to_repair_.pop_front();
+      }
+      Repair(proxy);
+    }
+  }
+
+  void Repair(uint32_t proxy) {
+    const auto t0 = Clock::now();
+    const std::string endpoint = proxies_[proxy].endpoint;
+    MEMBOX_LOG_WARN(
+        "worker rank {}: lost proxy {} at {}; waiting up to {} s for its "
+        "replacement (its pushes and pulls are kept)",
+        opt_.rank, proxy, endpoint,
+        std::chrono::duration_cast<std::chrono::seconds>(opt_.failover)
+            .count());
+    Status last;
+    size_t tries = 0;
+    while (Clock::now() - t0 < opt_.failover) {
+      {
+        MutexLock l(&links_mu_);
+        if (repair_stop_) return;
+      }
+      if (tries++ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      auto fresh = Reconnect(proxy);
+      if (!fresh.ok()) {
+        last = fresh.status();
+        continue;
+      }
+      // Swap the link in and send what waited, in order; requests that
+      // come meanwhile are stashed behind them until the stash is empty.
+      size_t resent = 0;
+      for (;;) {
+        std::vector<ProxyLink::Stashed> batch;
+        std::shared_ptr<service::Client> c;
+        {
+          MutexLock l(&links_mu_);
+          ProxyLink& link = proxies_[proxy];
+          if (link.client != fresh->first) link.generation++;
+          link.client = fresh->first;
+          link.channel = fresh->second;
+          if (link.stash.empty()) {
+            link.repairing = false;
+            break;
+          }
+          batch.swap(link.stash);
+          c = link.client;
+        }
+        for (auto& x : batch) {
+          SendOn(*c, proxy, x.m, x.st, x.text, x.watch, true);
+        }
+        resent += batch.size();
+      }
+      MEMBOX_LOG_WARN(
+          "worker rank {}: proxy {} at {} is back after {:.2f} s; {} "
+          "request(s) sent again",
+          opt_.rank, proxy, endpoint,
+          std::chrono::duration<double>(Clock::now() - t0).count(), resent);
+      return;
+    }
+    Status gone = UnavailableError(
+        "proxy " + std::to_string(proxy) + " at " + endpoint +
+        " was not replaced within " +
+        std::to_string(
+            std::chrono::duration_cast<std::chrono::seconds>(opt_.failover)
+                .count()) +
+        " s (last: " + last.ToString() + ")");
+    MEMBOX_LOG_ERROR("worker rank {}: {}", opt_.rank, gone.ToString());
+    std::vector<ProxyLink::Stashed> failed;
+    {
+      MutexLock l(&links_mu_);
+      ProxyLink& link = proxies_[proxy];
+      link.gone = gone;
+      link.repairing = false;
+      failed.swap(link.stash);
+    }
+    for (auto& x : failed) {
+      if (x.watch) {
+        MutexLock l(&watch_mu_);
+        watched_.erase(x.watch);
+      }
+      x.st->Finish(gone, 0);
+    }
+  }
+
+  // A new link to proxy `proxy`'s endpoint with this worker's state
+  // replayed on it.
+  Result<std::pair<std::shared_ptr<service::Client>, std::shared_ptr<Channel>>>
+  Reconnect(uint32_t proxy) {
+    const std::string& endpoint = proxies_[proxy].endpoint;
+    ASSIGN_OR_RETURN(std::shared_ptr<Channel> ch, device_->GetChannel(endpoint));
+    if (!opt_.links.empty()) {
+      ch = transport::WrapWithFaults(ch, opt_.links[proxy]);
+    }
+    uint64_t generation = 0;
+    {
+      MutexLock l(&links_mu_);
+      generation = proxies_[proxy].generation + 1;
+    }
+    std::shared_ptr<service::Client> c = service::Client::Over(
+        ch, endpoint, LinkOptions(proxy, generation));
+    const auto t = std::chrono::seconds(10);
+    auto call = [&](const Message& m) -> Result<uint64_t> {
+      ASSIGN_OR_RETURN(auto body, c->Call(static_cast<uint16_t>(m.type),
+                                          proto::Encode(m), t));
+      ASSIGN_OR_RETURN(Message r, proto::Decode(
+                                      static_cast<uint16_t>(Type::kReply), body));
+      return r.version;
+    };
+    RETURN_IF_ERROR(call(HelloMessage()).status());
+    std::vector<Message> replay;
+    {
+      MutexLock l(&mu_);
+      if (configuration_) replay.push_back(*configuration_);
+      for (const auto& [addr, r] : regions_) {
+        Message m;
+        m.type = Type::kRegion;
+        m.descriptor = r->Export().Serialize();
+        replay.push_back(std::move(m));
+      }
+      for (const auto& [key, k] : keys_) {
+        Message m;
+        m.type = Type::kRegion;
+        m.descriptor = k.staging->Export().Serialize();
+        replay.push_back(std::move(m));
+      }
+      for (const auto& e : route_history_) {
+        Message m;
+        m.type = Type::kRoute;
+        m.threshold = e.table.threshold;
+        m.lat_proxy = e.table.lat_proxy;
+        m.bw_proxy = e.table.bw_proxy;
+        m.from_rounds.assign(e.from.begin(), e.from.end());
+        replay.push_back(std::move(m));
+      }
+      for (const auto& [key, k] : keys_) replay.push_back(k.declaration);
+      for (const auto& t2 : tunes_) replay.push_back(t2);
+    }
+    for (const auto& m : replay) {
+      auto v = call(m);
+      if (!v.ok()) {
+        return Status(v.status().code(),
+                      std::string("replaying ") + proto::TypeName(m.type) +
+                          " on the replacement: " +
+                          std::string(v.status().message()));
+      }
+    }
+    return std::make_pair(c, ch);
+  }
+
 
   // Logs the pushes and pulls waiting longer than hang_report, once per
   // period each, with what their proxies say the rounds wait for.
@@ -919,7 +1236,13 @@ class ParamClientImpl final : public ParamClient {
 
   ParamClientOptions opt_;
   std::unique_ptr<transport::Device> device_;
+  // Fixed in size after Init; links replaced under links_mu_ (failover).
+  mutable Mutex links_mu_;
+  CondVar links_cv_;
   std::vector<ProxyLink> proxies_;
+  std::deque<uint32_t> to_repair_ MEMBOX_GUARDED_BY(links_mu_);
+  bool repair_stop_ MEMBOX_GUARDED_BY(links_mu_) = false;
+  std::thread repairer_;
   std::function<void()> progress_;
 
   mutable Mutex mu_;
@@ -935,6 +1258,8 @@ class ParamClientImpl final : public ParamClient {
   std::set<uintptr_t> user_regions_ MEMBOX_GUARDED_BY(mu_);
   std::map<uint64_t, KeyInfo> keys_ MEMBOX_GUARDED_BY(mu_);
   bool async_ MEMBOX_GUARDED_BY(mu_) = false;
+  std::optional<Message> configuration_ MEMBOX_GUARDED_BY(mu_);  // failover
+  std::vector<Message> tunes_ MEMBOX_GUARDED_BY(mu_);            // failover
   OptimizerConfig default_optimizer_ MEMBOX_GUARDED_BY(mu_);
   uint64_t next_seq_ MEMBOX_GUARDED_BY(mu_) = 0;
 

@@ -88,6 +88,8 @@ const char* TypeName(Type t) {
       return "join";
     case Type::kJoinDone:
       return "join-done";
+    case Type::kResume:
+      return "resume";
   }
   return "?";
 }
@@ -160,6 +162,10 @@ std::vector<uint8_t> Encode(const Message& m) {
       break;
     case Type::kJoin:
       w.U32(m.rank);
+      break;
+    case Type::kResume:
+      w.U32(m.rank);
+      w.U32(m.world);
       break;
     case Type::kStats:
     case Type::kJoinDone:
@@ -257,6 +263,9 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       break;
     case Type::kJoin:
       ok = r.U32(&m.rank) && m.rank < kMaxProxies;
+      break;
+    case Type::kResume:
+      ok = r.U32(&m.rank) && m.rank < kMaxProxies && r.U32(&m.world);
       break;
     case Type::kStats:
     case Type::kJoinDone:

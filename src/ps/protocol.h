@@ -44,8 +44,12 @@ enum class Type : uint8_t {
   // length (version); kJoinDone releases it.
   kJoin = 16,      // rank of the joining proxy
   kJoinDone = 17,  // (nothing)
+  // proxy -> proxy notice: I have restarted my rounds after proxy `rank`
+  // (incarnation `world`, the nonce of its kPeerHello) was replaced; my ring
+  // notices from here on belong to the restarted rounds.
+  kResume = 18,
 };
-constexpr Type kLastType = Type::kJoinDone;
+constexpr Type kLastType = Type::kResume;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;
@@ -61,7 +65,8 @@ enum class Optimizer : uint8_t { kNone = 0, kSgd = 1, kAdam = 2 };
 struct Message {
   Type type = Type::kStats;  // the envelope's method
   uint64_t id = 0;  // the envelope's request id (set on receipt; not coded)
-  // kHello / kPeerHello (the channel is authenticated by the transport)
+  // kHello / kPeerHello (the channel is authenticated by the transport);
+  // a kPeerHello's `world` is the proxy process's incarnation nonce
   std::string name;
   uint32_t rank = 0;
   uint32_t world = 0;

@@ -9,6 +9,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -477,9 +478,17 @@ class ProxyImpl final : public Proxy, public service::Service {
   // period each, and keeps the explanation -- with a summary of the job:
   // workers, versions -- for StatusText().
   void ReportWaits() {
+    CheckFailoverDeadline();
     const auto now = Clock::now();
     const auto limit = opt_.hang_report;
     std::string text;
+    for (uint32_t r : peers_down_) {
+      text += fmt::format(
+          "down proxy {} at {} for {:.1f} s: rounds wait for its "
+          "replacement\n",
+          r, opt_.peers[r],
+          std::chrono::duration<double>(now - down_since_).count());
+    }
     {
       std::string workers;
       for (const auto& [id, c] : conns_) {
@@ -551,7 +560,8 @@ class ProxyImpl final : public Proxy, public service::Service {
     }
     m->id = r.id;
     // Ring notices arrive as notices; everything else is a request.
-    const bool ring = m->type == Type::kReady || m->type == Type::kDone;
+    const bool ring = m->type == Type::kReady || m->type == Type::kDone ||
+                      m->type == Type::kResume;
     if (r.notice != ring) {
       rejected_.fetch_add(1);
       MEMBOX_LOG_WARN("connection {}: {} sent as a {}", conn,
@@ -573,7 +583,13 @@ class ProxyImpl final : public Proxy, public service::Service {
       case Type::kReady:
       case Type::kDone:
         if (c.role != Conn::Role::kPeer) break;
+        // Notices of a peer's aborted rounds (sent before its kResume, or
+        // by an incarnation that is gone) are dropped.
+        if (!PeerCurrent(c.rank, conn)) return;
         return OnPeerNotice(*m);
+      case Type::kResume:
+        if (c.role != Conn::Role::kPeer) break;
+        return OnResume(c.rank, *m);
       case Type::kJoin:
       case Type::kJoinDone:
         if (c.role != Conn::Role::kPeer) break;
@@ -605,16 +621,9 @@ class ProxyImpl final : public Proxy, public service::Service {
       }
       c.role = Conn::Role::kPeer;
       c.rank = m.rank;
-      // A proxy that comes back (a replacement: --join) gets a new link.
-      if (auto p = peer_out_.find(m.rank);
-          p != peer_out_.end() && !p->second->health().ok()) {
-        std::erase_if(peer_regions_,
-                      [&](const auto& e) { return e.first.first == m.rank; });
-        peer_out_.erase(p);
-      }
       server_->Establish(conn);
       Reply(conn, m.type, m.id, Status::Ok());
-      return;
+      return PeerHello(m.rank, conn, m.world);
     }
     if (m.world == 0) {  // an observer: not part of the job
       c.role = Conn::Role::kObserver;
@@ -671,7 +680,11 @@ class ProxyImpl final : public Proxy, public service::Service {
       bool peer = it->second.role == Conn::Role::kPeer;
       uint32_t rank = it->second.rank;
       conns_.erase(it);
-      if (peer) PeerDown(rank, why);
+      // A replaced incarnation's link closing late is old news.
+      auto pc = peer_conn_.find(rank);
+      if (peer && pc != peer_conn_.end() && pc->second == conn) {
+        PeerDown(rank, why);
+      }
     }
     bool any_client = false;
     for (auto& [id, c] : conns_) any_client |= c.role == Conn::Role::kClient;
@@ -734,6 +747,10 @@ class ProxyImpl final : public Proxy, public service::Service {
     for (auto& [id, c] : conns_) any_client |= c.role == Conn::Role::kClient;
     std::string who = "proxy " + std::to_string(rank) + " at " +
                       opt_.peers[rank] + " is down (" + why.ToString() + ")";
+    if (opt_.replicate && mode_ != proto::Mode::kAsync &&
+        dead_worker_.empty()) {
+      return PeerLost(rank, who, any_client);
+    }
     if (any_client) {
       MEMBOX_LOG_WARN("{}", who);
     } else {
@@ -741,6 +758,151 @@ class ProxyImpl final : public Proxy, public service::Service {
     }
     if (!dead_worker_.empty() || mode_ == proto::Mode::kAsync) return;
     if (any_client) FailPendingRounds(who);
+  }
+
+  // ------------------------------------------------------------ failover
+  //
+  // With `replicate`, a peer that dies pauses the synchronous rounds (the
+  // ring spans every proxy) instead of failing them: the workers' pushes
+  // stay admitted here, their data in the workers' memory. The hello of
+  // its replacement (--join: it copied the newest state from us) resumes
+  // them: every round in flight restarts from its pushes, and each
+  // survivor sends the others kResume -- its ring notices from then on
+  // belong to the restarted rounds; those it sent before are dropped.
+  // Not replaced within failover_timeout: the rounds fail as without
+  // replication.
+
+  // A kPeerHello: the first of `rank`, or a new incarnation (its nonce
+  // differs) that replaces one that died.
+  void PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce) {
+    auto it = peer_nonce_.find(rank);
+    const bool replaced = it != peer_nonce_.end() && it->second != nonce;
+    peer_nonce_[rank] = nonce;
+    peer_conn_[rank] = conn;
+    if (!replaced && !peers_down_.count(rank)) {
+      // A first hello; a link we had to an earlier incarnation we never
+      // heard from is of no use.
+      if (auto p = peer_out_.find(rank);
+          p != peer_out_.end() && !p->second->health().ok()) {
+        std::erase_if(peer_regions_,
+                      [&](const auto& e) { return e.first.first == rank; });
+        peer_out_.erase(p);
+      }
+      return;
+    }
+    if (!peers_down_.count(rank)) {
+      PeerLost(rank,
+               "proxy " + std::to_string(rank) + " at " + opt_.peers[rank] +
+                   " was replaced",
+               HasClients());
+    }
+    // The new incarnation gets new links.
+    peer_incarnation_[rank]++;
+    std::erase_if(peer_regions_,
+                  [&](const auto& e) { return e.first.first == rank; });
+    peer_out_.erase(rank);
+    peers_down_.erase(rank);
+    if (!peers_down_.empty()) return;  // another one is still down
+    for (uint32_t p = 0; p < nproxies_; ++p) {
+      if (p == opt_.rank || p == rank) continue;
+      Message r;
+      r.type = Type::kResume;
+      r.rank = rank;
+      r.world = nonce;
+      Status st = SendToPeer(p, r);
+      if (!st.ok()) {
+        MEMBOX_LOG_WARN("proxy {}: cannot tell proxy {} that we resume: {}",
+                        opt_.rank, p, st.ToString());
+      }
+    }
+    const double paused =
+        std::chrono::duration<double>(Clock::now() - down_since_).count();
+    if (HasClients()) {
+      MEMBOX_LOG_WARN(
+          "proxy {}: proxy {} at {} is back (a replacement); the rounds "
+          "resume after {:.2f} s",
+          opt_.rank, rank, opt_.peers[rank], paused);
+      failovers_.fetch_add(1);
+    }
+    MaybeStartAll();
+  }
+
+  // A peer restarted its rounds after `m.rank` (incarnation m.world) was
+  // replaced. If we have not seen that yet, we pause now; its hello is on
+  // its way.
+  void OnResume(uint32_t from, const Message& m) {
+    if (m.rank >= nproxies_ || m.rank == opt_.rank) return;
+    auto it = peer_nonce_.find(m.rank);
+    const bool seen = it != peer_nonce_.end() && it->second == m.world;
+    if (!seen && !peers_down_.count(m.rank)) {
+      PeerLost(m.rank,
+               "proxy " + std::to_string(from) + " reports proxy " +
+                   std::to_string(m.rank) + " replaced",
+               HasClients());
+    }
+    awaiting_resume_.erase(from);
+  }
+
+  // Pauses every round until `rank` is back (PeerHello).
+  void PeerLost(uint32_t rank, const std::string& who, bool any_client) {
+    if (!peers_down_.insert(rank).second) return;
+    if (peers_down_.size() == 1) down_since_ = Clock::now();
+    size_t restarted = 0;
+    for (auto& [k, key] : keys_) {
+      for (auto& sh : key.shards) {
+        if (sh.reducing) ++restarted;
+        sh.reducing = false;  // the pushes stay; the sum is redone
+        sh.ring.Reset();      // and every notice kept for later rounds
+      }
+    }
+    for (uint32_t p = 0; p < nproxies_; ++p) {
+      if (p != opt_.rank && p != rank && !peers_down_.count(p)) {
+        awaiting_resume_.insert(p);
+      }
+    }
+    if (any_client) {
+      MEMBOX_LOG_WARN(
+          "{}; {} round(s) in flight restart, and every round waits for its "
+          "replacement (membox serve --join; membox launch --max-restarts "
+          "starts one) for up to {} s",
+          who, restarted,
+          std::chrono::duration_cast<std::chrono::seconds>(
+              opt_.failover_timeout)
+              .count());
+    } else {
+      MEMBOX_LOG_INFO("{}; no workers connected", who);
+    }
+  }
+
+  // Whether ring notices from peer `rank` on `conn` count.
+  bool PeerCurrent(uint32_t rank, uint64_t conn) const {
+    auto pc = peer_conn_.find(rank);
+    return pc != peer_conn_.end() && pc->second == conn &&
+           !peers_down_.count(rank) && !awaiting_resume_.count(rank);
+  }
+
+  bool HasClients() const {
+    for (const auto& [id, c] : conns_) {
+      if (c.role == Conn::Role::kClient) return true;
+    }
+    return false;
+  }
+
+  // Called by ReportWaits: a peer not replaced in time fails the job.
+  void CheckFailoverDeadline() {
+    if (peers_down_.empty() || !HasClients() || !dead_worker_.empty()) return;
+    if (Clock::now() - down_since_ < opt_.failover_timeout) return;
+    std::string who;
+    for (uint32_t r : peers_down_) {
+      who += (who.empty() ? "proxy " : ", proxy ") + std::to_string(r) +
+             " at " + opt_.peers[r];
+    }
+    FailPendingRounds(who + " was not replaced within " +
+                      std::to_string(std::chrono::duration_cast<
+                                         std::chrono::seconds>(
+                                         opt_.failover_timeout)
+                                         .count()) +
+                      " s");
   }
 
   // A synchronous round cannot finish once a worker or a proxy is gone: tell
@@ -804,6 +966,7 @@ class ProxyImpl final : public Proxy, public service::Service {
         return MaybeStartAll();
       }
       case Type::kPush: {
+        if (RetriedRound(conn, m)) return;
         Status s = CheckShardRequest(m);
         if (!s.ok()) return Reply(conn, m.type, m.id, s);
         if (!dead_worker_.empty()) {
@@ -1078,6 +1241,26 @@ class ProxyImpl final : public Proxy, public service::Service {
     return CurrentRound(m.key, k);
   }
 
+  // With replication, a worker whose proxy died sends its push again to
+  // the replacement, which may hold the round already complete (a survivor
+  // finished it, and the replacement copied that): the answer is the
+  // current value -- that round's result, since the next one cannot have
+  // finished without this worker.
+  bool RetriedRound(uint64_t conn, const Message& m) {
+    if (!opt_.replicate || mode_ == proto::Mode::kAsync) return false;
+    auto it = keys_.find(m.key);
+    if (it == keys_.end() || m.shard >= it->second.shards.size()) return false;
+    Shard& sh = it->second.shards[m.shard];
+    if (m.round + 1 != sh.version || !sh.value) return false;
+    if (m.has_output) {
+      WriteThenReply(conn, Type::kPush, m.id, m.out_region, m.out_offset,
+                     sh.value, sh.bytes, sh.version);
+    } else {
+      Reply(conn, Type::kPush, m.id, Status::Ok(), sh.version);
+    }
+    return true;
+  }
+
   Status CheckShardRequest(const Message& m) {
     auto it = keys_.find(m.key);
     if (it == keys_.end()) {
@@ -1239,6 +1422,7 @@ class ProxyImpl final : public Proxy, public service::Service {
     Key& key = keys_[k];
     Shard& sh = key.shards[s];
     if (sh.reducing || !dead_worker_.empty()) return;
+    if (!peers_down_.empty() && !key.striped) return;  // failover: paused
     // A key this job has not declared (kept from an earlier job, or
     // restored) has no round yet: its striping is decided by the
     // declaration, and a proxy must not join a ring for it before.
@@ -1395,6 +1579,16 @@ class ProxyImpl final : public Proxy, public service::Service {
     auto r =
         start ? sh.ring.Start(sh.version, ring, io) : sh.ring.Advance(ring, io);
     ring_steps_.fetch_add(sh.ring.steps_done() - before);
+    if (!r.ok() && opt_.replicate) {
+      // A link to a neighbour that failed: that peer is down (pause);
+      // anything else fails this round.
+      for (uint32_t p : {ring.next, ring.prev}) {
+        auto it = peer_out_.find(p);
+        if (it != peer_out_.end() && !it->second->health().ok()) {
+          return PeerDown(p, r.status());
+        }
+      }
+    }
     if (!r.ok()) return AbortRound(k, s, r.status());
     if (*r && sh.reducing) FinishRound(k, s);
   }
@@ -1774,10 +1968,13 @@ class ProxyImpl final : public Proxy, public service::Service {
     while (Clock::now() < deadline && running_) {
       service::ClientOptions co;
       co.node_kind = "proxy " + std::to_string(rank);
-      co.on_failure = [this, rank](const Status& s) {
+      const uint64_t incarnation = peer_incarnation_[rank];
+      co.on_failure = [this, rank, incarnation](const Status& s) {
         // PeerDown reports it, at a level that fits the moment.
         MEMBOX_LOG_DEBUG("link to proxy {} failed: {}", rank, s.ToString());
-        Post([this, rank, s] { PeerDown(rank, s); });
+        Post([this, rank, incarnation, s] {
+          if (peer_incarnation_[rank] == incarnation) PeerDown(rank, s);
+        });
       };
       auto c = service::Client::Connect(*device_, opt_.peers[rank], co);
       if (c.ok()) {
@@ -1789,6 +1986,7 @@ class ProxyImpl final : public Proxy, public service::Service {
         h.type = Type::kPeerHello;
         h.name = device_->options().name;
         h.rank = opt_.rank;
+        h.world = nonce_;
         (*c)->Send(static_cast<uint16_t>(Type::kPeerHello), proto::Encode(h),
                    [rank](const Status& s, std::span<const uint8_t>) {
                      if (!s.ok()) {
@@ -1915,10 +2113,21 @@ class ProxyImpl final : public Proxy, public service::Service {
   uint32_t staleness_ = 0;
   proto::Mode mode_ = proto::Mode::kSum;
   std::string dead_worker_;
+  // Failover (replicate): peers down, since when; peers whose notices are
+  // dropped until their kResume; each peer's current incoming link,
+  // incarnation nonce and the count of its incarnations seen (outgoing
+  // links of an older one are ignored when they fail).
+  std::set<uint32_t> peers_down_;
+  Clock::time_point down_since_{};
+  std::set<uint32_t> awaiting_resume_;
+  std::map<uint32_t, uint64_t> peer_conn_;
+  std::map<uint32_t, uint32_t> peer_nonce_;
+  std::map<uint32_t, uint64_t> peer_incarnation_;
+  const uint32_t nonce_ = std::random_device{}();
 
   std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, n_clients_{0}, rounds_{0},
       bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0},
-      result_bytes_{0}, waiting_rounds_{0};
+      result_bytes_{0}, waiting_rounds_{0}, failovers_{0};
 };
 
 }  // namespace

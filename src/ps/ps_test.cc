@@ -694,6 +694,94 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
   EXPECT_EQ(got[1], want[1]) << "through the replacement";
 }
 
+// The same death while the workers keep running: the dead proxy's workers
+// keep its pushes and send them to the replacement, the survivor holds
+// its rounds meanwhile -- no worker sees an error, and the values after
+// five rounds are the undisturbed run's.
+TEST(PsTest, WorkersRideThroughAReplacedProxy) {
+  constexpr size_t kN = 16 << 10;
+  auto grad = [](int rank, int round) {
+    std::vector<float> g(kN);
+    for (size_t i = 0; i < kN; ++i) {
+      g[i] = 0.002f * float((i * 5 + rank * 11 + round * 17) % 89) - 0.04f;
+    }
+    return g;
+  };
+  std::vector<float> init(kN);
+  for (size_t i = 0; i < kN; ++i) init[i] = std::cos(float(i));
+  // Five rounds; `during(round)` runs on a thread while the round's pushes
+  // are under way (worker 1 pushes 400 ms late in round 3).
+  auto train = [&](Cluster& c, const std::function<void()>& at_round3,
+                   std::vector<std::vector<float>>* finals) {
+    std::vector<std::unique_ptr<ParamClient>> w;
+    for (int r = 0; r < 2; ++r) {
+      RoutingTable t;
+      t.partition_bytes = 16 << 10;
+      t.lat_proxy = t.bw_proxy = uint32_t(r);
+      w.push_back(Worker(c, r, 2, t));
+      ASSERT_NE(w.back(), nullptr);
+      SyncConfig cfg;
+      cfg.mode = SyncConfig::Mode::kAverage;
+      cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
+      ASSERT_TRUE(w[r]->Configure(cfg).ok());
+    }
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(w[r]->Declare(4, kN * 4, DType::kFloat32,
+                                r == 0 ? init.data() : nullptr)
+                      .ok());
+    }
+    std::vector<std::vector<float>> out(2, std::vector<float>(kN));
+    for (int round = 0; round < 5; ++round) {
+      std::thread side;
+      if (round == 3 && at_round3) side = std::thread(at_round3);
+      std::vector<std::thread> th;
+      for (int r = 0; r < 2; ++r) {
+        th.emplace_back([&, r] {
+          if (round == 3 && r == 1) std::this_thread::sleep_for(400ms);
+          auto g = grad(r, round);
+          auto h = w[r]->PushPull(4, g.data(), out[r].data());
+          Status st = h.Wait(30s);
+          EXPECT_TRUE(st.ok()) << "rank " << r << " round " << round << ": "
+                               << st.ToString();
+        });
+      }
+      for (auto& t : th) t.join();
+      if (side.joinable()) side.join();
+    }
+    *finals = out;
+  };
+  std::vector<std::vector<float>> want, got;
+  {
+    auto ref = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                              /*replicate=*/true);
+    train(ref, nullptr, &want);
+    EXPECT_EQ(want[0], want[1]);
+  }
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  train(
+      c,
+      [&] {
+        std::this_thread::sleep_for(150ms);  // worker 0 has pushed
+        c.proxies[1]->Stop();                // the node dies
+        std::this_thread::sleep_for(600ms);
+        ProxyOptions o;
+        o.listen = c.endpoints[1];
+        o.secret = kSecret;
+        o.peers = c.endpoints;
+        o.rank = 1;
+        o.sync_cores = 1;
+        o.replicate = true;
+        o.join = true;
+        auto joined = Proxy::Start(o);
+        ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+        c.proxies[1] = std::move(*joined);
+      },
+      &got);
+  EXPECT_EQ(got[0], want[0]) << "through the survivor";
+  EXPECT_EQ(got[1], want[1]) << "through the replacement";
+}
+
 TEST(PsTest, ProfilerBuildsATable) {
   auto c = Cluster::Start(2);
   transport::FaultPolicy near, far;

@@ -79,6 +79,9 @@ struct ProxyOptions {
   // round all proxies hold the same values, optimizer state and versions,
   // and any one of them can die without losing an acknowledged round.
   bool replicate = false;
+  // With replicate: how long rounds wait for a dead peer's replacement
+  // before they fail.
+  std::chrono::milliseconds failover_timeout{60000};
   // Replace a proxy that died: before serving, copy the state (values,
   // optimizer state, versions) from every peer, taking for each shard the
   // newest version any of them holds. The peers must be running.
