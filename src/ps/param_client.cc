@@ -8,8 +8,8 @@
 #include <cstring>
 #include <deque>
 #include <map>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <queue>
 #include <set>
 #include <sstream>
@@ -814,7 +814,8 @@ class ParamClientImpl final : public ParamClient {
         MutexLock l(&links_mu_);
         if (repair_stop_) return;
       }
-      if (tries++ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (tries++ > 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
       auto fresh = Reconnect(proxy);
       if (!fresh.ok()) {
         last = fresh.status();
@@ -881,7 +882,8 @@ class ParamClientImpl final : public ParamClient {
   Result<std::pair<std::shared_ptr<service::Client>, std::shared_ptr<Channel>>>
   Reconnect(uint32_t proxy) {
     const std::string& endpoint = proxies_[proxy].endpoint;
-    ASSIGN_OR_RETURN(std::shared_ptr<Channel> ch, device_->GetChannel(endpoint));
+    ASSIGN_OR_RETURN(std::shared_ptr<Channel> ch,
+                     device_->GetChannel(endpoint));
     if (!opt_.links.empty()) {
       ch = transport::WrapWithFaults(ch, opt_.links[proxy]);
     }
@@ -890,14 +892,14 @@ class ParamClientImpl final : public ParamClient {
       MutexLock l(&links_mu_);
       generation = proxies_[proxy].generation + 1;
     }
-    std::shared_ptr<service::Client> c = service::Client::Over(
-        ch, endpoint, LinkOptions(proxy, generation));
+    std::shared_ptr<service::Client> c =
+        service::Client::Over(ch, endpoint, LinkOptions(proxy, generation));
     const auto t = std::chrono::seconds(10);
     auto call = [&](const Message& m) -> Result<uint64_t> {
       ASSIGN_OR_RETURN(auto body, c->Call(static_cast<uint16_t>(m.type),
                                           proto::Encode(m), t));
-      ASSIGN_OR_RETURN(Message r, proto::Decode(
-                                      static_cast<uint16_t>(Type::kReply), body));
+      ASSIGN_OR_RETURN(
+          Message r, proto::Decode(static_cast<uint16_t>(Type::kReply), body));
       return r.version;
     };
     RETURN_IF_ERROR(call(HelloMessage()).status());
@@ -932,15 +934,14 @@ class ParamClientImpl final : public ParamClient {
     for (const auto& m : replay) {
       auto v = call(m);
       if (!v.ok()) {
-        return Status(v.status().code(),
-                      std::string("replaying ") + proto::TypeName(m.type) +
-                          " on the replacement: " +
-                          std::string(v.status().message()));
+        return Status(
+            v.status().code(),
+            std::string("replaying ") + proto::TypeName(m.type) +
+                " on the replacement: " + std::string(v.status().message()));
       }
     }
     return std::make_pair(c, ch);
   }
-
 
   // Logs the pushes and pulls waiting longer than hang_report, once per
   // period each, with what their proxies say the rounds wait for.

@@ -848,11 +848,19 @@ class ProxyImpl final : public Proxy, public service::Service {
     if (!peers_down_.insert(rank).second) return;
     if (peers_down_.size() == 1) down_since_ = Clock::now();
     size_t restarted = 0;
+    std::vector<std::pair<uint64_t, uint32_t>> complete;
     for (auto& [k, key] : keys_) {
-      for (auto& sh : key.shards) {
-        if (sh.reducing) ++restarted;
-        sh.reducing = false;  // the pushes stay; the sum is redone
-        sh.ring.Reset();      // and every notice kept for later rounds
+      for (uint32_t s = 0; s < key.shards.size(); ++s) {
+        Shard& sh = key.shards[s];
+        if (sh.reducing && sh.ring.ReadsComplete(RingFor(k, s))) {
+          // Every chunk is in: the result is complete, and the dead peer
+          // may have finished (and answered) the round -- finish it too.
+          complete.emplace_back(k, s);
+        } else if (sh.reducing) {
+          ++restarted;
+          sh.reducing = false;  // the pushes stay; the sum is redone
+        }
+        sh.ring.Reset();  // and every notice kept for later rounds
       }
     }
     for (uint32_t p = 0; p < nproxies_; ++p) {
@@ -860,12 +868,14 @@ class ProxyImpl final : public Proxy, public service::Service {
         awaiting_resume_.insert(p);
       }
     }
+    for (auto [k, s] : complete) FinishRound(k, s);
     if (any_client) {
       MEMBOX_LOG_WARN(
-          "{}; {} round(s) in flight restart, and every round waits for its "
+          "{}; {} round(s) in flight restart ({} complete here finish), and "
+          "every round waits for its "
           "replacement (membox serve --join; membox launch --max-restarts "
           "starts one) for up to {} s",
-          who, restarted,
+          who, restarted, complete.size(),
           std::chrono::duration_cast<std::chrono::seconds>(
               opt_.failover_timeout)
               .count());
@@ -897,12 +907,12 @@ class ProxyImpl final : public Proxy, public service::Service {
       who += (who.empty() ? "proxy " : ", proxy ") + std::to_string(r) +
              " at " + opt_.peers[r];
     }
-    FailPendingRounds(who + " was not replaced within " +
-                      std::to_string(std::chrono::duration_cast<
-                                         std::chrono::seconds>(
-                                         opt_.failover_timeout)
-                                         .count()) +
-                      " s");
+    FailPendingRounds(
+        who + " was not replaced within " +
+        std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
+                           opt_.failover_timeout)
+                           .count()) +
+        " s");
   }
 
   // A synchronous round cannot finish once a worker or a proxy is gone: tell

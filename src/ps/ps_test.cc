@@ -741,8 +741,8 @@ TEST(PsTest, WorkersRideThroughAReplacedProxy) {
           auto g = grad(r, round);
           auto h = w[r]->PushPull(4, g.data(), out[r].data());
           Status st = h.Wait(30s);
-          EXPECT_TRUE(st.ok()) << "rank " << r << " round " << round << ": "
-                               << st.ToString();
+          EXPECT_TRUE(st.ok())
+              << "rank " << r << " round " << round << ": " << st.ToString();
         });
       }
       for (auto& t : th) t.join();

@@ -81,6 +81,13 @@ class RingProgress {
   bool running() const { return running_; }
   uint32_t step() const { return step_; }
   uint64_t round() const { return round_; }
+  // Whether this proxy has read every chunk of the round in progress --
+  // only its successor's last DONE is missing (or failed to go out): its
+  // buffer holds the complete result. A neighbour that dies then cannot
+  // change it, and a neighbour may already have finished the round.
+  bool ReadsComplete(const RingGeometry& ring) const {
+    return ring.steps() > 0 && step_ + 1 == ring.steps() && read_done_;
+  }
   // Stops the round in progress (kept notices stay).
   void Stop() { running_ = false; }
   // Forgets everything (a job ended).

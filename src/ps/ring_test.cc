@@ -176,5 +176,30 @@ TEST(RingTest, AFailedReadStopsTheRound) {
   EXPECT_FALSE(q.running());
 }
 
+// Two proxies; the second dies after its last read: the first has read
+// every chunk (its result is complete) though its last DONE never comes.
+TEST(RingTest, ReadsCompleteOnlyAfterTheLastRead) {
+  RingGeometry g = RingGeometry::For(2, 0, 0, 0);
+  ASSERT_EQ(g.steps(), 2u);
+  RingProgress p;
+  RingProgress::Io io;
+  io.send_ready = [](uint32_t) { return Status::Ok(); };
+  io.send_done = [](uint32_t) { return Status::Ok(); };
+  io.read = [](uint32_t, const RegionDescriptor&) { return Status::Ok(); };
+  ASSERT_TRUE(p.Start(7, g, io).ok());
+  EXPECT_FALSE(p.ReadsComplete(g));
+  p.OnReady(7, 0, RegionDescriptor{});
+  ASSERT_FALSE(*p.Advance(g, io));
+  EXPECT_FALSE(p.ReadsComplete(g)) << "step 0 read, its DONE missing";
+  p.OnDone(7, 0);
+  ASSERT_FALSE(*p.Advance(g, io));
+  EXPECT_FALSE(p.ReadsComplete(g)) << "the last chunk not read yet";
+  p.OnReady(7, 1, RegionDescriptor{});
+  // The last DONE to the dead peer fails to go out: reads are complete.
+  io.send_done = [](uint32_t) { return UnavailableError("peer gone"); };
+  EXPECT_FALSE(p.Advance(g, io).ok());
+  EXPECT_TRUE(p.ReadsComplete(g));
+}
+
 }  // namespace
 }  // namespace membox::ps
