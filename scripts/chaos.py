@@ -1,17 +1,20 @@
 #!/usr/bin/python3
-"""Chaos run for worker loss: a training job on the explicit parameter server
-(examples/train_ps.py under `membox launch --max-restarts`) while a random
-worker is killed with SIGKILL every few seconds. Reports each recovery time
-(the kill to the restarted workers' first step), the median and the
-maximum, the rounds per second lost to failures against an undisturbed run
-of the same job, and checks that the job ends by itself with the
-undisturbed run's final loss and accuracy (no round lost or repeated).
+"""Chaos run: a training job on the explicit parameter server
+(examples/train_ps.py under `membox launch --max-restarts`, two memory
+nodes) while a random worker or memory node (--target) is killed with
+SIGKILL every few seconds. A dead worker: the launcher restarts the worker
+set, which continues from the nodes' state. A dead node: the launcher
+starts a replacement with --join (the survivor's state) and the workers
+carry on, their requests sent again to it. Reports each recovery time
+(worker: the kill to the restarted workers' first step; node: the kill to
+the last worker's link to the replacement), the median and the maximum, the
+rounds per second lost to failures against an undisturbed run of the same
+job, and checks that the job ends by itself with the undisturbed run's
+final loss and accuracy (no round lost or repeated).
 
-    scripts/chaos.py [--kills 6] [--interval 2.5] [--epochs 600]
+    scripts/chaos.py [--target both|workers|nodes] [--kills 6]
+                     [--interval 2.5] [--epochs 600]
                      [--csv F] [--json F] [--plot F.png]
-
-Memory-node kills are not part of it: a node's death still ends the job
-(issue 14: node failover is not built yet).
 """
 import argparse
 import json
@@ -32,13 +35,14 @@ def run(a, out, kills):
     """Runs the job; with kills > 0, kills a random worker every interval.
     Returns (wall seconds, final record, recovery times, exit status)."""
     cmd = [a.membox, "launch", "--nodes", str(a.nodes), "--workers",
-           str(a.workers), "--max-restarts", str(kills), "--", a.python,
+           str(a.workers), "--max-restarts", str(kills), "--ps-replicate",
+           "on" if a.nodes > 1 else "off", "--", a.python,
            os.path.join(HERE, "examples", "train_ps.py"), "--epochs",
            str(a.epochs), "--out", out]
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, bufsize=1)
-    resumed, started = [], threading.Event()
+    resumed, back, started = [], [], threading.Event()
     lines = []
 
     def pump():
@@ -48,6 +52,8 @@ def run(a, out, kills):
                 started.set()
             if "resumed from the memory nodes" in line:
                 resumed.append(time.time())
+            if "is back after" in line:  # a worker's link to a replacement
+                back.append(time.time())
 
     t = threading.Thread(target=pump, daemon=True)
     t.start()
@@ -59,24 +65,32 @@ def run(a, out, kills):
             time.sleep(a.interval)
             if p.poll() is not None:
                 break
-            pids = subprocess.run(["pgrep", "-f", "--", f"--out {out}"],
-                                  capture_output=True, text=True).stdout.split()
-            pids = [int(x) for x in pids if int(x) != p.pid]
+            def children(pattern):
+                out_ = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "--",
+                                       pattern], capture_output=True,
+                                      text=True).stdout.split()
+                return [int(x) for x in out_]
+            target = a.target if a.target != "both" else \
+                rng.choice(["workers", "nodes"])
+            pids = children(f"--out {out}") if target == "workers" else \
+                children("serve .*--ps-rank")
             if not pids:
                 break
             victim = rng.choice(pids)
-            before = len(resumed)
+            events, want = (resumed, 1) if target == "workers" else \
+                (back, a.workers)
+            before = len(events)
             t_kill = time.time()
             os.kill(victim, signal.SIGKILL)
             deadline = time.time() + 60
-            while len(resumed) == before and time.time() < deadline:
+            while len(events) < before + want and time.time() < deadline:
                 if p.poll() is not None:
                     break
                 time.sleep(0.01)
-            if len(resumed) > before:
-                recoveries.append(resumed[-1] - t_kill)
-                print(f"kill {k + 1}: pid {victim}, recovered in "
-                      f"{recoveries[-1]:.2f} s", flush=True)
+            if len(events) >= before + want:
+                recoveries.append((target[:-1], events[-1] - t_kill))
+                print(f"kill {k + 1}: {target[:-1]} pid {victim}, recovered "
+                      f"in {recoveries[-1][1]:.2f} s", flush=True)
     rc = p.wait()
     t.join(5)
     wall = time.time() - t0
@@ -94,7 +108,9 @@ def main():
                                                      "tools", "membox"))
     ap.add_argument("--python", default=os.environ.get("MEMBOX_PYTHON",
                                                        "/usr/bin/python3"))
-    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--target", choices=("both", "workers", "nodes"),
+                    default="both", help="what is killed")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=600)
     ap.add_argument("--kills", type=int, default=6)
@@ -114,9 +130,20 @@ def main():
     steps = (1440 // a.workers) // 32  # train_ps.py's steps per epoch
     rounds = a.epochs * steps
     same = (last["loss"], last["accuracy"]) == (plain["loss"], plain["accuracy"])
+    times = [r for _, r in rec]
+
+    def summary(kind):
+        t = [r for k, r in rec if k == kind]
+        return {"kills": len(t),
+                "recovery_median_s": statistics.median(t) if t else None,
+                "recovery_max_s": max(t) if t else None}
     res = {
-        "kills": len(rec), "recovery_median_s": statistics.median(rec) if rec else 0,
-        "recovery_max_s": max(rec) if rec else 0, "recoveries_s": rec,
+        "target": a.target, "nodes": a.nodes, "workers": a.workers,
+        "kills": len(rec),
+        "recovery_median_s": statistics.median(times) if times else 0,
+        "recovery_max_s": max(times) if times else 0,
+        "worker_kills": summary("worker"), "node_kills": summary("node"),
+        "recoveries": [{"killed": k, "recovery_s": r} for k, r in rec],
         "wall_s": wall, "undisturbed_wall_s": plain_wall,
         "rounds_per_s": rounds / wall, "undisturbed_rounds_per_s": rounds / plain_wall,
         "rounds_per_s_lost": rounds / plain_wall - rounds / wall,
@@ -129,20 +156,26 @@ def main():
             json.dump(res, f, indent=1)
     if a.csv:
         with open(a.csv, "w") as f:
-            f.write("kill,recovery_s\n")
-            for i, r in enumerate(rec):
-                f.write(f"{i + 1},{r:.3f}\n")
+            f.write("kill,killed,recovery_s\n")
+            for i, (k, r) in enumerate(rec):
+                f.write(f"{i + 1},{k},{r:.3f}\n")
     if a.plot and rec:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.bar(range(1, len(rec) + 1), rec, color="#1f77b4")
-        ax.axhline(statistics.median(rec), color="k", ls="--", lw=1,
-                   label=f"median {statistics.median(rec):.2f} s")
-        ax.set_xlabel("kill (SIGKILL of a random worker)")
+        colors = {"worker": "#1f77b4", "node": "#d62728"}
+        for kind in ("worker", "node"):
+            xs = [i + 1 for i, (k, _) in enumerate(rec) if k == kind]
+            ys = [r for k, r in rec if k == kind]
+            if xs:
+                ax.bar(xs, ys, color=colors[kind], label=f"{kind} killed")
+        ax.axhline(statistics.median(times), color="k", ls="--", lw=1,
+                   label=f"median {statistics.median(times):.2f} s")
+        ax.set_xlabel("kill (SIGKILL every %.1f s)" % a.interval)
         ax.set_ylabel("recovery (s)")
-        ax.set_title("worker loss under membox launch --max-restarts")
+        ax.set_title(f"{a.workers} workers, {a.nodes} memory nodes, "
+                     f"membox launch --max-restarts")
         ax.legend()
         fig.tight_layout()
         fig.savefig(a.plot, dpi=110)
