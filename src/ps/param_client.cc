@@ -101,7 +101,10 @@ struct ProxyLink {
   // the lost link failed) wait in `stash`, in order. `gone`: not back in
   // time -- requests fail at once.
   bool repairing = false;
-  uint64_t generation = 0;  // links replaced so far
+  // The current link's number; every reconnection attempt takes a new one
+  // (`attempts`), so a failed attempt's link failing later is not taken
+  // for the current one's.
+  uint64_t generation = 0, attempts = 0;
   Status gone;
   struct Stashed {
     Message m;
@@ -222,6 +225,7 @@ class ParamClientImpl final : public ParamClient {
     d.secret = opt_.secret;
     d.name = opt_.name + "-" + std::to_string(opt_.rank);
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    bool all_replicate = true;
     for (size_t i = 0; i < opt_.proxies.size(); ++i) {
       ProxyLink link;
       link.endpoint = opt_.proxies[i];
@@ -247,10 +251,14 @@ class ParamClientImpl final : public ParamClient {
       const auto give_up =
           Clock::now() + (Restarted() ? kRejoinWindow : Clock::duration(0));
       for (bool told = false;;) {
-        Status st = link.client
-                        ->Call(static_cast<uint16_t>(Type::kHello),
-                               proto::Encode(h), opt_.timeout)
-                        .status();
+        auto body = link.client->Call(static_cast<uint16_t>(Type::kHello),
+                                      proto::Encode(h), opt_.timeout);
+        Status st = body.status();
+        if (st.ok()) {
+          auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), *body);
+          st = r.status();
+          if (r.ok() && r->text != "replicate") all_replicate = false;
+        }
         const bool stale = st.code() == StatusCode::kAlreadyExists ||
                            st.code() == StatusCode::kAborted;
         if (st.ok() || !stale || Clock::now() >= give_up) {
@@ -272,9 +280,12 @@ class ParamClientImpl final : public ParamClient {
     }
     progress_ = [this] { device_->Progress(); };
     RETURN_IF_ERROR(InstallRouting(opt_.routing));
-    if (opt_.failover.count() > 0 && proxies_.size() > 1) {
-      repairer_ = std::thread([this] { RepairLoop(); });
-    }
+    // Failover needs proxies that replicate (they said so in the hello):
+    // otherwise a dead proxy's state is gone, and its requests fail at
+    // once with its name.
+    failover_ =
+        opt_.failover.count() > 0 && proxies_.size() > 1 && all_replicate;
+    if (failover_) repairer_ = std::thread([this] { RepairLoop(); });
     sender_ = std::thread([this] { SendLoop(); });
     if (opt_.reprofile_interval.count() > 0) {
       reprofiler_ = std::thread([this] { ReprofileLoop(); });
@@ -651,7 +662,7 @@ class ParamClientImpl final : public ParamClient {
   Status SendRequest(uint32_t proxy, const Message& m,
                      const std::shared_ptr<service::CallState>& st,
                      std::shared_ptr<std::string> text = nullptr) {
-    const bool retryable = opt_.failover.count() > 0 && proxies_.size() > 1 &&
+    const bool retryable = failover_.load(std::memory_order_relaxed) &&
                            (m.type == Type::kPush || m.type == Type::kPull);
     std::shared_ptr<service::Client> c;
     {
@@ -744,6 +755,7 @@ class ParamClientImpl final : public ParamClient {
         "proxy " + std::to_string(proxy) + " (" + opt_.proxies[proxy] + ")";
     if (opt_.failover.count() > 0 && opt_.proxies.size() > 1) {
       co.on_failure = [this, proxy, generation](const Status&) {
+        if (!failover_.load()) return;
         MutexLock l(&links_mu_);
         if (repair_stop_ || proxies_.size() <= proxy) return;
         ProxyLink& link = proxies_[proxy];
@@ -830,11 +842,13 @@ class ParamClientImpl final : public ParamClient {
         {
           MutexLock l(&links_mu_);
           ProxyLink& link = proxies_[proxy];
-          if (link.client != fresh->first) link.generation++;
-          link.client = fresh->first;
-          link.channel = fresh->second;
+          link.generation = fresh->generation;
+          link.client = fresh->client;
+          link.channel = fresh->channel;
           if (link.stash.empty()) {
             link.repairing = false;
+            // Failed before it was installed (its failure was ignored).
+            if (!link.client->health().ok()) StartRepairLocked(proxy);
             break;
           }
           batch.swap(link.stash);
@@ -879,8 +893,12 @@ class ParamClientImpl final : public ParamClient {
 
   // A new link to proxy `proxy`'s endpoint with this worker's state
   // replayed on it.
-  Result<std::pair<std::shared_ptr<service::Client>, std::shared_ptr<Channel>>>
-  Reconnect(uint32_t proxy) {
+  struct Fresh {
+    std::shared_ptr<service::Client> client;
+    std::shared_ptr<Channel> channel;
+    uint64_t generation = 0;
+  };
+  Result<Fresh> Reconnect(uint32_t proxy) {
     const std::string& endpoint = proxies_[proxy].endpoint;
     ASSIGN_OR_RETURN(std::shared_ptr<Channel> ch,
                      device_->GetChannel(endpoint));
@@ -890,7 +908,7 @@ class ParamClientImpl final : public ParamClient {
     uint64_t generation = 0;
     {
       MutexLock l(&links_mu_);
-      generation = proxies_[proxy].generation + 1;
+      generation = ++proxies_[proxy].attempts;
     }
     std::shared_ptr<service::Client> c =
         service::Client::Over(ch, endpoint, LinkOptions(proxy, generation));
@@ -902,7 +920,9 @@ class ParamClientImpl final : public ParamClient {
           Message r, proto::Decode(static_cast<uint16_t>(Type::kReply), body));
       return r.version;
     };
-    RETURN_IF_ERROR(call(HelloMessage()).status());
+    Message hello = HelloMessage();
+    hello.type = Type::kRejoin;  // rounds wait for our kRejoined
+    RETURN_IF_ERROR(call(hello).status());
     std::vector<Message> replay;
     {
       MutexLock l(&mu_);
@@ -931,6 +951,9 @@ class ParamClientImpl final : public ParamClient {
       for (const auto& [key, k] : keys_) replay.push_back(k.declaration);
       for (const auto& t2 : tunes_) replay.push_back(t2);
     }
+    Message done;
+    done.type = Type::kRejoined;
+    replay.push_back(done);
     for (const auto& m : replay) {
       auto v = call(m);
       if (!v.ok()) {
@@ -940,7 +963,7 @@ class ParamClientImpl final : public ParamClient {
                 " on the replacement: " + std::string(v.status().message()));
       }
     }
-    return std::make_pair(c, ch);
+    return Fresh{c, ch, generation};
   }
 
   // Logs the pushes and pulls waiting longer than hang_report, once per
@@ -1244,6 +1267,7 @@ class ParamClientImpl final : public ParamClient {
   std::deque<uint32_t> to_repair_ MEMBOX_GUARDED_BY(links_mu_);
   bool repair_stop_ MEMBOX_GUARDED_BY(links_mu_) = false;
   std::thread repairer_;
+  std::atomic<bool> failover_{false};  // set by Init (every proxy replicates)
   std::function<void()> progress_;
 
   mutable Mutex mu_;

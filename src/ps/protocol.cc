@@ -90,6 +90,10 @@ const char* TypeName(Type t) {
       return "join-done";
     case Type::kResume:
       return "resume";
+    case Type::kRejoin:
+      return "rejoin";
+    case Type::kRejoined:
+      return "rejoined";
   }
   return "?";
 }
@@ -101,6 +105,7 @@ std::vector<uint8_t> Encode(const Message& m) {
   switch (m.type) {
     case Type::kHello:
     case Type::kPeerHello:
+    case Type::kRejoin:
       PutStr(w, m.name);
       w.U32(m.rank);
       w.U32(m.world);
@@ -169,6 +174,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       break;
     case Type::kStats:
     case Type::kJoinDone:
+    case Type::kRejoined:
       break;
     case Type::kReply:
       w.U64(m.version);
@@ -201,11 +207,14 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
   switch (m.type) {
     case Type::kHello:
     case Type::kPeerHello:
+    case Type::kRejoin:
       ok = GetStr(r, &m.name, kMaxName) && r.U32(&m.rank) && r.U32(&m.world);
       // world 0 (rank 0): an observer, which may only ask for kStats.
       if (ok && m.type == Type::kHello)
         ok = m.world <= kMaxWorld &&
              (m.world == 0 ? m.rank == 0 : m.rank < m.world);
+      if (ok && m.type == Type::kRejoin)
+        ok = m.world >= 1 && m.world <= kMaxWorld && m.rank < m.world;
       if (ok && m.type == Type::kPeerHello) ok = m.rank < kMaxProxies;
       break;
     case Type::kRegion:
@@ -269,6 +278,7 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       break;
     case Type::kStats:
     case Type::kJoinDone:
+    case Type::kRejoined:
       break;
     case Type::kReply:
       ok = r.U64(&m.version) && GetStr(r, &m.text, kMaxText);

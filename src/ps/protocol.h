@@ -48,8 +48,14 @@ enum class Type : uint8_t {
   // (incarnation `world`, the nonce of its kPeerHello) was replaced; my ring
   // notices from here on belong to the restarted rounds.
   kResume = 18,
+  // worker -> proxy: a worker reconnecting to a replaced proxy says kRejoin
+  // (a kHello's fields) and replays its state (configuration, regions,
+  // routes, declarations); until its kRejoined the proxy starts no round
+  // that depends on it (a partly replayed routing history misleads).
+  kRejoin = 19,
+  kRejoined = 20,
 };
-constexpr Type kLastType = Type::kResume;
+constexpr Type kLastType = Type::kRejoined;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;

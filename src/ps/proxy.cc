@@ -125,6 +125,9 @@ struct Conn {
   uint32_t rank = 0;
   std::string name;
   std::map<uint64_t, std::shared_ptr<RemoteMemRegion>> regions;
+  // A worker rejoining after a failover, its state not fully replayed
+  // (kRejoin .. kRejoined): no round that depends on it starts.
+  bool replaying = false;
 };
 
 // Runs on a service::Server with one serial event loop: workers' and peer
@@ -441,11 +444,12 @@ class ProxyImpl final : public Proxy, public service::Service {
     } else if (sh.reducing) {
       what = sh.ring.Waiting(RingFor(k, s));
     } else {
-      std::string pushed, missing, reading;
+      std::string pushed, missing, reading, rejoining;
       std::set<uint32_t> connected;
       for (const auto& [id, c] : conns_) {
         if (c.role != Conn::Role::kClient) continue;
         connected.insert(c.rank);
+        if (c.replaying) rejoining += " " + std::to_string(c.rank);
         auto p = sh.pushes.find(c.rank);
         if (p != sh.pushes.end()) {
           (p->second.fetching ? reading : pushed) +=
@@ -465,6 +469,9 @@ class ProxyImpl final : public Proxy, public service::Service {
       if (!missing.empty()) what += "; waiting for ranks" + missing;
       if (!reading.empty()) what += "; reading the pushes of ranks" + reading;
       if (!absent.empty()) what += "; ranks not connected:" + absent;
+      if (!rejoining.empty()) {
+        what += "; ranks replaying their state (rejoining):" + rejoining;
+      }
       if (missing.empty() && reading.empty() && absent.empty() &&
           !sched_.MayStart({k, s, sh.version})) {
         what += "; behind an older tensor (first-come-first-serve)";
@@ -572,14 +579,21 @@ class ProxyImpl final : public Proxy, public service::Service {
                                   " must be sent as a notice"));
     }
     if (c.role == Conn::Role::kUnknown && m->type != Type::kHello &&
-        m->type != Type::kPeerHello) {
+        m->type != Type::kPeerHello && m->type != Type::kRejoin) {
       Reply(conn, m->type, m->id, UnauthenticatedError("say hello first"));
       return;
     }
     switch (m->type) {
       case Type::kHello:
       case Type::kPeerHello:
+      case Type::kRejoin:
         return OnHello(conn, c, *m);
+      case Type::kRejoined:
+        if (c.role != Conn::Role::kClient) break;
+        c.replaying = false;
+        Reply(conn, m->type, m->id, Status::Ok());
+        Schedule();
+        return MaybeStartAll();
       case Type::kReady:
       case Type::kDone:
         if (c.role != Conn::Role::kPeer) break;
@@ -655,11 +669,15 @@ class ProxyImpl final : public Proxy, public service::Service {
     server_->Establish(conn);
     c.role = Conn::Role::kClient;
     c.rank = m.rank;
+    c.replaying = m.type == Type::kRejoin;
     c.name = m.name;
     n_clients_.fetch_add(1);
     MEMBOX_LOG_DEBUG("worker {} ({}) joined, world {}", m.rank, m.name,
                      m.world);
-    Reply(conn, m.type, m.id, Status::Ok());
+    // A replicating proxy says so: the worker then waits for a dead
+    // proxy's replacement instead of failing (ParamClientOptions::failover).
+    Reply(conn, m.type, m.id, Status::Ok(), 0,
+          opt_.replicate ? "replicate" : "");
     MaybeStartAll();
   }
 
@@ -978,7 +996,11 @@ class ProxyImpl final : public Proxy, public service::Service {
       case Type::kPush: {
         if (RetriedRound(conn, m)) return;
         Status s = CheckShardRequest(m);
-        if (!s.ok()) return Reply(conn, m.type, m.id, s);
+        if (!s.ok()) {
+          MEMBOX_LOG_DEBUG("push from rank {} refused: {}", c.rank,
+                           s.ToString());
+          return Reply(conn, m.type, m.id, s);
+        }
         if (!dead_worker_.empty()) {
           return Reply(conn, m.type, m.id, AbortedError(dead_worker_));
         }
@@ -1262,6 +1284,10 @@ class ProxyImpl final : public Proxy, public service::Service {
     if (it == keys_.end() || m.shard >= it->second.shards.size()) return false;
     Shard& sh = it->second.shards[m.shard];
     if (m.round + 1 != sh.version || !sh.value) return false;
+    MEMBOX_LOG_DEBUG(
+        "key {} shard {}: round {} was completed elsewhere; "
+        "answering the retried push with version {}",
+        m.key, m.shard, m.round, sh.version);
     if (m.has_output) {
       WriteThenReply(conn, Type::kPush, m.id, m.out_region, m.out_offset,
                      sh.value, sh.bytes, sh.version);
@@ -1445,6 +1471,7 @@ class ProxyImpl final : public Proxy, public service::Service {
     for (auto& [id, c] : conns_) {
       if (c.role != Conn::Role::kClient) continue;
       ++present;
+      if (c.replaying) return;
       if (sh.pushes.count(c.rank)) continue;
       if (key.striped) return;
       if (c.routes.empty() || RoutedHere(c, k, sh.bytes, sh.version)) return;

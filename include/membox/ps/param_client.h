@@ -72,12 +72,13 @@ struct ParamClientOptions {
   // the round waits for (its status). Zero: never. The environment's
   // MEMBOX_HANG_REPORT_S (seconds) overrides it.
   std::chrono::milliseconds hang_report{10000};
-  // With several proxies: a proxy whose link dies is waited for this long
-  // (its replacement: `membox serve --join` at the same endpoint) while
-  // its pushes and pulls are kept, and then sent again there; the
-  // survivors hold their rounds (`membox serve --ps-replicate`). Zero:
-  // a lost proxy fails its requests at once. MEMBOX_FAILOVER_S (seconds)
-  // overrides it.
+  // With several proxies that replicate (`membox serve --ps-replicate`; they
+  // say so when a worker connects): a proxy whose link dies is waited for
+  // this long (its replacement: `membox serve --join` at the same
+  // endpoint) while its pushes and pulls are kept, and then sent again
+  // there; the survivors hold their rounds. Zero, or proxies that do not
+  // replicate: a lost proxy fails its requests at once. MEMBOX_FAILOVER_S
+  // (seconds) overrides it.
   std::chrono::milliseconds failover{60000};
 };
 
