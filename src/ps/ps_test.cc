@@ -608,6 +608,28 @@ TEST(PsTest, ProxyDeathFailsPendingWithItsName) {
   EXPECT_FALSE(w0->Push(1, v.data()).Wait(30s).ok());
 }
 
+// Failover tests: a deterministic gradient per (rank, round), and a
+// replicating replacement for proxy `rank` of `c` (`membox serve --join`).
+std::vector<float> FailoverGrad(size_t n, int rank, int round) {
+  std::vector<float> g(n);
+  for (size_t i = 0; i < n; ++i) {
+    g[i] = 0.001f * float((i * 7 + rank * 13 + round * 31) % 101) - 0.05f;
+  }
+  return g;
+}
+
+ProxyOptions ReplacementOptions(const Cluster& c, uint32_t rank) {
+  ProxyOptions o;
+  o.listen = c.endpoints[rank];
+  o.secret = kSecret;
+  o.peers = c.endpoints;
+  o.rank = rank;
+  o.sync_cores = 1;
+  o.replicate = true;
+  o.join = true;
+  return o;
+}
+
 // A memory node dies between rounds; a replacement started with `join`
 // copies the newest state from the survivor, and the restarted workers go
 // on from the version they left: the values after five rounds are the
@@ -619,13 +641,7 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
   RoutingTable striped;
   striped.stripe = true;
   striped.partition_bytes = 16 << 10;
-  auto grad = [](int rank, int round) {
-    std::vector<float> g(kN);
-    for (size_t i = 0; i < kN; ++i) {
-      g[i] = 0.001f * float((i * 7 + rank * 13 + round * 31) % 101) - 0.05f;
-    }
-    return g;
-  };
+  auto grad = [](int rank, int round) { return FailoverGrad(kN, rank, round); };
   std::vector<float> init(kN);
   for (size_t i = 0; i < kN; ++i) init[i] = std::sin(float(i));
   // Rounds [from, to) with two workers routed to proxies 0 and 1.
@@ -673,14 +689,7 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
   std::this_thread::sleep_for(200ms);  // the proxies see the workers leave
   c.proxies[1]->Stop();                // the node dies
   c.proxies[1].reset();
-  ProxyOptions o;
-  o.listen = c.endpoints[1];
-  o.secret = kSecret;
-  o.peers = c.endpoints;
-  o.rank = 1;
-  o.sync_cores = 1;
-  o.replicate = true;
-  o.join = true;
+  ProxyOptions o = ReplacementOptions(c, 1);
   o.restore = true;
   EXPECT_EQ(Proxy::Start(o).status().code(), StatusCode::kInvalidArgument)
       << "join and restore exclude each other";
@@ -701,11 +710,7 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
 TEST(PsTest, WorkersRideThroughAReplacedProxy) {
   constexpr size_t kN = 16 << 10;
   auto grad = [](int rank, int round) {
-    std::vector<float> g(kN);
-    for (size_t i = 0; i < kN; ++i) {
-      g[i] = 0.002f * float((i * 5 + rank * 11 + round * 17) % 89) - 0.04f;
-    }
-    return g;
+    return FailoverGrad(kN, rank + 2, round);
   };
   std::vector<float> init(kN);
   for (size_t i = 0; i < kN; ++i) init[i] = std::cos(float(i));
@@ -765,15 +770,7 @@ TEST(PsTest, WorkersRideThroughAReplacedProxy) {
         std::this_thread::sleep_for(150ms);  // worker 0 has pushed
         c.proxies[1]->Stop();                // the node dies
         std::this_thread::sleep_for(600ms);
-        ProxyOptions o;
-        o.listen = c.endpoints[1];
-        o.secret = kSecret;
-        o.peers = c.endpoints;
-        o.rank = 1;
-        o.sync_cores = 1;
-        o.replicate = true;
-        o.join = true;
-        auto joined = Proxy::Start(o);
+        auto joined = Proxy::Start(ReplacementOptions(c, 1));
         ASSERT_TRUE(joined.ok()) << joined.status().ToString();
         c.proxies[1] = std::move(*joined);
       },
