@@ -220,7 +220,8 @@ class ProxyImpl final : public Proxy, public service::Service {
       << s.rounds_completed << "\nbytes_reduced " << s.bytes_reduced
       << "\nring_steps " << s.ring_steps << "\nqueued_pushes "
       << s.queued_pushes << "\nrejected " << s.rejected << "\ncheckpoints "
-      << s.checkpoints << "\n";
+      << s.checkpoints << "\nreplicate " << (opt_.replicate ? "on" : "off")
+      << "\nfailovers " << failovers_.load() << "\n";
     MutexLock l(&waits_mu_);
     o << waits_;
     return o.str();
@@ -240,6 +241,12 @@ class ProxyImpl final : public Proxy, public service::Service {
     w.Counter("membox_ps_rejected_total", "Requests refused.", s.rejected);
     w.Counter("membox_ps_checkpoints_total", "Checkpoints written.",
               s.checkpoints);
+    w.Counter("membox_ps_failovers_total",
+              "Dead peers replaced while workers were connected (rounds "
+              "resumed).",
+              failovers_.load(std::memory_order_relaxed));
+    w.Gauge("membox_ps_peers_down", "Peer proxies down, awaited.",
+            peers_down_count_.load(std::memory_order_relaxed));
     w.Gauge("membox_ps_keys", "Keys stored.", s.keys);
     w.Gauge("membox_ps_shards", "Shards stored.", s.shards);
     w.Gauge("membox_ps_stored_bytes", "Bytes of values and optimizer state.",
@@ -820,6 +827,7 @@ class ProxyImpl final : public Proxy, public service::Service {
                   [&](const auto& e) { return e.first.first == rank; });
     peer_out_.erase(rank);
     peers_down_.erase(rank);
+    peers_down_count_.store(peers_down_.size());
     if (!peers_down_.empty()) return;  // another one is still down
     for (uint32_t p = 0; p < nproxies_; ++p) {
       if (p == opt_.rank || p == rank) continue;
@@ -864,6 +872,7 @@ class ProxyImpl final : public Proxy, public service::Service {
   // Pauses every round until `rank` is back (PeerHello).
   void PeerLost(uint32_t rank, const std::string& who, bool any_client) {
     if (!peers_down_.insert(rank).second) return;
+    peers_down_count_.store(peers_down_.size());
     if (peers_down_.size() == 1) down_since_ = Clock::now();
     size_t restarted = 0;
     std::vector<std::pair<uint64_t, uint32_t>> complete;
@@ -2164,7 +2173,7 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, n_clients_{0}, rounds_{0},
       bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0},
-      result_bytes_{0}, waiting_rounds_{0}, failovers_{0};
+      result_bytes_{0}, waiting_rounds_{0}, failovers_{0}, peers_down_count_{0};
 };
 
 }  // namespace

@@ -779,6 +779,67 @@ TEST(PsTest, WorkersRideThroughAReplacedProxy) {
   EXPECT_EQ(got[1], want[1]) << "through the replacement";
 }
 
+// A dead proxy nobody replaces: the survivor fails its held rounds after
+// its failover_timeout, naming the proxy, and a worker's requests kept for
+// the dead one fail after its own failover wait -- nobody hangs; while
+// waiting, the survivor's status says whom it waits for.
+TEST(PsTest, AProxyNotReplacedInTimeFailsWithItsName) {
+  Cluster c;
+  for (int i = 0; i < 2; ++i) {
+    c.endpoints.push_back("127.0.0.1:" + std::to_string(PickFreeLocalPort()));
+  }
+  for (uint32_t i = 0; i < 2; ++i) {
+    ProxyOptions o = ReplacementOptions(c, i);
+    o.join = false;
+    o.failover_timeout = 1500ms;
+    o.hang_report = 200ms;  // the status lines refresh every 50 ms
+    auto p = Proxy::Start(o);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    c.proxies.push_back(std::move(*p));
+  }
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < 2; ++r) {
+    ParamClientOptions o;
+    o.proxies = c.endpoints;
+    o.secret = kSecret;
+    o.rank = r;
+    o.world = 2;
+    o.routing.lat_proxy = o.routing.bw_proxy = uint32_t(r);
+    o.failover = 3s;
+    o.name = "worker-" + std::to_string(r);
+    auto x = ParamClient::Connect(o);
+    ASSERT_TRUE(x.ok()) << x.status().ToString();
+    w.push_back(std::move(*x));
+    ASSERT_TRUE(w[r]->Declare(1, 4096, DType::kFloat32).ok());
+  }
+  std::vector<float> g(1024, 1.0f), o0(1024), o1(1024);
+  {
+    auto a = w[0]->PushPull(1, g.data(), o0.data());
+    auto b = w[1]->PushPull(1, g.data(), o1.data());
+    ASSERT_TRUE(a.Wait(20s).ok());
+    ASSERT_TRUE(b.Wait(20s).ok());
+    EXPECT_EQ(o0[0], 2.0f);
+  }
+  c.proxies[1]->Stop();  // dies; no replacement comes
+  auto a = w[0]->PushPull(1, g.data(), o0.data());  // held by proxy 0
+  auto b = w[1]->PushPull(1, g.data(), o1.data());  // kept for proxy 1
+  std::this_thread::sleep_for(600ms);
+  EXPECT_NE(c.proxies[0]->StatusText().find("down proxy 1"), std::string::npos)
+      << c.proxies[0]->StatusText();
+  Status sa = a.Wait(20s), sb = b.Wait(20s);
+  EXPECT_EQ(sa.code(), StatusCode::kAborted) << sa.ToString();
+  EXPECT_NE(sa.ToString().find("was not replaced within 1 s"),
+            std::string::npos)
+      << sa.ToString();
+  EXPECT_EQ(sb.code(), StatusCode::kUnavailable) << sb.ToString();
+  EXPECT_NE(sb.ToString().find("was not replaced within 3 s"),
+            std::string::npos)
+      << sb.ToString();
+  // Given up on: later requests to it fail at once.
+  auto later = w[1]->PushPull(1, g.data(), o1.data());
+  EXPECT_EQ(later.Wait(5s).code(), StatusCode::kUnavailable);
+}
+
 TEST(PsTest, ProfilerBuildsATable) {
   auto c = Cluster::Start(2);
   transport::FaultPolicy near, far;
