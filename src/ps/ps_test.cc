@@ -707,42 +707,44 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
 // keep its pushes and send them to the replacement, the survivor holds
 // its rounds meanwhile -- no worker sees an error, and the values after
 // five rounds are the undisturbed run's.
-TEST(PsTest, WorkersRideThroughAReplacedProxy) {
+// P proxies and P workers, worker r routed to proxy r; proxy `victim`
+// dies in round 3 while worker `victim` has not pushed yet.
+void RideThrough(int P, int victim) {
   constexpr size_t kN = 16 << 10;
   auto grad = [](int rank, int round) {
     return FailoverGrad(kN, rank + 2, round);
   };
   std::vector<float> init(kN);
   for (size_t i = 0; i < kN; ++i) init[i] = std::cos(float(i));
-  // Five rounds; `during(round)` runs on a thread while the round's pushes
-  // are under way (worker 1 pushes 400 ms late in round 3).
+  // Five rounds; `at_round3` runs on a thread while round 3's pushes are
+  // under way (worker `victim` pushes 400 ms late in round 3).
   auto train = [&](Cluster& c, const std::function<void()>& at_round3,
                    std::vector<std::vector<float>>* finals) {
     std::vector<std::unique_ptr<ParamClient>> w;
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < P; ++r) {
       RoutingTable t;
       t.partition_bytes = 16 << 10;
       t.lat_proxy = t.bw_proxy = uint32_t(r);
-      w.push_back(Worker(c, r, 2, t));
+      w.push_back(Worker(c, r, P, t));
       ASSERT_NE(w.back(), nullptr);
       SyncConfig cfg;
       cfg.mode = SyncConfig::Mode::kAverage;
       cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
       ASSERT_TRUE(w[r]->Configure(cfg).ok());
     }
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < P; ++r) {
       ASSERT_TRUE(w[r]->Declare(4, kN * 4, DType::kFloat32,
                                 r == 0 ? init.data() : nullptr)
                       .ok());
     }
-    std::vector<std::vector<float>> out(2, std::vector<float>(kN));
+    std::vector<std::vector<float>> out(P, std::vector<float>(kN));
     for (int round = 0; round < 5; ++round) {
       std::thread side;
       if (round == 3 && at_round3) side = std::thread(at_round3);
       std::vector<std::thread> th;
-      for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < P; ++r) {
         th.emplace_back([&, r] {
-          if (round == 3 && r == 1) std::this_thread::sleep_for(400ms);
+          if (round == 3 && r == victim) std::this_thread::sleep_for(400ms);
           auto g = grad(r, round);
           auto h = w[r]->PushPull(4, g.data(), out[r].data());
           Status st = h.Wait(30s);
@@ -757,27 +759,35 @@ TEST(PsTest, WorkersRideThroughAReplacedProxy) {
   };
   std::vector<std::vector<float>> want, got;
   {
-    auto ref = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+    auto ref = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
                               /*replicate=*/true);
     train(ref, nullptr, &want);
-    EXPECT_EQ(want[0], want[1]);
+    for (int r = 1; r < P; ++r) EXPECT_EQ(want[0], want[r]);
   }
-  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+  auto c = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
                           /*replicate=*/true);
   train(
       c,
       [&] {
-        std::this_thread::sleep_for(150ms);  // worker 0 has pushed
-        c.proxies[1]->Stop();                // the node dies
+        std::this_thread::sleep_for(150ms);  // the others have pushed
+        c.proxies[victim]->Stop();           // the node dies
         std::this_thread::sleep_for(600ms);
-        auto joined = Proxy::Start(ReplacementOptions(c, 1));
+        auto joined = Proxy::Start(ReplacementOptions(c, uint32_t(victim)));
         ASSERT_TRUE(joined.ok()) << joined.status().ToString();
-        c.proxies[1] = std::move(*joined);
+        c.proxies[victim] = std::move(*joined);
       },
       &got);
-  EXPECT_EQ(got[0], want[0]) << "through the survivor";
-  EXPECT_EQ(got[1], want[1]) << "through the replacement";
+  for (int r = 0; r < P; ++r) {
+    EXPECT_EQ(got[r], want[r])
+        << "through proxy " << r << (r == victim ? " (the replacement)" : "");
+  }
 }
+
+TEST(PsTest, WorkersRideThroughAReplacedProxy) { RideThrough(2, 1); }
+
+// Three proxies: the two survivors restart their rounds and fence each
+// other's stale ring notices with kResume.
+TEST(PsTest, WorkersRideThroughAReplacedProxyOfThree) { RideThrough(3, 1); }
 
 // A dead proxy nobody replaces: the survivor fails its held rounds after
 // its failover_timeout, naming the proxy, and a worker's requests kept for
