@@ -30,6 +30,16 @@ if(MEMBOX_SANITIZE)
     -fsanitize=${MEMBOX_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)
   target_link_options(membox_build_flags INTERFACE -fsanitize=${MEMBOX_SANITIZE})
 endif()
+# Fuzzing builds instrument the libraries too: libFuzzer steers by the
+# coverage of the decoders it drives, and ASan/UBSan must see inside them
+# (instrumenting only the fuzzer's own file left ps_protocol_fuzzer at 56
+# coverage points; the decoders give it 567). The fuzzer targets add
+# -fsanitize=fuzzer to link libFuzzer's main.
+if(MEMBOX_BUILD_FUZZ)
+  target_compile_options(membox_build_flags INTERFACE
+    -fsanitize=fuzzer-no-link,address,undefined -fno-omit-frame-pointer)
+  target_link_options(membox_build_flags INTERFACE -fsanitize=address,undefined)
+endif()
 
 # Private headers and the layering rule (docs/design/layers.md). There is no
 # repository-root include path: every target sees include/ (the public
