@@ -247,7 +247,9 @@ class ParamClientImpl final : public ParamClient {
       // A restarted worker set (membox launch --max-restarts) may say hello
       // before the proxy has seen the previous run's connections close: it
       // answers ALREADY_EXISTS (this rank is still connected) or ABORTED
-      // (the failed job is being torn down) until then. Retry for a while.
+      // (the failed job is being torn down) until then, or the new link is
+      // lost while the old one of the same name is closed (UNAVAILABLE).
+      // Retry for a while, on a new link after a lost one.
       const auto give_up =
           Clock::now() + (Restarted() ? kRejoinWindow : Clock::duration(0));
       for (bool told = false;;) {
@@ -259,8 +261,9 @@ class ParamClientImpl final : public ParamClient {
           st = r.status();
           if (r.ok() && r->text != "replicate") all_replicate = false;
         }
+        const bool lost = st.code() == StatusCode::kUnavailable;
         const bool stale = st.code() == StatusCode::kAlreadyExists ||
-                           st.code() == StatusCode::kAborted;
+                           st.code() == StatusCode::kAborted || lost;
         if (st.ok() || !stale || Clock::now() >= give_up) {
           RETURN_IF_ERROR(st);
           break;
@@ -275,6 +278,18 @@ class ParamClientImpl final : public ParamClient {
                   .count());
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (lost) {
+          auto again = device_->GetChannel(link.endpoint);
+          if (!again.ok()) continue;  // the next hello fails the same way
+          link.channel = *again;
+          if (!opt_.links.empty()) {
+            link.channel =
+                transport::WrapWithFaults(link.channel, opt_.links[i]);
+          }
+          link.client =
+              service::Client::Over(link.channel, link.endpoint,
+                                    LinkOptions(static_cast<uint32_t>(i), 0));
+        }
       }
       proxies_.push_back(std::move(link));
     }
