@@ -115,12 +115,16 @@ int RunServicePeer(const std::string& transports) {
   o.device.name = "bench-echo";
   o.service = "echo";
   o.poll_before_block = 300us;
-  auto server = service::Server::Start(o, &svc);
+  auto server = service::Server::Create(o, &svc);
   if (!server.ok()) {
     std::fprintf(stderr, "peer: %s\n", server.status().ToString().c_str());
     return 1;
   }
   svc.server = server->get();
+  if (Status s = (*server)->Serve(); !s.ok()) {
+    std::fprintf(stderr, "peer: %s\n", s.ToString().c_str());
+    return 1;
+  }
   std::printf("READY %s\n", (*server)->endpoint().c_str());
   std::fflush(stdout);
   char c;

@@ -139,13 +139,18 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     so.handler_threads = 0;  // serial: tables are touched by one thread
     compactor_ = std::thread([this] { CompactLoop(); });
     if (log_) syncer_ = std::thread([this] { SyncLoop(); });
-    auto server = service::Server::Start(so, this);
-    if (!server.ok()) {
+    auto server = service::Server::Create(so, this);
+    Status serving = server.ok() ? Status::Ok() : server.status();
+    if (server.ok()) {
+      server_ = std::move(*server);
+      serving = server_->Serve();
+    }
+    if (!serving.ok()) {
+      server_.reset();
       StopSyncer();
       StopCompactor();
-      return server.status();
+      return serving;
     }
-    server_ = std::move(*server);
     endpoint_ = server_->endpoint();
     if (opt_.flush_interval.count() > 0) {
       server_->Every(opt_.flush_interval, [this] {

@@ -104,7 +104,8 @@ class ServerImpl final : public Server, public service::Service {
     so.handler_threads = std::max(1, opt_.handler_threads);
     so.hello_timeout = std::chrono::seconds(10);
     so.idle_timeout = opt_.heartbeat_timeout;
-    ASSIGN_OR_RETURN(server_, service::Server::Start(so, this));
+    ASSIGN_OR_RETURN(server_, service::Server::Create(so, this));
+    RETURN_IF_ERROR(server_->Serve());
     endpoint_ = server_->endpoint();
     server_->Every(std::chrono::milliseconds(100),
                    [this] { ReclaimOrphans(Clock::now()); });

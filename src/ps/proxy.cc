@@ -173,12 +173,22 @@ class ProxyImpl final : public Proxy, public service::Service {
     // ring step, the next shard).
     so.poll_before_block = std::chrono::microseconds(300);
     running_ = true;
-    auto server = service::Server::Start(so, this);
+    auto server = service::Server::Create(so, this);
     if (!server.ok()) {
       running_ = false;
       return server.status();
     }
     server_ = std::move(*server);
+    // Before serving: connections wait in the listener meanwhile, and
+    // link failures the copy meets are posted to the loop that starts next.
+    Status loaded = Status::Ok();
+    if (opt_.restore) loaded = Restore();
+    if (loaded.ok() && opt_.join) loaded = Join();
+    if (loaded.ok()) loaded = server_->Serve();
+    if (!loaded.ok()) {
+      Stop();
+      return loaded;
+    }
     endpoint_ = server_->endpoint();
     server_->Every(
         opt_.hang_report.count() > 0
@@ -303,8 +313,6 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   Status OnStart(transport::Device& device) override {
     device_ = &device;
-    if (opt_.restore) RETURN_IF_ERROR(Restore());
-    if (opt_.join) RETURN_IF_ERROR(Join());
     return Status::Ok();
   }
 

@@ -34,7 +34,16 @@ class ServerImpl final : public Server {
     }
     ASSIGN_OR_RETURN(device_, transport::Device::Create(opt_.device));
     RETURN_IF_ERROR(svc_->OnStart(*device_));
-    running_ = true;
+    return Status::Ok();
+  }
+
+  Status Serve() override {
+    {
+      MutexLock l(&mu_);
+      if (stopped_) return FailedPreconditionError("the server was stopped");
+      if (running_) return FailedPreconditionError("the server is serving");
+      running_ = true;
+    }
     int n = std::max(1, opt_.handler_threads);
     for (int i = 0; i < n; ++i) executors_.emplace_back([this] { Run(); });
     acceptor_ = std::thread([this] { AcceptLoop(); });
@@ -133,7 +142,7 @@ class ServerImpl final : public Server {
   bool Post(std::function<void()> task) override {
     {
       MutexLock l(&mu_);
-      if (!running_) return false;
+      if (stopped_) return false;
       events_.push_back(
           Event{0, EventType::kTask, {}, std::move(task), {}, {}});
     }
@@ -153,7 +162,8 @@ class ServerImpl final : public Server {
   void Stop() override {
     {
       MutexLock l(&mu_);
-      if (!running_) return;
+      if (stopped_) return;
+      stopped_ = true;
       running_ = false;
     }
     cv_.NotifyAll();
@@ -438,7 +448,8 @@ class ServerImpl final : public Server {
 
   mutable Mutex mu_;
   CondVar cv_;
-  std::atomic<bool> running_{false};  // written under mu_
+  std::atomic<bool> running_{false};  // written under mu_: serving
+  bool stopped_ MEMBOX_GUARDED_BY(mu_) = false;
   std::deque<Event> events_ MEMBOX_GUARDED_BY(mu_);
   std::map<ConnectionId, Conn> conns_ MEMBOX_GUARDED_BY(mu_);
   std::vector<Timer> timers_ MEMBOX_GUARDED_BY(mu_);
@@ -447,8 +458,8 @@ class ServerImpl final : public Server {
 
 }  // namespace
 
-Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options,
-                                              Service* service) {
+Result<std::unique_ptr<Server>> Server::Create(const ServerOptions& options,
+                                               Service* service) {
   auto s = std::make_unique<ServerImpl>(options, service);
   RETURN_IF_ERROR(s->Init());
   return std::unique_ptr<Server>(std::move(s));

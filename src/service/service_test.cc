@@ -111,15 +111,18 @@ class TestService : public Service {
 
 class ServiceTest : public ::testing::TestWithParam<int> {
  protected:
-  void StartServer(ServerOptions o = {}) {
+  void StartServer(ServerOptions o = {}, bool serve = true) {
     o.device.listen_address = "127.0.0.1:0";
     o.device.secret = "service-test-secret";
     o.service = "test node";
     o.handler_threads = GetParam();
-    auto s = Server::Start(o, &svc_);
+    auto s = Server::Create(o, &svc_);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     server_ = std::move(*s);
     svc_.server = server_.get();
+    if (serve) {
+      ASSERT_TRUE(server_->Serve().ok());
+    }
   }
   // A device of its own: a device has one channel per peer and lane, and a
   // Client owns its channel.
@@ -247,6 +250,34 @@ TEST_P(ServiceTest, OnConnectReturnsBeforeTheConnectionsFirstRequest) {
     EXPECT_EQ(Str(*r), "first");
   }
   EXPECT_EQ(svc_.requests_before_connect.load(), 0);
+}
+
+// A service that keeps its Server for its handlers stores it between Create
+// and Serve: nothing reaches the service before Serve, and a connection
+// that arrived meanwhile is served after it (a replacement node copying its
+// state used to meet its first connection before it had its Server).
+TEST_P(ServiceTest, NothingRunsBeforeServeAndWaitingConnectionsAreServedAfter) {
+  StartServer({}, /*serve=*/false);
+  std::atomic<bool> task_ran{false};
+  ASSERT_TRUE(server_->Post([&task_ran] { task_ran = true; }));
+  Result<std::vector<uint8_t>> reply = UnavailableError("not called");
+  std::unique_ptr<Client> c;
+  std::thread early([&] {
+    c = Connect();
+    if (c) reply = c->Call(kEcho, Msg("early"), 30s);
+  });
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(svc_.connects.load(), 0);
+  EXPECT_FALSE(task_ran.load());
+  ASSERT_TRUE(server_->Serve().ok());
+  early.join();
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  EXPECT_EQ(Str(*reply), "early");
+  EXPECT_EQ(svc_.connects.load(), 1);
+  EXPECT_TRUE(task_ran.load());
+  EXPECT_EQ(server_->Serve().code(), StatusCode::kFailedPrecondition);
+  server_->Stop();
+  EXPECT_EQ(server_->Serve().code(), StatusCode::kFailedPrecondition);
 }
 
 TEST_P(ServiceTest, NoticesTravelBothWays) {

@@ -61,7 +61,7 @@ class Service {
   virtual ~Service() = default;
   // Once, after the device exists and before any connection is admitted:
   // allocate transport resources (registered memory) here. An error fails
-  // Server::Start.
+  // Server::Create.
   virtual Status OnStart(transport::Device& /*device*/) { return Status::Ok(); }
   // Before any OnRequest of the connection, on a pool too (its messages
   // are held until OnConnect returned).
@@ -96,8 +96,16 @@ struct ServerStats {
 
 class Server {
  public:
-  static Result<std::unique_ptr<Server>> Start(const ServerOptions& options,
-                                               Service* service);
+  // Creates the device (listening from here on) and runs
+  // service->OnStart. No connection is admitted and no handler runs until
+  // Serve(): a service whose handlers use the returned Server stores it
+  // first (handlers used to run before the caller had the pointer: a
+  // replacement node that queued connections while it copied its state
+  // crashed on the first one). Tasks posted before Serve run after it.
+  static Result<std::unique_ptr<Server>> Create(const ServerOptions& options,
+                                                Service* service);
+  // Starts the executors and the acceptor. Once; not after Stop().
+  virtual Status Serve() = 0;
   virtual ~Server() = default;
 
   virtual std::string endpoint() const = 0;
@@ -129,7 +137,8 @@ class Server {
   virtual std::shared_ptr<transport::Channel> channel(
       ConnectionId conn) const = 0;
 
-  // Runs `task` on the executor. False (task dropped) once stopping.
+  // Runs `task` on the executor (queued until Serve when called before).
+  // False (task dropped) once stopping.
   virtual bool Post(std::function<void()> task) = 0;
   // Runs `fn` on the executor every `period` until Stop().
   virtual void Every(std::chrono::milliseconds period,
