@@ -94,6 +94,10 @@ const char* TypeName(Type t) {
       return "rejoin";
     case Type::kRejoined:
       return "rejoined";
+    case Type::kCatchUp:
+      return "catch-up";
+    case Type::kCatchUpDone:
+      return "catch-up-done";
   }
   return "?";
 }
@@ -187,6 +191,18 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U64(m.round);
       w.U32(m.step);
       PutBytes(w, m.descriptor);
+      break;
+    case Type::kCatchUp:
+      w.U64(m.key);
+      w.U32(m.shard);
+      w.U64(m.round);
+      w.U64(m.bytes);
+      PutBytes(w, m.descriptor);
+      break;
+    case Type::kCatchUpDone:
+      w.U64(m.key);
+      w.U32(m.shard);
+      w.U64(m.round);
       break;
   }
   return std::move(w.buffer());
@@ -287,6 +303,14 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
     case Type::kDone:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) &&
            r.U32(&m.step) && GetBytes(r, &m.descriptor, kMaxDescriptor);
+      break;
+    case Type::kCatchUp:
+      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) && m.round > 0 &&
+           r.U64(&m.bytes) && m.bytes > 0 &&
+           GetBytes(r, &m.descriptor, kMaxDescriptor);
+      break;
+    case Type::kCatchUpDone:
+      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round);
       break;
   }
   if (!ok) return Bad(TypeName(m.type));

@@ -54,8 +54,17 @@ enum class Type : uint8_t {
   // that depends on it (a partly replayed routing history misleads).
   kRejoin = 19,
   kRejoined = 20,
+  // proxy -> proxy notices: a peer announced a ring step of a round this
+  // proxy has finished (a peer died in the round's last step; the
+  // announcer had not read every chunk, we had). kCatchUp carries the
+  // descriptor of a region holding the shard in checkpoint format (key,
+  // shard, round = the version it holds, bytes = its length); the laggard
+  // reads it, takes it as its round's result, and frees it with
+  // kCatchUpDone (key, shard, round).
+  kCatchUp = 21,
+  kCatchUpDone = 22,
 };
-constexpr Type kLastType = Type::kRejoined;
+constexpr Type kLastType = Type::kCatchUpDone;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;
@@ -92,7 +101,7 @@ struct Message {
   // kDeclare / kPush / kPull / kReady / kDone
   uint64_t key = 0;
   uint64_t key_end = 0;      // kTune: keys [key, key_end)
-  uint64_t bytes = 0;        // kDeclare: tensor size; kProbe: length
+  uint64_t bytes = 0;        // kDeclare: tensor size; kProbe, kCatchUp: length
   uint8_t dtype = 0;         // kDeclare
   uint64_t shard_bytes = 0;  // kDeclare
   uint32_t shard = 0;

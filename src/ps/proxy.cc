@@ -13,6 +13,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -295,6 +296,7 @@ class ProxyImpl final : public Proxy, public service::Service {
     }
     peer_regions_.clear();
     join_snapshots_.clear();
+    catch_ups_.clear();
     peer_out_.clear();  // closes the links to peers
     inflight_.clear();  // closed channels complete them
     conns_.clear();
@@ -583,7 +585,8 @@ class ProxyImpl final : public Proxy, public service::Service {
     m->id = r.id;
     // Ring notices arrive as notices; everything else is a request.
     const bool ring = m->type == Type::kReady || m->type == Type::kDone ||
-                      m->type == Type::kResume;
+                      m->type == Type::kResume || m->type == Type::kCatchUp ||
+                      m->type == Type::kCatchUpDone;
     if (r.notice != ring) {
       rejected_.fetch_add(1);
       MEMBOX_LOG_WARN("connection {}: {} sent as a {}", conn,
@@ -619,6 +622,14 @@ class ProxyImpl final : public Proxy, public service::Service {
       case Type::kResume:
         if (c.role != Conn::Role::kPeer) break;
         return OnResume(c.rank, *m);
+      case Type::kCatchUp:
+        if (c.role != Conn::Role::kPeer) break;
+        if (!PeerCurrent(c.rank, conn)) return;
+        return OnCatchUp(c.rank, *m);
+      case Type::kCatchUpDone:
+        if (c.role != Conn::Role::kPeer) break;
+        catch_ups_.erase({c.rank, m->key, m->shard});
+        return;
       case Type::kJoin:
       case Type::kJoinDone:
         if (c.role != Conn::Role::kPeer) break;
@@ -831,6 +842,8 @@ class ProxyImpl final : public Proxy, public service::Service {
     }
     // The new incarnation gets new links.
     peer_incarnation_[rank]++;
+    std::erase_if(catch_ups_,
+                  [&](const auto& e) { return std::get<0>(e.first) == rank; });
     std::erase_if(peer_regions_,
                   [&](const auto& e) { return e.first.first == rank; });
     peer_out_.erase(rank);
@@ -1598,6 +1611,10 @@ class ProxyImpl final : public Proxy, public service::Service {
     RingProgress::Io io;
     io.read = [this, k, s](uint32_t step, const RegionDescriptor& d) {
       Key& key = keys_[k];
+      if (opt_.before_ring_read_for_test) {
+        opt_.before_ring_read_for_test(k, s, key.shards[s].version, step,
+                                       RingFor(k, s).prev);
+      }
       return RingRead(key, key.shards[s], RingFor(k, s), step, d);
     };
     io.send_ready = [this, k, s](uint32_t step) {
@@ -1659,6 +1676,10 @@ class ProxyImpl final : public Proxy, public service::Service {
       return;
     }
     Shard& sh = it->second.shards[m.shard];
+    if (m.type == Type::kReady && m.round < sh.version && opt_.replicate) {
+      // Only a laggard announces a round we finished (see kCatchUp).
+      return SendCatchUp(RingFor(m.key, m.shard).prev, m.key, m.shard, m.round);
+    }
     if (m.type == Type::kReady && m.round == sh.version &&
         sched_.kind() == Scheduler::kFirstComeFirstServe) {
       sched_.PeerReady({m.key, m.shard, m.round});
@@ -1753,14 +1774,19 @@ class ProxyImpl final : public Proxy, public service::Service {
                                                 : Update::kOptimizer,
         sh, sh.scratch.get(),
         mode_ == proto::Mode::kAverage ? 1.0 / world_ : 1.0);
+    if (st.ok()) sh.version++;
+    PublishRound(k, s, st);
+  }
+
+  // The round's result is in storage (version bumped) or it failed with
+  // `st`: answer its pushes and the pulls it satisfies, admit the next.
+  void PublishRound(uint64_t k, uint32_t s, const Status& st) {
+    Shard& sh = keys_[k].shards[s];
     sh.reducing = false;
     sh.first_push = {};
     auto pushes = std::move(sh.pushes);
     sh.pushes.clear();
-    if (st.ok()) {
-      sh.version++;
-      rounds_.fetch_add(1);
-    }
+    if (st.ok()) rounds_.fetch_add(1);
     for (auto& [r, p] : pushes) {
       if (st.ok() && p.has_output) {
         WriteThenReply(p.conn, Type::kPush, p.id, p.out_region, p.out_offset,
@@ -1875,6 +1901,147 @@ class ProxyImpl final : public Proxy, public service::Service {
     return Status::Ok();
   }
 
+  // ------------------------------------------------------------ catch-up
+
+  // A peer died in the last step of a round that this proxy finished (it
+  // had read every chunk) while peer `to` had not: `to` restarted the round
+  // and announced it (round `round`), but nobody else runs that round any
+  // more. Its result is this shard as it is now (the rounds after it wait
+  // for `to`), so give it that: the shard in checkpoint format in a region
+  // it reads (kCatchUp), kept until its kCatchUpDone.
+  void SendCatchUp(uint32_t to, uint64_t k, uint32_t s, uint64_t round) {
+    Key& key = keys_[k];
+    Shard& sh = key.shards[s];
+    if (round + 1 != sh.version || !sh.value) {
+      MEMBOX_LOG_WARN(
+          "proxy {}: proxy {} announced round {} of key {} shard {}, which "
+          "is not the round before ours ({}); ignored",
+          opt_.rank, to, round, k, s, sh.version);
+      return;
+    }
+    CatchUp& slot = catch_ups_[{to, k, s}];
+    if (slot.region && slot.version == sh.version) return;  // on its way
+    auto snap =
+        ShardStorage::Snap(k, s, key.dtype, key.bytes, key.shard_bytes, sh);
+    auto encoded = EncodeRegion({snap.record});
+    if (!encoded.ok()) {
+      MEMBOX_LOG_WARN("proxy {}: cannot give proxy {} key {} shard {}: {}",
+                      opt_.rank, to, k, s, encoded.status().ToString());
+      catch_ups_.erase({to, k, s});
+      return;
+    }
+    Message c;
+    c.type = Type::kCatchUp;
+    c.key = k;
+    c.shard = s;
+    c.round = sh.version;
+    c.bytes = encoded->second;
+    c.descriptor = encoded->first->Export().Serialize();
+    slot.version = sh.version;
+    slot.region = std::move(encoded->first);
+    Status st = SendToPeer(to, c);
+    if (!st.ok()) {
+      catch_ups_.erase({to, k, s});
+      return;  // its link failed: PeerDown follows
+    }
+    MEMBOX_LOG_WARN(
+        "proxy {}: proxy {} still runs round {} of key {} shard {}, which we "
+        "finished before a peer died; giving it the result",
+        opt_.rank, to, round, k, s);
+  }
+
+  // The result of the round this proxy restarted, from a peer that
+  // finished it: take it as the round's result.
+  void OnCatchUp(uint32_t from, const Message& m) {
+    Message done;
+    done.type = Type::kCatchUpDone;
+    done.key = m.key;
+    done.shard = m.shard;
+    done.round = m.round;
+    auto it = keys_.find(m.key);
+    if (it == keys_.end() || m.shard >= it->second.shards.size() ||
+        it->second.shards[m.shard].version + 1 != m.round) {
+      (void)SendToPeer(from, done);  // not (or no longer) behind
+      return;
+    }
+    Key& key = it->second;
+    Shard& sh = key.shards[m.shard];
+    auto records = ReadPeerRecords(from, m.descriptor, m.bytes);
+    (void)SendToPeer(from, done);
+    Status st = records.status();
+    if (st.ok() &&
+        (records->size() != 1 || (*records)[0].key != m.key ||
+         (*records)[0].shard != m.shard || (*records)[0].version != m.round ||
+         (*records)[0].key_bytes != key.bytes ||
+         (*records)[0].dtype != static_cast<uint8_t>(key.dtype))) {
+      st = DataLossError("its record is not the shard's next version");
+    }
+    if (!st.ok()) {
+      // The round keeps waiting (and is reported as waiting).
+      MEMBOX_LOG_WARN(
+          "proxy {}: the result of key {} shard {} round {} from proxy {} "
+          "is unusable: {}",
+          opt_.rank, m.key, m.shard, m.round - 1, from, st.ToString());
+      return;
+    }
+    sh.ring.Stop();
+    st = storage_->Load(sh, (*records)[0]);
+    MEMBOX_LOG_WARN(
+        "proxy {}: caught up on key {} shard {}: round {} from proxy {}{}",
+        opt_.rank, m.key, m.shard, m.round - 1, from,
+        st.ok() ? "" : ": " + st.ToString());
+    PublishRound(m.key, m.shard, st);
+  }
+
+  // Shards in checkpoint format in a fresh registered region: the region
+  // and the encoded length.
+  Result<std::pair<std::unique_ptr<MemRegion>, uint64_t>> EncodeRegion(
+      const std::vector<CheckpointShard>& records) {
+    CheckpointHeader h;
+    h.proxy_rank = opt_.rank;
+    h.proxies = nproxies_;
+    h.mode = static_cast<uint8_t>(mode_);
+    uint64_t n = 0;
+    RETURN_IF_ERROR(EncodeCheckpoint(h, records, [&n](const void*, size_t b) {
+      n += b;
+      return Status::Ok();
+    }));
+    ASSIGN_OR_RETURN(std::unique_ptr<MemRegion> region,
+                     device_->AllocateMemRegion(n));
+    uint8_t* out = static_cast<uint8_t*>(region->data());
+    RETURN_IF_ERROR(
+        EncodeCheckpoint(h, records, [&out](const void* p, size_t b) {
+          std::memcpy(out, p, b);
+          out += b;
+          return Status::Ok();
+        }));
+    return std::make_pair(std::move(region), n);
+  }
+
+  // Reads `n` bytes of checkpoint records that peer `p` put in the region
+  // `descriptor` describes, and parses them (every length and checksum
+  // checked).
+  Result<std::vector<CheckpointShard>> ReadPeerRecords(
+      uint32_t p, const std::vector<uint8_t>& descriptor, uint64_t n) {
+    ASSIGN_OR_RETURN(auto desc, RegionDescriptor::Deserialize(descriptor));
+    if (n == 0 || desc.length < n) {
+      return DataLossError("the peer's state has a bad length");
+    }
+    ASSIGN_OR_RETURN(auto ch, PeerChannel(p));
+    ASSIGN_OR_RETURN(auto remote, ch->Import(desc, kIoTimeout));
+    ASSIGN_OR_RETURN(std::unique_ptr<MemRegion> local,
+                     device_->AllocateMemRegion(n));
+    ASSIGN_OR_RETURN(
+        auto h, ch->Read(local->data(), *local, remote->address(), *remote, n));
+    RETURN_IF_ERROR(h.Wait(kIoTimeout));
+    CheckpointHeader hdr;
+    std::vector<CheckpointShard> shards;
+    RETURN_IF_ERROR(ParseCheckpoint(
+        std::span<const uint8_t>(static_cast<const uint8_t*>(local->data()), n),
+        &hdr, &shards));
+    return shards;
+  }
+
   // ------------------------------------------------------------ joining
 
   // A replacement proxy (--join): for every shard, the newest version any
@@ -1922,31 +2089,15 @@ class ProxyImpl final : public Proxy, public service::Service {
                                         proto::Encode(q), kPeerTimeout));
     ASSIGN_OR_RETURN(Message r,
                      proto::Decode(static_cast<uint16_t>(Type::kReply), body));
-    ASSIGN_OR_RETURN(auto desc,
-                     RegionDescriptor::Deserialize(
-                         std::vector<uint8_t>(r.text.begin(), r.text.end())));
     const uint64_t n = r.version;
-    if (n == 0 || desc.length < n) {
-      return DataLossError("the peer's state has a bad length");
-    }
-    ASSIGN_OR_RETURN(auto ch, PeerChannel(p));
-    ASSIGN_OR_RETURN(auto remote, ch->Import(desc, kIoTimeout));
-    ASSIGN_OR_RETURN(std::unique_ptr<MemRegion> local,
-                     device_->AllocateMemRegion(n));
-    ASSIGN_OR_RETURN(
-        auto h, ch->Read(local->data(), *local, remote->address(), *remote, n));
-    RETURN_IF_ERROR(h.Wait(kIoTimeout));
-    remote.reset();
+    auto shards = ReadPeerRecords(
+        p, std::vector<uint8_t>(r.text.begin(), r.text.end()), n);
     Message done;
     done.type = Type::kJoinDone;
     (void)c->Call(static_cast<uint16_t>(Type::kJoinDone), proto::Encode(done),
                   kPeerTimeout);  // the peer also frees it when we go
-    CheckpointHeader hdr;
-    std::vector<CheckpointShard> shards;
-    RETURN_IF_ERROR(ParseCheckpoint(
-        std::span<const uint8_t>(static_cast<const uint8_t*>(local->data()), n),
-        &hdr, &shards));
-    for (auto& sh : shards) {
+    if (!shards.ok()) return shards.status();
+    for (auto& sh : *shards) {
       auto id = std::make_pair(sh.key, sh.shard);
       auto it = newest->find(id);
       if (it == newest->end() || it->second.version < sh.version) {
@@ -1978,26 +2129,11 @@ class ProxyImpl final : public Proxy, public service::Service {
         records.push_back(snap.back().record);
       }
     }
-    CheckpointHeader h;
-    h.proxy_rank = opt_.rank;
-    h.proxies = nproxies_;
-    h.mode = static_cast<uint8_t>(mode_);
-    uint64_t n = 0;
-    (void)EncodeCheckpoint(h, records, [&n](const void*, size_t b) {
-      n += b;
-      return Status::Ok();
-    });
-    auto region = device_->AllocateMemRegion(n);
-    if (!region.ok()) return Reply(conn, m.type, m.id, region.status());
-    uint8_t* out = static_cast<uint8_t*>((*region)->data());
-    Status st = EncodeCheckpoint(h, records, [&out](const void* p, size_t b) {
-      std::memcpy(out, p, b);
-      out += b;
-      return Status::Ok();
-    });
-    if (!st.ok()) return Reply(conn, m.type, m.id, st);
-    auto d = (*region)->Export().Serialize();
-    join_snapshots_[conn] = std::move(*region);
+    auto encoded = EncodeRegion(records);
+    if (!encoded.ok()) return Reply(conn, m.type, m.id, encoded.status());
+    const uint64_t n = encoded->second;
+    auto d = encoded->first->Export().Serialize();
+    join_snapshots_[conn] = std::move(encoded->first);
     MEMBOX_LOG_WARN(
         "proxy {} at {} is joining (replacing the one that was there): "
         "giving it {} shards ({} bytes)",
@@ -2157,6 +2293,13 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::vector<Message> early_notices_;
   // Our state as given to joining peers, by their connection (OnJoinRequest).
   std::map<uint64_t, std::unique_ptr<MemRegion>> join_snapshots_;
+  // Round results given to lagging peers (kCatchUp), by (peer, key,
+  // shard), until their kCatchUpDone or until the peer is replaced.
+  struct CatchUp {
+    uint64_t version = 0;
+    std::unique_ptr<MemRegion> region;
+  };
+  std::map<std::tuple<uint32_t, uint64_t, uint32_t>, CatchUp> catch_ups_;
   std::unique_ptr<MemRegion> staging_;
   std::unique_ptr<MemRegion> probe_;
   // Result writes and flushes in flight (WriteThenReply); done ones are

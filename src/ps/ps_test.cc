@@ -3,7 +3,10 @@
 // The daemon-level tests with real `membox serve` processes are in
 // tests/integration/ps_daemon_test.cc.
 #include <cmath>
+#include <condition_variable>
 #include <filesystem>
+#include <functional>
+#include <mutex>
 #include <numeric>
 #include <thread>
 
@@ -34,7 +37,8 @@ struct Cluster {
   static Cluster Start(int n, Scheduler sched = Scheduler::kPerClientQueues,
                        std::string ckpt_dir = "", bool restore = false,
                        std::chrono::milliseconds hang_report = 10s,
-                       bool replicate = false) {
+                       bool replicate = false,
+                       const std::function<void(ProxyOptions&)>& tweak = {}) {
     Cluster c;
     for (int i = 0; i < n; ++i) {
       c.endpoints.push_back("127.0.0.1:" + std::to_string(PickFreeLocalPort()));
@@ -51,6 +55,7 @@ struct Cluster {
       o.restore = restore;
       o.hang_report = hang_report;
       o.replicate = replicate;
+      if (tweak) tweak(o);
       auto p = Proxy::Start(o);
       EXPECT_TRUE(p.ok()) << p.status().ToString();
       if (p.ok()) c.proxies.push_back(std::move(*p));
@@ -708,8 +713,12 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
 // its rounds meanwhile -- no worker sees an error, and the values after
 // five rounds are the undisturbed run's.
 // P proxies and P workers, worker r routed to proxy r; proxy `victim`
-// dies in round 3 while worker `victim` has not pushed yet.
-void RideThrough(int P, int victim) {
+// dies in round 3 while worker `victim` has not pushed yet -- or, with
+// `laggard`, in round 3's last ring step, once its successor has read
+// every chunk while proxy (victim + 1) % P still waits for its last chunk
+// from the victim: the successor finishes the round, the laggard cannot
+// (a catch-up from a peer that finished it completes its round).
+void RideThrough(int P, int victim, bool laggard = false) {
   constexpr size_t kN = 16 << 10;
   auto grad = [](int rank, int round) {
     return FailoverGrad(kN, rank + 2, round);
@@ -764,13 +773,47 @@ void RideThrough(int P, int victim) {
     train(ref, nullptr, &want);
     for (int r = 1; r < P; ++r) EXPECT_EQ(want[0], want[r]);
   }
+  // The laggard's event loop waits in its last read from the victim until
+  // the victim is dead.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool held = false, released = false;
+  const int late = (victim + 1) % P;
+  auto hold_laggard = [&](ProxyOptions& o) {
+    if (!laggard || o.rank != uint32_t(late)) return;
+    o.before_ring_read_for_test = [&, P](uint64_t, uint32_t, uint64_t round,
+                                         uint32_t step, uint32_t from) {
+      if (round != 3 || from != uint32_t(victim) ||
+          step + 1 != 2 * uint32_t(P - 1)) {
+        return;
+      }
+      std::unique_lock<std::mutex> l(mu);
+      if (held) return;
+      held = true;
+      cv.notify_all();
+      cv.wait_for(l, 10s, [&] { return released; });
+    };
+  };
   auto c = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
-                          /*replicate=*/true);
+                          /*replicate=*/true, hold_laggard);
   train(
       c,
       [&] {
-        std::this_thread::sleep_for(150ms);  // the others have pushed
-        c.proxies[victim]->Stop();           // the node dies
+        if (laggard) {
+          std::unique_lock<std::mutex> l(mu);
+          ASSERT_TRUE(cv.wait_for(l, 10s, [&] { return held; }))
+              << "the laggard never reached its last read from the victim";
+          l.unlock();
+          std::this_thread::sleep_for(300ms);  // its successor reads it all
+        } else {
+          std::this_thread::sleep_for(150ms);  // the others have pushed
+        }
+        c.proxies[victim]->Stop();  // the node dies
+        {
+          std::lock_guard<std::mutex> l(mu);
+          released = true;
+        }
+        cv.notify_all();
         std::this_thread::sleep_for(600ms);
         auto joined = Proxy::Start(ReplacementOptions(c, uint32_t(victim)));
         ASSERT_TRUE(joined.ok()) << joined.status().ToString();
@@ -788,6 +831,13 @@ TEST(PsTest, WorkersRideThroughAReplacedProxy) { RideThrough(2, 1); }
 // Three proxies: the two survivors restart their rounds and fence each
 // other's stale ring notices with kResume.
 TEST(PsTest, WorkersRideThroughAReplacedProxyOfThree) { RideThrough(3, 1); }
+
+// Three proxies, the death in the last ring step: one survivor finished the
+// round, the other did not; the laggard catches up from a peer instead of
+// waiting for a ring round nobody else runs any more.
+TEST(PsTest, ALaggingSurvivorCatchesUpFromAPeerThatFinished) {
+  RideThrough(3, 1, /*laggard=*/true);
+}
 
 // A dead proxy nobody replaces: the survivor fails its held rounds after
 // its failover_timeout, naming the proxy, and a worker's requests kept for

@@ -44,6 +44,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -86,6 +87,13 @@ struct ProxyOptions {
   // optimizer state, versions) from every peer, taking for each shard the
   // newest version any of them holds. The peers must be running.
   bool join = false;
+  // Test hook: runs on the event loop before each ring read of shard
+  // `shard` of `key`, round `round`, step `step`, from proxy `from`. Tests
+  // use it to hold a proxy at a chosen point of a round (a peer dies
+  // meanwhile). Unset in production.
+  std::function<void(uint64_t key, uint32_t shard, uint64_t round,
+                     uint32_t step, uint32_t from)>
+      before_ring_read_for_test;
 };
 
 struct ProxyStats {
