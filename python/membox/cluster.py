@@ -93,7 +93,7 @@ def load_topology(path):
     except tomllib.TOMLDecodeError as e:
         raise ClusterError(f"{path}: {e}")
     known = {"name", "subnet", "workers", "memory", "rate", "delay_ms", "pool",
-             "emb_budget", "host", "sync_cores"}
+             "emb_budget", "host", "sync_cores", "ps_replicate"}
     extra = set(cfg) - known
     if extra:
         raise ClusterError(f"{path}: unknown keys {sorted(extra)}")
@@ -138,6 +138,7 @@ def load_topology(path):
             "bridge": f"mbx{name}br"[:15], "pool": str(cfg.get("pool", "1GiB")),
             "emb_budget": str(cfg.get("emb_budget", "256MiB")),
             "sync_cores": int(cfg.get("sync_cores", 1)),
+            "ps_replicate": bool(cfg.get("ps_replicate", False)),
             "state": os.path.join(STATE_ROOT, name), "source": os.path.abspath(path)}
 
 
@@ -309,6 +310,8 @@ def _up(topo, log):
                 "--emb-budget", topo["emb_budget"]]
         if len(peers) > 1:
             argv += ["--ps-peers", ",".join(peers)]
+            if topo.get("ps_replicate"):
+                argv += ["--ps-replicate"]
         logf = open(os.path.join(d, "serve.log"), "w")
         p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
                              start_new_session=True)

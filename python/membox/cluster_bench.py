@@ -177,10 +177,21 @@ def run_allreduce(a, rec):
                     runs.append(("gloo", [python, "-m", "membox.cluster_bench",
                                           "--gloo-worker", "--sizes", sizes_s,
                                           "--iters", str(a.iters)], True))
+            if m > 1:
+                # What node failover costs (--ps-replicate, `membox launch
+                # --max-restarts`): every node keeps every key, so the
+                # shards the workers stripe over the nodes are also summed
+                # around the nodes' ring.
+                runs.append(("replica", peer + ["stripe"], False))
             for variant, cmd, attach in runs:
                 if variant == "coarse":  # fresh nodes: new keys, not striped
                     cluster.down(topo, quiet=True)
                     cluster.up(topo, log=lambda s: None)
+                if variant == "replica":
+                    cluster.down(topo, quiet=True)
+                    cluster.up(topology("bcl", p, m, a.rate, a.pool,
+                                        "ps_replicate = true\n"),
+                               log=lambda s: None)
                 print(f"[{case}] {variant} ...", file=sys.stderr, flush=True)
                 with CpuMeter() as cpu:
                     res = mpirun(topo, cmd, attach=attach)
@@ -188,7 +199,7 @@ def run_allreduce(a, rec):
                     raise RuntimeError(f"{variant}: {len(res)} of "
                                        f"{len(a.sizes)} results")
                 name = f"{variant}-{m}node" if variant in (
-                    "membox", "coarse") else variant
+                    "membox", "coarse", "replica") else variant
                 for _, size, sec in res:
                     rec.add(name, int(size), p, "time", float(sec) * 1e3, "ms",
                             case)
@@ -271,6 +282,14 @@ def print_tables(a, rec):
                   f" {g('mpi'):9.2f} {g('gloo'):9.2f} {bnd:9.2f}"
                   f" {g('ring-bound'):9.2f} | {mb[-1] / bnd:7.2f}"
                   f" {best / g('gloo'):8.2f} {best / g('mpi'):7.2f}")
+        for x in nodes:
+            if rec.get(f"replica-{x}node", a.sizes[0], "time", case) == \
+                    rec.get(f"replica-{x}node", a.sizes[0], "time", case):
+                print(f"  --ps-replicate, {x} nodes (ms; x of striped): " +
+                      ", ".join(
+                          f"{_label(n)} {rec.get(f'replica-{x}node', n, 'time', case):.2f}"
+                          f" (x{rec.get(f'replica-{x}node', n, 'time', case) / rec.get(f'membox-{x}node', n, 'time', case):.2f})"
+                          for n in a.sizes))
         cpu = {r["variant"]: r["value"] for r in rec.rows
                if r["case"] == case and r["metric"] == "cpu"}
         print("  CPU use of the runs (% of all cores): " +
