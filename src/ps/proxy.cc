@@ -2031,14 +2031,18 @@ class ProxyImpl final : public Proxy, public service::Service {
     ASSIGN_OR_RETURN(auto remote, ch->Import(desc, kIoTimeout));
     ASSIGN_OR_RETURN(std::unique_ptr<MemRegion> local,
                      device_->AllocateMemRegion(n));
+    const auto t0 = Clock::now();
     ASSIGN_OR_RETURN(
         auto h, ch->Read(local->data(), *local, remote->address(), *remote, n));
     RETURN_IF_ERROR(h.Wait(kIoTimeout));
+    const auto t1 = Clock::now();
     CheckpointHeader hdr;
     std::vector<CheckpointShard> shards;
     RETURN_IF_ERROR(ParseCheckpoint(
         std::span<const uint8_t>(static_cast<const uint8_t*>(local->data()), n),
         &hdr, &shards));
+    copy_timing_.read += t1 - t0;
+    copy_timing_.parse += Clock::now() - t1;
     return shards;
   }
 
@@ -2068,12 +2072,18 @@ class ProxyImpl final : public Proxy, public service::Service {
     std::vector<CheckpointShard> records;
     records.reserve(newest.size());
     for (auto& [id, r] : newest) records.push_back(std::move(r));
+    const auto t_load = Clock::now();
     RETURN_IF_ERROR(LoadRecords(records, "the peers' state"));
+    auto sec = [](Clock::duration d) {
+      return std::chrono::duration<double>(d).count();
+    };
     MEMBOX_LOG_WARN(
         "proxy {} joined: copied {} keys ({} shards, {} bytes read) from "
-        "{} peer(s) in {:.3f} s",
+        "{} peer(s) in {:.3f} s (the peers encoding it {:.3f} s, reading "
+        "{:.3f} s, checking {:.3f} s, storing {:.3f} s)",
         opt_.rank, keys_.size(), records.size(), bytes, nproxies_ - 1,
-        std::chrono::duration<double>(Clock::now() - t0).count());
+        sec(Clock::now() - t0), sec(copy_timing_.peer), sec(copy_timing_.read),
+        sec(copy_timing_.parse), sec(Clock::now() - t_load));
     return Status::Ok();
   }
 
@@ -2085,8 +2095,10 @@ class ProxyImpl final : public Proxy, public service::Service {
     Message q;
     q.type = Type::kJoin;
     q.rank = opt_.rank;
+    const auto t0 = Clock::now();
     ASSIGN_OR_RETURN(auto body, c->Call(static_cast<uint16_t>(Type::kJoin),
                                         proto::Encode(q), kPeerTimeout));
+    copy_timing_.peer += Clock::now() - t0;
     ASSIGN_OR_RETURN(Message r,
                      proto::Decode(static_cast<uint16_t>(Type::kReply), body));
     const uint64_t n = r.version;
@@ -2293,6 +2305,10 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::vector<Message> early_notices_;
   // Our state as given to joining peers, by their connection (OnJoinRequest).
   std::map<uint64_t, std::unique_ptr<MemRegion>> join_snapshots_;
+  // Where a join's (and catch-ups') copying went, for its log line.
+  struct CopyTiming {
+    Clock::duration peer{}, read{}, parse{};
+  } copy_timing_;
   // Round results given to lagging peers (kCatchUp), by (peer, key,
   // shard), until their kCatchUpDone or until the peer is replaced.
   struct CatchUp {
