@@ -11,9 +11,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (membox::ps::ParseCheckpoint({data, size}, &h, &shards).ok()) {
     if (h.proxy_rank >= h.proxies) std::abort();
     for (const auto& s : shards) {
-      if (s.owned_value.empty() || s.owned_value.size() > s.key_bytes ||
-          (!s.owned_m1.empty() && s.owned_m1.size() != s.owned_value.size()) ||
-          (!s.owned_m2.empty() && s.owned_m2.size() != s.owned_value.size()))
+      // The views lie inside the input.
+      auto inside = [&](std::span<const uint8_t> v) {
+        return v.empty() ||
+               (v.data() >= data && v.data() + v.size() <= data + size);
+      };
+      if (s.value.empty() || s.value.size() > s.key_bytes ||
+          (!s.m1.empty() && s.m1.size() != s.value.size()) ||
+          (!s.m2.empty() && s.m2.size() != s.value.size()) ||
+          !inside(s.value) || !inside(s.m1) || !inside(s.m2))
         std::abort();
     }
   }

@@ -32,12 +32,12 @@ Status Damaged(const std::string& what) {
   return DataLossError("checkpoint is damaged: " + what);
 }
 
-bool GetBlob(Reader& r, std::vector<uint8_t>* out, Status* err,
+bool GetBlob(Reader& r, std::span<const uint8_t>* out, Status* err,
              const char* what) {
   uint64_t n = 0;
   uint32_t crc = 0;
   if (!r.U64(&n) || !r.U32(&crc) || n > kMaxShardBytes || n > r.remaining() ||
-      !r.Bytes(out, n)) {
+      !r.View(out, n)) {
     *err = Damaged(std::string("truncated ") + what);
     return false;
   }
@@ -182,19 +182,19 @@ Status ParseCheckpoint(std::span<const uint8_t> bytes, CheckpointHeader* header,
         sh.shard_bytes == 0 || sh.key_bytes == 0 || n > sh.key_bytes) {
       return Damaged("bad size in shard record " + std::to_string(i));
     }
-    if (!r.Bytes(&sh.owned_value, n)) return Damaged("truncated value");
-    if (Crc32(sh.owned_value.data(), n) != vcrc) {
+    if (!r.View(&sh.value, n)) return Damaged("truncated value");
+    if (Crc32(sh.value.data(), n) != vcrc) {
       return Damaged("checksum mismatch in key " + std::to_string(sh.key) +
                      " shard " + std::to_string(sh.shard));
     }
     mark = r.consumed();
     Status err;
-    if (!GetBlob(r, &sh.owned_m1, &err, "optimizer state") ||
-        !GetBlob(r, &sh.owned_m2, &err, "optimizer state")) {
+    if (!GetBlob(r, &sh.m1, &err, "optimizer state") ||
+        !GetBlob(r, &sh.m2, &err, "optimizer state")) {
       return err;
     }
-    if ((!sh.owned_m1.empty() && sh.owned_m1.size() != n) ||
-        (!sh.owned_m2.empty() && sh.owned_m2.size() != n)) {
+    if ((!sh.m1.empty() && sh.m1.size() != n) ||
+        (!sh.m2.empty() && sh.m2.size() != n)) {
       return Damaged("optimizer state size differs from the value's");
     }
     fold(mark, r.consumed());
@@ -219,6 +219,15 @@ Status ReadCheckpoint(const std::string& path, CheckpointHeader* header,
                              std::istreambuf_iterator<char>());
   Status s = ParseCheckpoint(bytes, header, shards);
   if (!s.ok()) return Status(s.code(), path + ": " + std::string(s.message()));
+  for (auto& sh : *shards) {  // own the bytes: `bytes` goes now
+    auto own = [](std::span<const uint8_t>& view, std::vector<uint8_t>& mine) {
+      mine.assign(view.begin(), view.end());
+      view = mine;
+    };
+    own(sh.value, sh.owned_value);
+    own(sh.m1, sh.owned_m1);
+    own(sh.m2, sh.owned_m2);
+  }
   return s;
 }
 

@@ -27,7 +27,10 @@ struct CheckpointShard {
   uint64_t key_bytes = 0;
   uint64_t shard_bytes = 0;  // nominal shard size of the key
   uint64_t version = 0;
-  // Views when writing; `owned_*` hold the data after parsing.
+  // The data. ParseCheckpoint leaves views into the bytes it parsed (keep
+  // them alive while the records are used); ReadCheckpoint's records own
+  // their bytes in `owned_*` and the views point there (move such a
+  // record, never copy it: a copy's views point into the original).
   std::span<const uint8_t> value, m1, m2;
   std::vector<uint8_t> owned_value, owned_m1, owned_m2;
 };

@@ -63,6 +63,10 @@ TEST_F(CheckpointTest, RoundTrips) {
   EXPECT_EQ(shards[0].owned_value, value_);
   EXPECT_EQ(shards[0].owned_m1, m1_);
   EXPECT_TRUE(shards[0].owned_m2.empty());
+  // The views point at the owned bytes (the file's buffer is gone).
+  EXPECT_EQ(shards[0].value.data(), shards[0].owned_value.data());
+  EXPECT_EQ(shards[0].m1.data(), shards[0].owned_m1.data());
+  EXPECT_TRUE(shards[0].m2.empty());
   // No temporary file is left behind.
   int files = 0;
   for (auto& e : std::filesystem::directory_iterator(dir_)) (void)e, ++files;

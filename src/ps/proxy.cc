@@ -1966,9 +1966,11 @@ class ProxyImpl final : public Proxy, public service::Service {
     }
     Key& key = it->second;
     Shard& sh = key.shards[m.shard];
-    auto records = ReadPeerRecords(from, m.descriptor, m.bytes);
+    auto read = ReadPeerRecords(from, m.descriptor, m.bytes);
     (void)SendToPeer(from, done);
-    Status st = records.status();
+    Status st = read.status();
+    const std::vector<CheckpointShard>* records =
+        read.ok() ? &read->shards : nullptr;
     if (st.ok() &&
         (records->size() != 1 || (*records)[0].key != m.key ||
          (*records)[0].shard != m.shard || (*records)[0].version != m.round ||
@@ -2020,9 +2022,14 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   // Reads `n` bytes of checkpoint records that peer `p` put in the region
   // `descriptor` describes, and parses them (every length and checksum
-  // checked).
-  Result<std::vector<CheckpointShard>> ReadPeerRecords(
-      uint32_t p, const std::vector<uint8_t>& descriptor, uint64_t n) {
+  // checked). The records view `bytes`.
+  struct PeerRecords {
+    std::unique_ptr<MemRegion> bytes;
+    std::vector<CheckpointShard> shards;
+  };
+  Result<PeerRecords> ReadPeerRecords(uint32_t p,
+                                      const std::vector<uint8_t>& descriptor,
+                                      uint64_t n) {
     ASSIGN_OR_RETURN(auto desc, RegionDescriptor::Deserialize(descriptor));
     if (n == 0 || desc.length < n) {
       return DataLossError("the peer's state has a bad length");
@@ -2043,7 +2050,7 @@ class ProxyImpl final : public Proxy, public service::Service {
         &hdr, &shards));
     copy_timing_.read += t1 - t0;
     copy_timing_.parse += Clock::now() - t1;
-    return shards;
+    return PeerRecords{std::move(local), std::move(shards)};
   }
 
   // ------------------------------------------------------------ joining
@@ -2056,11 +2063,12 @@ class ProxyImpl final : public Proxy, public service::Service {
       return FailedPreconditionError("--join needs peers (--ps-peers)");
     }
     const auto t0 = Clock::now();
+    std::vector<std::unique_ptr<MemRegion>> read;  // what `newest` views
     std::map<std::pair<uint64_t, uint32_t>, CheckpointShard> newest;
     uint64_t bytes = 0;
     for (uint32_t p = 0; p < nproxies_; ++p) {
       if (p == opt_.rank) continue;
-      auto n = FetchPeerState(p, &newest);
+      auto n = FetchPeerState(p, &newest, &read);
       if (!n.ok()) {
         return Status(n.status().code(),
                       "joining: cannot copy the state of proxy " +
@@ -2087,10 +2095,12 @@ class ProxyImpl final : public Proxy, public service::Service {
     return Status::Ok();
   }
 
-  // Reads peer `p`'s state and merges it into `newest`; returns its size.
+  // Reads peer `p`'s state and merges it into `newest`, whose records view
+  // the buffers it adds to `read`; returns its size.
   Result<uint64_t> FetchPeerState(
       uint32_t p,
-      std::map<std::pair<uint64_t, uint32_t>, CheckpointShard>* newest) {
+      std::map<std::pair<uint64_t, uint32_t>, CheckpointShard>* newest,
+      std::vector<std::unique_ptr<MemRegion>>* read) {
     ASSIGN_OR_RETURN(service::Client * c, PeerClient(p));
     Message q;
     q.type = Type::kJoin;
@@ -2109,7 +2119,8 @@ class ProxyImpl final : public Proxy, public service::Service {
     (void)c->Call(static_cast<uint16_t>(Type::kJoinDone), proto::Encode(done),
                   kPeerTimeout);  // the peer also frees it when we go
     if (!shards.ok()) return shards.status();
-    for (auto& sh : *shards) {
+    read->push_back(std::move(shards->bytes));
+    for (auto& sh : shards->shards) {
       auto id = std::make_pair(sh.key, sh.shard);
       auto it = newest->find(id);
       if (it == newest->end() || it->second.version < sh.version) {

@@ -122,23 +122,23 @@ ShardStorage::Snapshot ShardStorage::Snap(uint64_t key, uint32_t index,
 }
 
 Status ShardStorage::Load(StoredShard& sh, const CheckpointShard& record) {
-  if (record.owned_value.size() != sh.bytes ||
-      (!record.owned_m1.empty() && record.owned_m1.size() != sh.bytes) ||
-      (!record.owned_m2.empty() && record.owned_m2.size() != sh.bytes)) {
+  if (record.value.size() != sh.bytes ||
+      (!record.m1.empty() && record.m1.size() != sh.bytes) ||
+      (!record.m2.empty() && record.m2.size() != sh.bytes)) {
     return DataLossError("shard size mismatch");
   }
   sh.version = record.version;
   ASSIGN_OR_RETURN(sh.value, Allocate(sh.bytes));
-  std::memcpy(sh.value->data(), record.owned_value.data(), sh.bytes);
+  std::memcpy(sh.value->data(), record.value.data(), sh.bytes);
   sh.m1.reset();
   sh.m2.reset();
-  if (!record.owned_m1.empty()) {
+  if (!record.m1.empty()) {
     ASSIGN_OR_RETURN(sh.m1, Allocate(sh.bytes));
-    std::memcpy(sh.m1->data(), record.owned_m1.data(), sh.bytes);
+    std::memcpy(sh.m1->data(), record.m1.data(), sh.bytes);
   }
-  if (!record.owned_m2.empty()) {
+  if (!record.m2.empty()) {
     ASSIGN_OR_RETURN(sh.m2, Allocate(sh.bytes));
-    std::memcpy(sh.m2->data(), record.owned_m2.data(), sh.bytes);
+    std::memcpy(sh.m2->data(), record.m2.data(), sh.bytes);
   }
   return Status::Ok();
 }

@@ -135,18 +135,17 @@ TEST_F(StorageTest, LoadTakesARecordAndRefusesAWrongSize) {
   Fill(src.value, 6);
   src.version = 3;
   auto snap = ShardStorage::Snap(9, 0, DType::kFloat32, 12, 12, src);
-  CheckpointShard rec = snap.record;
-  rec.owned_value.assign(rec.value.begin(), rec.value.end());
+  CheckpointShard rec = snap.record;  // views of src's buffers
   StoredShard dst;
   dst.bytes = 12;
   ASSERT_TRUE(storage_.Load(dst, rec).ok());
   EXPECT_EQ(dst.version, 3u);
   EXPECT_EQ(At(dst.value, 2), 6.0f);
   EXPECT_EQ(dst.m1, nullptr);
-  rec.owned_value.resize(8);
+  rec.value = rec.value.first(8);
   EXPECT_EQ(storage_.Load(dst, rec).code(), StatusCode::kDataLoss);
-  rec.owned_value.resize(12);
-  rec.owned_m1.resize(4);
+  rec.value = snap.record.value;
+  rec.m1 = rec.value.first(4);
   EXPECT_EQ(storage_.Load(dst, rec).code(), StatusCode::kDataLoss);
 }
 

@@ -53,6 +53,13 @@ class Reader {
     pos_ += n;
     return true;
   }
+  // The next n bytes, not copied (valid as long as the input is).
+  bool View(std::span<const uint8_t>* out, size_t n) {
+    if (n > in_.size() - pos_) return false;
+    *out = in_.subspan(pos_, n);
+    pos_ += n;
+    return true;
+  }
   // Copies n raw bytes into dst.
   bool Copy(void* dst, size_t n) { return Get(dst, n); }
   size_t consumed() const { return pos_; }
