@@ -1611,11 +1611,12 @@ class ProxyImpl final : public Proxy, public service::Service {
     RingProgress::Io io;
     io.read = [this, k, s](uint32_t step, const RegionDescriptor& d) {
       Key& key = keys_[k];
+      const RingGeometry ring = RingFor(k, s);
       if (opt_.before_ring_read_for_test) {
         opt_.before_ring_read_for_test(k, s, key.shards[s].version, step,
-                                       RingFor(k, s).prev);
+                                       ring.prev);
       }
-      return RingRead(key, key.shards[s], RingFor(k, s), step, d);
+      return RingRead(key, key.shards[s], ring, step, d);
     };
     io.send_ready = [this, k, s](uint32_t step) {
       Shard& sh = keys_[k].shards[s];
