@@ -286,6 +286,19 @@ class Client {
     return version;
   }
 
+  uint64_t DeclareStored(uint64_t key, uint64_t nbytes,
+                         const std::string& dtype) {
+    auto dt = ParseDType(dtype);
+    membox::Result<uint64_t> v = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      v = c_->DeclareStored(key, nbytes, dt);
+    }
+    uint64_t version = Check(std::move(v));
+    declared_[key] = nbytes;
+    return version;
+  }
+
   void Tune(uint64_t first_key, uint64_t end_key, const std::string& optimizer,
             double lr, double momentum, double beta1, double beta2,
             double eps) {
@@ -385,6 +398,8 @@ class Client {
         h = c_->Push(key, bi.ptr, priority, cb);
       } else if (kind == 1) {
         h = c_->Pull(key, bo.ptr, cb);
+      } else if (kind == 3) {
+        h = c_->Store(key, bi.ptr, cb);
       } else {
         h = c_->PushPull(key, bi.ptr, bo.ptr, priority, cb);
       }
@@ -741,6 +756,19 @@ PYBIND11_MODULE(_core, m) {
             return c.Submit(1, key, py::none(), out, 0);
           },
           py::arg("key"), py::arg("out"))
+      .def("declare_stored", &Client::DeclareStored, py::arg("key"),
+           py::arg("nbytes"), py::arg("dtype") = "uint8",
+           "Declares a stored key: state this worker keeps on the memory "
+           "nodes (store() replaces it, pull() reads it; no rounds). Moves "
+           "memory from allocate() / register_tensor() only.")
+      .def(
+          "store",
+          [](Client& c, uint64_t key, py::object data) {
+            return c.Submit(3, key, data, py::none(), 0);
+          },
+          py::arg("key"), py::arg("data"),
+          "Replaces a stored key's value with `data` on every memory node "
+          "holding it; the handle completes when all have it whole.")
       .def(
           "push_pull",
           [](Client& c, uint64_t key, py::object in, py::object out,

@@ -58,6 +58,11 @@ class Client(_core.Client):
         memory nodes (default: configure()'s)."""
         return super().declare(key, nbytes, dtype, _buffer(init), **optimizer)
 
+    def store(self, key, data):
+        """Replaces stored key `key` (declare_stored) with `data` (memory
+        from allocate() or register_tensor())."""
+        return super().store(key, _buffer(data))
+
     def register_tensor(self, t):
         """Registers a buffer or CPU tensor you keep alive: pushes and pulls
         on it are then zero copy (unregister_tensor before freeing it)."""

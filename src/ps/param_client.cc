@@ -65,6 +65,7 @@ struct KeyInfo {
   uint64_t shard_bytes = 0;
   uint32_t shards = 0;
   bool striped = false;       // shard s lives on proxy (key + s) % proxies
+  bool stored = false;        // Store / Pull only, registered memory only
   Message declaration;        // as sent (without initial values): failover
   uint64_t rounds = 0;        // pushes issued by this worker
   uint64_t base_version = 0;  // stored version when declared
@@ -84,6 +85,7 @@ struct Op {
   uint64_t shard_bytes = 0, bytes = 0;
   uint32_t shards = 0;
   bool striped = false;
+  uint32_t copies = 1;  // kStore of an unstriped key: every proxy holds it
   RoutingTable route;
   std::shared_ptr<service::CallState> state;
   bool operator<(const Op& o) const {  // priority_queue: top = smallest
@@ -450,6 +452,18 @@ class ParamClientImpl final : public ParamClient {
   Result<uint64_t> DeclareWithOptimizer(uint64_t key, size_t bytes, DType dtype,
                                         const void* init,
                                         const OptimizerConfig& o) override {
+    return DeclareKey(key, bytes, dtype, init, o, /*stored=*/false);
+  }
+
+  Result<uint64_t> DeclareStored(uint64_t key, size_t bytes,
+                                 DType dtype) override {
+    return DeclareKey(key, bytes, dtype, nullptr, OptimizerConfig{},
+                      /*stored=*/true);
+  }
+
+  Result<uint64_t> DeclareKey(uint64_t key, size_t bytes, DType dtype,
+                              const void* init, const OptimizerConfig& o,
+                              bool stored) {
     RETURN_IF_ERROR(CheckOptimizer(o));
     size_t es = DTypeSize(dtype);
     if (bytes == 0 || bytes % es != 0) {
@@ -472,8 +486,11 @@ class ParamClientImpl final : public ParamClient {
     k.dtype = dtype;
     k.shard_bytes = shard;
     k.shards = static_cast<uint32_t>((bytes + shard - 1) / shard);
-    ASSIGN_OR_RETURN(k.staging, device_->AllocateMemRegion(2 * bytes));
-    RETURN_IF_ERROR(RegisterRegion(*k.staging));
+    k.stored = stored;
+    if (!stored) {  // stored keys move registered memory only
+      ASSIGN_OR_RETURN(k.staging, device_->AllocateMemRegion(2 * bytes));
+      RETURN_IF_ERROR(RegisterRegion(*k.staging));
+    }
     Message m;
     m.type = Type::kDeclare;
     m.key = key;
@@ -481,6 +498,7 @@ class ParamClientImpl final : public ParamClient {
     m.dtype = static_cast<uint8_t>(dtype);
     m.shard_bytes = shard;
     m.striped = routing().stripe && proxies_.size() > 1;
+    m.stored = stored;
     PutOptimizer(o, &m);
     if (init) {
       std::memcpy(k.staging->data(), init, bytes);
@@ -534,6 +552,10 @@ class ParamClientImpl final : public ParamClient {
   PsHandle Pull(uint64_t key, void* out,
                 std::function<void(const Status&)> cb) override {
     return Submit(Type::kPull, key, nullptr, out, 0, std::move(cb));
+  }
+  PsHandle Store(uint64_t key, const void* data,
+                 std::function<void(const Status&)> cb) override {
+    return Submit(Type::kStore, key, data, nullptr, 0, std::move(cb));
   }
   PsHandle PushPull(uint64_t key, const void* in, void* out, int priority,
                     std::function<void(const Status&)> cb) override {
@@ -678,7 +700,8 @@ class ParamClientImpl final : public ParamClient {
                      const std::shared_ptr<service::CallState>& st,
                      std::shared_ptr<std::string> text = nullptr) {
     const bool retryable = failover_.load(std::memory_order_relaxed) &&
-                           (m.type == Type::kPush || m.type == Type::kPull);
+                           (m.type == Type::kPush || m.type == Type::kPull ||
+                            m.type == Type::kStore);
     std::shared_ptr<service::Client> c;
     {
       MutexLock l(&links_mu_);
@@ -949,6 +972,7 @@ class ParamClientImpl final : public ParamClient {
         replay.push_back(std::move(m));
       }
       for (const auto& [key, k] : keys_) {
+        if (!k.staging) continue;  // stored keys have none
         Message m;
         m.type = Type::kRegion;
         m.descriptor = k.staging->Export().Serialize();
@@ -1135,15 +1159,36 @@ class ParamClientImpl final : public ParamClient {
                       std::move(cb));
       }
       KeyInfo& k = it->second;
+      if (k.stored ? type == Type::kPush : type == Type::kStore) {
+        return Failed(
+            FailedPreconditionError(
+                "key " + std::to_string(key) +
+                (k.stored ? " is a stored key: Store and Pull it"
+                          : " is not a stored key: declare it stored to "
+                            "Store it")),
+            std::move(cb));
+      }
+      if (k.stored && !Locate(in ? in : out, k.bytes)) {
+        return Failed(InvalidArgumentError(
+                          "stored keys move registered memory "
+                          "(AllocateTensor / RegisterTensor) only"),
+                      std::move(cb));
+      }
       op.bytes = k.bytes;
       op.shard_bytes = k.shard_bytes;
       op.shards = k.shards;
       op.striped = k.striped;
-      op.route = in ? RouteFor(key, k.base_version + k.rounds) : routing_;
+      op.copies = (type == Type::kStore && !k.striped)
+                      ? static_cast<uint32_t>(proxies_.size())
+                      : 1;
+      op.route = (in && !k.stored) ? RouteFor(key, k.base_version + k.rounds)
+                                   : routing_;
       op.seq = next_seq_++;
-      op.state = NewState(static_cast<int>(k.shards), std::move(cb));
+      op.state =
+          NewState(static_cast<int>(k.shards * op.copies), std::move(cb));
       op.state->set_progress(progress_);
-      uint8_t* staging = static_cast<uint8_t*>(k.staging->data());
+      uint8_t* staging =
+          k.staging ? static_cast<uint8_t*>(k.staging->data()) : nullptr;
       if (in) {
         const MemRegion* r = Locate(in, k.bytes);
         if (r) {
@@ -1156,7 +1201,7 @@ class ParamClientImpl final : public ParamClient {
           op.in_region = k.staging->id();
           op.in_offset = 0;
         }
-        op.round = k.base_version + k.rounds++;
+        if (!k.stored) op.round = k.base_version + k.rounds++;
       }
       if (out) {
         op.has_output = true;
@@ -1177,7 +1222,8 @@ class ParamClientImpl final : public ParamClient {
           k.last_staged = op.state;
         }
       }
-      op.min_version = async_ ? 0 : k.base_version + k.rounds;
+      // A stored key's pull reads what is there now.
+      op.min_version = (async_ || k.stored) ? 0 : k.base_version + k.rounds;
     }
     PsHandle h(op.state);
     {
@@ -1234,6 +1280,19 @@ class ParamClientImpl final : public ParamClient {
         Message m;
         m.key = op.key;
         m.shard = s;
+        if (op.type == Type::kStore) {
+          // Striped: the owner holds the shard; otherwise every proxy
+          // does (op.copies of them).
+          m.type = Type::kStore;
+          m.region = op.in_region;
+          m.offset = op.in_offset + off;
+          for (uint32_t c = 0; c < op.copies; ++c) {
+            const uint32_t to = op.copies == 1 ? target : c;
+            Status st = SendRequest(to, m, op.state);
+            if (!st.ok()) op.state->Finish(st, 0);
+          }
+          continue;
+        }
         if (op.type == Type::kPull) {
           m.type = Type::kPull;
           m.min_version = op.min_version;

@@ -98,6 +98,8 @@ const char* TypeName(Type t) {
       return "catch-up";
     case Type::kCatchUpDone:
       return "catch-up-done";
+    case Type::kStore:
+      return "store";
   }
   return "?";
 }
@@ -126,7 +128,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U64(m.bytes);
       w.U8(m.dtype);
       w.U64(m.shard_bytes);
-      w.U8((m.has_input ? 1 : 0) | (m.striped ? 2 : 0));
+      w.U8((m.has_input ? 1 : 0) | (m.striped ? 2 : 0) | (m.stored ? 4 : 0));
       w.U64(m.region);
       w.U64(m.offset);
       PutOptimizer(w, m);
@@ -155,6 +157,12 @@ std::vector<uint8_t> Encode(const Message& m) {
         w.U64(k);
         w.U64(r);
       }
+      break;
+    case Type::kStore:
+      w.U64(m.key);
+      w.U32(m.shard);
+      w.U64(m.region);
+      w.U64(m.offset);
       break;
     case Type::kPull:
       w.U64(m.key);
@@ -246,9 +254,13 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       ok = r.U64(&m.key) && r.U64(&m.bytes) && r.U8(&m.dtype) &&
            r.U64(&m.shard_bytes) && r.U8(&flags) && r.U64(&m.region) &&
            r.U64(&m.offset) && GetOptimizer(r, &m);
-      ok = ok && m.bytes > 0 && m.shard_bytes > 0 && (flags & ~3u) == 0;
+      ok = ok && m.bytes > 0 && m.shard_bytes > 0 && (flags & ~7u) == 0;
       m.has_input = flags & 1;
       m.striped = flags & 2;
+      m.stored = flags & 4;
+      // A stored key is written by kStore only: no initial value, no
+      // optimizer.
+      ok = ok && !(m.stored && (m.has_input || m.optimizer != Optimizer::kNone));
       break;
     }
     case Type::kTune:
@@ -272,6 +284,10 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       }
       break;
     }
+    case Type::kStore:
+      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.region) &&
+           r.U64(&m.offset);
+      break;
     case Type::kPull:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.min_version) &&
            r.U64(&m.out_region) && r.U64(&m.out_offset);

@@ -63,8 +63,12 @@ enum class Type : uint8_t {
   // kCatchUpDone (key, shard, round).
   kCatchUp = 21,
   kCatchUpDone = 22,
+  // worker -> proxy: replace shard `shard` of a stored key (declared with
+  // `stored`) with the bytes at (region, offset). No round: the proxy
+  // takes the bytes as they are, bumps the shard's version and answers.
+  kStore = 23,
 };
-constexpr Type kLastType = Type::kCatchUpDone;
+constexpr Type kLastType = Type::kStore;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;
@@ -98,7 +102,7 @@ struct Message {
   uint64_t threshold = 0;
   uint32_t lat_proxy = 0, bw_proxy = 0;
   std::vector<std::pair<uint64_t, uint64_t>> from_rounds;
-  // kDeclare / kPush / kPull / kReady / kDone
+  // kDeclare / kPush / kPull / kStore / kReady / kDone
   uint64_t key = 0;
   uint64_t key_end = 0;      // kTune: keys [key, key_end)
   uint64_t bytes = 0;        // kDeclare: tensor size; kProbe, kCatchUp: length
@@ -108,13 +112,17 @@ struct Message {
   uint64_t round = 0;        // kPush / kReady / kDone
   uint64_t min_version = 0;  // kPull
   uint32_t step = 0;         // kReady / kDone
-  // kDeclare (init), kPush (input), kProbe: a worker region and offset
+  // kDeclare (init), kPush / kStore (input), kProbe: a worker region and
+  // offset
   uint64_t region = 0;
   uint64_t offset = 0;
   bool has_input = false;  // kDeclare: initial value present
   // kDeclare: shard s of the key lives on proxy (key + s) % proxies only
   // (striped), instead of following each worker's routing table.
   bool striped = false;
+  // kDeclare: a stored key -- workers write its value with kStore and read
+  // it with kPull; it takes no pushes (no rounds, no optimizer).
+  bool stored = false;
   // kPush (PushPull) / kPull: where the result goes
   bool has_output = false;
   uint64_t out_region = 0;

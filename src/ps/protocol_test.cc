@@ -126,8 +126,8 @@ TEST(PsProtocolTest, ValidatesFields) {
   d.bytes = 0;
   d.shard_bytes = 4;
   EXPECT_FALSE(Decode(d).ok());
-  // Declare flags: has_input (bit 0) and striped (bit 1) round-trip; any
-  // other bit is refused.
+  // Declare flags: has_input (bit 0), striped (bit 1) and stored (bit 2)
+  // round-trip; any other bit is refused.
   d.bytes = 8192;
   d.striped = true;
   d.has_input = true;
@@ -142,9 +142,18 @@ TEST(PsProtocolTest, ValidatesFields) {
   size_t flags = 0;  // the one byte the striped bit changes
   while (flags < bytes.size() && bytes[flags] == plain[flags]) ++flags;
   ASSERT_LT(flags, bytes.size());
-  bytes[flags] |= 4;
+  bytes[flags] |= 8;
   EXPECT_FALSE(
       proto::Decode(static_cast<uint16_t>(Type::kDeclare), bytes).ok());
+  // A stored key takes neither an initial value nor an optimizer.
+  d.stored = true;
+  EXPECT_FALSE(Decode(d).ok());
+  d.has_input = false;
+  auto stored = Decode(d);
+  ASSERT_TRUE(stored.ok());
+  EXPECT_TRUE(stored->stored);
+  d.optimizer = Optimizer::kSgd;
+  EXPECT_FALSE(Decode(d).ok());
 }
 
 }  // namespace

@@ -107,6 +107,10 @@ struct Key {
   bool striped = false;
   bool declared = false;  // by a worker of the current job
   bool restored = false;  // from a checkpoint (never replaced: see Declare)
+  // Written by workers' kStore (state kept for them, e.g. a DDP job's
+  // weights): no pushes, no rounds, no optimizer. Fixed by the first
+  // worker's Declare.
+  bool stored = false;
   std::vector<Shard> shards;
 };
 
@@ -247,6 +251,9 @@ class ProxyImpl final : public Proxy, public service::Service {
     w.Counter("membox_ps_result_bytes_total",
               "Bytes of results and pulls written to workers.",
               result_bytes_.load(std::memory_order_relaxed));
+    w.Counter("membox_ps_stored_bytes_total",
+              "Bytes workers wrote into stored keys (Store).",
+              stored_bytes_in_.load(std::memory_order_relaxed));
     w.Counter("membox_ps_ring_steps_total", "Ring steps with peer proxies.",
               s.ring_steps);
     w.Counter("membox_ps_rejected_total", "Requests refused.", s.rejected);
@@ -1031,6 +1038,13 @@ class ProxyImpl final : public Proxy, public service::Service {
                            s.ToString());
           return Reply(conn, m.type, m.id, s);
         }
+        if (keys_[m.key].stored) {
+          return Reply(conn, m.type, m.id,
+                       FailedPreconditionError(
+                           "key " + std::to_string(m.key) +
+                           " is a stored key: workers write it with Store, "
+                           "it takes no pushes"));
+        }
         if (!dead_worker_.empty()) {
           return Reply(conn, m.type, m.id, AbortedError(dead_worker_));
         }
@@ -1052,6 +1066,10 @@ class ProxyImpl final : public Proxy, public service::Service {
         }
         sh.pulls.push_back(p);
         return;
+      }
+      case Type::kStore: {
+        auto v = Store(c, m);
+        return Reply(conn, m.type, m.id, v.status(), v.ok() ? *v : 0);
       }
       case Type::kProbe: {
         // The profiler writes into this buffer over the worker's own link.
@@ -1083,6 +1101,46 @@ class ProxyImpl final : public Proxy, public service::Service {
         return Reply(conn, m.type, m.id,
                      InvalidArgumentError("unexpected message"));
     }
+  }
+
+  // kStore: the worker's bytes replace the shard's value. They are read
+  // into the shard's scratch buffer first and swapped in once whole, so a
+  // worker that dies in the middle leaves the previous value intact; a
+  // scratch buffer a pull or snapshot still holds is not reused. Pulls
+  // waiting for a newer version are answered. Returns the new version.
+  Result<uint64_t> Store(Conn& c, const Message& m) {
+    RETURN_IF_ERROR(CheckShardRequest(m));
+    Key& key = keys_[m.key];
+    if (!key.stored) {
+      return FailedPreconditionError(
+          "key " + std::to_string(m.key) +
+          " is not a stored key (declare it stored to write it with Store)");
+    }
+    if (key.striped && Owner(m.key, m.shard) != opt_.rank) {
+      return FailedPreconditionError(
+          "shard " + std::to_string(m.shard) + " of key " +
+          std::to_string(m.key) + " lives on proxy " +
+          std::to_string(Owner(m.key, m.shard)));
+    }
+    Shard& sh = key.shards[m.shard];
+    if (!sh.scratch || sh.scratch.use_count() > 1) {
+      ASSIGN_OR_RETURN(sh.scratch, storage_->Allocate(sh.bytes));
+    }
+    uint8_t* dst = static_cast<uint8_t*>(sh.scratch->data());
+    ASSIGN_OR_RETURN(const uint8_t* src, ReadWorker(c, m.region, m.offset,
+                                                    sh.bytes, dst,
+                                                    *sh.scratch));
+    if (src != dst) {
+      sync_->ParallelFor(sh.bytes, 1 << 20, [&](size_t b, size_t e) {
+        std::memcpy(dst + b, src + b, e - b);
+      });
+    }
+    std::swap(sh.value, sh.scratch);
+    ++sh.version;
+    key.initialized = true;
+    stored_bytes_in_.fetch_add(sh.bytes, std::memory_order_relaxed);
+    ServeWaitingPulls(m.key, sh);
+    return sh.version;
   }
 
   // The job-wide part of the configuration: the synchronisation mode and the
@@ -1223,6 +1281,12 @@ class ProxyImpl final : public Proxy, public service::Service {
             "key " + std::to_string(m.key) +
             " was declared with a different size or dtype");
       }
+      if (k.declared && k.stored != m.stored) {
+        return FailedPreconditionError(
+            "key " + std::to_string(m.key) + " was declared " +
+            (k.stored ? "stored" : "for rounds") +
+            " by another worker: every worker declares it the same way");
+      }
       if (k.declared && k.opt.kind != m.optimizer) {
         return FailedPreconditionError(
             "key " + std::to_string(m.key) + " was declared with optimizer " +
@@ -1247,6 +1311,7 @@ class ProxyImpl final : public Proxy, public service::Service {
           }
         }
         k.opt = o;
+        k.stored = m.stored;
       }
       k.declared = true;
       k.restored = false;  // adopted by this job
@@ -1257,6 +1322,8 @@ class ProxyImpl final : public Proxy, public service::Service {
       k.shard_bytes = m.shard_bytes;
       k.striped = m.striped && nproxies_ > 1 && !opt_.replicate;
       k.opt = OptimizerSettings::From(m);
+      k.stored = m.stored;
+      k.initialized = m.stored;  // nothing to wait for
       k.declared = true;
       uint64_t n = (m.bytes + m.shard_bytes - 1) / m.shard_bytes;
       if (n > (1u << 20)) return InvalidArgumentError("too many shards");
@@ -2352,7 +2419,8 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, n_clients_{0}, rounds_{0},
       bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0},
-      result_bytes_{0}, waiting_rounds_{0}, failovers_{0}, peers_down_count_{0};
+      result_bytes_{0}, waiting_rounds_{0}, failovers_{0}, peers_down_count_{0},
+      stored_bytes_in_{0};
 };
 
 }  // namespace

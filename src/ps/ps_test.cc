@@ -828,6 +828,108 @@ void RideThrough(int P, int victim, bool laggard = false) {
 
 TEST(PsTest, WorkersRideThroughAReplacedProxy) { RideThrough(2, 1); }
 
+// Stored keys (a DDP job's weights and optimizer state kept on the nodes,
+// membox.torch.InMemoryState): one worker's Store replaces the value on
+// every proxy holding it, with no round and no other worker; any worker
+// pulls it. With replication a store survives a node's death: a store
+// issued while the node is down waits for the replacement, which also
+// copies what the survivor holds.
+TEST(PsTest, StoredKeysKeepWorkerStateOnEveryReplica) {
+  constexpr size_t kN = 12 << 10;  // floats: 3 shards of 16 KiB
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < 2; ++r) {
+    RoutingTable t;
+    t.partition_bytes = 16 << 10;
+    t.lat_proxy = t.bw_proxy = uint32_t(r);  // pulls from proxy r
+    w.push_back(Worker(c, r, 2, t));
+    ASSERT_NE(w.back(), nullptr);
+    ASSERT_TRUE(w[r]->DeclareStored(7, kN * 4, DType::kFloat32).ok());
+  }
+  std::vector<float*> buf;
+  for (int r = 0; r < 2; ++r) {
+    auto p = w[r]->AllocateTensor(kN * 4);
+    ASSERT_TRUE(p.ok());
+    buf.push_back(static_cast<float*>(*p));
+  }
+  auto fill = [&](float* p, float base) {
+    for (size_t i = 0; i < kN; ++i) p[i] = base + float(i);
+  };
+  auto pulled = [&](int r) {
+    std::fill(buf[r], buf[r] + kN, -1.f);
+    Status s = w[r]->Pull(7, buf[r]).Wait(20s);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    return std::vector<float>(buf[r], buf[r] + kN);
+  };
+  auto ramp = [&](float base) {
+    std::vector<float> v(kN);
+    for (size_t i = 0; i < kN; ++i) v[i] = base + float(i);
+    return v;
+  };
+  // Rank 0 stores; rank 1 reads it from the other proxy. And back.
+  fill(buf[0], 1000.f);
+  auto h = w[0]->Store(7, buf[0]);
+  ASSERT_TRUE(h.Wait(20s).ok()) << h.Wait(0s).ToString();
+  EXPECT_EQ(pulled(1), ramp(1000.f));
+  fill(buf[1], 2000.f);
+  ASSERT_TRUE(w[1]->Store(7, buf[1]).Wait(20s).ok());
+  EXPECT_EQ(pulled(0), ramp(2000.f));
+
+  // What a stored key refuses, and what refuses to store.
+  std::vector<float> plain(kN);
+  EXPECT_EQ(w[0]->Push(7, buf[0]).Wait(5s).code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(w[0]->Store(7, plain.data()).Wait(5s).code(),
+            StatusCode::kInvalidArgument)
+      << "stored keys move registered memory only";
+  ASSERT_TRUE(w[0]->Declare(8, kN * 4, DType::kFloat32).ok());
+  EXPECT_EQ(w[0]->Store(8, buf[0]).Wait(5s).code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(w[1]->DeclareStored(8, kN * 4, DType::kFloat32).status().code(),
+            StatusCode::kFailedPrecondition)
+      << "declared for rounds by another worker";
+
+  // Proxy 1 dies; a store meanwhile waits for its replacement, which
+  // copies the survivor's value and then takes the store.
+  c.proxies[1]->Stop();
+  c.proxies[1].reset();
+  fill(buf[0], 3000.f);
+  auto during = w[0]->Store(7, buf[0]);
+  EXPECT_EQ(during.Wait(300ms).code(), StatusCode::kDeadlineExceeded);
+  auto joined = Proxy::Start(ReplacementOptions(c, 1));
+  ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+  c.proxies[1] = std::move(*joined);
+  ASSERT_TRUE(during.Wait(30s).ok()) << during.Wait(0s).ToString();
+  EXPECT_EQ(pulled(1), ramp(3000.f)) << "through the replacement";
+  EXPECT_EQ(pulled(0), ramp(3000.f));
+}
+
+// Without replication, a striped stored key's shards live on their owners
+// only: each store goes there, and pulls find them.
+TEST(PsTest, StripedStoredKeysGoToTheirOwners) {
+  constexpr size_t kN = 12 << 10;
+  auto c = Cluster::Start(2);
+  RoutingTable t;
+  t.stripe = true;
+  t.partition_bytes = 16 << 10;
+  auto w0 = Worker(c, 0, 2, t), w1 = Worker(c, 1, 2, t);
+  ASSERT_TRUE(w0 && w1);
+  ASSERT_TRUE(w0->DeclareStored(9, kN * 4, DType::kFloat32).ok());
+  ASSERT_TRUE(w1->DeclareStored(9, kN * 4, DType::kFloat32).ok());
+  auto* a = static_cast<float*>(*w0->AllocateTensor(kN * 4));
+  auto* b = static_cast<float*>(*w1->AllocateTensor(kN * 4));
+  for (size_t i = 0; i < kN; ++i) a[i] = float(i) * 0.5f;
+  ASSERT_TRUE(w0->Store(9, a).Wait(20s).ok());
+  ASSERT_TRUE(w1->Pull(9, b).Wait(20s).ok());
+  EXPECT_TRUE(std::equal(a, a + kN, b));
+  const uint64_t held =
+      c.proxies[0]->Stats().stored_bytes + c.proxies[1]->Stats().stored_bytes;
+  // Every proxy allocates a declared key's values; a store's scratch
+  // buffer appears only where it was taken: on the shard's owner.
+  EXPECT_LT(held, uint64_t{4} * kN * 4) << "a store went to a non-owner";
+}
+
 // Three proxies: the two survivors restart their rounds and fence each
 // other's stale ring notices with kResume.
 TEST(PsTest, WorkersRideThroughAReplacedProxyOfThree) { RideThrough(3, 1); }

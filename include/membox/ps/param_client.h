@@ -164,6 +164,21 @@ class ParamClient {
   virtual Status Tune(uint64_t first_key, uint64_t end_key,
                       const OptimizerConfig& optimizer) = 0;
 
+  // A stored key: state the workers keep on the memory nodes rather than
+  // synchronise (a DDP job's weights and optimizer state, membox.torch's
+  // InMemoryState). Store() replaces the value with `data` -- no round,
+  // no other worker involved -- and completes once every proxy holding it
+  // has the whole new value (striped keys: each shard's owner; otherwise
+  // every proxy, so it survives a node's death with --ps-replicate). A
+  // proxy swaps the new bytes in only once they are all read, so a worker
+  // dying mid-Store leaves the old value. Pull() reads the current value.
+  // Push / PushPull are refused. Both move registered memory only
+  // (AllocateTensor / RegisterTensor): no staging buffer is allocated.
+  virtual Result<uint64_t> DeclareStored(uint64_t key, size_t bytes,
+                                         DType dtype) = 0;
+  virtual PsHandle Store(uint64_t key, const void* data,
+                         std::function<void(const Status&)> cb = nullptr) = 0;
+
   virtual PsHandle Push(uint64_t key, const void* data, int priority = 0,
                         std::function<void(const Status&)> cb = nullptr) = 0;
   virtual PsHandle Pull(uint64_t key, void* out,
