@@ -58,6 +58,11 @@ def main():
     ap.add_argument("--wire-dtype", choices=("bfloat16", "float16"),
                     help="membox: send gradients in this type (the nodes "
                          "sum in float32)")
+    ap.add_argument("--in-memory-state", action="store_true",
+                    help="membox: keep the weights and optimizer state in "
+                         "the memory nodes (membox.torch.InMemoryState), so "
+                         "that `membox launch --max-restarts` restarts "
+                         "continue from the newest step without a file")
     a = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -92,6 +97,14 @@ def main():
             start = state["epoch"]
             if rank == 0:
                 print(f"resumed after epoch {start}", flush=True)
+    # In-memory state: restarted workers continue from the step the memory
+    # nodes hold (at most two steps behind the one that died).
+    mem, skip = None, 0
+    if a.in_memory_state and a.backend == "membox":
+        mem = membox.torch.InMemoryState(ddp, opt)
+        step = mem.restore()
+        per_epoch = len(train[rank::world]) // a.batch // a.accumulate
+        start, skip = divmod(step, per_epoch)
     if a.compile:
         model = torch.compile(model)
     loss_fn = nn.CrossEntropyLoss()
@@ -119,7 +132,9 @@ def main():
         model.train()
         losses, times = [], []
         micro = []
-        for xb, yb in batches(epoch):
+        for n, (xb, yb) in enumerate(batches(epoch)):
+            if epoch == start and n < skip * a.accumulate:
+                continue  # done before the restart
             micro.append((xb, yb))
             if len(micro) < a.accumulate:
                 continue
@@ -132,6 +147,8 @@ def main():
             loss = loss_fn(model(xm), ym) / a.accumulate
             loss.backward()       # gradients synchronised here
             opt.step()
+            if mem is not None and not mem.auto:
+                mem.commit()  # torch 1.x: no optimizer step hooks
             micro = []
             times.append(time.perf_counter() - t0)
             losses.append(loss.item() * a.accumulate)

@@ -190,7 +190,12 @@ membox::DType ParseDType(const std::string& s) {
   if (s == "float64") return DType::kFloat64;
   if (s == "float16") return DType::kFloat16;
   if (s == "bfloat16") return DType::kBFloat16;
-  throw py::value_error("dtype must be float32, float64, float16 or bfloat16");
+  if (s == "int32") return DType::kInt32;
+  if (s == "int64") return DType::kInt64;
+  if (s == "uint8") return DType::kUInt8;  // stored keys: any bytes
+  throw py::value_error(
+      "dtype must be float32, float64, float16, bfloat16, int32, int64 or "
+      "uint8");
 }
 
 class Client {

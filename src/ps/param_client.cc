@@ -161,6 +161,7 @@ class ParamClientImpl final : public ParamClient {
       stop_ = true;
     }
     q_cv_.NotifyAll();
+    timer_cv_.NotifyAll();
     {
       MutexLock l(&links_mu_);
       repair_stop_ = true;
@@ -1016,7 +1017,7 @@ class ParamClientImpl final : public ParamClient {
         auto until = Clock::now() + period;
         MutexLock l(&q_mu_);
         while (!stop_ && Clock::now() < until) {
-          q_cv_.WaitFor(&q_mu_, until - Clock::now());
+          timer_cv_.WaitFor(&q_mu_, until - Clock::now());
         }
         if (stop_) return;
       }
@@ -1322,7 +1323,7 @@ class ParamClientImpl final : public ParamClient {
         auto until = std::chrono::steady_clock::now() + opt_.reprofile_interval;
         MutexLock l(&q_mu_);
         while (!stop_ && std::chrono::steady_clock::now() < until) {
-          q_cv_.WaitFor(&q_mu_, until - std::chrono::steady_clock::now());
+          timer_cv_.WaitFor(&q_mu_, until - std::chrono::steady_clock::now());
         }
         if (stop_) return;
       }
@@ -1367,7 +1368,14 @@ class ParamClientImpl final : public ParamClient {
   std::vector<ProfileSample> last_profile_ MEMBOX_GUARDED_BY(profile_mu_);
 
   Mutex q_mu_;
+  // q_cv_: the send queue (the sender thread waits on it: a NotifyOne must
+  // reach it). timer_cv_: the watchdog's and re-profiler's periods, woken
+  // only by stop -- sharing q_cv_ let a submit's NotifyOne wake a timer
+  // instead of the sender, and the operation sat in the queue until
+  // another one came (a Store issued from a completion callback while the
+  // training thread submitted hung for good).
   CondVar q_cv_;
+  CondVar timer_cv_;
   std::priority_queue<Op> queue_ MEMBOX_GUARDED_BY(q_mu_);
   bool stop_ MEMBOX_GUARDED_BY(q_mu_) = false;
   bool sending_ MEMBOX_GUARDED_BY(q_mu_) = false;

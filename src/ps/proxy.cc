@@ -1152,7 +1152,7 @@ class ProxyImpl final : public Proxy, public service::Service {
     }
     if (m.mode == proto::Mode::kAverage) {
       for (auto& [k, key] : keys_) {
-        if (!SupportsAveraging(key.dtype)) {
+        if (!key.stored && !SupportsAveraging(key.dtype)) {
           return InvalidArgumentError(
               "averaging needs floating-point tensors (key " +
               std::to_string(k) + " is not)");
@@ -1235,8 +1235,9 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   Result<uint64_t> Declare(Conn& c, const Message& m) {
     auto dt = static_cast<DType>(m.dtype);
+    // A stored key is bytes the workers keep: any dtype; no sums.
     if (m.dtype < 1 || m.dtype > static_cast<uint8_t>(DType::kUInt8) ||
-        !AccumulateSupports(dt)) {
+        (!m.stored && !AccumulateSupports(dt))) {
       return InvalidArgumentError("unsupported dtype for synchronisation");
     }
     size_t es = DTypeSize(dt);
@@ -1252,7 +1253,8 @@ class ProxyImpl final : public Proxy, public service::Service {
                                   std::to_string(kMinShardBytes) +
                                   " bytes (or the whole tensor)");
     }
-    if (mode_ == proto::Mode::kAverage && !SupportsAveraging(dt)) {
+    if (mode_ == proto::Mode::kAverage && !m.stored &&
+        !SupportsAveraging(dt)) {
       return InvalidArgumentError(
           "averaging needs floating-point tensors (float32, float64, float16 "
           "or bfloat16)");
@@ -1930,8 +1932,10 @@ class ProxyImpl final : public Proxy, public service::Service {
       Key& k = keys_[c.key];
       auto dt = static_cast<DType>(c.dtype);
       if (k.shards.empty()) {
+        // Any dtype (stored keys hold bytes); a key for rounds is declared
+        // with a dtype the sums support, and must match this one.
         if (c.dtype < 1 || c.dtype > static_cast<uint8_t>(DType::kUInt8) ||
-            !AccumulateSupports(dt) || c.shard_bytes == 0 ||
+            c.shard_bytes == 0 ||
             c.key_bytes % DTypeSize(dt) != 0) {
           return DataLossError(path + ": bad dtype or sizes for key " +
                                std::to_string(c.key));

@@ -67,6 +67,9 @@ if [[ $with_torch == 1 ]]; then
     "$venv/bin/membox"
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/torchrun_test.sh" \
     "$venv/bin/membox"
+  # DDP state in the memory nodes through torch 2.x's optimizer step hooks.
+  MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/ddp_restart_test.sh" \
+    "$venv/bin/membox"
   # The sparse store's layers, EmbeddingGroup and the CTR example on torch 2.x.
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_embedding.py"
   rc=0
