@@ -811,10 +811,12 @@ class InMemoryState:
         start = state.restore()        # 0, or the step the nodes hold
         for step in range(start, steps):
             ...; loss.backward(); opt.step()   # commits (torch 2.x)
+            sched.step()                   # optional
 
     After every optimizer step -- or every `every` steps: a restart then
     redoes more steps, each step costs less -- (automatically with torch
-    2.x's step hooks; call commit() after opt.step() otherwise) each rank
+    2.x's step hooks; otherwise call commit() at the end of every
+    iteration, after opt.step() and the scheduler's step) each rank
     copies its 1/p of
     the state -- parameters, buffers, the optimizer's tensors -- into
     registered memory and stores it on the nodes (stored keys,
@@ -860,7 +862,9 @@ class InMemoryState:
                         for p in g["params"]]
         self._layout_key = None
         self._gen = 0
-        self._pending = None   # the last commit's store handles
+        self._pending = None   # the last commit's slice store
+        self._extras_due = None  # rank 0: the last commit's extras to store
+        self._extras_handle = None
         self._marker_done = {}  # step -> Event set once its marker is stored
         self._timeout = 120.0
         self._restoring = False
@@ -877,14 +881,22 @@ class InMemoryState:
             for r in range(self.world):
                 self.client.declare_stored(_state_key(0, slot, r),
                                            8 * _MARKER)
-        self._hook = None
+        self._hooks = []
         # True when opt.step() commits by itself (torch 2.x step hooks);
-        # otherwise the script calls commit() after every opt.step().
+        # otherwise the script calls commit() at the end of every
+        # iteration (after opt.step() and the scheduler's step).
         self.auto = bool(auto_commit and
                          hasattr(optimizer, "register_step_post_hook"))
         if self.auto:
-            self._hook = optimizer.register_step_post_hook(
-                lambda *_: None if self._restoring else self.commit())
+            # After a step: its tensors. Before the next one: the
+            # hyperparameters and the scheduler as the iteration left them
+            # (a scheduler steps after the optimizer).
+            self._hooks = [
+                optimizer.register_step_post_hook(
+                    lambda *_: None if self._restoring else self._stepped()),
+                optimizer.register_step_pre_hook(
+                    lambda *_: None if self._restoring
+                    else self._commit_extras())]
 
     # -------------------------------------------------------------- layout
 
@@ -967,17 +979,16 @@ class InMemoryState:
     # -------------------------------------------------------------- commit
 
     def _wait_stores(self):
-        """Waits for the last commit's slice (and extras) stores: its
-        buffers are then free to refill."""
+        """Waits for the last commit's slice store: its buffer is then free
+        to refill."""
         if self._pending is None:
             return
-        for x in self._pending:
-            x.wait()
+        self._pending.wait()
         self._pending = None
 
     def _wait_marker(self, step):
-        """Waits until the marker of `step` is on the nodes (issued by the
-        completion of that step's stores)."""
+        """Waits until the marker of `step` is on the nodes (stored once
+        that step's slice and extras are)."""
         ev = self._marker_done.pop(step, None)
         if ev is None:
             return
@@ -989,20 +1000,21 @@ class InMemoryState:
             raise membox.MemboxError("InMemoryState: storing step %d failed: "
                                      "%s" % (step, ev.error))
 
-    def _after_stores(self, step, slot, handles, marker):
-        """Once every store of `step` is done (on membox's completion
-        thread), stores its marker; its event is set when that is done."""
+    def _marker_after(self, step, slot, parts, marker):
+        """Returns part_done(err): once it has been called `parts` times
+        (on membox's completion thread, or here), the marker of `step` is
+        stored; its event is set when that is done."""
         ev = threading.Event()
         ev.error = None
         self._marker_done[step] = ev
-        left = [len(handles)]
+        left = [parts]
         lock = threading.Lock()
 
         def marker_done(err):
             ev.error = err
             ev.set()
 
-        def store_done(err):
+        def part_done(err):
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
@@ -1020,8 +1032,7 @@ class InMemoryState:
             except Exception as e:  # noqa: BLE001 - reach the waiter
                 marker_done(str(e))
 
-        for x in handles:
-            x.add_done_callback(store_done)
+        return part_done
 
     def _write_marker(self, slot, values):
         buf = self._marker_bufs[slot]
@@ -1029,18 +1040,25 @@ class InMemoryState:
         self.client.store(_state_key(0, slot, self.rank), buf).wait()
 
     def commit(self):
-        """Stores the state after an optimizer step (automatic with torch
-        2.x; call it after every opt.step() otherwise). Returns before the
-        stores are done: it waits only for the previous step's stores (to
-        reuse their buffer) and for the marker of the step before that."""
+        """Stores the state at the end of an iteration, after opt.step()
+        and the scheduler's step: what torch 2.x's step hooks do by
+        themselves (call it only where InMemoryState.auto is False).
+        Returns before the stores are done."""
+        self._stepped()
+        self._commit_extras()
+
+    def _stepped(self):
+        """After an optimizer step: every `every` steps, stores this rank's
+        slice of the tensors. It waits only for the previous commit's
+        slice store (to reuse its buffer) and for the marker of the commit
+        before that."""
         self.step += 1
         if self.step % self.every:
             return
         self._wait_stores()
         self._wait_marker(self.step - 2 * self.every)
         ts, has = self._tensors()
-        lay = self._layout(ts, has)
-        h, total, per, gen = lay
+        h, total, per, gen = self._layout(ts, has)
         slot = (self.step // self.every) % _SLOTS
         key = _state_key(1, slot, self.rank, gen)
         if self._slice_buf is None or self._slice_buf.nbytes != per:
@@ -1056,30 +1074,58 @@ class InMemoryState:
         with torch.no_grad():
             for src, a, b, off in self._pieces(ts, lo, lo + per):
                 buf[off:off + b - a].copy_(src[a:b])
-        handles = [self.client.store(key, self._slice_buf)]
-        extras_len = 0
+        marker = [_STATE_MAGIC, self.step, gen, h, total, 0]
+        part_done = self._marker_after(self.step, slot, 2, marker)
+        self._pending = self.client.store(key, self._slice_buf)
+        self._pending.add_done_callback(part_done)
         if self.rank == 0:
-            # Rank 0's hyperparameters and scheduler state: stored when they
-            # differ from what this slot holds (an LR schedule's epoch).
+            self._extras_due = (slot, gen, has, marker, part_done)
+        else:
+            part_done(None)
+
+    def _commit_extras(self):
+        """Rank 0, once the iteration of the last commit has ended (before
+        the next step, or in commit() / flush()): the hyperparameters and
+        the scheduler's state, stored when they differ from what the slot
+        holds (an LR schedule's epoch)."""
+        if self._extras_due is None:
+            return
+        slot, gen, has, marker, part_done = self._extras_due
+        self._extras_due = None
+        try:
             data = self._extras_json(has)
-            extras_len = len(data)
-            if self._extras_sent.get((slot, gen)) != data:
-                self._extras[:len(data)] = np.frombuffer(data,
-                                                         dtype=np.uint8)
-                handles.append(self.client.store(
-                    _state_key(2, slot, 0, gen), self._extras))
-                self._extras_sent[(slot, gen)] = data
-        self._pending = handles
-        self._after_stores(self.step, slot, handles,
-                           [_STATE_MAGIC, self.step, gen, h, total,
-                            extras_len])
+        except Exception as e:
+            part_done(str(e))
+            raise
+        marker[5] = len(data)
+        if self._extras_sent.get((slot, gen)) == data:
+            return part_done(None)
+        if self._extras_handle is not None:
+            self._extras_handle.wait()  # its buffer is refilled next
+        self._extras[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._extras_handle = self.client.store(_state_key(2, slot, 0, gen),
+                                                self._extras)
+        self._extras_handle.add_done_callback(part_done)
+        self._extras_sent[(slot, gen)] = data
 
     def flush(self):
         """Waits until every commit is complete on the nodes, markers
         included."""
+        self._commit_extras()
         self._wait_stores()
         for step in sorted(self._marker_done):
             self._wait_marker(step)
+
+    def close(self):
+        """Flushes, stops committing (removes the optimizer hooks) and lets
+        go of the client and its buffers."""
+        self.flush()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._slice_buf = self._extras = self._marker_bufs = None
+        self._extras_handle = None
+        self.client = None
 
     # ------------------------------------------------------------- restore
 

@@ -68,6 +68,7 @@ if [[ $with_torch == 1 ]]; then
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/torchrun_test.sh" \
     "$venv/bin/membox"
   # DDP state in the memory nodes through torch 2.x's optimizer step hooks.
+  MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_in_memory_state.py"
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/ddp_restart_test.sh" \
     "$venv/bin/membox"
   # The sparse store's layers, EmbeddingGroup and the CTR example on torch 2.x.

@@ -60,6 +60,6 @@ for run in "1 2" "2 4"; do
   (( step >= kill_at * 45 - 3 )) || { echo "FAIL: resumed at step $step, before epoch $kill_at ended"; exit 1; }
   got=$(final "$out")
   [[ $got == "$want" ]] || { cat "$out"; echo "FAIL: final (loss accuracy) $got, undisturbed run $want"; exit 1; }
-  echo "$nodes node(s), kill after epoch $kill_at: resumed at step $step, $(grep -h 'restarted in' "$log" | sed 's/^membox launch: //') back at work ${recovery} s after the kill; final $got"
+  echo "$nodes node(s), kill after epoch $kill_at: resumed at step $step, $(grep -h 'workers restarted in' "$log" | head -1 | sed 's/^membox launch: //') back at work ${recovery} s after the kill; final $got"
 done
 echo "PASS: both restarted DDP jobs ended with the undisturbed run's loss and accuracy ($want)"
