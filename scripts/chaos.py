@@ -1,7 +1,9 @@
 #!/usr/bin/python3
-"""Chaos run: a training job on the explicit parameter server
-(examples/train_ps.py under `membox launch --max-restarts`, two memory
-nodes) while a random worker or memory node (--target) is killed with
+"""Chaos run: a training job -- on the explicit parameter server
+(--job ps: examples/train_ps.py) or DDP with the membox hook and its state
+kept in the memory nodes (--job ddp: examples/train_digits.py
+--in-memory-state) -- under `membox launch --max-restarts`, two memory
+nodes, while a random worker or memory node (--target) is killed with
 SIGKILL every few seconds. A dead worker: the launcher restarts the worker
 set, which continues from the nodes' state. A dead node: the launcher
 starts a replacement with --join (the survivor's state) and the workers
@@ -12,7 +14,7 @@ rounds per second lost to failures against an undisturbed run of the same
 job, and checks that the job ends by itself with the undisturbed run's
 final loss and accuracy (no round lost or repeated).
 
-    scripts/chaos.py [--target both|workers|nodes] [--kills 6]
+    scripts/chaos.py [--job ps|ddp] [--target both|workers|nodes] [--kills 6]
                      [--interval 2.5] [--epochs 600]
                      [--csv F] [--json F] [--plot F.png]
 """
@@ -34,10 +36,12 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(a, out, kills):
     """Runs the job; with kills > 0, kills a random worker every interval.
     Returns (wall seconds, final record, recovery times, exit status)."""
+    job = ["train_ps.py"] if a.job == "ps" else \
+        ["train_digits.py", "--backend", "membox", "--in-memory-state"]
     cmd = [a.membox, "launch", "--nodes", str(a.nodes), "--workers",
            str(a.workers), "--max-restarts", str(kills), "--ps-replicate",
            "on" if a.nodes > 1 else "off", "--", a.python,
-           os.path.join(HERE, "examples", "train_ps.py"), "--epochs",
+           os.path.join(HERE, "examples", job[0]), *job[1:], "--epochs",
            str(a.epochs), "--out", out]
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -98,7 +102,11 @@ def run(a, out, kills):
         recs = [json.loads(x) for x in f if x.strip()]
     if rc != 0:
         sys.stdout.write("".join(lines[-40:]))
-    return wall, (recs[-1] if recs else None), len(recs), recoveries, rc
+    # A restarted DDP job may record an epoch again (it resumed a few steps
+    # before that epoch ended): the last record of each epoch counts.
+    epochs = {r["epoch"]: r for r in recs}
+    last = epochs.get(max(epochs)) if epochs else None
+    return wall, last, len(epochs), recoveries, rc
 
 
 def main():
@@ -108,11 +116,15 @@ def main():
                                                      "tools", "membox"))
     ap.add_argument("--python", default=os.environ.get("MEMBOX_PYTHON",
                                                        "/usr/bin/python3"))
+    ap.add_argument("--job", choices=("ps", "ddp"), default="ps",
+                    help="explicit parameter server, or DDP with its state "
+                         "in the memory nodes")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--target", choices=("both", "workers", "nodes"),
                     default="both", help="what is killed")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--epochs", type=int, default=600)
+    ap.add_argument("--epochs", type=int, default=0,
+                    help="default: 600 (ps), 150 (ddp)")
     ap.add_argument("--kills", type=int, default=6)
     ap.add_argument("--interval", type=float, default=2.5)
     ap.add_argument("--seed", type=int, default=1)
@@ -120,6 +132,7 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
     a = ap.parse_args()
+    a.epochs = a.epochs or (600 if a.job == "ps" else 150)
     tmp = tempfile.mkdtemp(prefix="membox-chaos-")
     plain_wall, plain, n_plain, _, rc = run(a, os.path.join(tmp, "plain.jsonl"), 0)
     if rc != 0 or plain is None:
@@ -127,7 +140,8 @@ def main():
     wall, last, n, rec, rc = run(a, os.path.join(tmp, "chaos.jsonl"), a.kills)
     if rc != 0 or last is None:
         sys.exit(f"the run with kills failed (exit {rc})")
-    steps = (1440 // a.workers) // 32  # train_ps.py's steps per epoch
+    # Steps per epoch: train_ps.py's batches of 32, train_digits.py's 16.
+    steps = (1440 // a.workers) // (32 if a.job == "ps" else 16)
     rounds = a.epochs * steps
     same = (last["loss"], last["accuracy"]) == (plain["loss"], plain["accuracy"])
     times = [r for _, r in rec]
@@ -138,7 +152,8 @@ def main():
                 "recovery_median_s": statistics.median(t) if t else None,
                 "recovery_max_s": max(t) if t else None}
     res = {
-        "target": a.target, "nodes": a.nodes, "workers": a.workers,
+        "job": a.job, "target": a.target, "nodes": a.nodes,
+        "workers": a.workers,
         "kills": len(rec),
         "recovery_median_s": statistics.median(times) if times else 0,
         "recovery_max_s": max(times) if times else 0,
@@ -174,8 +189,10 @@ def main():
                    label=f"median {statistics.median(times):.2f} s")
         ax.set_xlabel("kill (SIGKILL every %.1f s)" % a.interval)
         ax.set_ylabel("recovery (s)")
-        ax.set_title(f"{a.workers} workers, {a.nodes} memory nodes, "
-                     f"membox launch --max-restarts")
+        job = "parameter server" if a.job == "ps" else \
+            "DDP, state in the nodes"
+        ax.set_title(f"{job}: {a.workers} workers, {a.nodes} memory nodes, "
+                     f"membox launch --max-restarts", fontsize=10)
         ax.legend()
         fig.tight_layout()
         fig.savefig(a.plot, dpi=110)

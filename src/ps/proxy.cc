@@ -1151,8 +1151,11 @@ class ProxyImpl final : public Proxy, public service::Service {
           "asynchronous mode runs on one proxy (replicas would diverge)");
     }
     if (m.mode == proto::Mode::kAverage) {
+      // Keys this job declared for rounds: a key kept from a checkpoint or
+      // copied from peers is checked when a worker declares it (its dtype
+      // must match, and that declaration is checked against the mode).
       for (auto& [k, key] : keys_) {
-        if (!key.stored && !SupportsAveraging(key.dtype)) {
+        if (key.declared && !key.stored && !SupportsAveraging(key.dtype)) {
           return InvalidArgumentError(
               "averaging needs floating-point tensors (key " +
               std::to_string(k) + " is not)");

@@ -845,7 +845,13 @@ TEST(PsTest, StoredKeysKeepWorkerStateOnEveryReplica) {
     t.lat_proxy = t.bw_proxy = uint32_t(r);  // pulls from proxy r
     w.push_back(Worker(c, r, 2, t));
     ASSERT_NE(w.back(), nullptr);
-    ASSERT_TRUE(w[r]->DeclareStored(7, kN * 4, DType::kFloat32).ok());
+    // Averaging jobs keep bytes too: a stored key of any dtype (the
+    // replacement below, holding it from its peers, takes the replayed
+    // configuration).
+    SyncConfig cfg;
+    cfg.mode = SyncConfig::Mode::kAverage;
+    ASSERT_TRUE(w[r]->Configure(cfg).ok());
+    ASSERT_TRUE(w[r]->DeclareStored(7, kN * 4, DType::kUInt8).ok());
   }
   std::vector<float*> buf;
   for (int r = 0; r < 2; ++r) {
@@ -889,6 +895,9 @@ TEST(PsTest, StoredKeysKeepWorkerStateOnEveryReplica) {
   EXPECT_EQ(w[1]->DeclareStored(8, kN * 4, DType::kFloat32).status().code(),
             StatusCode::kFailedPrecondition)
       << "declared for rounds by another worker";
+  EXPECT_EQ(w[0]->Declare(9, kN * 4, DType::kUInt8).status().code(),
+            StatusCode::kInvalidArgument)
+      << "rounds need a dtype the sums support";
 
   // Proxy 1 dies; a store meanwhile waits for its replacement, which
   // copies the survivor's value and then takes the store.
