@@ -63,6 +63,8 @@ def main():
                          "the memory nodes (membox.torch.InMemoryState), so "
                          "that `membox launch --max-restarts` restarts "
                          "continue from the newest step without a file")
+    ap.add_argument("--state-every", type=int, default=1,
+                    help="with --in-memory-state: commit every k steps")
     a = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -101,7 +103,7 @@ def main():
     # nodes hold (at most two steps behind the one that died).
     mem, skip = None, 0
     if a.in_memory_state and a.backend == "membox":
-        mem = membox.torch.InMemoryState(ddp, opt)
+        mem = membox.torch.InMemoryState(ddp, opt, every=a.state_every)
         step = mem.restore()
         per_epoch = len(train[rank::world]) // a.batch // a.accumulate
         start, skip = divmod(step, per_epoch)

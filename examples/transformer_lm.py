@@ -49,6 +49,13 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--wire-dtype", choices=("bfloat16", "float16"),
                     help="membox: gradients on the wire in this type")
+    ap.add_argument("--in-memory-state", action="store_true",
+                    help="membox: keep the weights and Adam's state in the "
+                         "memory nodes (membox.torch.InMemoryState; a "
+                         "restart continues from the nodes' step, the "
+                         "synthetic token stream starts over)")
+    ap.add_argument("--state-every", type=int, default=1,
+                    help="with --in-memory-state: commit every k steps")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -60,18 +67,26 @@ def main():
         membox.torch.init(wire_dtype=a.wire_dtype)
         model.register_comm_hook(None, membox.torch.allreduce_hook)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    first = 1
+    mem = None
+    if a.in_memory_state and a.backend == "membox":
+        mem = membox.torch.InMemoryState(model, opt, every=a.state_every)
+        first = mem.restore() + 1
     gen = torch.Generator().manual_seed(1000 + rank)
     loss_fn = nn.CrossEntropyLoss()
     t0 = time.perf_counter()
-    for step in range(1, a.steps + 1):
+    for step in range(first, a.steps + 1):
         x, y = batch(gen, a.batch)
         opt.zero_grad()
         loss = loss_fn(model(x).reshape(-1, VOCAB), y.reshape(-1))
         loss.backward()
         opt.step()
+        if mem is not None and not mem.auto:
+            mem.commit()  # torch 1.x: no optimizer step hooks
         if rank == 0 and step % 10 == 0:
+            done = step - first + 1
             print("step %d loss %.4f (%.1f ms/step)" %
-                  (step, loss.item(), (time.perf_counter() - t0) / step * 1e3),
+                  (step, loss.item(), (time.perf_counter() - t0) / done * 1e3),
                   flush=True)
     dist.destroy_process_group()
 

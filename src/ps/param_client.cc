@@ -1170,10 +1170,10 @@ class ParamClientImpl final : public ParamClient {
             std::move(cb));
       }
       if (k.stored && !Locate(in ? in : out, k.bytes)) {
-        return Failed(InvalidArgumentError(
-                          "stored keys move registered memory "
-                          "(AllocateTensor / RegisterTensor) only"),
-                      std::move(cb));
+        return Failed(
+            InvalidArgumentError("stored keys move registered memory "
+                                 "(AllocateTensor / RegisterTensor) only"),
+            std::move(cb));
       }
       op.bytes = k.bytes;
       op.shard_bytes = k.shard_bytes;

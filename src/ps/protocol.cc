@@ -260,7 +260,8 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       m.stored = flags & 4;
       // A stored key is written by kStore only: no initial value, no
       // optimizer.
-      ok = ok && !(m.stored && (m.has_input || m.optimizer != Optimizer::kNone));
+      ok =
+          ok && !(m.stored && (m.has_input || m.optimizer != Optimizer::kNone));
       break;
     }
     case Type::kTune:

@@ -1117,19 +1117,19 @@ class ProxyImpl final : public Proxy, public service::Service {
           " is not a stored key (declare it stored to write it with Store)");
     }
     if (key.striped && Owner(m.key, m.shard) != opt_.rank) {
-      return FailedPreconditionError(
-          "shard " + std::to_string(m.shard) + " of key " +
-          std::to_string(m.key) + " lives on proxy " +
-          std::to_string(Owner(m.key, m.shard)));
+      return FailedPreconditionError("shard " + std::to_string(m.shard) +
+                                     " of key " + std::to_string(m.key) +
+                                     " lives on proxy " +
+                                     std::to_string(Owner(m.key, m.shard)));
     }
     Shard& sh = key.shards[m.shard];
     if (!sh.scratch || sh.scratch.use_count() > 1) {
       ASSIGN_OR_RETURN(sh.scratch, storage_->Allocate(sh.bytes));
     }
     uint8_t* dst = static_cast<uint8_t*>(sh.scratch->data());
-    ASSIGN_OR_RETURN(const uint8_t* src, ReadWorker(c, m.region, m.offset,
-                                                    sh.bytes, dst,
-                                                    *sh.scratch));
+    ASSIGN_OR_RETURN(
+        const uint8_t* src,
+        ReadWorker(c, m.region, m.offset, sh.bytes, dst, *sh.scratch));
     if (src != dst) {
       sync_->ParallelFor(sh.bytes, 1 << 20, [&](size_t b, size_t e) {
         std::memcpy(dst + b, src + b, e - b);
@@ -1256,8 +1256,7 @@ class ProxyImpl final : public Proxy, public service::Service {
                                   std::to_string(kMinShardBytes) +
                                   " bytes (or the whole tensor)");
     }
-    if (mode_ == proto::Mode::kAverage && !m.stored &&
-        !SupportsAveraging(dt)) {
+    if (mode_ == proto::Mode::kAverage && !m.stored && !SupportsAveraging(dt)) {
       return InvalidArgumentError(
           "averaging needs floating-point tensors (float32, float64, float16 "
           "or bfloat16)");
@@ -1938,8 +1937,7 @@ class ProxyImpl final : public Proxy, public service::Service {
         // Any dtype (stored keys hold bytes); a key for rounds is declared
         // with a dtype the sums support, and must match this one.
         if (c.dtype < 1 || c.dtype > static_cast<uint8_t>(DType::kUInt8) ||
-            c.shard_bytes == 0 ||
-            c.key_bytes % DTypeSize(dt) != 0) {
+            c.shard_bytes == 0 || c.key_bytes % DTypeSize(dt) != 0) {
           return DataLossError(path + ": bad dtype or sizes for key " +
                                std::to_string(c.key));
         }
