@@ -12,6 +12,8 @@ set -uo pipefail
 py=${MEMBOX_TEST_PYTHON:-/usr/bin/python3}
 membox=${1:?usage: ddp_restart_test.sh membox}
 here=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=restart_lib.sh
+source "$here/tests/python/restart_lib.sh"
 "$py" -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs torch and sklearn"; exit 77; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -31,27 +33,9 @@ for run in "1 2" "2 4"; do
   read -r nodes kill_at <<<"$run"
   out="$tmp/killed-$kill_at.jsonl"
   log="$tmp/killed-$kill_at.log"
-  "$membox" launch --nodes "$nodes" --workers 2 --max-restarts 2 -- "${train[@]}" \
-    --out "$out" >"$log" 2>&1 &
-  launch=$!
-  for _ in $(seq 1500); do
-    grep -q "\"epoch\": $kill_at," "$out" 2>/dev/null && break
-    sleep 0.02
-  done
-  sleep 0.1  # into the next epoch: the kill lands between two steps' commits
-  victim=$(pgrep -f -- "--out $out" | tail -1)
-  [[ -n $victim ]] || { cat "$log"; echo "FAIL: no worker to kill"; exit 1; }
-  t0=$(date +%s.%N)
-  kill -9 "$victim"
-  for _ in $(seq 1500); do
-    grep -q "resumed from the memory nodes at step" "$log" && break
-    sleep 0.02
-  done
-  recovery=$("$py" -c "import time; print(round(time.time() - $t0, 2))")
-  wait "$launch"
-  rc=$?
-  [[ $rc == 0 ]] || { grep -v "^\[node" "$log" | tail -30; echo "FAIL: launch exit $rc after a restart"; exit 1; }
-  grep -q "restarting the workers (restart 1 of 2)" "$log" || { cat "$log"; echo "FAIL: no restart logged"; exit 1; }
+  # Killed once epoch $kill_at is recorded: in the next epoch's first steps.
+  kill_one_worker "$nodes" "$out" "$log" "$out" "\"epoch\": $kill_at," \
+    "resumed from the memory nodes at step" -- "${train[@]}"
   step=$(sed -n 's/.*resumed from the memory nodes at step \([0-9]*\).*/\1/p' "$log" | head -1)
   [[ -n $step ]] || { grep -v "^\[node" "$log" | tail -30; echo "FAIL: the workers did not resume from the nodes' state"; exit 1; }
   # 45 steps per epoch (1440 images, 2 workers, batches of 16): the kill

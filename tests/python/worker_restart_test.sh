@@ -11,6 +11,8 @@ set -uo pipefail
 py=${MEMBOX_TEST_PYTHON:-/usr/bin/python3}
 membox=${1:?usage: worker_restart_test.sh membox}
 here=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=restart_lib.sh
+source "$here/tests/python/restart_lib.sh"
 "$py" -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs torch and sklearn"; exit 77; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -24,28 +26,8 @@ want=$(tail -1 "$tmp/plain.jsonl" | "$py" -c 'import json,sys; r=json.load(sys.s
 for kill_at in 3 9; do
   out="$tmp/killed-$kill_at.jsonl"
   log="$tmp/killed-$kill_at.log"
-  "$membox" launch --nodes 1 --workers 2 --max-restarts 2 -- "${train[@]}" \
-    --out "$out" >"$log" 2>&1 &
-  launch=$!
-  for _ in $(seq 600); do
-    grep -q "\"epoch\": $kill_at," "$log" 2>/dev/null && break
-    sleep 0.02
-  done
-  victim=$(pgrep -f -- "--out $out" | tail -1)
-  [[ -n $victim ]] || { cat "$log"; echo "FAIL: no worker to kill"; exit 1; }
-  t0=$(date +%s.%N)
-  kill -9 "$victim"
-  # Recovery: from the kill to the restarted workers' first step.
-  for _ in $(seq 1500); do
-    grep -q "resumed from the memory nodes at epoch" "$log" && break
-    sleep 0.02
-  done
-  recovery=$("$py" -c "import time; print(round(time.time() - $t0, 2))")
-  wait "$launch"
-  rc=$?
-  [[ $rc == 0 ]] || { grep -v "^\[node" "$log" | tail -30; echo "FAIL: launch exit $rc after a restart"; exit 1; }
-  grep -q "restarting the workers (restart 1 of 2)" "$log" || { cat "$log"; echo "FAIL: no restart logged"; exit 1; }
-  grep -q "resumed from the memory nodes at epoch" "$log" || { cat "$log"; echo "FAIL: the workers did not resume from the node's version"; exit 1; }
+  kill_one_worker 1 "$out" "$log" "$log" "\"epoch\": $kill_at," \
+    "resumed from the memory nodes at epoch" -- "${train[@]}"
   got=$(tail -1 "$out" | "$py" -c 'import json,sys; r=json.load(sys.stdin); print(r["loss"], r["accuracy"])')
   n=$(wc -l <"$out")
   [[ $n == "$epochs" ]] || { cat "$out"; echo "FAIL: $n epoch records, want $epochs"; exit 1; }
