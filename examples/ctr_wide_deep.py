@@ -183,6 +183,14 @@ def main():
     ap.add_argument("--prefetch", type=int, default=2,
                     help="batches pulled ahead (0: pull in forward)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="",
+                    help="rank 0 appends each epoch's record (JSON) here")
+    ap.add_argument("--in-memory-state", action="store_true",
+                    help="keep the MLP's weights and Adam state in the "
+                         "memory nodes (membox.torch.InMemoryState): a "
+                         "worker set restarted by `membox launch "
+                         "--max-restarts` continues from the step they hold "
+                         "(the sparse tables are in the nodes anyway)")
     ap.add_argument("--local", action="store_true",
                     help="torch tables in this process (the reference)")
     ap.add_argument("--no-group", action="store_true",
@@ -221,6 +229,14 @@ def main():
         dense.register_comm_hook(None, mt.allreduce_hook)
         model.mlp = dense
     opt = torch.optim.Adam(model.mlp.parameters(), lr=a.dense_lr)
+    # Restarted workers go on from the step the nodes hold: the dense part
+    # from InMemoryState, the sparse tables as the nodes have them (their
+    # pushes since that step stay applied: close, not bit-exact).
+    per_epoch = len(train_idx[rank::world]) // a.batch
+    first_epoch, skip, mem = 0, 0, None
+    if a.in_memory_state and world > 1:
+        mem = mt.InMemoryState(model.mlp, opt)
+        first_epoch, skip = divmod(mem.restore(), per_epoch)
     sparse_opt = None
     if a.local and not a.torchrec:  # TorchRec's optimizer runs in backward
         sparse_opt = torch.optim.Adagrad(
@@ -243,17 +259,18 @@ def main():
     history = []
     t_train = 0.0
     seen = 0
-    for epoch in range(a.epochs):
+    for epoch in range(first_epoch, a.epochs):
         rng = np.random.default_rng(a.seed + 100 + epoch)
         order = rng.permutation(train_idx)
         mine = order[rank::world]
         steps = len(mine) // a.batch  # equal on every worker (DDP)
-        mine = mine[:steps * a.batch]
+        begin = skip if epoch == first_epoch else 0  # done before a restart
+        mine = mine[begin * a.batch:steps * a.batch]
         data = batches(ids, hist, offsets, hist_len, labels, mine, a.batch)
         ahead = collections.deque()
         t0 = time.perf_counter()
         total = 0.0
-        for step in range(steps):
+        for step in range(begin, steps):
             while len(ahead) <= a.prefetch and (step + len(ahead)) < steps:
                 x, h, ho, y = next(data)
                 pre = (model.prefetch(x, h) if not a.local and a.prefetch
@@ -266,6 +283,8 @@ def main():
                 sparse_opt.zero_grad()
             loss.backward()
             opt.step()
+            if mem is not None and not mem.auto:
+                mem.commit()  # torch 1.x: no optimizer step hooks
             if sparse_opt:
                 sparse_opt.step()
             total += float(loss.detach())
@@ -277,11 +296,15 @@ def main():
             dist.barrier()
         t_train += time.perf_counter() - t0
         auc, ll = evaluate()
-        row = {"epoch": epoch + 1, "train_loss": total / max(steps, 1),
+        row = {"epoch": epoch + 1,
+               "train_loss": total / max(steps - begin, 1),
                "test_auc": auc, "test_logloss": ll}
         history.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
     if rank == 0:
         y = labels[test_idx]
         best = roc_auc_score(y, prob[test_idx])

@@ -36,8 +36,10 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(a, out, kills):
     """Runs the job; with kills > 0, kills a random worker every interval.
     Returns (wall seconds, final record, recovery times, exit status)."""
-    job = ["train_ps.py"] if a.job == "ps" else \
-        ["train_digits.py", "--backend", "membox", "--in-memory-state"]
+    job = {"ps": ["train_ps.py"],
+           "ddp": ["train_digits.py", "--backend", "membox",
+                   "--in-memory-state"],
+           "ctr": ["ctr_wide_deep.py", "--in-memory-state"]}[a.job]
     cmd = [a.membox, "launch", "--nodes", str(a.nodes), "--workers",
            str(a.workers), "--max-restarts", str(kills), "--ps-replicate",
            "on" if a.nodes > 1 else "off", "--", a.python,
@@ -116,9 +118,15 @@ def main():
                                                      "tools", "membox"))
     ap.add_argument("--python", default=os.environ.get("MEMBOX_PYTHON",
                                                        "/usr/bin/python3"))
-    ap.add_argument("--job", choices=("ps", "ddp"), default="ps",
-                    help="explicit parameter server, or DDP with its state "
-                         "in the memory nodes")
+    ap.add_argument("--job", choices=("ps", "ddp", "ctr"), default="ps",
+                    help="explicit parameter server, DDP with its state in "
+                         "the memory nodes, or the CTR example (sparse "
+                         "tables in the nodes' store, MLP under DDP with "
+                         "its state in the nodes; workers only)")
+    ap.add_argument("--auc-tolerance", type=float, default=0.01,
+                    help="ctr: how far the final test AUC may be from the "
+                         "undisturbed run's (pushes since the restored step "
+                         "stay applied to the sparse tables)")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--target", choices=("both", "workers", "nodes"),
                     default="both", help="what is killed")
@@ -132,7 +140,10 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
     a = ap.parse_args()
-    a.epochs = a.epochs or (600 if a.job == "ps" else 150)
+    a.epochs = a.epochs or {"ps": 600, "ddp": 150, "ctr": 6}[a.job]
+    if a.job == "ctr" and a.target != "workers":
+        sys.exit("--job ctr kills workers only: the embedding store's client "
+                 "does not reconnect to a replaced memory node yet")
     tmp = tempfile.mkdtemp(prefix="membox-chaos-")
     plain_wall, plain, n_plain, _, rc = run(a, os.path.join(tmp, "plain.jsonl"), 0)
     if rc != 0 or plain is None:
@@ -140,10 +151,19 @@ def main():
     wall, last, n, rec, rc = run(a, os.path.join(tmp, "chaos.jsonl"), a.kills)
     if rc != 0 or last is None:
         sys.exit(f"the run with kills failed (exit {rc})")
-    # Steps per epoch: train_ps.py's batches of 32, train_digits.py's 16.
-    steps = (1440 // a.workers) // (32 if a.job == "ps" else 16)
+    # Steps per epoch: train_ps.py's batches of 32, train_digits.py's 16,
+    # the CTR example's 256 of 180 000 training impressions.
+    steps = {"ps": (1440 // a.workers) // 32,
+             "ddp": (1440 // a.workers) // 16,
+             "ctr": (180000 // a.workers) // 256}[a.job]
     rounds = a.epochs * steps
-    same = (last["loss"], last["accuracy"]) == (plain["loss"], plain["accuracy"])
+    if a.job == "ctr":
+        metric = ("test_logloss", "test_auc")
+        same = abs(last["test_auc"] - plain["test_auc"]) <= a.auc_tolerance
+    else:
+        metric = ("loss", "accuracy")
+        same = (last["loss"], last["accuracy"]) == \
+            (plain["loss"], plain["accuracy"])
     times = [r for _, r in rec]
 
     def summary(kind):
@@ -162,8 +182,11 @@ def main():
         "wall_s": wall, "undisturbed_wall_s": plain_wall,
         "rounds_per_s": rounds / wall, "undisturbed_rounds_per_s": rounds / plain_wall,
         "rounds_per_s_lost": rounds / plain_wall - rounds / wall,
-        "final_loss": last["loss"], "undisturbed_final_loss": plain["loss"],
-        "final_accuracy": last["accuracy"], "epoch_records": n,
+        "final_loss": last[metric[0]],
+        "undisturbed_final_loss": plain[metric[0]],
+        "final_accuracy": last[metric[1]],
+        "undisturbed_final_accuracy": plain[metric[1]],
+        "metrics": list(metric), "epoch_records": n,
         "same_result": same}
     print(json.dumps(res, indent=1))
     if a.json:
@@ -189,19 +212,20 @@ def main():
                    label=f"median {statistics.median(times):.2f} s")
         ax.set_xlabel("kill (SIGKILL every %.1f s)" % a.interval)
         ax.set_ylabel("recovery (s)")
-        job = "parameter server" if a.job == "ps" else \
-            "DDP, state in the nodes"
+        job = {"ps": "parameter server", "ddp": "DDP, state in the nodes",
+               "ctr": "CTR (sparse store + DDP)"}[a.job]
         ax.set_title(f"{job}: {a.workers} workers, {a.nodes} memory nodes, "
                      f"membox launch --max-restarts", fontsize=10)
         ax.legend()
         fig.tight_layout()
         fig.savefig(a.plot, dpi=110)
     if not same or n != a.epochs:
-        sys.exit(f"FAIL: final {last['loss']}/{last['accuracy']} over {n} "
-                 f"epoch records vs undisturbed {plain['loss']}/"
-                 f"{plain['accuracy']} over {n_plain}")
+        sys.exit(f"FAIL: final {last[metric[0]]}/{last[metric[1]]} over {n} "
+                 f"epoch records vs undisturbed {plain[metric[0]]}/"
+                 f"{plain[metric[1]]} over {n_plain}")
     print("PASS: every kill recovered and the job ended with the undisturbed "
-          "run's loss and accuracy")
+          "run's %s and %s%s" % (metric + (
+              " (within %g)" % a.auc_tolerance if a.job == "ctr" else "",)))
 
 
 if __name__ == "__main__":

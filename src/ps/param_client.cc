@@ -96,6 +96,8 @@ struct Op {
 // A proxy's link. `client` and `channel` are replaced when the proxy is
 // replaced (failover); readers take copies under links_mu_.
 struct ProxyLink {
+  // Where the proxy listens; a replacement on another host changes it
+  // (Repair asks the other proxies: kWhere). Under links_mu_ once running.
   std::string endpoint;
   std::shared_ptr<service::Client> client;
   std::shared_ptr<Channel> channel;  // client's (maybe fault-wrapped)
@@ -849,9 +851,40 @@ class ParamClientImpl final : public ParamClient {
     }
   }
 
+  std::string EndpointOf(uint32_t proxy) {
+    MutexLock l(&links_mu_);
+    return proxies_[proxy].endpoint;
+  }
+
+  // Where the other proxies say proxy `proxy` listens now (a replacement
+  // on another host tells them in its kPeerHello); empty when none knows
+  // better than we do.
+  std::string AskWhere(uint32_t proxy) {
+    Message m;
+    m.type = Type::kWhere;
+    m.rank = proxy;
+    const std::string mine = EndpointOf(proxy);
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      if (i == proxy) continue;
+      std::shared_ptr<service::Client> c;
+      {
+        MutexLock l(&links_mu_);
+        if (proxies_[i].repairing || !proxies_[i].gone.ok()) continue;
+        c = proxies_[i].client;
+      }
+      if (!c || !c->health().ok()) continue;
+      auto body = c->Call(static_cast<uint16_t>(m.type), proto::Encode(m),
+                          std::chrono::seconds(2));
+      if (!body.ok()) continue;
+      auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), *body);
+      if (r.ok() && !r->text.empty() && r->text != mine) return r->text;
+    }
+    return "";
+  }
+
   void Repair(uint32_t proxy) {
     const auto t0 = Clock::now();
-    const std::string endpoint = proxies_[proxy].endpoint;
+    std::string endpoint = EndpointOf(proxy);
     MEMBOX_LOG_WARN(
         "worker rank {}: lost proxy {} at {}; waiting up to {} s for its "
         "replacement (its pushes and pulls are kept)",
@@ -870,6 +903,17 @@ class ParamClientImpl final : public ParamClient {
       auto fresh = Reconnect(proxy);
       if (!fresh.ok()) {
         last = fresh.status();
+        // Not back where it was: perhaps on another host.
+        if (std::string moved = AskWhere(proxy); !moved.empty()) {
+          MEMBOX_LOG_WARN(
+              "worker rank {}: proxy {} moved from {} to {} (its peers say)",
+              opt_.rank, proxy, endpoint, moved);
+          {
+            MutexLock l(&links_mu_);
+            proxies_[proxy].endpoint = moved;
+          }
+          endpoint = moved;
+        }
         continue;
       }
       // Swap the link in and send what waited, in order; requests that
@@ -938,7 +982,7 @@ class ParamClientImpl final : public ParamClient {
     uint64_t generation = 0;
   };
   Result<Fresh> Reconnect(uint32_t proxy) {
-    const std::string& endpoint = proxies_[proxy].endpoint;
+    const std::string endpoint = EndpointOf(proxy);
     ASSIGN_OR_RETURN(std::shared_ptr<Channel> ch,
                      device_->GetChannel(endpoint));
     if (!opt_.links.empty()) {
@@ -1046,7 +1090,7 @@ class ParamClientImpl final : public ParamClient {
         }
         if (ws.size() > 8) mine += fmt::format("; and {} more", ws.size() - 8);
         MEMBOX_LOG_WARN("worker rank {}: waiting on proxy {} ({}): {}",
-                        opt_.rank, proxy, proxies_[proxy].endpoint, mine);
+                        opt_.rank, proxy, EndpointOf(proxy), mine);
         // The proxy's account: its lines about the keys we wait for.
         auto text = ExplainFrom(proxy);
         if (!text.ok()) {

@@ -100,6 +100,8 @@ const char* TypeName(Type t) {
       return "catch-up-done";
     case Type::kStore:
       return "store";
+    case Type::kWhere:
+      return "where";
   }
   return "?";
 }
@@ -115,6 +117,10 @@ std::vector<uint8_t> Encode(const Message& m) {
       PutStr(w, m.name);
       w.U32(m.rank);
       w.U32(m.world);
+      if (m.type == Type::kPeerHello) PutStr(w, m.endpoint);
+      break;
+    case Type::kWhere:
+      w.U32(m.rank);
       break;
     case Type::kRegion:
       PutBytes(w, m.descriptor);
@@ -239,7 +245,11 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
              (m.world == 0 ? m.rank == 0 : m.rank < m.world);
       if (ok && m.type == Type::kRejoin)
         ok = m.world >= 1 && m.world <= kMaxWorld && m.rank < m.world;
-      if (ok && m.type == Type::kPeerHello) ok = m.rank < kMaxProxies;
+      if (ok && m.type == Type::kPeerHello)
+        ok = m.rank < kMaxProxies && GetStr(r, &m.endpoint, kMaxName);
+      break;
+    case Type::kWhere:
+      ok = r.U32(&m.rank) && m.rank < kMaxProxies;
       break;
     case Type::kRegion:
       ok = GetBytes(r, &m.descriptor, kMaxDescriptor) && !m.descriptor.empty();

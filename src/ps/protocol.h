@@ -67,8 +67,13 @@ enum class Type : uint8_t {
   // `stored`) with the bytes at (region, offset). No round: the proxy
   // takes the bytes as they are, bumps the shard's version and answers.
   kStore = 23,
+  // worker -> proxy: where proxy `rank` listens now (the reply's text). A
+  // replacement may come up at another address (a new host); its kPeerHello
+  // tells its peers, and a worker that cannot reach the old address asks
+  // them.
+  kWhere = 24,
 };
-constexpr Type kLastType = Type::kStore;
+constexpr Type kLastType = Type::kWhere;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;
@@ -85,10 +90,13 @@ struct Message {
   Type type = Type::kStats;  // the envelope's method
   uint64_t id = 0;  // the envelope's request id (set on receipt; not coded)
   // kHello / kPeerHello (the channel is authenticated by the transport);
-  // a kPeerHello's `world` is the proxy process's incarnation nonce
+  // a kPeerHello's `world` is the proxy process's incarnation nonce;
+  // kWhere's `rank` is the proxy asked about
   std::string name;
   uint32_t rank = 0;
   uint32_t world = 0;
+  // kPeerHello: where the sender listens for its peers and workers
+  std::string endpoint;
   // kRegion, kReady: serialized transport::RegionDescriptor
   std::vector<uint8_t> descriptor;
   // kConfigure

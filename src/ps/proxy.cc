@@ -670,7 +670,7 @@ class ProxyImpl final : public Proxy, public service::Service {
       c.rank = m.rank;
       server_->Establish(conn);
       Reply(conn, m.type, m.id, Status::Ok());
-      return PeerHello(m.rank, conn, m.world);
+      return PeerHello(m.rank, conn, m.world, m.endpoint);
     }
     if (m.world == 0) {  // an observer: not part of the job
       c.role = Conn::Role::kObserver;
@@ -825,9 +825,17 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   // A kPeerHello: the first of `rank`, or a new incarnation (its nonce
   // differs) that replaces one that died.
-  void PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce) {
+  void PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
+                 const std::string& endpoint) {
     auto it = peer_nonce_.find(rank);
     const bool replaced = it != peer_nonce_.end() && it->second != nonce;
+    if (!endpoint.empty() && endpoint != opt_.peers[rank]) {
+      // A replacement on another host (`membox serve --join` there): we
+      // reach it, and tell workers who ask (kWhere), at its new address.
+      MEMBOX_LOG_WARN("proxy {}: proxy {} is now at {} (was {})", opt_.rank,
+                      rank, endpoint, opt_.peers[rank]);
+      opt_.peers[rank] = endpoint;
+    }
     peer_nonce_[rank] = nonce;
     peer_conn_[rank] = conn;
     if (!replaced && !peers_down_.count(rank)) {
@@ -1067,6 +1075,13 @@ class ProxyImpl final : public Proxy, public service::Service {
         sh.pulls.push_back(p);
         return;
       }
+      case Type::kWhere:
+        if (m.rank >= nproxies_) {
+          return Reply(conn, m.type, m.id,
+                       InvalidArgumentError("no such proxy"));
+        }
+        return Reply(conn, m.type, m.id, Status::Ok(), 0,
+                     nproxies_ > 1 ? opt_.peers[m.rank] : opt_.listen);
       case Type::kStore: {
         auto v = Store(c, m);
         return Reply(conn, m.type, m.id, v.status(), v.ok() ? *v : 0);
@@ -2273,6 +2288,7 @@ class ProxyImpl final : public Proxy, public service::Service {
         h.name = device_->options().name;
         h.rank = opt_.rank;
         h.world = nonce_;
+        h.endpoint = opt_.peers[opt_.rank];
         (*c)->Send(static_cast<uint16_t>(Type::kPeerHello), proto::Encode(h),
                    [rank](const Status& s, std::span<const uint8_t>) {
                      if (!s.ok()) {

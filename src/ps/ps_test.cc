@@ -718,7 +718,8 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
 // every chunk while proxy (victim + 1) % P still waits for its last chunk
 // from the victim: the successor finishes the round, the laggard cannot
 // (a catch-up from a peer that finished it completes its round).
-void RideThrough(int P, int victim, bool laggard = false) {
+void RideThrough(int P, int victim, bool laggard = false,
+                 bool elsewhere = false) {
   constexpr size_t kN = 16 << 10;
   auto grad = [](int rank, int round) {
     return FailoverGrad(kN, rank + 2, round);
@@ -815,7 +816,12 @@ void RideThrough(int P, int victim, bool laggard = false) {
         }
         cv.notify_all();
         std::this_thread::sleep_for(600ms);
-        auto joined = Proxy::Start(ReplacementOptions(c, uint32_t(victim)));
+        ProxyOptions o = ReplacementOptions(c, uint32_t(victim));
+        if (elsewhere) {  // a new host: another address than the workers'
+          o.listen = "127.0.0.1:" + std::to_string(PickFreeLocalPort());
+          o.peers[victim] = o.listen;
+        }
+        auto joined = Proxy::Start(o);
         ASSERT_TRUE(joined.ok()) << joined.status().ToString();
         c.proxies[victim] = std::move(*joined);
       },
@@ -827,6 +833,14 @@ void RideThrough(int P, int victim, bool laggard = false) {
 }
 
 TEST(PsTest, WorkersRideThroughAReplacedProxy) { RideThrough(2, 1); }
+
+// The replacement comes up at another address (`membox serve --join` on a
+// new host, its --ps-peers naming itself there): its hello tells the
+// survivors, the workers find it by asking them (kWhere), and the values
+// are the undisturbed run's.
+TEST(PsTest, AReplacementAtAnotherAddressTakesOver) {
+  RideThrough(3, 2, /*laggard=*/false, /*elsewhere=*/true);
+}
 
 // Stored keys (a DDP job's weights and optimizer state kept on the nodes,
 // membox.torch.InMemoryState): one worker's Store replaces the value on
