@@ -420,7 +420,10 @@ def mpirun_argv(topo, cmd, slots=1, attach=True, env_names=()):
             "--mca", "oob_tcp_if_include", subnet]
     env = worker_env(topo, state)
     os.environ.update(env)
-    for k in sorted(set(env) | set(env_names) | {"PATH", "PYTHONPATH"}):
+    # MEMBOX_RESTART: a restarted worker set (membox.torch.InMemoryState
+    # then restores from the memory nodes).
+    for k in sorted(set(env) | set(env_names) |
+                    {"PATH", "PYTHONPATH", "MEMBOX_RESTART"}):
         if k in os.environ:
             argv += ["-x", k]
     if attach:

@@ -476,7 +476,11 @@ class ParamClientImpl final : public ParamClient {
     }
     uint64_t shard = std::max(routing().partition_bytes, kMinShardBytes);
     const uint64_t np = proxies_.size();
-    if (routing().stripe && np > 1) {
+    // Stored keys are always asked to be striped: with no ring to spread
+    // them, an unstriped one goes to every proxy (which only replication
+    // wants -- and a replicating proxy answers "unstriped" anyway).
+    const bool stripe = (routing().stripe || stored) && np > 1;
+    if (stripe) {
       // Striped: at least one shard per proxy, so a tensor smaller than M
       // partitions still spreads over every node.
       uint64_t per = (bytes + np - 1) / np;
@@ -500,7 +504,7 @@ class ParamClientImpl final : public ParamClient {
     m.bytes = bytes;
     m.dtype = static_cast<uint8_t>(dtype);
     m.shard_bytes = shard;
-    m.striped = routing().stripe && proxies_.size() > 1;
+    m.striped = stripe;
     m.stored = stored;
     PutOptimizer(o, &m);
     if (init) {

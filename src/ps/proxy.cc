@@ -85,6 +85,10 @@ struct Shard : StoredShard {
   // When the round in progress saw its first push (for explanations of a
   // wait); zero when none is waiting. When it was last logged as waiting.
   Clock::time_point first_push{}, reported{};
+  // Stored keys: kStores issued and the newest one applied (a store read
+  // from a worker over the network completes later; an older one landing
+  // after a newer one is dropped).
+  uint64_t stores_issued = 0, stores_applied = 0;
 };
 
 struct Key {
@@ -1082,10 +1086,8 @@ class ProxyImpl final : public Proxy, public service::Service {
         }
         return Reply(conn, m.type, m.id, Status::Ok(), 0,
                      nproxies_ > 1 ? opt_.peers[m.rank] : opt_.listen);
-      case Type::kStore: {
-        auto v = Store(c, m);
-        return Reply(conn, m.type, m.id, v.status(), v.ok() ? *v : 0);
-      }
+      case Type::kStore:
+        return Store(conn, c, m);
       case Type::kProbe: {
         // The profiler writes into this buffer over the worker's own link.
         if (m.bytes > (256u << 20)) {
@@ -1119,42 +1121,87 @@ class ProxyImpl final : public Proxy, public service::Service {
   }
 
   // kStore: the worker's bytes replace the shard's value. They are read
-  // into the shard's scratch buffer first and swapped in once whole, so a
-  // worker that dies in the middle leaves the previous value intact; a
-  // scratch buffer a pull or snapshot still holds is not reused. Pulls
-  // waiting for a newer version are answered. Returns the new version.
-  Result<uint64_t> Store(Conn& c, const Message& m) {
-    RETURN_IF_ERROR(CheckShardRequest(m));
+  // into a buffer nobody else holds (the shard's scratch, or a new one) and
+  // swapped in once whole, so a worker that dies in the middle leaves the
+  // previous value. Over the network the read is not waited for on the
+  // event loop (a state store is as large as a gradient push, and the
+  // rounds go on meanwhile): its completion posts FinishStore and the
+  // reply. Pulls waiting for a newer version are answered.
+  void Store(uint64_t conn, Conn& c, const Message& m) {
+    auto reply = [&](const Status& s, uint64_t v = 0) {
+      Reply(conn, Type::kStore, m.id, s, v);
+    };
+    if (Status s = CheckShardRequest(m); !s.ok()) return reply(s);
     Key& key = keys_[m.key];
     if (!key.stored) {
-      return FailedPreconditionError(
+      return reply(FailedPreconditionError(
           "key " + std::to_string(m.key) +
-          " is not a stored key (declare it stored to write it with Store)");
+          " is not a stored key (declare it stored to write it with Store)"));
     }
     if (key.striped && Owner(m.key, m.shard) != opt_.rank) {
-      return FailedPreconditionError("shard " + std::to_string(m.shard) +
-                                     " of key " + std::to_string(m.key) +
-                                     " lives on proxy " +
-                                     std::to_string(Owner(m.key, m.shard)));
+      return reply(FailedPreconditionError(
+          "shard " + std::to_string(m.shard) + " of key " +
+          std::to_string(m.key) + " lives on proxy " +
+          std::to_string(Owner(m.key, m.shard))));
     }
     Shard& sh = key.shards[m.shard];
-    if (!sh.scratch || sh.scratch.use_count() > 1) {
-      ASSIGN_OR_RETURN(sh.scratch, storage_->Allocate(sh.bytes));
+    auto rr = WorkerRange(c, m.region, m.offset, sh.bytes, "input");
+    if (!rr.ok()) return reply(rr.status());
+    std::shared_ptr<MemRegion> buf = std::move(sh.scratch);
+    if (!buf || buf.use_count() > 1) {
+      auto fresh = storage_->Allocate(sh.bytes);
+      if (!fresh.ok()) return reply(fresh.status());
+      buf = std::move(*fresh);
     }
-    uint8_t* dst = static_cast<uint8_t*>(sh.scratch->data());
-    ASSIGN_OR_RETURN(
-        const uint8_t* src,
-        ReadWorker(c, m.region, m.offset, sh.bytes, dst, *sh.scratch));
-    if (src != dst) {
-      sync_->ParallelFor(sh.bytes, 1 << 20, [&](size_t b, size_t e) {
+    const uint64_t seq = ++sh.stores_issued;
+    uint8_t* dst = static_cast<uint8_t*>(buf->data());
+    if ((*rr)->mapped()) {
+      const uint8_t* src =
+          static_cast<const uint8_t*>((*rr)->mapped()) + m.offset;
+      const uint64_t n = sh.bytes;
+      sync_->ParallelFor(n, 1 << 20, [&](size_t b, size_t e) {
         std::memcpy(dst + b, src + b, e - b);
       });
+      auto v = FinishStore(m.key, m.shard, seq, std::move(buf));
+      return reply(v.status(), v.ok() ? *v : 0);
     }
-    std::swap(sh.value, sh.scratch);
-    ++sh.version;
-    key.initialized = true;
-    stored_bytes_in_.fetch_add(sh.bytes, std::memory_order_relaxed);
-    ServeWaitingPulls(m.key, sh);
+    if (!c.channel) return reply(UnavailableError("worker link is gone"));
+    auto r = c.channel->Read(
+        dst, *buf, (*rr)->address() + m.offset, **rr, sh.bytes,
+        [this, conn, id = m.id, k = m.key, shard = m.shard, seq,
+         buf](const Status& st) {
+          Post([this, conn, id, k, shard, seq, buf, st] {
+            if (!st.ok()) return Reply(conn, Type::kStore, id, st);
+            auto v = FinishStore(k, shard, seq, buf);
+            Reply(conn, Type::kStore, id, v.status(), v.ok() ? *v : 0);
+          });
+        });
+    if (!r.ok()) return reply(r.status());
+    Track(std::move(*r));
+  }
+
+  // A store's bytes are all in `buf`: it becomes the shard's value (unless
+  // a newer store already landed), the old value its scratch. Returns the
+  // shard's version.
+  Result<uint64_t> FinishStore(uint64_t k, uint32_t shard, uint64_t seq,
+                               std::shared_ptr<MemRegion> buf) {
+    auto it = keys_.find(k);
+    if (it == keys_.end() || shard >= it->second.shards.size() ||
+        it->second.shards[shard].bytes > buf->size()) {
+      return AbortedError("key " + std::to_string(k) +
+                          " was replaced while a store was in flight");
+    }
+    Key& key = it->second;
+    Shard& sh = key.shards[shard];
+    if (seq > sh.stores_applied) {
+      sh.stores_applied = seq;
+      std::swap(sh.value, buf);
+      ++sh.version;
+      key.initialized = true;
+      stored_bytes_in_.fetch_add(sh.bytes, std::memory_order_relaxed);
+      ServeWaitingPulls(k, sh);
+    }
+    if (!sh.scratch && buf && buf.use_count() == 1) sh.scratch = std::move(buf);
     return sh.version;
   }
 

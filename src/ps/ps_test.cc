@@ -928,6 +928,46 @@ TEST(PsTest, StoredKeysKeepWorkerStateOnEveryReplica) {
   EXPECT_EQ(pulled(0), ramp(3000.f));
 }
 
+// Over TCP (as between hosts) a store is read from the worker while the
+// proxy goes on serving; back-to-back stores land in order (the newest
+// wins), and a pull sees the last one.
+TEST(PsTest, StoredKeysOverTcpLandInOrder) {
+  constexpr size_t kN = 12 << 10;
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true,
+                          [](ProxyOptions& o) { o.transports = "tcp"; });
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < 2; ++r) {
+    ParamClientOptions o;
+    o.proxies = c.endpoints;
+    o.secret = kSecret;
+    o.rank = r;
+    o.world = 2;
+    o.transports = "tcp";
+    o.routing.partition_bytes = 16 << 10;
+    o.routing.lat_proxy = o.routing.bw_proxy = uint32_t(r);
+    auto x = ParamClient::Connect(o);
+    ASSERT_TRUE(x.ok()) << x.status().ToString();
+    w.push_back(std::move(*x));
+    ASSERT_TRUE(w[r]->DeclareStored(11, kN * 4, DType::kFloat32).ok());
+  }
+  ASSERT_FALSE(w[0]->proxies_map_memory()) << "not the network path";
+  std::vector<float*> bufs;
+  std::vector<PsHandle> hs;
+  for (int i = 0; i < 4; ++i) {
+    auto* p = static_cast<float*>(*w[0]->AllocateTensor(kN * 4));
+    for (size_t j = 0; j < kN; ++j) p[j] = float(i * 100000 + j);
+    bufs.push_back(p);
+    hs.push_back(w[0]->Store(11, p));  // not waited for: in flight together
+  }
+  for (auto& h : hs) ASSERT_TRUE(h.Wait(20s).ok()) << h.Wait(0s).ToString();
+  for (int r = 0; r < 2; ++r) {
+    auto* out = static_cast<float*>(*w[r]->AllocateTensor(kN * 4));
+    ASSERT_TRUE(w[r]->Pull(11, out).Wait(20s).ok());
+    EXPECT_TRUE(std::equal(out, out + kN, bufs[3])) << "through proxy " << r;
+  }
+}
+
 // Without replication, a striped stored key's shards live on their owners
 // only: each store goes there, and pulls find them.
 TEST(PsTest, StripedStoredKeysGoToTheirOwners) {
