@@ -259,6 +259,9 @@ def main():
     history = []
     t_train = 0.0
     seen = 0
+    if rank == 0:
+        print(f"training {per_epoch} steps per epoch per worker, from "
+              f"epoch {first_epoch + 1} step {skip}", flush=True)
     for epoch in range(first_epoch, a.epochs):
         rng = np.random.default_rng(a.seed + 100 + epoch)
         order = rng.permutation(train_idx)

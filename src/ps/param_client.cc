@@ -529,7 +529,9 @@ class ParamClientImpl final : public ParamClient {
       bool striped = rest && std::string_view(rest) == " striped";
       // A striped key's shards advance on their owners only: the version
       // is the newest any proxy reports.
-      if (i > 0 && ((!striped && v != version) ||
+      // (A stored key's versions only count its stores, which reach the
+      // proxies at different moments: they may differ.)
+      if (i > 0 && ((!striped && !stored && v != version) ||
                     shard_bytes != k.shard_bytes || striped != k.striped)) {
         return DataLossError("proxies disagree on key " + std::to_string(key));
       }

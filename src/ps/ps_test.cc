@@ -926,6 +926,11 @@ TEST(PsTest, StoredKeysKeepWorkerStateOnEveryReplica) {
   ASSERT_TRUE(during.Wait(30s).ok()) << during.Wait(0s).ToString();
   EXPECT_EQ(pulled(1), ramp(3000.f)) << "through the replacement";
   EXPECT_EQ(pulled(0), ramp(3000.f));
+  // The replacement copied the survivor's value and then took the resent
+  // store too: the two count different versions, and a worker declaring
+  // the key now (a restarted one) must not take that for a disagreement.
+  auto again = w[1]->DeclareStored(7, kN * 4, DType::kUInt8);
+  EXPECT_TRUE(again.ok()) << again.status().ToString();
 }
 
 // Over TCP (as between hosts) a store is read from the worker while the
