@@ -775,8 +775,9 @@ def load_checkpoint(name="ddp.pt", directory=None, map_location="cpu"):
 # Keys of InMemoryState: clear of the hook's bucket keys (< 2^50) and
 # ParameterServer's (1 << 50 onwards). kind: 0 marker, 1 slice, 2 extras.
 _STATE_BASE = 0xC << 60
-_STATE_MAGIC = 0x6D656D626F780001  # "membox", format 1
-_MARKER = 6  # int64s: magic, step, generation, layout hash, bytes, extras
+_STATE_MAGIC = 0x6D656D626F780002  # "membox", format 2
+# int64s: magic, step, generation, layout hash, bytes, extras, world size
+_MARKER = 7
 _EXTRAS_BYTES = 64 << 10
 _SLOTS = 4
 
@@ -846,12 +847,17 @@ class InMemoryState:
     positions, anything outside model/optimizer/scheduler."""
 
     def __init__(self, model, optimizer, scheduler=None, client=None,
-                 auto_commit=True, every=1):
+                 auto_commit=True, every=1, rank=None, world=None):
         import torch.distributed as dist
         self.client = client or globals()["client"]()
         group = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if group else 0
-        self.world = dist.get_world_size() if group else 1
+        # The data-parallel rank and size: torch.distributed's by default.
+        self.rank = rank if rank is not None else \
+            (dist.get_rank() if group else 0)
+        self.world = world if world is not None else \
+            (dist.get_world_size() if group else 1)
+        if not 0 <= self.rank < self.world:
+            raise ValueError("rank must be in [0, world)")
         self.model, self.optimizer, self.scheduler = model, optimizer, \
             scheduler
         if int(every) < 1:
@@ -1074,7 +1080,7 @@ class InMemoryState:
         with torch.no_grad():
             for src, a, b, off in self._pieces(ts, lo, lo + per):
                 buf[off:off + b - a].copy_(src[a:b])
-        marker = [_STATE_MAGIC, self.step, gen, h, total, 0]
+        marker = [_STATE_MAGIC, self.step, gen, h, total, 0, self.world]
         part_done = self._marker_after(self.step, slot, 2, marker)
         self._pending = self.client.store(key, self._slice_buf)
         self._pending.add_done_callback(part_done)
@@ -1164,6 +1170,13 @@ class InMemoryState:
                 first = ms[0]
                 if first[0] != _STATE_MAGIC or first[1] < 1:
                     continue
+                if first[6] != self.world:
+                    # Each rank holds 1/p of it: another p cannot use it
+                    # (and would otherwise start over without a word).
+                    raise membox.MemboxError(
+                        "the memory nodes hold this job's state as written "
+                        "by %d workers; this restart has %d: restart with "
+                        "%d workers" % (first[6], self.world, first[6]))
                 if any(m[:5] != first[:5] or m[0] != _STATE_MAGIC
                        for m in ms):
                     continue
@@ -1175,7 +1188,7 @@ class InMemoryState:
                 print("membox: no state of this job on the memory nodes; "
                       "starting from step 0", flush=True)
             return 0
-        slot, (_, step, gen, h, total, extras_len) = best
+        slot, (_, step, gen, h, total, extras_len, _) = best
         import json
         extras = json.loads(self._pull_extras(slot, gen, extras_len))
         self._materialize(extras["has"])

@@ -203,12 +203,29 @@ class InMemoryStateTest(unittest.TestCase):
         with self.assertRaisesRegex(membox.MemboxError, "differs|other"):
             state2.restore()
 
+    def test_a_restart_with_another_world_size_is_refused(self):
+        m = model(10)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        state = membox.torch.InMemoryState(m, opt, client=self.connect(False))
+        state.restore()
+        train(m, opt, state, 3)
+        state.flush()
+        # The same client (world 1) playing rank 0 of a 2-worker restart.
+        m2 = model(10)
+        opt2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+        state2 = membox.torch.InMemoryState(
+            m2, opt2, client=self.connect(True, old=state), rank=0, world=2)
+        with self.assertRaisesRegex(membox.MemboxError, "1 workers"):
+            state2.restore()
+
     def test_errors(self):
         m = model(9)
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         c = self.connect(False)
         with self.assertRaises(ValueError):
             membox.torch.InMemoryState(m, opt, client=c, every=0)
+        with self.assertRaises(ValueError):
+            membox.torch.InMemoryState(m, opt, client=c, rank=2, world=2)
         # Hyperparameters travel as JSON: a value that is not refuses.
         opt.param_groups[0]["note"] = object()
         state = membox.torch.InMemoryState(m, opt, client=c)
