@@ -446,21 +446,30 @@ void UcxDevice::NetLoop() {
       } else {
         // A UCX channel's connection: any event means it closed, reset, or
         // the peer broke protocol by sending after the handshake.
+        // The peek and the forgetting happen under mu_: a channel's Close()
+        // forgets its fd (under mu_) before closing it, so the fd cannot be
+        // closed -- and its number reused by another connection, whose
+        // entry we would then drop -- in between (TSan saw close() race
+        // with this recv()).
         std::shared_ptr<UcxChannel> ch;
-        int fd = -1;
         {
           MutexLock l(&mu_);
           auto it = liveness_.find(token);
           if (it == liveness_.end()) continue;
-          fd = it->second.fd;
+          const int fd = it->second.fd;
+          if (fd >= 0) {
+            char c;
+            ssize_t r = recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK);
+            if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+          }
           ch = it->second.channel.lock();
+          liveness_.erase(it);
+          if (fd >= 0) {
+            liveness_tokens_.erase(fd);
+            if (epoll_fd_)
+              epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
+          }
         }
-        if (fd >= 0) {
-          char c;
-          ssize_t r = recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK);
-          if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-        }
-        ForgetLiveness(fd);
         if (ch) ch->Fail(UnavailableError("connection lost"));
       }
     }
