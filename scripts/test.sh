@@ -11,6 +11,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 total=0
+show_failure() {  # $1 = a gtest/TSan log: its tail, then what failed and why
+  echo "---- last lines of $1:"
+  tail -n 40 "$1"
+  echo "---- failures and sanitizer reports in $1 (first 120 lines):"
+  grep -n -B3 -A20 -E '^[^ ]*:[0-9]+: Failure|WARNING: ThreadSanitizer|ERROR: AddressSanitizer|runtime error:' "$1" \
+    | head -n 120 || true
+}
 run_ctest() {  # $1 = preset; adds its test count to $total
   mkdir -p build
   ctest --preset "$1" -j1 2>&1 | tee "build/ctest-$1.log"
@@ -51,7 +58,7 @@ export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp" UCX_MEM_EVENTS=no
 # WriteAndReadManySizes/am: a 9 MiB rendezvous through instrumented memcpy
 # exceeds its 10 s wait under TSan (tests/tsan.supp).
 build/tsan/src/transport/transport_test --gtest_filter='-*WriteAndReadManySizes/am' >build/tsan/transport_test.log 2>&1 \
-  || { tail -n 80 build/tsan/transport_test.log; exit 1; }
+  || { show_failure build/tsan/transport_test.log; exit 1; }
 # The three-proxy failover tests (the release and ASan runs have them):
 # under TSan, in one process, the laggard case reads a stopped peer's ring
 # buffer through a shared-memory mapping whose address the next mapping
@@ -63,7 +70,7 @@ for t in service/service_test memserver/memserver_test ps/ps_test embedding/embe
   filter=()
   [[ $t == ps/ps_test ]] && filter=(--gtest_filter="$tsan_skip")
   build/tsan/src/$t "${filter[@]}" >"build/tsan/${t##*/}.log" 2>&1 \
-    || { tail -n 80 "build/tsan/${t##*/}.log"; exit 1; }
+    || { show_failure "build/tsan/${t##*/}.log"; exit 1; }
 done
 /usr/bin/python3 tests/hostile/hostile_network_test.py build/tsan/tools/membox \
   >build/tsan/hostile_network_test.log 2>&1 \

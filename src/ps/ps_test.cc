@@ -64,6 +64,20 @@ struct Cluster {
   }
 };
 
+// Waits until every running proxy of `c` has seen its workers leave (their
+// connections closed), instead of guessing how long that takes: under
+// ThreadSanitizer on a loaded machine it can take far longer than here.
+void WaitForNoWorkers(const Cluster& c, std::chrono::seconds limit = 20s) {
+  auto until = std::chrono::steady_clock::now() + limit;
+  for (const auto& p : c.proxies) {
+    while (p && p->Stats().clients != 0) {
+      ASSERT_LT(std::chrono::steady_clock::now(), until)
+          << "a proxy still has " << p->Stats().clients << " workers";
+      std::this_thread::sleep_for(10ms);
+    }
+  }
+}
+
 std::unique_ptr<ParamClient> Worker(
     const Cluster& c, int rank, int world, RoutingTable r = {},
     std::vector<transport::FaultPolicy> links = {},
@@ -252,7 +266,7 @@ TEST(PsTest, ANewJobDecidesItsKeysStripingAgain) {
     EXPECT_EQ(w1->Declare(2, 8192, DType::kFloat32).status().code(),
               StatusCode::kFailedPrecondition);
   }
-  std::this_thread::sleep_for(300ms);  // the proxies see both leave
+  WaitForNoWorkers(c);  // the proxies see both leave
   auto w0 = Worker(c, 0, 2, striped), w1 = Worker(c, 1, 2, striped);
   auto v = w0->Declare(1, 64 << 10, DType::kFloat32);
   ASSERT_TRUE(v.ok()) << v.status().ToString();
@@ -691,7 +705,7 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
   auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
                           /*replicate=*/true);
   train(c, 0, 3, &got);
-  std::this_thread::sleep_for(200ms);  // the proxies see the workers leave
+  WaitForNoWorkers(c);  // the proxies see the workers leave
   c.proxies[1]->Stop();                // the node dies
   c.proxies[1].reset();
   ProxyOptions o = ReplacementOptions(c, 1);

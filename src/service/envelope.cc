@@ -68,6 +68,15 @@ Result<Header> Decode(std::span<const uint8_t> in,
   if (h.kind != Kind::kReply && h.code != StatusCode::kOk) {
     return InvalidArgumentError("a request or notice carries a status code");
   }
+  // Id 0 marks what nobody answers: a request needs another, a notice has
+  // it (a reply to a notice would fail the sender's link).
+  if (h.kind == Kind::kRequest && h.id == 0) {
+    return InvalidArgumentError("a request with id 0 (0 is for notices)");
+  }
+  if (h.kind == Kind::kNotice && h.id != 0) {
+    return InvalidArgumentError("a notice with id " + std::to_string(h.id) +
+                                " (notices carry 0)");
+  }
   auto rest = in.subspan(kHeaderBytes);
   if (h.kind == Kind::kReply && h.code != StatusCode::kOk &&
       rest.size() > kMaxErrorMessage) {

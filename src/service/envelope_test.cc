@@ -76,6 +76,16 @@ TEST(EnvelopeTest, RejectsBadVersionKindAndCode) {
   EXPECT_FALSE(Decode(bad).ok());
 }
 
+TEST(EnvelopeTest, IdZeroIsForNoticesOnly) {
+  EXPECT_EQ(Decode(Request(1, 0, "x")).status().code(),
+            StatusCode::kInvalidArgument);
+  std::vector<uint8_t> n = NewMessage();
+  WriteHeader(Header{Kind::kNotice, 1, StatusCode::kOk, 0}, &n);
+  EXPECT_TRUE(Decode(n).ok());
+  WriteHeader(Header{Kind::kNotice, 1, StatusCode::kOk, 5}, &n);
+  EXPECT_EQ(Decode(n).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(EnvelopeTest, RejectsOversizeErrorBody) {
   auto m = ErrorReply(1, 1, NotFoundError("x"));
   m.resize(kHeaderBytes + kMaxErrorMessage + 1, 'y');

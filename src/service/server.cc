@@ -72,6 +72,16 @@ class ServerImpl final : public Server {
 
   void Reply(ConnectionId conn, uint16_t method, uint64_t id, const Status& s,
              std::vector<uint8_t> body) override {
+    if (id == 0) {
+      // A notice expects no answer, and one would fail the sender's link
+      // ("a reply to no request") and hide why: say it here instead.
+      if (!s.ok()) {
+        errors_++;
+        MEMBOX_LOG_WARN("{}: connection {}: a notice (method {}) failed: {}",
+                        opt_.service, conn, method, s.ToString());
+      }
+      return;
+    }
     std::shared_ptr<Channel> ch;
     Clock::time_point arrived{};
     {

@@ -94,6 +94,13 @@ class TestService : public Service {
         break;
       case kNote:
         notices++;
+        if (Str(r.body) == "refuse") {
+          // What a service does with a notice it cannot take: the server
+          // sends nothing back (the sender's link must not fail).
+          server->Reply(r, InvalidArgumentError("a bad notice"));
+          server->Reply(r.conn, r.method, r.id, InvalidArgumentError("again"));
+          break;
+        }
         server->Notify(r.conn, kNote, Msg("back"));
         break;
       case kNever:
@@ -293,6 +300,19 @@ TEST_P(ServiceTest, NoticesTravelBothWays) {
   for (int i = 0; i < 100 && back < 2; ++i) std::this_thread::sleep_for(10ms);
   EXPECT_EQ(svc_.notices.load(), 2);
   EXPECT_EQ(back.load(), 2);
+}
+
+TEST_P(ServiceTest, ARefusedNoticeIsNotAnsweredAndTheLinkStays) {
+  StartServer();
+  auto c = Connect();
+  ASSERT_TRUE(c);
+  ASSERT_TRUE(c->Notify(kNote, Msg("refuse")).ok());
+  auto r = c->Call(kEcho, Msg("after"));  // after the notice
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(Str(*r), "after");
+  EXPECT_TRUE(c->health().ok()) << c->health().ToString();
+  EXPECT_EQ(svc_.notices.load(), 1);
+  EXPECT_EQ(server_->stats().errors, 2u) << "counted, not sent";
 }
 
 TEST_P(ServiceTest, AStoppedServerFailsEveryPendingCallNamingTheNode) {

@@ -118,12 +118,13 @@ class Server {
 
   // Answers request (method, id) of `conn`. An ok status sends `body` (a
   // NewMessage buffer, service body appended); an error sends its message.
-  // No-op when the connection is gone.
+  // No-op when the connection is gone. Id 0 is a notice's: nothing is sent
+  // (an error is logged, naming the connection and method).
   virtual void Reply(ConnectionId conn, uint16_t method, uint64_t id,
                      const Status& s, std::vector<uint8_t> body = {}) = 0;
   void Reply(const Request& r, const Status& s,
              std::vector<uint8_t> body = {}) {
-    if (!r.notice) Reply(r.conn, r.method, r.id, s, std::move(body));
+    Reply(r.conn, r.method, r.notice ? 0 : r.id, s, std::move(body));
   }
   // A message the client did not ask for (method, body; no reply).
   virtual void Notify(ConnectionId conn, uint16_t method,
