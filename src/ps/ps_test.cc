@@ -705,8 +705,8 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
   auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
                           /*replicate=*/true);
   train(c, 0, 3, &got);
-  WaitForNoWorkers(c);  // the proxies see the workers leave
-  c.proxies[1]->Stop();                // the node dies
+  WaitForNoWorkers(c);   // the proxies see the workers leave
+  c.proxies[1]->Stop();  // the node dies
   c.proxies[1].reset();
   ProxyOptions o = ReplacementOptions(c, 1);
   o.restore = true;
