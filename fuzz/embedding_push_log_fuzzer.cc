@@ -11,10 +11,11 @@ using namespace membox::embedding;
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<PushLogRecord> records;
   uint64_t cut = 0;
-  if (!PushLog::Parse({data, size}, &records, &cut).ok()) return 0;
+  int version = 0;
+  if (!PushLog::Parse({data, size}, &records, &cut, &version).ok()) return 0;
   size_t pos = 8;
   for (const auto& r : records) {
-    auto again = PushLog::Encode(r);
+    auto again = PushLog::Encode(r, version);
     if (pos + again.size() > size ||
         std::memcmp(again.data(), data + pos, again.size()) != 0) {
       std::abort();

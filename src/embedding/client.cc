@@ -6,7 +6,9 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
+#include <thread>
 #include <unordered_map>
 
 #include "membox/base/logging.h"
@@ -73,41 +75,355 @@ using proto::Message;
 using proto::Type;
 using ReplyFn = std::function<void(Result<Message>)>;
 
-// One memory node: a service client whose replies are decoded here. A
-// reply this client cannot decode fails the node (service::Client's policy).
+// One memory node: a service link whose replies are decoded here, and --
+// when the node keeps a push log and failover is on -- what rides through
+// the node's death (docs/design/embedding.md, "Riding through a node's
+// death"): every request is kept until answered; when the link is lost
+// (UNAVAILABLE), a repair thread reconnects to the same endpoint (where
+// `membox launch` restarts the node, which replays its push log), says
+// hello as a rejoining client, opens the tables again (their ids may
+// differ) and sends the kept requests again in their order. Pushes carry
+// a sequence number so that one the dead node had applied is acknowledged,
+// not applied twice. A node not back within the failover time fails what
+// is kept and everything after (UNAVAILABLE, naming the node).
+//
+// Messages carry the client's table numbers; Send translates them into
+// the node's ids when it sends (again). Order: send_mu_ is held while a
+// request is numbered and sent, so the node sees a client's pushes in
+// sequence order; mu_ guards the state and is never held while sending
+// (a failed link runs the callback inline).
 class Node {
   static Result<Message> DecodeReply(std::span<const uint8_t> body) {
     return proto::Decode(static_cast<uint16_t>(Type::kReply), body);
   }
 
  public:
-  explicit Node(std::unique_ptr<service::Client> c) : c_(std::move(c)) {}
+  struct Options {
+    transport::Device* device = nullptr;  // outlives the Node
+    std::string endpoint;
+    std::string name;  // the worker's, in hellos
+    uint64_t client_id = 0;
+    std::chrono::milliseconds timeout{60000};
+    std::chrono::milliseconds failover{0};
+  };
 
-  // Sends `m`; `done` runs exactly once, on the progress thread or -- when
-  // the node has failed -- in this call.
-  void Send(const Message& m, ReplyFn done) {
-    c_->SendDecoded<Message>(static_cast<uint16_t>(m.type), proto::Encode(m),
-                             DecodeReply, std::move(done));
+  explicit Node(Options o) : opt_(std::move(o)) {}
+  ~Node() {
+    {
+      MutexLock l(&mu_);
+      closing_ = true;
+    }
+    cv_.NotifyAll();
+    if (repairer_.joinable()) repairer_.join();
+    std::shared_ptr<service::Client> c;
+    {
+      MutexLock l(&mu_);
+      c = std::move(c_);
+    }
+    c.reset();  // pending callbacks run (closing_: they finish)
+    FailKept(UnavailableError("embedding client closed"));
   }
 
-  Result<Message> Call(const Message& m, std::chrono::milliseconds timeout) {
-    return c_->CallDecoded<Message>(static_cast<uint16_t>(m.type),
-                                    proto::Encode(m), DecodeReply, timeout);
+  // The first link: hello; learns whether the node keeps a push log.
+  Status Connect() {
+    ASSIGN_OR_RETURN(auto fresh, Link(/*rejoin=*/false));
+    MutexLock l(&mu_);
+    c_ = std::move(fresh.client);
+    failover_ = opt_.failover.count() > 0 && fresh.durable;
+    if (failover_) repairer_ = std::thread([this] { RepairLoop(); });
+    return Status::Ok();
+  }
+
+  // Opens `config` as the client's table number `table` on this node.
+  Status OpenTable(uint32_t table, const TableConfig& config) {
+    Message m;
+    m.type = Type::kOpenTable;
+    m.table = config;
+    ASSIGN_OR_RETURN(Message r, Call(m));
+    MutexLock l(&mu_);
+    if (configs_.size() <= table) {
+      configs_.resize(table + 1);
+      ids_.resize(table + 1);
+    }
+    configs_[table] = config;
+    ids_[table] = r.table_id;
+    return Status::Ok();
+  }
+
+  // Sends `m` (table numbers: the client's); `done` runs exactly once, on
+  // the progress thread or the repair thread or -- when the node has
+  // failed -- in this call.
+  void Send(Message m, ReplyFn done) {
+    MutexLock order(&send_mu_);
+    uint64_t id = 0;
+    Status gone;
+    {
+      MutexLock l(&mu_);
+      gone = gone_;
+      if (gone.ok()) {
+        id = next_id_++;
+        if (m.type == Type::kPush && failover_) {
+          // Pushes below the oldest unanswered one may be forgotten.
+          m.seq = next_seq_++;
+          unanswered_.insert(m.seq);
+          m.floor = *unanswered_.begin() - 1;
+        }
+        Kept& k = kept_[id];
+        k.m = std::move(m);
+        k.done = std::move(done);
+        for (const proto::Section& s : k.m.sections) {
+          k.tables.push_back(s.table_id);
+        }
+        if (k.m.type == Type::kRelease) k.tables.push_back(k.m.table_id);
+        if (down_) return;  // the repair sends it
+      }
+    }
+    if (!gone.ok()) return done(gone);
+    Transmit({id});
+  }
+
+  // A synchronous request with no failover (open, status).
+  Result<Message> Call(const Message& m) {
+    std::shared_ptr<service::Client> c;
+    {
+      MutexLock l(&mu_);
+      if (!gone_.ok()) return gone_;
+      if (down_ || !c_) {
+        return UnavailableError("embedding node " + opt_.endpoint +
+                                " is being reconnected");
+      }
+      c = c_;
+    }
+    return c->CallDecoded<Message>(static_cast<uint16_t>(m.type),
+                                   proto::Encode(m), DecodeReply, opt_.timeout);
   }
 
   // A reply that contradicts its request fails the node.
   Status Malformed(const std::string& what) {
-    c_->Fail(DataLossError(what));
-    return c_->health();
+    std::shared_ptr<service::Client> c;
+    {
+      MutexLock l(&mu_);
+      c = c_;
+    }
+    if (!c)
+      return DataLossError("embedding node " + opt_.endpoint + ": " + what);
+    c->Fail(DataLossError(what));
+    return c->health();
+  }
+
+  bool failover() const {
+    MutexLock l(&mu_);
+    return failover_;
   }
 
  private:
-  std::unique_ptr<service::Client> c_;
+  struct Kept {
+    Message m;
+    std::vector<uint32_t> tables;  // the client's table numbers, in order
+    ReplyFn done;
+  };
+  struct Fresh {
+    std::shared_ptr<service::Client> client;
+    bool durable = false;
+    std::vector<uint32_t> ids;  // the node's ids of configs_ (rejoin)
+  };
+
+  // A new link: hello (and, rejoining, the tables opened again).
+  Result<Fresh> Link(bool rejoin) {
+    ASSIGN_OR_RETURN(std::shared_ptr<transport::Channel> ch,
+                     opt_.device->GetChannel(opt_.endpoint));
+    service::ClientOptions co;
+    co.node_kind = "embedding node";
+    Fresh f;
+    f.client = service::Client::Over(ch, opt_.endpoint, co);
+    Message h;
+    h.type = Type::kHello;
+    h.name = opt_.name;
+    h.client_id = opt_.client_id;
+    h.rejoin = rejoin;
+    auto call = [&](const Message& m) {
+      return f.client->CallDecoded<Message>(static_cast<uint16_t>(m.type),
+                                            proto::Encode(m), DecodeReply,
+                                            opt_.timeout);
+    };
+    ASSIGN_OR_RETURN(Message r, call(h));
+    f.durable = r.text == "push-log";
+    if (!rejoin) return f;
+    if (!f.durable) {
+      return FailedPreconditionError(
+          "embedding node " + opt_.endpoint +
+          " came back without its push log: what it acknowledged is lost");
+    }
+    std::vector<TableConfig> configs;
+    {
+      MutexLock l(&mu_);
+      configs = configs_;
+    }
+    for (const TableConfig& t : configs) {
+      Message m;
+      m.type = Type::kOpenTable;
+      m.table = t;
+      ASSIGN_OR_RETURN(Message o, call(m));
+      f.ids.push_back(o.table_id);
+    }
+    return f;
+  }
+
+  // Sends kept requests `ids` (in this order) on the current link. Called
+  // with send_mu_ held.
+  void Transmit(const std::vector<uint64_t>& ids) {
+    for (uint64_t id : ids) {
+      std::shared_ptr<service::Client> c;
+      uint64_t gen = 0;
+      std::vector<uint8_t> bytes;
+      uint16_t method = 0;
+      {
+        MutexLock l(&mu_);
+        auto it = kept_.find(id);
+        if (it == kept_.end() || down_) continue;
+        Kept& k = it->second;
+        size_t i = 0;
+        for (proto::Section& s : k.m.sections) s.table_id = ids_[k.tables[i++]];
+        if (k.m.type == Type::kRelease) k.m.table_id = ids_[k.tables[0]];
+        bytes = proto::Encode(k.m);
+        method = static_cast<uint16_t>(k.m.type);
+        c = c_;
+        gen = gen_;
+      }
+      c->SendDecoded<Message>(method, std::move(bytes), DecodeReply,
+                              [this, id, gen](Result<Message> r) {
+                                OnReply(id, gen, std::move(r));
+                              });
+    }
+  }
+
+  void OnReply(uint64_t id, uint64_t gen, Result<Message> r) {
+    ReplyFn done;
+    {
+      MutexLock l(&mu_);
+      if (gen != gen_) return;  // sent again on a newer link
+      auto it = kept_.find(id);
+      if (it == kept_.end()) return;
+      if (!r.ok() && failover_ && !closing_ && c_ &&
+          c_->health().code() == StatusCode::kUnavailable) {
+        // The link is lost, not the request refused: kept for the repair.
+        if (!down_) {
+          down_ = true;
+          down_since_ = std::chrono::steady_clock::now();
+          cv_.NotifyAll();
+        }
+        return;
+      }
+      done = std::move(it->second.done);
+      if (it->second.m.seq != 0) unanswered_.erase(it->second.m.seq);
+      kept_.erase(it);
+    }
+    done(std::move(r));
+  }
+
+  void RepairLoop() {
+    for (;;) {
+      {
+        MutexLock l(&mu_);
+        while (!closing_ && !down_) cv_.Wait(&mu_);
+        if (closing_) return;
+      }
+      Repair();
+    }
+  }
+
+  void Repair() {
+    const auto t0 = std::chrono::steady_clock::now();
+    MEMBOX_LOG_WARN(
+        "embedding client {}: lost embedding node {}; waiting up to {} s for "
+        "it to come back (its requests are kept)",
+        opt_.name, opt_.endpoint,
+        std::chrono::duration_cast<std::chrono::seconds>(opt_.failover)
+            .count());
+    Status last;
+    for (int tries = 0;; ++tries) {
+      {
+        MutexLock l(&mu_);
+        if (closing_) return;
+      }
+      if (std::chrono::steady_clock::now() - t0 >= opt_.failover) break;
+      if (tries > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      auto fresh = Link(/*rejoin=*/true);
+      if (!fresh.ok()) {
+        last = fresh.status();
+        if (last.code() == StatusCode::kFailedPrecondition) break;
+        continue;
+      }
+      // Swap the link in and send what was kept, in order, before any new
+      // request (send_mu_).
+      MutexLock order(&send_mu_);
+      std::vector<uint64_t> ids;
+      {
+        MutexLock l(&mu_);
+        c_ = fresh->client;
+        gen_++;
+        for (size_t t = 0; t < fresh->ids.size() && t < ids_.size(); ++t) {
+          ids_[t] = fresh->ids[t];
+        }
+        down_ = false;
+        for (const auto& [id, k] : kept_) ids.push_back(id);
+      }
+      Transmit(ids);
+      MEMBOX_LOG_WARN(
+          "embedding client {}: embedding node {} is back after {:.2f} s; {} "
+          "request(s) sent again",
+          opt_.name, opt_.endpoint,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count(),
+          ids.size());
+      return;
+    }
+    Status gone = UnavailableError(
+        "embedding node " + opt_.endpoint + " did not come back within " +
+        std::to_string(
+            std::chrono::duration_cast<std::chrono::seconds>(opt_.failover)
+                .count()) +
+        " s (last: " + last.ToString() + ")");
+    MEMBOX_LOG_ERROR("embedding client {}: {}", opt_.name, gone.ToString());
+    {
+      MutexLock l(&mu_);
+      gone_ = gone;
+    }
+    FailKept(gone);
+  }
+
+  void FailKept(const Status& why) {
+    std::map<uint64_t, Kept> kept;
+    {
+      MutexLock l(&mu_);
+      kept.swap(kept_);
+      unanswered_.clear();
+    }
+    for (auto& [id, k] : kept) k.done(why);
+  }
+
+  const Options opt_;
+  Mutex send_mu_;  // taken before mu_
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::shared_ptr<service::Client> c_ MEMBOX_GUARDED_BY(mu_);
+  uint64_t gen_ MEMBOX_GUARDED_BY(mu_) = 0;
+  bool failover_ MEMBOX_GUARDED_BY(mu_) = false;
+  bool down_ MEMBOX_GUARDED_BY(mu_) = false;
+  bool closing_ MEMBOX_GUARDED_BY(mu_) = false;
+  Status gone_ MEMBOX_GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point down_since_ MEMBOX_GUARDED_BY(mu_);
+  std::map<uint64_t, Kept> kept_ MEMBOX_GUARDED_BY(mu_);
+  uint64_t next_id_ MEMBOX_GUARDED_BY(mu_) = 1;
+  uint64_t next_seq_ MEMBOX_GUARDED_BY(mu_) = 1;
+  std::set<uint64_t> unanswered_ MEMBOX_GUARDED_BY(mu_);  // pushes' seqs
+  std::vector<TableConfig> configs_ MEMBOX_GUARDED_BY(mu_);
+  std::vector<uint32_t> ids_ MEMBOX_GUARDED_BY(mu_);
+  std::thread repairer_;
 };
 
 struct OpenedTable {
-  TableConfig config;
-  std::vector<uint32_t> ids;  // per node
+  TableConfig config;  // the nodes' ids for it: Node
 };
 
 class ClientImpl final : public EmbeddingClient {
@@ -132,33 +448,36 @@ class ClientImpl final : public EmbeddingClient {
     d.name = "membox-embedding-" + opt_.name;
     d.connect_timeout = opt_.timeout;
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    // Pushes resent after a lost link are recognised by this id.
+    std::random_device rd;
+    uint64_t id = 0;
+    while (id == 0) id = (uint64_t{rd()} << 32) ^ rd();
     for (const std::string& ep : opt_.nodes) {
-      service::ClientOptions co;
-      co.node_kind = "embedding node";
-      ASSIGN_OR_RETURN(auto c, service::Client::Connect(*device_, ep, co));
-      nodes_.push_back(std::make_unique<Node>(std::move(c)));
-      Message h;
-      h.type = Type::kHello;
-      h.name = opt_.name;
-      RETURN_IF_ERROR(nodes_.back()->Call(h, opt_.timeout).status());
+      Node::Options no;
+      no.device = device_.get();
+      no.endpoint = ep;
+      no.name = opt_.name;
+      no.client_id = id;
+      no.timeout = opt_.timeout;
+      no.failover = opt_.failover_timeout;
+      nodes_.push_back(std::make_unique<Node>(std::move(no)));
+      RETURN_IF_ERROR(nodes_.back()->Connect());
     }
     return Status::Ok();
   }
 
   Result<uint32_t> OpenTable(const TableConfig& config) override {
     RETURN_IF_ERROR(ValidateTableConfig(config));
-    OpenedTable t;
-    t.config = config;
-    for (auto& n : nodes_) {
-      Message m;
-      m.type = Type::kOpenTable;
-      m.table = config;
-      ASSIGN_OR_RETURN(Message r, n->Call(m, opt_.timeout));
-      t.ids.push_back(r.table_id);
+    MutexLock open(&open_mu_);
+    uint32_t table = 0;
+    {
+      MutexLock l(&mu_);
+      table = static_cast<uint32_t>(tables_.size());
     }
+    for (auto& n : nodes_) RETURN_IF_ERROR(n->OpenTable(table, config));
     MutexLock l(&mu_);
-    tables_.push_back(std::make_unique<OpenedTable>(std::move(t)));
-    return static_cast<uint32_t>(tables_.size() - 1);
+    tables_.push_back(std::make_unique<OpenedTable>(OpenedTable{config}));
+    return table;
   }
 
   const TableConfig& table(uint32_t table) const override {
@@ -221,7 +540,7 @@ class ClientImpl final : public EmbeddingClient {
       Packer pack(Type::kPull, batch, n, &msgs);
       for (size_t j = 0; j < parts.size(); ++j) {
         const Part& op = (*ps)[j];
-        pack.Add(static_cast<uint32_t>(j), opened[j]->ids[n], op.dim,
+        pack.Add(static_cast<uint32_t>(j), parts[j].table, op.dim,
                  by_node[j][n], false, [&](proto::Section& s, uint32_t u) {
                    s.keys.push_back(op.unique[u]);
                  });
@@ -314,7 +633,7 @@ class ClientImpl final : public EmbeddingClient {
       for (size_t j = 0; j < parts.size(); ++j) {
         const uint32_t d = opened[j]->config.dim;
         const Part& op = ps[j];
-        pack.Add(static_cast<uint32_t>(j), opened[j]->ids[n], d, by_node[j][n],
+        pack.Add(static_cast<uint32_t>(j), parts[j].table, d, by_node[j][n],
                  pinned[j].count(n) > 0, [&](proto::Section& s, uint32_t u) {
                    s.keys.push_back(op.unique[u]);
                    const float* g = op.summed.data() + size_t(u) * d;
@@ -329,12 +648,12 @@ class ClientImpl final : public EmbeddingClient {
   }
 
   Status Release(uint32_t table, uint64_t batch) override {
-    ASSIGN_OR_RETURN(const OpenedTable* t, Find(table));
+    RETURN_IF_ERROR(Find(table).status());
     std::vector<std::pair<uint32_t, Message>> msgs;
     for (uint32_t n : TakePinned(table, batch)) {
       Message m;
       m.type = Type::kRelease;
-      m.table_id = t->ids[n];
+      m.table_id = table;
       m.batch = batch;
       msgs.emplace_back(n, std::move(m));
     }
@@ -357,7 +676,7 @@ class ClientImpl final : public EmbeddingClient {
     if (node >= nodes_.size()) return InvalidArgumentError("no such node");
     Message m;
     m.type = Type::kStats;
-    ASSIGN_OR_RETURN(Message r, nodes_[node]->Call(m, opt_.timeout));
+    ASSIGN_OR_RETURN(Message r, nodes_[node]->Call(m));
     return r.text;
   }
 
@@ -535,6 +854,7 @@ class ClientImpl final : public EmbeddingClient {
   EmbeddingClientOptions opt_;
   std::unique_ptr<transport::Device> device_;
   std::vector<std::unique_ptr<Node>> nodes_;
+  Mutex open_mu_;  // one OpenTable at a time (table numbers)
   mutable Mutex mu_;
   std::vector<std::unique_ptr<OpenedTable>> tables_ MEMBOX_GUARDED_BY(mu_);
   std::map<std::pair<uint32_t, uint64_t>, std::set<uint32_t>> pinned_

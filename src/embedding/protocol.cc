@@ -19,8 +19,9 @@ using wire::Writer;
 
 constexpr uint8_t kMagic = 'E';
 // 2: pulls and pushes carry sections; 3: inside the service envelope (the
-// request id, method and error travel there).
-constexpr uint8_t kVersion = 3;
+// request id, method and error travel there); 4: a hello carries the
+// client id and rejoin flag, a push its sequence number (resent pushes).
+constexpr uint8_t kVersion = 4;
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed embedding message: ") +
@@ -122,6 +123,8 @@ std::vector<uint8_t> Encode(const Message& m) {
   switch (m.type) {
     case Type::kHello:
       PutStr(w, m.name);
+      w.U64(m.client_id);
+      w.U8(m.rejoin ? 1 : 0);
       break;
     case Type::kOpenTable:
       PutStr(w, m.table.name);
@@ -138,6 +141,10 @@ std::vector<uint8_t> Encode(const Message& m) {
     case Type::kPull:
     case Type::kPush:
       w.U64(m.batch);
+      if (m.type == Type::kPush) {
+        w.U64(m.seq);
+        w.U64(m.floor);
+      }
       w.U32(static_cast<uint32_t>(m.sections.size()));
       for (const Section& s : m.sections) {
         w.U32(s.table_id);
@@ -175,7 +182,8 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
   bool ok = true;
   switch (m.type) {
     case Type::kHello:
-      ok = GetStr(r, &m.name, kMaxName);
+      ok = GetStr(r, &m.name, kMaxName) && r.U64(&m.client_id) &&
+           GetBool(r, &m.rejoin);
       break;
     case Type::kOpenTable: {
       uint8_t opt = 0;
@@ -191,7 +199,10 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
     case Type::kPull:
     case Type::kPush:
       ok =
-          r.U64(&m.batch) && GetSections(r, m.type == Type::kPush, &m.sections);
+          r.U64(&m.batch) &&
+          (m.type != Type::kPush || (r.U64(&m.seq) && r.U64(&m.floor) &&
+                                     m.floor < std::max<uint64_t>(m.seq, 1))) &&
+          GetSections(r, m.type == Type::kPush, &m.sections);
       break;
     case Type::kRelease:
       ok = r.U32(&m.table_id) && r.U64(&m.batch);

@@ -21,10 +21,12 @@
 namespace membox::embedding::proto {
 
 enum class Type : uint8_t {
-  kHello = 1,      // name (the channel is authenticated by the transport)
+  kHello = 1,      // name, client id, rejoin (the channel is authenticated
+                   // by the transport) -> reply.text "push-log" if durable
   kOpenTable = 2,  // TableConfig -> reply.table_id
   kPull = 3,       // batch (0: no pin), sections (table, keys) -> values
-  kPush = 4,       // batch, sections (table, release, keys, gradients)
+  kPush = 4,       // batch, seq, floor, sections (table, release, keys,
+                   // gradients)
   kRelease = 5,    // table_id, batch: unpin what the batch pulled
   kFlush = 6,      // make every update durable (SSD tier synced)
   kStats = 7,      // -> reply.text
@@ -54,6 +56,17 @@ struct Message {
   Type type = Type::kStats;
   // kHello
   std::string name;
+  // kHello: the client's random nonzero id (0: pushes are not
+  // deduplicated); `rejoin`: this connection replaces one that was lost,
+  // so batches it releases may have been pinned by the lost one.
+  uint64_t client_id = 0;
+  bool rejoin = false;
+  // kPush: the client's sequence number for its pushes to this node, 1, 2,
+  // ...: a push resent after a lost link is applied once (0: no check);
+  // `floor`: every push numbered floor or less has been answered (the
+  // client will not send it again), so the node may forget it.
+  uint64_t seq = 0;
+  uint64_t floor = 0;
   // kOpenTable
   TableConfig table;
   // kRelease; kReply to kOpenTable

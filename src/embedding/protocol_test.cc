@@ -26,6 +26,8 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
   Message push;
   push.type = Type::kPush;
   push.batch = 77;
+  push.seq = 0x0102030405060708ull;
+  push.floor = 0x0102030405060700ull;
   push.sections.push_back(
       {2, true, {1, 2, 3}, {0.5f, -1.f, 2.f, 3.f, 4.f, 5.f}});
   push.sections.push_back({0, false, {9}, {1.f}});
@@ -34,6 +36,22 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_EQ(d->sections, push.sections);
   EXPECT_EQ(d->batch, 77u);
+  EXPECT_EQ(d->seq, push.seq);
+  EXPECT_EQ(d->floor, push.floor);
+  Message ahead = push;  // a floor at or above its own number: refused
+  ahead.floor = ahead.seq;
+  EXPECT_FALSE(RoundTrip(ahead).ok());
+
+  Message hello;
+  hello.type = Type::kHello;
+  hello.name = "w0";
+  hello.client_id = 0xfeedfacecafebeefull;
+  hello.rejoin = true;
+  auto h = RoundTrip(hello);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(h->name, "w0");
+  EXPECT_EQ(h->client_id, hello.client_id);
+  EXPECT_TRUE(h->rejoin);
 
   Message pull;
   pull.type = Type::kPull;

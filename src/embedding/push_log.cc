@@ -15,7 +15,9 @@ namespace membox::embedding {
 
 namespace {
 
-constexpr char kMagic[8] = {'M', 'B', 'X', 'P', 'L', 'O', 'G', '1'};
+// Format 1 had no `applied` list; Open writes format 2.
+constexpr char kMagicV1[8] = {'M', 'B', 'X', 'P', 'L', 'O', 'G', '1'};
+constexpr char kMagic[8] = {'M', 'B', 'X', 'P', 'L', 'O', 'G', '2'};
 constexpr uint32_t kMaxRecord = 1u << 30;
 constexpr uint32_t kMaxSections = 1u << 16;
 
@@ -58,15 +60,23 @@ Result<std::unique_ptr<PushLog>> PushLog::Open(const std::string& path) {
 
 PushLog::~PushLog() { ::close(fd_); }
 
-std::vector<uint8_t> PushLog::Encode(const PushLogRecord& record) {
+std::vector<uint8_t> PushLog::Encode(const PushLogRecord& record, int version) {
   wire::Writer payload;
-  payload.U32(static_cast<uint32_t>(record.size()));
-  for (const PushLogSection& s : record) {
+  payload.U32(static_cast<uint32_t>(record.sections.size()));
+  for (const PushLogSection& s : record.sections) {
     wire::PutStr(payload, s.table);
     payload.U32(s.row_bytes);
     payload.U32(static_cast<uint32_t>(s.keys.size()));
     for (uint64_t k : s.keys) payload.U64(k);
     payload.Bytes(s.rows.data(), s.rows.size());
+  }
+  if (version >= 2) {
+    payload.U32(static_cast<uint32_t>(record.applied.size()));
+    for (const PushLogApplied& a : record.applied) {
+      payload.U64(a.client);
+      payload.U64(a.floor);
+      payload.U64(a.seq);
+    }
   }
   const std::vector<uint8_t>& p = payload.buffer();
   wire::Writer out;
@@ -100,23 +110,31 @@ Status PushLog::Sync() {
   return Status::Ok();
 }
 
-Status PushLog::Truncate() {
-  if (bytes_ == sizeof(kMagic)) return Status::Ok();
+Status PushLog::Truncate(const PushLogRecord* first) {
+  if (bytes_ == sizeof(kMagic) && !first) return Status::Ok();
   if (::ftruncate(fd_, sizeof(kMagic)) != 0) return Errno("truncate " + path_);
-  if (::fdatasync(fd_) != 0) return Errno("fdatasync " + path_);
   bytes_ = sizeof(kMagic);
+  if (first) {
+    std::vector<uint8_t> b = Encode(*first);
+    RETURN_IF_ERROR(WriteAll(fd_, b.data(), b.size()));
+    bytes_ += b.size();
+  }
+  if (::fdatasync(fd_) != 0) return Errno("fdatasync " + path_);
   return Status::Ok();
 }
 
 Status PushLog::Parse(std::span<const uint8_t> bytes,
-                      std::vector<PushLogRecord>* records,
-                      uint64_t* cut_bytes) {
+                      std::vector<PushLogRecord>* records, uint64_t* cut_bytes,
+                      int* version) {
   records->clear();
   *cut_bytes = 0;
-  if (bytes.size() < sizeof(kMagic) ||
-      std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
-    return DataLossError("not a membox push log (bad header)");
+  int v = 0;
+  if (bytes.size() >= sizeof(kMagic)) {
+    if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0) v = 2;
+    if (std::memcmp(bytes.data(), kMagicV1, sizeof(kMagic)) == 0) v = 1;
   }
+  if (v == 0) return DataLossError("not a membox push log (bad header)");
+  if (version) *version = v;
   size_t pos = sizeof(kMagic);
   while (pos < bytes.size()) {
     wire::Reader head(bytes.subspan(pos));
@@ -142,7 +160,17 @@ Status PushLog::Parse(std::span<const uint8_t> bytes,
       s.keys.resize(keys);
       for (uint32_t k = 0; k < keys; ++k) r.U64(&s.keys[k]);
       ok = r.Bytes(&s.rows, size_t{keys} * s.row_bytes);
-      rec.push_back(std::move(s));
+      rec.sections.push_back(std::move(s));
+    }
+    if (ok && v >= 2) {
+      uint32_t applied = 0;
+      ok = r.U32(&applied) && applied <= kMaxPushLogApplied &&
+           uint64_t{applied} * 24 <= r.remaining();
+      if (ok) rec.applied.resize(applied);
+      for (uint32_t i = 0; ok && i < applied; ++i) {
+        PushLogApplied& a = rec.applied[i];
+        ok = r.U64(&a.client) && r.U64(&a.floor) && r.U64(&a.seq);
+      }
     }
     if (!ok || r.remaining() != 0) break;  // a checksum hid a bad layout
     records->push_back(std::move(rec));

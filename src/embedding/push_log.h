@@ -13,6 +13,10 @@
 // bad record, reporting how many bytes it cut; fuzz/
 // embedding_push_log_fuzzer.cc drives it.
 //
+// Open starts a missing or empty file with the current header; the server
+// replays a log and removes it before opening a new one, so a log of an
+// older format is read, never appended to.
+//
 // Ownership and threading: a PushLog owns its file descriptor. Write and
 // Truncate run on one thread (the embedding server's event loop); Sync may
 // run on another at the same time (fdatasync covers every write that
@@ -38,9 +42,27 @@ struct PushLogSection {
   std::vector<uint64_t> keys;
   std::vector<uint8_t> rows;  // keys.size() * row_bytes
 };
-using PushLogRecord = std::vector<PushLogSection>;
+// What a server knows of a client's pushes: each one numbered `floor` or
+// less was answered (the client will not send it again), and push `seq`
+// (0: none) was applied.
+struct PushLogApplied {
+  uint64_t client = 0;
+  uint64_t floor = 0;
+  uint64_t seq = 0;
+  bool operator==(const PushLogApplied&) const = default;
+};
+// One acknowledged push: the rows it changed and which client's push it
+// was. A record with no sections is what a truncated log starts with:
+// every client's floor and the pushes above it that were applied, so a
+// push resent after the flush is still recognised
+// (docs/formats/embedding_push_log.md).
+struct PushLogRecord {
+  std::vector<PushLogSection> sections;
+  std::vector<PushLogApplied> applied;
+};
 
 constexpr size_t kMaxPushLogTableName = 255;
+constexpr uint32_t kMaxPushLogApplied = 1u << 20;
 
 class PushLog {
  public:
@@ -58,20 +80,25 @@ class PushLog {
   Status Write(const PushLogRecord& record);
   Status Sync();
   uint64_t syncs() const { return syncs_.load(); }
-  // Empties the log (its rows are durable in the SSD tiers now).
-  Status Truncate();
+  // Empties the log (its rows are durable in the SSD tiers now), then
+  // writes `first` (if given) and syncs: durable on return.
+  Status Truncate(const PushLogRecord* first = nullptr);
 
   uint64_t bytes() const { return bytes_; }      // in the file now
   uint64_t appends() const { return appends_; }  // since Open
   double sync_seconds() const { return sync_ns_.load() * 1e-9; }
 
-  // Encodes one record as it lies in the file (length, CRC, payload).
-  static std::vector<uint8_t> Encode(const PushLogRecord& record);
-  // The records of a log's bytes, in order. A file that does not start
-  // with the header is DATA_LOSS; a torn or corrupt record ends the list
-  // and `cut_bytes` says how much followed it.
+  // Encodes one record as it lies in a file of format `version` (1: no
+  // `applied`; 2, what Open writes) -- length, CRC, payload.
+  static std::vector<uint8_t> Encode(const PushLogRecord& record,
+                                     int version = 2);
+  // The records of a log's bytes, in order (either format; `version`, if
+  // given, says which). A file that does not start with a header is
+  // DATA_LOSS; a torn or corrupt record ends the list and `cut_bytes` says
+  // how much followed it.
   static Status Parse(std::span<const uint8_t> bytes,
-                      std::vector<PushLogRecord>* records, uint64_t* cut_bytes);
+                      std::vector<PushLogRecord>* records, uint64_t* cut_bytes,
+                      int* version = nullptr);
   // Reads and parses `path`; a missing file has no records.
   static Status Read(const std::string& path,
                      std::vector<PushLogRecord>* records, uint64_t* cut_bytes);

@@ -19,8 +19,9 @@ PushLogRecord Record(uint64_t first_key, uint8_t fill) {
     s.row_bytes = 8;
     s.keys = {first_key, first_key + 1, first_key + 7};
     s.rows.assign(s.keys.size() * s.row_bytes, static_cast<uint8_t>(fill + t));
-    r.push_back(std::move(s));
+    r.sections.push_back(std::move(s));
   }
+  r.applied = {{first_key * 3, first_key - 1, first_key}, {7, 0, fill}};
   return r;
 }
 
@@ -54,18 +55,48 @@ TEST_F(PushLogTest, WhatIsAppendedReadsBackInOrder) {
   ASSERT_TRUE(PushLog::Read(path_, &recs, &cut).ok());
   EXPECT_EQ(cut, 0u);
   ASSERT_EQ(recs.size(), 3u);
-  EXPECT_EQ(recs[1][0].table, "users");
-  EXPECT_EQ(recs[1][1].table, "ads");
-  EXPECT_EQ(recs[2][1].keys, (std::vector<uint64_t>{30, 31, 37}));
-  EXPECT_EQ(recs[2][1].rows, std::vector<uint8_t>(24, 10));
+  EXPECT_EQ(recs[1].sections[0].table, "users");
+  EXPECT_EQ(recs[1].sections[1].table, "ads");
+  EXPECT_EQ(recs[2].sections[1].keys, (std::vector<uint64_t>{30, 31, 37}));
+  EXPECT_EQ(recs[2].sections[1].rows, std::vector<uint8_t>(24, 10));
+  EXPECT_EQ(recs[2].applied, Record(30, 9).applied);
   ASSERT_TRUE((*log)->Truncate().ok());
   ASSERT_TRUE(PushLog::Read(path_, &recs, &cut).ok());
   EXPECT_TRUE(recs.empty());
   EXPECT_EQ((*log)->bytes(), 8u);
+  // Truncated with a first record: what a flush leaves (who applied what).
+  PushLogRecord clients;
+  clients.applied = {{11, 4, 0}, {12, 9, 11}};
+  ASSERT_TRUE((*log)->Truncate(&clients).ok());
+  ASSERT_TRUE(PushLog::Read(path_, &recs, &cut).ok());
+  ASSERT_EQ(recs.size(), 1u);
+  EXPECT_TRUE(recs[0].sections.empty());
+  EXPECT_EQ(recs[0].applied, clients.applied);
+}
+
+TEST_F(PushLogTest, AFormatOneLogStillReads) {
+  std::vector<uint8_t> file = {'M', 'B', 'X', 'P', 'L', 'O', 'G', '1'};
+  auto a = PushLog::Encode(Record(1, 1), 1);
+  file.insert(file.end(), a.begin(), a.end());
+  std::vector<PushLogRecord> recs;
+  uint64_t cut = 1;
+  int version = 0;
+  ASSERT_TRUE(PushLog::Parse(file, &recs, &cut, &version).ok());
+  EXPECT_EQ(version, 1);
+  EXPECT_EQ(cut, 0u);
+  ASSERT_EQ(recs.size(), 1u);
+  EXPECT_EQ(recs[0].sections.size(), 2u);
+  EXPECT_TRUE(recs[0].applied.empty());
+  // Format 2 bytes under a format 1 header do not parse exactly: cut.
+  auto b = PushLog::Encode(Record(2, 2));
+  file.insert(file.end(), b.begin(), b.end());
+  ASSERT_TRUE(PushLog::Parse(file, &recs, &cut).ok());
+  EXPECT_EQ(recs.size(), 1u);
+  EXPECT_EQ(cut, b.size());
 }
 
 TEST_F(PushLogTest, ATornOrCorruptTailIsCutAndTheRestKept) {
-  std::vector<uint8_t> file = {'M', 'B', 'X', 'P', 'L', 'O', 'G', '1'};
+  std::vector<uint8_t> file = {'M', 'B', 'X', 'P', 'L', 'O', 'G', '2'};
   auto a = PushLog::Encode(Record(1, 1));
   auto b = PushLog::Encode(Record(2, 2));
   file.insert(file.end(), a.begin(), a.end());

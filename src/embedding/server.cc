@@ -94,9 +94,26 @@ struct Table {
   uint64_t rows_pulled = 0, rows_pushed = 0;
 };
 
+// What a server knows of one client's numbered pushes (push dedup, see
+// proto::Message::seq): every push numbered `floor` or less was answered
+// and will not come again; `above` are the ones above it that were
+// applied. Pushes may arrive out of order (a large message can overtake
+// a small one), so this is a set, not a high-water mark.
+struct ClientPushes {
+  uint64_t floor = 0;
+  std::set<uint64_t> above;
+  void Forget(uint64_t answered) {
+    if (answered <= floor) return;
+    floor = answered;
+    above.erase(above.begin(), above.upper_bound(floor));
+  }
+};
+
 struct Conn {
   bool authenticated = false;
   std::string name;
+  uint64_t client_id = 0;  // the hello's; 0: pushes are not deduplicated
+  bool rejoin = false;     // replaces a lost link: its pins died with it
   // (table, client batch) -> the memory tier's batch tag
   std::map<std::pair<uint32_t, uint64_t>, uint64_t> batches;
 };
@@ -127,8 +144,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       // Pushes acknowledged before a crash are in the log: into the SSD
       // tiers with them before anyone can pull.
       RETURN_IF_ERROR(ReplayPushLog());
-      ASSIGN_OR_RETURN(log_, PushLog::Open(PushLogPath()));
-      RETURN_IF_ERROR(log_->Truncate());
+      RETURN_IF_ERROR(StartPushLog());
     }
     service::ServerOptions so;
     so.device.listen_address = opt_.listen;
@@ -175,6 +191,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     s.rows_pushed = rows_pushed_.load();
     s.flushes = flushes_.load();
     s.rejected = rejected_.load();
+    s.duplicate_pushes = duplicate_pushes_.load();
     s.log_appends = log_appends_.load();
     s.log_bytes = log_bytes_.load();
     s.log_sync_seconds = log_sync_ns_.load() * 1e-9;
@@ -197,6 +214,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
               s.pulls);
     w.Counter("membox_embedding_push_requests_total", "Push requests.",
               s.pushes);
+    w.Counter("membox_embedding_duplicate_pushes_total",
+              "Pushes resent after a lost link that were applied already "
+              "(acknowledged, not applied again).",
+              s.duplicate_pushes);
     w.Counter("membox_embedding_rows_pulled_total", "Rows pulled.",
               s.rows_pulled);
     w.Counter("membox_embedding_rows_pushed_total", "Rows pushed.",
@@ -306,9 +327,17 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         if (!c.authenticated) {
           c.authenticated = true;
           c.name = m.name;
+          c.client_id = m.client_id;
+          c.rejoin = m.rejoin;
           n_clients_++;
           server_->Establish(r.conn);
+          if (m.rejoin) {
+            MEMBOX_LOG_INFO("client {} is back (a link it lost)", m.name);
+          }
         }
+        // What the client may rely on: an acknowledged push survives this
+        // node's death (it then resends what was not acknowledged).
+        reply.text = log_ ? "push-log" : "";
         break;
       case Type::kOpenTable:
         s = OpenTable(m.table, &reply.table_id);
@@ -319,6 +348,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       case Type::kPush:
         s = Push(c, m);
         if (s.ok() && log_) {
+          // (A duplicate too: its original may still wait for the sync.)
           // Answered once the log is synced: one fdatasync for every push
           // queued before the sync task runs (group commit).
           unsynced_.push_back({r.conn, r.method, r.id, proto::Encode(reply)});
@@ -506,6 +536,24 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // that names a pinned batch) before any row changes, so a bad push
   // changes nothing.
   Status Push(Conn& c, const Message& m) {
+    const bool dedup = c.client_id != 0 && m.seq != 0;
+    if (dedup) {
+      ClientPushes& a = applied_[c.client_id];
+      a.Forget(m.floor);
+      if (m.seq <= a.floor || a.above.count(m.seq)) {
+        // Resent after a lost link, applied already: acknowledge it again
+        // (once the log holds it) without applying it twice. Its release
+        // still applies to pins this connection made (a resent pull).
+        duplicate_pushes_++;
+        for (const proto::Section& s : m.sections) {
+          if (s.release && m.batch != 0 &&
+              c.batches.count({s.table_id, m.batch})) {
+            RETURN_IF_ERROR(ReleaseBatch(c, s.table_id, m.batch));
+          }
+        }
+        return Status::Ok();
+      }
+    }
     std::vector<Table*> tables;
     std::set<uint32_t> released;
     for (const proto::Section& s : m.sections) {
@@ -526,7 +574,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           return InvalidArgumentError("push carries a non-finite gradient");
         }
       }
-      if (s.release && m.batch != 0 &&
+      if (s.release && m.batch != 0 && !c.rejoin &&
           !c.batches.count({s.table_id, m.batch})) {
         return NotFoundError("batch " + std::to_string(m.batch) +
                              " holds nothing on table " + t->config.name);
@@ -542,7 +590,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       const uint32_t rb = t->config.row_bytes();
       PushLogSection* ls = nullptr;
       if (log_) {
-        ls = &logged.emplace_back();
+        ls = &logged.sections.emplace_back();
         ls->table = t->config.name;
         ls->row_bytes = rb;
         ls->keys.assign(s.keys.begin(), s.keys.end());
@@ -558,6 +606,11 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           /*changes=*/true));
       rows_pushed_ += s.keys.size();
       t->rows_pushed += s.keys.size();
+    }
+    if (dedup) {
+      ClientPushes& a = applied_[c.client_id];
+      a.above.insert(m.seq);
+      logged.applied.push_back({c.client_id, a.floor, m.seq});
     }
     if (log_) {
       // The reply is the acknowledgement: the new rows are written to the
@@ -586,6 +639,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     ASSIGN_OR_RETURN(Table * t, FindTable(table));
     auto it = c.batches.find({table, batch});
     if (it == c.batches.end()) {
+      // A rejoining client's pins died with its lost link (or node).
+      if (c.rejoin) return Status::Ok();
       return NotFoundError("batch " + std::to_string(batch) +
                            " holds nothing on table " + t->config.name);
     }
@@ -605,8 +660,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     flushes_++;
     if (log_) {
       // Every logged row is in the SSD tiers now: the log can go, and the
-      // pushes waiting for its sync are durable.
-      RETURN_IF_ERROR(log_->Truncate());
+      // pushes waiting for its sync are durable. It restarts with who
+      // applied what, so a push resent after this is still recognised.
+      PushLogRecord clients = AppliedRecord();
+      RETURN_IF_ERROR(log_->Truncate(&clients));
       log_bytes_.store(log_->bytes());
       AnswerUnsynced(Status::Ok());
     }
@@ -644,7 +701,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     o << "embedding server at " << endpoint() << " (" << opt_.dir << ")\n"
       << "clients " << n_clients_.load() << "\npulls " << pulls_.load()
       << "\npushes " << pushes_.load() << "\nflushes " << flushes_.load()
-      << "\nrejected " << rejected_.load() << "\npush_log "
+      << "\nrejected " << rejected_.load() << "\nduplicate_pushes "
+      << duplicate_pushes_.load() << "\npush_log "
       << (log_ ? "on appends " + std::to_string(log_appends_.load()) +
                      " syncs " + std::to_string(log_syncs_.load()) + " bytes " +
                      std::to_string(log_bytes_.load())
@@ -677,6 +735,38 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   };
 
   std::string PushLogPath() const { return opt_.dir + "/PUSHLOG"; }
+
+  // Every client's newest applied push, as the record a log starts with.
+  PushLogRecord AppliedRecord() const {
+    PushLogRecord r;
+    for (const auto& [client, c] : applied_) {
+      r.applied.push_back({client, c.floor, 0});
+      for (uint64_t seq : c.above) r.applied.push_back({client, c.floor, seq});
+    }
+    return r;
+  }
+
+  // After the replay: a fresh log (the current format) holding who applied
+  // what, put in place of the old one at once (its rows are synced into
+  // the SSD tiers), so a crash in between leaves one or the other.
+  Status StartPushLog() {
+    const std::string tmp = opt_.dir + "/.PUSHLOG.tmp";
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    ASSIGN_OR_RETURN(log_, PushLog::Open(tmp));
+    PushLogRecord clients = AppliedRecord();
+    RETURN_IF_ERROR(log_->Truncate(&clients));
+    if (::rename(tmp.c_str(), PushLogPath().c_str()) != 0) {
+      return InternalError("rename " + tmp + ": " + strerror(errno));
+    }
+    int dfd = ::open(opt_.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+    log_bytes_.store(log_->bytes());
+    return Status::Ok();
+  }
 
   // Syncs the push log and answers the pushes it made durable.
   // Event loop: hands the pushes written since the last hand-over to the
@@ -755,7 +845,12 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     std::map<std::string, std::unique_ptr<SsdStore>> stores;
     uint64_t rows = 0;
     for (const PushLogRecord& rec : records) {
-      for (const PushLogSection& s : rec) {
+      for (const PushLogApplied& a : rec.applied) {
+        ClientPushes& c = applied_[a.client];
+        c.Forget(a.floor);
+        if (a.seq > c.floor) c.above.insert(a.seq);
+      }
+      for (const PushLogSection& s : rec.sections) {
         auto it = stores.find(s.table);
         if (it == stores.end()) {
           const std::string dir = opt_.dir + "/" + s.table;
@@ -820,9 +915,14 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // Event loop only:
   std::unordered_map<service::ConnectionId, Conn> conns_;
   std::vector<std::unique_ptr<Table>> tables_;
+  // Per client id, which of its pushes were applied (Push; rebuilt from the
+  // log): one entry per client incarnation that pushed, each holding the
+  // pushes it has not yet seen answered (a handful).
+  std::unordered_map<uint64_t, ClientPushes> applied_;
   uint64_t next_tag_ = 1;
   std::atomic<uint64_t> n_tables_{0}, n_clients_{0}, pulls_{0}, pushes_{0},
-      rows_pulled_{0}, rows_pushed_{0}, flushes_{0}, rejected_{0};
+      rows_pulled_{0}, rows_pushed_{0}, flushes_{0}, rejected_{0},
+      duplicate_pushes_{0};
 };
 
 }  // namespace

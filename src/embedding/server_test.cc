@@ -405,6 +405,120 @@ TEST_F(EmbeddingServerTest, BadInputIsRefusedAndChangesNothing) {
   EXPECT_GE(servers_[0]->Stats().rejected, 6u);
 }
 
+// What lets a worker resend after losing its link (EmbeddingClient's
+// failover): a push numbered by its client is applied once however often
+// it arrives -- on another connection, after a restart (the log keeps who
+// applied what) -- and a rejoining connection may release batches its lost
+// one pinned. Raw protocol, so each message is the test's choice.
+TEST_F(EmbeddingServerTest, AResentPushIsAcknowledgedNotAppliedTwice) {
+  StartServers(1);
+  TableConfig cfg = Config(RowOptimizer::kAdagrad, 8);
+  transport::DeviceOptions dopt;
+  dopt.secret = kSecret;
+  auto dev = transport::Device::Create(dopt);
+  ASSERT_TRUE(dev.ok());
+  uint64_t next_id = 1;
+  // Sends `m` on a fresh or given channel and returns the reply.
+  auto call = [&](transport::Channel& ch,
+                  const proto::Message& m) -> Result<proto::Message> {
+    auto bytes = proto::Encode(m);
+    service::WriteHeader(
+        service::Header{service::Kind::kRequest, static_cast<uint16_t>(m.type),
+                        StatusCode::kOk, next_id++},
+        &bytes);
+    RETURN_IF_ERROR(ch.SendControl(bytes));
+    ASSIGN_OR_RETURN(auto r, ch.RecvControl(10s));
+    std::span<const uint8_t> body;
+    ASSIGN_OR_RETURN(auto h, service::Decode(r, &body));
+    RETURN_IF_ERROR(service::ReplyStatus(h, body, "node"));
+    return proto::Decode(static_cast<uint16_t>(proto::Type::kReply), body);
+  };
+  auto connect = [&](bool rejoin) -> std::shared_ptr<transport::Channel> {
+    auto ch = (*dev)->GetChannel(servers_[0]->endpoint());
+    EXPECT_TRUE(ch.ok());
+    if (!ch.ok()) return nullptr;
+    proto::Message h;
+    h.type = proto::Type::kHello;
+    h.name = "w";
+    h.client_id = 42;
+    h.rejoin = rejoin;
+    auto r = call(**ch, h);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r.ok() ? r->text : "", "push-log") << "it says it is durable";
+    proto::Message open;
+    open.type = proto::Type::kOpenTable;
+    open.table = cfg;
+    EXPECT_TRUE(call(**ch, open).ok());
+    return *ch;
+  };
+  std::vector<float> g(8, 0.5f);
+  proto::Message push;
+  push.type = proto::Type::kPush;
+  push.seq = 1;
+  push.sections.push_back({0, false, {7}, g});
+  auto pull_row = [&](transport::Channel& ch) {
+    proto::Message pull;
+    pull.type = proto::Type::kPull;
+    pull.sections.push_back({0, false, {7}, {}});
+    auto r = call(ch, pull);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? r->values : std::vector<float>{};
+  };
+  std::vector<float> once(cfg.row_floats()), twice;
+  InitializeRow(cfg, 7, once);
+  ApplyGradient(cfg, once, g);
+  twice = once;
+  ApplyGradient(cfg, twice, g);
+  once.resize(8);
+  twice.resize(8);
+
+  auto a = connect(false);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(call(*a, push).ok());
+  ASSERT_TRUE(call(*a, push).ok()) << "the same push again: acknowledged";
+  EXPECT_EQ(pull_row(*a), once);
+  a->Close();
+  auto b = connect(true);  // the link was lost; the client comes back
+  ASSERT_TRUE(b);
+  ASSERT_TRUE(call(*b, push).ok());
+  EXPECT_EQ(pull_row(*b), once);
+  EXPECT_EQ(servers_[0]->Stats().duplicate_pushes, 2u);
+  // A rejoining connection may release what its lost one pinned.
+  proto::Message release;
+  release.type = proto::Type::kRelease;
+  release.batch = 9;
+  EXPECT_TRUE(call(*b, release).ok());
+  b->Close();
+  // Across a restart (the log starts with who applied what).
+  servers_.clear();
+  std::this_thread::sleep_for(100ms);
+  {
+    EmbeddingServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.secret = kSecret;
+    o.dir = (dir_ / "node0").string();
+    o.flush_interval = 0ms;
+    auto s = EmbeddingServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    servers_.push_back(std::move(*s));
+  }
+  auto c = connect(true);
+  ASSERT_TRUE(c);
+  ASSERT_TRUE(call(*c, push).ok());
+  EXPECT_EQ(pull_row(*c), once);
+  EXPECT_EQ(servers_[0]->Stats().duplicate_pushes, 1u);
+  // The next push is applied; one numbered at or below its floor is old.
+  push.seq = 2;
+  push.floor = 1;
+  ASSERT_TRUE(call(*c, push).ok());
+  EXPECT_EQ(pull_row(*c), twice);
+  push.seq = 1;
+  push.floor = 0;
+  ASSERT_TRUE(call(*c, push).ok());
+  EXPECT_EQ(pull_row(*c), twice);
+  c->Close();
+}
+
 TEST_F(EmbeddingServerTest, PinnedBatchesHoldTheBudgetUntilReleased) {
   TableConfig cfg = Config(RowOptimizer::kSgd, 8);  // 32-byte rows
   StartServers(1, 10 * cfg.row_bytes());            // 10 rows

@@ -3,9 +3,11 @@
 // kill -9 of a node, its restart from the same directory, and a check that
 // every acknowledged update is there: with the push log (the default) every
 // push the worker saw answered, without it every push before the flush.
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -59,11 +61,13 @@ class EmbeddingDaemonTest : public ::testing::Test {
     nodes_[i] = std::move(d);
   }
 
-  std::unique_ptr<EmbeddingClient> Worker() {
+  std::unique_ptr<EmbeddingClient> Worker(
+      std::chrono::milliseconds failover = 2s) {
     EmbeddingClientOptions o;
     o.nodes = eps_;
     o.secret = kSecret;
     o.timeout = 20s;
+    o.failover_timeout = failover;
     auto c = EmbeddingClient::Connect(o);
     EXPECT_TRUE(c.ok()) << c.status().ToString();
     return c.ok() ? std::move(*c) : nullptr;
@@ -130,7 +134,8 @@ TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
   nodes_[1]->Kill(9);
   nodes_[1]->Wait(10s);
   nodes_[1].reset();
-  // The worker hears about it: an error naming the node, not a hang.
+  // The worker hears about it: an error naming the node, not a hang (with
+  // the push log after waiting 2 s for the node to come back).
   Status s = w->Pull(*t, keys, later.data());
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
   EXPECT_NE(s.message().find(eps_[1]), std::string::npos) << s.ToString();
@@ -175,6 +180,76 @@ TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
   auto text = w2->NodeStatus(1);
   ASSERT_TRUE(text.ok());
   EXPECT_NE(text->find("ssd keys"), std::string::npos) << *text;
+}
+
+// A worker training through kill -9 of a node and its restart (as `membox
+// launch --max-restarts` does it): its pulls and pushes wait while the node
+// is down and go on when it is back; at the end every row is exactly what
+// applying each step's gradient once gives -- no acknowledged push lost,
+// none applied twice.
+TEST_F(EmbeddingDaemonTest, AWorkerRidesThroughKillNineOfANode) {
+  StartNode(0, "64MiB", true);
+  StartNode(1, "64MiB", true);
+  auto w = Worker(30s);
+  ASSERT_TRUE(w);
+  TableConfig cfg = Config();
+  auto t = w->OpenTable(cfg);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  const uint32_t d = cfg.dim;
+  std::vector<uint64_t> keys(400);
+  for (uint64_t i = 0; i < keys.size(); ++i) keys[i] = i * 7 + 1;  // distinct
+  constexpr int kSteps = 60;
+  auto grad = [&](int step, size_t i, uint32_t j) {
+    return 0.01f * float((step * 31 + int(i) * 7 + int(j)) % 13) - 0.06f;
+  };
+  std::atomic<int> done{0};
+  Status failed;
+  std::thread train([&] {
+    std::vector<float> rows(keys.size() * d), g(keys.size() * d);
+    for (int step = 0; step < kSteps; ++step) {
+      const uint64_t batch = uint64_t(step) + 1;
+      Status s = w->Pull(*t, keys, rows.data(), batch);
+      for (size_t i = 0; s.ok() && i < keys.size(); ++i) {
+        for (uint32_t j = 0; j < d; ++j) g[i * d + j] = grad(step, i, j);
+      }
+      if (s.ok()) s = w->Push(*t, keys, g, batch, /*release=*/true);
+      if (!s.ok()) {
+        failed = s;
+        return;
+      }
+      done = step + 1;
+      std::this_thread::sleep_for(20ms);
+    }
+  });
+  while (done < 15) std::this_thread::sleep_for(5ms);
+  nodes_[1]->Kill(9);
+  nodes_[1]->Wait(10s);
+  nodes_[1].reset();
+  const int at_kill = done;
+  std::this_thread::sleep_for(300ms);
+  StartNode(1, "64MiB", true);
+  train.join();
+  ASSERT_TRUE(failed.ok()) << failed.ToString();
+  EXPECT_LT(at_kill, kSteps) << "the node died during training";
+  std::vector<float> now(keys.size() * d);
+  ASSERT_TRUE(w->Pull(*t, keys, now.data()).ok());
+  size_t on_killed = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    std::vector<float> row(cfg.row_floats()), g(d);
+    InitializeRow(cfg, keys[i], row);
+    for (int step = 0; step < kSteps; ++step) {
+      for (uint32_t j = 0; j < d; ++j) g[j] = grad(step, i, j);
+      ApplyGradient(cfg, row, g);
+    }
+    on_killed += w->NodeOf(keys[i]) == 1;
+    for (uint32_t j = 0; j < d; ++j) {
+      ASSERT_EQ(now[i * d + j], row[j])
+          << "key " << keys[i] << " node " << w->NodeOf(keys[i]);
+    }
+  }
+  EXPECT_GT(on_killed, 100u);
+  auto text = w->NodeStatus(1);
+  ASSERT_TRUE(text.ok()) << text.status().ToString();
 }
 
 INSTANTIATE_TEST_SUITE_P(

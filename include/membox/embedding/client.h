@@ -15,11 +15,12 @@
 // working set of prefetched batches in memory.
 //
 // Completion: the *Async calls return an EmbeddingHandle at once; the
-// output of a pull is complete when the handle is done. A failed node (dead
-// channel, or a reply it cannot decode: service::Client's policy) fails the
-// operations that touch it with an error naming the node (kUnavailable,
-// kDataLoss); other nodes' parts still complete and the client stays usable
-// for them.
+// output of a pull is complete when the handle is done. A node whose link
+// is lost is waited for (failover_timeout, below) and the operations go on
+// once it is back; a node that does not come back, or one that fails (a
+// reply it cannot decode: service::Client's policy), fails the operations
+// that touch it with an error naming the node (kUnavailable, kDataLoss);
+// other nodes' parts still complete and the client stays usable for them.
 //
 // Ownership: `out` of PullAsync must stay valid until the handle is done;
 // keys and gradients are copied. Thread-safety: all methods may be called
@@ -54,6 +55,15 @@ struct EmbeddingClientOptions {
   std::string transports = "auto";
   std::chrono::milliseconds timeout{60000};  // connect and per-call waits
   PartitionFn partition;                     // empty: ModuloPartition()
+  // A node that keeps a push log (`membox serve`'s default: what it
+  // acknowledged survives its death) and whose link is lost is waited for
+  // this long: the client reconnects to its endpoint (where `membox
+  // launch --max-restarts` restarts it), opens the tables again and sends
+  // every request not yet answered again, in order; a push the node had
+  // applied is acknowledged, not applied twice. The calls meanwhile just
+  // take longer. 0, or a node without a push log: a lost node fails the
+  // operations that touch it at once.
+  std::chrono::milliseconds failover_timeout{30000};
 };
 
 // The service layer's one handle type: Wait() / done().

@@ -58,6 +58,9 @@ struct EmbeddingServerStats {
   uint64_t pulls = 0, pushes = 0;  // messages
   uint64_t rows_pulled = 0, rows_pushed = 0;
   uint64_t flushes = 0, rejected = 0;
+  // Pushes a client resent after losing its link that had been applied
+  // already: acknowledged, not applied again.
+  uint64_t duplicate_pushes = 0;
   // The push log: records appended, bytes in the file, time in fdatasync.
   uint64_t log_appends = 0, log_bytes = 0, log_syncs = 0;
   double log_sync_seconds = 0;
