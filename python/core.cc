@@ -548,7 +548,7 @@ class PyEmbeddingClient {
  public:
   PyEmbeddingClient(std::vector<std::string> nodes, std::string secret,
                     std::string name, double timeout_s,
-                    const std::string& partition) {
+                    const std::string& partition, double failover_s) {
     membox::embedding::EmbeddingClientOptions o;
     o.nodes = std::move(nodes);
     o.secret = std::move(secret);
@@ -556,6 +556,8 @@ class PyEmbeddingClient {
     o.timeout =
         std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3));
     o.partition = Check(membox::embedding::PartitionByName(partition));
+    o.failover_timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(failover_s * 1e3));
     py::gil_scoped_release nogil;
     auto c = EmbeddingClient::Connect(o);
     py::gil_scoped_acquire gil;
@@ -801,9 +803,10 @@ PYBIND11_MODULE(_core, m) {
       .def("done", &PushHandle::done);
   py::class_<PyEmbeddingClient>(m, "EmbeddingClient")
       .def(py::init<std::vector<std::string>, std::string, std::string, double,
-                    std::string>(),
+                    std::string, double>(),
            py::arg("nodes"), py::arg("secret"), py::arg("name") = "worker",
-           py::arg("timeout") = 60.0, py::arg("partition") = "modulo")
+           py::arg("timeout") = 60.0, py::arg("partition") = "modulo",
+           py::arg("failover_timeout") = 30.0)
       .def("open_table", &PyEmbeddingClient::OpenTable, py::arg("name"),
            py::arg("dim"), py::arg("optimizer") = "adagrad",
            py::arg("lr") = 0.01, py::arg("eps") = 1e-8, py::arg("beta1") = 0.9,

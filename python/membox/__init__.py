@@ -109,12 +109,15 @@ def connect(proxies=None, secret=None, rank=None, world=None, name=None,
 
 
 def connect_embeddings(nodes=None, secret=None, name=None, timeout=60.0,
-                       partition="modulo"):
+                       partition="modulo", failover_timeout=30.0):
     """An EmbeddingClient for this worker: the sparse parameter store on the
     memory nodes. Missing arguments come from the environment `membox
     launch` sets: MEMBOX_EMBEDDING_NODES (comma-separated host:port),
     MEMBOX_SECRET or MEMBOX_SECRET_FILE. `partition` spreads keys over the
-    nodes: "modulo" (key % nodes) or "hash"."""
+    nodes: "modulo" (key % nodes) or "hash". A node that dies (and keeps a
+    push log, the default) is waited for up to `failover_timeout` seconds
+    while `membox launch --max-restarts` restarts it; the calls meanwhile
+    take longer and nothing is lost or applied twice (0: fail at once)."""
     if nodes is None:
         env = os.environ.get("MEMBOX_EMBEDDING_NODES")
         if not env:
@@ -123,4 +126,5 @@ def connect_embeddings(nodes=None, secret=None, name=None, timeout=60.0,
         nodes = env.split(",")
     rank = int(os.environ.get("RANK", 0))
     return EmbeddingClient(list(nodes), secret or _secret(),
-                           name or f"worker-{rank}", timeout, partition)
+                           name or f"worker-{rank}", timeout, partition,
+                           failover_timeout)
