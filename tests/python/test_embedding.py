@@ -230,10 +230,17 @@ class EmbeddingTest(unittest.TestCase):
                                       timeout=5.0)
         with self.assertRaises(TypeError):
             mt.Embedding("e", 4, client=c)(torch.tensor([0.5]))
+        # A node that dies and does not come back: the client waits for it
+        # (failover_timeout), then fails naming it.
+        quick = membox.connect_embeddings([n.endpoint for n in self.nodes],
+                                          self.nodes[0].secret, timeout=10.0,
+                                          failover_timeout=1.0)
+        tq = quick.open_table("e", 4)
         self.nodes[1].kill()
         with self.assertRaises(membox.ProxyUnavailable) as e:
-            c.pull(t, np.arange(10, dtype=np.int64))
+            quick.pull(tq, np.arange(10, dtype=np.int64))
         self.assertIn(self.nodes[1].endpoint, str(e.exception))
+        self.assertIn("did not come back within 1 s", str(e.exception))
 
 
 class WideDeepExampleTest(unittest.TestCase):
