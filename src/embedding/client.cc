@@ -211,11 +211,6 @@ class Node {
     return c->health();
   }
 
-  bool failover() const {
-    MutexLock l(&mu_);
-    return failover_;
-  }
-
  private:
   struct Kept {
     Message m;
@@ -309,7 +304,6 @@ class Node {
         // The link is lost, not the request refused: kept for the repair.
         if (!down_) {
           down_ = true;
-          down_since_ = std::chrono::steady_clock::now();
           cv_.NotifyAll();
         }
         return;
@@ -412,7 +406,6 @@ class Node {
   bool down_ MEMBOX_GUARDED_BY(mu_) = false;
   bool closing_ MEMBOX_GUARDED_BY(mu_) = false;
   Status gone_ MEMBOX_GUARDED_BY(mu_);
-  std::chrono::steady_clock::time_point down_since_ MEMBOX_GUARDED_BY(mu_);
   std::map<uint64_t, Kept> kept_ MEMBOX_GUARDED_BY(mu_);
   uint64_t next_id_ MEMBOX_GUARDED_BY(mu_) = 1;
   uint64_t next_seq_ MEMBOX_GUARDED_BY(mu_) = 1;
