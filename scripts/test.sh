@@ -20,7 +20,12 @@ show_failure() {  # $1 = a gtest/TSan log: its tail, then what failed and why
 }
 run_ctest() {  # $1 = preset; adds its test count to $total
   mkdir -p build
-  ctest --preset "$1" -j1 2>&1 | tee "build/ctest-$1.log"
+  if ! ctest --preset "$1" -j1 2>&1 | tee "build/ctest-$1.log"; then
+    # The failing tests' assertions and sanitizer reports, last, where a
+    # reader of the tail sees them (ctest prints a failing test from its top).
+    show_failure "build/$1/Testing/Temporary/LastTest.log"
+    exit 1
+  fi
   local n
   n=$(sed -n 's/.*tests passed, 0 tests failed out of \([0-9]*\).*/\1/p' "build/ctest-$1.log" | tail -n 1)
   total=$((total + ${n:-0}))

@@ -23,10 +23,12 @@ void ControlInbox::Deliver(std::vector<uint8_t> m) {
   {
     MutexLock l(&mu_);
     if (detached_) return;
-    if (on_message_) {
+    if (on_message_ && !replaying_) {
       handler = on_message_;
       ++running_;
     } else {
+      // No handler yet, or SetHandlers is still handing over what came
+      // before: behind those, in order.
       queue_.push_back(std::move(m));
     }
   }
@@ -39,19 +41,33 @@ void ControlInbox::Deliver(std::vector<uint8_t> m) {
 
 void ControlInbox::SetHandlers(Channel::ControlHandler on_message,
                                Channel::FailureHandler on_failure) {
-  std::deque<std::vector<uint8_t>> queued;
-  Status failed;
   {
     MutexLock l(&mu_);
     if (detached_) return;
     on_message_ = on_message;
     on_failure_ = on_failure;
-    queued.swap(queue_);
-    if (failed_) failed = failure_;
+    replaying_ = true;
     ++running_;
   }
   RunCounted([&] {
-    for (auto& m : queued) on_message(std::move(m));
+    // Messages that arrive meanwhile queue behind the ones handed over (a
+    // message delivered straight to the handler now would overtake them).
+    Status failed;
+    for (;;) {
+      std::deque<std::vector<uint8_t>> queued;
+      {
+        MutexLock l(&mu_);
+        if (queue_.empty() || detached_) {
+          replaying_ = false;
+          // A failure before SetHandlers or during the hand-over was not
+          // told: it comes after the messages.
+          if (failed_ && !detached_) failed = failure_;
+          break;
+        }
+        queued.swap(queue_);
+      }
+      for (auto& m : queued) on_message(std::move(m));
+    }
     if (!failed.ok() && on_failure) on_failure(failed);
   });
 }
@@ -63,7 +79,9 @@ void ControlInbox::Fail(const Status& failure) {
     if (failed_) return;
     failed_ = true;
     failure_ = failure;
-    if (!detached_ && on_failure_) {
+    // While SetHandlers hands over queued messages it tells the failure
+    // itself, after them.
+    if (!detached_ && on_failure_ && !replaying_) {
       handler = on_failure_;
       ++running_;
     }

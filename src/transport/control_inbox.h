@@ -27,8 +27,9 @@ class ControlInbox {
  public:
   // Hands `m` to the handler if one is set, else queues it for Receive.
   void Deliver(std::vector<uint8_t> m);
-  // Installs the handlers and hands them what was queued (and the failure,
-  // if the channel already failed).
+  // Installs the handlers and hands them what was queued, in order (and the
+  // failure, if the channel already failed). Messages delivered meanwhile,
+  // on the receiving thread, wait behind the queued ones: the order holds.
   void SetHandlers(Channel::ControlHandler on_message,
                    Channel::FailureHandler on_failure);
   // Records the channel's failure (first call wins), wakes receivers and
@@ -52,6 +53,9 @@ class ControlInbox {
   Status failure_ MEMBOX_GUARDED_BY(mu_);
   bool failed_ MEMBOX_GUARDED_BY(mu_) = false;
   bool detached_ MEMBOX_GUARDED_BY(mu_) = false;
+  // SetHandlers is handing queued messages to the new handler: Deliver
+  // queues behind them, and Fail leaves the failure to SetHandlers.
+  bool replaying_ MEMBOX_GUARDED_BY(mu_) = false;
   int running_ MEMBOX_GUARDED_BY(mu_) = 0;  // handler calls in progress
   CondVar idle_;                            // running_ went down
 

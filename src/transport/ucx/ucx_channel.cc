@@ -26,6 +26,9 @@ struct SendCtx {
   std::shared_ptr<OpState> state;
   std::atomic<int64_t>* in_flight = nullptr;
   EventCount* events = nullptr;
+  // The channel's count of UCX requests not yet completed (shared: the
+  // completion may come after the channel is gone).
+  std::shared_ptr<std::atomic<int64_t>> requests;
 };
 
 void FinishSend(SendCtx* c, ucs_status_t st) {
@@ -40,6 +43,7 @@ void FinishSend(SendCtx* c, ucs_status_t st) {
     c->in_flight->fetch_sub(1, std::memory_order_acq_rel);
     if (c->events) c->events->Notify();
   }
+  if (c->requests) c->requests->fetch_sub(1, std::memory_order_acq_rel);
   delete c;
 }
 
@@ -133,6 +137,16 @@ void UcxChannel::Close() {
   inbox_.Detach();
   // Takes the endpoint away from later callers, then waits for the ones
   // inside a (non-blocking) UCX call on it.
+  if (healthy) {
+    // Requests still in flight finish first, for a bounded time: a forced
+    // close strands a rendezvous send that waits for the peer's answer
+    // (UCX never completes it, and its context and payload copy leak).
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (requests_->load(std::memory_order_acquire) > 0 &&
+           std::chrono::steady_clock::now() < deadline) {
+      ucp_worker_progress(worker_->worker());
+    }
+  }
   ucp_ep_h ep = ep_.exchange(nullptr);
   while (ep_users_.load() > 0) std::this_thread::yield();
   if (ep) {
@@ -227,12 +241,21 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr,
   ucp_ep_h ep = use.ep();
   if (ep == nullptr) return health();
   auto* c = new SendCtx;
-  // Every message starts with the receiving side's channel id.
+  c->requests = requests_;
+  requests_->fetch_add(1, std::memory_order_acq_rel);
+  // Every message starts with the receiving side's channel id. A control
+  // message then carries its sequence number, taken only now that it will
+  // go out (a number that never arrives would stall every later message).
   uint64_t dest = remote_id_;
-  c->hdr.resize(sizeof(dest) + hdr.size());
+  std::vector<uint8_t> seq;
+  if (id == kAmControl) {
+    seq = msg::EncodeId(control_out_.fetch_add(1, std::memory_order_relaxed));
+  }
+  const std::vector<uint8_t>& extra = id == kAmControl ? seq : hdr;
+  c->hdr.resize(sizeof(dest) + extra.size());
   std::memcpy(c->hdr.data(), &dest, sizeof(dest));
-  if (!hdr.empty())
-    std::memcpy(c->hdr.data() + sizeof(dest), hdr.data(), hdr.size());
+  if (!extra.empty())
+    std::memcpy(c->hdr.data() + sizeof(dest), extra.data(), extra.size());
   c->state = std::move(state);
   if (!c->state && len > 0) {
     c->payload.assign(static_cast<const uint8_t*>(data),
@@ -263,7 +286,11 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr,
     ucs_status_t st = UCS_PTR_STATUS(r);
     c->state.reset();  // the caller reports the error; no completion
     FinishSend(c, st);
-    return UcsError(st, "send to " + peer());
+    Status e = UcsError(st, "send to " + peer());
+    // The peer waits for this control message's number forever: the
+    // channel cannot go on.
+    if (id == kAmControl) Fail(e);
+    return e;
   } else {
     Track(tracked);
     if (dev_->thread_index() != worker_->index()) worker_->Signal();
@@ -290,6 +317,8 @@ Status UcxChannel::Submit(
   auto* c = new SendCtx;
   c->state = state;
   c->channel = this;
+  c->requests = requests_;
+  requests_->fetch_add(1, std::memory_order_acq_rel);
   state->set_progress(&UcxWorker::HelpProgress, worker_);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -599,6 +628,44 @@ void UcxChannel::SendError(const Status& s) {
   (void)SendAm(kAmError, msg::EncodeError(e), nullptr, 0, nullptr);
 }
 
+void UcxChannel::DeliverInOrder(uint64_t seq, std::vector<uint8_t> m) {
+  Status bad;
+  {
+    MutexLock l(&control_in_mu_);
+    if (seq < control_in_next_ || control_early_.count(seq)) {
+      bad = DataLossError("control message " + std::to_string(seq) +
+                          " arrived twice");
+    } else if (seq - control_in_next_ > kMaxEarlyControl ||
+               control_early_bytes_ + m.size() > kMaxEarlyControlBytes) {
+      bad = ResourceExhaustedError(
+          "control message " + std::to_string(seq) + " arrived while " +
+          std::to_string(control_in_next_) + " is still missing (" +
+          std::to_string(control_early_.size()) + " held)");
+    } else if (seq != control_in_next_) {
+      // An earlier one is still on its way (a rendezvous message completes
+      // after an eager one sent later): it waits.
+      control_early_bytes_ += m.size();
+      control_early_.emplace(seq, std::move(m));
+      return;
+    } else {
+      // In order, under the lock: the next message cannot overtake this one
+      // on another thread that progresses the worker.
+      inbox_.Deliver(std::move(m));
+      ++control_in_next_;
+      for (auto it = control_early_.begin();
+           it != control_early_.end() && it->first == control_in_next_;
+           it = control_early_.erase(it)) {
+        control_early_bytes_ -= it->second.size();
+        inbox_.Deliver(std::move(it->second));
+        ++control_in_next_;
+      }
+      return;
+    }
+  }
+  MEMBOX_LOG_WARN("channel to {}: {}", peer(), bad.ToString());
+  Fail(bad);
+}
+
 void UcxChannel::RndvDone() {
   std::vector<uint64_t> flushes;
   {
@@ -622,11 +689,26 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
   };
   switch (id) {
     case kAmControl: {
-      if (len > kMaxControlMessage)
-        return drop(InvalidArgumentError("control message too large"));
+      // Each one is numbered; a message not delivered would stall every
+      // later one, so a bad one fails the channel instead of being dropped.
+      auto seq = msg::DecodeId(hdr);
+      Status bad;
+      if (!seq.ok()) {
+        bad = DataLossError("control message without a sequence number");
+      } else if (len > kMaxControlMessage) {
+        bad = InvalidArgumentError("control message of " + std::to_string(len) +
+                                   " bytes is too large");
+      }
+      if (!bad.ok()) {
+        if (rndv) ucp_am_data_release(worker_->worker(), data);
+        MEMBOX_LOG_WARN("channel to {}: {}", peer(), bad.ToString());
+        Fail(bad);
+        return UCS_OK;
+      }
       auto buf = std::make_shared<std::vector<uint8_t>>(len);
-      auto deliver = [this, buf](const Status& s) {
-        if (s.ok()) inbox_.Deliver(std::move(*buf));
+      auto deliver = [this, buf, n = *seq](const Status& s) {
+        if (!s.ok()) return Fail(s.WithContext("control message receive"));
+        DeliverInOrder(n, std::move(*buf));
       };
       if (rndv) {
         RecvInto(data, buf->data(), len, param, deliver);

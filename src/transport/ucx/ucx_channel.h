@@ -159,6 +159,9 @@ class UcxChannel final : public Channel,
   std::atomic<bool> rma_since_flush_{false};  // an RMA write awaits a flush
   std::atomic<int64_t> am_writes_in_flight_{0};
   std::atomic<uint64_t> next_op_{1};
+  // UCX requests of this channel not completed yet (Close waits for them).
+  std::shared_ptr<std::atomic<int64_t>> requests_ =
+      std::make_shared<std::atomic<int64_t>>(0);
 
   mutable Mutex mu_;
   Status failure_ MEMBOX_GUARDED_BY(mu_);
@@ -171,6 +174,21 @@ class UcxChannel final : public Channel,
   std::string peer_name_ MEMBOX_GUARDED_BY(mu_);
   std::string peer_host_ MEMBOX_GUARDED_BY(mu_);
   ControlInbox inbox_;
+
+  // Control messages are numbered by the sender and delivered in that
+  // order: UCX keeps no order across protocols (a rendezvous message
+  // completes after an eager one sent later). Messages that overtook a
+  // missing one wait here, within a bound (the peer is authenticated, but
+  // a bug must not grow this without end).
+  static constexpr uint64_t kMaxEarlyControl = 1 << 16;
+  static constexpr size_t kMaxEarlyControlBytes = size_t{1} << 30;
+  void DeliverInOrder(uint64_t seq, std::vector<uint8_t> m);
+  std::atomic<uint64_t> control_out_{1};  // numbers start at 1
+  Mutex control_in_mu_;
+  uint64_t control_in_next_ MEMBOX_GUARDED_BY(control_in_mu_) = 1;
+  std::map<uint64_t, std::vector<uint8_t>> control_early_
+      MEMBOX_GUARDED_BY(control_in_mu_);
+  size_t control_early_bytes_ MEMBOX_GUARDED_BY(control_in_mu_) = 0;
   friend class UcxDevice;
 };
 
