@@ -65,11 +65,10 @@ export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp" UCX_MEM_EVENTS=no
 build/tsan/src/transport/transport_test --gtest_filter='-*WriteAndReadManySizes/am' >build/tsan/transport_test.log 2>&1 \
   || { show_failure build/tsan/transport_test.log; exit 1; }
 # The three-proxy failover tests (the release and ASan runs have them):
-# under TSan, in one process, the laggard case reads a stopped peer's ring
-# buffer through a shared-memory mapping whose address the next mapping
-# reuses (a race TSan reports and separate processes cannot have), and
-# about one run in six a three-proxy ring stalls at start-up with "sent a
-# reply to no request (method 14)" -- open, see docs/results/failures.md.
+# under TSan, in one process, a proxy reads a stopped peer's ring buffer
+# through a shared-memory mapping whose address a later mapping or thread
+# stack reuses -- a race TSan reports and separate processes cannot have
+# (docs/results/failures.md, "Known problems in the tests").
 tsan_skip='-PsTest.ALaggingSurvivorCatchesUpFromAPeerThatFinished:PsTest.AReplacementAtAnotherAddressTakesOver:PsTest.WorkersRideThroughAReplacedProxyOfThree'
 for t in service/service_test memserver/memserver_test ps/ps_test embedding/embedding_server_test; do
   filter=()
