@@ -153,7 +153,7 @@ def main():
                             f"expected only {sorted(want)}")
 
         rng = random.Random(12)
-        magic = struct.pack("<IH", 0x3142584D, 1)
+        magic = struct.pack("<IH", 0x3142584D, 2)  # handshake version 2
         hello = struct.pack("<I", 38) + magic + bytes(32)
         inputs = [
             b"\xff" * 16,                                   # finding 1

@@ -33,7 +33,9 @@
 namespace membox::transport::net {
 
 constexpr uint32_t kHandshakeMagic = 0x3142584d;  // "MXB1" little endian
-constexpr uint16_t kHandshakeVersion = 1;
+// 2: UCX control messages carry a sequence number (wire_protocol.md); a
+// peer of version 1 is refused at the hello instead of failing later.
+constexpr uint16_t kHandshakeVersion = 2;
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kProofBytes = 32;  // HMAC-SHA-256
 // The largest frame of each step (the hello carries a UCX worker address).

@@ -137,10 +137,11 @@ void UcxChannel::Close() {
   inbox_.Detach();
   // Takes the endpoint away from later callers, then waits for the ones
   // inside a (non-blocking) UCX call on it.
-  if (healthy) {
+  if (healthy && dev_->thread_index() != worker_->index()) {
     // Requests still in flight finish first, for a bounded time: a forced
     // close strands a rendezvous send that waits for the peer's answer
     // (UCX never completes it, and its context and payload copy leak).
+    // Not on the worker's own thread: it may be inside a UCX callback.
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     while (requests_->load(std::memory_order_acquire) > 0 &&
            std::chrono::steady_clock::now() < deadline) {
