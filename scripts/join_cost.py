@@ -11,7 +11,12 @@ the worker's link to the replacement ("is back after", so the first round
 after it can run), each read from the job's log; and whether the job ended
 by itself.
 
-    scripts/join_cost.py [--sizes 16,64,256,1024] [--json F] [--csv F]
+With --baseline-membox (another build's `membox`, e.g. one from before a
+change to the copy), every size runs with both builds, alternating, and
+the table gives the ratio this / baseline.
+
+    scripts/join_cost.py [--sizes 16,64,256,1024] [--repeats N]
+                         [--baseline-membox PATH] [--json F] [--csv F]
                          [--plot F.png]
 """
 import argparse
@@ -48,12 +53,12 @@ print("DONE", float(out[0]), flush=True)
 """
 
 
-def one(a, mib, tmp):
-    flag = os.path.join(tmp, f"go-{mib}")
+def one(a, membox, mib, tmp):
+    flag = os.path.join(tmp, f"go-{mib}-{time.time_ns()}")
     script = os.path.join(tmp, "join_worker.py")
     with open(script, "w") as f:
         f.write(WORKER)
-    cmd = [a.membox, "launch", "--nodes", "2", "--workers", "1",
+    cmd = [membox, "launch", "--nodes", "2", "--workers", "1",
            "--max-restarts", "1", "--pool-size", "64MiB",
            "--", a.python, script, str(mib), flag]
     env = dict(os.environ, MEMBOX_LOG_LEVEL="warn")
@@ -81,7 +86,11 @@ def one(a, mib, tmp):
     res = {"size_mib": mib, "state_bytes_per_node": 2 * (mib << 20),
            "join_copy_s": grab(r"joined: copied .* in ([0-9.]+) s"),
            "join_read_bytes": grab(r"joined: copied .*\(\d+ shards, (\d+) "
-                                   r"bytes read\)"),
+                                   r"bytes (?:read|of state)\)"),
+           # This build's line: the peers offering it (a manifest), reading
+           # (straight into the shards' buffers), storing. Builds before
+           # 2026-11-25 encoded, read, checked and stored.
+           "peer_offer_s": grab(r"the peers offering it ([0-9.]+) s"),
            "peer_encode_s": grab(r"encoding it ([0-9.]+) s"),
            "read_s": grab(r"reading ([0-9.]+) s"),
            "check_s": grab(r"checking ([0-9.]+) s"),
@@ -102,6 +111,9 @@ def main():
     ap.add_argument("--python", default=os.environ.get("MEMBOX_PYTHON",
                                                        "/usr/bin/python3"))
     ap.add_argument("--sizes", default="16,64,256,1024", help="MiB")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--baseline-membox", default="",
+                    help="another build's membox, run beside this one")
     ap.add_argument("--json", default="")
     ap.add_argument("--csv", default="")
     ap.add_argument("--plot", default="")
@@ -109,37 +121,61 @@ def main():
     import tempfile
     tmp = tempfile.mkdtemp(prefix="membox-join-")
     rows = []
+    builds = [("this", a.membox)]
+    if a.baseline_membox:
+        builds.append(("baseline", a.baseline_membox))
     for mib in [int(x) for x in a.sizes.split(",")]:
-        r = one(a, mib, tmp)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
+        for rep in range(a.repeats):
+            for build, membox in (builds if rep % 2 == 0 else builds[::-1]):
+                r = one(a, membox, mib, tmp)
+                r["build"] = build
+                r["repeat"] = rep
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+
+    def median(xs):
+        xs = sorted(x for x in xs if x is not None)
+        return xs[len(xs) // 2] if xs else None
+
+    summary = []
+    for mib in sorted({r["size_mib"] for r in rows}):
+        row = {"size_mib": mib, "state_bytes_per_node": 2 * (mib << 20)}
+        for build, _ in builds:
+            mine = [r for r in rows if r["size_mib"] == mib and r["build"] == build]
+            for key in ("join_copy_s", "replaced_s", "worker_back_s"):
+                row[f"{build}_{key}"] = median([r[key] for r in mine])
+        if a.baseline_membox and row["baseline_join_copy_s"]:
+            row["copy_ratio"] = row["this_join_copy_s"] / row["baseline_join_copy_s"]
+            row["back_ratio"] = row["this_worker_back_s"] / row["baseline_worker_back_s"]
+        summary.append(row)
+        print(json.dumps(row), flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"runs": rows, "summary": summary}, f, indent=1)
     if a.csv:
+        cols = list(summary[0].keys())
         with open(a.csv, "w") as f:
-            f.write("size_mib,state_bytes_per_node,join_copy_s,replaced_s,"
-                    "worker_back_s,finished\n")
-            for r in rows:
-                f.write(f"{r['size_mib']},{r['state_bytes_per_node']},"
-                        f"{r['join_copy_s']},{r['replaced_s']},"
-                        f"{r['worker_back_s']},{r['finished']}\n")
+            f.write(",".join(cols) + "\n")
+            for r in summary:
+                f.write(",".join(str(r.get(c)) for c in cols) + "\n")
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
-        xs = [r["size_mib"] for r in rows]
-        for key, label in (("join_copy_s", "replacement copies the state"),
-                           ("replaced_s", "launcher: replaced in"),
-                           ("worker_back_s", "kill -> worker linked again")):
-            ax.plot(xs, [r[key] or float("nan") for r in rows], "o-",
-                    label=label)
+        xs = [r["size_mib"] for r in summary]
+        for build, _ in builds:
+            style = "o-" if build == "this" else "s--"
+            for key, label in (("join_copy_s", "replacement copies the state"),
+                               ("worker_back_s", "kill -> worker linked again")):
+                ax.plot(xs, [r[f"{build}_{key}"] or float("nan") for r in summary],
+                        style, label=f"{label} ({build} build)")
+        ax.axhline(5, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tensor (MiB; state per node: weights + momentum = 2x)")
         ax.set_ylabel("seconds")
         ax.set_title("Replacing a killed memory node, 2 nodes, --join")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(a.plot, dpi=110)
     bad = [r for r in rows if not r["finished"] or r["exit"] != 0]

@@ -30,6 +30,7 @@
 #include "src/ps/reduce.h"
 #include "src/ps/ring.h"
 #include "src/ps/scheduler.h"
+#include "src/ps/state_copy.h"
 #include "src/ps/storage.h"
 
 namespace membox::ps {
@@ -1990,41 +1991,47 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   // Keys and shards from checkpoint records (a file, or the peers' state a
   // joining proxy read). `source` names them in errors.
-  Status LoadRecords(const std::vector<CheckpointShard>& shards,
-                     const std::string& path) {
-    for (const auto& c : shards) {
-      Key& k = keys_[c.key];
-      auto dt = static_cast<DType>(c.dtype);
-      if (k.shards.empty()) {
-        // Any dtype (stored keys hold bytes); a key for rounds is declared
-        // with a dtype the sums support, and must match this one.
-        if (c.dtype < 1 || c.dtype > static_cast<uint8_t>(DType::kUInt8) ||
-            c.shard_bytes == 0 || c.key_bytes % DTypeSize(dt) != 0) {
-          return DataLossError(path + ": bad dtype or sizes for key " +
-                               std::to_string(c.key));
-        }
-        k.bytes = c.key_bytes;
-        k.dtype = dt;
-        k.shard_bytes = c.shard_bytes;
-        k.initialized = true;
-        k.restored = true;
-        uint64_t n = (k.bytes + k.shard_bytes - 1) / k.shard_bytes;
-        if (n > (1u << 20)) return DataLossError(path + ": too many shards");
-        k.shards.resize(n);
-        n_keys_.fetch_add(1);
-        n_shards_.fetch_add(n);
+  // The shard `index` of key `k` as a record from a checkpoint or a peer
+  // describes it: the key is created from the record's geometry when it is
+  // new here, and must agree with it otherwise. Sets the shard's offset
+  // and size; the caller fills the rest.
+  Result<Shard*> PrepareShard(uint64_t k, uint32_t index, uint8_t dtype,
+                              uint64_t key_bytes, uint64_t shard_bytes,
+                              const std::string& path) {
+    Key& key = keys_[k];
+    auto dt = static_cast<DType>(dtype);
+    if (key.shards.empty()) {
+      // Any dtype (stored keys hold bytes); a key for rounds is declared
+      // with a dtype the sums support, and must match this one.
+      if (dtype < 1 || dtype > static_cast<uint8_t>(DType::kUInt8) ||
+          shard_bytes == 0 || key_bytes % DTypeSize(dt) != 0) {
+        return DataLossError(path + ": bad dtype or sizes for key " +
+                             std::to_string(k));
       }
-      if (c.shard >= k.shards.size() || k.bytes != c.key_bytes ||
-          k.dtype != dt) {
-        return DataLossError(path + ": inconsistent records for key " +
-                             std::to_string(c.key));
-      }
-      Shard& sh = k.shards[c.shard];
-      sh.offset = uint64_t{c.shard} * k.shard_bytes;
-      sh.bytes = std::min(k.shard_bytes, k.bytes - sh.offset);
-      RETURN_IF_ERROR(storage_->Load(sh, c).WithContext(path + ": key " +
-                                                        std::to_string(c.key)));
+      key.bytes = key_bytes;
+      key.dtype = dt;
+      key.shard_bytes = shard_bytes;
+      key.initialized = true;
+      key.restored = true;
+      uint64_t n = (key.bytes + key.shard_bytes - 1) / key.shard_bytes;
+      if (n > (1u << 20)) return DataLossError(path + ": too many shards");
+      key.shards.resize(n);
+      n_keys_.fetch_add(1);
+      n_shards_.fetch_add(n);
     }
+    if (index >= key.shards.size() || key.bytes != key_bytes ||
+        key.dtype != dt || key.shard_bytes != shard_bytes) {
+      return DataLossError(path + ": inconsistent records for key " +
+                           std::to_string(k));
+    }
+    Shard& sh = key.shards[index];
+    sh.offset = uint64_t{index} * key.shard_bytes;
+    sh.bytes = std::min(key.shard_bytes, key.bytes - sh.offset);
+    return &sh;
+  }
+
+  // Every shard of every key has a value.
+  Status CheckComplete(const std::string& path) {
     for (auto& [k, key] : keys_) {
       for (auto& sh : key.shards) {
         if (!sh.value) {
@@ -2034,6 +2041,42 @@ class ProxyImpl final : public Proxy, public service::Service {
       }
     }
     return Status::Ok();
+  }
+
+  Status LoadRecords(const std::vector<CheckpointShard>& shards,
+                     const std::string& path) {
+    for (const auto& c : shards) {
+      ASSIGN_OR_RETURN(Shard * sh, PrepareShard(c.key, c.shard, c.dtype,
+                                                c.key_bytes, c.shard_bytes,
+                                                path));
+      RETURN_IF_ERROR(storage_->Load(*sh, c).WithContext(
+          path + ": key " + std::to_string(c.key)));
+    }
+    return CheckComplete(path);
+  }
+
+  // Takes shards copied from peers (their buffers become the shards').
+  Status InstallCopied(std::vector<CopiedShard>& copied,
+                       const std::string& path) {
+    for (auto& c : copied) {
+      const OfferedShard& o = *c.offer;
+      ASSIGN_OR_RETURN(Shard * sh, PrepareShard(o.key, o.shard, o.dtype,
+                                                o.key_bytes, o.shard_bytes,
+                                                path));
+      if (sh->bytes != o.bytes) {
+        return DataLossError(path + ": shard size mismatch for key " +
+                             std::to_string(o.key));
+      }
+      sh->version = o.version;
+      sh->value = std::move(c.value);
+      sh->m1 = std::move(c.m1);
+      sh->m2 = std::move(c.m2);
+    }
+    return CheckComplete(path);
+  }
+
+  CopyAllocator CopyBuffers() {
+    return [this](uint64_t n) { return storage_->AllocateForOverwrite(n); };
   }
 
   // ------------------------------------------------------------ catch-up
@@ -2055,13 +2098,12 @@ class ProxyImpl final : public Proxy, public service::Service {
       return;
     }
     CatchUp& slot = catch_ups_[{to, k, s}];
-    if (slot.region && slot.version == sh.version) return;  // on its way
-    auto snap =
-        ShardStorage::Snap(k, s, key.dtype, key.bytes, key.shard_bytes, sh);
-    auto encoded = EncodeRegion({snap.record});
-    if (!encoded.ok()) {
+    if (slot.offer && slot.version == sh.version) return;  // on its way
+    auto offer = StateOffer::Make(
+        *device_, opt_.rank, {{k, s, key.dtype, key.bytes, key.shard_bytes, &sh}});
+    if (!offer.ok()) {
       MEMBOX_LOG_WARN("proxy {}: cannot give proxy {} key {} shard {}: {}",
-                      opt_.rank, to, k, s, encoded.status().ToString());
+                      opt_.rank, to, k, s, offer.status().ToString());
       catch_ups_.erase({to, k, s});
       return;
     }
@@ -2070,10 +2112,10 @@ class ProxyImpl final : public Proxy, public service::Service {
     c.key = k;
     c.shard = s;
     c.round = sh.version;
-    c.bytes = encoded->second;
-    c.descriptor = encoded->first->Export().Serialize();
+    c.bytes = (*offer)->manifest_bytes();
+    c.descriptor = (*offer)->descriptor();
     slot.version = sh.version;
-    slot.region = std::move(encoded->first);
+    slot.offer = std::move(*offer);
     Status st = SendToPeer(to, c);
     if (!st.ok()) {
       catch_ups_.erase({to, k, s});
@@ -2101,18 +2143,28 @@ class ProxyImpl final : public Proxy, public service::Service {
     }
     Key& key = it->second;
     Shard& sh = key.shards[m.shard];
-    auto read = ReadPeerRecords(from, m.descriptor, m.bytes);
+    std::vector<CopiedShard> copied;
+    Status st = [&]() -> Status {
+      ASSIGN_OR_RETURN(auto ch, PeerChannel(from));
+      ASSIGN_OR_RETURN(StateManifest man,
+                       ReadStateManifest(*ch, *device_, m.descriptor, m.bytes,
+                                         from, kIoTimeout));
+      if (man.shards.size() != 1) {
+        return DataLossError("it offers " + std::to_string(man.shards.size()) +
+                             " shards, not one");
+      }
+      const OfferedShard& o = man.shards[0];
+      if (o.key != m.key || o.shard != m.shard || o.version != m.round ||
+          o.key_bytes != key.bytes || o.shard_bytes != key.shard_bytes ||
+          o.bytes != sh.bytes || o.dtype != static_cast<uint8_t>(key.dtype)) {
+        return DataLossError("its record is not the shard's next version");
+      }
+      ASSIGN_OR_RETURN(copied,
+                       CopyShards(*ch, {&o}, CopyBuffers(), kIoTimeout));
+      copied[0].offer = nullptr;  // `man` goes out of scope
+      return Status::Ok();
+    }();
     (void)SendToPeer(from, done);
-    Status st = read.status();
-    const std::vector<CheckpointShard>* records =
-        read.ok() ? &read->shards : nullptr;
-    if (st.ok() &&
-        (records->size() != 1 || (*records)[0].key != m.key ||
-         (*records)[0].shard != m.shard || (*records)[0].version != m.round ||
-         (*records)[0].key_bytes != key.bytes ||
-         (*records)[0].dtype != static_cast<uint8_t>(key.dtype))) {
-      st = DataLossError("its record is not the shard's next version");
-    }
     if (!st.ok()) {
       // The round keeps waiting (and is reported as waiting).
       MEMBOX_LOG_WARN(
@@ -2122,147 +2174,119 @@ class ProxyImpl final : public Proxy, public service::Service {
       return;
     }
     sh.ring.Stop();
-    st = storage_->Load(sh, (*records)[0]);
-    MEMBOX_LOG_WARN(
-        "proxy {}: caught up on key {} shard {}: round {} from proxy {}{}",
-        opt_.rank, m.key, m.shard, m.round - 1, from,
-        st.ok() ? "" : ": " + st.ToString());
+    sh.version = m.round;
+    sh.value = std::move(copied[0].value);
+    sh.m1 = std::move(copied[0].m1);
+    sh.m2 = std::move(copied[0].m2);
+    MEMBOX_LOG_WARN("proxy {}: caught up on key {} shard {}: round {} from proxy {}",
+                    opt_.rank, m.key, m.shard, m.round - 1, from);
     PublishRound(m.key, m.shard, st);
-  }
-
-  // Shards in checkpoint format in a fresh registered region: the region
-  // and the encoded length.
-  Result<std::pair<std::unique_ptr<MemRegion>, uint64_t>> EncodeRegion(
-      const std::vector<CheckpointShard>& records) {
-    CheckpointHeader h;
-    h.proxy_rank = opt_.rank;
-    h.proxies = nproxies_;
-    h.mode = static_cast<uint8_t>(mode_);
-    uint64_t n = 0;
-    RETURN_IF_ERROR(EncodeCheckpoint(h, records, [&n](const void*, size_t b) {
-      n += b;
-      return Status::Ok();
-    }));
-    ASSIGN_OR_RETURN(std::unique_ptr<MemRegion> region,
-                     device_->AllocateMemRegion(n));
-    uint8_t* out = static_cast<uint8_t*>(region->data());
-    RETURN_IF_ERROR(
-        EncodeCheckpoint(h, records, [&out](const void* p, size_t b) {
-          std::memcpy(out, p, b);
-          out += b;
-          return Status::Ok();
-        }));
-    return std::make_pair(std::move(region), n);
-  }
-
-  // Reads `n` bytes of checkpoint records that peer `p` put in the region
-  // `descriptor` describes, and parses them (every length and checksum
-  // checked). The records view `bytes`.
-  struct PeerRecords {
-    std::unique_ptr<MemRegion> bytes;
-    std::vector<CheckpointShard> shards;
-  };
-  Result<PeerRecords> ReadPeerRecords(uint32_t p,
-                                      const std::vector<uint8_t>& descriptor,
-                                      uint64_t n) {
-    ASSIGN_OR_RETURN(auto desc, RegionDescriptor::Deserialize(descriptor));
-    if (n == 0 || desc.length < n) {
-      return DataLossError("the peer's state has a bad length");
-    }
-    ASSIGN_OR_RETURN(auto ch, PeerChannel(p));
-    ASSIGN_OR_RETURN(auto remote, ch->Import(desc, kIoTimeout));
-    ASSIGN_OR_RETURN(std::unique_ptr<MemRegion> local,
-                     device_->AllocateMemRegion(n));
-    const auto t0 = Clock::now();
-    ASSIGN_OR_RETURN(
-        auto h, ch->Read(local->data(), *local, remote->address(), *remote, n));
-    RETURN_IF_ERROR(h.Wait(kIoTimeout));
-    const auto t1 = Clock::now();
-    CheckpointHeader hdr;
-    std::vector<CheckpointShard> shards;
-    RETURN_IF_ERROR(ParseCheckpoint(
-        std::span<const uint8_t>(static_cast<const uint8_t*>(local->data()), n),
-        &hdr, &shards));
-    copy_timing_.read += t1 - t0;
-    copy_timing_.parse += Clock::now() - t1;
-    return PeerRecords{std::move(local), std::move(shards)};
   }
 
   // ------------------------------------------------------------ joining
 
   // A replacement proxy (--join): for every shard, the newest version any
   // peer holds (with replicate, every peer holds every key; a peer that
-  // finished a round the others did not have finished is ahead by one).
+  // finished a round the others did not have finished is ahead by one),
+  // read from one peer only -- among peers holding the same version the
+  // shards are spread round-robin -- straight into this proxy's buffers.
   Status Join() {
     if (nproxies_ < 2) {
       return FailedPreconditionError("--join needs peers (--ps-peers)");
     }
     const auto t0 = Clock::now();
-    std::vector<std::unique_ptr<MemRegion>> read;  // what `newest` views
-    std::map<std::pair<uint64_t, uint32_t>, CheckpointShard> newest;
-    uint64_t bytes = 0;
+    auto failed = [this](uint32_t p, const Status& s) {
+      return Status(s.code(), "joining: cannot copy the state of proxy " +
+                                  std::to_string(p) + " at " + opt_.peers[p] +
+                                  ": " + std::string(s.message()));
+    };
+    std::map<uint32_t, StateManifest> manifests;
+    auto tell_done = [&] {
+      for (auto& [p, man] : manifests) {
+        auto c = PeerClient(p);
+        if (!c.ok()) continue;  // gone: it frees its offer with the link
+        Message done;
+        done.type = Type::kJoinDone;
+        (void)(*c)->Call(static_cast<uint16_t>(Type::kJoinDone),
+                         proto::Encode(done), kPeerTimeout);
+      }
+    };
     for (uint32_t p = 0; p < nproxies_; ++p) {
       if (p == opt_.rank) continue;
-      auto n = FetchPeerState(p, &newest, &read);
-      if (!n.ok()) {
-        return Status(n.status().code(),
-                      "joining: cannot copy the state of proxy " +
-                          std::to_string(p) + " at " + opt_.peers[p] + ": " +
-                          std::string(n.status().message()));
+      auto man = FetchPeerManifest(p);
+      if (!man.ok()) {
+        tell_done();
+        return failed(p, man.status());
       }
-      bytes += *n;
+      manifests[p] = std::move(*man);
     }
-    std::vector<CheckpointShard> records;
-    records.reserve(newest.size());
-    for (auto& [id, r] : newest) records.push_back(std::move(r));
-    const auto t_load = Clock::now();
-    RETURN_IF_ERROR(LoadRecords(records, "the peers' state"));
+    copy_timing_.manifests = Clock::now() - t0;
+    // Who gives which shard.
+    std::map<std::pair<uint64_t, uint32_t>,
+             std::vector<std::pair<uint32_t, const OfferedShard*>>>
+        offers;
+    for (auto& [p, man] : manifests) {
+      for (const auto& o : man.shards) offers[{o.key, o.shard}].push_back({p, &o});
+    }
+    std::map<uint32_t, std::vector<const OfferedShard*>> from;
+    size_t turn = 0;
+    uint64_t state_bytes = 0;
+    for (auto& [id, list] : offers) {
+      uint64_t newest = 0;
+      for (auto& [p, o] : list) newest = std::max(newest, o->version);
+      std::erase_if(list, [&](auto& e) { return e.second->version != newest; });
+      auto& [p, o] = list[turn++ % list.size()];
+      from[p].push_back(o);
+      state_bytes += o->bytes * (1 + (o->m1 ? 1 : 0) + (o->m2 ? 1 : 0));
+    }
+    const auto t_read = Clock::now();
+    std::vector<CopiedShard> copied;
+    copied.reserve(offers.size());
+    Status st;
+    for (auto& [p, list] : from) {
+      auto ch = PeerChannel(p);
+      auto r = ch.ok() ? CopyShards(**ch, list, CopyBuffers(), kIoTimeout)
+                       : Result<std::vector<CopiedShard>>(ch.status());
+      if (!r.ok()) {
+        st = failed(p, r.status());
+        break;
+      }
+      for (auto& c : *r) copied.push_back(std::move(c));
+    }
+    copy_timing_.read = Clock::now() - t_read;
+    tell_done();
+    RETURN_IF_ERROR(st);
+    const auto t_store = Clock::now();
+    RETURN_IF_ERROR(InstallCopied(copied, "the peers' state"));
     auto sec = [](Clock::duration d) {
       return std::chrono::duration<double>(d).count();
     };
     MEMBOX_LOG_WARN(
-        "proxy {} joined: copied {} keys ({} shards, {} bytes read) from "
-        "{} peer(s) in {:.3f} s (the peers encoding it {:.3f} s, reading "
-        "{:.3f} s, checking {:.3f} s, storing {:.3f} s)",
-        opt_.rank, keys_.size(), records.size(), bytes, nproxies_ - 1,
-        sec(Clock::now() - t0), sec(copy_timing_.peer), sec(copy_timing_.read),
-        sec(copy_timing_.parse), sec(Clock::now() - t_load));
+        "proxy {} joined: copied {} keys ({} shards, {} bytes of state) from "
+        "{} peer(s) in {:.3f} s (the peers offering it {:.3f} s, reading "
+        "{:.3f} s, storing {:.3f} s)",
+        opt_.rank, keys_.size(), copied.size(), state_bytes, from.size(),
+        sec(Clock::now() - t0), sec(copy_timing_.manifests),
+        sec(copy_timing_.read), sec(Clock::now() - t_store));
     return Status::Ok();
   }
 
-  // Reads peer `p`'s state and merges it into `newest`, whose records view
-  // the buffers it adds to `read`; returns its size.
-  Result<uint64_t> FetchPeerState(
-      uint32_t p,
-      std::map<std::pair<uint64_t, uint32_t>, CheckpointShard>* newest,
-      std::vector<std::unique_ptr<MemRegion>>* read) {
+  // Asks peer `p` for its state (kJoin) and reads the manifest it offers.
+  Result<StateManifest> FetchPeerManifest(uint32_t p) {
     ASSIGN_OR_RETURN(service::Client * c, PeerClient(p));
     Message q;
     q.type = Type::kJoin;
     q.rank = opt_.rank;
-    const auto t0 = Clock::now();
     ASSIGN_OR_RETURN(auto body, c->Call(static_cast<uint16_t>(Type::kJoin),
                                         proto::Encode(q), kPeerTimeout));
-    copy_timing_.peer += Clock::now() - t0;
     ASSIGN_OR_RETURN(Message r,
                      proto::Decode(static_cast<uint16_t>(Type::kReply), body));
-    const uint64_t n = r.version;
-    auto shards = ReadPeerRecords(
-        p, std::vector<uint8_t>(r.text.begin(), r.text.end()), n);
-    Message done;
-    done.type = Type::kJoinDone;
-    (void)c->Call(static_cast<uint16_t>(Type::kJoinDone), proto::Encode(done),
-                  kPeerTimeout);  // the peer also frees it when we go
-    if (!shards.ok()) return shards.status();
-    read->push_back(std::move(shards->bytes));
-    for (auto& sh : shards->shards) {
-      auto id = std::make_pair(sh.key, sh.shard);
-      auto it = newest->find(id);
-      if (it == newest->end() || it->second.version < sh.version) {
-        (*newest)[id] = std::move(sh);
-      }
-    }
-    return n;
+    ASSIGN_OR_RETURN(auto ch, PeerChannel(p));
+    return ReadStateManifest(
+        *ch, *device_,
+        std::span<const uint8_t>(
+            reinterpret_cast<const uint8_t*>(r.text.data()), r.text.size()),
+        r.version, p, kIoTimeout);
   }
 
   // A joining peer asks for this proxy's state (kJoin): every shard in
@@ -2277,25 +2301,24 @@ class ProxyImpl final : public Proxy, public service::Service {
       return Reply(conn, m.type, m.id,
                    InvalidArgumentError("a proxy joins as its own rank"));
     }
-    std::vector<ShardStorage::Snapshot> snap;
-    std::vector<CheckpointShard> records;
+    std::vector<StateOffer::Item> items;
     for (auto& [k, key] : keys_) {
       for (uint32_t i = 0; i < key.shards.size(); ++i) {
         if (!key.shards[i].value) continue;
-        snap.push_back(ShardStorage::Snap(k, i, key.dtype, key.bytes,
-                                          key.shard_bytes, key.shards[i]));
-        records.push_back(snap.back().record);
+        items.push_back(
+            {k, i, key.dtype, key.bytes, key.shard_bytes, &key.shards[i]});
       }
     }
-    auto encoded = EncodeRegion(records);
-    if (!encoded.ok()) return Reply(conn, m.type, m.id, encoded.status());
-    const uint64_t n = encoded->second;
-    auto d = encoded->first->Export().Serialize();
-    join_snapshots_[conn] = std::move(encoded->first);
+    auto offer = StateOffer::Make(*device_, opt_.rank, items);
+    if (!offer.ok()) return Reply(conn, m.type, m.id, offer.status());
+    const uint64_t n = (*offer)->manifest_bytes();
+    auto d = (*offer)->descriptor();
     MEMBOX_LOG_WARN(
         "proxy {} at {} is joining (replacing the one that was there): "
-        "giving it {} shards ({} bytes)",
-        c.rank, opt_.peers[c.rank], records.size(), n);
+        "offering it {} shards ({} bytes of state)",
+        c.rank, opt_.peers[c.rank], (*offer)->shards(),
+        (*offer)->state_bytes());
+    join_snapshots_[conn] = std::move(*offer);
     Reply(conn, m.type, m.id, Status::Ok(), n, std::string(d.begin(), d.end()));
   }
 
@@ -2451,16 +2474,16 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::map<uint64_t, Key> keys_;
   std::vector<Message> early_notices_;
   // Our state as given to joining peers, by their connection (OnJoinRequest).
-  std::map<uint64_t, std::unique_ptr<MemRegion>> join_snapshots_;
-  // Where a join's (and catch-ups') copying went, for its log line.
+  std::map<uint64_t, std::unique_ptr<StateOffer>> join_snapshots_;
+  // Where a join's copying went, for its log line.
   struct CopyTiming {
-    Clock::duration peer{}, read{}, parse{};
+    Clock::duration manifests{}, read{};
   } copy_timing_;
   // Round results given to lagging peers (kCatchUp), by (peer, key,
   // shard), until their kCatchUpDone or until the peer is replaced.
   struct CatchUp {
     uint64_t version = 0;
-    std::unique_ptr<MemRegion> region;
+    std::unique_ptr<StateOffer> offer;
   };
   std::map<std::tuple<uint32_t, uint64_t, uint32_t>, CatchUp> catch_ups_;
   std::unique_ptr<MemRegion> staging_;

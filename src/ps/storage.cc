@@ -18,6 +18,13 @@ std::string OptimizerSettings::ToString() const {
 }
 
 Result<std::shared_ptr<MemRegion>> ShardStorage::Allocate(uint64_t bytes) {
+  ASSIGN_OR_RETURN(auto r, AllocateForOverwrite(bytes));
+  std::memset(r->data(), 0, bytes);
+  return r;
+}
+
+Result<std::shared_ptr<MemRegion>> ShardStorage::AllocateForOverwrite(
+    uint64_t bytes) {
   if (stored_.load() + bytes > max_bytes_) {
     return ResourceExhaustedError("proxy storage limit reached (" +
                                   std::to_string(max_bytes_) +
@@ -25,7 +32,6 @@ Result<std::shared_ptr<MemRegion>> ShardStorage::Allocate(uint64_t bytes) {
   }
   ASSIGN_OR_RETURN(auto r, allocate_(bytes));
   stored_.fetch_add(bytes);
-  std::memset(r->data(), 0, bytes);
   // The counter outlives this storage while a snapshot holds a buffer.
   auto counter = stored_counter_;
   return std::shared_ptr<MemRegion>(r.release(),

@@ -72,6 +72,10 @@ class ShardStorage {
   // A zeroed buffer counted against the limit until its last holder drops
   // it. RESOURCE_EXHAUSTED past the limit.
   Result<std::shared_ptr<transport::MemRegion>> Allocate(uint64_t bytes);
+  // The same without zeroing: for a buffer the caller overwrites whole
+  // (a shard copied from a peer).
+  Result<std::shared_ptr<transport::MemRegion>> AllocateForOverwrite(
+      uint64_t bytes);
 
   // Buffers for a new shard: a zeroed value.
   Status Create(StoredShard& sh, uint64_t offset, uint64_t bytes);

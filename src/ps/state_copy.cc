@@ -1,0 +1,275 @@
+#include "src/ps/state_copy.h"
+
+#include <cstring>
+#include <set>
+#include <utility>
+
+#include "membox/base/wire.h"
+
+namespace membox::ps {
+namespace {
+
+using transport::MemRegion;
+using transport::RegionDescriptor;
+using wire::Crc32;
+using wire::Reader;
+using wire::Writer;
+
+constexpr char kMagic[8] = {'M', 'B', 'X', 'S', 'T', 'A', 'T', '1'};
+constexpr char kEnd[4] = {'E', 'N', 'D', '!'};
+constexpr uint32_t kFormat = 1;
+constexpr uint64_t kMaxKeyBytes = 1ull << 40;
+constexpr uint32_t kMaxDescriptor = 8192;
+constexpr uint8_t kHasValue = 1, kHasM1 = 2, kHasM2 = 4;
+// key, shard, dtype, key_bytes, shard_bytes, version, bytes, buffers, and
+// one descriptor's length: the least a record takes.
+constexpr size_t kMinRecord = 8 + 4 + 1 + 8 + 8 + 8 + 8 + 1 + 4;
+
+Status Damaged(const std::string& what) {
+  return DataLossError("state manifest is damaged: " + what);
+}
+
+void PutDescriptor(Writer& w, const RegionDescriptor& d) {
+  auto b = d.Serialize();
+  w.U32(static_cast<uint32_t>(b.size()));
+  w.Bytes(b.data(), b.size());
+}
+
+Status GetDescriptor(Reader& r, uint64_t bytes, RegionDescriptor* out) {
+  uint32_t n = 0;
+  std::span<const uint8_t> b;
+  if (!r.U32(&n) || n == 0 || n > kMaxDescriptor || !r.View(&b, n)) {
+    return Damaged("truncated or oversized region descriptor");
+  }
+  auto d = RegionDescriptor::Deserialize(b);
+  if (!d.ok()) return Damaged("bad region descriptor: " + d.status().ToString());
+  if (d->length < bytes) return Damaged("a region is shorter than its shard");
+  *out = std::move(*d);
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::vector<uint8_t> EncodeStateManifest(const StateManifest& m) {
+  Writer w;
+  w.Bytes(kMagic, sizeof(kMagic));
+  w.U32(kFormat);
+  w.U32(m.proxy_rank);
+  w.U32(static_cast<uint32_t>(m.shards.size()));
+  for (const auto& s : m.shards) {
+    w.U64(s.key);
+    w.U32(s.shard);
+    w.U8(s.dtype);
+    w.U64(s.key_bytes);
+    w.U64(s.shard_bytes);
+    w.U64(s.version);
+    w.U64(s.bytes);
+    w.U8(kHasValue | (s.m1 ? kHasM1 : 0) | (s.m2 ? kHasM2 : 0));
+    PutDescriptor(w, s.value);
+    if (s.m1) PutDescriptor(w, *s.m1);
+    if (s.m2) PutDescriptor(w, *s.m2);
+  }
+  auto& b = w.buffer();
+  w.U32(Crc32(b.data(), b.size()));
+  w.Bytes(kEnd, sizeof(kEnd));
+  return std::move(w.buffer());
+}
+
+Status ParseStateManifest(std::span<const uint8_t> bytes, StateManifest* out) {
+  constexpr size_t kHeader = sizeof(kMagic) + 4 + 4 + 4;
+  constexpr size_t kTrailer = 4 + sizeof(kEnd);
+  if (bytes.size() < kHeader + kTrailer) return Damaged("truncated");
+  const size_t body = bytes.size() - kTrailer;
+  Reader tail(bytes.subspan(body));
+  uint32_t crc = 0;
+  char end[4];
+  if (!tail.U32(&crc) || !tail.Copy(end, sizeof(end)) ||
+      std::memcmp(end, kEnd, sizeof(kEnd)) != 0) {
+    return Damaged("no end marker");
+  }
+  if (Crc32(bytes.data(), body) != crc) return Damaged("checksum mismatch");
+
+  Reader r(bytes.first(body));
+  char magic[8];
+  uint32_t format = 0, count = 0;
+  StateManifest m;
+  if (!r.Copy(magic, sizeof(magic)) ||
+      std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) {
+    return Damaged("bad magic");
+  }
+  if (!r.U32(&format) || format != kFormat) {
+    return Damaged("unknown format " + std::to_string(format));
+  }
+  if (!r.U32(&m.proxy_rank) || !r.U32(&count)) return Damaged("truncated");
+  if (count > r.remaining() / kMinRecord) {
+    return Damaged("more shards than bytes");
+  }
+  m.shards.reserve(count);
+  std::set<std::pair<uint64_t, uint32_t>> seen;
+  for (uint32_t i = 0; i < count; ++i) {
+    OfferedShard s;
+    uint8_t buffers = 0;
+    if (!r.U64(&s.key) || !r.U32(&s.shard) || !r.U8(&s.dtype) ||
+        !r.U64(&s.key_bytes) || !r.U64(&s.shard_bytes) || !r.U64(&s.version) ||
+        !r.U64(&s.bytes) || !r.U8(&buffers)) {
+      return Damaged("truncated shard record");
+    }
+    const std::string where =
+        "key " + std::to_string(s.key) + " shard " + std::to_string(s.shard);
+    if (s.dtype < 1 || s.dtype > static_cast<uint8_t>(DType::kUInt8)) {
+      return Damaged(where + ": unknown dtype");
+    }
+    if (s.key_bytes == 0 || s.key_bytes > kMaxKeyBytes || s.shard_bytes == 0 ||
+        s.shard_bytes > s.key_bytes) {
+      return Damaged(where + ": bad key or shard size");
+    }
+    const uint64_t shards = (s.key_bytes + s.shard_bytes - 1) / s.shard_bytes;
+    if (s.shard >= shards) return Damaged(where + ": no such shard");
+    const uint64_t offset = uint64_t{s.shard} * s.shard_bytes;
+    if (s.bytes != std::min(s.shard_bytes, s.key_bytes - offset)) {
+      return Damaged(where + ": size does not follow from the key's");
+    }
+    if ((buffers & kHasValue) == 0 ||
+        (buffers & ~(kHasValue | kHasM1 | kHasM2)) != 0 ||
+        ((buffers & kHasM2) && !(buffers & kHasM1))) {
+      return Damaged(where + ": bad buffer set");
+    }
+    RETURN_IF_ERROR(GetDescriptor(r, s.bytes, &s.value).WithContext(where));
+    if (buffers & kHasM1) {
+      RETURN_IF_ERROR(
+          GetDescriptor(r, s.bytes, &s.m1.emplace()).WithContext(where));
+    }
+    if (buffers & kHasM2) {
+      RETURN_IF_ERROR(
+          GetDescriptor(r, s.bytes, &s.m2.emplace()).WithContext(where));
+    }
+    if (!seen.insert({s.key, s.shard}).second) {
+      return Damaged(where + ": given twice");
+    }
+    m.shards.push_back(std::move(s));
+  }
+  if (r.remaining() != 0) return Damaged("bytes after the last shard");
+  *out = std::move(m);
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<StateOffer>> StateOffer::Make(
+    transport::Device& device, uint32_t giver_rank,
+    const std::vector<Item>& items) {
+  std::unique_ptr<StateOffer> offer(new StateOffer());
+  StateManifest m;
+  m.proxy_rank = giver_rank;
+  m.shards.reserve(items.size());
+  for (const Item& it : items) {
+    const StoredShard& sh = *it.stored;
+    if (!sh.value) {
+      return InternalError("offering a shard without a value");
+    }
+    OfferedShard s;
+    s.key = it.key;
+    s.shard = it.shard;
+    s.dtype = static_cast<uint8_t>(it.dtype);
+    s.key_bytes = it.key_bytes;
+    s.shard_bytes = it.shard_bytes;
+    s.version = sh.version;
+    s.bytes = sh.bytes;
+    s.value = sh.value->Export();
+    offer->keep_.push_back(sh.value);
+    // m2 without m1 does not occur (Adam has both, SGD with momentum m1).
+    if (sh.m1) {
+      s.m1 = sh.m1->Export();
+      offer->keep_.push_back(sh.m1);
+      if (sh.m2) {
+        s.m2 = sh.m2->Export();
+        offer->keep_.push_back(sh.m2);
+      }
+    }
+    offer->state_bytes_ += sh.bytes * (1 + (s.m1 ? 1 : 0) + (s.m2 ? 1 : 0));
+    m.shards.push_back(std::move(s));
+  }
+  auto bytes = EncodeStateManifest(m);
+  ASSIGN_OR_RETURN(offer->manifest_, device.AllocateMemRegion(bytes.size()));
+  std::memcpy(offer->manifest_->data(), bytes.data(), bytes.size());
+  offer->manifest_bytes_ = bytes.size();
+  offer->shards_ = items.size();
+  return offer;
+}
+
+Result<StateManifest> ReadStateManifest(transport::Channel& channel,
+                                        transport::Device& device,
+                                        std::span<const uint8_t> descriptor,
+                                        uint64_t bytes, uint32_t giver_rank,
+                                        std::chrono::nanoseconds timeout) {
+  ASSIGN_OR_RETURN(auto desc, RegionDescriptor::Deserialize(descriptor));
+  // A manifest takes a few hundred bytes per shard; 1 GiB is far beyond
+  // any real one and keeps a lying peer from making us allocate more.
+  if (bytes == 0 || desc.length < bytes || bytes > (1ull << 30)) {
+    return DataLossError("the peer's state manifest has a bad length");
+  }
+  ASSIGN_OR_RETURN(auto remote, channel.Import(desc, timeout));
+  ASSIGN_OR_RETURN(std::unique_ptr<MemRegion> local,
+                   device.AllocateMemRegion(bytes));
+  ASSIGN_OR_RETURN(auto h, channel.Read(local->data(), *local,
+                                        remote->address(), *remote, bytes));
+  RETURN_IF_ERROR(h.Wait(timeout));
+  StateManifest m;
+  RETURN_IF_ERROR(ParseStateManifest(
+      std::span<const uint8_t>(static_cast<const uint8_t*>(local->data()),
+                               bytes),
+      &m));
+  if (m.proxy_rank != giver_rank) {
+    return DataLossError("the state manifest is proxy " +
+                         std::to_string(m.proxy_rank) + "'s, not proxy " +
+                         std::to_string(giver_rank) + "'s");
+  }
+  return m;
+}
+
+Result<std::vector<CopiedShard>> CopyShards(
+    transport::Channel& channel, const std::vector<const OfferedShard*>& shards,
+    const CopyAllocator& allocate, std::chrono::nanoseconds timeout) {
+  std::vector<CopiedShard> out;
+  out.reserve(shards.size());
+  // Declared before the handles: destroyed after them, so a read that fails
+  // midway is waited for (~OpHandle) before its buffers go.
+  std::vector<std::shared_ptr<transport::RemoteMemRegion>> remotes;
+  std::vector<transport::OpHandle> reads;
+  Status first;
+  auto start = [&](const RegionDescriptor& d, uint64_t n,
+                   std::shared_ptr<MemRegion>* into) -> Status {
+    // The descriptor came from an authenticated peer in the manifest it
+    // wrote: no round trip to verify it (the one-sided read is still
+    // checked against the region's range by the transport).
+    ASSIGN_OR_RETURN(auto remote, channel.Import(d, timeout, false));
+    if (!remote->Contains(d.address, n)) {
+      return DataLossError("a shard's region is smaller than the shard");
+    }
+    ASSIGN_OR_RETURN(*into, allocate(n));
+    ASSIGN_OR_RETURN(auto h, channel.Read((*into)->data(), **into, d.address,
+                                          *remote, n));
+    remotes.push_back(std::move(remote));
+    reads.push_back(std::move(h));
+    return Status::Ok();
+  };
+  for (const OfferedShard* s : shards) {
+    CopiedShard c;
+    c.offer = s;
+    Status st = start(s->value, s->bytes, &c.value);
+    if (st.ok() && s->m1) st = start(*s->m1, s->bytes, &c.m1);
+    if (st.ok() && s->m2) st = start(*s->m2, s->bytes, &c.m2);
+    out.push_back(std::move(c));
+    if (!st.ok()) {
+      first = st.WithContext("key " + std::to_string(s->key) + " shard " +
+                             std::to_string(s->shard));
+      break;
+    }
+  }
+  for (auto& h : reads) {
+    Status st = h.Wait(timeout);
+    if (first.ok() && !st.ok()) first = st;
+  }
+  if (!first.ok()) return first;
+  return out;
+}
+
+}  // namespace membox::ps
