@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""A memory node dies on one host and its replacement starts on another:
+node failover across hosts, on the emulated cluster (`membox cluster`,
+network namespaces; needs root).
+
+Topology: 2 worker hosts, 3 memory hosts (m0, m1, m2, one parameter proxy
+each, in one ring, `--ps-replicate`), every link shaped to --rate. The job
+is the explicit parameter-server example (examples/train_ps.py: digits MLP,
+SGD with momentum on the nodes) started through `membox cluster run`
+(mpirun, `membox launch --attach`), as an operator runs it on real hosts.
+
+Undisturbed run first, on a fresh cluster. Then, on another fresh cluster,
+the same job; after epoch --kill-after-epoch, the node on m1 gets SIGKILL
+and the operator's replacement, `membox serve --join --ps-rank 1` with the
+dead node's slot in `--ps-peers` pointing at a new address on host m2, is
+started at once. The workers' parameter clients find it there (`kWhere`,
+asked of the survivors) and replay their state to it; the job must end by
+itself with the undisturbed run's final loss and accuracy, to the last
+digit (no round lost or repeated).
+
+Reported: kill -> the replacement serving ("joined" in its log, with what
+it copied), kill -> each worker's "is back after" line, per-epoch
+iteration times of both runs, final loss and accuracy.
+
+    sudo scripts/cluster_failover.py [--rate 400mbit] [--epochs 40]
+        [--kill-after-epoch 8] [--python out/venv/bin/python]
+        [--json F] [--csv F] [--plot F.png]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The build tree's package (with its extension), as `membox` itself sets it.
+sys.path.insert(0, os.path.join(HERE, "build", "release", "python"))
+
+from membox import cluster  # noqa: E402
+
+NAME, SUBNET = "fo", "10.86.0"
+NEW_PS, NEW_MEM, NEW_EMB = 7410, 7400, 7420
+
+
+def topology(a, tmp):
+    path = os.path.join(tmp, "failover.toml")
+    with open(path, "w") as f:
+        f.write(f'name = "{NAME}"\nsubnet = "{SUBNET}"\nworkers = 2\n'
+                f'memory = 3\nrate = "{a.rate}"\nps_replicate = true\n'
+                'pool = "256MiB"\nemb_budget = "64MiB"\n')
+    return cluster.load_topology(path)
+
+
+def job(a, topo, out, kill_after):
+    """Runs the job on a fresh cluster; with kill_after, kills m1's node
+    after that epoch and starts its replacement on m2. Returns a dict."""
+    cluster.down(topo, quiet=True)
+    cluster.up(topo, log=lambda s: None)
+    state = cluster._read_state(NAME)
+    res = {"epochs": [], "kill_s": None, "joined_s": None, "back_s": [],
+           "join_line": ""}
+    repl_log = os.path.join(topo["state"], "replacement.log")
+    try:
+        argv = cluster.mpirun_argv(
+            topo, [a.python, os.path.join(HERE, "examples", "train_ps.py"),
+                   "--epochs", str(a.epochs), "--out", out])
+        env = dict(os.environ)
+        env["MEMBOX_FAILOVER_S"] = "60"
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, bufsize=1,
+                             start_new_session=True, env=env)
+        killed = threading.Event()
+        t_kill = [None]
+        lines = []
+
+        def pump():
+            for line in p.stdout:
+                lines.append(line)
+                now = time.time()
+                if line.startswith("{") and '"epoch"' in line:
+                    rec = json.loads(line)
+                    rec["t"] = now
+                    res["epochs"].append(rec)
+                    if kill_after and rec["epoch"] == kill_after:
+                        killed.set()
+                if "is back after" in line and t_kill[0]:
+                    res["back_s"].append(round(now - t_kill[0], 3))
+
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        if kill_after:
+            if not killed.wait(300):
+                raise RuntimeError("the job did not reach the kill epoch:\n"
+                                   + "".join(lines[-40:]))
+            mem = cluster.memory_hosts(topo)
+            victim = [n for n in state["nodes"] if n["host"] == "m1"][0]
+            host2 = mem[2]
+            peers = [f"{h['ip']}:{cluster.PS_PORT}" for h in mem]
+            peers[1] = f"{host2['ip']}:{NEW_PS}"
+            t_kill[0] = time.time()
+            os.kill(victim["pid"], 9)
+            res["kill_s"] = t_kill[0]
+            d = os.path.join(topo["state"], "m1-replacement")
+            os.makedirs(d, exist_ok=True)
+            rargv = ["ip", "netns", "exec", host2["ns"], a.membox,
+                     "--log-level", "info", "serve",
+                     "--listen", f"{host2['ip']}:{NEW_MEM}",
+                     "--pool-size", topo["pool"],
+                     "--secret-file", cluster.secret_file(topo),
+                     "--ps-listen", f"{host2['ip']}:{NEW_PS}",
+                     "--ps-rank", "1", "--ps-peers", ",".join(peers),
+                     "--ps-replicate", "--join",
+                     "--emb-listen", f"{host2['ip']}:{NEW_EMB}",
+                     "--emb-dir", os.path.join(d, "embedding"),
+                     "--emb-budget", topo["emb_budget"]]
+            logf = open(repl_log, "w")
+            r = subprocess.Popen(rargv, stdout=logf, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            logf.close()
+            state["nodes"].append({"host": "m2", "pid": r.pid, "log": repl_log})
+            with open(os.path.join(topo["state"], "state.json"), "w") as f:
+                json.dump(state, f, indent=1)  # so `down` stops it too
+            while time.time() - t_kill[0] < 60:
+                with open(repl_log) as f:
+                    text = f.read()
+                if "joined: copied" in text:
+                    res["joined_s"] = round(time.time() - t_kill[0], 3)
+                    res["join_line"] = [x for x in text.splitlines()
+                                        if "joined: copied" in x][0]
+                    break
+                if r.poll() is not None:
+                    raise RuntimeError("the replacement exited:\n" + text)
+                time.sleep(0.02)
+        res["exit"] = p.wait()
+        t.join(5)
+        res["log_tail"] = "".join(lines[-15:])
+    finally:
+        cluster.down(topo, quiet=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--membox", default=os.path.join(HERE, "build", "release",
+                                                     "tools", "membox"))
+    ap.add_argument("--python", default=os.path.join(HERE, "out", "venv", "bin",
+                                                     "python"))
+    ap.add_argument("--rate", default="400mbit")
+    ap.add_argument("--epochs", type=int, default=40)
+    ap.add_argument("--kill-after-epoch", type=int, default=8)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--csv", default="")
+    ap.add_argument("--plot", default="")
+    a = ap.parse_args()
+    cluster.require_root()
+    os.environ["MEMBOX_BIN"] = os.path.abspath(a.membox)
+    tmp = tempfile.mkdtemp(prefix="membox-fo-")
+    topo = topology(a, tmp)
+    plain = job(a, topo, os.path.join(tmp, "plain.jsonl"), 0)
+    print("undisturbed:", json.dumps(plain["epochs"][-1]), flush=True)
+    hit = job(a, topo, os.path.join(tmp, "killed.jsonl"), a.kill_after_epoch)
+    print("with the kill:", json.dumps(hit["epochs"][-1]), flush=True)
+    print(hit["join_line"], flush=True)
+    last, base = hit["epochs"][-1], plain["epochs"][-1]
+    same = (last["loss"], last["accuracy"]) == (base["loss"], base["accuracy"])
+    summary = {
+        "rate": a.rate, "epochs": a.epochs,
+        "kill_after_epoch": a.kill_after_epoch,
+        "replacement_joined_s": hit["joined_s"],
+        "workers_back_s": hit["back_s"],
+        "recovery_s": max(hit["back_s"]) if hit["back_s"] else None,
+        "join_line": hit["join_line"],
+        "final_loss": last["loss"], "final_accuracy": last["accuracy"],
+        "undisturbed_final_loss": base["loss"],
+        "undisturbed_final_accuracy": base["accuracy"],
+        "same_result": same, "exit": hit["exit"],
+        "epochs_plain": plain["epochs"], "epochs_killed": hit["epochs"],
+    }
+    kill_epoch = a.kill_after_epoch + 1  # the epoch the kill fell into
+    for name, run in (("undisturbed", plain), ("killed", hit)):
+        its = [e["iteration_ms"] for e in run["epochs"]
+               if e["epoch"] != kill_epoch]
+        its.sort()
+        summary[f"{name}_median_iteration_ms"] = its[len(its) // 2]
+        summary[f"{name}_kill_epoch_iteration_ms"] = [
+            e["iteration_ms"] for e in run["epochs"]
+            if e["epoch"] == kill_epoch][0]
+    print(json.dumps({k: v for k, v in summary.items()
+                      if not k.startswith("epochs_")}, indent=1), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if a.csv:
+        with open(a.csv, "w") as f:
+            f.write("epoch,undisturbed_iteration_ms,killed_iteration_ms,"
+                    "undisturbed_loss,killed_loss\n")
+            for e0, e1 in zip(plain["epochs"], hit["epochs"]):
+                f.write(f"{e0['epoch']},{e0['iteration_ms']},"
+                        f"{e1['iteration_ms']},{e0['loss']},{e1['loss']}\n")
+    if a.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for name, run, style in (("undisturbed", plain, "o-"),
+                                 ("node m1 killed, replaced on m2", hit, "s-")):
+            ax.plot([e["epoch"] for e in run["epochs"]],
+                    [e["iteration_ms"] for e in run["epochs"]], style,
+                    ms=3, label=name)
+        ax.axvline(kill_epoch, color="grey", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_xlabel("epoch (the kill falls into the marked one)")
+        ax.set_ylabel("mean iteration (ms)")
+        ax.set_title(f"Node failover across hosts: 2 workers, 3 memory "
+                     f"hosts, {a.rate} links")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=110)
+    if hit["exit"] != 0 or not same:
+        sys.exit(f"FAIL: exit {hit['exit']}, final {last} vs undisturbed {base}"
+                 f"\n{hit['log_tail']}")
+
+
+if __name__ == "__main__":
+    main()
