@@ -2046,9 +2046,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   Status LoadRecords(const std::vector<CheckpointShard>& shards,
                      const std::string& path) {
     for (const auto& c : shards) {
-      ASSIGN_OR_RETURN(Shard * sh, PrepareShard(c.key, c.shard, c.dtype,
-                                                c.key_bytes, c.shard_bytes,
-                                                path));
+      ASSIGN_OR_RETURN(Shard * sh,
+                       PrepareShard(c.key, c.shard, c.dtype, c.key_bytes,
+                                    c.shard_bytes, path));
       RETURN_IF_ERROR(storage_->Load(*sh, c).WithContext(
           path + ": key " + std::to_string(c.key)));
     }
@@ -2060,9 +2060,9 @@ class ProxyImpl final : public Proxy, public service::Service {
                        const std::string& path) {
     for (auto& c : copied) {
       const OfferedShard& o = *c.offer;
-      ASSIGN_OR_RETURN(Shard * sh, PrepareShard(o.key, o.shard, o.dtype,
-                                                o.key_bytes, o.shard_bytes,
-                                                path));
+      ASSIGN_OR_RETURN(Shard * sh,
+                       PrepareShard(o.key, o.shard, o.dtype, o.key_bytes,
+                                    o.shard_bytes, path));
       if (sh->bytes != o.bytes) {
         return DataLossError(path + ": shard size mismatch for key " +
                              std::to_string(o.key));
@@ -2099,8 +2099,9 @@ class ProxyImpl final : public Proxy, public service::Service {
     }
     CatchUp& slot = catch_ups_[{to, k, s}];
     if (slot.offer && slot.version == sh.version) return;  // on its way
-    auto offer = StateOffer::Make(
-        *device_, opt_.rank, {{k, s, key.dtype, key.bytes, key.shard_bytes, &sh}});
+    auto offer =
+        StateOffer::Make(*device_, opt_.rank,
+                         {{k, s, key.dtype, key.bytes, key.shard_bytes, &sh}});
     if (!offer.ok()) {
       MEMBOX_LOG_WARN("proxy {}: cannot give proxy {} key {} shard {}: {}",
                       opt_.rank, to, k, s, offer.status().ToString());
@@ -2178,8 +2179,9 @@ class ProxyImpl final : public Proxy, public service::Service {
     sh.value = std::move(copied[0].value);
     sh.m1 = std::move(copied[0].m1);
     sh.m2 = std::move(copied[0].m2);
-    MEMBOX_LOG_WARN("proxy {}: caught up on key {} shard {}: round {} from proxy {}",
-                    opt_.rank, m.key, m.shard, m.round - 1, from);
+    MEMBOX_LOG_WARN(
+        "proxy {}: caught up on key {} shard {}: round {} from proxy {}",
+        opt_.rank, m.key, m.shard, m.round - 1, from);
     PublishRound(m.key, m.shard, st);
   }
 
@@ -2226,7 +2228,8 @@ class ProxyImpl final : public Proxy, public service::Service {
              std::vector<std::pair<uint32_t, const OfferedShard*>>>
         offers;
     for (auto& [p, man] : manifests) {
-      for (const auto& o : man.shards) offers[{o.key, o.shard}].push_back({p, &o});
+      for (const auto& o : man.shards)
+        offers[{o.key, o.shard}].push_back({p, &o});
     }
     std::map<uint32_t, std::vector<const OfferedShard*>> from;
     size_t turn = 0;

@@ -42,7 +42,8 @@ Status GetDescriptor(Reader& r, uint64_t bytes, RegionDescriptor* out) {
     return Damaged("truncated or oversized region descriptor");
   }
   auto d = RegionDescriptor::Deserialize(b);
-  if (!d.ok()) return Damaged("bad region descriptor: " + d.status().ToString());
+  if (!d.ok())
+    return Damaged("bad region descriptor: " + d.status().ToString());
   if (d->length < bytes) return Damaged("a region is shorter than its shard");
   *out = std::move(*d);
   return Status::Ok();
@@ -213,10 +214,10 @@ Result<StateManifest> ReadStateManifest(transport::Channel& channel,
                                         remote->address(), *remote, bytes));
   RETURN_IF_ERROR(h.Wait(timeout));
   StateManifest m;
-  RETURN_IF_ERROR(ParseStateManifest(
-      std::span<const uint8_t>(static_cast<const uint8_t*>(local->data()),
-                               bytes),
-      &m));
+  RETURN_IF_ERROR(
+      ParseStateManifest(std::span<const uint8_t>(
+                             static_cast<const uint8_t*>(local->data()), bytes),
+                         &m));
   if (m.proxy_rank != giver_rank) {
     return DataLossError("the state manifest is proxy " +
                          std::to_string(m.proxy_rank) + "'s, not proxy " +
@@ -245,8 +246,8 @@ Result<std::vector<CopiedShard>> CopyShards(
       return DataLossError("a shard's region is smaller than the shard");
     }
     ASSIGN_OR_RETURN(*into, allocate(n));
-    ASSIGN_OR_RETURN(auto h, channel.Read((*into)->data(), **into, d.address,
-                                          *remote, n));
+    ASSIGN_OR_RETURN(
+        auto h, channel.Read((*into)->data(), **into, d.address, *remote, n));
     remotes.push_back(std::move(remote));
     reads.push_back(std::move(h));
     return Status::Ok();

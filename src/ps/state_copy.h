@@ -55,7 +55,8 @@ struct OfferedShard {
   uint64_t key_bytes = 0;
   uint64_t shard_bytes = 0;  // nominal shard size of the key
   uint64_t version = 0;
-  uint64_t bytes = 0;  // this shard's size: min(shard_bytes, key_bytes - offset)
+  uint64_t bytes =
+      0;  // this shard's size: min(shard_bytes, key_bytes - offset)
   transport::RegionDescriptor value;
   std::optional<transport::RegionDescriptor> m1, m2;  // optimizer state
 };
@@ -85,9 +86,9 @@ class StateOffer {
   };
   // Snapshots `items` (references to their buffers) and writes their
   // manifest into a region allocated on `device`.
-  static Result<std::unique_ptr<StateOffer>> Make(transport::Device& device,
-                                                  uint32_t giver_rank,
-                                                  const std::vector<Item>& items);
+  static Result<std::unique_ptr<StateOffer>> Make(
+      transport::Device& device, uint32_t giver_rank,
+      const std::vector<Item>& items);
 
   // Where the taker reads the manifest, and how many bytes.
   std::vector<uint8_t> descriptor() const {

@@ -100,13 +100,9 @@ TEST(StateManifestTest, InconsistentShardsAreRefusedWithTheReason) {
        "unknown dtype"},
       {"twice", [](StateManifest& m) { m.shards[1] = m.shards[0]; },
        "given twice"},
-      {"short region",
-       [](StateManifest& m) { m.shards[0].value.length = 100; },
+      {"short region", [](StateManifest& m) { m.shards[0].value.length = 100; },
        "shorter than its shard"},
-      {"m2 alone",
-       [](StateManifest& m) {
-         m.shards[1].m1.reset();
-       },
+      {"m2 alone", [](StateManifest& m) { m.shards[1].m1.reset(); },
        "bad buffer set"},
   };
   for (const auto& c : cases) {
@@ -145,10 +141,10 @@ class StateCopyTest : public ::testing::TestWithParam<ProtocolChoice> {
     auto alloc = [](Device* d) {
       return [d](uint64_t n) { return d->AllocateMemRegion(n); };
     };
-    giver_storage_ =
-        std::make_unique<ShardStorage>(alloc(giver_.get()), 1ull << 30, &cores_);
-    taker_storage_ =
-        std::make_unique<ShardStorage>(alloc(taker_.get()), 1ull << 30, &cores_);
+    giver_storage_ = std::make_unique<ShardStorage>(alloc(giver_.get()),
+                                                    1ull << 30, &cores_);
+    taker_storage_ = std::make_unique<ShardStorage>(alloc(taker_.get()),
+                                                    1ull << 30, &cores_);
   }
   void TearDown() override {
     channel_.reset();
@@ -178,26 +174,25 @@ TEST_P(StateCopyTest, TheTakerGetsTheOfferedVersionWhileTheGiverMovesOn) {
   float* gv = static_cast<float*>((*g)->data());
   for (uint64_t i = 0; i < kFloats; ++i) gv[i] = 1.0f;
   OptimizerSettings sgd{proto::Optimizer::kSgd, 0.5, 0.9};
-  ASSERT_TRUE(giver_storage_
-                  ->Apply(DType::kFloat32, sgd, Update::kOptimizer, sh,
-                          g->get(), 1.0)
-                  .ok());
+  ASSERT_TRUE(
+      giver_storage_
+          ->Apply(DType::kFloat32, sgd, Update::kOptimizer, sh, g->get(), 1.0)
+          .ok());
   sh.version = 6;
   const std::vector<float> offered_value(v, v + kFloats);
   const std::vector<float> offered_m1(
       static_cast<float*>(sh.m1->data()),
       static_cast<float*>(sh.m1->data()) + kFloats);
 
-  auto offer = StateOffer::Make(*giver_, 1,
-                                {{11, 0, DType::kFloat32, kFloats * 4,
-                                  kFloats * 4, &sh}});
+  auto offer = StateOffer::Make(
+      *giver_, 1, {{11, 0, DType::kFloat32, kFloats * 4, kFloats * 4, &sh}});
   ASSERT_TRUE(offer.ok()) << offer.status().ToString();
   EXPECT_EQ((*offer)->state_bytes(), 2 * kFloats * 4);
   // The giver's next round: copy-on-write leaves the offered buffers alone.
-  ASSERT_TRUE(giver_storage_
-                  ->Apply(DType::kFloat32, sgd, Update::kOptimizer, sh,
-                          g->get(), 1.0)
-                  .ok());
+  ASSERT_TRUE(
+      giver_storage_
+          ->Apply(DType::kFloat32, sgd, Update::kOptimizer, sh, g->get(), 1.0)
+          .ok());
   sh.version = 7;
 
   auto d = (*offer)->descriptor();
@@ -227,14 +222,15 @@ TEST_P(StateCopyTest, TheTakerGetsTheOfferedVersionWhileTheGiverMovesOn) {
 TEST_P(StateCopyTest, ACopyBeyondTheTakersLimitFailsCleanly) {
   StoredShard sh;
   ASSERT_TRUE(giver_storage_->Create(sh, 0, 1 << 20).ok());
-  auto offer = StateOffer::Make(*giver_, 0,
-                                {{1, 0, DType::kFloat32, 1 << 20, 1 << 20, &sh}});
+  auto offer = StateOffer::Make(
+      *giver_, 0, {{1, 0, DType::kFloat32, 1 << 20, 1 << 20, &sh}});
   ASSERT_TRUE(offer.ok());
   auto man = ReadStateManifest(*channel_, *taker_, (*offer)->descriptor(),
                                (*offer)->manifest_bytes(), 0, 10s);
   ASSERT_TRUE(man.ok()) << man.status().ToString();
-  ShardStorage small([this](uint64_t n) { return taker_->AllocateMemRegion(n); },
-                     1000, &cores_);
+  ShardStorage small(
+      [this](uint64_t n) { return taker_->AllocateMemRegion(n); }, 1000,
+      &cores_);
   auto copied = CopyShards(
       *channel_, {&man->shards[0]},
       [&small](uint64_t n) { return small.AllocateForOverwrite(n); }, 10s);
