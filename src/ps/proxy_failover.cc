@@ -1,0 +1,498 @@
+// The parameter proxy: peer links, failover, joining and catch-up
+// (src/ps/proxy_impl.h; docs/design/ps.md, "Node failover").
+#include "src/ps/proxy_impl.h"
+
+namespace membox::ps::proxy_internal {
+
+void ProxyImpl::PeerDown(uint32_t rank, const Status& why) {
+  if (!running_) return;  // this proxy is stopping too
+  bool any_client = false;
+  for (auto& [id, c] : conns_) any_client |= c.role == Conn::Role::kClient;
+  std::string who = "proxy " + std::to_string(rank) + " at " +
+                    opt_.peers[rank] + " is down (" + why.ToString() + ")";
+  if (opt_.replicate && mode_ != proto::Mode::kAsync && dead_worker_.empty()) {
+    return PeerLost(rank, who, any_client);
+  }
+  if (any_client) {
+    MEMBOX_LOG_WARN("{}", who);
+  } else {
+    MEMBOX_LOG_INFO("{}; no workers connected", who);
+  }
+  if (!dead_worker_.empty() || mode_ == proto::Mode::kAsync) return;
+  if (any_client) FailPendingRounds(who);
+}
+
+void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
+                          const std::string& endpoint) {
+  auto it = peer_nonce_.find(rank);
+  const bool replaced = it != peer_nonce_.end() && it->second != nonce;
+  if (!endpoint.empty() && endpoint != opt_.peers[rank]) {
+    // A replacement on another host (`membox serve --join` there): we
+    // reach it, and tell workers who ask (kWhere), at its new address.
+    MEMBOX_LOG_WARN("proxy {}: proxy {} is now at {} (was {})", opt_.rank, rank,
+                    endpoint, opt_.peers[rank]);
+    opt_.peers[rank] = endpoint;
+  }
+  peer_nonce_[rank] = nonce;
+  peer_conn_[rank] = conn;
+  if (!replaced && !peers_down_.count(rank)) {
+    // A first hello; a link we had to an earlier incarnation we never
+    // heard from is of no use.
+    if (auto p = peer_out_.find(rank);
+        p != peer_out_.end() && !p->second->health().ok()) {
+      std::erase_if(peer_regions_,
+                    [&](const auto& e) { return e.first.first == rank; });
+      peer_out_.erase(p);
+    }
+    return;
+  }
+  if (!peers_down_.count(rank)) {
+    PeerLost(rank,
+             "proxy " + std::to_string(rank) + " at " + opt_.peers[rank] +
+                 " was replaced",
+             HasClients());
+  }
+  // The new incarnation gets new links.
+  peer_incarnation_[rank]++;
+  std::erase_if(catch_ups_,
+                [&](const auto& e) { return std::get<0>(e.first) == rank; });
+  std::erase_if(peer_regions_,
+                [&](const auto& e) { return e.first.first == rank; });
+  peer_out_.erase(rank);
+  peers_down_.erase(rank);
+  peers_down_count_.store(peers_down_.size());
+  if (!peers_down_.empty()) return;  // another one is still down
+  for (uint32_t p = 0; p < nproxies_; ++p) {
+    if (p == opt_.rank || p == rank) continue;
+    Message r;
+    r.type = Type::kResume;
+    r.rank = rank;
+    r.world = nonce;
+    Status st = SendToPeer(p, r);
+    if (!st.ok()) {
+      MEMBOX_LOG_WARN("proxy {}: cannot tell proxy {} that we resume: {}",
+                      opt_.rank, p, st.ToString());
+    }
+  }
+  const double paused =
+      std::chrono::duration<double>(Clock::now() - down_since_).count();
+  if (HasClients()) {
+    MEMBOX_LOG_WARN(
+        "proxy {}: proxy {} at {} is back (a replacement); the rounds "
+        "resume after {:.2f} s",
+        opt_.rank, rank, opt_.peers[rank], paused);
+    failovers_.fetch_add(1);
+  }
+  MaybeStartAll();
+}
+
+void ProxyImpl::OnResume(uint32_t from, const Message& m) {
+  if (m.rank >= nproxies_ || m.rank == opt_.rank) return;
+  auto it = peer_nonce_.find(m.rank);
+  const bool seen = it != peer_nonce_.end() && it->second == m.world;
+  if (!seen && !peers_down_.count(m.rank)) {
+    PeerLost(m.rank,
+             "proxy " + std::to_string(from) + " reports proxy " +
+                 std::to_string(m.rank) + " replaced",
+             HasClients());
+  }
+  awaiting_resume_.erase(from);
+}
+
+void ProxyImpl::PeerLost(uint32_t rank, const std::string& who,
+                         bool any_client) {
+  if (!peers_down_.insert(rank).second) return;
+  peers_down_count_.store(peers_down_.size());
+  if (peers_down_.size() == 1) down_since_ = Clock::now();
+  size_t restarted = 0;
+  std::vector<std::pair<uint64_t, uint32_t>> complete;
+  for (auto& [k, key] : keys_) {
+    for (uint32_t s = 0; s < key.shards.size(); ++s) {
+      Shard& sh = key.shards[s];
+      if (sh.reducing && sh.ring.ReadsComplete(RingFor(k, s))) {
+        // Every chunk is in: the result is complete, and the dead peer
+        // may have finished (and answered) the round -- finish it too.
+        complete.emplace_back(k, s);
+      } else if (sh.reducing) {
+        ++restarted;
+        sh.reducing = false;  // the pushes stay; the sum is redone
+      }
+      sh.ring.Reset();  // and every notice kept for later rounds
+    }
+  }
+  for (uint32_t p = 0; p < nproxies_; ++p) {
+    if (p != opt_.rank && p != rank && !peers_down_.count(p)) {
+      awaiting_resume_.insert(p);
+    }
+  }
+  for (auto [k, s] : complete) FinishRound(k, s);
+  if (any_client) {
+    MEMBOX_LOG_WARN(
+        "{}; {} round(s) in flight restart ({} complete here finish), and "
+        "every round waits for its "
+        "replacement (membox serve --join; membox launch --max-restarts "
+        "starts one) for up to {} s",
+        who, restarted, complete.size(),
+        std::chrono::duration_cast<std::chrono::seconds>(opt_.failover_timeout)
+            .count());
+  } else {
+    MEMBOX_LOG_INFO("{}; no workers connected", who);
+  }
+}
+
+bool ProxyImpl::PeerCurrent(uint32_t rank, uint64_t conn) const {
+  auto pc = peer_conn_.find(rank);
+  return pc != peer_conn_.end() && pc->second == conn &&
+         !peers_down_.count(rank) && !awaiting_resume_.count(rank);
+}
+
+bool ProxyImpl::HasClients() const {
+  for (const auto& [id, c] : conns_) {
+    if (c.role == Conn::Role::kClient) return true;
+  }
+  return false;
+}
+
+void ProxyImpl::CheckFailoverDeadline() {
+  if (peers_down_.empty() || !HasClients() || !dead_worker_.empty()) return;
+  if (Clock::now() - down_since_ < opt_.failover_timeout) return;
+  std::string who;
+  for (uint32_t r : peers_down_) {
+    who += (who.empty() ? "proxy " : ", proxy ") + std::to_string(r) + " at " +
+           opt_.peers[r];
+  }
+  FailPendingRounds(
+      who + " was not replaced within " +
+      std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
+                         opt_.failover_timeout)
+                         .count()) +
+      " s");
+}
+
+void ProxyImpl::FailPendingRounds(const std::string& who) {
+  dead_worker_ = who +
+                 "; the synchronous job cannot continue (membox launch "
+                 "--max-restarts restarts the workers from this node's "
+                 "state; or restart from a checkpoint)";
+  Status s = AbortedError(dead_worker_);
+  for (auto& [k, key] : keys_) {
+    for (auto& sh : key.shards) {
+      for (auto& [r, p] : sh.pushes) Reply(p.conn, Type::kPush, p.id, s);
+      for (auto& p : sh.pulls) Reply(p.conn, Type::kPull, p.id, s);
+      sh.pushes.clear();
+      sh.pulls.clear();
+      sh.first_push = {};
+    }
+  }
+  for (auto& [id, m] : sched_.TakeAll()) Reply(id, m.type, m.id, s);
+}
+
+Status ProxyImpl::InstallCopied(std::vector<CopiedShard>& copied,
+                                const std::string& path) {
+  for (auto& c : copied) {
+    const OfferedShard& o = *c.offer;
+    ASSIGN_OR_RETURN(Shard * sh,
+                     PrepareShard(o.key, o.shard, o.dtype, o.key_bytes,
+                                  o.shard_bytes, path));
+    if (sh->bytes != o.bytes) {
+      return DataLossError(path + ": shard size mismatch for key " +
+                           std::to_string(o.key));
+    }
+    sh->version = o.version;
+    sh->value = std::move(c.value);
+    sh->m1 = std::move(c.m1);
+    sh->m2 = std::move(c.m2);
+  }
+  return CheckComplete(path);
+}
+
+CopyAllocator ProxyImpl::CopyBuffers() {
+  return [this](uint64_t n) { return storage_->AllocateForOverwrite(n); };
+}
+
+void ProxyImpl::SendCatchUp(uint32_t to, uint64_t k, uint32_t s,
+                            uint64_t round) {
+  Key& key = keys_[k];
+  Shard& sh = key.shards[s];
+  if (round + 1 != sh.version || !sh.value) {
+    MEMBOX_LOG_WARN(
+        "proxy {}: proxy {} announced round {} of key {} shard {}, which "
+        "is not the round before ours ({}); ignored",
+        opt_.rank, to, round, k, s, sh.version);
+    return;
+  }
+  CatchUp& slot = catch_ups_[{to, k, s}];
+  if (slot.offer && slot.version == sh.version) return;  // on its way
+  auto offer =
+      StateOffer::Make(*device_, opt_.rank,
+                       {{k, s, key.dtype, key.bytes, key.shard_bytes, &sh}});
+  if (!offer.ok()) {
+    MEMBOX_LOG_WARN("proxy {}: cannot give proxy {} key {} shard {}: {}",
+                    opt_.rank, to, k, s, offer.status().ToString());
+    catch_ups_.erase({to, k, s});
+    return;
+  }
+  Message c;
+  c.type = Type::kCatchUp;
+  c.key = k;
+  c.shard = s;
+  c.round = sh.version;
+  c.bytes = (*offer)->manifest_bytes();
+  c.descriptor = (*offer)->descriptor();
+  slot.version = sh.version;
+  slot.offer = std::move(*offer);
+  Status st = SendToPeer(to, c);
+  if (!st.ok()) {
+    catch_ups_.erase({to, k, s});
+    return;  // its link failed: PeerDown follows
+  }
+  MEMBOX_LOG_WARN(
+      "proxy {}: proxy {} still runs round {} of key {} shard {}, which we "
+      "finished before a peer died; giving it the result",
+      opt_.rank, to, round, k, s);
+}
+
+void ProxyImpl::OnCatchUp(uint32_t from, const Message& m) {
+  Message done;
+  done.type = Type::kCatchUpDone;
+  done.key = m.key;
+  done.shard = m.shard;
+  done.round = m.round;
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || m.shard >= it->second.shards.size() ||
+      it->second.shards[m.shard].version + 1 != m.round) {
+    (void)SendToPeer(from, done);  // not (or no longer) behind
+    return;
+  }
+  Key& key = it->second;
+  Shard& sh = key.shards[m.shard];
+  std::vector<CopiedShard> copied;
+  Status st = [&]() -> Status {
+    ASSIGN_OR_RETURN(auto ch, PeerChannel(from));
+    ASSIGN_OR_RETURN(StateManifest man,
+                     ReadStateManifest(*ch, *device_, m.descriptor, m.bytes,
+                                       from, kIoTimeout));
+    if (man.shards.size() != 1) {
+      return DataLossError("it offers " + std::to_string(man.shards.size()) +
+                           " shards, not one");
+    }
+    const OfferedShard& o = man.shards[0];
+    if (o.key != m.key || o.shard != m.shard || o.version != m.round ||
+        o.key_bytes != key.bytes || o.shard_bytes != key.shard_bytes ||
+        o.bytes != sh.bytes || o.dtype != static_cast<uint8_t>(key.dtype)) {
+      return DataLossError("its record is not the shard's next version");
+    }
+    ASSIGN_OR_RETURN(copied, CopyShards(*ch, {&o}, CopyBuffers(), kIoTimeout));
+    copied[0].offer = nullptr;  // `man` goes out of scope
+    return Status::Ok();
+  }();
+  (void)SendToPeer(from, done);
+  if (!st.ok()) {
+    // The round keeps waiting (and is reported as waiting).
+    MEMBOX_LOG_WARN(
+        "proxy {}: the result of key {} shard {} round {} from proxy {} "
+        "is unusable: {}",
+        opt_.rank, m.key, m.shard, m.round - 1, from, st.ToString());
+    return;
+  }
+  sh.ring.Stop();
+  sh.version = m.round;
+  sh.value = std::move(copied[0].value);
+  sh.m1 = std::move(copied[0].m1);
+  sh.m2 = std::move(copied[0].m2);
+  MEMBOX_LOG_WARN(
+      "proxy {}: caught up on key {} shard {}: round {} from proxy {}",
+      opt_.rank, m.key, m.shard, m.round - 1, from);
+  PublishRound(m.key, m.shard, st);
+}
+
+Status ProxyImpl::Join() {
+  if (nproxies_ < 2) {
+    return FailedPreconditionError("--join needs peers (--ps-peers)");
+  }
+  const auto t0 = Clock::now();
+  auto failed = [this](uint32_t p, const Status& s) {
+    return Status(s.code(), "joining: cannot copy the state of proxy " +
+                                std::to_string(p) + " at " + opt_.peers[p] +
+                                ": " + std::string(s.message()));
+  };
+  std::map<uint32_t, StateManifest> manifests;
+  auto tell_done = [&] {
+    for (auto& [p, man] : manifests) {
+      auto c = PeerClient(p);
+      if (!c.ok()) continue;  // gone: it frees its offer with the link
+      Message done;
+      done.type = Type::kJoinDone;
+      (void)(*c)->Call(static_cast<uint16_t>(Type::kJoinDone),
+                       proto::Encode(done), kPeerTimeout);
+    }
+  };
+  for (uint32_t p = 0; p < nproxies_; ++p) {
+    if (p == opt_.rank) continue;
+    auto man = FetchPeerManifest(p);
+    if (!man.ok()) {
+      tell_done();
+      return failed(p, man.status());
+    }
+    manifests[p] = std::move(*man);
+  }
+  copy_timing_.manifests = Clock::now() - t0;
+  // Who gives which shard.
+  std::map<std::pair<uint64_t, uint32_t>,
+           std::vector<std::pair<uint32_t, const OfferedShard*>>>
+      offers;
+  for (auto& [p, man] : manifests) {
+    for (const auto& o : man.shards)
+      offers[{o.key, o.shard}].push_back({p, &o});
+  }
+  std::map<uint32_t, std::vector<const OfferedShard*>> from;
+  size_t turn = 0;
+  uint64_t state_bytes = 0;
+  for (auto& [id, list] : offers) {
+    uint64_t newest = 0;
+    for (auto& [p, o] : list) newest = std::max(newest, o->version);
+    std::erase_if(list, [&](auto& e) { return e.second->version != newest; });
+    auto& [p, o] = list[turn++ % list.size()];
+    from[p].push_back(o);
+    state_bytes += o->bytes * (1 + (o->m1 ? 1 : 0) + (o->m2 ? 1 : 0));
+  }
+  const auto t_read = Clock::now();
+  std::vector<CopiedShard> copied;
+  copied.reserve(offers.size());
+  Status st;
+  for (auto& [p, list] : from) {
+    auto ch = PeerChannel(p);
+    auto r = ch.ok() ? CopyShards(**ch, list, CopyBuffers(), kIoTimeout)
+                     : Result<std::vector<CopiedShard>>(ch.status());
+    if (!r.ok()) {
+      st = failed(p, r.status());
+      break;
+    }
+    for (auto& c : *r) copied.push_back(std::move(c));
+  }
+  copy_timing_.read = Clock::now() - t_read;
+  tell_done();
+  RETURN_IF_ERROR(st);
+  const auto t_store = Clock::now();
+  RETURN_IF_ERROR(InstallCopied(copied, "the peers' state"));
+  auto sec = [](Clock::duration d) {
+    return std::chrono::duration<double>(d).count();
+  };
+  MEMBOX_LOG_WARN(
+      "proxy {} joined: copied {} keys ({} shards, {} bytes of state) from "
+      "{} peer(s) in {:.3f} s (the peers offering it {:.3f} s, reading "
+      "{:.3f} s, storing {:.3f} s)",
+      opt_.rank, keys_.size(), copied.size(), state_bytes, from.size(),
+      sec(Clock::now() - t0), sec(copy_timing_.manifests),
+      sec(copy_timing_.read), sec(Clock::now() - t_store));
+  return Status::Ok();
+}
+
+Result<StateManifest> ProxyImpl::FetchPeerManifest(uint32_t p) {
+  ASSIGN_OR_RETURN(service::Client * c, PeerClient(p));
+  Message q;
+  q.type = Type::kJoin;
+  q.rank = opt_.rank;
+  ASSIGN_OR_RETURN(auto body, c->Call(static_cast<uint16_t>(Type::kJoin),
+                                      proto::Encode(q), kPeerTimeout));
+  ASSIGN_OR_RETURN(Message r,
+                   proto::Decode(static_cast<uint16_t>(Type::kReply), body));
+  ASSIGN_OR_RETURN(auto ch, PeerChannel(p));
+  return ReadStateManifest(
+      *ch, *device_,
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(r.text.data()),
+                               r.text.size()),
+      r.version, p, kIoTimeout);
+}
+
+void ProxyImpl::OnJoinRequest(uint64_t conn, Conn& c, const Message& m) {
+  if (m.type == Type::kJoinDone) {
+    join_snapshots_.erase(conn);
+    return Reply(conn, m.type, m.id, Status::Ok());
+  }
+  if (m.rank != c.rank) {
+    return Reply(conn, m.type, m.id,
+                 InvalidArgumentError("a proxy joins as its own rank"));
+  }
+  std::vector<StateOffer::Item> items;
+  for (auto& [k, key] : keys_) {
+    for (uint32_t i = 0; i < key.shards.size(); ++i) {
+      if (!key.shards[i].value) continue;
+      items.push_back(
+          {k, i, key.dtype, key.bytes, key.shard_bytes, &key.shards[i]});
+    }
+  }
+  auto offer = StateOffer::Make(*device_, opt_.rank, items);
+  if (!offer.ok()) return Reply(conn, m.type, m.id, offer.status());
+  const uint64_t n = (*offer)->manifest_bytes();
+  auto d = (*offer)->descriptor();
+  MEMBOX_LOG_WARN(
+      "proxy {} at {} is joining (replacing the one that was there): "
+      "offering it {} shards ({} bytes of state)",
+      c.rank, opt_.peers[c.rank], (*offer)->shards(), (*offer)->state_bytes());
+  join_snapshots_[conn] = std::move(*offer);
+  Reply(conn, m.type, m.id, Status::Ok(), n, std::string(d.begin(), d.end()));
+}
+
+Result<service::Client*> ProxyImpl::PeerClient(uint32_t rank) {
+  auto it = peer_out_.find(rank);
+  if (it != peer_out_.end()) {
+    Status h = it->second->health();
+    if (h.ok()) return it->second.get();
+    return UnavailableError("proxy " + std::to_string(rank) + " at " +
+                            opt_.peers[rank] + " is down: " + h.ToString());
+  }
+  auto deadline = Clock::now() + kPeerTimeout;
+  Status last;
+  while (Clock::now() < deadline && running_) {
+    service::ClientOptions co;
+    co.node_kind = "proxy " + std::to_string(rank);
+    const uint64_t incarnation = peer_incarnation_[rank];
+    co.on_failure = [this, rank, incarnation](const Status& s) {
+      // PeerDown reports it, at a level that fits the moment.
+      MEMBOX_LOG_DEBUG("link to proxy {} failed: {}", rank, s.ToString());
+      Post([this, rank, incarnation, s] {
+        if (peer_incarnation_[rank] == incarnation) PeerDown(rank, s);
+      });
+    };
+    auto c = service::Client::Connect(*device_, opt_.peers[rank], co);
+    if (c.ok()) {
+      // Do not wait for the hello's answer here: the peer may be doing the
+      // same towards us from its event loop. Messages on a channel are
+      // ordered, so the peer sees the hello before anything else; a
+      // refusal arrives later and is logged.
+      Message h;
+      h.type = Type::kPeerHello;
+      h.name = device_->options().name;
+      h.rank = opt_.rank;
+      h.world = nonce_;
+      h.endpoint = opt_.peers[opt_.rank];
+      (*c)->Send(static_cast<uint16_t>(Type::kPeerHello), proto::Encode(h),
+                 [rank](const Status& s, std::span<const uint8_t>) {
+                   if (!s.ok()) {
+                     MEMBOX_LOG_ERROR("proxy {} refused us: {}", rank,
+                                      s.ToString());
+                   }
+                 });
+      service::Client* raw = c->get();
+      peer_out_[rank] = std::move(*c);
+      return raw;
+    }
+    last = c.status();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return UnavailableError("cannot reach proxy " + std::to_string(rank) +
+                          " at " + opt_.peers[rank] + ": " + last.ToString());
+}
+
+Result<std::shared_ptr<Channel>> ProxyImpl::PeerChannel(uint32_t rank) {
+  ASSIGN_OR_RETURN(service::Client * c, PeerClient(rank));
+  return c->channel_ptr();
+}
+
+Status ProxyImpl::SendToPeer(uint32_t rank, const Message& m) {
+  ASSIGN_OR_RETURN(service::Client * c, PeerClient(rank));
+  return c->Notify(static_cast<uint16_t>(m.type), proto::Encode(m));
+}
+
+}  // namespace membox::ps::proxy_internal

@@ -1,0 +1,567 @@
+// The parameter proxy's implementation (include/membox/ps/proxy.h says what
+// it does), split by job over several files that share this class:
+//
+//   proxy.cc           construction, the service plumbing (replies, worker
+//                      memory), requests' dispatch, hang reports, stats
+//   proxy_requests.cc  workers' requests: hello, configure, declare, tune,
+//                      store, and the checks every shard request passes
+//   proxy_rounds.cc    admission (AdmissionScheduler), local sum, the ring
+//                      between proxies (RingProgress), apply, pulls
+//   proxy_failover.cc  peers: links, death, replacement (join), catch-up,
+//                      resume (state copies: src/ps/state_copy.h)
+//   proxy_state.cc     checkpoints and restore (src/ps/checkpoint.h), and
+//                      loading shards from a checkpoint or from peers
+//
+// The units with logic of their own live beside it with their own tests:
+// storage.h (shards, copy-on-write, apply), scheduler.h, ring.h,
+// checkpoint.h, state_copy.h, reduce.h, routing.h. What remains here is
+// the orchestration of one node's state, on one event loop.
+//
+// Threading: everything runs on the service::Server's serial event loop
+// (requests, peer notices, posted completions), so the members below the
+// "Event-thread state" line need no locks; Stats/StatusText/Metrics read
+// atomics and the mutex-guarded strings from any thread. Not for use
+// outside src/ps (the public face is membox::ps::Proxy).
+#ifndef MEMBOX_SRC_PS_PROXY_IMPL_H_
+#define MEMBOX_SRC_PS_PROXY_IMPL_H_
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <future>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "membox/base/accumulate.h"
+#include "membox/base/copy.h"
+#include "membox/base/logging.h"
+#include "membox/ps/proxy.h"
+#include "membox/ps/routing.h"
+#include "membox/service/client.h"
+#include "membox/service/server.h"
+#include "membox/transport/device.h"
+
+#include "src/ps/checkpoint.h"
+#include "src/ps/protocol.h"
+#include "src/ps/reduce.h"
+#include "src/ps/ring.h"
+#include "src/ps/scheduler.h"
+#include "src/ps/state_copy.h"
+#include "src/ps/storage.h"
+
+namespace membox::ps::proxy_internal {
+
+using proto::Message;
+using proto::Type;
+using transport::Channel;
+using transport::MemRegion;
+using transport::RegionDescriptor;
+using transport::RemoteMemRegion;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kPeerTimeout = std::chrono::seconds(30);
+constexpr auto kIoTimeout = std::chrono::seconds(30);
+
+// One pushed contribution waiting for its round.
+struct Contribution {
+  uint64_t conn = 0;
+  uint64_t id = 0;
+  uint32_t rank = 0;
+  uint64_t region = 0, offset = 0;
+  bool has_output = false;
+  uint64_t out_region = 0, out_offset = 0;
+  // Prefetched (pushes the proxy cannot map): read into the shard's inbox
+  // for this rank as soon as admitted; `fetching` until the read is back.
+  bool prefetched = false;
+  bool fetching = false;
+  Status fetched;
+};
+
+struct PendingPull {
+  uint64_t conn = 0;
+  uint64_t id = 0;
+  uint64_t min_version = 0;
+  uint64_t out_region = 0, out_offset = 0;
+  Clock::time_point since{};
+};
+
+// A shard of a key: what storage keeps (StoredShard), the round in
+// progress and its ring.
+struct Shard : StoredShard {
+  // Synchronous round `version`: contributions by rank.
+  std::map<uint32_t, Contribution> pushes;
+  bool reducing = false;  // local sum done, ring running
+  RingProgress ring;
+  std::vector<PendingPull> pulls;
+  std::vector<uint64_t> applied;  // kAsync: pushes applied per rank
+  // Per-rank buffers prefetched pushes are read into (allocated on first
+  // use, reused every round: a round's next pushes are admitted only after
+  // its sum is done).
+  std::map<uint32_t, std::shared_ptr<MemRegion>> inbox;
+  // When the round in progress saw its first push (for explanations of a
+  // wait); zero when none is waiting. When it was last logged as waiting.
+  Clock::time_point first_push{}, reported{};
+  // Stored keys: kStores issued and the newest one applied (a store read
+  // from a worker over the network completes later; an older one landing
+  // after a newer one is dropped).
+  uint64_t stores_issued = 0, stores_applied = 0;
+};
+
+struct Key {
+  uint64_t bytes = 0;
+  DType dtype = DType::kFloat32;
+  uint64_t shard_bytes = 0;
+  bool initialized = false;
+  // Declared with initial values by a worker other than rank 0, whose
+  // declaration has not arrived: rank 0's values win (as DDP's broadcast),
+  // so pulls and pushes of the key wait for it.
+  bool awaiting_init = false;
+  OptimizerSettings opt;
+  // The round the hyperparameters were last changed for, and by whom: two
+  // workers asking for different values for one round is an error.
+  uint64_t tuned_round = UINT64_MAX;
+  std::set<uint32_t> tuned_by;
+  // Striped: shard s is summed and stored by proxy (key + s) % proxies
+  // alone (every worker sends it there; no ring). Fixed by the first
+  // worker's Declare; a key restored from a checkpoint takes it from there.
+  bool striped = false;
+  bool declared = false;  // by a worker of the current job
+  bool restored = false;  // from a checkpoint (never replaced: see Declare)
+  // Written by workers' kStore (state kept for them, e.g. a DDP job's
+  // weights): no pushes, no rounds, no optimizer. Fixed by the first
+  // worker's Declare.
+  bool stored = false;
+  std::vector<Shard> shards;
+};
+
+// A worker's routing table and, per key, the first round it applies to
+// (keys absent were declared later: from round 0).
+struct RouteEntry {
+  uint64_t threshold = 0;
+  uint32_t lat = 0, bw = 0;
+  std::map<uint64_t, uint64_t> from;
+};
+
+struct Conn {
+  std::shared_ptr<Channel> channel;
+  std::vector<RouteEntry> routes;
+  // kObserver: `membox status` (a hello with world 0), kStats only.
+  enum class Role { kUnknown, kClient, kPeer, kObserver } role = Role::kUnknown;
+  uint32_t rank = 0;
+  std::string name;
+  std::map<uint64_t, std::shared_ptr<RemoteMemRegion>> regions;
+  // A worker rejoining after a failover, its state not fully replayed
+  // (kRejoin .. kRejoined): no round that depends on it starts.
+  bool replaying = false;
+};
+
+// Runs on a service::Server with one serial event loop: workers' and peer
+// proxies' messages, transfer completions (posted tasks) and checkpoints are
+// applied on that loop, so the storage and ring state need no locks
+// (docs/design/ps.md). Peer proxies are reached through service::Clients of
+// the same device.
+class ProxyImpl final : public Proxy, public service::Service {
+ public:
+  explicit ProxyImpl(ProxyOptions o)
+      : opt_(std::move(o)), sched_(opt_.scheduler) {}
+  ~ProxyImpl() override { Stop(); }
+
+  Status Init();
+
+  std::string endpoint() const override { return endpoint_; }
+
+  ProxyStats Stats() const override;
+
+  std::string StatusText() const override;
+
+  void Metrics(MetricsWriter& w) const override;
+
+  Status Checkpoint(const std::string& name) override;
+
+  void Stop() override;
+
+ private:
+  // ------------------------------------------------ service (proxy.cc)
+
+  Status OnStart(transport::Device& device) override;
+
+  void OnConnect(service::ConnectionId conn, const std::string&) override;
+
+  void Post(std::function<void()> task) { server_->Post(std::move(task)); }
+
+  // Answers request (method, id) of `conn`; an ok reply carries the
+  // version (and the status text of kStats).
+  void Reply(uint64_t conn, Type method, uint64_t id, const Status& s,
+             uint64_t version = 0, std::string text = {});
+
+  // A registered staging buffer of at least `bytes` (event thread only).
+  Result<MemRegion*> Staging(uint64_t bytes);
+
+  // The worker's registered region `region` if [offset, offset + len) lies
+  // inside it; `what` ("input" / "output") names the side in errors.
+  static Result<const RemoteMemRegion*> WorkerRange(const Conn& c,
+                                                    uint64_t region,
+                                                    uint64_t offset,
+                                                    uint64_t len,
+                                                    const char* what);
+
+  // Resolves a worker's (region, offset, length) to something readable:
+  // a mapped pointer, or the bytes read into `into` (registered).
+  Result<const uint8_t*> ReadWorker(Conn& c, uint64_t region, uint64_t offset,
+                                    uint64_t len, uint8_t* into,
+                                    const MemRegion& into_region);
+
+  Status WriteWorker(Conn& c, uint64_t region, uint64_t offset,
+                     const uint8_t* src, uint64_t len,
+                     const MemRegion& src_region);
+
+  // Writes a round's result to a worker and replies once it is visible
+  // there, without waiting on the event thread: the write and a flush are
+  // issued, and the flush's completion posts the reply. The node's link then
+  // carries this shard's results out while the next shard's pushes come in
+  // (waiting here made every node use its link one direction at a time).
+  // `src` is held until the write completes, so the value it points into is
+  // copied on write meanwhile (Apply / LocalSum check use_count()).
+  void WriteThenReply(uint64_t conn, Type method, uint64_t id, uint64_t region,
+                      uint64_t offset, std::shared_ptr<MemRegion> src,
+                      uint64_t len, uint64_t version);
+
+  // Keeps a transfer's handle until it completes (a pending handle's
+  // destructor would wait for it); completed ones are dropped here.
+  void Track(transport::OpHandle h);
+
+  // -------------------------------------------------- hangs (proxy.cc)
+
+  // What shard s of key k waits for, or empty when it waits for nothing.
+  std::string ExplainShard(uint64_t k, uint32_t s) const;
+
+  // Logs every round (and pull) waiting longer than hang_report, once per
+  // period each, and keeps the explanation -- with a summary of the job:
+  // workers, versions -- for StatusText().
+  void ReportWaits();
+
+  // ----------------------------------------------- messages (proxy.cc)
+
+  void OnRequest(const service::Request& r) override;
+
+  void OnHello(uint64_t conn, Conn& c, const Message& m);
+
+  void OnDisconnect(service::ConnectionId conn, const Status& why) override;
+
+  // ------------------------------------------ peers (proxy_failover.cc)
+
+  // Synchronous rounds need every proxy.
+  // A peer that leaves while workers are connected is a failure of the job
+  // (a warning); with no worker connected it is the end of one (the nodes of
+  // a finished job stop one after another), so it is only noted.
+  void PeerDown(uint32_t rank, const Status& why);
+
+  // ---------------------------------------- failover (proxy_failover.cc)
+  //
+  // With `replicate`, a peer that dies pauses the synchronous rounds (the
+  // ring spans every proxy) instead of failing them: the workers' pushes
+  // stay admitted here, their data in the workers' memory. The hello of
+  // its replacement (--join: it copied the newest state from us) resumes
+  // them: every round in flight restarts from its pushes, and each
+  // survivor sends the others kResume -- its ring notices from then on
+  // belong to the restarted rounds; those it sent before are dropped.
+  // Not replaced within failover_timeout: the rounds fail as without
+  // replication.
+
+  // A kPeerHello: the first of `rank`, or a new incarnation (its nonce
+  // differs) that replaces one that died.
+  void PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
+                 const std::string& endpoint);
+
+  // A peer restarted its rounds after `m.rank` (incarnation m.world) was
+  // replaced. If we have not seen that yet, we pause now; its hello is on
+  // its way.
+  void OnResume(uint32_t from, const Message& m);
+
+  // Pauses every round until `rank` is back (PeerHello).
+  void PeerLost(uint32_t rank, const std::string& who, bool any_client);
+
+  // Whether ring notices from peer `rank` on `conn` count.
+  bool PeerCurrent(uint32_t rank, uint64_t conn) const;
+
+  bool HasClients() const;
+
+  // Called by ReportWaits: a peer not replaced in time fails the job.
+  void CheckFailoverDeadline();
+
+  // A synchronous round cannot finish once a worker or a proxy is gone: tell
+  // everybody waiting instead of letting them hang.
+  void FailPendingRounds(const std::string& who);
+
+  // ------------------------------- workers' requests (proxy_requests.cc)
+
+  // Everything a worker sends but its hello: pushes and pulls go on to
+  // admission (proxy_rounds.cc); the rest is answered here.
+  void OnClientMessage(uint64_t conn, Conn& c, Message m);
+
+  // kStore: the worker's bytes replace the shard's value. They are read
+  // into a buffer nobody else holds (the shard's scratch, or a new one) and
+  // swapped in once whole, so a worker that dies in the middle leaves the
+  // previous value. Over the network the read is not waited for on the
+  // event loop (a state store is as large as a gradient push, and the
+  // rounds go on meanwhile): its completion posts FinishStore and the
+  // reply. Pulls waiting for a newer version are answered.
+  void Store(uint64_t conn, Conn& c, const Message& m);
+
+  // A store's bytes are all in `buf`: it becomes the shard's value (unless
+  // a newer store already landed), the old value its scratch. Returns the
+  // shard's version.
+  Result<uint64_t> FinishStore(uint64_t k, uint32_t shard, uint64_t seq,
+                               std::shared_ptr<MemRegion> buf);
+
+  // The job-wide part of the configuration: the synchronisation mode and the
+  // staleness bound. (Optimizers are per key: Declare / Tune.)
+  Status Configure(const Message& m);
+
+  // The round a worker's next push of `key` belongs to (striped keys: the
+  // shards this proxy owns).
+  uint64_t CurrentRound(uint64_t id, const Key& k) const;
+
+  // New hyperparameters for the declared keys in [m.key, m.key_end), from
+  // the next round on (workers tune between rounds: after a step's results
+  // are back, before the next step's pushes). All or nothing.
+  Status Tune(const Conn& c, const Message& m);
+
+  Result<uint64_t> Declare(Conn& c, const Message& m);
+
+  // With replication, a worker whose proxy died sends its push again to
+  // the replacement, which may hold the round already complete (a survivor
+  // finished it, and the replacement copied that): the answer is the
+  // current value -- that round's result, since the next one cannot have
+  // finished without this worker.
+  bool RetriedRound(uint64_t conn, const Message& m);
+
+  Status CheckShardRequest(const Message& m);
+
+  // ------------------------------------ scheduling (proxy_rounds.cc)
+
+  // Admits queued pushes the shard's state and the scheduler allow.
+  void Schedule();
+
+  bool Admissible(const Conn& c, const Message& m);
+
+  void Admit(uint64_t conn, Conn& c, const Message& m);
+
+  // Starts reading a push the proxy cannot map (TCP, RMA) into the shard's
+  // inbox right away, instead of when the round starts: a node then reads
+  // the next shards' pushes while it writes the last ones' results, and
+  // its link carries both directions at once. The read's completion posts
+  // a task that marks it and retries the round's start.
+  void Prefetch(uint64_t k, uint32_t s, Conn& c, Contribution& p);
+
+  void Fetched(uint64_t k, uint32_t s, uint32_t rank, uint64_t round,
+               const Status& st);
+
+  // Whether worker `c`'s table sends (key, round) of a `bytes` shard here.
+  // Without a table yet: unknown, treated as "here" (never assume a skip).
+  bool RoutedHere(const Conn& c, uint64_t key, uint64_t bytes,
+                  uint64_t round) const;
+
+  // The proxy that owns shard s of a striped key.
+  uint32_t Owner(uint64_t k, uint32_t s) const;
+
+  // Starts round `version` of a shard once every worker has pushed it here
+  // or routes it elsewhere (no message needed: the proxies know every
+  // worker's table). A proxy nobody pushes to joins the ring with zeros.
+  void MaybeStart(uint64_t k, uint32_t s);
+
+  void MaybeStartAll();
+
+  // ------------------------------------- reduction (proxy_rounds.cc)
+
+  void StartReduce(uint64_t k, uint32_t s);
+
+  // scratch <- sum of the pushes in rank order (zeros when every worker sent
+  // this shard to another proxy).
+  Status LocalSum(Key& key, Shard& sh);
+
+  // ------------------------------------------ ring (proxy_rounds.cc)
+
+  RingGeometry RingFor(uint64_t k, uint32_t s) const;
+
+  // The ring's reads and notices for shard s of key k.
+  RingProgress::Io RingIo(uint64_t k, uint32_t s);
+
+  // Starts the shard's ring for its current round, or runs the steps whose
+  // notices are in; finishes the round when the sum is complete.
+  void RunRing(uint64_t k, uint32_t s, bool start);
+
+  void OnPeerNotice(const Message& m);
+
+  // Step `step`: reduce-scatter (add the previous proxy's chunk) for the
+  // first P-1 steps, all-gather (copy it) after.
+  Status RingRead(Key& key, Shard& sh, const RingGeometry& ring, uint32_t step,
+                  const RegionDescriptor& desc);
+
+  void AbortRound(uint64_t k, uint32_t s, const Status& why);
+
+  // The sum is complete in scratch: apply mode / optimizer, publish the new
+  // version, answer the pushes and pulls, and admit the next round.
+  void FinishRound(uint64_t k, uint32_t s);
+
+  // The round's result is in storage (version bumped) or it failed with
+  // `st`: answer its pushes and the pulls it satisfies, admit the next.
+  void PublishRound(uint64_t k, uint32_t s, const Status& st);
+
+  void ApplyAsync(uint64_t conn, Conn& c, Key& key, Shard& sh,
+                  const Message& m);
+
+  void ServePull(uint64_t k, Shard& sh, const PendingPull& p);
+
+  void ServeWaitingPulls(uint64_t k, Shard& sh);
+
+  // ------------------------------ loading shards (proxy_state.cc,
+  //                                 proxy_failover.cc)
+
+  // The shard `index` of key `k` as a record from a checkpoint or a peer
+  // describes it: the key is created from the record's geometry when it is
+  // new here, and must agree with it otherwise. Sets the shard's offset
+  // and size; the caller fills the rest.
+  Result<Shard*> PrepareShard(uint64_t k, uint32_t index, uint8_t dtype,
+                              uint64_t key_bytes, uint64_t shard_bytes,
+                              const std::string& path);
+
+  // Every shard of every key has a value.
+  Status CheckComplete(const std::string& path);
+
+  Status LoadRecords(const std::vector<CheckpointShard>& shards,
+                     const std::string& path);
+
+  // Takes shards copied from peers (their buffers become the shards').
+  Status InstallCopied(std::vector<CopiedShard>& copied,
+                       const std::string& path);
+
+  CopyAllocator CopyBuffers();
+
+  // -------------------------------------- catch-up (proxy_failover.cc)
+
+  // A peer died in the last step of a round that this proxy finished (it
+  // had read every chunk) while peer `to` had not: `to` restarted the round
+  // and announced it (round `round`), but nobody else runs that round any
+  // more. Its result is this shard as it is now (the rounds after it wait
+  // for `to`), so give it that: the shard in checkpoint format in a region
+  // it reads (kCatchUp), kept until its kCatchUpDone.
+  void SendCatchUp(uint32_t to, uint64_t k, uint32_t s, uint64_t round);
+
+  // The result of the round this proxy restarted, from a peer that
+  // finished it: take it as the round's result.
+  void OnCatchUp(uint32_t from, const Message& m);
+
+  // --------------------------------------- joining (proxy_failover.cc)
+
+  // A replacement proxy (--join): for every shard, the newest version any
+  // peer holds (with replicate, every peer holds every key; a peer that
+  // finished a round the others did not have finished is ahead by one),
+  // read from one peer only -- among peers holding the same version the
+  // shards are spread round-robin -- straight into this proxy's buffers.
+  Status Join();
+
+  // Asks peer `p` for its state (kJoin) and reads the manifest it offers.
+  Result<StateManifest> FetchPeerManifest(uint32_t p);
+
+  // A joining peer asks for this proxy's state (kJoin): every shard in
+  // checkpoint format in a region it reads, kept until kJoinDone or until
+  // it disconnects.
+  void OnJoinRequest(uint64_t conn, Conn& c, const Message& m);
+
+  // ----------------------------------------- links (proxy_failover.cc)
+
+  // The link to peer proxy `rank`, connected on first use (retrying while
+  // the peer starts up). A link that was up and failed fails fast.
+  Result<service::Client*> PeerClient(uint32_t rank);
+
+  Result<std::shared_ptr<Channel>> PeerChannel(uint32_t rank);
+
+  // Ring notices (kReady, kDone) travel as service notices.
+  Status SendToPeer(uint32_t rank, const Message& m);
+
+  // ---------------------------------------- checkpoints (proxy_state.cc)
+
+  void StartCheckpoint(const std::string& name,
+                       std::function<void(Status)> done);
+
+  // Each proxy writes its own file: <dir>/proxy-<rank>-<name>.
+  std::string CheckpointPath(const std::string& name) const;
+
+  Status Restore();
+
+  ProxyOptions opt_;
+  uint32_t nproxies_ = 1;
+  std::unique_ptr<service::Server> server_;
+  transport::Device* device_ = nullptr;  // server_'s
+  std::string endpoint_;
+  std::unique_ptr<SyncCores> sync_;
+  std::unique_ptr<ShardStorage> storage_;  // after sync_: it uses the cores
+  AdmissionScheduler sched_;
+  std::atomic<bool> running_{false};
+  mutable Mutex waits_mu_;
+  std::string waits_ MEMBOX_GUARDED_BY(waits_mu_);  // ReportWaits' lines
+  Mutex writers_mu_;
+  std::vector<std::thread> writers_ MEMBOX_GUARDED_BY(writers_mu_);
+
+  // Event-thread state.
+  std::map<uint64_t, Conn> conns_;
+  std::map<uint32_t, std::unique_ptr<service::Client>> peer_out_;
+  std::map<std::pair<uint32_t, uint64_t>, std::shared_ptr<RemoteMemRegion>>
+      peer_regions_;
+  std::map<uint64_t, Key> keys_;
+  std::vector<Message> early_notices_;
+  // Our state as given to joining peers, by their connection (OnJoinRequest).
+  std::map<uint64_t, std::unique_ptr<StateOffer>> join_snapshots_;
+  // Where a join's copying went, for its log line.
+  struct CopyTiming {
+    Clock::duration manifests{}, read{};
+  } copy_timing_;
+  // Round results given to lagging peers (kCatchUp), by (peer, key,
+  // shard), until their kCatchUpDone or until the peer is replaced.
+  struct CatchUp {
+    uint64_t version = 0;
+    std::unique_ptr<StateOffer> offer;
+  };
+  std::map<std::tuple<uint32_t, uint64_t, uint32_t>, CatchUp> catch_ups_;
+  std::unique_ptr<MemRegion> staging_;
+  std::unique_ptr<MemRegion> probe_;
+  // Result writes and flushes in flight (WriteThenReply); done ones are
+  // dropped as new ones start.
+  std::deque<transport::OpHandle> inflight_;
+  uint32_t world_ = 0;
+  bool configured_ = false;
+  uint32_t staleness_ = 0;
+  proto::Mode mode_ = proto::Mode::kSum;
+  std::string dead_worker_;
+  // Failover (replicate): peers down, since when; peers whose notices are
+  // dropped until their kResume; each peer's current incoming link,
+  // incarnation nonce and the count of its incarnations seen (outgoing
+  // links of an older one are ignored when they fail).
+  std::set<uint32_t> peers_down_;
+  Clock::time_point down_since_{};
+  std::set<uint32_t> awaiting_resume_;
+  std::map<uint32_t, uint64_t> peer_conn_;
+  std::map<uint32_t, uint32_t> peer_nonce_;
+  std::map<uint32_t, uint64_t> peer_incarnation_;
+  const uint32_t nonce_ = std::random_device{}();
+
+  std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, n_clients_{0}, rounds_{0},
+      bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0},
+      result_bytes_{0}, waiting_rounds_{0}, failovers_{0}, peers_down_count_{0},
+      stored_bytes_in_{0};
+};
+
+}  // namespace membox::ps::proxy_internal
+
+#endif  // MEMBOX_SRC_PS_PROXY_IMPL_H_

@@ -1,0 +1,462 @@
+// The parameter proxy: workers' requests other than pushes and pulls
+// (src/ps/proxy_impl.h).
+#include "src/ps/proxy_impl.h"
+
+namespace membox::ps::proxy_internal {
+
+void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
+  switch (m.type) {
+    case Type::kRegion: {
+      auto d = RegionDescriptor::Deserialize(m.descriptor);
+      if (!d.ok()) return Reply(conn, m.type, m.id, d.status());
+      auto rr = c.channel->Import(*d, kIoTimeout);
+      if (!rr.ok()) return Reply(conn, m.type, m.id, rr.status());
+      c.regions[d->region_id] = *rr;
+      return Reply(conn, m.type, m.id, Status::Ok());
+    }
+    case Type::kConfigure:
+      return Reply(conn, m.type, m.id, Configure(m));
+    case Type::kTune:
+      return Reply(conn, m.type, m.id, Tune(c, m));
+    case Type::kDeclare: {
+      auto v = Declare(c, m);
+      // The reply's text is the key's shard size: the first declaration
+      // fixed it, later ones adopt it.
+      std::string shard;
+      if (v.ok()) {
+        const Key& k = keys_[m.key];
+        shard = std::to_string(k.shard_bytes) + (k.striped ? " striped" : "");
+      }
+      Reply(conn, m.type, m.id, v.status(), v.ok() ? *v : 0, shard);
+      return MaybeStartAll();
+    }
+    case Type::kRoute: {
+      if (m.lat_proxy >= nproxies_ || m.bw_proxy >= nproxies_) {
+        return Reply(conn, m.type, m.id, InvalidArgumentError("no such proxy"));
+      }
+      RouteEntry e;
+      e.threshold = m.threshold;
+      e.lat = m.lat_proxy;
+      e.bw = m.bw_proxy;
+      e.from.insert(m.from_rounds.begin(), m.from_rounds.end());
+      c.routes.push_back(std::move(e));
+      Reply(conn, m.type, m.id, Status::Ok());
+      return MaybeStartAll();
+    }
+    case Type::kPush: {
+      if (RetriedRound(conn, m)) return;
+      Status s = CheckShardRequest(m);
+      if (!s.ok()) {
+        MEMBOX_LOG_DEBUG("push from rank {} refused: {}", c.rank, s.ToString());
+        return Reply(conn, m.type, m.id, s);
+      }
+      if (keys_[m.key].stored) {
+        return Reply(conn, m.type, m.id,
+                     FailedPreconditionError(
+                         "key " + std::to_string(m.key) +
+                         " is a stored key: workers write it with Store, "
+                         "it takes no pushes"));
+      }
+      if (!dead_worker_.empty()) {
+        return Reply(conn, m.type, m.id, AbortedError(dead_worker_));
+      }
+      sched_.Enqueue(conn, std::move(m));
+      return Schedule();
+    }
+    case Type::kPull: {
+      Status s = CheckShardRequest(m);
+      if (!s.ok()) return Reply(conn, m.type, m.id, s);
+      Key& key = keys_[m.key];
+      Shard& sh = key.shards[m.shard];
+      PendingPull p{conn,         m.id,         m.min_version,
+                    m.out_region, m.out_offset, Clock::now()};
+      if (sh.version >= p.min_version && !key.awaiting_init) {
+        return ServePull(m.key, sh, p);
+      }
+      if (!dead_worker_.empty()) {
+        return Reply(conn, m.type, m.id, AbortedError(dead_worker_));
+      }
+      sh.pulls.push_back(p);
+      return;
+    }
+    case Type::kWhere:
+      if (m.rank >= nproxies_) {
+        return Reply(conn, m.type, m.id, InvalidArgumentError("no such proxy"));
+      }
+      return Reply(conn, m.type, m.id, Status::Ok(), 0,
+                   nproxies_ > 1 ? opt_.peers[m.rank] : opt_.listen);
+    case Type::kStore:
+      return Store(conn, c, m);
+    case Type::kProbe: {
+      // The profiler writes into this buffer over the worker's own link.
+      if (m.bytes > (256u << 20)) {
+        return Reply(conn, m.type, m.id,
+                     InvalidArgumentError("probe too large"));
+      }
+      if (!probe_ || probe_->size() < m.bytes) {
+        probe_.reset();
+        auto r = device_->AllocateMemRegion(m.bytes);
+        if (!r.ok()) return Reply(conn, m.type, m.id, r.status());
+        probe_ = std::move(*r);
+      }
+      auto d = probe_->Export().Serialize();
+      return Reply(conn, m.type, m.id, Status::Ok(), 0,
+                   std::string(d.begin(), d.end()));
+    }
+    case Type::kCheckpoint: {
+      // The writer thread answers (service::Server::Reply is
+      // thread-safe; a connection gone meanwhile is skipped).
+      uint64_t id = m.id;
+      StartCheckpoint(m.path.empty() ? opt_.restore_name : m.path,
+                      [this, conn, id](Status s) {
+                        Reply(conn, Type::kCheckpoint, id, s);
+                      });
+      return;
+    }
+    default:
+      return Reply(conn, m.type, m.id,
+                   InvalidArgumentError("unexpected message"));
+  }
+}
+
+void ProxyImpl::Store(uint64_t conn, Conn& c, const Message& m) {
+  auto reply = [&](const Status& s, uint64_t v = 0) {
+    Reply(conn, Type::kStore, m.id, s, v);
+  };
+  if (Status s = CheckShardRequest(m); !s.ok()) return reply(s);
+  Key& key = keys_[m.key];
+  if (!key.stored) {
+    return reply(FailedPreconditionError(
+        "key " + std::to_string(m.key) +
+        " is not a stored key (declare it stored to write it with Store)"));
+  }
+  if (key.striped && Owner(m.key, m.shard) != opt_.rank) {
+    return reply(FailedPreconditionError(
+        "shard " + std::to_string(m.shard) + " of key " +
+        std::to_string(m.key) + " lives on proxy " +
+        std::to_string(Owner(m.key, m.shard))));
+  }
+  Shard& sh = key.shards[m.shard];
+  auto rr = WorkerRange(c, m.region, m.offset, sh.bytes, "input");
+  if (!rr.ok()) return reply(rr.status());
+  std::shared_ptr<MemRegion> buf = std::move(sh.scratch);
+  if (!buf || buf.use_count() > 1) {
+    auto fresh = storage_->Allocate(sh.bytes);
+    if (!fresh.ok()) return reply(fresh.status());
+    buf = std::move(*fresh);
+  }
+  const uint64_t seq = ++sh.stores_issued;
+  uint8_t* dst = static_cast<uint8_t*>(buf->data());
+  if ((*rr)->mapped()) {
+    const uint8_t* src =
+        static_cast<const uint8_t*>((*rr)->mapped()) + m.offset;
+    const uint64_t n = sh.bytes;
+    sync_->ParallelFor(n, 1 << 20, [&](size_t b, size_t e) {
+      std::memcpy(dst + b, src + b, e - b);
+    });
+    auto v = FinishStore(m.key, m.shard, seq, std::move(buf));
+    return reply(v.status(), v.ok() ? *v : 0);
+  }
+  if (!c.channel) return reply(UnavailableError("worker link is gone"));
+  auto r = c.channel->Read(
+      dst, *buf, (*rr)->address() + m.offset, **rr, sh.bytes,
+      [this, conn, id = m.id, k = m.key, shard = m.shard, seq,
+       buf](const Status& st) {
+        Post([this, conn, id, k, shard, seq, buf, st] {
+          if (!st.ok()) return Reply(conn, Type::kStore, id, st);
+          auto v = FinishStore(k, shard, seq, buf);
+          Reply(conn, Type::kStore, id, v.status(), v.ok() ? *v : 0);
+        });
+      });
+  if (!r.ok()) return reply(r.status());
+  Track(std::move(*r));
+}
+
+Result<uint64_t> ProxyImpl::FinishStore(uint64_t k, uint32_t shard,
+                                        uint64_t seq,
+                                        std::shared_ptr<MemRegion> buf) {
+  auto it = keys_.find(k);
+  if (it == keys_.end() || shard >= it->second.shards.size() ||
+      it->second.shards[shard].bytes > buf->size()) {
+    return AbortedError("key " + std::to_string(k) +
+                        " was replaced while a store was in flight");
+  }
+  Key& key = it->second;
+  Shard& sh = key.shards[shard];
+  if (seq > sh.stores_applied) {
+    sh.stores_applied = seq;
+    std::swap(sh.value, buf);
+    ++sh.version;
+    key.initialized = true;
+    stored_bytes_in_.fetch_add(sh.bytes, std::memory_order_relaxed);
+    ServeWaitingPulls(k, sh);
+  }
+  if (!sh.scratch && buf && buf.use_count() == 1) sh.scratch = std::move(buf);
+  return sh.version;
+}
+
+Status ProxyImpl::Configure(const Message& m) {
+  if (m.mode == proto::Mode::kAsync && nproxies_ > 1) {
+    return UnimplementedError(
+        "asynchronous mode runs on one proxy (replicas would diverge)");
+  }
+  if (m.mode == proto::Mode::kAverage) {
+    // Keys this job declared for rounds: a key kept from a checkpoint or
+    // copied from peers is checked when a worker declares it (its dtype
+    // must match, and that declaration is checked against the mode).
+    for (auto& [k, key] : keys_) {
+      if (key.declared && !key.stored && !SupportsAveraging(key.dtype)) {
+        return InvalidArgumentError(
+            "averaging needs floating-point tensors (key " + std::to_string(k) +
+            " is not)");
+      }
+    }
+  }
+  if (configured_) {
+    if (m.mode != mode_ || m.staleness != staleness_) {
+      return FailedPreconditionError(
+          "a different synchronisation mode is already in force (mode and "
+          "staleness are fixed for the job; optimizer settings are per "
+          "tensor)");
+    }
+    return Status::Ok();
+  }
+  configured_ = true;
+  staleness_ = m.staleness;
+  mode_ = m.mode;
+  return Status::Ok();
+}
+
+uint64_t ProxyImpl::CurrentRound(uint64_t id, const Key& k) const {
+  if (!k.striped) return k.shards[0].version;
+  uint64_t v = 0;
+  for (uint32_t s = 0; s < k.shards.size(); ++s) {
+    if (Owner(id, s) == opt_.rank) v = std::max(v, k.shards[s].version);
+  }
+  return v;
+}
+
+Status ProxyImpl::Tune(const Conn& c, const Message& m) {
+  const OptimizerSettings want = OptimizerSettings::From(m);
+  auto first = keys_.lower_bound(m.key);
+  auto last = keys_.lower_bound(m.key_end);
+  bool any = false;
+  for (auto it = first; it != last; ++it) {
+    const Key& k = it->second;
+    if (!k.declared) continue;
+    any = true;
+    if (k.opt.kind != want.kind) {
+      return FailedPreconditionError(
+          "key " + std::to_string(it->first) + " uses optimizer " +
+          k.opt.ToString() +
+          ": tuning changes hyperparameters, not the optimizer");
+    }
+    if (k.opt == want) continue;
+    const uint64_t round = CurrentRound(it->first, k);
+    if (k.tuned_round == round) {
+      for (uint32_t r : k.tuned_by) {
+        if (r == c.rank) continue;
+        return FailedPreconditionError(
+            "workers disagree on the optimizer of key " +
+            std::to_string(it->first) + " for round " + std::to_string(round) +
+            ": rank " + std::to_string(r) + " set " + k.opt.ToString() +
+            ", rank " + std::to_string(c.rank) + " asks for " +
+            want.ToString());
+      }
+    }
+  }
+  if (!any) {
+    return NotFoundError("no declared key in [" + std::to_string(m.key) + ", " +
+                         std::to_string(m.key_end) + ")");
+  }
+  for (auto it = first; it != last; ++it) {
+    Key& k = it->second;
+    if (!k.declared) continue;
+    const uint64_t round = CurrentRound(it->first, k);
+    if (k.tuned_round != round) k.tuned_by.clear();
+    k.tuned_round = round;
+    k.tuned_by.insert(c.rank);
+    k.opt = want;
+  }
+  return Status::Ok();
+}
+
+Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
+  auto dt = static_cast<DType>(m.dtype);
+  // A stored key is bytes the workers keep: any dtype; no sums.
+  if (m.dtype < 1 || m.dtype > static_cast<uint8_t>(DType::kUInt8) ||
+      (!m.stored && !AccumulateSupports(dt))) {
+    return InvalidArgumentError("unsupported dtype for synchronisation");
+  }
+  size_t es = DTypeSize(dt);
+  if (m.bytes % es != 0 || m.shard_bytes % es != 0) {
+    return InvalidArgumentError("sizes must be multiples of the element size");
+  }
+  if (m.bytes > opt_.max_bytes) {
+    return ResourceExhaustedError("tensor larger than the proxy storage");
+  }
+  if (m.shard_bytes < std::min<uint64_t>(m.bytes, kMinShardBytes)) {
+    return InvalidArgumentError("shards must be at least " +
+                                std::to_string(kMinShardBytes) +
+                                " bytes (or the whole tensor)");
+  }
+  if (mode_ == proto::Mode::kAverage && !m.stored && !SupportsAveraging(dt)) {
+    return InvalidArgumentError(
+        "averaging needs floating-point tensors (float32, float64, float16 "
+        "or bfloat16)");
+  }
+  if (m.optimizer != proto::Optimizer::kNone && !SupportsArithmetic(dt)) {
+    return InvalidArgumentError(
+        "optimizers run on float32 or float64 weights (keep float32 master "
+        "weights for a float16/bfloat16 model)");
+  }
+  auto it = keys_.find(m.key);
+  if (it != keys_.end() && !it->second.declared && !it->second.restored &&
+      (it->second.bytes != m.bytes || it->second.dtype != dt)) {
+    // Kept from an earlier job that used the key for another tensor
+    // (nodes outlive jobs: torchrun, `membox serve` on memory hosts):
+    // this job's tensor replaces it. A checkpoint's key is never replaced
+    // -- a different size there is the wrong model, refused below.
+    n_shards_.fetch_sub(it->second.shards.size());
+    n_keys_.fetch_sub(1);
+    keys_.erase(it);
+    it = keys_.end();
+  }
+  if (it != keys_.end()) {
+    Key& k = it->second;
+    if (k.bytes != m.bytes || k.dtype != dt) {
+      return FailedPreconditionError(
+          "key " + std::to_string(m.key) +
+          " was declared with a different size or dtype");
+    }
+    if (k.declared && k.stored != m.stored) {
+      return FailedPreconditionError(
+          "key " + std::to_string(m.key) + " was declared " +
+          (k.stored ? "stored" : "for rounds") +
+          " by another worker: every worker declares it the same way");
+    }
+    if (k.declared && k.opt.kind != m.optimizer) {
+      return FailedPreconditionError(
+          "key " + std::to_string(m.key) + " was declared with optimizer " +
+          k.opt.ToString() +
+          " by another worker: every worker declares it with the same one");
+    }
+    // The first worker's declaration (of this job: keys outlive jobs on a
+    // node) fixes the striping (like the shard size) and the optimizer;
+    // later ones adopt them (hyperparameters change only through Tune).
+    // A key may become striped -- every proxy holds its whole current
+    // value -- but not the reverse: a striped key's shards are current on
+    // their owners only.
+    if (!k.declared) {
+      if (m.striped && nproxies_ > 1 && !opt_.replicate) k.striped = true;
+      OptimizerSettings o = OptimizerSettings::From(m);
+      // A restored key's optimizer state is the job's own (its kind was
+      // not recorded): keep it.
+      if (o.kind != k.opt.kind && !k.restored) {
+        for (auto& sh : k.shards) {
+          sh.m1.reset();
+          sh.m2.reset();
+        }
+      }
+      k.opt = o;
+      k.stored = m.stored;
+    }
+    k.declared = true;
+    k.restored = false;  // adopted by this job
+  } else {
+    Key k;
+    k.bytes = m.bytes;
+    k.dtype = dt;
+    k.shard_bytes = m.shard_bytes;
+    k.striped = m.striped && nproxies_ > 1 && !opt_.replicate;
+    k.opt = OptimizerSettings::From(m);
+    k.stored = m.stored;
+    k.initialized = m.stored;  // nothing to wait for
+    k.declared = true;
+    uint64_t n = (m.bytes + m.shard_bytes - 1) / m.shard_bytes;
+    if (n > (1u << 20)) return InvalidArgumentError("too many shards");
+    for (uint64_t i = 0; i < n; ++i) {
+      Shard sh;
+      sh.offset = i * m.shard_bytes;
+      sh.bytes = std::min(m.shard_bytes, m.bytes - sh.offset);
+      ASSIGN_OR_RETURN(sh.value, storage_->Allocate(sh.bytes));
+      k.shards.push_back(std::move(sh));
+    }
+    n_shards_.fetch_add(n);
+    n_keys_.fetch_add(1);
+    it = keys_.emplace(m.key, std::move(k)).first;
+    std::vector<Message> early;
+    std::erase_if(early_notices_, [&](Message& e) {
+      if (e.key != m.key) return false;
+      early.push_back(std::move(e));
+      return true;
+    });
+    for (auto& e : early) OnPeerNotice(e);
+  }
+  Key& k = it->second;
+  // Initial values: rank 0's win, whatever the order declarations arrive
+  // in; until rank 0 has declared, the key's pulls and pushes wait.
+  if (!k.initialized && c.rank == 0) {
+    if (m.has_input) {
+      for (auto& sh : k.shards) {
+        uint8_t* dst = static_cast<uint8_t*>(sh.value->data());
+        ASSIGN_OR_RETURN(const uint8_t* src,
+                         ReadWorker(c, m.region, m.offset + sh.offset, sh.bytes,
+                                    dst, *sh.value));
+        if (src != dst) std::memcpy(dst, src, sh.bytes);
+      }
+      k.initialized = true;
+    }
+    if (k.awaiting_init) {
+      k.awaiting_init = false;
+      for (auto& sh : k.shards) ServeWaitingPulls(m.key, sh);
+      Schedule();
+    }
+  } else if (!k.initialized && m.has_input) {
+    k.awaiting_init = true;
+  }
+  return CurrentRound(m.key, k);
+}
+
+bool ProxyImpl::RetriedRound(uint64_t conn, const Message& m) {
+  if (!opt_.replicate || mode_ == proto::Mode::kAsync) return false;
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || m.shard >= it->second.shards.size()) return false;
+  Shard& sh = it->second.shards[m.shard];
+  if (m.round + 1 != sh.version || !sh.value) return false;
+  MEMBOX_LOG_DEBUG(
+      "key {} shard {}: round {} was completed elsewhere; "
+      "answering the retried push with version {}",
+      m.key, m.shard, m.round, sh.version);
+  if (m.has_output) {
+    WriteThenReply(conn, Type::kPush, m.id, m.out_region, m.out_offset,
+                   sh.value, sh.bytes, sh.version);
+  } else {
+    Reply(conn, Type::kPush, m.id, Status::Ok(), sh.version);
+  }
+  return true;
+}
+
+Status ProxyImpl::CheckShardRequest(const Message& m) {
+  auto it = keys_.find(m.key);
+  if (it == keys_.end()) {
+    return NotFoundError("key " + std::to_string(m.key) + " not declared");
+  }
+  if (m.shard >= it->second.shards.size()) {
+    return OutOfRangeError("shard index out of range");
+  }
+  const Shard& sh = it->second.shards[m.shard];
+  if (m.type == Type::kPush && mode_ != proto::Mode::kAsync) {
+    if (m.round < sh.version) {
+      return InvalidArgumentError("round " + std::to_string(m.round) +
+                                  " of key " + std::to_string(m.key) +
+                                  " is already complete");
+    }
+    if (m.round > sh.version + (1u << 20)) {
+      return InvalidArgumentError("round too far ahead");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace membox::ps::proxy_internal

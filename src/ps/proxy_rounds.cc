@@ -1,0 +1,480 @@
+// The parameter proxy: rounds -- admission, local sum, the ring between
+// proxies, apply, pulls (src/ps/proxy_impl.h).
+#include "src/ps/proxy_impl.h"
+
+namespace membox::ps::proxy_internal {
+
+void ProxyImpl::Schedule() {
+  sched_.Drain(
+      [this](uint64_t conn, const Message& m) {
+        auto it = conns_.find(conn);
+        return it != conns_.end() && Admissible(it->second, m);
+      },
+      [this](const Message&) { return mode_ != proto::Mode::kAsync; },
+      [this](uint64_t conn, Message m) {
+        auto it = conns_.find(conn);
+        if (it != conns_.end()) Admit(conn, it->second, m);
+      });
+}
+
+bool ProxyImpl::Admissible(const Conn& c, const Message& m) {
+  Key& key = keys_[m.key];
+  if (key.awaiting_init) return false;
+  Shard& sh = key.shards[m.shard];
+  if (mode_ == proto::Mode::kAsync) {
+    if (staleness_ == 0) return true;
+    if (sh.applied.size() < world_) sh.applied.resize(world_, 0);
+    // This worker's pushes are applied in order, so its next one is
+    // number applied[rank]; it may run `staleness` ahead of the slowest.
+    // (Round numbers are not compared: a worker that declared late
+    // starts its count at the version it found.)
+    uint64_t slowest = *std::min_element(sh.applied.begin(), sh.applied.end());
+    return sh.applied[c.rank] <= slowest + staleness_;
+  }
+  return m.round == sh.version && !sh.reducing;
+}
+
+void ProxyImpl::Admit(uint64_t conn, Conn& c, const Message& m) {
+  Key& key = keys_[m.key];
+  Shard& sh = key.shards[m.shard];
+  if (mode_ == proto::Mode::kAsync) return ApplyAsync(conn, c, key, sh, m);
+  if (sh.pushes.count(c.rank)) {
+    Reply(conn, m.type, m.id,
+          InvalidArgumentError("duplicate push for a round"));
+    return;
+  }
+  if (key.striped ? Owner(m.key, m.shard) != opt_.rank
+                  : !RoutedHere(c, m.key, sh.bytes, m.round)) {
+    Reply(conn, m.type, m.id,
+          FailedPreconditionError("this push contradicts the routing table "
+                                  "the worker announced"));
+    return;
+  }
+  if (sh.pushes.empty()) sh.first_push = Clock::now();
+  sh.pushes[c.rank] =
+      Contribution{conn,     m.id,         c.rank,       m.region,
+                   m.offset, m.has_output, m.out_region, m.out_offset};
+  Prefetch(m.key, m.shard, c, sh.pushes[c.rank]);
+  MaybeStart(m.key, m.shard);
+}
+
+void ProxyImpl::Prefetch(uint64_t k, uint32_t s, Conn& c, Contribution& p) {
+  Shard& sh = keys_[k].shards[s];
+  auto it = c.regions.find(p.region);
+  if (it == c.regions.end() || it->second->mapped() || !c.channel) return;
+  auto rr = WorkerRange(c, p.region, p.offset, sh.bytes, "input");
+  if (!rr.ok()) return;  // LocalSum reports it
+  auto& buf = sh.inbox[p.rank];
+  if (!buf || buf->size() < sh.bytes) {
+    auto b = storage_->Allocate(sh.bytes);
+    if (!b.ok()) return;  // LocalSum reads it the slow way
+    buf = std::move(*b);
+  }
+  uint64_t round = sh.version;
+  uint32_t rank = p.rank;
+  auto h = c.channel->Read(
+      buf->data(), *buf, (*rr)->address() + p.offset, **rr, sh.bytes,
+      [this, k, s, rank, round](const Status& st) {
+        Post([this, k, s, rank, round, st] { Fetched(k, s, rank, round, st); });
+      });
+  if (!h.ok()) return;
+  p.prefetched = true;
+  p.fetching = true;
+  Track(std::move(*h));
+}
+
+void ProxyImpl::Fetched(uint64_t k, uint32_t s, uint32_t rank, uint64_t round,
+                        const Status& st) {
+  auto kit = keys_.find(k);
+  if (kit == keys_.end() || s >= kit->second.shards.size()) return;
+  Shard& sh = kit->second.shards[s];
+  auto it = sh.pushes.find(rank);
+  if (sh.version != round || it == sh.pushes.end() || !it->second.fetching) {
+    return;  // the round failed or ended meanwhile
+  }
+  it->second.fetching = false;
+  it->second.fetched = st.ok() ? Status::Ok() : st;
+  MaybeStart(k, s);
+}
+
+bool ProxyImpl::RoutedHere(const Conn& c, uint64_t key, uint64_t bytes,
+                           uint64_t round) const {
+  if (c.routes.empty()) return true;
+  // The worker's rule (param_client.cc RouteFor): the latest table that
+  // applies from this round; a key it did not list starts at round 0 in
+  // its first table and at round 1 in later ones.
+  const RouteEntry* e = &c.routes.front();
+  for (size_t i = c.routes.size(); i-- > 0;) {
+    const RouteEntry& it = c.routes[i];
+    auto f = it.from.find(key);
+    uint64_t from = f != it.from.end() ? f->second : (i == 0 ? 0 : 1);
+    if (from <= round) {
+      e = &it;
+      break;
+    }
+  }
+  uint32_t target = bytes < e->threshold ? e->lat : e->bw;
+  return target == opt_.rank;
+}
+
+uint32_t ProxyImpl::Owner(uint64_t k, uint32_t s) const {
+  return static_cast<uint32_t>((k + s) % std::max<uint32_t>(1, nproxies_));
+}
+
+void ProxyImpl::MaybeStart(uint64_t k, uint32_t s) {
+  if (mode_ == proto::Mode::kAsync || world_ == 0) return;
+  Key& key = keys_[k];
+  Shard& sh = key.shards[s];
+  if (sh.reducing || !dead_worker_.empty()) return;
+  if (!peers_down_.empty() && !key.striped) return;  // failover: paused
+  // A key this job has not declared (kept from an earlier job, or
+  // restored) has no round yet: its striping is decided by the
+  // declaration, and a proxy must not join a ring for it before.
+  if (!key.declared) return;
+  if (key.striped && Owner(k, s) != opt_.rank) return;
+  for (auto& [r, p] : sh.pushes) {
+    if (p.fetching) return;  // Fetched() calls again
+  }
+  uint32_t present = 0;
+  for (auto& [id, c] : conns_) {
+    if (c.role != Conn::Role::kClient) continue;
+    ++present;
+    if (c.replaying) return;
+    if (sh.pushes.count(c.rank)) continue;
+    if (key.striped) return;
+    if (c.routes.empty() || RoutedHere(c, k, sh.bytes, sh.version)) return;
+  }
+  if (present != world_) return;
+  if (sh.pushes.empty() && nproxies_ == 1) return;
+  if (!sched_.MayStart({k, s, sh.version})) return;
+  StartReduce(k, s);
+}
+
+void ProxyImpl::MaybeStartAll() {
+  for (auto& [k, key] : keys_) {
+    for (uint32_t s = 0; s < key.shards.size(); ++s) MaybeStart(k, s);
+  }
+}
+
+void ProxyImpl::StartReduce(uint64_t k, uint32_t s) {
+  Key& key = keys_[k];
+  Shard& sh = key.shards[s];
+  Status st = LocalSum(key, sh);
+  if (!st.ok()) {
+    MEMBOX_LOG_WARN("key {} shard {}: {}", k, s, st.ToString());
+    for (auto& [r, p] : sh.pushes) Reply(p.conn, Type::kPush, p.id, st);
+    sh.pushes.clear();
+    sh.first_push = {};
+    return;
+  }
+  sh.reducing = true;
+  if (nproxies_ == 1 || key.striped) return FinishRound(k, s);
+  RunRing(k, s, /*start=*/true);
+}
+
+Status ProxyImpl::LocalSum(Key& key, Shard& sh) {
+  if (!sh.scratch || sh.scratch.use_count() > 1) {
+    ASSIGN_OR_RETURN(sh.scratch, storage_->Allocate(sh.bytes));
+  }
+  uint8_t* dst = static_cast<uint8_t*>(sh.scratch->data());
+  std::vector<const void*> srcs;
+  bool all_mapped = true;
+  for (auto& [r, p] : sh.pushes) {
+    Conn& c = conns_[p.conn];
+    auto it = c.regions.find(p.region);
+    if (it == c.regions.end()) {
+      return NotFoundError("push from an unregistered region");
+    }
+    if (p.offset > it->second->size() ||
+        sh.bytes > it->second->size() - p.offset) {
+      return OutOfRangeError("push range outside the registered region");
+    }
+    if (p.prefetched) {
+      RETURN_IF_ERROR(p.fetched);
+      srcs.push_back(sh.inbox[r]->data());
+    } else if (it->second->mapped()) {
+      srcs.push_back(static_cast<const uint8_t*>(it->second->mapped()) +
+                     p.offset);
+    } else {
+      all_mapped = false;  // read below, one push at a time
+    }
+  }
+  if (sh.pushes.empty()) {
+    std::memset(dst, 0, sh.bytes);
+  } else if (all_mapped) {  // mapped or prefetched: sum on the sync cores
+    SumInto(*sync_, key.dtype, dst, srcs, sh.bytes);
+  } else {
+    bool first = true;
+    for (auto& [r, p] : sh.pushes) {
+      Conn& c = conns_[p.conn];
+      uint8_t* into = dst;
+      const MemRegion* into_region = sh.scratch.get();
+      if (!first) {
+        ASSIGN_OR_RETURN(auto* st, Staging(sh.bytes));
+        into = static_cast<uint8_t*>(st->data());
+        into_region = st;
+      }
+      const uint8_t* src = nullptr;
+      if (p.prefetched) {
+        src = static_cast<const uint8_t*>(sh.inbox[r]->data());
+      } else {
+        ASSIGN_OR_RETURN(src, ReadWorker(c, p.region, p.offset, sh.bytes, into,
+                                         *into_region));
+      }
+      if (first) {
+        if (src != dst) std::memcpy(dst, src, sh.bytes);
+        first = false;
+      } else {
+        size_t es = DTypeSize(key.dtype);
+        sync_->Run(key.dtype, dst, src, sh.bytes / es, 1.0);
+      }
+    }
+  }
+  bytes_reduced_.fetch_add(sh.bytes * std::max<size_t>(1, sh.pushes.size()));
+  return Status::Ok();
+}
+
+RingGeometry ProxyImpl::RingFor(uint64_t k, uint32_t s) const {
+  return RingGeometry::For(nproxies_, opt_.rank, k, s);
+}
+
+RingProgress::Io ProxyImpl::RingIo(uint64_t k, uint32_t s) {
+  RingProgress::Io io;
+  io.read = [this, k, s](uint32_t step, const RegionDescriptor& d) {
+    Key& key = keys_[k];
+    const RingGeometry ring = RingFor(k, s);
+    if (opt_.before_ring_read_for_test) {
+      opt_.before_ring_read_for_test(k, s, key.shards[s].version, step,
+                                     ring.prev);
+    }
+    return RingRead(key, key.shards[s], ring, step, d);
+  };
+  io.send_ready = [this, k, s](uint32_t step) {
+    Shard& sh = keys_[k].shards[s];
+    Message m;
+    m.type = Type::kReady;
+    m.key = k;
+    m.shard = s;
+    m.round = sh.version;
+    m.step = step;
+    m.descriptor = sh.scratch->Export().Serialize();
+    return SendToPeer(RingFor(k, s).next, m);
+  };
+  io.send_done = [this, k, s](uint32_t step) {
+    Message d;
+    d.type = Type::kDone;
+    d.key = k;
+    d.shard = s;
+    d.round = keys_[k].shards[s].version;
+    d.step = step;
+    return SendToPeer(RingFor(k, s).prev, d);
+  };
+  return io;
+}
+
+void ProxyImpl::RunRing(uint64_t k, uint32_t s, bool start) {
+  Shard& sh = keys_[k].shards[s];
+  const uint64_t before = sh.ring.steps_done();
+  const RingGeometry ring = RingFor(k, s);
+  const RingProgress::Io io = RingIo(k, s);
+  auto r =
+      start ? sh.ring.Start(sh.version, ring, io) : sh.ring.Advance(ring, io);
+  ring_steps_.fetch_add(sh.ring.steps_done() - before);
+  if (!r.ok() && opt_.replicate) {
+    // A link to a neighbour that failed: that peer is down (pause);
+    // anything else fails this round.
+    for (uint32_t p : {ring.next, ring.prev}) {
+      auto it = peer_out_.find(p);
+      if (it != peer_out_.end() && !it->second->health().ok()) {
+        return PeerDown(p, r.status());
+      }
+    }
+  }
+  if (!r.ok()) return AbortRound(k, s, r.status());
+  if (*r && sh.reducing) FinishRound(k, s);
+}
+
+void ProxyImpl::OnPeerNotice(const Message& m) {
+  auto it = keys_.find(m.key);
+  if (it == keys_.end()) {
+    // The peer saw the key declared before we did; replay on Declare.
+    if (early_notices_.size() < 1000000) early_notices_.push_back(m);
+    return;
+  }
+  if (m.shard >= it->second.shards.size()) {
+    MEMBOX_LOG_WARN("peer notice for key {}: no shard {}", m.key, m.shard);
+    return;
+  }
+  Shard& sh = it->second.shards[m.shard];
+  if (m.type == Type::kReady && m.round < sh.version && opt_.replicate) {
+    // Only a laggard announces a round we finished (see kCatchUp).
+    return SendCatchUp(RingFor(m.key, m.shard).prev, m.key, m.shard, m.round);
+  }
+  if (m.type == Type::kReady && m.round == sh.version &&
+      sched_.kind() == Scheduler::kFirstComeFirstServe) {
+    sched_.PeerReady({m.key, m.shard, m.round});
+    MaybeStart(m.key, m.shard);
+  }
+  if (m.type == Type::kReady) {
+    auto d = RegionDescriptor::Deserialize(m.descriptor);
+    if (!d.ok()) {
+      MEMBOX_LOG_WARN("peer sent a bad descriptor: {}", d.status().ToString());
+      return;
+    }
+    sh.ring.OnReady(m.round, m.step, std::move(*d));
+  } else {
+    sh.ring.OnDone(m.round, m.step);
+  }
+  if (sh.reducing && sh.ring.running()) RunRing(m.key, m.shard, false);
+}
+
+Status ProxyImpl::RingRead(Key& key, Shard& sh, const RingGeometry& ring,
+                           uint32_t step, const RegionDescriptor& desc) {
+  const size_t es = DTypeSize(key.dtype);
+  const bool reduce = ring.Reduces(step);
+  auto [off, len] = RingChunk(sh.bytes, es, ring.P, ring.ChunkAt(step));
+  if (len == 0) return Status::Ok();
+  if (desc.length != sh.bytes) {
+    return DataLossError("peer's ring buffer has a different size");
+  }
+  ASSIGN_OR_RETURN(auto ch, PeerChannel(ring.prev));
+  std::shared_ptr<RemoteMemRegion> rr;
+  auto key2 = std::make_pair(ring.prev, desc.region_id);
+  auto it = peer_regions_.find(key2);
+  if (it != peer_regions_.end() &&
+      it->second->descriptor().token == desc.token) {
+    rr = it->second;
+  } else {
+    ASSIGN_OR_RETURN(rr, ch->Import(desc, kIoTimeout));
+    peer_regions_[key2] = rr;
+  }
+  uint8_t* dst = static_cast<uint8_t*>(sh.scratch->data()) + off;
+  const uint8_t* src;
+  if (rr->mapped()) {
+    src = static_cast<const uint8_t*>(rr->mapped()) + off;
+  } else {
+    uint8_t* into = dst;
+    const MemRegion* into_region = sh.scratch.get();
+    if (reduce) {
+      ASSIGN_OR_RETURN(auto* st, Staging(len));
+      into = static_cast<uint8_t*>(st->data());
+      into_region = st;
+    }
+    ASSIGN_OR_RETURN(
+        auto h, ch->Read(into, *into_region, rr->address() + off, *rr, len));
+    RETURN_IF_ERROR(h.Wait(kIoTimeout));
+    src = into;
+  }
+  if (reduce) {
+    sync_->Run(key.dtype, dst, src, len / es, 1.0);
+  } else if (src != dst) {
+    const size_t total = len;  // a structured binding: not capturable
+    sync_->ParallelFor(total, 1 << 20, [&](size_t b, size_t e) {
+      CopyPiece(dst + b, src + b, e - b, total);
+    });
+  }
+  return Status::Ok();
+}
+
+void ProxyImpl::AbortRound(uint64_t k, uint32_t s, const Status& why) {
+  Shard& sh = keys_[k].shards[s];
+  MEMBOX_LOG_WARN("key {} shard {} round {}: {}", k, s, sh.version,
+                  why.ToString());
+  Status st = UnavailableError("proxy ring failed: " + why.ToString());
+  for (auto& [r, p] : sh.pushes) Reply(p.conn, Type::kPush, p.id, st);
+  for (auto& p : sh.pulls) Reply(p.conn, Type::kPull, p.id, st);
+  sh.pushes.clear();
+  sh.pulls.clear();
+  sh.reducing = false;
+  sh.ring.Stop();
+  sh.first_push = {};
+}
+
+void ProxyImpl::FinishRound(uint64_t k, uint32_t s) {
+  Key& key = keys_[k];
+  Shard& sh = key.shards[s];
+  Status st = storage_->Apply(
+      key.dtype, key.opt,
+      key.opt.kind == proto::Optimizer::kNone ? Update::kReplace
+                                              : Update::kOptimizer,
+      sh, sh.scratch.get(),
+      mode_ == proto::Mode::kAverage ? 1.0 / world_ : 1.0);
+  if (st.ok()) sh.version++;
+  PublishRound(k, s, st);
+}
+
+void ProxyImpl::PublishRound(uint64_t k, uint32_t s, const Status& st) {
+  Shard& sh = keys_[k].shards[s];
+  sh.reducing = false;
+  sh.first_push = {};
+  auto pushes = std::move(sh.pushes);
+  sh.pushes.clear();
+  if (st.ok()) rounds_.fetch_add(1);
+  for (auto& [r, p] : pushes) {
+    if (st.ok() && p.has_output) {
+      WriteThenReply(p.conn, Type::kPush, p.id, p.out_region, p.out_offset,
+                     sh.value, sh.bytes, sh.version);
+    } else {
+      Reply(p.conn, Type::kPush, p.id, st, sh.version);
+    }
+  }
+  ServeWaitingPulls(k, sh);
+  if (sched_.kind() == Scheduler::kFirstComeFirstServe) {
+    sched_.Completed(k, s, sh.version);
+    MaybeStartAll();  // the next tensor in line
+  }
+  Schedule();
+  MaybeStart(k, s);
+}
+
+void ProxyImpl::ApplyAsync(uint64_t conn, Conn& c, Key& key, Shard& sh,
+                           const Message& m) {
+  auto st = Staging(sh.bytes);
+  if (!st.ok()) return Reply(conn, m.type, m.id, st.status());
+  uint8_t* into = static_cast<uint8_t*>((*st)->data());
+  auto src = ReadWorker(c, m.region, m.offset, sh.bytes, into, **st);
+  if (!src.ok()) return Reply(conn, m.type, m.id, src.status());
+  if (*src != into) std::memcpy(into, *src, sh.bytes);
+  Status s = storage_->Apply(key.dtype, key.opt,
+                             key.opt.kind == proto::Optimizer::kNone
+                                 ? Update::kAdd
+                                 : Update::kOptimizer,
+                             sh, *st, 1.0);
+  if (!s.ok()) return Reply(conn, m.type, m.id, s);
+  sh.version++;
+  if (sh.applied.size() < world_) sh.applied.resize(world_, 0);
+  sh.applied[c.rank]++;
+  bytes_reduced_.fetch_add(sh.bytes);
+  rounds_.fetch_add(1);
+  if (m.has_output) {
+    s = WriteWorker(c, m.out_region, m.out_offset,
+                    static_cast<const uint8_t*>(sh.value->data()), sh.bytes,
+                    *sh.value);
+  }
+  Reply(conn, m.type, m.id, s, sh.version);
+}
+
+void ProxyImpl::ServePull(uint64_t k, Shard& sh, const PendingPull& p) {
+  auto it = conns_.find(p.conn);
+  if (it == conns_.end()) return;
+  Status s = WriteWorker(it->second, p.out_region, p.out_offset,
+                         static_cast<const uint8_t*>(sh.value->data()),
+                         sh.bytes, *sh.value);
+  if (s.ok()) result_bytes_.fetch_add(sh.bytes, std::memory_order_relaxed);
+  Reply(p.conn, Type::kPull, p.id, s, sh.version);
+}
+
+void ProxyImpl::ServeWaitingPulls(uint64_t k, Shard& sh) {
+  if (keys_[k].awaiting_init) return;
+  std::vector<PendingPull> keep;
+  for (auto& p : sh.pulls) {
+    if (sh.version >= p.min_version) {
+      ServePull(k, sh, p);
+    } else {
+      keep.push_back(p);
+    }
+  }
+  sh.pulls = std::move(keep);
+}
+
+}  // namespace membox::ps::proxy_internal

@@ -1,0 +1,128 @@
+// The parameter proxy: checkpoints, restore, and loading shards from a
+// checkpoint or from peers (src/ps/proxy_impl.h).
+#include "src/ps/proxy_impl.h"
+
+namespace membox::ps::proxy_internal {
+
+Result<Shard*> ProxyImpl::PrepareShard(uint64_t k, uint32_t index,
+                                       uint8_t dtype, uint64_t key_bytes,
+                                       uint64_t shard_bytes,
+                                       const std::string& path) {
+  Key& key = keys_[k];
+  auto dt = static_cast<DType>(dtype);
+  if (key.shards.empty()) {
+    // Any dtype (stored keys hold bytes); a key for rounds is declared
+    // with a dtype the sums support, and must match this one.
+    if (dtype < 1 || dtype > static_cast<uint8_t>(DType::kUInt8) ||
+        shard_bytes == 0 || key_bytes % DTypeSize(dt) != 0) {
+      return DataLossError(path + ": bad dtype or sizes for key " +
+                           std::to_string(k));
+    }
+    key.bytes = key_bytes;
+    key.dtype = dt;
+    key.shard_bytes = shard_bytes;
+    key.initialized = true;
+    key.restored = true;
+    uint64_t n = (key.bytes + key.shard_bytes - 1) / key.shard_bytes;
+    if (n > (1u << 20)) return DataLossError(path + ": too many shards");
+    key.shards.resize(n);
+    n_keys_.fetch_add(1);
+    n_shards_.fetch_add(n);
+  }
+  if (index >= key.shards.size() || key.bytes != key_bytes || key.dtype != dt ||
+      key.shard_bytes != shard_bytes) {
+    return DataLossError(path + ": inconsistent records for key " +
+                         std::to_string(k));
+  }
+  Shard& sh = key.shards[index];
+  sh.offset = uint64_t{index} * key.shard_bytes;
+  sh.bytes = std::min(key.shard_bytes, key.bytes - sh.offset);
+  return &sh;
+}
+
+Status ProxyImpl::CheckComplete(const std::string& path) {
+  for (auto& [k, key] : keys_) {
+    for (auto& sh : key.shards) {
+      if (!sh.value) {
+        return DataLossError(path + ": key " + std::to_string(k) +
+                             " is missing shards");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status ProxyImpl::LoadRecords(const std::vector<CheckpointShard>& shards,
+                              const std::string& path) {
+  for (const auto& c : shards) {
+    ASSIGN_OR_RETURN(Shard * sh,
+                     PrepareShard(c.key, c.shard, c.dtype, c.key_bytes,
+                                  c.shard_bytes, path));
+    RETURN_IF_ERROR(storage_->Load(*sh, c).WithContext(path + ": key " +
+                                                       std::to_string(c.key)));
+  }
+  return CheckComplete(path);
+}
+
+void ProxyImpl::StartCheckpoint(const std::string& name,
+                                std::function<void(Status)> done) {
+  if (opt_.checkpoint_dir.empty()) {
+    return done(FailedPreconditionError(
+        "this proxy has no checkpoint directory (--checkpoint-dir)"));
+  }
+  // Snapshot: share the current buffers; later updates copy (storage).
+  auto snap = std::make_shared<std::vector<ShardStorage::Snapshot>>();
+  for (auto& [k, key] : keys_) {
+    for (uint32_t i = 0; i < key.shards.size(); ++i) {
+      snap->push_back(ShardStorage::Snap(k, i, key.dtype, key.bytes,
+                                         key.shard_bytes, key.shards[i]));
+    }
+  }
+  CheckpointHeader h;
+  h.proxy_rank = opt_.rank;
+  h.proxies = nproxies_;
+  h.mode = static_cast<uint8_t>(mode_);
+  h.optimizer = 0;  // optimizers are per key now (format: unused)
+  std::string path = CheckpointPath(name);
+  MutexLock l(&writers_mu_);
+  writers_.emplace_back([this, snap, h, path, done = std::move(done)] {
+    std::vector<CheckpointShard> shards;
+    for (auto& sn : *snap) shards.push_back(sn.record);
+    Status s = WriteCheckpoint(path, h, shards);
+    if (s.ok()) {
+      checkpoints_.fetch_add(1);
+      MEMBOX_LOG_INFO("checkpoint written: {} ({} shards)", path,
+                      shards.size());
+    } else {
+      MEMBOX_LOG_ERROR("checkpoint {} failed: {}", path, s.ToString());
+    }
+    // Release the snapshot's buffers on the event thread, where the
+    // copy-on-write checks read the use counts.
+    Post([snap] { snap->clear(); });
+    done(s);
+  });
+}
+
+std::string ProxyImpl::CheckpointPath(const std::string& name) const {
+  return (std::filesystem::path(opt_.checkpoint_dir) /
+          ("proxy-" + std::to_string(opt_.rank) + "-" + name))
+      .string();
+}
+
+Status ProxyImpl::Restore() {
+  std::string path = CheckpointPath(opt_.restore_name);
+  CheckpointHeader h;
+  std::vector<CheckpointShard> shards;
+  RETURN_IF_ERROR(ReadCheckpoint(path, &h, &shards));
+  if (h.proxies != nproxies_ || h.proxy_rank != opt_.rank) {
+    return FailedPreconditionError(
+        path + " was written by proxy " + std::to_string(h.proxy_rank) +
+        " of " + std::to_string(h.proxies) + ", not by this one");
+  }
+  RETURN_IF_ERROR(LoadRecords(shards, path));
+  MEMBOX_LOG_INFO("restored {} keys ({} shards) from {}", keys_.size(),
+                  shards.size(), path);
+  return Status::Ok();
+}
+
+}  // namespace membox::ps::proxy_internal
