@@ -18,7 +18,9 @@ namespace membox {
 // this program as peers.
 std::string SelfExePath();
 // A TCP port on 127.0.0.1 that was free a moment ago, for endpoints that
-// must be known before the process that listens on them starts.
+// must be known before the process that listens on them starts (tests).
+// Taken below the kernel's ephemeral range where it can, so that no
+// outgoing connection takes it before the listener binds it.
 int PickFreeLocalPort();
 
 class Subprocess {
