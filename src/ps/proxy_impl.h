@@ -523,10 +523,6 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::vector<Message> early_notices_;
   // Our state as given to joining peers, by their connection (OnJoinRequest).
   std::map<uint64_t, std::unique_ptr<StateOffer>> join_snapshots_;
-  // Where a join's copying went, for its log line.
-  struct CopyTiming {
-    Clock::duration manifests{}, read{};
-  } copy_timing_;
   // Round results given to lagging peers (kCatchUp), by (peer, key,
   // shard), until their kCatchUpDone or until the peer is replaced.
   struct CatchUp {
