@@ -428,6 +428,7 @@ class Client {
     d["bw_proxy"] = r.bw_proxy;
     d["partition_bytes"] = r.partition_bytes;
     d["stripe"] = r.stripe;
+    d["pipeline_bytes"] = r.pipeline_bytes;
     return d;
   }
 
@@ -454,6 +455,9 @@ class Client {
     r.bw_proxy = d["bw_proxy"].cast<uint32_t>();
     r.partition_bytes = d["partition_bytes"].cast<uint64_t>();
     r.stripe = d.contains("stripe") && d["stripe"].cast<bool>();
+    if (d.contains("pipeline_bytes")) {
+      r.pipeline_bytes = d["pipeline_bytes"].cast<uint64_t>();
+    }
     const auto n = static_cast<uint32_t>(c_->num_proxies());
     if (r.lat_proxy >= n || r.bw_proxy >= n) {
       throw py::value_error("routing names a proxy this client does not have");

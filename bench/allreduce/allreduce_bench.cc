@@ -21,6 +21,7 @@
 #include "membox/ps/param_client.h"
 
 #include "bench/common/mpi_launch.h"
+#include "bench/common/mpi_routing.h"
 #include "bench/common/server_process.h"
 
 namespace membox::bench {
@@ -103,7 +104,7 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
   if (a.size() < 5) {
     std::fprintf(stderr,
                  "usage: bench-peer allreduce worker PROXIES|- SECRET_FILE "
-                 "SIZES ITERS PARTITION [stripe]\n");
+                 "SIZES ITERS PARTITION [stripe|profile]\n");
     return 2;
   }
   int provided;
@@ -145,6 +146,21 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
     auto c = ps::ParamClient::Connect(o);
     if (!c.ok()) return fail(c.status());
     auto& client = *c;
+    // "profile": what membox's default does -- the profiler measures the
+    // nodes and picks routing, striping and shard sizes. Rank 0 measures
+    // alone (workers probing the same links at once measure each other)
+    // and every rank uses its table.
+    if (a.size() > 5 && a[5] == "profile") {
+      ps::RoutingTable t;
+      if (rank == 0) {
+        auto r = client->Profile();
+        if (!r.ok()) return fail(r.status());
+        t = *r;
+        std::fprintf(stderr, "routing: %s\n", t.ToString().c_str());
+      }
+      BroadcastRouting(&t);
+      client->SetRouting(t);
+    }
     auto in = client->AllocateTensor(largest);
     auto out = client->AllocateTensor(largest);
     if (!in.ok() || !out.ok())

@@ -27,6 +27,7 @@
 #include "membox/ps/param_client.h"
 
 #include "bench/common/mpi_launch.h"
+#include "bench/common/mpi_routing.h"
 #include "bench/common/server_process.h"
 #include "bench/train/models.h"
 
@@ -213,24 +214,22 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
   o.routing.lat_proxy = o.routing.bw_proxy =
       static_cast<uint32_t>(rank % cfg.proxies.size());
   ASSIGN_OR_RETURN(auto client, ps::ParamClient::Connect(o));
-  if (cfg.routing && cfg.proxies.size() > 1) {
-    ASSIGN_OR_RETURN(auto t, client->Profile());
-    // Every worker uses rank 0's table: profiles taken at the same time
-    // through shared links differ by noise, and workers routing the same
-    // key differently make the proxies fall back to their ring.
-    uint64_t v[5] = {t.threshold, t.lat_proxy, t.bw_proxy, t.partition_bytes,
-                     t.stripe ? 1u : 0u};
-    MPI_Bcast(v, 5, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-    t.threshold = v[0];
-    t.lat_proxy = static_cast<uint32_t>(v[1]);
-    t.bw_proxy = static_cast<uint32_t>(v[2]);
-    t.partition_bytes = v[3];
-    t.stripe = v[4] != 0;
+  if (cfg.routing) {
+    // The profiler picks routing, striping and shard sizes. Rank 0 measures
+    // alone (workers probing the same links at once measure each other)
+    // and every rank uses its table: workers routing the same key
+    // differently make the proxies fall back to their ring.
+    ps::RoutingTable t;
+    if (rank == 0) {
+      ASSIGN_OR_RETURN(t, client->Profile());
+    }
+    BroadcastRouting(&t);
     client->SetRouting(t);
   }
   if (!cfg.partition) {
     ps::RoutingTable t = client->routing();
     t.partition_bytes = uint64_t{1} << 40;
+    t.pipeline_bytes = 0;
     client->SetRouting(t);
   }
   ASSIGN_OR_RETURN(void* mem, client->AllocateTensor(f.total));

@@ -160,10 +160,13 @@ def run_allreduce(a, rec):
             peer = [membox, "bench-peer", "allreduce", "worker",
                     cluster.proxies(topo), cluster.secret_file(topo), sizes_s,
                     str(a.iters), str(a.partition)]
-            # membox: shards striped over the nodes (what the profiler picks
-            # over equal links); coarse: seed 000's scheme, each worker
-            # through the node next to it (rank % M) and the nodes' ring.
-            runs = [("membox", peer + ["stripe"], False)]
+            # membox: the default -- the profiler measures the nodes and
+            # picks routing, striping and shard sizes; fixed: shards of
+            # --partition striped over the nodes (no profile); coarse: seed
+            # 000's scheme, each worker through the node next to it
+            # (rank % M) and the nodes' ring.
+            runs = [("membox", peer + ["profile"], False),
+                    ("fixed", peer + ["stripe"], False)]
             if m > 1:
                 runs.append(("coarse", peer + ["ring"], False))
             if m == a.nodes[0]:
@@ -182,9 +185,11 @@ def run_allreduce(a, rec):
                 # --max-restarts`): every node keeps every key, so the
                 # shards the workers stripe over the nodes are also summed
                 # around the nodes' ring.
-                runs.append(("replica", peer + ["stripe"], False))
+                runs.append(("replica", peer + ["profile"], False))
             for variant, cmd, attach in runs:
-                if variant == "coarse":  # fresh nodes: new keys, not striped
+                # Fresh nodes: a kept key keeps its first job's shards and
+                # striping.
+                if variant in ("coarse", "fixed"):
                     cluster.down(topo, quiet=True)
                     cluster.up(topo, log=lambda s: None)
                 if variant == "replica":
@@ -199,7 +204,7 @@ def run_allreduce(a, rec):
                     raise RuntimeError(f"{variant}: {len(res)} of "
                                        f"{len(a.sizes)} results")
                 name = f"{variant}-{m}node" if variant in (
-                    "membox", "coarse", "replica") else variant
+                    "membox", "fixed", "coarse", "replica") else variant
                 for _, size, sec in res:
                     rec.add(name, int(size), p, "time", float(sec) * 1e3, "ms",
                             case)
@@ -283,9 +288,14 @@ def print_tables(a, rec):
                   f" {g('ring-bound'):9.2f} | {mb[-1] / bnd:7.2f}"
                   f" {best / g('gloo'):8.2f} {best / g('mpi'):7.2f}")
         for x in nodes:
+            print(f"  fixed {_label(a.partition)} shards striped, {x} nodes "
+                  f"(ms; x of the default): " + ", ".join(
+                      f"{_label(n)} {rec.get(f'fixed-{x}node', n, 'time', case):.2f}"
+                      f" (x{rec.get(f'fixed-{x}node', n, 'time', case) / rec.get(f'membox-{x}node', n, 'time', case):.2f})"
+                      for n in a.sizes))
             if rec.get(f"replica-{x}node", a.sizes[0], "time", case) == \
                     rec.get(f"replica-{x}node", a.sizes[0], "time", case):
-                print(f"  --ps-replicate, {x} nodes (ms; x of striped): " +
+                print(f"  --ps-replicate, {x} nodes (ms; x of the default): " +
                       ", ".join(
                           f"{_label(n)} {rec.get(f'replica-{x}node', n, 'time', case):.2f}"
                           f" (x{rec.get(f'replica-{x}node', n, 'time', case) / rec.get(f'membox-{x}node', n, 'time', case):.2f})"

@@ -11,7 +11,8 @@ namespace membox::ps {
 std::string RoutingTable::ToString() const {
   std::ostringstream o;
   o << "S=" << threshold << " LatProxy=" << lat_proxy << " BwProxy=" << bw_proxy
-    << " S'=" << partition_bytes << (stripe ? " striped" : "");
+    << " S'=" << partition_bytes << " P=" << pipeline_bytes
+    << (stripe ? " striped" : "");
   return o.str();
 }
 
@@ -81,7 +82,45 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
       break;
     }
   }
+  // P = alpha * beta from the least-squares line t = alpha + s / beta
+  // through BwProxy's samples (a negative intercept -- noise -- measures
+  // nothing: P = 0).
+  if (bwp.size() >= 2) {
+    double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+    for (auto& [s, sec] : bwp) {
+      double x = static_cast<double>(s);
+      n += 1, sx += x, sy += sec, sxx += x * x, sxy += x * sec;
+    }
+    double den = n * sxx - sx * sx;
+    if (den > 0) {
+      double slope = (n * sxy - sx * sy) / den;  // 1 / beta
+      double alpha = (sy - slope * sx) / n;
+      if (slope > 0 && alpha > 0) {
+        r.pipeline_bytes = static_cast<uint64_t>(alpha / slope);
+      }
+    }
+  }
   return r;
+}
+
+uint64_t ChooseShardBytes(const RoutingTable& t, uint64_t bytes,
+                          size_t elem_bytes, uint32_t proxies, bool striped) {
+  const uint64_t es = std::max<uint64_t>(1, elem_bytes);
+  uint64_t shard = std::max(t.partition_bytes, kMinShardBytes);
+  uint64_t node_bytes = bytes;
+  if (striped && proxies > 1) {
+    node_bytes = (bytes + proxies - 1) / proxies;
+    shard = std::min(shard, std::max(node_bytes, kMinShardBytes));
+  }
+  if ((striped || proxies <= 1) && t.pipeline_bytes > 0) {
+    double b = std::sqrt(static_cast<double>(node_bytes) *
+                         static_cast<double>(t.pipeline_bytes));
+    shard = std::min(shard, std::max(kMinShardBytes, static_cast<uint64_t>(b)));
+  }
+  shard = std::max(shard, (bytes + kMaxShardsPerKey - 1) / kMaxShardsPerKey);
+  shard = std::max<uint64_t>(es, shard - shard % es);
+  if ((bytes + shard - 1) / shard > kMaxShardsPerKey) shard += es;
+  return std::min<uint64_t>(shard, bytes);
 }
 
 double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes, int workers,

@@ -61,6 +61,60 @@ TEST(RoutingTest, RejectsIncompleteGrids) {
   EXPECT_FALSE(ChooseRouting({{0, 4096, 0.0}}).ok());
 }
 
+TEST(RoutingTest, PipelineSizeIsLatencyTimesBandwidth) {
+  // BwProxy 1: 2 ms fixed, 50 MB/s (a 400 Mbit/s link): P = 100 KB.
+  auto t = ChooseRouting(Grid(2e-3, 50e6, 2e-3, 50e6));
+  ASSERT_TRUE(t.ok());
+  EXPECT_NEAR(static_cast<double>(t->pipeline_bytes), 100e3, 1e3);
+  // Shared memory: 20 us, 5 GB/s -- the same P, so the same shards.
+  EXPECT_NEAR(
+      static_cast<double>(ChooseRouting(Grid(20e-6, 5e9, 20e-6, 5e9))
+                              ->pipeline_bytes),
+      100e3, 1e3);
+  // No fixed cost measured (or a negative intercept from noise): P = 0.
+  std::vector<ProfileSample> flat;
+  for (uint64_t size = 4096; size <= (1u << 20); size *= 4) {
+    flat.push_back({0, size, size / 1e9});
+  }
+  EXPECT_EQ(ChooseRouting(flat)->pipeline_bytes, 0u);
+  flat.back().seconds *= 2;  // the fit's intercept goes negative
+  EXPECT_EQ(ChooseRouting(flat)->pipeline_bytes, 0u);
+}
+
+TEST(RoutingTest, ShardsPipelineWhatANodeStoresAndForwards) {
+  RoutingTable t;
+  t.partition_bytes = 4 << 20;
+  // Without a measured P: S', at least one shard per proxy when striped.
+  EXPECT_EQ(ChooseShardBytes(t, 64u << 20, 4, 1, false), 4u << 20);
+  EXPECT_EQ(ChooseShardBytes(t, 8u << 20, 4, 4, true), 2u << 20);
+  EXPECT_EQ(ChooseShardBytes(t, 1000, 4, 4, true), 1000u);  // one shard
+  t.pipeline_bytes = 64 << 10;
+  // One proxy, 16 MiB: sqrt(16 MiB * 64 KiB) = 1 MiB.
+  EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 1, false), 1u << 20);
+  // Striped over 4: a node gets 4 MiB of 16 MiB: sqrt(4 MiB * 64 KiB).
+  EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 4, true), 512u << 10);
+  // Large tensors stop at S'; the ring keeps S' whatever P says.
+  EXPECT_EQ(ChooseShardBytes(t, 1u << 30, 4, 1, false), 4u << 20);
+  EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 4, false), 4u << 20);
+  // Striped: never above a node's part; never below the minimum shard;
+  // whole elements; never above the tensor.
+  EXPECT_EQ(ChooseShardBytes(t, 64u << 10, 4, 4, true), 16u << 10);
+  RoutingTable tiny = t;
+  tiny.pipeline_bytes = 10;
+  EXPECT_EQ(ChooseShardBytes(tiny, 1u << 20, 4, 1, false), kMinShardBytes);
+  EXPECT_EQ(ChooseShardBytes(t, 3000, 8, 1, false), 3000u);
+  // At most kMaxShardsPerKey shards, whatever S' and P say.
+  tiny.partition_bytes = kMinShardBytes;
+  for (uint64_t n : {uint64_t{1} << 30, uint64_t{1000000007} * 4}) {
+    uint64_t sh = ChooseShardBytes(tiny, n, 4, 1, false);
+    EXPECT_LE((n + sh - 1) / sh, kMaxShardsPerKey) << n;
+    EXPECT_EQ(sh % 4, 0u);
+  }
+  uint64_t odd = ChooseShardBytes(t, 12345678, 12, 1, false);
+  EXPECT_EQ(odd % 12, 0u);
+  EXPECT_LT(odd, 4u << 20);
+}
+
 TEST(DualSyncTest, BalancesTheTwoPaths) {
   // 100 MB, 4 workers, FP 10 ms, BP 20 ms, proxies 10 GB/s, workers 5 GB/s.
   auto plan = ChooseDualSync(100'000'000, 4, 0.010, 0.020, 10e9, 5e9);

@@ -14,7 +14,11 @@
 // bandwidth. Stripe is chosen when there are several proxies and each
 // reaches at least `stripe_fraction` of BwProxy's bandwidth: then spreading
 // shards over all of them beats sending everything to one (no proxy's link
-// is much worse). Pure functions; thread-safe.
+// is much worse). The pipelining size P is the product of BwProxy's fixed
+// cost per transfer and its bandwidth (the intercept and slope of a least
+// squares line through its samples): ChooseShardBytes() cuts what one node
+// gets of a key into shards of about sqrt(node bytes * P), below S'. Pure
+// functions; thread-safe.
 #ifndef MEMBOX_PS_ROUTING_H_
 #define MEMBOX_PS_ROUTING_H_
 
@@ -32,6 +36,12 @@ namespace membox::ps {
 // than this are one shard.
 constexpr uint64_t kMinShardBytes = 4096;
 
+// The most shards ChooseShardBytes() cuts a key into: every shard is a
+// registered region on each proxy that holds it (a SysV segment where UCX
+// maps memory for shared memory, of which a host has 4096), and a proxy
+// does a round's fixed work per shard.
+constexpr uint64_t kMaxShardsPerKey = 1024;
+
 struct RoutingTable {
   uint64_t threshold = 0;  // S: sizes < S go to lat_proxy
   uint32_t lat_proxy = 0;
@@ -43,11 +53,28 @@ struct RoutingTable {
   // memory nodes with equal links (each node moves p n / M bytes each way);
   // fixed per key by its first declaration.
   bool stripe = false;
+  // P = alpha * beta of BwProxy (bytes): a shard of P bytes spends as long in
+  // fixed costs as in streaming. 0: not measured, shards of S'.
+  uint64_t pipeline_bytes = 0;
   uint32_t Route(uint64_t bytes) const {
     return bytes < threshold ? lat_proxy : bw_proxy;
   }
   std::string ToString() const;
 };
+
+// The shard size of a key of `bytes` bytes (elements of `elem_bytes`) over
+// `proxies` proxies. A memory node sends a shard's result only after every
+// worker's copy of it has arrived, so its inbound and outbound links overlap
+// across shards only: cutting the B bytes one node gets into D shards saves
+// about B / D of fill and drain and costs D fixed costs (P each, in bytes of
+// streaming); the sum is least at B / D = sqrt(B * P). That applies where a
+// node stores and forwards alone -- one proxy, or a striped key (B = bytes /
+// proxies); a key summed around the proxies' ring keeps S'. The result is at
+// most S' and the tensor, at least kMinShardBytes (or the tensor), a
+// multiple of the element size; a striped key has at least one shard per
+// proxy.
+uint64_t ChooseShardBytes(const RoutingTable& t, uint64_t bytes,
+                          size_t elem_bytes, uint32_t proxies, bool striped);
 
 // Time of one transfer of `bytes` to proxy `proxy`, in seconds.
 struct ProfileSample {
