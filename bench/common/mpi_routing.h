@@ -6,16 +6,16 @@
 #ifndef MEMBOX_BENCH_COMMON_MPI_ROUTING_H_
 #define MEMBOX_BENCH_COMMON_MPI_ROUTING_H_
 
-#include <mpi.h>
-
 #include <cstdint>
+
+#include <mpi.h>
 
 #include "membox/ps/routing.h"
 
 namespace membox::bench {
 
 inline void BroadcastRouting(ps::RoutingTable* t) {
-  uint64_t v[6] = {t->threshold,       t->lat_proxy,      t->bw_proxy,
+  uint64_t v[6] = {t->threshold,       t->lat_proxy,        t->bw_proxy,
                    t->partition_bytes, t->stripe ? 1u : 0u, t->pipeline_bytes};
   MPI_Bcast(v, 6, MPI_UINT64_T, 0, MPI_COMM_WORLD);
   t->threshold = v[0];
