@@ -613,9 +613,9 @@ class ParamClientImpl final : public ParamClient {
         for (int r = 0; r <= o.repeats; ++r) {  // the first is a warm-up
           auto t0 = Clock::now();
           for (uint64_t i = 0; i < batch; ++i) {
-            ASSIGN_OR_RETURN(auto h,
-                             ch->Write(probe_->data(), *probe_,
-                                       remote->address(), *remote, size));
+            ASSIGN_OR_RETURN(
+                auto h, ch->Write(probe_->data(), *probe_, remote->address(),
+                                  *remote, size));
             RETURN_IF_ERROR(h.Wait(opt_.timeout));
             ASSIGN_OR_RETURN(auto f, ch->Flush());
             RETURN_IF_ERROR(f.Wait(opt_.timeout));
