@@ -67,10 +67,9 @@ TEST(RoutingTest, PipelineSizeIsLatencyTimesBandwidth) {
   ASSERT_TRUE(t.ok());
   EXPECT_NEAR(static_cast<double>(t->pipeline_bytes), 100e3, 1e3);
   // Shared memory: 20 us, 5 GB/s -- the same P, so the same shards.
-  EXPECT_NEAR(
-      static_cast<double>(ChooseRouting(Grid(20e-6, 5e9, 20e-6, 5e9))
-                              ->pipeline_bytes),
-      100e3, 1e3);
+  EXPECT_NEAR(static_cast<double>(
+                  ChooseRouting(Grid(20e-6, 5e9, 20e-6, 5e9))->pipeline_bytes),
+              100e3, 1e3);
   // No fixed cost measured (or a negative intercept from noise): P = 0.
   std::vector<ProfileSample> flat;
   for (uint64_t size = 4096; size <= (1u << 20); size *= 4) {
