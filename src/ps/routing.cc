@@ -115,7 +115,8 @@ uint64_t ChooseShardBytes(const RoutingTable& t, uint64_t bytes,
   if ((striped || proxies <= 1) && t.pipeline_bytes > 0) {
     double b = std::sqrt(static_cast<double>(node_bytes) *
                          static_cast<double>(t.pipeline_bytes));
-    shard = std::min(shard, std::max(kMinShardBytes, static_cast<uint64_t>(b)));
+    shard = std::min(node_bytes,
+                     std::max(kMinShardBytes, static_cast<uint64_t>(b)));
   }
   shard = std::max(shard, (bytes + kMaxShardsPerKey - 1) / kMaxShardsPerKey);
   shard = std::max<uint64_t>(es, shard - shard % es);

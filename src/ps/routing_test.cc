@@ -92,8 +92,9 @@ TEST(RoutingTest, ShardsPipelineWhatANodeStoresAndForwards) {
   EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 1, false), 1u << 20);
   // Striped over 4: a node gets 4 MiB of 16 MiB: sqrt(4 MiB * 64 KiB).
   EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 4, true), 512u << 10);
-  // Large tensors stop at S'; the ring keeps S' whatever P says.
-  EXPECT_EQ(ChooseShardBytes(t, 1u << 30, 4, 1, false), 4u << 20);
+  // S' does not cap it (1 GiB: 8 MiB shards); the ring keeps S' whatever
+  // P says.
+  EXPECT_EQ(ChooseShardBytes(t, 1u << 30, 4, 1, false), 8u << 20);
   EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 4, false), 4u << 20);
   // Striped: never above a node's part; never below the minimum shard;
   // whole elements; never above the tensor.
