@@ -112,10 +112,10 @@ uint64_t ChooseShardBytes(const RoutingTable& t, uint64_t bytes,
     node_bytes = (bytes + proxies - 1) / proxies;
     shard = std::min(shard, std::max(node_bytes, kMinShardBytes));
   }
-  if ((striped || proxies <= 1) && t.pipeline_bytes > 0) {
+  if (t.pipeline_bytes > 0) {
     double b = std::sqrt(static_cast<double>(node_bytes) *
                          static_cast<double>(t.pipeline_bytes));
-    shard = std::min(node_bytes,
+    shard = std::min(std::max(node_bytes, kMinShardBytes),
                      std::max(kMinShardBytes, static_cast<uint64_t>(b)));
   }
   shard = std::max(shard, (bytes + kMaxShardsPerKey - 1) / kMaxShardsPerKey);

@@ -92,10 +92,10 @@ TEST(RoutingTest, ShardsPipelineWhatANodeStoresAndForwards) {
   EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 1, false), 1u << 20);
   // Striped over 4: a node gets 4 MiB of 16 MiB: sqrt(4 MiB * 64 KiB).
   EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 4, true), 512u << 10);
-  // S' does not cap it (1 GiB: 8 MiB shards); the ring keeps S' whatever
-  // P says.
+  // S' does not cap it (1 GiB: 8 MiB shards). A ring key's nodes each
+  // handle all of it: B = 16 MiB.
   EXPECT_EQ(ChooseShardBytes(t, 1u << 30, 4, 1, false), 8u << 20);
-  EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 4, false), 4u << 20);
+  EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 4, false), 1u << 20);
   // Striped: never above a node's part; never below the minimum shard;
   // whole elements; never above the tensor.
   EXPECT_EQ(ChooseShardBytes(t, 64u << 10, 4, 4, true), 16u << 10);
@@ -109,6 +109,22 @@ TEST(RoutingTest, ShardsPipelineWhatANodeStoresAndForwards) {
     uint64_t sh = ChooseShardBytes(tiny, n, 4, 1, false);
     EXPECT_LE((n + sh - 1) / sh, kMaxShardsPerKey) << n;
     EXPECT_EQ(sh % 4, 0u);
+  }
+  // What a proxy accepts, for every size and proxy count: at least
+  // kMinShardBytes or the whole tensor, at most the tensor.
+  for (uint64_t p : {uint64_t{0}, uint64_t{10}, uint64_t{10000}}) {
+    RoutingTable any = t;
+    any.pipeline_bytes = p;
+    for (uint64_t n = 4; n < (64u << 20); n = n * 3 + 4) {
+      for (uint32_t np : {1u, 2u, 3u, 4u, 8u}) {
+        for (bool striped : {false, true}) {
+          uint64_t sh = ChooseShardBytes(any, n, 4, np, striped);
+          EXPECT_LE(sh, n);
+          EXPECT_TRUE(sh >= kMinShardBytes || sh == n)
+              << n << " " << np << " " << striped << " P=" << p;
+        }
+      }
+    }
   }
   uint64_t odd = ChooseShardBytes(t, 12345678, 12, 1, false);
   EXPECT_EQ(odd % 12, 0u);

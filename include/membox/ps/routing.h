@@ -67,10 +67,10 @@ struct RoutingTable {
 // worker's copy of it has arrived, so its inbound and outbound links overlap
 // across shards only: cutting the B bytes one node gets into D shards saves
 // about B / D of fill and drain and costs D fixed costs (P each, in bytes of
-// streaming); the sum is least at B / D = sqrt(B * P). That applies where a
-// node stores and forwards alone -- one proxy, or a striped key (B = bytes /
-// proxies) -- when P was measured; otherwise, and for a key summed around
-// the proxies' ring, the shard is S'. (S' does not cap the first: it bounds
+// streaming); the sum is least at B / D = sqrt(B * P), with B = bytes /
+// proxies for a striped key and the whole key otherwise (every node of a
+// ring handles all of it, and each ring step is a store and forward too).
+// Without a measured P the shard is S'. (S' does not cap the first: it bounds
 // one isolated transfer's fixed cost, which in a stream of shards overlaps
 // with the others' data. On a 400 Mbit/s link it is 64 KiB, and shards that
 // small kept 89 % of the emulated cluster's two cores busy.) The result is
