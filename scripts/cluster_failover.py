@@ -105,7 +105,7 @@ def job(a, topo, out, kill_after):
             res["kill_s"] = t_kill[0]
             d = os.path.join(topo["state"], "m1-replacement")
             os.makedirs(d, exist_ok=True)
-            rargv = ["ip", "netns", "exec", host2["ns"], a.membox,
+            rargv = cluster.host_argv(topo, host2) + [a.membox,
                      "--log-level", "info", "serve",
                      "--listen", f"{host2['ip']}:{NEW_MEM}",
                      "--pool-size", topo["pool"],

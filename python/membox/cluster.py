@@ -219,13 +219,46 @@ def _namespaces(prefix):
             if line.split() and line.split()[0].startswith(prefix)]
 
 
+def _ipc_file(topo, h):
+    return os.path.join(topo["state"], f"{h['name']}.ipc")
+
+
+def _make_host_ipc(topo, h):
+    """The host's own System V IPC namespace, kept by a bind mount at
+    _ipc_file(): UCX allocates registered regions as SysV segments, of which
+    a kernel has 4096 per IPC namespace -- eight emulated hosts sharing one
+    ran out where no real host would. Every process of the host enters it
+    (host_argv). False where it cannot be made (then hosts share one)."""
+    f = _ipc_file(topo, h)
+    open(f, "a").close()
+    if _sh("unshare", f"--ipc={f}", "true", check=False).returncode == 0:
+        return True
+    # A bind mount under a shared mount is refused: make the state
+    # directory a private mount of its own (as `ip netns` does /run/netns).
+    d = topo["state"]
+    if not os.path.ismount(d):
+        _sh("mount", "--bind", d, d, check=False)
+    _sh("mount", "--make-private", d, check=False)
+    return _sh("unshare", f"--ipc={f}", "true", check=False).returncode == 0
+
+
+def host_argv(topo, h):
+    """The prefix that runs a command on host h: its network namespace and,
+    where made, its IPC namespace."""
+    pre = ["ip", "netns", "exec", h["ns"]]
+    if os.path.ismount(_ipc_file(topo, h)):
+        pre += ["nsenter", f"--ipc={_ipc_file(topo, h)}"]
+    return pre
+
+
 def _write_agent(topo):
     """mpirun's remote-start agent: `agent HOST CMD...` runs CMD in the
     host's namespace (what ssh does on a real cluster)."""
     path = os.path.join(topo["state"], "agent")
     log = os.path.join(topo["state"], "agent.log")
-    cases = "\n".join(f"  {h['ip']}|{h['name']}) ns={h['ns']} name={h['name']} ;;"
-                      for h in topo["hosts"])
+    cases = "\n".join(
+        f"  {h['ip']}|{h['name']}) name={h['name']}; "
+        f"enter=\"{' '.join(host_argv(topo, h))}\" ;;" for h in topo["hosts"])
     with open(path, "w") as f:
         f.write("#!/bin/sh\n# membox cluster: mpirun's rsh agent\n"
                 "host=$1; shift\ncase $host in\n" + cases +
@@ -234,7 +267,7 @@ def _write_agent(topo):
                 f"echo \"$(date +%T.%N) $host: $*\" >>{log}\n"
                 # Its own hostname too (a UTS namespace), as a real host has:
                 # Open MPI's daemons tell hosts apart by name.
-                f"exec ip netns exec \"$ns\" unshare --uts /bin/sh -c "
+                f"exec $enter unshare --uts /bin/sh -c "
                 f"\"hostname $name; $*\" 2>>{log}\n")
     os.chmod(path, 0o755)
     return path
@@ -291,15 +324,16 @@ def _up(topo, log):
         _sh("ip", "link", "set", v, "master", br, "up")
         _shape(ns, "eth0", h["rate"], h["delay_ms"], netem)  # host -> bridge
         _shape(None, v, h["rate"], h["delay_ms"], netem)     # bridge -> host
-    state = {"topology": topo, "netem": netem, "nodes": []}
+    ipc = all([_make_host_ipc(topo, h) for h in topo["hosts"]])
+    state = {"topology": topo, "netem": netem, "nodes": [], "ipc": ipc}
     agent = _write_agent(topo)
     mem = memory_hosts(topo)
     peers = [f"{h['ip']}:{PS_PORT}" for h in mem]
     for h in mem:
         d = os.path.join(st, h["name"])
         os.makedirs(d, exist_ok=True)
-        argv = ["ip", "netns", "exec", h["ns"], _membox_bin(),
-                "--log-level", "info", "serve",
+        argv = host_argv(topo, h) + [
+                _membox_bin(), "--log-level", "info", "serve",
                 "--listen", f"{h['ip']}:{MEM_PORT}",
                 "--pool-size", topo["pool"], "--secret-file", secret_file(topo),
                 "--sync-cores", str(topo["sync_cores"]),
@@ -392,6 +426,11 @@ def down(topo, quiet=False):
     for h in topo["hosts"]:
         _sh("ip", "link", "del", h["veth"], check=False)
     _sh("ip", "link", "del", topo["bridge"], check=False)
+    for h in topo["hosts"]:  # the hosts' IPC namespaces go with the mounts
+        if os.path.ismount(_ipc_file(topo, h)):
+            _sh("umount", _ipc_file(topo, h), check=False)
+    if os.path.ismount(topo["state"]):
+        _sh("umount", topo["state"], check=False)
     shutil.rmtree(topo["state"], ignore_errors=True)
     if not quiet:
         print(f"membox cluster '{topo['name']}' down "
@@ -492,7 +531,7 @@ def status(topo):
               f"{h['rate'] or 'unshaped':>9} {h['delay_ms']:g} ms{alive}")
     code = 0
     for h in memory_hosts(topo):
-        p = _sh("ip", "netns", "exec", h["ns"], _membox_bin(), "status",
+        p = _sh(*host_argv(topo, h), _membox_bin(), "status",
                 "--server", f"{h['ip']}:{MEM_PORT}", "--secret-file",
                 secret_file(topo), check=False)
         first = (p.stdout.strip().splitlines() or [p.stderr.strip()])[0]
@@ -540,7 +579,7 @@ def main(argv=None):
             if h is None:
                 ap.error(f"exec: no host '{a.host}' (hosts: "
                          f"{', '.join(x['name'] for x in topo['hosts'])})")
-            os.execvp("ip", ["ip", "netns", "exec", h["ns"]] + cmd)
+            os.execvp("ip", host_argv(topo, h) + cmd)
         if a.slots < 1:
             ap.error("--slots must be at least 1")
         return run(topo, cmd, slots=a.slots, keep=a.keep,

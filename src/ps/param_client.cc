@@ -54,10 +54,13 @@ PsHandle Failed(const Status& s, std::function<void(const Status&)> cb) {
 // is refused at once (a rank really used twice).
 constexpr auto kRejoinWindow = std::chrono::seconds(8);
 
-// A profile sample moves at least this much (transfers back to back): more
-// than the bursts links let through unthrottled (tc's tbf passes 4 ms of
-// line rate at once here; switches buffer about as much).
+// A profile sample times transfers back to back until it moved
+// kSustainBytes or took kSustainTime (at least one transfer): long enough
+// that the burst a link lets through unthrottled (tc's tbf passes 4 ms of
+// line rate at once here; switches buffer about as much) is a small part
+// of it, short enough that a slow far link keeps the profile short.
 constexpr uint64_t kSustainBytes = 2 << 20;
+constexpr auto kSustainTime = std::chrono::milliseconds(50);
 
 bool Restarted() {
   const char* r = std::getenv("MEMBOX_RESTART");
@@ -603,16 +606,14 @@ class ParamClientImpl final : public ParamClient {
       ASSIGN_OR_RETURN(auto remote, ch->Import(desc, opt_.timeout));
       for (uint64_t size : o.sizes) {
         // One transfer = what a push costs: the data to the proxy, visible
-        // there, and a request / reply with it. A sample times transfers
-        // back to back until kSustainBytes moved: a link that lets a burst
-        // through at once (a token bucket, a switch buffer) then shows its
-        // sustained rate, which is what a stream of shards gets.
-        const uint64_t batch = std::max<uint64_t>(
-            1, (kSustainBytes + size - 1) / std::max<uint64_t>(size, 1));
+        // there, and a request / reply with it. A sample is a run of them
+        // (kSustainBytes, kSustainTime): a link's sustained rate, which is
+        // what a stream of shards gets, not its burst.
         std::vector<double> t;
         for (int r = 0; r <= o.repeats; ++r) {  // the first is a warm-up
           auto t0 = Clock::now();
-          for (uint64_t i = 0; i < batch; ++i) {
+          uint64_t n = 0, moved = 0;
+          do {
             ASSIGN_OR_RETURN(
                 auto h, ch->Write(probe_->data(), *probe_, remote->address(),
                                   *remote, size));
@@ -620,11 +621,13 @@ class ParamClientImpl final : public ParamClient {
             ASSIGN_OR_RETURN(auto f, ch->Flush());
             RETURN_IF_ERROR(f.Wait(opt_.timeout));
             RETURN_IF_ERROR(Call(p, m).status());
-          }
+            ++n;
+            moved += size;
+          } while (moved < kSustainBytes && Clock::now() - t0 < kSustainTime);
           if (r > 0) {
             t.push_back(
                 std::chrono::duration<double>(Clock::now() - t0).count() /
-                static_cast<double>(batch));
+                static_cast<double>(n));
           }
         }
         std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
