@@ -289,12 +289,14 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     ASSIGN_OR_RETURN(double tp, time_it([&] {
                        return client->PushPull(1u << 30, pm, pm).Wait();
                      }));
-    // The two paths may share a link -- across hosts a worker's one link
-    // carries both its ring traffic and its pushes -- and then splitting
-    // the bytes between them adds no bandwidth (the cost model assumes
-    // they are independent, as NVLink and the network are). Half the probe
-    // on each at once: unless that beats the better path alone, the
-    // proxies take everything.
+    // The two paths may share their bottleneck -- across hosts a worker's
+    // one link carries both its ring traffic and its pushes -- and then
+    // splitting the bytes between them adds no bandwidth (the cost model
+    // assumes they are independent, as NVLink and the network are). Half
+    // the probe on each at once takes max(tw, tp) / 2 on independent paths
+    // and (tw + tp) / 2 on one shared bottleneck: nearer the second, the
+    // proxies take everything. (A shared worker link with the bottleneck
+    // at one memory node's link is not shared: the ring still adds.)
     const uint64_t half = (probe / 2) & ~uint64_t{3};
     RETURN_IF_ERROR(
         client->Declare((1u << 30) + 1, half, DType::kFloat32).status());
@@ -309,7 +311,7 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
                        Status rs = r.get();
                        return s.ok() ? rs : s;
                      }));
-    const bool shared = tboth > 0.9 * std::min(tw, tp);
+    const bool shared = tboth > 0.5 * (std::max(tw, tp) / 2 + (tw + tp) / 2);
     double bw_worker = f2 * probe / tw, bw_proxy = f2 * probe / tp;
     auto plan = ps::ChooseDualSync(f.total, world, m.forward_ms / 1e3,
                                    m.backward_ms / 1e3, bw_proxy, bw_worker);
@@ -328,9 +330,10 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     if (rank == 0) {
       std::fprintf(stderr,
                    "  dual sync: worker ring %.2f GB/s, proxies %.2f GB/s, "
-                   "both at once %.2fx the better alone%s -> first %d "
-                   "layers (%.1f MB) by the workers\n",
-                   bw_worker / 1e9, bw_proxy / 1e9, tboth / std::min(tw, tp),
+                   "half on each at once %.2fx the slower half%s -> first "
+                   "%d layers (%.1f MB) by the workers\n",
+                   bw_worker / 1e9, bw_proxy / 1e9,
+                   tboth / (std::max(tw, tp) / 2),
                    shared ? " (one shared link)" : "", ring_layers, acc / 1e6);
     }
   }
