@@ -106,17 +106,18 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
 uint64_t ChooseShardBytes(const RoutingTable& t, uint64_t bytes,
                           size_t elem_bytes, uint32_t proxies, bool striped) {
   const uint64_t es = std::max<uint64_t>(1, elem_bytes);
-  uint64_t shard = std::max(t.partition_bytes, kMinShardBytes);
-  uint64_t node_bytes = bytes;
-  if (striped && proxies > 1) {
-    node_bytes = (bytes + proxies - 1) / proxies;
-    shard = std::min(shard, std::max(node_bytes, kMinShardBytes));
-  }
+  // B: what one node handles of the key; no shard is larger (nor smaller
+  // than kMinShardBytes, which the tensor cap below may still undercut).
+  const uint64_t node_bytes =
+      striped && proxies > 1 ? (bytes + proxies - 1) / proxies : bytes;
+  const uint64_t largest = std::max(node_bytes, kMinShardBytes);
+  uint64_t shard =
+      std::min(std::max(t.partition_bytes, kMinShardBytes), largest);
   if (t.pipeline_bytes > 0) {
     double b = std::sqrt(static_cast<double>(node_bytes) *
                          static_cast<double>(t.pipeline_bytes));
-    shard = std::min(std::max(node_bytes, kMinShardBytes),
-                     std::max(kMinShardBytes, static_cast<uint64_t>(b)));
+    shard =
+        std::min(largest, std::max(kMinShardBytes, static_cast<uint64_t>(b)));
   }
   shard = std::max(shard, (bytes + kMaxShardsPerKey - 1) / kMaxShardsPerKey);
   shard = std::max<uint64_t>(es, shard - shard % es);
