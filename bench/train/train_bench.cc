@@ -291,12 +291,10 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
                      }));
     // The two paths may share their bottleneck -- across hosts a worker's
     // one link carries both its ring traffic and its pushes -- and then
-    // splitting the bytes between them adds no bandwidth (the cost model
-    // assumes they are independent, as NVLink and the network are). Half
-    // the probe on each at once takes max(tw, tp) / 2 on independent paths
-    // and (tw + tp) / 2 on one shared bottleneck: nearer the second, the
-    // proxies take everything. (A shared worker link with the bottleneck
-    // at one memory node's link is not shared: the ring still adds.)
+    // splitting the bytes between them adds less bandwidth than the paper's
+    // model (independent paths, as NVLink and the network are) assumes.
+    // Half the probe on each at once measures how much (ps::SharingFromProbe)
+    // and the cost model charges it for the time both paths run.
     const uint64_t half = (probe / 2) & ~uint64_t{3};
     RETURN_IF_ERROR(
         client->Declare((1u << 30) + 1, half, DType::kFloat32).status());
@@ -311,11 +309,11 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
                        Status rs = r.get();
                        return s.ok() ? rs : s;
                      }));
-    const bool shared = tboth > 0.5 * (std::max(tw, tp) / 2 + (tw + tp) / 2);
+    const double sharing = ps::SharingFromProbe(tw, tp, tboth);
     double bw_worker = f2 * probe / tw, bw_proxy = f2 * probe / tp;
-    auto plan = ps::ChooseDualSync(f.total, world, m.forward_ms / 1e3,
-                                   m.backward_ms / 1e3, bw_proxy, bw_worker);
-    if (shared) plan.proxy_bytes = f.total;
+    auto plan =
+        ps::ChooseDualSync(f.total, world, m.forward_ms / 1e3,
+                           m.backward_ms / 1e3, bw_proxy, bw_worker, sharing);
     uint64_t worker_bytes = f.total - plan.proxy_bytes, acc = 0;
     // Every rank must pick the same split: use rank 0's.
     uint64_t wb = worker_bytes;
@@ -330,11 +328,11 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     if (rank == 0) {
       std::fprintf(stderr,
                    "  dual sync: worker ring %.2f GB/s, proxies %.2f GB/s, "
-                   "half on each at once %.2fx the slower half%s -> first "
-                   "%d layers (%.1f MB) by the workers\n",
+                   "half on each at once %.2fx the slower half (sharing "
+                   "%.2f) -> first %d layers (%.1f MB) by the workers\n",
                    bw_worker / 1e9, bw_proxy / 1e9,
-                   tboth / (std::max(tw, tp) / 2),
-                   shared ? " (one shared link)" : "", ring_layers, acc / 1e6);
+                   tboth / (std::max(tw, tp) / 2), sharing, ring_layers,
+                   acc / 1e6);
     }
   }
   // Tensors of the ring's layers are contiguous at the start of the buffer.

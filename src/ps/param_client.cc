@@ -586,11 +586,22 @@ class ParamClientImpl final : public ParamClient {
       ASSIGN_OR_RETURN(probe_, device_->AllocateMemRegion(largest));
       std::memset(probe_->data(), 1, largest);
     }
-    std::vector<ProfileSample> samples;
+    // Every proxy's probe region first; then the samples interleaved --
+    // size by size, each repeat visiting every proxy in turn -- so that
+    // what else the machine or the links do at the time (a neighbour
+    // starting, a burst of traffic) falls on every proxy alike instead of
+    // on whichever was measured then. Measured one proxy after the other,
+    // equal nodes on one host came out unequal often enough to lose the
+    // striping (BERT-large in `bench train`: 2.5x the iteration).
+    struct Target {
+      std::shared_ptr<Channel> channel;
+      std::shared_ptr<transport::RemoteMemRegion> remote;
+    };
+    std::vector<Target> targets(proxies_.size());
+    Message m;
+    m.type = Type::kProbe;
+    m.bytes = largest;
     for (uint32_t p = 0; p < proxies_.size(); ++p) {
-      Message m;
-      m.type = Type::kProbe;
-      m.bytes = largest;
       auto st = NewState(1, nullptr);
       auto text = std::make_shared<std::string>();
       RETURN_IF_ERROR(SendRequest(p, m, st, text));
@@ -598,40 +609,47 @@ class ParamClientImpl final : public ParamClient {
       std::vector<uint8_t> bytes(text->begin(), text->end());
       ASSIGN_OR_RETURN(auto desc,
                        transport::RegionDescriptor::Deserialize(bytes));
-      std::shared_ptr<Channel> ch;
       {
         MutexLock l(&links_mu_);
-        ch = proxies_[p].channel;
+        targets[p].channel = proxies_[p].channel;
       }
-      ASSIGN_OR_RETURN(auto remote, ch->Import(desc, opt_.timeout));
-      for (uint64_t size : o.sizes) {
-        // One transfer = what a push costs: the data to the proxy, visible
-        // there, and a request / reply with it. A sample is a run of them
-        // (kSustainBytes, kSustainTime): a link's sustained rate, which is
-        // what a stream of shards gets, not its burst.
-        std::vector<double> t;
-        for (int r = 0; r <= o.repeats; ++r) {  // the first is a warm-up
+      ASSIGN_OR_RETURN(targets[p].remote,
+                       targets[p].channel->Import(desc, opt_.timeout));
+    }
+    std::vector<ProfileSample> samples;
+    for (uint64_t size : o.sizes) {
+      // One transfer = what a push costs: the data to the proxy, visible
+      // there, and a request / reply with it. A sample is a run of them
+      // (kSustainBytes, kSustainTime): a link's sustained rate, which is
+      // what a stream of shards gets, not its burst.
+      std::vector<std::vector<double>> t(targets.size());
+      for (int r = 0; r <= o.repeats; ++r) {  // the first is a warm-up
+        for (uint32_t p = 0; p < targets.size(); ++p) {
+          Channel& ch = *targets[p].channel;
+          const auto& remote = *targets[p].remote;
           auto t0 = Clock::now();
           uint64_t n = 0, moved = 0;
           do {
-            ASSIGN_OR_RETURN(
-                auto h, ch->Write(probe_->data(), *probe_, remote->address(),
-                                  *remote, size));
+            ASSIGN_OR_RETURN(auto h, ch.Write(probe_->data(), *probe_,
+                                              remote.address(), remote, size));
             RETURN_IF_ERROR(h.Wait(opt_.timeout));
-            ASSIGN_OR_RETURN(auto f, ch->Flush());
+            ASSIGN_OR_RETURN(auto f, ch.Flush());
             RETURN_IF_ERROR(f.Wait(opt_.timeout));
             RETURN_IF_ERROR(Call(p, m).status());
             ++n;
             moved += size;
           } while (moved < kSustainBytes && Clock::now() - t0 < kSustainTime);
           if (r > 0) {
-            t.push_back(
+            t[p].push_back(
                 std::chrono::duration<double>(Clock::now() - t0).count() /
                 static_cast<double>(n));
           }
         }
-        std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
-        samples.push_back({p, size, t[t.size() / 2]});
+      }
+      for (uint32_t p = 0; p < targets.size(); ++p) {
+        auto& v = t[p];
+        std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+        samples.push_back({p, size, v[v.size() / 2]});
       }
     }
     ASSIGN_OR_RETURN(RoutingTable table, ChooseRouting(samples));

@@ -127,38 +127,58 @@ uint64_t ChooseShardBytes(const RoutingTable& t, uint64_t bytes,
 
 double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes, int workers,
                         double t_forward, double t_backward, double bw_proxy,
-                        double bw_worker) {
+                        double bw_worker, double sharing) {
   double p = std::max(1, workers);
   double f = 2.0 * (p - 1) / p;
   double n = static_cast<double>(total_bytes);
   double m = static_cast<double>(std::min(proxy_bytes, total_bytes));
-  double gpu = t_forward + t_backward + f * (n - m) / bw_worker;
-  double proxy = t_forward + f * m / bw_proxy;
-  return std::max(gpu, proxy);
+  double ring = f * (n - m) / bw_worker, push = f * m / bw_proxy;
+  double gpu = t_forward + t_backward + ring;
+  double proxy = t_forward + push;
+  double overlap = std::max(0.0, std::min(ring, push - t_backward));
+  return std::max(gpu, proxy) + std::clamp(sharing, 0.0, 1.0) * overlap;
 }
 
 DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers, double t_forward,
                             double t_backward, double bw_proxy,
-                            double bw_worker) {
-  // gpu(m) falls and proxy(m) rises linearly in m; the max is minimal where
-  // they meet:  T_BP + f(n-m)/Bw = f m / Bp  =>  m = (T_BP + f n/Bw) /
-  // (f/Bp + f/Bw).
+                            double bw_worker, double sharing) {
   double p = std::max(1, workers);
   double f = 2.0 * (p - 1) / p;
   double n = static_cast<double>(total_bytes);
   DualSyncPlan plan;
-  if (f == 0) {
-    plan.proxy_bytes = total_bytes;
-  } else {
-    double m =
+  plan.proxy_bytes = total_bytes;
+  if (f > 0) {
+    // Breakpoints of T(m): where the two branches meet (which is also where
+    // the ring's time equals the proxies' time after backward:
+    //   T_BP + f(n-m)/Bw = f m/Bp  =>  m = (T_BP + f n/Bw) / (f/Bp + f/Bw)),
+    // and where the proxies' time equals backward (m = T_BP Bp / f).
+    double meet =
         (t_backward + f * n / bw_worker) / (f / bw_proxy + f / bw_worker);
-    m = std::clamp(m, 0.0, n);
-    plan.proxy_bytes = static_cast<uint64_t>(m);
+    double after_backward = t_backward * bw_proxy / f;
+    const double all_proxies =
+        PredictIteration(total_bytes, total_bytes, workers, t_forward,
+                         t_backward, bw_proxy, bw_worker, sharing);
+    double best = all_proxies;
+    for (double c : {meet, after_backward, 0.0}) {
+      auto m = static_cast<uint64_t>(std::clamp(c, 0.0, n));
+      double t = PredictIteration(total_bytes, m, workers, t_forward,
+                                  t_backward, bw_proxy, bw_worker, sharing);
+      if (t < best * (1 - 1e-12) && t < all_proxies * (1 - kDualSyncMinGain)) {
+        best = t;
+        plan.proxy_bytes = m;
+      }
+    }
   }
   plan.predicted_seconds =
       PredictIteration(total_bytes, plan.proxy_bytes, workers, t_forward,
-                       t_backward, bw_proxy, bw_worker);
+                       t_backward, bw_proxy, bw_worker, sharing);
   return plan;
+}
+
+double SharingFromProbe(double t_worker, double t_proxy, double t_both) {
+  double hi = std::max(t_worker, t_proxy), lo = std::min(t_worker, t_proxy);
+  if (!(lo > 0)) return 0;
+  return std::clamp((t_both - hi / 2) / (lo / 2), 0.0, 1.0);
 }
 
 }  // namespace membox::ps

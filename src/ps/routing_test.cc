@@ -150,5 +150,66 @@ TEST(DualSyncTest, BalancesTheTwoPaths) {
   EXPECT_EQ(ChooseDualSync(1000, 1, 0, 0, 1e9, 1e9).proxy_bytes, 1000u);
 }
 
+TEST(DualSyncTest, SharedBottleneckLeavesTheRingOnlyWhatItHides) {
+  // Across hosts with the memory nodes as fast as the workers' links: the
+  // ring and the proxies share each worker's link. Fully shared, splitting
+  // adds no bandwidth and the ring's 2(p-1)/p > 1 makes it the dearer
+  // path: everything goes to the proxies.
+  const uint64_t n = 100'000'000;
+  auto shared = ChooseDualSync(n, 4, 0.010, 0.020, 50e6, 50e6, 1.0);
+  EXPECT_EQ(shared.proxy_bytes, n);
+  // The same links independent (the paper's setting) split the bytes.
+  auto independent = ChooseDualSync(n, 4, 0.010, 0.020, 50e6, 50e6, 0.0);
+  EXPECT_LT(independent.proxy_bytes, n * 6 / 10);
+  EXPECT_GT(independent.proxy_bytes, n * 4 / 10);
+  // One slow memory node: the proxies are the bottleneck and the workers'
+  // links have room, so a partly shared link still leaves the ring a share.
+  auto one_node = ChooseDualSync(n, 4, 0.010, 0.020, 12.5e6, 50e6, 0.3);
+  EXPECT_LT(one_node.proxy_bytes, n / 2);
+  // For every sharing, no other split is predicted faster than the plan,
+  // except by less than kDualSyncMinGain when the plan is the proxies alone.
+  for (double s : {0.0, 0.2, 0.5, 0.8, 1.0}) {
+    for (double bp : {12.5e6, 50e6, 200e6}) {
+      for (double tb : {0.0, 0.02, 1.0}) {
+        auto plan = ChooseDualSync(n, 4, 0.010, tb, bp, 50e6, s);
+        EXPECT_NEAR(
+            plan.predicted_seconds,
+            PredictIteration(n, plan.proxy_bytes, 4, 0.010, tb, bp, 50e6, s),
+            1e-12);
+        const double slack =
+            plan.proxy_bytes == n ? 1 / (1 - kDualSyncMinGain) : 1.0;
+        for (uint64_t m = 0; m <= n; m += n / 200) {
+          EXPECT_LE(
+              plan.predicted_seconds,
+              PredictIteration(n, m, 4, 0.010, tb, bp, 50e6, s) * slack + 1e-9)
+              << "sharing " << s << " bw_proxy " << bp << " T_BP " << tb
+              << " m " << m;
+        }
+      }
+    }
+  }
+  // A split predicted only a little faster than the proxies alone is not
+  // taken: equal links, nearly one bottleneck (ResNet-50 on the emulated
+  // cluster: 10.2 MB, FP 7.8 ms, BP 15.5 ms, sharing 0.91 measured).
+  auto near_tie =
+      ChooseDualSync(10'200'000, 4, 0.0078, 0.0155, 50e6, 50e6, 0.91);
+  EXPECT_EQ(near_tie.proxy_bytes, 10'200'000u);
+  EXPECT_LT(ChooseDualSync(10'200'000, 4, 0.0078, 0.0155, 50e6, 50e6, 0.0)
+                .proxy_bytes,
+            10'200'000u);
+}
+
+TEST(DualSyncTest, SharingFromTheProbe) {
+  // Half on each path at once: max/2 when independent, sum/2 when shared.
+  EXPECT_DOUBLE_EQ(SharingFromProbe(1.0, 0.6, 0.5), 0.0);
+  EXPECT_DOUBLE_EQ(SharingFromProbe(1.0, 0.6, 0.8), 1.0);
+  EXPECT_NEAR(SharingFromProbe(1.0, 0.6, 0.65), 0.5, 1e-12);
+  // Clamped: faster than independent, slower than serial.
+  EXPECT_DOUBLE_EQ(SharingFromProbe(1.0, 0.6, 0.3), 0.0);
+  EXPECT_DOUBLE_EQ(SharingFromProbe(1.0, 0.6, 2.0), 1.0);
+  // A failed or empty probe says nothing.
+  EXPECT_DOUBLE_EQ(SharingFromProbe(0.0, 0.6, 1.0), 0.0);
+}
+
 }  // namespace
 }  // namespace membox::ps

@@ -97,20 +97,42 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
 // first m bytes (in backward order: the last layers) synchronised by the
 // proxies and the rest (the first layers) by the workers' own ring AllReduce:
 //   T_train(m) = max(T_FP + T_BP + 2(p-1)/p * (n-m) / BW_worker,
-//                    T_FP + 2(p-1)/p * m / BW_proxy).
-// Returns the m in [0, n] that minimises T_train (closed form: where the two
-// branches meet, clamped), and the predicted time.
+//                    T_FP + 2(p-1)/p * m / BW_proxy)
+//                + sharing * overlap(m).
+// The paper's model (sharing = 0) takes the two paths to be independent, as
+// NVLink and the network are. Across hosts they often are not: a worker's
+// one link carries its ring traffic and its pushes. `sharing` in [0, 1] is
+// how much of the time the two paths run at once is lost to each other
+// (0: independent, 1: one shared bottleneck); overlap(m) is that time: the
+// ring runs after backward, the proxies from the start of backward, so they
+// overlap for min(ring time, proxy time - T_BP) when positive. A probe of
+// both paths at once measures it (`SharingFromProbe`).
+// Returns the m in [0, n] that minimises T_train (T is piecewise linear in
+// m; its minimum is at an end or a breakpoint) and the predicted time; on
+// a tie, the larger m. A split is chosen over the proxies alone (m = n)
+// only when predicted at least kDualSyncMinGain faster: near a tie the
+// model's sharing term is too coarse to tell, and runs do not settle it
+// (ResNet-50 on the emulated cluster, a split predicted 3 % faster: 1.14x
+// and 0.97x of the proxies alone in two runs; docs/design/ps.md), so the
+// simpler plan, one path, wins the tie.
+inline constexpr double kDualSyncMinGain = 0.05;
 struct DualSyncPlan {
   uint64_t proxy_bytes = 0;  // m
   double predicted_seconds = 0;
 };
 DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers, double t_forward,
                             double t_backward, double bw_proxy,
-                            double bw_worker);
+                            double bw_worker, double sharing = 0);
 // Predicted iteration time of a given split (for tests and reports).
 double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes, int workers,
                         double t_forward, double t_backward, double bw_proxy,
-                        double bw_worker);
+                        double bw_worker, double sharing = 0);
+// `sharing` from three timings of one probe: the ring alone (t_worker), the
+// proxies alone (t_proxy) and half of it on each at once (t_both).
+// Independent paths take max(t_worker, t_proxy) / 2, one shared bottleneck
+// (t_worker + t_proxy) / 2; in between, the fraction of the shorter half
+// that was not hidden. Clamped to [0, 1].
+double SharingFromProbe(double t_worker, double t_proxy, double t_both);
 
 }  // namespace membox::ps
 
