@@ -3,10 +3,18 @@
 // links differ by noise, and workers routing one key differently make the
 // proxies fall back to their ring. Header-only: for bench targets that link
 // MPI and membox_ps. Collective: every rank calls it, after MPI_Init.
+//
+// The other ranks wait for rank 0's profile asleep (MPI_Ibcast polled every
+// millisecond), not in MPI_Bcast: Open MPI busy-polls there, and on a host
+// with fewer cores than processes (one host, 4 workers and 2 proxies on 2
+// cores) three spinning ranks took the cores the profile was measuring, so
+// equal proxies measured unequal and rank 0's table often did not stripe.
 #ifndef MEMBOX_BENCH_COMMON_MPI_ROUTING_H_
 #define MEMBOX_BENCH_COMMON_MPI_ROUTING_H_
 
+#include <chrono>
 #include <cstdint>
+#include <thread>
 
 #include <mpi.h>
 
@@ -17,7 +25,13 @@ namespace membox::bench {
 inline void BroadcastRouting(ps::RoutingTable* t) {
   uint64_t v[6] = {t->threshold,       t->lat_proxy,        t->bw_proxy,
                    t->partition_bytes, t->stripe ? 1u : 0u, t->pipeline_bytes};
-  MPI_Bcast(v, 6, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  MPI_Request req;
+  MPI_Ibcast(v, 6, MPI_UINT64_T, 0, MPI_COMM_WORLD, &req);
+  for (int done = 0;;) {
+    MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+    if (done) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   t->threshold = v[0];
   t->lat_proxy = static_cast<uint32_t>(v[1]);
   t->bw_proxy = static_cast<uint32_t>(v[2]);

@@ -58,8 +58,14 @@ constexpr auto kRejoinWindow = std::chrono::seconds(8);
 // kSustainBytes or took kSustainTime (at least one transfer): long enough
 // that the burst a link lets through unthrottled (tc's tbf passes 4 ms of
 // line rate at once here; switches buffer about as much) is a small part
-// of it, short enough that a slow far link keeps the profile short.
+// of it, short enough that a slow far link keeps the profile short. It also
+// lasts kSampleMinTime at least (within kSustainTime): over shared memory a
+// 16 MiB transfer takes about a millisecond, as long as one wake-up of a
+// proxy that another process's time slice delayed, and single-transfer
+// samples of two equal proxies on one 2-core host came out 2-3x apart, so
+// the table did not stripe in about one run in three (docs/design/ps.md).
 constexpr uint64_t kSustainBytes = 2 << 20;
+constexpr auto kSampleMinTime = std::chrono::milliseconds(10);
 constexpr auto kSustainTime = std::chrono::milliseconds(50);
 
 bool Restarted() {
@@ -638,7 +644,9 @@ class ParamClientImpl final : public ParamClient {
             RETURN_IF_ERROR(Call(p, m).status());
             ++n;
             moved += size;
-          } while (moved < kSustainBytes && Clock::now() - t0 < kSustainTime);
+          } while (
+              (moved < kSustainBytes || Clock::now() - t0 < kSampleMinTime) &&
+              Clock::now() - t0 < kSustainTime);
           if (r > 0) {
             t[p].push_back(
                 std::chrono::duration<double>(Clock::now() - t0).count() /
@@ -654,7 +662,22 @@ class ParamClientImpl final : public ParamClient {
     }
     ASSIGN_OR_RETURN(RoutingTable table, ChooseRouting(samples));
     SetRouting(table);
-    MEMBOX_LOG_INFO("worker {}: routing {}", opt_.rank, table.ToString());
+    // What the table was chosen from: each proxy's time at the smallest
+    // size and its bandwidth at the largest.
+    const uint64_t smallest = *std::min_element(o.sizes.begin(), o.sizes.end());
+    std::vector<double> lat(targets.size()), bw(targets.size());
+    for (const auto& x : samples) {
+      if (x.bytes == smallest) lat[x.proxy] = x.seconds;
+      if (x.bytes == largest)
+        bw[x.proxy] = static_cast<double>(x.bytes) / x.seconds;
+    }
+    std::string measured;
+    for (uint32_t p = 0; p < targets.size(); ++p) {
+      measured += fmt::format(" [proxy {}: {:.0f} us, {:.2f} GB/s]", p,
+                              lat[p] * 1e6, bw[p] / 1e9);
+    }
+    MEMBOX_LOG_INFO("worker {}: routing {} from{}", opt_.rank, table.ToString(),
+                    measured);
     last_profile_ = samples;
     return table;
   }

@@ -18,7 +18,7 @@ std::string RoutingTable::ToString() const {
 
 Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
                                    double full_bandwidth_fraction,
-                                   double stripe_fraction) {
+                                   double stripe_gain) {
   std::map<uint32_t, std::map<uint64_t, double>> t;  // proxy -> size -> s
   std::set<uint64_t> sizes;
   for (const auto& s : samples) {
@@ -67,11 +67,15 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
       prev = s;
     }
   }
-  r.stripe = t.size() > 1;
+  // Equal shards over all M proxies take n / (M * slowest bandwidth), all
+  // on BwProxy n / best: stripe when the first wins by stripe_gain.
+  double slowest_bw = best_bw;
   for (auto& [p, m] : t) {
-    r.stripe = r.stripe && static_cast<double>(largest) / m[largest] >=
-                               stripe_fraction * best_bw;
+    slowest_bw =
+        std::min(slowest_bw, static_cast<double>(largest) / m[largest]);
   }
+  r.stripe = t.size() > 1 && static_cast<double>(t.size()) * slowest_bw >=
+                                 stripe_gain * best_bw;
   const auto& bwp = t[r.bw_proxy];
   double peak = 0;
   for (auto& [s, sec] : bwp) peak = std::max(peak, s / sec);

@@ -53,6 +53,33 @@ TEST(RoutingTest, StripesOverEqualProxiesOnly) {
   EXPECT_FALSE(ChooseRouting(one)->stripe);
 }
 
+TEST(RoutingTest, StripesWhenEqualShardsBeatTheBestProxyAlone) {
+  // Two proxies, the second at 62 % of the first's bandwidth (what a
+  // profile of two equal proxies sharing one host's memory bus can give):
+  // half the bytes on each take 0.5 / 0.62 = 0.81 of the time all on the
+  // first, so stripe.
+  auto t = ChooseRouting(Grid(20e-6, 2e9, 20e-6, 1.24e9));
+  ASSERT_TRUE(t.ok());
+  EXPECT_TRUE(t->stripe);
+  EXPECT_EQ(t->bw_proxy, 0u);
+  // At 50 % striping gains nothing (and less than the 10 % asked for at
+  // 52 %): everything to the faster one.
+  EXPECT_FALSE(ChooseRouting(Grid(20e-6, 2e9, 20e-6, 1e9))->stripe);
+  EXPECT_FALSE(ChooseRouting(Grid(20e-6, 2e9, 20e-6, 1.04e9))->stripe);
+  // Four proxies: striped while 4 x the slowest beats the best by 10 %.
+  auto four = [](double slowest) {
+    std::vector<ProfileSample> s;
+    for (uint64_t size = 4096; size <= (64u << 20); size *= 4) {
+      for (uint32_t p = 0; p < 4; ++p) {
+        s.push_back({p, size, 20e-6 + size / (p == 3 ? slowest : 2e9)});
+      }
+    }
+    return s;
+  };
+  EXPECT_TRUE(ChooseRouting(four(0.6e9))->stripe);
+  EXPECT_FALSE(ChooseRouting(four(0.5e9))->stripe);
+}
+
 TEST(RoutingTest, RejectsIncompleteGrids) {
   auto s = Grid(1e-5, 1e9, 1e-5, 1e9);
   s.pop_back();

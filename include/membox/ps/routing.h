@@ -11,14 +11,18 @@
 // S is the first measured size at which BwProxy's time is not above
 // LatProxy's (linearly interpolated between the two sizes around the
 // crossing); S' is the smallest size reaching >= 90 % of BwProxy's best
-// bandwidth. Stripe is chosen when there are several proxies and each
-// reaches at least `stripe_fraction` of BwProxy's bandwidth: then spreading
-// shards over all of them beats sending everything to one (no proxy's link
-// is much worse). The pipelining size P is the product of BwProxy's fixed
-// cost per transfer and its bandwidth (the intercept and slope of a least
-// squares line through its samples): ChooseShardBytes() cuts what one node
-// gets of a key into shards of about sqrt(node bytes * P). Pure
-// functions; thread-safe.
+// bandwidth. Stripe is chosen when there are several proxies and equal
+// shards over all of them (time n / (M * slowest bandwidth)) beat sending
+// everything to BwProxy (n / best) by `stripe_gain`: with two proxies, when
+// the slower has at least 55 % of the faster's bandwidth. (It was "every
+// proxy within 70 % of the best": on one host, where the proxies share the
+// memory bus, profiles of equal proxies fell below that often enough that
+// the default did not stripe in about one run in four, at twice the
+// iteration time; striping over a proxy at 60 % still beats one proxy.) The
+// pipelining size P is the product of BwProxy's fixed cost per transfer and its
+// bandwidth (the intercept and slope of a least squares line through its
+// samples): ChooseShardBytes() cuts what one node gets of a key into shards of
+// about sqrt(node bytes * P). Pure functions; thread-safe.
 #ifndef MEMBOX_PS_ROUTING_H_
 #define MEMBOX_PS_ROUTING_H_
 
@@ -91,7 +95,7 @@ struct ProfileSample {
 // when the samples do not form that grid.
 Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
                                    double full_bandwidth_fraction = 0.9,
-                                   double stripe_fraction = 0.7);
+                                   double stripe_gain = 1.1);
 
 // Dual synchronisation (§III.F): with p workers, n bytes per iteration, the
 // first m bytes (in backward order: the last layers) synchronised by the
