@@ -152,6 +152,7 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
     // and every rank uses its table.
     if (a.size() > 5 && a[5] == "profile") {
       ps::RoutingTable t;
+      BarrierAsleep();
       if (rank == 0) {
         auto r = client->Profile();
         if (!r.ok()) return fail(r.status());

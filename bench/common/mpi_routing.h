@@ -22,16 +22,31 @@
 
 namespace membox::bench {
 
+// Waits for `req` asleep, polling every millisecond (Open MPI busy-polls in
+// its blocking calls).
+inline void WaitAsleep(MPI_Request* req) {
+  for (int done = 0;;) {
+    MPI_Test(req, &done, MPI_STATUS_IGNORE);
+    if (done) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// A barrier whose waiters sleep. Call before rank 0 profiles: every rank has
+// then connected, so no other worker's connection set-up lands on the
+// proxies while they are measured.
+inline void BarrierAsleep() {
+  MPI_Request req;
+  MPI_Ibarrier(MPI_COMM_WORLD, &req);
+  WaitAsleep(&req);
+}
+
 inline void BroadcastRouting(ps::RoutingTable* t) {
   uint64_t v[6] = {t->threshold,       t->lat_proxy,        t->bw_proxy,
                    t->partition_bytes, t->stripe ? 1u : 0u, t->pipeline_bytes};
   MPI_Request req;
   MPI_Ibcast(v, 6, MPI_UINT64_T, 0, MPI_COMM_WORLD, &req);
-  for (int done = 0;;) {
-    MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-    if (done) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  WaitAsleep(&req);
   t->threshold = v[0];
   t->lat_proxy = static_cast<uint32_t>(v[1]);
   t->bw_proxy = static_cast<uint32_t>(v[2]);

@@ -220,6 +220,7 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     // and every rank uses its table: workers routing the same key
     // differently make the proxies fall back to their ring.
     ps::RoutingTable t;
+    BarrierAsleep();
     if (rank == 0) {
       ASSIGN_OR_RETURN(t, client->Profile());
     }

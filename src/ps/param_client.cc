@@ -587,10 +587,12 @@ class ParamClientImpl final : public ParamClient {
     }
     MutexLock pl(&profile_mu_);
     uint64_t largest = *std::max_element(o.sizes.begin(), o.sizes.end());
-    if (!probe_ || probe_->size() < largest) {
+    // Twice the largest size: the in/out probe below reads into the second
+    // half while it writes from the first.
+    if (!probe_ || probe_->size() < 2 * largest) {
       probe_.reset();
-      ASSIGN_OR_RETURN(probe_, device_->AllocateMemRegion(largest));
-      std::memset(probe_->data(), 1, largest);
+      ASSIGN_OR_RETURN(probe_, device_->AllocateMemRegion(2 * largest));
+      std::memset(probe_->data(), 1, 2 * largest);
     }
     // Every proxy's probe region first; then the samples interleaved --
     // size by size, each repeat visiting every proxy in turn -- so that
@@ -661,6 +663,57 @@ class ParamClientImpl final : public ParamClient {
       }
     }
     ASSIGN_OR_RETURN(RoutingTable table, ChooseRouting(samples));
+    // Do a shard's inbound and outbound copies overlap? A write to BwProxy,
+    // a read from it, and half of each at once, at the largest size: over a
+    // full-duplex link the two directions are independent (sharing 0) and
+    // pipelining hides a shard's fill; on one host both are copies by the
+    // same cores (sharing near 1) and shards only add fixed costs.
+    double inout = 0;
+    {
+      const Target& bw = targets[table.bw_proxy];
+      Channel& ch = *bw.channel;
+      const auto& remote = *bw.remote;
+      const uint64_t half = largest / 2;
+      auto* in_buf = static_cast<uint8_t*>(probe_->data());
+      uint8_t* out_buf = in_buf + largest;
+      auto time_it = [&](uint64_t in_bytes,
+                         uint64_t out_bytes) -> Result<double> {
+        std::vector<double> v;
+        for (int r = 0; r <= o.repeats; ++r) {
+          auto t0 = Clock::now();
+          uint64_t n = 0;
+          do {
+            std::optional<transport::OpHandle> w, rd;
+            if (in_bytes) {
+              ASSIGN_OR_RETURN(w, ch.Write(in_buf, *probe_, remote.address(),
+                                           remote, in_bytes));
+            }
+            if (out_bytes) {
+              ASSIGN_OR_RETURN(rd, ch.Read(out_buf, *probe_, remote.address(),
+                                           remote, out_bytes));
+            }
+            if (w) RETURN_IF_ERROR(w->Wait(opt_.timeout));
+            if (rd) RETURN_IF_ERROR(rd->Wait(opt_.timeout));
+            ASSIGN_OR_RETURN(auto f, ch.Flush());
+            RETURN_IF_ERROR(f.Wait(opt_.timeout));
+            ++n;
+          } while (Clock::now() - t0 < kSampleMinTime);
+          if (r > 0) {
+            v.push_back(
+                std::chrono::duration<double>(Clock::now() - t0).count() /
+                static_cast<double>(n));
+          }
+        }
+        std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+        return v[v.size() / 2];
+      };
+      ASSIGN_OR_RETURN(double t_in, time_it(largest, 0));
+      ASSIGN_OR_RETURN(double t_out, time_it(0, largest));
+      ASSIGN_OR_RETURN(double t_both, time_it(half, half));
+      inout = SharingFromProbe(t_in, t_out, t_both);
+      table.pipeline_bytes =
+          PipelineBytesForSharing(table.pipeline_bytes, inout);
+    }
     SetRouting(table);
     // What the table was chosen from: each proxy's time at the smallest
     // size and its bandwidth at the largest.
@@ -676,8 +729,8 @@ class ParamClientImpl final : public ParamClient {
       measured += fmt::format(" [proxy {}: {:.0f} us, {:.2f} GB/s]", p,
                               lat[p] * 1e6, bw[p] / 1e9);
     }
-    MEMBOX_LOG_INFO("worker {}: routing {} from{}", opt_.rank, table.ToString(),
-                    measured);
+    MEMBOX_LOG_INFO("worker {}: routing {} from{}, in/out sharing {:.2f}",
+                    opt_.rank, table.ToString(), measured, inout);
     last_profile_ = samples;
     return table;
   }

@@ -87,8 +87,11 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
     }
   }
   // P = alpha * beta from the least-squares line t = alpha + s / beta
-  // through BwProxy's samples (a negative intercept -- noise -- measures
-  // nothing: P = 0).
+  // through BwProxy's samples. The fit's intercept is the difference of
+  // large numbers: where the largest samples are noisy (one host, a
+  // millisecond each) it comes out negative. Then alpha is the smallest
+  // size's time less its streaming time at the largest size's bandwidth,
+  // and where that is not positive either (no fixed cost seen), P = 0.
   if (bwp.size() >= 2) {
     double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
     for (auto& [s, sec] : bwp) {
@@ -102,6 +105,12 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
       if (slope > 0 && alpha > 0) {
         r.pipeline_bytes = static_cast<uint64_t>(alpha / slope);
       }
+    }
+    if (r.pipeline_bytes == 0) {
+      const double inv_bw = bwp.at(largest) / static_cast<double>(largest);
+      const double alpha =
+          bwp.at(smallest) - static_cast<double>(smallest) * inv_bw;
+      if (alpha > 0) r.pipeline_bytes = static_cast<uint64_t>(alpha / inv_bw);
     }
   }
   return r;
@@ -183,6 +192,14 @@ double SharingFromProbe(double t_worker, double t_proxy, double t_both) {
   double hi = std::max(t_worker, t_proxy), lo = std::min(t_worker, t_proxy);
   if (!(lo > 0)) return 0;
   return std::clamp((t_both - hi / 2) / (lo / 2), 0.0, 1.0);
+}
+
+uint64_t PipelineBytesForSharing(uint64_t pipeline_bytes,
+                                 double inout_sharing) {
+  if (pipeline_bytes == 0) return 0;
+  double hidden =
+      std::max(1.0 - std::clamp(inout_sharing, 0.0, 1.0), 1.0 / 1024);
+  return static_cast<uint64_t>(static_cast<double>(pipeline_bytes) / hidden);
 }
 
 }  // namespace membox::ps

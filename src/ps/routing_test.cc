@@ -80,6 +80,25 @@ TEST(RoutingTest, StripesWhenEqualShardsBeatTheBestProxyAlone) {
   EXPECT_FALSE(ChooseRouting(four(0.5e9))->stripe);
 }
 
+TEST(RoutingTest, SharedInAndOutMakesShardsLarger) {
+  // Independent directions (a full-duplex link): P as profiled.
+  EXPECT_EQ(PipelineBytesForSharing(100000, 0.0), 100000u);
+  // Half shared: the pipelining hides half as much, P doubles (shards
+  // sqrt(2) larger).
+  EXPECT_EQ(PipelineBytesForSharing(100000, 0.5), 200000u);
+  // Fully shared (one host): shards as large as the node's part of a key
+  // up to 1024 * P bytes.
+  EXPECT_EQ(PipelineBytesForSharing(100000, 1.0), 102400000u);
+  EXPECT_EQ(PipelineBytesForSharing(100000, 7.0), 102400000u);
+  EXPECT_EQ(PipelineBytesForSharing(0, 1.0), 0u);
+  RoutingTable t;
+  t.pipeline_bytes = PipelineBytesForSharing(100000, 1.0);
+  // A 64 MiB key striped over 2 nodes: each node's 32 MiB is one shard.
+  EXPECT_EQ(ChooseShardBytes(t, 64u << 20, 4, 2, true), 32u << 20);
+  t.pipeline_bytes = 100000;  // the same key over a full-duplex link
+  EXPECT_LT(ChooseShardBytes(t, 64u << 20, 4, 2, true), 2u << 20);
+}
+
 TEST(RoutingTest, RejectsIncompleteGrids) {
   auto s = Grid(1e-5, 1e9, 1e-5, 1e9);
   s.pop_back();
@@ -105,6 +124,18 @@ TEST(RoutingTest, PipelineSizeIsLatencyTimesBandwidth) {
   EXPECT_EQ(ChooseRouting(flat)->pipeline_bytes, 0u);
   flat.back().seconds *= 2;  // the fit's intercept goes negative
   EXPECT_EQ(ChooseRouting(flat)->pipeline_bytes, 0u);
+  // A negative intercept where the smallest size shows a fixed cost: P
+  // from it. 20 us + 4 KiB at 5 GB/s, the largest sample noisy (1.3x):
+  // alpha = 20.8 us - 4096 / 3.85 GB/s = 19.7 us, P = alpha * 3.85 GB/s.
+  auto noisy = Grid(20e-6, 5e9, 20e-6, 5e9);
+  for (auto& x : noisy) {
+    if (x.bytes == (64u << 20)) x.seconds *= 1.3;
+  }
+  auto t2 = ChooseRouting(noisy);
+  ASSERT_TRUE(t2.ok());
+  const double bw = (64u << 20) / ((20e-6 + (64u << 20) / 5e9) * 1.3);
+  const double alpha = 20e-6 + 4096 / 5e9 - 4096 / bw;
+  EXPECT_NEAR(static_cast<double>(t2->pipeline_bytes), alpha * bw, 1e3);
 }
 
 TEST(RoutingTest, ShardsPipelineWhatANodeStoresAndForwards) {

@@ -138,6 +138,16 @@ double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes, int workers,
 // that was not hidden. Clamped to [0, 1].
 double SharingFromProbe(double t_worker, double t_proxy, double t_both);
 
+// The pipelining size for shards whose inbound and outbound copies share
+// their bottleneck by `inout_sharing` (SharingFromProbe of a write, a read
+// and half of each at once to one proxy). Sharding a node's B bytes into
+// shards of b pays about B / b fixed costs of P bytes each and saves the
+// (1 - sharing) part of the fill and drain that whole keys pay, so the best
+// shard is sqrt(B * P / (1 - sharing)): P / (1 - sharing) here (at most
+// P * 1024, where sharding buys nothing: one host's copies, all on the
+// same cores and memory bus). P = 0 (unknown) stays 0.
+uint64_t PipelineBytesForSharing(uint64_t pipeline_bytes, double inout_sharing);
+
 }  // namespace membox::ps
 
 #endif  // MEMBOX_PS_ROUTING_H_
