@@ -674,6 +674,10 @@ class ParamClientImpl final : public ParamClient {
       Channel& ch = *bw.channel;
       const auto& remote = *bw.remote;
       const uint64_t half = largest / 2;
+      // The lambda below reads the probe through these (profile_mu_ is
+      // held for all of Profile(); a lambda does not carry that to the
+      // thread-safety analysis).
+      const MemRegion& probe = *probe_;
       auto* in_buf = static_cast<uint8_t*>(probe_->data());
       uint8_t* out_buf = in_buf + largest;
       auto time_it = [&](uint64_t in_bytes,
@@ -685,11 +689,11 @@ class ParamClientImpl final : public ParamClient {
           do {
             std::optional<transport::OpHandle> w, rd;
             if (in_bytes) {
-              ASSIGN_OR_RETURN(w, ch.Write(in_buf, *probe_, remote.address(),
+              ASSIGN_OR_RETURN(w, ch.Write(in_buf, probe, remote.address(),
                                            remote, in_bytes));
             }
             if (out_bytes) {
-              ASSIGN_OR_RETURN(rd, ch.Read(out_buf, *probe_, remote.address(),
+              ASSIGN_OR_RETURN(rd, ch.Read(out_buf, probe, remote.address(),
                                            remote, out_bytes));
             }
             if (w) RETURN_IF_ERROR(w->Wait(opt_.timeout));
