@@ -581,6 +581,56 @@ class ParamClientImpl final : public ParamClient {
 
   // Transfer time to each proxy: a one-sided write of `size` bytes into the
   // proxy's probe buffer, through this worker's link, until visible there.
+  // How much a write to a proxy and a read from it share a bottleneck
+  // (SharingFromProbe of the write alone, the read alone and half of each at
+  // once, `bytes` each, medians of `repeats` samples of kSampleMinTime):
+  // over a full-duplex link the two directions are independent (0) and
+  // pipelining hides a shard's fill; on one host both are copies by the
+  // same cores (near 1) and shards only add fixed costs. Writes from the
+  // first half of probe_ and reads into its second half (2 * bytes).
+  Result<double> InOutSharing(Channel& ch,
+                              const transport::RemoteMemRegion& remote,
+                              uint64_t bytes, int repeats)
+      MEMBOX_REQUIRES(profile_mu_) {
+    const MemRegion& probe = *probe_;
+    auto* in_buf = static_cast<uint8_t*>(probe.data());
+    uint8_t* out_buf = in_buf + bytes;
+    auto time_it = [&](uint64_t in_bytes,
+                       uint64_t out_bytes) -> Result<double> {
+      std::vector<double> v;
+      for (int r = 0; r <= repeats; ++r) {  // the first is a warm-up
+        auto t0 = Clock::now();
+        uint64_t n = 0;
+        do {
+          std::optional<transport::OpHandle> w, rd;
+          if (in_bytes) {
+            ASSIGN_OR_RETURN(
+                w, ch.Write(in_buf, probe, remote.address(), remote, in_bytes));
+          }
+          if (out_bytes) {
+            ASSIGN_OR_RETURN(rd, ch.Read(out_buf, probe, remote.address(),
+                                         remote, out_bytes));
+          }
+          if (w) RETURN_IF_ERROR(w->Wait(opt_.timeout));
+          if (rd) RETURN_IF_ERROR(rd->Wait(opt_.timeout));
+          ASSIGN_OR_RETURN(auto f, ch.Flush());
+          RETURN_IF_ERROR(f.Wait(opt_.timeout));
+          ++n;
+        } while (Clock::now() - t0 < kSampleMinTime);
+        if (r > 0) {
+          v.push_back(std::chrono::duration<double>(Clock::now() - t0).count() /
+                      static_cast<double>(n));
+        }
+      }
+      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+      return v[v.size() / 2];
+    };
+    ASSIGN_OR_RETURN(double t_in, time_it(bytes, 0));
+    ASSIGN_OR_RETURN(double t_out, time_it(0, bytes));
+    ASSIGN_OR_RETURN(double t_both, time_it(bytes / 2, bytes / 2));
+    return SharingFromProbe(t_in, t_out, t_both);
+  }
+
   Result<RoutingTable> Profile(const ProfileOptions& o) override {
     if (o.sizes.empty() || o.repeats < 1) {
       return InvalidArgumentError("profile needs sizes and repeats");
@@ -663,61 +713,12 @@ class ParamClientImpl final : public ParamClient {
       }
     }
     ASSIGN_OR_RETURN(RoutingTable table, ChooseRouting(samples));
-    // Do a shard's inbound and outbound copies overlap? A write to BwProxy,
-    // a read from it, and half of each at once, at the largest size: over a
-    // full-duplex link the two directions are independent (sharing 0) and
-    // pipelining hides a shard's fill; on one host both are copies by the
-    // same cores (sharing near 1) and shards only add fixed costs.
-    double inout = 0;
-    {
-      const Target& bw = targets[table.bw_proxy];
-      Channel& ch = *bw.channel;
-      const auto& remote = *bw.remote;
-      const uint64_t half = largest / 2;
-      // The lambda below reads the probe through these (profile_mu_ is
-      // held for all of Profile(); a lambda does not carry that to the
-      // thread-safety analysis).
-      const MemRegion& probe = *probe_;
-      auto* in_buf = static_cast<uint8_t*>(probe_->data());
-      uint8_t* out_buf = in_buf + largest;
-      auto time_it = [&](uint64_t in_bytes,
-                         uint64_t out_bytes) -> Result<double> {
-        std::vector<double> v;
-        for (int r = 0; r <= o.repeats; ++r) {
-          auto t0 = Clock::now();
-          uint64_t n = 0;
-          do {
-            std::optional<transport::OpHandle> w, rd;
-            if (in_bytes) {
-              ASSIGN_OR_RETURN(w, ch.Write(in_buf, probe, remote.address(),
-                                           remote, in_bytes));
-            }
-            if (out_bytes) {
-              ASSIGN_OR_RETURN(rd, ch.Read(out_buf, probe, remote.address(),
-                                           remote, out_bytes));
-            }
-            if (w) RETURN_IF_ERROR(w->Wait(opt_.timeout));
-            if (rd) RETURN_IF_ERROR(rd->Wait(opt_.timeout));
-            ASSIGN_OR_RETURN(auto f, ch.Flush());
-            RETURN_IF_ERROR(f.Wait(opt_.timeout));
-            ++n;
-          } while (Clock::now() - t0 < kSampleMinTime);
-          if (r > 0) {
-            v.push_back(
-                std::chrono::duration<double>(Clock::now() - t0).count() /
-                static_cast<double>(n));
-          }
-        }
-        std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-        return v[v.size() / 2];
-      };
-      ASSIGN_OR_RETURN(double t_in, time_it(largest, 0));
-      ASSIGN_OR_RETURN(double t_out, time_it(0, largest));
-      ASSIGN_OR_RETURN(double t_both, time_it(half, half));
-      inout = SharingFromProbe(t_in, t_out, t_both);
-      table.pipeline_bytes =
-          PipelineBytesForSharing(table.pipeline_bytes, inout);
-    }
+    // Shards pipeline only where a shard's inbound and outbound copies
+    // overlap (InOutSharing): scale P by it.
+    const Target& bwp = targets[table.bw_proxy];
+    ASSIGN_OR_RETURN(double inout, InOutSharing(*bwp.channel, *bwp.remote,
+                                                largest, o.repeats));
+    table.pipeline_bytes = PipelineBytesForSharing(table.pipeline_bytes, inout);
     SetRouting(table);
     // What the table was chosen from: each proxy's time at the smallest
     // size and its bandwidth at the largest.

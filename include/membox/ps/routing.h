@@ -21,8 +21,10 @@
 // iteration time; striping over a proxy at 60 % still beats one proxy.) The
 // pipelining size P is the product of BwProxy's fixed cost per transfer and its
 // bandwidth (the intercept and slope of a least squares line through its
-// samples): ChooseShardBytes() cuts what one node gets of a key into shards of
-// about sqrt(node bytes * P). Pure functions; thread-safe.
+// samples; where noise makes the intercept negative, the smallest size's time
+// less its streaming time): ChooseShardBytes() cuts what one node gets of a
+// key into shards of about sqrt(node bytes * P) (the profiler first scales P
+// by PipelineBytesForSharing). Pure functions; thread-safe.
 #ifndef MEMBOX_PS_ROUTING_H_
 #define MEMBOX_PS_ROUTING_H_
 
