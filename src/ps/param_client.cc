@@ -25,6 +25,8 @@
 #include "membox/service/client.h"
 #include "membox/transport/device.h"
 
+#include "src/ps/combine.h"
+#include "src/ps/combiner.h"
 #include "src/ps/protocol.h"
 
 namespace membox::ps {
@@ -85,6 +87,12 @@ struct KeyInfo {
   uint64_t base_version = 0;  // stored version when declared
   std::unique_ptr<MemRegion> staging;               // [in | out], registered
   std::shared_ptr<service::CallState> last_staged;  // last op using staging
+  std::shared_ptr<service::CallState> last_push;    // the latest push
+  // In-memory combining (src/ps/combine.h): asked once, after round 0; a
+  // proxy that said yes to a key this worker could not then use fails its
+  // operations (the other workers are combining it already).
+  bool combine_asked = false;
+  Status combine_error;
 };
 
 struct Op {
@@ -198,6 +206,7 @@ class ParamClientImpl final : public ParamClient {
       }
     }
     for (auto& x : stashed) x.st->Finish(AbortedError("closing"), 0);
+    combiner_.reset();  // fails its pending operations; drops the mappings
     for (auto& p : proxies_) p.client.reset();
     keys_.clear();
     probe_.reset();
@@ -320,6 +329,17 @@ class ParamClientImpl final : public ParamClient {
     failover_ =
         opt_.failover.count() > 0 && proxies_.size() > 1 && all_replicate;
     if (failover_) repairer_ = std::thread([this] { RepairLoop(); });
+    bool combine = opt_.combine;
+    if (const char* env = std::getenv("MEMBOX_COMBINE"); env && *env) {
+      if (std::string_view(env) != "0" && std::string_view(env) != "1") {
+        return InvalidArgumentError(std::string("MEMBOX_COMBINE: bad value '") +
+                                    env + "' (0 or 1)");
+      }
+      combine = std::string_view(env) == "1";
+    }
+    if (combine && proxies_.size() == 1 && !failover_) {
+      combiner_ = std::make_unique<Combiner>(opt_.hang_report);
+    }
     sender_ = std::thread([this] { SendLoop(); });
     if (opt_.reprofile_interval.count() > 0) {
       reprofiler_ = std::thread([this] { ReprofileLoop(); });
@@ -1296,6 +1316,119 @@ class ParamClientImpl final : public ParamClient {
     return it->second->Contains(p, n) ? it->second.get() : nullptr;
   }
 
+  // Whether `k` may be combined in a node's memory as far as this worker
+  // can tell (the proxy decides: CombineRefusal). mu_ held.
+  bool CombineCandidate(const KeyInfo& k) const MEMBOX_REQUIRES(mu_) {
+    return combiner_ && !async_ && !k.stored && k.shards == 1 &&
+           k.bytes <= kMaxCombineBytes &&
+           k.declaration.optimizer == proto::Optimizer::kNone;
+  }
+
+  // Asks the proxy whether `key` is combined (kCombine), once its round 0
+  // (`last`) is done everywhere, and maps the region if so. Any failure
+  // before the proxy's yes leaves the key on the proxy's path; after it,
+  // the key's operations fail with the reason (combine_error).
+  void AskCombine(uint64_t key, const std::shared_ptr<service::CallState>& last,
+                  uint64_t bytes, DType dtype) {
+    if (last && !PsHandle(last).Wait(opt_.timeout).ok()) return;
+    Message m;
+    m.type = Type::kCombine;
+    m.key = key;
+    auto st = NewState(1, nullptr);
+    st->set_progress(progress_);
+    auto text = std::make_shared<std::string>();
+    if (!SendRequest(0, m, st, text).ok()) return;
+    PsHandle h(st);
+    if (!h.Wait(opt_.timeout).ok()) return;
+    const uint64_t from = h.version();
+    if (from == 0) {
+      MEMBOX_LOG_DEBUG("key {}: not combined in memory: {}", key, *text);
+      return;
+    }
+    auto fail = [&](const Status& why) {
+      MEMBOX_LOG_ERROR("key {}: {}", key, why.ToString());
+      MutexLock l(&mu_);
+      keys_[key].combine_error = why;
+    };
+    auto desc = transport::RegionDescriptor::Deserialize(
+        {reinterpret_cast<const uint8_t*>(text->data()), text->size()});
+    if (!desc.ok()) return fail(desc.status());
+    std::shared_ptr<Channel> ch;
+    {
+      MutexLock l(&links_mu_);
+      ch = proxies_[0].channel;
+    }
+    auto region = ch->Import(*desc, std::chrono::seconds(10),
+                             /*verify_with_owner=*/false);
+    if (!region.ok()) return fail(region.status());
+    if (!(*region)->mapped()) {
+      return fail(FailedPreconditionError(
+          "the proxy offered to combine key " + std::to_string(key) +
+          " in its memory, which this worker cannot map"));
+    }
+    auto g =
+        ParseCombineRegion((*region)->mapped(), (*region)->size(),
+                           static_cast<uint32_t>(opt_.world), bytes, dtype);
+    if (!g.ok()) return fail(g.status());
+    uint64_t next = 0;
+    {
+      MutexLock l(&mu_);
+      const KeyInfo& k = keys_[key];
+      next = k.base_version + k.rounds;
+    }
+    if (next != from) {
+      return fail(
+          DataLossError("the proxy combines key " + std::to_string(key) +
+                        " from round " + std::to_string(from) +
+                        ", this worker is at round " + std::to_string(next)));
+    }
+    void* base = (*region)->mapped();
+    combiner_->Add(
+        key, CombineView(base, *g, static_cast<uint32_t>(opt_.rank), from),
+        std::shared_ptr<void>(*region));
+    MEMBOX_LOG_DEBUG("key {}: combined in the node's memory from round {}", key,
+                     from);
+  }
+
+  // A push or pull of a key combined in a node's memory (src/ps/combine.h):
+  // no message; nullopt for everything else (and `cb` untouched).
+  std::optional<PsHandle> SubmitCombined(
+      Type type, uint64_t key, const void* in, void* out,
+      std::function<void(const Status&)>& cb) {
+    if (!combiner_) return std::nullopt;
+    bool ask = false;
+    std::shared_ptr<service::CallState> last;
+    uint64_t bytes = 0;
+    DType dtype = DType::kFloat32;
+    {
+      MutexLock l(&mu_);
+      auto it = keys_.find(key);
+      if (it == keys_.end()) return std::nullopt;
+      KeyInfo& k = it->second;
+      if (!k.combine_error.ok()) return Failed(k.combine_error, std::move(cb));
+      if (type == Type::kPush && in && !k.combine_asked && k.rounds >= 1 &&
+          CombineCandidate(k)) {
+        ask = true;
+        k.combine_asked = true;
+        last = k.last_push;
+        bytes = k.bytes;
+        dtype = k.dtype;
+      }
+    }
+    if (ask) AskCombine(key, last, bytes, dtype);
+    if (!combiner_->Has(key)) return std::nullopt;
+    if (type == Type::kPull) return combiner_->Pull(key, out, cb);
+    if (type != Type::kPush || !in) return std::nullopt;
+    uint64_t round = 0;
+    {
+      MutexLock l(&mu_);
+      KeyInfo& k = keys_[key];
+      if (!k.combine_error.ok()) return Failed(k.combine_error, std::move(cb));
+      round = k.base_version + k.rounds++;
+    }
+    return combiner_->Push(key, round, in, out, std::move(cb));
+  }
+
   PsHandle Submit(Type type, uint64_t key, const void* in, void* out,
                   int priority, std::function<void(const Status&)> cb) {
     Op op;
@@ -1311,6 +1444,9 @@ class ParamClientImpl final : public ParamClient {
       if (it != keys_.end()) previous = it->second.last_staged;
     }
     if (previous) (void)PsHandle(previous).Wait(opt_.timeout);
+    if (type != Type::kStore) {
+      if (auto h = SubmitCombined(type, key, in, out, cb)) return *h;
+    }
     {
       MutexLock l(&mu_);
       auto it = keys_.find(key);
@@ -1363,6 +1499,7 @@ class ParamClientImpl final : public ParamClient {
           op.in_offset = 0;
         }
         if (!k.stored) op.round = k.base_version + k.rounds++;
+        if (type == Type::kPush) k.last_push = op.state;
       }
       if (out) {
         op.has_output = true;
@@ -1504,6 +1641,9 @@ class ParamClientImpl final : public ParamClient {
   std::thread repairer_;
   std::atomic<bool> failover_{false};  // set by Init (every proxy replicates)
   std::function<void()> progress_;
+  // Small keys combined in a node's memory (one proxy, every worker on its
+  // host); null when combining is off.
+  std::unique_ptr<Combiner> combiner_;
 
   mutable Mutex mu_;
   RoutingTable routing_ MEMBOX_GUARDED_BY(mu_);

@@ -102,6 +102,8 @@ const char* TypeName(Type t) {
       return "store";
     case Type::kWhere:
       return "where";
+    case Type::kCombine:
+      return "combine";
   }
   return "?";
 }
@@ -217,6 +219,9 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U64(m.key);
       w.U32(m.shard);
       w.U64(m.round);
+      break;
+    case Type::kCombine:
+      w.U64(m.key);
       break;
   }
   return std::move(w.buffer());
@@ -338,6 +343,9 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       break;
     case Type::kCatchUpDone:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round);
+      break;
+    case Type::kCombine:
+      ok = r.U64(&m.key);
       break;
   }
   if (!ok) return Bad(TypeName(m.type));

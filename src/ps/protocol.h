@@ -72,8 +72,14 @@ enum class Type : uint8_t {
   // tells its peers, and a worker that cannot reach the old address asks
   // them.
   kWhere = 24,
+  // worker -> proxy: may key `key` be combined in the node's memory
+  // (src/ps/combine.h)? Asked once a key's first round is done. The
+  // answer is the same for every worker of the job: version 0 and the
+  // reason (text) for no; else the round combining starts from (version)
+  // and the serialized descriptor of the region (text).
+  kCombine = 25,
 };
-constexpr Type kLastType = Type::kWhere;
+constexpr Type kLastType = Type::kCombine;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;

@@ -543,6 +543,10 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
                       it->second.name + ") disconnected: " + why.ToString();
     MEMBOX_LOG_INFO("{}", who);
     sched_.Remove(conn);
+    // Workers waiting in a combining region for this one fail naming it.
+    for (auto& [k, key] : keys_) {
+      if (key.combine) AbortCombineRegion(key.combine->data(), it->second.rank);
+    }
     conns_.erase(it);
     if (mode_ != proto::Mode::kAsync) FailPendingRounds(who);
   } else {
@@ -570,6 +574,7 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
                     [&](const auto& e) { return e.first.first == p->first; });
       p = peer_out_.erase(p);
     }
+    FoldCombined();
     world_ = 0;
     // The next job configures its own mode (a job that left the nodes
     // averaging must not make the next one's sums averages).

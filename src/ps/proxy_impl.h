@@ -52,6 +52,7 @@
 #include "membox/transport/device.h"
 
 #include "src/ps/checkpoint.h"
+#include "src/ps/combine.h"
 #include "src/ps/protocol.h"
 #include "src/ps/reduce.h"
 #include "src/ps/ring.h"
@@ -142,6 +143,14 @@ struct Key {
   // worker's Declare.
   bool stored = false;
   std::vector<Shard> shards;
+  // In-memory combining (src/ps/combine.h), decided by the first kCombine
+  // of the job and the same for every worker: the region and the round it
+  // starts from, or why not. Reset when the job ends.
+  bool combine_decided = false;
+  std::string combine_refused;
+  std::unique_ptr<MemRegion> combine;
+  CombineGeometry combine_geometry;
+  uint64_t combine_from = 0;
 };
 
 // A worker's routing table and, per key, the first round it applies to
@@ -338,6 +347,16 @@ class ProxyImpl final : public Proxy, public service::Service {
   Status Tune(const Conn& c, const Message& m);
 
   Result<uint64_t> Declare(Conn& c, const Message& m);
+
+  // kCombine: offers the key's combining region (allocated on the first
+  // request of the job), or says why not; every worker gets the same
+  // answer.
+  void Combine(uint64_t conn, const Message& m);
+  // Why key `k` cannot be combined now, or empty.
+  std::string CombineRefusal(const Key& key) const;
+  // The job ended: each combined key's last round becomes its stored value
+  // and version, and its region is freed.
+  void FoldCombined();
 
   // With replication, a worker whose proxy died sends its push again to
   // the replacement, which may hold the round already complete (a survivor

@@ -87,6 +87,8 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
                    nproxies_ > 1 ? opt_.peers[m.rank] : opt_.listen);
     case Type::kStore:
       return Store(conn, c, m);
+    case Type::kCombine:
+      return Combine(conn, m);
     case Type::kProbe: {
       // The profiler writes into this buffer over the worker's own link.
       if (m.bytes > (256u << 20)) {
@@ -457,6 +459,109 @@ Status ProxyImpl::CheckShardRequest(const Message& m) {
     }
   }
   return Status::Ok();
+}
+
+}  // namespace membox::ps::proxy_internal
+
+namespace membox::ps::proxy_internal {
+
+std::string ProxyImpl::CombineRefusal(const Key& key) const {
+  if (nproxies_ != 1) return "the job has several memory nodes";
+  if (opt_.replicate) return "the node replicates";
+  if (mode_ == proto::Mode::kAsync) return "asynchronous mode";
+  if (key.stored) return "a stored key";
+  if (key.opt.kind != proto::Optimizer::kNone)
+    return "the key has an optimizer";
+  if (key.bytes > kMaxCombineBytes) return "larger than kMaxCombineBytes";
+  if (key.shards.size() != 1) return "more than one shard";
+  if (!AccumulateSupports(key.dtype)) return "dtype cannot be summed";
+  if (mode_ == proto::Mode::kAverage && !SupportsAveraging(key.dtype)) {
+    return "dtype cannot be averaged";
+  }
+  if (key.shards[0].version == 0) return "no round done yet";
+  uint32_t workers = 0;
+  for (const auto& [id, c] : conns_) {
+    if (c.role != Conn::Role::kClient) continue;
+    ++workers;
+    if (!c.channel || c.channel->protocol() != transport::Protocol::kMapped) {
+      return "worker rank " + std::to_string(c.rank) +
+             " does not map this node's memory";
+    }
+  }
+  if (world_ == 0 || workers != world_) {
+    return "not every worker of the job is connected";
+  }
+  return {};
+}
+
+void ProxyImpl::Combine(uint64_t conn, const Message& m) {
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || !it->second.declared) {
+    return Reply(
+        conn, m.type, m.id,
+        NotFoundError("key " + std::to_string(m.key) + " is not declared"));
+  }
+  Key& key = it->second;
+  if (!key.combine_decided) {
+    key.combine_decided = true;
+    key.combine_refused = CombineRefusal(key);
+    if (key.combine_refused.empty()) {
+      CombineGeometry g;
+      g.world = world_;
+      g.bytes = key.bytes;
+      g.dtype = key.dtype;
+      g.average = mode_ == proto::Mode::kAverage;
+      auto r = device_->AllocateMemRegion(g.region_bytes());
+      if (!r.ok()) {
+        key.combine_refused =
+            "no memory for the region: " + std::string(r.status().message());
+      } else if (!(*r)->device_allocated()) {
+        key.combine_refused = "the region is not shareable";
+      } else {
+        InitCombineRegion((*r)->data(), g);
+        key.combine = std::move(*r);
+        key.combine_geometry = g;
+        key.combine_from = key.shards[0].version;
+        MEMBOX_LOG_INFO(
+            "key {}: combined in memory from round {} ({} bytes, "
+            "{} workers)",
+            m.key, key.combine_from, g.bytes, g.world);
+      }
+    }
+  }
+  if (!key.combine) {
+    return Reply(conn, m.type, m.id, Status::Ok(), 0, key.combine_refused);
+  }
+  auto d = key.combine->Export().Serialize();
+  Reply(conn, m.type, m.id, Status::Ok(), key.combine_from,
+        std::string(d.begin(), d.end()));
+}
+
+void ProxyImpl::FoldCombined() {
+  for (auto& [k, key] : keys_) {
+    if (key.combine && key.shards.size() == 1) {
+      Shard& sh = key.shards[0];
+      auto buf = device_->AllocateMemRegion(key.bytes);
+      if (buf.ok()) {
+        auto last = FoldCombineRegion(key.combine->data(), key.combine_geometry,
+                                      key.combine_from, (*buf)->data());
+        // Round r (numbered from 0) leaves version r + 1.
+        if (last.ok() && *last >= key.combine_from && *last + 1 > sh.version &&
+            sh.value && sh.value->size() >= key.bytes) {
+          if (sh.value.use_count() > 1) {
+            sh.value = std::shared_ptr<MemRegion>(std::move(*buf));
+          } else {
+            std::memcpy(sh.value->data(), (*buf)->data(), key.bytes);
+          }
+          sh.version = *last + 1;
+        }
+      }
+    }
+    key.combine.reset();
+    key.combine_decided = false;
+    key.combine_refused.clear();
+    key.combine_from = 0;
+  }
 }
 
 }  // namespace membox::ps::proxy_internal

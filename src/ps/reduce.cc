@@ -66,6 +66,27 @@ void SumHalfBlock(DType t, uint16_t* dst, const std::vector<const void*>& srcs,
   NarrowFromFloat(t, acc.data(), dst + first, n);
 }
 
+// Elements [b, e) of SumInto.
+void SumRange(DType t, void* dst, const std::vector<const void*>& srcs,
+              size_t b, size_t e) {
+  const size_t es = DTypeSize(t);
+  auto* d = static_cast<uint8_t*>(dst);
+  const size_t block = kBlockBytes / es;
+  for (size_t i = b; i < e; i += block) {
+    size_t n = std::min(block, e - i);
+    if (IsHalf(t)) {
+      SumHalfBlock(t, static_cast<uint16_t*>(dst), srcs, i, n);
+      continue;
+    }
+    std::memcpy(d + i * es, static_cast<const uint8_t*>(srcs[0]) + i * es,
+                n * es);
+    for (size_t k = 1; k < srcs.size(); ++k) {
+      AccumulateKernel(t, d + i * es,
+                       static_cast<const uint8_t*>(srcs[k]) + i * es, n, 1.0);
+    }
+  }
+}
+
 }  // namespace
 
 void SumInto(SyncCores& cores, DType t, void* dst,
@@ -75,24 +96,17 @@ void SumInto(SyncCores& cores, DType t, void* dst,
     return;
   }
   const size_t es = DTypeSize(t);
-  const size_t count = bytes / es;
-  auto* d = static_cast<uint8_t*>(dst);
-  cores.ParallelFor(count, (256 << 10) / es, [&](size_t b, size_t e) {
-    const size_t block = kBlockBytes / es;
-    for (size_t i = b; i < e; i += block) {
-      size_t n = std::min(block, e - i);
-      if (IsHalf(t)) {
-        SumHalfBlock(t, static_cast<uint16_t*>(dst), srcs, i, n);
-        continue;
-      }
-      std::memcpy(d + i * es, static_cast<const uint8_t*>(srcs[0]) + i * es,
-                  n * es);
-      for (size_t k = 1; k < srcs.size(); ++k) {
-        AccumulateKernel(t, d + i * es,
-                         static_cast<const uint8_t*>(srcs[k]) + i * es, n, 1.0);
-      }
-    }
-  });
+  cores.ParallelFor(bytes / es, (256 << 10) / es,
+                    [&](size_t b, size_t e) { SumRange(t, dst, srcs, b, e); });
+}
+
+void SumInto(DType t, void* dst, const std::vector<const void*>& srcs,
+             size_t bytes) {
+  if (srcs.empty()) {
+    std::memset(dst, 0, bytes);
+    return;
+  }
+  SumRange(t, dst, srcs, 0, bytes / DTypeSize(t));
 }
 
 void ScaleInPlace(DType t, void* p, size_t count, double factor) {

@@ -22,6 +22,9 @@ bool SupportsAveraging(DType t);
 // float32 and rounded once. `bytes` is a multiple of the element size.
 void SumInto(SyncCores& cores, DType t, void* dst,
              const std::vector<const void*>& srcs, size_t bytes);
+// The same sum in the calling thread (small tensors).
+void SumInto(DType t, void* dst, const std::vector<const void*>& srcs,
+             size_t bytes);
 
 // p[i] *= factor (float32 / float64; float16 / bfloat16 through float32).
 void ScaleInPlace(DType t, void* p, size_t count, double factor);
