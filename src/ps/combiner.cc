@@ -16,6 +16,7 @@ using Clock = std::chrono::steady_clock;
 // waits), so it does not compete with waiters for the cores.
 constexpr auto kBackgroundAfter = std::chrono::milliseconds(2);
 constexpr auto kMaxNap = std::chrono::milliseconds(1);
+constexpr auto kIdleBeforeSleep = std::chrono::milliseconds(200);
 
 std::string Ranks(const std::vector<uint32_t>& r) {
   std::string s;
@@ -73,6 +74,7 @@ service::Call Combiner::Push(uint64_t key, uint64_t round, const void* in,
   auto state = std::make_shared<service::CallState>(1, std::move(cb));
   state->set_progress([this] { Poll(); });
   std::vector<Done> done;
+  bool wake = false;
   {
     MutexLock l(&mu_);
     auto it = keys_.find(key);
@@ -91,9 +93,10 @@ service::Call Combiner::Push(uint64_t key, uint64_t round, const void* in,
       it->second->ops.push_back(std::move(op));
       ++pending_;
       Drive(*it->second, &done);
+      wake = sleeping_ && pending_ > 0;
     }
   }
-  cv_.NotifyOne();
+  if (wake) cv_.NotifyOne();
   FinishAll(done);
   return service::Call(state);
 }
@@ -185,8 +188,18 @@ void Combiner::Loop() {
     std::vector<Done> done;
     {
       MutexLock l(&mu_);
-      while (!stop_ && pending_ == 0) {
+      // Idle: a timed sleep first, so a run of operations (each done by
+      // its waiter) does not wake this thread once per operation; only
+      // after a long idle stretch does it sleep until the next push
+      // notifies it.
+      for (auto idle = Clock::now(); !stop_ && pending_ == 0;) {
+        if (Clock::now() - idle < kIdleBeforeSleep) {
+          cv_.WaitFor(&mu_, kBackgroundAfter);
+          continue;
+        }
+        sleeping_ = true;
         cv_.Wait(&mu_);
+        sleeping_ = false;
         nap = std::chrono::microseconds(50);
       }
       if (stop_) return;

@@ -101,6 +101,7 @@ class Combiner {
   std::map<uint64_t, std::unique_ptr<Key>> keys_ MEMBOX_GUARDED_BY(mu_);
   size_t pending_ MEMBOX_GUARDED_BY(mu_) = 0;
   bool stop_ MEMBOX_GUARDED_BY(mu_) = false;
+  bool sleeping_ MEMBOX_GUARDED_BY(mu_) = false;  // in an untimed wait
   std::thread thread_;
 };
 

@@ -179,6 +179,103 @@ TEST(PsTest, AverageOneProxyThreeWorkersStaged) {
   RunRounds(c, 3, 4096, 2, RoutingTable{}, true, false);
 }
 
+// Small keys on one proxy are combined in its memory from round 1 on
+// (src/ps/combine.h): the same sums and versions as through the proxy, a
+// Pull after a Push, a worker that leaves failing the others with its rank,
+// and the last round folded into the proxy's value when the job ends.
+TEST(PsTest, SmallKeysAreCombinedInTheNodesMemory) {
+  auto c = Cluster::Start(1);
+  const size_t n = 1024;  // 4 KiB
+  const int world = 3, rounds = 6;
+  {
+    std::vector<std::unique_ptr<ParamClient>> w;
+    for (int r = 0; r < world; ++r) w.push_back(Worker(c, r, world));
+    for (auto& x : w) ASSERT_NE(x, nullptr);
+    for (auto& x : w) ASSERT_TRUE(x->Declare(1, n * 4, DType::kFloat32).ok());
+    std::vector<std::thread> th;
+    for (int r = 0; r < world; ++r) {
+      th.emplace_back([&, r] {
+        std::vector<float> in(n), out(n);
+        for (int round = 0; round < rounds; ++round) {
+          std::fill(in.begin(), in.end(), float(r + 10 * round));
+          float want = 0;
+          for (int q = 0; q < world; ++q) want += float(q + 10 * round);
+          if (round % 2 == 1) {
+            // Push, then Pull (from round 1 on: the combined path).
+            auto h = w[r]->Push(1, in.data());
+            ASSERT_TRUE(h.Wait(30s).ok()) << h.Wait(0s).ToString();
+            auto p = w[r]->Pull(1, out.data());
+            ASSERT_TRUE(p.Wait(30s).ok()) << p.Wait(0s).ToString();
+          } else {
+            auto h = w[r]->PushPull(1, in.data(), out.data());
+            ASSERT_TRUE(h.Wait(30s).ok()) << h.Wait(0s).ToString();
+            EXPECT_EQ(h.version(), uint64_t(round + 1));
+          }
+          ASSERT_EQ(out[0], want) << "rank " << r << " round " << round;
+          ASSERT_EQ(out[n - 1], want) << "rank " << r << " round " << round;
+        }
+      });
+    }
+    for (auto& t : th) t.join();
+    // The proxy ran round 0 and nothing after: the rest never reached it.
+    EXPECT_EQ(c.proxies[0]->Stats().rounds_completed, 1u);
+    // Rank 2 leaves; ranks 0 and 1 wait for it in the region and fail
+    // naming it instead of hanging.
+    std::vector<float> in(n, 1.0f), out(n);
+    auto h0 = w[0]->PushPull(1, in.data(), out.data());
+    auto h1 = w[1]->PushPull(1, in.data(), out.data());
+    w[2].reset();
+    for (auto* h : {&h0, &h1}) {
+      Status s = h->Wait(30s);
+      EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+      EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s.ToString();
+    }
+  }
+  WaitForNoWorkers(c);
+  // The job ended: its last complete round (5) is the proxy's value now.
+  auto w = Worker(c, 0, 1);
+  ASSERT_NE(w, nullptr);
+  auto v = w->Declare(1, n * 4, DType::kFloat32);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(*v, uint64_t(rounds));
+  std::vector<float> out(n);
+  ASSERT_TRUE(w->Pull(1, out.data()).Wait(30s).ok());
+  EXPECT_EQ(out[0], float(0 + 1 + 2 + 3 * 10 * (rounds - 1)));
+}
+
+// Combining needs every worker to map the node; MEMBOX_COMBINE / the
+// option turn it off, and then the proxy runs every round.
+TEST(PsTest, CombiningCanBeTurnedOff) {
+  auto c = Cluster::Start(1);
+  const size_t n = 256;
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < 2; ++r) {
+    ParamClientOptions o;
+    o.proxies = c.endpoints;
+    o.secret = kSecret;
+    o.rank = r;
+    o.world = 2;
+    o.timeout = 20s;
+    o.combine = false;
+    auto x = ParamClient::Connect(o);
+    ASSERT_TRUE(x.ok()) << x.status().ToString();
+    w.push_back(std::move(*x));
+  }
+  for (auto& x : w) ASSERT_TRUE(x->Declare(3, n * 4, DType::kFloat32).ok());
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r) {
+    th.emplace_back([&, r] {
+      std::vector<float> in(n, float(r + 1)), out(n);
+      for (int round = 0; round < 4; ++round) {
+        ASSERT_TRUE(w[r]->PushPull(3, in.data(), out.data()).Wait(30s).ok());
+        ASSERT_EQ(out[n - 1], 3.0f);
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+  EXPECT_EQ(c.proxies[0]->Stats().rounds_completed, 4u);
+}
+
 TEST(PsTest, TwoProxiesRingWithRoutingBySize) {
   auto c = Cluster::Start(2);
   RoutingTable r;
