@@ -43,10 +43,14 @@
 
 namespace membox::ps {
 
-// Keys above this size go through the proxy: combining makes every worker
-// read every contribution (p * bytes), which only pays while latency, not
-// bandwidth, decides a round.
-constexpr uint64_t kMaxCombineBytes = 64 << 10;
+// Keys above these sizes go through the proxy: combining makes every worker
+// read every contribution (world * bytes each, world^2 * bytes in all),
+// which only pays while latency, not bandwidth, decides a round. Measured
+// on 2 cores (docs/results/allreduce.md): combining won up to 512 KiB of
+// contributions per round (p = 2: 256 KiB keys, 4: 128 KiB, 8: 64 KiB) and
+// lost from 1 MiB at p = 8.
+constexpr uint64_t kMaxCombineBytes = 256 << 10;
+constexpr uint64_t kMaxCombineRoundBytes = 512 << 10;  // world * bytes
 
 struct CombineGeometry {
   uint32_t world = 0;

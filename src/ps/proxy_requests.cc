@@ -473,6 +473,9 @@ std::string ProxyImpl::CombineRefusal(const Key& key) const {
   if (key.opt.kind != proto::Optimizer::kNone)
     return "the key has an optimizer";
   if (key.bytes > kMaxCombineBytes) return "larger than kMaxCombineBytes";
+  if (key.bytes * world_ > kMaxCombineRoundBytes) {
+    return "world * bytes larger than kMaxCombineRoundBytes";
+  }
   if (key.shards.size() != 1) return "more than one shard";
   if (!AccumulateSupports(key.dtype)) return "dtype cannot be summed";
   if (mode_ == proto::Mode::kAverage && !SupportsAveraging(key.dtype)) {

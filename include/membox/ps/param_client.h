@@ -82,7 +82,8 @@ struct ParamClientOptions {
   std::chrono::milliseconds failover{60000};
   // In-memory combining of small keys (docs/design/ps.md): with one proxy
   // that does not replicate, and every worker on its host, a key of at
-  // most 64 KiB summed or averaged without an optimizer is, from its second
+  // most 256 KiB (and 512 KiB times the workers) summed or averaged without
+  // an optimizer is, from its second
   // round on, summed by the workers themselves in a region of the node's
   // memory -- no message, no wake-up of the node. The proxy decides per key
   // (kCombine). MEMBOX_COMBINE=0|1 overrides this.
