@@ -82,6 +82,16 @@ Result<CombineGeometry> ParseCombineRegion(const void* base,
                                            uint64_t region_bytes,
                                            uint32_t world, uint64_t bytes,
                                            DType dtype) {
+  if (reinterpret_cast<uintptr_t>(base) % kLine != 0) {
+    return DataLossError("combining region is not 64-byte aligned");
+  }
+  if (world == 0 || world > kMaxCombineWorld || bytes == 0 ||
+      bytes > kMaxCombineBytes || DTypeSize(dtype) == 0 ||
+      bytes % DTypeSize(dtype) != 0) {
+    return InvalidArgumentError("no combining for world " +
+                                std::to_string(world) + " and " +
+                                std::to_string(bytes) + " bytes");
+  }
   if (region_bytes < kSeqOffset) {
     return DataLossError("combining region of " + std::to_string(region_bytes) +
                          " bytes: too short");

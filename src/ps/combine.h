@@ -51,6 +51,7 @@ namespace membox::ps {
 // lost from 1 MiB at p = 8.
 constexpr uint64_t kMaxCombineBytes = 256 << 10;
 constexpr uint64_t kMaxCombineRoundBytes = 512 << 10;  // world * bytes
+constexpr uint32_t kMaxCombineWorld = 4096;            // proto::kMaxWorld
 
 struct CombineGeometry {
   uint32_t world = 0;
@@ -67,7 +68,8 @@ struct CombineGeometry {
 void InitCombineRegion(void* base, const CombineGeometry& g);
 
 // Reads and checks a region's header against what the worker declared:
-// magic, format, world, size, dtype and the region's length. The proxy is
+// alignment, magic, format, world, size, dtype and the region's length.
+// fuzz/ps_combine_region_fuzzer.cc drives it. The proxy is
 // authenticated, but its bytes cross a process boundary all the same.
 Result<CombineGeometry> ParseCombineRegion(const void* base,
                                            uint64_t region_bytes,
