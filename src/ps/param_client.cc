@@ -1424,6 +1424,19 @@ class ParamClientImpl final : public ParamClient {
       MutexLock l(&mu_);
       KeyInfo& k = keys_[key];
       if (!k.combine_error.ok()) return Failed(k.combine_error, std::move(cb));
+      for (const void* p : {in, static_cast<const void*>(out)}) {
+        const MemRegion* r = p ? Locate(p, k.bytes) : nullptr;
+        if (r && r->memory_type() == transport::MemoryType::kCuda) {
+          return Failed(
+              FailedPreconditionError(
+                  "key " + std::to_string(key) +
+                  " is combined in the memory node's host memory, which "
+                  "every worker of the job maps; a CUDA buffer cannot take "
+                  "part: stage it through host memory, or set "
+                  "MEMBOX_COMBINE=0 on every worker"),
+              std::move(cb));
+        }
+      }
       round = k.base_version + k.rounds++;
     }
     return combiner_->Push(key, round, in, out, std::move(cb));
