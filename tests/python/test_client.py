@@ -77,6 +77,38 @@ class ClientTest(unittest.TestCase):
         time.sleep(0.1)
         self.assertEqual(seen, [None])
 
+    def test_small_keys_are_combined_in_the_nodes_memory(self):
+        # From round 1 on, a small key is summed by the workers in a region
+        # of the node's memory (docs/design/ps.md); the Python API sees the
+        # same sums, versions, pulls and callbacks (what the node keeps once
+        # the job is over: ps_test's SmallKeysAreCombinedInTheNodesMemory).
+        a, b = self.client(0, 2), self.client(1, 2)
+        for c in (a, b):
+            c.declare(5, 4096)
+        seen = []
+        for r in range(6):
+            x = np.full(1024, float(r), np.float32)
+            y = np.full(1024, float(10 * r), np.float32)
+            ox, oy = np.zeros_like(x), np.zeros_like(y)
+            hx = a.push_pull(5, x, ox)
+            hx.add_done_callback(seen.append)
+            hy = b.push_pull(5, y, oy)
+            hx.wait(10)
+            hy.wait(10)
+            self.assertTrue(np.all(ox == 11.0 * r), (r, ox[:3]))
+            self.assertTrue(np.all(oy == 11.0 * r), (r, oy[:3]))
+            self.assertEqual(hx.version, r + 1)
+        pulled = np.zeros(1024, np.float32)
+        a.pull(5, pulled).wait(10)
+        self.assertTrue(np.all(pulled == 55.0))
+        deadline = time.time() + 5
+        while len(seen) < 6 and time.time() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(seen, [None] * 6)
+        # The node ran round 0 only; the other five never reached it.
+        status = a.proxy_status()
+        self.assertIn("\nrounds_completed 1\n", status, status)
+
     def test_registered_buffers_are_pushed_in_place(self):
         a, b = self.client(0, 2), self.client(1, 2)
         for c in (a, b):
