@@ -62,8 +62,8 @@ echo "== sparse embeddings: wide & deep CTR, membox store vs torch layers"
 PYTHONPATH=$PWD/build/release/python "$py" examples/ctr_wide_deep.py --local | grep RESULT
 # One memory node: on one host a second node adds no memory bandwidth, and
 # with one node the MLP's small DDP buckets are combined in its memory
-# (0.97x torch-local's samples/s against 0.68x with two nodes,
-# docs/results/ctr.md).
+# (0.65x torch-local's samples/s on torch 2.15 against 0.51x with two
+# nodes, docs/results/ctr.md).
 "$membox" launch --nodes 1 --workers 2 -- "$py" examples/ctr_wide_deep.py | grep RESULT
 echo "== across hosts: emulated cluster, transformer LM, membox vs Gloo DDP"
 if [[ $(id -u) -eq 0 ]] && ip netns add "mbx-demo-probe-$$" 2>/dev/null; then
