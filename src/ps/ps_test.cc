@@ -81,7 +81,8 @@ void WaitForNoWorkers(const Cluster& c, std::chrono::seconds limit = 20s) {
 std::unique_ptr<ParamClient> Worker(
     const Cluster& c, int rank, int world, RoutingTable r = {},
     std::vector<transport::FaultPolicy> links = {},
-    std::chrono::milliseconds hang_report = 10s) {
+    std::chrono::milliseconds hang_report = 10s,
+    const std::function<void(ParamClientOptions&)>& tweak = {}) {
   ParamClientOptions o;
   o.proxies = c.endpoints;
   o.secret = kSecret;
@@ -92,6 +93,7 @@ std::unique_ptr<ParamClient> Worker(
   o.timeout = 20s;
   o.hang_report = hang_report;
   o.name = "worker-" + std::to_string(rank);
+  if (tweak) tweak(o);
   auto w = ParamClient::Connect(o);
   EXPECT_TRUE(w.ok()) << w.status().ToString();
   return w.ok() ? std::move(*w) : nullptr;
@@ -250,16 +252,9 @@ TEST(PsTest, CombiningCanBeTurnedOff) {
   const size_t n = 256;
   std::vector<std::unique_ptr<ParamClient>> w;
   for (int r = 0; r < 2; ++r) {
-    ParamClientOptions o;
-    o.proxies = c.endpoints;
-    o.secret = kSecret;
-    o.rank = r;
-    o.world = 2;
-    o.timeout = 20s;
-    o.combine = false;
-    auto x = ParamClient::Connect(o);
-    ASSERT_TRUE(x.ok()) << x.status().ToString();
-    w.push_back(std::move(*x));
+    w.push_back(Worker(c, r, 2, {}, {}, 10s,
+                       [](ParamClientOptions& o) { o.combine = false; }));
+    ASSERT_NE(w.back(), nullptr);
   }
   for (auto& x : w) ASSERT_TRUE(x->Declare(3, n * 4, DType::kFloat32).ok());
   std::vector<std::thread> th;
