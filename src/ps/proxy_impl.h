@@ -555,6 +555,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   // dropped as new ones start.
   std::deque<transport::OpHandle> inflight_;
   uint32_t world_ = 0;
+  // Bytes of the combining regions the keys hold (Combine, FoldCombined).
+  uint64_t combine_bytes_ = 0;
   bool configured_ = false;
   uint32_t staleness_ = 0;
   proto::Mode mode_ = proto::Mode::kSum;

@@ -514,6 +514,15 @@ void ProxyImpl::Combine(uint64_t conn, const Message& m) {
       g.bytes = key.bytes;
       g.dtype = key.dtype;
       g.average = mode_ == proto::Mode::kAverage;
+      // Regions count against the node's storage limit with its values: a
+      // job of many small keys cannot take more memory than that.
+      if (storage_->stored_bytes() + combine_bytes_ + g.region_bytes() >
+          storage_->max_bytes()) {
+        key.combine_refused =
+            "the node's storage limit leaves no room for "
+            "the region";
+        return Reply(conn, m.type, m.id, Status::Ok(), 0, key.combine_refused);
+      }
       auto r = device_->AllocateMemRegion(g.region_bytes());
       if (!r.ok()) {
         key.combine_refused =
@@ -522,6 +531,7 @@ void ProxyImpl::Combine(uint64_t conn, const Message& m) {
         key.combine_refused = "the region is not shareable";
       } else {
         InitCombineRegion((*r)->data(), g);
+        combine_bytes_ += g.region_bytes();
         key.combine = std::move(*r);
         key.combine_geometry = g;
         key.combine_from = key.shards[0].version;
@@ -560,6 +570,7 @@ void ProxyImpl::FoldCombined() {
         }
       }
     }
+    if (key.combine) combine_bytes_ -= key.combine_geometry.region_bytes();
     key.combine.reset();
     key.combine_decided = false;
     key.combine_refused.clear();

@@ -245,6 +245,30 @@ TEST(PsTest, SmallKeysAreCombinedInTheNodesMemory) {
   EXPECT_EQ(out[0], float(0 + 1 + 2 + 3 * 10 * (rounds - 1)));
 }
 
+// A combining region counts against the node's storage limit: with no room
+// for it, the key's rounds go through the proxy.
+TEST(PsTest, CombiningRegionsCountAgainstTheStorageLimit) {
+  auto c = Cluster::Start(1, Scheduler::kPerClientQueues, "", false, 10s, false,
+                          [](ProxyOptions& o) { o.max_bytes = 64 << 10; });
+  const size_t n = 4096;  // 16 KiB: value and scratch fit, a 64 KiB region not
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < 2; ++r) w.push_back(Worker(c, r, 2));
+  for (auto& x : w) ASSERT_NE(x, nullptr);
+  for (auto& x : w) ASSERT_TRUE(x->Declare(4, n * 4, DType::kFloat32).ok());
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r) {
+    th.emplace_back([&, r] {
+      std::vector<float> in(n, float(r + 1)), out(n);
+      for (int round = 0; round < 4; ++round) {
+        ASSERT_TRUE(w[r]->PushPull(4, in.data(), out.data()).Wait(30s).ok());
+        ASSERT_EQ(out[n - 1], 3.0f);
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+  EXPECT_EQ(c.proxies[0]->Stats().rounds_completed, 4u);
+}
+
 // Combining needs every worker to map the node; MEMBOX_COMBINE / the
 // option turn it off, and then the proxy runs every round.
 TEST(PsTest, CombiningCanBeTurnedOff) {
