@@ -64,11 +64,6 @@ void Combiner::Add(uint64_t key, CombineView view,
   keys_[key] = std::move(k);
 }
 
-bool Combiner::Has(uint64_t key) const {
-  MutexLock l(&mu_);
-  return keys_.count(key) != 0;
-}
-
 service::Call Combiner::Push(uint64_t key, uint64_t round, const void* in,
                              void* out, std::function<void(const Status&)> cb) {
   auto state = std::make_shared<service::CallState>(1, std::move(cb));

@@ -50,7 +50,6 @@ class Combiner {
   // Key `key` is combined in `view`'s region from round view's first on;
   // `keepalive` holds the mapping.
   void Add(uint64_t key, CombineView view, std::shared_ptr<void> keepalive);
-  bool Has(uint64_t key) const;
 
   // Round `round` of `key`: `in` is read until the operation completes;
   // `out` (may be null: Push) gets the sum.

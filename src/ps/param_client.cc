@@ -92,6 +92,7 @@ struct KeyInfo {
   // proxy that said yes to a key this worker could not then use fails its
   // operations (the other workers are combining it already).
   bool combine_asked = false;
+  bool combined = false;  // the Combiner has it
   Status combine_error;
 };
 
@@ -1386,6 +1387,10 @@ class ParamClientImpl final : public ParamClient {
     combiner_->Add(
         key, CombineView(base, *g, static_cast<uint32_t>(opt_.rank), from),
         std::shared_ptr<void>(*region));
+    {
+      MutexLock l(&mu_);
+      keys_[key].combined = true;
+    }
     MEMBOX_LOG_DEBUG("key {}: combined in the node's memory from round {}", key,
                      from);
   }
@@ -1414,9 +1419,13 @@ class ParamClientImpl final : public ParamClient {
         bytes = k.bytes;
         dtype = k.dtype;
       }
+      if (!ask && !k.combined) return std::nullopt;
     }
     if (ask) AskCombine(key, last, bytes, dtype);
-    if (!combiner_->Has(key)) return std::nullopt;
+    {
+      MutexLock l(&mu_);
+      if (!keys_[key].combined) return std::nullopt;
+    }
     if (type == Type::kPull) return combiner_->Pull(key, out, cb);
     if (type != Type::kPush || !in) return std::nullopt;
     uint64_t round = 0;

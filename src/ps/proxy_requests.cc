@@ -461,10 +461,6 @@ Status ProxyImpl::CheckShardRequest(const Message& m) {
   return Status::Ok();
 }
 
-}  // namespace membox::ps::proxy_internal
-
-namespace membox::ps::proxy_internal {
-
 std::string ProxyImpl::CombineRefusal(const Key& key) const {
   if (nproxies_ != 1) return "the job has several memory nodes";
   if (opt_.replicate) return "the node replicates";

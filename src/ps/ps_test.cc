@@ -245,6 +245,25 @@ TEST(PsTest, SmallKeysAreCombinedInTheNodesMemory) {
   EXPECT_EQ(out[0], float(0 + 1 + 2 + 3 * 10 * (rounds - 1)));
 }
 
+// Two workers PushPull `n` floats of `key` (1 and 2: the sum is 3) for
+// four rounds, declaring it first.
+void TwoWorkersFourRounds(std::vector<std::unique_ptr<ParamClient>>& w,
+                          uint64_t key, size_t n) {
+  for (auto& x : w) ASSERT_NE(x, nullptr);
+  for (auto& x : w) ASSERT_TRUE(x->Declare(key, n * 4, DType::kFloat32).ok());
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r) {
+    th.emplace_back([&, r] {
+      std::vector<float> in(n, float(r + 1)), out(n);
+      for (int round = 0; round < 4; ++round) {
+        ASSERT_TRUE(w[r]->PushPull(key, in.data(), out.data()).Wait(30s).ok());
+        ASSERT_EQ(out[n - 1], 3.0f);
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+}
+
 // A combining region counts against the node's storage limit: with no room
 // for it, the key's rounds go through the proxy.
 TEST(PsTest, CombiningRegionsCountAgainstTheStorageLimit) {
@@ -253,19 +272,7 @@ TEST(PsTest, CombiningRegionsCountAgainstTheStorageLimit) {
   const size_t n = 4096;  // 16 KiB: value and scratch fit, a 64 KiB region not
   std::vector<std::unique_ptr<ParamClient>> w;
   for (int r = 0; r < 2; ++r) w.push_back(Worker(c, r, 2));
-  for (auto& x : w) ASSERT_NE(x, nullptr);
-  for (auto& x : w) ASSERT_TRUE(x->Declare(4, n * 4, DType::kFloat32).ok());
-  std::vector<std::thread> th;
-  for (int r = 0; r < 2; ++r) {
-    th.emplace_back([&, r] {
-      std::vector<float> in(n, float(r + 1)), out(n);
-      for (int round = 0; round < 4; ++round) {
-        ASSERT_TRUE(w[r]->PushPull(4, in.data(), out.data()).Wait(30s).ok());
-        ASSERT_EQ(out[n - 1], 3.0f);
-      }
-    });
-  }
-  for (auto& t : th) t.join();
+  TwoWorkersFourRounds(w, 4, n);
   EXPECT_EQ(c.proxies[0]->Stats().rounds_completed, 4u);
 }
 
@@ -278,20 +285,8 @@ TEST(PsTest, CombiningCanBeTurnedOff) {
   for (int r = 0; r < 2; ++r) {
     w.push_back(Worker(c, r, 2, {}, {}, 10s,
                        [](ParamClientOptions& o) { o.combine = false; }));
-    ASSERT_NE(w.back(), nullptr);
   }
-  for (auto& x : w) ASSERT_TRUE(x->Declare(3, n * 4, DType::kFloat32).ok());
-  std::vector<std::thread> th;
-  for (int r = 0; r < 2; ++r) {
-    th.emplace_back([&, r] {
-      std::vector<float> in(n, float(r + 1)), out(n);
-      for (int round = 0; round < 4; ++round) {
-        ASSERT_TRUE(w[r]->PushPull(3, in.data(), out.data()).Wait(30s).ok());
-        ASSERT_EQ(out[n - 1], 3.0f);
-      }
-    });
-  }
-  for (auto& t : th) t.join();
+  TwoWorkersFourRounds(w, 3, n);
   EXPECT_EQ(c.proxies[0]->Stats().rounds_completed, 4u);
 }
 
