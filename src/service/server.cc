@@ -372,7 +372,7 @@ class ServerImpl final : public Server {
   void PollBeforeBlock() MEMBOX_REQUIRES(mu_) {
     mu_.Unlock();
     auto until = Clock::now() + opt_.poll_before_block;
-    while (Clock::now() < until) {
+    while (Clock::now() < until && device_->HasPolledChannels()) {
       device_->Progress();
       {
         MutexLock g(&mu_);

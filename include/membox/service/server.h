@@ -82,7 +82,9 @@ struct ServerOptions {
   // channels from the loop thread for this long before blocking. The next
   // message is often microseconds away (the other half of a ring step):
   // this saves the progress thread's wake-up and a hand-off per message,
-  // at the price of a busy loop thread. 0: block at once.
+  // at the price of a busy loop thread. Only while the device has channels
+  // a poll drives (Device::HasPolledChannels: UCX shared memory or RDMA);
+  // membox's TCP data path delivers from its own threads. 0: block at once.
   std::chrono::microseconds poll_before_block{0};
 };
 

@@ -106,6 +106,13 @@ class Device {
   // drive the same engine once per channel). Never required for
   // correctness.
   virtual void Progress() {}
+  // Whether Progress() has anything to drive now (a live channel whose
+  // progress engine a polling thread can advance). A loop that polls before
+  // it blocks polls only then: channels with threads of their own (membox's
+  // TCP data path) deliver without it, and a poll loop there only yields the
+  // core over and over -- on a machine with more runnable threads than cores
+  // that is a full share of CPU taken from the threads doing the work.
+  virtual bool HasPolledChannels() const { return false; }
 };
 
 }  // namespace membox::transport

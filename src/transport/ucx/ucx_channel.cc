@@ -60,7 +60,9 @@ UcxChannel::UcxChannel(UcxDevice* dev, UcxWorker* worker, int lane,
       worker_(worker),
       lane_(lane),
       peer_(std::move(peer)),
-      accepted_(accepted) {}
+      accepted_(accepted) {
+  dev_->ChannelOpened();
+}
 
 // One UCX call on the data endpoint: ep() is null once the channel closes.
 class UcxChannel::EndpointUse {
@@ -77,7 +79,10 @@ class UcxChannel::EndpointUse {
   ucp_ep_h ep_;
 };
 
-UcxChannel::~UcxChannel() { Close(); }
+UcxChannel::~UcxChannel() {
+  Close();
+  dev_->ChannelGone();
+}
 
 std::string UcxChannel::peer() const {
   MutexLock l(&mu_);

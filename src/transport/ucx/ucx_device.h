@@ -150,6 +150,13 @@ class UcxDevice final : public Device, public net::ChannelHost {
   void Progress() override {
     for (auto& w : workers_) w->HelpProgress();
   }
+  bool HasPolledChannels() const override {
+    return ucx_channels_.load(std::memory_order_relaxed) > 0;
+  }
+  // UcxChannel's constructor and destructor keep the count of live UCX
+  // channels (HasPolledChannels).
+  void ChannelOpened() { ucx_channels_.fetch_add(1, std::memory_order_relaxed); }
+  void ChannelGone() { ucx_channels_.fetch_sub(1, std::memory_order_relaxed); }
   const DeviceOptions& options() const override { return options_; }
   uint64_t id() const override { return id_; }
 
@@ -242,6 +249,7 @@ class UcxDevice final : public Device, public net::ChannelHost {
   std::map<uint64_t, Watched> liveness_ MEMBOX_GUARDED_BY(mu_);
   EventCount events_;
   std::atomic<uint64_t> next_region_id_{1};
+  std::atomic<int> ucx_channels_{0};  // live UcxChannels
 
   Mutex mu_;
   std::map<uint64_t, ExportedRegion> exports_ MEMBOX_GUARDED_BY(mu_);
