@@ -155,7 +155,9 @@ class UcxDevice final : public Device, public net::ChannelHost {
   }
   // UcxChannel's constructor and destructor keep the count of live UCX
   // channels (HasPolledChannels).
-  void ChannelOpened() { ucx_channels_.fetch_add(1, std::memory_order_relaxed); }
+  void ChannelOpened() {
+    ucx_channels_.fetch_add(1, std::memory_order_relaxed);
+  }
   void ChannelGone() { ucx_channels_.fetch_sub(1, std::memory_order_relaxed); }
   const DeviceOptions& options() const override { return options_; }
   uint64_t id() const override { return id_; }
