@@ -89,6 +89,21 @@ TEST_P(ChannelTest, ProtocolAndPeer) {
   EXPECT_EQ((*user_on_server)->mapped(), nullptr);
 }
 
+// A loop polls a device before blocking only where the poll drives
+// something: UCX channels (shared memory, RMA, active messages) need their
+// progress engine driven; membox's TCP path delivers from its own threads.
+TEST_P(ChannelTest, DeviceSaysWhetherAPollDrivesItsChannels) {
+  const bool ucx = GetParam().expect != Protocol::kTcp;
+  EXPECT_EQ(client_->HasPolledChannels(), ucx);
+  EXPECT_EQ(server_->HasPolledChannels(), ucx);
+  cch_->Close();
+  cch_.reset();
+  sch_->Close();
+  sch_.reset();
+  EXPECT_FALSE(client_->HasPolledChannels());
+  EXPECT_FALSE(server_->HasPolledChannels());
+}
+
 TEST_P(ChannelTest, ControlMessagesBothWays) {
   std::vector<uint8_t> small = {1, 2, 3};
   std::vector<uint8_t> big(200000);

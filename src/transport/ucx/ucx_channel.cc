@@ -79,10 +79,7 @@ class UcxChannel::EndpointUse {
   ucp_ep_h ep_;
 };
 
-UcxChannel::~UcxChannel() {
-  Close();
-  dev_->ChannelGone();
-}
+UcxChannel::~UcxChannel() { Close(); }
 
 std::string UcxChannel::peer() const {
   MutexLock l(&mu_);
@@ -137,6 +134,7 @@ void UcxChannel::Close() {
   // endpoint goes away.
   const bool healthy = !failed_.load(std::memory_order_acquire);
   Fail(AbortedError("channel closed"));
+  if (open_.exchange(false)) dev_->ChannelGone();
   // No handler runs after Close returns (the progress thread may be inside
   // one right now): what the handlers captured may go away.
   inbox_.Detach();

@@ -155,6 +155,8 @@ class UcxChannel final : public Channel,
   Protocol protocol_ = Protocol::kRma;
   bool peer_same_host_ = false;
   std::atomic<bool> failed_{false};
+  // Counted in the device's live UCX channels until the first Close().
+  std::atomic<bool> open_{true};
   std::atomic<bool> rma_since_fence_{false};  // an RMA write awaits a fence
   std::atomic<bool> rma_since_flush_{false};  // an RMA write awaits a flush
   std::atomic<int64_t> am_writes_in_flight_{0};

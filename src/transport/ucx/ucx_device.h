@@ -153,8 +153,8 @@ class UcxDevice final : public Device, public net::ChannelHost {
   bool HasPolledChannels() const override {
     return ucx_channels_.load(std::memory_order_relaxed) > 0;
   }
-  // UcxChannel's constructor and destructor keep the count of live UCX
-  // channels (HasPolledChannels).
+  // UcxChannel's constructor and its first Close() keep the count of open
+  // UCX channels (HasPolledChannels).
   void ChannelOpened() {
     ucx_channels_.fetch_add(1, std::memory_order_relaxed);
   }
