@@ -19,8 +19,9 @@
 #      memory nodes' embedding store (2 nodes, 2 workers), against the same
 #      model with torch's own embedding layers in one process;
 #   7. across hosts, when run as root where network namespaces can be made:
-#      an emulated cluster (examples/cluster/4w2m.toml: 4 worker hosts,
-#      2 memory hosts, 400 Mbit/s links) trains the transformer example
+#      an emulated cluster (examples/cluster/4w4m.toml: 4 worker hosts,
+#      4 memory hosts, 400 Mbit/s links -- seed 000's setting, where memory
+#      nodes add bandwidth; with 2 the ring's link bound is lower) trains the transformer example
 #      with membox's hook and with Gloo DDP (docs/cluster.md); skipped with
 #      a note otherwise.
 # Tables are printed; CSV, JSON and PNG files go to out/.
@@ -69,7 +70,7 @@ echo "== across hosts: emulated cluster, transformer LM, membox vs Gloo DDP"
 if [[ $(id -u) -eq 0 ]] && ip netns add "mbx-demo-probe-$$" 2>/dev/null; then
   ip netns del "mbx-demo-probe-$$"
   for backend in membox gloo; do
-    "$membox" cluster run examples/cluster/4w2m.toml -- "$py" \
+    "$membox" cluster run examples/cluster/4w4m.toml -- "$py" \
       "$PWD/examples/transformer_lm.py" --backend "$backend" --steps 20 |
       grep "^step 20" | sed "s/^/$backend: /"
   done
