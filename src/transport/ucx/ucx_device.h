@@ -251,7 +251,7 @@ class UcxDevice final : public Device, public net::ChannelHost {
   std::map<uint64_t, Watched> liveness_ MEMBOX_GUARDED_BY(mu_);
   EventCount events_;
   std::atomic<uint64_t> next_region_id_{1};
-  std::atomic<int> ucx_channels_{0};  // live UcxChannels
+  std::atomic<int> ucx_channels_{0};  // open UcxChannels
 
   Mutex mu_;
   std::map<uint64_t, ExportedRegion> exports_ MEMBOX_GUARDED_BY(mu_);
