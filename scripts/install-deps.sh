@@ -10,7 +10,7 @@ $SUDO apt-get install -y --no-install-recommends \
   build-essential cmake ninja-build pkg-config git \
   libucx-dev ucx-utils \
   libgtest-dev libgmock-dev googletest libbenchmark-dev \
-  libspdlog-dev libfmt-dev libcli11-dev zlib1g-dev libssl-dev \
+  libspdlog-dev libfmt-dev libcli11-dev zlib1g-dev libssl-dev libabsl-dev \
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
   librocksdb-dev libmicrohttpd-dev \
   openmpi-bin libopenmpi-dev \

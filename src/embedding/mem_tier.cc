@@ -1,28 +1,82 @@
 #include "membox/embedding/mem_tier.h"
 
+#include <absl/container/flat_hash_map.h>
+#include <absl/container/flat_hash_set.h>
+
 #include <cstring>
-#include <list>
-#include <map>
-#include <mutex>
+#include <new>
 #include <set>
-#include <unordered_map>
-#include <unordered_set>
 
 #include "membox/base/mutex.h"
 
 namespace membox::embedding {
 namespace {
 
-struct Entry {
-  std::unique_ptr<uint8_t[]> row;
+// One row in memory: these fields, then the row's bytes in the same
+// allocation (one cache-missing fetch reaches both). The LRU is an
+// intrusive list through the entries, so pins and releases allocate
+// nothing.
+struct alignas(16) Entry {
   uint64_t key = 0;
   uint64_t freq = 0;
   uint64_t mark = 0;  // the Acquire call that saw it last (dedups keys)
-  int pins = 0;
-  bool dirty = false;
-  enum class Where { kPinned, kLru, kLfu } where = Where::kPinned;
-  std::list<uint64_t>::iterator lru_it;
+  Entry* lru_prev = nullptr;
+  Entry* lru_next = nullptr;
   std::set<std::pair<uint64_t, uint64_t>>::iterator lfu_it;  // (freq, key)
+  int32_t pins = 0;
+  bool dirty = false;
+  enum class Where : uint8_t { kPinned, kLru, kLfu } where = Where::kPinned;
+
+  uint8_t* row() { return reinterpret_cast<uint8_t*>(this + 1); }
+};
+
+struct EntryDeleter {
+  void operator()(Entry* e) const {
+    e->~Entry();
+    ::operator delete(e, std::align_val_t{alignof(Entry)});
+  }
+};
+using EntryPtr = std::unique_ptr<Entry, EntryDeleter>;
+
+EntryPtr NewEntry(uint64_t key, size_t row_bytes) {
+  void* p = ::operator new(sizeof(Entry) + row_bytes,
+                           std::align_val_t{alignof(Entry)});
+  EntryPtr e(new (p) Entry);
+  e->key = key;
+  return e;
+}
+
+// Most recently used first. Entries link themselves; the list owns none.
+class LruList {
+ public:
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  Entry* back() const { return back_; }
+
+  void PushFront(Entry* e) {
+    e->lru_prev = nullptr;
+    e->lru_next = front_;
+    if (front_ != nullptr) front_->lru_prev = e;
+    front_ = e;
+    if (back_ == nullptr) back_ = e;
+    ++size_;
+  }
+  void Erase(Entry* e) {
+    (e->lru_prev ? e->lru_prev->lru_next : front_) = e->lru_next;
+    (e->lru_next ? e->lru_next->lru_prev : back_) = e->lru_prev;
+    e->lru_prev = e->lru_next = nullptr;
+    --size_;
+  }
+  void MoveToFront(Entry* e) {
+    if (front_ == e) return;
+    Erase(e);
+    PushFront(e);
+  }
+
+ private:
+  Entry* front_ = nullptr;
+  Entry* back_ = nullptr;
+  size_t size_ = 0;
 };
 
 class MemTierImpl final : public MemTier {
@@ -40,7 +94,7 @@ class MemTierImpl final : public MemTier {
     const uint64_t mark = ++marks_;
     std::vector<Entry*> entries(keys.size(), nullptr);
     std::vector<uint64_t> missing;
-    std::unordered_set<uint64_t> missing_seen;
+    absl::flat_hash_set<uint64_t> missing_seen;
     uint64_t newly = 0;  // distinct rows this batch would newly pin
     for (size_t i = 0; i < keys.size(); ++i) {
       auto it = rows_.find(keys[i]);
@@ -51,7 +105,7 @@ class MemTierImpl final : public MemTier {
         }
         continue;
       }
-      Entry& e = it->second;
+      Entry& e = *it->second;
       entries[i] = &e;
       if (e.mark != mark) {
         e.mark = mark;
@@ -68,7 +122,7 @@ class MemTierImpl final : public MemTier {
     if (!missing.empty()) {
       RETURN_IF_ERROR(LoadLocked(missing, /*to_pin=*/true));
       for (size_t i = 0; i < keys.size(); ++i) {
-        if (entries[i] == nullptr) entries[i] = &rows_.at(keys[i]);
+        if (entries[i] == nullptr) entries[i] = rows_.at(keys[i]).get();
       }
     }
     std::vector<uint8_t*> out;
@@ -80,7 +134,7 @@ class MemTierImpl final : public MemTier {
       Pin(*e);
       held.push_back(e);
       e->freq++;
-      out.push_back(e->row.get());
+      out.push_back(e->row());
     }
     RETURN_IF_ERROR(EvictLocked());
     return out;
@@ -97,8 +151,8 @@ class MemTierImpl final : public MemTier {
         missing.push_back(i);
         continue;
       }
-      Visit(it->second, changes);
-      fn(i, it->second.row.get());
+      Visit(*it->second, changes);
+      fn(i, it->second->row());
     }
     // Rows not in memory: loaded a quarter of the budget at a time, each
     // piece used, then the budget restored by eviction.
@@ -106,16 +160,16 @@ class MemTierImpl final : public MemTier {
     for (size_t b = 0; b < missing.size(); b += chunk) {
       size_t e = std::min(missing.size(), b + chunk);
       std::vector<uint64_t> load;
-      std::unordered_set<uint64_t> seen;
+      absl::flat_hash_set<uint64_t> seen;
       for (size_t j = b; j < e; ++j) {
         uint64_t k = keys[missing[j]];
         if (!rows_.count(k) && seen.insert(k).second) load.push_back(k);
       }
       RETURN_IF_ERROR(LoadLocked(load));
       for (size_t j = b; j < e; ++j) {
-        Entry& en = rows_.at(keys[missing[j]]);
+        Entry& en = *rows_.at(keys[missing[j]]);
         Visit(en, changes);
-        fn(missing[j], en.row.get());
+        fn(missing[j], en.row());
       }
       RETURN_IF_ERROR(EvictLocked());
     }
@@ -126,7 +180,7 @@ class MemTierImpl final : public MemTier {
     MutexLock l(&mu_);
     for (uint64_t k : keys) {
       auto it = rows_.find(k);
-      if (it != rows_.end()) it->second.dirty = true;
+      if (it != rows_.end()) it->second->dirty = true;
     }
   }
 
@@ -137,8 +191,7 @@ class MemTierImpl final : public MemTier {
     for (Entry* e : b->second) {
       if (--e->pins == 0) {
         pinned_--;
-        lru_.push_front(e->key);
-        e->lru_it = lru_.begin();
+        lru_.PushFront(e);
         e->where = Entry::Where::kLru;
       }
     }
@@ -151,10 +204,10 @@ class MemTierImpl final : public MemTier {
     std::vector<uint64_t> keys;
     std::vector<uint8_t> rows;
     for (auto& [k, e] : rows_) {
-      if (!e.dirty) continue;
+      if (!e->dirty) continue;
       keys.push_back(k);
-      rows.insert(rows.end(), e.row.get(), e.row.get() + row_);
-      e.dirty = false;
+      rows.insert(rows.end(), e->row(), e->row() + row_);
+      e->dirty = false;
     }
     if (!keys.empty()) RETURN_IF_ERROR(ssd_->Put(keys, rows));
     stats_.flushed_rows += keys.size();
@@ -182,15 +235,15 @@ class MemTierImpl final : public MemTier {
     std::vector<uint8_t> buf(keys.size() * row_);
     std::vector<bool> found;
     RETURN_IF_ERROR(ssd_->Get(keys, buf, &found));
+    rows_.reserve(rows_.size() + keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
-      Entry e;
-      e.key = keys[i];
-      e.row.reset(new uint8_t[row_]);
+      EntryPtr owned = NewEntry(keys[i], row_);
+      Entry& e = *owned;
       if (found[i]) {
-        std::memcpy(e.row.get(), buf.data() + i * row_, row_);
+        std::memcpy(e.row(), buf.data() + i * row_, row_);
         stats_.ssd_reads++;
       } else {
-        std::span<uint8_t> r(e.row.get(), row_);
+        std::span<uint8_t> r(e.row(), row_);
         if (opt_.initializer) {
           opt_.initializer(keys[i], r);
         } else {
@@ -202,11 +255,10 @@ class MemTierImpl final : public MemTier {
       if (to_pin) {
         e.where = Entry::Where::kPinned;  // pins 0 until the caller's Pin
       } else {
-        lru_.push_front(keys[i]);
-        e.lru_it = lru_.begin();
+        lru_.PushFront(&e);
         e.where = Entry::Where::kLru;
       }
-      rows_.emplace(keys[i], std::move(e));
+      rows_.emplace(keys[i], std::move(owned));
     }
     return Status::Ok();
   }
@@ -217,12 +269,11 @@ class MemTierImpl final : public MemTier {
     e.freq++;
     if (changes) e.dirty = true;
     if (e.where == Entry::Where::kLru) {
-      lru_.splice(lru_.begin(), lru_, e.lru_it);
+      lru_.MoveToFront(&e);
       stats_.hits_lru++;
     } else if (e.where == Entry::Where::kLfu) {
       lfu_.erase(e.lfu_it);
-      lru_.push_front(e.key);
-      e.lru_it = lru_.begin();
+      lru_.PushFront(&e);
       e.where = Entry::Where::kLru;
       stats_.hits_lfu++;
     } else {
@@ -237,7 +288,7 @@ class MemTierImpl final : public MemTier {
     }
     // where == kPinned with no pins: just loaded (LoadLocked's to_pin).
     if (e.where == Entry::Where::kLru) {
-      lru_.erase(e.lru_it);
+      lru_.Erase(&e);
       stats_.hits_lru++;
     } else if (e.where == Entry::Where::kLfu) {
       lfu_.erase(e.lfu_it);
@@ -252,10 +303,9 @@ class MemTierImpl final : public MemTier {
     uint64_t unpinned_cap = capacity_ - std::min(capacity_, pinned_);
     uint64_t lru_cap = static_cast<uint64_t>(unpinned_cap * opt_.lru_fraction);
     while (lru_.size() > lru_cap) {
-      uint64_t k = lru_.back();
-      lru_.pop_back();
-      Entry& e = rows_.at(k);
-      e.lfu_it = lfu_.insert({e.freq, k}).first;
+      Entry& e = *lru_.back();
+      lru_.Erase(&e);
+      e.lfu_it = lfu_.insert({e.freq, e.key}).first;
       e.where = Entry::Where::kLfu;
       stats_.evicted_to_lfu++;
     }
@@ -266,10 +316,10 @@ class MemTierImpl final : public MemTier {
       auto victim = lfu_.begin();  // least frequently used
       uint64_t k = victim->second;
       lfu_.erase(victim);
-      Entry& e = rows_.at(k);
+      Entry& e = *rows_.at(k);
       if (e.dirty) {
         keys.push_back(k);
-        rows.insert(rows.end(), e.row.get(), e.row.get() + row_);
+        rows.insert(rows.end(), e.row(), e.row() + row_);
       }
       drop.push_back(k);
       stats_.evicted_to_ssd++;
@@ -289,11 +339,14 @@ class MemTierImpl final : public MemTier {
   const uint32_t row_;
   uint64_t capacity_ = 0;  // rows
   mutable Mutex mu_;
-  std::unordered_map<uint64_t, Entry> rows_ MEMBOX_GUARDED_BY(mu_);
-  std::list<uint64_t> lru_;                      // front: newest
+  // An open-addressing map (one probe into contiguous slots per lookup,
+  // where std::unordered_map chased a bucket and a node): lookups were a
+  // third of a memory node's CPU in the CTR run (docs/results/ctr.md).
+  absl::flat_hash_map<uint64_t, EntryPtr> rows_ MEMBOX_GUARDED_BY(mu_);
+  LruList lru_;                                  // front: newest
   std::set<std::pair<uint64_t, uint64_t>> lfu_;  // (freq, key)
   // batch -> the rows it pinned (a row once per time it was pinned)
-  std::unordered_map<uint64_t, std::vector<Entry*>> batches_;
+  absl::flat_hash_map<uint64_t, std::vector<Entry*>> batches_;
   uint64_t marks_ = 0;
   uint64_t pinned_ = 0;
   MemTierStats stats_;
