@@ -24,6 +24,9 @@ median samples/s is reported):
                    what membox did before grouping)
   membox-1-node    `membox` with one memory node (--nodes 1): three
                    processes on the machine instead of four
+  membox-1-worker  one worker and one memory node: on two cores, a core
+                   for the worker and one for the node, as torch-local has
+                   one core (no DDP round between workers)
 
 Every variant trains the same model on the same click log and reports its
 test AUC; the table shows samples/s, the ratios to torch-local and to
@@ -41,7 +44,7 @@ import sys
 import time
 
 VARIANTS = ("torch-local", "torchrec", "membox", "membox-per-table",
-            "membox-1-node")
+            "membox-1-node", "membox-1-worker")
 
 
 def _die(msg):
@@ -78,9 +81,11 @@ def run_case(a, variant, script):
         cmd = [py, script, "--torchrec"] + args
     else:
         membox_bin = os.environ.get("MEMBOX_BIN", "membox")
-        nodes = 1 if variant == "membox-1-node" else a.nodes
+        nodes = 1 if variant in ("membox-1-node", "membox-1-worker") \
+            else a.nodes
+        workers = 1 if variant == "membox-1-worker" else a.workers
         cmd = [membox_bin, "launch", "--nodes", str(nodes), "--workers",
-               str(a.workers), "--", py, script] + args
+               str(workers), "--", py, script] + args
         if variant == "membox-per-table":
             cmd.append("--no-group")
     cpu0, t0 = _children_cpu(), time.perf_counter()
@@ -172,7 +177,7 @@ def main(argv=None):
         vals = [rows[v]["samples_per_s"] for v in variants]
         bars = ax.bar(variants, vals,
                       color=["#7f7f7f", "#2ca02c", "#1f77b4", "#aec7e8",
-                             "#9467bd"][:len(variants)])
+                             "#9467bd", "#17becf"][:len(variants)])
         for b, v in zip(bars, variants):
             ax.annotate(f"AUC {rows[v]['test_auc']:.4f}",
                         (b.get_x() + b.get_width() / 2, b.get_height()),

@@ -1303,14 +1303,40 @@ def _keys(input):
     return a.reshape(-1).view(np.uint64), a.shape
 
 
+class _Ids:
+    """One id tensor's flat keys, distinct keys and inverse index (what a
+    layer's forward gathers with), computed once however many layers of a
+    group take the same tensor. Remembers the tensor and its version so
+    forward can tell the ids it is given are the prefetched ones without
+    comparing them."""
+
+    def __init__(self, input):
+        flat, self.shape = _keys(input)
+        self.flat = flat.copy()  # not a view: the caller may reuse `input`
+        self.unique, inverse = np.unique(self.flat, return_inverse=True)
+        self.inverse = torch.from_numpy(inverse.astype(np.int64, copy=False))
+        self.source = input
+        self.version = getattr(input, "_version", None)
+
+    def same(self, input):
+        """True when `input` holds these ids."""
+        if (input is self.source and self.version is not None
+                and input._version == self.version):
+            return True  # the same tensor, not written to since
+        flat, _ = _keys(input)
+        return (self.flat.shape == flat.shape and
+                bool(np.array_equal(self.flat, flat)))
+
+
 class Prefetched:
     """The rows of one batch of one layer, being pulled (from
     Embedding.prefetch or EmbeddingGroup.prefetch)."""
 
-    def __init__(self, layer, input, pin, batch=None, grouped=False):
-        self.flat, self.shape = _keys(input)
-        self.unique, inverse = np.unique(self.flat, return_inverse=True)
-        self.inverse = torch.from_numpy(inverse.astype(np.int64))
+    def __init__(self, layer, input, pin, batch=None, grouped=False,
+                 ids=None):
+        self.ids = ids if ids is not None else _Ids(input)
+        self.flat, self.shape = self.ids.flat, self.ids.shape
+        self.unique, self.inverse = self.ids.unique, self.ids.inverse
         self.batch = batch if batch is not None else \
             (next(_pin_tags) if pin else 0)
         self.layer = layer
@@ -1420,7 +1446,12 @@ class EmbeddingGroup:
                              f"{len(self.layers)} layers")
         training = any(layer.training for layer in self.layers)
         batch = next(_pin_tags) if training else 0
-        pres = tuple(Prefetched(layer, x, training, batch=batch, grouped=True)
+        ids = {}  # id(input) -> _Ids: a tensor given twice is uniqued once
+        for x in inputs:
+            if id(x) not in ids:
+                ids[id(x)] = _Ids(x)
+        pres = tuple(Prefetched(layer, x, training, batch=batch, grouped=True,
+                                ids=ids[id(x)])
                      for layer, x in zip(self.layers, inputs))
         step = _GroupStep(self, pres)
         for p in pres:
@@ -1465,8 +1496,7 @@ class _StoreLayer(torch.nn.Module):
         if p.layer is not self or p.used:
             raise ValueError("this prefetch belongs to another layer or was "
                              "used already")
-        flat, _ = _keys(input)
-        if p.flat.shape != flat.shape or not np.array_equal(p.flat, flat):
+        if not p.ids.same(input):
             raise ValueError("forward's ids differ from the prefetched ones")
         p.used = True
         rows = torch.from_numpy(p.wait())

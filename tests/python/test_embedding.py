@@ -139,6 +139,36 @@ class EmbeddingTest(unittest.TestCase):
         for i in range(2):
             self.assertIn(" pinned 0 ", self.client.node_status(i))
 
+    def test_prefetch_checks_ids_and_uniques_a_shared_tensor_once(self):
+        wide = mt.EmbeddingBag("uw", 1, mode="sum", client=self.client)
+        deep = mt.Embedding("ud", 2, client=self.client)
+        group = mt.EmbeddingGroup(wide, deep)
+        x = torch.tensor([[5, 6], [6, 7]])
+        pw, pd = group.prefetch(x, x)
+        self.assertIs(pw.ids, pd.ids)  # one np.unique for both members
+        # An equal tensor that is not the prefetched one is compared.
+        out = wide(x.clone(), prefetched=pw).sum() + deep(x, prefetched=pd).sum()
+        out.backward()
+        group.synchronize()
+        # The prefetched tensor written in place is caught, not trusted.
+        pw, pd = group.prefetch(x, x)
+        x[0, 0] = 99
+        with self.assertRaisesRegex(ValueError, "differ from the prefetched"):
+            wide(x, prefetched=pw)
+        x[0, 0] = 5  # written again, same ids: compared and accepted
+        wide.eval()
+        deep.eval()
+        with torch.no_grad():  # in eval mode a forward releases the pins
+            deep(x, prefetched=pd)
+            wide(x, prefetched=pw)
+        for i in range(2):
+            self.assertIn(" pinned 0 ", self.client.node_status(i))
+        # numpy ids (no version counter) are compared too.
+        ids = np.array([1, 2, 2], dtype=np.int64)
+        p = deep.prefetch(ids)
+        with self.assertRaises(ValueError):
+            deep(np.array([1, 2, 3], dtype=np.int64), prefetched=p)
+
     def test_group_moves_every_table_in_one_request_per_node(self):
         # The same training through an EmbeddingGroup and through layers
         # on their own gives the same weights; the group's step costs one
