@@ -1,11 +1,11 @@
 #include "membox/embedding/mem_tier.h"
 
-#include <absl/container/flat_hash_map.h>
-#include <absl/container/flat_hash_set.h>
-
 #include <cstring>
 #include <new>
 #include <set>
+
+#include <absl/container/flat_hash_map.h>
+#include <absl/container/flat_hash_set.h>
 
 #include "membox/base/mutex.h"
 
@@ -33,14 +33,14 @@ struct alignas(16) Entry {
 struct EntryDeleter {
   void operator()(Entry* e) const {
     e->~Entry();
-    ::operator delete(e, std::align_val_t{alignof(Entry)});
+    ::operator delete (e, std::align_val_t{alignof(Entry)});
   }
 };
 using EntryPtr = std::unique_ptr<Entry, EntryDeleter>;
 
 EntryPtr NewEntry(uint64_t key, size_t row_bytes) {
-  void* p = ::operator new(sizeof(Entry) + row_bytes,
-                           std::align_val_t{alignof(Entry)});
+  void* p = ::operator new (sizeof(Entry) + row_bytes,
+                            std::align_val_t{alignof(Entry)});
   EntryPtr e(new (p) Entry);
   e->key = key;
   return e;
