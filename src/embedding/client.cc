@@ -578,10 +578,12 @@ class ClientImpl final : public EmbeddingClient {
     std::vector<uint32_t> tables;
     for (const TablePush& p : parts) tables.push_back(p.table);
     ASSIGN_OR_RETURN(std::vector<const OpenedTable*> opened, FindAll(tables));
-    // Per part: the distinct keys and their summed gradients.
+    // Per part: the distinct keys and their gradients -- the caller's when
+    // its keys are already distinct, else summed here.
     struct Part {
       std::vector<uint64_t> unique;
       std::vector<float> summed;
+      const float* grads = nullptr;  // unique.size() * dim values
     };
     std::vector<Part> ps(parts.size());
     std::vector<std::vector<std::vector<uint32_t>>> by_node(parts.size());
@@ -598,7 +600,7 @@ class ClientImpl final : public EmbeddingClient {
       Part& op = ps[j];
       if (StrictlyIncreasing(keys)) {  // already distinct: nothing to sum
         op.unique.assign(keys.begin(), keys.end());
-        op.summed.assign(grads.begin(), grads.end());
+        op.grads = grads.data();
       } else {
         std::unordered_map<uint64_t, uint32_t> index;
         index.reserve(keys.size());
@@ -613,6 +615,7 @@ class ClientImpl final : public EmbeddingClient {
             for (uint32_t k = 0; k < d; ++k) acc[k] += g[k];
           }
         }
+        op.grads = op.summed.data();
       }
       by_node[j] = GroupByNode(op.unique);
     }
@@ -629,7 +632,7 @@ class ClientImpl final : public EmbeddingClient {
         pack.Add(static_cast<uint32_t>(j), parts[j].table, d, by_node[j][n],
                  pinned[j].count(n) > 0, [&](proto::Section& s, uint32_t u) {
                    s.keys.push_back(op.unique[u]);
-                   const float* g = op.summed.data() + size_t(u) * d;
+                   const float* g = op.grads + size_t(u) * d;
                    s.values.insert(s.values.end(), g, g + d);
                  });
       }
@@ -732,6 +735,9 @@ class ClientImpl final : public EmbeddingClient {
         s.release = release && end == rows.size();
         Piece& pc = cur_.pieces.emplace_back();
         pc.part = part;
+        s.keys.reserve(end - start);
+        if (type_ == Type::kPush) s.values.reserve((end - start) * dim);
+        pc.rows.reserve(end - start);
         for (size_t i = start; i < end; ++i) {
           add(s, rows[i]);
           pc.rows.push_back(rows[i]);
@@ -837,8 +843,9 @@ class ClientImpl final : public EmbeddingClient {
     service::Call call = service::Call::Make(static_cast<int>(msgs.size()) + 1);
     auto state = call.state();
     for (auto& [n, m] : msgs) {
-      nodes_[n]->Send(
-          m, [state](Result<Message> r) { state->Finish(r.status()); });
+      nodes_[n]->Send(std::move(m), [state](Result<Message> r) {
+        state->Finish(r.status());
+      });
     }
     state->Finish(Status::Ok());
     return call;

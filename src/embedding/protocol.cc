@@ -117,7 +117,13 @@ uint32_t MaxKeysPerMessage(uint32_t dim) {
 }
 
 std::vector<uint8_t> Encode(const Message& m) {
-  Writer w(service::NewMessage());
+  // Pulls and pushes are sized up front: a 1 MiB push is written once, not
+  // regrown and copied as it fills.
+  size_t body = 64;
+  for (const Section& s : m.sections) {
+    body += kSectionBytes + s.keys.size() * 8 + s.values.size() * 4;
+  }
+  Writer w(service::NewMessage(body));
   w.U8(kMagic);
   w.U8(kVersion);
   switch (m.type) {
