@@ -1533,6 +1533,37 @@ class _StoreLayer(torch.nn.Module):
         return f"table={self.name!r}, dim={self.dim}"
 
 
+class _GatherRows(torch.autograd.Function):
+    """rows[idx] for flat positions idx, or (bag given) their per-bag sums
+    out[bag[i]] += scale[i] * rows[idx[i]]. The pulled rows are a batch's
+    distinct rows, so their gradient is dense and small: backward adds the
+    output gradient into it with index_add, where F.embedding_bag's and
+    F.embedding's dense backward sort the ids first (a third of the
+    layers' backward in the CTR run)."""
+
+    @staticmethod
+    def forward(ctx, rows, idx, bag, nbags, scale):
+        ctx.save_for_backward(idx, bag, scale)
+        ctx.n = rows.shape[0]
+        got = rows.index_select(0, idx)
+        if bag is None:
+            return got
+        if scale is not None:
+            got = got * scale
+        return rows.new_zeros((nbags, rows.shape[1])).index_add_(0, bag, got)
+
+    @staticmethod
+    def backward(ctx, grad):
+        idx, bag, scale = ctx.saved_tensors
+        grad = grad.contiguous()
+        if bag is not None:
+            grad = grad.index_select(0, bag)
+            if scale is not None:
+                grad = grad * scale
+        out = grad.new_zeros((ctx.n, grad.shape[-1]))
+        return out.index_add_(0, idx, grad), None, None, None, None
+
+
 class Embedding(_StoreLayer):
     """Like torch.nn.Embedding (any id shape -> shape + (dim,)), with the
     table in the memory nodes; ids are any 64-bit integers (no
@@ -1540,7 +1571,8 @@ class Embedding(_StoreLayer):
 
     def forward(self, input, prefetched=None):
         rows, idx = self._rows(input, prefetched)
-        return F.embedding(idx, rows)
+        out = _GatherRows.apply(rows, idx.reshape(-1), None, 0, None)
+        return out.view(*idx.shape, self.dim)
 
 
 class EmbeddingBag(_StoreLayer):
@@ -1556,5 +1588,27 @@ class EmbeddingBag(_StoreLayer):
     def forward(self, input, offsets=None, per_sample_weights=None,
                 prefetched=None):
         rows, idx = self._rows(input, prefetched)
-        return F.embedding_bag(idx, rows, offsets, mode=self.mode,
-                               per_sample_weights=per_sample_weights)
+        if per_sample_weights is not None or idx.dim() not in (1, 2) or \
+                (idx.dim() == 1) != (offsets is not None):
+            # torch's own path: weights, and the errors of odd shapes
+            return F.embedding_bag(idx, rows, offsets, mode=self.mode,
+                                   per_sample_weights=per_sample_weights)
+        n = idx.numel()
+        if idx.dim() == 2:  # (B, L): bags of L
+            nbags, width = idx.shape
+            bag = torch.arange(nbags).repeat_interleave(width)
+            scale = (rows.new_full((n, 1), 1.0 / width)
+                     if self.mode == "mean" and width else None)
+        else:  # 1-D ids, offsets[i] where bag i starts
+            offsets = torch.as_tensor(offsets, dtype=torch.int64)
+            nbags = offsets.numel()
+            lengths = torch.diff(offsets, append=offsets.new_tensor([n]))
+            if nbags == 0 or int(offsets[0]) != 0 or bool((lengths < 0).any()):
+                # torch says what is wrong with them
+                return F.embedding_bag(idx, rows, offsets, mode=self.mode)
+            bag = torch.arange(nbags).repeat_interleave(lengths)
+            scale = None
+            if self.mode == "mean":
+                per_bag = 1.0 / lengths.clamp(min=1).to(rows.dtype)
+                scale = per_bag.index_select(0, bag).unsqueeze(1)
+        return _GatherRows.apply(rows, idx.reshape(-1), bag, nbags, scale)

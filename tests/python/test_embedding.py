@@ -139,6 +139,39 @@ class EmbeddingTest(unittest.TestCase):
         for i in range(2):
             self.assertIn(" pinned 0 ", self.client.node_status(i))
 
+    def test_bags_with_offsets_train_like_torch_bags(self):
+        # 1-D ids with offsets (an empty bag among them), sum and mean: the
+        # same outputs and, after SGD steps, the same rows as torch's bag.
+        vocab, dim = 30, 2
+        keys = np.arange(vocab, dtype=np.int64)
+        for mode in ("sum", "mean"):
+            bag = mt.EmbeddingBag("off" + mode, dim, mode=mode,
+                                  optimizer="sgd", lr=0.5,
+                                  client=self.client, seed=7)
+            ref = torch.nn.EmbeddingBag(vocab, dim, mode=mode)
+            with torch.no_grad():
+                ref.weight.copy_(torch.from_numpy(
+                    self.client.pull(bag.table, keys)))
+            opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+            g = torch.Generator().manual_seed(3)
+            for step in range(3):
+                ids = torch.randint(0, vocab, (9,), generator=g)
+                offsets = torch.tensor([0, 2, 2, 6])  # bag 1 is empty
+                w = torch.randn(4, dim, generator=g)
+                out = bag(ids, offsets)
+                want = ref(ids, offsets)
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+                (out * w).sum().backward()
+                bag.synchronize()
+                opt.zero_grad()
+                (want * w).sum().backward()
+                opt.step()
+            np.testing.assert_allclose(self.client.pull(bag.table, keys),
+                                       ref.weight.detach().numpy(),
+                                       rtol=1e-5, atol=1e-6)
+            with self.assertRaises(RuntimeError):  # torch's own complaint
+                bag(torch.tensor([1, 2]), torch.tensor([1]))
+
     def test_prefetch_checks_ids_and_uniques_a_shared_tensor_once(self):
         wide = mt.EmbeddingBag("uw", 1, mode="sum", client=self.client)
         deep = mt.Embedding("ud", 2, client=self.client)
