@@ -176,6 +176,29 @@ class MemTierImpl final : public MemTier {
     return Status::Ok();
   }
 
+  Status ForEachPinnedRow(uint64_t batch, std::span<const uint64_t> keys,
+                          const std::function<void(size_t, uint8_t*)>& fn,
+                          bool changes) override {
+    {
+      MutexLock l(&mu_);
+      auto b = batches_.find(batch);
+      if (b != batches_.end() && b->second.size() == keys.size()) {
+        const std::vector<Entry*>& held = b->second;
+        size_t i = 0;
+        while (i < keys.size() && held[i]->key == keys[i]) ++i;
+        if (i == keys.size()) {
+          for (size_t j = 0; j < keys.size(); ++j) {
+            Visit(*held[j], changes);
+            fn(j, held[j]->row());
+          }
+          stats_.pinned_updates += keys.size();
+          return Status::Ok();
+        }
+      }
+    }
+    return ForEachRow(keys, fn, changes);
+  }
+
   void MarkDirty(std::span<const uint64_t> keys) override {
     MutexLock l(&mu_);
     for (uint64_t k : keys) {

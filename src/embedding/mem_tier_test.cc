@@ -142,6 +142,39 @@ TEST_F(MemTierTest, ForEachRowUpdatesWithoutPinning) {
                   .ok());
 }
 
+// The push that ends a batch reaches the batch's pinned rows without
+// lookups when it names the pulled keys in the pulled order; any other
+// keys take ForEachRow's path. Both change the same rows the same way.
+TEST_F(MemTierTest, ForEachPinnedRowUsesTheBatchPinsWhenKeysMatch) {
+  Make(16);
+  std::vector<uint64_t> keys = {4, 9, 2};
+  auto held = tier_->Acquire(keys, 7);
+  ASSERT_TRUE(held.ok());
+  auto bump = [](size_t, uint8_t* row) { row[0] = uint8_t(row[0] + 1); };
+  ASSERT_TRUE(tier_->ForEachPinnedRow(7, keys, bump, true).ok());
+  EXPECT_EQ(tier_->Stats().pinned_updates, 3u);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    EXPECT_EQ((*held)[i][0], uint8_t(keys[i] + 1));
+  }
+  // Another order, a subset, another batch, an unknown batch: looked up.
+  std::vector<uint64_t> reordered = {9, 4, 2}, subset = {4, 9};
+  std::vector<int> seen(3, 0);
+  auto count = [&](size_t i, uint8_t* row) {
+    seen[i]++;
+    row[0] = uint8_t(row[0] + 1);
+  };
+  ASSERT_TRUE(tier_->ForEachPinnedRow(7, reordered, count, true).ok());
+  ASSERT_TRUE(tier_->ForEachPinnedRow(7, subset, count, true).ok());
+  ASSERT_TRUE(tier_->ForEachPinnedRow(99, keys, count, true).ok());
+  EXPECT_EQ(tier_->Stats().pinned_updates, 3u);
+  EXPECT_EQ(seen, (std::vector<int>{3, 3, 2}));
+  EXPECT_EQ((*held)[0][0], uint8_t(4 + 4));  // key 4: 1 + 3 updates
+  EXPECT_EQ((*held)[1][0], uint8_t(9 + 4));
+  EXPECT_EQ((*held)[2][0], uint8_t(2 + 3));
+  ASSERT_TRUE(tier_->Release(7).ok());
+  EXPECT_EQ(tier_->Stats().pinned, 0u);
+}
+
 // A key named twice in one batch (or in two Acquires of the batch) is
 // pinned until that batch's release, and counted once against the budget.
 TEST_F(MemTierTest, RepeatedKeysInABatchPinOnce) {

@@ -596,14 +596,20 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         ls->keys.assign(s.keys.begin(), s.keys.end());
         ls->rows.resize(s.keys.size() * size_t{rb});
       }
-      RETURN_IF_ERROR(t->mem->ForEachRow(
-          s.keys,
-          [&](size_t i, uint8_t* row) {
-            ApplyGradient(t->config, {reinterpret_cast<float*>(row), rf},
-                          {s.values.data() + i * d, d});
-            if (ls) std::memcpy(ls->rows.data() + i * rb, row, rb);
-          },
-          /*changes=*/true));
+      auto apply = [&](size_t i, uint8_t* row) {
+        ApplyGradient(t->config, {reinterpret_cast<float*>(row), rf},
+                      {s.values.data() + i * d, d});
+        if (ls) std::memcpy(ls->rows.data() + i * rb, row, rb);
+      };
+      // The push that ends a batch reaches the rows its pull pinned
+      // without looking them up again.
+      auto held = m.batch != 0 ? c.batches.find({s.table_id, m.batch})
+                               : c.batches.end();
+      RETURN_IF_ERROR(held != c.batches.end()
+                          ? t->mem->ForEachPinnedRow(held->second, s.keys,
+                                                     apply, /*changes=*/true)
+                          : t->mem->ForEachRow(s.keys, apply,
+                                               /*changes=*/true));
       rows_pushed_ += s.keys.size();
       t->rows_pushed += s.keys.size();
     }
@@ -714,12 +720,13 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       o << "table " << t->config.name << " dim " << t->config.dim << " "
         << RowOptimizerName(t->config.optimizer) << "\n  rows_pulled "
         << t->rows_pulled << " rows_pushed " << t->rows_pushed
-        << "\n  memory rows " << ms.rows_in_memory << " pinned " << ms.pinned
-        << " lru " << ms.lru << " lfu " << ms.lfu << " created " << ms.created
-        << " ssd_reads " << ms.ssd_reads << " evicted_to_ssd "
-        << ms.evicted_to_ssd << "\n  ssd keys " << ss.keys << " files "
-        << ss.files << " live_bytes " << ss.live_bytes << " file_bytes "
-        << ss.file_bytes << " write_amplification " << ss.write_amplification()
+        << " pushed_through_pins " << ms.pinned_updates << "\n  memory rows "
+        << ms.rows_in_memory << " pinned " << ms.pinned << " lru " << ms.lru
+        << " lfu " << ms.lfu << " created " << ms.created << " ssd_reads "
+        << ms.ssd_reads << " evicted_to_ssd " << ms.evicted_to_ssd
+        << "\n  ssd keys " << ss.keys << " files " << ss.files << " live_bytes "
+        << ss.live_bytes << " file_bytes " << ss.file_bytes
+        << " write_amplification " << ss.write_amplification()
         << " compactions " << ss.compactions << "\n";
     }
     return o.str();

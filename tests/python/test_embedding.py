@@ -248,6 +248,13 @@ class EmbeddingTest(unittest.TestCase):
 
         for a, b in zip(train("g", True), train("s", False)):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        # The pushes that ended the batches reached the pinned rows
+        # directly (no second hash lookup on the node).
+        for i in range(2):
+            through = [int(line.split("pushed_through_pins ")[1])
+                       for line in self.client.node_status(i).splitlines()
+                       if "pushed_through_pins " in line]
+            self.assertTrue(through and max(through) > 0, through)
         for i in range(2):
             self.assertIn(" pinned 0 ", self.client.node_status(i))
 

@@ -39,6 +39,7 @@ struct MemTierStats {
   uint64_t hits_lru = 0, hits_lfu = 0, hits_pinned = 0;
   uint64_t ssd_reads = 0, created = 0;
   uint64_t evicted_to_lfu = 0, evicted_to_ssd = 0, flushed_rows = 0;
+  uint64_t pinned_updates = 0;  // rows ForEachPinnedRow reached by pin
 };
 
 class MemTier {
@@ -60,6 +61,14 @@ class MemTier {
   virtual Status ForEachRow(std::span<const uint64_t> keys,
                             const std::function<void(size_t, uint8_t*)>& fn,
                             bool changes) = 0;
+  // ForEachRow for the push that ends `batch`: when `keys` are exactly the
+  // keys `batch` pinned, in the order its Acquire named them (one Acquire;
+  // a worker pushes the distinct keys it pulled), the rows are reached
+  // through the batch's pins with no hash lookup; otherwise this is
+  // ForEachRow. The rows stay pinned until Release(batch).
+  virtual Status ForEachPinnedRow(
+      uint64_t batch, std::span<const uint64_t> keys,
+      const std::function<void(size_t, uint8_t*)>& fn, bool changes) = 0;
   // Marks rows of `batch` as changed (they are written to the SSD before
   // their memory is freed).
   virtual void MarkDirty(std::span<const uint64_t> keys) = 0;
