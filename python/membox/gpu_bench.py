@@ -2,7 +2,7 @@
 
     membox bench gpu [--quick] [--csv F] [--json F] [--plot F.png]
                      [--models resnet50,bert] [--workers 2] [--nodes 1,2]
-                     [--iters N] [--batch N]
+                     [--iters N] [--batch N] [--wire bfloat16|float16|none]
 
 Each case trains a real model (torchvision's ResNet-50; a BERT-base masked
 language model from transformers, or torch's own TransformerEncoder where
@@ -15,6 +15,9 @@ machine's GPU, CUDA tensors and a Gloo process group, started by
                page-locked registered host memory on a side stream, summed by
                N memory nodes (`membox serve` on this host's CPUs), copied
                back on another stream
+  membox-N-bf16  the same hook with init(wire_dtype="bfloat16"): each
+               bucket rounded to bfloat16 on the GPU, so half the bytes
+               cross PCIe and reach the nodes (--wire; float32 sums there)
   compute      the same loop under DDP's no_sync(): no communication, the
                floor every scheme is measured against
 
@@ -134,7 +137,7 @@ def worker(a):
     membox_torch = None
     if a.scheme == "membox":
         import membox.torch as membox_torch
-        membox_torch.init()
+        membox_torch.init(wire_dtype=a.wire or None)
         ddp.register_comm_hook(None, membox_torch.allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=a.lr)
     losses, times = [], []
@@ -181,8 +184,8 @@ def worker(a):
 
 # ----------------------------------------------------------------- driver
 
-def run_case(a, model, scheme, nodes, tmp):
-    out = os.path.join(tmp, f"{model}-{scheme}-{nodes}.json")
+def run_case(a, model, scheme, nodes, tmp, wire=""):
+    out = os.path.join(tmp, f"{model}-{scheme}-{nodes}{wire}.json")
     membox_bin = os.environ.get("MEMBOX_BIN", "membox")
     cmd = [membox_bin, "launch", "--nodes", str(nodes if scheme == "membox"
                                                else 0),
@@ -190,7 +193,7 @@ def run_case(a, model, scheme, nodes, tmp):
            sys.executable, "-m", "membox.gpu_bench", "--worker",
            "--scheme", scheme, "--model", model, "--iters", str(a.iters),
            "--warmup", str(a.warmup), "--batch", str(a.batch[model]),
-           "--lr", str(a.lr), "--out", out]
+           "--lr", str(a.lr), "--out", out, "--wire", wire or "none"]
     t0 = time.time()
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True)
@@ -220,6 +223,9 @@ def main(argv=None):
     ap.add_argument("--batch", default="", help="model=batch,... "
                     "(default resnet50=32,bert=16,mlp=64)")
     ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--wire", default="bfloat16",
+                    help="also run membox with this wire dtype on the "
+                    "largest node count (bfloat16, float16; none: skip)")
     # worker side
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--scheme", default="", help=argparse.SUPPRESS)
@@ -228,6 +234,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.worker:
         a.batch = int(a.batch)
+        a.wire = "" if a.wire == "none" else a.wire
         return worker(a)
 
     import torch
@@ -259,12 +266,18 @@ def main(argv=None):
                         "case": model})
 
     for model in models:
-        cases = [("compute", 0), ("gloo", 0)] + [("membox", n) for n in nodes]
+        cases = [("compute", 0, ""), ("gloo", 0, "")] + \
+            [("membox", n, "") for n in nodes]
+        if a.wire not in ("", "none"):
+            cases.append(("membox", max(nodes), a.wire))
         res = {}
-        for scheme, n in cases:
+        for scheme, n, wire in cases:
             variant = f"membox-{n}" if scheme == "membox" else scheme
+            if wire:
+                variant += "-" + {"bfloat16": "bf16",
+                                  "float16": "fp16"}.get(wire, wire)
             print(f"  {model} {variant} ...", file=sys.stderr, flush=True)
-            res[variant] = run_case(a, model, scheme, n, tmp)
+            res[variant] = run_case(a, model, scheme, n, tmp, wire)
         floor = res["compute"]["iter_s"]
         for variant, r in res.items():
             rec(variant, model, r, "iter_ms", r["iter_s"] * 1e3, "ms")

@@ -55,7 +55,9 @@ def init(mode="average", client=None, wire_dtype=None, profile=True,
     wire_dtype="bfloat16" or "float16": the DDP hook sends float32/float64
     gradient buckets in that type (half the bytes); the memory nodes sum
     them in float32 and round once, and the average comes back into the
-    bucket. CPU buckets only."""
+    bucket. CUDA buckets are rounded and widened on the GPU, so only the
+    narrow copy crosses PCIe and the wire (half the staging bytes each
+    way)."""
     global _client, _wire
     if wire_dtype is not None:
         key = str(wire_dtype).replace("torch.", "")
@@ -378,19 +380,25 @@ def _narrow_push_pull(c, index, t):
     """The hook with wire_dtype: the bucket is rounded into a buffer of the
     wire type (kept per bucket index, registered with the transport where
     the nodes do not map this worker's memory), averaged on the nodes in
-    that type with float32 sums, and widened back into the bucket."""
-    if t.device.type != "cpu":
-        raise membox.MemboxError(
-            "wire_dtype applies to CPU gradient buckets (this bucket is on "
-            "%s); leave wire_dtype unset for GPU training" % t.device)
+    that type with float32 sums, and widened back into the bucket.
+
+    A CUDA bucket is rounded on its device (on the current stream, so after
+    the kernels that wrote it), and only the narrow buffer is staged: half
+    the bytes over PCIe in each direction and on the wire. It is widened
+    back on the host-to-device stream, after the copy into the narrow buffer
+    and before the Future completes, so DDP's stream sees the averaged
+    bucket (see _cuda_push_pull)."""
     with _lock:
         w = _narrow.get(index)
-        if w is None or w.numel() != t.numel() or w.dtype != _wire:
-            w = torch.empty(t.numel(), dtype=_wire)
+        if (w is None or w.numel() != t.numel() or w.dtype != _wire
+                or w.device != t.device):
+            w = torch.empty(t.numel(), dtype=_wire, device=t.device)
             _narrow[index] = w
     w.copy_(t.view(-1))
     key = _bucket_key(index, w.dtype, w.numel() * w.element_size())
     _declare(key, w)
+    if t.device.type == "cuda":
+        return _cuda_push_pull(c, key, w, -index, result=t)
     arr = _flat_numpy(w)
     if not c.proxies_map_memory:
         _register_bucket(c, index, w, arr)
@@ -468,7 +476,11 @@ def _register_bucket(c, index, t, arr):
     c.register_tensor(arr)
 
 
-def _cuda_push_pull(c, key, t, priority):
+def _cuda_push_pull(c, key, t, priority, result=None):
+    """Averages CUDA tensor `t` through the staging memory (_CudaStaging):
+    the Future completes with `t` on the host-to-device stream. With
+    `result` (the bucket `t` is a wire-type copy of), `t` is widened into
+    `result` on that stream first and the Future completes with `result`."""
     device = t.device
     staging = _staging_for(c)
     nbytes = t.numel() * t.element_size()
@@ -485,7 +497,11 @@ def _cuda_push_pull(c, key, t, priority):
         try:
             h2d = staging.to_device(host, t, device)
             with torch.cuda.device(device), torch.cuda.stream(h2d):
-                fut.set_result(t)  # records an event on h2d for the waiter
+                if result is not None:
+                    result.view(-1).copy_(t)
+                    result.record_stream(h2d)
+                # set_result records an event on h2d for the waiter
+                fut.set_result(t if result is None else result)
         except Exception as e:  # noqa: BLE001 - reach the waiter
             fut.set_exception(e)
 

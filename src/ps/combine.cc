@@ -52,10 +52,8 @@ void SumBank(uint8_t* base, const CombineGeometry& g, uint64_t round,
              void* out) {
   std::vector<const void*> srcs(g.world);
   for (uint32_t i = 0; i < g.world; ++i) srcs[i] = Slot(base, g, round, i);
-  SumInto(g.dtype, out, srcs, g.bytes);
-  if (g.average && g.world > 1) {
-    ScaleInPlace(g.dtype, out, g.bytes / DTypeSize(g.dtype), 1.0 / g.world);
-  }
+  SumInto(g.dtype, out, srcs, g.bytes,
+          g.average && g.world > 1 ? 1.0 / g.world : 1.0);
 }
 
 }  // namespace

@@ -101,7 +101,8 @@ struct PendingPull {
 struct Shard : StoredShard {
   // Synchronous round `version`: contributions by rank.
   std::map<uint32_t, Contribution> pushes;
-  bool reducing = false;  // local sum done, ring running
+  bool reducing = false;    // local sum done, ring running
+  bool sum_scaled = false;  // LocalSum applied the average's 1/world
   RingProgress ring;
   std::vector<PendingPull> pulls;
   std::vector<uint64_t> applied;  // kAsync: pushes applied per rank
@@ -407,7 +408,9 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   // scratch <- sum of the pushes in rank order (zeros when every worker sent
   // this shard to another proxy).
-  Status LocalSum(Key& key, Shard& sh);
+  // Sums the shard's pushes into sh.scratch and multiplies by `scale`
+  // (sets sh.sum_scaled when scale != 1).
+  Status LocalSum(Key& key, Shard& sh, double scale);
 
   // ------------------------------------------ ring (proxy_rounds.cc)
 

@@ -159,7 +159,16 @@ void ProxyImpl::MaybeStartAll() {
 void ProxyImpl::StartReduce(uint64_t k, uint32_t s) {
   Key& key = keys_[k];
   Shard& sh = key.shards[s];
-  Status st = LocalSum(key, sh);
+  // Where this node's sum is the round's result (one node, or a striped
+  // key whose shard lives here alone), an average's 1/world is applied in
+  // the summing pass on the sync cores, not in a pass of its own.
+  const bool local_result = nproxies_ == 1 || key.striped;
+  const double scale = local_result &&
+                               key.opt.kind == proto::Optimizer::kNone &&
+                               mode_ == proto::Mode::kAverage
+                           ? 1.0 / world_
+                           : 1.0;
+  Status st = LocalSum(key, sh, scale);
   if (!st.ok()) {
     MEMBOX_LOG_WARN("key {} shard {}: {}", k, s, st.ToString());
     for (auto& [r, p] : sh.pushes) Reply(p.conn, Type::kPush, p.id, st);
@@ -172,7 +181,9 @@ void ProxyImpl::StartReduce(uint64_t k, uint32_t s) {
   RunRing(k, s, /*start=*/true);
 }
 
-Status ProxyImpl::LocalSum(Key& key, Shard& sh) {
+Status ProxyImpl::LocalSum(Key& key, Shard& sh, double scale) {
+  sh.sum_scaled = false;
+  bool scaled = false;  // by SumInto
   if (!sh.scratch || sh.scratch.use_count() > 1) {
     ASSIGN_OR_RETURN(sh.scratch, storage_->Allocate(sh.bytes));
   }
@@ -202,7 +213,8 @@ Status ProxyImpl::LocalSum(Key& key, Shard& sh) {
   if (sh.pushes.empty()) {
     std::memset(dst, 0, sh.bytes);
   } else if (all_mapped) {  // mapped or prefetched: sum on the sync cores
-    SumInto(*sync_, key.dtype, dst, srcs, sh.bytes);
+    SumInto(*sync_, key.dtype, dst, srcs, sh.bytes, scale);
+    scaled = true;
   } else {
     bool first = true;
     for (auto& [r, p] : sh.pushes) {
@@ -229,6 +241,13 @@ Status ProxyImpl::LocalSum(Key& key, Shard& sh) {
         sync_->Run(key.dtype, dst, src, sh.bytes / es, 1.0);
       }
     }
+  }
+  if (scale != 1.0) {
+    if (!scaled) {
+      ScaleInPlace(*sync_, key.dtype, dst, sh.bytes / DTypeSize(key.dtype),
+                   scale);
+    }
+    sh.sum_scaled = true;  // FinishRound does not scale again
   }
   bytes_reduced_.fetch_add(sh.bytes * std::max<size_t>(1, sh.pushes.size()));
   return Status::Ok();
@@ -398,7 +417,8 @@ void ProxyImpl::FinishRound(uint64_t k, uint32_t s) {
       key.opt.kind == proto::Optimizer::kNone ? Update::kReplace
                                               : Update::kOptimizer,
       sh, sh.scratch.get(),
-      mode_ == proto::Mode::kAverage ? 1.0 / world_ : 1.0);
+      mode_ == proto::Mode::kAverage && !sh.sum_scaled ? 1.0 / world_ : 1.0);
+  sh.sum_scaled = false;
   if (st.ok()) sh.version++;
   PublishRound(k, s, st);
 }

@@ -53,7 +53,7 @@ bool IsHalf(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16; }
 // float16 / bfloat16: every input widened and added in float32, the sum
 // rounded once (adding in the narrow type would round after every input).
 void SumHalfBlock(DType t, uint16_t* dst, const std::vector<const void*>& srcs,
-                  size_t first, size_t n) {
+                  size_t first, size_t n, double scale) {
   thread_local std::vector<float> acc, in;
   acc.resize(n);
   in.resize(n);
@@ -63,19 +63,41 @@ void SumHalfBlock(DType t, uint16_t* dst, const std::vector<const void*>& srcs,
                  n);
     for (size_t i = 0; i < n; ++i) acc[i] += in[i];
   }
-  NarrowFromFloat(t, acc.data(), dst + first, n);
+  NarrowFromFloat(t, acc.data(), dst + first, n, static_cast<float>(scale));
+}
+
+// p[i] *= factor over elements [b, e), in the calling thread.
+void ScaleRange(DType t, void* p, size_t b, size_t e, double factor) {
+  if (t == DType::kFloat32) {
+    auto* f = static_cast<float*>(p);
+    float a = static_cast<float>(factor);
+    for (size_t i = b; i < e; ++i) f[i] *= a;
+  } else if (t == DType::kFloat64) {
+    auto* f = static_cast<double*>(p);
+    for (size_t i = b; i < e; ++i) f[i] *= factor;
+  } else if (IsHalf(t)) {
+    auto* h = static_cast<uint16_t*>(p);
+    float tmp[1024];
+    for (size_t i = b; i < e; i += 1024) {
+      size_t n = std::min<size_t>(1024, e - i);
+      WidenToFloat(t, h + i, tmp, n);
+      NarrowFromFloat(t, tmp, h + i, n, static_cast<float>(factor));
+    }
+  }
 }
 
 // Elements [b, e) of SumInto.
+// Elements [b, e) of SumInto, block by block: each output block is scaled
+// while it is still in the cache.
 void SumRange(DType t, void* dst, const std::vector<const void*>& srcs,
-              size_t b, size_t e) {
+              size_t b, size_t e, double scale) {
   const size_t es = DTypeSize(t);
   auto* d = static_cast<uint8_t*>(dst);
   const size_t block = kBlockBytes / es;
   for (size_t i = b; i < e; i += block) {
     size_t n = std::min(block, e - i);
     if (IsHalf(t)) {
-      SumHalfBlock(t, static_cast<uint16_t*>(dst), srcs, i, n);
+      SumHalfBlock(t, static_cast<uint16_t*>(dst), srcs, i, n, scale);
       continue;
     }
     std::memcpy(d + i * es, static_cast<const uint8_t*>(srcs[0]) + i * es,
@@ -84,50 +106,42 @@ void SumRange(DType t, void* dst, const std::vector<const void*>& srcs,
       AccumulateKernel(t, d + i * es,
                        static_cast<const uint8_t*>(srcs[k]) + i * es, n, 1.0);
     }
+    if (scale != 1.0) ScaleRange(t, dst, i, i + n, scale);
   }
 }
 
 }  // namespace
 
 void SumInto(SyncCores& cores, DType t, void* dst,
-             const std::vector<const void*>& srcs, size_t bytes) {
+             const std::vector<const void*>& srcs, size_t bytes, double scale) {
   if (srcs.empty()) {
     std::memset(dst, 0, bytes);
     return;
   }
   const size_t es = DTypeSize(t);
-  cores.ParallelFor(bytes / es, (256 << 10) / es,
-                    [&](size_t b, size_t e) { SumRange(t, dst, srcs, b, e); });
+  cores.ParallelFor(bytes / es, (256 << 10) / es, [&](size_t b, size_t e) {
+    SumRange(t, dst, srcs, b, e, scale);
+  });
 }
 
 void SumInto(DType t, void* dst, const std::vector<const void*>& srcs,
-             size_t bytes) {
+             size_t bytes, double scale) {
   if (srcs.empty()) {
     std::memset(dst, 0, bytes);
     return;
   }
-  SumRange(t, dst, srcs, 0, bytes / DTypeSize(t));
+  SumRange(t, dst, srcs, 0, bytes / DTypeSize(t), scale);
 }
 
 void ScaleInPlace(DType t, void* p, size_t count, double factor) {
-  if (t == DType::kFloat32) {
-    auto* f = static_cast<float*>(p);
-    float a = static_cast<float>(factor);
-    for (size_t i = 0; i < count; ++i) f[i] *= a;
-  } else if (t == DType::kFloat64) {
-    auto* f = static_cast<double*>(p);
-    for (size_t i = 0; i < count; ++i) f[i] *= factor;
-  } else if (IsHalf(t)) {
-    auto* h = static_cast<uint16_t*>(p);
-    float a = static_cast<float>(factor);
-    float tmp[1024];
-    for (size_t i = 0; i < count; i += 1024) {
-      size_t n = std::min<size_t>(1024, count - i);
-      WidenToFloat(t, h + i, tmp, n);
-      for (size_t j = 0; j < n; ++j) tmp[j] *= a;
-      NarrowFromFloat(t, tmp, h + i, n);
-    }
-  }
+  ScaleRange(t, p, 0, count, factor);
+}
+
+void ScaleInPlace(SyncCores& cores, DType t, void* p, size_t count,
+                  double factor) {
+  cores.ParallelFor(count, (256 << 10) / DTypeSize(t), [&](size_t b, size_t e) {
+    ScaleRange(t, p, b, e, factor);
+  });
 }
 
 void ApplyOptimizer(SyncCores& cores, DType t, const OptimizerStep& step,

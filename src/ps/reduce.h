@@ -17,17 +17,23 @@ bool SupportsArithmetic(DType t);
 // dtypes averaging supports: those and float16 / bfloat16.
 bool SupportsAveraging(DType t);
 
-// dst <- srcs[0] + srcs[1] + ... (in that order, element by element), for
-// any dtype AccumulateSupports(). float16 / bfloat16 inputs are summed in
-// float32 and rounded once. `bytes` is a multiple of the element size.
+// dst <- scale * (srcs[0] + srcs[1] + ...) (summed in that order, element
+// by element), for any dtype AccumulateSupports(). float16 / bfloat16
+// inputs are summed and scaled in float32 and rounded once. `bytes` is a
+// multiple of the element size. The scaling (an average's 1/world) is done
+// on each block while it is in the cache, not in a pass of its own.
 void SumInto(SyncCores& cores, DType t, void* dst,
-             const std::vector<const void*>& srcs, size_t bytes);
+             const std::vector<const void*>& srcs, size_t bytes,
+             double scale = 1.0);
 // The same sum in the calling thread (small tensors).
 void SumInto(DType t, void* dst, const std::vector<const void*>& srcs,
-             size_t bytes);
+             size_t bytes, double scale = 1.0);
 
-// p[i] *= factor (float32 / float64; float16 / bfloat16 through float32).
+// p[i] *= factor (float32 / float64; float16 / bfloat16 through float32),
+// in the calling thread or split over the sync cores.
 void ScaleInPlace(DType t, void* p, size_t count, double factor);
+void ScaleInPlace(SyncCores& cores, DType t, void* p, size_t count,
+                  double factor);
 
 struct OptimizerStep {
   enum Kind { kSgd, kAdam } kind = kSgd;

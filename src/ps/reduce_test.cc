@@ -59,11 +59,72 @@ TEST(ReduceTest, AdamFirstStepMovesByLr) {
   EXPECT_NEAR(w[1], 1.01f, 1e-4);
 }
 
+TEST(ReduceTest, SumIntoScalesInTheSamePass) {
+  // float32: the sum, then the scale, exactly as two passes would give.
+  SyncCores cores(2);
+  const size_t n = (1 << 20) + 5;
+  std::vector<std::vector<float>> in(3, std::vector<float>(n));
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> d(-1, 1);
+  for (auto& v : in)
+    for (auto& x : v) x = d(rng);
+  std::vector<float> out(n), want(n);
+  std::vector<const void*> srcs = {in[0].data(), in[1].data(), in[2].data()};
+  SumInto(cores, DType::kFloat32, out.data(), srcs, n * 4, 1.0 / 3);
+  SumInto(DType::kFloat32, want.data(), srcs, n * 4);
+  ScaleInPlace(cores, DType::kFloat32, want.data(), n, 1.0 / 3);
+  for (size_t i = 0; i < n; i += 7919) ASSERT_EQ(out[i], want[i]) << i;
+  ASSERT_EQ(out[n - 1], want[n - 1]);
+}
+
+TEST(ReduceTest, HalfAveragesRoundOnce) {
+  // bfloat16 and float16: (a + b + c) / 3 computed in float32 and rounded
+  // once, for every element (the vector and the scalar tails alike).
+  SyncCores cores(2);
+  for (DType t : {DType::kBFloat16, DType::kFloat16}) {
+    const size_t n = (300 << 10) + 3;
+    std::vector<std::vector<uint16_t>> in(3, std::vector<uint16_t>(n));
+    std::vector<std::vector<float>> wide(3, std::vector<float>(n));
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> d(-4, 4);
+    for (int k = 0; k < 3; ++k) {
+      for (size_t i = 0; i < n; ++i) {
+        float x = d(rng);
+        NarrowFromFloat(t, &x, &in[k][i], 1);
+        WidenToFloat(t, &in[k][i], &wide[k][i], 1);
+      }
+    }
+    std::vector<uint16_t> out(n);
+    SumInto(cores, t, out.data(), {in[0].data(), in[1].data(), in[2].data()},
+            n * 2, 1.0 / 3);
+    for (size_t i = 0; i < n; ++i) {
+      float sum = wide[0][i];
+      sum += wide[1][i];
+      sum += wide[2][i];
+      float avg = sum * static_cast<float>(1.0 / 3);
+      uint16_t want;
+      NarrowFromFloat(t, &avg, &want, 1);
+      ASSERT_EQ(out[i], want) << "dtype " << static_cast<int>(t) << " at " << i;
+    }
+  }
+}
+
 TEST(ReduceTest, ScaleAverages) {
   std::vector<float> v = {4, 8};
   ScaleInPlace(DType::kFloat32, v.data(), 2, 0.25);
   EXPECT_EQ(v[0], 1.0f);
   EXPECT_EQ(v[1], 2.0f);
+  // Over the sync cores, and half types through float32.
+  SyncCores cores(2);
+  std::vector<uint16_t> h(1 << 20);
+  float three = 3.0f, x;
+  NarrowFromFloat(DType::kBFloat16, &three, &h[0], 1);
+  for (auto& e : h) e = h[0];
+  ScaleInPlace(cores, DType::kBFloat16, h.data(), h.size(), 0.5);
+  for (size_t i = 0; i < h.size(); i += 4099) {
+    WidenToFloat(DType::kBFloat16, &h[i], &x, 1);
+    ASSERT_EQ(x, 1.5f) << i;
+  }
 }
 
 }  // namespace

@@ -63,7 +63,7 @@ Status ShardStorage::Apply(DType dtype, const OptimizerSettings& opt,
                            double scale) {
   const size_t n = sh.bytes / DTypeSize(dtype);
   if (update == Update::kReplace) {
-    if (scale != 1.0) ScaleInPlace(dtype, g->data(), n, scale);
+    if (scale != 1.0) ScaleInPlace(*cores_, dtype, g->data(), n, scale);
     if (sh.scratch && g == sh.scratch.get()) {
       std::swap(sh.value, sh.scratch);  // the old value becomes scratch
       return Status::Ok();

@@ -55,6 +55,23 @@ class DdpHookTest(unittest.TestCase):
                                         (Args.iters - 1) * mb["param_bytes"])
                 self.assertGreater(mb["staging_d2h_gbps"], 0)
 
+    def test_bfloat16_wire_rounds_on_the_gpu_and_stages_half(self):
+        """init(wire_dtype="bfloat16") with CUDA buckets: only the bfloat16
+        copy is staged (half the bytes of the float32 buckets), and training
+        follows Gloo's up to bfloat16 rounding of the averaged gradients."""
+        tmp = tempfile.mkdtemp()
+        gloo = gpu_bench.run_case(Args, "mlp", "gloo", 0, tmp)
+        mb = gpu_bench.run_case(Args, "mlp", "membox", 1, tmp, "bfloat16")
+        self.assertEqual(len(mb["losses"]), Args.iters)
+        steps = Args.iters - 1  # the first goes through DDP's AllReduce
+        self.assertGreaterEqual(mb["staged_bytes"],
+                                steps * mb["param_bytes"] // 2)
+        self.assertLess(mb["staged_bytes"], steps * mb["param_bytes"])
+        for i, (a, b) in enumerate(zip(mb["losses"], gloo["losses"])):
+            self.assertAlmostEqual(a, b, delta=2e-2 * max(1, abs(b)),
+                                   msg=f"step {i}")
+        self.assertLess(mb["losses"][-1], 0.9 * mb["losses"][0])
+
 
 class ParameterServerTest(unittest.TestCase):
     def setUp(self):

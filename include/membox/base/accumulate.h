@@ -33,8 +33,11 @@ void AccumulateKernel(DType t, void* dst, const void* src, size_t count,
                       double scale);
 // float16 / bfloat16 <-> float32 (t is kFloat16 or kBFloat16; rounding to
 // nearest even), for sums that accumulate in float32 and round once.
+// NarrowFromFloat stores round(scale * src[i]): an average's scaling and its
+// one rounding in the same pass.
 void WidenToFloat(DType t, const void* src, float* dst, size_t count);
-void NarrowFromFloat(DType t, const float* src, void* dst, size_t count);
+void NarrowFromFloat(DType t, const float* src, void* dst, size_t count,
+                     float scale = 1.0f);
 
 class SyncCores {
  public:
