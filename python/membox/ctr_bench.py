@@ -182,6 +182,7 @@ def main(argv=None):
             ax.annotate(f"AUC {rows[v]['test_auc']:.4f}",
                         (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=8)
+        ax.tick_params(axis="x", labelrotation=20)
         ax.set_ylabel("training samples/s (median)")
         ax.set_title(f"wide & deep CTR, {a.samples} samples")
         fig.tight_layout()

@@ -338,6 +338,7 @@ def plot(rows, models, path, gpu, workers):
         ax.bar(names, [r["iter_s"] * 1e3 for _, r in sel],
                color=["#999999" if v == "compute" else
                       "#d62728" if v == "gloo" else "#1f77b4" for v in names])
+        ax.tick_params(axis="x", labelrotation=25)
         ax.set_title(f"{model}: iteration time")
         ax.set_ylabel("ms (median)")
     fig.suptitle(f"membox bench gpu: {workers} DDP workers on one {gpu}")
