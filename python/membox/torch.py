@@ -324,7 +324,11 @@ def allreduce_hook(state, bucket):
     """DDP communication hook: average the bucket across workers through the
     memory nodes. Returns a Future completed with the averaged bucket.
 
-    CPU buckets are pushed and pulled in place; CUDA buckets go through
+    CPU buckets are pushed from the bucket; the average comes back into the
+    bucket itself where it is registered with the transport (other hosts),
+    or on one host into registered memory that is the Future's result
+    (_result_buffer: DDP copies the gradients out of it). CUDA buckets go
+    through
     page-locked staging memory (see _CudaStaging): device-to-host copy on a
     side stream, push/pull once that copy is done, host-to-device copy on
     another side stream, and the Future completes on that stream, so DDP's
@@ -347,19 +351,46 @@ def allreduce_hook(state, bucket):
     if t.device.type == "cuda":
         return _cuda_push_pull(client(), key, t, -bucket.index())
     arr = _flat_numpy(t)
-    if not client().proxies_map_memory:
-        _register_bucket(client(), bucket.index(), t, arr)
+    c = client()
+    if not c.proxies_map_memory:
+        _register_bucket(c, bucket.index(), t, arr)
+        out, result = arr, t
+    else:
+        out, result = _result_buffer(c, key, t.numel(), t.dtype)
+        result = result.view(t.shape)
     fut = torch.futures.Future()
-    handle = client().push_pull(key, arr, arr, priority=-bucket.index())
+    handle = c.push_pull(key, arr, out, priority=-bucket.index())
 
     def done(err):
         if err is None:
-            fut.set_result(t)
+            fut.set_result(result)
         else:
             fut.set_exception(_error(err))
 
     handle.add_done_callback(done)
     return _for_ddp(fut)
+
+
+def _result_buffer(c, key, numel, dtype):
+    """Where the nodes map this worker's memory (one host): the average is
+    written by the node into registered memory kept per bucket key, and
+    that memory is the Future's result. DDP copies its gradients out of
+    whatever tensor the hook returns (Reducer's bucket views out), so the
+    average is copied once into the gradients instead of first back into
+    the bucket and then into the gradients. The buffer is rewritten only by
+    the next round of the same bucket, after DDP has read it. Kept on the
+    client (bucket key -> (numpy view, tensor)): it lives as long."""
+    with _lock:
+        results = getattr(c, "_membox_results", None)
+        if results is None:
+            results = c._membox_results = {}
+        r = results.get(key)
+    if r is None:
+        arr = c.allocate(numel * torch.empty(0, dtype=dtype).element_size())
+        r = (arr, torch.from_numpy(arr).view(dtype))
+        with _lock:
+            results[key] = r
+    return r
 
 
 _narrow = {}  # bucket index -> the bucket's wire-dtype buffer
@@ -387,20 +418,29 @@ def _narrow_push_pull(c, index, t):
     the bytes over PCIe in each direction and on the wire. It is widened
     back on the host-to-device stream, after the copy into the narrow buffer
     and before the Future completes, so DDP's stream sees the averaged
-    bucket (see _cuda_push_pull)."""
-    with _lock:
-        w = _narrow.get(index)
-        if (w is None or w.numel() != t.numel() or w.dtype != _wire
-                or w.device != t.device):
-            w = torch.empty(t.numel(), dtype=_wire, device=t.device)
-            _narrow[index] = w
+    bucket (see _cuda_push_pull).
+
+    On one host (the nodes map this worker's memory) the narrow buffer is
+    registered memory from the client (_result_buffer), pushed and pulled
+    in place: no staging copies."""
+    key = _bucket_key(index, _wire,
+                      t.numel() * torch.empty(0, dtype=_wire).element_size())
+    arr = None
+    if t.device.type == "cpu" and c.proxies_map_memory:
+        arr, w = _result_buffer(c, key, t.numel(), _wire)
+    else:
+        with _lock:
+            w = _narrow.get(index)
+            if (w is None or w.numel() != t.numel() or w.dtype != _wire
+                    or w.device != t.device):
+                w = torch.empty(t.numel(), dtype=_wire, device=t.device)
+                _narrow[index] = w
     w.copy_(t.view(-1))
-    key = _bucket_key(index, w.dtype, w.numel() * w.element_size())
     _declare(key, w)
     if t.device.type == "cuda":
         return _cuda_push_pull(c, key, w, -index, result=t)
-    arr = _flat_numpy(w)
-    if not c.proxies_map_memory:
+    if arr is None:
+        arr = _flat_numpy(w)
         _register_bucket(c, index, w, arr)
     fut = torch.futures.Future()
 

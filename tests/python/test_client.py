@@ -340,22 +340,30 @@ class HookTest(unittest.TestCase):
             mt._buckets.clear()
             mt.init(mode="average", client=c)
             t = torch.arange(4096, dtype=torch.float32)
-            for _ in range(3):
+            outs = []
+            for i in range(3):
+                t.copy_(torch.arange(4096.0) * (i + 1))
                 out = mt.allreduce_hook(None, Bucket(t, 0)).wait()
-                self.assertTrue(torch.equal(out, torch.arange(4096.0)))
-            return c.proxies_map_memory, dict(mt._buckets), t
+                self.assertTrue(torch.equal(out, torch.arange(4096.0) * (i + 1)))
+                outs.append(out.data_ptr())
+            return c.proxies_map_memory, dict(mt._buckets), t, outs
         finally:
             node.kill()
 
     def test_one_host_stages_through_mapped_memory(self):
-        mapped, buckets, _ = self.run_hook(())
+        mapped, buckets, t, outs = self.run_hook(())
         self.assertTrue(mapped)
         self.assertEqual(buckets, {})
+        # The average arrives in one registered buffer per bucket, which is
+        # the Future's result (DDP copies the gradients out of it).
+        self.assertNotEqual(outs[0], t.data_ptr())
+        self.assertEqual(len(set(outs)), 1)
 
     def test_tcp_node_reads_the_bucket_in_place(self):
-        mapped, buckets, t = self.run_hook(("--transports", "tcp"))
+        mapped, buckets, t, outs = self.run_hook(("--transports", "tcp"))
         self.assertFalse(mapped)
         self.assertEqual(buckets[0][0], t.data_ptr())  # registered once
+        self.assertEqual(set(outs), {t.data_ptr()})
 
 
 class ExitTest(unittest.TestCase):
