@@ -156,18 +156,10 @@ MEMBOX_CLONES void WidenBf16(const uint16_t* __restrict h, float* __restrict d,
   for (size_t i = 0; i < n; ++i) d[i] = Bf16ToF32(h[i]);
 }
 
-// d[i] = bf16(a * s[i]): the scale and the one rounding in the same pass
-// (vectorises: the NaN case is a select, not a branch).
+// d[i] = bf16(a * s[i]): the scale and the one rounding in the same pass.
 MEMBOX_CLONES void NarrowBf16(const float* __restrict s, uint16_t* __restrict h,
                               size_t n, float a) {
-  for (size_t i = 0; i < n; ++i) {
-    float f = a * s[i];
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    uint32_t rounded = u + 0x7fff + ((u >> 16) & 1);
-    bool nan = (u & 0x7fffffff) > 0x7f800000;
-    h[i] = static_cast<uint16_t>((nan ? (u | 0x400000) : rounded) >> 16);
-  }
+  for (size_t i = 0; i < n; ++i) h[i] = F32ToBf16(a * s[i]);
 }
 
 __attribute__((target("avx2,f16c"))) void WidenF16Hw(const uint16_t* h,

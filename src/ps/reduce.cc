@@ -86,7 +86,6 @@ void ScaleRange(DType t, void* p, size_t b, size_t e, double factor) {
   }
 }
 
-// Elements [b, e) of SumInto.
 // Elements [b, e) of SumInto, block by block: each output block is scaled
 // while it is still in the cache.
 void SumRange(DType t, void* dst, const std::vector<const void*>& srcs,
