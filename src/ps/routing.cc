@@ -129,8 +129,10 @@ uint64_t ChooseShardBytes(const RoutingTable& t, uint64_t bytes,
   if (t.pipeline_bytes > 0) {
     double b = std::sqrt(static_cast<double>(node_bytes) *
                          static_cast<double>(t.pipeline_bytes));
-    shard =
-        std::min(largest, std::max(kMinShardBytes, static_cast<uint64_t>(b)));
+    const uint64_t per_node_cap =
+        (node_bytes + kMaxShardsPerNode - 1) / kMaxShardsPerNode;
+    shard = std::min(largest, std::max({kMinShardBytes, per_node_cap,
+                                        static_cast<uint64_t>(b)}));
   }
   shard = std::max(shard, (bytes + kMaxShardsPerKey - 1) / kMaxShardsPerKey);
   shard = std::max<uint64_t>(es, shard - shard % es);

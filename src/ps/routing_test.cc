@@ -150,16 +150,30 @@ TEST(RoutingTest, ShardsPipelineWhatANodeStoresAndForwards) {
   EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 1, false), 1u << 20);
   // Striped over 4: a node gets 4 MiB of 16 MiB: sqrt(4 MiB * 64 KiB).
   EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 4, true), 512u << 10);
-  // S' does not cap it (1 GiB: 8 MiB shards). A ring key's nodes each
+  // S' does not cap it (256 MiB: 4 MiB shards). A ring key's nodes each
   // handle all of it: B = 16 MiB.
-  EXPECT_EQ(ChooseShardBytes(t, 1u << 30, 4, 1, false), 8u << 20);
+  EXPECT_EQ(ChooseShardBytes(t, 256u << 20, 4, 1, false), 4u << 20);
+  // At most kMaxShardsPerNode shards of a node's part: 1 GiB on one node
+  // (sqrt: 8 MiB, 128 shards) is cut into 64; a 64 MiB key striped over 4
+  // nodes with the cluster's P of 443 bytes (sqrt: 86 KiB) into 256 KiB.
+  EXPECT_EQ(ChooseShardBytes(t, 1u << 30, 4, 1, false), 16u << 20);
+  RoutingTable cluster = t;
+  cluster.pipeline_bytes = 443;
+  EXPECT_EQ(ChooseShardBytes(cluster, 64u << 20, 4, 4, true), 256u << 10);
+  // Where sqrt(B * P) gives fewer shards the cap does not apply.
+  EXPECT_EQ(ChooseShardBytes(cluster, 1u << 20, 4, 4, true), 10776u);
+  // Fixed shards (no P) are what the user asked for, cap or not.
+  RoutingTable fixed;
+  fixed.partition_bytes = 128 << 10;
+  EXPECT_EQ(ChooseShardBytes(fixed, 64u << 20, 4, 4, true), 128u << 10);
   EXPECT_EQ(ChooseShardBytes(t, 16u << 20, 4, 4, false), 1u << 20);
   // Striped: never above a node's part; never below the minimum shard;
   // whole elements; never above the tensor.
   EXPECT_EQ(ChooseShardBytes(t, 64u << 10, 4, 4, true), 16u << 10);
   RoutingTable tiny = t;
   tiny.pipeline_bytes = 10;
-  EXPECT_EQ(ChooseShardBytes(tiny, 1u << 20, 4, 1, false), kMinShardBytes);
+  EXPECT_EQ(ChooseShardBytes(tiny, 1u << 20, 4, 1, false), 16u << 10);
+  EXPECT_EQ(ChooseShardBytes(tiny, 64u << 10, 4, 1, false), kMinShardBytes);
   EXPECT_EQ(ChooseShardBytes(t, 3000, 8, 1, false), 3000u);
   // At most kMaxShardsPerKey shards, whatever S' and P say.
   tiny.partition_bytes = kMinShardBytes;

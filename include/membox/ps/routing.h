@@ -48,6 +48,18 @@ constexpr uint64_t kMinShardBytes = 4096;
 // does a round's fixed work per shard.
 constexpr uint64_t kMaxShardsPerKey = 1024;
 
+// The most shards ChooseShardBytes() cuts one node's part of a key into
+// when it sizes them from a measured P. P is one worker's fixed cost per
+// transfer on an idle link; in a round a node pays more per shard than
+// that -- every worker's push of it, every worker's result write, each a
+// wake-up of the node's loop on cores it shares -- and the profile does
+// not see it. On the emulated cluster (4 worker and 4 memory hosts at
+// 400 Mbit/s, a 64 MiB striped key) sqrt(B * P) gave 86 KiB shards, 190 per
+// node: 1591-1622 ms a round, against 1522-1531 ms with 256 KiB (64 per
+// node); at 16 MiB shards of 32-256 KiB were all within the noise
+// (docs/results/cluster.md).
+constexpr uint64_t kMaxShardsPerNode = 64;
+
 struct RoutingTable {
   uint64_t threshold = 0;  // S: sizes < S go to lat_proxy
   uint32_t lat_proxy = 0;
@@ -76,7 +88,8 @@ struct RoutingTable {
 // streaming); the sum is least at B / D = sqrt(B * P), with B = bytes /
 // proxies for a striped key and the whole key otherwise (every node of a
 // ring handles all of it, and each ring step is a store and forward too).
-// Without a measured P the shard is S'. (S' does not cap the first: it bounds
+// With a measured P a node's part is cut into at most kMaxShardsPerNode
+// shards. Without a measured P the shard is S'. (S' does not cap the first: it bounds
 // one isolated transfer's fixed cost, which in a stream of shards overlaps
 // with the others' data. On a 400 Mbit/s link it is 64 KiB, and shards that
 // small kept 89 % of the emulated cluster's two cores busy.) The result is
