@@ -81,6 +81,9 @@ struct Contribution {
   uint64_t region = 0, offset = 0;
   bool has_output = false;
   uint64_t out_region = 0, out_offset = 0;
+  // The round's result is already in the output (LocalSum wrote it there
+  // with the sum); the reply is all that is left.
+  bool output_written = false;
   // Prefetched (pushes the proxy cannot map): read into the shard's inbox
   // for this rank as soon as admitted; `fetching` until the read is back.
   bool prefetched = false;
@@ -407,10 +410,12 @@ class ProxyImpl final : public Proxy, public service::Service {
   void StartReduce(uint64_t k, uint32_t s);
 
   // scratch <- sum of the pushes in rank order (zeros when every worker sent
-  // this shard to another proxy).
-  // Sums the shard's pushes into sh.scratch and multiplies by `scale`
-  // (sets sh.sum_scaled when scale != 1).
-  Status LocalSum(Key& key, Shard& sh, double scale);
+  // this shard to another proxy), multiplied by `scale` (sets sh.sum_scaled
+  // when scale != 1). `result_is_sum`: the round's result is this sum as
+  // is (no ring, no optimizer); then the pushes whose output memory this
+  // proxy maps get it in the summing pass (Contribution::output_written)
+  // and PublishRound only replies to them.
+  Status LocalSum(Key& key, Shard& sh, double scale, bool result_is_sum);
 
   // ------------------------------------------ ring (proxy_rounds.cc)
 

@@ -168,7 +168,8 @@ void ProxyImpl::StartReduce(uint64_t k, uint32_t s) {
                                mode_ == proto::Mode::kAverage
                            ? 1.0 / world_
                            : 1.0;
-  Status st = LocalSum(key, sh, scale);
+  Status st = LocalSum(key, sh, scale,
+                       local_result && key.opt.kind == proto::Optimizer::kNone);
   if (!st.ok()) {
     MEMBOX_LOG_WARN("key {} shard {}: {}", k, s, st.ToString());
     for (auto& [r, p] : sh.pushes) Reply(p.conn, Type::kPush, p.id, st);
@@ -181,7 +182,8 @@ void ProxyImpl::StartReduce(uint64_t k, uint32_t s) {
   RunRing(k, s, /*start=*/true);
 }
 
-Status ProxyImpl::LocalSum(Key& key, Shard& sh, double scale) {
+Status ProxyImpl::LocalSum(Key& key, Shard& sh, double scale,
+                           bool result_is_sum) {
   sh.sum_scaled = false;
   bool scaled = false;  // by SumInto
   if (!sh.scratch || sh.scratch.use_count() > 1) {
@@ -213,7 +215,26 @@ Status ProxyImpl::LocalSum(Key& key, Shard& sh, double scale) {
   if (sh.pushes.empty()) {
     std::memset(dst, 0, sh.bytes);
   } else if (all_mapped) {  // mapped or prefetched: sum on the sync cores
-    SumInto(*sync_, key.dtype, dst, srcs, sh.bytes, scale);
+    // Where the sum is the result, the workers' mapped outputs get it from
+    // the cache as each block is done (one host: no second pass over the
+    // shard per worker in PublishRound).
+    std::vector<void*> outs;
+    if (result_is_sum) {
+      for (auto& [r, p] : sh.pushes) {
+        if (!p.has_output) continue;
+        auto rr = WorkerRange(conns_[p.conn], p.out_region, p.out_offset,
+                              sh.bytes, "output");
+        if (!rr.ok() || !(*rr)->mapped()) continue;  // PublishRound's way
+        outs.push_back(static_cast<uint8_t*>((*rr)->mapped()) + p.out_offset);
+        p.output_written = true;
+      }
+    }
+    SumInto(*sync_, key.dtype, dst, srcs, sh.bytes, scale, outs);
+    if (!outs.empty()) {
+      std::atomic_thread_fence(std::memory_order_release);
+      result_bytes_.fetch_add(sh.bytes * outs.size(),
+                              std::memory_order_relaxed);
+    }
     scaled = true;
   } else {
     bool first = true;
@@ -431,7 +452,9 @@ void ProxyImpl::PublishRound(uint64_t k, uint32_t s, const Status& st) {
   sh.pushes.clear();
   if (st.ok()) rounds_.fetch_add(1);
   for (auto& [r, p] : pushes) {
-    if (st.ok() && p.has_output) {
+    if (st.ok() && p.output_written) {
+      Reply(p.conn, Type::kPush, p.id, st, sh.version);
+    } else if (st.ok() && p.has_output) {
       WriteThenReply(p.conn, Type::kPush, p.id, p.out_region, p.out_offset,
                      sh.value, sh.bytes, sh.version);
     } else {

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "membox/base/copy.h"
+
 namespace membox::ps {
 namespace {
 
@@ -87,9 +89,11 @@ void ScaleRange(DType t, void* p, size_t b, size_t e, double factor) {
 }
 
 // Elements [b, e) of SumInto, block by block: each output block is scaled
-// while it is still in the cache.
+// and copied to `copies` while it is still in the cache (`total` bytes: the
+// whole transfer, which picks the copy's kind).
 void SumRange(DType t, void* dst, const std::vector<const void*>& srcs,
-              size_t b, size_t e, double scale) {
+              size_t b, size_t e, double scale,
+              const std::vector<void*>& copies, size_t total) {
   const size_t es = DTypeSize(t);
   auto* d = static_cast<uint8_t*>(dst);
   const size_t block = kBlockBytes / es;
@@ -97,29 +101,35 @@ void SumRange(DType t, void* dst, const std::vector<const void*>& srcs,
     size_t n = std::min(block, e - i);
     if (IsHalf(t)) {
       SumHalfBlock(t, static_cast<uint16_t*>(dst), srcs, i, n, scale);
-      continue;
+    } else {
+      std::memcpy(d + i * es, static_cast<const uint8_t*>(srcs[0]) + i * es,
+                  n * es);
+      for (size_t k = 1; k < srcs.size(); ++k) {
+        AccumulateKernel(t, d + i * es,
+                         static_cast<const uint8_t*>(srcs[k]) + i * es, n,
+                         1.0);
+      }
+      if (scale != 1.0) ScaleRange(t, dst, i, i + n, scale);
     }
-    std::memcpy(d + i * es, static_cast<const uint8_t*>(srcs[0]) + i * es,
-                n * es);
-    for (size_t k = 1; k < srcs.size(); ++k) {
-      AccumulateKernel(t, d + i * es,
-                       static_cast<const uint8_t*>(srcs[k]) + i * es, n, 1.0);
+    for (void* c : copies) {
+      CopyPiece(static_cast<uint8_t*>(c) + i * es, d + i * es, n * es, total);
     }
-    if (scale != 1.0) ScaleRange(t, dst, i, i + n, scale);
   }
 }
 
 }  // namespace
 
 void SumInto(SyncCores& cores, DType t, void* dst,
-             const std::vector<const void*>& srcs, size_t bytes, double scale) {
+             const std::vector<const void*>& srcs, size_t bytes, double scale,
+             const std::vector<void*>& copies) {
   if (srcs.empty()) {
     std::memset(dst, 0, bytes);
+    for (void* c : copies) std::memset(c, 0, bytes);
     return;
   }
   const size_t es = DTypeSize(t);
   cores.ParallelFor(bytes / es, (256 << 10) / es, [&](size_t b, size_t e) {
-    SumRange(t, dst, srcs, b, e, scale);
+    SumRange(t, dst, srcs, b, e, scale, copies, bytes);
   });
 }
 
@@ -129,7 +139,7 @@ void SumInto(DType t, void* dst, const std::vector<const void*>& srcs,
     std::memset(dst, 0, bytes);
     return;
   }
-  SumRange(t, dst, srcs, 0, bytes / DTypeSize(t), scale);
+  SumRange(t, dst, srcs, 0, bytes / DTypeSize(t), scale, {}, bytes);
 }
 
 void ScaleInPlace(DType t, void* p, size_t count, double factor) {

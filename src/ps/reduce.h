@@ -22,9 +22,15 @@ bool SupportsAveraging(DType t);
 // inputs are summed and scaled in float32 and rounded once. `bytes` is a
 // multiple of the element size. The scaling (an average's 1/world) is done
 // on each block while it is in the cache, not in a pass of its own.
+// Each of `copies` (bytes each; not overlapping dst, and a source only at
+// the same offsets, as an in-place push and pull does) receives the
+// result too, block by block from the cache: a memory node writes a round's
+// result into the workers' mapped output memory in the summing pass
+// instead of reading the sum back from memory once per worker. Copies of a
+// large result use streaming stores (CopyPiece).
 void SumInto(SyncCores& cores, DType t, void* dst,
              const std::vector<const void*>& srcs, size_t bytes,
-             double scale = 1.0);
+             double scale = 1.0, const std::vector<void*>& copies = {});
 // The same sum in the calling thread (small tensors).
 void SumInto(DType t, void* dst, const std::vector<const void*>& srcs,
              size_t bytes, double scale = 1.0);

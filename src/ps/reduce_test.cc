@@ -1,6 +1,7 @@
 #include "src/ps/reduce.h"
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -75,6 +76,44 @@ TEST(ReduceTest, SumIntoScalesInTheSamePass) {
   ScaleInPlace(cores, DType::kFloat32, want.data(), n, 1.0 / 3);
   for (size_t i = 0; i < n; i += 7919) ASSERT_EQ(out[i], want[i]) << i;
   ASSERT_EQ(out[n - 1], want[n - 1]);
+}
+
+TEST(ReduceTest, SumIntoCopiesTheResultInTheSamePass) {
+  // The copies get the result, bit for bit, for a whole-number-of-blocks
+  // size and a ragged one, float32 and bfloat16, and a copy may be one of
+  // the sources (an in-place push and pull): each block is read before it
+  // is overwritten.
+  SyncCores cores(2);
+  for (size_t n : {size_t{1} << 18, (size_t{5} << 18) + 3}) {
+    for (DType t : {DType::kFloat32, DType::kBFloat16}) {
+      const size_t es = DTypeSize(t), bytes = n * es;
+      std::mt19937 rng(static_cast<unsigned>(n));
+      std::vector<std::vector<uint8_t>> in(2, std::vector<uint8_t>(bytes));
+      for (auto& v : in) {
+        for (size_t i = 0; i < n; ++i) {
+          float x = std::uniform_real_distribution<float>(-2, 2)(rng);
+          if (t == DType::kFloat32) {
+            std::memcpy(&v[i * 4], &x, 4);
+          } else {
+            NarrowFromFloat(t, &x, &v[i * 2], 1);
+          }
+        }
+      }
+      std::vector<uint8_t> want(bytes), out(bytes), copy(bytes);
+      SumInto(t, want.data(), {in[0].data(), in[1].data()}, bytes, 0.5);
+      std::vector<uint8_t> aliased = in[1];
+      SumInto(cores, t, out.data(), {in[0].data(), aliased.data()}, bytes, 0.5,
+              {copy.data(), aliased.data()});
+      ASSERT_EQ(out, want) << n << " " << static_cast<int>(t);
+      ASSERT_EQ(copy, want) << n << " " << static_cast<int>(t);
+      ASSERT_EQ(aliased, want) << n << " " << static_cast<int>(t);
+    }
+  }
+  // No sources: zeros everywhere.
+  std::vector<float> z(100, 1.f), zc(100, 1.f);
+  SumInto(cores, DType::kFloat32, z.data(), {}, 400, 1.0, {zc.data()});
+  EXPECT_EQ(z, std::vector<float>(100, 0.f));
+  EXPECT_EQ(zc, std::vector<float>(100, 0.f));
 }
 
 TEST(ReduceTest, HalfAveragesRoundOnce) {
