@@ -106,8 +106,7 @@ void SumRange(DType t, void* dst, const std::vector<const void*>& srcs,
                   n * es);
       for (size_t k = 1; k < srcs.size(); ++k) {
         AccumulateKernel(t, d + i * es,
-                         static_cast<const uint8_t*>(srcs[k]) + i * es, n,
-                         1.0);
+                         static_cast<const uint8_t*>(srcs[k]) + i * es, n, 1.0);
       }
       if (scale != 1.0) ScaleRange(t, dst, i, i + n, scale);
     }

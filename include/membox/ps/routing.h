@@ -89,10 +89,10 @@ struct RoutingTable {
 // proxies for a striped key and the whole key otherwise (every node of a
 // ring handles all of it, and each ring step is a store and forward too).
 // With a measured P a node's part is cut into at most kMaxShardsPerNode
-// shards. Without a measured P the shard is S'. (S' does not cap the first: it bounds
-// one isolated transfer's fixed cost, which in a stream of shards overlaps
-// with the others' data. On a 400 Mbit/s link it is 64 KiB, and shards that
-// small kept 89 % of the emulated cluster's two cores busy.) The result is
+// shards. Without a measured P the shard is S'. (S' does not cap the first: it
+// bounds one isolated transfer's fixed cost, which in a stream of shards
+// overlaps with the others' data. On a 400 Mbit/s link it is 64 KiB, and shards
+// that small kept 89 % of the emulated cluster's two cores busy.) The result is
 // at most the tensor (a striped key's: a node's part), at least
 // kMinShardBytes (or the tensor) and bytes / kMaxShardsPerKey, and a
 // multiple of the element size.
