@@ -3,6 +3,7 @@
     membox bench cluster [--quick] [--csv F] [--json F] [--plot F.png]
                          [--workers 4] [--rate 400mbit] [--nodes 1,2,4]
                          [--sizes 1MiB,16MiB,...] [--parts allreduce,train]
+                         [--repeats N]
 
 Brings up `membox cluster` topologies (worker hosts and memory hosts as
 network namespaces, every link shaped to --rate per direction) and measures
@@ -189,29 +190,47 @@ def run_allreduce(a, rec):
                 # shards the workers stripe over the nodes are also summed
                 # around the nodes' ring.
                 runs.append(("replica", peer + ["profile"], False))
-            for variant, cmd, attach in runs:
-                # Fresh nodes: a kept key keeps its first job's shards and
-                # striping.
-                if variant in ("coarse", "fixed"):
-                    cluster.down(topo, quiet=True)
-                    cluster.up(topo, log=lambda s: None)
-                if variant == "replica":
-                    cluster.down(topo, quiet=True)
-                    cluster.up(topology("bcl", p, m, a.rate, a.pool,
-                                        "ps_replicate = true\n"),
-                               log=lambda s: None)
-                print(f"[{case}] {variant} ...", file=sys.stderr, flush=True)
-                with CpuMeter() as cpu:
-                    res = mpirun(topo, cmd, attach=attach)
-                if len(res) != len(a.sizes):
-                    raise RuntimeError(f"{variant}: {len(res)} of "
-                                       f"{len(a.sizes)} results")
-                name = f"{variant}-{m}node" if variant in (
-                    "membox", "fixed", "coarse", "replica") else variant
-                for _, size, sec in res:
-                    rec.add(name, int(size), p, "time", float(sec) * 1e3, "ms",
-                            case)
-                rec.add(name, 0, p, "cpu", cpu.percent, "%", case)
+            # --repeats: every variant once per repeat, the repeats
+            # interleaved, so that what the machine does at the time falls
+            # on every variant alike; each record is the median over them.
+            times, cpus = {}, {}
+            for rep in range(a.repeats):
+                for variant, cmd, attach in runs:
+                    # Fresh nodes: a kept key keeps its first job's shards
+                    # and striping (and a repeat's default must not run on
+                    # the replicating nodes the last variant left).
+                    if variant in ("coarse", "fixed") or (
+                            variant == "membox" and rep > 0):
+                        cluster.down(topo, quiet=True)
+                        cluster.up(topo, log=lambda s: None)
+                    if variant == "replica":
+                        cluster.down(topo, quiet=True)
+                        cluster.up(topology("bcl", p, m, a.rate, a.pool,
+                                            "ps_replicate = true\n"),
+                                   log=lambda s: None)
+                    print(f"[{case}] {variant} ..." + (
+                        f" (repeat {rep + 1} of {a.repeats})"
+                        if a.repeats > 1 else ""), file=sys.stderr, flush=True)
+                    with CpuMeter() as cpu:
+                        res = mpirun(topo, cmd, attach=attach)
+                    if len(res) != len(a.sizes):
+                        raise RuntimeError(f"{variant}: {len(res)} of "
+                                           f"{len(a.sizes)} results")
+                    name = f"{variant}-{m}node" if variant in (
+                        "membox", "fixed", "coarse", "replica") else variant
+                    for _, size, sec in res:
+                        times.setdefault((name, int(size)), []).append(
+                            float(sec) * 1e3)
+                    cpus.setdefault(name, []).append(cpu.percent)
+            for (name, size), v in times.items():
+                rec.add(name, size, p, "time", statistics.median(v), "ms",
+                        case)
+                if a.repeats > 1:
+                    print(f"  [{case}] {name} {_label(size)}: runs "
+                          + ", ".join(f"{x:.1f}" for x in v) + " ms",
+                          file=sys.stderr)
+            for name, v in cpus.items():
+                rec.add(name, 0, p, "cpu", statistics.median(v), "%", case)
         finally:
             cluster.down(topo, quiet=True)
 
@@ -388,6 +407,9 @@ def main(argv=None):
     ap.add_argument("--nodes", default="", help="memory nodes, e.g. 1,2,4")
     ap.add_argument("--sizes", default="")
     ap.add_argument("--iters", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="allreduce: every variant this many times, "
+                         "interleaved; records are the medians")
     ap.add_argument("--partition", default="4MiB",
                     help="membox shard size")
     ap.add_argument("--pool", default="2GiB")
@@ -411,6 +433,8 @@ def main(argv=None):
     a.nodes = [int(x) for x in a.nodes.split(",")] if a.nodes else (
         [1, 2] if a.quick else [1, 2, 4])
     a.partition = _size(a.partition)
+    if a.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if a.iters == 0 and a.quick:
         a.iters = 3
     a.models = a.models.split(",") if a.models else (
