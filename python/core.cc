@@ -331,12 +331,16 @@ class Client {
 
   // Registers a writable buffer the caller keeps alive (see
   // ParamClient::RegisterTensor); operations on it are then zero copy.
-  void RegisterTensor(py::object buffer) {
+  // With `fd` >= 0 the buffer is a shared mapping of that shared-memory
+  // file at `file_offset` (ParamClient::RegisterSharedTensor): proxies on
+  // this host map it.
+  void RegisterTensor(py::object buffer, int fd, uint64_t file_offset) {
     Buffer b = GetBuffer(buffer, true);
     Status s;
     {
       py::gil_scoped_release nogil;
-      s = c_->RegisterTensor(b.ptr, b.bytes);
+      s = fd >= 0 ? c_->RegisterSharedTensor(b.ptr, b.bytes, fd, file_offset)
+                  : c_->RegisterTensor(b.ptr, b.bytes);
     }
     if (!s.ok()) Throw(s);
   }
@@ -753,7 +757,12 @@ PYBIND11_MODULE(_core, m) {
             return self.cast<Client&>().Allocate(nbytes, self);
           },
           py::arg("nbytes"))
-      .def("register_tensor", &Client::RegisterTensor, py::arg("buffer"))
+      .def("register_tensor", &Client::RegisterTensor, py::arg("buffer"),
+           py::arg("fd") = -1, py::arg("file_offset") = 0,
+           "Registers a writable buffer the caller keeps alive: later "
+           "operations on it are zero copy. With fd, the buffer is a shared "
+           "mapping of that shared-memory file at file_offset (torch's "
+           "share_memory_()): memory nodes on this host map it.")
       .def("unregister_tensor", &Client::UnregisterTensor, py::arg("buffer"))
       .def(
           "push",

@@ -63,10 +63,14 @@ class Client(_core.Client):
         from allocate() or register_tensor())."""
         return super().store(key, _buffer(data))
 
-    def register_tensor(self, t):
+    def register_tensor(self, t, fd=-1, file_offset=0):
         """Registers a buffer or CPU tensor you keep alive: pushes and pulls
-        on it are then zero copy (unregister_tensor before freeing it)."""
-        return super().register_tensor(_buffer(t))
+        on it are then zero copy (unregister_tensor before freeing it).
+        With `fd`, the buffer is a shared mapping of that shared-memory file
+        at `file_offset` (a torch tensor after share_memory_(): its
+        storage's file): memory nodes on this host then map it and read and
+        write it with loads and stores."""
+        return super().register_tensor(_buffer(t), fd, file_offset)
 
     def unregister_tensor(self, t):
         return super().unregister_tensor(_buffer(t))

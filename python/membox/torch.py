@@ -324,12 +324,13 @@ def allreduce_hook(state, bucket):
     """DDP communication hook: average the bucket across workers through the
     memory nodes. Returns a Future completed with the averaged bucket.
 
-    CPU buckets are pushed from the bucket; the average comes back into the
-    bucket itself where it is registered with the transport (other hosts),
-    or on one host into registered memory that is the Future's result
-    (_result_buffer: DDP copies the gradients out of it). CUDA buckets go
-    through
-    page-locked staging memory (see _CudaStaging): device-to-host copy on a
+    CPU buckets are pushed from the bucket and the average comes back into
+    the bucket itself: on one host the bucket is moved into shared memory
+    the nodes map (_shared_bucket), elsewhere it is registered with the
+    transport; where neither works (one host, nodes that cannot map this
+    process's files) it is staged and the average lands in registered
+    memory that is the Future's result (_result_buffer: DDP copies the
+    gradients out of it). CUDA buckets go through page-locked staging memory (see _CudaStaging): device-to-host copy on a
     side stream, push/pull once that copy is done, host-to-device copy on
     another side stream, and the Future completes on that stream, so DDP's
     stream waits for it without blocking the host.
@@ -350,12 +351,17 @@ def allreduce_hook(state, bucket):
     _declare(key, t)
     if t.device.type == "cuda":
         return _cuda_push_pull(client(), key, t, -bucket.index())
-    arr = _flat_numpy(t)
     c = client()
-    if not c.proxies_map_memory:
+    arr = _shared_bucket(c, bucket.index(), t) if c.proxies_map_memory \
+        else None
+    if arr is not None:  # one host, the bucket mapped by the nodes
+        out, result = arr, t
+    elif not c.proxies_map_memory:
+        arr = _flat_numpy(t)
         _register_bucket(c, bucket.index(), t, arr)
         out, result = arr, t
     else:
+        arr = _flat_numpy(t)
         out, result = _result_buffer(c, key, t.numel(), t.dtype)
         result = result.view(t.shape)
     fut = torch.futures.Future()
@@ -495,7 +501,50 @@ def _for_ddp(fut):
 _buckets = {}  # bucket index -> (address, bytes, tensor) registered
 
 
-def _register_bucket(c, index, t, arr):
+_share_refused = []  # why the nodes could not map a shared bucket, if so
+
+
+def _shared_bucket(c, index, t):
+    """One host: moves DDP's bucket into shared memory the memory nodes map
+    (torch's own share_memory_ machinery: the bucket's storage is swapped
+    for a shared-memory file and every view of it -- DDP's per-parameter
+    views, gradients that are bucket views -- follows), and registers it
+    with its file, the first time the bucket is seen. The nodes then read
+    the gradients from the bucket and write the average back into it in
+    their summing pass: no staging copy either way. Returns the bucket as a
+    flat numpy array, or None where that is not possible (a torch without
+    the file-descriptor sharing, or nodes that cannot map this process's
+    file: then the staged path, and _share_refused says why)."""
+    if _share_refused:
+        return None
+    if os.environ.get("MEMBOX_SHARE_BUCKETS", "1") == "0":
+        _share_refused.append("MEMBOX_SHARE_BUCKETS=0")
+        return None
+    nbytes = t.numel() * t.element_size()
+    with _lock:
+        old = _buckets.get(index)
+    if old is not None and old[0] == t.data_ptr() and old[1] == nbytes:
+        return _flat_numpy(t)
+    try:  # torch 1.13 has no untyped_storage(); its storage() shares too
+        storage = (t.untyped_storage() if hasattr(t, "untyped_storage")
+                   else t.storage())
+        fd, _ = storage._share_fd_cpu_()
+    except (AttributeError, RuntimeError) as e:
+        _share_refused.append("torch cannot share the bucket: %s" % e)
+        return None
+    arr = _flat_numpy(t)  # after the move: the bucket's new address
+    try:
+        _register_bucket(c, index, t, arr, fd=fd,
+                         file_offset=t.data_ptr() - storage.data_ptr())
+    except membox.MemboxError as e:
+        _share_refused.append(str(e))
+        with _lock:
+            _buckets.pop(index, None)
+        return None
+    return arr
+
+
+def _register_bucket(c, index, t, arr, fd=-1, file_offset=0):
     """Registers DDP's bucket buffer with the transport the first time it is
     seen (and again after DDP rebuilds its buckets, dropping the old one), so
     every later round is pushed and pulled in place: no staging copies. The
@@ -513,7 +562,7 @@ def _register_bucket(c, index, t, arr):
             c.unregister_tensor(_flat_numpy(old[2]))
         except membox.MemboxError:
             pass  # already replaced by an overlapping registration
-    c.register_tensor(arr)
+    c.register_tensor(arr, fd=fd, file_offset=file_offset)
 
 
 def _cuda_push_pull(c, key, t, priority, result=None):

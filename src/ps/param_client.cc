@@ -373,6 +373,24 @@ class ParamClientImpl final : public ParamClient {
   }
 
   Status RegisterTensor(void* data, size_t bytes) override {
+    return RegisterUserTensor(
+        data, bytes, [&] { return device_->RegisterMemRegion(data, bytes); });
+  }
+
+  Status RegisterSharedTensor(void* data, size_t bytes, int fd,
+                              uint64_t file_offset) override {
+    return RegisterUserTensor(
+        data, bytes,
+        [&] {
+          return device_->RegisterSharedMemRegion(data, bytes, fd, file_offset);
+        },
+        /*require_mapped=*/true);
+  }
+
+  // RegisterTensor's steps; `reg` registers with the device.
+  template <typename Register>
+  Status RegisterUserTensor(void* data, size_t bytes, Register reg,
+                            bool require_mapped = false) {
     if (data == nullptr || bytes == 0) {
       return InvalidArgumentError("RegisterTensor: null address or size 0");
     }
@@ -394,8 +412,8 @@ class ParamClientImpl final : public ParamClient {
       }
     }
     stale.clear();
-    ASSIGN_OR_RETURN(auto r, device_->RegisterMemRegion(data, bytes));
-    RETURN_IF_ERROR(RegisterRegion(*r));
+    ASSIGN_OR_RETURN(auto r, reg());
+    RETURN_IF_ERROR(RegisterRegion(*r, require_mapped));
     MutexLock l(&mu_);
     regions_[start] = std::move(r);
     user_regions_.insert(start);
@@ -1284,14 +1302,30 @@ class ParamClientImpl final : public ParamClient {
     return h.version();
   }
 
-  Status RegisterRegion(const MemRegion& r) {
+  // Tells every proxy about `r`. With `require_mapped`, a proxy on this
+  // host (a kMapped channel) that did not map it -- its reply's version is
+  // 1 where it did -- fails the registration (the caller's staged path is
+  // faster than RMA there).
+  Status RegisterRegion(const MemRegion& r, bool require_mapped = false) {
     Message m;
     m.type = Type::kRegion;
     m.descriptor = r.Export().Serialize();
     for (uint32_t i = 0; i < proxies_.size(); ++i) {
-      RETURN_IF_ERROR(Call(i, m).status());
+      ASSIGN_OR_RETURN(uint64_t mapped, Call(i, m));
+      if (require_mapped && mapped == 0 && ProxyOnThisHost(i)) {
+        return FailedPreconditionError(
+            "memory node " + std::to_string(i) +
+            " could not map this process's shared file (its log says "
+            "why); staging instead");
+      }
     }
     return Status::Ok();
+  }
+
+  bool ProxyOnThisHost(uint32_t i) const {
+    MutexLock l(&links_mu_);
+    return i < proxies_.size() && proxies_[i].channel &&
+           proxies_[i].channel->protocol() == transport::Protocol::kMapped;
   }
 
   // The table this worker uses for round `round` of `key`: the latest one

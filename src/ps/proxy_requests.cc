@@ -11,8 +11,22 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
       if (!d.ok()) return Reply(conn, m.type, m.id, d.status());
       auto rr = c.channel->Import(*d, kIoTimeout);
       if (!rr.ok()) return Reply(conn, m.type, m.id, rr.status());
+      // A worker's shared file at an address range an earlier one covered
+      // replaces it (that memory was unregistered and freed or moved):
+      // unmap the old file now rather than keep it alive with the link.
+      for (auto it = c.regions.begin(); it != c.regions.end();) {
+        const auto& od = it->second->descriptor();
+        if (od.shared_file && od.address < d->address + d->length &&
+            d->address < od.address + od.length) {
+          it = c.regions.erase(it);
+        } else {
+          ++it;
+        }
+      }
       c.regions[d->region_id] = *rr;
-      return Reply(conn, m.type, m.id, Status::Ok());
+      // version 1: mapped here (loads and stores), 0: reached by transfers
+      return Reply(conn, m.type, m.id, Status::Ok(),
+                   (*rr)->mapped() != nullptr ? 1 : 0);
     }
     case Type::kConfigure:
       return Reply(conn, m.type, m.id, Configure(m));

@@ -15,6 +15,7 @@
 #include <netinet/in.h>
 #include <spdlog/sinks/ringbuffer_sink.h>
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -163,6 +164,61 @@ TEST(PsTest, SumOneProxyTwoWorkersShardedRegistered) {
   RunRounds(c, 2, 25000, 3, r, false, true);
   auto s = c.proxies[0]->Stats();
   EXPECT_EQ(s.rounds_completed, 3u * 2 * 7);
+}
+
+// A framework's own buffer moved into a shared-memory file (torch's
+// share_memory_(), the DDP hook's path on one host): the proxy maps the file
+// and sums in place -- input and output the same memory, at an offset that
+// is not page-aligned -- round after round. Registering the same range again
+// with a new file replaces the old mapping on the proxy too.
+TEST(PsTest, SharedFileTensorsArePushedAndPulledInPlace) {
+  auto c = Cluster::Start(1);
+  constexpr size_t kN = 40000, kOff = 24;  // bytes into the file
+  const int world = 2;
+  RoutingTable route;
+  route.partition_bytes = 32 << 10;  // 160 KB -> 5 shards
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < world; ++r) w.push_back(Worker(c, r, world, route));
+  for (auto& x : w) ASSERT_NE(x, nullptr);
+  SyncConfig cfg;
+  cfg.mode = SyncConfig::Mode::kAverage;
+  for (auto& x : w) ASSERT_TRUE(x->Configure(cfg).ok());
+  for (auto& x : w) ASSERT_TRUE(x->Declare(9, kN * 4, DType::kFloat32).ok());
+  const size_t file_bytes = kOff + kN * 4;
+  std::vector<std::thread> th;
+  for (int r = 0; r < world; ++r) {
+    th.emplace_back([&, r] {
+      for (int incarnation = 0; incarnation < 2; ++incarnation) {
+        int fd = memfd_create("ps-test-bucket", MFD_CLOEXEC);
+        ASSERT_GE(fd, 0);
+        ASSERT_EQ(ftruncate(fd, static_cast<off_t>(file_bytes)), 0);
+        void* m = mmap(nullptr, file_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                       fd, 0);
+        ASSERT_NE(m, MAP_FAILED);
+        auto* t = reinterpret_cast<float*>(static_cast<uint8_t*>(m) + kOff);
+        Status st = w[r]->RegisterSharedTensor(t, kN * 4, fd, kOff);
+        ASSERT_TRUE(st.ok()) << st.ToString();
+        for (int round = 0; round < 3; ++round) {
+          for (size_t i = 0; i < kN; ++i) {
+            t[i] = float(r * 4 + round) + float(i % 1000);
+          }
+          auto h = w[r]->PushPull(9, t, t);
+          ASSERT_TRUE(h.Wait(30s).ok()) << h.Wait(0s).ToString();
+          for (size_t i = 0; i < kN; ++i) {
+            // average of r*4 + round + i%1000 over r = 0, 1
+            float want = 2.0f + float(round) + float(i % 1000);
+            ASSERT_EQ(t[i], want)
+                << "rank " << r << " round " << round << " element " << i;
+          }
+        }
+        ASSERT_TRUE(w[r]->UnregisterTensor(t).ok());
+        munmap(m, file_bytes);
+        close(fd);
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+  EXPECT_EQ(c.proxies[0]->Stats().rounds_completed, 2u * 3 * 5);
 }
 
 TEST(PsTest, TinyPartitionIsClampedToTheMinimumShard) {

@@ -53,5 +53,42 @@ TEST(RegionDescriptorTest, RejectsBadInput) {
   EXPECT_FALSE(RegionDescriptor::Deserialize(big.Serialize()).ok());
 }
 
+TEST(RegionDescriptorTest, SharedFileRoundTripsAndIsChecked) {
+  RegionDescriptor d = Sample();
+  SharedFile f;
+  f.pid = 4242;
+  f.fd = 17;
+  f.offset = 8192;
+  f.proof_fd = 5;
+  for (size_t i = 0; i < f.proof.size(); ++i) f.proof[i] = uint8_t(i * 7);
+  d.shared_file = f;
+  auto bytes = d.Serialize();
+  EXPECT_EQ(bytes[4], 2);  // version 2 only with a shared file
+  EXPECT_EQ(Sample().Serialize()[4], 1);
+  auto back = RegionDescriptor::Deserialize(bytes);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_TRUE(back->shared_file.has_value());
+  EXPECT_EQ(back->shared_file->pid, 4242u);
+  EXPECT_EQ(back->shared_file->fd, 17);
+  EXPECT_EQ(back->shared_file->offset, 8192u);
+  EXPECT_EQ(back->shared_file->proof_fd, 5);
+  EXPECT_EQ(back->shared_file->proof, f.proof);
+  EXPECT_FALSE(RegionDescriptor::Deserialize(Sample().Serialize())
+                   ->shared_file.has_value());
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_FALSE(RegionDescriptor::Deserialize({bytes.data(), n}).ok()) << n;
+  }
+  RegionDescriptor nopid = d;
+  nopid.shared_file->pid = 0;
+  EXPECT_EQ(RegionDescriptor::Deserialize(nopid.Serialize()).status().code(),
+            StatusCode::kInvalidArgument);
+  RegionDescriptor badfd = d;
+  badfd.shared_file->fd = -1;
+  EXPECT_FALSE(RegionDescriptor::Deserialize(badfd.Serialize()).ok());
+  RegionDescriptor wrap = d;
+  wrap.shared_file->offset = UINT64_MAX - 100;
+  EXPECT_FALSE(RegionDescriptor::Deserialize(wrap.Serialize()).ok());
+}
+
 }  // namespace
 }  // namespace membox::transport

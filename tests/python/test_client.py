@@ -328,7 +328,7 @@ class HookTest(unittest.TestCase):
     """The DDP hook's data path: staged through mapped memory when the node
     maps it (one host), DDP's bucket registered in place otherwise."""
 
-    def run_hook(self, extra):
+    def run_hook(self, extra, refused=(), offset=0):
         import torch
         import membox.torch as mt
         tmp = tempfile.mkdtemp()
@@ -338,8 +338,11 @@ class HookTest(unittest.TestCase):
                                timeout=10.0)
             mt._declared.clear()
             mt._buckets.clear()
+            mt._share_refused[:] = list(refused)
             mt.init(mode="average", client=c)
-            t = torch.arange(4096, dtype=torch.float32)
+            # `offset`: the bucket starts inside its storage (and inside a
+            # page of the shared file)
+            t = torch.zeros(4096 + offset)[offset:]
             outs = []
             for i in range(3):
                 t.copy_(torch.arange(4096.0) * (i + 1))
@@ -348,11 +351,25 @@ class HookTest(unittest.TestCase):
                 outs.append(out.data_ptr())
             return c.proxies_map_memory, dict(mt._buckets), t, outs
         finally:
+            mt._share_refused.clear()
             node.kill()
 
-    def test_one_host_stages_through_mapped_memory(self):
-        mapped, buckets, t, outs = self.run_hook(())
+    def test_one_host_maps_the_bucket_in_place(self):
+        for offset in (0, 77):
+            mapped, buckets, t, outs = self.run_hook((), offset=offset)
+            self.assertTrue(mapped)
+            # The bucket moved into a shared-memory file the node maps: it
+            # reads the gradients there and writes the average back, so the
+            # Future's result is the bucket itself, every round.
+            self.assertTrue(t.is_shared())
+            self.assertEqual(buckets[0][0], t.data_ptr())
+            self.assertEqual(set(outs), {t.data_ptr()})
+
+    def test_one_host_stages_where_the_bucket_cannot_be_shared(self):
+        mapped, buckets, t, outs = self.run_hook(
+            (), refused=["the nodes cannot map it"])
         self.assertTrue(mapped)
+        self.assertFalse(t.is_shared())
         self.assertEqual(buckets, {})
         # The average arrives in one registered buffer per bucket, which is
         # the Future's result (DDP copies the gradients out of it).

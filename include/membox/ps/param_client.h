@@ -136,6 +136,17 @@ class ParamClient {
   // memory). The caller keeps the memory alive while registered, and calls
   // UnregisterTensor (with no operation on it in flight) before freeing it.
   virtual Status RegisterTensor(void* data, size_t bytes) = 0;
+  // RegisterTensor for memory that is a MAP_SHARED mapping of shared-memory
+  // file `fd` (tmpfs or memfd, unlinked; e.g. a torch tensor after
+  // share_memory_()) at `file_offset`: proxies on this host map the file
+  // and read and write the memory with loads and stores, as they do
+  // AllocateTensor's -- in place and without RMA -- so a framework's own
+  // buffer needs no staging copy on one host either. Other proxies reach
+  // it as RegisterTensor's. Keep `fd` open while registered. A proxy that
+  // cannot map the file (no access to this process's /proc entries) falls
+  // back to RMA and logs why.
+  virtual Status RegisterSharedTensor(void* data, size_t bytes, int fd,
+                                      uint64_t file_offset) = 0;
   virtual Status UnregisterTensor(void* data) = 0;
   // True when every proxy maps this worker's AllocateTensor memory (same
   // host, shared memory): there, staging a tensor through that memory (one

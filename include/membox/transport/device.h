@@ -81,6 +81,16 @@ class Device {
                                                        size_t bytes) {
     return RegisterMemRegion(addr, bytes, MemoryType::kHost);
   }
+  // Registers host memory the caller owns that is a MAP_SHARED mapping of
+  // shared-memory file `fd` (tmpfs or memfd, unlinked) at `file_offset`, as
+  // RegisterMemRegion does, and exports the file with it: a peer on the
+  // same host maps the file and loads and stores the memory directly
+  // (RemoteMemRegion::mapped()), as it does device-allocated memory; other
+  // peers reach it by RMA. The caller keeps `fd` open and the mapping in
+  // place while registered. kInvalidArgument when `fd` is not such a file
+  // or is shorter than file_offset + bytes.
+  virtual Result<std::unique_ptr<MemRegion>> RegisterSharedMemRegion(
+      void* addr, size_t bytes, int fd, uint64_t file_offset) = 0;
   // True when RegisterMemRegion accepts memory of `type` (kHost always;
   // kCuda when the transport library was built with CUDA).
   virtual bool SupportsMemoryType(MemoryType type) const = 0;

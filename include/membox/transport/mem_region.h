@@ -30,8 +30,10 @@
 #ifndef MEMBOX_TRANSPORT_MEM_REGION_H_
 #define MEMBOX_TRANSPORT_MEM_REGION_H_
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -39,6 +41,23 @@
 #include "membox/base/status.h"
 
 namespace membox::transport {
+
+// Registered memory that is also a shared-memory file of the owner (a
+// framework's buffer moved into shared memory, e.g. torch's share_memory_()):
+// a peer on the same host maps the file and loads and stores the memory
+// like device-allocated memory. The peer reaches the file through
+// /proc/<pid>/fd/<fd>; `proof` is a random value the owner's device keeps
+// in its own shared-memory file `proof_fd`, which the peer reads there and
+// compares, so a descriptor naming another process is refused (only that
+// process can hold the value). Untrusted until the importer has checked it
+// (UcxChannel::Import; docs/design/transport.md).
+struct SharedFile {
+  uint32_t pid = 0;
+  int32_t fd = -1;
+  uint64_t offset = 0;  // of the region's first byte in the file
+  int32_t proof_fd = -1;
+  std::array<uint8_t, 16> proof{};
+};
 
 // What a peer needs to reach a region. Crosses process boundaries: decode it
 // only with Deserialize(), which validates every field.
@@ -49,6 +68,7 @@ struct RegionDescriptor {
   uint64_t token = 0;                // random access key; checked by the owner
   uint64_t device_id = 0;            // random id of the owning device
   std::vector<uint8_t> packed_rkey;  // transport remote key (opaque)
+  std::optional<SharedFile> shared_file;  // same-host mapping (v2 only)
 
   // Wire format: docs/formats/region_descriptor.md.
   std::vector<uint8_t> Serialize() const;

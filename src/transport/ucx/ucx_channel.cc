@@ -429,7 +429,23 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
           nullptr;  // user-registered memory: RMA through the data endpoint
     }
   }
-  auto r = std::make_shared<UcxRemoteMemRegion>(desc, mapped, rkey, this);
+  SharedMapping file;
+  if (protocol_ == Protocol::kMapped && mapped == nullptr && desc.shared_file) {
+    // User memory the owner shares as a file: map it (load/store) rather
+    // than reach it by RMA; RMA stays the way where that is refused.
+    auto m = MapSharedFile(desc);
+    if (m.ok()) {
+      file = std::move(*m);
+      mapped = file.data();
+    } else {
+      MEMBOX_LOG_WARN(
+          "region {} of {}: shared file not mapped ({}); "
+          "reaching it by RMA",
+          desc.region_id, peer(), m.status().ToString());
+    }
+  }
+  auto r = std::make_shared<UcxRemoteMemRegion>(desc, mapped, rkey, this,
+                                                std::move(file));
   return std::shared_ptr<RemoteMemRegion>(std::move(r));
 }
 

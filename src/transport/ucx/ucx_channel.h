@@ -29,6 +29,7 @@
 
 #include "src/transport/am_messages.h"
 #include "src/transport/control_inbox.h"
+#include "src/transport/shared_file.h"
 #include "src/transport/ucx/ucx_device.h"
 
 namespace membox::transport::ucx {
@@ -36,8 +37,11 @@ namespace membox::transport::ucx {
 class UcxRemoteMemRegion final : public RemoteMemRegion {
  public:
   UcxRemoteMemRegion(RegionDescriptor d, void* mapped, ucp_rkey_h rkey,
-                     const void* channel)
-      : RemoteMemRegion(std::move(d), mapped), rkey_(rkey), channel_(channel) {}
+                     const void* channel, SharedMapping file = {})
+      : RemoteMemRegion(std::move(d), mapped),
+        rkey_(rkey),
+        channel_(channel),
+        file_(std::move(file)) {}
   ~UcxRemoteMemRegion() override {
     if (rkey_) ucp_rkey_destroy(rkey_);
   }
@@ -47,6 +51,7 @@ class UcxRemoteMemRegion final : public RemoteMemRegion {
  private:
   ucp_rkey_h rkey_;      // unpacked for one ep; null on kActiveMessage
   const void* channel_;  // the channel that imported it
+  SharedMapping file_;   // the owner's shared file, mapped (same host)
 };
 
 class UcxChannel final : public Channel,

@@ -14,8 +14,10 @@
 #include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "membox/base/config.h"
@@ -139,14 +141,17 @@ class UcxMemRegion final : public MemRegion {
     d.token = token_;
     d.device_id = dev_->id();
     d.packed_rkey = rkey_;
+    d.shared_file = shared_file_;
     return d;
   }
+  void set_shared_file(const SharedFile& f) { shared_file_ = f; }
 
  private:
   UcxDevice* dev_;
   ucp_mem_h memh_;
   uint64_t token_;
   std::vector<uint8_t> rkey_;
+  std::optional<SharedFile> shared_file_;  // set once, before any Export
   Mutex mu_;
   std::set<uint64_t> ranges_ MEMBOX_GUARDED_BY(mu_);  // ids from ExportRange
 };
@@ -783,6 +788,54 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::RegisterMemRegion(
                             " memory of " + std::to_string(bytes) + " bytes");
   }
   return FinishRegistration(memh, addr, bytes, /*allocated=*/false, type);
+}
+
+Result<SharedFile> UcxDevice::SharedFileProof() {
+  MutexLock l(&proof_mu_);
+  if (!proof_fd_) {
+    int fd = memfd_create("membox-proof", MFD_CLOEXEC);
+    if (fd < 0)
+      return InternalError(
+          std::string("memfd_create for the shared-file proof: ") +
+          std::strerror(errno));
+    net::Fd owned(fd);
+    for (size_t i = 0; i < proof_.size(); i += 8) {
+      uint64_t v = RandomToken();
+      std::memcpy(proof_.data() + i, &v, 8);
+    }
+    if (pwrite(fd, proof_.data(), proof_.size(), 0) !=
+        static_cast<ssize_t>(proof_.size())) {
+      return InternalError(std::string("writing the shared-file proof: ") +
+                           std::strerror(errno));
+    }
+    proof_fd_ = std::move(owned);
+  }
+  SharedFile f;
+  f.pid = static_cast<uint32_t>(getpid());
+  f.proof_fd = proof_fd_.get();
+  f.proof = proof_;
+  return f;
+}
+
+Result<std::unique_ptr<MemRegion>> UcxDevice::RegisterSharedMemRegion(
+    void* addr, size_t bytes, int fd, uint64_t file_offset) {
+  struct stat st {};
+  if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return InvalidArgumentError(
+        "RegisterSharedMemRegion: not an open regular file");
+  }
+  if (file_offset + bytes < file_offset ||
+      static_cast<uint64_t>(st.st_size) < file_offset + bytes) {
+    return InvalidArgumentError(
+        "RegisterSharedMemRegion: the file is shorter than the range (" +
+        std::to_string(st.st_size) + " bytes)");
+  }
+  ASSIGN_OR_RETURN(SharedFile f, SharedFileProof());
+  f.fd = fd;
+  f.offset = file_offset;
+  ASSIGN_OR_RETURN(auto r, RegisterMemRegion(addr, bytes, MemoryType::kHost));
+  static_cast<UcxMemRegion*>(r.get())->set_shared_file(f);
+  return r;
 }
 
 void UcxDevice::RegisterExport(uint64_t id, const ExportedRegion& r) {

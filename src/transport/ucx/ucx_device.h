@@ -141,6 +141,8 @@ class UcxDevice final : public Device, public net::ChannelHost {
   using Device::RegisterMemRegion;
   Result<std::unique_ptr<MemRegion>> RegisterMemRegion(
       void* addr, size_t bytes, MemoryType type) override;
+  Result<std::unique_ptr<MemRegion>> RegisterSharedMemRegion(
+      void* addr, size_t bytes, int fd, uint64_t file_offset) override;
   bool SupportsMemoryType(MemoryType type) const override;
   Result<std::shared_ptr<Channel>> GetChannel(
       const std::string& remote_endpoint, int lane) override;
@@ -175,6 +177,10 @@ class UcxDevice final : public Device, public net::ChannelHost {
                      uint64_t len, bool host_memory) override;
   bool CheckRkeyCrc(uint64_t region_id, uint32_t crc) override;
   uint64_t NextRegionId() { return next_region_id_.fetch_add(1); }
+  // This device's proof of its process for shared-file exports (mem_region.h
+  // SharedFile): pid, the descriptor of a shared-memory file holding a
+  // random value, and that value. Created on first use.
+  Result<SharedFile> SharedFileProof();
   uint64_t RandomToken();
   uint64_t NewChannelId();
   UcxChannel* ChannelForId(uint64_t id);  // data messages
@@ -223,6 +229,9 @@ class UcxDevice final : public Device, public net::ChannelHost {
                                 void* data, size_t len,
                                 const ucp_am_recv_param_t* param);
 
+  Mutex proof_mu_;
+  net::Fd proof_fd_ MEMBOX_GUARDED_BY(proof_mu_);
+  std::array<uint8_t, 16> proof_ MEMBOX_GUARDED_BY(proof_mu_){};
   DeviceOptions options_;
   uint64_t id_;
   std::string host_id_;
