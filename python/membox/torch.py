@@ -525,6 +525,8 @@ def _shared_bucket(c, index, t):
         old = _buckets.get(index)
     if old is not None and old[0] == t.data_ptr() and old[1] == nbytes:
         return _flat_numpy(t)
+    if not _shm_has_room(nbytes):
+        return None  # this bucket staged; a smaller one may still fit
     try:  # torch 1.13 has no untyped_storage(); its storage() shares too
         storage = (t.untyped_storage() if hasattr(t, "untyped_storage")
                    else t.storage())
@@ -542,6 +544,19 @@ def _shared_bucket(c, index, t):
             _buckets.pop(index, None)
         return None
     return arr
+
+
+def _shm_has_room(nbytes):
+    """Whether /dev/shm (where torch puts shared storages) has room for
+    `nbytes` more with a margin. A file there is filled as it is written: a
+    container's small /dev/shm (Docker's default is 64 MiB) would end a
+    worker with SIGBUS on the first write that does not fit, so a bucket
+    that does not fit is staged instead."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= nbytes + max(64 << 20, nbytes // 4)
 
 
 def _register_bucket(c, index, t, arr, fd=-1, file_offset=0):

@@ -371,6 +371,19 @@ class HookTest(unittest.TestCase):
         self.assertTrue(mapped)
         self.assertFalse(t.is_shared())
         self.assertEqual(buckets, {})
+
+    def test_a_bucket_too_big_for_dev_shm_is_staged(self):
+        import membox.torch as mt
+        room = mt._shm_has_room
+        mt._shm_has_room = lambda nbytes: False  # a container's 64 MiB
+        try:
+            mapped, buckets, t, outs = self.run_hook(())
+        finally:
+            mt._shm_has_room = room
+        self.assertFalse(t.is_shared())
+        self.assertEqual(buckets, {})
+        self.assertNotEqual(outs[0], t.data_ptr())  # the result buffer
+        self.assertTrue(mt._shm_has_room(1 << 20))  # this machine has room
         # The average arrives in one registered buffer per bucket, which is
         # the Future's result (DDP copies the gradients out of it).
         self.assertNotEqual(outs[0], t.data_ptr())
