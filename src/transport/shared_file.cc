@@ -28,6 +28,16 @@ std::string ProcFd(uint32_t pid, int32_t fd) {
 
 Result<int> OpenPeerFile(uint32_t pid, int32_t fd, int flags) {
   std::string path = ProcFd(pid, fd);
+  // Look before opening: a descriptor naming a device or a pipe is refused
+  // without the open (which has effects on some devices).
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) {
+    return UnavailableError("cannot look at " + path + ": " +
+                            std::strerror(errno));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return PermissionDeniedError(path + " is not a regular file");
+  }
   int f = open(path.c_str(), flags | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
   if (f < 0) {
     return UnavailableError("cannot open " + path + ": " +

@@ -102,6 +102,17 @@ TEST(SharedFileTest, RefusesAnotherProcessOrAWrongFile) {
   EXPECT_EQ(MapSharedFile(disk).status().code(), StatusCode::kPermissionDenied);
   unlink(path);
   close(named);
+  // A descriptor that is not a file (a pipe) is refused without opening it.
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  RegionDescriptor fifo = Describe(b, 0, 4096, pf, proof);
+  fifo.shared_file->fd = pipe_fds[0];
+  EXPECT_EQ(MapSharedFile(fifo).status().code(), StatusCode::kPermissionDenied);
+  RegionDescriptor fifo_proof = Describe(b, 0, 4096, pipe_fds[0], proof);
+  EXPECT_EQ(MapSharedFile(fifo_proof).status().code(),
+            StatusCode::kPermissionDenied);
+  close(pipe_fds[0]);
+  close(pipe_fds[1]);
   // No such descriptor in this process.
   RegionDescriptor gone = Describe(b, 0, 4096, pf, proof);
   gone.shared_file->fd = 1 << 20;
