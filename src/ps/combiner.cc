@@ -138,15 +138,6 @@ void Combiner::DriveAll(std::vector<Done>* done) {
 }
 
 void Combiner::Drive(Key& k, std::vector<Done>* done) {
-  if (auto left = k.view.Aborted()) {
-    Status why = UnavailableError(
-        "worker rank " + std::to_string(*left) + " left the job while key " +
-        std::to_string(k.id) + " was combined in the memory node's region");
-    for (auto& op : k.ops) done->push_back({op.state, why, 0});
-    pending_ -= k.ops.size();
-    k.ops.clear();
-    return;
-  }
   const uint64_t bytes = k.view.geometry().bytes;
   while (!k.ops.empty()) {
     Op& op = k.ops.front();
@@ -154,12 +145,15 @@ void Combiner::Drive(Key& k, std::vector<Done>* done) {
       std::memcpy(op.out, k.cache.data(), bytes);
       done->push_back({op.state, Status::Ok(), 0});
     } else {
+      // A rank that left fails only what waits for it: a round every rank
+      // published before one left still completes (the leaver may have
+      // finished that round and exited before this rank read it).
       if (!op.published) {
-        if (!k.view.CanPublish(op.round)) return;
+        if (!k.view.CanPublish(op.round)) return FailIfLeft(k, done);
         k.view.Publish(op.round, op.in);
         op.published = true;
       }
-      if (!k.view.Arrived(op.round)) return;
+      if (!k.view.Arrived(op.round)) return FailIfLeft(k, done);
       void* dst = op.out ? op.out : k.cache.data();
       k.view.Reduce(op.round, dst);
       if (op.out) std::memcpy(k.cache.data(), op.out, bytes);
@@ -170,6 +164,17 @@ void Combiner::Drive(Key& k, std::vector<Done>* done) {
     k.ops.pop_front();
     --pending_;
   }
+}
+
+void Combiner::FailIfLeft(Key& k, std::vector<Done>* done) {
+  auto left = k.view.Aborted();
+  if (!left) return;
+  Status why = UnavailableError(
+      "worker rank " + std::to_string(*left) + " left the job while key " +
+      std::to_string(k.id) + " was combined in the memory node's region");
+  for (auto& op : k.ops) done->push_back({op.state, why, 0});
+  pending_ -= k.ops.size();
+  k.ops.clear();
 }
 
 void Combiner::FinishAll(std::vector<Done>& done) {

@@ -13,8 +13,9 @@
 // background thread polls operations older than a couple of milliseconds
 // (callbacks-only users), backing off to a millisecond, and logs a round
 // waiting longer than `hang_report` with the ranks it waits for. A rank
-// that left (the proxy's abort word) fails every pending operation with
-// kUnavailable naming it.
+// that left (the proxy's abort word) fails every pending operation that
+// waits for the other ranks with kUnavailable naming it; a round every rank
+// had published before it left still completes.
 //
 // Completion: an operation's CallState finishes (and its callback runs)
 // outside the combiner's lock, in whichever thread drove it.
@@ -91,6 +92,9 @@ class Combiner {
   // Advances `k`'s operations as far as the region allows. mu_ held.
   void Drive(Key& k, std::vector<Done>* done) MEMBOX_REQUIRES(mu_);
   void DriveAll(std::vector<Done>* done) MEMBOX_REQUIRES(mu_);
+  // Fails k's operations when a rank left (the abort word); called where
+  // the front operation waits for the other ranks.
+  void FailIfLeft(Key& k, std::vector<Done>* done) MEMBOX_REQUIRES(mu_);
   static void FinishAll(std::vector<Done>& done);
   void Loop();
 
