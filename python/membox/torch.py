@@ -330,10 +330,11 @@ def allreduce_hook(state, bucket):
     transport; where neither works (one host, nodes that cannot map this
     process's files) it is staged and the average lands in registered
     memory that is the Future's result (_result_buffer: DDP copies the
-    gradients out of it). CUDA buckets go through page-locked staging memory (see _CudaStaging): device-to-host copy on a
-    side stream, push/pull once that copy is done, host-to-device copy on
-    another side stream, and the Future completes on that stream, so DDP's
-    stream waits for it without blocking the host.
+    gradients out of it). CUDA buckets go through page-locked staging
+    memory (see _CudaStaging): device-to-host copy on a side stream,
+    push/pull once that copy is done, host-to-device copy on another side
+    stream, and the Future completes on that stream, so DDP's stream waits
+    for it without blocking the host.
 
     The first iteration goes through the process group's own AllReduce (what
     DDP does without a hook): DDP rebuilds its buckets after it, so keys,
