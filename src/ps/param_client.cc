@@ -52,9 +52,11 @@ PsHandle Failed(const Status& s, std::function<void(const Status&)> cb) {
 
 // How long a restarted worker's hello (MEMBOX_RESTART > 0, set by `membox
 // launch --max-restarts`) keeps retrying while a proxy closes the previous
-// run's connections; below the proxy's 10 s hello deadline. A first start
-// is refused at once (a rank really used twice).
-constexpr auto kRejoinWindow = std::chrono::seconds(8);
+// run's connections. Longer than a proxy's longest wait on a dead worker
+// (kIoTimeout, 30 s: its executor answers no hello meanwhile, and closes
+// an unanswered link after its 10 s hello deadline; the retry then takes a
+// new link). A first start is refused at once (a rank really used twice).
+constexpr auto kRejoinWindow = std::chrono::seconds(45);
 
 // A profile sample times transfers back to back until it moved
 // kSustainBytes or took kSustainTime (at least one transfer): long enough

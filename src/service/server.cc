@@ -15,6 +15,8 @@ namespace membox::service {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// An executor event held longer than this is logged (Run).
+constexpr auto kSlowEvent = std::chrono::seconds(1);
 using transport::Channel;
 
 class ServerImpl final : public Server {
@@ -396,6 +398,38 @@ class ServerImpl final : public Server {
         e = std::move(events_.front());
         events_.pop_front();
       }
+      const auto began = Clock::now();
+      Handle(e);
+      // One event holding the executor this long delays every connection's
+      // hello and request behind it (a restarted worker's hello waits for
+      // it): say which, so a stall is visible in the node's log.
+      const auto held = Clock::now() - began;
+      if (held > kSlowEvent) {
+        MEMBOX_LOG_WARN(
+            "{}: the executor was held {} ms by {} on connection {}",
+            opt_.service,
+            std::chrono::duration_cast<std::chrono::milliseconds>(held).count(),
+            EventName(e.type), e.conn);
+      }
+    }
+  }
+
+  static const char* EventName(EventType t) {
+    switch (t) {
+      case EventType::kTask:
+        return "a task";
+      case EventType::kConnect:
+        return "a connection's start";
+      case EventType::kDisconnect:
+        return "a connection's close";
+      case EventType::kMessage:
+        return "a request";
+    }
+    return "an event";
+  }
+
+  void Handle(Event& e) {
+    {
       switch (e.type) {
         case EventType::kTask:
           e.task();

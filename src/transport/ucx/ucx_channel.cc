@@ -351,9 +351,24 @@ void UcxChannel::Track(const std::shared_ptr<OpState>& st) {
   // `st` is our own reference: the request's context may already be freed by
   // its completion on the progress thread.
   if (!st) return;
-  MutexLock l(&mu_);
-  if (st->done()) return;
-  inflight_.insert(st);
+  Status failure;
+  {
+    MutexLock l(&mu_);
+    if (st->done()) return;
+    if (!failed_.load(std::memory_order_acquire)) {
+      inflight_.insert(st);
+      return;
+    }
+    failure = failure_;
+  }
+  // Posted on an endpoint whose channel already failed (the liveness
+  // socket saw the peer die, Close() has not yet taken the endpoint): Fail()
+  // swapped the in-flight set before this op joined it, and a shared-memory
+  // lane never completes an op to a dead peer. Without this the caller
+  // waited out its whole timeout -- a memory node's executor sat 30 s in a
+  // read from a killed worker, and the restarted workers' hellos timed out
+  // behind it.
+  st->Complete(failure);
 }
 
 void UcxChannel::Untrack(const std::shared_ptr<OpState>& st) {
