@@ -153,6 +153,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     so.device.name = "membox-embedding";
     so.service = "embedding server";
     so.handler_threads = 0;  // serial: tables are touched by one thread
+    // The executor replies on the worker its progress thread polls; both
+    // are busy for a whole training step (DeviceOptions).
+    so.device.sleep_on_worker_lock = true;
     compactor_ = std::thread([this] { CompactLoop(); });
     if (log_) syncer_ = std::thread([this] { SyncLoop(); });
     auto server = service::Server::Create(so, this);

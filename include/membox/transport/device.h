@@ -60,6 +60,13 @@ struct DeviceOptions {
   ProtocolChoice protocol = ProtocolChoice::kAuto;
   std::string name = "membox";  // shown to peers and in logs
   std::chrono::milliseconds connect_timeout{10000};
+  // How threads that post on a UCX worker wait while its progress thread
+  // holds it: false spins (UCX's default; the lowest latency while every
+  // thread has a core), true sleeps on a mutex (a busy server whose
+  // executor replies while the progress thread polls, with more threads
+  // than cores: a preempted holder leaves a spinner burning its time
+  // slice). UCX_USE_MT_MUTEX in the environment wins.
+  bool sleep_on_worker_lock = false;
 };
 
 class Device {

@@ -297,6 +297,16 @@ Status UcxDevice::Init() {
   if (!GetEnv("UCX_KEEPALIVE_INTERVAL")) {
     (void)ucp_config_modify(config, "KEEPALIVE_INTERVAL", "10s");
   }
+  // DeviceOptions::sleep_on_worker_lock: UCX guards the worker with a
+  // spinlock by default. A memory node's embedding server in the README's
+  // CTR run spent 13 % of its CPU in pthread_spin_lock; sleeping there took
+  // the node from 0.49-0.51 to 0.46-0.47 CPUs (4 pairs), the run's samples/s
+  // within noise. Every process sleeping gave the CTR run 1.09x (median, 10
+  // pairs) but the digits job's small DDP rounds 1.09x slower (7 pairs), so
+  // it is per device (docs/results/ctr.md).
+  if (options_.sleep_on_worker_lock && !GetEnv("UCX_USE_MT_MUTEX")) {
+    (void)ucp_config_modify(config, "USE_MT_MUTEX", "y");
+  }
   // UCX's TCP transport listens on every interface and asserts on malformed
   // bytes, so it is never enabled: TCP between hosts is membox's own path
   // (net::TcpChannel). This also overrides a UCX_TLS from the environment.
