@@ -17,7 +17,11 @@ kill_one_worker() {
     sleep 0.02
   done
   local victim
-  victim=$(pgrep -f -- "--out $out" | tail -1)
+  # A worker: a child of the launcher (membox execs it, so $launch is its
+  # pid) running CMD. Not the launcher itself, whose command line also has
+  # `--out OUT`: after the pid counter wraps, the workers' pids are lower
+  # than the launcher's, and `tail -1` of every match killed the launcher.
+  victim=$(pgrep -P "$launch" -f -- "--out $out" | tail -1)
   [[ -n $victim ]] || { cat "$log"; echo "FAIL: no worker to kill"; exit 1; }
   local t0
   t0=$(date +%s.%N)

@@ -403,7 +403,10 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
     auto state = std::make_shared<OpState>(dev_->events());
     state->set_progress(&UcxWorker::HelpProgress, worker_);
     {
+      // Under mu_ with the failure check: Fail() drains rpcs_ once, so an
+      // entry added after it would wait out its whole timeout.
       MutexLock l(&mu_);
+      if (failed_.load(std::memory_order_acquire)) return failure_;
       rpcs_[req] = state;
     }
     msg::ValidateRequest vr{
@@ -527,7 +530,8 @@ Result<OpHandle> UcxChannel::AmRead(void* local, uint64_t raddr,
   state->set_progress(&UcxWorker::HelpProgress, worker_);
   uint64_t op = next_op_.fetch_add(1);
   {
-    MutexLock l(&mu_);
+    MutexLock l(&mu_);  // with the failure check (see Import)
+    if (failed_.load(std::memory_order_acquire)) return failure_;
     reads_[op] = PendingRead{local, size, state};
   }
   msg::Access a{op, raddr, remote.descriptor().region_id,
@@ -599,7 +603,8 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
     state->set_progress(&UcxWorker::HelpProgress, worker_);
     uint64_t op = next_op_.fetch_add(1);
     {
-      MutexLock l(&mu_);
+      MutexLock l(&mu_);  // with the failure check (see Import)
+      if (failed_.load(std::memory_order_acquire)) return failure_;
       rpcs_[op] = state;
     }
     Status s = SendAm(kAmFlushReq, msg::EncodeId(op), nullptr, 0, nullptr);
