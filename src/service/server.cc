@@ -429,53 +429,51 @@ class ServerImpl final : public Server {
   }
 
   void Handle(Event& e) {
-    {
-      switch (e.type) {
-        case EventType::kTask:
-          e.task();
-          break;
-        case EventType::kConnect: {
-          std::shared_ptr<Channel> ch;
-          std::shared_ptr<std::atomic<int64_t>> seen;
-          {
-            MutexLock l(&mu_);
-            auto it = conns_.find(e.conn);
-            if (it != conns_.end()) {
-              ch = it->second.channel;
-              seen = it->second.last_seen;
-            }
+    switch (e.type) {
+      case EventType::kTask:
+        e.task();
+        break;
+      case EventType::kConnect: {
+        std::shared_ptr<Channel> ch;
+        std::shared_ptr<std::atomic<int64_t>> seen;
+        {
+          MutexLock l(&mu_);
+          auto it = conns_.find(e.conn);
+          if (it != conns_.end()) {
+            ch = it->second.channel;
+            seen = it->second.last_seen;
           }
-          if (!ch) break;  // closed meanwhile (hello timeout, Stop)
-          svc_->OnConnect(e.conn, ch->peer());
-          Attach(e.conn, ch, std::move(seen));
-          break;
         }
-        case EventType::kDisconnect:
-          e.channel->Close();
-          svc_->OnDisconnect(e.conn, e.why);
-          break;
-        case EventType::kMessage: {
-          std::span<const uint8_t> body;
-          Header h = *Decode(e.bytes, &body);  // checked in OnBytes
-          {
-            MutexLock l(&mu_);
-            auto it = conns_.find(e.conn);
-            if (it == conns_.end()) break;  // closed meanwhile
-            if (h.kind != Kind::kNotice &&
-                it->second.pending.size() < kMaxMeasured) {
-              it->second.pending.emplace(h.id, e.at);
-            }
+        if (!ch) break;  // closed meanwhile (hello timeout, Stop)
+        svc_->OnConnect(e.conn, ch->peer());
+        Attach(e.conn, ch, std::move(seen));
+        break;
+      }
+      case EventType::kDisconnect:
+        e.channel->Close();
+        svc_->OnDisconnect(e.conn, e.why);
+        break;
+      case EventType::kMessage: {
+        std::span<const uint8_t> body;
+        Header h = *Decode(e.bytes, &body);  // checked in OnBytes
+        {
+          MutexLock l(&mu_);
+          auto it = conns_.find(e.conn);
+          if (it == conns_.end()) break;  // closed meanwhile
+          if (h.kind != Kind::kNotice &&
+              it->second.pending.size() < kMaxMeasured) {
+            it->second.pending.emplace(h.id, e.at);
           }
-          requests_++;
-          Request r;
-          r.conn = e.conn;
-          r.method = h.method;
-          r.id = h.id;
-          r.notice = h.kind == Kind::kNotice;
-          r.body = body;
-          svc_->OnRequest(r);
-          break;
         }
+        requests_++;
+        Request r;
+        r.conn = e.conn;
+        r.method = h.method;
+        r.id = h.id;
+        r.notice = h.kind == Kind::kNotice;
+        r.body = body;
+        svc_->OnRequest(r);
+        break;
       }
     }
   }

@@ -365,9 +365,9 @@ void UcxChannel::Track(const std::shared_ptr<OpState>& st) {
   // socket saw the peer die, Close() has not yet taken the endpoint): Fail()
   // swapped the in-flight set before this op joined it, and a shared-memory
   // lane never completes an op to a dead peer. Without this the caller
-  // waited out its whole timeout -- a memory node's executor sat 30 s in a
-  // read from a killed worker, and the restarted workers' hellos timed out
-  // behind it.
+  // waits out its whole timeout (a memory node's executor: 30 s, during
+  // which it answers no hello -- the suspected cause of restarted workers'
+  // hellos timing out in CI).
   st->Complete(failure);
 }
 
