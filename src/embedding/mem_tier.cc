@@ -93,23 +93,27 @@ class MemTierImpl final : public MemTier {
     MutexLock l(&mu_);
     const uint64_t mark = ++marks_;
     std::vector<Entry*> entries(keys.size(), nullptr);
+    FindLocked(keys, entries.data());
     std::vector<uint64_t> missing;
     absl::flat_hash_set<uint64_t> missing_seen;
     uint64_t newly = 0;  // distinct rows this batch would newly pin
     for (size_t i = 0; i < keys.size(); ++i) {
-      auto it = rows_.find(keys[i]);
-      if (it == rows_.end()) {
+      Entry* e = entries[i];
+      if (e == nullptr) {
         if (missing_seen.insert(keys[i]).second) {
           missing.push_back(keys[i]);
           ++newly;
         }
         continue;
       }
-      Entry& e = *it->second;
-      entries[i] = &e;
-      if (e.mark != mark) {
-        e.mark = mark;
-        if (e.pins == 0) ++newly;
+      if (e->mark != mark) {
+        e->mark = mark;
+        if (e->pins == 0) {
+          ++newly;
+          // Pin below unlinks it from the LRU: fetch its neighbours now.
+          PrefetchLine(e->lru_prev);
+          PrefetchLine(e->lru_next);
+        }
       }
     }
     if (pinned_ + newly > capacity_) {
@@ -144,15 +148,16 @@ class MemTierImpl final : public MemTier {
                     const std::function<void(size_t, uint8_t*)>& fn,
                     bool changes) override {
     MutexLock l(&mu_);
+    std::vector<Entry*> entries(keys.size(), nullptr);
+    FindLocked(keys, entries.data());
     std::vector<size_t> missing;
     for (size_t i = 0; i < keys.size(); ++i) {
-      auto it = rows_.find(keys[i]);
-      if (it == rows_.end()) {
+      if (entries[i] == nullptr) {
         missing.push_back(i);
         continue;
       }
-      Visit(*it->second, changes);
-      fn(i, it->second->row());
+      Visit(*entries[i], changes);
+      fn(i, entries[i]->row());
     }
     // Rows not in memory: loaded a quarter of the budget at a time, each
     // piece used, then the budget restored by eviction.
@@ -185,7 +190,13 @@ class MemTierImpl final : public MemTier {
       if (b != batches_.end() && b->second.size() == keys.size()) {
         const std::vector<Entry*>& held = b->second;
         size_t i = 0;
-        while (i < keys.size() && held[i]->key == keys[i]) ++i;
+        for (size_t j = 0; j < std::min(kAhead, held.size()); ++j) {
+          PrefetchEntry(held[j]);
+        }
+        while (i < keys.size() && held[i]->key == keys[i]) {
+          if (i + kAhead < held.size()) PrefetchEntry(held[i + kAhead]);
+          ++i;
+        }
         if (i == keys.size()) {
           for (size_t j = 0; j < keys.size(); ++j) {
             Visit(*held[j], changes);
@@ -211,7 +222,13 @@ class MemTierImpl final : public MemTier {
     MutexLock l(&mu_);
     auto b = batches_.find(batch);
     if (b == batches_.end()) return NotFoundError("no such batch");
-    for (Entry* e : b->second) {
+    const std::vector<Entry*>& held = b->second;
+    for (size_t j = 0; j < std::min(kAhead, held.size()); ++j) {
+      PrefetchLine(held[j]);
+    }
+    for (size_t j = 0; j < held.size(); ++j) {
+      if (j + kAhead < held.size()) PrefetchLine(held[j + kAhead]);
+      Entry* e = held[j];
       if (--e->pins == 0) {
         pinned_--;
         lru_.PushFront(e);
@@ -249,6 +266,36 @@ class MemTierImpl final : public MemTier {
   }
 
  private:
+  // How many keys ahead a lookup loop asks for the cache lines it will
+  // need: a lookup is two dependent cache misses (the map's slot, then the
+  // entry), which the loops overlap across keys instead of taking one
+  // after another (they were most of a memory node's CPU in the CTR run).
+  static constexpr size_t kAhead = 16;
+
+  static void PrefetchLine(const void* p) {
+    if (p != nullptr) __builtin_prefetch(p);
+  }
+  // The entry's fields and its row (which may start on the next line).
+  void PrefetchEntry(Entry* e) const {
+    __builtin_prefetch(e);
+    __builtin_prefetch(e->row() + row_ - 1);
+  }
+
+  // found[i] = the entry of keys[i], or nullptr when it is not in memory;
+  // each entry found is asked for, for the caller's pass over them.
+  void FindLocked(std::span<const uint64_t> keys, Entry** found) const
+      MEMBOX_REQUIRES(mu_) {
+    const size_t n = keys.size();
+    for (size_t i = 0; i < std::min(kAhead, n); ++i) rows_.prefetch(keys[i]);
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) rows_.prefetch(keys[i + kAhead]);
+      auto it = rows_.find(keys[i]);
+      if (it == rows_.end()) continue;
+      found[i] = it->second.get();
+      PrefetchEntry(found[i]);
+    }
+  }
+
   // Loads `keys` (none in memory, distinct) from the SSD tier, or creates
   // them, into memory: unpinned rows at the LRU's front, or (`to_pin`)
   // rows in no list that the caller pins at once.
