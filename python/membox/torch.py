@@ -1705,6 +1705,8 @@ class EmbeddingBag(_StoreLayer):
             raise ValueError("mode must be sum or mean")
         super().__init__(name, dim, **kw)
         self.mode = mode
+        # (bags, width) -> (bag index, scale) of (B, L) ids: built once
+        self._fixed_bags = {}
 
     def forward(self, input, offsets=None, per_sample_weights=None,
                 prefetched=None):
@@ -1715,21 +1717,31 @@ class EmbeddingBag(_StoreLayer):
             return F.embedding_bag(idx, rows, offsets, mode=self.mode,
                                    per_sample_weights=per_sample_weights)
         n = idx.numel()
-        if idx.dim() == 2:  # (B, L): bags of L
+        if idx.dim() == 2:  # (B, L): bags of L, the same every batch
             nbags, width = idx.shape
-            bag = torch.arange(nbags).repeat_interleave(width)
-            scale = (rows.new_full((n, 1), 1.0 / width)
-                     if self.mode == "mean" and width else None)
-        else:  # 1-D ids, offsets[i] where bag i starts
-            offsets = torch.as_tensor(offsets, dtype=torch.int64)
-            nbags = offsets.numel()
-            lengths = torch.diff(offsets, append=offsets.new_tensor([n]))
-            if nbags == 0 or int(offsets[0]) != 0 or bool((lengths < 0).any()):
+            bag, scale = self._fixed_bags.get((nbags, width), (None, None))
+            if bag is None:
+                bag = torch.arange(nbags).repeat_interleave(width)
+                scale = (torch.full((n, 1), 1.0 / width)
+                         if self.mode == "mean" and width else None)
+                if len(self._fixed_bags) >= 8:
+                    self._fixed_bags.clear()
+                self._fixed_bags[(nbags, width)] = (bag, scale)
+        else:  # 1-D ids, offsets[i] where bag i starts (numpy: fewer ops)
+            off = (offsets.detach().cpu().numpy()
+                   if isinstance(offsets, torch.Tensor) else
+                   np.asarray(offsets))
+            off = off.astype(np.int64, copy=False).reshape(-1)
+            nbags = off.size
+            lengths = np.diff(off, append=np.int64(n))
+            if nbags == 0 or off[0] != 0 or (lengths < 0).any():
                 # torch says what is wrong with them
-                return F.embedding_bag(idx, rows, offsets, mode=self.mode)
-            bag = torch.arange(nbags).repeat_interleave(lengths)
+                return F.embedding_bag(
+                    idx, rows, torch.as_tensor(offsets, dtype=torch.int64),
+                    mode=self.mode)
+            bag = torch.from_numpy(np.repeat(np.arange(nbags), lengths))
             scale = None
             if self.mode == "mean":
-                per_bag = 1.0 / lengths.clamp(min=1).to(rows.dtype)
-                scale = per_bag.index_select(0, bag).unsqueeze(1)
+                per_bag = (1.0 / np.maximum(lengths, 1)).astype(np.float32)
+                scale = torch.from_numpy(np.repeat(per_bag, lengths)[:, None])
         return _GatherRows.apply(rows, idx.reshape(-1), bag, nbags, scale)

@@ -199,6 +199,8 @@ class MemTierImpl final : public MemTier {
         }
         if (i == keys.size()) {
           for (size_t j = 0; j < keys.size(); ++j) {
+            // The rows' lines again: `fn` may have pushed them out.
+            if (j + kAhead < keys.size()) PrefetchEntry(held[j + kAhead]);
             Visit(*held[j], changes);
             fn(j, held[j]->row());
           }
