@@ -87,6 +87,66 @@ TEST_F(MemTierTest, LruEvictsIntoLfuWhichEvictsToSsd) {
   EXPECT_EQ(Touch(4, 9), 200);
 }
 
+// The SSD tier, with writes that fail while `fail_puts` is set.
+class FlakySsd : public SsdStore {
+ public:
+  explicit FlakySsd(SsdStore* real) : real_(real) {}
+  Status Put(std::span<const uint64_t> keys,
+             std::span<const uint8_t> rows) override {
+    if (fail_puts) return ResourceExhaustedError("disk full (test)");
+    return real_->Put(keys, rows);
+  }
+  Status Sync() override { return real_->Sync(); }
+  Status Get(std::span<const uint64_t> keys, std::span<uint8_t> out,
+             std::vector<bool>* found) override {
+    return real_->Get(keys, out, found);
+  }
+  Status Erase(std::span<const uint64_t> keys) override {
+    return real_->Erase(keys);
+  }
+  Status Compact() override { return real_->Compact(); }
+  SsdStats Stats() const override { return real_->Stats(); }
+  uint32_t row_bytes() const override { return real_->row_bytes(); }
+  bool fail_puts = false;
+
+ private:
+  SsdStore* real_;
+};
+
+TEST_F(MemTierTest, AFailedEvictionKeepsItsRowsInMemory) {
+  FlakySsd flaky(ssd_.get());
+  MemTierOptions o;
+  o.budget_bytes = 2 * kRow;  // LRU 1 row, LFU 1 row
+  o.initializer = [](uint64_t key, std::span<uint8_t> row) {
+    for (size_t i = 0; i < row.size(); ++i) row[i] = uint8_t(key + i);
+  };
+  tier_ = std::move(*MemTier::Create(o, &flaky));
+  for (uint64_t k = 1; k <= 2; ++k) Touch(k, k);  // new rows are dirty
+  flaky.fail_puts = true;
+  uint64_t k3 = 3;
+  // Pinning key 3 pushes a dirty row out to the SSD, which fails: the pull
+  // still gets its row, and the release that tries again reports it.
+  auto pinned = tier_->Acquire(std::span(&k3, 1), 3);
+  ASSERT_TRUE(pinned.ok()) << pinned.status().ToString();
+  EXPECT_EQ((*pinned)[0][0], 3);
+  Status s = tier_->Release(3);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  auto st = tier_->Stats();
+  EXPECT_EQ(st.rows_in_memory, 3u);
+  EXPECT_EQ(st.lfu + st.lru, 3u);
+  EXPECT_EQ(st.evicted_to_ssd, 0u);
+  // Once the SSD takes writes again, every row is there with its value
+  // (the victim went back to the LFU, from where it is used again) and
+  // the budget is restored.
+  flaky.fail_puts = false;
+  for (uint64_t k = 1; k <= 3; ++k) EXPECT_EQ(Touch(k, 10 + k), k);
+  for (uint64_t k = 4; k <= 6; ++k) EXPECT_EQ(Touch(k, 10 + k), k);
+  st = tier_->Stats();
+  EXPECT_EQ(st.rows_in_memory, 2u);
+  EXPECT_GE(st.evicted_to_ssd, 4u);
+  for (uint64_t k = 1; k <= 6; ++k) EXPECT_EQ(Touch(k, 20 + k), k);
+}
+
 TEST_F(MemTierTest, PinnedRowsAreNeverEvicted) {
   Make(4);
   std::vector<uint64_t> batch = {1, 2, 3};

@@ -50,7 +50,9 @@ class MemTier {
   virtual ~MemTier() = default;
   // Pins the rows of `keys` for `batch` (loading or creating them) and
   // returns a pointer per key. kResourceExhausted when the pinned rows
-  // would exceed the budget; nothing is pinned then.
+  // would exceed the budget; nothing is pinned then. An eviction to the SSD
+  // tier that fails after the pins does not fail the call (it is retried
+  // by the next call that evicts; Release reports it).
   virtual Result<std::vector<uint8_t*>> Acquire(std::span<const uint64_t> keys,
                                                 uint64_t batch) = 0;
   // Runs fn(i, row) on the row of each keys[i] without pinning it (loading
