@@ -195,10 +195,7 @@ class MemTierImpl final : public MemTier {
     // the SSD tier refuses now leaves the tier over its budget until one
     // succeeds (the next Release or Flush reports the failure), and does
     // not fail a pull that has its rows.
-    Status evicted = EvictLocked();
-    if (!evicted.ok()) {
-      MEMBOX_LOG_WARN("memory tier: eviction deferred: {}", evicted.ToString());
-    }
+    EvictOrWarnLocked();
     return out;
   }
 
@@ -234,7 +231,10 @@ class MemTierImpl final : public MemTier {
         Visit(en, changes);
         fn(missing[j], en.row());
       }
-      RETURN_IF_ERROR(EvictLocked());
+      // Part of the rows may be changed already: an eviction the SSD tier
+      // refuses leaves the tier over its budget (as in Acquire) rather than
+      // failing a half-applied call.
+      EvictOrWarnLocked();
     }
     return Status::Ok();
   }
@@ -425,6 +425,16 @@ class MemTierImpl final : public MemTier {
     }
     e.where = Entry::Where::kPinned;
     pinned_++;
+  }
+
+  // EvictLocked for callers that have changed or pinned rows already: a
+  // failure is logged, the rows stay in memory over the budget, and the
+  // next eviction (every Acquire, ForEachRow chunk and Release) retries.
+  void EvictOrWarnLocked() MEMBOX_REQUIRES(mu_) {
+    Status s = EvictLocked();
+    if (!s.ok()) {
+      MEMBOX_LOG_WARN("memory tier: eviction deferred: {}", s.ToString());
+    }
   }
 
   // LRU overflow -> LFU; LFU overflow -> SSD (dirty rows written first).

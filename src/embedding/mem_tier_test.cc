@@ -135,6 +135,19 @@ TEST_F(MemTierTest, AFailedEvictionKeepsItsRowsInMemory) {
   EXPECT_EQ(st.rows_in_memory, 3u);
   EXPECT_EQ(st.lfu + st.lru, 3u);
   EXPECT_EQ(st.evicted_to_ssd, 0u);
+  // An update of a row not in memory is applied in full, over the budget.
+  uint64_t k7 = 7;
+  int applied = 0;
+  Status u = tier_->ForEachRow(
+      std::span(&k7, 1),
+      [&](size_t, uint8_t* row) {
+        row[0] = 70;
+        ++applied;
+      },
+      /*changes=*/true);
+  EXPECT_TRUE(u.ok()) << u.ToString();
+  EXPECT_EQ(applied, 1);
+  EXPECT_EQ(tier_->Stats().rows_in_memory, 4u);
   // Once the SSD takes writes again, every row is there with its value
   // (the victim went back to the LFU, from where it is used again) and
   // the budget is restored.
@@ -145,6 +158,7 @@ TEST_F(MemTierTest, AFailedEvictionKeepsItsRowsInMemory) {
   EXPECT_EQ(st.rows_in_memory, 2u);
   EXPECT_GE(st.evicted_to_ssd, 4u);
   for (uint64_t k = 1; k <= 6; ++k) EXPECT_EQ(Touch(k, 20 + k), k);
+  EXPECT_EQ(Touch(7, 30), 70);
 }
 
 TEST_F(MemTierTest, PinnedRowsAreNeverEvicted) {

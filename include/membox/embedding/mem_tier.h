@@ -59,7 +59,9 @@ class MemTier {
   // or creating it as Acquire does; the row counts as used, and as changed
   // if `changes`): the update path of pushes and unpinned pulls, one hash
   // lookup per row in memory. Rows not in memory are loaded a quarter of
-  // the budget at a time. `fn` runs under the tier's lock.
+  // the budget at a time. `fn` runs under the tier's lock. An eviction to
+  // the SSD tier that fails does not fail the call (rows may be changed
+  // already); it is retried by the next call that evicts.
   virtual Status ForEachRow(std::span<const uint64_t> keys,
                             const std::function<void(size_t, uint8_t*)>& fn,
                             bool changes) = 0;
