@@ -16,18 +16,23 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-long FutexWait(std::atomic<uint32_t>* addr, uint32_t expected,
-               std::chrono::nanoseconds timeout) {
+// `shared`: the word may be mapped by other processes (no _PRIVATE op).
+long FutexWait(uint32_t* addr, uint32_t expected,
+               std::chrono::nanoseconds timeout, bool shared = false) {
   timespec ts;
   ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
   ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr),
-                 FUTEX_WAIT_PRIVATE, expected, &ts, nullptr, 0);
+  return syscall(SYS_futex, addr, shared ? FUTEX_WAIT : FUTEX_WAIT_PRIVATE,
+                 expected, &ts, nullptr, 0);
 }
 
-void FutexWakeAll(std::atomic<uint32_t>* addr) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE_PRIVATE,
-          INT32_MAX, nullptr, nullptr, 0);
+void FutexWakeAll(uint32_t* addr, bool shared = false) {
+  syscall(SYS_futex, addr, shared ? FUTEX_WAKE : FUTEX_WAKE_PRIVATE, INT32_MAX,
+          nullptr, nullptr, 0);
+}
+
+uint32_t* Word(std::atomic<uint32_t>* a) {
+  return reinterpret_cast<uint32_t*>(a);
 }
 
 }  // namespace
@@ -36,14 +41,41 @@ void EventCount::WaitFor(uint32_t seen, std::chrono::nanoseconds timeout) {
   if (timeout.count() <= 0) return;
   waiters_.fetch_add(1, std::memory_order_seq_cst);
   if (epoch_.load(std::memory_order_seq_cst) == seen) {
-    FutexWait(&epoch_, seen, timeout);
+    FutexWait(Word(&epoch_), seen, timeout);
   }
   waiters_.fetch_sub(1, std::memory_order_release);
 }
 
 void EventCount::Notify() {
   epoch_.fetch_add(1, std::memory_order_seq_cst);
-  if (waiters_.load(std::memory_order_seq_cst) != 0) FutexWakeAll(&epoch_);
+  if (waiters_.load(std::memory_order_seq_cst) != 0) {
+    FutexWakeAll(Word(&epoch_));
+  }
+}
+
+uint32_t SharedEventCount::epoch() const {
+  return std::atomic_ref<uint32_t>(*epoch_).load(std::memory_order_acquire);
+}
+
+bool SharedEventCount::WaitFor(uint32_t seen,
+                               std::chrono::nanoseconds timeout) const {
+  std::atomic_ref<uint32_t> epoch(*epoch_), waiters(*waiters_);
+  if (timeout.count() > 0) {
+    waiters.fetch_add(1, std::memory_order_seq_cst);
+    if (epoch.load(std::memory_order_seq_cst) == seen) {
+      FutexWait(epoch_, seen, timeout, /*shared=*/true);
+    }
+    waiters.fetch_sub(1, std::memory_order_release);
+  }
+  return epoch.load(std::memory_order_acquire) != seen;
+}
+
+void SharedEventCount::Notify() const {
+  std::atomic_ref<uint32_t>(*epoch_).fetch_add(1, std::memory_order_seq_cst);
+  if (std::atomic_ref<uint32_t>(*waiters_).load(std::memory_order_seq_cst) !=
+      0) {
+    FutexWakeAll(epoch_, /*shared=*/true);
+  }
 }
 
 bool MachineOversubscribed() {

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <string>
 
+#include "membox/base/wait.h"
+
 #include "src/ps/reduce.h"
 
 namespace membox::ps {
@@ -14,6 +16,10 @@ constexpr uint32_t kFormat = 1;
 constexpr uint64_t kLine = 64;
 // Header line: magic, format, world, bytes, dtype, average.
 constexpr uint64_t kAbortOffset = kLine;
+// The doorbell (an epoch every publish bumps) and its sleepers count, on the
+// abort word's line: a SharedEventCount (base/wait.h).
+constexpr uint64_t kBellOffset = kLine + 8;
+constexpr uint64_t kBellSleepersOffset = kLine + 12;
 constexpr uint64_t kSeqOffset = 2 * kLine;
 
 struct Header {
@@ -39,6 +45,12 @@ uint64_t LoadSeq(uint8_t* base, uint32_t rank) {
 
 uint32_t* AbortWord(uint8_t* base) {
   return reinterpret_cast<uint32_t*>(base + kAbortOffset);
+}
+
+SharedEventCount Bell(uint8_t* base) {
+  return SharedEventCount(
+      reinterpret_cast<uint32_t*>(base + kBellOffset),
+      reinterpret_cast<uint32_t*>(base + kBellSleepersOffset));
 }
 
 uint8_t* Slot(uint8_t* base, const CombineGeometry& g, uint64_t round,
@@ -122,8 +134,10 @@ Result<CombineGeometry> ParseCombineRegion(const void* base,
 }
 
 void AbortCombineRegion(void* base, uint32_t rank) {
-  std::atomic_ref<uint32_t>(*AbortWord(static_cast<uint8_t*>(base)))
+  auto* b = static_cast<uint8_t*>(base);
+  std::atomic_ref<uint32_t>(*AbortWord(b))
       .store(rank + 1, std::memory_order_release);
+  Bell(b).Notify();  // sleepers see the abort now, not at their timeout
 }
 
 Result<uint64_t> FoldCombineRegion(const void* base, const CombineGeometry& g,
@@ -144,6 +158,14 @@ void CombineView::Publish(uint64_t round, const void* in) {
   std::memcpy(Slot(base_, g_, round, rank_), in, g_.bytes);
   std::atomic_ref<uint64_t>(*SeqWord(base_, rank_))
       .store(round, std::memory_order_release);
+  Bell(base_).Notify();
+}
+
+uint32_t CombineView::bell() const { return Bell(base_).epoch(); }
+
+bool CombineView::WaitForBell(uint32_t seen,
+                              std::chrono::nanoseconds timeout) const {
+  return Bell(base_).WaitFor(seen, timeout);
 }
 
 bool CombineView::Arrived(uint64_t round) const {

@@ -27,12 +27,20 @@
 // Failure: the proxy stores rank + 1 in the abort word when a worker of the
 // job disconnects; waiters see it and fail naming that rank.
 //
+// Waking: every publish (and the abort) rings the region's doorbell, a
+// SharedEventCount (base/wait.h) on the abort word's line, so a rank whose
+// operation waits for the others sleeps in the kernel until one of them
+// publishes (a shared futex: same host; where the region is not on this
+// host's memory the sleeper's timeout is its poll).
+//
 // Thread-safety: a CombineView is used by one thread at a time (the param
-// client serialises a key's operations); the region itself is shared
+// client serialises a key's operations), except bell() and WaitForBell(),
+// which any thread may call meanwhile; the region itself is shared
 // between processes through atomics on its words.
 #ifndef MEMBOX_SRC_PS_COMBINE_H_
 #define MEMBOX_SRC_PS_COMBINE_H_
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -106,6 +114,11 @@ class CombineView {
   std::optional<uint32_t> Aborted() const;
   // Ranks that have not published `round` yet.
   std::vector<uint32_t> Missing(uint64_t round) const;
+  // The doorbell: read bell(), check the condition, then WaitForBell(seen)
+  // sleeps until a rank publishes (or the abort), at most `timeout`;
+  // spurious returns happen. True when the bell has rung since `seen`.
+  uint32_t bell() const;
+  bool WaitForBell(uint32_t seen, std::chrono::nanoseconds timeout) const;
 
  private:
   uint8_t* base_;

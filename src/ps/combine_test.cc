@@ -2,13 +2,18 @@
 // several Combiners (one per rank, as threads) over one region.
 #include "src/ps/combine.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "src/ps/combiner.h"
 #include "src/ps/reduce.h"
@@ -231,6 +236,67 @@ TEST(CombineTest, CallbacksCompleteWithoutAWaiter) {
   EXPECT_EQ(calls.load(), 2);  // h1 by the background thread
   EXPECT_TRUE(h1.done() && h2.done());
   EXPECT_EQ(y[0], 2.0f);
+}
+
+// A rank whose round waits for another sleeps on the region's doorbell; the
+// other's publish (or the proxy's abort) wakes it, long before the sleep's
+// timeout.
+TEST(CombineTest, APublishOrAnAbortRingsTheDoorbell) {
+  using std::chrono::seconds;
+  Region r(Geometry(2, 64, false));
+  CombineView rank0(r.mem, r.g, 0, 1), rank1(r.mem, r.g, 1, 1);
+  float x[16] = {1};
+  rank0.Publish(1, x);
+  uint32_t seen = rank0.bell();
+  ASSERT_FALSE(rank0.Arrived(1));
+  bool rung = false;
+  auto t0 = std::chrono::steady_clock::now();
+  std::thread sleeper([&] { rung = rank0.WaitForBell(seen, seconds(60)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  rank1.Publish(1, x);
+  sleeper.join();
+  EXPECT_TRUE(rung);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, seconds(30));
+  EXPECT_TRUE(rank0.Arrived(1));
+
+  seen = rank0.bell();
+  std::thread aborted([&] { rung = rank0.WaitForBell(seen, seconds(60)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  AbortCombineRegion(r.mem, 1);
+  aborted.join();
+  EXPECT_TRUE(rung);
+  EXPECT_EQ(rank0.Aborted(), std::optional<uint32_t>(1));
+  // Nothing rang since: a sleep on the current value times out.
+  EXPECT_FALSE(rank0.WaitForBell(rank0.bell(), std::chrono::milliseconds(5)));
+}
+
+// The doorbell is a shared futex: a rank in another process, mapping the
+// region as workers map a memory node's pool, is woken by this one's publish.
+TEST(CombineTest, TheDoorbellWakesAnotherProcess) {
+  CombineGeometry g = Geometry(2, 64, false);
+  void* mem = mmap(nullptr, g.region_bytes(), PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mem, MAP_FAILED);
+  InitCombineRegion(mem, g);
+  CombineView rank0(mem, g, 0, 1), rank1(mem, g, 1, 1);
+  float x[16] = {1};
+  rank0.Publish(1, x);
+  const uint32_t seen = rank0.bell();
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // rank 0's sleeper: exit 0 when woken by the ring
+    auto t0 = std::chrono::steady_clock::now();
+    bool rung = rank0.WaitForBell(seen, std::chrono::seconds(60));
+    bool soon =
+        std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30);
+    _exit(rung && soon && rank0.Arrived(1) ? 0 : 1);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  rank1.Publish(1, x);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  munmap(mem, g.region_bytes());
 }
 
 TEST(CombineTest, PullWithoutACombinedRoundGoesToTheProxy) {

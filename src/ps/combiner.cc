@@ -11,10 +11,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// A waiter polls a round it waits for; the background thread takes only
-// operations this old (one that completes callbacks for a user who never
-// waits), so it does not compete with waiters for the cores.
+// An operation someone waits for is its waiter's to drive (PsHandle::Wait
+// polls); the background thread takes it only once it is this old, so it
+// does not compete with waiters for the cores. A callback-only operation
+// (DDP's comm hook) is the background thread's at once.
 constexpr auto kBackgroundAfter = std::chrono::milliseconds(2);
+// The background thread sleeps on a waiting key's doorbell at most this
+// long: the poll for what no bell announces (another key's operation
+// blocked meanwhile; a region on memory of another host).
 constexpr auto kMaxNap = std::chrono::milliseconds(1);
 constexpr auto kIdleBeforeSleep = std::chrono::milliseconds(200);
 
@@ -66,6 +70,7 @@ void Combiner::Add(uint64_t key, CombineView view,
 
 service::Call Combiner::Push(uint64_t key, uint64_t round, const void* in,
                              void* out, std::function<void(const Status&)> cb) {
+  const bool callback = static_cast<bool>(cb);
   auto state = std::make_shared<service::CallState>(1, std::move(cb));
   state->set_progress([this] { Poll(); });
   std::vector<Done> done;
@@ -85,10 +90,15 @@ service::Call Combiner::Push(uint64_t key, uint64_t round, const void* in,
       op.out = out;
       op.state = state;
       op.since = Clock::now();
+      op.callback = callback;
       it->second->ops.push_back(std::move(op));
       ++pending_;
       Drive(*it->second, &done);
-      wake = sleeping_ && pending_ > 0;
+      // A callback left waiting is the background thread's at once; an
+      // operation someone waits for is its waiter's (PsHandle::Wait polls),
+      // and the background thread's only once it is kBackgroundAfter old.
+      wake =
+          pending_ > 0 && (sleeping_ || (callback && !it->second->ops.empty()));
     }
   }
   if (wake) cv_.NotifyOne();
@@ -183,15 +193,16 @@ void Combiner::FinishAll(std::vector<Done>& done) {
 }
 
 void Combiner::Loop() {
-  auto nap = std::chrono::microseconds(50);
   for (;;) {
     std::vector<Done> done;
+    std::shared_ptr<void> keep;  // the region of the bell slept on
+    std::optional<CombineView> view;
+    uint32_t seen = 0;
     {
       MutexLock l(&mu_);
-      // Idle: a timed sleep first, so a run of operations (each done by
-      // its waiter) does not wake this thread once per operation; only
-      // after a long idle stretch does it sleep until the next push
-      // notifies it.
+      // Idle: a timed sleep first, so a run of waited operations does not
+      // wake this thread once per operation; only after a long idle
+      // stretch does it sleep until the next push notifies it.
       for (auto idle = Clock::now(); !stop_ && pending_ == 0;) {
         if (Clock::now() - idle < kIdleBeforeSleep) {
           cv_.WaitFor(&mu_, kBackgroundAfter);
@@ -200,42 +211,61 @@ void Combiner::Loop() {
         sleeping_ = true;
         cv_.Wait(&mu_);
         sleeping_ = false;
-        nap = std::chrono::microseconds(50);
       }
       if (stop_) return;
       const auto now = Clock::now();
       Clock::time_point oldest = now;
+      bool callback = false;
       for (auto& [id, k] : keys_) {
-        if (!k->ops.empty()) oldest = std::min(oldest, k->ops.front().since);
+        if (k->ops.empty()) continue;
+        oldest = std::min(oldest, k->ops.front().since);
+        callback = callback || k->ops.front().callback;
       }
-      if (now - oldest < kBackgroundAfter) {
+      if (!callback && now - oldest < kBackgroundAfter) {
         cv_.WaitFor(&mu_, kBackgroundAfter - (now - oldest));
         continue;
       }
       DriveAll(&done);
-      if (hang_report_.count() > 0) {
-        for (auto& [id, k] : keys_) {
-          if (k->ops.empty()) continue;
-          Op& op = k->ops.front();
-          if (op.pull || now - op.since < hang_report_ ||
-              now - op.reported < hang_report_) {
-            continue;
-          }
-          op.reported = now;
-          MEMBOX_LOG_WARN(
-              "key {} round {} has waited {} s in the memory node's "
-              "combining region for ranks {} to push",
-              id, op.round,
-              std::chrono::duration_cast<std::chrono::seconds>(now - op.since)
-                  .count(),
-              Ranks(k->view.Missing(op.round)));
+      // Sleep on the doorbell of the first key still waiting for other
+      // ranks: read the bell, then drive that key once more, so a publish
+      // after that drive's check rings a bell already read.
+      for (auto& [id, k] : keys_) {
+        if (k->ops.empty()) continue;
+        seen = k->view.bell();
+        Drive(*k, &done);
+        if (!k->ops.empty()) {
+          view = k->view;
+          keep = k->keepalive;
         }
+        break;
       }
+      if (hang_report_.count() > 0) ReportHangs();
     }
-    if (!done.empty()) nap = std::chrono::microseconds(50);
     FinishAll(done);
-    std::this_thread::sleep_for(nap);
-    nap = std::min<std::chrono::microseconds>(nap * 2, kMaxNap);
+    // Another key's operation that got blocked meanwhile is seen at the
+    // bell's timeout at the latest (rounds of a job's keys arrive in the
+    // order they were issued, so it is rarely needed).
+    if (view) view->WaitForBell(seen, kMaxNap);
+  }
+}
+
+void Combiner::ReportHangs() {
+  const auto now = Clock::now();
+  for (auto& [id, k] : keys_) {
+    if (k->ops.empty()) continue;
+    Op& op = k->ops.front();
+    if (op.pull || now - op.since < hang_report_ ||
+        now - op.reported < hang_report_) {
+      continue;
+    }
+    op.reported = now;
+    MEMBOX_LOG_WARN(
+        "key {} round {} has waited {} s in the memory node's "
+        "combining region for ranks {} to push",
+        id, op.round,
+        std::chrono::duration_cast<std::chrono::seconds>(now - op.since)
+            .count(),
+        Ranks(k->view.Missing(op.round)));
   }
 }
 

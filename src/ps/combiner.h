@@ -10,8 +10,11 @@
 // Who drives: the thread that issues an operation does what it can at once
 // (publishing, and finishing a round every other rank reached already); a
 // waiter's PsHandle::Wait polls (its progress hook is Poll); and a
-// background thread polls operations older than a couple of milliseconds
-// (callbacks-only users), backing off to a millisecond, and logs a round
+// background thread sleeps on the region's doorbell
+// (CombineView::WaitForBell) and finishes an operation as soon as the rank
+// it waits for publishes: an operation with a callback (users who may never
+// wait, like DDP's comm hook) at once, one without only once it is 2 ms old
+// (its waiter drives it, and the thread keeps off the cores). It logs a round
 // waiting longer than `hang_report` with the ranks it waits for. A rank
 // that left (the proxy's abort word) fails every pending operation that
 // waits for the other ranks with kUnavailable naming it; a round every rank
@@ -70,6 +73,7 @@ class Combiner {
     uint64_t round = 0;
     bool pull = false;
     bool published = false;
+    bool callback = false;  // completes a callback (nobody may wait)
     const void* in = nullptr;
     void* out = nullptr;
     std::shared_ptr<service::CallState> state;
@@ -96,6 +100,7 @@ class Combiner {
   // the front operation waits for the other ranks.
   void FailIfLeft(Key& k, std::vector<Done>* done) MEMBOX_REQUIRES(mu_);
   static void FinishAll(std::vector<Done>& done);
+  void ReportHangs() MEMBOX_REQUIRES(mu_);
   void Loop();
 
   const std::chrono::milliseconds hang_report_;

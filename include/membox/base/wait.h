@@ -12,8 +12,13 @@
 // budget adapts to the machine: with more runnable threads than cores it is
 // cut to a few iterations (see docs/design/transport.md, "Waiting").
 //
-// Thread-safety: EventCount methods may be called from any thread; it lives
-// in process memory (not shared across processes).
+// SharedEventCount is the same protocol on two words that live in memory
+// mapped by several processes (MAP_SHARED; e.g. a memory node's region its
+// workers map): its futex calls are the shared kind, so a Notify in one
+// process wakes a waiter in another. It does not own the words.
+//
+// Thread-safety: EventCount and SharedEventCount methods may be called from
+// any thread (and, for SharedEventCount, any process mapping the words).
 #ifndef MEMBOX_BASE_WAIT_H_
 #define MEMBOX_BASE_WAIT_H_
 
@@ -40,6 +45,23 @@ class EventCount {
  private:
   std::atomic<uint32_t> epoch_{0};
   std::atomic<uint32_t> waiters_{0};
+};
+
+class SharedEventCount {
+ public:
+  // `epoch` and `waiters`: 4-byte aligned words in shared memory, zero
+  // before first use, outliving this view.
+  SharedEventCount(uint32_t* epoch, uint32_t* waiters)
+      : epoch_(epoch), waiters_(waiters) {}
+
+  uint32_t epoch() const;
+  // As EventCount::WaitFor; returns true when the epoch has moved.
+  bool WaitFor(uint32_t seen, std::chrono::nanoseconds timeout) const;
+  void Notify() const;
+
+ private:
+  uint32_t* epoch_;
+  uint32_t* waiters_;
 };
 
 struct WaitOptions {
