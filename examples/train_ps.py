@@ -7,6 +7,9 @@ node after each epoch; started under `membox launch --resume`, training
 continues from the last one. Under `membox launch --max-restarts N`, a
 worker set restarted after a failure continues from the memory nodes'
 current state: at the step their version says, no round lost or repeated.
+With --out, rank 0 appends one record per epoch; a set that stopped between
+an epoch's last round and its record writes that record when it resumes
+(from the nodes' weights, "recovered": true, its training loss lost).
 
     membox launch --nodes 2 --workers 2 --checkpoint-dir /tmp/ck -- \
         /usr/bin/python3 examples/train_ps.py --epochs 4
@@ -25,6 +28,16 @@ import membox
 import membox.torch as mt
 
 
+def has_record(path, epoch):
+    """True when the records file at `path` has epoch `epoch`'s."""
+    try:
+        with open(path) as f:
+            return any(json.loads(line).get("epoch") == epoch
+                       for line in f if line.strip())
+    except FileNotFoundError:
+        return False
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=4)
@@ -34,6 +47,10 @@ def main():
     ap.add_argument("--pause-after-epoch", type=int, default=0,
                     help="sleep 3 s after this epoch (fault-injection tests)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--exit-before-record", type=int, default=0,
+                    help="rank 0 of the first start exits after this "
+                         "epoch's rounds, before its record (fault-injection "
+                         "tests: the record written after the restart)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -62,6 +79,18 @@ def main():
               f"{first_step} (version {ps.version}, restart {restart})",
               flush=True)
     loss_fn = nn.CrossEntropyLoss()
+    if rank == 0 and a.out and first_epoch and not first_step and \
+            not has_record(a.out, first_epoch):
+        # The set stopped after epoch first_epoch's last round and before
+        # its record: write it now from the weights the nodes hold. Its
+        # training loss was lost with the worker that stopped.
+        with torch.no_grad():
+            acc = (model(x[test]).argmax(1) == y[test]).float().mean().item()
+        rec = {"epoch": first_epoch, "loss": None, "accuracy": acc,
+               "iteration_ms": None, "recovered": True}
+        print(json.dumps(rec), flush=True)
+        with open(a.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
     for epoch in range(first_epoch, a.epochs):
         order = np.random.RandomState(epoch + 1).permutation(train)[rank::world]
         losses, t0 = [], time.perf_counter()
@@ -74,6 +103,9 @@ def main():
             losses.append(loss.item())
         with torch.no_grad():
             acc = (model(x[test]).argmax(1) == y[test]).float().mean().item()
+        if rank == 0 and epoch + 1 == a.exit_before_record and \
+                not os.environ.get("MEMBOX_RESUMED"):
+            os._exit(3)
         if rank == 0:
             if os.environ.get("MEMBOX_CHECKPOINT_DIR"):
                 client.checkpoint("latest.mbck")  # on every memory node

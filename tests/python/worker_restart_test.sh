@@ -34,4 +34,23 @@ for kill_at in 3 9; do
   [[ $got == "$want" ]] || { echo "FAIL: final (loss accuracy) $got, undisturbed run $want"; exit 1; }
   echo "kill after epoch $kill_at: recovered in ${recovery} s; $(grep -h 'resumed from\|restarted in' "$log" | sed 's/^\[worker 0\] //' | tr '\n' ';') final $got"
 done
+# Rank 0 stops after epoch 5's last round and before that epoch's record
+# (the window a kill can hit): the restarted set resumes at epoch 6 and rank
+# 0 writes epoch 5's record from the nodes' weights first, so every epoch
+# has exactly one record and the job ends as the undisturbed one.
+out="$tmp/gap.jsonl"
+"$membox" launch --nodes 1 --workers 2 --max-restarts 1 -- "${train[@]}" \
+  --exit-before-record 5 --out "$out" >"$tmp/gap.log" 2>&1 \
+  || { tail -40 "$tmp/gap.log"; echo "FAIL: launch after an exit before a record"; exit 1; }
+"$py" - "$out" "$epochs" <<'PY' || { cat "$out"; echo "FAIL: epoch records after an exit before one"; exit 1; }
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+epochs = [r["epoch"] for r in recs]
+assert epochs == list(range(1, int(sys.argv[2]) + 1)), epochs
+assert recs[4].get("recovered") and recs[4]["loss"] is None, recs[4]
+assert not any(r.get("recovered") for i, r in enumerate(recs) if i != 4)
+PY
+got=$(tail -1 "$out" | "$py" -c 'import json,sys; r=json.load(sys.stdin); print(r["loss"], r["accuracy"])')
+[[ $got == "$want" ]] || { echo "FAIL: final (loss accuracy) $got after an exit before a record, undisturbed run $want"; exit 1; }
+echo "exit before epoch 5's record: the restarted set wrote it (recovered), final $got"
 echo "PASS: both restarted jobs ended with the undisturbed run's loss and accuracy ($want)"
