@@ -169,6 +169,17 @@ class WideDeep(nn.Module):
         return (wide + self.mlp(deep)).squeeze(1)
 
 
+def recorded_epochs(path):
+    """The epochs whose records the --out file at `path` holds (a restarted
+    worker set must not write one twice, nor leave one out)."""
+    try:
+        with open(path) as f:
+            return {json.loads(line).get("epoch") for line in f
+                    if line.strip()}
+    except FileNotFoundError:
+        return set()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=200000)
@@ -256,6 +267,16 @@ def main():
         y = labels[test_idx]
         return roc_auc_score(y, p), log_loss(y, p)
 
+    if rank == 0 and a.out and first_epoch and not skip and \
+            first_epoch not in recorded_epochs(a.out):
+        # The set stopped after epoch first_epoch's last step and before its
+        # record: written now from the restored state (its training loss
+        # was lost with the worker).
+        auc, ll = evaluate()
+        with open(a.out, "a") as f:
+            f.write(json.dumps({"epoch": first_epoch, "train_loss": None,
+                                "test_auc": auc, "test_logloss": ll,
+                                "recovered": True}) + "\n")
     history = []
     t_train = 0.0
     seen = 0
@@ -305,7 +326,10 @@ def main():
         history.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
-            if a.out:
+            # A set restarted from in-memory state may re-run the last
+            # steps of an epoch recorded before the failure: not twice.
+            if a.out and not (os.environ.get("MEMBOX_RESUMED") and
+                             row["epoch"] in recorded_epochs(a.out)):
                 with open(a.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
     if rank == 0:

@@ -44,6 +44,11 @@ for run in "1 2" "2 4"; do
   (( step >= kill_at * 45 - 3 )) || { echo "FAIL: resumed at step $step, before epoch $kill_at ended"; exit 1; }
   got=$(final "$out")
   [[ $got == "$want" ]] || { cat "$out"; echo "FAIL: final (loss accuracy) $got, undisturbed run $want"; exit 1; }
+  # One record per epoch: a set that resumed a few steps before the end of
+  # an epoch it had recorded re-runs those steps but does not record it
+  # again.
+  "$py" -c 'import json,sys; e=[json.loads(l)["epoch"] for l in open(sys.argv[1]) if l.strip()]; sys.exit(e != list(range(1, int(sys.argv[2]) + 1)))' \
+    "$out" "$epochs" || { cat "$out"; echo "FAIL: epoch records are not 1..$epochs once each"; exit 1; }
   echo "$nodes node(s), kill after epoch $kill_at: resumed at step $step, $(grep -h 'workers restarted in' "$log" | head -1 | sed 's/^membox launch: //') back at work ${recovery} s after the kill; final $got"
 done
 echo "PASS: both restarted DDP jobs ended with the undisturbed run's loss and accuracy ($want)"
