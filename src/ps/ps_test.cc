@@ -1254,7 +1254,10 @@ TEST(PsTest, AProxyNotReplacedInTimeFailsWithItsName) {
 TEST(PsTest, ProfilerBuildsATable) {
   auto c = Cluster::Start(2);
   transport::FaultPolicy near, far;
-  near.bandwidth_bytes_per_s = 200e6;  // low bandwidth, no latency
+  // Low bandwidth, no latency. Well below what the far link's copies reach
+  // on a slow build: under ThreadSanitizer they streamed at 0.19 GB/s, and
+  // a near link of 0.2 GB/s then tied with it (BwProxy 0, threshold 0).
+  near.bandwidth_bytes_per_s = 50e6;
   far.fixed_latency = std::chrono::milliseconds(3);
   auto w = Worker(c, 0, 1, {}, {near, far});
   ProfileOptions po;
