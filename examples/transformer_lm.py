@@ -47,6 +47,9 @@ def main():
     ap.add_argument("--backend", choices=("membox", "gloo"), required=True)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--d-model", type=int, default=128,
+                    help="width (4 heads; the feed-forward is 4x)")
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--wire-dtype", choices=("bfloat16", "float16"),
                     help="membox: gradients on the wire in this type")
     ap.add_argument("--in-memory-state", action="store_true",
@@ -61,7 +64,9 @@ def main():
     torch.manual_seed(0)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = nn.parallel.DistributedDataParallel(LM())
+    if a.d_model < 4 or a.d_model % 4 or a.layers < 1:
+        ap.error("--d-model must be a positive multiple of 4, --layers >= 1")
+    model = nn.parallel.DistributedDataParallel(LM(a.d_model, a.layers))
     if a.backend == "membox":
         import membox.torch
         membox.torch.init(wire_dtype=a.wire_dtype)

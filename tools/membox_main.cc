@@ -374,6 +374,11 @@ int main(int argc, char** argv) {
                    "per-client (default) or fcfs (deadlocks; for tests)")
       ->check(CLI::IsMember({"per-client", "fcfs"}));
   serve->add_option("--ps-max-bytes", ps_max, "parameter storage limit");
+  serve
+      ->add_option("--ps-read-window", popt.read_window_shards,
+                   "shards of a striped key one worker's reads may run ahead "
+                   "of the oldest one waiting for its sum (0: no limit)")
+      ->check(CLI::Range(0, 1 << 20));
   double hang_report_s = 10;
   serve
       ->add_option("--hang-report-s", hang_report_s,

@@ -93,7 +93,8 @@ def load_topology(path):
     except tomllib.TOMLDecodeError as e:
         raise ClusterError(f"{path}: {e}")
     known = {"name", "subnet", "workers", "memory", "rate", "delay_ms", "pool",
-             "emb_budget", "host", "sync_cores", "ps_replicate"}
+             "emb_budget", "host", "sync_cores", "ps_replicate",
+             "ps_read_window"}
     extra = set(cfg) - known
     if extra:
         raise ClusterError(f"{path}: unknown keys {sorted(extra)}")
@@ -107,6 +108,10 @@ def load_topology(path):
     nw, nm = int(cfg.get("workers", 2)), int(cfg.get("memory", 1))
     if not (1 <= nw <= 64) or not (0 <= nm <= 64):
         raise ClusterError(f"{path}: 1-64 worker hosts and 0-64 memory hosts")
+    window = cfg.get("ps_read_window")
+    if window is not None and (not isinstance(window, int) or
+                               isinstance(window, bool) or window < 0):
+        raise ClusterError(f"{path}: ps_read_window must be a shard count >= 0")
     rate = str(cfg.get("rate", ""))
     delay = float(cfg.get("delay_ms", 0))
     overrides = cfg.get("host", {})
@@ -139,6 +144,7 @@ def load_topology(path):
             "emb_budget": str(cfg.get("emb_budget", "256MiB")),
             "sync_cores": int(cfg.get("sync_cores", 1)),
             "ps_replicate": bool(cfg.get("ps_replicate", False)),
+            "ps_read_window": cfg.get("ps_read_window"),
             "state": os.path.join(STATE_ROOT, name), "source": os.path.abspath(path)}
 
 
@@ -361,6 +367,8 @@ def _up(topo, log):
                 "--emb-listen", f"{h['ip']}:{EMB_PORT}",
                 "--emb-dir", os.path.join(d, "embedding"),
                 "--emb-budget", topo["emb_budget"]]
+        if topo.get("ps_read_window") is not None:
+            argv += ["--ps-read-window", str(topo["ps_read_window"])]
         if len(peers) > 1:
             argv += ["--ps-peers", ",".join(peers)]
             if topo.get("ps_replicate"):

@@ -79,6 +79,7 @@ ProxyStats ProxyImpl::Stats() const {
   s.queued_pushes = sched_.queued();
   s.rejected = rejected_.load();
   s.checkpoints = checkpoints_.load();
+  s.reads_held = reads_held_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -91,6 +92,7 @@ std::string ProxyImpl::StatusText() const {
     << s.rounds_completed << "\nbytes_reduced " << s.bytes_reduced
     << "\nring_steps " << s.ring_steps << "\nqueued_pushes " << s.queued_pushes
     << "\nrejected " << s.rejected << "\ncheckpoints " << s.checkpoints
+    << "\nreads_held " << s.reads_held
     << "\nreplicate " << (opt_.replicate ? "on" : "off") << "\nfailovers "
     << failovers_.load() << "\n";
   MutexLock l(&waits_mu_);
@@ -115,6 +117,10 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
   w.Counter("membox_ps_rejected_total", "Requests refused.", s.rejected);
   w.Counter("membox_ps_checkpoints_total", "Checkpoints written.",
             s.checkpoints);
+  w.Counter("membox_ps_reads_held_total",
+            "Push reads that waited for their key's read window (a worker "
+            "ahead of the others).",
+            s.reads_held);
   w.Counter("membox_ps_failovers_total",
             "Dead peers replaced while workers were connected (rounds "
             "resumed).",

@@ -88,6 +88,7 @@ struct Contribution {
   // for this rank as soon as admitted; `fetching` until the read is back.
   bool prefetched = false;
   bool fetching = false;
+  bool read_issued = false;  // prefetched: the read has left the window
   Status fetched;
 };
 
@@ -176,6 +177,15 @@ struct Conn {
   // A worker rejoining after a failover, its state not fully replayed
   // (kRejoin .. kRejoined): no round that depends on it starts.
   bool replaying = false;
+  // Prefetch reads of this worker's pushes waiting for their key's read
+  // window (ProxyOptions::read_window_shards), oldest first.
+  struct WaitingRead {
+    uint64_t key = 0;
+    uint32_t shard = 0;
+    uint64_t round = 0;
+    bool held = false;  // has waited for the window (counted once)
+  };
+  std::deque<WaitingRead> reads_waiting;
 };
 
 // Runs on a service::Server with one serial event loop: workers' and peer
@@ -381,11 +391,27 @@ class ProxyImpl final : public Proxy, public service::Service {
   void Admit(uint64_t conn, Conn& c, const Message& m);
 
   // Starts reading a push the proxy cannot map (TCP, RMA) into the shard's
-  // inbox right away, instead of when the round starts: a node then reads
-  // the next shards' pushes while it writes the last ones' results, and
-  // its link carries both directions at once. The read's completion posts
-  // a task that marks it and retries the round's start.
-  void Prefetch(uint64_t k, uint32_t s, Conn& c, Contribution& p);
+  // inbox as soon as the worker's read window has room, instead of when the
+  // round starts: a node then reads the next shards' pushes while it writes
+  // the last ones' results, and its link carries both directions at once.
+  // The read's completion posts a task that marks it, refills the window
+  // and retries the round's start.
+  void Prefetch(uint64_t conn, uint64_t k, uint32_t s, Conn& c,
+                Contribution& p);
+  // Issues connection `conn`'s waiting reads, oldest first, while the
+  // oldest is within its key's read window.
+  void IssueReads(uint64_t conn, Conn& c);
+  // IssueReads for every connection, from a posted task (a shard's
+  // fetches finished: the key's read window moved).
+  void IssueReadsSoon();
+  // Whether shard `s` of striped key `k`, round `round`, is within
+  // read_window_shards of the key's oldest shard still waiting for pushes
+  // here: fewer than that many shards before it (this node's, in (round,
+  // shard) order) have not started their sum. A worker whose stream runs
+  // ahead waits there, and the link's share goes to the workers the round
+  // waits for.
+  bool WithinReadWindow(const Key& key, uint64_t k, uint64_t round,
+                        uint32_t s) const;
 
   void Fetched(uint64_t k, uint32_t s, uint32_t rank, uint64_t round,
                const Status& st);
@@ -562,6 +588,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   // Result writes and flushes in flight (WriteThenReply); done ones are
   // dropped as new ones start.
   std::deque<transport::OpHandle> inflight_;
+  bool reissue_posted_ = false;  // IssueReadsSoon's task is queued
+  std::atomic<uint64_t> reads_held_{0};  // ProxyStats::reads_held
   uint32_t world_ = 0;
   // Bytes of the combining regions the keys hold (Combine, FoldCombined).
   uint64_t combine_bytes_ = 0;

@@ -54,33 +54,114 @@ void ProxyImpl::Admit(uint64_t conn, Conn& c, const Message& m) {
   sh.pushes[c.rank] =
       Contribution{conn,     m.id,         c.rank,       m.region,
                    m.offset, m.has_output, m.out_region, m.out_offset};
-  Prefetch(m.key, m.shard, c, sh.pushes[c.rank]);
+  Prefetch(conn, m.key, m.shard, c, sh.pushes[c.rank]);
   MaybeStart(m.key, m.shard);
 }
 
-void ProxyImpl::Prefetch(uint64_t k, uint32_t s, Conn& c, Contribution& p) {
+void ProxyImpl::Prefetch(uint64_t conn, uint64_t k, uint32_t s, Conn& c,
+                         Contribution& p) {
   Shard& sh = keys_[k].shards[s];
   auto it = c.regions.find(p.region);
   if (it == c.regions.end() || it->second->mapped() || !c.channel) return;
-  auto rr = WorkerRange(c, p.region, p.offset, sh.bytes, "input");
-  if (!rr.ok()) return;  // LocalSum reports it
-  auto& buf = sh.inbox[p.rank];
-  if (!buf || buf->size() < sh.bytes) {
-    auto b = storage_->Allocate(sh.bytes);
-    if (!b.ok()) return;  // LocalSum reads it the slow way
-    buf = std::move(*b);
+  if (!WorkerRange(c, p.region, p.offset, sh.bytes, "input").ok()) {
+    return;  // LocalSum reports it
   }
-  uint64_t round = sh.version;
-  uint32_t rank = p.rank;
-  auto h = c.channel->Read(
-      buf->data(), *buf, (*rr)->address() + p.offset, **rr, sh.bytes,
-      [this, k, s, rank, round](const Status& st) {
-        Post([this, k, s, rank, round, st] { Fetched(k, s, rank, round, st); });
-      });
-  if (!h.ok()) return;
   p.prefetched = true;
   p.fetching = true;
-  Track(std::move(*h));
+  p.read_issued = false;
+  c.reads_waiting.push_back({k, s, sh.version});
+  IssueReads(conn, c);
+}
+
+void ProxyImpl::IssueReads(uint64_t conn, Conn& c) {
+  // Pushes whose read could not start: read the slow way when the round
+  // starts (LocalSum), so retry the start once the loop is done.
+  std::vector<std::pair<uint64_t, uint32_t>> unfetched;
+  while (!c.reads_waiting.empty()) {
+    const Conn::WaitingRead w = c.reads_waiting.front();
+    auto kit = keys_.find(w.key);
+    Contribution* p = nullptr;
+    Shard* sh = nullptr;
+    if (kit != keys_.end() && w.shard < kit->second.shards.size()) {
+      sh = &kit->second.shards[w.shard];
+      auto pit = sh->pushes.find(c.rank);
+      if (sh->version == w.round && pit != sh->pushes.end() &&
+          pit->second.conn == conn && pit->second.prefetched &&
+          pit->second.fetching && !pit->second.read_issued) {
+        p = &pit->second;
+      }
+    }
+    if (p == nullptr) {  // the round failed or ended meanwhile
+      c.reads_waiting.pop_front();
+      continue;
+    }
+    const Key& key = kit->second;
+    if (key.striped && !WithinReadWindow(key, w.key, w.round, w.shard)) {
+      if (!c.reads_waiting.front().held) {
+        c.reads_waiting.front().held = true;
+        reads_held_.fetch_add(1, std::memory_order_relaxed);
+      }
+      break;  // the key's window moves when a shard's sum starts
+    }
+    c.reads_waiting.pop_front();
+    auto give_up = [&] {
+      p->prefetched = false;
+      p->fetching = false;
+      unfetched.emplace_back(w.key, w.shard);
+    };
+    auto rr = WorkerRange(c, p->region, p->offset, sh->bytes, "input");
+    if (!rr.ok() || !c.channel) {
+      give_up();
+      continue;
+    }
+    auto& buf = sh->inbox[p->rank];
+    if (!buf || buf->size() < sh->bytes) {
+      auto b = storage_->Allocate(sh->bytes);
+      if (!b.ok()) {
+        give_up();
+        continue;
+      }
+      buf = std::move(*b);
+    }
+    const uint64_t k = w.key, round = w.round, bytes = sh->bytes;
+    const uint32_t s = w.shard, rank = p->rank;
+    auto h = c.channel->Read(
+        buf->data(), *buf, (*rr)->address() + p->offset, **rr, bytes,
+        [this, k, s, rank, round](const Status& st) {
+          Post([this, k, s, rank, round, st] { Fetched(k, s, rank, round, st); });
+        });
+    if (!h.ok()) {
+      give_up();
+      continue;
+    }
+    p->read_issued = true;
+      Track(std::move(*h));
+  }
+  for (auto [k, s] : unfetched) MaybeStart(k, s);
+}
+
+void ProxyImpl::IssueReadsSoon() {
+  if (reissue_posted_) return;
+  reissue_posted_ = true;
+  Post([this] {
+    reissue_posted_ = false;
+    for (auto& [id, c] : conns_) {
+      if (!c.reads_waiting.empty()) IssueReads(id, c);
+    }
+  });
+}
+
+bool ProxyImpl::WithinReadWindow(const Key& key, uint64_t k, uint64_t round,
+                                 uint32_t s) const {
+  if (opt_.read_window_shards == 0) return true;
+  uint32_t before = 0;
+  for (uint32_t i = 0; i < key.shards.size(); ++i) {
+    const Shard& o = key.shards[i];
+    if (o.reducing || Owner(k, i) != opt_.rank) continue;
+    if (o.version > round || (o.version == round && i >= s)) continue;
+    if (++before >= opt_.read_window_shards) return false;
+  }
+  return true;
 }
 
 void ProxyImpl::Fetched(uint64_t k, uint32_t s, uint32_t rank, uint64_t round,
@@ -89,7 +170,8 @@ void ProxyImpl::Fetched(uint64_t k, uint32_t s, uint32_t rank, uint64_t round,
   if (kit == keys_.end() || s >= kit->second.shards.size()) return;
   Shard& sh = kit->second.shards[s];
   auto it = sh.pushes.find(rank);
-  if (sh.version != round || it == sh.pushes.end() || !it->second.fetching) {
+  if (sh.version != round || it == sh.pushes.end() || !it->second.fetching ||
+      !it->second.read_issued) {
     return;  // the round failed or ended meanwhile
   }
   it->second.fetching = false;
@@ -178,6 +260,7 @@ void ProxyImpl::StartReduce(uint64_t k, uint32_t s) {
     return;
   }
   sh.reducing = true;
+  if (key.striped) IssueReadsSoon();
   if (nproxies_ == 1 || key.striped) return FinishRound(k, s);
   RunRing(k, s, /*start=*/true);
 }

@@ -1154,6 +1154,62 @@ TEST(PsTest, StoredKeysOverTcpLandInOrder) {
   }
 }
 
+// Over TCP a proxy reads pushes from the workers. A worker whose pushes
+// arrive long before another's gets at most read_window_shards of a key's
+// shards read ahead of the oldest shard still waiting for its sum; the rest
+// wait (reads_held) until the late worker's pushes arrive, and every round's
+// sum is exact. With the window off, nothing waits.
+TEST(PsTest, AWorkerAheadWaitsAtTheReadWindow) {
+  constexpr size_t kN = 256 << 10;  // 1 MiB: 64 shards of 16 KiB, 32 a node
+  for (uint32_t window : {2u, 0u}) {
+    SCOPED_TRACE("read_window_shards " + std::to_string(window));
+    auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                            false, [&](ProxyOptions& o) {
+                              o.transports = "tcp";
+                              o.read_window_shards = window;
+                            });
+    RoutingTable t;
+    t.stripe = true;
+    t.partition_bytes = 16 << 10;
+    auto tcp = [](ParamClientOptions& o) { o.transports = "tcp"; };
+    auto w0 = Worker(c, 0, 2, t, {}, 10s, tcp);
+    auto w1 = Worker(c, 1, 2, t, {}, 10s, tcp);
+    ASSERT_TRUE(w0 && w1);
+    ASSERT_FALSE(w0->proxies_map_memory()) << "not the network path";
+    ASSERT_TRUE(w0->Declare(5, kN * 4, DType::kFloat32).ok());
+    ASSERT_TRUE(w1->Declare(5, kN * 4, DType::kFloat32).ok());
+    auto* in0 = static_cast<float*>(*w0->AllocateTensor(kN * 4));
+    auto* in1 = static_cast<float*>(*w1->AllocateTensor(kN * 4));
+    auto* out0 = static_cast<float*>(*w0->AllocateTensor(kN * 4));
+    auto* out1 = static_cast<float*>(*w1->AllocateTensor(kN * 4));
+    for (int round = 0; round < 3; ++round) {
+      for (size_t i = 0; i < kN; ++i) {
+        in0[i] = float(i % 4096) + float(round);
+        in1[i] = 2.f * float(i % 4096);
+      }
+      auto h0 = w0->PushPull(5, in0, out0);
+      std::this_thread::sleep_for(300ms);  // worker 1 is late
+      auto h1 = w1->PushPull(5, in1, out1);
+      ASSERT_TRUE(h0.Wait(20s).ok()) << h0.Wait(0s).ToString();
+      ASSERT_TRUE(h1.Wait(20s).ok()) << h1.Wait(0s).ToString();
+      for (size_t i = 0; i < kN; ++i) {
+        const float want = 3.f * float(i % 4096) + float(round);
+        ASSERT_EQ(out0[i], want) << "round " << round << " element " << i;
+        ASSERT_EQ(out1[i], want) << "round " << round << " element " << i;
+      }
+    }
+    uint64_t held = 0;
+    for (const auto& p : c.proxies) held += p->Stats().reads_held;
+    if (window > 0) {
+      // Each node read two of worker 0's 32 shards and held the next one
+      // (and more as the window moved), in every round.
+      EXPECT_GE(held, 2u * 3u);
+    } else {
+      EXPECT_EQ(held, 0u);
+    }
+  }
+}
+
 // Without replication, a striped stored key's shards live on their owners
 // only: each store goes there, and pulls find them.
 TEST(PsTest, StripedStoredKeysGoToTheirOwners) {

@@ -80,6 +80,15 @@ struct ProxyOptions {
   // round all proxies hold the same values, optimizer state and versions,
   // and any one of them can die without losing an acknowledged round.
   bool replicate = false;
+  // How far one worker's reads of a striped key may run ahead here, in
+  // shards: this proxy reads a worker's push of a shard only while fewer
+  // than this many of the key's shards before it (this proxy's, in
+  // (round, shard) order) still wait for their sum. Without it, TCP's
+  // uneven share of a node's inbound link lets three workers' streams race
+  // megabytes ahead while every sum waits for the fourth's (docs/design/
+  // ps.md, "Read window"). It must cover a link's bandwidth-delay product
+  // (the shard size is chosen for that). Zero: no limit.
+  uint32_t read_window_shards = 4;
   // With replicate: how long rounds wait for a dead peer's replacement
   // before they fail.
   std::chrono::milliseconds failover_timeout{60000};
@@ -107,6 +116,9 @@ struct ProxyStats {
   uint64_t queued_pushes = 0;
   uint64_t rejected = 0;
   uint64_t checkpoints = 0;
+  // Push reads that waited for their key's read window (a worker's stream
+  // ahead of the others': ProxyOptions::read_window_shards).
+  uint64_t reads_held = 0;
 };
 
 class Proxy {
