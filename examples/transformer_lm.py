@@ -6,6 +6,7 @@ averaged by membox memory nodes (--backend membox) or Gloo (--backend gloo).
     membox launch --nodes 2 --workers 2 -- /usr/bin/python3 examples/transformer_lm.py --backend membox
 """
 import argparse
+import contextlib
 import os
 import time
 
@@ -50,6 +51,10 @@ def main():
     ap.add_argument("--d-model", type=int, default=128,
                     help="width (4 heads; the feed-forward is 4x)")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--no-sync", action="store_true",
+                    help="no gradient exchange at all (DDP's no_sync): the "
+                         "step's compute alone, for the breakdown of a "
+                         "comparison")
     ap.add_argument("--wire-dtype", choices=("bfloat16", "float16"),
                     help="membox: gradients on the wire in this type")
     ap.add_argument("--in-memory-state", action="store_true",
@@ -83,8 +88,9 @@ def main():
     for step in range(first, a.steps + 1):
         x, y = batch(gen, a.batch)
         opt.zero_grad()
-        loss = loss_fn(model(x).reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
+        with model.no_sync() if a.no_sync else contextlib.nullcontext():
+            loss = loss_fn(model(x).reshape(-1, VOCAB), y.reshape(-1))
+            loss.backward()
         opt.step()
         if mem is not None and not mem.auto:
             mem.commit()  # torch 1.x: no optimizer step hooks
