@@ -80,6 +80,7 @@ ProxyStats ProxyImpl::Stats() const {
   s.rejected = rejected_.load();
   s.checkpoints = checkpoints_.load();
   s.reads_held = reads_held_.load(std::memory_order_relaxed);
+  s.result_bytes = result_bytes_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -108,7 +109,7 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
             s.bytes_reduced);
   w.Counter("membox_ps_result_bytes_total",
             "Bytes of results and pulls written to workers.",
-            result_bytes_.load(std::memory_order_relaxed));
+            s.result_bytes);
   w.Counter("membox_ps_stored_bytes_total",
             "Bytes workers wrote into stored keys (Store).",
             stored_bytes_in_.load(std::memory_order_relaxed));

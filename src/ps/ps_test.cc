@@ -1210,6 +1210,53 @@ TEST(PsTest, AWorkerAheadWaitsAtTheReadWindow) {
   }
 }
 
+// Replicating nodes do not stripe keys; where the table asks for striping
+// (equal links), worker w sends its shards to node w mod M and the nodes'
+// ring sums them, so every node answers its own workers. A table without
+// striping keeps everyone on BwProxy.
+TEST(PsTest, ReplicatingNodesShareTheWorkersWhereLinksAreEqual) {
+  constexpr size_t kN = 16 << 10;
+  for (bool stripe : {true, false}) {
+    SCOPED_TRACE(stripe ? "striping table" : "one BwProxy");
+    auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                            /*replicate=*/true,
+                            [](ProxyOptions& o) { o.transports = "tcp"; });
+    RoutingTable t;
+    t.stripe = stripe;
+    t.partition_bytes = 16 << 10;
+    auto tcp = [](ParamClientOptions& o) { o.transports = "tcp"; };
+    auto w0 = Worker(c, 0, 2, t, {}, 10s, tcp);
+    auto w1 = Worker(c, 1, 2, t, {}, 10s, tcp);
+    ASSERT_TRUE(w0 && w1);
+    ASSERT_TRUE(w0->Declare(3, kN * 4, DType::kFloat32).ok());
+    ASSERT_TRUE(w1->Declare(3, kN * 4, DType::kFloat32).ok());
+    std::vector<float> a(kN), b(kN), out0(kN), out1(kN);
+    for (int round = 0; round < 3; ++round) {
+      for (size_t i = 0; i < kN; ++i) {
+        a[i] = float(i) + float(round);
+        b[i] = 0.5f * float(i);
+      }
+      auto h0 = w0->PushPull(3, a.data(), out0.data());
+      auto h1 = w1->PushPull(3, b.data(), out1.data());
+      ASSERT_TRUE(h0.Wait(20s).ok()) << h0.Wait(0s).ToString();
+      ASSERT_TRUE(h1.Wait(20s).ok()) << h1.Wait(0s).ToString();
+      for (size_t i = 0; i < kN; ++i) {
+        ASSERT_EQ(out0[i], 1.5f * float(i) + float(round)) << i;
+        ASSERT_EQ(out1[i], out0[i]) << i;
+      }
+    }
+    const uint64_t r0 = c.proxies[0]->Stats().result_bytes;
+    const uint64_t r1 = c.proxies[1]->Stats().result_bytes;
+    if (stripe) {
+      EXPECT_GT(r0, 0u);
+      EXPECT_GT(r1, 0u) << "node 1 answered none of worker 1's rounds";
+    } else {
+      EXPECT_GT(r0, 0u);
+      EXPECT_EQ(r1, 0u);
+    }
+  }
+}
+
 // Without replication, a striped stored key's shards live on their owners
 // only: each store goes there, and pulls find them.
 TEST(PsTest, StripedStoredKeysGoToTheirOwners) {

@@ -119,6 +119,8 @@ struct ProxyStats {
   // Push reads that waited for their key's read window (a worker's stream
   // ahead of the others': ProxyOptions::read_window_shards).
   uint64_t reads_held = 0;
+  // Bytes of round results and pulls written to workers.
+  uint64_t result_bytes = 0;
 };
 
 class Proxy {
