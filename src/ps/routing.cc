@@ -89,9 +89,14 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
   // P = alpha * beta from the least-squares line t = alpha + s / beta
   // through BwProxy's samples. The fit's intercept is the difference of
   // large numbers: where the largest samples are noisy (one host, a
-  // millisecond each) it comes out negative. Then alpha is the smallest
-  // size's time less its streaming time at the largest size's bandwidth,
-  // and where that is not positive either (no fixed cost seen), P = 0.
+  // millisecond each) it comes out negative, or near zero (an emulated
+  // cluster's profiles gave P from 11 to 1,089 bytes for the same links in
+  // one run, and the 11 cut a VGG-16 layer into 4 KiB shards: 1.21x the
+  // iteration of a run whose profile said 743). The smallest size's time
+  // less its streaming time at the largest size's bandwidth measures
+  // alpha directly, and slightly high (a small transfer streams below the
+  // peak rate), so P is the larger of the two; where neither is positive
+  // (no fixed cost seen), P = 0.
   if (bwp.size() >= 2) {
     double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
     for (auto& [s, sec] : bwp) {
@@ -106,11 +111,12 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
         r.pipeline_bytes = static_cast<uint64_t>(alpha / slope);
       }
     }
-    if (r.pipeline_bytes == 0) {
-      const double inv_bw = bwp.at(largest) / static_cast<double>(largest);
-      const double alpha =
-          bwp.at(smallest) - static_cast<double>(smallest) * inv_bw;
-      if (alpha > 0) r.pipeline_bytes = static_cast<uint64_t>(alpha / inv_bw);
+    const double inv_bw = bwp.at(largest) / static_cast<double>(largest);
+    const double alpha =
+        bwp.at(smallest) - static_cast<double>(smallest) * inv_bw;
+    if (alpha > 0) {
+      r.pipeline_bytes = std::max(r.pipeline_bytes,
+                                  static_cast<uint64_t>(alpha / inv_bw));
     }
   }
   return r;

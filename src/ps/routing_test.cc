@@ -136,6 +136,16 @@ TEST(RoutingTest, PipelineSizeIsLatencyTimesBandwidth) {
   const double bw = (64u << 20) / ((20e-6 + (64u << 20) / 5e9) * 1.3);
   const double alpha = 20e-6 + 4096 / 5e9 - 4096 / bw;
   EXPECT_NEAR(static_cast<double>(t2->pipeline_bytes), alpha * bw, 1e3);
+  // A fit whose intercept noise made it small: the smallest size's direct
+  // measure wins. 100 us fixed at 50 MB/s (P = 5 KB); the 64 MiB sample
+  // 0.16 % slow drops the fit's P to about 760 bytes.
+  auto bent = Grid(100e-6, 50e6, 100e-6, 50e6);
+  for (auto& x : bent) {
+    if (x.bytes == (64u << 20)) x.seconds *= 1.0016;
+  }
+  auto t3 = ChooseRouting(bent);
+  ASSERT_TRUE(t3.ok());
+  EXPECT_NEAR(static_cast<double>(t3->pipeline_bytes), 4985, 50);
 }
 
 TEST(RoutingTest, ShardsPipelineWhatANodeStoresAndForwards) {
