@@ -1711,7 +1711,7 @@ class ParamClientImpl final : public ParamClient {
   bool repair_stop_ MEMBOX_GUARDED_BY(links_mu_) = false;
   std::thread repairer_;
   std::atomic<bool> failover_{false};  // set by Init (every proxy replicates)
-  bool replicating_ = false;  // every proxy replicates (set by Init)
+  bool replicating_ = false;           // every proxy replicates (set by Init)
   std::function<void()> progress_;
   // Small keys combined in a node's memory (one proxy, every worker on its
   // host); null when combining is off.

@@ -93,9 +93,9 @@ std::string ProxyImpl::StatusText() const {
     << s.rounds_completed << "\nbytes_reduced " << s.bytes_reduced
     << "\nring_steps " << s.ring_steps << "\nqueued_pushes " << s.queued_pushes
     << "\nrejected " << s.rejected << "\ncheckpoints " << s.checkpoints
-    << "\nreads_held " << s.reads_held
-    << "\nreplicate " << (opt_.replicate ? "on" : "off") << "\nfailovers "
-    << failovers_.load() << "\n";
+    << "\nreads_held " << s.reads_held << "\nreplicate "
+    << (opt_.replicate ? "on" : "off") << "\nfailovers " << failovers_.load()
+    << "\n";
   MutexLock l(&waits_mu_);
   o << waits_;
   return o.str();
@@ -108,8 +108,7 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
   w.Counter("membox_ps_pushed_bytes_total", "Bytes of pushes summed.",
             s.bytes_reduced);
   w.Counter("membox_ps_result_bytes_total",
-            "Bytes of results and pulls written to workers.",
-            s.result_bytes);
+            "Bytes of results and pulls written to workers.", s.result_bytes);
   w.Counter("membox_ps_stored_bytes_total",
             "Bytes workers wrote into stored keys (Store).",
             stored_bytes_in_.load(std::memory_order_relaxed));

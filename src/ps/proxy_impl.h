@@ -588,7 +588,7 @@ class ProxyImpl final : public Proxy, public service::Service {
   // Result writes and flushes in flight (WriteThenReply); done ones are
   // dropped as new ones start.
   std::deque<transport::OpHandle> inflight_;
-  bool reissue_posted_ = false;  // IssueReadsSoon's task is queued
+  bool reissue_posted_ = false;          // IssueReadsSoon's task is queued
   std::atomic<uint64_t> reads_held_{0};  // ProxyStats::reads_held
   uint32_t world_ = 0;
   // Bytes of the combining regions the keys hold (Combine, FoldCombined).

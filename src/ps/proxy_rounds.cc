@@ -125,17 +125,19 @@ void ProxyImpl::IssueReads(uint64_t conn, Conn& c) {
     }
     const uint64_t k = w.key, round = w.round, bytes = sh->bytes;
     const uint32_t s = w.shard, rank = p->rank;
-    auto h = c.channel->Read(
-        buf->data(), *buf, (*rr)->address() + p->offset, **rr, bytes,
-        [this, k, s, rank, round](const Status& st) {
-          Post([this, k, s, rank, round, st] { Fetched(k, s, rank, round, st); });
-        });
+    auto h =
+        c.channel->Read(buf->data(), *buf, (*rr)->address() + p->offset, **rr,
+                        bytes, [this, k, s, rank, round](const Status& st) {
+                          Post([this, k, s, rank, round, st] {
+                            Fetched(k, s, rank, round, st);
+                          });
+                        });
     if (!h.ok()) {
       give_up();
       continue;
     }
     p->read_issued = true;
-      Track(std::move(*h));
+    Track(std::move(*h));
   }
   for (auto [k, s] : unfetched) MaybeStart(k, s);
 }

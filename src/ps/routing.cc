@@ -115,8 +115,8 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
     const double alpha =
         bwp.at(smallest) - static_cast<double>(smallest) * inv_bw;
     if (alpha > 0) {
-      r.pipeline_bytes = std::max(r.pipeline_bytes,
-                                  static_cast<uint64_t>(alpha / inv_bw));
+      r.pipeline_bytes =
+          std::max(r.pipeline_bytes, static_cast<uint64_t>(alpha / inv_bw));
     }
   }
   return r;
