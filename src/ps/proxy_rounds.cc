@@ -156,8 +156,16 @@ void ProxyImpl::IssueReadsSoon() {
 bool ProxyImpl::WithinReadWindow(const Key& key, uint64_t k, uint64_t round,
                                  uint32_t s) const {
   if (opt_.read_window_shards == 0) return true;
+  // This node's shards of the key (Owner): every M-th from the first,
+  // unless k + i wraps around (keys within a key's shard count of 2^64),
+  // where the scan takes every shard and asks Owner.
+  const uint32_t m = std::max<uint32_t>(1, nproxies_);
+  const bool wraps = k > UINT64_MAX - key.shards.size();
+  const uint32_t step = wraps ? 1 : m;
   uint32_t before = 0;
-  for (uint32_t i = 0; i < key.shards.size(); ++i) {
+  for (uint32_t i = wraps ? 0
+                          : static_cast<uint32_t>((opt_.rank + m - k % m) % m);
+       i < key.shards.size(); i += step) {
     const Shard& o = key.shards[i];
     if (o.reducing || Owner(k, i) != opt_.rank) continue;
     if (o.version > round || (o.version == round && i >= s)) continue;

@@ -1154,6 +1154,17 @@ TEST(PsTest, StoredKeysOverTcpLandInOrder) {
   }
 }
 
+// A worker over membox's TCP path (the proxies read its pushes, as across
+// hosts) with 16 KiB shards, striped or not.
+std::unique_ptr<ParamClient> TcpWorker(const Cluster& c, int rank, int world,
+                                       bool stripe) {
+  RoutingTable t;
+  t.stripe = stripe;
+  t.partition_bytes = 16 << 10;
+  return Worker(c, rank, world, t, {}, 10s,
+                [](ParamClientOptions& o) { o.transports = "tcp"; });
+}
+
 // Over TCP a proxy reads pushes from the workers. A worker whose pushes
 // arrive long before another's gets at most read_window_shards of a key's
 // shards read ahead of the oldest shard still waiting for its sum; the rest
@@ -1168,12 +1179,8 @@ TEST(PsTest, AWorkerAheadWaitsAtTheReadWindow) {
                               o.transports = "tcp";
                               o.read_window_shards = window;
                             });
-    RoutingTable t;
-    t.stripe = true;
-    t.partition_bytes = 16 << 10;
-    auto tcp = [](ParamClientOptions& o) { o.transports = "tcp"; };
-    auto w0 = Worker(c, 0, 2, t, {}, 10s, tcp);
-    auto w1 = Worker(c, 1, 2, t, {}, 10s, tcp);
+    auto w0 = TcpWorker(c, 0, 2, true);
+    auto w1 = TcpWorker(c, 1, 2, true);
     ASSERT_TRUE(w0 && w1);
     ASSERT_FALSE(w0->proxies_map_memory()) << "not the network path";
     ASSERT_TRUE(w0->Declare(5, kN * 4, DType::kFloat32).ok());
@@ -1221,12 +1228,8 @@ TEST(PsTest, ReplicatingNodesShareTheWorkersWhereLinksAreEqual) {
     auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
                             /*replicate=*/true,
                             [](ProxyOptions& o) { o.transports = "tcp"; });
-    RoutingTable t;
-    t.stripe = stripe;
-    t.partition_bytes = 16 << 10;
-    auto tcp = [](ParamClientOptions& o) { o.transports = "tcp"; };
-    auto w0 = Worker(c, 0, 2, t, {}, 10s, tcp);
-    auto w1 = Worker(c, 1, 2, t, {}, 10s, tcp);
+    auto w0 = TcpWorker(c, 0, 2, stripe);
+    auto w1 = TcpWorker(c, 1, 2, stripe);
     ASSERT_TRUE(w0 && w1);
     ASSERT_TRUE(w0->Declare(3, kN * 4, DType::kFloat32).ok());
     ASSERT_TRUE(w1->Declare(3, kN * 4, DType::kFloat32).ok());
