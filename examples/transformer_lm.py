@@ -64,6 +64,10 @@ def main():
                          "synthetic token stream starts over)")
     ap.add_argument("--state-every", type=int, default=1,
                     help="with --in-memory-state: commit every k steps")
+    ap.add_argument("--overlap-optimizer", action="store_true",
+                    help="step each gradient bucket's parameters as its "
+                         "average arrives (membox.torch.OverlappedOptimizer; "
+                         "with --backend gloo over Gloo's AllReduce)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -75,8 +79,18 @@ def main():
     if a.backend == "membox":
         import membox.torch
         membox.torch.init(wire_dtype=a.wire_dtype)
-        model.register_comm_hook(None, membox.torch.allreduce_hook)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    if a.overlap_optimizer:
+        if a.in_memory_state or a.no_sync:
+            ap.error("--overlap-optimizer goes without --in-memory-state "
+                     "and --no-sync")
+        import membox.torch
+        opt = membox.torch.OverlappedOptimizer(
+            model, torch.optim.Adam, lr=3e-3,
+            hook=None if a.backend == "membox" else "allreduce")
+    else:
+        if a.backend == "membox":
+            model.register_comm_hook(None, membox.torch.allreduce_hook)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     first = 1
     mem = None
     if a.in_memory_state and a.backend == "membox":
@@ -91,7 +105,8 @@ def main():
         with model.no_sync() if a.no_sync else contextlib.nullcontext():
             loss = loss_fn(model(x).reshape(-1, VOCAB), y.reshape(-1))
             loss.backward()
-        opt.step()
+        if not a.overlap_optimizer:  # stepped bucket by bucket in backward
+            opt.step()
         if mem is not None and not mem.auto:
             mem.commit()  # torch 1.x: no optimizer step hooks
         if rank == 0 and step % 10 == 0:

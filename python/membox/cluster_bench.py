@@ -249,39 +249,57 @@ TRAIN_SCHEMES = [
 
 def run_train(a, rec):
     """Each scheme on fresh memory nodes (a key's shard size and striping
-    are fixed by its first declaration) with as many nodes as it uses."""
+    are fixed by its first declaration) with as many nodes as it uses.
+    --repeats: every scheme once per repeat, the repeats interleaved (what
+    the machine does at the time falls on every scheme alike); the records
+    are the medians, and every scheme's default runs its own profile each
+    time, so the spread includes the profile's."""
     membox = cluster._membox_bin()
     p, m = a.workers, max(a.nodes)
     for model in a.models:
         case = f"{model}@{p}w{m}m-{a.rate}"
-        for name, nodes, routing, partition, dual in TRAIN_SCHEMES:
-            nodes = m if nodes is None else nodes
-            topo = topology("btr", p, max(1, nodes), a.rate, a.pool)
-            cluster.up(topo, log=lambda s: None)
-            try:
-                args = [membox, "bench-peer", "train", "worker",
-                        f"model={model}", f"iters={a.train_iters}",
-                        f"scale={a.compute_scale}",
-                        f"size_scale={a.model_scale}"]
-                if nodes == 0:
-                    args.append("scheme=mpi")
-                else:
-                    args += ["scheme=membox",
-                             "proxies=" + cluster.proxies(topo),
-                             "secret_file=" + cluster.secret_file(topo),
-                             f"routing={routing}", f"partition={partition}",
-                             f"dual={dual}"]
-                print(f"[{case}] {name} ...", file=sys.stderr, flush=True)
-                with CpuMeter() as cpu:
-                    res = mpirun(topo, args)
-            finally:
-                cluster.down(topo, quiet=True)
-            if len(res) != 1:
-                raise RuntimeError(f"{name}: no result")
-            it, blocked = float(res[0][0]), float(res[0][1])
-            rec.add(name, 0, p, "iteration", it, "ms", case)
-            rec.add(name, 0, p, "blocked", blocked, "ms", case)
-            rec.add(name, 0, p, "cpu", cpu.percent, "%", case)
+        runs = {}  # scheme -> [(iteration, blocked, cpu)]
+        for rep in range(a.repeats):
+            for name, nodes, routing, partition, dual in TRAIN_SCHEMES:
+                nodes = m if nodes is None else nodes
+                topo = topology("btr", p, max(1, nodes), a.rate, a.pool)
+                cluster.up(topo, log=lambda s: None)
+                try:
+                    args = [membox, "bench-peer", "train", "worker",
+                            f"model={model}", f"iters={a.train_iters}",
+                            f"scale={a.compute_scale}",
+                            f"size_scale={a.model_scale}"]
+                    if nodes == 0:
+                        args.append("scheme=mpi")
+                    else:
+                        args += ["scheme=membox",
+                                 "proxies=" + cluster.proxies(topo),
+                                 "secret_file=" + cluster.secret_file(topo),
+                                 f"routing={routing}",
+                                 f"partition={partition}", f"dual={dual}"]
+                    print(f"[{case}] {name} ..." + (
+                        f" (repeat {rep + 1} of {a.repeats})"
+                        if a.repeats > 1 else ""), file=sys.stderr,
+                        flush=True)
+                    with CpuMeter() as cpu:
+                        res = mpirun(topo, args)
+                finally:
+                    cluster.down(topo, quiet=True)
+                if len(res) != 1:
+                    raise RuntimeError(f"{name}: no result")
+                runs.setdefault(name, []).append(
+                    (float(res[0][0]), float(res[0][1]), cpu.percent))
+        for name, v in runs.items():
+            rec.add(name, 0, p, "iteration",
+                    statistics.median(x[0] for x in v), "ms", case)
+            rec.add(name, 0, p, "blocked",
+                    statistics.median(x[1] for x in v), "ms", case)
+            rec.add(name, 0, p, "cpu", statistics.median(x[2] for x in v),
+                    "%", case)
+            if a.repeats > 1:
+                print(f"  [{case}] {name}: iterations "
+                      + ", ".join(f"{x[0]:.1f}" for x in v) + " ms",
+                      file=sys.stderr)
 
 
 def print_tables(a, rec):
@@ -408,8 +426,8 @@ def main(argv=None):
     ap.add_argument("--sizes", default="")
     ap.add_argument("--iters", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
-                    help="allreduce: every variant this many times, "
-                         "interleaved; records are the medians")
+                    help="every variant (allreduce) or scheme (train) this "
+                         "many times, interleaved; records are the medians")
     ap.add_argument("--partition", default="4MiB",
                     help="membox shard size")
     ap.add_argument("--pool", default="2GiB")

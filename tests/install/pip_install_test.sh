@@ -71,6 +71,8 @@ if [[ $with_torch == 1 ]]; then
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_in_memory_state.py"
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/ddp_restart_test.sh" \
     "$venv/bin/membox"
+  # OverlappedOptimizer (per-bucket steps) on torch 2.x's DDP.
+  MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_overlapped_optimizer.py"
   # The sparse store's layers, EmbeddingGroup and the CTR example on torch 2.x.
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_embedding.py"
   rc=0

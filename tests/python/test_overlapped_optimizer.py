@@ -1,0 +1,152 @@
+#!/usr/bin/python3
+"""membox.torch.OverlappedOptimizer in a real DDP model (one process, a Gloo
+group of one, a real `membox serve`): stepping each bucket as its average
+arrives gives the same parameters as one optimizer.step() after backward,
+through membox's hook and through the process group's AllReduce; its state
+round-trips; the errors a user sees. Skips (77) without torch."""
+import os
+import sys
+import tempfile
+import unittest
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError:
+    print("SKIP: needs torch")
+    sys.exit(77)
+
+import membox
+import membox.torch as mt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_client import Node  # noqa: E402
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1024),
+        torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+
+
+def ddp(module):
+    # Small buckets: several per backward (after DDP's first iteration,
+    # which has one), so buckets are stepped apart.
+    return torch.nn.parallel.DistributedDataParallel(module,
+                                                     bucket_cap_mb=0.1)
+
+
+def train(model, opt, steps, plain_step):
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        x = torch.randn(32, 64, generator=gen)
+        y = torch.randn(32, 8, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if plain_step:
+            opt.step()
+
+
+class OverlappedOptimizerTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp()
+        dist.init_process_group(
+            "gloo", init_method="file://" + os.path.join(cls.tmp, "pg"),
+            rank=0, world_size=1)
+        cls.node = Node(cls.tmp)
+        mt.init(mode="average", client=membox.connect(
+            [cls.node.endpoint], cls.node.secret, 0, 1, timeout=10.0))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.node.kill()
+        dist.destroy_process_group()
+
+    def reference(self, steps=6):
+        model = ddp(mlp())
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        train(model, opt, steps, plain_step=True)
+        return [p.detach().clone() for p in model.parameters()]
+
+    def assert_same(self, got, want):
+        self.assertEqual(len(got), len(want))
+        for g, w in zip(got, want):
+            self.assertTrue(torch.allclose(g, w, rtol=1e-5, atol=1e-7),
+                            (g - w).abs().max())
+
+    def test_same_parameters_as_one_step_after_backward(self):
+        want = self.reference()
+        for hook in (None, "allreduce"):  # membox's hook, Gloo's AllReduce
+            model = ddp(mlp())
+            opt = mt.OverlappedOptimizer(model, torch.optim.Adam, lr=1e-2,
+                                         hook=hook)
+            train(model, opt, 6, plain_step=False)
+            self.assert_same([p.detach() for p in model.parameters()], want)
+            # every step stepped its buckets: one in DDP's first
+            # iteration, more after its rebuild
+            self.assertGreaterEqual(opt.buckets_stepped, 1 + 2 * 5)
+            # the parameters moved: not a run that stepped nothing
+            self.assertFalse(torch.equal(want[0], mlp()[0].weight))
+
+    def test_state_round_trips_and_learning_rate(self):
+        want = self.reference(steps=6)
+        first = ddp(mlp())
+        opt = mt.OverlappedOptimizer(first, torch.optim.Adam, lr=1e-2)
+        train(first, opt, 3, plain_step=False)
+        state = opt.state_dict()
+        # A second model from the first's weights and optimizer state
+        # continues where it stopped (same inputs: the generator restarts,
+        # so the reference's steps 4-6 see the inputs of steps 1-3 again).
+        second = mlp()
+        second.load_state_dict(first.module.state_dict())
+        second = ddp(second)
+        opt2 = mt.OverlappedOptimizer(second, torch.optim.Adam, lr=1e-2)
+        opt2.load_state_dict(state)
+        train(second, opt2, 3, plain_step=False)
+        ref = ddp(mlp())
+        ropt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        train(ref, ropt, 3, plain_step=True)
+        train(ref, ropt, 3, plain_step=True)
+        self.assert_same([p.detach() for p in second.parameters()],
+                         [p.detach() for p in ref.parameters()])
+        self.assertEqual(len(want), len(state["per_parameter"]))
+        opt2.set_lr(0.5)
+        self.assertEqual(opt2.lr, 0.5)
+        self.assertTrue(all(g["lr"] == 0.5 for o in opt2.optimizers.values()
+                            for g in o.param_groups))
+
+    def test_errors(self):
+        with self.assertRaisesRegex(TypeError, "DistributedDataParallel"):
+            mt.OverlappedOptimizer(mlp(), torch.optim.SGD, lr=0.1)
+        with self.assertRaisesRegex(ValueError, "hook must be"):
+            mt.OverlappedOptimizer(ddp(mlp()), torch.optim.SGD, hook="nccl",
+                                   lr=0.1)
+        with self.assertRaises(ValueError):  # the optimizer's own check
+            mt.OverlappedOptimizer(ddp(mlp()), torch.optim.SGD, lr=-1.0)
+        opt = mt.OverlappedOptimizer(ddp(mlp()), torch.optim.SGD, lr=0.1)
+        with self.assertRaisesRegex(ValueError, "6 parameters"):
+            opt.load_state_dict({"per_parameter": [{}]})
+        with self.assertRaisesRegex(ValueError, "not an OverlappedOptimizer"):
+            opt.load_state_dict([1, 2])
+
+    def test_a_failed_bucket_steps_nothing_and_backward_raises(self):
+        def failing(state, bucket):
+            fut = torch.futures.Future()
+            fut.set_exception(RuntimeError("link down"))
+            return fut
+
+        model = ddp(mlp())
+        opt = mt.OverlappedOptimizer(model, torch.optim.SGD, lr=0.1,
+                                     hook=failing)
+        before = [p.detach().clone() for p in model.parameters()]
+        with self.assertRaisesRegex(RuntimeError, "link down"):
+            model(torch.randn(4, 64)).sum().backward()
+        self.assertEqual(opt.buckets_stepped, 0)
+        for p, b in zip(model.parameters(), before):
+            self.assertTrue(torch.equal(p.detach(), b))
+
+
+if __name__ == "__main__":
+    unittest.main()
