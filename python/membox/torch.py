@@ -648,7 +648,8 @@ class OverlappedOptimizer:
 
     Threading: a bucket's step runs on the thread that completes its Future
     (membox's completion thread; with "allreduce", a thread of this
-    optimizer that waits for the group's AllReduce), concurrently with
+    optimizer per bucket index that waits for the group's AllReduce),
+    concurrently with
     backward on the main thread; each parameter's optimizer is used only by
     its bucket's step, and DDP's backward returns only after every bucket's
     step has finished. zero_grad(), set_lr(), state_dict() and
@@ -669,7 +670,7 @@ class OverlappedOptimizer:
         self.optimizers = {p: optimizer_class([p], **kwargs)
                            for p in self.params}
         self._group = None  # "allreduce": the group, None for the default
-        self._queue = None  # "allreduce": buckets for the stepping thread
+        self._queues = None  # "allreduce": bucket index -> its thread's queue
         if hook is None:
             hook = allreduce_hook
         elif hook == "allreduce":
@@ -677,13 +678,12 @@ class OverlappedOptimizer:
             if model.process_group is not \
                     dist.distributed_c10d._get_default_group():
                 self._group = model.process_group
-            self._queue = queue.SimpleQueue()
+            self._queues = {}
             hook = None
         elif not callable(hook):
             raise ValueError(f"hook must be a comm hook or \"allreduce\", "
                              f"not {hook!r}")
         self._hook = hook
-        self._thread = None
         self.buckets_stepped = 0  # completed bucket steps (for tests)
         model.register_comm_hook(None, self._hook_then_step)
 
@@ -694,8 +694,9 @@ class OverlappedOptimizer:
         base = bucket.buffer().storage_offset()
         layout = [(p, g.storage_offset() - base, g.numel())
                   for p, g in zip(bucket.parameters(), bucket.gradients())]
-        if self._queue is not None:
-            return self._allreduce_then_step(bucket.buffer(), layout)
+        if self._queues is not None:
+            return self._allreduce_then_step(bucket.index(), bucket.buffer(),
+                                             layout)
 
         def step(f):
             result = f.value()  # raises the hook's error: nothing stepped
@@ -704,7 +705,7 @@ class OverlappedOptimizer:
 
         return self._hook(state, bucket).then(step)
 
-    def _allreduce_then_step(self, buf, layout):
+    def _allreduce_then_step(self, index, buf, layout):
         """The process group's AllReduce, and the step on this optimizer's
         own thread once it is done. Not a then() on the group's Future: its
         callback would run on the group's thread, and with torch 1.13 a
@@ -714,20 +715,24 @@ class OverlappedOptimizer:
         import torch.distributed as dist
         work = dist.all_reduce(buf, group=self._group, async_op=True)
         out = torch.futures.Future()
+        # A thread per bucket index: the group may finish a later bucket
+        # first (Gloo runs them on several threads), and its step must not
+        # wait behind an earlier bucket's.
         with _lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run_allreduce_steps, daemon=True,
-                    name="membox-overlapped-optimizer")
-                self._thread.start()
-        self._queue.put((work, buf, layout, out))
+            q = self._queues.get(index)
+            if q is None:
+                q = self._queues[index] = queue.SimpleQueue()
+                threading.Thread(
+                    target=self._run_allreduce_steps, args=(q,), daemon=True,
+                    name=f"membox-overlapped-optimizer-{index}").start()
+        q.put((work, buf, layout, out))
         return _for_ddp(out)
 
-    def _run_allreduce_steps(self):
+    def _run_allreduce_steps(self, q):
         import torch.distributed as dist
         world = dist.get_world_size(self._group)
         while True:
-            work, buf, layout, out = self._queue.get()
+            work, buf, layout, out = q.get()
             try:
                 work.wait()
                 buf.div_(world)
