@@ -315,17 +315,17 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     auto plan =
         ps::ChooseDualSync(f.total, world, m.forward_ms / 1e3,
                            m.backward_ms / 1e3, bw_proxy, bw_worker, sharing);
-    uint64_t worker_bytes = f.total - plan.proxy_bytes, acc = 0;
-    // Every rank must pick the same split: use rank 0's.
-    uint64_t wb = worker_bytes;
-    MPI_Bcast(&wb, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+    std::vector<uint64_t> layer_bytes(L, 0);
     for (int l = 0; l < L; ++l) {
-      uint64_t lb = 0;
-      for (auto n : m.layers[l].tensors) lb += 4 * n;
-      if (acc + lb > wb) break;
-      acc += lb;
-      ring_layers = l + 1;
+      for (auto n : m.layers[l].tensors) layer_bytes[l] += 4 * n;
     }
+    ring_layers =
+        ps::ChooseRingLayers(layer_bytes, plan, world, m.forward_ms / 1e3,
+                             m.backward_ms / 1e3, bw_proxy, bw_worker, sharing);
+    // Every rank must pick the same split: use rank 0's.
+    MPI_Bcast(&ring_layers, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    uint64_t acc = 0;
+    for (int l = 0; l < ring_layers; ++l) acc += layer_bytes[l];
     if (rank == 0) {
       std::fprintf(stderr,
                    "  dual sync: worker ring %.2f GB/s, proxies %.2f GB/s, "

@@ -196,6 +196,29 @@ DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers, double t_forward,
   return plan;
 }
 
+int ChooseRingLayers(const std::vector<uint64_t>& layer_bytes,
+                     const DualSyncPlan& plan, int workers, double t_forward,
+                     double t_backward, double bw_proxy, double bw_worker,
+                     double sharing) {
+  uint64_t total = 0;
+  for (uint64_t b : layer_bytes) total += b;
+  if (plan.proxy_bytes >= total) return 0;
+  const uint64_t want = total - plan.proxy_bytes;
+  int below = 0;  // the longest prefix within `want`
+  uint64_t acc = 0;
+  while (below < static_cast<int>(layer_bytes.size()) &&
+         acc + layer_bytes[below] <= want) {
+    acc += layer_bytes[below++];
+  }
+  if (below == static_cast<int>(layer_bytes.size())) return below;
+  const uint64_t above = acc + layer_bytes[below];
+  auto predict = [&](uint64_t ring_bytes) {
+    return PredictIteration(total, total - ring_bytes, workers, t_forward,
+                            t_backward, bw_proxy, bw_worker, sharing);
+  };
+  return predict(above) < predict(acc) ? below + 1 : below;
+}
+
 double SharingFromProbe(double t_worker, double t_proxy, double t_both) {
   double hi = std::max(t_worker, t_proxy), lo = std::min(t_worker, t_proxy);
   if (!(lo > 0)) return 0;

@@ -232,6 +232,48 @@ TEST(DualSyncTest, BalancesTheTwoPaths) {
   EXPECT_EQ(ChooseDualSync(1000, 1, 0, 0, 1e9, 1e9).proxy_bytes, 1000u);
 }
 
+TEST(DualSyncTest, RingLayersRoundToTheFasterLayerBoundary) {
+  // VGG-16-like at 1/10 scale: 13 small convolution layers (5.9 MB), one
+  // fully connected layer of 41 MB, two more of 6.7 and 1.6 MB; 4 workers,
+  // one memory node: its link carries every worker's bytes, so the ring
+  // (50 MB/s worker links) should take nearly everything.
+  std::vector<uint64_t> layers(13, 5'900'000 / 13);
+  layers.insert(layers.end(), {41'000'000, 6'700'000, 1'600'000});
+  uint64_t n = 0;
+  for (auto b : layers) n += b;
+  auto plan = ChooseDualSync(n, 4, 0.010, 0.020, 20e6, 50e6, 0.0);
+  ASSERT_LT(plan.proxy_bytes, n);
+  // The plan's split falls inside the 41 MB layer; rounding down would
+  // leave it on the node.
+  ASSERT_GT(n - plan.proxy_bytes, 5'900'000u);
+  ASSERT_LT(n - plan.proxy_bytes, 5'900'000u + 41'000'000u);
+  int k = ChooseRingLayers(layers, plan, 4, 0.010, 0.020, 20e6, 50e6, 0.0);
+  EXPECT_GE(k, 14);
+  // Whatever it picks is no slower than either neighbour boundary.
+  auto at = [&](int layers_on_ring) {
+    uint64_t ring = 0;
+    for (int i = 0; i < layers_on_ring; ++i) ring += layers[i];
+    return PredictIteration(n, n - ring, 4, 0.010, 0.020, 20e6, 50e6, 0.0);
+  };
+  EXPECT_LE(at(k), at(13));
+  EXPECT_LE(at(k), at(k - 1));
+  // Where the boundary below is the better one, it stays there: a small
+  // remainder of the plan's split does not pull in a large layer.
+  std::vector<uint64_t> two = {10'000'000, 90'000'000};
+  DualSyncPlan p2;
+  p2.proxy_bytes = 89'000'000;  // the ring wants 11 MB
+  EXPECT_EQ(ChooseRingLayers(two, p2, 4, 0.010, 0.020, 50e6, 50e6, 0.0), 1);
+  // The proxies alone stay the proxies alone; all layers fit: all.
+  DualSyncPlan none;
+  none.proxy_bytes = n;
+  EXPECT_EQ(ChooseRingLayers(layers, none, 4, 0.010, 0.020, 20e6, 50e6), 0);
+  DualSyncPlan all;
+  all.proxy_bytes = 0;
+  EXPECT_EQ(ChooseRingLayers(layers, all, 4, 0.010, 0.020, 20e6, 50e6),
+            static_cast<int>(layers.size()));
+  EXPECT_EQ(ChooseRingLayers({}, all, 4, 0.010, 0.020, 20e6, 50e6), 0);
+}
+
 TEST(DualSyncTest, SharedBottleneckLeavesTheRingOnlyWhatItHides) {
   // Across hosts with the memory nodes as fast as the workers' links: the
   // ring and the proxies share each worker's link. Fully shared, splitting

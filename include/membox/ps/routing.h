@@ -142,6 +142,19 @@ struct DualSyncPlan {
 DualSyncPlan ChooseDualSync(uint64_t total_bytes, int workers, double t_forward,
                             double t_backward, double bw_proxy,
                             double bw_worker, double sharing = 0);
+// The split on layer boundaries: how many of the first layers (bytes per
+// layer in `layer_bytes`, in the order the ring takes them) the workers'
+// ring synchronises, for a plan over their total. Layers are indivisible:
+// of the two prefixes around the plan's n - m ring bytes (the longest
+// within it, and that one plus the next layer) the one PredictIteration
+// gives the shorter iteration. Rounding down alone left VGG-16's first
+// fully connected layer (most of the model) on one memory node: 2.85x the
+// iteration of the prefix that includes it (docs/results/cluster.md). A
+// plan of the proxies alone (m = n) stays 0 layers.
+int ChooseRingLayers(const std::vector<uint64_t>& layer_bytes,
+                     const DualSyncPlan& plan, int workers, double t_forward,
+                     double t_backward, double bw_proxy, double bw_worker,
+                     double sharing = 0);
 // Predicted iteration time of a given split (for tests and reports).
 double PredictIteration(uint64_t total_bytes, uint64_t proxy_bytes, int workers,
                         double t_forward, double t_backward, double bw_proxy,
