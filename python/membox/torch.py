@@ -649,10 +649,9 @@ class OverlappedOptimizer:
     Threading: a bucket's step runs on the thread that completes its Future
     (membox's completion thread; with "allreduce", a thread of this
     optimizer per bucket index that waits for the group's AllReduce),
-    concurrently with
-    backward on the main thread; each parameter's optimizer is used only by
-    its bucket's step, and DDP's backward returns only after every bucket's
-    step has finished. zero_grad(), set_lr(), state_dict() and
+    concurrently with backward on the main thread; each parameter's
+    optimizer is used only by its bucket's step, and DDP's backward returns
+    only after every bucket's step has finished. zero_grad(), set_lr(), state_dict() and
     load_state_dict() are for the main thread between steps. A failed
     bucket steps nothing and backward() raises its error."""
 
