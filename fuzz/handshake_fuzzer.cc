@@ -30,8 +30,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                   net::EncodeClientHello);
       break;
     case 1:
-      RoundTrip<net::ServerProof>(in, net::DecodeServerProof,
-                                  net::EncodeServerProof);
+      RoundTrip<net::ServerChallenge>(in, net::DecodeServerChallenge,
+                                      net::EncodeServerChallenge);
       break;
     case 2: {
       auto m = net::DecodeClientProof(in);

@@ -103,8 +103,29 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
           const std::string& pool, const std::string& min_block,
           const std::string& max_block, const std::string& quota,
           int heartbeat_ms, const EmbeddingFlags& ef,
-          const std::string& metrics_listen) {
+          const std::string& metrics_listen, bool allow_weak_secret) {
   auto sec = membox::ResolveSecret(secret, secret_file);
+  if (sec.ok()) {
+    // The file the secret came from (ResolveSecret's order), if any.
+    std::string file = secret_file;
+    if (!secret.empty()) {
+      file.clear();
+    } else if (file.empty() &&
+               !membox::GetEnv("MEMBOX_SECRET").value_or("").empty()) {
+      file.clear();
+    } else if (file.empty()) {
+      file = membox::GetEnv("MEMBOX_SECRET_FILE").value_or("");
+    }
+    membox::Status strong = membox::CheckSecretStrength(*sec, file);
+    if (!strong.ok()) {
+      if (!allow_weak_secret) {
+        std::fprintf(stderr, "membox serve: %s\n", strong.ToString().c_str());
+        return 2;
+      }
+      std::fprintf(stderr, "membox serve: warning: %s\n",
+                   strong.ToString().c_str());
+    }
+  }
   auto p = membox::ParseByteSize(pool);
   auto mn = membox::ParseByteSize(min_block);
   auto mx = membox::ParseByteSize(max_block);
@@ -318,6 +339,11 @@ int main(int argc, char** argv) {
                  "trace, debug, info, warn, error, off");
 
   auto* version = app.add_subcommand("version", "print the version");
+  auto* secretcmd = app.add_subcommand(
+      "secret", "write a new random cluster secret (256 bits, mode 0600)");
+  std::string secret_out;
+  secretcmd->add_option("-o,--output", secret_out, "file to create")
+      ->required();
 
   membox::memserver::ServerOptions sopt;
   std::string secret, secret_file, pool = "1GiB", min_block = "4KiB",
@@ -341,6 +367,10 @@ int main(int argc, char** argv) {
                     "authentication secret (prefer --secret-file)");
   serve->add_option("--secret-file", secret_file,
                     "file whose first line is the secret");
+  bool allow_weak_secret = false;
+  serve->add_flag("--allow-weak-secret", allow_weak_secret,
+                  "accept a secret under 32 bytes or a secret file that "
+                  "group or others may read (tests only)");
   serve->add_option("--sync-cores", sopt.sync_cores,
                     "threads that run accumulates");
   serve->add_option("--handler-threads", sopt.handler_threads,
@@ -609,6 +639,14 @@ int main(int argc, char** argv) {
     std::printf("membox 0.1.0\n");
     return 0;
   }
+  if (secretcmd->parsed()) {
+    membox::Status st = membox::WriteNewSecretFile(secret_out);
+    if (!st.ok()) {
+      std::fprintf(stderr, "membox secret: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    return 0;
+  }
   if (serve->parsed()) {
     if (exit_with_parent) prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (!serve_config.empty()) {
@@ -634,7 +672,7 @@ int main(int argc, char** argv) {
     }
     return Serve(sopt, popt, ps_listen, ps_max, secret, secret_file, pool,
                  min_block, max_block, quota, heartbeat_ms, eflags,
-                 metrics_listen);
+                 metrics_listen, allow_weak_secret);
   }
   if (status->parsed()) {
     return PrintStatus(status_servers, secret, secret_file, admin_secret_file,

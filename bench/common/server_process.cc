@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
@@ -16,15 +17,26 @@ namespace membox::bench {
 namespace {
 
 Status WriteSecretFile(const std::string& path, const std::string& secret) {
-  std::ofstream out(path);
-  out << secret << "\n";
-  if (!out) return InternalError("cannot write " + path);
+  {
+    std::ofstream out(path);
+    out << secret << "\n";
+    if (!out) return InternalError("cannot write " + path);
+  }
+  // membox serve refuses a secret file others may read.
+  std::error_code ec;
+  std::filesystem::permissions(
+      path,
+      std::filesystem::perms::owner_read | std::filesystem::perms::owner_write,
+      ec);
+  if (ec) return InternalError("cannot chmod " + path + ": " + ec.message());
   return Status::Ok();
 }
 
 std::string RandomSecret() {
   std::random_device rd;
-  return "bench-" + std::to_string(rd()) + std::to_string(rd());
+  std::string s = "bench-";
+  while (s.size() < 40) s += std::to_string(rd());
+  return s;
 }
 
 }  // namespace

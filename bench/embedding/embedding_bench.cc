@@ -217,7 +217,8 @@ Result<RemoteResult> RunRemote(const EmbeddingBenchOptions& o, uint64_t keys,
                                bool pipeline) {
   const uint32_t row = static_cast<uint32_t>(2 * o.dim * sizeof(float));
   std::random_device rd;
-  std::string secret = "bench-" + std::to_string(rd()) + std::to_string(rd());
+  std::string secret = "bench-" + std::to_string(rd()) + std::to_string(rd()) +
+                       std::to_string(rd()) + std::to_string(rd());
   std::vector<ServerProcess> nodes;
   embedding::EmbeddingClientOptions co;
   for (int i = 0; i < 2; ++i) {

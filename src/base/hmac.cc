@@ -1,13 +1,16 @@
 #include "membox/base/hmac.h"
 
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
-#include <random>
+#include <cstring>
 
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/params.h>
 #include <openssl/rand.h>
+#include <sys/random.h>
 
 namespace membox {
 
@@ -46,10 +49,35 @@ bool ConstantTimeEquals(std::span<const uint8_t> a,
 std::vector<uint8_t> RandomBytes(size_t n) {
   std::vector<uint8_t> out(n);
   if (n > 0 && RAND_bytes(out.data(), static_cast<int>(n)) != 1) {
-    std::random_device rd;  // the OS generator, if OpenSSL's failed
-    for (auto& b : out) b = static_cast<uint8_t>(rd());
+    // OpenSSL's generator failed: the kernel's, or nothing at all.
+    size_t got = 0;
+    while (got < n) {
+      ssize_t r = getrandom(out.data() + got, n - got, 0);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        std::fprintf(stderr, "membox: no random source (getrandom: %s)\n",
+                     std::strerror(errno));
+        std::abort();
+      }
+      got += static_cast<size_t>(r);
+    }
   }
   return out;
+}
+
+uint64_t RandomU64() {
+  std::vector<uint8_t> b = RandomBytes(8);
+  uint64_t v = 0;
+  std::memcpy(&v, b.data(), 8);
+  return v;
+}
+
+Token128 Token128::Random() {
+  std::vector<uint8_t> b = RandomBytes(16);
+  Token128 t;
+  std::memcpy(&t.hi, b.data(), 8);
+  std::memcpy(&t.lo, b.data() + 8, 8);
+  return t;
 }
 
 Digest AdminProof(const std::string& admin_secret,

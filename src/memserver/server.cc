@@ -70,8 +70,7 @@ bool IsPowerOfTwo(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
 // arrival, so a backlog of requests never makes a live client look silent).
 class ServerImpl final : public Server, public service::Service {
  public:
-  explicit ServerImpl(ServerOptions o)
-      : opt_(std::move(o)), rng_(std::random_device{}()) {}
+  explicit ServerImpl(ServerOptions o) : opt_(std::move(o)) {}
   ~ServerImpl() override { Stop(); }
 
   Status Init() {
@@ -405,8 +404,10 @@ class ServerImpl final : public Server, public service::Service {
     }
     uint64_t key = q.key;
     if (key == 0) {
+      // From the CSPRNG: no key predicts another (a seeded generator let a
+      // client compute the next tenant's key from its own).
       do {
-        key = rng_();
+        key = RandomU64();
       } while (key == 0 || segments_.count(key));
     } else if (segments_.count(key)) {
       return AlreadyExistsError("segment key " + std::to_string(key) +
@@ -454,18 +455,17 @@ class ServerImpl final : public Server, public service::Service {
   Status DoAttach(uint64_t client, const Request& q, Response* a) {
     MutexLock l(&mu_);
     auto it = segments_.find(q.key);
-    if (it == segments_.end() || it->second->deleted) {
-      return NotFoundError("no segment with key " + std::to_string(q.key));
+    // An unknown key and a wrong size give one answer: a caller learns
+    // nothing about a segment it cannot open (not even its size).
+    if (it == segments_.end() || it->second->deleted ||
+        it->second->size != q.size) {
+      return NotFoundError("no segment with key " + std::to_string(q.key) +
+                           " and " + std::to_string(q.size) + " bytes");
     }
     Segment& seg = *it->second;
     if (!seg.ready) {
       return UnavailableError("segment " + std::to_string(q.key) +
                               " is being created; retry");
-    }
-    if (seg.size != q.size) {
-      return InvalidArgumentError("segment " + std::to_string(q.key) + " has " +
-                                  std::to_string(seg.size) + " bytes, not " +
-                                  std::to_string(q.size));
     }
     ClientState& c = clients_.at(client);
     if (!c.attached.count(q.key) && c.attached.size() >= opt_.quota_segments) {
@@ -644,7 +644,6 @@ class ServerImpl final : public Server, public service::Service {
   std::map<uint64_t, ClientState> clients_ MEMBOX_GUARDED_BY(mu_);
   uint64_t departed_read_ MEMBOX_GUARDED_BY(mu_) = 0;
   uint64_t departed_written_ MEMBOX_GUARDED_BY(mu_) = 0;
-  std::mt19937_64 rng_ MEMBOX_GUARDED_BY(mu_);
 
   std::atomic<uint64_t> bytes_accumulated_{0}, accumulates_{0}, requests_{0},
       rejected_{0}, released_{0};

@@ -19,7 +19,7 @@ RegionDescriptor Desc(uint64_t address, uint64_t length) {
   d.address = address;
   d.length = length;
   d.region_id = 3;
-  d.token = 0x1234;
+  d.token = {0x99, 0x1234};
   d.device_id = 0x5678;
   d.packed_rkey = {1, 2, 3, 4};
   return d;

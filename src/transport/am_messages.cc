@@ -61,7 +61,8 @@ std::vector<uint8_t> EncodeValidateRequest(const ValidateRequest& m) {
   wire::Writer w;
   w.U64(m.request);
   w.U64(m.region_id);
-  w.U64(m.token);
+  w.U64(m.token.hi);
+  w.U64(m.token.lo);
   w.U64(m.address);
   w.U64(m.length);
   w.U32(m.rkey_crc);
@@ -71,9 +72,9 @@ std::vector<uint8_t> EncodeValidateRequest(const ValidateRequest& m) {
 Result<ValidateRequest> DecodeValidateRequest(std::span<const uint8_t> in) {
   wire::Reader r(in);
   ValidateRequest m;
-  if (!r.U64(&m.request) || !r.U64(&m.region_id) || !r.U64(&m.token) ||
-      !r.U64(&m.address) || !r.U64(&m.length) || !r.U32(&m.rkey_crc) ||
-      m.request == 0) {
+  if (!r.U64(&m.request) || !r.U64(&m.region_id) || !r.U64(&m.token.hi) ||
+      !r.U64(&m.token.lo) || !r.U64(&m.address) || !r.U64(&m.length) ||
+      !r.U32(&m.rkey_crc) || m.request == 0) {
     return Malformed("validate");
   }
   RETURN_IF_ERROR(Done(r, "validate"));
@@ -104,7 +105,8 @@ std::vector<uint8_t> EncodeAccess(const Access& m, bool with_request) {
   if (with_request) w.U64(m.request);
   w.U64(m.address);
   w.U64(m.region_id);
-  w.U64(m.token);
+  w.U64(m.token.hi);
+  w.U64(m.token.lo);
   w.U64(m.length);
   return std::move(w.buffer());
 }
@@ -114,8 +116,8 @@ Result<Access> DecodeAccess(std::span<const uint8_t> in, bool with_request) {
   Access m;
   if (with_request && (!r.U64(&m.request) || m.request == 0))
     return Malformed("access");
-  if (!r.U64(&m.address) || !r.U64(&m.region_id) || !r.U64(&m.token) ||
-      !r.U64(&m.length)) {
+  if (!r.U64(&m.address) || !r.U64(&m.region_id) || !r.U64(&m.token.hi) ||
+      !r.U64(&m.token.lo) || !r.U64(&m.length)) {
     return Malformed("access");
   }
   RETURN_IF_ERROR(Done(r, "access"));

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "membox/base/hmac.h"
 #include "membox/base/status.h"
 
 namespace membox::transport::msg {
@@ -31,7 +32,7 @@ Result<Hello> DecodeHello(std::span<const uint8_t> in, bool with_lane);
 struct ValidateRequest {  // kAmValidateReq
   uint64_t request = 0;
   uint64_t region_id = 0;
-  uint64_t token = 0;
+  Token128 token;
   uint64_t address = 0;
   uint64_t length = 0;
   uint32_t rkey_crc = 0;
@@ -51,7 +52,7 @@ struct Access {  // kAmWrite (request unused) and kAmReadReq
   uint64_t request = 0;
   uint64_t address = 0;
   uint64_t region_id = 0;
-  uint64_t token = 0;
+  Token128 token;
   uint64_t length = 0;
 };
 std::vector<uint8_t> EncodeAccess(const Access& m, bool with_request);

@@ -37,7 +37,7 @@ TEST(AmMessagesTest, HelloRoundTripAndRejects) {
 }
 
 TEST(AmMessagesTest, OtherMessages) {
-  ValidateRequest v{7, 1, 2, 3, 4, 5};
+  ValidateRequest v{7, 1, {2, 9}, 3, 4, 5};
   auto vb = EncodeValidateRequest(v);
   ASSERT_TRUE(DecodeValidateRequest(vb).ok());
   EXPECT_EQ(DecodeValidateRequest(vb)->rkey_crc, 5u);

@@ -18,9 +18,10 @@ const char* MemoryTypeName(MemoryType t) {
 
 namespace {
 constexpr uint32_t kMagic = 0x4452424D;  // "MBRD"
-constexpr uint16_t kVersion = 1;         // no shared file
-constexpr uint16_t kVersionShared = 2;
-constexpr size_t kFixedSize = 4 + 2 + 2 + 8 * 5 + 4;
+// 3 / 4: 128-bit access tokens (1 / 2 carried 64 bits and are refused).
+constexpr uint16_t kVersion = 3;  // no shared file
+constexpr uint16_t kVersionShared = 4;
+constexpr size_t kFixedSize = 4 + 2 + 2 + 8 * 6 + 4;
 constexpr size_t kSharedSize = 4 + 4 + 8 + 4 + 16;
 }  // namespace
 
@@ -32,7 +33,8 @@ std::vector<uint8_t> RegionDescriptor::Serialize() const {
   w.U64(address);
   w.U64(length);
   w.U64(region_id);
-  w.U64(token);
+  w.U64(token.hi);
+  w.U64(token.lo);
   w.U64(device_id);
   w.U32(static_cast<uint32_t>(packed_rkey.size()));
   w.Bytes(packed_rkey.data(), packed_rkey.size());
@@ -70,7 +72,8 @@ Result<RegionDescriptor> RegionDescriptor::Deserialize(
   (void)r.U64(&d.address);
   (void)r.U64(&d.length);
   (void)r.U64(&d.region_id);
-  (void)r.U64(&d.token);
+  (void)r.U64(&d.token.hi);
+  (void)r.U64(&d.token.lo);
   (void)r.U64(&d.device_id);
   (void)r.U32(&rkey_len);
   if (rkey_len > kMaxPackedRkey) {

@@ -10,7 +10,7 @@ RegionDescriptor Sample() {
   d.address = 0x7f0000001000;
   d.length = 4096;
   d.region_id = 7;
-  d.token = 0x1234567890abcdef;
+  d.token = {0x1122334455667788, 0x1234567890abcdef};
   d.device_id = 99;
   d.packed_rkey = {1, 2, 3, 4, 5};
   return d;
@@ -63,8 +63,8 @@ TEST(RegionDescriptorTest, SharedFileRoundTripsAndIsChecked) {
   for (size_t i = 0; i < f.proof.size(); ++i) f.proof[i] = uint8_t(i * 7);
   d.shared_file = f;
   auto bytes = d.Serialize();
-  EXPECT_EQ(bytes[4], 2);  // version 2 only with a shared file
-  EXPECT_EQ(Sample().Serialize()[4], 1);
+  EXPECT_EQ(bytes[4], 4);  // version 4 only with a shared file
+  EXPECT_EQ(Sample().Serialize()[4], 3);
   auto back = RegionDescriptor::Deserialize(bytes);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   ASSERT_TRUE(back->shared_file.has_value());

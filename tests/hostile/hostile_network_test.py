@@ -104,8 +104,8 @@ def main():
         return 77
     tmp = tempfile.mkdtemp(prefix="membox-hostile-")
     secret_file = os.path.join(tmp, "secret")
-    with open(secret_file, "w") as f:
-        f.write("hostile-network-test-secret\r\n")  # CRLF on purpose
+    with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write("hostile-network-test-secret-0123456789\r\n")  # CRLF on purpose
     failures = []
     # A port chosen free can be taken before the daemon binds it (other
     # processes' ephemeral ports): start again on other ports, as the

@@ -31,7 +31,7 @@ cmake -S "$prefix/cmake-user" -B "$prefix/cmake-user/build" \
   -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$prefix/cmake-user/build" >/dev/null
 
-echo "install-test-secret" > "$prefix/secret"
+(umask 077; echo "install-test-secret-0123456789abcdefghij" > "$prefix/secret")
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 "$prefix/bin/membox" serve --listen "127.0.0.1:$port" --pool-size 64MiB \
   --secret-file "$prefix/secret" --ps-listen off >"$prefix/serve.log" 2>&1 &

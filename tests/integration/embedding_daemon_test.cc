@@ -22,7 +22,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-constexpr char kSecret[] = "embedding-daemon-secret";
+constexpr char kSecret[] = "embedding-daemon-secret-0123456789abcdefghij";
 
 class EmbeddingDaemonTest : public ::testing::Test {
  protected:

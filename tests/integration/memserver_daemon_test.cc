@@ -1,6 +1,7 @@
 // `membox serve` started as users start it (a separate process with flags and
 // a secret file), used from C++ and from a C program through smb.h.
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <thread>
@@ -47,7 +48,7 @@ class DaemonTest : public ::testing::Test {
   std::unique_ptr<Client> Connect(const std::string& name) {
     ClientOptions o;
     o.server = endpoint_;
-    o.secret = "daemon-test-secret";
+    o.secret = "daemon-test-secret-0123456789abcdefghij";
     o.name = name;
     o.timeout = 10s;
     auto c = Client::Connect(o);
@@ -62,7 +63,8 @@ class DaemonTest : public ::testing::Test {
     return std::stoull(text->substr(pos + name.size() + 2));
   }
 
-  testing::ServeScratch scratch_{"daemon", "daemon-test-secret"};
+  testing::ServeScratch scratch_{"daemon",
+                                 "daemon-test-secret-0123456789abcdefghij"};
   std::string endpoint_;
   std::vector<std::optional<Subprocess>> daemons_;
 };
@@ -148,7 +150,9 @@ TEST(DaemonConfigTest, ConfigFileAndStatusCommand) {
   std::string dir = ::testing::TempDir();
   std::string secret = dir + "/membox-cfg-secret-" + std::to_string(getpid());
   std::string conf = dir + "/membox-cfg-" + std::to_string(getpid()) + ".conf";
-  std::ofstream(secret) << "config-test-secret\n";
+  std::ofstream(secret) << "config-test-secret-0123456789abcdefghij\n";
+  std::filesystem::permissions(secret, std::filesystem::perms::owner_read |
+                                           std::filesystem::perms::owner_write);
   std::ofstream(conf)
       << "# memory node\nlisten = 127.0.0.1:0\npool-size = 64MiB\n"
       << "secret-file = " << secret << "\nsync-cores = 1\n";

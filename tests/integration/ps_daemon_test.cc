@@ -21,7 +21,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-constexpr char kSecret[] = "ps-daemon-secret";
+constexpr char kSecret[] = "ps-daemon-secret-0123456789abcdefghij";
 
 class PsDaemonTest : public ::testing::Test {
  protected:

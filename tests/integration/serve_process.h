@@ -34,6 +34,10 @@ class ServeScratch {
     std::filesystem::create_directories(dir_);
     secret_file_ = (dir_ / "secret").string();
     std::ofstream(secret_file_) << secret << "\n";
+    // membox serve refuses a secret file others may read.
+    std::filesystem::permissions(secret_file_,
+                                 std::filesystem::perms::owner_read |
+                                     std::filesystem::perms::owner_write);
   }
   ~ServeScratch() {
     std::error_code ec;

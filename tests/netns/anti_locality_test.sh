@@ -48,7 +48,7 @@ done
 ip netns exec "$N" tc qdisc add dev "$DEV_2" root tbf rate 200mbit burst 64kb latency 100ms
 ip netns exec "$SW" tc qdisc add dev "$PORT_2" root tbf rate 200mbit burst 64kb latency 100ms
 
-echo "anti-locality-secret" > "$dir/secret"
+(umask 077; echo "anti-locality-secret-0123456789abcdefghij" > "$dir/secret")
 start_node() {  # ns dev ip rank
   ip netns exec "$1" env UCX_NET_DEVICES="$2" "$membox" --log-level warn serve \
     --listen "$3:7400" --pool-size 16MiB --secret-file "$dir/secret" \
@@ -66,7 +66,7 @@ for r in 0 1; do
   grep -q "parameter proxy on" "$dir/node$r.log" || { echo "FAIL: node $r did not start"; cat "$dir/node$r.log"; exit 1; }
 done
 if ip netns exec "$W" env UCX_NET_DEVICES="$DEV_1" "$peer" 10.79.0.2:7410 10.79.0.3:7410 \
-    anti-locality-secret 20 | tee "$dir/peer.log"; then
+    anti-locality-secret-0123456789abcdefghij 20 | tee "$dir/peer.log"; then
   echo "PASS: anti-locality routing"
 else
   echo "FAIL: see above"; cat "$dir/node0.log" "$dir/node1.log"; exit 1

@@ -11,7 +11,7 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 "$py" -c "import torch, sklearn" 2>/dev/null || { echo "SKIP: needs python3-torch and python3-sklearn"; exit 77; }
 command -v mpirun >/dev/null || { echo "SKIP: needs mpirun"; exit 77; }
 dir=$(mktemp -d)
-echo "attach-test-secret" > "$dir/secret"
+(umask 077; echo "attach-test-secret-0123456789abcdefghij" > "$dir/secret")
 port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 master=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 "$membox" --log-level warn serve --listen 127.0.0.1:0 --ps-listen "127.0.0.1:$port" \

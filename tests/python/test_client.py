@@ -24,9 +24,10 @@ MEMBOX = os.environ.get("MEMBOX_BIN", "membox")
 
 class Node:
     def __init__(self, tmp, extra=()):
-        self.secret = "python-test-secret"
+        self.secret = "python-test-secret-0123456789abcdefghij"
         path = os.path.join(tmp, "secret")
-        with open(path, "w") as f:
+        # membox serve refuses a secret file others may read.
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write(self.secret + "\n")
         self.p = subprocess.Popen(
             [MEMBOX, "--log-level", "warn", "serve", "--listen", "127.0.0.1:0",

@@ -24,9 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 class Node:
     def __init__(self, tmp, i):
-        self.secret = "python-embedding-secret"
+        self.secret = "python-embedding-secret-0123456789abcdefghij"
         path = os.path.join(tmp, "secret")
-        with open(path, "w") as f:
+        # membox serve refuses a secret file others may read.
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write(self.secret + "\n")
         self.p = subprocess.Popen(
             [MEMBOX, "--log-level", "warn", "serve", "--listen", "127.0.0.1:0",

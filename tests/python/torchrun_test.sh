@@ -27,7 +27,7 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-echo "torchrun-test-secret" >"$work/secret"
+(umask 077; echo "torchrun-test-secret-0123456789abcdefghij" > "$work/secret")
 # Two base ports whose +1 (parameter proxy) and +2 (embedding server) are
 # free too.
 read -r -a base < <("$py" - <<'PY'

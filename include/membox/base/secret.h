@@ -21,6 +21,19 @@ Result<std::string> ReadSecretFile(const std::string& path);
 Result<std::string> ResolveSecret(const std::string& secret,
                                   const std::string& file);
 
+// The shortest secret a daemon accepts without --allow-weak-secret: an
+// eavesdropper on a handshake can test guesses offline, so the secret must
+// be unguessable (docs/formats/handshake.md).
+constexpr size_t kMinSecretBytes = 32;
+// A daemon's check of its secret, as ssh checks private keys: kInvalidArgument
+// when `secret` is shorter than kMinSecretBytes, kPermissionDenied when
+// `file` (empty: the secret came inline) may be read by group or others.
+// The message says how to make a good one.
+Status CheckSecretStrength(const std::string& secret, const std::string& file);
+// Creates `path` (which must not exist) with mode 0600 holding 32 CSPRNG
+// bytes as 64 hex digits and a newline.
+Status WriteNewSecretFile(const std::string& path);
+
 }  // namespace membox
 
 #endif  // MEMBOX_BASE_SECRET_H_

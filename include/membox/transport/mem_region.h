@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "membox/base/hmac.h"
 #include "membox/base/status.h"
 
 namespace membox::transport {
@@ -62,12 +63,12 @@ struct SharedFile {
 // What a peer needs to reach a region. Crosses process boundaries: decode it
 // only with Deserialize(), which validates every field.
 struct RegionDescriptor {
-  uint64_t address = 0;              // virtual address in the owner's process
-  uint64_t length = 0;               // bytes
-  uint64_t region_id = 0;            // owner-local id, unique per device
-  uint64_t token = 0;                // random access key; checked by the owner
-  uint64_t device_id = 0;            // random id of the owning device
-  std::vector<uint8_t> packed_rkey;  // transport remote key (opaque)
+  uint64_t address = 0;    // virtual address in the owner's process
+  uint64_t length = 0;     // bytes
+  uint64_t region_id = 0;  // owner-local id, unique per device
+  Token128 token;          // capability (128 CSPRNG bits); checked by the owner
+  uint64_t device_id = 0;  // random id of the owning device (not a secret)
+  std::vector<uint8_t> packed_rkey;       // transport remote key (opaque)
   std::optional<SharedFile> shared_file;  // same-host mapping (v2 only)
 
   // Wire format: docs/formats/region_descriptor.md.

@@ -70,23 +70,21 @@ Result<ClientHello> DecodeClientHello(std::span<const uint8_t> in) {
   return m;
 }
 
-std::vector<uint8_t> EncodeServerProof(const ServerProof& m) {
+std::vector<uint8_t> EncodeServerChallenge(const ServerChallenge& m) {
   wire::Writer w;
   PutHeader(w);
   w.Bytes(m.nonce.data(), m.nonce.size());
-  w.Bytes(m.proof.data(), m.proof.size());
   return std::move(w.buffer());
 }
 
-Result<ServerProof> DecodeServerProof(std::span<const uint8_t> in) {
+Result<ServerChallenge> DecodeServerChallenge(std::span<const uint8_t> in) {
   wire::Reader r(in);
-  RETURN_IF_ERROR(GetHeader(r, "server proof"));
-  ServerProof m;
-  if (!r.Copy(m.nonce.data(), m.nonce.size()) ||
-      !r.Copy(m.proof.data(), m.proof.size())) {
-    return InvalidArgumentError("server proof: truncated");
+  RETURN_IF_ERROR(GetHeader(r, "server challenge"));
+  ServerChallenge m;
+  if (!r.Copy(m.nonce.data(), m.nonce.size())) {
+    return InvalidArgumentError("server challenge: truncated");
   }
-  RETURN_IF_ERROR(Done(r, "server proof"));
+  RETURN_IF_ERROR(Done(r, "server challenge"));
   return m;
 }
 
@@ -118,6 +116,7 @@ std::vector<uint8_t> EncodeServerVerdict(const ServerVerdict& m) {
   if (m.code == 0) {
     w.U8(static_cast<uint8_t>(m.path));
     wire::PutBytes(w, msg::EncodeHello(m.hello, false));
+    w.Bytes(m.proof.data(), m.proof.size());
   }
   return std::move(w.buffer());
 }
@@ -134,7 +133,8 @@ Result<ServerVerdict> DecodeServerVerdict(std::span<const uint8_t> in) {
   }
   uint8_t path = 0;
   std::vector<uint8_t> hello;
-  if (!r.U8(&path) || !wire::GetBytes(r, &hello, kMaxProofFrame)) {
+  if (!r.U8(&path) || !wire::GetBytes(r, &hello, kMaxProofFrame) ||
+      !r.Copy(m.proof.data(), m.proof.size())) {
     return InvalidArgumentError("server verdict: truncated");
   }
   if (path != static_cast<uint8_t>(DataPath::kUcx) &&
@@ -155,17 +155,22 @@ Nonce NewNonce() {
 }
 
 Proof ServerProofFor(const std::string& secret, const Nonce& client,
-                     const Nonce& server) {
-  static const char kLabel[] = "membox/1 server";
+                     const Nonce& server, const Proof& client_proof,
+                     const ServerVerdict& v) {
+  static const char kLabel[] = "membox/3 server";
   std::vector<uint8_t> data(kLabel, kLabel + sizeof(kLabel) - 1);
   data.insert(data.end(), client.begin(), client.end());
   data.insert(data.end(), server.begin(), server.end());
+  data.insert(data.end(), client_proof.begin(), client_proof.end());
+  data.push_back(static_cast<uint8_t>(v.path));
+  std::vector<uint8_t> hello = msg::EncodeHello(v.hello, false);
+  data.insert(data.end(), hello.begin(), hello.end());
   return Hmac(secret, data);
 }
 
 Proof ClientProofFor(const std::string& secret, const Nonce& client,
                      const Nonce& server, const ClientProof& m) {
-  static const char kLabel[] = "membox/1 client";
+  static const char kLabel[] = "membox/3 client";
   std::vector<uint8_t> data(kLabel, kLabel + sizeof(kLabel) - 1);
   data.insert(data.end(), client.begin(), client.end());
   data.insert(data.end(), server.begin(), server.end());

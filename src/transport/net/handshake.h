@@ -2,17 +2,24 @@
 // (docs/formats/handshake.md, docs/design/network_face.md).
 //
 // Mutual challenge-response over a plain TCP connection, before any byte
-// reaches UCX or a service:
-//   1. client -> server  ClientHello    magic, version, client nonce (32 B)
-//   2. server -> client  ServerProof    magic, version, server nonce,
-//                                       HMAC(K, "membox/1 server" | nc | ns)
-//   3. client -> server  ClientProof    HMAC(K, "membox/1 client" | nc | ns |
-//                                       body), body = the channel hello
-//   4. server -> client  ServerVerdict  status code + message, and on success
-//                                       the server's channel hello
+// reaches UCX or a service. The client proves first:
+//   1. client -> server  ClientHello      magic, version, client nonce (32 B)
+//   2. server -> client  ServerChallenge  magic, version, server nonce
+//   3. client -> server  ClientProof      HMAC(K, "membox/3 client" | nc |
+//                                         ns | body), body = the channel hello
+//   4. server -> client  ServerVerdict    status code + message; on success
+//                                         the data path, the server's channel
+//                                         hello and HMAC(K, "membox/3 server"
+//                                         | nc | ns | client proof | path |
+//                                         hello), which the client checks
+//                                         before it uses anything else
 // K is the shared secret (HMAC-SHA-256, OpenSSL). The secret never travels;
 // nonces are fresh per connection, so a recorded exchange cannot be
-// replayed; both proofs are compared in constant time. Every frame is
+// replayed; both proofs are compared in constant time. A peer that does not
+// know K receives only a random nonce and a refusal: nothing computed from
+// K to test a guessed secret against (version 2 sent the server's proof
+// first). An eavesdropper sees both proofs; that is why daemons refuse
+// secrets under 32 bytes (docs/formats/handshake.md). Every frame is
 // length-prefixed (u32) with a per-step maximum, and every decoder rejects
 // short, oversize and trailing input (fuzz/handshake_fuzzer.cc).
 //
@@ -35,11 +42,12 @@ namespace membox::transport::net {
 constexpr uint32_t kHandshakeMagic = 0x3142584d;  // "MXB1" little endian
 // 2: UCX control messages carry a sequence number (wire_protocol.md); a
 // peer of version 1 is refused at the hello instead of failing later.
-constexpr uint16_t kHandshakeVersion = 2;
+// 3: the client proves first; 128-bit region tokens.
+constexpr uint16_t kHandshakeVersion = 3;
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kProofBytes = 32;  // HMAC-SHA-256
 // The largest frame of each step (the hello carries a UCX worker address).
-constexpr size_t kMaxHelloFrame = 128;  // ClientHello 38 B, ServerProof 70 B
+constexpr size_t kMaxHelloFrame = 128;  // ClientHello, ServerChallenge 38 B
 constexpr size_t kMaxProofFrame = 128 * 1024;
 
 using Nonce = std::array<uint8_t, kNonceBytes>;
@@ -54,9 +62,8 @@ enum HelloFlags : uint32_t {
 struct ClientHello {
   Nonce nonce{};
 };
-struct ServerProof {
+struct ServerChallenge {
   Nonce nonce{};
-  Proof proof{};
 };
 struct ClientProof {
   Proof proof{};
@@ -70,12 +77,13 @@ struct ServerVerdict {
   std::string message;
   DataPath path = DataPath::kTcp;
   msg::Hello hello;  // the server's side (when accepted)
+  Proof proof{};     // ServerProofFor (when accepted)
 };
 
 std::vector<uint8_t> EncodeClientHello(const ClientHello& m);
 Result<ClientHello> DecodeClientHello(std::span<const uint8_t> in);
-std::vector<uint8_t> EncodeServerProof(const ServerProof& m);
-Result<ServerProof> DecodeServerProof(std::span<const uint8_t> in);
+std::vector<uint8_t> EncodeServerChallenge(const ServerChallenge& m);
+Result<ServerChallenge> DecodeServerChallenge(std::span<const uint8_t> in);
 std::vector<uint8_t> EncodeClientProof(const ClientProof& m);
 Result<ClientProof> DecodeClientProof(std::span<const uint8_t> in);
 std::vector<uint8_t> EncodeServerVerdict(const ServerVerdict& m);
@@ -83,11 +91,14 @@ Result<ServerVerdict> DecodeServerVerdict(std::span<const uint8_t> in);
 
 // Fresh random nonce from the OS (RAND_bytes).
 Nonce NewNonce();
-Proof ServerProofFor(const std::string& secret, const Nonce& client,
-                     const Nonce& server);
 // The client's proof also covers the hello it sends (flags + encoded hello).
 Proof ClientProofFor(const std::string& secret, const Nonce& client,
                      const Nonce& server, const ClientProof& m);
+// The server's proof, sent only to a client whose proof was right, covers
+// that proof and the accepted verdict's data path and hello.
+Proof ServerProofFor(const std::string& secret, const Nonce& client,
+                     const Nonce& server, const Proof& client_proof,
+                     const ServerVerdict& v);
 // Constant-time comparison.
 bool ProofEquals(const Proof& a, const Proof& b);
 

@@ -27,8 +27,7 @@ msg::Hello SampleHello() {
 
 TEST(HandshakeCodec, RoundTripsAndRejectsEveryTruncation) {
   ClientHello ch{NewNonce()};
-  ServerProof sp{NewNonce(), {}};
-  sp.proof = ServerProofFor("secret", ch.nonce, sp.nonce);
+  ServerChallenge sp{NewNonce()};
   ClientProof cp;
   cp.flags = kFlagRdma;
   cp.hello = SampleHello();
@@ -36,6 +35,7 @@ TEST(HandshakeCodec, RoundTripsAndRejectsEveryTruncation) {
   ServerVerdict v;
   v.path = DataPath::kUcx;
   v.hello = SampleHello();
+  v.proof = ServerProofFor("secret", ch.nonce, sp.nonce, cp.proof, v);
 
   auto check = [](const std::vector<uint8_t>& enc, auto decode) {
     EXPECT_TRUE(decode(enc).ok());
@@ -47,7 +47,7 @@ TEST(HandshakeCodec, RoundTripsAndRejectsEveryTruncation) {
     EXPECT_FALSE(decode(longer).ok());
   };
   check(EncodeClientHello(ch), DecodeClientHello);
-  check(EncodeServerProof(sp), DecodeServerProof);
+  check(EncodeServerChallenge(sp), DecodeServerChallenge);
   check(EncodeClientProof(cp), DecodeClientProof);
   check(EncodeServerVerdict(v), DecodeServerVerdict);
 
@@ -64,17 +64,24 @@ TEST(HandshakeCodec, RoundTripsAndRejectsEveryTruncation) {
 
 TEST(HandshakeCodec, ProofsDependOnSecretNoncesAndHello) {
   Nonce a = NewNonce(), b = NewNonce();
-  EXPECT_FALSE(
-      ProofEquals(ServerProofFor("k1", a, b), ServerProofFor("k2", a, b)));
-  EXPECT_FALSE(
-      ProofEquals(ServerProofFor("k1", a, b), ServerProofFor("k1", b, a)));
   ClientProof cp;
   cp.hello = SampleHello();
   Proof p1 = ClientProofFor("k1", a, b, cp);
+  ServerVerdict v;
+  v.path = DataPath::kTcp;
+  v.hello = SampleHello();
+  EXPECT_FALSE(ProofEquals(ServerProofFor("k1", a, b, p1, v),
+                           ServerProofFor("k2", a, b, p1, v)));
+  EXPECT_FALSE(ProofEquals(ServerProofFor("k1", a, b, p1, v),
+                           ServerProofFor("k1", b, a, p1, v)));
+  ServerVerdict other = v;
+  other.path = DataPath::kUcx;  // a changed data path breaks the proof
+  EXPECT_FALSE(ProofEquals(ServerProofFor("k1", a, b, p1, v),
+                           ServerProofFor("k1", a, b, p1, other)));
   cp.hello.name = "someone-else";
   EXPECT_FALSE(ProofEquals(p1, ClientProofFor("k1", a, b, cp)));
   // Server and client proofs never coincide (different labels).
-  EXPECT_FALSE(ProofEquals(ServerProofFor("k1", a, b), p1));
+  EXPECT_FALSE(ProofEquals(ServerProofFor("k1", a, b, p1, v), p1));
   EXPECT_FALSE(ProofEquals(NewNonce(), NewNonce()));
 }
 

@@ -1,7 +1,11 @@
 #include "src/transport/net/socket.h"
 
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -328,6 +332,78 @@ std::string PeerName(int fd) {
     port = ntohs(s->sin6_port);
   }
   return std::string(host) + ":" + std::to_string(port);
+}
+
+namespace {
+
+// The address as /proc/net/tcp{,6} prints it: the 32-bit words of the
+// address in host byte order, each as 8 hex digits, then ":" and the port.
+std::string ProcNetAddress(const sockaddr_storage& a) {
+  char buf[64];
+  if (a.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&a);
+    std::snprintf(buf, sizeof(buf), "%08X:%04X", in->sin_addr.s_addr,
+                  ntohs(in->sin_port));
+    return buf;
+  }
+  const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&a);
+  uint32_t w[4];
+  std::memcpy(w, &in6->sin6_addr, 16);
+  std::snprintf(buf, sizeof(buf), "%08X%08X%08X%08X:%04X", w[0], w[1], w[2],
+                w[3], ntohs(in6->sin6_port));
+  return buf;
+}
+
+bool SameHostAddress(const sockaddr_storage& peer,
+                     const sockaddr_storage& mine) {
+  if (peer.ss_family != mine.ss_family) return false;
+  if (peer.ss_family == AF_INET) {
+    const auto* p = reinterpret_cast<const sockaddr_in*>(&peer);
+    const auto* m = reinterpret_cast<const sockaddr_in*>(&mine);
+    if ((ntohl(p->sin_addr.s_addr) >> 24) == 127) return true;
+    return p->sin_addr.s_addr == m->sin_addr.s_addr;
+  }
+  if (peer.ss_family == AF_INET6) {
+    const auto* p = reinterpret_cast<const sockaddr_in6*>(&peer);
+    const auto* m = reinterpret_cast<const sockaddr_in6*>(&mine);
+    if (IN6_IS_ADDR_LOOPBACK(&p->sin6_addr)) return true;
+    return std::memcmp(&p->sin6_addr, &m->sin6_addr, 16) == 0;
+  }
+  return false;
+}
+
+}  // namespace
+
+Result<uint32_t> LocalPeerUid(int fd) {
+  sockaddr_storage peer{}, mine{};
+  socklen_t pl = sizeof(peer), ml = sizeof(mine);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &ml) != 0) {
+    return NotFoundError(std::string("no peer address: ") +
+                         std::strerror(errno));
+  }
+  if (!SameHostAddress(peer, mine)) {
+    return NotFoundError("the peer is on another host");
+  }
+  // The peer's socket has local = peer address and remote = ours.
+  const std::string want_local = ProcNetAddress(peer);
+  const std::string want_remote = ProcNetAddress(mine);
+  const char* table =
+      peer.ss_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6";
+  std::ifstream in(table);
+  std::string line;
+  std::getline(in, line);  // header
+  while (std::getline(in, line)) {
+    std::istringstream f(line);
+    std::string slot, local, remote, state, queues, timer, retr;
+    uint32_t uid = 0;
+    if (!(f >> slot >> local >> remote >> state >> queues >> timer >> retr >>
+          uid)) {
+      continue;
+    }
+    if (local == want_local && remote == want_remote) return uid;
+  }
+  return NotFoundError("the peer's socket is not in " + std::string(table));
 }
 
 }  // namespace membox::transport::net

@@ -94,6 +94,14 @@ class FrameReader {
 // "host:port" of the socket's peer, for logs.
 std::string PeerName(int fd);
 
+// The uid of the process at the other end of TCP connection `fd` when that
+// end is proven to be in this host's network namespace: the peer's address
+// is this socket's own local address (loopback included), so no other host
+// can have sent it, and the kernel's socket table (/proc/net/tcp{,6}) names
+// the peer socket's owner. The TCP counterpart of SO_PEERCRED. kNotFound
+// when the peer is not local (or its socket is gone).
+Result<uint32_t> LocalPeerUid(int fd);
+
 }  // namespace membox::transport::net
 
 #endif  // MEMBOX_SRC_TRANSPORT_NET_SOCKET_H_

@@ -107,11 +107,21 @@ void TcpChannel::Close() {
   inbox_.Detach();
 }
 
+ExportTable::Fence TcpChannel::FenceFor() {
+  return [w = weak_from_this()] {
+    if (auto c = w.lock()) {
+      c->Fail(AbortedError("a region this peer was accessing was revoked"));
+    }
+  };
+}
+
 Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
                            const void* payload, size_t len,
                            std::vector<uint8_t> owned,
-                           std::shared_ptr<OpState> state) {
+                           std::shared_ptr<OpState> state,
+                           ExportTable::Lease lease) {
   OutFrame f;
+  f.lease = std::move(lease);
   f.type = type;
   uint32_t hlen = static_cast<uint32_t>(header.size());
   uint64_t plen = len;
@@ -341,12 +351,18 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
     }
     case kTcpWrite: {
       ASSIGN_OR_RETURN(msg::Access m, msg::DecodeAccess(header, false));
-      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length,
-                                    /*host_memory=*/true);
+      // The lease holds the range until the payload is in place: a segment
+      // freed meanwhile waits for it (or fences this channel), so no byte
+      // lands in memory handed to someone else.
+      auto lease =
+          host_->AcquireAccess(m.region_id, m.token, m.address, m.length,
+                               /*host_memory=*/true, FenceFor());
+      Status s = lease.status();
       if (s.ok() && m.length != plen) {
         s = InvalidArgumentError("write length mismatch");
       }
       if (!s.ok()) {
+        if (lease.ok()) lease->reset();
         RETURN_IF_ERROR(Discard(plen));
         msg::Error e{static_cast<uint32_t>(s.code()),
                      "write rejected: " + std::string(s.message())};
@@ -357,15 +373,19 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
     case kTcpReadReq: {
       RETURN_IF_ERROR(no_payload());
       ASSIGN_OR_RETURN(msg::Access m, msg::DecodeAccess(header, true));
-      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length,
-                                    /*host_memory=*/true);
+      auto lease =
+          host_->AcquireAccess(m.region_id, m.token, m.address, m.length,
+                               /*host_memory=*/true, FenceFor());
+      Status s = lease.status();
       msg::Reply r{m.request, static_cast<uint32_t>(s.code()),
                    std::string(s.message())};
-      // The source is the registered region itself (zero copy); it must
-      // outlive the send, as for UCX's active-message reads.
+      // The source is the registered region itself (zero copy): the frame
+      // keeps the lease until its last byte is sent, so the range is not
+      // freed (or is fenced) while the answer still reads from it.
       return Enqueue(kTcpReadResp, msg::EncodeReply(r),
                      s.ok() ? reinterpret_cast<void*>(m.address) : nullptr,
-                     s.ok() ? m.length : 0, {}, nullptr);
+                     s.ok() ? m.length : 0, {}, nullptr,
+                     s.ok() ? std::move(*lease) : nullptr);
     }
     case kTcpReadResp: {
       ASSIGN_OR_RETURN(msg::Reply m, msg::DecodeReply(header));

@@ -43,6 +43,7 @@
 #include "membox/transport/channel.h"
 
 #include "src/transport/control_inbox.h"
+#include "src/transport/export_table.h"
 #include "src/transport/net/socket.h"
 
 namespace membox::transport::net {
@@ -53,8 +54,13 @@ class ChannelHost {
  public:
   virtual ~ChannelHost() = default;
   virtual EventCount* events() = 0;
-  virtual Status CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
-                             uint64_t len, bool host_memory) = 0;
+  virtual Status CheckAccess(uint64_t region_id, const Token128& token,
+                             uint64_t addr, uint64_t len, bool host_memory) = 0;
+  // CheckAccess, holding the range until the lease is released (revocation
+  // waits for it; export_table.h).
+  virtual Result<ExportTable::Lease> AcquireAccess(
+      uint64_t region_id, const Token128& token, uint64_t addr, uint64_t len,
+      bool host_memory, ExportTable::Fence fence) = 0;
   virtual bool CheckRkeyCrc(uint64_t region_id, uint32_t crc) = 0;
 };
 
@@ -114,6 +120,7 @@ class TcpChannel final : public Channel,
     std::vector<uint8_t> owned;  // owned payload (control messages)
     size_t sent = 0;  // bytes of head + header + payload already sent
     std::shared_ptr<OpState> state;  // completed once sent (may be null)
+    ExportTable::Lease lease;        // the exported range `payload` reads from
   };
   struct PendingRead {
     void* local;
@@ -122,7 +129,11 @@ class TcpChannel final : public Channel,
   };
   Status Enqueue(uint32_t type, std::vector<uint8_t> header,
                  const void* payload, size_t len, std::vector<uint8_t> owned,
-                 std::shared_ptr<OpState> state);
+                 std::shared_ptr<OpState> state,
+                 ExportTable::Lease lease = nullptr);
+  // Fails this channel (if it still exists) when a range it holds a lease
+  // on is revoked and the access does not finish in time.
+  ExportTable::Fence FenceFor();
   void Fail(const Status& s);
   // Sends the rest of `f`; without `block`, only what the socket takes now.
   // True when the whole frame is out.

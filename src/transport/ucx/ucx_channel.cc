@@ -202,6 +202,14 @@ void UcxChannel::SetErrorHandling(ucp_ep_params_t* ep, UcxChannel* ch,
   ep->err_handler.arg = ch;
 }
 
+ExportTable::Fence UcxChannel::FenceFor() {
+  return [w = weak_from_this()] {
+    if (auto c = w.lock()) {
+      c->Fail(AbortedError("a region this peer was accessing was revoked"));
+    }
+  };
+}
+
 Status UcxChannel::CreateDataEp(const std::vector<uint8_t>& peer_address) {
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
@@ -800,9 +808,11 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
     case kAmWrite: {
       auto m = msg::DecodeAccess(hdr, false);
       if (!m.ok()) return drop(m.status());
-      Status s =
-          dev_->CheckAccess(m->region_id, m->token, m->address, m->length,
-                            /*host_memory=*/true);
+      // Held until the bytes are in place (export_table.h).
+      auto lease =
+          dev_->AcquireAccess(m->region_id, m->token, m->address, m->length,
+                              /*host_memory=*/true, FenceFor());
+      Status s = lease.status();
       if (s.ok() && m->length != len)
         s = InvalidArgumentError("write length mismatch");
       if (!s.ok()) {
@@ -816,10 +826,13 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
           MutexLock l(&mu_);
           ++rndv_in_progress_;
         }
-        RecvInto(data, dst, len, param, [this](const Status& st) {
-          if (!st.ok()) SendError(st.WithContext("write receive failed"));
-          RndvDone();
-        });
+        RecvInto(data, dst, len, param,
+                 [this, l = std::move(*lease)](const Status& st) mutable {
+                   l.reset();
+                   if (!st.ok())
+                     SendError(st.WithContext("write receive failed"));
+                   RndvDone();
+                 });
       } else if (len) {
         std::memcpy(dst, data, len);
       }
@@ -828,13 +841,18 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
     case kAmReadReq: {
       auto m = msg::DecodeAccess(hdr, true);
       if (!m.ok()) return drop(m.status());
-      Status s =
-          dev_->CheckAccess(m->region_id, m->token, m->address, m->length,
-                            /*host_memory=*/true);
+      auto lease =
+          dev_->AcquireAccess(m->region_id, m->token, m->address, m->length,
+                              /*host_memory=*/true, FenceFor());
+      Status s = lease.status();
       msg::Reply reply{m->request, static_cast<uint32_t>(s.code()),
                        std::string(s.message())};
-      // The source is the registered region itself, which outlives the send.
-      auto st = std::make_shared<OpState>(nullptr);
+      // The source is the registered region itself: the send's completion
+      // keeps the lease, so the range is not freed while UCX reads it.
+      ExportTable::Lease held = s.ok() ? std::move(*lease) : nullptr;
+      auto st = std::make_shared<OpState>(
+          nullptr,
+          [held = std::move(held)](const Status&) mutable { held.reset(); });
       (void)SendAm(kAmReadResp, msg::EncodeReply(reply),
                    s.ok() ? reinterpret_cast<void*>(m->address) : nullptr,
                    s.ok() ? m->length : 0, st);

@@ -131,6 +131,9 @@ class UcxChannel final : public Channel,
   Result<OpHandle> AmRead(void* local, uint64_t raddr,
                           const RemoteMemRegion& remote, size_t size,
                           Completion cb);
+  // Fails this channel (if it still exists) when a range it holds a lease
+  // on is revoked and the access does not finish in time.
+  ExportTable::Fence FenceFor();
   void RecvInto(void* data_desc, void* dst, size_t len,
                 const ucp_am_recv_param_t* p,
                 std::function<void(const Status&)> done);

@@ -97,7 +97,7 @@ std::string ReadFirstLine(const char* path) {
 class UcxMemRegion final : public MemRegion {
  public:
   UcxMemRegion(UcxDevice* dev, ucp_mem_h memh, void* data, size_t size,
-               uint64_t id, bool allocated, MemoryType type, uint64_t token,
+               uint64_t id, bool allocated, MemoryType type, Token128 token,
                std::vector<uint8_t> rkey)
       : MemRegion(data, size, id, allocated, type),
         dev_(dev),
@@ -149,7 +149,7 @@ class UcxMemRegion final : public MemRegion {
  private:
   UcxDevice* dev_;
   ucp_mem_h memh_;
-  uint64_t token_;
+  Token128 token_;
   std::vector<uint8_t> rkey_;
   std::optional<SharedFile> shared_file_;  // set once, before any Export
   Mutex mu_;
@@ -260,10 +260,8 @@ void UcxWorker::Loop() {
 // ---------------------------------------------------------------- UcxDevice
 
 UcxDevice::UcxDevice(DeviceOptions options) : options_(std::move(options)) {
-  std::random_device rd;
-  rng_state_ = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
-               static_cast<uint64_t>(getpid()) << 16;
-  id_ = RandomToken();
+  // Not a secret, and drawn apart from every token (no shared stream).
+  id_ = RandomU64();
   char hn[256] = {0};
   gethostname(hn, sizeof(hn) - 1);
   // Processes in different network namespaces count as different hosts, so
@@ -275,15 +273,6 @@ UcxDevice::UcxDevice(DeviceOptions options) : options_(std::move(options)) {
              ReadFirstLine("/proc/sys/kernel/random/boot_id") + "/" + netns;
   rdma_present_ = std::filesystem::exists("/sys/class/infiniband", ec) &&
                   !std::filesystem::is_empty("/sys/class/infiniband", ec);
-}
-
-uint64_t UcxDevice::RandomToken() {
-  MutexLock l(&rng_mu_);
-  // splitmix64 over a seed from std::random_device.
-  uint64_t z = (rng_state_ += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
 }
 
 Status UcxDevice::Init() {
@@ -580,12 +569,36 @@ uint32_t UcxDevice::LocalFlags() const {
   return f;
 }
 
-bool UcxDevice::UseUcx(uint32_t peer_flags,
-                       const std::string& peer_host) const {
+bool UcxDevice::UseUcx(uint32_t peer_flags, const std::string& peer_host,
+                       int fd) const {
   uint32_t mine = LocalFlags();
   if ((mine | peer_flags) & net::kFlagTcpOnly) return false;
-  if (peer_host == host_id_) return true;  // shared memory
+  if (peer_host == host_id_) {
+    // Shared memory: UCX unpacks the peer's worker address (and attaches the
+    // segments it names), and UCX aborts on malformed addresses. So only a
+    // peer the kernel proves to be a process of this host running as this
+    // process's user gets it; a claimed host id alone gets membox's TCP
+    // path (docs/design/network_face.md, "UCX addresses").
+    auto uid = net::LocalPeerUid(fd);
+    if (!uid.ok() || *uid != geteuid()) {
+      MEMBOX_LOG_INFO(
+          "{}: {} claims this host but is not proven a local process of uid "
+          "{} ({}): TCP data path",
+          options_.name, net::PeerName(fd), geteuid(),
+          uid.ok() ? "uid " + std::to_string(*uid) : uid.status().ToString());
+      return false;
+    }
+    return true;
+  }
   return (mine & net::kFlagRdma) && (peer_flags & net::kFlagRdma);
+}
+
+bool UcxDevice::PlausibleUcxAddress(const std::vector<uint8_t>& a) const {
+  // Our own worker address comes from the same UCX library: a peer's starts
+  // with the same header byte (format version and flags). UCX asserts on
+  // other versions instead of returning an error.
+  const std::vector<uint8_t>& mine = workers_.front()->address();
+  return a.size() >= 16 && !mine.empty() && a[0] == mine[0];
 }
 
 bool UcxDevice::AdvanceHandshake(Pending& p) {
@@ -596,10 +609,11 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
     if (!hello.ok()) return false;
     p.client_nonce = hello->nonce;
     p.server_nonce = net::NewNonce();
-    net::ServerProof sp{
-        p.server_nonce,
-        net::ServerProofFor(options_.secret, p.client_nonce, p.server_nonce)};
-    if (!net::SendFrame(p.fd.get(), net::EncodeServerProof(sp), send_deadline)
+    // Only a nonce: nothing computed from the secret goes to a peer that
+    // has not proven it knows the secret.
+    net::ServerChallenge sc{p.server_nonce};
+    if (!net::SendFrame(p.fd.get(), net::EncodeServerChallenge(sc),
+                        send_deadline)
              .ok()) {
       return false;
     }
@@ -621,7 +635,17 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
                          send_deadline);
     return false;
   }
-  const bool ucx = UseUcx(cp->flags, cp->hello.host);
+  bool ucx = UseUcx(cp->flags, cp->hello.host, p.fd.get());
+  if (ucx && !PlausibleUcxAddress(cp->hello.address)) {
+    MEMBOX_LOG_WARN("{}: {} ({}) sent a malformed UCX worker address",
+                    options_.name, net::PeerName(p.fd.get()), cp->hello.name);
+    net::ServerVerdict bad;
+    bad.code = static_cast<uint32_t>(StatusCode::kInvalidArgument);
+    bad.message = "malformed UCX worker address";
+    (void)net::SendFrame(p.fd.get(), net::EncodeServerVerdict(bad),
+                         send_deadline);
+    return false;
+  }
   UcxWorker* w = NextAcceptWorker();
   std::shared_ptr<UcxChannel> uch;
   net::ServerVerdict v;
@@ -630,6 +654,8 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   v.hello.name = options_.name;
   v.hello.host = host_id_;
   v.hello.address = w->address();
+  v.proof = net::ServerProofFor(options_.secret, p.client_nonce, p.server_nonce,
+                                cp->proof, v);
   int lane = static_cast<int>(cp->hello.lane);
   if (ucx) {
     uch = std::make_shared<UcxChannel>(this, w, lane, cp->hello.name, true);
@@ -751,7 +777,7 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::FinishRegistration(
                             static_cast<uint8_t*>(rkey_buf) + rkey_len);
   ucp_rkey_buffer_release(rkey_buf);
   uint64_t id = NextRegionId();
-  uint64_t token = RandomToken();
+  Token128 token = RandomToken();
   RegisterExport(
       id, {reinterpret_cast<uint64_t>(addr), bytes, token,
            wire::Crc32(rkey.data(), rkey.size()), type == MemoryType::kHost});
@@ -809,10 +835,8 @@ Result<SharedFile> UcxDevice::SharedFileProof() {
           std::string("memfd_create for the shared-file proof: ") +
           std::strerror(errno));
     net::Fd owned(fd);
-    for (size_t i = 0; i < proof_.size(); i += 8) {
-      uint64_t v = RandomToken();
-      std::memcpy(proof_.data() + i, &v, 8);
-    }
+    std::vector<uint8_t> r = RandomBytes(proof_.size());
+    std::copy(r.begin(), r.end(), proof_.begin());
     if (pwrite(fd, proof_.data(), proof_.size(), 0) !=
         static_cast<ssize_t>(proof_.size())) {
       return InternalError(std::string("writing the shared-file proof: ") +
@@ -849,46 +873,27 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::RegisterSharedMemRegion(
 }
 
 void UcxDevice::RegisterExport(uint64_t id, const ExportedRegion& r) {
-  MutexLock l(&mu_);
-  exports_[id] = r;
+  exports_.Register(id, r);
 }
 
-void UcxDevice::UnregisterExport(uint64_t id) {
-  MutexLock l(&mu_);
-  exports_.erase(id);
+void UcxDevice::UnregisterExport(uint64_t id) { exports_.Unregister(id); }
+
+Status UcxDevice::CheckAccess(uint64_t region_id, const Token128& token,
+                              uint64_t addr, uint64_t len, bool host_memory) {
+  return exports_.Check(region_id, token, addr, len, host_memory);
 }
 
-Status UcxDevice::CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
-                              uint64_t len, bool host_memory) {
-  MutexLock l(&mu_);
-  auto it = exports_.find(region_id);
-  if (it == exports_.end()) {
-    return NotFoundError("region " + std::to_string(region_id) +
-                         " is not registered");
-  }
-  const ExportedRegion& r = it->second;
-  if (r.token != token) {
-    return PermissionDeniedError("wrong access key for region " +
-                                 std::to_string(region_id));
-  }
-  if (host_memory && !r.host) {
-    return FailedPreconditionError(
-        "region " + std::to_string(region_id) +
-        " is GPU memory: only UCX's one-sided operations reach it, not "
-        "membox's TCP path or active messages");
-  }
-  if (addr < r.address || len > r.length || addr - r.address > r.length - len) {
-    return OutOfRangeError("range [" + std::to_string(addr) + ", +" +
-                           std::to_string(len) + ") outside region " +
-                           std::to_string(region_id));
-  }
-  return Status::Ok();
+Result<ExportTable::Lease> UcxDevice::AcquireAccess(uint64_t region_id,
+                                                    const Token128& token,
+                                                    uint64_t addr, uint64_t len,
+                                                    bool host_memory,
+                                                    ExportTable::Fence fence) {
+  return exports_.Acquire(region_id, token, addr, len, host_memory,
+                          std::move(fence));
 }
 
 bool UcxDevice::CheckRkeyCrc(uint64_t region_id, uint32_t crc) {
-  MutexLock l(&mu_);
-  auto it = exports_.find(region_id);
-  return it != exports_.end() && it->second.rkey_crc == crc;
+  return exports_.CheckRkeyCrc(region_id, crc);
 }
 
 UcxChannel* UcxDevice::ChannelForId(uint64_t id) {
@@ -949,14 +954,7 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
         net::SendFrame(fd.get(), net::EncodeClientHello(hello), deadline));
     ASSIGN_OR_RETURN(std::vector<uint8_t> f1,
                      net::RecvFrame(fd.get(), net::kMaxHelloFrame, deadline));
-    ASSIGN_OR_RETURN(net::ServerProof sp, net::DecodeServerProof(f1));
-    if (!net::ProofEquals(
-            sp.proof,
-            net::ServerProofFor(options_.secret, hello.nonce, sp.nonce))) {
-      return UnauthenticatedError(
-          "wrong secret: the peer proved a different shared secret (check "
-          "--secret-file / MEMBOX_SECRET on both sides)");
-    }
+    ASSIGN_OR_RETURN(net::ServerChallenge sp, net::DecodeServerChallenge(f1));
     // Lanes of one peer are spread over the progress threads round-robin.
     UcxWorker* w = workers_[static_cast<size_t>(lane) % workers_.size()].get();
     auto uch =
@@ -986,6 +984,13 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
                 : Result<net::ServerVerdict>(f2.status());
     if (v.ok() && v->code != 0) {
       v = msg::StatusFromWire(v->code, v->message);
+    }
+    if (v.ok() && !net::ProofEquals(v->proof, net::ServerProofFor(
+                                                  options_.secret, hello.nonce,
+                                                  sp.nonce, cp.proof, *v))) {
+      v = UnauthenticatedError(
+          "wrong secret: the peer proved a different shared secret (check "
+          "--secret-file / MEMBOX_SECRET on both sides)");
     }
     if (!v.ok() || v->path != net::DataPath::kUcx) forget();
     if (!v.ok()) {

@@ -50,6 +50,7 @@
 #include "membox/base/wait.h"
 #include "membox/transport/device.h"
 
+#include "src/transport/export_table.h"
 #include "src/transport/net/handshake.h"
 #include "src/transport/net/socket.h"
 #include "src/transport/net/tcp_channel.h"
@@ -123,13 +124,7 @@ class UcxWorker {
   std::thread thread_;
 };
 
-struct ExportedRegion {
-  uint64_t address;
-  uint64_t length;
-  uint64_t token;
-  uint32_t rkey_crc;  // crc32 of the packed remote key handed out
-  bool host = true;   // false: GPU memory, reachable by UCX RMA only
-};
+using ExportedRegion = ExportTable::Entry;
 
 class UcxDevice final : public Device, public net::ChannelHost {
  public:
@@ -171,17 +166,24 @@ class UcxDevice final : public Device, public net::ChannelHost {
   bool rdma_present() const { return rdma_present_; }
   void RegisterExport(uint64_t id, const ExportedRegion& r);
   void UnregisterExport(uint64_t id);
-  // Checks an access against the export table. `addr`/`len` must lie inside
-  // the region with id `region_id` whose token is `token`.
-  Status CheckAccess(uint64_t region_id, uint64_t token, uint64_t addr,
+  // Checks an access against the export table (export_table.h): `addr`/`len`
+  // must lie inside the region with id `region_id` whose token is `token`.
+  Status CheckAccess(uint64_t region_id, const Token128& token, uint64_t addr,
                      uint64_t len, bool host_memory) override;
+  // The same, holding the range until the returned lease is released;
+  // `fence` fails the caller's channel if revocation cannot wait for it.
+  Result<ExportTable::Lease> AcquireAccess(uint64_t region_id,
+                                           const Token128& token, uint64_t addr,
+                                           uint64_t len, bool host_memory,
+                                           ExportTable::Fence fence) override;
   bool CheckRkeyCrc(uint64_t region_id, uint32_t crc) override;
   uint64_t NextRegionId() { return next_region_id_.fetch_add(1); }
   // This device's proof of its process for shared-file exports (mem_region.h
   // SharedFile): pid, the descriptor of a shared-memory file holding a
   // random value, and that value. Created on first use.
   Result<SharedFile> SharedFileProof();
-  uint64_t RandomToken();
+  // A fresh capability (base/hmac.h): 128 CSPRNG bits.
+  static Token128 RandomToken() { return Token128::Random(); }
   uint64_t NewChannelId();
   UcxChannel* ChannelForId(uint64_t id);  // data messages
   UcxWorker* NextAcceptWorker();
@@ -213,7 +215,11 @@ class UcxDevice final : public Device, public net::ChannelHost {
   void DropPending(uint64_t token, const char* why);
   void ExpirePending();
   uint32_t LocalFlags() const;
-  bool UseUcx(uint32_t peer_flags, const std::string& peer_host) const;
+  // Whether a channel to this peer runs over UCX (shared memory only with a
+  // peer proven local, on connection `fd`).
+  bool UseUcx(uint32_t peer_flags, const std::string& peer_host, int fd) const;
+  // A first check of a peer's UCX worker address before UCX sees it.
+  bool PlausibleUcxAddress(const std::vector<uint8_t>& address) const;
   // Builds the channel for an authenticated connection on either side.
   Result<std::shared_ptr<Channel>> MakeChannel(
       net::Fd fd, net::DataPath path, const msg::Hello& peer,
@@ -263,7 +269,7 @@ class UcxDevice final : public Device, public net::ChannelHost {
   std::atomic<int> ucx_channels_{0};  // open UcxChannels
 
   Mutex mu_;
-  std::map<uint64_t, ExportedRegion> exports_ MEMBOX_GUARDED_BY(mu_);
+  ExportTable exports_;  // thread-safe on its own
   std::vector<std::shared_ptr<Channel>> channels_ MEMBOX_GUARDED_BY(mu_);
   std::unordered_map<uint64_t, std::shared_ptr<UcxChannel>> by_id_
       MEMBOX_GUARDED_BY(mu_);
@@ -272,8 +278,6 @@ class UcxDevice final : public Device, public net::ChannelHost {
       MEMBOX_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Channel>> accept_q_ MEMBOX_GUARDED_BY(mu_);
   EventCount accept_ev_;
-  Mutex rng_mu_;
-  uint64_t rng_state_;
   std::atomic<int> accept_rr_{0};
 };
 
