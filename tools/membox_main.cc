@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -19,6 +20,7 @@
 #include <unistd.h>
 
 #include "membox/base/config.h"
+#include "membox/base/credential.h"
 #include "membox/base/logging.h"
 #include "membox/base/secret.h"
 #include "membox/base/subprocess.h"
@@ -97,14 +99,71 @@ struct EmbeddingFlags {
   std::string push_log = "on";
 };
 
+// `membox credential issue`: the credential of `name` under the cluster
+// secret, written to `out` (created, mode 0600).
+int IssueCredential(const std::string& secret_file, const std::string& name,
+                    const std::string& rights, const std::string& quota,
+                    uint64_t serial, const std::string& out) {
+  auto fail = [](const membox::Status& s) {
+    std::fprintf(stderr, "membox credential issue: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  auto sec = membox::ResolveSecret("", secret_file);
+  if (!sec.ok()) return fail(sec.status());
+  if (membox::Credential::Looks(*sec)) {
+    return fail(membox::InvalidArgumentError(
+        "issuing needs the cluster secret, not a credential"));
+  }
+  membox::Principal p;
+  p.cluster = false;
+  p.name = name;
+  p.serial = serial;
+  auto r = membox::ParseRights(rights);
+  if (!r.ok()) return fail(r.status());
+  p.rights = *r;
+  if (!quota.empty() && quota.back() == '%') {
+    auto pct = membox::ParseByteSize(quota.substr(0, quota.size() - 1));
+    if (!pct.ok() || *pct == 0 || *pct > 100) {
+      return fail(membox::InvalidArgumentError("--quota: 1..100%"));
+    }
+    p.quota_percent = static_cast<uint32_t>(*pct);
+  } else {
+    auto b = membox::ParseByteSize(quota);
+    if (!b.ok()) return fail(b.status());
+    p.quota_bytes = *b;
+  }
+  auto c = membox::Credential::Issue(*sec, p);
+  if (!c.ok()) return fail(c.status());
+  int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return fail(membox::PermissionDeniedError("cannot create '" + out +
+                                              "': " + std::strerror(errno)));
+  }
+  std::string line = c->Encode() + "\n";
+  bool ok = ::write(fd, line.data(), line.size()) ==
+            static_cast<ssize_t>(line.size());
+  ok = ::close(fd) == 0 && ok;
+  if (!ok) return fail(membox::InternalError("cannot write '" + out + "'"));
+  std::printf("credential for %s written to %s\n", c->principal.label().c_str(),
+              out.c_str());
+  return 0;
+}
+
 int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
           const std::string& ps_listen, const std::string& ps_max,
           const std::string& secret, const std::string& secret_file,
           const std::string& pool, const std::string& min_block,
           const std::string& max_block, const std::string& quota,
           int heartbeat_ms, const EmbeddingFlags& ef,
-          const std::string& metrics_listen, bool allow_weak_secret) {
+          const std::string& metrics_listen, bool allow_weak_secret,
+          const std::string& revoked_file) {
   auto sec = membox::ResolveSecret(secret, secret_file);
+  if (sec.ok() && membox::Credential::Looks(*sec)) {
+    std::fprintf(stderr,
+                 "membox serve: the secret is a principal's credential; a "
+                 "memory node needs the cluster secret itself\n");
+    return 2;
+  }
   if (sec.ok()) {
     // The file the secret came from (ResolveSecret's order), if any.
     std::string file = secret_file;
@@ -166,6 +225,15 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
   membox::node::MemoryNodeOptions no;
   no.secret = *sec;
   no.transports = o.transports;
+  if (!revoked_file.empty()) {
+    auto rl = std::make_shared<membox::RevocationList>(revoked_file);
+    membox::Status st = rl->Load();
+    if (!st.ok()) {
+      std::fprintf(stderr, "membox serve: %s\n", st.ToString().c_str());
+      return 2;
+    }
+    no.admit = [rl](const membox::Principal& p) { return rl->Admit(p); };
+  }
   no.memory = o;
   if (*pl != "off") {
     po.listen = *pl;
@@ -339,6 +407,35 @@ int main(int argc, char** argv) {
                  "trace, debug, info, warn, error, off");
 
   auto* version = app.add_subcommand("version", "print the version");
+  auto* credcmd = app.add_subcommand(
+      "credential", "issue or revoke a principal's credential");
+  credcmd->require_subcommand(1);
+  auto* cred_issue = credcmd->add_subcommand(
+      "issue", "write a credential derived from the cluster secret");
+  std::string cred_name, cred_rights = "worker", cred_quota = "0", cred_out,
+                         cred_secret_file, cred_revoked;
+  uint64_t cred_serial = 1;
+  cred_issue->add_option("--name", cred_name, "principal (job or tenant)")
+      ->required();
+  cred_issue->add_option("--rights", cred_rights,
+                         "'+'-joined: worker, node, admin (default worker)");
+  cred_issue->add_option("--quota", cred_quota,
+                         "N% of each node's capacity, a size (4GiB), or 0 "
+                         "(the node's default)");
+  cred_issue->add_option("--serial", cred_serial,
+                         "bump it to rotate (then revoke --below it)");
+  cred_issue->add_option("--secret-file", cred_secret_file,
+                         "the cluster secret (or MEMBOX_SECRET_FILE)");
+  cred_issue->add_option("-o,--output", cred_out, "file to create (0600)")
+      ->required();
+  auto* cred_revoke = credcmd->add_subcommand(
+      "revoke", "add a principal to a node's --revoked-file");
+  uint64_t cred_below = 0;
+  cred_revoke->add_option("--name", cred_name, "principal")->required();
+  cred_revoke->add_option("--below", cred_below,
+                          "only serials under this (after a rotation)");
+  cred_revoke->add_option("--revoked-file", cred_revoked, "the nodes' file")
+      ->required();
   auto* secretcmd = app.add_subcommand(
       "secret", "write a new random cluster secret (256 bits, mode 0600)");
   std::string secret_out;
@@ -367,6 +464,10 @@ int main(int argc, char** argv) {
                     "authentication secret (prefer --secret-file)");
   serve->add_option("--secret-file", secret_file,
                     "file whose first line is the secret");
+  std::string revoked_file;
+  serve->add_option("--revoked-file", revoked_file,
+                    "revoked credentials, one 'NAME [below SERIAL]' per line; "
+                    "re-read when it changes (membox credential revoke)");
   bool allow_weak_secret = false;
   serve->add_flag("--allow-weak-secret", allow_weak_secret,
                   "accept a secret under 32 bytes or a secret file that "
@@ -639,6 +740,20 @@ int main(int argc, char** argv) {
     std::printf("membox 0.1.0\n");
     return 0;
   }
+  if (cred_issue->parsed()) {
+    return IssueCredential(cred_secret_file, cred_name, cred_rights, cred_quota,
+                           cred_serial, cred_out);
+  }
+  if (cred_revoke->parsed()) {
+    membox::Status st =
+        membox::RevocationList::Append(cred_revoked, cred_name, cred_below);
+    if (!st.ok()) {
+      std::fprintf(stderr, "membox credential revoke: %s\n",
+                   st.ToString().c_str());
+      return 1;
+    }
+    return 0;
+  }
   if (secretcmd->parsed()) {
     membox::Status st = membox::WriteNewSecretFile(secret_out);
     if (!st.ok()) {
@@ -672,7 +787,7 @@ int main(int argc, char** argv) {
     }
     return Serve(sopt, popt, ps_listen, ps_max, secret, secret_file, pool,
                  min_block, max_block, quota, heartbeat_ms, eflags,
-                 metrics_listen, allow_weak_secret);
+                 metrics_listen, allow_weak_secret, revoked_file);
   }
   if (status->parsed()) {
     return PrintStatus(status_servers, secret, secret_file, admin_secret_file,

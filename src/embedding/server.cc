@@ -150,6 +150,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     so.device.listen_address = opt_.listen;
     so.device.transports = opt_.transports;
     so.device.secret = opt_.secret;
+    so.device.admit = opt_.admit;
     so.device.name = "membox-embedding";
     so.service = "embedding server";
     so.handler_threads = 0;  // serial: tables are touched by one thread

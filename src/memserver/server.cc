@@ -97,6 +97,7 @@ class ServerImpl final : public Server, public service::Service {
     so.device.listen_address = opt_.listen;
     so.device.transports = opt_.transports;
     so.device.secret = opt_.secret;
+    so.device.admit = opt_.admit;
     so.device.name = "membox-serve";
     so.device.progress_threads = 1;
     so.service = "memory node";

@@ -7,12 +7,14 @@ namespace membox::node {
 Result<std::unique_ptr<MemoryNode>> MemoryNode::Start(MemoryNodeOptions o) {
   std::unique_ptr<MemoryNode> n(new MemoryNode());
   o.memory.secret = o.secret;
+  o.memory.admit = o.admit;
   o.memory.transports = o.transports;
   auto m = memserver::Server::Start(o.memory);
   if (!m.ok()) return m.status().WithContext("memory server");
   n->memory_ = std::move(*m);
   if (o.proxy) {
     o.proxy->secret = o.secret;
+    o.proxy->admit = o.admit;
     o.proxy->transports = o.transports;
     auto p = ps::Proxy::Start(*o.proxy);
     if (!p.ok()) {
@@ -23,6 +25,7 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::Start(MemoryNodeOptions o) {
   }
   if (o.embedding) {
     o.embedding->secret = o.secret;
+    o.embedding->admit = o.admit;
     o.embedding->transports = o.transports;
     auto e = embedding::EmbeddingServer::Start(*o.embedding);
     if (!e.ok()) {

@@ -29,6 +29,7 @@ Status ProxyImpl::Init() {
   so.device.listen_address = opt_.listen;
   so.device.transports = opt_.transports;
   so.device.secret = opt_.secret;
+  so.device.admit = opt_.admit;
   so.device.name = "membox-proxy-" + std::to_string(opt_.rank);
   so.service = "proxy " + std::to_string(opt_.rank);
   so.handler_threads = 0;  // one state machine per node

@@ -49,7 +49,29 @@ class ServerImpl final : public Server {
     int n = std::max(1, opt_.handler_threads);
     for (int i = 0; i < n; ++i) executors_.emplace_back([this] { Run(); });
     acceptor_ = std::thread([this] { AcceptLoop(); });
+    if (opt_.device.admit) {
+      // Revocation reaches open connections too: each is admitted again
+      // every second, and closed once refused.
+      Every(std::chrono::seconds(1), [this] { ReadmitConnections(); });
+    }
     return Status::Ok();
+  }
+
+  void ReadmitConnections() {
+    std::vector<std::pair<ConnectionId, Status>> refused;
+    {
+      MutexLock l(&mu_);
+      for (auto& [id, c] : conns_) {
+        if (!c.channel) continue;
+        Status s = opt_.device.admit(c.channel->principal());
+        if (!s.ok()) refused.emplace_back(id, s);
+      }
+    }
+    for (auto& [id, s] : refused) {
+      MEMBOX_LOG_WARN("{}: closing connection {}: {}", opt_.service, id,
+                      s.ToString());
+      Close(id, s);
+    }
   }
 
   std::string endpoint() const override { return device_->listen_endpoint(); }

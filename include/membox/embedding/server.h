@@ -29,9 +29,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "membox/base/credential.h"
 #include "membox/base/metrics.h"
 #include "membox/base/status.h"
 
@@ -40,7 +42,9 @@ namespace membox::embedding {
 struct EmbeddingServerOptions {
   std::string listen = "0.0.0.0:7312";
   std::string transports = "auto";
-  std::string secret;                  // required, >= 8 bytes
+  std::string secret;  // required, >= 8 bytes
+  // Admits (or refuses, e.g. revoked) principals; transport DeviceOptions.
+  std::function<Status(const Principal&)> admit;
   std::string dir;                     // required; tables live in <dir>/<name>
   uint64_t budget_bytes = 1ull << 30;  // memory tier of each table
   uint64_t file_bytes = 64ull << 20;   // SSD tier file size

@@ -20,9 +20,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "membox/base/credential.h"
 #include "membox/base/metrics.h"
 #include "membox/base/status.h"
 
@@ -35,6 +37,8 @@ struct ServerOptions {
   uint64_t min_block = 4096;         // power of two
   uint64_t max_block = 32ull << 30;  // power of two
   std::string secret;                // required, >= 8 bytes
+  // Admits (or refuses, e.g. revoked) principals; transport DeviceOptions.
+  std::function<Status(const Principal&)> admit;
   int sync_cores = 2;
   int handler_threads = 2;
   std::chrono::milliseconds heartbeat_timeout{5000};

@@ -21,10 +21,12 @@
 #ifndef MEMBOX_NODE_MEMORY_NODE_H_
 #define MEMBOX_NODE_MEMORY_NODE_H_
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
+#include "membox/base/credential.h"
 #include "membox/base/status.h"
 #include "membox/embedding/server.h"
 #include "membox/memserver/server.h"
@@ -38,6 +40,8 @@ struct MemoryNodeOptions {
   // own secret / transports fields are overwritten).
   std::string secret;
   std::string transports = "auto";
+  // Admits principals on every service (revocation; base/credential.h).
+  std::function<Status(const Principal&)> admit;
   memserver::ServerOptions memory;
   std::optional<ps::ProxyOptions> proxy;                       // unset: none
   std::optional<embedding::EmbeddingServerOptions> embedding;  // unset: none

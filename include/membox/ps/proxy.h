@@ -49,6 +49,7 @@
 #include <string>
 #include <vector>
 
+#include "membox/base/credential.h"
 #include "membox/base/metrics.h"
 #include "membox/base/status.h"
 
@@ -60,6 +61,8 @@ struct ProxyOptions {
   std::string listen = "0.0.0.0:7310";
   std::string transports = "auto";
   std::string secret;  // required, >= 8 bytes
+  // Admits (or refuses, e.g. revoked) principals; transport DeviceOptions.
+  std::function<Status(const Principal&)> admit;
   // Every proxy's endpoint in ring order (this one included) and this
   // proxy's index in it. Empty: a single proxy.
   std::vector<std::string> peers;

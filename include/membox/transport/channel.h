@@ -58,6 +58,7 @@
 #include <string>
 #include <vector>
 
+#include "membox/base/credential.h"
 #include "membox/base/status.h"
 #include "membox/transport/mem_region.h"
 #include "membox/transport/op_handle.h"
@@ -178,6 +179,17 @@ class Channel {
   // "host:port" for channels this side opened; the peer's device name for
   // accepted ones.
   virtual std::string peer() const = 0;
+
+  // Who the peer proved to be in the handshake (base/credential.h). For an
+  // accepted channel: the cluster, or the principal of its credential. For
+  // a channel this side opened: the cluster (the server proved the key this
+  // side holds). Set by the device before the channel is handed out; never
+  // changes after.
+  const Principal& principal() const { return principal_; }
+  void set_principal(Principal p) { principal_ = std::move(p); }
+
+ private:
+  Principal principal_;
 };
 
 }  // namespace membox::transport

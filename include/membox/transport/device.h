@@ -20,9 +20,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "membox/base/credential.h"
 #include "membox/base/status.h"
 #include "membox/transport/channel.h"
 #include "membox/transport/mem_region.h"
@@ -51,7 +53,16 @@ struct DeviceOptions {
   // (HMAC-SHA-256 challenge-response, never sent; see
   // src/transport/net/handshake.h). Devices that talk to each other need the
   // same secret; empty is a valid secret for tests and closed machines.
+  // It may instead be a principal's credential line (base/credential.h):
+  // such a device connects as that principal, and accepts only peers of the
+  // same credential. A device with the cluster secret accepts every valid
+  // credential and knows who each channel's peer is (Channel::principal).
   std::string secret;
+  // Whether a principal that proved its credential may connect now
+  // (revocation: docs/design/network_face.md). Null admits every valid one.
+  // Called on the device's network thread after the proof was checked; must
+  // not block. An error is the refusal the peer is told.
+  std::function<Status(const Principal&)> admit;
   // A connection that has not completed the handshake within this time is
   // dropped; at most `max_pending_handshakes` may be open at once (the
   // oldest is dropped for a new one).

@@ -43,8 +43,12 @@ std::vector<uint8_t> ProofBody(const ClientProof& m) {
   wire::Writer w;
   w.U32(m.flags);
   wire::PutBytes(w, msg::EncodeHello(m.hello, true));
+  wire::PutStr(w, m.credential);
   return std::move(w.buffer());
 }
+
+// A credential's public id: name (64) + rights + quota + serial.
+constexpr size_t kMaxCredentialId = 256;
 
 Proof Hmac(const std::string& secret, std::span<const uint8_t> data) {
   return HmacSha256(secret, {data});
@@ -101,7 +105,8 @@ Result<ClientProof> DecodeClientProof(std::span<const uint8_t> in) {
   ClientProof m;
   std::vector<uint8_t> hello;
   if (!r.Copy(m.proof.data(), m.proof.size()) || !r.U32(&m.flags) ||
-      !wire::GetBytes(r, &hello, kMaxProofFrame)) {
+      !wire::GetBytes(r, &hello, kMaxProofFrame) ||
+      !wire::GetStr(r, &m.credential, kMaxCredentialId)) {
     return InvalidArgumentError("client proof: truncated");
   }
   RETURN_IF_ERROR(Done(r, "client proof"));

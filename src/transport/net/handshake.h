@@ -7,13 +7,16 @@
 //   2. server -> client  ServerChallenge  magic, version, server nonce
 //   3. client -> server  ClientProof      HMAC(K, "membox/3 client" | nc |
 //                                         ns | body), body = the channel hello
+//                                         and the credential's public id
 //   4. server -> client  ServerVerdict    status code + message; on success
 //                                         the data path, the server's channel
 //                                         hello and HMAC(K, "membox/3 server"
 //                                         | nc | ns | client proof | path |
 //                                         hello), which the client checks
 //                                         before it uses anything else
-// K is the shared secret (HMAC-SHA-256, OpenSSL). The secret never travels;
+// K is the cluster secret, or the key of the principal's credential that
+// the server derives from the cluster secret and the public id
+// (base/credential.h) (HMAC-SHA-256, OpenSSL). No key ever travels;
 // nonces are fresh per connection, so a recorded exchange cannot be
 // replayed; both proofs are compared in constant time. A peer that does not
 // know K receives only a random nonce and a refusal: nothing computed from
@@ -69,6 +72,9 @@ struct ClientProof {
   Proof proof{};
   uint32_t flags = 0;
   msg::Hello hello;  // channel id, lane, name, host, UCX worker address
+  // The public id of the credential the proof is made with
+  // (base/credential.h); empty: the cluster secret itself.
+  std::string credential;
 };
 // Data path the server chose for the channel.
 enum class DataPath : uint8_t { kUcx = 1, kTcp = 2 };

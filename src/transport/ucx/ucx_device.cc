@@ -260,6 +260,17 @@ void UcxWorker::Loop() {
 // ---------------------------------------------------------------- UcxDevice
 
 UcxDevice::UcxDevice(DeviceOptions options) : options_(std::move(options)) {
+  // The key this device proves: the cluster secret, or a credential's.
+  if (Credential::Looks(options_.secret)) {
+    auto c = Credential::Parse(options_.secret);
+    if (c.ok()) {
+      own_ = *c;
+    } else {
+      own_init_error_ = c.status();
+    }
+  } else {
+    own_.key = options_.secret;  // the cluster principal
+  }
   // Not a secret, and drawn apart from every token (no shared stream).
   id_ = RandomU64();
   char hn[256] = {0};
@@ -276,6 +287,7 @@ UcxDevice::UcxDevice(DeviceOptions options) : options_(std::move(options)) {
 }
 
 Status UcxDevice::Init() {
+  RETURN_IF_ERROR(own_init_error_);
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return UcsError(st, "ucp_config_read");
@@ -593,6 +605,26 @@ bool UcxDevice::UseUcx(uint32_t peer_flags, const std::string& peer_host,
   return (mine & net::kFlagRdma) && (peer_flags & net::kFlagRdma);
 }
 
+Result<std::pair<Principal, std::string>> UcxDevice::KeyFor(
+    const std::string& credential) const {
+  if (credential.empty()) {
+    // A proof with the cluster secret: only a device holding it can check.
+    if (!own_.principal.cluster) {
+      return PermissionDeniedError("this device holds a credential");
+    }
+    return std::make_pair(Principal(), options_.secret);
+  }
+  ASSIGN_OR_RETURN(Principal p, ParsePublicId(credential));
+  if (own_.principal.cluster) {
+    return std::make_pair(p, DeriveCredentialKey(options_.secret, credential));
+  }
+  // A credential holder accepts only its own principal (a job's workers).
+  if (credential != own_.principal.public_id()) {
+    return PermissionDeniedError("another principal");
+  }
+  return std::make_pair(p, own_.key);
+}
+
 bool UcxDevice::PlausibleUcxAddress(const std::vector<uint8_t>& a) const {
   // Our own worker address comes from the same UCX library: a peer's starts
   // with the same header byte (format version and flags). UCX asserts on
@@ -623,9 +655,11 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   }
   auto cp = net::DecodeClientProof(p.reader.frame());
   if (!cp.ok()) return false;
-  net::Proof want =
-      net::ClientProofFor(options_.secret, p.client_nonce, p.server_nonce, *cp);
-  if (!net::ProofEquals(want, cp->proof)) {
+  auto key = KeyFor(cp->credential);
+  if (!key.ok() ||
+      !net::ProofEquals(
+          net::ClientProofFor(key->second, p.client_nonce, p.server_nonce, *cp),
+          cp->proof)) {
     MEMBOX_LOG_WARN("{}: connection from {} ({}) failed authentication",
                     options_.name, net::PeerName(p.fd.get()), cp->hello.name);
     net::ServerVerdict v;
@@ -634,6 +668,21 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
     (void)net::SendFrame(p.fd.get(), net::EncodeServerVerdict(v),
                          send_deadline);
     return false;
+  }
+  const Principal& principal = key->first;
+  if (options_.admit) {
+    Status admitted = options_.admit(principal);
+    if (!admitted.ok()) {
+      MEMBOX_LOG_WARN("{}: refusing {} ({}) as {}: {}", options_.name,
+                      net::PeerName(p.fd.get()), cp->hello.name,
+                      principal.label(), admitted.ToString());
+      net::ServerVerdict v;
+      v.code = static_cast<uint32_t>(admitted.code());
+      v.message = std::string(admitted.message());
+      (void)net::SendFrame(p.fd.get(), net::EncodeServerVerdict(v),
+                           send_deadline);
+      return false;
+    }
   }
   bool ucx = UseUcx(cp->flags, cp->hello.host, p.fd.get());
   if (ucx && !PlausibleUcxAddress(cp->hello.address)) {
@@ -654,7 +703,7 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   v.hello.name = options_.name;
   v.hello.host = host_id_;
   v.hello.address = w->address();
-  v.proof = net::ServerProofFor(options_.secret, p.client_nonce, p.server_nonce,
+  v.proof = net::ServerProofFor(key->second, p.client_nonce, p.server_nonce,
                                 cp->proof, v);
   int lane = static_cast<int>(cp->hello.lane);
   if (ucx) {
@@ -666,8 +715,8 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   net::Fd fd = std::move(p.fd);
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd.get(), nullptr);
   int raw = fd.get();
-  auto ch =
-      MakeChannel(std::move(fd), v.path, cp->hello, uch, lane, cp->hello.name);
+  auto ch = MakeChannel(std::move(fd), v.path, cp->hello, uch, lane,
+                        cp->hello.name, principal);
   if (!ch.ok()) {
     MEMBOX_LOG_WARN("{}: refusing a channel from {}: {}", options_.name,
                     cp->hello.name, ch.status().ToString());
@@ -696,14 +745,16 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
 Result<std::shared_ptr<Channel>> UcxDevice::MakeChannel(
     net::Fd fd, net::DataPath path, const msg::Hello& peer,
     const std::shared_ptr<UcxChannel>& ucx, int lane,
-    const std::string& peer_label) {
+    const std::string& peer_label, const Principal& principal) {
   if (path == net::DataPath::kTcp) {
     RETURN_IF_ERROR(net::SetBlocking(fd.get(), true));
     auto ch = std::make_shared<net::TcpChannel>(this, std::move(fd), lane,
                                                 peer_label);
+    ch->set_principal(principal);
     RegisterChannel(ch);
     return std::shared_ptr<Channel>(ch);
   }
+  ucx->set_principal(principal);
   RETURN_IF_ERROR(ucx->ConnectData(peer));
   int raw = fd.get();
   ucx->set_liveness(std::move(fd));
@@ -964,7 +1015,8 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
     cp.flags = LocalFlags();
     cp.hello = msg::Hello{uch->id(), static_cast<uint32_t>(lane), options_.name,
                           host_id_, w->address()};
-    cp.proof = net::ClientProofFor(options_.secret, hello.nonce, sp.nonce, cp);
+    cp.credential = own_.principal.public_id();
+    cp.proof = net::ClientProofFor(own_.key, hello.nonce, sp.nonce, cp);
     {
       // Registered before the proof goes out: the server may send on the
       // data path as soon as it has answered.
@@ -985,9 +1037,9 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
     if (v.ok() && v->code != 0) {
       v = msg::StatusFromWire(v->code, v->message);
     }
-    if (v.ok() && !net::ProofEquals(v->proof, net::ServerProofFor(
-                                                  options_.secret, hello.nonce,
-                                                  sp.nonce, cp.proof, *v))) {
+    if (v.ok() && !net::ProofEquals(
+                      v->proof, net::ServerProofFor(own_.key, hello.nonce,
+                                                    sp.nonce, cp.proof, *v))) {
       v = UnauthenticatedError(
           "wrong secret: the peer proved a different shared secret (check "
           "--secret-file / MEMBOX_SECRET on both sides)");
@@ -1002,7 +1054,7 @@ Result<std::shared_ptr<Channel>> UcxDevice::GetChannel(
       return v.status();
     }
     ASSIGN_OR_RETURN(auto ch, MakeChannel(std::move(fd), v->path, v->hello, uch,
-                                          lane, remote_endpoint));
+                                          lane, remote_endpoint, Principal()));
     if (auto tcp = std::dynamic_pointer_cast<net::TcpChannel>(ch)) {
       tcp->Start();
     }

@@ -224,7 +224,11 @@ class UcxDevice final : public Device, public net::ChannelHost {
   Result<std::shared_ptr<Channel>> MakeChannel(
       net::Fd fd, net::DataPath path, const msg::Hello& peer,
       const std::shared_ptr<UcxChannel>& ucx, int lane,
-      const std::string& peer_label);
+      const std::string& peer_label, const Principal& principal);
+  // The principal a peer's credential id names and the key its proof must
+  // be made with; an error when this device cannot check such a proof.
+  Result<std::pair<Principal, std::string>> KeyFor(
+      const std::string& credential) const;
   void RegisterChannel(const std::shared_ptr<Channel>& ch);
   // Packs the remote key, records the export and wraps `memh` (unmapped on
   // failure).
@@ -240,6 +244,8 @@ class UcxDevice final : public Device, public net::ChannelHost {
   std::array<uint8_t, 16> proof_ MEMBOX_GUARDED_BY(proof_mu_){};
   DeviceOptions options_;
   uint64_t id_;
+  Credential own_;         // the key this device proves, and as whom
+  Status own_init_error_;  // a malformed credential: Init() fails
   std::string host_id_;
   bool rdma_present_ = false;
   uint64_t ucx_memory_types_ = 0;  // ucp_context_query: UCS_BIT(type)
