@@ -38,6 +38,10 @@ struct Segment {
   uint64_t size = 0;
   uint64_t master = 0;  // 0 while orphaned
   std::string master_name;
+  // The principal that created it (base/credential.h): its quota pays for
+  // the segment until the memory is freed, and only it may attach or adopt
+  // it (the cluster principal may do everything).
+  Principal owner;
   bool orphaned = false;
   Clock::time_point orphaned_since;
   std::set<uint64_t> attached;
@@ -50,7 +54,8 @@ struct Segment {
 };
 
 struct ClientState {
-  uint64_t id = 0;  // the service layer's connection id
+  uint64_t id = 0;      // the service layer's connection id
+  Principal principal;  // who the connection proved to be
   std::string name;
   uint32_t pid = 0;
   bool registered = false;
@@ -215,6 +220,15 @@ class ServerImpl final : public Server, public service::Service {
       << "bytes_read " << s.bytes_read << "\n"
       << "bytes_written " << s.bytes_written << "\n";
     MutexLock l(&mu_);
+    auto vit = clients_.find(viewer);
+    if (vit != clients_.end() && !vit->second.principal.cluster) {
+      const Principal& p = vit->second.principal;
+      if (p.may(kRightAdmin)) full = true;
+      auto held = held_by_.find(p.name);
+      o << "principal " << p.name << " serial " << p.serial << " held_bytes "
+        << (held == held_by_.end() ? 0 : held->second) << " quota_bytes "
+        << p.QuotaOf(opt_.pool_bytes, QuotaBytes()) << "\n";
+    }
     for (auto& [key, seg] : segments_) {
       if (!full && seg->master != viewer && !seg->attached.count(viewer)) {
         continue;
@@ -244,8 +258,10 @@ class ServerImpl final : public Server, public service::Service {
   }
 
   void OnConnect(service::ConnectionId id, const std::string& peer) override {
+    auto ch = server_->channel(id);
     MutexLock l(&mu_);
     clients_[id].id = id;
+    if (ch) clients_[id].principal = ch->principal();
     MEMBOX_LOG_DEBUG("client {} connected from {}", id, peer);
   }
 
@@ -396,9 +412,24 @@ class ServerImpl final : public Server, public service::Service {
     }
     MutexLock l(&mu_);
     ClientState& c = clients_.at(client);
-    if (c.created_bytes + q.size > QuotaBytes()) {
-      return ResourceExhaustedError("client quota of " +
-                                    FormatByteSize(QuotaBytes()) + " exceeded");
+    if (c.principal.cluster) {
+      // The cluster secret's holders: a quota per connection, as before
+      // principals (operators and tests; jobs get credentials).
+      if (c.created_bytes + q.size > QuotaBytes()) {
+        return ResourceExhaustedError(
+            "client quota of " + FormatByteSize(QuotaBytes()) + " exceeded");
+      }
+    } else {
+      // One quota over every connection of the principal, and every byte
+      // it still holds (orphans included).
+      uint64_t quota = c.principal.QuotaOf(opt_.pool_bytes, QuotaBytes());
+      uint64_t held = held_by_[c.principal.name];
+      if (held + q.size > quota) {
+        return ResourceExhaustedError("quota of principal " + c.principal.name +
+                                      " (" + FormatByteSize(quota) +
+                                      ") exceeded: it holds " +
+                                      FormatByteSize(held) + " on this node");
+      }
     }
     if (c.attached.size() >= opt_.quota_segments) {
       return ResourceExhaustedError("client segment quota exceeded");
@@ -426,6 +457,8 @@ class ServerImpl final : public Server, public service::Service {
     seg->size = q.size;
     seg->master = client;
     seg->master_name = c.name;
+    seg->owner = c.principal;
+    held_by_[c.principal.name] += q.size;
     seg->attached.insert(client);
     seg->desc = *desc;
     seg->desc_bytes = desc->Serialize();
@@ -456,10 +489,13 @@ class ServerImpl final : public Server, public service::Service {
   Status DoAttach(uint64_t client, const Request& q, Response* a) {
     MutexLock l(&mu_);
     auto it = segments_.find(q.key);
-    // An unknown key and a wrong size give one answer: a caller learns
-    // nothing about a segment it cannot open (not even its size).
+    const Principal& who = clients_.at(client).principal;
+    // An unknown key, a wrong size and another principal's segment give one
+    // answer: a caller learns nothing about a segment it cannot open (not
+    // even that it exists, or its size).
     if (it == segments_.end() || it->second->deleted ||
-        it->second->size != q.size) {
+        it->second->size != q.size ||
+        (!who.cluster && it->second->owner.name != who.name)) {
       return NotFoundError("no segment with key " + std::to_string(q.key) +
                            " and " + std::to_string(q.size) + " bytes");
     }
@@ -472,7 +508,8 @@ class ServerImpl final : public Server, public service::Service {
     if (!c.attached.count(q.key) && c.attached.size() >= opt_.quota_segments) {
       return ResourceExhaustedError("client segment quota exceeded");
     }
-    if (seg.orphaned && !c.name.empty() && c.name == seg.master_name) {
+    if (seg.orphaned && !c.name.empty() && c.name == seg.master_name &&
+        c.principal.name == seg.owner.name) {
       // The master came back within the grace period: it owns it again.
       seg.orphaned = false;
       seg.master = client;
@@ -527,6 +564,11 @@ class ServerImpl final : public Server, public service::Service {
       MEMBOX_REQUIRES(mu_) {
     if (!seg->deleted || !seg->attached.empty() || seg->busy > 0) return;
     pool_->RevokeRange(seg->desc.region_id);
+    auto held = held_by_.find(seg->owner.name);
+    if (held != held_by_.end()) {
+      held->second -= std::min(held->second, seg->size);
+      if (held->second == 0) held_by_.erase(held);
+    }
     Status s = buddy_->Free(seg->offset);
     if (!s.ok())
       MEMBOX_LOG_ERROR("freeing segment {}: {}", seg->key, s.ToString());
@@ -643,6 +685,8 @@ class ServerImpl final : public Server, public service::Service {
   std::unique_ptr<BuddyAllocator> buddy_ MEMBOX_GUARDED_BY(mu_);
   std::map<uint64_t, std::shared_ptr<Segment>> segments_ MEMBOX_GUARDED_BY(mu_);
   std::map<uint64_t, ClientState> clients_ MEMBOX_GUARDED_BY(mu_);
+  // Bytes of segments each principal created and the node still holds.
+  std::map<std::string, uint64_t> held_by_ MEMBOX_GUARDED_BY(mu_);
   uint64_t departed_read_ MEMBOX_GUARDED_BY(mu_) = 0;
   uint64_t departed_written_ MEMBOX_GUARDED_BY(mu_) = 0;
 

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "membox/base/credential.h"
 #include "membox/memserver/client.h"
 
 namespace membox::memserver {
@@ -64,6 +65,78 @@ class ServerTest : public ::testing::TestWithParam<const char*> {
 
   std::unique_ptr<Server> server_;
 };
+
+// Two tenants with their own credentials on one pool: neither can reach,
+// adopt or see the other's segments, and a quota covers every connection of
+// its principal.
+TEST_P(ServerTest, TenantsWithCredentialsAreIsolated) {
+  auto cred = [](const std::string& name, uint32_t pct) {
+    Principal p;
+    p.cluster = false;
+    p.name = name;
+    p.rights = kRightWorker;
+    p.quota_percent = pct;
+    auto c = Credential::Issue("correct horse battery", p);
+    EXPECT_TRUE(c.ok());
+    return c->Encode();
+  };
+  const std::string a_cred = cred("tenant-a", 50),
+                    b_cred = cred("tenant-b", 25);
+  auto a = Connect("victim", a_cred);
+  auto b = Connect("attacker", b_cred);
+  auto b2 = Connect("attacker-2", b_cred);
+  ASSERT_TRUE(a && b && b2);
+  auto seg = a->Create(0, 1 << 20);
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  std::memset((*seg)->data(), 0x5a, 1 << 20);
+  ASSERT_TRUE(a->WriteSync(*seg, 0, 1 << 20).ok());
+  const uint64_t key = (*seg)->key();
+  // The key does not open another principal's segment; the answer is the
+  // one an unknown key gets.
+  Status other = b->Attach(key, 1 << 20).status();
+  EXPECT_EQ(other.code(), StatusCode::kNotFound) << other.ToString();
+  EXPECT_EQ(b->Attach(key ^ 1, 1 << 20).status().code(), StatusCode::kNotFound);
+  // The cluster principal (the operator) still may.
+  auto op = Connect("operator");
+  ASSERT_TRUE(op);
+  EXPECT_TRUE(op->Attach(key, 1 << 20).ok());
+  // 25 % of 64 MiB over both of tenant-b's connections.
+  auto b_first = b->Create(0, 12 << 20);
+  ASSERT_TRUE(b_first.ok()) << b_first.status().ToString();
+  Status over = b2->Create(0, 8 << 20).status();
+  EXPECT_EQ(over.code(), StatusCode::kResourceExhausted) << over.ToString();
+  EXPECT_NE(std::string(over.message()).find("tenant-b"), std::string::npos);
+  EXPECT_TRUE(b2->Create(0, 4 << 20).ok());
+  // b's status shows its principal, never a's segment.
+  auto text = b->ServerStatus();
+  ASSERT_TRUE(text.ok());
+  EXPECT_NE(text->find("principal tenant-b"), std::string::npos) << *text;
+  EXPECT_EQ(text->find("segment " + std::to_string(key)), std::string::npos)
+      << *text;
+  // a's master leaves: its segment is an orphan that b cannot adopt by
+  // registering under a's client name.
+  a.reset();
+  std::this_thread::sleep_for(300ms);
+  auto impostor = Connect("victim", b_cred);
+  ASSERT_TRUE(impostor);
+  EXPECT_EQ(impostor->Attach(key, 1 << 20).status().code(),
+            StatusCode::kNotFound);
+  auto back = Connect("victim", a_cred);
+  ASSERT_TRUE(back);
+  auto again = back->Attach(key, 1 << 20);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  ASSERT_TRUE(back->ReadSync(*again, 0, 1 << 20).ok());
+  EXPECT_EQ(static_cast<uint8_t*>((*again)->data())[12345], 0x5a);
+  // A credential that names another cluster's key is refused outright.
+  ClientOptions forged;
+  forged.server = server_->endpoint();
+  forged.secret = cred("tenant-b", 100);
+  forged.secret.back() = forged.secret.back() == '0' ? '1' : '0';
+  forged.transports = GetParam();
+  forged.timeout = 5s;
+  EXPECT_EQ(Client::Connect(forged).status().code(),
+            StatusCode::kUnauthenticated);
+}
 
 TEST_P(ServerTest, MasterCreatesOthersAttachSyncAndAccumulate) {
   auto master = Connect("master");

@@ -684,7 +684,12 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
       return false;
     }
   }
-  bool ucx = UseUcx(cp->flags, cp->hello.host, p.fd.get());
+  // UCX's one-sided paths reach a whole registration with its remote key
+  // (a memory node's pool, shared memory mapping all of it): only the
+  // cluster's principal is trusted with that. A job or tenant with its own
+  // credential gets membox's TCP path, where the owner checks every access
+  // against the range its token names (docs/design/network_face.md).
+  bool ucx = principal.cluster && UseUcx(cp->flags, cp->hello.host, p.fd.get());
   if (ucx && !PlausibleUcxAddress(cp->hello.address)) {
     MEMBOX_LOG_WARN("{}: {} ({}) sent a malformed UCX worker address",
                     options_.name, net::PeerName(p.fd.get()), cp->hello.name);
