@@ -489,7 +489,18 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
     Reply(conn, m.type, m.id, FailedPreconditionError("already said hello"));
     return;
   }
+  const Principal& who = c.channel ? c.channel->principal() : Principal();
   if (m.type == Type::kPeerHello) {
+    // Node-to-node: only a principal with the node right (the cluster
+    // secret, or a node credential). A worker's credential cannot say where
+    // a peer is, make this proxy dial out, or take over a peer connection.
+    if (!who.may(kRightNode)) {
+      Reply(conn, m.type, m.id,
+            PermissionDeniedError("peer hello from " + who.label() +
+                                  ", which has no node right"));
+      server_->Close(conn, PermissionDeniedError("not a node"));
+      return;
+    }
     if (m.rank >= nproxies_ || m.rank == opt_.rank) {
       Reply(conn, m.type, m.id, InvalidArgumentError("bad peer proxy rank"));
       return;
@@ -499,6 +510,21 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
     server_->Establish(conn);
     Reply(conn, m.type, m.id, Status::Ok());
     return PeerHello(m.rank, conn, m.world, m.endpoint);
+  }
+  if (!who.may(kRightWorker) && !who.may(kRightAdmin)) {
+    Reply(conn, m.type, m.id,
+          PermissionDeniedError(who.label() + " has no worker right"));
+    return;
+  }
+  // A proxy serves one principal's job: its parameters and optimizer state
+  // are that principal's. The first worker's principal owns the job for the
+  // proxy's lifetime (the stored state outlives its connections); the
+  // cluster principal may always connect.
+  if (!who.cluster && !job_owner_.empty() && job_owner_ != who.name) {
+    Reply(conn, m.type, m.id,
+          PermissionDeniedError("this parameter proxy serves principal " +
+                                job_owner_ + "'s job, not " + who.name + "'s"));
+    return;
   }
   if (m.world == 0) {  // an observer: not part of the job
     c.role = Conn::Role::kObserver;
@@ -527,6 +553,15 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
     return;
   }
   world_ = m.world;
+  if (job_owner_.empty()) {
+    job_owner_ = who.name;
+    // Everything the job makes this node hold (values and optimizer state)
+    // counts against its principal's quota.
+    if (!who.cluster) {
+      storage_->LimitTo(who.QuotaOf(opt_.max_bytes, opt_.max_bytes),
+                        "the quota of principal " + who.name);
+    }
+  }
   server_->Establish(conn);
   c.role = Conn::Role::kClient;
   c.rank = m.rank;

@@ -591,6 +591,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   bool reissue_posted_ = false;          // IssueReadsSoon's task is queued
   std::atomic<uint64_t> reads_held_{0};  // ProxyStats::reads_held
   uint32_t world_ = 0;
+  // The principal whose job this proxy serves (set by the first worker's
+  // hello; base/credential.h). Event loop only.
+  std::string job_owner_;
   // Bytes of the combining regions the keys hold (Combine, FoldCombined).
   uint64_t combine_bytes_ = 0;
   bool configured_ = false;

@@ -20,9 +20,14 @@
 #include <unistd.h>
 
 #include "membox/base/accumulate.h"
+#include "membox/base/credential.h"
 #include "membox/base/subprocess.h"
 #include "membox/ps/param_client.h"
 #include "membox/ps/proxy.h"
+#include "membox/service/client.h"
+#include "membox/transport/device.h"
+
+#include "src/ps/protocol.h"
 
 namespace membox::ps {
 namespace {
@@ -778,6 +783,61 @@ TEST(PsTest, ErrorsAreClear) {
   Status s = h.Wait(20s);
   EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
   EXPECT_NE(s.ToString().find("worker rank 1"), std::string::npos);
+}
+
+// A job's credential (base/credential.h) grants a worker's messages on the
+// job it owns, within its quota, and nothing else.
+TEST(PsTest, CredentialsGrantWhatTheyNameAndNothingMore) {
+  auto cred = [](const std::string& name, uint32_t rights, uint64_t quota) {
+    Principal p;
+    p.cluster = false;
+    p.name = name;
+    p.rights = rights;
+    p.quota_bytes = quota;
+    return Credential::Issue(kSecret, p)->Encode();
+  };
+  auto c = Cluster::Start(1);
+  const std::string job_a = cred("job-a", kRightWorker, 1 << 20);
+  auto w = Worker(c, 0, 1, {}, {}, 10s,
+                  [&](ParamClientOptions& o) { o.secret = job_a; });
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->Declare(1, 256 << 10, DType::kFloat32).ok());
+  // Its quota covers what it makes the node hold.
+  Status over = w->Declare(2, 2 << 20, DType::kFloat32).status();
+  EXPECT_EQ(over.code(), StatusCode::kResourceExhausted) << over.ToString();
+  EXPECT_NE(over.ToString().find("job-a"), std::string::npos)
+      << over.ToString();
+  // Another principal's worker cannot join (or observe) job-a's job.
+  ParamClientOptions o;
+  o.proxies = c.endpoints;
+  o.secret = cred("job-b", kRightWorker, 0);
+  o.rank = 0;
+  o.world = 1;
+  o.timeout = 5s;
+  EXPECT_EQ(ParamClient::Connect(o).status().code(),
+            StatusCode::kPermissionDenied);
+  // A worker's credential cannot speak as a memory node: no peer hello.
+  transport::DeviceOptions d;
+  d.secret = job_a;
+  d.name = "intruder";
+  auto dev = transport::Device::Create(d);
+  ASSERT_TRUE(dev.ok()) << dev.status().ToString();
+  auto cl = service::Client::Connect(**dev, c.endpoints[0], {});
+  ASSERT_TRUE(cl.ok()) << cl.status().ToString();
+  proto::Message h;
+  h.type = proto::Type::kPeerHello;
+  h.name = "intruder";
+  h.rank = 1;
+  h.world = 99;
+  h.endpoint = "10.9.9.9:1";
+  auto r = (*cl)->Call(static_cast<uint16_t>(proto::Type::kPeerHello),
+                       proto::Encode(h), 5s);
+  EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied)
+      << r.status().ToString();
+  // The job goes on.
+  std::vector<float> v(64 << 10, 1.0f), out(64 << 10);
+  EXPECT_TRUE(w->PushPull(1, v.data(), out.data()).Wait(10s).ok());
+  EXPECT_EQ(out[1234], 1.0f);
 }
 
 TEST(PsTest, ProxyDeathFailsPendingWithItsName) {

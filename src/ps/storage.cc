@@ -25,10 +25,10 @@ Result<std::shared_ptr<MemRegion>> ShardStorage::Allocate(uint64_t bytes) {
 
 Result<std::shared_ptr<MemRegion>> ShardStorage::AllocateForOverwrite(
     uint64_t bytes) {
-  if (stored_.load() + bytes > max_bytes_) {
+  if (stored_.load() + bytes > max_bytes_.load()) {
     return ResourceExhaustedError("proxy storage limit reached (" +
-                                  std::to_string(max_bytes_) +
-                                  " bytes); raise --ps-max-bytes");
+                                  std::to_string(max_bytes_.load()) +
+                                  " bytes); " + limit_why_);
   }
   ASSIGN_OR_RETURN(auto r, allocate_(bytes));
   stored_.fetch_add(bytes);

@@ -105,11 +105,20 @@ class ShardStorage {
   Status Load(StoredShard& sh, const CheckpointShard& record);
 
   uint64_t stored_bytes() const { return stored_.load(); }
-  uint64_t max_bytes() const { return max_bytes_; }
+  uint64_t max_bytes() const { return max_bytes_.load(); }
+  // Lowers the limit (never raises it) to a principal's quota; `why` names
+  // it in the error of an allocation over the limit. Event loop only.
+  void LimitTo(uint64_t bytes, std::string why) {
+    if (bytes < max_bytes_.load()) {
+      max_bytes_.store(bytes);
+      limit_why_ = std::move(why);
+    }
+  }
 
  private:
   Allocator allocate_;
-  const uint64_t max_bytes_;
+  std::atomic<uint64_t> max_bytes_;
+  std::string limit_why_ = "raise --ps-max-bytes";
   SyncCores* cores_;
   std::shared_ptr<std::atomic<uint64_t>> stored_counter_ =
       std::make_shared<std::atomic<uint64_t>>(0);
