@@ -111,6 +111,9 @@ struct ClientPushes {
 
 struct Conn {
   bool authenticated = false;
+  // Who the connection proved to be: a credential's tables live in its own
+  // namespace ("name@principal") and only it reaches them.
+  Principal principal;
   std::string name;
   uint64_t client_id = 0;  // the hello's; 0: pushes are not deduplicated
   bool rejoin = false;     // replaces a lost link: its pins died with it
@@ -304,7 +307,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // ------------------------------------------------------------ service
 
   void OnConnect(service::ConnectionId conn, const std::string&) override {
-    conns_[conn];
+    Conn& c = conns_[conn];
+    if (auto ch = server_->channel(conn)) c.principal = ch->principal();
   }
 
   void OnRequest(const service::Request& r) override {
@@ -343,9 +347,16 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         // node's death (it then resends what was not acknowledged).
         reply.text = log_ ? "push-log" : "";
         break;
-      case Type::kOpenTable:
-        s = OpenTable(m.table, &reply.table_id);
+      case Type::kOpenTable: {
+        TableConfig cfg = m.table;
+        if (cfg.name.find('@') != std::string::npos) {
+          s = InvalidArgumentError("a table name may not hold '@'");
+          break;
+        }
+        if (!c.principal.cluster) cfg.name += "@" + c.principal.name;
+        s = OpenTable(cfg, &reply.table_id);
         break;
+      }
       case Type::kPull:
         s = Pull(c, m, &reply.values);
         break;
@@ -463,12 +474,19 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     return Status::Ok();
   }
 
-  Result<Table*> FindTable(uint32_t id) {
-    if (id >= tables_.size()) {
+  // Table `id` as `who` may reach it: another principal's table answers as
+  // a missing one.
+  Result<Table*> FindTable(uint32_t id, const Principal& who) {
+    if (id >= tables_.size() ||
+        (!who.cluster && !EndsWith(tables_[id]->config.name, "@" + who.name))) {
       return NotFoundError("no table " + std::to_string(id) +
                            " (open it first)");
     }
     return tables_[id].get();
+  }
+  static bool EndsWith(const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() &&
+           s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
   }
 
   // The memory tier's tag for (table, batch) of this connection; 0 -> a
@@ -487,7 +505,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     std::vector<Table*> tables;
     size_t bytes = 0, values = 0;
     for (const proto::Section& s : m.sections) {
-      ASSIGN_OR_RETURN(Table * t, FindTable(s.table_id));
+      ASSIGN_OR_RETURN(Table * t, FindTable(s.table_id, c.principal));
       tables.push_back(t);
       bytes +=
           proto::kSectionBytes + s.keys.size() * proto::RowBytes(t->config.dim);
@@ -561,7 +579,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     std::vector<Table*> tables;
     std::set<uint32_t> released;
     for (const proto::Section& s : m.sections) {
-      ASSIGN_OR_RETURN(Table * t, FindTable(s.table_id));
+      ASSIGN_OR_RETURN(Table * t, FindTable(s.table_id, c.principal));
       const uint32_t d = t->config.dim;
       if (s.release && !released.insert(s.table_id).second) {
         return InvalidArgumentError("push releases table " + t->config.name +
@@ -646,7 +664,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   }
 
   Status ReleaseBatch(Conn& c, uint32_t table, uint64_t batch) {
-    ASSIGN_OR_RETURN(Table * t, FindTable(table));
+    ASSIGN_OR_RETURN(Table * t, FindTable(table, c.principal));
     auto it = c.batches.find({table, batch});
     if (it == c.batches.end()) {
       // A rejoining client's pins died with its lost link (or node).

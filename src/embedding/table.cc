@@ -2,19 +2,33 @@
 
 #include <cmath>
 
+#include "membox/base/credential.h"
+
 #include "src/embedding/splitmix.h"
 
 namespace membox::embedding {
 namespace {
 
+// A table's own name: a file name in the node's directory that cannot be
+// hidden, be the push log's, or hold a NUL or separator.
 bool ValidName(const std::string& n) {
-  if (n.empty() || n.size() > 64 || n == "." || n == "..") return false;
+  if (n.empty() || n.size() > 64 || n[0] == '.' || n == "PUSHLOG") {
+    return false;
+  }
   for (char ch : n) {
     bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
               (ch >= '0' && ch <= '9') || ch == '_' || ch == '.' || ch == '-';
     if (!ok) return false;
   }
   return true;
+}
+
+// "name" (the cluster's) or "name@principal" (a credential's namespace).
+bool ValidQualifiedName(const std::string& n) {
+  size_t at = n.find('@');
+  if (at == std::string::npos) return ValidName(n);
+  return ValidName(n.substr(0, at)) &&
+         ValidatePrincipalName(n.substr(at + 1)).ok();
 }
 
 }  // namespace
@@ -52,9 +66,10 @@ uint32_t TableConfig::state_floats() const {
 }
 
 Status ValidateTableConfig(const TableConfig& c) {
-  if (!ValidName(c.name)) {
-    return InvalidArgumentError("bad table name '" + c.name.substr(0, 80) +
-                                "' (1-64 of A-Z a-z 0-9 _ . -)");
+  if (!ValidQualifiedName(c.name)) {
+    return InvalidArgumentError(
+        "bad table name '" + c.name.substr(0, 80) +
+        "' (1-64 of A-Z a-z 0-9 _ . -, not starting with '.', not PUSHLOG)");
   }
   if (c.dim == 0 || c.dim > TableConfig::kMaxDim) {
     return InvalidArgumentError("table dim must be in 1.." +

@@ -158,11 +158,7 @@ void ProxyImpl::Stop() {
   // connection; the device stays until server_ goes, after the memory
   // registered with it.
   server_->Stop();
-  {
-    MutexLock l(&writers_mu_);
-    for (auto& t : writers_) t.join();
-    writers_.clear();
-  }
+  checkpoint_writer_.Stop();
   peer_regions_.clear();
   join_snapshots_.clear();
   catch_ups_.clear();

@@ -45,6 +45,7 @@
 #include "membox/base/accumulate.h"
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
+#include "membox/base/serial_worker.h"
 #include "membox/ps/proxy.h"
 #include "membox/ps/routing.h"
 #include "membox/service/client.h"
@@ -187,6 +188,10 @@ struct Conn {
   };
   std::deque<WaitingRead> reads_waiting;
 };
+
+// Checkpoint names (a file name in the checkpoint directory): 1..128 of
+// A-Z a-z 0-9 _ . -, not starting with '.'.
+Status ValidateCheckpointName(const std::string& name);
 
 // Runs on a service::Server with one serial event loop: workers' and peer
 // proxies' messages, transfer completions (posted tasks) and checkpoints are
@@ -564,8 +569,10 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::atomic<bool> running_{false};
   mutable Mutex waits_mu_;
   std::string waits_ MEMBOX_GUARDED_BY(waits_mu_);  // ReportWaits' lines
-  Mutex writers_mu_;
-  std::vector<std::thread> writers_ MEMBOX_GUARDED_BY(writers_mu_);
+  // Writes checkpoints one at a time, at most kMaxCheckpointsInFlight
+  // queued (docs/design/network_face.md, "Limits").
+  static constexpr size_t kMaxCheckpointsInFlight = 4;
+  SerialWorker checkpoint_writer_{"checkpoint", kMaxCheckpointsInFlight};
 
   // Event-thread state.
   std::map<uint64_t, Conn> conns_;

@@ -83,9 +83,13 @@ void ProxyImpl::StartCheckpoint(const std::string& name,
   h.proxies = nproxies_;
   h.mode = static_cast<uint8_t>(mode_);
   h.optimizer = 0;  // optimizers are per key now (format: unused)
+  if (Status v = ValidateCheckpointName(name); !v.ok()) return done(v);
   std::string path = CheckpointPath(name);
-  MutexLock l(&writers_mu_);
-  writers_.emplace_back([this, snap, h, path, done = std::move(done)] {
+  // One writer thread, a few requests queued: checkpoints of one name are
+  // written one after the other, and a flood of requests is refused.
+  auto shared_done = std::make_shared<std::function<void(Status)>>(done);
+  Status queued = checkpoint_writer_.Submit([this, snap, h, path, shared_done] {
+    auto& done = *shared_done;
     std::vector<CheckpointShard> shards;
     for (auto& sn : *snap) shards.push_back(sn.record);
     Status s = WriteCheckpoint(path, h, shards);
@@ -101,6 +105,28 @@ void ProxyImpl::StartCheckpoint(const std::string& name,
     Post([snap] { snap->clear(); });
     done(s);
   });
+  if (!queued.ok()) {
+    Post([snap] { snap->clear(); });
+    (*shared_done)(queued);
+  }
+}
+
+Status ValidateCheckpointName(const std::string& name) {
+  if (name.empty() || name.size() > 128 || name[0] == '.') {
+    return InvalidArgumentError(
+        "a checkpoint name has 1..128 characters and does not start with "
+        "'.'");
+  }
+  for (char ch : name) {
+    bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+              (ch >= '0' && ch <= '9') || ch == '_' || ch == '.' || ch == '-';
+    if (!ok) {
+      return InvalidArgumentError(
+          "a checkpoint name may hold only A-Z a-z 0-9 _ . - (no NUL, no "
+          "'/')");
+    }
+  }
+  return Status::Ok();
 }
 
 std::string ProxyImpl::CheckpointPath(const std::string& name) const {

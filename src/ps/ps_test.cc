@@ -840,6 +840,27 @@ TEST(PsTest, CredentialsGrantWhatTheyNameAndNothingMore) {
   EXPECT_EQ(out[1234], 1.0f);
 }
 
+TEST(PsTest, CheckpointNamesAreFileNamesOnly) {
+  std::string dir =
+      ::testing::TempDir() + "/membox-ckname-" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto c = Cluster::Start(1, Scheduler::kPerClientQueues, dir);
+  auto w = Worker(c, 0, 1);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->Declare(1, 4096, DType::kFloat32).ok());
+  ASSERT_TRUE(w->Checkpoint("good-1").ok());
+  // A NUL would cut the file name short and overwrite "good-1".
+  EXPECT_EQ(w->Checkpoint(std::string("good-1\0evil", 11)).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(w->Checkpoint("../escape").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(w->Checkpoint(".hidden").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(w->Checkpoint(std::string(200, 'a')).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/proxy-0-good-1"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(PsTest, ProxyDeathFailsPendingWithItsName) {
   auto c = Cluster::Start(1);
   auto w0 = Worker(c, 0, 2);
