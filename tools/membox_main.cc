@@ -156,7 +156,8 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
           const std::string& max_block, const std::string& quota,
           int heartbeat_ms, const EmbeddingFlags& ef,
           const std::string& metrics_listen, bool allow_weak_secret,
-          const std::string& revoked_file) {
+          const std::string& revoked_file,
+          const std::string& metrics_token_file) {
   auto sec = membox::ResolveSecret(secret, secret_file);
   if (sec.ok() && membox::Credential::Looks(*sec)) {
     std::fprintf(stderr,
@@ -252,6 +253,15 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
     no.embedding = eo;
   }
   no.metrics_listen = metrics_listen;
+  if (!metrics_token_file.empty()) {
+    auto t = membox::ReadSecretFile(metrics_token_file);
+    if (!t.ok()) {
+      std::fprintf(stderr, "membox serve: --metrics-token-file: %s\n",
+                   t.status().ToString().c_str());
+      return 2;
+    }
+    no.metrics_token = *t;
+  }
   auto node = membox::node::MemoryNode::Start(no);
   if (!node.ok()) {
     std::fprintf(stderr, "membox serve: %s\n",
@@ -554,6 +564,10 @@ int main(int argc, char** argv) {
   serve->add_option("--metrics-listen", metrics_listen,
                     "serve Prometheus metrics at http://HOST:PORT/metrics "
                     "(off by default)");
+  std::string metrics_token_file;
+  serve->add_option("--metrics-token-file", metrics_token_file,
+                    "scrapes must send 'Authorization: Bearer' with the "
+                    "first line of this file");
   bool exit_with_parent = false;
   serve->add_flag("--exit-with-parent", exit_with_parent,
                   "stop when the parent process dies (benchmarks, tests)");
@@ -787,7 +801,8 @@ int main(int argc, char** argv) {
     }
     return Serve(sopt, popt, ps_listen, ps_max, secret, secret_file, pool,
                  min_block, max_block, quota, heartbeat_ms, eflags,
-                 metrics_listen, allow_weak_secret, revoked_file);
+                 metrics_listen, allow_weak_secret, revoked_file,
+                 metrics_token_file);
   }
   if (status->parsed()) {
     return PrintStatus(status_servers, secret, secret_file, admin_secret_file,

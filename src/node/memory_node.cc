@@ -37,6 +37,7 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::Start(MemoryNodeOptions o) {
   if (!o.metrics_listen.empty()) {
     MetricsEndpointOptions mo;
     mo.listen = o.metrics_listen;
+    mo.bearer_token = o.metrics_token;
     MemoryNode* raw = n.get();
     auto me = MetricsEndpoint::Start(mo, [raw] { return raw->MetricsText(); });
     if (!me.ok()) {

@@ -2,7 +2,9 @@
 // client, and a node whose last service cannot start.
 #include "membox/node/memory_node.h"
 
+#include <chrono>
 #include <filesystem>
+#include <thread>
 #include <vector>
 
 #include <arpa/inet.h>
@@ -13,6 +15,7 @@
 
 #include "membox/embedding/client.h"
 #include "membox/memserver/client.h"
+#include "membox/node/metrics_endpoint.h"
 #include "membox/ps/param_client.h"
 
 namespace membox::node {
@@ -197,6 +200,44 @@ TEST_F(MemoryNodeTest, ServesPrometheusMetricsAndShrugsOffBadRequests) {
   pc->reset();
   node.Stop();
   EXPECT_EQ(Http(port, "GET /metrics HTTP/1.0\r\n\r\n"), "");
+}
+
+// Connections that trickle a byte now and then (each byte resets the idle
+// timeout) fill the connection budget only until the request deadline; a
+// bearer token keeps strangers out.
+TEST(MetricsEndpointTest, TricklersExpireAndTheTokenIsChecked) {
+  MetricsEndpointOptions mo;
+  mo.listen = "127.0.0.1:0";
+  mo.max_connections = 8;
+  mo.max_per_address = 8;
+  mo.request_deadline = std::chrono::milliseconds(500);
+  mo.bearer_token = "scrape-token";
+  auto e = MetricsEndpoint::Start(mo, [] { return std::string("up 1\n"); });
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  const std::string ep = (*e)->endpoint();
+  const int port = std::stoi(ep.substr(ep.rfind(':') + 1));
+  std::vector<int> slow;
+  for (int i = 0; i < 8; ++i) {
+    int fd = IdleConnection(port);
+    (void)!write(fd, "G", 1);
+    slow.push_back(fd);
+  }
+  // Keep trickling for longer than the deadline.
+  for (int t = 0; t < 8; ++t) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    for (int fd : slow) (void)!send(fd, "E", 1, MSG_NOSIGNAL);
+  }
+  std::string page = Http(
+      port,
+      "GET /metrics HTTP/1.0\r\nAuthorization: Bearer scrape-token\r\n\r\n");
+  EXPECT_NE(page.find("up 1"), std::string::npos) << page;
+  EXPECT_NE(Http(port, "GET /metrics HTTP/1.0\r\n\r\n").find(" 401 "),
+            std::string::npos);
+  EXPECT_NE(
+      Http(port, "GET /metrics HTTP/1.0\r\nAuthorization: Bearer wrong\r\n\r\n")
+          .find(" 401 "),
+      std::string::npos);
+  for (int fd : slow) close(fd);
 }
 
 TEST_F(MemoryNodeTest, AServiceThatCannotStartStopsTheOthers) {

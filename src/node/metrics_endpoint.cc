@@ -1,11 +1,17 @@
 #include "membox/node/metrics_endpoint.h"
 
+#include <condition_variable>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <span>
+#include <thread>
 
 #include <microhttpd.h>
 #include <netdb.h>
 #include <sys/socket.h>
 
+#include "membox/base/hmac.h"
 #include "membox/base/logging.h"
 
 namespace membox::node {
@@ -55,8 +61,69 @@ void LogFromMhd(void*, const char* fmt, va_list ap) {
 
 struct MetricsEndpoint::Daemon {
   MHD_Daemon* d = nullptr;
+  std::string token;
+  std::chrono::milliseconds deadline{5000};
+  // Open connections: socket and when their current request started. An
+  // entry leaves in the CLOSED notification, which libmicrohttpd sends
+  // before it closes the socket, so a socket found here under mu is still
+  // this connection's.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;
+  struct Open {
+    int fd = -1;
+    std::chrono::steady_clock::time_point since;
+  };
+  std::map<MHD_Connection*, Open> open;
+  uint64_t expired = 0;
+  std::thread watchdog;
+
   ~Daemon() {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    if (watchdog.joinable()) watchdog.join();
     if (d) MHD_stop_daemon(d);
+  }
+
+  void Watch() {
+    std::unique_lock<std::mutex> l(mu);
+    while (!stop) {
+      cv.wait_for(l, std::chrono::milliseconds(100));
+      auto now = std::chrono::steady_clock::now();
+      for (auto& [c, o] : open) {
+        if (o.fd >= 0 && now - o.since > deadline) {
+          // The request did not arrive whole in time: end the connection
+          // (libmicrohttpd sees the shutdown and cleans up).
+          ::shutdown(o.fd, SHUT_RDWR);
+          o.fd = -1;
+          ++expired;
+        }
+      }
+    }
+  }
+
+  static void Notify(void* cls, MHD_Connection* c, void**,
+                     MHD_ConnectionNotificationCode toe) {
+    auto* self = static_cast<Daemon*>(cls);
+    std::lock_guard<std::mutex> l(self->mu);
+    if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+      const MHD_ConnectionInfo* info =
+          MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+      self->open[c] =
+          Open{info ? info->connect_fd : -1, std::chrono::steady_clock::now()};
+    } else {
+      self->open.erase(c);
+    }
+  }
+
+  // A keep-alive connection's next request gets its own deadline.
+  void Answered(MHD_Connection* c) {
+    std::lock_guard<std::mutex> l(mu);
+    auto it = open.find(c);
+    if (it != open.end()) it->second.since = std::chrono::steady_clock::now();
   }
 
   static MHD_Result Handle(void* cls, MHD_Connection* c, const char* url,
@@ -72,6 +139,24 @@ struct MetricsEndpoint::Daemon {
     if (*upload_size != 0) {
       return Answer(c, MHD_HTTP_BAD_REQUEST, "no request body expected\n",
                     "text/plain");
+    }
+    self->daemon_->Answered(c);
+    const std::string& token = self->daemon_->token;
+    if (!token.empty()) {
+      const char* auth = MHD_lookup_connection_value(
+          c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+      std::string want = "Bearer " + token;
+      bool ok =
+          auth != nullptr &&
+          ConstantTimeEquals(
+              std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(auth),
+                                       std::strlen(auth)),
+              std::span<const uint8_t>(
+                  reinterpret_cast<const uint8_t*>(want.data()), want.size()));
+      if (!ok) {
+        return Answer(c, MHD_HTTP_UNAUTHORIZED, "a bearer token is required\n",
+                      "text/plain");
+      }
     }
     if (std::strcmp(url, "/metrics") != 0) {
       return Answer(c, MHD_HTTP_NOT_FOUND, "see /metrics\n", "text/plain");
@@ -104,6 +189,8 @@ Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   std::unique_ptr<MetricsEndpoint> e(new MetricsEndpoint());
   e->render_ = std::move(render);
   e->daemon_ = std::make_unique<Daemon>();
+  e->daemon_->token = options.bearer_token;
+  e->daemon_->deadline = options.request_deadline;
   unsigned flags = MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG;
   if (v6) flags |= MHD_USE_IPv6;
   e->daemon_->d = MHD_start_daemon(
@@ -114,12 +201,15 @@ Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
       MHD_OPTION_CONNECTION_TIMEOUT,
       static_cast<unsigned>(options.idle_timeout.count()),
       MHD_OPTION_CONNECTION_MEMORY_LIMIT, static_cast<size_t>(16 << 10),
+      MHD_OPTION_NOTIFY_CONNECTION, &Daemon::Notify, e->daemon_.get(),
       MHD_OPTION_EXTERNAL_LOGGER, &LogFromMhd, nullptr, MHD_OPTION_END);
   if (e->daemon_->d == nullptr) {
     return UnavailableError("metrics endpoint: cannot listen on " +
                             options.listen +
                             " (address in use or not on this host)");
   }
+  Daemon* dm = e->daemon_.get();
+  dm->watchdog = std::thread([dm] { dm->Watch(); });
   const MHD_DaemonInfo* info =
       MHD_get_daemon_info(e->daemon_->d, MHD_DAEMON_INFO_BIND_PORT);
   unsigned real_port = info ? info->port : 0;

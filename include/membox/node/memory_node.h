@@ -48,6 +48,8 @@ struct MemoryNodeOptions {
   // "host:port": serve Prometheus metrics of every service at
   // http://host:port/metrics (metrics_endpoint.h). Empty: no such port.
   std::string metrics_listen;
+  // With it, a scrape must send "Authorization: Bearer <token>".
+  std::string metrics_token;
 };
 
 class MemoryNode {

@@ -8,7 +8,12 @@
 // request bodies are refused. GNU libmicrohttpd does the HTTP; it is held
 // to a small connection budget (64 in all, 8 per client address), 16 KiB
 // of memory per connection and an idle timeout, so floods and slow clients
-// cost bounded resources and expire.
+// cost bounded resources and expire. A request must also arrive whole within
+// `request_deadline` of the connection's start (or of its previous answer):
+// the idle timeout alone is reset by every byte, so 64 connections that
+// trickle a byte now and then used to lock every scrape out. A watchdog
+// shuts such connections down. With a `bearer_token`, a scrape without
+// "Authorization: Bearer <token>" gets 401.
 //
 // Threading: libmicrohttpd's own polling thread calls `render`; it must be
 // safe to call from there while the node runs. Start/Stop from one thread;
@@ -30,6 +35,8 @@ struct MetricsEndpointOptions {
   std::chrono::seconds idle_timeout{10};
   unsigned max_connections = 64;
   unsigned max_per_address = 8;
+  std::chrono::milliseconds request_deadline{5000};
+  std::string bearer_token;  // empty: no token asked for
 };
 
 class MetricsEndpoint {
