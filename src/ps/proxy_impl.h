@@ -73,6 +73,15 @@ using Clock = std::chrono::steady_clock;
 
 constexpr auto kPeerTimeout = std::chrono::seconds(30);
 constexpr auto kIoTimeout = std::chrono::seconds(30);
+// Per-worker limits (docs/design/network_face.md, "Limits"): regions it may
+// register, registrations in flight, routing tables it may send and how far
+// one may name more keys than the job declared, and how long a worker has
+// to vouch for a region it registers.
+constexpr size_t kMaxRegionsPerWorker = 4096;
+constexpr size_t kMaxImportsPending = 8;
+constexpr size_t kMaxRoutesPerWorker = 4096;
+constexpr size_t kMaxRouteSlack = 1024;
+constexpr auto kImportTimeout = std::chrono::seconds(10);
 
 // One pushed contribution waiting for its round.
 struct Contribution {
@@ -175,6 +184,10 @@ struct Conn {
   uint32_t rank = 0;
   std::string name;
   std::map<uint64_t, std::shared_ptr<RemoteMemRegion>> regions;
+  // Registrations being imported off the event loop (kRegion), and the
+  // thread that imports them (created on first use).
+  size_t imports_pending = 0;
+  std::shared_ptr<SerialWorker> importer;
   // A worker rejoining after a failover, its state not fully replayed
   // (kRejoin .. kRejoined): no round that depends on it starts.
   bool replaying = false;
@@ -336,6 +349,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   // Everything a worker sends but its hello: pushes and pulls go on to
   // admission (proxy_rounds.cc); the rest is answered here.
   void OnClientMessage(uint64_t conn, Conn& c, Message m);
+  // A kRegion's import finished (posted by the connection's importer).
+  void RegionImported(uint64_t conn, uint64_t id, const RegionDescriptor& d,
+                      const Result<std::shared_ptr<RemoteMemRegion>>& rr);
 
   // kStore: the worker's bytes replace the shard's value. They are read
   // into a buffer nobody else holds (the shard's scratch, or a new one) and

@@ -4,29 +4,62 @@
 
 namespace membox::ps::proxy_internal {
 
+void ProxyImpl::RegionImported(
+    uint64_t conn, uint64_t id, const RegionDescriptor& d,
+    const Result<std::shared_ptr<RemoteMemRegion>>& rr) {
+  auto cit = conns_.find(conn);
+  if (cit == conns_.end()) return;  // the worker left meanwhile
+  Conn& c = cit->second;
+  if (c.imports_pending > 0) --c.imports_pending;
+  if (!rr.ok()) return Reply(conn, Type::kRegion, id, rr.status());
+  // A worker's shared file at an address range an earlier one covered
+  // replaces it (that memory was unregistered and freed or moved): unmap
+  // the old file now rather than keep it alive with the link.
+  for (auto it = c.regions.begin(); it != c.regions.end();) {
+    const auto& od = it->second->descriptor();
+    if (od.shared_file && od.address < d.address + d.length &&
+        d.address < od.address + od.length) {
+      it = c.regions.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  c.regions[d.region_id] = *rr;
+  // version 1: mapped here (loads and stores), 0: reached by transfers
+  Reply(conn, Type::kRegion, id, Status::Ok(),
+        (*rr)->mapped() != nullptr ? 1 : 0);
+}
+
 void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
   switch (m.type) {
     case Type::kRegion: {
       auto d = RegionDescriptor::Deserialize(m.descriptor);
       if (!d.ok()) return Reply(conn, m.type, m.id, d.status());
-      auto rr = c.channel->Import(*d, kIoTimeout);
-      if (!rr.ok()) return Reply(conn, m.type, m.id, rr.status());
-      // A worker's shared file at an address range an earlier one covered
-      // replaces it (that memory was unregistered and freed or moved):
-      // unmap the old file now rather than keep it alive with the link.
-      for (auto it = c.regions.begin(); it != c.regions.end();) {
-        const auto& od = it->second->descriptor();
-        if (od.shared_file && od.address < d->address + d->length &&
-            d->address < od.address + od.length) {
-          it = c.regions.erase(it);
-        } else {
-          ++it;
-        }
+      if (c.regions.size() + c.imports_pending >= kMaxRegionsPerWorker) {
+        return Reply(conn, m.type, m.id,
+                     ResourceExhaustedError(
+                         "a worker may register at most " +
+                         std::to_string(kMaxRegionsPerWorker) +
+                         " regions with a memory node (kMaxRegionsPerWorker)"));
       }
-      c.regions[d->region_id] = *rr;
-      // version 1: mapped here (loads and stores), 0: reached by transfers
-      return Reply(conn, m.type, m.id, Status::Ok(),
-                   (*rr)->mapped() != nullptr ? 1 : 0);
+      // Importing asks the worker to vouch for the region (a round trip):
+      // never on the event loop, which a worker that does not answer would
+      // hold. The connection's own importer thread does it, within
+      // kImportTimeout, and posts the outcome back.
+      if (!c.importer) {
+        c.importer = std::make_shared<SerialWorker>("region registration",
+                                                    kMaxImportsPending);
+      }
+      std::shared_ptr<Channel> ch = c.channel;
+      const uint64_t id = m.id;
+      Status queued = c.importer->Submit([this, ch, conn, id, desc = *d] {
+        auto rr = ch->Import(desc, kImportTimeout);
+        Post(
+            [this, conn, id, desc, rr] { RegionImported(conn, id, desc, rr); });
+      });
+      if (!queued.ok()) return Reply(conn, m.type, m.id, queued);
+      ++c.imports_pending;
+      return;
     }
     case Type::kConfigure:
       return Reply(conn, m.type, m.id, Configure(m));
@@ -47,6 +80,16 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
     case Type::kRoute: {
       if (m.lat_proxy >= nproxies_ || m.bw_proxy >= nproxies_) {
         return Reply(conn, m.type, m.id, InvalidArgumentError("no such proxy"));
+      }
+      if (c.routes.size() >= kMaxRoutesPerWorker ||
+          m.from_rounds.size() > keys_.size() + kMaxRouteSlack) {
+        return Reply(conn, m.type, m.id,
+                     ResourceExhaustedError(
+                         "a worker may send at most " +
+                         std::to_string(kMaxRoutesPerWorker) +
+                         " routing tables, each naming at most its declared "
+                         "keys (+" +
+                         std::to_string(kMaxRouteSlack) + ")"));
       }
       RouteEntry e;
       e.threshold = m.threshold;

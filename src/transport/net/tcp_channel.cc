@@ -467,10 +467,20 @@ Result<std::shared_ptr<RemoteMemRegion>> TcpChannel::Import(
         wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size())};
     Status s =
         RoundTrip(kTcpValidateReq, msg::EncodeValidateRequest(vr), id, state);
-    if (s.ok()) s = OpHandle(state).Wait(timeout);
+    bool sent = s.ok();
+    if (sent) {
+      OpHandle h(state);
+      s = h.Wait(timeout);
+      // Give up at the deadline: completed here, the handle does not wait
+      // on. The request stays registered, so a late answer is taken (and
+      // changes nothing) instead of failing the channel as an unknown one.
+      if (!s.ok()) state->Complete(s);
+    }
     if (!s.ok()) {
-      MutexLock l(&mu_);
-      rpcs_.erase(id);
+      if (!sent) {
+        MutexLock l(&mu_);
+        rpcs_.erase(id);
+      }
       return s.WithContext("import of region " +
                            std::to_string(desc.region_id));
     }

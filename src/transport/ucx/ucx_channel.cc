@@ -429,6 +429,9 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
     if (s.ok()) {
       OpHandle h(state);
       s = h.Wait(timeout);
+      // Give up at the deadline: completed here, the handle does not wait
+      // on (a late answer then finds the request done and changes nothing).
+      if (!s.ok()) state->Complete(s);
     }
     if (!s.ok()) {
       MutexLock l(&mu_);
