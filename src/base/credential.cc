@@ -232,7 +232,7 @@ Result<Credential> Credential::Parse(const std::string& text) {
 }
 
 Status RevocationList::Load() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return LoadLocked();
 }
 
@@ -286,7 +286,7 @@ Status RevocationList::LoadLocked() {
 
 Status RevocationList::Admit(const Principal& p) {
   if (p.cluster) return Status::Ok();
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto now = std::chrono::steady_clock::now();
   if (now - checked_ >= std::chrono::seconds(1)) {
     checked_ = now;

@@ -114,6 +114,7 @@ struct Conn {
   // Who the connection proved to be: a credential's tables live in its own
   // namespace ("name@principal") and only it reaches them.
   Principal principal;
+  uint32_t pushes_since_check = 0;  // CheckQuota every 64th push
   std::string name;
   uint64_t client_id = 0;  // the hello's; 0: pushes are not deduplicated
   bool rejoin = false;     // replaces a lost link: its pins died with it
@@ -353,7 +354,11 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           s = InvalidArgumentError("a table name may not hold '@'");
           break;
         }
-        if (!c.principal.cluster) cfg.name += "@" + c.principal.name;
+        if (!c.principal.cluster) {
+          cfg.name += "@" + c.principal.name;
+          s = CheckQuota(c.principal, /*new_table=*/true);
+          if (!s.ok()) break;
+        }
         s = OpenTable(cfg, &reply.table_id);
         break;
       }
@@ -474,6 +479,30 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     return Status::Ok();
   }
 
+  // What a credential's tables make this node hold: each table's memory
+  // tier budget (reserved when it opens) and its SSD files. Its quota is a
+  // share of (or bytes of) max_tables * budget_bytes; refused with a clear
+  // error when opening one more table, or the files, would exceed it.
+  Status CheckQuota(const Principal& who, bool new_table) {
+    const uint64_t capacity = opt_.budget_bytes * opt_.max_tables;
+    const uint64_t quota = who.QuotaOf(capacity, capacity);
+    const std::string tail = "@" + who.name;
+    uint64_t held = new_table ? opt_.budget_bytes : 0;
+    for (auto& t : tables_) {
+      if (!EndsWith(t->config.name, tail)) continue;
+      held += opt_.budget_bytes + t->ssd->Stats().file_bytes;
+    }
+    if (held > quota) {
+      return ResourceExhaustedError("the embedding tables of principal " +
+                                    who.name + " would hold " +
+                                    std::to_string(held) +
+                                    " bytes on this node (memory tiers and SSD "
+                                    "files); its quota is " +
+                                    std::to_string(quota));
+    }
+    return Status::Ok();
+  }
+
   // Table `id` as `who` may reach it: another principal's table answers as
   // a missing one.
   Result<Table*> FindTable(uint32_t id, const Principal& who) {
@@ -558,6 +587,12 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // that names a pinned batch) before any row changes, so a bad push
   // changes nothing.
   Status Push(Conn& c, const Message& m) {
+    if (!c.principal.cluster && ++c.pushes_since_check >= 64) {
+      // New rows land on the SSD tier over time: every 64th push of a
+      // credential checks what its tables hold.
+      c.pushes_since_check = 0;
+      RETURN_IF_ERROR(CheckQuota(c.principal, /*new_table=*/false));
+    }
     const bool dedup = c.client_id != 0 && m.seq != 0;
     if (dedup) {
       ClientPushes& a = applied_[c.client_id];

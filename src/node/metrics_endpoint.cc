@@ -1,9 +1,7 @@
 #include "membox/node/metrics_endpoint.h"
 
-#include <condition_variable>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <span>
 #include <thread>
 
@@ -13,6 +11,7 @@
 
 #include "membox/base/hmac.h"
 #include "membox/base/logging.h"
+#include "membox/base/mutex.h"
 
 namespace membox::node {
 
@@ -67,31 +66,31 @@ struct MetricsEndpoint::Daemon {
   // entry leaves in the CLOSED notification, which libmicrohttpd sends
   // before it closes the socket, so a socket found here under mu is still
   // this connection's.
-  std::mutex mu;
-  std::condition_variable cv;
-  bool stop = false;
+  Mutex mu;
+  CondVar cv;
+  bool stop MEMBOX_GUARDED_BY(mu) = false;
   struct Open {
     int fd = -1;
     std::chrono::steady_clock::time_point since;
   };
-  std::map<MHD_Connection*, Open> open;
-  uint64_t expired = 0;
+  std::map<MHD_Connection*, Open> open MEMBOX_GUARDED_BY(mu);
+  uint64_t expired MEMBOX_GUARDED_BY(mu) = 0;
   std::thread watchdog;
 
   ~Daemon() {
     {
-      std::lock_guard<std::mutex> l(mu);
+      MutexLock l(&mu);
       stop = true;
     }
-    cv.notify_all();
+    cv.NotifyAll();
     if (watchdog.joinable()) watchdog.join();
     if (d) MHD_stop_daemon(d);
   }
 
   void Watch() {
-    std::unique_lock<std::mutex> l(mu);
+    MutexLock l(&mu);
     while (!stop) {
-      cv.wait_for(l, std::chrono::milliseconds(100));
+      cv.WaitFor(&mu, std::chrono::milliseconds(100));
       auto now = std::chrono::steady_clock::now();
       for (auto& [c, o] : open) {
         if (o.fd >= 0 && now - o.since > deadline) {
@@ -108,7 +107,7 @@ struct MetricsEndpoint::Daemon {
   static void Notify(void* cls, MHD_Connection* c, void**,
                      MHD_ConnectionNotificationCode toe) {
     auto* self = static_cast<Daemon*>(cls);
-    std::lock_guard<std::mutex> l(self->mu);
+    MutexLock l(&self->mu);
     if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
       const MHD_ConnectionInfo* info =
           MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
@@ -121,7 +120,7 @@ struct MetricsEndpoint::Daemon {
 
   // A keep-alive connection's next request gets its own deadline.
   void Answered(MHD_Connection* c) {
-    std::lock_guard<std::mutex> l(mu);
+    MutexLock l(&mu);
     auto it = open.find(c);
     if (it != open.end()) it->second.since = std::chrono::steady_clock::now();
   }

@@ -556,6 +556,7 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
     if (!who.cluster) {
       storage_->LimitTo(who.QuotaOf(opt_.max_bytes, opt_.max_bytes),
                         "the quota of principal " + who.name);
+      job_disk_quota_ = who.QuotaOf(opt_.max_bytes, opt_.max_bytes);
     }
   }
   server_->Establish(conn);

@@ -617,6 +617,10 @@ class ProxyImpl final : public Proxy, public service::Service {
   // The principal whose job this proxy serves (set by the first worker's
   // hello; base/credential.h). Event loop only.
   std::string job_owner_;
+  // A credential's job: the bytes its checkpoint files may hold here (0:
+  // the cluster's, no limit) and what each name holds. Event loop only.
+  uint64_t job_disk_quota_ = 0;
+  std::map<std::string, uint64_t> checkpoint_bytes_;
   // Bytes of the combining regions the keys hold (Combine, FoldCombined).
   uint64_t combine_bytes_ = 0;
   bool configured_ = false;

@@ -84,6 +84,25 @@ void ProxyImpl::StartCheckpoint(const std::string& name,
   h.mode = static_cast<uint8_t>(mode_);
   h.optimizer = 0;  // optimizers are per key now (format: unused)
   if (Status v = ValidateCheckpointName(name); !v.ok()) return done(v);
+  if (job_disk_quota_ != 0) {
+    // A principal's checkpoint files count against its quota too: the
+    // others it wrote here, plus about this one's size.
+    uint64_t others = 0;
+    for (auto& [n, bytes] : checkpoint_bytes_) {
+      if (n != name) others += bytes;
+    }
+    const uint64_t estimate = storage_->stored_bytes();
+    if (others + estimate > job_disk_quota_) {
+      return done(ResourceExhaustedError(
+          "checkpoint '" + name + "' of about " + std::to_string(estimate) +
+          " bytes would exceed the quota of principal " + job_owner_ + " (" +
+          std::to_string(job_disk_quota_) +
+          " bytes; its other checkpoints "
+          "here hold " +
+          std::to_string(others) + ")"));
+    }
+    checkpoint_bytes_[name] = estimate;
+  }
   std::string path = CheckpointPath(name);
   // One writer thread, a few requests queued: checkpoints of one name are
   // written one after the other, and a flood of requests is refused.

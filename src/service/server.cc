@@ -240,12 +240,19 @@ class ServerImpl final : public Server {
     std::shared_ptr<Channel> channel;
     Clock::time_point connected;
     std::shared_ptr<std::atomic<int64_t>> last_seen;  // Clock ticks
+    // Bytes of its messages received and not yet handled: past
+    // kMaxQueuedBytes the connection is closed (a client that floods
+    // requests faster than the service handles them cannot grow the
+    // executor's queue without bound).
+    std::shared_ptr<std::atomic<int64_t>> queued =
+        std::make_shared<std::atomic<int64_t>>(0);
     bool established = false;
     // Requests handed to the service and not answered yet: id -> arrival
     // (the latency histogram). Bounded: past the cap, not measured.
     std::unordered_map<uint64_t, Clock::time_point> pending;
   };
   static constexpr size_t kMaxMeasured = 1 << 16;
+  static constexpr int64_t kMaxQueuedBytes = int64_t{64} << 20;
   struct Timer {
     std::chrono::milliseconds period;
     Clock::time_point next;
@@ -298,7 +305,8 @@ class ServerImpl final : public Server {
         ch->Close();
         return;
       }
-      conns_[id] = Conn{ch, Clock::now(), seen, false};
+      conns_[id] = Conn{ch, Clock::now(), seen,
+                        std::make_shared<std::atomic<int64_t>>(0), false};
       events_.push_back(Event{id, EventType::kConnect, {}, nullptr, {}, {}});
     }
     cv_.NotifyOne();
@@ -312,11 +320,24 @@ class ServerImpl final : public Server {
   // Executor, kConnect: the service has seen the connection; its messages
   // (queued ones first) and its failure start flowing.
   void Attach(ConnectionId id, const std::shared_ptr<Channel>& ch,
-              std::shared_ptr<std::atomic<int64_t>> seen) {
+              std::shared_ptr<std::atomic<int64_t>> seen,
+              std::shared_ptr<std::atomic<int64_t>> queued) {
     ch->SetHandlers(
-        [this, id, seen](std::vector<uint8_t> m) {
+        [this, id, seen, queued](std::vector<uint8_t> m) {
           seen->store(Clock::now().time_since_epoch().count(),
                       std::memory_order_relaxed);
+          const int64_t n = static_cast<int64_t>(m.size());
+          if (queued->fetch_add(n, std::memory_order_relaxed) + n >
+              kMaxQueuedBytes) {
+            queued->fetch_sub(n, std::memory_order_relaxed);
+            Close(id, ResourceExhaustedError(
+                          "more than " + std::to_string(kMaxQueuedBytes >> 20) +
+                          " MiB of this connection's requests wait to be "
+                          "handled (kMaxQueuedBytes): it sends faster than "
+                          "the " +
+                          opt_.service + " can answer"));
+            return;
+          }
           OnBytes(id, std::move(m));
         },
         [this, id](const Status& s) { Gone(id, s); });
@@ -457,18 +478,19 @@ class ServerImpl final : public Server {
         break;
       case EventType::kConnect: {
         std::shared_ptr<Channel> ch;
-        std::shared_ptr<std::atomic<int64_t>> seen;
+        std::shared_ptr<std::atomic<int64_t>> seen, queued;
         {
           MutexLock l(&mu_);
           auto it = conns_.find(e.conn);
           if (it != conns_.end()) {
             ch = it->second.channel;
             seen = it->second.last_seen;
+            queued = it->second.queued;
           }
         }
         if (!ch) break;  // closed meanwhile (hello timeout, Stop)
         svc_->OnConnect(e.conn, ch->peer());
-        Attach(e.conn, ch, std::move(seen));
+        Attach(e.conn, ch, std::move(seen), std::move(queued));
         break;
       }
       case EventType::kDisconnect:
@@ -482,6 +504,8 @@ class ServerImpl final : public Server {
           MutexLock l(&mu_);
           auto it = conns_.find(e.conn);
           if (it == conns_.end()) break;  // closed meanwhile
+          it->second.queued->fetch_sub(static_cast<int64_t>(e.bytes.size()),
+                                       std::memory_order_relaxed);
           if (h.kind != Kind::kNotice &&
               it->second.pending.size() < kMaxMeasured) {
             it->second.pending.emplace(h.id, e.at);

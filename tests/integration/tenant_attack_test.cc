@@ -30,6 +30,8 @@
 #include "membox/embedding/client.h"
 #include "membox/memserver/client.h"
 #include "membox/ps/param_client.h"
+#include "membox/service/client.h"
+#include "membox/service/envelope.h"
 #include "membox/transport/device.h"
 
 #include "tests/integration/serve_process.h"
@@ -423,6 +425,20 @@ TEST_F(TenantAttackTest, AnAuthenticatedTenantReachesNothingOfAnother) {
   ASSERT_TRUE((*aemb)->Pull(*atable, keys, arows.data()).ok());
   EXPECT_NE(arows, vrows);
   ASSERT_TRUE((*aemb)->Push(*atable, keys, grads).ok());
+  // Its tables count against its quota: 25 % of max_tables (64) memory
+  // tiers is 16 tables at most, "ads" included (its SSD files count too).
+  int opened = 1;
+  Status more;
+  for (int i = 0; i < 20 && more.ok(); ++i) {
+    embedding::TableConfig t2 = tc;
+    t2.name = "extra-" + std::to_string(i);
+    more = (*aemb)->OpenTable(t2).status();
+    if (more.ok()) ++opened;
+  }
+  EXPECT_GE(opened, 12);
+  EXPECT_LE(opened, 16);
+  EXPECT_EQ(more.code(), StatusCode::kResourceExhausted) << more.ToString();
+  EXPECT_NE(more.ToString().find("tenant-b"), std::string::npos);
   embedding::TableConfig hidden = tc;
   hidden.name = ".PUSHLOG.tmp";
   EXPECT_EQ((*aemb)->OpenTable(hidden).status().code(),
@@ -523,6 +539,86 @@ TEST_F(TenantAttackTest, AnAuthenticatedTenantReachesNothingOfAnother) {
             StatusCode::kPermissionDenied);
   victim_cred_ = ReadLineOf(rotated);
   ExpectVictimIntact("revocation");
+}
+
+// Whole messages, not only the parsers: random requests and notices from an
+// authenticated tenant to each of the node's services, with bodies that
+// are random or truncated / bit-flipped copies of earlier ones. The node
+// answers or drops the connection; it never dies, and the victim's bytes
+// stay as they were.
+TEST_F(TenantAttackTest, RandomWholeMessagesFromATenantDoNotHurtTheNode) {
+  auto victim = Mem(victim_cred_, "victim");
+  ASSERT_TRUE(victim);
+  auto seg = victim->Create(0, kSeg);
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  victim_key_ = (*seg)->key();
+  for (size_t i = 0; i < kSeg; ++i) {
+    static_cast<uint8_t*>((*seg)->data())[i] = Pattern(i);
+  }
+  ASSERT_TRUE(victim->WriteSync(*seg, 0, kSeg).ok());
+
+  transport::DeviceOptions d;
+  d.secret = attacker_cred_;
+  d.name = "fuzzer";
+  auto dev = transport::Device::Create(d);
+  ASSERT_TRUE(dev.ok()) << dev.status().ToString();
+  std::mt19937_64 rng(43);
+  int sent = 0, answered = 0, reconnects = 0;
+  for (const std::string& ep : {mem_, proxy_, emb_}) {
+    std::unique_ptr<service::Client> c;
+    std::vector<uint8_t> last;
+    for (int i = 0; i < 400; ++i) {
+      if (!c) {
+        // A new lane each time: the device caches one channel per lane.
+        auto cc = service::Client::Connect(
+            **dev, ep, service::ClientOptions{.lane = reconnects % 4});
+        if (!cc.ok()) {
+          (*dev).reset();
+          dev = transport::Device::Create(d);
+          ASSERT_TRUE(dev.ok());
+          ++reconnects;
+          continue;
+        }
+        c = std::move(*cc);
+      }
+      std::vector<uint8_t> body;
+      switch (rng() % 3) {
+        case 0:
+          body.resize(rng() % 300);
+          for (auto& b : body) b = static_cast<uint8_t>(rng());
+          break;
+        case 1:  // a truncated earlier body
+          body.assign(last.begin(),
+                      last.begin() + (last.empty() ? 0 : rng() % last.size()));
+          break;
+        default:  // an earlier body with a flipped bit
+          body = last;
+          if (!body.empty()) body[rng() % body.size()] ^= 1 << (rng() % 8);
+          break;
+      }
+      last = body;
+      std::vector<uint8_t> msg = service::NewMessage(body.size());
+      msg.insert(msg.end(), body.begin(), body.end());
+      const uint16_t method = static_cast<uint16_t>(rng() % 40);
+      ++sent;
+      if (rng() % 4 == 0) {
+        if (!c->Notify(method, std::move(msg)).ok()) c.reset(), ++reconnects;
+        continue;
+      }
+      auto r = c->Call(method, std::move(msg), 3s);
+      if (r.ok() || (r.status().code() != StatusCode::kUnavailable &&
+                     r.status().code() != StatusCode::kDeadlineExceeded)) {
+        ++answered;
+      } else {
+        c.reset();
+        ++reconnects;
+      }
+    }
+  }
+  std::printf("random whole messages: %d sent, %d answered, %d reconnects\n",
+              sent, answered, reconnects);
+  EXPECT_GT(answered, 0);
+  ExpectVictimIntact("random whole messages");
 }
 
 }  // namespace

@@ -26,9 +26,9 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
-#include <mutex>
 #include <string>
 
+#include "membox/base/mutex.h"
 #include "membox/base/status.h"
 
 namespace membox {
@@ -102,12 +102,12 @@ class RevocationList {
   struct Entry {
     uint64_t below = 0;  // 0: every serial
   };
-  Status LoadLocked();
+  Status LoadLocked() MEMBOX_REQUIRES(mu_);
   const std::string path_;
-  std::mutex mu_;
-  std::map<std::string, Entry> revoked_;             // under mu_
-  int64_t mtime_ns_ = -1;                            // under mu_; -1: absent
-  std::chrono::steady_clock::time_point checked_{};  // under mu_
+  Mutex mu_;
+  std::map<std::string, Entry> revoked_ MEMBOX_GUARDED_BY(mu_);
+  int64_t mtime_ns_ MEMBOX_GUARDED_BY(mu_) = -1;  // -1: absent
+  std::chrono::steady_clock::time_point checked_ MEMBOX_GUARDED_BY(mu_){};
 };
 
 // Parses a public id ("name:rights:quota:serial"), validating every field.

@@ -89,6 +89,7 @@ void TcpChannel::Fail(const Status& s) {
     reads.swap(reads_);
     rpcs.swap(rpcs_);
     queued.swap(sendq_);
+    queued_cost_ = 0;
   }
   send_cv_.NotifyAll();
   for (auto& [id, r] : reads) r.state->Complete(failure);
@@ -134,13 +135,24 @@ Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
   f.payload_len = len;
   f.state = std::move(state);
   bool inline_send = false;
+  bool over = false;
   {
     MutexLock l(&mu_);
     if (failed_.load()) return failure_;
+    if (sending_ || !sendq_.empty()) {
+      f.cost = f.header.size() + f.owned.size() + kFrameOverhead;
+      if (queued_cost_ + f.cost > kMaxQueuedCost) {
+        over = true;
+      } else {
+        queued_cost_ += f.cost;
+      }
+    }
     // Nothing queued and nobody sending: try the socket from this thread
     // (no hand-off to the writer thread for a message that fits the socket
     // buffer: a small request costs one system call).
-    if (!sending_ && sendq_.empty()) {
+    if (over) {
+      // (answered below, outside the lock)
+    } else if (!sending_ && sendq_.empty()) {
       sending_ = true;
       inline_send = true;
     } else if (type == kTcpReadReq) {
@@ -160,6 +172,15 @@ Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
       sendq_.push_back(std::move(f));
     }
   }
+  if (over) {
+    Status s = ResourceExhaustedError(
+        "the peer does not read: more than " +
+        std::to_string(kMaxQueuedCost >> 20) +
+        " MiB of frames wait to be sent to it (kMaxQueuedCost)");
+    MEMBOX_LOG_WARN("{}: {}", peer_, s.ToString());
+    Fail(s);
+    return health();
+  }
   if (!inline_send) {
     send_cv_.NotifyOne();
     return Status::Ok();
@@ -171,6 +192,8 @@ Status TcpChannel::Enqueue(uint32_t type, std::vector<uint8_t> header,
     sending_ = false;
     // The rest (if any) goes first: frames never interleave on the stream.
     if (done.ok() && !finished && !failed_.load()) {
+      f.cost = f.header.size() + f.owned.size() + kFrameOverhead;
+      queued_cost_ += f.cost;
       sendq_.push_front(std::move(f));
     }
   }
@@ -232,6 +255,7 @@ void TcpChannel::WriterLoop() {
       if (failed_.load()) return;
       f = std::move(sendq_.front());
       sendq_.pop_front();
+      queued_cost_ -= std::min(queued_cost_, f.cost);
       sending_ = true;
     }
     // Blocking from where the frame stands (an inline send may have started

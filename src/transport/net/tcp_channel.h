@@ -121,7 +121,14 @@ class TcpChannel final : public Channel,
     size_t sent = 0;  // bytes of head + header + payload already sent
     std::shared_ptr<OpState> state;  // completed once sent (may be null)
     ExportTable::Lease lease;        // the exported range `payload` reads from
+    size_t cost = 0;                 // counted in queued_cost_ while in sendq_
   };
+  // What frames waiting in sendq_ may hold: their headers and owned
+  // payloads, plus kFrameOverhead each. A peer that stops reading while it
+  // keeps sending requests (whose answers queue here) fails the channel at
+  // the limit instead of growing this process without bound.
+  static constexpr size_t kFrameOverhead = 128;
+  static constexpr size_t kMaxQueuedCost = size_t{64} << 20;
   struct PendingRead {
     void* local;
     size_t len;
@@ -162,6 +169,7 @@ class TcpChannel final : public Channel,
   Status failure_ MEMBOX_GUARDED_BY(mu_);
   Status async_error_ MEMBOX_GUARDED_BY(mu_);
   std::deque<OutFrame> sendq_ MEMBOX_GUARDED_BY(mu_);
+  size_t queued_cost_ MEMBOX_GUARDED_BY(mu_) = 0;
   bool sending_ MEMBOX_GUARDED_BY(mu_) =
       false;  // a thread owns the socket's send
   std::map<uint64_t, PendingRead> reads_ MEMBOX_GUARDED_BY(mu_);
