@@ -270,6 +270,16 @@ class TenantAttackTest : public ::testing::Test {
     EXPECT_EQ(bad, 0u) << "victim bytes changed";
   }
   static uint8_t Pattern(size_t i) { return static_cast<uint8_t>(i * 31 + 7); }
+  // The victim's segment, holding Pattern.
+  void VictimSegment(memserver::Client* victim) {
+    auto seg = victim->Create(0, kSeg);
+    ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+    victim_key_ = (*seg)->key();
+    for (size_t i = 0; i < kSeg; ++i) {
+      static_cast<uint8_t*>((*seg)->data())[i] = Pattern(i);
+    }
+    ASSERT_TRUE(victim->WriteSync(*seg, 0, kSeg).ok());
+  }
 
   static constexpr size_t kSeg = 1 << 20;
   fs::path dir_;
@@ -284,13 +294,7 @@ TEST_F(TenantAttackTest, AnAuthenticatedTenantReachesNothingOfAnother) {
   // The victim: a segment with a pattern, a training job, an embedding table.
   auto victim = Mem(victim_cred_, "victim");
   ASSERT_TRUE(victim);
-  auto seg = victim->Create(0, kSeg);
-  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
-  victim_key_ = (*seg)->key();
-  for (size_t i = 0; i < kSeg; ++i) {
-    static_cast<uint8_t*>((*seg)->data())[i] = Pattern(i);
-  }
-  ASSERT_TRUE(victim->WriteSync(*seg, 0, kSeg).ok());
+  ASSERT_NO_FATAL_FAILURE(VictimSegment(victim.get()));
   ps::ParamClientOptions po;
   po.proxies = {proxy_};
   po.secret = victim_cred_;
@@ -549,13 +553,7 @@ TEST_F(TenantAttackTest, AnAuthenticatedTenantReachesNothingOfAnother) {
 TEST_F(TenantAttackTest, RandomWholeMessagesFromATenantDoNotHurtTheNode) {
   auto victim = Mem(victim_cred_, "victim");
   ASSERT_TRUE(victim);
-  auto seg = victim->Create(0, kSeg);
-  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
-  victim_key_ = (*seg)->key();
-  for (size_t i = 0; i < kSeg; ++i) {
-    static_cast<uint8_t*>((*seg)->data())[i] = Pattern(i);
-  }
-  ASSERT_TRUE(victim->WriteSync(*seg, 0, kSeg).ok());
+  ASSERT_NO_FATAL_FAILURE(VictimSegment(victim.get()));
 
   transport::DeviceOptions d;
   d.secret = attacker_cred_;

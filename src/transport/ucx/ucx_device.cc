@@ -655,34 +655,30 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   }
   auto cp = net::DecodeClientProof(p.reader.frame());
   if (!cp.ok()) return false;
+  // Logs why, tells the peer `s` (a refusal verdict, no proof), and drops
+  // the connection.
+  auto refuse = [&](const Status& s, const std::string& as) {
+    MEMBOX_LOG_WARN("{}: refusing {} ({}){}: {}", options_.name,
+                    net::PeerName(p.fd.get()), cp->hello.name, as,
+                    s.ToString());
+    net::ServerVerdict v;
+    v.code = static_cast<uint32_t>(s.code());
+    v.message = std::string(s.message());
+    (void)net::SendFrame(p.fd.get(), net::EncodeServerVerdict(v),
+                         send_deadline);
+    return false;
+  };
   auto key = KeyFor(cp->credential);
   if (!key.ok() ||
       !net::ProofEquals(
           net::ClientProofFor(key->second, p.client_nonce, p.server_nonce, *cp),
           cp->proof)) {
-    MEMBOX_LOG_WARN("{}: connection from {} ({}) failed authentication",
-                    options_.name, net::PeerName(p.fd.get()), cp->hello.name);
-    net::ServerVerdict v;
-    v.code = static_cast<uint32_t>(StatusCode::kUnauthenticated);
-    v.message = "wrong secret";
-    (void)net::SendFrame(p.fd.get(), net::EncodeServerVerdict(v),
-                         send_deadline);
-    return false;
+    return refuse(UnauthenticatedError("wrong secret"), "");
   }
   const Principal& principal = key->first;
   if (options_.admit) {
     Status admitted = options_.admit(principal);
-    if (!admitted.ok()) {
-      MEMBOX_LOG_WARN("{}: refusing {} ({}) as {}: {}", options_.name,
-                      net::PeerName(p.fd.get()), cp->hello.name,
-                      principal.label(), admitted.ToString());
-      net::ServerVerdict v;
-      v.code = static_cast<uint32_t>(admitted.code());
-      v.message = std::string(admitted.message());
-      (void)net::SendFrame(p.fd.get(), net::EncodeServerVerdict(v),
-                           send_deadline);
-      return false;
-    }
+    if (!admitted.ok()) return refuse(admitted, " as " + principal.label());
   }
   // UCX's one-sided paths reach a whole registration with its remote key
   // (a memory node's pool, shared memory mapping all of it): only the
@@ -691,14 +687,7 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   // against the range its token names (docs/design/network_face.md).
   bool ucx = principal.cluster && UseUcx(cp->flags, cp->hello.host, p.fd.get());
   if (ucx && !PlausibleUcxAddress(cp->hello.address)) {
-    MEMBOX_LOG_WARN("{}: {} ({}) sent a malformed UCX worker address",
-                    options_.name, net::PeerName(p.fd.get()), cp->hello.name);
-    net::ServerVerdict bad;
-    bad.code = static_cast<uint32_t>(StatusCode::kInvalidArgument);
-    bad.message = "malformed UCX worker address";
-    (void)net::SendFrame(p.fd.get(), net::EncodeServerVerdict(bad),
-                         send_deadline);
-    return false;
+    return refuse(InvalidArgumentError("malformed UCX worker address"), "");
   }
   UcxWorker* w = NextAcceptWorker();
   std::shared_ptr<UcxChannel> uch;
