@@ -385,7 +385,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         s = FlushAll();
         break;
       case Type::kStats:
-        reply.text = Text();
+        reply.text = Text(c.principal);
         break;
       case Type::kReply:
         s = InvalidArgumentError("a reply is not a request");
@@ -759,7 +759,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     }
   }
 
-  std::string Text() const {
+  // Every table's figures for the cluster's principal (and the metrics);
+  // for a credential's, only its own tables.
+  std::string Text(const Principal& who = Principal()) const {
     std::ostringstream o;
     o << "embedding server at " << endpoint() << " (" << opt_.dir << ")\n"
       << "clients " << n_clients_.load() << "\npulls " << pulls_.load()
@@ -772,6 +774,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
                : std::string("off"))
       << "\n";
     for (auto& t : tables_) {
+      if (!who.cluster && !EndsWith(t->config.name, "@" + who.name)) continue;
       MemTierStats ms = t->mem->Stats();
       SsdStats ss = t->ssd->Stats();
       o << "table " << t->config.name << " dim " << t->config.dim << " "

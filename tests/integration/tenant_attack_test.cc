@@ -443,6 +443,11 @@ TEST_F(TenantAttackTest, AnAuthenticatedTenantReachesNothingOfAnother) {
   EXPECT_LE(opened, 16);
   EXPECT_EQ(more.code(), StatusCode::kResourceExhausted) << more.ToString();
   EXPECT_NE(more.ToString().find("tenant-b"), std::string::npos);
+  // The node's status shows it its own tables only.
+  auto est = (*aemb)->NodeStatus(0);
+  ASSERT_TRUE(est.ok()) << est.status().ToString();
+  EXPECT_EQ(est->find("tenant-a"), std::string::npos) << *est;
+  EXPECT_NE(est->find("ads@tenant-b"), std::string::npos) << *est;
   embedding::TableConfig hidden = tc;
   hidden.name = ".PUSHLOG.tmp";
   EXPECT_EQ((*aemb)->OpenTable(hidden).status().code(),
