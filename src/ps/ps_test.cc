@@ -8,6 +8,7 @@
 #include <functional>
 #include <mutex>
 #include <numeric>
+#include <random>
 #include <thread>
 
 #include <arpa/inet.h>
@@ -25,6 +26,7 @@
 #include "membox/ps/param_client.h"
 #include "membox/ps/proxy.h"
 #include "membox/service/client.h"
+#include "membox/service/envelope.h"
 #include "membox/transport/device.h"
 
 #include "src/ps/protocol.h"
@@ -859,6 +861,119 @@ TEST(PsTest, CheckpointNamesAreFileNamesOnly) {
             StatusCode::kInvalidArgument);
   EXPECT_TRUE(std::filesystem::exists(dir + "/proxy-0-good-1"));
   std::filesystem::remove_all(dir);
+}
+
+// Whole messages against a live proxy (issue 43): a tenant that said a
+// valid hello sends valid-looking declares, pushes, pulls, routes,
+// regions, tunes and stores with fields drawn at random, and their
+// encodings with bytes flipped or cut. The proxy answers or drops the
+// connection and never dies; a well-behaved job goes on afterwards.
+TEST(PsTest, RandomWholeMessagesAfterAHelloDoNotHurtTheProxy) {
+  auto c = Cluster::Start(1);
+  Principal p;
+  p.cluster = false;
+  p.name = "fuzz";
+  p.rights = kRightWorker;
+  const std::string cred = Credential::Issue(kSecret, p)->Encode();
+  transport::DeviceOptions d;
+  d.secret = cred;
+  d.name = "fuzzer";
+  d.lanes_per_peer = 64;
+  auto dev = transport::Device::Create(d);
+  ASSERT_TRUE(dev.ok()) << dev.status().ToString();
+  std::mt19937_64 rng(17);
+  auto pick = [&](std::initializer_list<uint64_t> v) {
+    return *(v.begin() + rng() % v.size());
+  };
+  int lane = 0, sent = 0, answered = 0, dropped = 0;
+  std::unique_ptr<service::Client> cl;
+  for (int i = 0; i < 1500; ++i) {
+    if (!cl) {
+      ASSERT_LT(lane, 64) << "too many dropped connections";
+      auto cc = service::Client::Connect(
+          **dev, c.endpoints[0], service::ClientOptions{.lane = lane++});
+      ASSERT_TRUE(cc.ok()) << cc.status().ToString();
+      cl = std::move(*cc);
+      proto::Message h;
+      h.type = proto::Type::kHello;
+      h.name = "fuzz";
+      h.rank = static_cast<uint32_t>(lane);  // a fresh rank per link
+      h.world = 1000;                        // rounds never complete
+      auto r = cl->Call(static_cast<uint16_t>(h.type), proto::Encode(h), 5s);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+    }
+    proto::Message m;
+    m.type = static_cast<proto::Type>(
+        pick({3, 4, 5, 6, 7, 8, 9, 10, 15, 20, 23, 24, 25, 2}));
+    m.key = pick({0, 1, 2, rng() % 8, rng()});
+    m.key_end = m.key + pick({0, 1, rng() % 16, rng()});
+    m.bytes = pick({0, 4, 4096, 1 << 20, rng() % (1 << 24), rng()});
+    m.shard_bytes = pick({0, 4, 4096, m.bytes, rng()});
+    m.dtype = static_cast<uint8_t>(rng() % 16);
+    m.shard = static_cast<uint32_t>(pick({0, 1, rng()}));
+    m.round = pick({0, 1, 2, rng()});
+    m.min_version = pick({0, 1, rng()});
+    m.region = pick({0, 1, 2, rng()});
+    m.offset = pick({0, 4096, rng()});
+    m.out_region = pick({0, 1, rng()});
+    m.out_offset = pick({0, rng()});
+    m.has_input = rng() % 2;
+    m.has_output = rng() % 2;
+    m.striped = rng() % 2;
+    m.stored = rng() % 2;
+    m.optimizer = static_cast<proto::Optimizer>(rng() % 4);
+    m.lr = static_cast<double>(rng() % 1000) / 100.0;
+    m.rank = static_cast<uint32_t>(pick({0, 1, rng()}));
+    m.threshold = rng();
+    m.lat_proxy = static_cast<uint32_t>(rng() % 3);
+    m.bw_proxy = static_cast<uint32_t>(rng() % 3);
+    for (int k = 0; k < static_cast<int>(rng() % 4); ++k) {
+      m.from_rounds.emplace_back(rng() % 4, rng() % 4);
+    }
+    m.descriptor.resize(rng() % 128);
+    for (auto& b : m.descriptor) b = static_cast<uint8_t>(rng());
+    m.path = pick({0, 1}) ? "ck" : std::string(rng() % 8, 'x');
+    std::vector<uint8_t> msg = proto::Encode(m);
+    if (rng() % 3 == 0 && msg.size() > service::kHeaderBytes + 1) {
+      // Damage the body (never the envelope: that only closes the link).
+      size_t at =
+          service::kHeaderBytes + rng() % (msg.size() - service::kHeaderBytes);
+      if (rng() % 2) {
+        msg[at] ^= static_cast<uint8_t>(1 + rng() % 255);
+      } else {
+        msg.resize(at);
+      }
+    }
+    ++sent;
+    // A push or pull may wait for a round that never comes: not for long.
+    auto r = cl->Call(static_cast<uint16_t>(m.type), std::move(msg), 300ms);
+    if (r.ok() || (r.status().code() != StatusCode::kUnavailable &&
+                   r.status().code() != StatusCode::kDeadlineExceeded)) {
+      ++answered;
+    } else {
+      ++dropped;
+      cl.reset();
+    }
+  }
+  cl.reset();
+  std::printf("proxy fuzz: %d sent, %d answered, %d dropped links\n", sent,
+              answered, dropped);
+  EXPECT_GT(answered, sent / 2);
+  // The proxy still answers: an observer's hello and its stats.
+  auto cc = service::Client::Connect(**dev, c.endpoints[0],
+                                     service::ClientOptions{.lane = lane});
+  ASSERT_TRUE(cc.ok()) << cc.status().ToString();
+  proto::Message o;
+  o.type = proto::Type::kHello;
+  o.name = "observer";
+  o.world = 0;
+  ASSERT_TRUE(
+      (*cc)->Call(static_cast<uint16_t>(o.type), proto::Encode(o), 5s).ok());
+  proto::Message st;
+  st.type = proto::Type::kStats;
+  auto text =
+      (*cc)->Call(static_cast<uint16_t>(st.type), proto::Encode(st), 5s);
+  EXPECT_TRUE(text.ok()) << text.status().ToString();
 }
 
 TEST(PsTest, ProxyDeathFailsPendingWithItsName) {
