@@ -3,12 +3,18 @@
 #include "membox/memserver/server.h"
 
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include <gtest/gtest.h>
 
 #include "membox/base/credential.h"
 #include "membox/memserver/client.h"
+#include "membox/service/client.h"
+#include "membox/service/envelope.h"
+#include "membox/transport/device.h"
+
+#include "src/memserver/protocol.h"
 
 namespace membox::memserver {
 namespace {
@@ -136,6 +142,103 @@ TEST_P(ServerTest, TenantsWithCredentialsAreIsolated) {
   forged.timeout = 5s;
   EXPECT_EQ(Client::Connect(forged).status().code(),
             StatusCode::kUnauthenticated);
+}
+
+// Whole requests against a live memory server (issue 43): a registered
+// tenant sends creates, attaches, detaches, deletes, accumulates, status
+// and heartbeats with fields drawn at random (its own keys, the victim's
+// key, sizes and offsets at and past the edges, every dtype), some with
+// damaged bodies. The victim's segment never changes and the server keeps
+// serving it.
+TEST_P(ServerTest, RandomWholeRequestsFromATenantChangeNothingOfAnother) {
+  auto cred = [](const std::string& name) {
+    Principal p;
+    p.cluster = false;
+    p.name = name;
+    p.rights = kRightWorker;
+    p.quota_percent = 25;
+    return Credential::Issue("correct horse battery", p)->Encode();
+  };
+  auto victim = Connect("victim", cred("victim"));
+  ASSERT_TRUE(victim);
+  auto vseg = victim->Create(0, 1 << 16);
+  ASSERT_TRUE(vseg.ok());
+  std::memset((*vseg)->data(), 0x3c, 1 << 16);
+  ASSERT_TRUE(victim->WriteSync(*vseg, 0, 1 << 16).ok());
+  const uint64_t vkey = (*vseg)->key();
+
+  transport::DeviceOptions d;
+  d.secret = cred("attacker");
+  d.transports = GetParam();
+  d.name = "fuzzer";
+  d.lanes_per_peer = 64;
+  auto dev = transport::Device::Create(d);
+  ASSERT_TRUE(dev.ok()) << dev.status().ToString();
+  std::mt19937_64 rng(23);
+  std::vector<uint64_t> mine = {1, 2};
+  auto pick = [&](std::initializer_list<uint64_t> v) {
+    return *(v.begin() + rng() % v.size());
+  };
+  int lane = 0, sent = 0, answered = 0;
+  std::unique_ptr<service::Client> cl;
+  for (int i = 0; i < 800; ++i) {
+    if (!cl) {
+      ASSERT_LT(lane, 64);
+      auto cc = service::Client::Connect(
+          **dev, server_->endpoint(), service::ClientOptions{.lane = lane++});
+      ASSERT_TRUE(cc.ok()) << cc.status().ToString();
+      cl = std::move(*cc);
+      proto::Request reg;
+      reg.op = proto::Op::kRegister;
+      reg.name = "victim";  // a name is not an identity
+      reg.pid = 1;
+      ASSERT_TRUE(
+          cl->Call(static_cast<uint16_t>(reg.op), proto::EncodeRequest(reg), 5s)
+              .ok());
+    }
+    proto::Request q;
+    q.op = static_cast<proto::Op>(2 + rng() % 7);
+    q.key = pick({vkey, mine[rng() % mine.size()], 0, rng()});
+    q.src_key = pick({vkey, mine[rng() % mine.size()], rng()});
+    q.size = pick({0, 4096, 1 << 16, 8 << 20, uint64_t{1} << 40, rng()});
+    q.dtype = static_cast<uint8_t>(rng() % 12);
+    q.scale = pick({0, 1}) ? 1.0 : -1e300;
+    q.offset = pick({0, 4096, (1 << 16) - 4, rng()});
+    q.length = pick({0, 4, 4096, 1 << 16, rng()});
+    q.bytes_read = rng();
+    std::vector<uint8_t> msg = proto::EncodeRequest(q);
+    if (rng() % 4 == 0 && msg.size() > service::kHeaderBytes + 1) {
+      size_t at =
+          service::kHeaderBytes + rng() % (msg.size() - service::kHeaderBytes);
+      if (rng() % 2) {
+        msg[at] ^= static_cast<uint8_t>(1 + rng() % 255);
+      } else {
+        msg.resize(at);
+      }
+    }
+    ++sent;
+    auto r = cl->Call(static_cast<uint16_t>(q.op), std::move(msg), 3s);
+    if (r.ok() && q.op == proto::Op::kCreate) {
+      auto a = proto::DecodeResponse(*r);
+      if (a.ok()) mine.push_back(a->key);
+    }
+    if (r.ok() || r.status().code() != StatusCode::kUnavailable) {
+      ++answered;
+    } else {
+      cl.reset();
+    }
+  }
+  cl.reset();
+  std::printf("memory server fuzz: %d sent, %d answered, %zu segments made\n",
+              sent, answered, mine.size() - 2);
+  EXPECT_GT(answered, sent / 2);
+  std::memset((*vseg)->data(), 0, 1 << 16);
+  ASSERT_TRUE(victim->ReadSync(*vseg, 0, 1 << 16).ok());
+  size_t changed = 0;
+  for (size_t i = 0; i < (1 << 16); ++i) {
+    changed += static_cast<uint8_t*>((*vseg)->data())[i] != 0x3c;
+  }
+  EXPECT_EQ(changed, 0u);
 }
 
 TEST_P(ServerTest, MasterCreatesOthersAttachSyncAndAccumulate) {
