@@ -12,8 +12,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include "membox/base/credential.h"
 #include "membox/embedding/client.h"
 #include "membox/embedding/pipeline.h"
+#include "membox/service/client.h"
 #include "membox/service/envelope.h"
 #include "membox/transport/device.h"
 
@@ -269,6 +271,103 @@ TEST_F(EmbeddingServerTest, ManyTablesTravelInOneRequestPerNode) {
       {ids[0], keys[0], grads[0]}, {99, keys[0], grads[0]}};
   EXPECT_EQ(c->PushManyAsync(unknown).status().code(),
             StatusCode::kInvalidArgument);
+}
+
+// Whole messages against a live embedding server (issue 43): a tenant with
+// its own credential says hello, then opens, pulls, pushes and releases
+// with table ids (the victim's among them), keys, batches and gradients
+// drawn at random, some bodies damaged. The victim's rows never change,
+// and it never sees the victim's table.
+TEST_F(EmbeddingServerTest,
+       RandomWholeMessagesFromATenantChangeNothingOfAnother) {
+  StartServers(1);
+  auto cred = [](const std::string& name) {
+    Principal p;
+    p.cluster = false;
+    p.name = name;
+    p.rights = kRightWorker;
+    return Credential::Issue(kSecret, p)->Encode();
+  };
+  auto victim = Client(nullptr, cred("victim"));
+  ASSERT_TRUE(victim);
+  TableConfig c = Config();
+  auto vt = victim->OpenTable(c);
+  ASSERT_TRUE(vt.ok()) << vt.status().ToString();
+  std::vector<uint64_t> keys = {1, 2, 3, 4};
+  std::vector<float> grads(keys.size() * c.dim, 0.5f), before(grads.size()),
+      after(grads.size());
+  ASSERT_TRUE(victim->Push(*vt, keys, grads).ok());
+  ASSERT_TRUE(victim->Pull(*vt, keys, before.data()).ok());
+
+  transport::DeviceOptions d;
+  d.secret = cred("attacker");
+  d.name = "fuzzer";
+  d.lanes_per_peer = 64;
+  auto dev = transport::Device::Create(d);
+  ASSERT_TRUE(dev.ok()) << dev.status().ToString();
+  std::mt19937_64 rng(29);
+  int lane = 0, sent = 0, answered = 0;
+  std::unique_ptr<service::Client> cl;
+  for (int i = 0; i < 800; ++i) {
+    if (!cl) {
+      ASSERT_LT(lane, 64);
+      auto cc =
+          service::Client::Connect(**dev, servers_[0]->endpoint(),
+                                   service::ClientOptions{.lane = lane++});
+      ASSERT_TRUE(cc.ok()) << cc.status().ToString();
+      cl = std::move(*cc);
+      proto::Message h;
+      h.type = proto::Type::kHello;
+      h.name = "fuzzer";
+      h.client_id = 1 + rng() % 5;
+      ASSERT_TRUE(
+          cl->Call(static_cast<uint16_t>(h.type), proto::Encode(h), 5s).ok());
+    }
+    proto::Message m;
+    m.type = static_cast<proto::Type>(2 + rng() % 6);
+    m.table = c;
+    m.table.name = rng() % 4 ? "clicks" : std::string(1 + rng() % 70, 'a');
+    m.table.dim = static_cast<uint32_t>(rng() % 3 ? c.dim : rng() % 5000);
+    m.table_id = static_cast<uint32_t>(rng() % 3);  // the victim's is 0
+    m.batch = rng() % 3;
+    m.seq = rng() % 4;
+    m.floor = rng() % 4;
+    for (int k = 0; k < static_cast<int>(rng() % 3); ++k) {
+      proto::Section sec;
+      sec.table_id = static_cast<uint32_t>(rng() % 3);
+      sec.release = rng() % 2;
+      sec.keys.resize(rng() % 6);
+      for (auto& key : sec.keys) key = rng() % 2 ? 1 + rng() % 4 : rng();
+      if (m.type == proto::Type::kPush) {
+        sec.values.assign(sec.keys.size() * (rng() % 3 ? c.dim : 3), 9.0f);
+      }
+      m.sections.push_back(std::move(sec));
+    }
+    std::vector<uint8_t> msg = proto::Encode(m);
+    if (rng() % 4 == 0 && msg.size() > service::kHeaderBytes + 1) {
+      size_t at =
+          service::kHeaderBytes + rng() % (msg.size() - service::kHeaderBytes);
+      if (rng() % 2) {
+        msg[at] ^= static_cast<uint8_t>(1 + rng() % 255);
+      } else {
+        msg.resize(at);
+      }
+    }
+    ++sent;
+    auto r = cl->Call(static_cast<uint16_t>(m.type), std::move(msg), 3s);
+    if (r.ok() || r.status().code() != StatusCode::kUnavailable) {
+      ++answered;
+    } else {
+      cl.reset();
+    }
+  }
+  cl.reset();
+  std::printf("embedding server fuzz: %d sent, %d answered\n", sent, answered);
+  EXPECT_GT(answered, sent / 2);
+  ASSERT_TRUE(victim->Pull(*vt, keys, after.data()).ok());
+  EXPECT_EQ(after, before);
+  auto text = servers_[0]->StatusText();
+  EXPECT_NE(text.find("clicks@victim"), std::string::npos) << text;
 }
 
 TEST_F(EmbeddingServerTest, BadInputIsRefusedAndChangesNothing) {
