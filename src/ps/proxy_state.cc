@@ -103,7 +103,11 @@ void ProxyImpl::StartCheckpoint(const std::string& name,
     }
     checkpoint_bytes_[name] = estimate;
   }
-  std::string path = CheckpointPath(name);
+  // A credential's checkpoints are its own files: "<name>@<principal>"
+  // (restore one with --restore-name NAME@PRINCIPAL), so another job's
+  // checkpoint of the same name never overwrites them.
+  std::string path =
+      CheckpointPath(job_disk_quota_ != 0 ? name + "@" + job_owner_ : name);
   // One writer thread, a few requests queued: checkpoints of one name are
   // written one after the other, and a flood of requests is refused.
   auto shared_done = std::make_shared<std::function<void(Status)>>(done);

@@ -468,6 +468,15 @@ TEST_F(TenantAttackTest, AnAuthenticatedTenantReachesNothingOfAnother) {
   }
   for (auto& t : flood) t.join();
   EXPECT_LE(most.load(), threads_before + 4);
+  // A credential's checkpoints are its own files.
+  int own = 0, bare = 0;
+  for (const auto& e : fs::directory_iterator(dir_ / "ckpt")) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind("proxy-0-flood-", 0) != 0) continue;
+    (f.size() > 9 && f.substr(f.size() - 9) == "@tenant-a" ? own : bare)++;
+  }
+  EXPECT_GT(own, 0);
+  EXPECT_EQ(bare, 0);
   EXPECT_EQ((*job)->Checkpoint(std::string("x\0y", 3)).code(),
             StatusCode::kInvalidArgument);
   ExpectVictimIntact("names and checkpoints");
