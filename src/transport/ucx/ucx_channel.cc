@@ -735,7 +735,9 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
   auto drop = [&](const Status& why) {
     MEMBOX_LOG_WARN("dropping active message {} from {}: {}",
                     static_cast<int>(id), peer(), why.ToString());
-    if (rndv) ucp_am_data_release(worker_->worker(), data);
+    // Returning UCS_OK without starting the receive makes UCX drop a
+    // rendezvous message itself (it acknowledges the sender and frees the
+    // descriptor): releasing it here as well freed it twice.
     return UCS_OK;
   };
   switch (id) {
@@ -751,7 +753,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
                                    " bytes is too large");
       }
       if (!bad.ok()) {
-        if (rndv) ucp_am_data_release(worker_->worker(), data);
+        // (a rendezvous message: UCX drops it when we return UCS_OK)
         MEMBOX_LOG_WARN("channel to {}: {}", peer(), bad.ToString());
         Fail(bad);
         return UCS_OK;
@@ -819,7 +821,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       if (s.ok() && m->length != len)
         s = InvalidArgumentError("write length mismatch");
       if (!s.ok()) {
-        if (rndv) ucp_am_data_release(worker_->worker(), data);
+        // (a rendezvous message: UCX drops it when we return UCS_OK)
         SendError(s.WithContext("write rejected"));
         return UCS_OK;
       }
@@ -877,7 +879,7 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       if (s.ok() && len != pr.len)
         s = DataLossError("read response of the wrong length");
       if (!s.ok()) {
-        if (rndv) ucp_am_data_release(worker_->worker(), data);
+        // (a rendezvous message: UCX drops it when we return UCS_OK)
         pr.state->Complete(s);
         return UCS_OK;
       }

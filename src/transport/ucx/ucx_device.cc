@@ -1071,9 +1071,7 @@ ucs_status_t UcxDevice::AmHandler(void* arg, const void* header, size_t hlen,
   auto drop = [&](const char* why) {
     MEMBOX_LOG_WARN("dropping active message {}: {}", static_cast<int>(a->id),
                     why);
-    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-      ucp_am_data_release(a->dev->workers_[0]->worker(), data);
-    }
+    // UCS_OK without a receive: UCX drops a rendezvous message itself.
     return UCS_OK;
   };
   if (hlen < sizeof(dest)) return drop("header too short");
