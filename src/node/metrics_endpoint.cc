@@ -60,6 +60,7 @@ void LogFromMhd(void*, const char* fmt, va_list ap) {
 
 struct MetricsEndpoint::Daemon {
   MHD_Daemon* d = nullptr;
+  std::function<std::string()> render;  // the page, per scrape
   std::string token;
   std::chrono::milliseconds deadline{5000};
   // Open connections: socket and when their current request started. An
@@ -128,7 +129,9 @@ struct MetricsEndpoint::Daemon {
   static MHD_Result Handle(void* cls, MHD_Connection* c, const char* url,
                            const char* method, const char*, const char*,
                            size_t* upload_size, void**) {
-    auto* self = static_cast<MetricsEndpoint*>(cls);
+    // The daemon, not the endpoint: Stop() resets the endpoint's pointer to
+    // it while this thread may still be answering.
+    auto* self = static_cast<Daemon*>(cls);
     const bool get = std::strcmp(method, MHD_HTTP_METHOD_GET) == 0;
     const bool head = std::strcmp(method, MHD_HTTP_METHOD_HEAD) == 0;
     if (!get && !head) {
@@ -139,8 +142,8 @@ struct MetricsEndpoint::Daemon {
       return Answer(c, MHD_HTTP_BAD_REQUEST, "no request body expected\n",
                     "text/plain");
     }
-    self->daemon_->Answered(c);
-    const std::string& token = self->daemon_->token;
+    self->Answered(c);
+    const std::string& token = self->token;
     if (!token.empty()) {
       const char* auth = MHD_lookup_connection_value(
           c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
@@ -160,7 +163,7 @@ struct MetricsEndpoint::Daemon {
     if (std::strcmp(url, "/metrics") != 0) {
       return Answer(c, MHD_HTTP_NOT_FOUND, "see /metrics\n", "text/plain");
     }
-    return Answer(c, MHD_HTTP_OK, self->render_(),
+    return Answer(c, MHD_HTTP_OK, self->render(),
                   "text/plain; version=0.0.4; charset=utf-8");
   }
 };
@@ -186,14 +189,14 @@ Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   freeaddrinfo(res);
 
   std::unique_ptr<MetricsEndpoint> e(new MetricsEndpoint());
-  e->render_ = std::move(render);
   e->daemon_ = std::make_unique<Daemon>();
+  e->daemon_->render = std::move(render);
   e->daemon_->token = options.bearer_token;
   e->daemon_->deadline = options.request_deadline;
   unsigned flags = MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG;
   if (v6) flags |= MHD_USE_IPv6;
   e->daemon_->d = MHD_start_daemon(
-      flags, 0, nullptr, nullptr, &Daemon::Handle, e.get(),
+      flags, 0, nullptr, nullptr, &Daemon::Handle, e->daemon_.get(),
       MHD_OPTION_SOCK_ADDR, reinterpret_cast<sockaddr*>(&addr),
       MHD_OPTION_CONNECTION_LIMIT, options.max_connections,
       MHD_OPTION_PER_IP_CONNECTION_LIMIT, options.max_per_address,

@@ -55,8 +55,7 @@ class MetricsEndpoint {
  private:
   MetricsEndpoint() = default;
   struct Daemon;
-  std::unique_ptr<Daemon> daemon_;
-  std::function<std::string()> render_;
+  std::unique_ptr<Daemon> daemon_;  // holds the render callback too
   std::string endpoint_;
 };
 
