@@ -887,7 +887,7 @@ TEST(PsTest, RandomWholeMessagesAfterAHelloDoNotHurtTheProxy) {
   };
   int lane = 0, sent = 0, answered = 0, dropped = 0;
   std::unique_ptr<service::Client> cl;
-  for (int i = 0; i < 1500; ++i) {
+  for (int i = 0; i < 800; ++i) {
     if (!cl) {
       ASSERT_LT(lane, 64) << "too many dropped connections";
       auto cc = service::Client::Connect(
