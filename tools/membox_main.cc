@@ -99,6 +99,18 @@ struct EmbeddingFlags {
   std::string push_log = "on";
 };
 
+// Half of MemTotal (/proc/meminfo): the default parameter storage limit.
+membox::Result<uint64_t> AutoPsMaxBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  uint64_t kib = 0;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemTotal:") return kib * 1024 / 2;
+  }
+  return membox::NotFoundError(
+      "--ps-max-bytes auto: no MemTotal in /proc/meminfo; give a size");
+}
+
 // `membox credential issue`: the credential of `name` under the cluster
 // secret, written to `out` (created, mode 0600).
 int IssueCredential(const std::string& secret_file, const std::string& name,
@@ -190,7 +202,10 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
   auto mn = membox::ParseByteSize(min_block);
   auto mx = membox::ParseByteSize(max_block);
   auto q = membox::ParseByteSize(quota);
-  auto pm = membox::ParseByteSize(ps_max);
+  // "auto": half of this machine's memory (/proc/meminfo), so by default no
+  // job can make the node hold more parameter and optimizer state than the
+  // machine has; a credential's quota is a share of it.
+  auto pm = ps_max == "auto" ? AutoPsMaxBytes() : membox::ParseByteSize(ps_max);
   auto pl = ServiceListen(ps_listen, o.listen, 1);
   auto el = ServiceListen(ef.listen, o.listen, 2);
   auto eb = membox::ParseByteSize(ef.budget);
@@ -502,7 +517,7 @@ int main(int argc, char** argv) {
   serve->add_option("--quota-segments", sopt.quota_segments,
                     "per-client segments");
   membox::ps::ProxyOptions popt;
-  std::string ps_listen = "auto", ps_max = "16GiB", ps_sched = "per-client";
+  std::string ps_listen = "auto", ps_max = "auto", ps_sched = "per-client";
   serve->add_option("--ps-listen", ps_listen,
                     "parameter proxy address (auto: --listen port + 1; off)");
   serve
@@ -514,7 +529,9 @@ int main(int argc, char** argv) {
       ->add_option("--ps-scheduler", ps_sched,
                    "per-client (default) or fcfs (deadlocks; for tests)")
       ->check(CLI::IsMember({"per-client", "fcfs"}));
-  serve->add_option("--ps-max-bytes", ps_max, "parameter storage limit");
+  serve->add_option("--ps-max-bytes", ps_max,
+                    "parameter storage limit (values and optimizer state); "
+                    "auto: half of this machine's memory");
   serve
       ->add_option("--ps-read-window", popt.read_window_shards,
                    "shards of a striped key one worker's reads may run ahead "
