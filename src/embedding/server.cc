@@ -486,10 +486,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   Status CheckQuota(const Principal& who, bool new_table) {
     const uint64_t capacity = opt_.budget_bytes * opt_.max_tables;
     const uint64_t quota = who.QuotaOf(capacity, capacity);
-    const std::string tail = "@" + who.name;
     uint64_t held = new_table ? opt_.budget_bytes : 0;
     for (auto& t : tables_) {
-      if (!EndsWith(t->config.name, tail)) continue;
+      if (!Reaches(who, *t)) continue;
       held += opt_.budget_bytes + t->ssd->Stats().file_bytes;
     }
     if (held > quota) {
@@ -506,16 +505,20 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // Table `id` as `who` may reach it: another principal's table answers as
   // a missing one.
   Result<Table*> FindTable(uint32_t id, const Principal& who) {
-    if (id >= tables_.size() ||
-        (!who.cluster && !EndsWith(tables_[id]->config.name, "@" + who.name))) {
+    if (id >= tables_.size() || !Reaches(who, *tables_[id])) {
       return NotFoundError("no table " + std::to_string(id) +
                            " (open it first)");
     }
     return tables_[id].get();
   }
-  static bool EndsWith(const std::string& s, const std::string& tail) {
-    return s.size() >= tail.size() &&
-           s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  // The one rule of table ownership: the cluster reaches every table, a
+  // credential the tables of its namespace ("name@principal").
+  static bool Reaches(const Principal& who, const Table& t) {
+    if (who.cluster) return true;
+    const std::string tail = "@" + who.name;
+    const std::string& n = t.config.name;
+    return n.size() >= tail.size() &&
+           n.compare(n.size() - tail.size(), tail.size(), tail) == 0;
   }
 
   // The memory tier's tag for (table, batch) of this connection; 0 -> a
@@ -774,7 +777,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
                : std::string("off"))
       << "\n";
     for (auto& t : tables_) {
-      if (!who.cluster && !EndsWith(t->config.name, "@" + who.name)) continue;
+      if (!Reaches(who, *t)) continue;
       MemTierStats ms = t->mem->Stats();
       SsdStats ss = t->ssd->Stats();
       o << "table " << t->config.name << " dim " << t->config.dim << " "

@@ -554,9 +554,9 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
     // Everything the job makes this node hold (values and optimizer state)
     // counts against its principal's quota.
     if (!who.cluster) {
-      storage_->LimitTo(who.QuotaOf(opt_.max_bytes, opt_.max_bytes),
-                        "the quota of principal " + who.name);
-      job_disk_quota_ = who.QuotaOf(opt_.max_bytes, opt_.max_bytes);
+      const uint64_t quota = who.QuotaOf(opt_.max_bytes, opt_.max_bytes);
+      storage_->LimitTo(quota, "the quota of principal " + who.name);
+      job_disk_quota_ = quota;
     }
   }
   server_->Establish(conn);
