@@ -13,7 +13,7 @@ int main(void) {
     return 1;
   }
   enum { N = 1024 };
-  uint64_t a = 0, b = 0;
+  smb_key_t a = {0, 0}, b = {0, 0}; /* zero: the server picks random keys */
   float* x = shm_alloc(&a, N * sizeof(float), SMB_CREATE);
   float* y = shm_alloc(&b, N * sizeof(float), SMB_CREATE);
   if (x == NULL || y == NULL) {
@@ -43,7 +43,9 @@ int main(void) {
     return 1;
   }
   smb_terminate();
-  printf("OK segments %llu %llu\n", (unsigned long long)a,
-         (unsigned long long)b);
+  char ka[SMB_KEY_STRLEN], kb[SMB_KEY_STRLEN];
+  smb_key_format(a, ka);
+  smb_key_format(b, kb);
+  printf("OK segments %s %s\n", ka, kb);
   return 0;
 }

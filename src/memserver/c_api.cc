@@ -1,4 +1,5 @@
 // The C API of include/membox/c/smb.h over memserver::Client.
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <sstream>
@@ -19,6 +20,10 @@ using membox::MutexLock;
 using membox::Status;
 using membox::memserver::Client;
 using membox::memserver::Segment;
+using membox::memserver::SegmentKey;
+
+SegmentKey FromC(const smb_key_t& k) { return SegmentKey(k.hi, k.lo); }
+smb_key_t ToC(const SegmentKey& k) { return smb_key_t{k.hi, k.lo}; }
 
 Mutex g_mu;
 std::unique_ptr<Client> g_client MEMBOX_GUARDED_BY(g_mu);
@@ -78,7 +83,7 @@ void smb_terminate(void) {
   g_client.reset();
 }
 
-void* shm_alloc(uint64_t* key, uint64_t size, int shmflg) {
+void* shm_alloc(smb_key_t* key, uint64_t size, int shmflg) {
   Client* c = Get();
   if (c == nullptr) {
     Fail(membox::FailedPreconditionError("smb_init() was not called"));
@@ -88,12 +93,13 @@ void* shm_alloc(uint64_t* key, uint64_t size, int shmflg) {
     Fail(membox::InvalidArgumentError("shm_alloc: null key or unknown flag"));
     return nullptr;
   }
-  auto s = shmflg == SMB_CREATE ? c->Create(*key, size) : c->Attach(*key, size);
+  auto s = shmflg == SMB_CREATE ? c->Create(FromC(*key), size)
+                                : c->Attach(FromC(*key), size);
   if (!s.ok()) {
     Fail(s.status());
     return nullptr;
   }
-  *key = (*s)->key();
+  *key = ToC((*s)->key());
   return (*s)->data();
 }
 
@@ -107,10 +113,28 @@ int shm_free(void* ptr) {
   return st.ok() ? 0 : Fail(st);
 }
 
-uint64_t shm_get_key(void* ptr) {
+smb_key_t shm_get_key(void* ptr) {
   Client* c = Get();
   Segment* s = c ? c->Find(ptr) : nullptr;
-  return s ? s->key() : 0;
+  return s ? ToC(s->key()) : smb_key_t{0, 0};
+}
+
+void smb_key_format(smb_key_t key, char out[SMB_KEY_STRLEN]) {
+  std::string text = FromC(key).ToString();
+  std::memcpy(out, text.c_str(), SMB_KEY_STRLEN);
+}
+
+int smb_key_parse(const char* text, smb_key_t* key) {
+  if (text == nullptr || key == nullptr)
+    return Fail(membox::InvalidArgumentError("smb_key_parse: null argument"));
+  auto k = SegmentKey::Parse(text);
+  if (!k.ok()) return Fail(k.status());
+  *key = ToC(*k);
+  return 0;
+}
+
+int smb_key_equal(smb_key_t a, smb_key_t b) {
+  return a.hi == b.hi && a.lo == b.lo;
 }
 
 static int SyncImpl(void* ptr, size_t size, bool write) {

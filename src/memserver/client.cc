@@ -28,7 +28,7 @@ using transport::Channel;
 
 class SegmentImpl final : public Segment {
  public:
-  SegmentImpl(uint64_t key, size_t size, bool master,
+  SegmentImpl(const SegmentKey& key, size_t size, bool master,
               transport::RegisteredPool::Block cache,
               std::shared_ptr<transport::RemoteMemRegion> remote)
       : Segment(key, size, master, cache.data()),
@@ -94,10 +94,10 @@ class ClientImpl final : public Client {
     return Status::Ok();
   }
 
-  Result<Segment*> Create(uint64_t key, size_t size) override {
+  Result<Segment*> Create(const SegmentKey& key, size_t size) override {
     return Open(Op::kCreate, key, size);
   }
-  Result<Segment*> Attach(uint64_t key, size_t size) override {
+  Result<Segment*> Attach(const SegmentKey& key, size_t size) override {
     return Open(Op::kAttach, key, size);
   }
 
@@ -186,7 +186,7 @@ class ClientImpl final : public Client {
     return Status::Ok();
   }
 
-  Result<Segment*> Open(Op op, uint64_t key, size_t size) {
+  Result<Segment*> Open(Op op, const SegmentKey& key, size_t size) {
     if (size == 0) return InvalidArgumentError("segment size 0");
     Request q;
     q.op = op;

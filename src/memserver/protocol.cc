@@ -21,8 +21,14 @@ using wire::Writer;
 constexpr uint8_t kRequestMagic = 'Q';
 constexpr uint8_t kResponseMagic = 'A';
 // 2: inside the service envelope (op = the envelope's method; request id,
-// status code and error message travel there).
-constexpr uint8_t kVersion = 2;
+// status code and error message travel there). 3: 128-bit segment keys.
+constexpr uint8_t kVersion = 3;
+
+void PutKey(Writer& w, const SegmentKey& k) {
+  w.U64(k.hi);
+  w.U64(k.lo);
+}
+bool GetKey(Reader& r, SegmentKey* k) { return r.U64(&k->hi) && r.U64(&k->lo); }
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed memory-server ") + what);
@@ -63,16 +69,16 @@ std::vector<uint8_t> EncodeRequest(const Request& q) {
       break;
     case Op::kCreate:
     case Op::kAttach:
-      w.U64(q.key);
+      PutKey(w, q.key);
       w.U64(q.size);
       break;
     case Op::kDetach:
     case Op::kDelete:
-      w.U64(q.key);
+      PutKey(w, q.key);
       break;
     case Op::kAccumulate:
-      w.U64(q.key);
-      w.U64(q.src_key);
+      PutKey(w, q.key);
+      PutKey(w, q.src_key);
       w.U8(q.dtype);
       PutF64(w, q.scale);
       w.U64(q.offset);
@@ -106,14 +112,14 @@ Result<Request> DecodeRequest(uint16_t op, std::span<const uint8_t> in) {
       break;
     case Op::kCreate:
     case Op::kAttach:
-      ok = r.U64(&q.key) && r.U64(&q.size);
+      ok = GetKey(r, &q.key) && r.U64(&q.size);
       break;
     case Op::kDetach:
     case Op::kDelete:
-      ok = r.U64(&q.key);
+      ok = GetKey(r, &q.key);
       break;
     case Op::kAccumulate:
-      ok = r.U64(&q.key) && r.U64(&q.src_key) && r.U8(&q.dtype) &&
+      ok = GetKey(r, &q.key) && GetKey(r, &q.src_key) && r.U8(&q.dtype) &&
            GetF64(r, &q.scale) && r.U64(&q.offset) && r.U64(&q.length) &&
            std::isfinite(q.scale);
       break;
@@ -134,7 +140,7 @@ std::vector<uint8_t> EncodeResponse(const Response& a) {
   w.U8(kVersion);
   w.U64(a.client_id);
   w.U32(a.heartbeat_ms);
-  w.U64(a.key);
+  PutKey(w, a.key);
   w.U64(a.size);
   w.U32(static_cast<uint32_t>(a.descriptor.size()));
   w.Bytes(a.descriptor.data(), a.descriptor.size());
@@ -150,7 +156,7 @@ Result<Response> DecodeResponse(std::span<const uint8_t> in) {
   uint32_t dlen = 0;
   if (!r.U8(&magic) || magic != kResponseMagic || !r.U8(&version) ||
       version != kVersion || !r.U64(&a.client_id) || !r.U32(&a.heartbeat_ms) ||
-      !r.U64(&a.key) || !r.U64(&a.size) || !r.U32(&dlen) ||
+      !GetKey(r, &a.key) || !r.U64(&a.size) || !r.U32(&dlen) ||
       dlen > kMaxDescriptor || !r.Bytes(&a.descriptor, dlen) ||
       !GetStr(r, &a.text, kMaxText) || !GetBytes(r, &a.challenge, kMaxProof) ||
       r.remaining() != 0) {

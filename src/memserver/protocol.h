@@ -13,12 +13,13 @@
 #include <vector>
 
 #include "membox/base/status.h"
+#include "membox/memserver/segment_key.h"
 
 namespace membox::memserver::proto {
 
 enum class Op : uint8_t {
   kRegister = 1,    // name, pid -> client id, heartbeat interval
-  kCreate = 2,      // key (0: assign), size -> segment
+  kCreate = 2,      // key (empty: assign), size -> segment
   kAttach = 3,      // key, size -> segment
   kDetach = 4,      // key
   kDelete = 5,      // key (master only)
@@ -39,10 +40,10 @@ struct Request {
   std::string name;
   uint32_t pid = 0;
   // kCreate / kAttach / kDetach / kDelete; kAccumulate uses key as dst
-  uint64_t key = 0;
+  SegmentKey key;
   uint64_t size = 0;
   // kAccumulate
-  uint64_t src_key = 0;
+  SegmentKey src_key;
   uint8_t dtype = 0;
   double scale = 1.0;
   uint64_t offset = 0;  // byte offset in both segments
@@ -60,7 +61,7 @@ struct Request {
 struct Response {
   uint64_t client_id = 0;     // kRegister
   uint32_t heartbeat_ms = 0;  // kRegister
-  uint64_t key = 0;           // kCreate / kAttach
+  SegmentKey key;             // kCreate / kAttach
   uint64_t size = 0;
   std::vector<uint8_t> descriptor;  // RegionDescriptor of the segment
   std::string text;                 // kStatus

@@ -7,7 +7,6 @@
 #include <deque>
 #include <map>
 #include <mutex>
-#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -17,6 +16,7 @@
 #include "membox/base/hmac.h"
 #include "membox/base/logging.h"
 #include "membox/base/mutex.h"
+#include "membox/memserver/segment_key.h"
 #include "membox/service/server.h"
 #include "membox/transport/device.h"
 
@@ -32,8 +32,17 @@ using proto::Request;
 using proto::Response;
 using transport::Channel;
 
+// Where a segment lives in the table: keys are per principal, so two
+// principals' equal keys name different segments and neither can learn that
+// the other's exists.
+struct SegmentName {
+  std::string owner;  // the creating principal's name
+  SegmentKey key;
+  friend auto operator<=>(const SegmentName&, const SegmentName&) = default;
+};
+
 struct Segment {
-  uint64_t key = 0;
+  SegmentKey key;
   uint64_t offset = 0;
   uint64_t size = 0;
   uint64_t master = 0;  // 0 while orphaned
@@ -53,13 +62,15 @@ struct Segment {
   Mutex accumulate_mu;  // serialises accumulates into this segment
 };
 
+using Segments = std::map<SegmentName, std::shared_ptr<Segment>>;
+
 struct ClientState {
   uint64_t id = 0;      // the service layer's connection id
   Principal principal;  // who the connection proved to be
   std::string name;
   uint32_t pid = 0;
   bool registered = false;
-  std::set<uint64_t> attached;
+  std::set<SegmentName> attached;
   uint64_t created_bytes = 0;
   uint64_t bytes_read = 0;  // as last reported by the client
   uint64_t bytes_written = 0;
@@ -233,9 +244,9 @@ class ServerImpl final : public Server, public service::Service {
       if (!full && seg->master != viewer && !seg->attached.count(viewer)) {
         continue;
       }
-      o << "segment " << key << " size " << seg->size << " master "
-        << seg->master << " attached " << seg->attached.size()
-        << (seg->deleted ? " deleting" : "")
+      o << "segment " << key.key.ToString() << " owner " << key.owner
+        << " size " << seg->size << " master " << seg->master << " attached "
+        << seg->attached.size() << (seg->deleted ? " deleting" : "")
         << (seg->orphaned ? " orphaned" : "") << "\n";
     }
     for (auto& [id, c] : clients_) {
@@ -284,7 +295,7 @@ class ServerImpl final : public Server, public service::Service {
       MEMBOX_LOG_INFO(
           "segment {} of {} reclaimed: its master did not come back within "
           "{} ms ({} attachments remain)",
-          seg->key, seg->master_name, opt_.orphan_grace.count(),
+          seg->key.ToString(), seg->master_name, opt_.orphan_grace.count(),
           seg->attached.size());
       seg->deleted = true;
       MaybeFreeLocked(seg);
@@ -323,7 +334,7 @@ class ServerImpl final : public Server, public service::Service {
         break;
       case Op::kCreate:
         s = DoCreate(client, *req, &a);
-        if (s.ok()) ZeroAndPublish(a.key);
+        if (s.ok()) ZeroAndPublish(client, a.key);
         break;
       case Op::kAttach:
         s = DoAttach(client, *req, &a);
@@ -434,15 +445,17 @@ class ServerImpl final : public Server, public service::Service {
     if (c.attached.size() >= opt_.quota_segments) {
       return ResourceExhaustedError("client segment quota exceeded");
     }
-    uint64_t key = q.key;
-    if (key == 0) {
-      // From the CSPRNG: no key predicts another (a seeded generator let a
-      // client compute the next tenant's key from its own).
+    // Keys are per principal: a key in use by another principal is free
+    // here, so the answer tells nothing about anyone else's segments.
+    SegmentName name{c.principal.name, q.key};
+    if (name.key.empty()) {
+      // 128 bits from the CSPRNG: no key predicts another (a seeded
+      // generator let a client compute the next tenant's key from its own).
       do {
-        key = RandomU64();
-      } while (key == 0 || segments_.count(key));
-    } else if (segments_.count(key)) {
-      return AlreadyExistsError("segment key " + std::to_string(key) +
+        name.key = SegmentKey::Random();
+      } while (segments_.count(name));
+    } else if (segments_.count(name)) {
+      return AlreadyExistsError("segment key " + name.key.ToString() +
                                 " is in use");
     }
     ASSIGN_OR_RETURN(uint64_t off, buddy_->Allocate(q.size));
@@ -452,7 +465,7 @@ class ServerImpl final : public Server, public service::Service {
       return desc.status();
     }
     auto seg = std::make_shared<Segment>();
-    seg->key = key;
+    seg->key = name.key;
     seg->offset = off;
     seg->size = q.size;
     seg->master = client;
@@ -462,10 +475,10 @@ class ServerImpl final : public Server, public service::Service {
     seg->attached.insert(client);
     seg->desc = *desc;
     seg->desc_bytes = desc->Serialize();
-    segments_[key] = seg;
-    c.attached.insert(key);
+    segments_[name] = seg;
+    c.attached.insert(name);
     c.created_bytes += q.size;
-    a->key = key;
+    a->key = name.key;
     a->size = q.size;
     a->descriptor = seg->desc_bytes;
     return Status::Ok();
@@ -473,11 +486,13 @@ class ServerImpl final : public Server, public service::Service {
 
   // Zeroes a new segment outside the table lock (so other requests go on),
   // then lets others attach it: nobody ever sees another tenant's old bytes.
-  void ZeroAndPublish(uint64_t key) {
+  void ZeroAndPublish(uint64_t client, const SegmentKey& key) {
     std::shared_ptr<Segment> seg;
     {
       MutexLock l(&mu_);
-      auto it = segments_.find(key);
+      auto c = clients_.find(client);
+      if (c == clients_.end()) return;
+      auto it = segments_.find(SegmentName{c->second.principal.name, key});
       if (it == segments_.end()) return;
       seg = it->second;
     }
@@ -486,26 +501,41 @@ class ServerImpl final : public Server, public service::Service {
     seg->ready = true;
   }
 
+  // The segment `key` names for `c`: one of its own principal's; for the
+  // cluster principal, which may reach every segment, otherwise the one
+  // segment of another principal with that key (none when several have it).
+  Segments::iterator FindLocked(const ClientState& c, const SegmentKey& key)
+      MEMBOX_REQUIRES(mu_) {
+    auto own = segments_.find(SegmentName{c.principal.name, key});
+    if (own != segments_.end() || !c.principal.cluster) return own;
+    auto found = segments_.end();
+    for (auto it = segments_.begin(); it != segments_.end(); ++it) {
+      if (it->first.key != key) continue;
+      if (found != segments_.end()) return segments_.end();  // ambiguous
+      found = it;
+    }
+    return found;
+  }
+
   Status DoAttach(uint64_t client, const Request& q, Response* a) {
     MutexLock l(&mu_);
-    auto it = segments_.find(q.key);
-    const Principal& who = clients_.at(client).principal;
+    ClientState& c = clients_.at(client);
+    auto it = FindLocked(c, q.key);
     // An unknown key, a wrong size and another principal's segment give one
     // answer: a caller learns nothing about a segment it cannot open (not
     // even that it exists, or its size).
     if (it == segments_.end() || it->second->deleted ||
-        it->second->size != q.size ||
-        (!who.cluster && it->second->owner.name != who.name)) {
-      return NotFoundError("no segment with key " + std::to_string(q.key) +
-                           " and " + std::to_string(q.size) + " bytes");
+        it->second->size != q.size) {
+      return NotFoundError("no segment with key " + q.key.ToString() + " and " +
+                           std::to_string(q.size) + " bytes");
     }
+    const SegmentName name = it->first;
     Segment& seg = *it->second;
     if (!seg.ready) {
-      return UnavailableError("segment " + std::to_string(q.key) +
+      return UnavailableError("segment " + q.key.ToString() +
                               " is being created; retry");
     }
-    ClientState& c = clients_.at(client);
-    if (!c.attached.count(q.key) && c.attached.size() >= opt_.quota_segments) {
+    if (!c.attached.count(name) && c.attached.size() >= opt_.quota_segments) {
       return ResourceExhaustedError("client segment quota exceeded");
     }
     if (seg.orphaned && !c.name.empty() && c.name == seg.master_name &&
@@ -514,11 +544,11 @@ class ServerImpl final : public Server, public service::Service {
       seg.orphaned = false;
       seg.master = client;
       c.created_bytes += seg.size;
-      MEMBOX_LOG_INFO("segment {} adopted again by {} (client {})", seg.key,
-                      c.name, client);
+      MEMBOX_LOG_INFO("segment {} adopted again by {} (client {})",
+                      seg.key.ToString(), c.name, client);
     }
     seg.attached.insert(client);
-    c.attached.insert(q.key);
+    c.attached.insert(name);
     a->key = seg.key;
     a->size = seg.size;
     a->descriptor = seg.desc_bytes;
@@ -527,12 +557,36 @@ class ServerImpl final : public Server, public service::Service {
 
   // Detaches `client` from `key`; with `destroy`, the master also deletes the
   // segment, whose memory returns to the pool once the last user detached.
-  Status DoDetach(uint64_t client, uint64_t key, bool destroy) {
+  Status DoDetach(uint64_t client, const SegmentKey& key, bool destroy) {
     MutexLock l(&mu_);
-    return DetachLocked(client, key, destroy);
+    auto cit = clients_.find(client);
+    if (cit == clients_.end()) return NotFoundError("client released");
+    // A segment this client attached (the cluster principal's may be
+    // another principal's), else the one its key names (a master may delete
+    // after detaching).
+    auto it = FindAttachedLocked(cit->second, key);
+    if (it == segments_.end()) it = FindLocked(cit->second, key);
+    if (it == segments_.end()) {
+      return NotFoundError("segment " + key.ToString() +
+                           " is not attached by this client");
+    }
+    return DetachLocked(client, it->first, destroy);
   }
 
-  Status DetachLocked(uint64_t client, uint64_t key, bool destroy)
+  // The segment with `key` among those `c` attached (its own principal's
+  // first).
+  Segments::iterator FindAttachedLocked(const ClientState& c,
+                                        const SegmentKey& key)
+      MEMBOX_REQUIRES(mu_) {
+    SegmentName own{c.principal.name, key};
+    if (c.attached.count(own)) return segments_.find(own);
+    for (const SegmentName& n : c.attached) {
+      if (n.key == key) return segments_.find(n);
+    }
+    return segments_.end();
+  }
+
+  Status DetachLocked(uint64_t client, const SegmentName& key, bool destroy)
       MEMBOX_REQUIRES(mu_) {
     auto it = segments_.find(key);
     auto cit = clients_.find(client);
@@ -543,13 +597,13 @@ class ServerImpl final : public Server, public service::Service {
                                !it->second->deleted;
     if (it == segments_.end() || cit == clients_.end() ||
         (!cit->second.attached.count(key) && !master_delete)) {
-      return NotFoundError("segment " + std::to_string(key) +
+      return NotFoundError("segment " + key.key.ToString() +
                            " is not attached by this client");
     }
     std::shared_ptr<Segment> seg = it->second;
     if (destroy && seg->master != client) {
       return PermissionDeniedError("only the master may delete segment " +
-                                   std::to_string(key));
+                                   key.key.ToString());
     }
     if (destroy) seg->deleted = true;
     seg->attached.erase(client);
@@ -571,8 +625,9 @@ class ServerImpl final : public Server, public service::Service {
     }
     Status s = buddy_->Free(seg->offset);
     if (!s.ok())
-      MEMBOX_LOG_ERROR("freeing segment {}: {}", seg->key, s.ToString());
-    segments_.erase(seg->key);
+      MEMBOX_LOG_ERROR("freeing segment {}: {}", seg->key.ToString(),
+                       s.ToString());
+    segments_.erase(SegmentName{seg->owner.name, seg->key});
   }
 
   Status DoAccumulate(uint64_t client, const Request& q) {
@@ -586,12 +641,11 @@ class ServerImpl final : public Server, public service::Service {
     uint64_t length = q.length;
     {
       MutexLock l(&mu_);
-      auto d = segments_.find(q.key);
-      auto s = segments_.find(q.src_key);
       const ClientState& c = clients_.at(client);
-      if (d == segments_.end() || s == segments_.end() ||
-          !c.attached.count(q.key) || !c.attached.count(q.src_key) ||
-          d->second->deleted || s->second->deleted) {
+      auto d = FindAttachedLocked(c, q.key);
+      auto s = FindAttachedLocked(c, q.src_key);
+      if (d == segments_.end() || s == segments_.end() || d->second->deleted ||
+          s->second->deleted) {
         return NotFoundError(
             "accumulate: both segments must exist and be attached");
       }
@@ -640,9 +694,9 @@ class ServerImpl final : public Server, public service::Service {
       MutexLock l(&mu_);
       auto it = clients_.find(client);
       if (it == clients_.end()) return;
-      std::vector<uint64_t> keys(it->second.attached.begin(),
-                                 it->second.attached.end());
-      for (uint64_t key : keys) {
+      std::vector<SegmentName> keys(it->second.attached.begin(),
+                                    it->second.attached.end());
+      for (const SegmentName& key : keys) {
         auto s = segments_.find(key);
         bool destroy = opt_.release_master_segments && s != segments_.end() &&
                        s->second->master == client;
@@ -683,7 +737,7 @@ class ServerImpl final : public Server, public service::Service {
 
   mutable Mutex mu_;
   std::unique_ptr<BuddyAllocator> buddy_ MEMBOX_GUARDED_BY(mu_);
-  std::map<uint64_t, std::shared_ptr<Segment>> segments_ MEMBOX_GUARDED_BY(mu_);
+  Segments segments_ MEMBOX_GUARDED_BY(mu_);
   std::map<uint64_t, ClientState> clients_ MEMBOX_GUARDED_BY(mu_);
   // Bytes of segments each principal created and the node still holds.
   std::map<std::string, uint64_t> held_by_ MEMBOX_GUARDED_BY(mu_);

@@ -96,12 +96,33 @@ TEST_P(ServerTest, TenantsWithCredentialsAreIsolated) {
   ASSERT_TRUE(seg.ok()) << seg.status().ToString();
   std::memset((*seg)->data(), 0x5a, 1 << 20);
   ASSERT_TRUE(a->WriteSync(*seg, 0, 1 << 20).ok());
-  const uint64_t key = (*seg)->key();
+  const SegmentKey key = (*seg)->key();
+  EXPECT_NE(key.hi, 0u);  // 128 random bits (zero with probability 2^-64)
   // The key does not open another principal's segment; the answer is the
   // one an unknown key gets.
   Status other = b->Attach(key, 1 << 20).status();
   EXPECT_EQ(other.code(), StatusCode::kNotFound) << other.ToString();
-  EXPECT_EQ(b->Attach(key ^ 1, 1 << 20).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(b->Attach(SegmentKey(key.hi, key.lo ^ 1), 1 << 20).status().code(),
+            StatusCode::kNotFound);
+  // Keys are per principal: b may create a segment under a's key, or under
+  // a key a chose itself, without learning that a has one, and the two stay
+  // apart.
+  auto named = a->Create(4242, 4096);
+  ASSERT_TRUE(named.ok()) << named.status().ToString();
+  std::memset((*named)->data(), 0x11, 4096);
+  ASSERT_TRUE(a->WriteSync(*named, 0, 4096).ok());
+  auto b_named = b->Create(4242, 4096);
+  ASSERT_TRUE(b_named.ok()) << b_named.status().ToString();
+  auto b_same = b->Create(key, 4096);
+  ASSERT_TRUE(b_same.ok()) << b_same.status().ToString();
+  std::memset((*b_named)->data(), 0x22, 4096);
+  ASSERT_TRUE(b->WriteSync(*b_named, 0, 4096).ok());
+  ASSERT_TRUE(a->ReadSync(*named, 0, 4096).ok());
+  EXPECT_EQ(static_cast<uint8_t*>((*named)->data())[100], 0x11);
+  EXPECT_EQ(b->Create(4242, 4096).status().code(), StatusCode::kAlreadyExists);
+  ASSERT_TRUE(b->Delete(*b_named).ok());
+  ASSERT_TRUE(b->Delete(*b_same).ok());
+  ASSERT_TRUE(a->Delete(*named).ok());
   // The cluster principal (the operator) still may.
   auto op = Connect("operator");
   ASSERT_TRUE(op);
@@ -117,8 +138,7 @@ TEST_P(ServerTest, TenantsWithCredentialsAreIsolated) {
   auto text = b->ServerStatus();
   ASSERT_TRUE(text.ok());
   EXPECT_NE(text->find("principal tenant-b"), std::string::npos) << *text;
-  EXPECT_EQ(text->find("segment " + std::to_string(key)), std::string::npos)
-      << *text;
+  EXPECT_EQ(text->find(key.ToString()), std::string::npos) << *text;
   // a's master leaves: its segment is an orphan that b cannot adopt by
   // registering under a's client name.
   a.reset();
@@ -165,7 +185,7 @@ TEST_P(ServerTest, RandomWholeRequestsFromATenantChangeNothingOfAnother) {
   ASSERT_TRUE(vseg.ok());
   std::memset((*vseg)->data(), 0x3c, 1 << 16);
   ASSERT_TRUE(victim->WriteSync(*vseg, 0, 1 << 16).ok());
-  const uint64_t vkey = (*vseg)->key();
+  const SegmentKey vkey = (*vseg)->key();
 
   transport::DeviceOptions d;
   d.secret = cred("attacker");
@@ -175,8 +195,11 @@ TEST_P(ServerTest, RandomWholeRequestsFromATenantChangeNothingOfAnother) {
   auto dev = transport::Device::Create(d);
   ASSERT_TRUE(dev.ok()) << dev.status().ToString();
   std::mt19937_64 rng(23);
-  std::vector<uint64_t> mine = {1, 2};
+  std::vector<SegmentKey> mine = {1, 2};
   auto pick = [&](std::initializer_list<uint64_t> v) {
+    return *(v.begin() + rng() % v.size());
+  };
+  auto pick_key = [&](std::initializer_list<SegmentKey> v) {
     return *(v.begin() + rng() % v.size());
   };
   int lane = 0, sent = 0, answered = 0;
@@ -198,8 +221,10 @@ TEST_P(ServerTest, RandomWholeRequestsFromATenantChangeNothingOfAnother) {
     }
     proto::Request q;
     q.op = static_cast<proto::Op>(2 + rng() % 7);
-    q.key = pick({vkey, mine[rng() % mine.size()], 0, rng()});
-    q.src_key = pick({vkey, mine[rng() % mine.size()], rng()});
+    q.key = pick_key({vkey, mine[rng() % mine.size()], 0,
+                      SegmentKey(rng(), rng()), SegmentKey(rng())});
+    q.src_key =
+        pick_key({vkey, mine[rng() % mine.size()], SegmentKey(rng(), rng())});
     q.size = pick({0, 4096, 1 << 16, 8 << 20, uint64_t{1} << 40, rng()});
     q.dtype = static_cast<uint8_t>(rng() % 12);
     q.scale = pick({0, 1}) ? 1.0 : -1e300;
@@ -248,8 +273,8 @@ TEST_P(ServerTest, MasterCreatesOthersAttachSyncAndAccumulate) {
   const size_t n = 1 << 20;           // floats
   auto w = master->Create(0, n * 4);  // server-assigned key
   ASSERT_TRUE(w.ok()) << w.status().ToString();
-  uint64_t key = (*w)->key();
-  EXPECT_NE(key, 0u);
+  SegmentKey key = (*w)->key();
+  EXPECT_FALSE(key.empty());
   auto* wf = static_cast<float*>((*w)->data());
   for (size_t i = 0; i < n; ++i) wf[i] = 1.0f;
   ASSERT_TRUE(master->WriteSync(*w, 0, n * 4).ok());
@@ -453,15 +478,20 @@ TEST_P(ServerTest, StatusShowsOwnSegmentsUnlessAdmin) {
   ASSERT_TRUE(b->Create(502, 4096).ok());
   auto mine = a->ServerStatus();
   ASSERT_TRUE(mine.ok()) << mine.status().ToString();
-  EXPECT_NE(mine->find("segment 501 "), std::string::npos) << *mine;
-  EXPECT_EQ(mine->find("segment 502 "), std::string::npos) << *mine;
+  EXPECT_NE(mine->find("segment " + SegmentKey(501).ToString()),
+            std::string::npos)
+      << *mine;
+  EXPECT_EQ(mine->find("segment " + SegmentKey(502).ToString()),
+            std::string::npos)
+      << *mine;
   EXPECT_EQ(mine->find("name bob"), std::string::npos) << *mine;
   EXPECT_NE(mine->find("segments 2"), std::string::npos);  // totals stay
   // No admin secret on this server: asking for the full listing is refused.
   EXPECT_EQ(a->ServerStatus("guess").status().code(),
             StatusCode::kPermissionDenied);
   // The in-process owner sees everything.
-  EXPECT_NE(server_->StatusText().find("segment 502 "), std::string::npos);
+  EXPECT_NE(server_->StatusText().find("segment " + SegmentKey(502).ToString()),
+            std::string::npos);
 }
 
 TEST_P(ServerTest, AdminSecretUnlocksTheFullListing) {
@@ -475,11 +505,14 @@ TEST_P(ServerTest, AdminSecretUnlocksTheFullListing) {
   ASSERT_TRUE((*c1)->Create(77, 4096).ok());
   auto full = (*c2)->ServerStatus("the admin credential");
   ASSERT_TRUE(full.ok()) << full.status().ToString();
-  EXPECT_NE(full->find("segment 77 "), std::string::npos) << *full;
+  EXPECT_NE(full->find("segment " + SegmentKey(77).ToString()),
+            std::string::npos)
+      << *full;
   EXPECT_NE(full->find("name someone"), std::string::npos) << *full;
   auto wrong = (*c2)->ServerStatus("not the admin credential");
   EXPECT_EQ(wrong.status().code(), StatusCode::kPermissionDenied);
-  EXPECT_EQ((*c2)->ServerStatus()->find("segment 77 "), std::string::npos);
+  EXPECT_EQ((*c2)->ServerStatus()->find("segment " + SegmentKey(77).ToString()),
+            std::string::npos);
 }
 
 TEST_P(ServerTest, DefaultQuotaIsHalfThePool) {

@@ -91,9 +91,10 @@ TEST_F(DaemonTest, WrongSecretIsRefused) {
 TEST_F(DaemonTest, ClientKilledDuringWriteSyncIsReleased) {
   auto owner = Connect("owner");
   ASSERT_TRUE(owner);
-  auto seg = owner->Create(777, 64 << 20);
+  auto seg = owner->Create(memserver::SegmentKey(), 64 << 20);
   ASSERT_TRUE(seg.ok());
-  auto victim = Subprocess::Start({SMB_C_CLIENT, "wsync-loop", "777", "64"});
+  auto victim = Subprocess::Start(
+      {SMB_C_CLIENT, "wsync-loop", (*seg)->key().ToString(), "64"});
   ASSERT_TRUE(victim);
   ASSERT_TRUE(victim->WaitFor("LOOPING", 30s));
   EXPECT_EQ(Stat(*owner, "clients"), 2u);
@@ -120,7 +121,7 @@ TEST_F(DaemonTest, ClientKilledDuringWriteSyncIsReleased) {
 TEST_F(DaemonTest, StoppingTheDaemonGivesAClearError) {
   auto c = Connect("c");
   ASSERT_TRUE(c);
-  auto seg = c->Create(0, 1 << 20);
+  auto seg = c->Create(memserver::SegmentKey(), 1 << 20);
   ASSERT_TRUE(seg.ok());
   daemon()->Kill(15);
   ASSERT_EQ(daemon()->Wait(20s), 0);  // clean shutdown on SIGTERM
@@ -136,7 +137,7 @@ TEST_F(DaemonTest, StoppingTheDaemonGivesAClearError) {
 TEST_F(DaemonTest, KillDashNineDaemon) {
   auto c = Connect("c");
   ASSERT_TRUE(c);
-  auto seg = c->Create(0, 1 << 20);
+  auto seg = c->Create(memserver::SegmentKey(), 1 << 20);
   ASSERT_TRUE(seg.ok());
   daemon()->Kill(9);
   daemon()->Wait(10s);

@@ -287,7 +287,7 @@ class TenantAttackTest : public ::testing::Test {
   int ports_[4] = {0, 0, 0, 0};
   std::string mem_, proxy_, emb_;
   std::optional<Subprocess> daemon_;
-  uint64_t victim_key_ = 0;
+  memserver::SegmentKey victim_key_;
 };
 
 TEST_F(TenantAttackTest, AnAuthenticatedTenantReachesNothingOfAnother) {
@@ -377,11 +377,26 @@ TEST_F(TenantAttackTest, AnAuthenticatedTenantReachesNothingOfAnother) {
             std::string::npos);
   std::mt19937_64 rng(5);
   int guessed = 0;
-  for (int i = 0; i < 500; ++i) guessed += attacker->Attach(rng(), kSeg).ok();
+  for (int i = 0; i < 500; ++i) {
+    // Guesses near the real key (one bit off) and anywhere.
+    memserver::SegmentKey near = victim_key_;
+    (i % 2 ? near.hi : near.lo) ^= uint64_t{1} << (rng() % 64);
+    guessed += attacker->Attach(near, kSeg).ok();
+    guessed += attacker->Attach({rng(), rng()}, kSeg).ok();
+  }
   EXPECT_EQ(guessed, 0);
+  // Keys are 128 bits and per principal: the attacker creating under the
+  // victim's key gets a segment of its own (no "in use" that would reveal
+  // the victim's), which never aliases the victim's.
+  auto mine = attacker->Create(victim_key_, kSeg);
+  ASSERT_TRUE(mine.ok()) << mine.status().ToString();
+  std::memset((*mine)->data(), 0x77, kSeg);
+  ASSERT_TRUE(attacker->WriteSync(*mine, 0, kSeg).ok());
+  ASSERT_TRUE(attacker->Delete(*mine).ok());
+  ExpectVictimIntact("a segment under the victim's key");
   auto listing = attacker->ServerStatus();
   ASSERT_TRUE(listing.ok());
-  EXPECT_EQ(listing->find(std::to_string(victim_key_)), std::string::npos);
+  EXPECT_EQ(listing->find(victim_key_.ToString()), std::string::npos);
 
   // 5. Quotas are the principal's: two connections cannot exceed 25 %.
   auto attacker2 = Mem(attacker_cred_, "attacker-2");

@@ -2,14 +2,15 @@
 // paper's names is include/membox/c/smb.h).
 //
 // A Client holds one authenticated channel to one memory node. Segments are
-// created by a master (Create) and attached by others with the same key and
-// size (Attach); each Segment has a local cache buffer in registered memory
-// and an imported view of the remote segment. ReadSync copies remote -> local
-// cache, WriteSync local cache -> remote (visible to the server and other
-// clients when it returns); on the same host Map() gives a pointer straight
-// into the server's pool for load/store. Accumulate runs on the server's sync
-// cores and returns when the result is visible; AccumulateAsync returns at
-// once with an OpHandle that completes then.
+// created by a master (Create) and attached by others of the same principal
+// with the same 128-bit key (segment_key.h) and size (Attach); each Segment has
+// a local cache buffer in registered memory and an imported view of the remote
+// segment. ReadSync copies remote -> local cache, WriteSync local cache ->
+// remote (visible to the server and other clients when it returns); on the same
+// host Map() gives a pointer straight into the server's pool for load/store.
+// Accumulate runs on the server's sync cores and returns when the result is
+// visible; AccumulateAsync returns at once with an OpHandle that completes
+// then.
 //
 // Errors: every call returns a Status; when the memory node dies or the
 // connection breaks, calls fail with kUnavailable naming the server instead
@@ -27,6 +28,7 @@
 #include <string>
 
 #include "membox/base/status.h"
+#include "membox/memserver/segment_key.h"
 #include "membox/service/call.h"
 #include "membox/transport/op_handle.h"
 #include "membox/transport/tensor_transfer.h"
@@ -44,7 +46,7 @@ struct ClientOptions {
 class Segment {
  public:
   virtual ~Segment() = default;
-  uint64_t key() const { return key_; }
+  const SegmentKey& key() const { return key_; }
   size_t size() const { return size_; }
   bool master() const { return master_; }
   // The local cache buffer (size() bytes, registered memory).
@@ -54,11 +56,11 @@ class Segment {
   virtual void* Map() const = 0;
 
  protected:
-  Segment(uint64_t key, size_t size, bool master, void* data)
+  Segment(const SegmentKey& key, size_t size, bool master, void* data)
       : key_(key), size_(size), master_(master), data_(data) {}
 
  private:
-  uint64_t key_;
+  SegmentKey key_;
   size_t size_;
   bool master_;
   void* data_;
@@ -70,10 +72,13 @@ class Client {
   static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
   virtual ~Client() = default;
 
-  // Creates a segment as master; key 0 lets the server choose one.
-  virtual Result<Segment*> Create(uint64_t key, size_t size) = 0;
-  // Attaches an existing segment; the size must match.
-  virtual Result<Segment*> Attach(uint64_t key, size_t size) = 0;
+  // Creates a segment as master; an empty key lets the server choose one
+  // (from the CSPRNG); kAlreadyExists when this principal already has `key`.
+  virtual Result<Segment*> Create(const SegmentKey& key, size_t size) = 0;
+  // Attaches an existing segment of this principal; the size must match.
+  // An unknown key, a wrong size and another principal's key all give one
+  // kNotFound.
+  virtual Result<Segment*> Attach(const SegmentKey& key, size_t size) = 0;
   // Detaches (any client) or deletes (master only). The Segment is destroyed.
   virtual Status Detach(Segment* segment) = 0;
   virtual Status Delete(Segment* segment) = 0;
