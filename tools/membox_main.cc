@@ -701,7 +701,7 @@ int main(int argc, char** argv) {
   auto* arbench = bench->add_subcommand(
       "allreduce",
       "PushPull (sum across p workers) vs MPI_Allreduce vs Gloo, with the "
-      "(2p+1)n/memcpy bound");
+      "p n / all-core streaming copy bound");
   AddCommonFlags(arbench, &ropt.common);
   arbench->add_option("--workers", ropt.workers, "worker counts (2,4,8)")
       ->delimiter(',');
@@ -713,6 +713,10 @@ int main(int argc, char** argv) {
                       "iterations per size (default by size)");
   arbench->add_option("--partition-bytes", ropt.partition_bytes,
                       "shard size S' (default 4 MiB)");
+  int ar_repeats = 0;
+  arbench->add_option("--repeats", ar_repeats,
+                      "every variant N times, interleaved; medians and "
+                      "spread recorded (default 3, quick 1)");
   bool no_gloo = false;
   arbench->add_flag("--no-gloo", no_gloo, "skip the Gloo baseline");
 
@@ -869,6 +873,7 @@ int main(int argc, char** argv) {
   }
   if (arbench->parsed()) {
     ropt.with_gloo = !no_gloo;
+    ropt.repeats = ar_repeats > 0 ? ar_repeats : (ropt.common.quick ? 1 : 3);
     return membox::bench::RunAllreduceBench(ropt);
   }
   if (peer->parsed()) {

@@ -1,8 +1,9 @@
 // `membox bench allreduce`: synchronous sum across p workers -- membox
 // PushPull through 1 or 2 memory nodes vs MPI_Allreduce vs Gloo
 // (torch.distributed) -- for 4 KiB ... 512 MiB fp32, p = 2, 4, 8, with the
-// memory-bandwidth bound (2p+1)·n / memcpy bandwidth measured in the same
-// run (docs/results/allreduce.md).
+// memory-bandwidth bound p·n / all-core streaming copy bandwidth measured in
+// the same run at each size; every variant `repeats` times, interleaved,
+// each record the median with its spread (docs/results/allreduce.md).
 #ifndef MEMBOX_BENCH_ALLREDUCE_ALLREDUCE_BENCH_H_
 #define MEMBOX_BENCH_ALLREDUCE_ALLREDUCE_BENCH_H_
 
@@ -21,6 +22,7 @@ struct AllreduceOptions {
   std::vector<int> nodes;       // empty: 1, 2
   int iterations = 0;           // 0: by size
   bool with_gloo = true;
+  int repeats = 3;  // interleaved; quick: 1
   uint64_t partition_bytes = 4 << 20;
 };
 

@@ -21,10 +21,15 @@ def run(rank, world, port, sizes, iters):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for size in sizes:
         n = size // 4
-        t = torch.full((n,), float(rank + 1), dtype=torch.float32)
+        # The bench's check (allreduce_bench.cc, RampInput): element i of
+        # rank r is (r + 1) * (i mod 4093 + 1); every element is compared.
+        ramp = (torch.arange(n, dtype=torch.int64) % 4093 + 1).to(torch.float32)
+        src = ramp * float(rank + 1)
+        t = src.clone()
         times = []
         n_iters = iters if iters > 0 else (3 if size >= (256 << 20) else 10)
         for i in range(n_iters + 1):
+            t.copy_(src)
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(t)
@@ -32,6 +37,12 @@ def run(rank, world, port, sizes, iters):
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if i > 0:
                 times.append(dt.item())
+        want = ramp * float(world * (world + 1) // 2)
+        if not torch.equal(t, want):
+            bad = int((t != want).nonzero()[0])
+            raise SystemExit("gloo rank %d: wrong sum at element %d of %d: "
+                             "%s, expected %s" % (rank, bad, n, t[bad].item(),
+                                                  want[bad].item()))
         if rank == 0:
             print("RESULT gloo %d %.9f" % (size, statistics.median(times)),
                   flush=True)

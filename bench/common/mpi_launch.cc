@@ -6,18 +6,15 @@ namespace membox::bench {
 
 std::vector<std::string> MpiRunArgv(int ranks,
                                     const std::vector<std::string>& peer_args) {
-  std::vector<std::string> argv = {"mpirun",
-                                   "--allow-run-as-root",
-                                   "--oversubscribe",
-                                   "--bind-to",
-                                   "none",
-                                   "-np",
-                                   std::to_string(ranks),
-                                   "--mca",
-                                   "btl",
-                                   "self,vader",
-                                   SelfExePath(),
-                                   "bench-peer"};
+  std::vector<std::string> argv = {
+      "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+      "-np", std::to_string(ranks),
+      // MPI at its best on a machine with
+      // fewer cores than ranks and servers:
+      // waiting ranks yield the core instead
+      // of spinning on it (issue 47).
+      "--mca", "mpi_yield_when_idle", "1", "--mca", "btl", "self,vader",
+      SelfExePath(), "bench-peer"};
   argv.insert(argv.end(), peer_args.begin(), peer_args.end());
   return argv;
 }

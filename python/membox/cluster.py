@@ -482,6 +482,10 @@ def mpirun_argv(topo, cmd, slots=1, attach=True, env_names=()):
             # A daemon that cannot start fails the run instead of hanging it.
             "--mca", "orte_startup_timeout", "30",
             "--mca", "btl", "self,vader,tcp",
+            # The emulated hosts share this machine's cores: a rank that
+            # waits yields its core instead of spinning (MPI at its best on
+            # an oversubscribed machine, and the other processes' due).
+            "--mca", "mpi_yield_when_idle", "1",
             "--mca", "btl_tcp_if_include", subnet,
             "--mca", "oob_tcp_if_include", subnet]
     env = worker_env(topo, state)

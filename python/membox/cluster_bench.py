@@ -111,11 +111,17 @@ def gloo_worker(sizes, iters):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    world = dist.get_world_size()
     for size in sizes:
-        t = torch.full((size // 4,), float(rank + 1))
+        # The check of every scheme (allreduce_bench.cc, RampInput): element
+        # i of rank r is (r + 1) * (i mod 4093 + 1); all are compared.
+        ramp = (torch.arange(size // 4, dtype=torch.int64) % 4093 + 1).float()
+        src = ramp * float(rank + 1)
+        t = src.clone()
         times = []
         n = iters if iters > 0 else (3 if size >= 128 * MiB else 6)
         for i in range(n + 1):
+            t.copy_(src)
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(t)
@@ -123,6 +129,11 @@ def gloo_worker(sizes, iters):
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if i > 0:
                 times.append(dt.item())
+        want = ramp * float(world * (world + 1) // 2)
+        if not torch.equal(t, want):
+            bad = int((t != want).nonzero()[0])
+            raise SystemExit("gloo rank %d: wrong sum at element %d of %d" %
+                             (rank, bad, size // 4))
         if rank == 0:
             print("RESULT gloo %d %.9f" % (size, statistics.median(times)),
                   flush=True)
