@@ -1,9 +1,9 @@
 #!/usr/bin/python3
-"""membox.torch.OverlappedOptimizer in a real DDP model (one process, a Gloo
-group of one, a real `membox serve`): stepping each bucket as its average
-arrives gives the same parameters as one optimizer.step() after backward,
-through membox's hook and through the process group's AllReduce; its state
-round-trips; the errors a user sees. Skips (77) without torch."""
+"""membox.torch.OverlappedOptimizer in a real DDP model (a Gloo group of one,
+and of two processes, a real `membox serve`): stepping each bucket as its
+average arrives gives the same parameters as one optimizer.step() after
+backward, through membox's hook and through the process group's AllReduce;
+its state round-trips; the errors a user sees. Skips (77) without torch."""
 import os
 import sys
 import tempfile
@@ -46,6 +46,72 @@ def train(model, opt, steps, plain_step):
         torch.nn.functional.mse_loss(model(x), y).backward()
         if plain_step:
             opt.step()
+
+
+def two_rank_worker(rank, world, pg_file, endpoint, secret, out_dir):
+    """One of two ranks: each sees its own data, so the averaged gradients
+    differ from either rank's own. Writes its parameters after the
+    reference (plain DDP + Adam.step() after backward) and after
+    OverlappedOptimizer with membox's hook and with Gloo's AllReduce."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + pg_file,
+                            rank=rank, world_size=world)
+    mt.init(mode="average", client=membox.connect(
+        [endpoint], secret, rank, world, timeout=20.0))
+
+    def run(make_opt, plain_step):
+        model = ddp(mlp())
+        opt = make_opt(model)
+        gen = torch.Generator().manual_seed(100 + rank)  # rank's own data
+        for _ in range(5):
+            x = torch.randn(32, 64, generator=gen)
+            y = torch.randn(32, 8, generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if plain_step:
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()], opt
+
+    got = {}
+    got["reference"], _ = run(
+        lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), True)
+    for name, hook in (("membox", None), ("allreduce", "allreduce")):
+        got[name], opt = run(
+            lambda m: mt.OverlappedOptimizer(m, torch.optim.Adam, lr=1e-2,
+                                             hook=hook), False)
+        got[name + "_buckets"] = opt.buckets_stepped
+    torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+class TwoRankTest(unittest.TestCase):
+    """World size 2: the averaged, not a rank's own, gradients are stepped,
+    and both ranks end with the reference's parameters."""
+
+    def test_two_ranks_step_the_average_like_one_step_after_backward(self):
+        import torch.multiprocessing as tmp_mp
+        tmp = tempfile.mkdtemp()
+        node = Node(tmp)
+        try:
+            tmp_mp.spawn(two_rank_worker,
+                         args=(2, os.path.join(tmp, "pg2"), node.endpoint,
+                               node.secret, tmp),
+                         nprocs=2, join=True)
+        finally:
+            node.kill()
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"))
+                 for r in range(2)]
+        ref0 = ranks[0]["reference"]
+        # The reference itself is rank-independent (DDP averaged) and moved.
+        for a, b in zip(ref0, ranks[1]["reference"]):
+            self.assertTrue(torch.equal(a, b))
+        self.assertFalse(torch.equal(ref0[0], mlp()[0].weight))
+        for r in ranks:
+            for name in ("membox", "allreduce"):
+                self.assertGreaterEqual(r[name + "_buckets"], 1 + 2 * 4)
+                for g, w in zip(r[name], ref0):
+                    self.assertTrue(torch.allclose(g, w, rtol=1e-5, atol=1e-6),
+                                    (name, (g - w).abs().max()))
 
 
 class OverlappedOptimizerTest(unittest.TestCase):
