@@ -365,7 +365,10 @@ int RunEmbeddingBench(const EmbeddingBenchOptions& o) {
       ssd = std::move(*s);
     } else {
       fs::create_directories(base);
-      auto s = OpenRocksDbStore(base.string(), row);
+      // As much memory as membox's SSD tier keeps for its key map: an
+      // unordered_map node per key (next pointer, key, 32-byte location,
+      // allocator header) and its bucket -- about 64 bytes.
+      auto s = OpenRocksDbStore(base.string(), row, keys * 64);
       if (!s.ok()) {
         std::fprintf(stderr, "error: %s\n", s.status().ToString().c_str());
         return 1;

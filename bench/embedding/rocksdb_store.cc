@@ -1,11 +1,16 @@
 #include "bench/embedding/rocksdb_store.h"
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
+#include <rocksdb/cache.h>
 #include <rocksdb/db.h>
+#include <rocksdb/filter_policy.h>
 #include <rocksdb/options.h>
 #include <rocksdb/statistics.h>
+#include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
 
 namespace membox::bench {
@@ -102,10 +107,23 @@ class RocksDbStore final : public embedding::SsdStore {
 }  // namespace
 
 Result<std::unique_ptr<embedding::SsdStore>> OpenRocksDbStore(
-    const std::string& dir, uint32_t row_bytes) {
+    const std::string& dir, uint32_t row_bytes, uint64_t cache_bytes) {
   rocksdb::Options o;
   o.create_if_missing = true;
   o.statistics = rocksdb::CreateDBStatistics();
+  o.IncreaseParallelism(
+      static_cast<int>(std::max(2u, std::thread::hardware_concurrency())));
+  // Level style, its memtables within the same memory.
+  o.OptimizeLevelStyleCompaction(std::max<uint64_t>(cache_bytes, 16 << 20));
+  rocksdb::BlockBasedTableOptions t;
+  t.block_cache =
+      rocksdb::NewLRUCache(std::max<uint64_t>(cache_bytes, 8 << 20));
+  t.filter_policy.reset(rocksdb::NewBloomFilterPolicy(10));
+  t.whole_key_filtering = true;
+  t.cache_index_and_filter_blocks = true;
+  t.pin_l0_filter_and_index_blocks_in_cache = true;
+  t.block_size = 4 << 10;
+  o.table_factory.reset(rocksdb::NewBlockBasedTableFactory(t));
   rocksdb::DB* db = nullptr;
   auto st = rocksdb::DB::Open(o, dir, &db);
   if (!st.ok())

@@ -2,7 +2,8 @@
 """Gloo baseline of `membox bench train`: PyTorch DDP's communication pattern
 -- gradients bucketed (25 MB, in backward order), each bucket all-reduced
 asynchronously as soon as its last gradient is ready, the iteration waiting
-for all buckets at the end of backward -- with compute emulated by sleeps.
+for all buckets at the end of backward, then the optimizer step -- with
+compute emulated by sleeps.
 Reads the model from a file of "layer elements" lines. Prints
 "RESULT <iteration ms> <blocked ms>" (means over ranks and iterations)."""
 import argparse
@@ -56,10 +57,12 @@ def run(rank, a, layers):
                 works.append(dist.all_reduce(flat[lo:hi], async_op=True))
         for w in works:
             w.wait()
+        time.sleep(a.step_ms / 1e3)  # the optimizer step
         t2 = time.perf_counter()
         if it >= 2:  # warm-up, as the C++ schemes
             iters.append(t2 - t0)
-            blocked.append(t2 - t0 - (a.forward_ms + a.backward_ms) / 1e3)
+            blocked.append(t2 - t0 - (a.forward_ms + a.backward_ms +
+                                      a.step_ms) / 1e3)
     res = torch.tensor([sum(iters) / len(iters), sum(blocked) / len(blocked)],
                        dtype=torch.float64)
     dist.all_reduce(res)
@@ -76,6 +79,7 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--forward-ms", type=float, required=True)
     ap.add_argument("--backward-ms", type=float, required=True)
+    ap.add_argument("--step-ms", type=float, default=0.0)
     ap.add_argument("--iters", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     a = ap.parse_args()

@@ -132,6 +132,7 @@ Model MakeModel(const std::string& name) {
     return Model{};
   }
   m.backward_ms = 2 * m.forward_ms;
+  m.step_ms = double(m.bytes()) / 4 * 28 / 450e9 * 1e3;
   return m;
 }
 

@@ -156,10 +156,12 @@ WorkerResult RunMpi(const Model& m, int iters) {
       cv.wait(g, [&] { return done == issued; });
       done = 0;
     }
+    Compute(m.step_ms);  // the optimizer step, every bucket reduced
     double iter = Ms(Clock::now() - t0);
     if (it >= kWarmup) {
       r.iteration_ms += iter / (iters - kWarmup);
-      r.blocked_ms += (iter - m.forward_ms - m.backward_ms) / (iters - kWarmup);
+      r.blocked_ms +=
+          (iter - m.forward_ms - m.backward_ms - m.step_ms) / (iters - kWarmup);
     }
   }
   {
@@ -312,15 +314,18 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
                      }));
     const double sharing = ps::SharingFromProbe(tw, tp, tboth);
     double bw_worker = f2 * probe / tw, bw_proxy = f2 * probe / tp;
+    // Under DDP's semantics nothing overlaps the next forward pass: the
+    // cost model gets no forward time to hide communication in.
+    const double t_forward = 0;
     auto plan =
-        ps::ChooseDualSync(f.total, world, m.forward_ms / 1e3,
-                           m.backward_ms / 1e3, bw_proxy, bw_worker, sharing);
+        ps::ChooseDualSync(f.total, world, t_forward, m.backward_ms / 1e3,
+                           bw_proxy, bw_worker, sharing);
     std::vector<uint64_t> layer_bytes(L, 0);
     for (int l = 0; l < L; ++l) {
       for (auto n : m.layers[l].tensors) layer_bytes[l] += 4 * n;
     }
     ring_layers =
-        ps::ChooseRingLayers(layer_bytes, plan, world, m.forward_ms / 1e3,
+        ps::ChooseRingLayers(layer_bytes, plan, world, t_forward,
                              m.backward_ms / 1e3, bw_proxy, bw_worker, sharing);
     // Every rank must pick the same split: use rank 0's.
     MPI_Bcast(&ring_layers, 1, MPI_INT, 0, MPI_COMM_WORLD);
@@ -348,33 +353,22 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
   WorkerResult r;
   Status failure;
   auto t_prev = Clock::now();
+  // DDP's semantics, the same schedule as the MPI and Gloo schemes (issue
+  // 47): every layer's result is back before the optimizer step, and the
+  // step ends the iteration. (Forward used to wait only for each layer's
+  // own result, overlapping one iteration's communication with the next
+  // one's forward, which a DDP job cannot do.)
   for (int it = 0; it <= iters; ++it) {
     auto t0 = Clock::now();
     if (it > kWarmup) {  // iteration it-1 ended here
       double iter = Ms(t0 - t_prev);
       r.iteration_ms += iter / (iters - kWarmup);
-      r.blocked_ms += (iter - m.forward_ms - m.backward_ms) / (iters - kWarmup);
+      r.blocked_ms +=
+          (iter - m.forward_ms - m.backward_ms - m.step_ms) / (iters - kWarmup);
     }
     t_prev = t0;
     if (it == iters) break;
-    // Forward: layer l needs its synchronised weights first.
-    for (int l = 0; l < L; ++l) {
-      if (l == 0 && ring_done.valid()) {
-        Status s = ring_done.get();
-        if (!s.ok()) return s;
-      }
-      auto w0 = Clock::now();
-      for (auto& h : pending[l]) {
-        Status s = h.Wait();
-        if (!s.ok()) return s;
-      }
-      pending[l].clear();
-      if (trace && rank == 0 && it > 0) {
-        std::fprintf(stderr, "  it %d layer %d waited %.2f ms\n", it, l,
-                     Ms(Clock::now() - w0));
-      }
-      Compute(fp);
-    }
+    for (int l = 0; l < L; ++l) Compute(fp);
     // Backward: gradients ready in reverse layer order, pushed at once
     // with the first layers' priority highest.
     for (int l = L - 1; l >= 0; --l) {
@@ -388,10 +382,19 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
         return ring->Allreduce(reinterpret_cast<float*>(base), ring_bytes / 4);
       });
     }
+    // Every bucket reduced, then the optimizer step.
+    auto w0 = Clock::now();
+    for (auto& p : pending) {
+      for (auto& h : p) RETURN_IF_ERROR(h.Wait());
+      p.clear();
+    }
+    if (ring_done.valid()) RETURN_IF_ERROR(ring_done.get());
+    if (trace && rank == 0 && it > 0) {
+      std::fprintf(stderr, "  it %d waited %.2f ms after backward\n", it,
+                   Ms(Clock::now() - w0));
+    }
+    Compute(m.step_ms);
   }
-  for (auto& p : pending)
-    for (auto& h : p) RETURN_IF_ERROR(h.Wait());
-  if (ring_done.valid()) RETURN_IF_ERROR(ring_done.get());
   return r;
 }
 
@@ -422,6 +425,7 @@ int RunTrainWorker(const std::vector<std::string>& a) {
   double scale = kv.count("scale") ? std::stod(kv["scale"]) : 1.0;
   m.forward_ms *= scale;
   m.backward_ms *= scale;
+  m.step_ms *= scale;
   // size_scale: every tensor scaled (at least one element), for links too
   // slow to move the real model in a short run (`membox bench cluster`).
   if (kv.count("size_scale")) {
@@ -506,10 +510,11 @@ int RunTrainBench(const TrainOptions& opt) {
     }
     std::fprintf(stderr,
                  "%s: %zu tensors in %zu layers, %.1f MB, compute "
-                 "%.0f + %.0f ms\n",
+                 "%.0f + %.0f ms, optimizer step %.1f ms\n",
                  name.c_str(), m.tensors(), m.layers.size(), m.bytes() / 1e6,
                  m.forward_ms * opt.compute_scale,
-                 m.backward_ms * opt.compute_scale);
+                 m.backward_ms * opt.compute_scale,
+                 m.step_ms * opt.compute_scale);
     for (const auto& s : schemes) {
       Progress(done++, total, name + " " + s.name);
       if (std::string(s.name) == "gloo" && !opt.with_gloo) continue;
@@ -530,7 +535,8 @@ int RunTrainBench(const TrainOptions& opt) {
              std::string(MEMBOX_SOURCE_DIR) + "/bench/train/gloo_train.py",
              "--workers", std::to_string(p), "--model", file, "--forward-ms",
              std::to_string(m.forward_ms * opt.compute_scale), "--backward-ms",
-             std::to_string(m.backward_ms * opt.compute_scale), "--iters",
+             std::to_string(m.backward_ms * opt.compute_scale), "--step-ms",
+             std::to_string(m.step_ms * opt.compute_scale), "--iters",
              std::to_string(iters), "--port",
              std::to_string(ServerProcess::FreePort())});
       } else {

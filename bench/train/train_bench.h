@@ -5,8 +5,10 @@
 // backward order while "compute" goes on. Schemes: a single central
 // parameter server (DENSE), MPI and Gloo AllReduce bucketed (25 MB) and
 // overlapped with backward as PyTorch DDP does, membox, and membox with
-// routing, partitioning or dual synchronisation switched off. Reports
-// iteration time and blocked communication time (iteration - compute).
+// routing, partitioning or dual synchronisation switched off. Every scheme
+// runs DDP's schedule: all buckets reduced, then the optimizer step
+// (Model::step_ms), then the next forward. Reports iteration time and
+// blocked communication time (iteration - compute - step).
 #ifndef MEMBOX_BENCH_TRAIN_TRAIN_BENCH_H_
 #define MEMBOX_BENCH_TRAIN_TRAIN_BENCH_H_
 
