@@ -98,41 +98,8 @@ void Loop(bool overlapped, int compute_ms, int iters, Comm&& comm,
   *iter_ms = si / static_cast<double>(it.size());
 }
 
-int MpiWorker(bool overlapped, size_t bytes, int compute_ms, int iters) {
-  int rank = 0, size = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  const size_t n = bytes / 4;
-  std::vector<float> buf(n, 0.001f), w(n, 1.0f);
-  if (rank == 0) {  // the parameter server
-    const long total = static_cast<long>(size - 1) * (iters + 1);
-    std::vector<float> g(n);
-    for (long k = 0; k < total; ++k) {
-      MPI_Status st;
-      MPI_Recv(g.data(), static_cast<int>(n), MPI_FLOAT, MPI_ANY_SOURCE, 1,
-               MPI_COMM_WORLD, &st);
-      for (size_t i = 0; i < n; ++i) w[i] -= 0.01f * g[i];
-      MPI_Send(w.data(), static_cast<int>(n), MPI_FLOAT, st.MPI_SOURCE, 2,
-               MPI_COMM_WORLD);
-    }
-    return 0;
-  }
-  double comm = 0, iter = 0;
-  Loop(
-      overlapped, compute_ms, iters,
-      [&] {
-        MPI_Send(buf.data(), static_cast<int>(n), MPI_FLOAT, 0, 1,
-                 MPI_COMM_WORLD);
-        MPI_Recv(w.data(), static_cast<int>(n), MPI_FLOAT, 0, 2, MPI_COMM_WORLD,
-                 MPI_STATUS_IGNORE);
-      },
-      &comm, &iter);
-  std::printf("RESULT %d %.3f %.3f\n", rank, comm, iter);
-  std::fflush(stdout);
-  return 0;
-}
-
 // The exchange's pieces: kChunks page-aligned (offset, length) ranges.
+// membox pipelines its exchange over them, and so does the MPI server.
 std::vector<std::pair<size_t, size_t>> Chunks(size_t bytes) {
   constexpr size_t kChunks = 4;
   size_t chunk = (bytes / kChunks + 4095) & ~size_t{4095};
@@ -141,6 +108,97 @@ std::vector<std::pair<size_t, size_t>> Chunks(size_t bytes) {
     parts.emplace_back(off, std::min(chunk, bytes - off));
   }
   return parts;
+}
+
+// w[i] -= 0.01 g[i] over [lo, hi), split over every core.
+void ApplySgd(float* w, const float* g, size_t lo, size_t hi) {
+  const size_t threads =
+      std::max<size_t>(1, std::thread::hardware_concurrency());
+  const size_t step = (hi - lo + threads - 1) / threads;
+  auto part = [&](size_t a, size_t b) {
+    for (size_t i = a; i < b; ++i) w[i] -= 0.01f * g[i];
+  };
+  std::vector<std::future<void>> rest;
+  for (size_t t = 1; t < threads && lo + t * step < hi; ++t) {
+    rest.push_back(std::async(std::launch::async, part, lo + t * step,
+                              std::min(hi, lo + (t + 1) * step)));
+  }
+  part(lo, std::min(hi, lo + step));
+  for (auto& f : rest) f.get();
+}
+
+// The MPI baseline as a competent MPI programmer writes a parameter server
+// (issue 47; it was one blocking Recv/apply/Send at a time): every worker's
+// gradient chunks have receives posted at once (MPI_Irecv), the server
+// applies whichever chunk arrives first (MPI_Waitany) on every core, and
+// answers that chunk with MPI_Isend of a copy while later chunks are still
+// arriving -- the pipeline membox's exchange has. Workers send and receive
+// all chunks non-blocking. Async SGD: a worker gets the weights as they are
+// after its own update.
+int MpiWorker(bool overlapped, size_t bytes, int compute_ms, int iters) {
+  int rank = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const size_t n = bytes / 4;
+  const auto parts = Chunks(bytes);
+  const int K = static_cast<int>(parts.size());
+  auto count = [&](int c) { return static_cast<int>(parts[c].second / 4); };
+  auto first = [&](int c) { return parts[c].first / 4; };
+  if (rank == 0) {  // the parameter server
+    const int workers = size - 1;
+    std::vector<float> w(n, 1.0f);
+    std::vector<std::vector<float>> g(workers, std::vector<float>(n)),
+        out(workers, std::vector<float>(n));
+    // Request slot (worker, chunk) -> receive; sends likewise.
+    std::vector<MPI_Request> recv(workers * K, MPI_REQUEST_NULL),
+        send(workers * K, MPI_REQUEST_NULL);
+    // Times each (worker, chunk) slot was served: every worker exchanges
+    // iters + 1 times (the first warms up).
+    std::vector<int> served(workers * K, 0);
+    auto post = [&](int v, int c) {
+      MPI_Irecv(g[v].data() + first(c), count(c), MPI_FLOAT, v + 1, 1 + c,
+                MPI_COMM_WORLD, &recv[v * K + c]);
+    };
+    for (int v = 0; v < workers; ++v)
+      for (int c = 0; c < K; ++c) post(v, c);
+    long remaining = static_cast<long>(workers) * (iters + 1) * K;
+    while (remaining-- > 0) {
+      int idx = MPI_UNDEFINED;
+      MPI_Waitany(static_cast<int>(recv.size()), recv.data(), &idx,
+                  MPI_STATUS_IGNORE);
+      if (idx == MPI_UNDEFINED) break;
+      const int v = idx / K, c = idx % K;
+      const size_t lo = first(c), hi = lo + count(c);
+      ApplySgd(w.data(), g[v].data(), lo, hi);
+      MPI_Wait(&send[idx], MPI_STATUS_IGNORE);  // its previous answer left
+      std::memcpy(out[v].data() + lo, w.data() + lo, (hi - lo) * 4);
+      MPI_Isend(out[v].data() + lo, count(c), MPI_FLOAT, v + 1, 100 + c,
+                MPI_COMM_WORLD, &send[idx]);
+      // The worker's next exchange sends this chunk again.
+      if (++served[idx] < iters + 1) post(v, c);
+    }
+    MPI_Waitall(static_cast<int>(send.size()), send.data(),
+                MPI_STATUSES_IGNORE);
+    return 0;
+  }
+  std::vector<float> buf(n, 0.001f), w(n, 1.0f);
+  double comm = 0, iter = 0;
+  std::vector<MPI_Request> reqs(2 * K);
+  Loop(
+      overlapped, compute_ms, iters,
+      [&] {
+        for (int c = 0; c < K; ++c) {
+          MPI_Irecv(w.data() + first(c), count(c), MPI_FLOAT, 0, 100 + c,
+                    MPI_COMM_WORLD, &reqs[K + c]);
+          MPI_Isend(buf.data() + first(c), count(c), MPI_FLOAT, 0, 1 + c,
+                    MPI_COMM_WORLD, &reqs[c]);
+        }
+        MPI_Waitall(2 * K, reqs.data(), MPI_STATUSES_IGNORE);
+      },
+      &comm, &iter);
+  std::printf("RESULT %d %.3f %.3f\n", rank, comm, iter);
+  std::fflush(stdout);
+  return 0;
 }
 
 // One exchange: write-sync the gradient, accumulate it into the weights on

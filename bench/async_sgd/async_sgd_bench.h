@@ -3,8 +3,10 @@
 // workers, for the six CNNs of its Table 2 (parameter bytes, compute time per
 // iteration), sequential and overlapped scenarios. membox: write-sync the
 // gradient, accumulate it into the global weights on the memory node,
-// read-sync the weights. Baseline: an MPI_Send / MPI_Recv parameter server
-// with rank 0 as the server. Both are launched the same way, with mpirun.
+// read-sync the weights. Baseline: an MPI parameter server on rank 0,
+// pipelined over the same 4 chunks and applying updates on every core
+// (non-blocking receives from every worker, MPI_Waitany, MPI_Isend of each
+// answered chunk). Both are launched the same way, with mpirun.
 // docs/results/async_sgd.md.
 #ifndef MEMBOX_BENCH_ASYNC_SGD_ASYNC_SGD_BENCH_H_
 #define MEMBOX_BENCH_ASYNC_SGD_ASYNC_SGD_BENCH_H_
