@@ -18,6 +18,8 @@ machine's GPU, CUDA tensors and a Gloo process group, started by
   membox-N-bf16  the same hook with init(wire_dtype="bfloat16"): each
                bucket rounded to bfloat16 on the GPU, so half the bytes
                cross PCIe and reach the nodes (--wire; float32 sums there)
+  gloo-bf16    Gloo with torch's bf16_compress_hook (fp16_compress_hook for
+               --wire float16): the baseline with the same wire dtype
   compute      the same loop under DDP's no_sync(): no communication, the
                floor every scheme is measured against
 
@@ -139,6 +141,14 @@ def worker(a):
         import membox.torch as membox_torch
         membox_torch.init(wire_dtype=a.wire or None)
         ddp.register_comm_hook(None, membox_torch.allreduce_hook)
+    elif a.scheme == "gloo" and a.wire:
+        # The same wire dtype for the baseline (issue 47): torch's own
+        # compression hooks, as a DDP user halves Gloo's bytes.
+        from torch.distributed.algorithms.ddp_comm_hooks import \
+            default_hooks
+        hook = {"bfloat16": default_hooks.bf16_compress_hook,
+                "float16": default_hooks.fp16_compress_hook}[a.wire]
+        ddp.register_comm_hook(dist.group.WORLD, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=a.lr)
     losses, times = [], []
     for it in range(a.warmup + a.iters):
@@ -269,6 +279,8 @@ def main(argv=None):
         cases = [("compute", 0, ""), ("gloo", 0, "")] + \
             [("membox", n, "") for n in nodes]
         if a.wire not in ("", "none"):
+            # Each wire dtype against Gloo with the same one.
+            cases.append(("gloo", 0, a.wire))
             cases.append(("membox", max(nodes), a.wire))
         res = {}
         for scheme, n, wire in cases:
@@ -291,22 +303,29 @@ def main(argv=None):
                     rec(variant, model, r, k.replace("_gbps", ""), r[k],
                         "GB/s")
             rows.append((model, variant, r))
-    gloo = {m: next(r for mm, v, r in rows if mm == m and v == "gloo")
-            for m in models}
+    # Each variant against Gloo with the same wire dtype: "membox-2-bf16"
+    # against "gloo-bf16", the rest against fp32 Gloo.
+    def gloo_for(model, variant):
+        suffix = variant.rsplit("-", 1)[1] if variant.endswith(
+            ("-bf16", "-fp16")) else ""
+        want = "gloo-" + suffix if suffix else "gloo"
+        return next(r for mm, v, r in rows if mm == model and v == want)
     floor = {m: next(r for mm, v, r in rows if mm == m and v == "compute")
              for m in models}
+    print("(vs gloo: against Gloo with the same wire dtype)")
     print(f"\n{'model':9} {'scheme':9} {'MB':>6} {'iter ms':>8} "
           f"{'blocked':>8} {'vs gloo':>8} {'blk vs':>7} {'loss':>8} "
           f"{'D2H GB/s':>9} {'copy/pin':>8}")
     for model, variant, r in rows:
         blk = max(0.0, r["iter_s"] - floor[model]["iter_s"])
-        gblk = max(1e-9, gloo[model]["iter_s"] - floor[model]["iter_s"])
+        g = gloo_for(model, variant)
+        gblk = max(1e-9, g["iter_s"] - floor[model]["iter_s"])
         rate = r.get("train_d2h_gbps")
         ratio = (r["staging_d2h_gbps"] / r["pinned_d2h_gbps"]
                  if "staging_d2h_gbps" in r else None)
         print(f"{model:9} {variant:9} {r['param_bytes'] / 1e6:6.0f} "
               f"{r['iter_s'] * 1e3:8.1f} {blk * 1e3:8.1f} "
-              f"{r['iter_s'] / gloo[model]['iter_s']:7.2f}x "
+              f"{r['iter_s'] / g['iter_s']:7.2f}x "
               f"{blk / gblk:6.2f}x {r['losses'][-1]:8.4f} "
               + (f"{rate:9.1f}" if rate else f"{'':9}")
               + (f" {ratio:7.2f}x" if ratio else ""))
