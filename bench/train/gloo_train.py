@@ -18,10 +18,14 @@ BUCKET = 25 * 1024 * 1024
 
 
 def run(rank, a, layers):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(a.port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=a.workers)
+    if a.attached:  # one rank of `membox launch --attach` (bench cluster)
+        dist.init_process_group("gloo")
+        rank, a.workers = dist.get_rank(), dist.get_world_size()
+    else:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(a.port)
+        dist.init_process_group("gloo", rank=rank, world_size=a.workers)
     sizes = [n for l in layers for n in l]
     owner = [i for i, l in enumerate(layers) for _ in l]
     offs = [0]
@@ -75,21 +79,27 @@ def run(rank, a, layers):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workers", type=int, required=True)
+    ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--model", required=True)
     ap.add_argument("--forward-ms", type=float, required=True)
     ap.add_argument("--backward-ms", type=float, required=True)
     ap.add_argument("--step-ms", type=float, default=0.0)
     ap.add_argument("--iters", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--attached", action="store_true",
+                    help="this process is one rank; the process group comes "
+                    "from the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT)")
     a = ap.parse_args()
     layers = {}
     with open(a.model) as f:
         for line in f:
             l, n = line.split()
             layers.setdefault(int(l), []).append(int(n))
-    mp.spawn(run, args=(a, [layers[i] for i in sorted(layers)]),
-             nprocs=a.workers, join=True)
+    layers = [layers[i] for i in sorted(layers)]
+    if a.attached:
+        run(0, a, layers)
+    else:
+        mp.spawn(run, args=(a, layers), nprocs=a.workers, join=True)
 
 
 if __name__ == "__main__":

@@ -412,15 +412,10 @@ std::map<std::string, std::string> ParseArgs(
 
 int RunTrainWorker(const std::vector<std::string>& a) {
   auto kv = ParseArgs(a);
-  int provided;
-  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
-  int rank, world;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
   Model m = MakeModel(kv["model"]);
   if (m.name.empty()) {
     std::fprintf(stderr, "unknown model '%s'\n", kv["model"].c_str());
-    MPI_Abort(MPI_COMM_WORLD, 2);
+    return 2;
   }
   double scale = kv.count("scale") ? std::stod(kv["scale"]) : 1.0;
   m.forward_ms *= scale;
@@ -436,6 +431,21 @@ int RunTrainWorker(const std::vector<std::string>& a) {
       }
     }
   }
+  if (kv["scheme"] == "describe") {
+    // For `membox bench cluster`'s Gloo scheme: the Gloo script, the
+    // compute times and the (scaled) layers in gloo_train.py's format.
+    std::printf("SCRIPT %s/bench/train/gloo_train.py\nTIMES %.6f %.6f %.6f\n",
+                MEMBOX_SOURCE_DIR, m.forward_ms, m.backward_ms, m.step_ms);
+    for (size_t l = 0; l < m.layers.size(); ++l)
+      for (auto n : m.layers[l].tensors)
+        std::printf("%zu %llu\n", l, static_cast<unsigned long long>(n));
+    return 0;
+  }
+  int provided;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+  int rank, world;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
   int iters = kv.count("iters") ? std::stoi(kv["iters"]) : 6;
   WorkerResult r;
   MPI_Barrier(MPI_COMM_WORLD);
