@@ -207,6 +207,10 @@ def main():
     ap.add_argument("--no-group", action="store_true",
                     help="a pull and a push request per table per node "
                     "(default: one per node for all tables)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch's intra-op threads (membox's workers use 1 "
+                    "each; a one-process baseline gets the cores the "
+                    "membox run uses, `membox bench ctr`)")
     ap.add_argument("--torchrec", action="store_true",
                     help="TorchRec's FusedEmbeddingBagCollection in this "
                     "process (needs torchrec and fbgemm-gpu-cpu)")
@@ -220,7 +224,7 @@ def main():
                              f"matching torch): {e}")
         a.local = True
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -10,10 +10,12 @@ Variants (each a separate run of the example, interleaved R times; the
 median samples/s is reported):
 
   torch-local      one process, torch.nn.EmbeddingBag / Embedding with
-                   sparse gradients and torch's Adagrad (the reference)
+                   sparse gradients and torch's Adagrad (the reference),
+                   as many torch threads as cores (membox's run uses them
+                   all)
   torchrec         one process, TorchRec's FusedEmbeddingBagCollection
                    (fbgemm's batched CPU kernels, Adagrad fused into
-                   backward); skipped with a note when this interpreter
+                   backward), as many threads as cores; skipped with a note when this interpreter
                    cannot import torchrec
   membox           `membox launch --nodes N --workers W`: tables in the
                    memory nodes, one pull and one push request per node per
@@ -75,10 +77,14 @@ def _children_cpu():
 def run_case(a, variant, script):
     py = sys.executable
     args = ["--samples", str(a.samples), "--seed", str(a.seed)]
+    # The one-process baselines get the core budget of membox's run (its
+    # workers and nodes use all of this machine's cores): as many torch
+    # threads as cores (issue 47; they ran on one thread).
+    threads = ["--threads", str(os.cpu_count() or 1)]
     if variant == "torch-local":
-        cmd = [py, script, "--local"] + args
+        cmd = [py, script, "--local"] + args + threads
     elif variant == "torchrec":
-        cmd = [py, script, "--torchrec"] + args
+        cmd = [py, script, "--torchrec"] + args + threads
     else:
         membox_bin = os.environ.get("MEMBOX_BIN", "membox")
         nodes = 1 if variant in ("membox-1-node", "membox-1-worker") \
