@@ -123,22 +123,34 @@ int RunMemserverPeer(const std::vector<std::string>& args) {
     std::istringstream in(line);
     std::string cmd, mode;
     double secs = 0;
-    in >> cmd >> mode >> secs;
+    long long start_ns = 0;
+    in >> cmd >> mode >> secs >> start_ns;
     if (cmd != "GO") break;
-    uint64_t moved = 0;
-    auto t0 = Clock::now();
-    for (int i = 0; Seconds(Clock::now() - t0) < secs; ++i) {
+    // Every client starts at the same instant (steady_clock is the
+    // system-wide CLOCK_MONOTONIC) and counts only the transfers that
+    // finish inside [start, start + secs], while it keeps transferring
+    // until past the end: all clients run during the whole window.
+    const auto start = Clock::time_point(std::chrono::nanoseconds(start_ns));
+    const auto end = start + std::chrono::duration_cast<Clock::duration>(
+                                 std::chrono::duration<double>(secs));
+    std::this_thread::sleep_until(start);
+    double moved = 0;
+    for (int i = 0; Clock::now() < end; ++i) {
       bool write = mode == "write" || (mode == "mixed" && i % 2 == 1);
+      const auto a = Clock::now();
       Status s = write ? (*c)->WriteSync(*seg, 0, bytes)
                        : (*c)->ReadSync(*seg, 0, bytes);
       if (!s.ok()) {
         std::fprintf(stderr, "peer: %s\n", s.ToString().c_str());
         return 1;
       }
-      moved += bytes;
+      const auto b = Clock::now();
+      // A transfer that ends past the window counts for its share inside.
+      moved += b <= end ? double(bytes)
+                        : double(bytes) * Seconds(end - a) / Seconds(b - a);
     }
     std::printf("DONE %llu %.6f\n", static_cast<unsigned long long>(moved),
-                Seconds(Clock::now() - t0));
+                secs);  // bytes inside the common window, its length
     std::fflush(stdout);
   }
   (void)(*c)->Delete(*seg);
@@ -180,8 +192,16 @@ int RunMemserverBench(const MemserverBenchOptions& opt) {
       }
     }
     for (const char* mode : modes) {
-      char cmd[64];
-      std::snprintf(cmd, sizeof(cmd), "GO %s %.3f", mode, secs);
+      // The window in which all clients run together (issue 47: dividing
+      // every byte by the longest client's own window overstated the
+      // aggregate when the windows were staggered).
+      const auto start = Clock::now() + std::chrono::milliseconds(300);
+      char cmd[96];
+      std::snprintf(cmd, sizeof(cmd), "GO %s %.3f %lld", mode, secs,
+                    static_cast<long long>(
+                        std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            start.time_since_epoch())
+                            .count()));
       for (auto& p : peers) p.WriteLine(cmd);
       double bytes = 0, longest = 0;
       for (auto& p : peers) {
