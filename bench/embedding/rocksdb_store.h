@@ -6,9 +6,9 @@
 // Tuned as RocksDB's tuning guide advises for point lookups and updates of
 // small fixed-size values (issue 47; it ran on default Options before):
 // universal compaction, the guide's style for write-heavy work, sized for
-// the memtable budget (OptimizeUniversalStyleCompaction), background jobs for every core
-// (IncreaseParallelism), a full-key Bloom filter of 10 bits per key so a
-// miss costs no block read, index and filter blocks pinned in the block
+// the memtable budget (OptimizeUniversalStyleCompaction), background jobs for
+// every core (IncreaseParallelism), a full-key Bloom filter of 10 bits per key
+// so a miss costs no block read, index and filter blocks pinned in the block
 // cache, 4 KiB blocks, and a block cache of `cache_bytes` -- the bench
 // passes what membox's SSD tier keeps in memory for its key map, so neither
 // store gets memory the other lacks.
