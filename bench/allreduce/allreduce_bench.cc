@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -326,6 +327,21 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
     return StartMpiRanks(p, peer);
   };
   const std::string iters_s = std::to_string(iters);
+  // Reads one run's results into `variant`; false (after saying so) when
+  // the run did not report every size.
+  auto collect = [&](std::optional<Subprocess>& proc,
+                     const std::string& variant, int p) {
+    if (!proc) return false;
+    auto res = ReadResults(*proc, sizes.size());
+    proc->Wait(std::chrono::minutes(2));
+    if (res.size() != sizes.size()) {
+      std::fprintf(stderr, "error: the %s run p=%d is incomplete\n",
+                   variant.c_str(), p);
+      return false;
+    }
+    for (auto& [k, sec] : res) add(variant, p, k.second, sec);
+    return true;
+  };
   for (int rep = 0; rep < repeats; ++rep) {
     const std::string tag =
         repeats > 1 ? " repeat " + std::to_string(rep + 1) : "";
@@ -335,14 +351,7 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
       {
         auto proc = mpirun(p, {"-", "-", Join(sizes), iters_s,
                                std::to_string(opt.partition_bytes)});
-        if (!proc) return 1;
-        auto res = ReadResults(*proc, sizes.size());
-        proc->Wait(std::chrono::minutes(2));
-        if (res.size() != sizes.size()) {
-          std::fprintf(stderr, "error: the MPI run p=%d failed\n", p);
-          return 1;
-        }
-        for (auto& [k, sec] : res) add("mpi", p, k.second, sec);
+        if (!collect(proc, "mpi", p)) return 1;
       }
       // membox through 1 and 2 memory nodes.
       for (int m : nodes) {
@@ -361,17 +370,7 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
         for (auto& pe : peers) list += (list.empty() ? "" : ",") + pe;
         auto proc = mpirun(p, {list, servers[0].secret_file(), Join(sizes),
                                iters_s, std::to_string(opt.partition_bytes)});
-        if (!proc) return 1;
-        auto res = ReadResults(*proc, sizes.size());
-        proc->Wait(std::chrono::minutes(2));
-        if (res.size() != sizes.size()) {
-          std::fprintf(stderr, "error: membox run p=%d nodes=%d incomplete\n",
-                       p, m);
-          return 1;
-        }
-        for (auto& [k, sec] : res) {
-          add("membox-" + std::to_string(m) + "node", p, k.second, sec);
-        }
+        if (!collect(proc, "membox-" + std::to_string(m) + "node", p)) return 1;
       }
       if (opt.with_gloo) {
         Progress(done++, total, "gloo p=" + std::to_string(p) + tag);
@@ -381,14 +380,7 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
                  "/bench/allreduce/gloo_allreduce.py",
              "--workers", std::to_string(p), "--sizes", Join(sizes), "--iters",
              iters_s, "--port", std::to_string(ServerProcess::FreePort())});
-        if (!proc) return 1;
-        auto res = ReadResults(*proc, sizes.size());
-        proc->Wait(std::chrono::minutes(2));
-        if (res.size() != sizes.size()) {
-          std::fprintf(stderr, "error: the Gloo run p=%d failed\n", p);
-          return 1;
-        }
-        for (auto& [k, sec] : res) add("gloo", p, k.second, sec);
+        if (!collect(proc, "gloo", p)) return 1;
       }
     }
   }

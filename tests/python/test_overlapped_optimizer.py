@@ -37,8 +37,8 @@ def ddp(module):
                                                      bucket_cap_mb=0.1)
 
 
-def train(model, opt, steps, plain_step):
-    gen = torch.Generator().manual_seed(7)
+def train(model, opt, steps, plain_step, seed=7):
+    gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         x = torch.randn(32, 64, generator=gen)
         y = torch.randn(32, 8, generator=gen)
@@ -62,14 +62,7 @@ def two_rank_worker(rank, world, pg_file, endpoint, secret, out_dir):
     def run(make_opt, plain_step):
         model = ddp(mlp())
         opt = make_opt(model)
-        gen = torch.Generator().manual_seed(100 + rank)  # rank's own data
-        for _ in range(5):
-            x = torch.randn(32, 64, generator=gen)
-            y = torch.randn(32, 8, generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            if plain_step:
-                opt.step()
+        train(model, opt, 5, plain_step, seed=100 + rank)  # rank's own data
         return [p.detach().clone() for p in model.parameters()], opt
 
     got = {}
