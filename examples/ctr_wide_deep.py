@@ -204,6 +204,12 @@ def main():
                          "(the sparse tables are in the nodes anyway)")
     ap.add_argument("--local", action="store_true",
                     help="torch tables in this process (the reference)")
+    ap.add_argument("--ddp", action="store_true",
+                    help="torch tables replicated in every process (run "
+                    "under torchrun), the whole model under DDP with Gloo: "
+                    "the tables' sparse gradients are all-reduced as sparse "
+                    "tensors (the data-parallel reference with membox's "
+                    "worker count)")
     ap.add_argument("--no-group", action="store_true",
                     help="a pull and a push request per table per node "
                     "(default: one per node for all tables)")
@@ -230,13 +236,21 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", 1))
     if a.local and world != 1:
         raise SystemExit("--local runs in one process")
+    if a.ddp and (a.local or world < 2):
+        raise SystemExit("--ddp runs under torchrun with 2 or more processes "
+                         "(torchrun --nproc_per_node 2 ... --ddp)")
+    local_tables = a.local or a.ddp  # torch's own tables in this process
     ids, hist, offsets, hist_len, labels, prob = click_log(a)
     n_test = a.samples // 10
     train_idx = np.arange(n_test, a.samples)
     test_idx = np.arange(n_test)
-    model = WideDeep(a, store=not a.local)
+    model = WideDeep(a, store=not local_tables)
+    step_model = model  # what a training step calls
     dense = model.mlp
-    if world > 1:
+    if a.ddp:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        step_model = nn.parallel.DistributedDataParallel(model)
+    elif world > 1:
         import membox.torch as mt
         dist.init_process_group("gloo", rank=rank, world_size=world)
         mt.init()
@@ -253,7 +267,7 @@ def main():
         mem = mt.InMemoryState(model.mlp, opt)
         first_epoch, skip = divmod(mem.restore(), per_epoch)
     sparse_opt = None
-    if a.local and not a.torchrec:  # TorchRec's optimizer runs in backward
+    if local_tables and not a.torchrec:  # TorchRec's: in backward
         sparse_opt = torch.optim.Adagrad(
             [p for n, p in model.named_parameters() if not n.startswith("mlp")],
             lr=a.sparse_lr)
@@ -301,11 +315,11 @@ def main():
         for step in range(begin, steps):
             while len(ahead) <= a.prefetch and (step + len(ahead)) < steps:
                 x, h, ho, y = next(data)
-                pre = (model.prefetch(x, h) if not a.local and a.prefetch
-                       else (None, None, None))
+                pre = (model.prefetch(x, h) if not local_tables and
+                       a.prefetch else (None, None, None))
                 ahead.append((x, h, ho, y, pre))
             x, h, ho, y, pre = ahead.popleft()
-            loss = lossf(model(x, h, ho, pre), y)
+            loss = lossf(step_model(x, h, ho, pre), y)
             opt.zero_grad()
             if sparse_opt:
                 sparse_opt.zero_grad()
@@ -317,7 +331,7 @@ def main():
                 sparse_opt.step()
             total += float(loss.detach())
             seen += len(y)
-        if not a.local:
+        if not local_tables:
             for layer in (model.wide, model.deep, model.hist):
                 layer.synchronize()
         if world > 1:
@@ -342,7 +356,8 @@ def main():
         base = log_loss(y, np.full(len(y), labels[train_idx].mean()))
         print("RESULT " + json.dumps({
             "backend": ("torchrec" if a.torchrec else
-                        "torch-local" if a.local else "membox"),
+                        "torch-local" if a.local else
+                        "torch-ddp" if a.ddp else "membox"),
             "workers": world, "test_auc": history[-1]["test_auc"],
             "test_logloss": history[-1]["test_logloss"],
             "hidden_model_auc": best, "constant_logloss": base,

@@ -2,6 +2,7 @@
 
     membox bench cluster [--quick] [--csv F] [--json F] [--plot F.png]
                          [--workers 4] [--rate 400mbit] [--nodes 1,2,4]
+                         [--memory-rate R]
                          [--sizes 1MiB,16MiB,...] [--parts allreduce,train]
                          [--repeats N]
 
@@ -14,6 +15,7 @@ on them, with the baselines in the same run:
              across the worker hosts, 1 MiB ... 256 MiB, with each scheme's
              link bound in the same table:
                membox: max(n / worker link, p n / (M memory-node link))
+             (--memory-rate: memory hosts' links apart from the workers')
                ring AllReduce: 2 (p - 1) / p  n / worker link
   train      `membox bench train`'s emulated data-parallel training
              (compute as sleeps, the real model's tensors scaled by
@@ -79,13 +81,25 @@ def _size(s):
     return int(s)
 
 
-def topology(name, workers, memory, rate, pool, extra=None):
+def links(a):
+    """The topology's link rates as a case name: "400mbit", or
+    "200mbit-m400mbit" when the memory hosts' links differ."""
+    if a.memory_rate and a.memory_rate != a.rate:
+        return f"{a.rate}-m{a.memory_rate}"
+    return a.rate
+
+
+def topology(name, workers, memory, a, extra=""):
+    """Every link at --rate; the memory hosts' at --memory-rate if given."""
     path = os.path.join(tempfile.gettempdir(), f"membox-bench-{name}.toml")
     with open(path, "w") as f:
         f.write(f'name = "{name}"\nsubnet = "10.82.0"\nworkers = {workers}\n'
-                f'memory = {memory}\nrate = "{rate}"\npool = "{pool}"\n'
+                f'memory = {memory}\nrate = "{a.rate}"\npool = "{a.pool}"\n'
                 f'emb_budget = "16MiB"\n')
-        f.write(extra or "")
+        f.write(extra)  # top-level keys come before the [host.X] tables
+        if a.memory_rate:
+            for i in range(memory):
+                f.write(f'[host.m{i}]\nrate = "{a.memory_rate}"\n')
     return cluster.load_topology(path)
 
 
@@ -166,15 +180,16 @@ def run_allreduce(a, rec):
     p = a.workers
     sizes_s = ",".join(str(s) for s in a.sizes)
     link = cluster._rate_bits(a.rate) / 8  # bytes/s per direction
+    mem_link = cluster._rate_bits(a.memory_rate or a.rate) / 8
     python = os.environ.get("MEMBOX_PYTHON", sys.executable)
     for m in a.nodes:
-        case = f"{p}w-{a.rate}"  # memory nodes: in the variant names
-        topo = topology("bcl", p, m, a.rate, a.pool)
+        case = f"{p}w-{links(a)}"  # memory nodes: in the variant names
+        topo = topology("bcl", p, m, a)
         cluster.up(topo, log=lambda s: print(s, file=sys.stderr))
         try:
             for n in a.sizes:
                 rec.add(f"bound-{m}node", n, p, "time",
-                        1e3 * max(n / link, p * n / (m * link)), "ms", case)
+                        1e3 * max(n / link, p * n / (m * mem_link)), "ms", case)
             peer = [membox, "bench-peer", "allreduce", "worker",
                     cluster.proxies(topo), cluster.secret_file(topo), sizes_s,
                     str(a.iters), str(a.partition)]
@@ -219,7 +234,7 @@ def run_allreduce(a, rec):
                         cluster.up(topo, log=lambda s: None)
                     if variant == "replica":
                         cluster.down(topo, quiet=True)
-                        cluster.up(topology("bcl", p, m, a.rate, a.pool,
+                        cluster.up(topology("bcl", p, m, a,
                                             "ps_replicate = true\n"),
                                    log=lambda s: None)
                     print(f"[{case}] {variant} ..." + (
@@ -293,14 +308,14 @@ def run_train(a, rec):
     p, m = a.workers, max(a.nodes)
     tmpdir = tempfile.mkdtemp(prefix="membox-bench-train-")
     for model in a.models:
-        case = f"{model}@{p}w{m}m-{a.rate}"
+        case = f"{model}@{p}w{m}m-{links(a)}"
         runs = {}  # scheme -> [(iteration, blocked, cpu)]
         for rep in range(a.repeats):
             for name, nodes, routing, partition, dual in TRAIN_SCHEMES:
                 if name == "gloo" and a.no_gloo:
                     continue
                 nodes = m if nodes is None else nodes
-                topo = topology("btr", p, max(1, nodes), a.rate, a.pool)
+                topo = topology("btr", p, max(1, nodes), a)
                 cluster.up(topo, log=lambda s: None)
                 try:
                     args = [membox, "bench-peer", "train", "worker",
@@ -467,6 +482,9 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rate", default="400mbit",
                     help="every host link, per direction")
+    ap.add_argument("--memory-rate", default="",
+                    help="the memory hosts' links, per direction (default: "
+                         "--rate)")
     ap.add_argument("--nodes", default="", help="memory nodes, e.g. 1,2,4")
     ap.add_argument("--sizes", default="")
     ap.add_argument("--iters", type=int, default=0)

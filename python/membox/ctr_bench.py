@@ -13,6 +13,10 @@ median samples/s is reported):
                    sparse gradients and torch's Adagrad (the reference),
                    as many torch threads as cores (membox's run uses them
                    all)
+  torch-ddp        --workers processes under torchrun, each with torch's
+                   tables (replicated) and one torch thread, the whole
+                   model under DDP with Gloo (sparse gradients all-reduced
+                   as sparse tensors): membox's worker count and cores
   torchrec         one process, TorchRec's FusedEmbeddingBagCollection
                    (fbgemm's batched CPU kernels, Adagrad fused into
                    backward), as many threads as cores; skipped with a note when this interpreter
@@ -45,7 +49,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("torch-local", "torchrec", "membox", "membox-per-table",
+VARIANTS = ("torch-local", "torch-ddp", "torchrec", "membox", "membox-per-table",
             "membox-1-node", "membox-1-worker")
 
 
@@ -83,6 +87,9 @@ def run_case(a, variant, script):
     threads = ["--threads", str(os.cpu_count() or 1)]
     if variant == "torch-local":
         cmd = [py, script, "--local"] + args + threads
+    elif variant == "torch-ddp":
+        cmd = [py, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", str(a.workers), script, "--ddp"] + args
     elif variant == "torchrec":
         cmd = [py, script, "--torchrec"] + args + threads
     else:
@@ -182,7 +189,7 @@ def main(argv=None):
         fig, ax = plt.subplots(figsize=(8, 4))
         vals = [rows[v]["samples_per_s"] for v in variants]
         bars = ax.bar(variants, vals,
-                      color=["#7f7f7f", "#2ca02c", "#1f77b4", "#aec7e8",
+                      color=["#7f7f7f", "#bcbd22", "#2ca02c", "#1f77b4", "#aec7e8",
                              "#9467bd", "#17becf"][:len(variants)])
         for b, v in zip(bars, variants):
             ax.annotate(f"AUC {rows[v]['test_auc']:.4f}",
