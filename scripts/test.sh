@@ -26,7 +26,7 @@ allowed_skips="python_cuda_test torchrun_test"
 total=0 skipped_total=0 skipped_names=""
 run_ctest() {  # $1 = preset; adds its passed and skipped counts
   mkdir -p build
-  if ! ctest --preset "$1" -j1 2>&1 | tee "build/ctest-$1.log"; then
+  if ! ctest --preset "$1" -j"$jobs" 2>&1 | tee "build/ctest-$1.log"; then
     # The failing tests' assertions and sanitizer reports, last, where a
     # reader of the tail sees them (ctest prints a failing test from its top).
     show_failure "build/$1/Testing/Temporary/LastTest.log"
@@ -98,14 +98,20 @@ done
 unset TSAN_OPTIONS UCX_MEM_EVENTS
 echo "tsan: transport_test, service_test, memserver_test, ps_test, embedding_server_test, hostile_network_test clean"
 
-echo "== fuzz targets (libFuzzer, 20 s each)"
+echo "== fuzz targets (libFuzzer, 20 s each, $jobs at a time)"
 cmake --preset fuzz
-cmake --build --preset fuzz -j"$jobs"
+cmake --build --preset fuzz -j"$jobs" --target fuzzers
+# Each fuzzer runs on its corpus and the seeds; its exit status goes to
+# build/fuzz/NAME.rc, its output to build/fuzz/NAME.log.
+ls build/fuzz/fuzz/*_fuzzer | xargs -P "$jobs" -I{} bash -c '
+  name=$(basename "$1")
+  mkdir -p "build/fuzz/corpus-$name"
+  "$1" -max_total_time=20 "build/fuzz/corpus-$name" "fuzz/corpus/$name" \
+    >"build/fuzz/$name.log" 2>&1
+  echo $? >"build/fuzz/$name.rc"' _ {} || true
 for f in build/fuzz/fuzz/*_fuzzer; do
   name=$(basename "$f")
-  mkdir -p "build/fuzz/corpus-$name"
-  if ! "$f" -max_total_time=20 "build/fuzz/corpus-$name" "fuzz/corpus/$name" \
-      >"build/fuzz/$name.log" 2>&1; then
+  if [[ "$(cat "build/fuzz/$name.rc" 2>/dev/null)" != 0 ]]; then
     tail -n 60 "build/fuzz/$name.log"
     echo "fuzzer $name found a failure (log: build/fuzz/$name.log)"
     exit 1

@@ -13,7 +13,7 @@ median samples/s is reported):
                    sparse gradients and torch's Adagrad (the reference),
                    as many torch threads as cores (membox's run uses them
                    all)
-  torch-ddp        --workers processes under torchrun, each with torch's
+  torch-ddp        --workers processes (torchrun's environment), each with torch's
                    tables (replicated) and one torch thread, the whole
                    model under DDP with Gloo (sparse gradients all-reduced
                    as sparse tensors): membox's worker count and cores
@@ -73,6 +73,13 @@ def _find_script(path):
          "pass --script PATH")
 
 
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _children_cpu():
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
@@ -88,8 +95,7 @@ def run_case(a, variant, script):
     if variant == "torch-local":
         cmd = [py, script, "--local"] + args + threads
     elif variant == "torch-ddp":
-        cmd = [py, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(a.workers), script, "--ddp"] + args
+        cmd = [py, script, "--ddp"] + args
     elif variant == "torchrec":
         cmd = [py, script, "--torchrec"] + args + threads
     else:
@@ -101,18 +107,31 @@ def run_case(a, variant, script):
                str(workers), "--", py, script] + args
         if variant == "membox-per-table":
             cmd.append("--no-group")
+    # torch-ddp: --workers processes with torchrun's environment (RANK,
+    # WORLD_SIZE, MASTER_ADDR/PORT, one OpenMP thread each); started here
+    # because Debian's torch 1.13 torchrun fails under Python 3.11.
+    ranks = a.workers if variant == "torch-ddp" else 1
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks),
+               OMP_NUM_THREADS="1")
     cpu0, t0 = _children_cpu(), time.perf_counter()
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True)
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))
+                              if variant == "torch-ddp" else None)
+             for r in range(ranks)]
+    outs = [p.communicate()[0] for p in procs]
     wall = time.perf_counter() - t0
     cpu = (_children_cpu() - cpu0) / wall
     result = None
-    for line in p.stdout.splitlines():
+    for line in outs[0].splitlines():
         if "RESULT " in line:
             result = json.loads(line.split("RESULT ", 1)[1])
-    if p.returncode != 0 or result is None:
-        sys.stderr.write(p.stdout[-6000:])
-        _die(f"{variant} failed (exit {p.returncode})")
+    failed = [p.returncode for p in procs if p.returncode != 0]
+    if failed or result is None:
+        for out in outs:
+            sys.stderr.write(out[-6000:])
+        _die(f"{variant} failed (exit {failed[0] if failed else 0})")
     result["cpu_per_wall"] = cpu
     return result
 

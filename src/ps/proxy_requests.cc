@@ -603,24 +603,39 @@ void ProxyImpl::Combine(uint64_t conn, const Message& m) {
         std::string(d.begin(), d.end()));
 }
 
+namespace {
+
+// A fresh region of the device holding `bytes` of `src`. (In-process tests
+// under TSan: the region may be mapped where a worker's freed one was, and
+// this copy is then reported against that worker's writes, tests/tsan.supp.)
+Result<std::unique_ptr<MemRegion>> CopyToFreshRegion(transport::Device& device,
+                                                     const void* src,
+                                                     size_t bytes) {
+  auto r = device.AllocateMemRegion(bytes);
+  if (r.ok()) std::memcpy((*r)->data(), src, bytes);
+  return r;
+}
+
+}  // namespace
+
 void ProxyImpl::FoldCombined() {
   for (auto& [k, key] : keys_) {
     if (key.combine && key.shards.size() == 1) {
       Shard& sh = key.shards[0];
-      auto buf = device_->AllocateMemRegion(key.bytes);
-      if (buf.ok()) {
-        auto last = FoldCombineRegion(key.combine->data(), key.combine_geometry,
-                                      key.combine_from, (*buf)->data());
-        // Round r (numbered from 0) leaves version r + 1.
-        if (last.ok() && *last >= key.combine_from && *last + 1 > sh.version &&
-            sh.value && sh.value->size() >= key.bytes) {
-          if (sh.value.use_count() > 1) {
-            sh.value = std::shared_ptr<MemRegion>(std::move(*buf));
-          } else {
-            std::memcpy(sh.value->data(), (*buf)->data(), key.bytes);
-          }
-          sh.version = *last + 1;
+      std::vector<uint8_t> sum(key.bytes);
+      auto last = FoldCombineRegion(key.combine->data(), key.combine_geometry,
+                                    key.combine_from, sum.data());
+      // Round r (numbered from 0) leaves version r + 1.
+      if (last.ok() && *last >= key.combine_from && *last + 1 > sh.version &&
+          sh.value && sh.value->size() >= key.bytes) {
+        if (sh.value.use_count() > 1) {  // a reader holds it: a new region
+          auto buf = CopyToFreshRegion(*device_, sum.data(), key.bytes);
+          if (!buf.ok()) continue;  // the value stays at its last version
+          sh.value = std::shared_ptr<MemRegion>(std::move(*buf));
+        } else {
+          std::memcpy(sh.value->data(), sum.data(), key.bytes);
         }
+        sh.version = *last + 1;
       }
     }
     if (key.combine) combine_bytes_ -= key.combine_geometry.region_bytes();

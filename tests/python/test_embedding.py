@@ -6,6 +6,7 @@ layers), prefetching, the errors a user sees, and the wide & deep example
 under `membox launch`."""
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -335,6 +336,31 @@ class WideDeepExampleTest(unittest.TestCase):
         self.assertGreater(got["test_auc"], 0.6)
         self.assertLess(abs(got["test_auc"] - ref["test_auc"]), 0.03)
         self.assertLess(got["test_logloss"], got["constant_logloss"])
+        # `membox bench ctr`'s torch-ddp reference: torch's tables in two
+        # processes under DDP (torchrun's environment), the same model.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   WORLD_SIZE="2")
+        procs = [subprocess.Popen([sys.executable] + args + ["--ddp"],
+                                  cwd=ROOT, env=dict(env, RANK=str(r)),
+                                  stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+                 for r in range(2)]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        for p, out in zip(procs, outs):
+            self.assertEqual(p.returncode, 0, out[-3000:])
+        ddp = result(outs[0])
+        self.assertEqual((ddp["backend"], ddp["workers"]), ("torch-ddp", 2))
+        self.assertLess(abs(ddp["test_auc"] - ref["test_auc"]), 0.03)
+        # --ddp alone, outside a process group launch: a clear error.
+        alone = subprocess.run([sys.executable] + args + ["--ddp"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60,
+                               env={k: v for k, v in os.environ.items()
+                                    if k not in ("RANK", "WORLD_SIZE")})
+        self.assertNotEqual(alone.returncode, 0)
+        self.assertIn("--ddp runs under torchrun", alone.stderr)
 
     def test_torchrec_baseline_matches_local_torch(self):
         # The TorchRec baseline of `membox bench ctr` trains the same model.
