@@ -46,10 +46,14 @@ run_ctest() {  # $1 = preset; adds its passed and skipped counts
   done
   total=$((total + ${n:-0} - $(wc -w <<<"$skipped")))
 }
+# stage NAME: prints the stage's heading and when it starts (seconds since
+# the start), so that CI's log gives the time per stage.
+start=$SECONDS
+stage() { echo "== $1 (at $((SECONDS - start)) s)"; }
 if [[ "${1:-}" != "--no-install" ]]; then bash scripts/install-deps.sh; fi
 jobs=$(nproc)
 
-echo "== format check (clang-format, .clang-format)"
+stage "format check (clang-format, .clang-format)"
 unformatted=$(git ls-files '*.cc' '*.h' '*.c' | xargs clang-format --dry-run 2>&1 \
   | sed -n 's/^\([^:]*\):[0-9]*:[0-9]*: warning:.*/\1/p' | sort -u)
 if [[ -n $unformatted ]]; then
@@ -58,21 +62,21 @@ if [[ -n $unformatted ]]; then
   exit 1
 fi
 
-echo "== release build and tests"
+stage "release build and tests"
 cmake --preset release
 cmake --build --preset release -j"$jobs"
 run_ctest release
 
-echo "== pip install . into a venv, then PyPI's torch 2.x there (tests/install/pip_install_test.sh)"
+stage "pip install . into a venv, then PyPI's torch 2.x there (tests/install/pip_install_test.sh)"
 bash tests/install/pip_install_test.sh --torch 2>&1 | tee build/pip_install_test.log
 grep -q "^PASS: pip install" build/pip_install_test.log
 
-echo "== ASan + UBSan build and tests"
+stage "ASan + UBSan build and tests"
 cmake --preset asan
 cmake --build --preset asan -j"$jobs"
 run_ctest asan
 
-echo "== ThreadSanitizer: transport (handshake, TCP path), the service layer, the memory server, the proxy, the embedding server, a real daemon under hostile input"
+stage "ThreadSanitizer: transport (handshake, TCP path), the service layer, the memory server, the proxy, the embedding server, a real daemon under hostile input"
 cmake --preset tsan
 cmake --build --preset tsan -j"$jobs" --target transport_test service_test memserver_test ps_test embedding_server_test membox
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp" UCX_MEM_EVENTS=no
@@ -98,7 +102,7 @@ done
 unset TSAN_OPTIONS UCX_MEM_EVENTS
 echo "tsan: transport_test, service_test, memserver_test, ps_test, embedding_server_test, hostile_network_test clean"
 
-echo "== fuzz targets (libFuzzer, 20 s each, $jobs at a time)"
+stage "fuzz targets (libFuzzer, 20 s each, $jobs at a time)"
 cmake --preset fuzz
 cmake --build --preset fuzz -j"$jobs" --target fuzzers
 # Each fuzzer runs on its corpus and the seeds; its exit status goes to
@@ -119,4 +123,5 @@ for f in build/fuzz/fuzz/*_fuzzer; do
   echo "fuzzer $name: $(grep -o 'Done [0-9]* runs' "build/fuzz/$name.log" | tail -n 1), no failure"
 done
 echo "all test suites passed (release and ASan+UBSan ctest runs, TSan runs, fuzzers clean)"
+echo "done in $((SECONDS - start)) s"
 echo "ctest: ${total} passed, ${skipped_total} skipped (allowed:${skipped_names:- none}), 0 failed"
