@@ -142,9 +142,13 @@ def _has_torchrec():
         import fbgemm_gpu  # noqa: F401
         return True
     except Exception as e:  # ImportError, or fbgemm's OSError on a mismatch
+        hint = ("install torchrec and fbgemm-gpu-cpu built for this torch"
+                if "nvidia" not in f"{e} {e.__cause__}" else
+                "torchrec pulled fbgemm_gpu, the CUDA build, over "
+                "fbgemm-gpu-cpu: pip uninstall -y fbgemm_gpu fbgemm_gpu-cpu "
+                "&& pip install --no-deps fbgemm-gpu-cpu")
         print(f"membox bench ctr: torchrec skipped ({type(e).__name__}: "
-              f"{str(e)[:160]}); install torchrec and fbgemm-gpu-cpu built "
-              f"for this torch", file=sys.stderr)
+              f"{str(e)[:160]}); {hint}", file=sys.stderr)
         return False
 
 
