@@ -23,7 +23,9 @@ def main():
     ap.add_argument("--width", type=int, default=5792)
     ap.add_argument("--bucket-mb", type=int, default=25)
     ap.add_argument("--wire-dtype", choices=("bfloat16", "float16"),
-                    help="membox: gradients on the wire in this type")
+                    help="gradients on the wire in this type: membox's "
+                    "wire_dtype, or for Gloo torch's bf16_compress_hook / "
+                    "fp16_compress_hook (the same wire for both)")
     ap.add_argument("--no-sync", action="store_true",
                     help="compute only (DDP's no_sync): the floor")
     a = ap.parse_args()
@@ -41,6 +43,11 @@ def main():
         import membox.torch
         membox.torch.init(wire_dtype=a.wire_dtype)
         model.register_comm_hook(None, membox.torch.allreduce_hook)
+    elif a.wire_dtype:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, {
+            "bfloat16": default_hooks.bf16_compress_hook,
+            "float16": default_hooks.fp16_compress_hook}[a.wire_dtype])
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(2, w)
     times = []

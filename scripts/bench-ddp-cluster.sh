@@ -1,28 +1,36 @@
 #!/usr/bin/env bash
 # DDP across an emulated cluster (root): examples/comm_bound.py with Gloo,
-# the membox hook, and the hook with bfloat16 / float16 on the wire, on each
+# the membox hook, and both with bfloat16 / float16 on the wire, on each
 # topology given; every variant run --repeats times (interleaved), median
 # iteration time, CPU idle while it ran. Writes contract records (CSV) and a
 # bar plot.
-#   scripts/bench-ddp-cluster.sh [--repeats N] [--width W] OUT_PREFIX TOPOLOGY.toml...
+#   scripts/bench-ddp-cluster.sh [--repeats N] [--width W] [--python PY] OUT_PREFIX TOPOLOGY.toml...
+# PY (default /usr/bin/python3) runs the workers; Gloo's bf16 variant needs
+# torch 2.x there (torch 1.13's DDP refuses bf16_compress_hook without NCCL).
 # e.g. scripts/bench-ddp-cluster.sh docs/results/ddp_cluster \
 #        examples/cluster/4w2m.toml examples/cluster/4w4m.toml
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 membox=${MEMBOX_BIN:-$here/build/release/tools/membox}
-repeats=2 width=2048
+repeats=2 width=2048 python=/usr/bin/python3
 while [[ $# -gt 0 && $1 == --* ]]; do
   case $1 in
     --repeats) repeats=$2; shift 2 ;;
     --width) width=$2; shift 2 ;;
+    --python) python=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
 out=${1:?usage: bench-ddp-cluster.sh [--repeats N] OUT_PREFIX TOPOLOGY...}; shift
 [[ $(id -u) -eq 0 ]] || { echo "needs root (network namespaces)" >&2; exit 2; }
+# Each half-precision membox variant is compared with Gloo on the same wire
+# (torch's bf16/fp16_compress_hook): vs_gloo is against the Gloo variant
+# with the same suffix.
 variants=("compute-only:--no-sync --backend gloo" "gloo:--backend gloo"
           "membox:--backend membox"
+          "gloo-bfloat16:--backend gloo --wire-dtype bfloat16"
           "membox-bfloat16:--backend membox --wire-dtype bfloat16"
+          "gloo-float16:--backend gloo --wire-dtype float16"
           "membox-float16:--backend membox --wire-dtype float16")
 raw=$(mktemp)
 echo "bench,variant,size_bytes,workers,metric,value,unit,case" > "$out.csv"
@@ -36,7 +44,7 @@ for topo in "$@"; do
       name=${v%%:*} args=${v#*:}
       top -b -d 2 -n 6 | awk '/^%Cpu/ {print $8}' > "$raw.cpu" &
       # shellcheck disable=SC2086
-      line=$("$membox" cluster run "$topo" -- /usr/bin/python3 \
+      line=$("$membox" cluster run "$topo" -- "$python" \
         "$here/examples/comm_bound.py" $args --width "$width" --iters 6 \
         2>&1 | grep '^RESULT' || true)
       wait
@@ -62,7 +70,10 @@ with open(out + ".csv", "a") as f:
         ms = statistics.median(r[0] for r in rs)
         nbytes = rs[0][1] * 4
         idle = statistics.mean(r[2] for r in rs)
-        gloo = statistics.median(r[0] for r in runs[(case, "gloo")])
+        wire = name.split("-", 1)[1] if name.startswith(
+            ("membox-", "gloo-")) else ""
+        ref = "gloo-" + wire if wire else "gloo"  # Gloo on the same wire
+        gloo = statistics.median(r[0] for r in runs[(case, ref)])
         for metric, value, unit in (("iteration_ms", ms, "ms"),
                                     ("vs_gloo", ms / gloo, "x"),
                                     ("cpu_idle", idle, "%")):
@@ -71,6 +82,8 @@ with open(out + ".csv", "a") as f:
         rows.append((case, name, ms, ms / gloo, idle,
                      " / ".join(f"{r[0]:.0f}" for r in rs)))
 with open(out + ".txt", "w") as f:
+    f.write("vs gloo: against Gloo on the same wire (float32, or torch's "
+            "bf16/fp16_compress_hook)\n")
     f.write(f"{'topology':10} {'variant':16} {'iter ms':>8} {'vs gloo':>8} "
             f"{'CPU idle':>8}  runs\n")
     for case, name, ms, ratio, idle, all_ in rows:
