@@ -220,7 +220,7 @@ class Client {
 
   static membox::ps::OptimizerConfig ParseOptimizer(
       const std::string& optimizer, double lr, double momentum, double beta1,
-      double beta2, double eps) {
+      double beta2, double eps, double weight_decay) {
     using K = membox::ps::OptimizerConfig::Kind;
     membox::ps::OptimizerConfig o;
     if (optimizer == "none")
@@ -229,19 +229,27 @@ class Client {
       o.kind = K::kSgd;
     else if (optimizer == "adam")
       o.kind = K::kAdam;
+    else if (optimizer == "adamw")
+      o.kind = K::kAdamW;
+    else if (optimizer == "adagrad")
+      o.kind = K::kAdagrad;
     else
-      throw py::value_error("optimizer must be none, sgd or adam");
+      throw py::value_error(
+          "optimizer must be none, sgd, adam, adamw or adagrad (got '" +
+          optimizer + "')");
     o.lr = lr;
     o.momentum = momentum;
     o.beta1 = beta1;
     o.beta2 = beta2;
     o.eps = eps;
+    o.weight_decay = weight_decay;
     return o;
   }
 
   void Configure(const std::string& mode, uint32_t staleness,
                  std::optional<std::string> optimizer, double lr,
-                 double momentum, double beta1, double beta2, double eps) {
+                 double momentum, double beta1, double beta2, double eps,
+                 double weight_decay) {
     membox::ps::SyncConfig c;
     using M = membox::ps::SyncConfig::Mode;
     if (mode == "sum")
@@ -254,7 +262,8 @@ class Client {
       throw py::value_error("mode must be sum, average or async");
     c.staleness = staleness;
     if (optimizer) {
-      c.optimizer = ParseOptimizer(*optimizer, lr, momentum, beta1, beta2, eps);
+      c.optimizer = ParseOptimizer(*optimizer, lr, momentum, beta1, beta2, eps,
+                                   weight_decay);
     }
     Status s;
     {
@@ -267,7 +276,7 @@ class Client {
   uint64_t Declare(uint64_t key, uint64_t nbytes, const std::string& dtype,
                    py::object init, std::optional<std::string> optimizer,
                    double lr, double momentum, double beta1, double beta2,
-                   double eps) {
+                   double eps, double weight_decay) {
     const void* p = nullptr;
     Buffer b;
     if (!init.is_none()) {
@@ -278,7 +287,8 @@ class Client {
     auto dt = ParseDType(dtype);
     std::optional<membox::ps::OptimizerConfig> o;
     if (optimizer) {
-      o = ParseOptimizer(*optimizer, lr, momentum, beta1, beta2, eps);
+      o = ParseOptimizer(*optimizer, lr, momentum, beta1, beta2, eps,
+                         weight_decay);
     }
     membox::Result<uint64_t> v = membox::InternalError("");
     {
@@ -305,9 +315,10 @@ class Client {
   }
 
   void Tune(uint64_t first_key, uint64_t end_key, const std::string& optimizer,
-            double lr, double momentum, double beta1, double beta2,
-            double eps) {
-    auto o = ParseOptimizer(optimizer, lr, momentum, beta1, beta2, eps);
+            double lr, double momentum, double beta1, double beta2, double eps,
+            double weight_decay) {
+    auto o = ParseOptimizer(optimizer, lr, momentum, beta1, beta2, eps,
+                            weight_decay);
     Status s;
     {
       py::gil_scoped_release nogil;
@@ -733,21 +744,25 @@ PYBIND11_MODULE(_core, m) {
            py::arg("staleness") = 0, py::arg("optimizer") = py::none(),
            py::arg("lr") = 0.01, py::arg("momentum") = 0.0,
            py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
-           py::arg("eps") = 1e-8,
+           py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0,
            "Job-wide mode and staleness (the same on every worker, every "
-           "call); optimizer (none/sgd/adam, with its hyperparameters) is "
+           "call); optimizer (none/sgd/adam/adamw/adagrad, with its "
+           "hyperparameters) is "
            "this worker's default for later declarations (None: unchanged).")
       .def("declare", &Client::Declare, py::arg("key"), py::arg("nbytes"),
            py::arg("dtype") = "float32", py::arg("init") = py::none(),
            py::arg("optimizer") = py::none(), py::arg("lr") = 0.01,
            py::arg("momentum") = 0.0, py::arg("beta1") = 0.9,
            py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
+           py::arg("weight_decay") = 0.0,
            "Declares a tensor. init: rank 0's initial values win. optimizer "
-           "(none/sgd/adam): this tensor's own, else configure()'s default.")
+           "(none/sgd/adam/adamw/adagrad): this tensor's own, else "
+           "configure()'s default.")
       .def("tune", &Client::Tune, py::arg("first_key"), py::arg("end_key"),
            py::arg("optimizer"), py::arg("lr") = 0.01,
            py::arg("momentum") = 0.0, py::arg("beta1") = 0.9,
            py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
+           py::arg("weight_decay") = 0.0,
            "New hyperparameters for the declared keys in [first_key, "
            "end_key) from the next round on (same optimizer kind); every "
            "worker calls it between the same two steps with the same values.")

@@ -1917,3 +1917,7 @@ class EmbeddingBag(_StoreLayer):
                 per_bag = (1.0 / np.maximum(lengths, 1)).astype(np.float32)
                 scale = torch.from_numpy(np.repeat(per_bag, lengths)[:, None])
         return _GatherRows.apply(rows, idx.reshape(-1), bag, nbags, scale)
+
+
+# Extended parameter storage: the model's state on the memory nodes.
+from membox.offload import OffloadOptimizer, offload  # noqa: E402,F401

@@ -457,6 +457,7 @@ class ParamClientImpl final : public ParamClient {
     m->beta1 = o.beta1;
     m->beta2 = o.beta2;
     m->eps = o.eps;
+    m->weight_decay = o.weight_decay;
   }
 
   // The proxies refuse what the decoder would; saying so here names the
@@ -471,6 +472,9 @@ class ParamClientImpl final : public ParamClient {
     }
     if (!(o.eps > 0) || !std::isfinite(o.eps)) {
       return InvalidArgumentError("eps must be a finite number > 0");
+    }
+    if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
+      return InvalidArgumentError("weight_decay must be a finite number >= 0");
     }
     return Status::Ok();
   }

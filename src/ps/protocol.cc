@@ -22,8 +22,8 @@ using wire::Writer;
 constexpr uint8_t kMagic = 'P';
 // 2: per-key optimizers, kTune; 3: inside the service envelope (type =
 // the envelope's method; request id, status code and error message travel
-// there).
-constexpr uint8_t kVersion = 3;
+// there); 4: AdamW, Adagrad and weight decay.
+constexpr uint8_t kVersion = 4;
 
 void PutOptimizer(Writer& w, const Message& m) {
   w.U8(static_cast<uint8_t>(m.optimizer));
@@ -32,18 +32,23 @@ void PutOptimizer(Writer& w, const Message& m) {
   PutF64(w, m.beta1);
   PutF64(w, m.beta2);
   PutF64(w, m.eps);
+  PutF64(w, m.weight_decay);
 }
 
 bool GetOptimizer(Reader& r, Message* m) {
   uint8_t u8 = 0;
-  if (!r.U8(&u8) || u8 > static_cast<uint8_t>(Optimizer::kAdam)) return false;
+  if (!r.U8(&u8) || u8 > static_cast<uint8_t>(Optimizer::kAdagrad)) {
+    return false;
+  }
   m->optimizer = static_cast<Optimizer>(u8);
   bool ok = GetF64(r, &m->lr) && GetF64(r, &m->momentum) &&
-            GetF64(r, &m->beta1) && GetF64(r, &m->beta2) && GetF64(r, &m->eps);
+            GetF64(r, &m->beta1) && GetF64(r, &m->beta2) &&
+            GetF64(r, &m->eps) && GetF64(r, &m->weight_decay);
   // Written so that NaN fails every comparison.
   return ok && m->lr >= 0 && m->momentum >= 0 && m->momentum < 1 &&
          m->beta1 >= 0 && m->beta1 < 1 && m->beta2 >= 0 && m->beta2 < 1 &&
-         m->eps > 0 && std::isfinite(m->lr) && std::isfinite(m->eps);
+         m->eps > 0 && std::isfinite(m->lr) && std::isfinite(m->eps) &&
+         m->weight_decay >= 0 && std::isfinite(m->weight_decay);
 }
 
 Status Bad(const char* what) {

@@ -90,7 +90,13 @@ constexpr uint32_t kMaxProxies = 64;
 constexpr uint32_t kMaxRouteKeys = 1 << 16;
 
 enum class Mode : uint8_t { kSum = 0, kAverage = 1, kAsync = 2 };
-enum class Optimizer : uint8_t { kNone = 0, kSgd = 1, kAdam = 2 };
+enum class Optimizer : uint8_t {
+  kNone = 0,
+  kSgd = 1,
+  kAdam = 2,
+  kAdamW = 3,
+  kAdagrad = 4
+};
 
 struct Message {
   Type type = Type::kStats;  // the envelope's method
@@ -111,6 +117,7 @@ struct Message {
   // kDeclare (the key's optimizer) / kTune (its new hyperparameters)
   Optimizer optimizer = Optimizer::kNone;
   double lr = 0, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double weight_decay = 0;
   // kRoute: the table, and for every key declared so far the first round
   // it applies to (keys declared later use it from round 0).
   uint64_t threshold = 0;

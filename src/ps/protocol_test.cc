@@ -114,8 +114,19 @@ TEST(PsProtocolTest, ValidatesFields) {
     b.momentum = 1.5;
     EXPECT_FALSE(Decode(b).ok());
     b = o;
-    b.optimizer = static_cast<Optimizer>(3);
+    b.optimizer = static_cast<Optimizer>(5);
     EXPECT_FALSE(Decode(b).ok());
+    for (double bad : {-0.1, std::nan(""), HUGE_VAL}) {
+      b = o;
+      b.weight_decay = bad;
+      EXPECT_FALSE(Decode(b).ok()) << TypeName(t) << " weight_decay " << bad;
+    }
+    b = o;
+    b.optimizer = Optimizer::kAdagrad;
+    b.weight_decay = 0.01;
+    ASSERT_TRUE(Decode(b).ok());
+    EXPECT_EQ(Decode(b)->optimizer, Optimizer::kAdagrad);
+    EXPECT_EQ(Decode(b)->weight_decay, 0.01);
   }
   Message tune;
   tune.type = Type::kTune;

@@ -16,25 +16,37 @@ template <typename T>
 void Optimize(const OptimizerStep& s, T* w, const T* g, T* m, T* v, size_t b,
               size_t e) {
   const T lr = static_cast<T>(s.lr), mom = static_cast<T>(s.momentum),
-          gs = static_cast<T>(s.grad_scale);
+          gs = static_cast<T>(s.grad_scale),
+          wd = static_cast<T>(s.weight_decay);
+  // Adam and Adagrad add L2 decay to the gradient; AdamW decays the weight.
+  const T l2 = s.kind == OptimizerStep::kAdamW ? T(0) : wd;
   if (s.kind == OptimizerStep::kSgd) {
     for (size_t i = b; i < e; ++i) {
-      T gi = g[i] * gs;
+      T gi = g[i] * gs + l2 * w[i];
       m[i] = mom * m[i] + gi;
       w[i] -= lr * m[i];
     }
     return;
   }
-  const T b1 = static_cast<T>(s.beta1), b2 = static_cast<T>(s.beta2),
-          eps = static_cast<T>(s.eps);
+  const T eps = static_cast<T>(s.eps);
+  if (s.kind == OptimizerStep::kAdagrad) {
+    for (size_t i = b; i < e; ++i) {
+      T gi = g[i] * gs + l2 * w[i];
+      m[i] += gi * gi;
+      w[i] -= lr * gi / (std::sqrt(m[i]) + eps);
+    }
+    return;
+  }
+  const T b1 = static_cast<T>(s.beta1), b2 = static_cast<T>(s.beta2);
   const T c1 = static_cast<T>(1.0 - std::pow(s.beta1, double(s.t)));
-  const T c2 = static_cast<T>(1.0 - std::pow(s.beta2, double(s.t)));
+  // torch divides sqrt(v) by sqrt(1 - b2^t) rather than v by (1 - b2^t).
+  const T c2 = static_cast<T>(std::sqrt(1.0 - std::pow(s.beta2, double(s.t))));
+  const T decay = s.kind == OptimizerStep::kAdamW ? T(1) - lr * wd : T(1);
   for (size_t i = b; i < e; ++i) {
-    T gi = g[i] * gs;
+    T gi = g[i] * gs + l2 * w[i];
     m[i] = b1 * m[i] + (T(1) - b1) * gi;
     v[i] = b2 * v[i] + (T(1) - b2) * gi * gi;
-    T mh = m[i] / c1, vh = v[i] / c2;
-    w[i] -= lr * mh / (std::sqrt(vh) + eps);
+    w[i] = w[i] * decay - (lr / c1) * m[i] / (std::sqrt(v[i]) / c2 + eps);
   }
 }
 

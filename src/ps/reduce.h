@@ -42,15 +42,21 @@ void ScaleInPlace(SyncCores& cores, DType t, void* p, size_t count,
                   double factor);
 
 struct OptimizerStep {
-  enum Kind { kSgd, kAdam } kind = kSgd;
+  enum Kind { kSgd, kAdam, kAdamW, kAdagrad } kind = kSgd;
   double lr = 0.01, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double weight_decay = 0;
   uint64_t t = 1;         // step number, from 1 (Adam's bias correction)
   double grad_scale = 1;  // g is multiplied by this first (averaging)
 };
 
-// SGD:  m <- momentum * m + g;  w <- w - lr * m   (PyTorch's convention)
-// Adam: m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;
-//       w <- w - lr * m_hat / (sqrt(v_hat) + eps)
+// PyTorch's conventions (torch.optim), with d = weight_decay:
+// SGD:     g += d w;  m <- momentum * m + g;  w <- w - lr * m
+// Adam:    g += d w;  m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;
+//          w <- w - lr * m_hat / (sqrt(v_hat) + eps)
+// AdamW:   w <- w (1 - lr d), then Adam's update without the g += d w
+// Adagrad: g += d w;  m <- m + g^2;  w <- w - lr g / (sqrt(m) + eps)
+// `m` is SGD's momentum, Adam's first moment and Adagrad's sum of squares;
+// `v` is Adam's second moment (null otherwise).
 void ApplyOptimizer(SyncCores& cores, DType t, const OptimizerStep& step,
                     void* w, const void* g, void* m, void* v, size_t count);
 

@@ -60,6 +60,69 @@ TEST(ReduceTest, AdamFirstStepMovesByLr) {
   EXPECT_NEAR(w[1], 1.01f, 1e-4);
 }
 
+// Two steps of each optimizer against torch.optim's update written out in
+// double precision (weight decay included).
+TEST(ReduceTest, OptimizersMatchTorchsUpdates) {
+  SyncCores cores(2);
+  const double lr = 0.1, wd = 0.05, b1 = 0.9, b2 = 0.99, eps = 1e-8;
+  const double g1 = 0.5, g2 = -0.25;
+  struct Case {
+    OptimizerStep::Kind kind;
+    double want;  // w after two steps from w = 1
+  };
+  // SGD, momentum 0.9, L2 decay.
+  double w = 1, buf = 0;
+  for (double g : {g1, g2}) {
+    double gi = g + wd * w;
+    buf = 0.9 * buf + gi;
+    w -= lr * buf;
+  }
+  const double sgd = w;
+  // Adam (L2) and AdamW (decoupled) share the moments' arithmetic.
+  auto adam = [&](bool decoupled) {
+    double w = 1, m = 0, v = 0;
+    int t = 0;
+    for (double g : {g1, g2}) {
+      ++t;
+      double gi = decoupled ? g : g + wd * w;
+      if (decoupled) w *= 1 - lr * wd;
+      m = b1 * m + (1 - b1) * gi;
+      v = b2 * v + (1 - b2) * gi * gi;
+      double denom = std::sqrt(v) / std::sqrt(1 - std::pow(b2, t)) + eps;
+      w -= lr / (1 - std::pow(b1, t)) * m / denom;
+    }
+    return w;
+  };
+  w = 1;
+  double sum = 0;
+  for (double g : {g1, g2}) {
+    double gi = g + wd * w;
+    sum += gi * gi;
+    w -= lr * gi / (std::sqrt(sum) + eps);
+  }
+  const double adagrad = w;
+  for (Case c :
+       {Case{OptimizerStep::kSgd, sgd}, Case{OptimizerStep::kAdam, adam(false)},
+        Case{OptimizerStep::kAdamW, adam(true)},
+        Case{OptimizerStep::kAdagrad, adagrad}}) {
+    std::vector<double> wv = {1}, m = {0}, v = {0};
+    OptimizerStep s;
+    s.kind = c.kind;
+    s.lr = lr;
+    s.momentum = 0.9;
+    s.beta1 = b1;
+    s.beta2 = b2;
+    s.eps = eps;
+    s.weight_decay = wd;
+    for (double g : {g1, g2}) {
+      ApplyOptimizer(cores, DType::kFloat64, s, wv.data(), &g, m.data(),
+                     v.data(), 1);
+      ++s.t;
+    }
+    EXPECT_NEAR(wv[0], c.want, 1e-12) << c.kind;
+  }
+}
+
 TEST(ReduceTest, SumIntoScalesInTheSamePass) {
   // float32: the sum, then the scale, exactly as two passes would give.
   SyncCores cores(2);

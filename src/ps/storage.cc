@@ -9,12 +9,13 @@ namespace membox::ps {
 using transport::MemRegion;
 
 std::string OptimizerSettings::ToString() const {
-  const char* names[] = {"none", "sgd", "adam"};
+  const char* names[] = {"none", "sgd", "adam", "adamw", "adagrad"};
   return std::string(names[static_cast<int>(kind)]) +
          " (lr=" + std::to_string(lr) +
          " momentum=" + std::to_string(momentum) +
          " betas=" + std::to_string(beta1) + "," + std::to_string(beta2) +
-         " eps=" + std::to_string(eps) + ")";
+         " eps=" + std::to_string(eps) +
+         " weight_decay=" + std::to_string(weight_decay) + ")";
 }
 
 Result<std::shared_ptr<MemRegion>> ShardStorage::Allocate(uint64_t bytes) {
@@ -83,19 +84,32 @@ Status ShardStorage::Apply(DType dtype, const OptimizerSettings& opt,
   if (!sh.m1) {
     ASSIGN_OR_RETURN(sh.m1, Allocate(sh.bytes));
   }
-  if (opt.kind == proto::Optimizer::kAdam && !sh.m2) {
+  if (opt.has_second_moment() && !sh.m2) {
     ASSIGN_OR_RETURN(sh.m2, Allocate(sh.bytes));
   }
   RETURN_IF_ERROR(Unshare(sh.m1, sh.bytes));
   RETURN_IF_ERROR(Unshare(sh.m2, sh.bytes));
   OptimizerStep step;
-  step.kind = opt.kind == proto::Optimizer::kSgd ? OptimizerStep::kSgd
-                                                 : OptimizerStep::kAdam;
+  switch (opt.kind) {
+    case proto::Optimizer::kSgd:
+      step.kind = OptimizerStep::kSgd;
+      break;
+    case proto::Optimizer::kAdam:
+      step.kind = OptimizerStep::kAdam;
+      break;
+    case proto::Optimizer::kAdamW:
+      step.kind = OptimizerStep::kAdamW;
+      break;
+    default:
+      step.kind = OptimizerStep::kAdagrad;
+      break;
+  }
   step.lr = opt.lr;
   step.momentum = opt.momentum;
   step.beta1 = opt.beta1;
   step.beta2 = opt.beta2;
   step.eps = opt.eps;
+  step.weight_decay = opt.weight_decay;
   step.t = sh.version + 1;
   step.grad_scale = scale;
   ApplyOptimizer(*cores_, dtype, step, sh.value->data(), g->data(),

@@ -35,9 +35,15 @@ namespace membox::ps {
 struct OptimizerSettings {
   proto::Optimizer kind = proto::Optimizer::kNone;
   double lr = 0, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double weight_decay = 0;
 
   static OptimizerSettings From(const proto::Message& m) {
-    return {m.optimizer, m.lr, m.momentum, m.beta1, m.beta2, m.eps};
+    return {m.optimizer, m.lr,  m.momentum,    m.beta1,
+            m.beta2,     m.eps, m.weight_decay};
+  }
+  // Whether the kind keeps a second moment (m2).
+  bool has_second_moment() const {
+    return kind == proto::Optimizer::kAdam || kind == proto::Optimizer::kAdamW;
   }
   bool operator==(const OptimizerSettings&) const = default;
   std::string ToString() const;

@@ -75,6 +75,8 @@ if [[ $with_torch == 1 ]]; then
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_overlapped_optimizer.py"
   # The sparse store's layers, EmbeddingGroup and the CTR example on torch 2.x.
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_embedding.py"
+  # Extended parameter storage: the model and optimizer on the nodes.
+  MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_offload.py"
   rc=0
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_cuda.py" || rc=$?
   [[ $rc == 0 || $rc == 77 ]] || { echo "FAIL: test_cuda ($rc)"; exit 1; }

@@ -91,12 +91,15 @@ struct ParamClientOptions {
 };
 
 // The optimizer the memory nodes run on a tensor's reduced gradient, and its
-// hyperparameters. kNone: the reduced value (sum or average) replaces the
-// stored one. Each tensor has its own (fixed in kind when it is declared;
-// hyperparameters change with Tune).
+// hyperparameters, with torch.optim's update rules (src/ps/reduce.h):
+// kSgd (momentum), kAdam and kAdagrad add weight_decay * w to the gradient,
+// kAdamW decays the weight by lr * weight_decay. kNone: the reduced value
+// (sum or average) replaces the stored one. Each tensor has its own (fixed
+// in kind when it is declared; hyperparameters change with Tune).
 struct OptimizerConfig {
-  enum class Kind { kNone, kSgd, kAdam } kind = Kind::kNone;
+  enum class Kind { kNone, kSgd, kAdam, kAdamW, kAdagrad } kind = Kind::kNone;
   double lr = 0.01, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double weight_decay = 0;
 };
 
 struct SyncConfig {
@@ -176,8 +179,8 @@ class ParamClient {
   virtual Result<uint64_t> DeclareWithOptimizer(
       uint64_t key, size_t bytes, DType dtype, const void* init,
       const OptimizerConfig& optimizer) = 0;
-  // New hyperparameters (lr, momentum, betas, eps; same kind) for the
-  // declared keys in [first_key, end_key), on every proxy, from the next
+  // New hyperparameters (lr, momentum, betas, eps, weight_decay; same kind) for
+  // the declared keys in [first_key, end_key), on every proxy, from the next
   // round on: call between rounds (after a step's results are back, before
   // the next step's pushes), every worker with the same values --
   // differing values for one round are refused (kFailedPrecondition).

@@ -1,0 +1,796 @@
+"""Extended parameter storage (seed 000 COARSE, Fig. 16e): the memory nodes
+hold the model -- fp32 master parameters, the optimizer state and the sums
+of the gradients -- and a worker holds a unit's parameters only while that
+unit computes.
+
+    opt = membox.torch.offload(model, optimizer="adam", lr=1e-3)
+    loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+
+Design (docs/design/offload.md):
+
+- A *unit* is a submodule (chosen by size, like FSDP's auto-wrap, or named
+  by the caller); the root is a unit of the parameters no other unit owns.
+  A parameter used by several units (tied weights) is a unit of its own
+  that stays resident from its first use in a step until its gradient is
+  pushed. Each unit's parameters are one key per (dtype, trainable) on the
+  memory nodes, striped over them like any large key.
+- Forward: a unit's forward pre-hook waits for its pull (issued `prefetch`
+  units ahead, in the order recorded in the first step) and lays the
+  parameters over one flat tensor; its forward hook frees the flat tensor's
+  storage (the last `prefetch` units stay for backward). Autograd keeps
+  views of that storage; the storage object survives, only its bytes go.
+- Backward: a hook on the unit's outputs pulls the unit again (prefetching
+  the next ones in backward order); each parameter's post-accumulate-grad
+  hook counts the unit's gradients, and the last copies them into a
+  registered buffer, pushes them and frees them and the parameters. The
+  nodes sum the pushes of every worker, average them and step the
+  optimizer on each shard as soon as the round is complete -- overlapped
+  with the rest of backward. The next forward's pull waits for that round.
+- step() waits for the pushes; zero_grad() has nothing to free.
+- Gradient accumulation is DDP's: micro-batches inside `opt.no_sync()` keep
+  their gradients on the worker (as DDP and FSDP do); the backward outside
+  it pushes the sum. A second backward outside no_sync() before step() is
+  an error (it would step the optimizer twice).
+
+Threading: hooks run on the thread autograd runs them on (the caller's for
+CPU backward); pushes and pulls complete on membox's transport threads, and
+only their handles are touched there. Not for concurrent steps on one model.
+"""
+import contextlib
+import itertools
+import math
+
+import torch
+
+import membox
+
+_KEY_BASE = 0xB << 60  # key space of offloaded models (torch.py has others)
+_models = itertools.count()
+_OPTIMIZERS = {
+    # name: hyperparameters it takes (torch.optim's names) and their defaults
+    "sgd": {"momentum": 0.0, "weight_decay": 0.0},
+    "adam": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+    "adamw": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+    "adagrad": {"eps": 1e-10, "weight_decay": 0.0},
+}
+_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+
+
+def _no_grad_hook(fn):
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return run
+
+
+class _Key:
+    """One key on the memory nodes: the parameters of one unit with one
+    dtype and trainability, laid out back to back in `flat` (on the
+    parameters' device; its storage is freed between uses)."""
+
+    def __init__(self, key, params, trainable):
+        self.key = key
+        self.params = params
+        self.trainable = trainable
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.shapes = [p.shape for p in params]  # p.data is swapped later
+        self.offsets, at = [], 0
+        for p in params:
+            self.offsets.append(at)
+            at += p.numel()
+        self.numel = at
+        self.nbytes = at * params[0].element_size()
+        self.flat = torch.empty(self.numel, dtype=self.dtype,
+                                device=self.device)
+        with torch.no_grad():
+            for p, off in zip(params, self.offsets):
+                self.flat[off:off + p.numel()].copy_(p.data.reshape(-1))
+        self.pushed = False  # this step's gradient is on its way
+
+    def views(self):
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            yield p, self.flat[off:off + shape.numel()].view(shape)
+
+    def allocated(self):
+        return self.flat.untyped_storage().nbytes()
+
+    def free(self):
+        self.flat.untyped_storage().resize_(0)
+
+    def alloc(self):
+        if self.allocated() < self.nbytes:
+            self.flat.untyped_storage().resize_(self.nbytes)
+
+
+class _Unit:
+    """A module whose own parameters (those of no inner unit) are
+    materialised only around its forward and backward."""
+
+    def __init__(self, name, module, keys, shared=False):
+        self.name = name
+        self.module = module
+        self.keys = keys
+        self.shared = shared  # tied parameters: resident for the step
+        self.state = "free"  # free -> pending (pull in flight) -> ready
+        self.pending = None  # (slot, [handles])
+        self.grads_left = 0
+        self.backward_seen = False
+        self.users = []  # shared units: the units whose compute needs it
+
+    @property
+    def nbytes(self):
+        return sum(k.nbytes for k in self.keys)
+
+    @property
+    def trainable(self):
+        return [p for k in self.keys if k.trainable for p in k.params]
+
+
+class _Slots:
+    """Transport-registered buffers of `size` bytes that pulls land in and
+    pushes leave from (memory the nodes read and write in place; CUDA: also
+    page-locked). Owner: the offload optimizer; used on the caller's
+    thread only."""
+
+    def __init__(self, client, size, count, cuda, tag):
+        self.size = size
+        self.free = []
+        self.all = []
+        for i in range(count):
+            if cuda:
+                from membox.torch import _staging_for
+                arr, host = _staging_for(client).buffer((tag, i), size)
+            else:
+                arr = client.allocate(size)
+                host = torch.frombuffer(arr, dtype=torch.uint8)
+            self.all.append((arr, host))
+        self.free = list(range(count))
+
+    @property
+    def nbytes(self):
+        return self.size * len(self.all)
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """The optimizer of a model whose state lives on the memory nodes (see
+    membox.torch.offload). One param group, whose hyperparameters torch's LR
+    schedulers drive; a change reaches the nodes before the next step's
+    first push."""
+
+    def __init__(self, model, client, optimizer, hyper, prefetch, units,
+                 min_unit_params):
+        self._ready = False
+        params = list(model.parameters())
+        torch.optim.Optimizer.__init__(self, params, dict(hyper))
+        self.model = model
+        self.client = client
+        self.kind = optimizer
+        self.prefetch = prefetch
+        self._sync = True
+        self._step_open = False  # a backward pushed since the last step()
+        self._handles = []  # pushes in flight: (slot, handle)
+        self._order = []  # units in the order their forward ran (1st step)
+        self._recording = True
+        self._peak_units = 0
+        self._peak_bytes = 0
+        self._sent = self._hyper()
+        self._build_units(model, units, min_unit_params)
+        self._declare()
+        self._install_hooks()
+        self._ready = True
+
+    # ------------------------------------------------------------ building
+    def _build_units(self, model, units, min_unit_params):
+        names = {id(m): n for n, m in model.named_modules()}
+        if units is None:
+            chosen = _size_policy(model, min_unit_params)
+        elif callable(units):
+            chosen = [m for m in model.modules() if m is not model and
+                      units(m)]
+        else:
+            chosen = list(units)
+            for m in chosen:
+                if id(m) not in names:
+                    raise ValueError("offload: a unit is not a submodule of "
+                                     "the model")
+        chosen = [m for m in chosen if m is not model]
+        unit_of = {}  # id(module) -> unit name
+        for m in chosen:
+            unit_of[id(m)] = names[id(m)]
+        # Owner unit of every parameter: the innermost unit above it.
+        owners = {}  # id(param) -> set of unit modules using it
+        param_by_id = {}
+
+        def walk(module, current):
+            if id(module) in unit_of:
+                current = module
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), [])
+                if current not in owners[id(p)]:
+                    owners[id(p)].append(current)
+                param_by_id[id(p)] = p
+            for child in module.children():
+                walk(child, current)
+
+        # named_modules() visits a module once; walk every edge so a module
+        # (or parameter) reached by two paths is seen in both units.
+        walk(model, model)
+        groups = {}  # unit module (or "shared") -> [params]
+        order = []
+        for pid, us in owners.items():
+            home = us[0] if len(us) == 1 else "shared"
+            if home not in groups:
+                groups[home] = []
+                order.append(home)
+            groups[home].append(param_by_id[pid])
+        model_index = next(_models)
+        self._base = _KEY_BASE + (model_index << 32)
+        self.units = []
+        self._unit_of_module = {}
+        next_key = itertools.count(self._base)
+        for home in order:
+            keys = []
+            params = groups[home]
+            for dtype in sorted({p.dtype for p in params}, key=str):
+                for trainable in (True, False):
+                    ps = [p for p in params if p.dtype == dtype and
+                          p.requires_grad == trainable]
+                    if ps:
+                        keys.append(_Key(next(next_key), ps, trainable))
+            if home == "shared":
+                u = _Unit("(tied)", None, keys, shared=True)
+                u.users = sorted({id(m) for pid, us in owners.items()
+                                  if len(us) > 1 for m in us})
+            else:
+                u = _Unit(names[id(home)] or "(root)", home, keys)
+                self._unit_of_module[id(home)] = u
+            self.units.append(u)
+        # Modules that are units but own no parameter directly still get
+        # hooks (they may use a tied unit).
+        for m in chosen:
+            if id(m) not in self._unit_of_module:
+                u = _Unit(names[id(m)], m, [])
+                self._unit_of_module[id(m)] = u
+                self.units.append(u)
+        if id(model) not in self._unit_of_module:
+            u = _Unit("(root)", model, [])
+            self._unit_of_module[id(model)] = u
+            self.units.append(u)
+        self.root = self._unit_of_module[id(model)]
+        self.shared = [u for u in self.units if u.shared]
+        self._param_unit = {}
+        for u in self.units:
+            for k in u.keys:
+                for p in k.params:
+                    self._param_unit[id(p)] = (u, k)
+        cuda = any(k.device.type == "cuda" for u in self.units
+                   for k in u.keys)
+        biggest = max((k.nbytes for u in self.units for k in u.keys),
+                      default=0)
+        largest_unit = max((u.nbytes for u in self.units), default=0)
+        self._cuda = cuda
+        # A pull of one unit takes one slot until it is copied out; the
+        # prefetch depth bounds how many are in flight.
+        self._pull_slots = _Slots(self.client, max(largest_unit, 8),
+                                  self.prefetch + 1, cuda, "offload-pull")
+        self._push_slots = _Slots(self.client, max(biggest, 8), 2, cuda,
+                                  "offload-push")
+
+    def _declare(self):
+        kw = self._node_hyper(self._hyper())
+        self.version = 0
+        for u in self.units:
+            for k in u.keys:
+                # A copy: numpy's view would pin flat's storage (resizable
+                # no more).
+                init = k.flat.detach().to("cpu", copy=True)
+                arr = init.view(torch.uint8).numpy()
+                opt = self.kind if k.trainable else "none"
+                v = self.client.declare(k.key, k.nbytes, _DTYPES[k.dtype], arr,
+                                        optimizer=opt,
+                                        **(kw if k.trainable else {}))
+                self.version = max(self.version, v)
+        # The model's memory goes: from here on the nodes hold it.
+        placeholder = {}
+        for u in self.units:
+            for k in u.keys:
+                for p in k.params:
+                    ph = placeholder.get((p.dtype, p.device))
+                    if ph is None:
+                        ph = torch.empty(0, dtype=p.dtype, device=p.device)
+                        placeholder[(p.dtype, p.device)] = ph
+                    p.data = ph
+                k.free()
+        self._placeholder = placeholder
+
+    def _install_hooks(self):
+        for u in self.units:
+            if u.module is None:
+                continue
+            u.module.register_forward_pre_hook(self._make_pre_forward(u))
+            u.module.register_forward_hook(self._make_post_forward(u))
+        # model.state_dict(): each module with parameters of its own fills
+        # them in from the nodes (or from a resident unit).
+        for m in self.model.modules():
+            if any(id(p) in self._param_unit
+                   for p in m.parameters(recurse=False)):
+                m._register_state_dict_hook(self._state_hook)
+        # Gathered once per state_dict() call (a unit's modules share it);
+        # the root's last hook lets the copies go.
+        self._gathered = {}  # unit -> {id(param): value}
+        self.model._register_state_dict_hook(
+            lambda *args: self._gathered.clear())
+        for u in self.units:
+            for k in u.keys:
+                if not k.trainable:
+                    continue
+                for p in k.params:
+                    u.grads_left += 1
+                    p.register_post_accumulate_grad_hook(
+                        self._make_grad_hook(u))
+            u.grads_total = u.grads_left
+
+    # ------------------------------------------------------ hyperparameters
+    def _hyper(self):
+        g = self.param_groups[0]
+        return {name: g[name] for name in g if name != "params"}
+
+    def _node_hyper(self, h):
+        out = {"lr": float(h["lr"])}
+        if "momentum" in h:
+            out["momentum"] = float(h["momentum"])
+        if "betas" in h:
+            out["beta1"], out["beta2"] = (float(b) for b in h["betas"])
+        if "eps" in h:
+            out["eps"] = float(h["eps"])
+        if "weight_decay" in h:
+            out["weight_decay"] = float(h["weight_decay"])
+        return out
+
+    def set_lr(self, lr):
+        """Sets the learning rate from the next step on (every worker, the
+        same value between the same two steps, as a schedule does)."""
+        self.param_groups[0]["lr"] = lr
+
+    def _tune(self):
+        want = self._hyper()
+        if want == self._sent:
+            return
+        kw = self._node_hyper(want)
+        keys = [k.key for u in self.units for k in u.keys if k.trainable]
+        if keys:
+            self.client.tune(min(keys), max(keys) + 1, self.kind, **kw)
+        self._sent = want
+
+    # ---------------------------------------------------------- transfers
+    def _request(self, u):
+        """Starts pulling unit u (if it is not resident or on its way)."""
+        if u.state != "free" or not u.keys:
+            return
+        slots = self._pull_slots
+        if not slots.free:
+            # Every slot holds a pull not yet laid out: the oldest is the
+            # next unit to compute; lay it out to free its slot.
+            oldest = next(v for v in self.units if v.state == "pending")
+            self._materialize(oldest)
+        i = slots.free.pop(0)
+        arr, _ = slots.all[i]
+        hs, at = [], 0
+        for k in u.keys:
+            hs.append(self.client.pull(k.key, arr[at:at + k.nbytes]))
+            at += k.nbytes
+        u.pending = (i, hs)
+        u.state = "pending"
+
+    def _materialize(self, u):
+        if u.state == "ready" or not u.keys:
+            u.state = "ready"
+            return
+        if u.state == "free":
+            self._request(u)
+        i, hs = u.pending
+        _, host = self._pull_slots.all[i]
+        at = 0
+        streams = set()
+        for k, h in zip(u.keys, hs):
+            h.wait()
+            k.alloc()
+            src = host[at:at + k.nbytes]
+            if k.device.type == "cuda":
+                from membox.torch import _staging_for
+                st = _staging_for(self.client)
+                streams.add(st.to_device(src, k.flat, k.device))
+            else:
+                k.flat.view(torch.uint8).copy_(src)
+            at += k.nbytes
+            for p, view in k.views():
+                p.data = view
+        for s in streams:
+            torch.cuda.current_stream(s.device).wait_stream(s)
+            s.synchronize()  # the slot is reused by the next pull
+        self._pull_slots.free.append(i)
+        u.pending = None
+        u.state = "ready"
+        self._account()
+
+    def _release(self, u):
+        """Frees unit u's parameters (autograd's views keep the storage
+        object; the bytes go)."""
+        if u.state == "pending":
+            for h in u.pending[1]:
+                h.wait()
+            self._pull_slots.free.append(u.pending[0])
+            u.pending = None
+        for k in u.keys:
+            for p in k.params:
+                p.data = self._placeholder[(p.dtype, p.device)]
+            k.free()
+        u.state = "free"
+
+    def _account(self):
+        def counted(u):
+            return u.keys and not u.shared and u is not self.root
+        units = sum(1 for u in self.units if counted(u) and
+                    (u.state == "ready" or
+                     any(p.grad is not None for p in u.trainable)))
+        self._peak_units = max(self._peak_units, units)
+        self._peak_bytes = max(self._peak_bytes, self.resident_bytes())
+
+    def _push(self, u):
+        self._gathered.clear()
+        if self._hyper() != self._sent:
+            self._tune()
+        for k in u.keys:
+            if not k.trainable:
+                continue
+            if k.pushed:
+                raise membox.MemboxError(
+                    "offload: a second backward before step() would step "
+                    "the optimizer twice; run the earlier micro-batches "
+                    "inside opt.no_sync()")
+            slots = self._push_slots
+            while not slots.free:
+                self._wait_oldest_push()
+            i = slots.free.pop(0)
+            arr, host = slots.all[i]
+            buf = host[:k.nbytes]
+            event = None
+            for p, off, shape in zip(k.params, k.offsets, k.shapes):
+                dst = buf[off * p.element_size():
+                          (off + shape.numel()) * p.element_size()]
+                if p.grad is None:
+                    dst.zero_()
+                elif p.grad.is_cuda:
+                    from membox.torch import _staging_for
+                    event = _staging_for(self.client).to_host(
+                        p.grad, dst, p.grad.device)
+                else:
+                    dst.view(p.dtype).copy_(p.grad.reshape(-1))
+            if event is not None:
+                event.synchronize()
+            k.pushed = True
+            h = self.client.push(k.key, arr[:k.nbytes],
+                                 priority=self._priority(u))
+            self._handles.append((i, h))
+            for p in k.params:
+                p.grad = None
+        self._step_open = True
+
+    def _priority(self, u):
+        # The first units' rounds first: the next forward needs them first.
+        try:
+            return self._order.index(u)
+        except ValueError:
+            return len(self._order)
+
+    def _wait_oldest_push(self):
+        i, h = self._handles.pop(0)
+        h.wait()
+        self._push_slots.free.append(i)
+
+    # -------------------------------------------------------------- hooks
+    def _make_pre_forward(self, u):
+        @_no_grad_hook
+        def hook(module, args):
+            if u is self.root:
+                self._begin_forward()
+            if self._recording and u.keys and u not in self._order:
+                self._order.append(u)
+            for s in self.shared:
+                if id(module) in s.users:
+                    self._materialize(s)
+            self._materialize(u)
+            self._prefetch_after(u, self._order)
+            self._account()
+        return hook
+
+    def _make_post_forward(self, u):
+        def hook(module, args, output):
+            if u is self.root:
+                self._recording = False
+                return output
+            if torch.is_grad_enabled():
+                outs = [t for t in _tensors(output) if t.requires_grad]
+                if outs:
+                    u.backward_seen = False
+
+                    def pre_backward(grad):
+                        if not u.backward_seen:
+                            u.backward_seen = True
+                            with torch.no_grad():
+                                self._materialize(u)
+                                self._prefetch_after(u, self._order[::-1])
+                                self._account()
+                        return grad
+                    for t in outs:
+                        t.register_hook(pre_backward)
+            if u.keys and not self._keep_for_backward(u):
+                with torch.no_grad():
+                    self._release(u)
+            return output
+        return hook
+
+    def _keep_for_backward(self, u):
+        # The last `prefetch` units of forward are the first of backward.
+        if self._recording or not torch.is_grad_enabled() or not u.trainable:
+            return False
+        n = len(self._order)
+        try:
+            return self._order.index(u) >= n - self.prefetch
+        except ValueError:
+            return False
+
+    def _make_grad_hook(self, u):
+        @_no_grad_hook
+        def hook(p):
+            u.grads_left -= 1
+            self._account()
+            if u.grads_left > 0:
+                return
+            u.grads_left = u.grads_total
+            if self._sync:
+                self._push(u)
+            if not u.shared:
+                self._release(u)
+            self._account()
+        return hook
+
+    def _state_hook(self, module, state_dict, prefix, local_metadata):
+        for name, p in module.named_parameters(prefix="", recurse=False):
+            if id(p) not in self._param_unit:
+                continue
+            u, _ = self._param_unit[id(p)]
+            if u not in self._gathered:
+                self._gathered[u] = self._gather(u)
+            state_dict[prefix + name] = self._gathered[u][id(p)]
+        return state_dict
+
+    def _begin_forward(self):
+        if self._hyper() != self._sent and not self._step_open:
+            self._tune()
+
+    def _prefetch_after(self, u, order):
+        if u not in order:
+            return
+        at = order.index(u)
+        for v in order[at + 1:at + 1 + self.prefetch]:
+            self._request(v)
+
+    # ------------------------------------------------------------ public
+    def no_sync(self):
+        """Backward passes inside keep their gradients on the worker and
+        add to them (as DDP's no_sync()); the next backward outside pushes
+        the sum."""
+        @contextlib.contextmanager
+        def ctx():
+            old, self._sync = self._sync, False
+            try:
+                yield
+            finally:
+                self._sync = old
+        return ctx()
+
+    def step(self, closure=None):
+        """Waits until this step's gradients are pushed (the nodes step the
+        optimizer as each round completes). Units whose gradients backward
+        did not produce push zeros, as DDP averages them."""
+        loss = closure() if closure is not None else None
+        if not self._ready:
+            return loss
+        for u in self.units:
+            if any(k.trainable and not k.pushed for k in u.keys) and \
+                    self._step_open:
+                with torch.no_grad():
+                    self._push(u)
+                    if not u.shared:
+                        self._release(u)
+        while self._handles:
+            self._wait_oldest_push()
+        for u in self.units:
+            for k in u.keys:
+                k.pushed = False
+            if u.shared and u.state != "free":
+                self._release(u)
+            u.grads_left = u.grads_total
+        self._step_open = False
+        self.version += 1
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        """Gradients held on the worker (inside no_sync) are dropped."""
+        for u in self.units:
+            for p in u.trainable:
+                p.grad = None
+            u.grads_left = u.grads_total
+
+    def resident_bytes(self, detail=False):
+        """What this worker holds of model state now: laid-out parameters,
+        gradients not yet pushed, and the registered transfer buffers."""
+        params = sum(k.allocated() for u in self.units for k in u.keys)
+        grads = sum(p.grad.numel() * p.grad.element_size()
+                    for u in self.units for p in u.trainable
+                    if p.grad is not None)
+        buffers = self._pull_slots.nbytes + self._push_slots.nbytes
+        total = params + grads + buffers
+        if detail:
+            return {"parameters": params, "gradients": grads,
+                    "buffers": buffers, "total": total}
+        return total
+
+    def stats(self):
+        """Peaks since offload(): units resident at once (parameters or
+        gradients; tied parameters and the root's own not counted) and
+        resident_bytes()."""
+        return {"peak_units": self._peak_units,
+                "peak_bytes": self._peak_bytes,
+                "units": [(u.name, u.nbytes) for u in self.units if u.keys]}
+
+    def _gather(self, u):
+        """{id(param): a copy of its value on the nodes} for unit u's
+        parameters (laid-out values when resident)."""
+        out = {}
+        if u.state == "ready":
+            for k in u.keys:
+                for p, view in k.views():
+                    out[id(p)] = view.detach().clone()
+            return out
+        for k in u.keys:
+            if not self._pull_slots.free:
+                raise membox.MemboxError("offload: state_dict() during a "
+                                         "step's transfers")
+            arr, host = self._pull_slots.all[self._pull_slots.free[0]]
+            self.client.pull(k.key, arr[:k.nbytes]).wait()
+            flat = host[:k.nbytes].view(k.dtype)
+            for p, off, shape in zip(k.params, k.offsets, k.shapes):
+                out[id(p)] = flat[off:off + shape.numel()].clone().view(
+                    shape).to(p.device)
+        return out
+
+    def state_dict(self):
+        sd = torch.optim.Optimizer.state_dict(self)
+        sd["membox"] = {"optimizer": self.kind, "version": self.version}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        kind = state_dict.get("membox", {}).get("optimizer")
+        if kind is not None and kind != self.kind:
+            raise ValueError("offload: state of a %r optimizer loaded into "
+                             "%r" % (kind, self.kind))
+        groups = state_dict["param_groups"]
+        if len(groups) != 1:
+            raise ValueError("offload: one param group expected")
+        for name, value in groups[0].items():
+            if name != "params":
+                self.param_groups[0][name] = value
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for o in output:
+            yield from _tensors(o)
+    elif isinstance(output, dict):
+        for o in output.values():
+            yield from _tensors(o)
+
+
+def _size_policy(model, min_params):
+    """FSDP-style auto-wrap: bottom-up, a submodule whose parameters not
+    yet in a unit reach `min_params` becomes a unit."""
+    chosen = []
+    counted = set()
+
+    def visit(m):
+        n = 0
+        for c in m.children():
+            n += visit(c)
+        own = sum(p.numel() for p in m.parameters(recurse=False)
+                  if id(p) not in counted)
+        for p in m.parameters(recurse=False):
+            counted.add(id(p))
+        n += own
+        if m is not model and n >= min_params:
+            chosen.append(m)
+            return 0
+        return n
+    visit(model)
+    return chosen
+
+
+def offload(model, optimizer="adam", lr=1e-3, prefetch=None, units=None,
+            min_unit_params=None, client=None, **hyper):
+    """Moves `model`'s parameters and optimizer to the memory nodes; returns
+    the optimizer to step (see the module docstring). optimizer: "sgd"
+    (momentum), "adam", "adamw" or "adagrad", with torch.optim's
+    hyperparameter names (betas, eps, momentum, weight_decay). prefetch:
+    units pulled ahead (default 2). units: a list of submodules, a
+    predicate on modules, or None: by size, bottom-up, a submodule holding
+    at least `min_unit_params` parameters not in an inner unit (default: a
+    twentieth of the model's)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("offload: model must be a torch.nn.Module")
+    if getattr(model, "_membox_offload", None) is not None:
+        raise membox.MemboxError("offload: this model is already offloaded")
+    kind = str(optimizer).lower()
+    if kind not in _OPTIMIZERS:
+        raise ValueError("offload: unknown optimizer %r (sgd, adam, adamw, "
+                         "adagrad)" % (optimizer,))
+    allowed = _OPTIMIZERS[kind]
+    unknown = sorted(set(hyper) - set(allowed))
+    if unknown:
+        raise TypeError("offload: %s takes no hyperparameter %s (it takes "
+                        "lr, %s)" % (kind, ", ".join(unknown),
+                                     ", ".join(sorted(allowed))))
+    values = {"lr": lr}
+    values.update(allowed)
+    values.update(hyper)
+    _check_hyper(kind, values)
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("offload: the model has no parameters")
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError("offload: parameter %s is on the meta device; "
+                             "materialize the model (to_empty + init) first"
+                             % name)
+        if p.dtype not in _DTYPES:
+            raise ValueError("offload: parameter %s is %s; the nodes keep "
+                             "float32 or float64 masters" % (name, p.dtype))
+    if prefetch is None:
+        prefetch = 2
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError("offload: prefetch must be an int >= 0")
+    if min_unit_params is None:
+        total = sum(p.numel() for p in params)
+        min_unit_params = max(total // 20, 1)
+    if client is None:
+        import membox.torch as mt
+        client = mt._client if mt._client is not None else mt.init(
+            mode="average")
+    else:
+        client.configure(mode="average")
+    opt = OffloadOptimizer(model, client, kind, values, prefetch, units,
+                           min_unit_params)
+    model._membox_offload = opt
+    return opt
+
+
+def _check_hyper(kind, v):
+    def bad(name, why):
+        raise ValueError("offload: %s %s" % (name, why))
+    if not (isinstance(v["lr"], (int, float)) and v["lr"] >= 0 and
+            math.isfinite(v["lr"])):
+        bad("lr", "must be a finite number >= 0")
+    if "momentum" in v and not 0 <= v["momentum"] < 1:
+        bad("momentum", "must be in [0, 1)")
+    if "betas" in v:
+        b = v["betas"]
+        if len(b) != 2 or not all(0 <= x < 1 for x in b):
+            bad("betas", "must be two numbers in [0, 1)")
+    if "eps" in v and not v["eps"] > 0:
+        bad("eps", "must be > 0")
+    if not (v.get("weight_decay", 0) >= 0 and
+            math.isfinite(v.get("weight_decay", 0))):
+        bad("weight_decay", "must be a finite number >= 0")
