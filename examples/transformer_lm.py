@@ -4,6 +4,12 @@ model) trained with PyTorch DDP on a synthetic token stream; gradients
 averaged by membox memory nodes (--backend membox) or Gloo (--backend gloo).
 
     membox launch --nodes 2 --workers 2 -- /usr/bin/python3 examples/transformer_lm.py --backend membox
+
+--offload keeps the model itself in the memory nodes (membox.torch.offload,
+torch 2.1 or later): the nodes hold the weights and Adam's state and step
+it; each worker pulls an encoder layer just before it computes and pushes
+its gradients as backward makes them. At the end, rank 0 prints what a
+worker held of model state, in bytes per parameter, against DDP with Adam.
 """
 import argparse
 import contextlib
@@ -64,6 +70,12 @@ def main():
                          "synthetic token stream starts over)")
     ap.add_argument("--state-every", type=int, default=1,
                     help="with --in-memory-state: commit every k steps")
+    ap.add_argument("--offload", action="store_true",
+                    help="membox: the memory nodes hold the model and its "
+                         "Adam state and step it (membox.torch.offload); "
+                         "no DDP")
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="with --offload: units pulled ahead")
     ap.add_argument("--overlap-optimizer", action="store_true",
                     help="step each gradient bucket's parameters as its "
                          "average arrives (membox.torch.OverlappedOptimizer; "
@@ -75,11 +87,23 @@ def main():
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if a.d_model < 4 or a.d_model % 4 or a.layers < 1:
         ap.error("--d-model must be a positive multiple of 4, --layers >= 1")
-    model = nn.parallel.DistributedDataParallel(LM(a.d_model, a.layers))
+    if a.offload and (a.backend != "membox" or a.overlap_optimizer or
+                      a.in_memory_state or a.no_sync or a.wire_dtype):
+        ap.error("--offload needs --backend membox and goes without "
+                 "--overlap-optimizer, --in-memory-state, --no-sync and "
+                 "--wire-dtype")
+    model = LM(a.d_model, a.layers)
+    nparams = sum(p.numel() for p in model.parameters())
+    if not a.offload:
+        model = nn.parallel.DistributedDataParallel(model)
     if a.backend == "membox":
         import membox.torch
         membox.torch.init(wire_dtype=a.wire_dtype)
-    if a.overlap_optimizer:
+    if a.offload:
+        opt = membox.torch.offload(model, optimizer="adam", lr=3e-3,
+                                   prefetch=a.prefetch,
+                                   units=list(model.enc.layers))
+    elif a.overlap_optimizer:
         if a.in_memory_state or a.no_sync:
             ap.error("--overlap-optimizer goes without --in-memory-state "
                      "and --no-sync")
@@ -107,6 +131,8 @@ def main():
             loss.backward()
         if not a.overlap_optimizer:  # stepped bucket by bucket in backward
             opt.step()
+        if a.offload and step == first:
+            opt.stats()  # peaks from the first step on
         if mem is not None and not mem.auto:
             mem.commit()  # torch 1.x: no optimizer step hooks
         if rank == 0 and step % 10 == 0:
@@ -114,6 +140,13 @@ def main():
             print("step %d loss %.4f (%.1f ms/step)" %
                   (step, loss.item(), (time.perf_counter() - t0) / done * 1e3),
                   flush=True)
+    if a.offload and rank == 0:
+        # DDP with Adam holds weights, gradients, DDP's buckets (a copy of
+        # the gradients) and two moments: 20 bytes per float32 parameter.
+        peak = opt.stats()["peak_bytes"]
+        print("resident model state per parameter: offload %.2f bytes "
+              "(peak %.1f MB for %d parameters), DDP with Adam 20 bytes" %
+              (peak / nparams, peak / 1e6, nparams), flush=True)
     dist.destroy_process_group()
 
 

@@ -658,6 +658,14 @@ int main(int argc, char** argv) {
   ctrbench->prefix_command();
   ctrbench->allow_extras();
   ctrbench->set_help_flag();
+  auto* offbench = bench->add_subcommand(
+      "offload",
+      "the model's state in the memory nodes (membox.torch.offload) against "
+      "DDP and FSDP2: resident bytes per parameter, step time, largest batch "
+      "under a memory budget (membox/offload_bench.py)");
+  offbench->prefix_command();
+  offbench->allow_extras();
+  offbench->set_help_flag();
 #ifdef MEMBOX_WITH_BENCH
   membox::bench::TransferOptions topt;
   std::string min_size = "1KiB", max_size = "1GiB";
@@ -848,6 +856,9 @@ int main(int argc, char** argv) {
   }
   if (ctrbench->parsed()) {
     return ExecPythonModule("membox.ctr_bench", ctrbench->remaining());
+  }
+  if (offbench->parsed()) {
+    return ExecPythonModule("membox.offload_bench", offbench->remaining());
   }
 #ifdef MEMBOX_WITH_BENCH
   if (transfer->parsed()) {

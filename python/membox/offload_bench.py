@@ -1,0 +1,439 @@
+"""membox bench offload: where a model's training state lives, and what it
+costs (issue 41; seed 000 COARSE Fig. 16e). The same GPT-style model, data,
+batch and Adam for every scheme, W worker processes on this machine:
+
+  ddp            torch DDP over Gloo, torch.optim.Adam on every worker (the
+                 whole model, gradients, DDP's buckets and Adam's moments in
+                 every worker)
+  fsdp2          torch.distributed.fsdp.fully_shard per block and at the
+                 root, over Gloo: parameters, gradients and Adam's state
+                 sharded over the workers, gathered per block
+  fsdp2-offload  the same with CPUOffloadPolicy (skipped with its error
+                 where torch refuses it: on CPU modules it has nothing to
+                 move)
+  membox         membox.torch.offload under `membox launch --nodes N`: the
+                 memory nodes hold the weights and Adam's state and step
+                 it; a worker holds two blocks ahead (prefetch 2)
+
+Measured, per scheme:
+
+  resident       each worker's peak RSS during training above its RSS
+                 before the model was built, per parameter (bytes); membox
+                 also reports its own accounting (opt.stats())
+  step           median whole-step time (forward, backward, optimizer) of
+                 rank 0 after two warm-up steps, and samples/s
+  budget         with --budget-mb M: every worker in a memory cgroup of M
+                 MiB (v1, /sys/fs/cgroup/memory; needs root), the largest
+                 batch (1, 2, 4, ...) each scheme trains for three steps
+                 without being OOM-killed, and its samples/s there
+
+    membox bench offload [--quick] [--csv F] [--json F] [--plot F.png]
+                         [--workers 2] [--nodes 2] [--layers 24]
+                         [--d-model 640] [--batch 4] [--seq 64]
+                         [--budget-mb M] [--repeats R] [--variants a,b]
+
+Records follow docs/design/benchmarks.md. The worker is this module with
+--worker (an internal flag).
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+VARIANTS = ("ddp", "fsdp2", "fsdp2-offload", "membox")
+_CGROUP = "/sys/fs/cgroup/memory"
+
+
+def _die(msg):
+    print(f"membox bench offload: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ------------------------------------------------------------------ worker
+def _model(layers, d, vocab, seq):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+            self.ln2 = nn.LayerNorm(d)
+            self.fc1 = nn.Linear(d, 4 * d)
+            self.fc2 = nn.Linear(4 * d, d)
+            self.heads = max(1, d // 64)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+            shape = (b, t, self.heads, d // self.heads)
+            q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.pos = nn.Parameter(torch.zeros(seq, d))
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln = nn.LayerNorm(d)
+            self.head = nn.Linear(d, vocab, bias=False)
+
+        def forward(self, tokens):
+            h = self.emb(tokens) + self.pos[:tokens.shape[1]]
+            for blk in self.blocks:
+                h = blk(h)
+            return self.head(self.ln(h))
+
+    return GPT()
+
+
+def _rss():
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
+
+
+def _join_cgroup(name, limit_mb):
+    path = os.path.join(_CGROUP, name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit_mb << 20))
+    with open(os.path.join(path, "memory.swappiness"), "w") as f:
+        f.write("0")
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def worker(a):
+    if a.cgroup:
+        _join_cgroup(a.cgroup + "-" + os.environ.get("RANK", "0"),
+                     a.budget_mb)
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    vocab = 8192
+    rss0 = _rss()["VmRSS"]
+    torch.manual_seed(0)
+    model = _model(a.layers, a.d_model, vocab, a.seq)
+    nparams = sum(p.numel() for p in model.parameters())
+    lr = 1e-3
+    accounted = None
+    if a.variant == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+    elif a.variant.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        kw = {"mesh": mesh}
+        if a.variant == "fsdp2-offload":
+            kw["offload_policy"] = CPUOffloadPolicy()
+        for blk in model.blocks:
+            fully_shard(blk, **kw)
+        fully_shard(model, **kw)
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+    else:
+        import membox.torch as mt
+        mt.init()
+        opt = mt.offload(model, optimizer="adam", lr=lr,
+                         units=list(model.blocks), prefetch=a.prefetch)
+    # Peak from here: training, not building (membox's build is the full
+    # model for a moment, as every scheme's is, before it moves out).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    gen = torch.Generator().manual_seed(100 + rank)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times, losses = [], []
+    for step in range(a.steps):
+        x = torch.randint(0, vocab, (a.batch, a.seq + 1), generator=gen)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(model(x[:, :-1]).reshape(-1, vocab),
+                       x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        if a.variant == "membox" and step == 0:
+            opt.stats()
+    if a.variant == "membox":
+        accounted = opt.stats()["peak_bytes"]
+    peak = _rss()["VmHWM"]
+    res = {"variant": a.variant, "rank": rank, "params": nparams,
+           "resident_bytes": peak - rss0,
+           "per_param": (peak - rss0) / nparams,
+           "accounted_per_param": (accounted / nparams
+                                   if accounted is not None else None),
+           "step_s": sorted(times[2:] or times)[len(times[2:] or times) // 2],
+           "losses": losses}
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ driver
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _membox_bin():
+    import shutil
+    return os.environ.get("MEMBOX_BIN") or shutil.which("membox") or "membox"
+
+
+def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
+    """One training run of `variant`; its rank 0 record, or None with the
+    reason when it failed (OOM: killed by the kernel)."""
+    py = sys.executable
+    wargs = ["-m", "membox.offload_bench", "--worker", "--variant", variant,
+             "--layers", str(a.layers), "--d-model", str(a.d_model),
+             "--seq", str(a.seq), "--batch", str(batch),
+             "--steps", str(a.steps), "--prefetch", str(a.prefetch),
+             "--out", out]
+    if budget_mb:
+        wargs += ["--budget-mb", str(budget_mb), "--cgroup", cgroup]
+    if os.path.exists(out):
+        os.unlink(out)
+    t0 = time.time()
+    if variant == "membox":
+        cmd = [_membox_bin(), "launch", "--nodes", str(a.nodes), "--workers",
+               str(a.workers), "--", py] + wargs
+        p = subprocess.run(cmd, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+        rcs, log = [p.returncode], p.stdout
+    else:
+        port = _free_port()
+        procs = []
+        for r in range(a.workers):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.workers),
+                       LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+            procs.append(subprocess.Popen([py] + wargs, env=env,
+                                          stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        log = ""
+        rcs = []
+        for p in procs:
+            o, _ = p.communicate()
+            log += o
+            rcs.append(p.returncode)
+            if p.returncode != 0:  # the others would wait for it forever
+                for q in procs:
+                    if q.poll() is None:
+                        q.kill()
+    wall = time.time() - t0
+    if any(rc != 0 for rc in rcs) or not os.path.exists(out):
+        oom = any(rc in (-9, 137) for rc in rcs) or "Killed" in log or \
+            "worker 0 died" in log or "signal 9" in log
+        return None, ("out of memory" if oom and budget_mb else
+                      "failed: " + log.strip().splitlines()[-1][:200]
+                      if log.strip() else "failed"), wall
+    with open(out) as f:
+        return json.load(f), None, wall
+
+
+def largest_batch(a, variant, tmp):
+    """The largest power-of-two batch `variant` trains under the budget,
+    with its record."""
+    best = None
+    batch = 1
+    while batch <= a.max_batch:
+        rec, why, _ = run_case(a, variant, batch,
+                               os.path.join(tmp, f"{variant}-b{batch}.json"),
+                               a.budget_mb, f"membox-bench-{os.getpid()}")
+        print(f"  budget {a.budget_mb} MiB, {variant} batch {batch}: "
+              f"{why or '%.0f ms/step' % (rec['step_s'] * 1e3)}",
+              file=sys.stderr, flush=True)
+        if rec is None:
+            break
+        best = (batch, rec)
+        batch *= 2
+    return best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="membox bench offload",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from membox.bench_report import add_contract_flags
+    add_contract_flags(ap)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--cgroup", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--d-model", type=int, default=0)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=0)
+    ap.add_argument("--budget-mb", type=int, default=0)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    a = ap.parse_args(argv)
+    a.layers = a.layers or (8 if a.quick else 24)
+    a.d_model = a.d_model or (256 if a.quick else 640)
+    a.steps = a.steps or (4 if a.quick else 6)
+    if a.worker:
+        return worker(a)
+    variants = [v for v in a.variants.split(",") if v]
+    for v in variants:
+        if v not in VARIANTS:
+            _die(f"unknown variant {v} ({', '.join(VARIANTS)})")
+    if a.budget_mb and not os.access(_CGROUP, os.W_OK):
+        _die(f"--budget-mb needs root and memory cgroups ({_CGROUP})")
+    repeats = a.repeats or (1 if a.quick else 3)
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="membox-offload-bench-")
+    from membox.bench_report import run_interleaved
+    skipped = {}
+
+    def one(v):
+        rec, why, _ = run_case(a, v, a.batch, os.path.join(tmp, v + ".json"))
+        if rec is None:
+            skipped[v] = why
+        return rec
+    res = run_interleaved(variants, repeats, one)
+    rows = {}
+    for v, runs in res.items():
+        runs = [r for r in runs if r is not None]
+        if not runs:
+            continue
+        runs.sort(key=lambda r: r["step_s"])
+        rows[v] = dict(runs[len(runs) // 2],
+                       all=[round(r["step_s"] * 1e3) for r in runs])
+    if not rows:
+        _die("no variant ran: " + "; ".join(f"{v}: {w}"
+                                            for v, w in skipped.items()))
+    import torch
+    nparams = next(iter(rows.values()))["params"]
+    print(f"\nGPT-style model, {a.layers} blocks, d={a.d_model}, "
+          f"{nparams / 1e6:.1f} M parameters, batch {a.batch} x {a.seq} "
+          f"tokens per worker, {a.workers} workers, Adam; torch "
+          f"{torch.__version__}; median of {repeats} run(s)")
+    base = rows.get("ddp")
+    print(f"{'variant':14} {'bytes/param':>11} {'(accounted)':>11} "
+          f"{'step ms':>8} {'vs ddp':>7} {'vs fsdp2':>8}  last loss  runs")
+    records = []
+    case = f"gpt-{a.layers}x{a.d_model}-b{a.batch}"
+    for v in variants:
+        if v not in rows:
+            print(f"{v:14} skipped: {skipped.get(v, '?')}")
+            continue
+        r = rows[v]
+        acc = r.get("accounted_per_param")
+        vs_ddp = r["step_s"] / base["step_s"] if base else None
+        f2 = rows.get("fsdp2")
+        vs_f = r["step_s"] / f2["step_s"] if f2 else None
+        print(f"{v:14} {r['per_param']:11.2f} "
+              f"{(f'{acc:.2f}' if acc is not None else '-'):>11} "
+              f"{r['step_s'] * 1e3:8.0f} "
+              f"{(f'{vs_ddp:.2f}x' if vs_ddp else '-'):>7} "
+              f"{(f'{vs_f:.2f}x' if vs_f else '-'):>8}  "
+              f"{r['losses'][-1]:.4f}  {r['all']}")
+        metrics = [("resident_bytes_per_param", r["per_param"], "bytes"),
+                   ("step_time", r["step_s"], "s"),
+                   ("samples_per_s", a.workers * a.batch / r["step_s"],
+                    "samples/s"),
+                   ("last_loss", r["losses"][-1], "loss")]
+        if acc is not None:
+            metrics.append(("accounted_bytes_per_param", acc, "bytes"))
+        if vs_ddp:
+            metrics.append(("step_vs_ddp", vs_ddp, "x"))
+        if vs_f:
+            metrics.append(("step_vs_fsdp2", vs_f, "x"))
+        for metric, value, unit in metrics:
+            records.append({"bench": "offload", "variant": v,
+                            "size_bytes": nparams * 4,
+                            "workers": a.workers, "metric": metric,
+                            "value": value, "unit": unit, "case": case})
+    losses = {v: rows[v]["losses"] for v in rows}
+    budget = {}
+    if a.budget_mb:
+        print(f"\nunder {a.budget_mb} MiB per worker (memory cgroup): "
+              f"largest batch and its samples/s")
+        for v in variants:
+            if v in skipped:
+                continue
+            best = largest_batch(a, v, tmp)
+            budget[v] = best
+        ddp_b = budget.get("ddp")
+        for v, best in budget.items():
+            if best is None:
+                print(f"{v:14} does not train at batch 1")
+                continue
+            b, r = best
+            sps = a.workers * b / r["step_s"]
+            vs = (f"{sps / (a.workers * ddp_b[0] / ddp_b[1]['step_s']):.2f}x "
+                  f"ddp" if ddp_b else "")
+            print(f"{v:14} batch {b:3d}  {sps:8.2f} samples/s  {vs}")
+            for metric, value, unit in (("budget_batch", b, "samples"),
+                                        ("budget_samples_per_s", sps,
+                                         "samples/s")):
+                records.append({"bench": "offload", "variant": v,
+                                "size_bytes": nparams * 4,
+                                "workers": a.workers, "metric": metric,
+                                "value": value, "unit": unit,
+                                "case": f"{case}-budget{a.budget_mb}MiB"})
+    from membox.bench_report import write_records
+    write_records(records, a.csv, a.json)
+    if a.plot:
+        _plot(a, rows, budget, variants, losses)
+    return 0
+
+
+def _plot(a, rows, budget, variants, losses):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shown = [v for v in variants if v in rows]
+    n = 3 if budget else 2
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.8))
+    colors = {"ddp": "#7f7f7f", "fsdp2": "#ff7f0e", "fsdp2-offload": "#ffbb78",
+              "membox": "#1f77b4"}
+    axes[0].bar(shown, [rows[v]["per_param"] for v in shown],
+                color=[colors[v] for v in shown])
+    axes[0].set_ylabel("peak RSS above pre-model RSS,\nbytes per parameter")
+    axes[1].bar(shown, [rows[v]["step_s"] * 1e3 for v in shown],
+                color=[colors[v] for v in shown])
+    axes[1].set_ylabel("step time (ms, median)")
+    if budget:
+        bv = [v for v in shown if budget.get(v)]
+        axes[2].bar(bv, [a.workers * budget[v][0] / budget[v][1]["step_s"]
+                         for v in bv], color=[colors[v] for v in bv])
+        for i, v in enumerate(bv):
+            axes[2].annotate(f"batch {budget[v][0]}",
+                             (i, a.workers * budget[v][0] /
+                              budget[v][1]["step_s"]),
+                             ha="center", va="bottom", fontsize=8)
+        axes[2].set_ylabel(f"samples/s at the largest batch\n"
+                           f"under {a.budget_mb} MiB per worker")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.suptitle(f"GPT {a.layers}x{a.d_model}, {a.workers} workers, Adam")
+    fig.tight_layout()
+    fig.savefig(a.plot, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
