@@ -65,8 +65,9 @@ def _no_grad_hook(fn):
 
 class _Key:
     """One key on the memory nodes: the parameters of one unit with one
-    dtype and trainability, laid out back to back in `flat` (on the
-    parameters' device; its storage is freed between uses)."""
+    dtype and trainability, back to back. On CPU they are laid out as views
+    of the unit's transfer buffer (the pull lands there); a CUDA key has a
+    device tensor `flat` whose storage is allocated only while laid out."""
 
     def __init__(self, key, params, trainable):
         self.key = key
@@ -81,75 +82,73 @@ class _Key:
             at += p.numel()
         self.numel = at
         self.nbytes = at * params[0].element_size()
-        self.flat = torch.empty(self.numel, dtype=self.dtype,
-                                device=self.device)
-        with torch.no_grad():
-            for p, off in zip(params, self.offsets):
-                self.flat[off:off + p.numel()].copy_(p.data.reshape(-1))
+        self.flat = None
+        if self.device.type == "cuda":
+            self.flat = torch.empty(self.numel, dtype=self.dtype,
+                                    device=self.device)
+            self.flat.untyped_storage().resize_(0)
+        self.at = 0  # byte offset in the unit's buffer
         self.pushed = False  # this step's gradient is on its way
 
-    def views(self):
+    def write_initial(self, out):
+        """Copies the parameters' current values into flat CPU `out`."""
+        for p, off in zip(self.params, self.offsets):
+            out[off:off + p.numel()].copy_(p.data.reshape(-1))
+
+    def views(self, flat):
         for p, off, shape in zip(self.params, self.offsets, self.shapes):
-            yield p, self.flat[off:off + shape.numel()].view(shape)
+            yield p, flat[off:off + shape.numel()].view(shape)
 
     def allocated(self):
-        return self.flat.untyped_storage().nbytes()
-
-    def free(self):
-        self.flat.untyped_storage().resize_(0)
-
-    def alloc(self):
-        if self.allocated() < self.nbytes:
-            self.flat.untyped_storage().resize_(self.nbytes)
+        return self.flat.untyped_storage().nbytes() if self.flat is not None \
+            else 0
 
 
 class _Unit:
-    """A module whose own parameters (those of no inner unit) are
-    materialised only around its forward and backward."""
+    """A module whose own parameters (those of no inner unit) are laid out
+    only around its forward and backward.
+
+    States: `loaded` -- its buffer holds the nodes' current value (a pull
+    completed and no push of it since); `pending` -- a pull into its buffer
+    is in flight; `laid` -- its parameters are views of that value; `busy`
+    -- its forward or backward is running (its buffer must not be
+    reused)."""
 
     def __init__(self, name, module, keys, shared=False):
         self.name = name
         self.module = module
         self.keys = keys
         self.shared = shared  # tied parameters: resident for the step
-        self.state = "free"  # free -> pending (pull in flight) -> ready
-        self.pending = None  # (slot, [handles])
-        self.grads_left = 0
+        at = 0
+        for k in keys:
+            k.at = at
+            at += (k.nbytes + 63) // 64 * 64
+        self.nbytes = at
+        self.buffer = None  # index into the optimizer's buffers
+        self.loaded = self.laid = self.busy = False
+        self.pending = None  # [handles]
+        self.grads_left = self.grads_total = 0
         self.backward_seen = False
         self.users = []  # shared units: the units whose compute needs it
-
-    @property
-    def nbytes(self):
-        return sum(k.nbytes for k in self.keys)
 
     @property
     def trainable(self):
         return [p for k in self.keys if k.trainable for p in k.params]
 
 
-class _Slots:
-    """Transport-registered buffers of `size` bytes that pulls land in and
-    pushes leave from (memory the nodes read and write in place; CUDA: also
-    page-locked). Owner: the offload optimizer; used on the caller's
-    thread only."""
+class _Buffer:
+    """Transport-registered memory (CUDA: also page-locked) that pulls land
+    in and pushes leave from: the nodes read and write it in place."""
 
-    def __init__(self, client, size, count, cuda, tag):
+    def __init__(self, client, size, cuda, tag):
         self.size = size
-        self.free = []
-        self.all = []
-        for i in range(count):
-            if cuda:
-                from membox.torch import _staging_for
-                arr, host = _staging_for(client).buffer((tag, i), size)
-            else:
-                arr = client.allocate(size)
-                host = torch.frombuffer(arr, dtype=torch.uint8)
-            self.all.append((arr, host))
-        self.free = list(range(count))
-
-    @property
-    def nbytes(self):
-        return self.size * len(self.all)
+        if cuda:
+            from membox.torch import _staging_for
+            self.arr, self.host = _staging_for(client).buffer(tag, size)
+        else:
+            self.arr = client.allocate(size)
+            self.host = torch.frombuffer(self.arr, dtype=torch.uint8)
+        self.owner = None  # the unit whose value it holds or receives
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -264,30 +263,49 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for k in u.keys:
                 for p in k.params:
                     self._param_unit[id(p)] = (u, k)
-        cuda = any(k.device.type == "cuda" for u in self.units
-                   for k in u.keys)
-        biggest = max((k.nbytes for u in self.units for k in u.keys),
-                      default=0)
-        largest_unit = max((u.nbytes for u in self.units), default=0)
-        self._cuda = cuda
-        # A pull of one unit takes one slot until it is copied out; the
-        # prefetch depth bounds how many are in flight.
-        self._pull_slots = _Slots(self.client, max(largest_unit, 8),
-                                  self.prefetch + 1, cuda, "offload-pull")
-        self._push_slots = _Slots(self.client, max(biggest, 8), 2, cuda,
-                                  "offload-push")
+        self._cuda = any(k.device.type == "cuda" for u in self.units
+                         for k in u.keys)
+        # Buffers: the root's and the tied parameters' own (resident for a
+        # step anyway), and prefetch + 1 that the other units take turns
+        # in -- unit i of the forward order always in buffer i mod
+        # (prefetch + 1), so the views autograd saved in its forward see
+        # its value again when it is pulled back for its backward.
+        self._buffers = []
+        for u in self.units:
+            if u.keys and (u.shared or u is self.root):
+                u.buffer = self._new_buffer(u.nbytes)
+        turns = [u for u in self.units if u.keys and u.buffer is None]
+        largest = max((u.nbytes for u in turns), default=0)
+        self._turns = [self._new_buffer(largest)
+                       for _ in range(self.prefetch + 1)] if turns else []
+        biggest = max((k.nbytes for u in self.units for k in u.keys
+                       if k.trainable), default=0)
+        self._push_bufs = [self._new_buffer(biggest) for _ in range(2)] \
+            if biggest else []
+        self._push_free = list(range(len(self._push_bufs)))
+        self._overflow_warned = False
+
+    def _new_buffer(self, size):
+        b = _Buffer(self.client, max(size, 64), self._cuda,
+                    ("offload", id(self), len(self._buffers)))
+        self._buffers.append(b)
+        return len(self._buffers) - 1
 
     def _declare(self):
         kw = self._node_hyper(self._hyper())
         self.version = 0
         for u in self.units:
+            # Initial values from registered memory (the unit's buffer): the
+            # nodes read them in place, and the client needs no staging copy
+            # of the key (which it would keep).
+            b = self._buffers[u.buffer if u.buffer is not None
+                              else self._turns[0]]
             for k in u.keys:
-                # A copy: numpy's view would pin flat's storage (resizable
-                # no more).
-                init = k.flat.detach().to("cpu", copy=True)
-                arr = init.view(torch.uint8).numpy()
+                src = b.host[k.at:k.at + k.nbytes]
+                k.write_initial(src.view(k.dtype))
                 opt = self.kind if k.trainable else "none"
-                v = self.client.declare(k.key, k.nbytes, _DTYPES[k.dtype], arr,
+                v = self.client.declare(k.key, k.nbytes, _DTYPES[k.dtype],
+                                        b.arr[k.at:k.at + k.nbytes],
                                         optimizer=opt,
                                         **(kw if k.trainable else {}))
                 self.version = max(self.version, v)
@@ -301,7 +319,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         ph = torch.empty(0, dtype=p.dtype, device=p.device)
                         placeholder[(p.dtype, p.device)] = ph
                     p.data = ph
-                k.free()
         self._placeholder = placeholder
 
     def _install_hooks(self):
@@ -364,75 +381,112 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._sent = want
 
     # ---------------------------------------------------------- transfers
-    def _request(self, u):
-        """Starts pulling unit u (if it is not resident or on its way)."""
-        if u.state != "free" or not u.keys:
+    def _buffer_of(self, u):
+        """The buffer unit u is pulled into: its own, or its turn."""
+        if u.buffer is not None:
+            return u.buffer
+        if u not in self._order:
+            self._order.append(u)  # outside the recorded forward
+        i = self._order.index(u) % len(self._turns)
+        return self._turns[i]
+
+    def _take(self, u, b, must):
+        """Makes buffer b unit u's: evicts its holder unless that one is in
+        use. False when it is (and `must` is not set)."""
+        buf = self._buffers[b]
+        w = buf.owner
+        if w is u or w is None:
+            buf.owner = u
+            return True
+        if w.laid or w.busy:
+            if not must:
+                return False
+            if u.backward_seen or u.laid:
+                raise membox.MemboxError(
+                    "offload: unit %s must return to its buffer for backward, "
+                    "but unit %s is using it (the units ran in an order unlike "
+                    "the first step's); pass units= without nesting" %
+                    (u.name, w.name))
+            # A unit whose turn is taken before its forward: a buffer of its
+            # own from now on.
+            if not self._overflow_warned:
+                import warnings
+                warnings.warn("offload: unit %s and %s overlap in time; %s "
+                              "gets a buffer of its own" %
+                              (u.name, w.name, u.name))
+                self._overflow_warned = True
+            u.buffer = self._new_buffer(u.nbytes)
+            self._buffers[u.buffer].owner = u
+            return True
+        if w.pending is not None:
+            for h in w.pending:
+                h.wait()
+            w.pending = None
+        w.loaded = False
+        buf.owner = u
+        return True
+
+    def _request(self, u, must=False):
+        """Starts pulling unit u into its buffer unless its value is there
+        or on its way."""
+        if not u.keys or u.laid or u.pending is not None:
             return
-        slots = self._pull_slots
-        if not slots.free:
-            # Every slot holds a pull not yet laid out: the oldest is the
-            # next unit to compute; lay it out to free its slot.
-            oldest = next(v for v in self.units if v.state == "pending")
-            self._materialize(oldest)
-        i = slots.free.pop(0)
-        arr, _ = slots.all[i]
-        hs, at = [], 0
-        for k in u.keys:
-            hs.append(self.client.pull(k.key, arr[at:at + k.nbytes]))
-            at += k.nbytes
-        u.pending = (i, hs)
-        u.state = "pending"
+        b = self._buffer_of(u)
+        if u.loaded and self._buffers[b].owner is u:
+            return
+        if not self._take(u, b, must):
+            return
+        b = self._buffer_of(u)  # may be a new buffer of its own
+        arr = self._buffers[b].arr
+        u.pending = [self.client.pull(k.key, arr[k.at:k.at + k.nbytes])
+                     for k in u.keys]
+        u.loaded = False
 
     def _materialize(self, u):
-        if u.state == "ready" or not u.keys:
-            u.state = "ready"
+        """Lays unit u's parameters out (pulling them if needed)."""
+        if u.laid or not u.keys:
             return
-        if u.state == "free":
-            self._request(u)
-        i, hs = u.pending
-        _, host = self._pull_slots.all[i]
-        at = 0
+        self._request(u, must=True)
+        if u.pending is not None:
+            for h in u.pending:
+                h.wait()
+            u.pending = None
+        u.loaded = True
+        host = self._buffers[u.buffer if u.buffer is not None
+                             else self._buffer_of(u)].host
         streams = set()
-        for k, h in zip(u.keys, hs):
-            h.wait()
-            k.alloc()
-            src = host[at:at + k.nbytes]
-            if k.device.type == "cuda":
+        for k in u.keys:
+            src = host[k.at:k.at + k.nbytes]
+            if k.flat is not None:  # CUDA: a device copy, for the compute
                 from membox.torch import _staging_for
-                st = _staging_for(self.client)
-                streams.add(st.to_device(src, k.flat, k.device))
+                k.flat.untyped_storage().resize_(k.nbytes)
+                streams.add(_staging_for(self.client).to_device(
+                    src, k.flat, k.device))
+                flat = k.flat
             else:
-                k.flat.view(torch.uint8).copy_(src)
-            at += k.nbytes
-            for p, view in k.views():
+                flat = src.view(k.dtype)
+            for p, view in k.views(flat):
                 p.data = view
-        for s in streams:
-            torch.cuda.current_stream(s.device).wait_stream(s)
-            s.synchronize()  # the slot is reused by the next pull
-        self._pull_slots.free.append(i)
-        u.pending = None
-        u.state = "ready"
+        for st in streams:
+            torch.cuda.current_stream(st.device).wait_stream(st)
+        u.laid = True
         self._account()
 
     def _release(self, u):
-        """Frees unit u's parameters (autograd's views keep the storage
-        object; the bytes go)."""
-        if u.state == "pending":
-            for h in u.pending[1]:
-                h.wait()
-            self._pull_slots.free.append(u.pending[0])
-            u.pending = None
+        """Unit u's parameters go (its value stays in its buffer until
+        another unit takes it or a push makes it stale)."""
         for k in u.keys:
             for p in k.params:
                 p.data = self._placeholder[(p.dtype, p.device)]
-            k.free()
-        u.state = "free"
+            if k.flat is not None:
+                k.flat.untyped_storage().resize_(0)
+        u.laid = False
 
     def _account(self):
         def counted(u):
             return u.keys and not u.shared and u is not self.root
         units = sum(1 for u in self.units if counted(u) and
-                    (u.state == "ready" or
+                    (u.laid or
                      any(p.grad is not None for p in u.trainable)))
         self._peak_units = max(self._peak_units, units)
         self._peak_bytes = max(self._peak_bytes, self.resident_bytes())
@@ -449,11 +503,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     "offload: a second backward before step() would step "
                     "the optimizer twice; run the earlier micro-batches "
                     "inside opt.no_sync()")
-            slots = self._push_slots
-            while not slots.free:
+            while not self._push_free:
                 self._wait_oldest_push()
-            i = slots.free.pop(0)
-            arr, host = slots.all[i]
+            i = self._push_free.pop(0)
+            pb = self._buffers[self._push_bufs[i]]
+            arr, host = pb.arr, pb.host
             buf = host[:k.nbytes]
             event = None
             for p, off, shape in zip(k.params, k.offsets, k.shapes):
@@ -475,6 +529,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._handles.append((i, h))
             for p in k.params:
                 p.grad = None
+            u.loaded = False  # the nodes' value moves on with this round
         self._step_open = True
 
     def _priority(self, u):
@@ -487,7 +542,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _wait_oldest_push(self):
         i, h = self._handles.pop(0)
         h.wait()
-        self._push_slots.free.append(i)
+        self._push_free.append(i)
 
     # -------------------------------------------------------------- hooks
     def _make_pre_forward(self, u):
@@ -500,9 +555,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for s in self.shared:
                 if id(module) in s.users:
                     self._materialize(s)
+            u.busy = True
             self._materialize(u)
             self._prefetch_after(u, self._order)
-            self._account()
         return hook
 
     def _make_post_forward(self, u):
@@ -519,27 +574,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         if not u.backward_seen:
                             u.backward_seen = True
                             with torch.no_grad():
-                                self._materialize(u)
-                                self._prefetch_after(u, self._order[::-1])
-                                self._account()
+                                self._pre_backward(u)
                         return grad
                     for t in outs:
                         t.register_hook(pre_backward)
-            if u.keys and not self._keep_for_backward(u):
+            u.busy = False
+            if u.keys:
                 with torch.no_grad():
                     self._release(u)
             return output
         return hook
 
-    def _keep_for_backward(self, u):
-        # The last `prefetch` units of forward are the first of backward.
-        if self._recording or not torch.is_grad_enabled() or not u.trainable:
-            return False
-        n = len(self._order)
-        try:
-            return self._order.index(u) >= n - self.prefetch
-        except ValueError:
-            return False
+    def _pre_backward(self, u):
+        # A frozen unit's backward is over once the next unit's begins (it
+        # has no gradient whose arrival would say so).
+        for w in self.units:
+            if w is not u and w.busy and w.laid and not w.trainable and \
+                    not w.shared and w is not self.root:
+                w.busy = False
+                self._release(w)
+        u.busy = True
+        self._materialize(u)
+        self._prefetch_after(u, self._order[::-1])
 
     def _make_grad_hook(self, u):
         @_no_grad_hook
@@ -551,7 +607,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             u.grads_left = u.grads_total
             if self._sync:
                 self._push(u)
-            if not u.shared:
+            if not u.shared and u is not self.root:
+                u.busy = False
                 self._release(u)
             self._account()
         return hook
@@ -598,21 +655,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         if not self._ready:
             return loss
-        for u in self.units:
-            if any(k.trainable and not k.pushed for k in u.keys) and \
-                    self._step_open:
-                with torch.no_grad():
+        with torch.no_grad():
+            for u in self.units:
+                if self._step_open and any(k.trainable and not k.pushed
+                                           for k in u.keys):
                     self._push(u)
-                    if not u.shared:
-                        self._release(u)
-        while self._handles:
-            self._wait_oldest_push()
-        for u in self.units:
-            for k in u.keys:
-                k.pushed = False
-            if u.shared and u.state != "free":
-                self._release(u)
-            u.grads_left = u.grads_total
+            while self._handles:
+                self._wait_oldest_push()
+            for u in self.units:
+                for k in u.keys:
+                    k.pushed = False
+                if u.laid:
+                    self._release(u)
+                u.busy = False
+                u.grads_left = u.grads_total
         self._step_open = False
         self.version += 1
         return loss
@@ -627,12 +683,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def resident_bytes(self, detail=False):
         """What this worker holds of model state now: laid-out parameters,
         gradients not yet pushed, and the registered transfer buffers."""
-        params = sum(k.allocated() for u in self.units for k in u.keys)
+        # CPU parameters are laid out in the buffers (counted there once);
+        # CUDA ones in device memory besides.
+        laid = sum(u.nbytes for u in self.units if u.laid) \
+            if not self._cuda else 0
+        device = sum(k.allocated() for u in self.units for k in u.keys)
         grads = sum(p.grad.numel() * p.grad.element_size()
                     for u in self.units for p in u.trainable
                     if p.grad is not None)
-        buffers = self._pull_slots.nbytes + self._push_slots.nbytes
-        total = params + grads + buffers
+        buffers = sum(b.size for b in self._buffers)
+        params = laid + device
+        total = device + grads + buffers
         if detail:
             return {"parameters": params, "gradients": grads,
                     "buffers": buffers, "total": total}
@@ -648,23 +709,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _gather(self, u):
         """{id(param): a copy of its value on the nodes} for unit u's
-        parameters (laid-out values when resident)."""
+        parameters (from its buffer when that holds the current value)."""
+        if u.pending is not None or not u.loaded:
+            self._request(u, must=True)
+            for h in u.pending or []:
+                h.wait()
+            u.pending = None
+            u.loaded = True
+        b = u.buffer if u.buffer is not None else self._buffer_of(u)
+        host = self._buffers[b].host
         out = {}
-        if u.state == "ready":
-            for k in u.keys:
-                for p, view in k.views():
-                    out[id(p)] = view.detach().clone()
-            return out
         for k in u.keys:
-            if not self._pull_slots.free:
-                raise membox.MemboxError("offload: state_dict() during a "
-                                         "step's transfers")
-            arr, host = self._pull_slots.all[self._pull_slots.free[0]]
-            self.client.pull(k.key, arr[:k.nbytes]).wait()
-            flat = host[:k.nbytes].view(k.dtype)
-            for p, off, shape in zip(k.params, k.offsets, k.shapes):
-                out[id(p)] = flat[off:off + shape.numel()].clone().view(
-                    shape).to(p.device)
+            flat = host[k.at:k.at + k.nbytes].view(k.dtype)
+            for p, view in k.views(flat):
+                out[id(p)] = view.clone().to(p.device)
         return out
 
     def state_dict(self):
@@ -771,10 +829,26 @@ def offload(model, optimizer="adam", lr=1e-3, prefetch=None, units=None,
             mode="average")
     else:
         client.configure(mode="average")
+    _return_freed_memory()
     opt = OffloadOptimizer(model, client, kind, values, prefetch, units,
                            min_unit_params)
     model._membox_offload = opt
     return opt
+
+
+def _return_freed_memory():
+    """glibc raises its mmap threshold each time a large block is freed
+    (up to 32 MiB), after which freed tensors of that size stay in the heap
+    and in the process's RSS: a worker that frees each unit after use would
+    keep them all. A fixed threshold of 1 MiB (mallopt M_MMAP_THRESHOLD)
+    returns every freed tensor above it to the system at once."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(1 << 20))
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
 
 
 def _check_hyper(kind, v):

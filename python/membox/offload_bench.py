@@ -150,7 +150,8 @@ def worker(a):
         import membox.torch as mt
         mt.init()
         opt = mt.offload(model, optimizer="adam", lr=lr,
-                         units=list(model.blocks), prefetch=a.prefetch)
+                         units=list(model.blocks) + [model.emb, model.head],
+                         prefetch=a.prefetch)
     # Peak from here: training, not building (membox's build is the full
     # model for a moment, as every scheme's is, before it moves out).
     with open("/proc/self/clear_refs", "w") as f:

@@ -548,9 +548,16 @@ class ParamClientImpl final : public ParamClient {
     k.shard_bytes = shard;
     k.shards = static_cast<uint32_t>((bytes + shard - 1) / shard);
     k.stored = stored;
-    if (!stored) {  // stored keys move registered memory only
-      ASSIGN_OR_RETURN(k.staging, device_->AllocateMemRegion(2 * bytes));
-      RETURN_IF_ERROR(RegisterRegion(*k.staging));
+    // Initial values in registered memory are read in place; others go
+    // through the key's staging buffer (otherwise made on first use by
+    // Submit: a worker that moves registered memory only never has one).
+    const MemRegion* init_region = nullptr;
+    if (init) {
+      MutexLock l(&mu_);
+      init_region = Locate(init, bytes);
+    }
+    if (init && !init_region) {
+      ASSIGN_OR_RETURN(k.staging, NewStaging(bytes));
     }
     Message m;
     m.type = Type::kDeclare;
@@ -561,7 +568,12 @@ class ParamClientImpl final : public ParamClient {
     m.striped = stripe;
     m.stored = stored;
     PutOptimizer(o, &m);
-    if (init) {
+    if (init && init_region) {
+      m.has_input = true;
+      m.region = init_region->id();
+      m.offset = static_cast<const uint8_t*>(init) -
+                 static_cast<const uint8_t*>(init_region->data());
+    } else if (init) {
       std::memcpy(k.staging->data(), init, bytes);
       m.has_input = true;
       m.region = k.staging->id();
@@ -1325,6 +1337,37 @@ class ParamClientImpl final : public ParamClient {
   // host (a kMapped channel) that did not map it -- its reply's version is
   // 1 where it did -- fails the registration (the caller's staged path is
   // faster than RMA there).
+  // A key's staging buffer ([in | out], registered with every proxy).
+  Result<std::unique_ptr<MemRegion>> NewStaging(uint64_t bytes) {
+    ASSIGN_OR_RETURN(auto r, device_->AllocateMemRegion(2 * bytes));
+    RETURN_IF_ERROR(RegisterRegion(*r));
+    return r;
+  }
+
+  // Gives `key` its staging buffer when `in` or `out` is memory the
+  // proxies cannot reach (not registered) and it has none yet.
+  Status EnsureStaging(uint64_t key, const void* in, const void* out) {
+    uint64_t bytes = 0;
+    {
+      MutexLock l(&mu_);
+      auto it = keys_.find(key);
+      if (it == keys_.end() || it->second.stored || it->second.staging) {
+        return Status::Ok();
+      }
+      bytes = it->second.bytes;
+      if ((!in || Locate(in, bytes)) && (!out || Locate(out, bytes))) {
+        return Status::Ok();
+      }
+    }
+    ASSIGN_OR_RETURN(auto r, NewStaging(bytes));
+    MutexLock l(&mu_);
+    auto it = keys_.find(key);
+    if (it != keys_.end() && !it->second.staging) {
+      it->second.staging = std::move(r);
+    }
+    return Status::Ok();
+  }
+
   Status RegisterRegion(const MemRegion& r, bool require_mapped = false) {
     Message m;
     m.type = Type::kRegion;
@@ -1522,6 +1565,9 @@ class ParamClientImpl final : public ParamClient {
     if (type != Type::kStore) {
       if (auto h = SubmitCombined(type, key, in, out, cb)) return *h;
     }
+    if (Status s = EnsureStaging(key, in, out); !s.ok()) {
+      return Failed(std::move(s), std::move(cb));
+    }
     {
       MutexLock l(&mu_);
       auto it = keys_.find(key);
@@ -1545,6 +1591,13 @@ class ParamClientImpl final : public ParamClient {
             InvalidArgumentError("stored keys move registered memory "
                                  "(AllocateTensor / RegisterTensor) only"),
             std::move(cb));
+      }
+      if (!k.stored && !k.staging &&
+          ((in && !Locate(in, k.bytes)) || (out && !Locate(out, k.bytes)))) {
+        return Failed(FailedPreconditionError(
+                          "key " + std::to_string(key) +
+                          ": its memory was unregistered while submitting"),
+                      std::move(cb));
       }
       op.bytes = k.bytes;
       op.shard_bytes = k.shard_bytes;
