@@ -76,6 +76,15 @@ def main():
                          "no DDP")
     ap.add_argument("--prefetch", type=int, default=None,
                     help="with --offload: units pulled ahead")
+    ap.add_argument("--out", help="with --offload: rank 0 appends each "
+                    "step's loss here (JSON lines); a restarted worker set "
+                    "(membox launch --max-restarts) goes on at the step the "
+                    "memory nodes have completed, with that step's data")
+    ap.add_argument("--exit-in-backward", type=int, default=0,
+                    metavar="STEP",
+                    help="with --offload, for restart tests: the last rank "
+                         "exits in STEP's backward once the upper layers' "
+                         "gradients are pushed (a job dying mid-step)")
     ap.add_argument("--overlap-optimizer", action="store_true",
                     help="step each gradient bucket's parameters as its "
                          "average arrives (membox.torch.OverlappedOptimizer; "
@@ -120,10 +129,31 @@ def main():
     if a.in_memory_state and a.backend == "membox":
         mem = membox.torch.InMemoryState(model, opt, every=a.state_every)
         first = mem.restore() + 1
+    current = [0]  # the step running (--exit-in-backward)
+    if a.offload and a.exit_in_backward and rank == world - 1 and \
+            os.environ.get("MEMBOX_RESTART", "0") == "0":
+        # Once the first layer's gradient is in (every layer above it was
+        # pushed before), give those pushes a moment to land and die.
+        def die(p):
+            if current[0] == a.exit_in_backward:
+                time.sleep(0.5)
+                os._exit(3)
+        list(model.enc.layers[0].parameters())[0] \
+            .register_post_accumulate_grad_hook(die)
+    if a.offload:
+        first = opt.version + 1
+        if first > 1 and rank == 0:
+            print("resumed from the memory nodes at step %d (%d keys already "
+                  "stepped there, recomputed from their previous values)" %
+                  (first, opt.ahead), flush=True)
     gen = torch.Generator().manual_seed(1000 + rank)
     loss_fn = nn.CrossEntropyLoss()
     t0 = time.perf_counter()
     for step in range(first, a.steps + 1):
+        current[0] = step
+        if a.offload:
+            # Each step's data from its number: the same after a restart.
+            gen = torch.Generator().manual_seed(1000 * step + rank)
         x, y = batch(gen, a.batch)
         opt.zero_grad()
         with model.no_sync() if a.no_sync else contextlib.nullcontext():
@@ -131,8 +161,11 @@ def main():
             loss.backward()
         if not a.overlap_optimizer:  # stepped bucket by bucket in backward
             opt.step()
-        if a.offload and step == first:
-            opt.stats()  # peaks from the first step on
+        if a.offload and rank == 0 and a.out:
+            import json
+            with open(a.out, "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss.item()}) +
+                        "\n")
         if mem is not None and not mem.auto:
             mem.commit()  # torch 1.x: no optimizer step hooks
         if rank == 0 and step % 10 == 0:

@@ -184,6 +184,19 @@ Buffer GetBuffer(py::object o, bool writable) {
   return Buffer{info.ptr, static_cast<size_t>(info.size * info.itemsize), o};
 }
 
+// A key part by name: "previous" (reads only), "value" (writes only),
+// "moment1", "moment2".
+membox::ps::KeyPart ParsePart(const std::string& s, bool write) {
+  using P = membox::ps::KeyPart;
+  if (s == "moment1") return P::kMoment1;
+  if (s == "moment2") return P::kMoment2;
+  if (!write && s == "previous") return P::kPrevious;
+  if (write && s == "value") return P::kValue;
+  throw py::value_error(std::string("part must be ") +
+                        (write ? "value" : "previous") +
+                        ", moment1 or moment2 (got '" + s + "')");
+}
+
 membox::DType ParseDType(const std::string& s) {
   using membox::DType;
   if (s == "float32") return DType::kFloat32;
@@ -365,8 +378,19 @@ class Client {
     if (!s.ok()) Throw(s);
   }
 
-  Handle Submit(int kind, uint64_t key, py::object in, py::object out,
-                int priority) {
+  // What Submit asks of the parameter client.
+  enum class OpKind {
+    kPush,
+    kPull,
+    kPushPull,
+    kStore,
+    kPullState,
+    kStoreState
+  };
+
+  Handle Submit(OpKind kind, uint64_t key, py::object in, py::object out,
+                int priority,
+                membox::ps::KeyPart part = membox::ps::KeyPart::kPrevious) {
     auto op = std::make_shared<PyOp>();
     Buffer bi, bo;
     if (!in.is_none()) {
@@ -414,14 +438,25 @@ class Client {
     PsHandle h;
     {
       py::gil_scoped_release nogil;
-      if (kind == 0) {
-        h = c_->Push(key, bi.ptr, priority, cb);
-      } else if (kind == 1) {
-        h = c_->Pull(key, bo.ptr, cb);
-      } else if (kind == 3) {
-        h = c_->Store(key, bi.ptr, cb);
-      } else {
-        h = c_->PushPull(key, bi.ptr, bo.ptr, priority, cb);
+      switch (kind) {
+        case OpKind::kPush:
+          h = c_->Push(key, bi.ptr, priority, cb);
+          break;
+        case OpKind::kPull:
+          h = c_->Pull(key, bo.ptr, cb);
+          break;
+        case OpKind::kPushPull:
+          h = c_->PushPull(key, bi.ptr, bo.ptr, priority, cb);
+          break;
+        case OpKind::kStore:
+          h = c_->Store(key, bi.ptr, cb);
+          break;
+        case OpKind::kPullState:
+          h = c_->PullState(key, part, bo.ptr, cb);
+          break;
+        case OpKind::kStoreState:
+          h = c_->StoreState(key, part, bi.ptr, cb);
+          break;
       }
     }
     return Handle(std::move(h), op);
@@ -782,15 +817,38 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "push",
           [](Client& c, uint64_t key, py::object data, int priority) {
-            return c.Submit(0, key, data, py::none(), priority);
+            return c.Submit(Client::OpKind::kPush, key, data, py::none(),
+                            priority);
           },
           py::arg("key"), py::arg("data"), py::arg("priority") = 0)
       .def(
           "pull",
           [](Client& c, uint64_t key, py::object out) {
-            return c.Submit(1, key, py::none(), out, 0);
+            return c.Submit(Client::OpKind::kPull, key, py::none(), out, 0);
           },
           py::arg("key"), py::arg("out"))
+      .def(
+          "pull_state",
+          [](Client& c, uint64_t key, const std::string& part, py::object out) {
+            return c.Submit(Client::OpKind::kPullState, key, py::none(), out, 0,
+                            ParsePart(part, false));
+          },
+          py::arg("key"), py::arg("part"), py::arg("out"),
+          "Reads part of a key with an optimizer as the nodes hold it now: "
+          "'moment1' (SGD's momentum, Adam's m, Adagrad's sums), 'moment2' "
+          "(Adam's v) or 'previous' (the value before the last step). "
+          "FAILED_PRECONDITION when the nodes have none.")
+      .def(
+          "store_state",
+          [](Client& c, uint64_t key, const std::string& part,
+             py::object data) {
+            return c.Submit(Client::OpKind::kStoreState, key, data, py::none(),
+                            0, ParsePart(part, true));
+          },
+          py::arg("key"), py::arg("part"), py::arg("data"),
+          "Writes 'value', 'moment1' or 'moment2' of a key with an optimizer "
+          "on every node holding it, between its rounds (a loaded state "
+          "dict); the round count stays.")
       .def("declare_stored", &Client::DeclareStored, py::arg("key"),
            py::arg("nbytes"), py::arg("dtype") = "uint8",
            "Declares a stored key: state this worker keeps on the memory "
@@ -799,7 +857,7 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "store",
           [](Client& c, uint64_t key, py::object data) {
-            return c.Submit(3, key, data, py::none(), 0);
+            return c.Submit(Client::OpKind::kStore, key, data, py::none(), 0);
           },
           py::arg("key"), py::arg("data"),
           "Replaces a stored key's value with `data` on every memory node "
@@ -807,7 +865,9 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "push_pull",
           [](Client& c, uint64_t key, py::object in, py::object out,
-             int priority) { return c.Submit(2, key, in, out, priority); },
+             int priority) {
+            return c.Submit(Client::OpKind::kPushPull, key, in, out, priority);
+          },
           py::arg("key"), py::arg("data"), py::arg("out"),
           py::arg("priority") = 0)
       .def("checkpoint", &Client::Checkpoint, py::arg("name") = "latest.mbck")

@@ -67,6 +67,12 @@ PYTHONPATH=$PWD/build/release/python "$py" examples/ctr_wide_deep.py --local | g
 # (0.65x torch-local's samples/s on torch 2.15 against 0.51x with two
 # nodes, docs/results/ctr.md).
 "$membox" launch --nodes 1 --workers 2 -- "$py" examples/ctr_wide_deep.py | grep RESULT
+echo "== the model in the memory nodes: transformer LM, membox.torch.offload"
+# The nodes hold the weights and Adam's state; each worker holds two
+# encoder layers ahead of the one computing (docs/results/offload.md).
+"$membox" launch --nodes 2 --workers 2 -- "$py" examples/transformer_lm.py \
+  --backend membox --offload --layers 8 --d-model 256 --steps 20 |
+  grep -E "step 20|resident model state"
 echo "== across hosts: emulated cluster, transformer LM, membox vs Gloo DDP"
 if [[ $(id -u) -eq 0 ]] && ip netns add "mbx-demo-probe-$$" 2>/dev/null; then
   ip netns del "mbx-demo-probe-$$"

@@ -81,6 +81,17 @@ class Client(_core.Client):
     def pull(self, key, out):
         return super().pull(key, _buffer(out))
 
+    def pull_state(self, key, part, out):
+        """Part of a key with an optimizer, as the nodes hold it now:
+        "moment1", "moment2" or "previous" (its value before the last
+        step)."""
+        return super().pull_state(key, part, _buffer(out))
+
+    def store_state(self, key, part, data):
+        """Writes "value", "moment1" or "moment2" of a key with an
+        optimizer on the nodes, between its rounds."""
+        return super().store_state(key, part, _buffer(data))
+
     def push_pull(self, key, data, out, priority=0):
         return super().push_pull(key, _buffer(data), _buffer(out), priority)
 

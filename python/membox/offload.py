@@ -39,6 +39,7 @@ only their handles are touched there. Not for concurrent steps on one model.
 import contextlib
 import itertools
 import math
+import time
 
 import torch
 
@@ -54,6 +55,13 @@ _OPTIMIZERS = {
     "adagrad": {"eps": 1e-10, "weight_decay": 0.0},
 }
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+# The nodes' optimizer state by torch's names: (state key, node part).
+_MOMENTS = {
+    "sgd": (("momentum_buffer", "moment1"),),
+    "adam": (("exp_avg", "moment1"), ("exp_avg_sq", "moment2")),
+    "adamw": (("exp_avg", "moment1"), ("exp_avg_sq", "moment2")),
+    "adagrad": (("sum", "moment1"),),
+}
 
 
 def _no_grad_hook(fn):
@@ -69,7 +77,7 @@ class _Key:
     of the unit's transfer buffer (the pull lands there); a CUDA key has a
     device tensor `flat` whose storage is allocated only while laid out."""
 
-    def __init__(self, key, params, trainable):
+    def __init__(self, key, params, trainable, compute_dtype=None):
         self.key = key
         self.params = params
         self.trainable = trainable
@@ -81,14 +89,26 @@ class _Key:
             self.offsets.append(at)
             at += p.numel()
         self.numel = at
-        self.nbytes = at * params[0].element_size()
+        self.esize = params[0].element_size()
+        self.nbytes = at * self.esize
+        # What the parameters are laid out in: views of the unit's buffer
+        # (CPU, the masters' dtype), or a tensor of their own whose storage
+        # exists only while laid out (CUDA; or a compute dtype: bfloat16 /
+        # float16 copies of the float32 masters).
         self.flat = None
-        if self.device.type == "cuda":
-            self.flat = torch.empty(self.numel, dtype=self.dtype,
+        compute = compute_dtype if compute_dtype is not None and \
+            self.dtype.is_floating_point else self.dtype
+        if self.device.type == "cuda" or compute != self.dtype:
+            self.flat = torch.empty(self.numel, dtype=compute,
                                     device=self.device)
             self.flat.untyped_storage().resize_(0)
         self.at = 0  # byte offset in the unit's buffer
         self.pushed = False  # this step's gradient is on its way
+        # Rounds the nodes completed; a key ahead of the job's step (its
+        # round finished before a worker died mid-step) is recomputed from
+        # its previous value and not pushed in that step.
+        self.version = 0
+        self.ahead = False
 
     def write_initial(self, out):
         """Copies the parameters' current values into flat CPU `out`."""
@@ -129,6 +149,7 @@ class _Unit:
         self.pending = None  # [handles]
         self.grads_left = self.grads_total = 0
         self.backward_seen = False
+        self.pull_s = self.compute_s = None  # timed in the first step
         self.users = []  # shared units: the units whose compute needs it
 
     @property
@@ -158,14 +179,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
     first push."""
 
     def __init__(self, model, client, optimizer, hyper, prefetch, units,
-                 min_unit_params):
+                 min_unit_params, compute_dtype=None):
         self._ready = False
         params = list(model.parameters())
         torch.optim.Optimizer.__init__(self, params, dict(hyper))
         self.model = model
         self.client = client
         self.kind = optimizer
-        self.prefetch = prefetch
+        # prefetch None: 2 for the first step, then chosen from its timings.
+        self._auto = prefetch is None
+        self.prefetch = 2 if prefetch is None else prefetch
+        self.profiled = None
         self._sync = True
         self._step_open = False  # a backward pushed since the last step()
         self._handles = []  # pushes in flight: (slot, handle)
@@ -174,13 +198,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._peak_units = 0
         self._peak_bytes = 0
         self._sent = self._hyper()
-        self._build_units(model, units, min_unit_params)
+        self._build_units(model, units, min_unit_params, compute_dtype)
         self._declare()
         self._install_hooks()
         self._ready = True
 
     # ------------------------------------------------------------ building
-    def _build_units(self, model, units, min_unit_params):
+    def _build_units(self, model, units, min_unit_params, compute_dtype):
         names = {id(m): n for n, m in model.named_modules()}
         if units is None:
             chosen = _size_policy(model, min_unit_params)
@@ -236,7 +260,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     ps = [p for p in params if p.dtype == dtype and
                           p.requires_grad == trainable]
                     if ps:
-                        keys.append(_Key(next(next_key), ps, trainable))
+                        keys.append(_Key(next(next_key), ps, trainable,
+                                         compute_dtype))
             if home == "shared":
                 u = _Unit("(tied)", None, keys, shared=True)
                 u.users = sorted({id(m) for pid, us in owners.items()
@@ -293,7 +318,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _declare(self):
         kw = self._node_hyper(self._hyper())
-        self.version = 0
         for u in self.units:
             # Initial values from registered memory (the unit's buffer): the
             # nodes read them in place, and the client needs no staging copy
@@ -303,12 +327,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for k in u.keys:
                 src = b.host[k.at:k.at + k.nbytes]
                 k.write_initial(src.view(k.dtype))
-                opt = self.kind if k.trainable else "none"
-                v = self.client.declare(k.key, k.nbytes, _DTYPES[k.dtype],
-                                        b.arr[k.at:k.at + k.nbytes],
-                                        optimizer=opt,
-                                        **(kw if k.trainable else {}))
-                self.version = max(self.version, v)
+                # Frozen keys have the optimizer too (they are never
+                # pushed, so it never steps): a loaded state dict writes
+                # their values the same way, and one tune covers every key.
+                k.version = self.client.declare(
+                    k.key, k.nbytes, _DTYPES[k.dtype],
+                    b.arr[k.at:k.at + k.nbytes], optimizer=self.kind, **kw)
+        # Steps every key has completed: where a restarted worker goes on.
+        trained = [k.version for u in self.units for k in u.keys
+                   if k.trainable]
+        self.version = min(trained) if trained else 0
+        for u in self.units:
+            for k in u.keys:
+                k.ahead = k.trainable and k.version > self.version
+        # Keys whose round of step version + 1 finished before the job died
+        # (a restarted worker recomputes that step from their previous
+        # values and does not push them).
+        self.ahead = sum(k.ahead for u in self.units for k in u.keys)
         # The model's memory goes: from here on the nodes hold it.
         placeholder = {}
         for u in self.units:
@@ -338,6 +373,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._gathered = {}  # unit -> {id(param): value}
         self.model._register_state_dict_hook(
             lambda *args: self._gathered.clear())
+        # model.load_state_dict(): values go to the nodes.
+        self._loading = {}  # key -> {id(param): loaded tensor}
+        for m in self.model.modules():
+            if any(id(p) in self._param_unit
+                   for p in m.parameters(recurse=False)):
+                m._register_load_state_dict_pre_hook(self._load_hook,
+                                                     with_module=True)
+        self.model.register_load_state_dict_post_hook(self._load_done)
         for u in self.units:
             for k in u.keys:
                 if not k.trainable:
@@ -375,7 +418,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if want == self._sent:
             return
         kw = self._node_hyper(want)
-        keys = [k.key for u in self.units for k in u.keys if k.trainable]
+        keys = [k.key for u in self.units for k in u.keys]
         if keys:
             self.client.tune(min(keys), max(keys) + 1, self.kind, **kw)
         self._sent = want
@@ -438,9 +481,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         b = self._buffer_of(u)  # may be a new buffer of its own
         arr = self._buffers[b].arr
-        u.pending = [self.client.pull(k.key, arr[k.at:k.at + k.nbytes])
+        u.pending = [self._pull(k, arr[k.at:k.at + k.nbytes])
                      for k in u.keys]
         u.loaded = False
+
+    def _pull(self, k, out):
+        if not k.ahead:
+            return self.client.pull(k.key, out)
+        # The step this worker redoes already moved this key on the nodes:
+        # compute with the value it had before.
+        h = self.client.pull_state(k.key, "previous", out)
+        try:
+            h.wait()
+        except membox.MemboxError as e:
+            import warnings
+            warnings.warn("offload: key %d's value before its last step is "
+                          "gone (%s); the step after a restart uses its "
+                          "current value" % (k.key, e))
+            return self.client.pull(k.key, out)
+        return h
 
     def _materialize(self, u):
         """Lays unit u's parameters out (pulling them if needed)."""
@@ -457,14 +516,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         streams = set()
         for k in u.keys:
             src = host[k.at:k.at + k.nbytes]
-            if k.flat is not None:  # CUDA: a device copy, for the compute
-                from membox.torch import _staging_for
-                k.flat.untyped_storage().resize_(k.nbytes)
-                streams.add(_staging_for(self.client).to_device(
-                    src, k.flat, k.device))
+            flat = src.view(k.dtype)
+            if k.flat is not None:
+                k.flat.untyped_storage().resize_(k.numel *
+                                                 k.flat.element_size())
+                if k.device.type != "cuda":  # a compute-dtype copy
+                    k.flat.copy_(flat)
+                elif k.flat.dtype == k.dtype:  # the pull, to the device
+                    from membox.torch import _staging_for
+                    streams.add(_staging_for(self.client).to_device(
+                        src, k.flat, k.device))
+                else:  # to the device, then narrowed there
+                    k.flat.copy_(flat.to(k.device))
                 flat = k.flat
-            else:
-                flat = src.view(k.dtype)
             for p, view in k.views(flat):
                 p.data = view
         for st in streams:
@@ -477,7 +541,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         another unit takes it or a push makes it stale)."""
         for k in u.keys:
             for p in k.params:
-                p.data = self._placeholder[(p.dtype, p.device)]
+                p.data = self._placeholder[(k.dtype, k.device)]
             if k.flat is not None:
                 k.flat.untyped_storage().resize_(0)
         u.laid = False
@@ -498,6 +562,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for k in u.keys:
             if not k.trainable:
                 continue
+            if k.ahead:  # its round of this step is done already
+                k.pushed = True
+                for p in k.params:
+                    p.grad = None
+                continue
             if k.pushed:
                 raise membox.MemboxError(
                     "offload: a second backward before step() would step "
@@ -511,16 +580,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             buf = host[:k.nbytes]
             event = None
             for p, off, shape in zip(k.params, k.offsets, k.shapes):
-                dst = buf[off * p.element_size():
-                          (off + shape.numel()) * p.element_size()]
+                dst = buf[off * k.esize:(off + shape.numel()) * k.esize]
                 if p.grad is None:
                     dst.zero_()
                 elif p.grad.is_cuda:
+                    g = p.grad if p.grad.dtype == k.dtype else \
+                        p.grad.to(k.dtype)  # widened on the device
                     from membox.torch import _staging_for
                     event = _staging_for(self.client).to_host(
-                        p.grad, dst, p.grad.device)
+                        g, dst, p.grad.device)
                 else:
-                    dst.view(p.dtype).copy_(p.grad.reshape(-1))
+                    dst.view(k.dtype).copy_(p.grad.reshape(-1))
             if event is not None:
                 event.synchronize()
             k.pushed = True
@@ -556,7 +626,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if id(module) in s.users:
                     self._materialize(s)
             u.busy = True
-            self._materialize(u)
+            if self._recording and self._auto and u.keys:
+                # The first forward prefetches nothing: each unit's wait is
+                # a whole pull; its compute is timed in the forward hook.
+                t0 = time.perf_counter()
+                self._materialize(u)
+                u.pull_s = time.perf_counter() - t0
+                u.compute_from = time.perf_counter()
+            else:
+                self._materialize(u)
             self._prefetch_after(u, self._order)
         return hook
 
@@ -565,6 +643,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if u is self.root:
                 self._recording = False
                 return output
+            if self._recording and self._auto and u.keys:
+                u.compute_s = time.perf_counter() - u.compute_from
             if torch.is_grad_enabled():
                 outs = [t for t in _tensors(output) if t.requires_grad]
                 if outs:
@@ -665,13 +745,46 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for u in self.units:
                 for k in u.keys:
                     k.pushed = False
+                    if k.ahead:  # its buffer holds the old value
+                        k.ahead = False
+                        u.loaded = False
                 if u.laid:
                     self._release(u)
                 u.busy = False
                 u.grads_left = u.grads_total
         self._step_open = False
         self.version += 1
+        if self._auto:
+            self._auto = False
+            self._choose_prefetch()
         return loss
+
+    def _choose_prefetch(self):
+        """prefetch=None: after the first step, enough units ahead that a
+        unit's pull (timed in the first forward, which waited for every
+        pull) hides behind the forward compute of the units before it:
+        ceil(pull / compute) of the slowest unit, from 1 to 4."""
+        ratios = [u.pull_s / max(u.compute_s, 1e-6) for u in self._order
+                  if u.pull_s is not None and u.compute_s is not None]
+        if not ratios or not self._turns:
+            return
+        depth = min(4, max(1, math.ceil(max(ratios))))
+        self.profiled = {"pull_over_compute": max(ratios), "prefetch": depth}
+        if depth == self.prefetch:
+            return
+        # New turn buffers (nothing is laid out between steps).
+        size = self._buffers[self._turns[0]].size
+        for i in self._turns:
+            self._buffers[i] = None
+        for u in self.units:
+            if u.buffer is None:
+                if u.pending is not None:  # a prefetch into an old buffer
+                    for h in u.pending:
+                        h.wait()
+                    u.pending = None
+                u.loaded = False
+        self.prefetch = depth
+        self._turns = [self._new_buffer(size) for _ in range(depth + 1)]
 
     def zero_grad(self, set_to_none=True):
         """Gradients held on the worker (inside no_sync) are dropped."""
@@ -691,7 +804,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grads = sum(p.grad.numel() * p.grad.element_size()
                     for u in self.units for p in u.trainable
                     if p.grad is not None)
-        buffers = sum(b.size for b in self._buffers)
+        buffers = sum(b.size for b in self._buffers if b is not None)
         params = laid + device
         total = device + grads + buffers
         if detail:
@@ -725,12 +838,66 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 out[id(p)] = view.clone().to(p.device)
         return out
 
+    # ------------------------------------------------------- state dicts
+    def _between_steps(self, what):
+        if self._step_open or self._handles or \
+                any(u.laid for u in self.units if u is not self.root):
+            raise membox.MemboxError("offload: %s between steps (after "
+                                     "step(), before the next forward)"
+                                     % what)
+
+    def _moments(self):
+        names = _MOMENTS[self.kind]
+        if self.kind == "sgd" and not self.param_groups[0]["momentum"]:
+            return ()
+        return names
+
     def state_dict(self):
+        """torch's layout: {"state": {index: {"exp_avg": ..., ...}},
+        "param_groups": [...]}, the moments gathered from the nodes (a
+        parameter the nodes have not stepped yet has no entry), plus
+        "membox": the optimizer kind and the steps completed."""
+        self._between_steps("state_dict()")
         sd = torch.optim.Optimizer.state_dict(self)
+        index = {id(p): i for i, p in
+                 enumerate(self.param_groups[0]["params"])}
+        pb = self._buffers[self._push_bufs[0]] if self._push_bufs else None
+        state = {}
+        for u in self.units:
+            for k in u.keys:
+                if not k.trainable:
+                    continue
+                got = {}
+                for name, part in self._moments():
+                    try:
+                        self.client.pull_state(k.key, part,
+                                               pb.arr[:k.nbytes]).wait()
+                    except membox.MemboxError as e:
+                        if "FAILED_PRECONDITION" not in str(e):
+                            raise
+                        got = {}  # not stepped yet
+                        break
+                    flat = pb.host[:k.nbytes].view(k.dtype)
+                    got[name] = {id(p): v.clone().to(p.device)
+                                 for p, v in k.views(flat)}
+                if not got and self._moments():
+                    continue
+                for p in k.params:
+                    entry = state.setdefault(index[id(p)], {})
+                    for name in got:
+                        entry[name] = got[name][id(p)]
+                    if self.kind != "sgd":
+                        entry["step"] = torch.tensor(float(self.version))
+        sd["state"] = state
         sd["membox"] = {"optimizer": self.kind, "version": self.version}
         return sd
 
     def load_state_dict(self, state_dict):
+        """Hyperparameters into param_groups; the moments in "state" (as
+        state_dict() gives them, or a torch optimizer of the same kind over
+        the same parameters) written to the nodes. The nodes' step count
+        (Adam's bias correction) stays theirs. Between steps; every worker
+        loads the same state."""
         kind = state_dict.get("membox", {}).get("optimizer")
         if kind is not None and kind != self.kind:
             raise ValueError("offload: state of a %r optimizer loaded into "
@@ -738,9 +905,101 @@ class OffloadOptimizer(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         if len(groups) != 1:
             raise ValueError("offload: one param group expected")
+        state = state_dict.get("state", {})
+        index = {id(p): i for i, p in
+                 enumerate(self.param_groups[0]["params"])}
+        writes = []
+        for u in self.units:
+            for k in u.keys:
+                if not k.trainable:
+                    continue
+                for name, part in self._moments():
+                    have = [index[id(p)] in state and
+                            name in state[index[id(p)]] for p in k.params]
+                    if not any(have):
+                        continue
+                    if not all(have):
+                        raise ValueError(
+                            "offload: %s is in the state of some parameters "
+                            "of unit %s but not all" % (name, u.name))
+                    flat = torch.empty(k.numel, dtype=k.dtype)
+                    for p, off, shape in zip(k.params, k.offsets, k.shapes):
+                        t = state[index[id(p)]][name]
+                        if tuple(t.shape) != tuple(shape):
+                            raise ValueError(
+                                "offload: %s of a parameter of unit %s has "
+                                "shape %s, the parameter %s" %
+                                (name, u.name, tuple(t.shape), tuple(shape)))
+                        flat[off:off + shape.numel()].copy_(t.reshape(-1))
+                    writes.append((k, part, flat))
+        if writes:
+            self._between_steps("load_state_dict()")
+        for k, part, flat in writes:
+            self._store(k, part, flat)
         for name, value in groups[0].items():
             if name != "params":
                 self.param_groups[0][name] = value
+
+    def _store(self, k, part, flat):
+        """Writes flat CPU tensor `flat` as `part` of key k on the nodes,
+        from k's place in its unit's buffer (registered memory)."""
+        u, _ = self._param_unit[id(k.params[0])]
+        if u.pending is not None:
+            for h in u.pending:
+                h.wait()
+            u.pending = None
+        b = u.buffer if u.buffer is not None else self._buffer_of(u)
+        buf = self._buffers[b]
+        if buf.owner is not None:
+            buf.owner.loaded = False
+        buf.owner = u
+        u.loaded = False
+        buf.host[k.at:k.at + k.nbytes].view(k.dtype).copy_(flat)
+        self.client.store_state(k.key, part,
+                                buf.arr[k.at:k.at + k.nbytes]).wait()
+
+    def _load_hook(self, module, state_dict, prefix, *args):
+        """model.load_state_dict(): the loaded values of this module's
+        parameters go to the nodes (every worker loads the same)."""
+        self._between_steps("model.load_state_dict()")
+        for name, p in module.named_parameters(prefix="", recurse=False):
+            if id(p) not in self._param_unit or prefix + name not in \
+                    state_dict:
+                continue
+            u, k = self._param_unit[id(p)]
+            self._loading.setdefault(k, {})[id(p)] = state_dict[prefix + name]
+        # torch copies into the parameters next: give them their shapes.
+        for name, p in module.named_parameters(prefix="", recurse=False):
+            if id(p) in self._param_unit:
+                u, k = self._param_unit[id(p)]
+                for q, shape in zip(k.params, k.shapes):
+                    if q is p:
+                        p.data = torch.empty(shape, dtype=p.dtype,
+                                             device=p.device)
+
+    def _load_done(self, module, incompatible):
+        loading, self._loading = self._loading, {}
+        for k, values in loading.items():
+            flat = self._read_key(k)
+            for p, off, shape in zip(k.params, k.offsets, k.shapes):
+                if id(p) in values:
+                    flat[off:off + shape.numel()].copy_(
+                        values[id(p)].reshape(-1))
+            self._store(k, "value", flat)
+            u, _ = self._param_unit[id(k.params[0])]
+            u.loaded = False
+        for u in self.units:
+            for k in u.keys:
+                for p in k.params:
+                    p.data = self._placeholder[(k.dtype, k.device)]
+
+    def _read_key(self, k):
+        u, _ = self._param_unit[id(k.params[0])]
+        values = self._gather(u)
+        flat = torch.empty(k.numel, dtype=k.dtype)
+        for p, off, shape in zip(k.params, k.offsets, k.shapes):
+            flat[off:off + shape.numel()].copy_(values[id(p)].reshape(-1))
+        return flat
 
 
 def _tensors(output):
@@ -778,15 +1037,19 @@ def _size_policy(model, min_params):
 
 
 def offload(model, optimizer="adam", lr=1e-3, prefetch=None, units=None,
-            min_unit_params=None, client=None, **hyper):
+            min_unit_params=None, compute_dtype=None, client=None, **hyper):
     """Moves `model`'s parameters and optimizer to the memory nodes; returns
     the optimizer to step (see the module docstring). optimizer: "sgd"
     (momentum), "adam", "adamw" or "adagrad", with torch.optim's
     hyperparameter names (betas, eps, momentum, weight_decay). prefetch:
-    units pulled ahead (default 2). units: a list of submodules, a
+    units pulled ahead (None: 2 in the first step, then what its timings
+    ask for, 1 to 4). units: a list of submodules, a
     predicate on modules, or None: by size, bottom-up, a submodule holding
     at least `min_unit_params` parameters not in an inner unit (default: a
-    twentieth of the model's)."""
+    twentieth of the model's). compute_dtype: torch.bfloat16 or
+    torch.float16 -- the worker computes with copies of that type (feed it
+    inputs of that type, or use autocast) while the nodes keep float32
+    masters and step them with float32 gradients; the wire stays float32."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError("offload: model must be a torch.nn.Module")
     if getattr(model, "_membox_offload", None) is not None:
@@ -816,9 +1079,11 @@ def offload(model, optimizer="adam", lr=1e-3, prefetch=None, units=None,
         if p.dtype not in _DTYPES:
             raise ValueError("offload: parameter %s is %s; the nodes keep "
                              "float32 or float64 masters" % (name, p.dtype))
-    if prefetch is None:
-        prefetch = 2
-    if not isinstance(prefetch, int) or prefetch < 0:
+    if compute_dtype not in (None, torch.bfloat16, torch.float16):
+        raise ValueError("offload: compute_dtype must be torch.bfloat16, "
+                         "torch.float16 or None (got %r)" % (compute_dtype,))
+    if prefetch is not None and (not isinstance(prefetch, int) or
+                                 prefetch < 0):
         raise ValueError("offload: prefetch must be an int >= 0")
     if min_unit_params is None:
         total = sum(p.numel() for p in params)
@@ -829,26 +1094,10 @@ def offload(model, optimizer="adam", lr=1e-3, prefetch=None, units=None,
             mode="average")
     else:
         client.configure(mode="average")
-    _return_freed_memory()
     opt = OffloadOptimizer(model, client, kind, values, prefetch, units,
-                           min_unit_params)
+                           min_unit_params, compute_dtype)
     model._membox_offload = opt
     return opt
-
-
-def _return_freed_memory():
-    """glibc raises its mmap threshold each time a large block is freed
-    (up to 32 MiB), after which freed tensors of that size stay in the heap
-    and in the process's RSS: a worker that frees each unit after use would
-    keep them all. A fixed threshold of 1 MiB (mallopt M_MMAP_THRESHOLD)
-    returns every freed tensor above it to the system at once."""
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(1 << 20))
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
 
 
 def _check_hyper(kind, v):

@@ -203,10 +203,12 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
     """One training run of `variant`; its rank 0 record, or None with the
     reason when it failed (OOM: killed by the kernel)."""
     py = sys.executable
+    # Under a budget: three steps (the third is timed) per batch tried.
+    steps = min(a.steps, 3) if budget_mb else a.steps
     wargs = ["-m", "membox.offload_bench", "--worker", "--variant", variant,
              "--layers", str(a.layers), "--d-model", str(a.d_model),
              "--seq", str(a.seq), "--batch", str(batch),
-             "--steps", str(a.steps), "--prefetch", str(a.prefetch),
+             "--steps", str(steps), "--prefetch", str(a.prefetch),
              "--out", out]
     if budget_mb:
         wargs += ["--budget-mb", str(budget_mb), "--cgroup", cgroup]
@@ -242,7 +244,7 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
     wall = time.time() - t0
     if any(rc != 0 for rc in rcs) or not os.path.exists(out):
         oom = any(rc in (-9, 137) for rc in rcs) or "Killed" in log or \
-            "worker 0 died" in log or "signal 9" in log
+            "exit status -9" in log or "signal 9" in log
         return None, ("out of memory" if oom and budget_mb else
                       "failed: " + log.strip().splitlines()[-1][:200]
                       if log.strip() else "failed"), wall
@@ -250,15 +252,29 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
         return json.load(f), None, wall
 
 
+def _remove_cgroups(prefix):
+    for name in os.listdir(_CGROUP):
+        if name.startswith(prefix):
+            try:
+                os.rmdir(os.path.join(_CGROUP, name))
+            except OSError:
+                pass
+
+
 def largest_batch(a, variant, tmp):
     """The largest power-of-two batch `variant` trains under the budget,
     with its record."""
     best = None
     batch = 1
+    cgroup = f"membox-bench-{os.getpid()}"
     while batch <= a.max_batch:
-        rec, why, _ = run_case(a, variant, batch,
-                               os.path.join(tmp, f"{variant}-b{batch}.json"),
-                               a.budget_mb, f"membox-bench-{os.getpid()}")
+        try:
+            rec, why, _ = run_case(a, variant, batch,
+                                   os.path.join(tmp,
+                                                f"{variant}-b{batch}.json"),
+                                   a.budget_mb, cgroup)
+        finally:
+            _remove_cgroups(cgroup)
         print(f"  budget {a.budget_mb} MiB, {variant} batch {batch}: "
               f"{why or '%.0f ms/step' % (rec['step_s'] * 1e3)}",
               file=sys.stderr, flush=True)
@@ -291,7 +307,13 @@ def main(argv=None):
     ap.add_argument("--budget-mb", type=int, default=0)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--replot", default="", metavar="JSON",
+                    help="only draw --plot from a run's JSON records")
     a = ap.parse_args(argv)
+    if a.replot:
+        with open(a.replot) as f:
+            plot(json.load(f), a.plot or _die("--replot needs --plot"))
+        return 0
     a.layers = a.layers or (8 if a.quick else 24)
     a.d_model = a.d_model or (256 if a.quick else 640)
     a.steps = a.steps or (4 if a.quick else 6)
@@ -368,7 +390,6 @@ def main(argv=None):
                             "size_bytes": nparams * 4,
                             "workers": a.workers, "metric": metric,
                             "value": value, "unit": unit, "case": case})
-    losses = {v: rows[v]["losses"] for v in rows}
     budget = {}
     if a.budget_mb:
         print(f"\nunder {a.budget_mb} MiB per worker (memory cgroup): "
@@ -399,41 +420,58 @@ def main(argv=None):
     from membox.bench_report import write_records
     write_records(records, a.csv, a.json)
     if a.plot:
-        _plot(a, rows, budget, variants, losses)
+        plot(records, a.plot)
     return 0
 
 
-def _plot(a, rows, budget, variants, losses):
+def plot(records, path):
+    """Draws the records of one run (its JSON) into `path` (PNG): bytes per
+    parameter, step time, and samples/s under the budget when measured."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    shown = [v for v in variants if v in rows]
+    by = {}
+    for r in records:
+        by.setdefault(r["metric"], {})[r["variant"]] = r["value"]
+    shown = [v for v in VARIANTS if v in by.get("step_time", {})]
+    budget = [v for v in VARIANTS if v in by.get("budget_samples_per_s", {})]
     n = 3 if budget else 2
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.8))
     colors = {"ddp": "#7f7f7f", "fsdp2": "#ff7f0e", "fsdp2-offload": "#ffbb78",
               "membox": "#1f77b4"}
-    axes[0].bar(shown, [rows[v]["per_param"] for v in shown],
+    rss = by["resident_bytes_per_param"]
+    acc = by.get("accounted_bytes_per_param", {})
+    axes[0].bar(shown, [rss[v] for v in shown],
+                color=[colors[v] for v in shown], label="peak RSS growth")
+    for i, v in enumerate(shown):
+        if v in acc:
+            axes[0].bar([v], [acc[v]], color="#08306b",
+                        label="membox's model state (accounted)")
+            axes[0].annotate(f"{acc[v]:.2f}", (i, acc[v]), ha="center",
+                             va="bottom", fontsize=8, color="white")
+    axes[0].set_ylabel("bytes per parameter (peak RSS\nabove pre-model RSS)")
+    axes[0].legend(fontsize=7)
+    axes[1].bar(shown, [by["step_time"][v] * 1e3 for v in shown],
                 color=[colors[v] for v in shown])
-    axes[0].set_ylabel("peak RSS above pre-model RSS,\nbytes per parameter")
-    axes[1].bar(shown, [rows[v]["step_s"] * 1e3 for v in shown],
-                color=[colors[v] for v in shown])
-    axes[1].set_ylabel("step time (ms, median)")
+    axes[1].set_ylabel("step time, ms (median)")
     if budget:
-        bv = [v for v in shown if budget.get(v)]
-        axes[2].bar(bv, [a.workers * budget[v][0] / budget[v][1]["step_s"]
-                         for v in bv], color=[colors[v] for v in bv])
-        for i, v in enumerate(bv):
-            axes[2].annotate(f"batch {budget[v][0]}",
-                             (i, a.workers * budget[v][0] /
-                              budget[v][1]["step_s"]),
-                             ha="center", va="bottom", fontsize=8)
-        axes[2].set_ylabel(f"samples/s at the largest batch\n"
-                           f"under {a.budget_mb} MiB per worker")
+        sps = by["budget_samples_per_s"]
+        axes[2].bar(budget, [sps[v] for v in budget],
+                    color=[colors[v] for v in budget])
+        for i, v in enumerate(budget):
+            axes[2].annotate(f"batch {by['budget_batch'][v]:.0f}",
+                             (i, sps[v]), ha="center", va="bottom",
+                             fontsize=8)
+        case = next(r["case"] for r in records
+                    if r["metric"] == "budget_samples_per_s")
+        axes[2].set_ylabel("samples/s at the largest batch\n" +
+                           case.rsplit("-budget", 1)[-1] + " per worker")
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=20)
-    fig.suptitle(f"GPT {a.layers}x{a.d_model}, {a.workers} workers, Adam")
+    fig.suptitle(records[0]["case"] + f", {records[0]['workers']} workers, "
+                 "Adam")
     fig.tight_layout()
-    fig.savefig(a.plot, dpi=100)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ struct Op {
   Type type = Type::kPush;
   uint64_t key = 0;
   uint64_t round = 0, min_version = 0;
+  proto::Part part = proto::Part::kValue;  // kPull
   uint64_t in_region = 0, in_offset = 0;
   bool has_output = false;
   uint64_t out_region = 0, out_offset = 0;
@@ -635,6 +636,26 @@ class ParamClientImpl final : public ParamClient {
   PsHandle PushPull(uint64_t key, const void* in, void* out, int priority,
                     std::function<void(const Status&)> cb) override {
     return Submit(Type::kPush, key, in, out, priority, std::move(cb));
+  }
+  PsHandle PullState(uint64_t key, KeyPart part, void* out,
+                     std::function<void(const Status&)> cb) override {
+    const auto p = static_cast<proto::Part>(part);
+    if (p != proto::Part::kPrevious && p != proto::Part::kMoment1 &&
+        p != proto::Part::kMoment2) {
+      return Failed(InvalidArgumentError("PullState: no such part"),
+                    std::move(cb));
+    }
+    return Submit(Type::kPull, key, nullptr, out, 0, std::move(cb), p);
+  }
+  PsHandle StoreState(uint64_t key, KeyPart part, const void* data,
+                      std::function<void(const Status&)> cb) override {
+    const auto p = static_cast<proto::Part>(part);
+    if (p != proto::Part::kValue && p != proto::Part::kMoment1 &&
+        p != proto::Part::kMoment2) {
+      return Failed(InvalidArgumentError("StoreState: no such part"),
+                    std::move(cb));
+    }
+    return Submit(Type::kStore, key, data, nullptr, 0, std::move(cb), p);
   }
 
   // Transfer time to each proxy: a one-sided write of `size` bytes into the
@@ -1547,10 +1568,14 @@ class ParamClientImpl final : public ParamClient {
     return combiner_->Push(key, round, in, out, std::move(cb));
   }
 
+  // `state`: a PullState / StoreState of that part of a key with an
+  // optimizer (no round: the nodes' buffers as they are).
   PsHandle Submit(Type type, uint64_t key, const void* in, void* out,
-                  int priority, std::function<void(const Status&)> cb) {
+                  int priority, std::function<void(const Status&)> cb,
+                  std::optional<proto::Part> state = std::nullopt) {
     Op op;
     op.type = type;
+    op.part = state.value_or(proto::Part::kValue);
     op.priority = priority;
     op.key = key;
     // The per-key staging buffer serves one operation at a time: wait for
@@ -1562,7 +1587,7 @@ class ParamClientImpl final : public ParamClient {
       if (it != keys_.end()) previous = it->second.last_staged;
     }
     if (previous) (void)PsHandle(previous).Wait(opt_.timeout);
-    if (type != Type::kStore) {
+    if (type != Type::kStore && !state) {
       if (auto h = SubmitCombined(type, key, in, out, cb)) return *h;
     }
     if (Status s = EnsureStaging(key, in, out); !s.ok()) {
@@ -1577,7 +1602,14 @@ class ParamClientImpl final : public ParamClient {
                       std::move(cb));
       }
       KeyInfo& k = it->second;
-      if (k.stored ? type == Type::kPush : type == Type::kStore) {
+      if (state &&
+          (k.stored || k.declaration.optimizer == proto::Optimizer::kNone)) {
+        return Failed(FailedPreconditionError(
+                          "key " + std::to_string(key) +
+                          " has no optimizer: no state or previous value"),
+                      std::move(cb));
+      }
+      if (!state && (k.stored ? type == Type::kPush : type == Type::kStore)) {
         return Failed(
             FailedPreconditionError(
                 "key " + std::to_string(key) +
@@ -1626,7 +1658,7 @@ class ParamClientImpl final : public ParamClient {
           op.in_region = k.staging->id();
           op.in_offset = 0;
         }
-        if (!k.stored) op.round = k.base_version + k.rounds++;
+        if (!k.stored && !state) op.round = k.base_version + k.rounds++;
         if (type == Type::kPush) k.last_push = op.state;
       }
       if (out) {
@@ -1649,7 +1681,8 @@ class ParamClientImpl final : public ParamClient {
         }
       }
       // A stored key's pull reads what is there now.
-      op.min_version = (async_ || k.stored) ? 0 : k.base_version + k.rounds;
+      op.min_version =
+          (async_ || k.stored || state) ? 0 : k.base_version + k.rounds;
     }
     PsHandle h(op.state);
     {
@@ -1712,6 +1745,7 @@ class ParamClientImpl final : public ParamClient {
           m.type = Type::kStore;
           m.region = op.in_region;
           m.offset = op.in_offset + off;
+          m.part = op.part;
           for (uint32_t c = 0; c < op.copies; ++c) {
             const uint32_t to = op.copies == 1 ? target : c;
             Status st = SendRequest(to, m, op.state);
@@ -1722,6 +1756,7 @@ class ParamClientImpl final : public ParamClient {
         if (op.type == Type::kPull) {
           m.type = Type::kPull;
           m.min_version = op.min_version;
+          m.part = op.part;
           m.out_region = op.out_region;
           m.out_offset = op.out_offset + off;
         } else {

@@ -22,7 +22,7 @@ using wire::Writer;
 constexpr uint8_t kMagic = 'P';
 // 2: per-key optimizers, kTune; 3: inside the service envelope (type =
 // the envelope's method; request id, status code and error message travel
-// there); 4: AdamW, Adagrad and weight decay.
+// there); 4: AdamW, Adagrad and weight decay, a pull's part.
 constexpr uint8_t kVersion = 4;
 
 void PutOptimizer(Writer& w, const Message& m) {
@@ -176,6 +176,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U32(m.shard);
       w.U64(m.region);
       w.U64(m.offset);
+      w.U8(static_cast<uint8_t>(m.part));
       break;
     case Type::kPull:
       w.U64(m.key);
@@ -183,6 +184,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U64(m.min_version);
       w.U64(m.out_region);
       w.U64(m.out_offset);
+      w.U8(static_cast<uint8_t>(m.part));
       break;
     case Type::kProbe:
       w.U64(m.bytes);
@@ -305,15 +307,24 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       }
       break;
     }
-    case Type::kStore:
+    case Type::kStore: {
+      uint8_t part = 0;
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.region) &&
-           r.U64(&m.offset);
+           r.U64(&m.offset) && r.U8(&part) &&
+           part <= static_cast<uint8_t>(Part::kMoment2) &&
+           part != static_cast<uint8_t>(Part::kPrevious);
+      m.part = static_cast<Part>(part);
       break;
-    case Type::kPull:
+    }
+    case Type::kPull: {
+      uint8_t part = 0;
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.min_version) &&
-           r.U64(&m.out_region) && r.U64(&m.out_offset);
+           r.U64(&m.out_region) && r.U64(&m.out_offset) && r.U8(&part) &&
+           part <= static_cast<uint8_t>(Part::kMoment2);
+      m.part = static_cast<Part>(part);
       m.has_output = true;
       break;
+    }
     case Type::kProbe:
       ok = r.U64(&m.bytes) && m.bytes > 0;
       break;

@@ -90,6 +90,14 @@ constexpr uint32_t kMaxProxies = 64;
 constexpr uint32_t kMaxRouteKeys = 1 << 16;
 
 enum class Mode : uint8_t { kSum = 0, kAverage = 1, kAsync = 2 };
+// kPull: which of a shard's buffers to read.
+enum class Part : uint8_t {
+  kValue = 0,     // the current value (waits for min_version)
+  kPrevious = 1,  // the value before the last optimizer step
+  kMoment1 = 2,   // SGD's momentum, Adam's m, Adagrad's sum of squares
+  kMoment2 = 3,   // Adam's v
+};
+
 enum class Optimizer : uint8_t {
   kNone = 0,
   kSgd = 1,
@@ -132,6 +140,9 @@ struct Message {
   uint32_t shard = 0;
   uint64_t round = 0;        // kPush / kReady / kDone
   uint64_t min_version = 0;  // kPull
+  // kPull: what to read; kStore of a key with an optimizer (between its
+  // rounds): what to write -- its value or a moment, never kPrevious.
+  Part part = Part::kValue;
   uint32_t step = 0;         // kReady / kDone
   // kDeclare (init), kPush / kStore (input), kProbe: a worker region and
   // offset

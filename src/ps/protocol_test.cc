@@ -128,6 +128,24 @@ TEST(PsProtocolTest, ValidatesFields) {
     EXPECT_EQ(Decode(b)->optimizer, Optimizer::kAdagrad);
     EXPECT_EQ(Decode(b)->weight_decay, 0.01);
   }
+  // A pull's part and a store's part round-trip; a store of the previous
+  // value and unknown parts are refused.
+  for (auto t : {Type::kPull, Type::kStore}) {
+    Message m;
+    m.type = t;
+    m.key = 3;
+    m.part = Part::kMoment2;
+    ASSERT_TRUE(Decode(m).ok()) << TypeName(t);
+    EXPECT_EQ(Decode(m)->part, Part::kMoment2);
+    m.part = static_cast<Part>(4);
+    EXPECT_FALSE(Decode(m).ok()) << TypeName(t);
+  }
+  Message prev;
+  prev.type = Type::kPull;
+  prev.part = Part::kPrevious;
+  EXPECT_TRUE(Decode(prev).ok());
+  prev.type = Type::kStore;
+  EXPECT_FALSE(Decode(prev).ok());
   Message tune;
   tune.type = Type::kTune;
   tune.key = tune.key_end = 5;  // an empty key range

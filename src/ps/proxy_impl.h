@@ -108,6 +108,7 @@ struct PendingPull {
   uint64_t min_version = 0;
   uint64_t out_region = 0, out_offset = 0;
   Clock::time_point since{};
+  proto::Part part = proto::Part::kValue;
 };
 
 // A shard of a key: what storage keeps (StoredShard), the round in
@@ -366,7 +367,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   // a newer store already landed), the old value its scratch. Returns the
   // shard's version.
   Result<uint64_t> FinishStore(uint64_t k, uint32_t shard, uint64_t seq,
-                               std::shared_ptr<MemRegion> buf);
+                               std::shared_ptr<MemRegion> buf,
+                               proto::Part part = proto::Part::kValue);
 
   // The job-wide part of the configuration: the synchronisation mode and the
   // staleness bound. (Optimizers are per key: Declare / Tune.)

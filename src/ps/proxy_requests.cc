@@ -125,9 +125,11 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
       if (!s.ok()) return Reply(conn, m.type, m.id, s);
       Key& key = keys_[m.key];
       Shard& sh = key.shards[m.shard];
-      PendingPull p{conn,         m.id,         m.min_version,
-                    m.out_region, m.out_offset, Clock::now()};
-      if (sh.version >= p.min_version && !key.awaiting_init) {
+      PendingPull p{conn,         m.id,         m.min_version, m.out_region,
+                    m.out_offset, Clock::now(), m.part};
+      // Optimizer state and the previous value are read as they are now.
+      if ((sh.version >= p.min_version || m.part != proto::Part::kValue) &&
+          !key.awaiting_init) {
         return ServePull(m.key, sh, p);
       }
       if (!dead_worker_.empty()) {
@@ -184,10 +186,22 @@ void ProxyImpl::Store(uint64_t conn, Conn& c, const Message& m) {
   };
   if (Status s = CheckShardRequest(m); !s.ok()) return reply(s);
   Key& key = keys_[m.key];
-  if (!key.stored) {
+  // A key for rounds takes writes of its value or optimizer state (a
+  // loaded state dict) when it has an optimizer, between its rounds.
+  const bool state = !key.stored && key.opt.kind != proto::Optimizer::kNone;
+  if (!key.stored && !state) {
     return reply(FailedPreconditionError(
         "key " + std::to_string(m.key) +
         " is not a stored key (declare it stored to write it with Store)"));
+  }
+  if (key.stored && m.part != proto::Part::kValue) {
+    return reply(InvalidArgumentError("a stored key has no optimizer state"));
+  }
+  if (state &&
+      (!key.shards[m.shard].pushes.empty() || key.shards[m.shard].reducing)) {
+    return reply(FailedPreconditionError(
+        "key " + std::to_string(m.key) +
+        " is in a round: write its state between steps"));
   }
   if (key.striped && Owner(m.key, m.shard) != opt_.rank) {
     return reply(FailedPreconditionError(
@@ -213,17 +227,17 @@ void ProxyImpl::Store(uint64_t conn, Conn& c, const Message& m) {
     sync_->ParallelFor(n, 1 << 20, [&](size_t b, size_t e) {
       std::memcpy(dst + b, src + b, e - b);
     });
-    auto v = FinishStore(m.key, m.shard, seq, std::move(buf));
+    auto v = FinishStore(m.key, m.shard, seq, std::move(buf), m.part);
     return reply(v.status(), v.ok() ? *v : 0);
   }
   if (!c.channel) return reply(UnavailableError("worker link is gone"));
   auto r = c.channel->Read(
       dst, *buf, (*rr)->address() + m.offset, **rr, sh.bytes,
-      [this, conn, id = m.id, k = m.key, shard = m.shard, seq,
-       buf](const Status& st) {
-        Post([this, conn, id, k, shard, seq, buf, st] {
+      [this, conn, id = m.id, k = m.key, shard = m.shard, seq, buf,
+       part = m.part](const Status& st) {
+        Post([this, conn, id, k, shard, seq, buf, st, part] {
           if (!st.ok()) return Reply(conn, Type::kStore, id, st);
-          auto v = FinishStore(k, shard, seq, buf);
+          auto v = FinishStore(k, shard, seq, buf, part);
           Reply(conn, Type::kStore, id, v.status(), v.ok() ? *v : 0);
         });
       });
@@ -233,7 +247,8 @@ void ProxyImpl::Store(uint64_t conn, Conn& c, const Message& m) {
 
 Result<uint64_t> ProxyImpl::FinishStore(uint64_t k, uint32_t shard,
                                         uint64_t seq,
-                                        std::shared_ptr<MemRegion> buf) {
+                                        std::shared_ptr<MemRegion> buf,
+                                        proto::Part part) {
   auto it = keys_.find(k);
   if (it == keys_.end() || shard >= it->second.shards.size() ||
       it->second.shards[shard].bytes > buf->size()) {
@@ -242,6 +257,19 @@ Result<uint64_t> ProxyImpl::FinishStore(uint64_t k, uint32_t shard,
   }
   Key& key = it->second;
   Shard& sh = key.shards[shard];
+  if (!key.stored) {
+    // A loaded state: the round count stays (Adam's step is the version);
+    // the value before the last step is no longer meaningful.
+    if (seq > sh.stores_applied) {
+      sh.stores_applied = seq;
+      std::shared_ptr<MemRegion>& dst = part == proto::Part::kValue ? sh.value
+                                        : part == proto::Part::kMoment1 ? sh.m1
+                                                                        : sh.m2;
+      dst = std::move(buf);
+      sh.previous.reset();
+    }
+    return sh.version;
+  }
   if (seq > sh.stores_applied) {
     sh.stores_applied = seq;
     std::swap(sh.value, buf);

@@ -593,9 +593,33 @@ void ProxyImpl::ApplyAsync(uint64_t conn, Conn& c, Key& key, Shard& sh,
 void ProxyImpl::ServePull(uint64_t k, Shard& sh, const PendingPull& p) {
   auto it = conns_.find(p.conn);
   if (it == conns_.end()) return;
-  Status s = WriteWorker(it->second, p.out_region, p.out_offset,
-                         static_cast<const uint8_t*>(sh.value->data()),
-                         sh.bytes, *sh.value);
+  const std::shared_ptr<MemRegion>* src = &sh.value;
+  const char* what = "value";
+  switch (p.part) {
+    case proto::Part::kValue:
+      break;
+    case proto::Part::kPrevious:
+      src = &sh.previous;
+      what = "previous value (no optimizer step here since it started)";
+      break;
+    case proto::Part::kMoment1:
+      src = &sh.m1;
+      what = "optimizer state (no optimizer step yet)";
+      break;
+    case proto::Part::kMoment2:
+      src = &sh.m2;
+      what = "second moment (Adam's; none before its first step)";
+      break;
+  }
+  if (!*src) {
+    return Reply(p.conn, Type::kPull, p.id,
+                 FailedPreconditionError("key " + std::to_string(k) +
+                                         " shard has no " + what),
+                 sh.version);
+  }
+  Status s =
+      WriteWorker(it->second, p.out_region, p.out_offset,
+                  static_cast<const uint8_t*>((*src)->data()), sh.bytes, **src);
   if (s.ok()) result_bytes_.fetch_add(sh.bytes, std::memory_order_relaxed);
   Reply(p.conn, Type::kPull, p.id, s, sh.version);
 }

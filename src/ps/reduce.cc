@@ -13,8 +13,8 @@ namespace {
 constexpr size_t kBlockBytes = 64 << 10;  // stays in L2 while inputs stream
 
 template <typename T>
-void Optimize(const OptimizerStep& s, T* w, const T* g, T* m, T* v, size_t b,
-              size_t e) {
+void Optimize(const OptimizerStep& s, T* wo, const T* w, const T* g, T* m, T* v,
+              size_t b, size_t e) {
   const T lr = static_cast<T>(s.lr), mom = static_cast<T>(s.momentum),
           gs = static_cast<T>(s.grad_scale),
           wd = static_cast<T>(s.weight_decay);
@@ -24,7 +24,7 @@ void Optimize(const OptimizerStep& s, T* w, const T* g, T* m, T* v, size_t b,
     for (size_t i = b; i < e; ++i) {
       T gi = g[i] * gs + l2 * w[i];
       m[i] = mom * m[i] + gi;
-      w[i] -= lr * m[i];
+      wo[i] = w[i] - lr * m[i];
     }
     return;
   }
@@ -33,7 +33,7 @@ void Optimize(const OptimizerStep& s, T* w, const T* g, T* m, T* v, size_t b,
     for (size_t i = b; i < e; ++i) {
       T gi = g[i] * gs + l2 * w[i];
       m[i] += gi * gi;
-      w[i] -= lr * gi / (std::sqrt(m[i]) + eps);
+      wo[i] = w[i] - lr * gi / (std::sqrt(m[i]) + eps);
     }
     return;
   }
@@ -46,7 +46,7 @@ void Optimize(const OptimizerStep& s, T* w, const T* g, T* m, T* v, size_t b,
     T gi = g[i] * gs + l2 * w[i];
     m[i] = b1 * m[i] + (T(1) - b1) * gi;
     v[i] = b2 * v[i] + (T(1) - b2) * gi * gi;
-    w[i] = w[i] * decay - (lr / c1) * m[i] / (std::sqrt(v[i]) / c2 + eps);
+    wo[i] = w[i] * decay - (lr / c1) * m[i] / (std::sqrt(v[i]) / c2 + eps);
   }
 }
 
@@ -165,14 +165,17 @@ void ScaleInPlace(SyncCores& cores, DType t, void* p, size_t count,
 }
 
 void ApplyOptimizer(SyncCores& cores, DType t, const OptimizerStep& step,
-                    void* w, const void* g, void* m, void* v, size_t count) {
+                    void* w_out, const void* w_in, const void* g, void* m,
+                    void* v, size_t count) {
   cores.ParallelFor(count, 1 << 16, [&](size_t b, size_t e) {
     if (t == DType::kFloat32) {
-      Optimize<float>(step, static_cast<float*>(w),
+      Optimize<float>(step, static_cast<float*>(w_out),
+                      static_cast<const float*>(w_in),
                       static_cast<const float*>(g), static_cast<float*>(m),
                       static_cast<float*>(v), b, e);
     } else if (t == DType::kFloat64) {
-      Optimize<double>(step, static_cast<double*>(w),
+      Optimize<double>(step, static_cast<double*>(w_out),
+                       static_cast<const double*>(w_in),
                        static_cast<const double*>(g), static_cast<double*>(m),
                        static_cast<double*>(v), b, e);
     }

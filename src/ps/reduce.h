@@ -57,8 +57,15 @@ struct OptimizerStep {
 // Adagrad: g += d w;  m <- m + g^2;  w <- w - lr g / (sqrt(m) + eps)
 // `m` is SGD's momentum, Adam's first moment and Adagrad's sum of squares;
 // `v` is Adam's second moment (null otherwise).
+// In place (w) or out of place: w_out <- update(w_in) (they may be equal).
 void ApplyOptimizer(SyncCores& cores, DType t, const OptimizerStep& step,
-                    void* w, const void* g, void* m, void* v, size_t count);
+                    void* w_out, const void* w_in, const void* g, void* m,
+                    void* v, size_t count);
+inline void ApplyOptimizer(SyncCores& cores, DType t, const OptimizerStep& step,
+                           void* w, const void* g, void* m, void* v,
+                           size_t count) {
+  ApplyOptimizer(cores, t, step, w, w, g, m, v, count);
+}
 
 }  // namespace membox::ps
 

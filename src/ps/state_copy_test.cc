@@ -179,6 +179,8 @@ TEST_P(StateCopyTest, TheTakerGetsTheOfferedVersionWhileTheGiverMovesOn) {
           ->Apply(DType::kFloat32, sgd, Update::kOptimizer, sh, g->get(), 1.0)
           .ok());
   sh.version = 6;
+  // The step wrote the new value out of place (the old one is `previous`).
+  v = static_cast<float*>(sh.value->data());
   const std::vector<float> offered_value(v, v + kFloats);
   const std::vector<float> offered_m1(
       static_cast<float*>(sh.m1->data()),

@@ -73,8 +73,8 @@ Status ShardStorage::Apply(DType dtype, const OptimizerSettings& opt,
     std::memcpy(sh.value->data(), g->data(), sh.bytes);
     return Status::Ok();
   }
-  RETURN_IF_ERROR(Unshare(sh.value, sh.bytes));
   if (update == Update::kAdd) {
+    RETURN_IF_ERROR(Unshare(sh.value, sh.bytes));
     cores_->Run(dtype, sh.value->data(), g->data(), n, scale);
     return Status::Ok();
   }
@@ -89,6 +89,13 @@ Status ShardStorage::Apply(DType dtype, const OptimizerSettings& opt,
   }
   RETURN_IF_ERROR(Unshare(sh.m1, sh.bytes));
   RETURN_IF_ERROR(Unshare(sh.m2, sh.bytes));
+  // Out of place: the new value goes to the old `previous` buffer (or a
+  // fresh one when a snapshot or a transfer holds it), the old value
+  // becomes `previous`.
+  std::shared_ptr<MemRegion> out = std::move(sh.previous);
+  if (!out || out.use_count() > 1) {
+    ASSIGN_OR_RETURN(out, AllocateForOverwrite(sh.bytes));
+  }
   OptimizerStep step;
   switch (opt.kind) {
     case proto::Optimizer::kSgd:
@@ -112,8 +119,10 @@ Status ShardStorage::Apply(DType dtype, const OptimizerSettings& opt,
   step.weight_decay = opt.weight_decay;
   step.t = sh.version + 1;
   step.grad_scale = scale;
-  ApplyOptimizer(*cores_, dtype, step, sh.value->data(), g->data(),
+  ApplyOptimizer(*cores_, dtype, step, out->data(), sh.value->data(), g->data(),
                  sh.m1->data(), sh.m2 ? sh.m2->data() : nullptr, n);
+  sh.previous = std::move(sh.value);
+  sh.value = std::move(out);
   return Status::Ok();
 }
 

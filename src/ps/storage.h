@@ -54,8 +54,11 @@ struct StoredShard {
   uint64_t offset = 0, bytes = 0;  // within the key
   uint64_t version = 0;            // rounds applied
   // value: the current parameters; scratch: where a round's sum is built
-  // (swapped with value by a plain replace); m1 / m2: optimizer state.
-  std::shared_ptr<transport::MemRegion> value, scratch, m1, m2;
+  // (swapped with value by a plain replace); m1 / m2: optimizer state;
+  // previous: the value before the last optimizer step (the step writes
+  // the new value there and swaps: no extra pass), for a restarted
+  // worker that must recompute that step's other keys exactly.
+  std::shared_ptr<transport::MemRegion> value, scratch, m1, m2, previous;
 };
 
 // How a finished round changes a shard.

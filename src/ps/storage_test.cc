@@ -118,6 +118,10 @@ TEST_F(StorageTest, SgdWithMomentumFollowsPyTorch) {
   // m = 0.9 * 0.5 + 0.5 = 0.95, w = 0.95 - 0.095
   EXPECT_FLOAT_EQ(At(sh.m1), 0.95f);
   EXPECT_FLOAT_EQ(At(sh.value), 0.855f);
+  // The value before this step stays, for a restarted worker's recompute.
+  ASSERT_TRUE(sh.previous);
+  EXPECT_FLOAT_EQ(At(sh.previous), 0.95f);
+  EXPECT_NE(sh.previous->data(), sh.value->data());
   float m_seen;
   std::memcpy(&m_seen, snap.record.m1.data(), 4);
   EXPECT_FLOAT_EQ(m_seen, 0.5f);  // optimizer state is copied on write too

@@ -77,6 +77,8 @@ if [[ $with_torch == 1 ]]; then
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_embedding.py"
   # Extended parameter storage: the model and optimizer on the nodes.
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_offload.py"
+  MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/offload_restart_test.sh" \
+    "$venv/bin/membox"
   rc=0
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_cuda.py" || rc=$?
   [[ $rc == 0 || $rc == 77 ]] || { echo "FAIL: test_cuda ($rc)"; exit 1; }

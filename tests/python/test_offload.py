@@ -12,6 +12,7 @@ another order of operations than torch's (foreach) kernels, so each step
 may differ by a few units in the last place; over the few steps here that
 stays below 1e-5 relative (2e-5 for Adagrad, whose tiny eps makes early
 steps divide by small numbers)."""
+import copy
 import multiprocessing as mp
 import os
 import sys
@@ -182,6 +183,9 @@ class OffloadTest(unittest.TestCase):
         got, _, opt, _ = self.offloaded("adam", dict(lr=0.02), data,
                                         sched=sched)
         self.assertClose(got, want, 1e-5)
+        # prefetch=None: chosen after the first step from its timings.
+        self.assertIn(opt.profiled["prefetch"], (1, 2, 3, 4))
+        self.assertEqual(opt.prefetch, opt.profiled["prefetch"])
         self.assertAlmostEqual(opt.param_groups[0]["lr"], 0.02 * 0.3 ** 3)
         opt.set_lr(0.5)
         self.assertEqual(opt.param_groups[0]["lr"], 0.5)
@@ -219,6 +223,24 @@ class OffloadTest(unittest.TestCase):
         torch.nn.functional.mse_loss(model(x), y).backward()
         with self.assertRaisesRegex(Exception, "no_sync"):
             torch.nn.functional.mse_loss(model(x), y).backward()
+
+    def test_bfloat16_compute_with_float32_masters(self):
+        """compute_dtype=bfloat16: the worker computes in bfloat16, the
+        nodes keep and step float32 weights; the losses follow float32
+        training within bfloat16's precision (8 bits: 2 % here)."""
+        data = batches(6)
+        want, _ = self.reference("adam", dict(lr=0.01), data)
+        model = mlp()
+        opt = mt.offload(model, optimizer="adam", lr=0.01,
+                         client=self.client(), units=linears(model),
+                         compute_dtype=torch.bfloat16)
+        got = train(model, opt, [(x.bfloat16(), y.bfloat16())
+                                 for x, y in data])
+        self.assertClose(got, want, 2e-2)
+        sd = model.state_dict()
+        self.assertEqual(sd["0.weight"].dtype, torch.float32)
+        with self.assertRaisesRegex(ValueError, "compute_dtype"):
+            mt.offload(mlp(), client=opt.client, compute_dtype="int8")
 
     def test_tied_parameters(self):
         class Tied(torch.nn.Module):
@@ -315,6 +337,56 @@ class OffloadTest(unittest.TestCase):
         s["membox"]["optimizer"] = "sgd"
         with self.assertRaisesRegex(ValueError, "sgd"):
             opt.load_state_dict(s)
+
+    def test_optimizer_state_is_gathered_as_torchs(self):
+        """opt.state_dict() holds the nodes' moments in torch's layout:
+        equal to torch.optim.Adam's own after the same steps."""
+        data = batches(4)
+        model = mlp()
+        ref = torch.optim.Adam(model.parameters(), lr=0.01)
+        train(model, ref, data)
+        want = ref.state_dict()["state"]
+        got_model = mlp()
+        opt = mt.offload(got_model, optimizer="adam", lr=0.01,
+                         client=self.client(), units=linears(got_model))
+        self.assertEqual(opt.state_dict()["state"], {})  # nothing stepped
+        train(got_model, opt, data)
+        got = opt.state_dict()["state"]
+        self.assertEqual(sorted(got), sorted(want))
+        for i in want:
+            for name in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(got[i][name], want[i][name],
+                                           rtol=1e-4, atol=1e-7,
+                                           msg="%d %s" % (i, name))
+            self.assertEqual(float(got[i]["step"]), float(want[i]["step"]))
+
+    def test_checkpoint_and_load_continue_exactly(self):
+        """model.state_dict() + opt.state_dict() after 3 steps, loaded into
+        a fresh model on fresh nodes, continue as if never stopped (SGD
+        with momentum: its state is all in the moments)."""
+        data = batches(6)
+        hyper = dict(lr=0.05, momentum=0.9)
+        want, want_sd = self.reference("sgd", hyper, data)
+        _, _, opt, model = self.offloaded("sgd", hyper, data[:3])
+        msd = {k: v.clone() for k, v in model.state_dict().items()}
+        osd = opt.state_dict()
+        self.assertEqual(len(osd["state"]), 8)
+        self.restart()
+        fresh = mlp(seed=9)  # other initial weights: the load must win
+        opt2 = mt.offload(fresh, optimizer="sgd", client=self.client(),
+                          units=linears(fresh), lr=0.5, momentum=0.9)
+        fresh.load_state_dict(msd)
+        opt2.load_state_dict(osd)
+        self.assertEqual(opt2.param_groups[0]["lr"], 0.05)
+        self.assertSameState(fresh.state_dict(), msd, 0)
+        got = train(fresh, opt2, data[3:])
+        self.assertClose(got, want[3:], 1e-5)
+        self.assertSameState(fresh.state_dict(), want_sd)
+        # A state whose shapes do not fit is refused before anything moves.
+        bad = copy.deepcopy(osd)
+        bad["state"][0]["momentum_buffer"] = torch.zeros(3)
+        with self.assertRaisesRegex(ValueError, "shape"):
+            opt2.load_state_dict(bad)
 
     def test_bad_input_is_refused_and_changes_nothing(self):
         c = self.client()

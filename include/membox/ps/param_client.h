@@ -111,6 +111,14 @@ struct SyncConfig {
   std::optional<OptimizerConfig> optimizer;
 };
 
+// What PullState reads of a key on the memory nodes.
+enum class KeyPart : uint8_t {
+  kValue = 0,     // StoreState only (Pull reads the value)
+  kPrevious = 1,  // the value before its last optimizer step (PullState)
+  kMoment1 = 2,   // SGD's momentum, Adam's first moment, Adagrad's sums
+  kMoment2 = 3,   // Adam's second moment
+};
+
 // The service layer's one handle type: Wait() (kDeadlineExceeded when not
 // done in time; the operation goes on), done(), and version() -- the
 // storage version the operation saw (Pull / PushPull).
@@ -208,6 +216,21 @@ class ParamClient {
                         std::function<void(const Status&)> cb = nullptr) = 0;
   virtual PsHandle PushPull(
       uint64_t key, const void* in, void* out, int priority = 0,
+      std::function<void(const Status&)> cb = nullptr) = 0;
+  // Reads `part` of a key with an optimizer as the nodes hold it now (no
+  // waiting for a round): its optimizer state (for a state dict), or its
+  // value before the last step (a restarted worker recomputing the step
+  // its job died in). kFailedPrecondition when the nodes have none yet
+  // (no optimizer step), or no longer (a node replaced since).
+  virtual PsHandle PullState(
+      uint64_t key, KeyPart part, void* out,
+      std::function<void(const Status&)> cb = nullptr) = 0;
+  // Writes the value or a moment of a key with an optimizer (a loaded
+  // state dict) on every node holding it, between rounds: a shard in a
+  // round refuses it (kFailedPrecondition). The round count (Adam's step)
+  // stays.
+  virtual PsHandle StoreState(
+      uint64_t key, KeyPart part, const void* data,
       std::function<void(const Status&)> cb = nullptr) = 0;
 
   // Measures every proxy and installs the resulting routing table.
