@@ -170,6 +170,9 @@ class _Buffer:
             self.arr = client.allocate(size)
             self.host = torch.frombuffer(self.arr, dtype=torch.uint8)
         self.owner = None  # the unit whose value it holds or receives
+        # CUDA: the host-to-device copy out of this buffer, which a pull
+        # into it must wait for.
+        self.copied = None
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -480,6 +483,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not self._take(u, b, must):
             return
         b = self._buffer_of(u)  # may be a new buffer of its own
+        if self._buffers[b].copied is not None:
+            self._buffers[b].copied.synchronize()
+            self._buffers[b].copied = None
         arr = self._buffers[b].arr
         u.pending = [self._pull(k, arr[k.at:k.at + k.nbytes])
                      for k in u.keys]
@@ -511,8 +517,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 h.wait()
             u.pending = None
         u.loaded = True
-        host = self._buffers[u.buffer if u.buffer is not None
-                             else self._buffer_of(u)].host
+        buf = self._buffers[u.buffer if u.buffer is not None
+                            else self._buffer_of(u)]
+        host = buf.host
         streams = set()
         for k in u.keys:
             src = host[k.at:k.at + k.nbytes]
@@ -533,6 +540,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 p.data = view
         for st in streams:
             torch.cuda.current_stream(st.device).wait_stream(st)
+            buf.copied = st.record_event()
         u.laid = True
         self._account()
 
@@ -950,6 +958,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             u.pending = None
         b = u.buffer if u.buffer is not None else self._buffer_of(u)
         buf = self._buffers[b]
+        if buf.copied is not None:
+            buf.copied.synchronize()
+            buf.copied = None
         if buf.owner is not None:
             buf.owner.loaded = False
         buf.owner = u

@@ -194,6 +194,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _cpu_times():
+    """(busy, total) jiffies of the machine, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]  # idle + iowait
+    return sum(v) - idle, sum(v)
+
+
 def _membox_bin():
     import shutil
     return os.environ.get("MEMBOX_BIN") or shutil.which("membox") or "membox"
@@ -215,7 +223,13 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
     if os.path.exists(out):
         os.unlink(out)
     t0 = time.time()
-    if variant == "membox":
+    cpu0 = _cpu_times()
+    if a.topology:  # every variant across the emulated cluster's hosts
+        cmd = [_membox_bin(), "cluster", "run", a.topology, "--", py] + wargs
+        p = subprocess.run(cmd, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+        rcs, log = [p.returncode], p.stdout
+    elif variant == "membox":
         cmd = [_membox_bin(), "launch", "--nodes", str(a.nodes), "--workers",
                str(a.workers), "--", py] + wargs
         p = subprocess.run(cmd, stdout=subprocess.PIPE,
@@ -242,6 +256,8 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
                     if q.poll() is None:
                         q.kill()
     wall = time.time() - t0
+    cpu1 = _cpu_times()
+    busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
     if any(rc != 0 for rc in rcs) or not os.path.exists(out):
         oom = any(rc in (-9, 137) for rc in rcs) or "Killed" in log or \
             "exit status -9" in log or "signal 9" in log
@@ -249,7 +265,11 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
                       "failed: " + log.strip().splitlines()[-1][:200]
                       if log.strip() else "failed"), wall
     with open(out) as f:
-        return json.load(f), None, wall
+        rec = json.load(f)
+    # The machine's cores busy over the whole run (start-up included):
+    # near all of them, the cores and not the links set the time.
+    rec["cpu_busy"] = busy * (os.cpu_count() or 1)
+    return rec, None, wall
 
 
 def _remove_cgroups(prefix):
@@ -307,6 +327,10 @@ def main(argv=None):
     ap.add_argument("--budget-mb", type=int, default=0)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--topology", default="", metavar="T.toml",
+                    help="run every variant across an emulated cluster "
+                         "(`membox cluster`, root): its workers and memory "
+                         "hosts; --workers and --nodes come from it")
     ap.add_argument("--replot", default="", metavar="JSON",
                     help="only draw --plot from a run's JSON records")
     a = ap.parse_args(argv)
@@ -325,6 +349,21 @@ def main(argv=None):
             _die(f"unknown variant {v} ({', '.join(VARIANTS)})")
     if a.budget_mb and not os.access(_CGROUP, os.W_OK):
         _die(f"--budget-mb needs root and memory cgroups ({_CGROUP})")
+    if a.topology:
+        if a.budget_mb:
+            _die("--budget-mb runs on one host (not with --topology)")
+        import re
+        with open(a.topology) as f:
+            text = f.read()
+        a.workers = int(re.search(r"^workers\s*=\s*(\d+)", text, re.M)[1])
+        a.nodes = int(re.search(r"^memory\s*=\s*(\d+)", text, re.M)[1])
+        subprocess.run([_membox_bin(), "cluster", "down", a.topology],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        up = subprocess.run([_membox_bin(), "cluster", "up", a.topology],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+        if up.returncode != 0:
+            _die("membox cluster up failed: " + up.stdout[-400:])
     repeats = a.repeats or (1 if a.quick else 3)
     import tempfile
     tmp = tempfile.mkdtemp(prefix="membox-offload-bench-")
@@ -336,7 +375,13 @@ def main(argv=None):
         if rec is None:
             skipped[v] = why
         return rec
-    res = run_interleaved(variants, repeats, one)
+    try:
+        res = run_interleaved(variants, repeats, one)
+    finally:
+        if a.topology:
+            subprocess.run([_membox_bin(), "cluster", "down", a.topology],
+                           stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
     rows = {}
     for v, runs in res.items():
         runs = [r for r in runs if r is not None]
@@ -352,13 +397,18 @@ def main(argv=None):
     nparams = next(iter(rows.values()))["params"]
     print(f"\nGPT-style model, {a.layers} blocks, d={a.d_model}, "
           f"{nparams / 1e6:.1f} M parameters, batch {a.batch} x {a.seq} "
-          f"tokens per worker, {a.workers} workers, Adam; torch "
+          f"tokens per worker, {a.workers} workers"
+          f"{' across ' + a.topology if a.topology else ' on this host'}, "
+          f"Adam; torch "
           f"{torch.__version__}; median of {repeats} run(s)")
     base = rows.get("ddp")
     print(f"{'variant':14} {'bytes/param':>11} {'(accounted)':>11} "
-          f"{'step ms':>8} {'vs ddp':>7} {'vs fsdp2':>8}  last loss  runs")
+          f"{'step ms':>8} {'vs ddp':>7} {'vs fsdp2':>8} {'CPU':>5}  last loss"
+          f"  runs")
     records = []
     case = f"gpt-{a.layers}x{a.d_model}-b{a.batch}"
+    if a.topology:
+        case += "-" + os.path.basename(a.topology).rsplit(".", 1)[0]
     for v in variants:
         if v not in rows:
             print(f"{v:14} skipped: {skipped.get(v, '?')}")
@@ -372,13 +422,15 @@ def main(argv=None):
               f"{(f'{acc:.2f}' if acc is not None else '-'):>11} "
               f"{r['step_s'] * 1e3:8.0f} "
               f"{(f'{vs_ddp:.2f}x' if vs_ddp else '-'):>7} "
-              f"{(f'{vs_f:.2f}x' if vs_f else '-'):>8}  "
+              f"{(f'{vs_f:.2f}x' if vs_f else '-'):>8} "
+              f"{r['cpu_busy']:5.2f}  "
               f"{r['losses'][-1]:.4f}  {r['all']}")
         metrics = [("resident_bytes_per_param", r["per_param"], "bytes"),
                    ("step_time", r["step_s"], "s"),
                    ("samples_per_s", a.workers * a.batch / r["step_s"],
                     "samples/s"),
-                   ("last_loss", r["losses"][-1], "loss")]
+                   ("last_loss", r["losses"][-1], "loss"),
+                   ("cpu_busy", r["cpu_busy"], "cores")]
         if acc is not None:
             metrics.append(("accounted_bytes_per_param", acc, "bytes"))
         if vs_ddp:
@@ -450,7 +502,7 @@ def plot(records, path):
             axes[0].annotate(f"{acc[v]:.2f}", (i, acc[v]), ha="center",
                              va="bottom", fontsize=8, color="white")
     axes[0].set_ylabel("bytes per parameter (peak RSS\nabove pre-model RSS)")
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, loc="center right")
     axes[1].bar(shown, [by["step_time"][v] * 1e3 for v in shown],
                 color=[colors[v] for v in shown])
     axes[1].set_ylabel("step time, ms (median)")

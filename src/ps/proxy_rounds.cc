@@ -617,11 +617,12 @@ void ProxyImpl::ServePull(uint64_t k, Shard& sh, const PendingPull& p) {
                                          " shard has no " + what),
                  sh.version);
   }
-  Status s =
-      WriteWorker(it->second, p.out_region, p.out_offset,
-                  static_cast<const uint8_t*>((*src)->data()), sh.bytes, **src);
-  if (s.ok()) result_bytes_.fetch_add(sh.bytes, std::memory_order_relaxed);
-  Reply(p.conn, Type::kPull, p.id, s, sh.version);
+  // Over the network the write is not waited for here (the flush's
+  // completion replies): the node goes on summing pushes and serving other
+  // pulls meanwhile, so its link carries both directions at once. The
+  // buffer stays alive with the write; a later update copies on write.
+  WriteThenReply(p.conn, Type::kPull, p.id, p.out_region, p.out_offset, *src,
+                 sh.bytes, sh.version);
 }
 
 void ProxyImpl::ServeWaitingPulls(uint64_t k, Shard& sh) {
