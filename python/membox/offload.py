@@ -347,6 +347,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # (a restarted worker recomputes that step from their previous
         # values and does not push them).
         self.ahead = sum(k.ahead for u in self.units for k in u.keys)
+        import os
+        if self.version and os.environ.get("MEMBOX_RESTART", "0") == "0":
+            import warnings
+            warnings.warn("offload: the memory nodes already hold this "
+                          "model at step %d (an earlier job's keys, not a "
+                          "restart of this one): training goes on from "
+                          "there; start fresh nodes for a new model" %
+                          self.version)
         # The model's memory goes: from here on the nodes hold it.
         placeholder = {}
         for u in self.units:

@@ -202,6 +202,14 @@ def _cpu_times():
     return sum(v) - idle, sum(v)
 
 
+def _cluster(topology, what):
+    p = subprocess.run([_membox_bin(), "cluster", what, topology],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+    if p.returncode != 0 and what == "up":
+        _die("membox cluster up failed: " + p.stdout[-400:])
+
+
 def _membox_bin():
     import shutil
     return os.environ.get("MEMBOX_BIN") or shutil.which("membox") or "membox"
@@ -225,6 +233,11 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
     t0 = time.time()
     cpu0 = _cpu_times()
     if a.topology:  # every variant across the emulated cluster's hosts
+        # Fresh memory nodes for every run: the cluster's nodes outlive a
+        # job, and a new offload job on them would go on from the last
+        # one's model (as a restarted worker set does).
+        _cluster(a.topology, "down")
+        _cluster(a.topology, "up")
         cmd = [_membox_bin(), "cluster", "run", a.topology, "--", py] + wargs
         p = subprocess.run(cmd, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
@@ -357,13 +370,7 @@ def main(argv=None):
             text = f.read()
         a.workers = int(re.search(r"^workers\s*=\s*(\d+)", text, re.M)[1])
         a.nodes = int(re.search(r"^memory\s*=\s*(\d+)", text, re.M)[1])
-        subprocess.run([_membox_bin(), "cluster", "down", a.topology],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        up = subprocess.run([_membox_bin(), "cluster", "up", a.topology],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-        if up.returncode != 0:
-            _die("membox cluster up failed: " + up.stdout[-400:])
+        _cluster(a.topology, "down")  # left over from an interrupted run
     repeats = a.repeats or (1 if a.quick else 3)
     import tempfile
     tmp = tempfile.mkdtemp(prefix="membox-offload-bench-")
@@ -379,9 +386,7 @@ def main(argv=None):
         res = run_interleaved(variants, repeats, one)
     finally:
         if a.topology:
-            subprocess.run([_membox_bin(), "cluster", "down", a.topology],
-                           stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+            _cluster(a.topology, "down")
     rows = {}
     for v, runs in res.items():
         runs = [r for r in runs if r is not None]
