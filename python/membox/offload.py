@@ -15,11 +15,13 @@ Design (docs/design/offload.md):
   pushed. Each unit's parameters are one key per (dtype, trainable) on the
   memory nodes, striped over them like any large key.
 - Forward: a unit's forward pre-hook waits for its pull (issued `prefetch`
-  units ahead, in the order recorded in the first step) and lays the
-  parameters over one flat tensor; its forward hook frees the flat tensor's
-  storage (the last `prefetch` units stay for backward). Autograd keeps
-  views of that storage; the storage object survives, only its bytes go.
-- Backward: a hook on the unit's outputs pulls the unit again (prefetching
+  units ahead, in the order recorded in the first step) into one of
+  prefetch + 1 registered buffers the units take turns in (unit i always in
+  buffer i mod (prefetch + 1)), and lays the parameters out as views of it;
+  its forward hook releases them. Autograd's saved views point into that
+  buffer, which holds the unit's value again whenever its backward runs.
+- Backward: a hook on the unit's outputs pulls the unit again unless its
+  buffer still holds it (the last units of the forward do) (prefetching
   the next ones in backward order); each parameter's post-accumulate-grad
   hook counts the unit's gradients, and the last copies them into a
   registered buffer, pushes them and frees them and the parameters. The

@@ -143,7 +143,7 @@ struct Message {
   // kPull: what to read; kStore of a key with an optimizer (between its
   // rounds): what to write -- its value or a moment, never kPrevious.
   Part part = Part::kValue;
-  uint32_t step = 0;         // kReady / kDone
+  uint32_t step = 0;  // kReady / kDone
   // kDeclare (init), kPush / kStore (input), kProbe: a worker region and
   // offset
   uint64_t region = 0;
