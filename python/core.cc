@@ -26,6 +26,7 @@
 
 #include "membox/base/secret.h"
 #include "membox/embedding/client.h"
+#include "membox/ps/client_environment.h"
 #include "membox/ps/param_client.h"
 
 namespace py = pybind11;
@@ -225,6 +226,9 @@ class Client {
     o.timeout =
         std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3));
     o.routing.partition_bytes = partition_bytes;
+    // The environment (`membox launch`, `membox cluster`) is read here, at
+    // the edge; the client takes explicit options.
+    if (Status s = membox::ps::ApplyClientEnvironment(&o); !s.ok()) Throw(s);
     py::gil_scoped_release nogil;
     auto c = ParamClient::Connect(o);
     py::gil_scoped_acquire gil;

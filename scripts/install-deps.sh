@@ -1,20 +1,40 @@
 #!/usr/bin/env bash
-# Installs everything membox needs to build, test and benchmark, from
-# Debian 12's packages only. Idempotent; run as root (or with sudo).
+# Installs what membox needs from Debian 12's packages only. Idempotent; run
+# as root (or with sudo).
+#   bash scripts/install-deps.sh          what the main job uses: the build
+#                                         (no tests), the Python package, the
+#                                         benchmarks' baselines (MPI, gRPC,
+#                                         RocksDB, iperf3), namespaces
+#   bash scripts/install-deps.sh --tests  that, and what the tests add:
+#                                         GoogleTest, clang (fuzzers,
+#                                         clang-format), git, and Debian's
+#                                         torch 1.13 (the old path's tests)
 set -euo pipefail
 SUDO=""
 if [[ $(id -u) -ne 0 ]]; then SUDO=sudo; fi
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update
-$SUDO apt-get install -y --no-install-recommends \
-  build-essential cmake ninja-build pkg-config git \
-  libucx-dev ucx-utils \
-  libgtest-dev libgmock-dev googletest libbenchmark-dev \
-  libspdlog-dev libfmt-dev libcli11-dev zlib1g-dev libssl-dev libabsl-dev \
-  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
-  librocksdb-dev libmicrohttpd-dev \
-  openmpi-bin libopenmpi-dev \
-  python3 python3-venv python3-matplotlib python3-torch python3-sklearn \
-  pybind11-dev python3-pybind11 \
-  iperf3 iproute2 procps \
+main=(
+  build-essential cmake ninja-build pkg-config
+  libucx-dev
+  libspdlog-dev libfmt-dev libcli11-dev zlib1g-dev libssl-dev libabsl-dev
+  libmicrohttpd-dev
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  librocksdb-dev openmpi-bin libopenmpi-dev iperf3
+  python3 python3-venv python3-matplotlib python3-sklearn
+  pybind11-dev python3-pybind11
+  iproute2 procps
+)
+tests=(
+  git ucx-utils
+  libgtest-dev libgmock-dev googletest
+  python3-torch
   clang clang-format libclang-rt-14-dev
+)
+pkgs=("${main[@]}")
+case "${1:-}" in
+  --tests) pkgs+=("${tests[@]}") ;;
+  "") ;;
+  *) echo "usage: $0 [--tests]" >&2; exit 2 ;;
+esac
+$SUDO apt-get update
+$SUDO apt-get install -y --no-install-recommends "${pkgs[@]}"

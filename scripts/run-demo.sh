@@ -31,14 +31,17 @@
 # --system-site-packages) into which pip installs torch alone (about 2.8 GB
 # with its CUDA runtime packages, once; kept for the next run). The build
 # tree's membox extension is for that same interpreter.
+# It installs only what it uses (scripts/install-deps.sh without --tests) and
+# builds only what it runs (the "app" preset: no test suites).
 # Usage: bash scripts/run-demo.sh [--no-install]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--no-install" ]]; then shift; else bash scripts/install-deps.sh; fi
-cmake --preset release
-cmake --build --preset release -j"$(nproc)"
+# The "app" preset: the release build without the test suites.
+cmake --preset app
+cmake --build --preset app -j"$(nproc)"
 mkdir -p out
-membox=./build/release/tools/membox
+membox=./build/app/tools/membox
 venv=out/venv
 has_torch2='import sys, torch; sys.exit(int(torch.__version__.split(".")[0]) < 2)'
 if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c "$has_torch2" 2>/dev/null; then
@@ -61,7 +64,7 @@ for bench in transfer async-sgd memserver allreduce train; do
     --csv "out/$bench.csv" --json "out/$bench.json" --plot "out/$bench.png"
 done
 echo "== sparse embeddings: wide & deep CTR, membox store vs torch layers"
-PYTHONPATH=$PWD/build/release/python "$py" examples/ctr_wide_deep.py --local | grep RESULT
+PYTHONPATH=$PWD/build/app/python "$py" examples/ctr_wide_deep.py --local | grep RESULT
 # One memory node: on one host a second node adds no memory bandwidth, and
 # with one node the MLP's small DDP buckets are combined in its memory
 # (0.65x torch-local's samples/s on torch 2.15 against 0.51x with two

@@ -50,7 +50,7 @@ run_ctest() {  # $1 = preset; adds its passed and skipped counts
 # the start), so that CI's log gives the time per stage.
 start=$SECONDS
 stage() { echo "== $1 (at $((SECONDS - start)) s)"; }
-if [[ "${1:-}" != "--no-install" ]]; then bash scripts/install-deps.sh; fi
+if [[ "${1:-}" != "--no-install" ]]; then bash scripts/install-deps.sh --tests; fi
 jobs=$(nproc)
 
 stage "format check (clang-format, .clang-format)"

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include <fmt/format.h>
 #include <mpi.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 #include "membox/base/subprocess.h"
 #include "membox/collective/hierarchical_allreduce.h"
 #include "membox/collective/ring_allreduce.h"
+#include "membox/ps/client_environment.h"
 #include "membox/ps/param_client.h"
 
 #include "bench/common/mpi_launch.h"
@@ -43,9 +45,7 @@ std::vector<std::string> Split(const std::string& s) {
 }
 
 std::string Join(const std::vector<uint64_t>& v) {
-  std::string s;
-  for (auto x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
-  return s;
+  return fmt::format("{}", fmt::join(v, ","));
 }
 
 int ItersFor(uint64_t size, int asked) {
@@ -196,6 +196,7 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
     // "stripe": shards spread over all proxies (routing.h) instead of each
     // worker using the one next to it and the proxies' ring.
     o.routing.stripe = a.size() > 5 && a[5] == "stripe";
+    if (Status s = ps::ApplyClientEnvironment(&o); !s.ok()) return fail(s);
     auto c = ps::ParamClient::Connect(o);
     if (!c.ok()) return fail(c.status());
     auto& client = *c;

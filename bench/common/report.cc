@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include "membox/base/config.h"
@@ -104,10 +105,10 @@ Status Report::Plot(const std::string& png, const std::string& metric,
   if (script.empty()) return NotFoundError("bench/plot_bench.py not found");
   std::string csv = png + ".tmp.csv";
   RETURN_IF_ERROR(WriteCsv(csv));
-  std::string cmd = "'" + BaselinePython() + "' '" + script + "' --csv '" +
-                    csv + "' --out '" + png + "' --metric '" + metric +
-                    "' --title '" + title + "'" + (log_y ? " --log-y" : "") +
-                    " --x " + x;
+  std::string cmd = fmt::format(
+      "'{}' '{}' --csv '{}' --out '{}' --metric '{}' --title '{}'{} --x {}",
+      BaselinePython(), script, csv, png, metric, title,
+      log_y ? " --log-y" : "", x);
   int rc = std::system(cmd.c_str());
   std::filesystem::remove(csv);
   if (rc != 0) return InternalError("plotting failed (" + cmd + ")");

@@ -7,6 +7,7 @@
 #include <random>
 
 #include <arpa/inet.h>
+#include <fmt/format.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -113,13 +114,11 @@ Result<ServerProcess> ServerProcess::StartWithProxy(
                                    "--ps-listen",  ps_listen,
                                    "--ps-rank",    std::to_string(ps_rank)};
   if (!ps_peers.empty()) {
-    std::string peers;
-    for (const auto& p : ps_peers) peers += (peers.empty() ? "" : ",") + p;
     args.push_back("--ps-peers");
-    args.push_back(peers);
+    args.push_back(fmt::format("{}", fmt::join(ps_peers, ",")));
   }
   RETURN_IF_ERROR(s.Spawn(secret.empty() ? RandomSecret() : secret,
-                          "-" + std::to_string(ps_rank), args));
+                          fmt::format("-{}", ps_rank), args));
   ASSIGN_OR_RETURN(s.proxy_endpoint_, s.AwaitService("parameter proxy"));
   return s;
 }

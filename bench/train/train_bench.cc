@@ -24,6 +24,7 @@
 
 #include "membox/base/subprocess.h"
 #include "membox/collective/ring_allreduce.h"
+#include "membox/ps/client_environment.h"
 #include "membox/ps/param_client.h"
 
 #include "bench/common/mpi_launch.h"
@@ -215,6 +216,7 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
   // Without the profiler: each worker uses the proxy "next to it".
   o.routing.lat_proxy = o.routing.bw_proxy =
       static_cast<uint32_t>(rank % cfg.proxies.size());
+  RETURN_IF_ERROR(ps::ApplyClientEnvironment(&o));  // `membox cluster`'s
   ASSIGN_OR_RETURN(auto client, ps::ParamClient::Connect(o));
   if (cfg.routing) {
     // The profiler picks routing, striping and shard sizes. Rank 0 measures

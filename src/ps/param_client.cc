@@ -50,12 +50,12 @@ PsHandle Failed(const Status& s, std::function<void(const Status&)> cb) {
   return PsHandle(st);
 }
 
-// How long a restarted worker's hello (MEMBOX_RESTART > 0, set by `membox
-// launch --max-restarts`) keeps retrying while a proxy closes the previous
-// run's connections. Longer than a proxy's longest wait on a dead worker
-// (kIoTimeout, 30 s: its executor answers no hello meanwhile, and closes
-// an unanswered link after its 10 s hello deadline; the retry then takes a
-// new link). A first start is refused at once (a rank really used twice).
+// How long a restarted worker's hello (options.restarted: `membox
+// launch --max-restarts` sets MEMBOX_RESTART) keeps retrying while a proxy
+// closes the previous run's connections. Longer than a proxy's longest wait on
+// a dead worker (kIoTimeout, 30 s: its executor answers no hello meanwhile, and
+// closes an unanswered link after its 10 s hello deadline; the retry then takes
+// a new link). A first start is refused at once (a rank really used twice).
 constexpr auto kRejoinWindow = std::chrono::seconds(45);
 
 // A profile sample times transfers back to back until it moved
@@ -71,11 +71,6 @@ constexpr auto kRejoinWindow = std::chrono::seconds(45);
 constexpr uint64_t kSustainBytes = 2 << 20;
 constexpr auto kSampleMinTime = std::chrono::milliseconds(10);
 constexpr auto kSustainTime = std::chrono::milliseconds(50);
-
-bool Restarted() {
-  const char* r = std::getenv("MEMBOX_RESTART");
-  return r && *r && std::strcmp(r, "0") != 0;
-}
 
 struct KeyInfo {
   uint64_t bytes = 0;
@@ -145,38 +140,6 @@ struct ProxyLink {
   std::vector<Stashed> stash;
 };
 
-// MEMBOX_PROXY_DELAYS_MS="d0,d1,...": one added latency per proxy (ms, in
-// the proxies' order), for emulated clusters whose kernel has no netem
-// (`membox cluster` sets it on the workers). Unset or empty: none.
-Result<std::vector<transport::FaultPolicy>> DelaysFromEnvironment(
-    size_t proxies) {
-  std::vector<transport::FaultPolicy> links;
-  const char* env = std::getenv("MEMBOX_PROXY_DELAYS_MS");
-  if (!env || !*env) return links;
-  std::stringstream in(env);
-  std::string item;
-  bool any = false;
-  while (std::getline(in, item, ',')) {
-    char* end = nullptr;
-    double ms = std::strtod(item.c_str(), &end);
-    if (item.empty() || *end != '\0' || !(ms >= 0) || ms > 60000) {
-      return InvalidArgumentError("MEMBOX_PROXY_DELAYS_MS: bad delay '" + item +
-                                  "' (milliseconds, 0..60000)");
-    }
-    transport::FaultPolicy p;
-    p.fixed_latency = std::chrono::nanoseconds(static_cast<int64_t>(ms * 1e6));
-    any = any || ms > 0;
-    links.push_back(p);
-  }
-  if (links.size() != proxies) {
-    return InvalidArgumentError("MEMBOX_PROXY_DELAYS_MS lists " +
-                                std::to_string(links.size()) + " delays for " +
-                                std::to_string(proxies) + " proxies");
-  }
-  if (!any) links.clear();
-  return links;
-}
-
 class ParamClientImpl final : public ParamClient {
  public:
   explicit ParamClientImpl(ParamClientOptions o) : opt_(std::move(o)) {
@@ -221,33 +184,8 @@ class ParamClientImpl final : public ParamClient {
 
   Status Init() {
     if (opt_.proxies.empty()) return InvalidArgumentError("no proxies given");
-    if (const char* env = std::getenv("MEMBOX_HANG_REPORT_S"); env && *env) {
-      char* end = nullptr;
-      double sec = std::strtod(env, &end);
-      if (*end != '\0' || !(sec >= 0) || sec > 86400) {
-        return InvalidArgumentError(
-            std::string("MEMBOX_HANG_REPORT_S: bad value '") + env +
-            "' (seconds, 0..86400; 0: never)");
-      }
-      opt_.hang_report =
-          std::chrono::milliseconds(static_cast<int64_t>(sec * 1000));
-    }
-    if (const char* env = std::getenv("MEMBOX_FAILOVER_S"); env && *env) {
-      char* end = nullptr;
-      double sec = std::strtod(env, &end);
-      if (*end != '\0' || !(sec >= 0) || sec > 86400) {
-        return InvalidArgumentError(
-            std::string("MEMBOX_FAILOVER_S: bad value '") + env +
-            "' (seconds, 0..86400; 0: off)");
-      }
-      opt_.failover =
-          std::chrono::milliseconds(static_cast<int64_t>(sec * 1000));
-    }
     if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world) {
       return InvalidArgumentError("rank must be in [0, world)");
-    }
-    if (opt_.links.empty()) {
-      ASSIGN_OR_RETURN(opt_.links, DelaysFromEnvironment(opt_.proxies.size()));
     }
     if (!opt_.links.empty() && opt_.links.size() != opt_.proxies.size()) {
       return InvalidArgumentError("one link model per proxy, or none");
@@ -283,7 +221,7 @@ class ParamClientImpl final : public ParamClient {
       // lost while the old one of the same name is closed (UNAVAILABLE).
       // Retry for a while, on a new link after a lost one.
       const auto give_up =
-          Clock::now() + (Restarted() ? kRejoinWindow : Clock::duration(0));
+          Clock::now() + (opt_.restarted ? kRejoinWindow : Clock::duration(0));
       for (bool told = false;;) {
         auto body = link.client->Call(static_cast<uint16_t>(Type::kHello),
                                       proto::Encode(h), opt_.timeout);
@@ -334,15 +272,7 @@ class ParamClientImpl final : public ParamClient {
     failover_ =
         opt_.failover.count() > 0 && proxies_.size() > 1 && all_replicate;
     if (failover_) repairer_ = std::thread([this] { RepairLoop(); });
-    bool combine = opt_.combine;
-    if (const char* env = std::getenv("MEMBOX_COMBINE"); env && *env) {
-      if (std::string_view(env) != "0" && std::string_view(env) != "1") {
-        return InvalidArgumentError(std::string("MEMBOX_COMBINE: bad value '") +
-                                    env + "' (0 or 1)");
-      }
-      combine = std::string_view(env) == "1";
-    }
-    if (combine && proxies_.size() == 1 && !failover_) {
+    if (opt_.combine && proxies_.size() == 1 && !failover_) {
       combiner_ = std::make_unique<Combiner>(opt_.hang_report);
     }
     sender_ = std::thread([this] { SendLoop(); });

@@ -339,8 +339,9 @@ TEST(PsTest, CombiningRegionsCountAgainstTheStorageLimit) {
   EXPECT_EQ(c.proxies[0]->Stats().rounds_completed, 4u);
 }
 
-// Combining needs every worker to map the node; MEMBOX_COMBINE / the
-// option turn it off, and then the proxy runs every round.
+// Combining needs every worker to map the node; the
+// option (MEMBOX_COMBINE=0 at the edges) turns it off, and then the proxy runs
+// every round.
 TEST(PsTest, CombiningCanBeTurnedOff) {
   auto c = Cluster::Start(1);
   const size_t n = 256;

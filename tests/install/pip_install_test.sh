@@ -27,8 +27,12 @@ base=${MEMBOX_VENV_PYTHON:-/usr/bin/python3}
 unset PYTHONPATH
 py="$venv/bin/python"
 t0=$(date +%s)
+touch "$work/before-pip"
 "$venv/bin/pip" install -q --disable-pip-version-check "$here"
 echo "pip install .: $(( $(date +%s) - t0 )) s"
+# pip builds outside the source tree: nothing in it is new or changed.
+written=$(find "$here" -path "$here/.git" -prune -o -newer "$work/before-pip" -print | head -n 5)
+[[ -z $written ]] || { echo "FAIL: pip install . wrote into the source tree:"; echo "$written"; exit 1; }
 cd "$work"  # nothing of the source tree on sys.path
 
 test -x "$venv/bin/membox" || { echo "FAIL: no membox command in $venv/bin"; exit 1; }

@@ -275,18 +275,16 @@ class HalfPrecisionTest(unittest.TestCase):
 
     def hook(self, t, wire, extra=()):
         import membox.torch as mt
+        from membox.torch._session import session
         node = Node(self.tmp, extra)
         try:
             c = membox.connect([node.endpoint], node.secret, 0, 1,
                                timeout=10.0)
-            mt._declared.clear()
-            mt._buckets.clear()
-            mt._narrow.clear()
             mt.init(mode="average", client=c, wire_dtype=wire)
             return [mt.allreduce_hook(None, Bucket(t.clone(), 0)).wait()
                     for _ in range(2)][-1]
         finally:
-            mt._wire = None
+            session.reset()  # forget the client and its wire type
             node.kill()
 
     def test_half_buckets_and_narrow_wire(self):
@@ -332,15 +330,14 @@ class HookTest(unittest.TestCase):
     def run_hook(self, extra, refused=(), offset=0):
         import torch
         import membox.torch as mt
+        from membox.torch._session import session
         tmp = tempfile.mkdtemp()
         node = Node(tmp, extra)
         try:
             c = membox.connect([node.endpoint], node.secret, 0, 1,
                                timeout=10.0)
-            mt._declared.clear()
-            mt._buckets.clear()
-            mt._share_refused[:] = list(refused)
-            mt.init(mode="average", client=c)
+            mt.init(mode="average", client=c)  # a fresh session
+            session.share_refused[:] = list(refused)
             # `offset`: the bucket starts inside its storage (and inside a
             # page of the shared file)
             t = torch.zeros(4096 + offset)[offset:]
@@ -350,9 +347,9 @@ class HookTest(unittest.TestCase):
                 out = mt.allreduce_hook(None, Bucket(t, 0)).wait()
                 self.assertTrue(torch.equal(out, torch.arange(4096.0) * (i + 1)))
                 outs.append(out.data_ptr())
-            return c.proxies_map_memory, dict(mt._buckets), t, outs
+            return c.proxies_map_memory, dict(session.buckets), t, outs
         finally:
-            mt._share_refused.clear()
+            session.reset()
             node.kill()
 
     def test_one_host_maps_the_bucket_in_place(self):
@@ -374,17 +371,17 @@ class HookTest(unittest.TestCase):
         self.assertEqual(buckets, {})
 
     def test_a_bucket_too_big_for_dev_shm_is_staged(self):
-        import membox.torch as mt
-        room = mt._shm_has_room
-        mt._shm_has_room = lambda nbytes: False  # a container's 64 MiB
+        from membox.torch import ddp
+        room = ddp._shm_has_room
+        ddp._shm_has_room = lambda nbytes: False  # a container's 64 MiB
         try:
             mapped, buckets, t, outs = self.run_hook(())
         finally:
-            mt._shm_has_room = room
+            ddp._shm_has_room = room
         self.assertFalse(t.is_shared())
         self.assertEqual(buckets, {})
         self.assertNotEqual(outs[0], t.data_ptr())  # the result buffer
-        self.assertTrue(mt._shm_has_room(1 << 20))  # this machine has room
+        self.assertTrue(ddp._shm_has_room(1 << 20))  # this machine has room
         # The average arrives in one registered buffer per bucket, which is
         # the Future's result (DDP copies the gradients out of it).
         self.assertNotEqual(outs[0], t.data_ptr())

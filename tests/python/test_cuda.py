@@ -153,8 +153,9 @@ class ParameterServerTest(unittest.TestCase):
             torch.testing.assert_close(sd[k], v, rtol=1e-4, atol=1e-6)
 
     def test_other_devices_are_refused(self):
+        from membox.torch._session import flat_numpy
         with self.assertRaisesRegex(membox.MemboxError, "CPU and CUDA"):
-            mt._flat_numpy(torch.empty(4, device="meta"))
+            flat_numpy(torch.empty(4, device="meta"))
 
 
 if __name__ == "__main__":

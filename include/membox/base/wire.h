@@ -25,9 +25,10 @@ class Writer {
   void U64(uint64_t v) { Put(&v, 8); }
   void Bytes(const void* p, size_t n) {
     if (n == 0) return;
-    size_t old = buf_.size();
-    buf_.resize(old + n);
-    std::memcpy(buf_.data() + old, p, n);
+    // insert, not resize + memcpy: GCC 12 cannot bound the zero fill of a
+    // resize and warns (-Wstringop-overflow) wherever this is inlined.
+    const auto* b = static_cast<const uint8_t*>(p);
+    buf_.insert(buf_.end(), b, b + n);
   }
   std::vector<uint8_t>& buffer() { return buf_; }
 

@@ -61,24 +61,21 @@ struct ParamClientOptions {
   std::string transports = "auto";
   std::chrono::milliseconds timeout{60000};
   // Emulated link per proxy (latency / bandwidth; see fault_channel.h), for
-  // tests and experiments with non-uniform links. Empty: real links, plus
-  // the latencies MEMBOX_PROXY_DELAYS_MS="ms,ms,..." lists (one per proxy;
-  // set by `membox cluster` where the kernel cannot delay packets).
+  // tests and experiments with non-uniform links, and for `membox cluster`
+  // where the kernel cannot delay packets. Empty: real links.
   std::vector<transport::FaultPolicy> links;
   RoutingTable routing;  // used until Profile() replaces it
   std::chrono::milliseconds reprofile_interval{0};
   // A push or pull waiting longer than this is logged (once per period)
   // with the key, shard, round and proxy, and with what that proxy says
-  // the round waits for (its status). Zero: never. The environment's
-  // MEMBOX_HANG_REPORT_S (seconds) overrides it.
+  // the round waits for (its status). Zero: never.
   std::chrono::milliseconds hang_report{10000};
   // With several proxies that replicate (`membox serve --ps-replicate`; they
   // say so when a worker connects): a proxy whose link dies is waited for
   // this long (its replacement: `membox serve --join` at the same
   // endpoint) while its pushes and pulls are kept, and then sent again
   // there; the survivors hold their rounds. Zero, or proxies that do not
-  // replicate: a lost proxy fails its requests at once. MEMBOX_FAILOVER_S
-  // (seconds) overrides it.
+  // replicate: a lost proxy fails its requests at once.
   std::chrono::milliseconds failover{60000};
   // In-memory combining of small keys (docs/design/ps.md): with one proxy
   // that does not replicate, and every worker on its host, a key of at
@@ -86,8 +83,12 @@ struct ParamClientOptions {
   // an optimizer is, from its second
   // round on, summed by the workers themselves in a region of the node's
   // memory -- no message, no wake-up of the node. The proxy decides per key
-  // (kCombine). MEMBOX_COMBINE=0|1 overrides this.
+  // (kCombine).
   bool combine = true;
+  // This worker replaces one that died (`membox launch --max-restarts`): its
+  // hello is retried for up to 45 s while a proxy still holds the dead
+  // worker's connection or tears down its job.
+  bool restarted = false;
 };
 
 // The optimizer the memory nodes run on a tensor's reduced gradient, and its

@@ -46,8 +46,10 @@ import time
 import torch
 
 import membox
+from membox.torch import _session
+from membox.torch.staging import staging_for
 
-_KEY_BASE = 0xB << 60  # key space of offloaded models (torch.py has others)
+_KEY_BASE = 0xB << 60  # key space of offloaded models (the other modules have others)
 _models = itertools.count()
 _OPTIMIZERS = {
     # name: hyperparameters it takes (torch.optim's names) and their defaults
@@ -166,8 +168,7 @@ class _Buffer:
     def __init__(self, client, size, cuda, tag):
         self.size = size
         if cuda:
-            from membox.torch import _staging_for
-            self.arr, self.host = _staging_for(client).buffer(tag, size)
+            self.arr, self.host = staging_for(client).buffer(tag, size)
         else:
             self.arr = client.allocate(size)
             self.host = torch.frombuffer(self.arr, dtype=torch.uint8)
@@ -540,8 +541,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if k.device.type != "cuda":  # a compute-dtype copy
                     k.flat.copy_(flat)
                 elif k.flat.dtype == k.dtype:  # the pull, to the device
-                    from membox.torch import _staging_for
-                    streams.add(_staging_for(self.client).to_device(
+                    streams.add(staging_for(self.client).to_device(
                         src, k.flat, k.device))
                 else:  # to the device, then narrowed there
                     k.flat.copy_(flat.to(k.device))
@@ -604,8 +604,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 elif p.grad.is_cuda:
                     g = p.grad if p.grad.dtype == k.dtype else \
                         p.grad.to(k.dtype)  # widened on the device
-                    from membox.torch import _staging_for
-                    event = _staging_for(self.client).to_host(
+                    event = staging_for(self.client).to_host(
                         g, dst, p.grad.device)
                 else:
                     dst.view(k.dtype).copy_(p.grad.reshape(-1))
@@ -1110,9 +1109,7 @@ def offload(model, optimizer="adam", lr=1e-3, prefetch=None, units=None,
         total = sum(p.numel() for p in params)
         min_unit_params = max(total // 20, 1)
     if client is None:
-        import membox.torch as mt
-        client = mt._client if mt._client is not None else mt.init(
-            mode="average")
+        client = _session.session.client or _session.init(mode="average")
     else:
         client.configure(mode="average")
     opt = OffloadOptimizer(model, client, kind, values, prefetch, units,

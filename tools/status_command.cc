@@ -1,0 +1,125 @@
+// `membox status`: what memory nodes (and their services) say about
+// themselves.
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "membox/base/secret.h"
+#include "membox/embedding/client.h"
+#include "membox/memserver/client.h"
+#include "membox/ps/param_client.h"
+
+#include "tools/commands.h"
+
+namespace membox::tools {
+namespace {
+
+// `membox status`: for each memory node, the memory server's status (this
+// client's view, or every client's with the admin secret) and, with
+// `services`, the parameter proxy's and the embedding server's at the
+// node's default ports (+1, +2), or a line saying they do not answer.
+// Exit 1 when a memory server cannot be asked.
+int PrintStatus(const std::vector<std::string>& servers,
+                const std::string& secret, const std::string& secret_file,
+                const std::string& admin_file, bool services) {
+  auto sec = membox::ResolveSecret(secret, secret_file);
+  std::string admin;
+  if (!ReadAdminSecret(admin_file, "status", &admin)) return 2;
+  if (!sec.ok()) {
+    std::fprintf(stderr, "membox status: %s\n",
+                 sec.status().ToString().c_str());
+    return 2;
+  }
+  int rc = 0;
+  for (size_t i = 0; i < servers.size(); ++i) {
+    const std::string& server = servers[i];
+    if (servers.size() > 1 || services) {
+      std::printf("%s== node %zu: %s ==\n", i ? "\n" : "", i, server.c_str());
+    }
+    membox::memserver::ClientOptions o;
+    o.server = server;
+    o.secret = *sec;
+    o.name = "membox-status";
+    o.timeout = std::chrono::milliseconds(10000);
+    auto c = membox::memserver::Client::Connect(o);
+    auto text = c.ok() ? (*c)->ServerStatus(admin)
+                       : membox::Result<std::string>(c.status());
+    if (!text.ok()) {
+      std::fprintf(stderr, "membox status: %s: %s\n", server.c_str(),
+                   text.status().ToString().c_str());
+      rc = 1;
+      continue;
+    }
+    std::fputs(text->c_str(), stdout);
+    if (!services) continue;
+    std::fflush(stdout);
+    if (auto ps = ServiceListen("auto", server, 1); ps.ok()) {
+      auto t = membox::ps::QueryProxyStatus(*ps, *sec,
+                                            std::chrono::milliseconds(5000));
+      if (t.ok()) {
+        std::printf("-- parameter proxy %s --\n%s", ps->c_str(), t->c_str());
+      } else {
+        std::printf("-- parameter proxy %s: not answering (%s)\n", ps->c_str(),
+                    t.status().ToString().c_str());
+      }
+    }
+    if (auto es = ServiceListen("auto", server, 2); es.ok()) {
+      membox::embedding::EmbeddingClientOptions eo;
+      eo.nodes = {*es};
+      eo.secret = *sec;
+      eo.name = "membox-status";
+      eo.timeout = std::chrono::milliseconds(5000);
+      auto ec = membox::embedding::EmbeddingClient::Connect(eo);
+      auto t = ec.ok() ? (*ec)->NodeStatus(0)
+                       : membox::Result<std::string>(ec.status());
+      if (t.ok()) {
+        std::printf("-- embedding server %s --\n%s", es->c_str(), t->c_str());
+      } else {
+        std::printf("-- embedding server %s: not answering (%s)\n", es->c_str(),
+                    t.status().ToString().c_str());
+      }
+    }
+    std::fflush(stdout);
+  }
+  return rc;
+}
+
+struct StatusFlags {
+  std::vector<std::string> servers;
+  bool services = false;
+  std::string secret, secret_file, admin_secret_file;
+};
+
+}  // namespace
+
+Commands AddStatusCommand(CLI::App* app) {
+  auto f = std::make_shared<StatusFlags>();
+  auto* status = app->add_subcommand(
+      "status",
+      "print memory nodes' pools, segments, clients (and with --services "
+      "their proxies' workers, versions, waiting rounds)");
+  status
+      ->add_option("--server", f->servers,
+                   "memory node(s), host:port[,host:port...] (every node of "
+                   "a job)")
+      ->delimiter(',')
+      ->required();
+  status->add_flag("--services", f->services,
+                   "also ask each node's parameter proxy and embedding "
+                   "server (default ports: +1, +2)");
+  status->add_option("--secret", f->secret, "authentication secret");
+  status->add_option("--secret-file", f->secret_file,
+                     "file whose first line is the secret");
+  status->add_option("--admin-secret-file", f->admin_secret_file,
+                     "list every client and segment (the server's admin "
+                     "secret); without it, this client's view");
+  return {{status, [f] {
+             return PrintStatus(f->servers, f->secret, f->secret_file,
+                                f->admin_secret_file, f->services);
+           }}};
+}
+
+}  // namespace membox::tools
