@@ -50,7 +50,10 @@ run_ctest() {  # $1 = preset; adds its passed and skipped counts
 # the start), so that CI's log gives the time per stage.
 start=$SECONDS
 stage() { echo "== $1 (at $((SECONDS - start)) s)"; }
-if [[ "${1:-}" != "--no-install" ]]; then bash scripts/install-deps.sh --tests; fi
+if [[ "${1:-}" != "--no-install" ]]; then
+  stage "install (scripts/install-deps.sh --tests)"
+  bash scripts/install-deps.sh --tests
+fi
 jobs=$(nproc)
 
 stage "format check (clang-format, .clang-format)"
@@ -123,5 +126,6 @@ for f in build/fuzz/fuzz/*_fuzzer; do
   echo "fuzzer $name: $(grep -o 'Done [0-9]* runs' "build/fuzz/$name.log" | tail -n 1), no failure"
 done
 echo "all test suites passed (release and ASan+UBSan ctest runs, TSan runs, fuzzers clean)"
+stage "end"
 echo "done in $((SECONDS - start)) s"
 echo "ctest: ${total} passed, ${skipped_total} skipped (allowed:${skipped_names:- none}), 0 failed"

@@ -766,7 +766,7 @@ class ParamClientImpl final : public ParamClient {
     MutexLock install(&install_mu_);
     Message m;
     m.type = Type::kRoute;
-    RouteEntry e;
+    RouteHistory::Entry e;
     {
       MutexLock l(&mu_);
       RoutingTable r = t;
@@ -785,7 +785,6 @@ class ParamClientImpl final : public ParamClient {
             static_cast<uint32_t>(opt_.rank % proxies_.size());
       }
       e.table = r;
-      e.first = route_history_.empty();
       // The next round of every key still follows the old table: a proxy
       // may already have started it assuming so. The new table applies
       // from the round after (see docs/design/ps.md, "Routing changes").
@@ -803,7 +802,7 @@ class ParamClientImpl final : public ParamClient {
     }
     MutexLock l(&mu_);
     routing_ = e.table;
-    route_history_.push_back(std::move(e));
+    route_history_.Add(e.table, std::move(e.from));
     return Status::Ok();
   }
 
@@ -1160,7 +1159,7 @@ class ParamClientImpl final : public ParamClient {
         m.descriptor = k.staging->Export().Serialize();
         replay.push_back(std::move(m));
       }
-      for (const auto& e : route_history_) {
+      for (const auto& e : route_history_.entries()) {
         Message m;
         m.type = Type::kRoute;
         m.threshold = e.table.threshold;
@@ -1341,18 +1340,12 @@ class ParamClientImpl final : public ParamClient {
            proxies_[i].channel->protocol() == transport::Protocol::kMapped;
   }
 
-  // The table this worker uses for round `round` of `key`: the latest one
-  // that applies from that round on (a key it did not list: from round 0 in
-  // the first table, from round 1 in later ones -- its round 0 may already
-  // be under way). The proxies apply the same rule. mu_ held.
+  // The table this worker uses for round `round` of `key` (RouteHistory's
+  // rule, which the proxies apply too). mu_ held.
   RoutingTable RouteFor(uint64_t key, uint64_t round) const
       MEMBOX_REQUIRES(mu_) {
-    for (auto it = route_history_.rbegin(); it != route_history_.rend(); ++it) {
-      auto f = it->from.find(key);
-      uint64_t from = f != it->from.end() ? f->second : (it->first ? 0 : 1);
-      if (from <= round) return it->table;
-    }
-    return route_history_.empty() ? routing_ : route_history_.front().table;
+    const RoutingTable* t = route_history_.For(key, round);
+    return t ? *t : routing_;
   }
 
   // The registered region holding [p, p + n), or nullptr. mu_ held.
@@ -1664,8 +1657,9 @@ class ParamClientImpl final : public ParamClient {
         uint64_t off = uint64_t{s} * op.shard_bytes;
         uint64_t n = std::min(op.shard_bytes, op.bytes - off);
         uint32_t target =
-            op.striped ? static_cast<uint32_t>((op.key + s) % proxies_.size())
-                       : op.route.Route(n);
+            op.striped
+                ? StripeOwner(op.key, s, static_cast<uint32_t>(proxies_.size()))
+                : op.route.Route(n);
         Message m;
         m.key = op.key;
         m.shard = s;
@@ -1741,12 +1735,7 @@ class ParamClientImpl final : public ParamClient {
 
   mutable Mutex mu_;
   RoutingTable routing_ MEMBOX_GUARDED_BY(mu_);
-  struct RouteEntry {
-    RoutingTable table;
-    bool first = false;
-    std::map<uint64_t, uint64_t> from;  // key -> first round it applies to
-  };
-  std::vector<RouteEntry> route_history_ MEMBOX_GUARDED_BY(mu_);
+  RouteHistory route_history_ MEMBOX_GUARDED_BY(mu_);
   std::map<uintptr_t, std::unique_ptr<MemRegion>> regions_
       MEMBOX_GUARDED_BY(mu_);
   std::set<uintptr_t> user_regions_ MEMBOX_GUARDED_BY(mu_);

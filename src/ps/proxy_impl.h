@@ -169,17 +169,9 @@ struct Key {
   uint64_t combine_from = 0;
 };
 
-// A worker's routing table and, per key, the first round it applies to
-// (keys absent were declared later: from round 0).
-struct RouteEntry {
-  uint64_t threshold = 0;
-  uint32_t lat = 0, bw = 0;
-  std::map<uint64_t, uint64_t> from;
-};
-
 struct Conn {
   std::shared_ptr<Channel> channel;
-  std::vector<RouteEntry> routes;
+  RouteHistory routes;  // the worker's tables (kRoute)
   // kObserver: `membox status` (a hello with world 0), kStats only.
   enum class Role { kUnknown, kClient, kPeer, kObserver } role = Role::kUnknown;
   uint32_t rank = 0;

@@ -91,12 +91,12 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
                          "keys (+" +
                          std::to_string(kMaxRouteSlack) + ")"));
       }
-      RouteEntry e;
-      e.threshold = m.threshold;
-      e.lat = m.lat_proxy;
-      e.bw = m.bw_proxy;
-      e.from.insert(m.from_rounds.begin(), m.from_rounds.end());
-      c.routes.push_back(std::move(e));
+      RoutingTable table;
+      table.threshold = m.threshold;
+      table.lat_proxy = m.lat_proxy;
+      table.bw_proxy = m.bw_proxy;
+      c.routes.Add(table, std::map<uint64_t, uint64_t>(m.from_rounds.begin(),
+                                                       m.from_rounds.end()));
       Reply(conn, m.type, m.id, Status::Ok());
       return MaybeStartAll();
     }

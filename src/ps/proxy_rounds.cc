@@ -191,26 +191,12 @@ void ProxyImpl::Fetched(uint64_t k, uint32_t s, uint32_t rank, uint64_t round,
 
 bool ProxyImpl::RoutedHere(const Conn& c, uint64_t key, uint64_t bytes,
                            uint64_t round) const {
-  if (c.routes.empty()) return true;
-  // The worker's rule (param_client.cc RouteFor): the latest table that
-  // applies from this round; a key it did not list starts at round 0 in
-  // its first table and at round 1 in later ones.
-  const RouteEntry* e = &c.routes.front();
-  for (size_t i = c.routes.size(); i-- > 0;) {
-    const RouteEntry& it = c.routes[i];
-    auto f = it.from.find(key);
-    uint64_t from = f != it.from.end() ? f->second : (i == 0 ? 0 : 1);
-    if (from <= round) {
-      e = &it;
-      break;
-    }
-  }
-  uint32_t target = bytes < e->threshold ? e->lat : e->bw;
-  return target == opt_.rank;
+  const RoutingTable* t = c.routes.For(key, round);
+  return !t || t->Route(bytes) == opt_.rank;
 }
 
 uint32_t ProxyImpl::Owner(uint64_t k, uint32_t s) const {
-  return static_cast<uint32_t>((k + s) % std::max<uint32_t>(1, nproxies_));
+  return StripeOwner(k, s, nproxies_);
 }
 
 void ProxyImpl::MaybeStart(uint64_t k, uint32_t s) {

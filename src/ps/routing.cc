@@ -122,6 +122,21 @@ Result<RoutingTable> ChooseRouting(const std::vector<ProfileSample>& samples,
   return r;
 }
 
+uint32_t StripeOwner(uint64_t key, uint32_t shard, uint32_t proxies) {
+  return static_cast<uint32_t>((key + shard) % std::max<uint32_t>(1, proxies));
+}
+
+const RoutingTable* RouteHistory::For(uint64_t key, uint64_t round) const {
+  if (entries_.empty()) return nullptr;
+  for (size_t i = entries_.size(); i-- > 0;) {
+    const Entry& e = entries_[i];
+    auto f = e.from.find(key);
+    uint64_t from = f != e.from.end() ? f->second : (i == 0 ? 0 : 1);
+    if (from <= round) return &e.table;
+  }
+  return &entries_.front().table;
+}
+
 uint64_t ChooseShardBytes(const RoutingTable& t, uint64_t bytes,
                           size_t elem_bytes, uint32_t proxies, bool striped) {
   const uint64_t es = std::max<uint64_t>(1, elem_bytes);

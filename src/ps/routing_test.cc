@@ -335,5 +335,69 @@ TEST(DualSyncTest, SharingFromTheProbe) {
   EXPECT_DOUBLE_EQ(SharingFromProbe(0.0, 0.6, 1.0), 0.0);
 }
 
+TEST(RouteHistoryTest, EmptyHasNoTable) {
+  RouteHistory h;
+  EXPECT_TRUE(h.empty());
+  EXPECT_EQ(h.For(7, 0), nullptr);
+}
+
+RoutingTable TableTo(uint32_t proxy) {
+  RoutingTable t;
+  t.lat_proxy = t.bw_proxy = proxy;
+  return t;
+}
+
+TEST(RouteHistoryTest, LatestTableThatAppliesToTheRound) {
+  RouteHistory h;
+  h.Add(TableTo(0), {{1, 0}});
+  // Installed while key 1 was in its round 4: applies from round 5.
+  h.Add(TableTo(1), {{1, 5}});
+  h.Add(TableTo(2), {{1, 9}});
+  EXPECT_EQ(h.size(), 3u);
+  EXPECT_EQ(h.For(1, 0)->bw_proxy, 0u);
+  EXPECT_EQ(h.For(1, 4)->bw_proxy, 0u);
+  EXPECT_EQ(h.For(1, 5)->bw_proxy, 1u);
+  EXPECT_EQ(h.For(1, 8)->bw_proxy, 1u);
+  EXPECT_EQ(h.For(1, 9)->bw_proxy, 2u);
+  EXPECT_EQ(h.For(1, 1000)->bw_proxy, 2u);
+}
+
+TEST(RouteHistoryTest, KeysDeclaredLaterStartAtRoundOneOfLaterTables) {
+  RouteHistory h;
+  h.Add(TableTo(0), {});
+  // Key 2 was not declared when either table was installed: round 0 of it
+  // follows the first table (its round 0 may be under way), later rounds
+  // the latest.
+  h.Add(TableTo(1), {});
+  EXPECT_EQ(h.For(2, 0)->bw_proxy, 0u);
+  EXPECT_EQ(h.For(2, 1)->bw_proxy, 1u);
+  // A key listed nowhere in a lone first table: from round 0.
+  RouteHistory one;
+  one.Add(TableTo(3), {{5, 2}});
+  EXPECT_EQ(one.For(6, 0)->bw_proxy, 3u);
+  // A listed key before its first round: no table applies yet, so the
+  // first one does.
+  EXPECT_EQ(one.For(5, 0)->bw_proxy, 3u);
+}
+
+TEST(RouteHistoryTest, RouteSplitsBySize) {
+  RouteHistory h;
+  RoutingTable t;
+  t.threshold = 1024;
+  t.lat_proxy = 1;
+  t.bw_proxy = 2;
+  h.Add(t, {});
+  EXPECT_EQ(h.For(0, 0)->Route(100), 1u);
+  EXPECT_EQ(h.For(0, 0)->Route(4096), 2u);
+}
+
+TEST(StripeOwnerTest, ShardsGoRoundTheProxies) {
+  EXPECT_EQ(StripeOwner(0, 0, 4), 0u);
+  EXPECT_EQ(StripeOwner(3, 2, 4), 1u);
+  EXPECT_EQ(StripeOwner(~uint64_t{0}, 1, 4), 0u);  // wraps without overflow
+  EXPECT_EQ(StripeOwner(9, 3, 1), 0u);
+  EXPECT_EQ(StripeOwner(9, 3, 0), 0u);  // no proxies known: proxy 0
+}
+
 }  // namespace
 }  // namespace membox::ps

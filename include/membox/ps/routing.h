@@ -29,6 +29,7 @@
 #define MEMBOX_PS_ROUTING_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,39 @@ struct RoutingTable {
     return bytes < threshold ? lat_proxy : bw_proxy;
   }
   std::string ToString() const;
+};
+
+// The proxy that owns shard `shard` of a striped key: (key + shard) %
+// proxies (a single proxy when `proxies` is 0 or 1). Workers send the shard
+// there alone; that proxy alone sums and stores it.
+uint32_t StripeOwner(uint64_t key, uint32_t shard, uint32_t proxies);
+
+// One worker's routing tables over time, kept the same way by the worker
+// and by every proxy it sends them to (kRoute), so both answer "where does
+// round r of key k go" with one rule: the latest table that applies to
+// that round. A table applies to each key it lists from the round given;
+// to a key it does not list (declared after it was installed) from round
+// 0 if it is the first table and from round 1 otherwise (round 0 may
+// already be under way under an earlier table). When no table applies,
+// the first does. Not thread-safe: its owner locks.
+class RouteHistory {
+ public:
+  struct Entry {
+    RoutingTable table;
+    std::map<uint64_t, uint64_t> from;  // key -> first round it applies to
+  };
+
+  void Add(RoutingTable table, std::map<uint64_t, uint64_t> from) {
+    entries_.push_back({table, std::move(from)});
+  }
+  bool empty() const { return entries_.empty(); }
+  size_t size() const { return entries_.size(); }
+  const std::vector<Entry>& entries() const { return entries_; }
+  // The table of round `round` of `key`; nullptr when there is none yet.
+  const RoutingTable* For(uint64_t key, uint64_t round) const;
+
+ private:
+  std::vector<Entry> entries_;
 };
 
 // The shard size of a key of `bytes` bytes (elements of `elem_bytes`) over
