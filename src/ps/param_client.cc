@@ -25,6 +25,7 @@
 #include "membox/service/client.h"
 #include "membox/transport/device.h"
 
+#include "src/ps/client/hang_watch.h"
 #include "src/ps/combine.h"
 #include "src/ps/combiner.h"
 #include "src/ps/protocol.h"
@@ -109,6 +110,13 @@ struct Op {
   uint32_t copies = 1;  // kStore of an unstriped key: every proxy holds it
   RoutingTable route;
   std::shared_ptr<service::CallState> state;
+  // Staged through the key's buffer while an earlier operation still used
+  // it: sent only once `after` is done, copying `copy_in` (the caller's
+  // input, `bytes` long) into `copy_to` (the staging buffer) first.
+  std::shared_ptr<service::CallState> after;
+  const void* copy_in = nullptr;
+  void* copy_to = nullptr;
+  bool ready() const { return !after || after->done(); }
   bool operator<(const Op& o) const {  // priority_queue: top = smallest
     return priority != o.priority ? priority > o.priority : seq > o.seq;
   }
@@ -159,8 +167,21 @@ class ParamClientImpl final : public ParamClient {
     }
     links_cv_.NotifyAll();
     if (sender_.joinable()) sender_.join();
+    // What was never sent fails (its buffers are the caller's again).
+    std::vector<Op> unsent;
+    {
+      MutexLock l(&q_mu_);
+      for (auto* q : {&queue_, &blocked_}) {
+        for (; !q->empty(); q->pop()) unsent.push_back(q->top());
+      }
+    }
+    for (const Op& op : unsent) {
+      for (uint32_t i = 0; i < op.shards * op.copies; ++i) {
+        op.state->Finish(AbortedError("the parameter client is closing"), 0);
+      }
+    }
     if (reprofiler_.joinable()) reprofiler_.join();
-    if (watchdog_.joinable()) watchdog_.join();
+    if (hang_watch_) hang_watch_->Stop();  // its thread asks the proxies
     if (repairer_.joinable()) repairer_.join();
     // Closing each link fails its pending calls with kAborted.
     std::vector<ProxyLink::Stashed> stashed;
@@ -279,9 +300,10 @@ class ParamClientImpl final : public ParamClient {
     if (opt_.reprofile_interval.count() > 0) {
       reprofiler_ = std::thread([this] { ReprofileLoop(); });
     }
-    if (opt_.hang_report.count() > 0) {
-      watchdog_ = std::thread([this] { WatchLoop(); });
-    }
+    hang_watch_ = std::make_unique<client::HangWatch>(
+        client::HangWatch::Options{opt_.hang_report, opt_.rank},
+        [this](uint32_t proxy) { return ExplainFrom(proxy); },
+        [this](uint32_t proxy) { return EndpointOf(proxy); });
     return Status::Ok();
   }
 
@@ -834,7 +856,7 @@ class ParamClientImpl final : public ParamClient {
   // its version (and stores the status text of kStats / kDeclare / kProbe
   // in `text`). The service client's failure policy applies: a dead link
   // or a malformed reply fails every pending call naming the proxy.
-  // Pushes and pulls are watched (WatchLoop) until their reply.
+  // Pushes and pulls are watched (HangWatch) until their reply.
   Status SendRequest(uint32_t proxy, const Message& m,
                      const std::shared_ptr<service::CallState>& st,
                      std::shared_ptr<std::string> text = nullptr) {
@@ -860,20 +882,18 @@ class ParamClientImpl final : public ParamClient {
     return Status::Ok();
   }
 
-  // Registers a push or pull with the watchdog; 0 when not watched.
+  // Registers a push or pull with the hang watch; 0 when not watched.
   uint64_t Watch(uint32_t proxy, const Message& m) {
-    uint64_t watch = 0;
-    if (opt_.hang_report.count() > 0 &&
-        (m.type == Type::kPush || m.type == Type::kPull)) {
-      MutexLock l(&watch_mu_);
-      watch = ++next_watch_;
-      watched_[watch] =
-          Watched{m.type,  m.key,
-                  m.shard, m.type == Type::kPush ? m.round : m.min_version,
-                  proxy,   Clock::now(),
-                  {}};
+    if (!hang_watch_ || (m.type != Type::kPush && m.type != Type::kPull)) {
+      return 0;
     }
-    return watch;
+    client::HangWatch::Request r;
+    r.push = m.type == Type::kPush;
+    r.key = m.key;
+    r.shard = m.shard;
+    r.round = r.push ? m.round : m.min_version;
+    r.proxy = proxy;
+    return hang_watch_->Watch(r);
   }
 
   // Sends on `c`; the reply finishes `st`. A retryable request whose link
@@ -900,10 +920,7 @@ class ParamClientImpl final : public ParamClient {
               return;  // the link died: sent again to the replacement
             }
           }
-          if (watch) {
-            MutexLock l(&watch_mu_);
-            watched_.erase(watch);
-          }
+          if (watch) hang_watch_->Done(watch);
           if (!r.ok()) return st->Finish(r.status(), 0);
           if (text) *text = r->text;
           st->Finish(Status::Ok(), r->version);
@@ -1102,10 +1119,7 @@ class ParamClientImpl final : public ParamClient {
       failed.swap(link.stash);
     }
     for (auto& x : failed) {
-      if (x.watch) {
-        MutexLock l(&watch_mu_);
-        watched_.erase(x.watch);
-      }
+      if (x.watch) hang_watch_->Done(x.watch);
       x.st->Finish(gone, 0);
     }
   }
@@ -1184,81 +1198,6 @@ class ParamClientImpl final : public ParamClient {
       }
     }
     return Fresh{c, ch, generation};
-  }
-
-  // Logs the pushes and pulls waiting longer than hang_report, once per
-  // period each, with what their proxies say the rounds wait for.
-  void WatchLoop() {
-    const auto limit = opt_.hang_report;
-    const auto period = std::clamp(limit / 4, std::chrono::milliseconds(10),
-                                   std::chrono::milliseconds(1000));
-    for (;;) {
-      {
-        auto until = Clock::now() + period;
-        MutexLock l(&q_mu_);
-        while (!stop_ && Clock::now() < until) {
-          timer_cv_.WaitFor(&q_mu_, until - Clock::now());
-        }
-        if (stop_) return;
-      }
-      const auto now = Clock::now();
-      std::vector<Watched> late;
-      {
-        MutexLock l(&watch_mu_);
-        for (auto& [id, w] : watched_) {
-          if (now - w.since < limit || now - w.reported < limit) continue;
-          w.reported = now;
-          late.push_back(w);
-        }
-      }
-      if (late.empty()) continue;
-      std::map<uint32_t, std::vector<const Watched*>> by_proxy;
-      for (const auto& w : late) by_proxy[w.proxy].push_back(&w);
-      for (const auto& [proxy, ws] : by_proxy) {
-        std::string mine;
-        for (size_t i = 0; i < ws.size() && i < 8; ++i) {
-          const Watched& w = *ws[i];
-          mine += fmt::format(
-              "{}{} of key {} shard {} {} {} ({:.1f} s)", i ? "; " : "",
-              w.type == Type::kPush ? "push" : "pull", w.key, w.shard,
-              w.type == Type::kPush ? "round" : "for version", w.round,
-              std::chrono::duration<double>(now - w.since).count());
-        }
-        if (ws.size() > 8) mine += fmt::format("; and {} more", ws.size() - 8);
-        MEMBOX_LOG_WARN("worker rank {}: waiting on proxy {} ({}): {}",
-                        opt_.rank, proxy, EndpointOf(proxy), mine);
-        // The proxy's account: its lines about the keys we wait for.
-        auto text = ExplainFrom(proxy);
-        if (!text.ok()) {
-          MEMBOX_LOG_WARN("worker rank {}: proxy {} did not explain: {}",
-                          opt_.rank, proxy, text.status().ToString());
-          continue;
-        }
-        std::istringstream in(*text);
-        std::string line;
-        size_t shown = 0;
-        while (std::getline(in, line) && shown < 8) {
-          if (line.rfind("wait ", 0) != 0) continue;
-          bool ours = false;
-          for (const Watched* w : ws) {
-            ours =
-                ours || line.find(fmt::format("key {} shard {} ", w->key,
-                                              w->shard)) != std::string::npos;
-          }
-          if (!ours) continue;
-          ++shown;
-          MEMBOX_LOG_WARN("worker rank {}: proxy {} says: {}", opt_.rank, proxy,
-                          line.substr(5));
-        }
-        if (shown == 0) {
-          MEMBOX_LOG_WARN(
-              "worker rank {}: proxy {} reports no round of these keys "
-              "waiting (the reply may be on its way, or the proxy has not "
-              "seen the request)",
-              opt_.rank, proxy);
-        }
-      }
-    }
   }
 
   // Proxy `proxy`'s status text, within a short deadline (a stuck proxy
@@ -1501,15 +1440,6 @@ class ParamClientImpl final : public ParamClient {
     op.part = state.value_or(proto::Part::kValue);
     op.priority = priority;
     op.key = key;
-    // The per-key staging buffer serves one operation at a time: wait for
-    // the previous one that used it.
-    std::shared_ptr<service::CallState> previous;
-    {
-      MutexLock l(&mu_);
-      auto it = keys_.find(key);
-      if (it != keys_.end()) previous = it->second.last_staged;
-    }
-    if (previous) (void)PsHandle(previous).Wait(opt_.timeout);
     if (type != Type::kStore && !state) {
       if (auto h = SubmitCombined(type, key, in, out, cb)) return *h;
     }
@@ -1564,6 +1494,18 @@ class ParamClientImpl final : public ParamClient {
       op.route = (in && !k.stored) ? RouteFor(key, k.base_version + k.rounds)
                                    : routing_;
       op.seq = next_seq_++;
+      const bool staged =
+          (in && !Locate(in, k.bytes)) || (out && !Locate(out, k.bytes));
+      if (staged) {
+        // The key's staging buffer serves one operation at a time: this one
+        // queues behind the last that used it, and the sender wakes when
+        // that one finishes (Submit never blocks).
+        if (k.last_staged && !k.last_staged->done()) op.after = k.last_staged;
+        cb = [this, user = std::move(cb)](const Status& s) {
+          if (user) user(s);
+          StagingFreed();
+        };
+      }
       op.state =
           NewState(static_cast<int>(k.shards * op.copies), std::move(cb));
       op.state->set_progress(progress_);
@@ -1576,7 +1518,12 @@ class ParamClientImpl final : public ParamClient {
           op.in_offset = static_cast<const uint8_t*>(in) -
                          static_cast<const uint8_t*>(r->data());
         } else {
-          CopyBytes(staging, in, k.bytes);
+          if (op.after) {
+            op.copy_in = in;
+            op.copy_to = staging;
+          } else {
+            CopyBytes(staging, in, k.bytes);
+          }
           k.last_staged = op.state;
           op.in_region = k.staging->id();
           op.in_offset = 0;
@@ -1612,7 +1559,7 @@ class ParamClientImpl final : public ParamClient {
       // Nothing queued and nothing being sent: send from this thread (saves
       // the sender thread's wake-up). Otherwise the queue keeps the order.
       q_mu_.Lock();
-      if (queue_.empty() && !sending_) {
+      if (op.ready() && queue_.empty() && blocked_.empty() && !sending_) {
         sending_ = true;
         q_mu_.Unlock();
         SendOp(op);
@@ -1623,7 +1570,7 @@ class ParamClientImpl final : public ParamClient {
         if (more) q_cv_.NotifyOne();
         return h;
       }
-      queue_.push(std::move(op));
+      (op.ready() ? queue_ : blocked_).push(std::move(op));
       q_mu_.Unlock();
     }
     q_cv_.NotifyOne();
@@ -1635,12 +1582,18 @@ class ParamClientImpl final : public ParamClient {
       Op op;
       {
         MutexLock l(&q_mu_);
-        while (!stop_ && (queue_.empty() || sending_)) q_cv_.Wait(&q_mu_);
-        if (stop_) return;
+        for (;;) {
+          if (stop_) return;
+          UnblockLocked();
+          if (!queue_.empty() && !sending_) break;
+          q_cv_.Wait(&q_mu_);
+        }
         op = queue_.top();
         queue_.pop();
         sending_ = true;
       }
+      // The staging buffer is this operation's now.
+      if (op.copy_in) CopyBytes(op.copy_to, op.copy_in, op.bytes);
       SendOp(op);
       {
         MutexLock l(&q_mu_);
@@ -1648,6 +1601,26 @@ class ParamClientImpl final : public ParamClient {
       }
       q_cv_.NotifyAll();
     }
+  }
+
+  // Moves the blocked operations whose predecessor has finished to the
+  // queue. q_mu_ held.
+  void UnblockLocked() MEMBOX_REQUIRES(q_mu_) {
+    std::priority_queue<Op> still;
+    while (!blocked_.empty()) {
+      Op op = blocked_.top();
+      blocked_.pop();
+      (op.ready() ? queue_ : still).push(std::move(op));
+    }
+    blocked_.swap(still);
+  }
+
+  // A staged operation finished (its staging buffer is free): wakes the
+  // sender for an operation queued behind it. Taking q_mu_ orders this
+  // after the sender's check of `after->done()`, so no wake-up is lost.
+  void StagingFreed() {
+    { MutexLock l(&q_mu_); }
+    q_cv_.NotifyAll();
   }
 
   void SendOp(const Op& op) {
@@ -1718,6 +1691,10 @@ class ParamClientImpl final : public ParamClient {
   }
 
   ParamClientOptions opt_;
+  // Pushes and pulls in flight, reported when late. Made by Init(), before
+  // any request; stopped first by the destructor, destroyed after the
+  // links (whose last replies still finish watched requests).
+  std::unique_ptr<client::HangWatch> hang_watch_;
   std::unique_ptr<transport::Device> device_;
   // Fixed in size after Init; links replaced under links_mu_ (failover).
   mutable Mutex links_mu_;
@@ -1759,25 +1736,13 @@ class ParamClientImpl final : public ParamClient {
   // training thread submitted hung for good).
   CondVar q_cv_;
   CondVar timer_cv_;
-  std::priority_queue<Op> queue_ MEMBOX_GUARDED_BY(q_mu_);
+  std::priority_queue<Op> queue_ MEMBOX_GUARDED_BY(q_mu_);    // ready
+  std::priority_queue<Op> blocked_ MEMBOX_GUARDED_BY(q_mu_);  // Op::after
   bool stop_ MEMBOX_GUARDED_BY(q_mu_) = false;
   bool sending_ MEMBOX_GUARDED_BY(q_mu_) = false;
   Mutex send_mu_;     // one operation's messages go out together
   Mutex install_mu_;  // one routing change at a time
-  std::thread sender_, reprofiler_, watchdog_;
-
-  // Pushes and pulls in flight, for WatchLoop.
-  struct Watched {
-    Type type = Type::kPush;
-    uint64_t key = 0;
-    uint32_t shard = 0;
-    uint64_t round = 0;  // push: its round; pull: the version it waits for
-    uint32_t proxy = 0;
-    Clock::time_point since{}, reported{};
-  };
-  Mutex watch_mu_;
-  std::map<uint64_t, Watched> watched_ MEMBOX_GUARDED_BY(watch_mu_);
-  uint64_t next_watch_ MEMBOX_GUARDED_BY(watch_mu_) = 0;
+  std::thread sender_, reprofiler_;
 };
 
 }  // namespace

@@ -244,6 +244,65 @@ TEST(PsTest, AverageOneProxyThreeWorkersStaged) {
   RunRounds(c, 3, 4096, 2, RoutingTable{}, true, false);
 }
 
+// A key's staging buffer serves one operation at a time; the next ones on
+// that key queue behind it without blocking the caller. Worker 0 submits
+// three rounds of a staged (unregistered) tensor before worker 1 pushes
+// any: round 0 cannot finish, so a Submit that waited for it would hang
+// here (the clients' timeout is ten minutes, past ctest's limit).
+TEST(PsTest, SubmitNeverBlocksOnABusyStagingBuffer) {
+  auto c = Cluster::Start(1);
+  auto tweak = [](ParamClientOptions& o) {
+    o.combine = false;  // small keys on one proxy would skip the staging
+    o.timeout = 10min;
+  };
+  auto w0 = Worker(c, 0, 2, {}, {}, 10s, tweak);
+  auto w1 = Worker(c, 1, 2, {}, {}, 10s, tweak);
+  ASSERT_TRUE(w0 && w1);
+  constexpr size_t n = 4096;
+  ASSERT_TRUE(w0->Declare(5, n * 4, DType::kFloat32).ok());
+  ASSERT_TRUE(w1->Declare(5, n * 4, DType::kFloat32).ok());
+  std::vector<std::vector<float>> in0, out0(3, std::vector<float>(n));
+  std::vector<PsHandle> h0;
+  for (int r = 0; r < 3; ++r) {
+    in0.emplace_back(n, static_cast<float>(r + 1));
+    h0.push_back(w0->PushPull(5, in0[r].data(), out0[r].data()));
+  }
+  for (const auto& h : h0) EXPECT_FALSE(h.done());
+  for (int r = 0; r < 3; ++r) {
+    std::vector<float> in1(n, 10.0f * (r + 1)), out1(n);
+    ASSERT_TRUE(w1->PushPull(5, in1.data(), out1.data()).Wait(20s).ok());
+    EXPECT_EQ(out1[0], 11.0f * (r + 1));
+  }
+  for (int r = 0; r < 3; ++r) {
+    auto h = h0[r];
+    ASSERT_TRUE(h.Wait(20s).ok()) << "round " << r;
+    EXPECT_EQ(h.version(), static_cast<uint64_t>(r + 1));
+    EXPECT_EQ(out0[r][0], 11.0f * (r + 1)) << "round " << r;
+    EXPECT_EQ(out0[r][n - 1], 11.0f * (r + 1)) << "round " << r;
+  }
+}
+
+// Operations a closing client never sent fail (kAborted) instead of
+// leaving their waiters to time out.
+TEST(PsTest, ClosingFailsOperationsQueuedBehindTheStagingBuffer) {
+  auto c = Cluster::Start(1);
+  auto tweak = [](ParamClientOptions& o) { o.combine = false; };
+  auto w0 = Worker(c, 0, 2, {}, {}, 10s, tweak);
+  auto w1 = Worker(c, 1, 2, {}, {}, 10s, tweak);
+  ASSERT_TRUE(w0 && w1);
+  constexpr size_t n = 1024;
+  ASSERT_TRUE(w0->Declare(6, n * 4, DType::kFloat32).ok());
+  std::vector<float> a(n, 1.0f), b(n, 2.0f), out_a(n), out_b(n);
+  PsHandle first = w0->PushPull(6, a.data(), out_a.data());
+  PsHandle second = w0->PushPull(6, b.data(), out_b.data());
+  EXPECT_FALSE(second.done());
+  w0.reset();  // worker 1 never pushed: neither round can finish
+  ASSERT_TRUE(first.done());
+  ASSERT_TRUE(second.done());
+  EXPECT_FALSE(first.Wait(1s).ok());
+  EXPECT_EQ(second.Wait(1s).code(), StatusCode::kAborted);
+}
+
 // Small keys on one proxy are combined in its memory from round 1 on
 // (src/ps/combine.h): the same sums and versions as through the proxy, a
 // Pull after a Push, a worker that leaves failing the others with its rank,
