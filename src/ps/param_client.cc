@@ -26,6 +26,7 @@
 #include "membox/transport/device.h"
 
 #include "src/ps/client/hang_watch.h"
+#include "src/ps/client/profiler.h"
 #include "src/ps/combine.h"
 #include "src/ps/combiner.h"
 #include "src/ps/protocol.h"
@@ -58,20 +59,6 @@ PsHandle Failed(const Status& s, std::function<void(const Status&)> cb) {
 // closes an unanswered link after its 10 s hello deadline; the retry then takes
 // a new link). A first start is refused at once (a rank really used twice).
 constexpr auto kRejoinWindow = std::chrono::seconds(45);
-
-// A profile sample times transfers back to back until it moved
-// kSustainBytes or took kSustainTime (at least one transfer): long enough
-// that the burst a link lets through unthrottled (tc's tbf passes 4 ms of
-// line rate at once here; switches buffer about as much) is a small part
-// of it, short enough that a slow far link keeps the profile short. It also
-// lasts kSampleMinTime at least (within kSustainTime): over shared memory a
-// 16 MiB transfer takes about a millisecond, as long as one wake-up of a
-// proxy that another process's time slice delayed, and single-transfer
-// samples of two equal proxies on one 2-core host came out 2-3x apart, so
-// the table did not stripe in about one run in three (docs/design/ps.md).
-constexpr uint64_t kSustainBytes = 2 << 20;
-constexpr auto kSampleMinTime = std::chrono::milliseconds(10);
-constexpr auto kSustainTime = std::chrono::milliseconds(50);
 
 struct KeyInfo {
   uint64_t bytes = 0;
@@ -612,56 +599,6 @@ class ParamClientImpl final : public ParamClient {
 
   // Transfer time to each proxy: a one-sided write of `size` bytes into the
   // proxy's probe buffer, through this worker's link, until visible there.
-  // How much a write to a proxy and a read from it share a bottleneck
-  // (SharingFromProbe of the write alone, the read alone and half of each at
-  // once, `bytes` each, medians of `repeats` samples of kSampleMinTime):
-  // over a full-duplex link the two directions are independent (0) and
-  // pipelining hides a shard's fill; on one host both are copies by the
-  // same cores (near 1) and shards only add fixed costs. Writes from the
-  // first half of probe_ and reads into its second half (2 * bytes).
-  Result<double> InOutSharing(Channel& ch,
-                              const transport::RemoteMemRegion& remote,
-                              uint64_t bytes, int repeats)
-      MEMBOX_REQUIRES(profile_mu_) {
-    const MemRegion& probe = *probe_;
-    auto* in_buf = static_cast<uint8_t*>(probe.data());
-    uint8_t* out_buf = in_buf + bytes;
-    auto time_it = [&](uint64_t in_bytes,
-                       uint64_t out_bytes) -> Result<double> {
-      std::vector<double> v;
-      for (int r = 0; r <= repeats; ++r) {  // the first is a warm-up
-        auto t0 = Clock::now();
-        uint64_t n = 0;
-        do {
-          std::optional<transport::OpHandle> w, rd;
-          if (in_bytes) {
-            ASSIGN_OR_RETURN(
-                w, ch.Write(in_buf, probe, remote.address(), remote, in_bytes));
-          }
-          if (out_bytes) {
-            ASSIGN_OR_RETURN(rd, ch.Read(out_buf, probe, remote.address(),
-                                         remote, out_bytes));
-          }
-          if (w) RETURN_IF_ERROR(w->Wait(opt_.timeout));
-          if (rd) RETURN_IF_ERROR(rd->Wait(opt_.timeout));
-          ASSIGN_OR_RETURN(auto f, ch.Flush());
-          RETURN_IF_ERROR(f.Wait(opt_.timeout));
-          ++n;
-        } while (Clock::now() - t0 < kSampleMinTime);
-        if (r > 0) {
-          v.push_back(std::chrono::duration<double>(Clock::now() - t0).count() /
-                      static_cast<double>(n));
-        }
-      }
-      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-      return v[v.size() / 2];
-    };
-    ASSIGN_OR_RETURN(double t_in, time_it(bytes, 0));
-    ASSIGN_OR_RETURN(double t_out, time_it(0, bytes));
-    ASSIGN_OR_RETURN(double t_both, time_it(bytes / 2, bytes / 2));
-    return SharingFromProbe(t_in, t_out, t_both);
-  }
-
   Result<RoutingTable> Profile(const ProfileOptions& o) override {
     if (o.sizes.empty() || o.repeats < 1) {
       return InvalidArgumentError("profile needs sizes and repeats");
@@ -675,13 +612,8 @@ class ParamClientImpl final : public ParamClient {
       ASSIGN_OR_RETURN(probe_, device_->AllocateMemRegion(2 * largest));
       std::memset(probe_->data(), 1, 2 * largest);
     }
-    // Every proxy's probe region first; then the samples interleaved --
-    // size by size, each repeat visiting every proxy in turn -- so that
-    // what else the machine or the links do at the time (a neighbour
-    // starting, a burst of traffic) falls on every proxy alike instead of
-    // on whichever was measured then. Measured one proxy after the other,
-    // equal nodes on one host came out unequal often enough to lose the
-    // striping (BERT-large in `bench train`: 2.5x the iteration).
+    // Every proxy's probe region first; then the samples, interleaved over
+    // the proxies (client::SampleTransfers).
     struct Target {
       std::shared_ptr<Channel> channel;
       std::shared_ptr<transport::RemoteMemRegion> remote;
@@ -705,66 +637,50 @@ class ParamClientImpl final : public ParamClient {
       ASSIGN_OR_RETURN(targets[p].remote,
                        targets[p].channel->Import(desc, opt_.timeout));
     }
-    std::vector<ProfileSample> samples;
-    for (uint64_t size : o.sizes) {
-      // One transfer = what a push costs: the data to the proxy, visible
-      // there, and a request / reply with it. A sample is a run of them
-      // (kSustainBytes, kSustainTime): a link's sustained rate, which is
-      // what a stream of shards gets, not its burst.
-      std::vector<std::vector<double>> t(targets.size());
-      for (int r = 0; r <= o.repeats; ++r) {  // the first is a warm-up
-        for (uint32_t p = 0; p < targets.size(); ++p) {
-          Channel& ch = *targets[p].channel;
-          const auto& remote = *targets[p].remote;
-          auto t0 = Clock::now();
-          uint64_t n = 0, moved = 0;
-          do {
-            ASSIGN_OR_RETURN(auto h, ch.Write(probe_->data(), *probe_,
-                                              remote.address(), remote, size));
-            RETURN_IF_ERROR(h.Wait(opt_.timeout));
-            ASSIGN_OR_RETURN(auto f, ch.Flush());
-            RETURN_IF_ERROR(f.Wait(opt_.timeout));
-            RETURN_IF_ERROR(Call(p, m).status());
-            ++n;
-            moved += size;
-          } while (
-              (moved < kSustainBytes || Clock::now() - t0 < kSampleMinTime) &&
-              Clock::now() - t0 < kSustainTime);
-          if (r > 0) {
-            t[p].push_back(
-                std::chrono::duration<double>(Clock::now() - t0).count() /
-                static_cast<double>(n));
-          }
-        }
-      }
-      for (uint32_t p = 0; p < targets.size(); ++p) {
-        auto& v = t[p];
-        std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-        samples.push_back({p, size, v[v.size() / 2]});
-      }
-    }
+    // One transfer = what a push costs: the data to the proxy, visible
+    // there, and a request / reply with it.
+    MemRegion& probe = *probe_;  // profile_mu_ held throughout
+    auto transfer = [&](uint32_t p, uint64_t size) -> Status {
+      Channel& ch = *targets[p].channel;
+      const auto& remote = *targets[p].remote;
+      ASSIGN_OR_RETURN(auto h, ch.Write(probe.data(), probe, remote.address(),
+                                        remote, size));
+      RETURN_IF_ERROR(h.Wait(opt_.timeout));
+      ASSIGN_OR_RETURN(auto f, ch.Flush());
+      RETURN_IF_ERROR(f.Wait(opt_.timeout));
+      return Call(p, m).status();
+    };
+    ASSIGN_OR_RETURN(auto samples, client::SampleTransfers(
+                                       static_cast<uint32_t>(targets.size()),
+                                       o.sizes, o.repeats, transfer));
     ASSIGN_OR_RETURN(RoutingTable table, ChooseRouting(samples));
     // Shards pipeline only where a shard's inbound and outbound copies
     // overlap (InOutSharing): scale P by it.
+    // Writes from the first half of probe_ and reads into its second half.
     const Target& bwp = targets[table.bw_proxy];
-    ASSIGN_OR_RETURN(double inout, InOutSharing(*bwp.channel, *bwp.remote,
-                                                largest, o.repeats));
+    auto in_out = [&](uint64_t in_bytes, uint64_t out_bytes) -> Status {
+      Channel& ch = *bwp.channel;
+      const auto& remote = *bwp.remote;
+      auto* in_buf = static_cast<uint8_t*>(probe.data());
+      std::optional<transport::OpHandle> w, rd;
+      if (in_bytes) {
+        ASSIGN_OR_RETURN(
+            w, ch.Write(in_buf, probe, remote.address(), remote, in_bytes));
+      }
+      if (out_bytes) {
+        ASSIGN_OR_RETURN(rd, ch.Read(in_buf + largest, probe, remote.address(),
+                                     remote, out_bytes));
+      }
+      if (w) RETURN_IF_ERROR(w->Wait(opt_.timeout));
+      if (rd) RETURN_IF_ERROR(rd->Wait(opt_.timeout));
+      ASSIGN_OR_RETURN(auto f, ch.Flush());
+      return f.Wait(opt_.timeout);
+    };
+    ASSIGN_OR_RETURN(double inout,
+                     client::MeasureInOutSharing(largest, o.repeats, in_out));
     table.pipeline_bytes = PipelineBytesForSharing(table.pipeline_bytes, inout);
     SetRouting(table);
-    // What the table was chosen from: each proxy's time at the smallest
-    // size and its bandwidth at the largest.
-    const uint64_t smallest = *std::min_element(o.sizes.begin(), o.sizes.end());
-    std::vector<double> lat(targets.size()), bw(targets.size());
-    for (const auto& x : samples) {
-      if (x.bytes == smallest) lat[x.proxy] = x.seconds;
-      if (x.bytes == largest)
-        bw[x.proxy] = static_cast<double>(x.bytes) / x.seconds;
-    }
-    std::string measured;
-    for (uint32_t p = 0; p < targets.size(); ++p) {
-      measured += fmt::format(" [proxy {}: {:.0f} us, {:.2f} GB/s]", p,
-                              lat[p] * 1e6, bw[p] / 1e9);
-    }
+    const std::string measured = client::DescribeSamples(samples);
     MEMBOX_LOG_INFO("worker {}: routing {} from{}, in/out sharing {:.2f}",
                     opt_.rank, table.ToString(), measured, inout);
     last_profile_ = samples;
