@@ -24,6 +24,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "membox/base/config.h"
+#include "membox/base/copy.h"
+#include "membox/base/logging.h"
 #include "membox/base/secret.h"
 #include "membox/embedding/client.h"
 #include "membox/ps/client_environment.h"
@@ -751,6 +754,14 @@ PYBIND11_MODULE(_core, m) {
                                                 err.ptr());
   g_error = err.ptr();
   g_unavailable = gone.ptr();
+  // The process's bulk-copy threshold, read here at the edge (base reads
+  // no variable).
+  if (auto v = membox::GetEnv("MEMBOX_STREAMING_COPY_THRESHOLD")) {
+    if (auto s = membox::SetStreamingCopyThreshold(*v); !s.ok()) {
+      MEMBOX_LOG_WARN("MEMBOX_STREAMING_COPY_THRESHOLD: {}; using the default",
+                      s.ToString());
+    }
+  }
   py::module_::import("atexit").attr("register")(
       py::cpp_function([] { Completions::Get().Stop(); }));
 

@@ -9,6 +9,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "membox/base/config.h"
+#include "membox/base/copy.h"
 #include "membox/base/logging.h"
 
 #include "tools/commands.h"
@@ -41,6 +43,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   membox::InitLogging("membox");
   if (!log_level.empty()) membox::SetLogLevel(log_level);
+  if (auto v = membox::GetEnv("MEMBOX_STREAMING_COPY_THRESHOLD")) {
+    if (auto s = membox::SetStreamingCopyThreshold(*v); !s.ok()) {
+      MEMBOX_LOG_WARN("MEMBOX_STREAMING_COPY_THRESHOLD: {}; using the default",
+                      s.ToString());
+    }
+  }
   for (const auto& c : commands) {
     if (c.cli->parsed()) return c.run();
   }

@@ -1,6 +1,7 @@
 #include "membox/base/copy.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -74,23 +75,39 @@ size_t LastLevelCacheBytes() {
   return l3 > 0 ? static_cast<size_t>(l3) : size_t{32} << 20;
 }
 
-size_t ComputeThreshold() {
-  if (auto env = GetEnv("MEMBOX_STREAMING_COPY_THRESHOLD")) {
-    if (*env == "off") return std::numeric_limits<size_t>::max();
-    auto v = ParseByteSize(*env);
-    if (v.ok()) return static_cast<size_t>(*v);
-    MEMBOX_LOG_WARN("MEMBOX_STREAMING_COPY_THRESHOLD={}: {}; using the default",
-                    *env, v.status().ToString());
-  }
+size_t DefaultThreshold() {
   return std::clamp(LastLevelCacheBytes() / 4, size_t{4} << 20,
                     size_t{64} << 20);
 }
 
+// 0: not set (the default applies).
+std::atomic<size_t> g_threshold_override{0};
+
 }  // namespace
 
 size_t StreamingCopyThreshold() {
-  static const size_t threshold = ComputeThreshold();
+  const size_t set = g_threshold_override.load(std::memory_order_relaxed);
+  if (set != 0) return set;
+  static const size_t threshold = DefaultThreshold();
   return threshold;
+}
+
+Status SetStreamingCopyThreshold(std::string_view text) {
+  if (text == "off") {
+    g_threshold_override.store(std::numeric_limits<size_t>::max(),
+                               std::memory_order_relaxed);
+    return Status::Ok();
+  }
+  auto v = ParseByteSize(std::string(text));
+  if (!v.ok()) {
+    return InvalidArgumentError("streaming copy threshold '" +
+                                std::string(text) +
+                                "': " + std::string(v.status().message()) +
+                                " (bytes such as 16MiB, or off)");
+  }
+  g_threshold_override.store(std::max<size_t>(1, static_cast<size_t>(*v)),
+                             std::memory_order_relaxed);
+  return Status::Ok();
 }
 
 void StreamingCopy(void* dst, const void* src, size_t n) {

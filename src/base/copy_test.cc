@@ -2,6 +2,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -49,6 +51,26 @@ TEST(CopyTest, LargeCopiesOnBothSidesOfTheThreshold) {
     EXPECT_EQ(dst[0], 0);
     EXPECT_EQ(dst[n + 3], 0);
   }
+}
+
+// Set by the edges from MEMBOX_STREAMING_COPY_THRESHOLD; a bad value
+// changes nothing. (Runs after the test above, which reads the default.)
+TEST(CopyTest, TheThresholdIsSetExplicitly) {
+  const size_t before = StreamingCopyThreshold();
+  EXPECT_EQ(SetStreamingCopyThreshold("lots").code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(StreamingCopyThreshold(), before);
+  ASSERT_TRUE(SetStreamingCopyThreshold("8MiB").ok());
+  EXPECT_EQ(StreamingCopyThreshold(), size_t{8} << 20);
+  ASSERT_TRUE(SetStreamingCopyThreshold("off").ok());
+  EXPECT_EQ(StreamingCopyThreshold(), std::numeric_limits<size_t>::max());
+  // Copies stay exact either way.
+  const auto src = Pattern(1 << 20, 7);
+  std::vector<uint8_t> dst(1 << 20);
+  CopyBytes(dst.data(), src.data(), dst.size());
+  EXPECT_EQ(0, std::memcmp(dst.data(), src.data(), dst.size()));
+  ASSERT_TRUE(SetStreamingCopyThreshold(std::to_string(before)).ok());
+  EXPECT_EQ(StreamingCopyThreshold(), before);
 }
 
 }  // namespace

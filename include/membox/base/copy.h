@@ -21,6 +21,9 @@
 #define MEMBOX_BASE_COPY_H_
 
 #include <cstddef>
+#include <string_view>
+
+#include "membox/base/status.h"
 
 namespace membox {
 
@@ -32,9 +35,15 @@ void CopyBytes(void* dst, const void* src, size_t n);
 void CopyPiece(void* dst, const void* src, size_t n, size_t transfer_bytes);
 
 // The size from which CopyBytes streams: a quarter of the last-level cache
-// (clamped to 4-64 MiB), or the MEMBOX_STREAMING_COPY_THRESHOLD environment
-// variable (bytes, "8MiB" etc.; "off" disables streaming).
+// (clamped to 4-64 MiB), unless SetStreamingCopyThreshold set another.
 size_t StreamingCopyThreshold();
+
+// Sets this process's threshold from `text`: bytes ("8MiB" etc.) or "off"
+// (never stream). kInvalidArgument on anything else, and the threshold
+// stays as it was. The edges (the CLI, the Python module) call it with
+// MEMBOX_STREAMING_COPY_THRESHOLD; base itself reads no variable.
+// Thread-safe; copies already under way keep the threshold they read.
+Status SetStreamingCopyThreshold(std::string_view text);
 
 // Always streams (exposed for tests and benchmarks).
 void StreamingCopy(void* dst, const void* src, size_t n);
