@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include "membox/base/config.h"
+#include "membox/base/copy.h"
+#include "membox/base/logging.h"
 #include "membox/base/mutex.h"
 #include "membox/base/secret.h"
 #include "membox/c/smb.h"
@@ -69,6 +71,12 @@ int smb_init(void) {
   if (o.server.empty()) {
     return Fail(membox::InvalidArgumentError(
         "no memory node: set MEMBOX_SERVER or MEMBOX_CONFIG"));
+  }
+  if (auto v = membox::GetEnv("MEMBOX_STREAMING_COPY_THRESHOLD")) {
+    if (auto s = membox::SetStreamingCopyThreshold(*v); !s.ok()) {
+      MEMBOX_LOG_WARN("MEMBOX_STREAMING_COPY_THRESHOLD: {}; using the default",
+                      s.ToString());
+    }
   }
   MutexLock l(&g_mu);
   if (g_client) return 0;
