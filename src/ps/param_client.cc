@@ -1532,10 +1532,15 @@ class ParamClientImpl final : public ParamClient {
   }
 
   // A staged operation finished (its staging buffer is free): wakes the
-  // sender for an operation queued behind it. Taking q_mu_ orders this
-  // after the sender's check of `after->done()`, so no wake-up is lost.
+  // sender if an operation waits behind one. Taking q_mu_ orders this after
+  // the sender's check of `after->done()`, so no wake-up is lost; an
+  // operation queued later sees this one done and is not blocked. Nothing
+  // blocked (the usual case): no wake-up of the sender per completion.
   void StagingFreed() {
-    { MutexLock l(&q_mu_); }
+    {
+      MutexLock l(&q_mu_);
+      if (blocked_.empty()) return;
+    }
     q_cv_.NotifyAll();
   }
 
