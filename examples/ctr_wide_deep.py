@@ -5,6 +5,7 @@ follow a power law, with its sparse features in membox's embedding store.
     membox launch --nodes 2 --workers 2 -- /usr/bin/python3 examples/ctr_wide_deep.py
     /usr/bin/python3 examples/ctr_wide_deep.py --local     # same model, torch tables
     python examples/ctr_wide_deep.py --torchrec   # same model, TorchRec tables
+    torchrun --nproc_per_node 2 examples/ctr_wide_deep.py --torchrec --dmp
 
 The click log (the same on every worker, from --seed): each impression has
 --fields categorical fields plus a variable-length "history" bag; ids of
@@ -25,7 +26,12 @@ FusedEmbeddingBagCollection (fbgemm's batched CPU kernels, Adagrad fused
 into backward; needs torchrec and fbgemm-gpu-cpu): the three tables are
 looked up in one call from a KeyedJaggedTensor. fbgemm wants dims that are
 multiples of 4, so TorchRec's wide table is 4 wide and the model reads its
-first column (the other columns get no gradient).
+first column (the other columns get no gradient). --torchrec --dmp trains it
+as TorchRec's users train on several processes: under torchrun, the tables
+in an EmbeddingBagCollection sharded across the ranks by TorchRec's planner
+(DistributedModelParallel over Gloo, ids sent to their table's rank by
+all-to-all, Adagrad applied in backward), the MLP data-parallel through the
+DDP that DistributedModelParallel wraps it in.
 
 Rank 0 prints one line per epoch and a final `RESULT {json}` line: test
 AUC and log loss, the hidden model's AUC (the ceiling), throughput.
@@ -83,7 +89,8 @@ class TorchRecTables(nn.Module):
 
     def __init__(self, a):
         super().__init__()
-        from torchrec import EmbeddingBagConfig, PoolingType
+        from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig,
+                              PoolingType)
         from torchrec.modules.fused_embedding_modules import \
             FusedEmbeddingBagCollection
         rows = (a.fields + 1) * a.vocab
@@ -103,9 +110,22 @@ class TorchRecTables(nn.Module):
             EmbeddingBagConfig(name="history", embedding_dim=a.dim,
                                num_embeddings=rows, feature_names=["hist"],
                                pooling=PoolingType.MEAN, init_fn=init)]
-        self.ebc = FusedEmbeddingBagCollection(
-            tables=tables, optimizer_type=torch.optim.Adagrad,
-            optimizer_kwargs={"lr": a.sparse_lr}, device=torch.device("cpu"))
+        if a.dmp:
+            # Sharded by DistributedModelParallel; its kernels apply the
+            # optimizer registered here in backward, as the fused
+            # collection does in one process.
+            from torchrec.optim.apply_optimizer_in_backward import \
+                apply_optimizer_in_backward
+            self.ebc = EmbeddingBagCollection(tables=tables,
+                                              device=torch.device("cpu"))
+            apply_optimizer_in_backward(torch.optim.Adagrad,
+                                        self.ebc.parameters(),
+                                        {"lr": a.sparse_lr})
+        else:
+            self.ebc = FusedEmbeddingBagCollection(
+                tables=tables, optimizer_type=torch.optim.Adagrad,
+                optimizer_kwargs={"lr": a.sparse_lr},
+                device=torch.device("cpu"))
 
     def forward(self, x, h, ho):
         from torchrec import KeyedJaggedTensor
@@ -217,6 +237,10 @@ def main():
                     help="torch's intra-op threads (membox's workers use 1 "
                     "each; a one-process baseline gets the cores the "
                     "membox run uses, `membox bench ctr`)")
+    ap.add_argument("--dmp", action="store_true",
+                    help="with --torchrec, under torchrun with 2 or more "
+                    "processes: TorchRec's DistributedModelParallel (tables "
+                    "sharded across the ranks, the MLP under DDP, Gloo)")
     ap.add_argument("--torchrec", action="store_true",
                     help="TorchRec's FusedEmbeddingBagCollection in this "
                     "process (needs torchrec and fbgemm-gpu-cpu)")
@@ -228,7 +252,10 @@ def main():
             raise SystemExit(f"--torchrec needs torchrec and fbgemm-gpu-cpu "
                              f"(pip install torchrec fbgemm-gpu-cpu with a "
                              f"matching torch): {e}")
-        a.local = True
+        a.local = not a.dmp
+    elif a.dmp:
+        raise SystemExit("--dmp is TorchRec's model parallelism: use it "
+                         "with --torchrec")
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -239,7 +266,11 @@ def main():
     if a.ddp and (a.local or world < 2):
         raise SystemExit("--ddp runs under torchrun with 2 or more processes "
                          "(torchrun --nproc_per_node 2 ... --ddp)")
-    local_tables = a.local or a.ddp  # torch's own tables in this process
+    if a.dmp and world < 2:
+        raise SystemExit("--dmp runs under torchrun with 2 or more processes "
+                         "(torchrun --nproc_per_node 2 ... --torchrec --dmp)")
+    # torch's or TorchRec's tables in this process (or, --dmp, in the ranks)
+    local_tables = a.local or a.ddp or a.dmp
     ids, hist, offsets, hist_len, labels, prob = click_log(a)
     n_test = a.samples // 10
     train_idx = np.arange(n_test, a.samples)
@@ -250,6 +281,14 @@ def main():
     if a.ddp:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         step_model = nn.parallel.DistributedDataParallel(model)
+    elif a.dmp:
+        from torchrec.distributed.model_parallel import \
+            DistributedModelParallel
+        from torchrec.distributed.types import ShardingEnv
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        step_model = DistributedModelParallel(
+            model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=torch.device("cpu"))
     elif world > 1:
         import membox.torch as mt
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -272,6 +311,9 @@ def main():
             [p for n, p in model.named_parameters() if not n.startswith("mlp")],
             lr=a.sparse_lr)
     lossf = nn.BCEWithLogitsLoss()
+    # Under --dmp a forward is collective (ids go to their table's rank):
+    # every rank evaluates the whole test set through the sharded model.
+    eval_model = step_model if a.dmp else model
 
     def evaluate():
         model.eval()
@@ -279,7 +321,7 @@ def main():
         with torch.no_grad():
             for x, h, ho, y in batches(ids, hist, offsets, hist_len, labels,
                                        test_idx, 4096):
-                preds.append(torch.sigmoid(model(x, h, ho)).numpy())
+                preds.append(torch.sigmoid(eval_model(x, h, ho)).numpy())
         model.train()
         p = np.clip(np.concatenate(preds), 1e-7, 1 - 1e-7)
         y = labels[test_idx]
@@ -355,7 +397,8 @@ def main():
         best = roc_auc_score(y, prob[test_idx])
         base = log_loss(y, np.full(len(y), labels[train_idx].mean()))
         print("RESULT " + json.dumps({
-            "backend": ("torchrec" if a.torchrec else
+            "backend": ("torchrec-dmp" if a.dmp else
+                        "torchrec" if a.torchrec else
                         "torch-local" if a.local else
                         "torch-ddp" if a.ddp else "membox"),
             "workers": world, "test_auc": history[-1]["test_auc"],

@@ -21,6 +21,13 @@ median samples/s is reported):
                    (fbgemm's batched CPU kernels, Adagrad fused into
                    backward), as many threads as cores; skipped with a note when this interpreter
                    cannot import torchrec
+  torchrec-dmp     --workers processes (torchrun's environment) with one
+                   torch thread each: TorchRec's DistributedModelParallel
+                   over Gloo, the tables sharded across the ranks by its
+                   planner (ids to their table's rank by all-to-all, Adagrad
+                   in backward), the MLP under DDP -- TorchRec's own way to
+                   train on membox's worker count and cores; skipped with
+                   torchrec
   membox           `membox launch --nodes N --workers W`: tables in the
                    memory nodes, one pull and one push request per node per
                    step for all three tables (membox.torch.EmbeddingGroup),
@@ -49,8 +56,10 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("torch-local", "torch-ddp", "torchrec", "membox", "membox-per-table",
-            "membox-1-node", "membox-1-worker")
+VARIANTS = ("torch-local", "torch-ddp", "torchrec", "torchrec-dmp", "membox",
+            "membox-per-table", "membox-1-node", "membox-1-worker")
+# Variants that run --workers processes with torchrun's environment.
+MULTI_PROCESS = ("torch-ddp", "torchrec-dmp")
 
 
 def _die(msg):
@@ -98,6 +107,8 @@ def run_case(a, variant, script):
         cmd = [py, script, "--ddp"] + args
     elif variant == "torchrec":
         cmd = [py, script, "--torchrec"] + args + threads
+    elif variant == "torchrec-dmp":
+        cmd = [py, script, "--torchrec", "--dmp"] + args
     else:
         membox_bin = os.environ.get("MEMBOX_BIN", "membox")
         nodes = 1 if variant in ("membox-1-node", "membox-1-worker") \
@@ -107,10 +118,12 @@ def run_case(a, variant, script):
                str(workers), "--", py, script] + args
         if variant == "membox-per-table":
             cmd.append("--no-group")
-    # torch-ddp: --workers processes with torchrun's environment (RANK,
-    # WORLD_SIZE, MASTER_ADDR/PORT, one OpenMP thread each); started here
-    # because Debian's torch 1.13 torchrun fails under Python 3.11.
-    ranks = a.workers if variant == "torch-ddp" else 1
+    # torch-ddp, torchrec-dmp: --workers processes with torchrun's
+    # environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, one OpenMP thread
+    # each); started here because Debian's torch 1.13 torchrun fails under
+    # Python 3.11.
+    multi = variant in MULTI_PROCESS
+    ranks = a.workers if multi else 1
     env = dict(os.environ, MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks),
                OMP_NUM_THREADS="1")
@@ -118,7 +131,7 @@ def run_case(a, variant, script):
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r))
-                              if variant == "torch-ddp" else None)
+                              if multi else None)
              for r in range(ranks)]
     outs = [p.communicate()[0] for p in procs]
     wall = time.perf_counter() - t0
@@ -167,7 +180,9 @@ def main(argv=None):
     a.samples = a.samples or (60000 if a.quick else 200000)
     repeats = a.repeats or (1 if a.quick else 3)
     script = _find_script(a.script)
-    variants = [v for v in VARIANTS if v != "torchrec" or _has_torchrec()]
+    has_torchrec = _has_torchrec()
+    variants = [v for v in VARIANTS
+                if not v.startswith("torchrec") or has_torchrec]
     from membox.bench_report import run_interleaved
     res = run_interleaved(variants, repeats, lambda v: run_case(a, v, script))
     rows = {}
@@ -212,8 +227,9 @@ def main(argv=None):
         fig, ax = plt.subplots(figsize=(8, 4))
         vals = [rows[v]["samples_per_s"] for v in variants]
         bars = ax.bar(variants, vals,
-                      color=["#7f7f7f", "#bcbd22", "#2ca02c", "#1f77b4", "#aec7e8",
-                             "#9467bd", "#17becf"][:len(variants)])
+                      color=["#7f7f7f", "#bcbd22", "#2ca02c", "#98df8a",
+                             "#1f77b4", "#aec7e8", "#9467bd",
+                             "#17becf"][:len(variants)])
         for b, v in zip(bars, variants):
             ax.annotate(f"AUC {rows[v]['test_auc']:.4f}",
                         (b.get_x() + b.get_width() / 2, b.get_height()),

@@ -315,6 +315,31 @@ class EmbeddingTest(unittest.TestCase):
         self.assertIn("did not come back within 1 s", str(e.exception))
 
 
+def _run_ranks(args, ranks=2):
+    """Runs `python args...` as `ranks` processes with torchrun's
+    environment; returns the processes' outputs (each must exit 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable] + args, cwd=ROOT,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for r in range(ranks)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        if p.returncode != 0:
+            raise AssertionError(f"{args} exited {p.returncode}: {out[-3000:]}")
+    return outs
+
+
+def _result(out):
+    line = [l for l in out.splitlines() if "RESULT " in l][-1]
+    return json.loads(line.split("RESULT ", 1)[1])
+
+
 class WideDeepExampleTest(unittest.TestCase):
     def test_membox_matches_local_torch(self):
         args = ["examples/ctr_wide_deep.py", "--samples", "40000",
@@ -327,31 +352,14 @@ class WideDeepExampleTest(unittest.TestCase):
              sys.executable] + args, cwd=ROOT, capture_output=True, text=True,
             timeout=300)
         self.assertEqual(run.returncode, 0, run.stdout[-3000:])
-
-        def result(out):
-            line = [l for l in out.splitlines() if "RESULT " in l][-1]
-            return json.loads(line.split("RESULT ", 1)[1])
-        ref, got = result(local.stdout), result(run.stdout)
+        ref, got = _result(local.stdout), _result(run.stdout)
         self.assertGreater(ref["test_auc"], 0.6)
         self.assertGreater(got["test_auc"], 0.6)
         self.assertLess(abs(got["test_auc"] - ref["test_auc"]), 0.03)
         self.assertLess(got["test_logloss"], got["constant_logloss"])
         # `membox bench ctr`'s torch-ddp reference: torch's tables in two
         # processes under DDP (torchrun's environment), the same model.
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   WORLD_SIZE="2")
-        procs = [subprocess.Popen([sys.executable] + args + ["--ddp"],
-                                  cwd=ROOT, env=dict(env, RANK=str(r)),
-                                  stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
-                 for r in range(2)]
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-        for p, out in zip(procs, outs):
-            self.assertEqual(p.returncode, 0, out[-3000:])
-        ddp = result(outs[0])
+        ddp = _result(_run_ranks(args + ["--ddp"])[0])
         self.assertEqual((ddp["backend"], ddp["workers"]), ("torch-ddp", 2))
         self.assertLess(abs(ddp["test_auc"] - ref["test_auc"]), 0.03)
         # --ddp alone, outside a process group launch: a clear error.
@@ -379,11 +387,25 @@ class WideDeepExampleTest(unittest.TestCase):
             p = subprocess.run([sys.executable] + args + [flag], cwd=ROOT,
                                capture_output=True, text=True, timeout=300)
             self.assertEqual(p.returncode, 0, p.stderr[-2000:])
-            line = [l for l in p.stdout.splitlines() if "RESULT " in l][-1]
-            res[flag] = json.loads(line.split("RESULT ", 1)[1])
+            res[flag] = _result(p.stdout)
         self.assertEqual(res["--torchrec"]["backend"], "torchrec")
         self.assertLess(abs(res["--torchrec"]["test_auc"] -
                             res["--local"]["test_auc"]), 0.02)
+        # TorchRec's multi-process form (bench ctr's torchrec-dmp): the
+        # tables sharded over two ranks by DistributedModelParallel, each
+        # rank on its half of the data, like DDP.
+        dmp = _result(_run_ranks(args + ["--torchrec", "--dmp"])[0])
+        self.assertEqual((dmp["backend"], dmp["workers"]), ("torchrec-dmp", 2))
+        self.assertLess(abs(dmp["test_auc"] - res["--local"]["test_auc"]), 0.03)
+        # --dmp without --torchrec, or outside a process-group launch.
+        for extra, msg in ((["--dmp"], "use it with --torchrec"),
+                           (["--torchrec", "--dmp"], "--dmp runs under torchrun")):
+            p = subprocess.run([sys.executable] + args + extra, cwd=ROOT,
+                               capture_output=True, text=True, timeout=120,
+                               env={k: v for k, v in os.environ.items()
+                                    if k not in ("RANK", "WORLD_SIZE")})
+            self.assertNotEqual(p.returncode, 0)
+            self.assertIn(msg, p.stderr)
 
 
 if __name__ == "__main__":
