@@ -25,7 +25,7 @@
 #include <pybind11/stl.h>
 
 #include "membox/base/config.h"
-#include "membox/base/copy.h"
+#include "membox/base/environment.h"
 #include "membox/base/logging.h"
 #include "membox/base/secret.h"
 #include "membox/embedding/client.h"
@@ -754,21 +754,16 @@ PYBIND11_MODULE(_core, m) {
                                                 err.ptr());
   g_error = err.ptr();
   g_unavailable = gone.ptr();
-  // The process's bulk-copy threshold, read here at the edge (base reads
-  // no variable).
-  if (auto v = membox::GetEnv("MEMBOX_STREAMING_COPY_THRESHOLD")) {
-    if (auto s = membox::SetStreamingCopyThreshold(*v); !s.ok()) {
-      MEMBOX_LOG_WARN("MEMBOX_STREAMING_COPY_THRESHOLD: {}; using the default",
-                      s.ToString());
-    }
-  }
+  // The process's settings (log level, bulk-copy threshold), read here at
+  // the edge: the libraries read no variable.
+  membox::ApplyProcessEnvironment();
   py::module_::import("atexit").attr("register")(
       py::cpp_function([] { Completions::Get().Stop(); }));
 
   m.def(
       "resolve_secret",
       [](const std::string& secret, const std::string& file) {
-        return Check(membox::ResolveSecret(secret, file));
+        return Check(membox::ResolveSecretOrEnvironment(secret, file)).secret;
       },
       py::arg("secret"), py::arg("file"),
       "The secret by membox's one rule: `secret`, else the first line of "

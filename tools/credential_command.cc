@@ -16,6 +16,7 @@
 
 #include "membox/base/config.h"
 #include "membox/base/credential.h"
+#include "membox/base/environment.h"
 #include "membox/base/secret.h"
 
 #include "tools/commands.h"
@@ -32,8 +33,9 @@ int IssueCredential(const std::string& secret_file, const std::string& name,
     std::fprintf(stderr, "membox credential issue: %s\n", s.ToString().c_str());
     return 1;
   };
-  auto sec = membox::ResolveSecret("", secret_file);
-  if (!sec.ok()) return fail(sec.status());
+  auto choice = membox::ResolveSecretOrEnvironment("", secret_file);
+  if (!choice.ok()) return fail(choice.status());
+  const std::string* sec = &choice->secret;
   if (membox::Credential::Looks(*sec)) {
     return fail(membox::InvalidArgumentError(
         "issuing needs the cluster secret, not a credential"));

@@ -9,8 +9,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "membox/base/config.h"
-#include "membox/base/copy.h"
+#include "membox/base/environment.h"
 #include "membox/base/logging.h"
 
 #include "tools/commands.h"
@@ -42,11 +41,11 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   membox::InitLogging("membox");
-  if (!log_level.empty()) membox::SetLogLevel(log_level);
-  if (auto v = membox::GetEnv("MEMBOX_STREAMING_COPY_THRESHOLD")) {
-    if (auto s = membox::SetStreamingCopyThreshold(*v); !s.ok()) {
-      MEMBOX_LOG_WARN("MEMBOX_STREAMING_COPY_THRESHOLD: {}; using the default",
-                      s.ToString());
+  membox::ApplyProcessEnvironment();
+  if (!log_level.empty()) {
+    if (membox::Status s = membox::SetLogLevel(log_level); !s.ok()) {
+      std::fprintf(stderr, "membox: --log-level: %s\n", s.ToString().c_str());
+      return 2;
     }
   }
   for (const auto& c : commands) {

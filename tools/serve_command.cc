@@ -16,6 +16,7 @@
 
 #include "membox/base/config.h"
 #include "membox/base/credential.h"
+#include "membox/base/environment.h"
 #include "membox/base/logging.h"
 #include "membox/base/secret.h"
 #include "membox/embedding/server.h"
@@ -81,7 +82,10 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
           const std::string& metrics_listen, bool allow_weak_secret,
           const std::string& revoked_file,
           const std::string& metrics_token_file) {
-  auto sec = membox::ResolveSecret(secret, secret_file);
+  auto choice = membox::ResolveSecretOrEnvironment(secret, secret_file);
+  membox::Result<std::string> sec =
+      choice.ok() ? membox::Result<std::string>(choice->secret)
+                  : membox::Result<std::string>(choice.status());
   if (sec.ok() && membox::Credential::Looks(*sec)) {
     std::fprintf(stderr,
                  "membox serve: the secret is a principal's credential; a "
@@ -89,17 +93,7 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
     return 2;
   }
   if (sec.ok()) {
-    // The file the secret came from (ResolveSecret's order), if any.
-    std::string file = secret_file;
-    if (!secret.empty()) {
-      file.clear();
-    } else if (file.empty() &&
-               !membox::GetEnv("MEMBOX_SECRET").value_or("").empty()) {
-      file.clear();
-    } else if (file.empty()) {
-      file = membox::GetEnv("MEMBOX_SECRET_FILE").value_or("");
-    }
-    membox::Status strong = membox::CheckSecretStrength(*sec, file);
+    membox::Status strong = membox::CheckSecretStrength(*sec, choice->file);
     if (!strong.ok()) {
       if (!allow_weak_secret) {
         std::fprintf(stderr, "membox serve: %s\n", strong.ToString().c_str());
@@ -365,7 +359,14 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
            }
          }
          membox::InitLogging("serve");
-         if (!log_level->empty()) membox::SetLogLevel(*log_level);
+         membox::ApplyProcessEnvironment();
+         if (!log_level->empty()) {
+           if (membox::Status s = membox::SetLogLevel(*log_level); !s.ok()) {
+             std::fprintf(stderr, "membox serve: --log-level: %s\n",
+                          s.ToString().c_str());
+             return 2;
+           }
+         }
          popt.scheduler = ps_sched == "fcfs"
                               ? membox::ps::Scheduler::kFirstComeFirstServe
                               : membox::ps::Scheduler::kPerClientQueues;

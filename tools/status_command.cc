@@ -7,7 +7,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "membox/base/secret.h"
+#include "membox/base/environment.h"
 #include "membox/embedding/client.h"
 #include "membox/memserver/client.h"
 #include "membox/ps/param_client.h"
@@ -25,7 +25,10 @@ namespace {
 int PrintStatus(const std::vector<std::string>& servers,
                 const std::string& secret, const std::string& secret_file,
                 const std::string& admin_file, bool services) {
-  auto sec = membox::ResolveSecret(secret, secret_file);
+  auto choice = membox::ResolveSecretOrEnvironment(secret, secret_file);
+  membox::Result<std::string> sec =
+      choice.ok() ? membox::Result<std::string>(choice->secret)
+                  : membox::Result<std::string>(choice.status());
   std::string admin;
   if (!ReadAdminSecret(admin_file, "status", &admin)) return 2;
   if (!sec.ok()) {

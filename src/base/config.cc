@@ -107,12 +107,6 @@ Result<std::chrono::nanoseconds> ParseDuration(std::string_view text) {
   return std::chrono::nanoseconds(static_cast<int64_t>(n * mult));
 }
 
-std::optional<std::string> GetEnv(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  return std::string(v);
-}
-
 Result<ConfigFile> ConfigFile::Load(const std::string& path) {
   std::ifstream in(path);
   if (!in) return NotFoundError("cannot open config file '" + path + "'");

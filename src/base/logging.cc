@@ -1,6 +1,5 @@
 #include "membox/base/logging.h"
 
-#include <cstdlib>
 #include <string>
 
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -13,14 +12,17 @@ void InitLogging(std::string_view role) {
   logger->set_pattern("[%H:%M:%S.%e] [%n] [%^%l%$] %v");
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::info);
-  if (const char* env = std::getenv("MEMBOX_LOG_LEVEL")) SetLogLevel(env);
 }
 
-void SetLogLevel(std::string_view level) {
+Status SetLogLevel(std::string_view level) {
   auto lvl = spdlog::level::from_str(std::string(level));
   // from_str returns off for unknown names; only accept "off" when asked.
-  if (lvl == spdlog::level::off && level != "off") return;
+  if (lvl == spdlog::level::off && level != "off") {
+    return InvalidArgumentError("unknown log level '" + std::string(level) +
+                                "' (trace, debug, info, warn, error, off)");
+  }
   spdlog::set_level(lvl);
+  return Status::Ok();
 }
 
 }  // namespace membox

@@ -91,15 +91,7 @@ Result<std::string> ResolveSecret(const std::string& secret,
                                   const std::string& file) {
   if (!secret.empty()) return TrimSecret(secret);
   if (!file.empty()) return ReadSecretFile(file);
-  if (auto env = GetEnv("MEMBOX_SECRET"); env && !env->empty()) {
-    return TrimSecret(*env);
-  }
-  if (auto env = GetEnv("MEMBOX_SECRET_FILE"); env && !env->empty()) {
-    return ReadSecretFile(*env);
-  }
-  return InvalidArgumentError(
-      "no secret: pass --secret-file (or --secret, MEMBOX_SECRET, "
-      "MEMBOX_SECRET_FILE)");
+  return InvalidArgumentError("no secret: pass a secret or a secret file");
 }
 
 }  // namespace membox

@@ -8,7 +8,7 @@
 #include <unistd.h>
 
 #include "membox/base/config.h"
-#include "membox/base/copy.h"
+#include "membox/base/environment.h"
 #include "membox/base/logging.h"
 #include "membox/base/mutex.h"
 #include "membox/base/secret.h"
@@ -72,12 +72,7 @@ int smb_init(void) {
     return Fail(membox::InvalidArgumentError(
         "no memory node: set MEMBOX_SERVER or MEMBOX_CONFIG"));
   }
-  if (auto v = membox::GetEnv("MEMBOX_STREAMING_COPY_THRESHOLD")) {
-    if (auto s = membox::SetStreamingCopyThreshold(*v); !s.ok()) {
-      MEMBOX_LOG_WARN("MEMBOX_STREAMING_COPY_THRESHOLD: {}; using the default",
-                      s.ToString());
-    }
-  }
+  membox::ApplyProcessEnvironment();
   MutexLock l(&g_mu);
   if (g_client) return 0;
   auto c = Client::Connect(o);

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "membox/base/config.h"
+#include "membox/base/environment.h"
 
 namespace membox::ps {
 namespace {

@@ -186,6 +186,38 @@ class ClientTest(unittest.TestCase):
         self.assertIn(self.node.endpoint, str(e.exception))
 
 
+class SettingsTest(unittest.TestCase):
+    """The edges' settings: flags and MEMBOX_* variables (the libraries
+    read none)."""
+
+    def test_log_level_flag_and_variable(self):
+        bad = subprocess.run([MEMBOX, "--log-level", "loud", "version"],
+                             capture_output=True, text=True, timeout=30)
+        self.assertEqual(bad.returncode, 2)
+        self.assertIn("unknown log level 'loud'", bad.stderr)
+        env = dict(os.environ, MEMBOX_LOG_LEVEL="loud")
+        warned = subprocess.run([MEMBOX, "version"], env=env,
+                                capture_output=True, text=True, timeout=30)
+        self.assertEqual(warned.returncode, 0)
+        self.assertIn("MEMBOX_LOG_LEVEL", warned.stderr)
+
+    def test_secret_rule(self):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MEMBOX_SECRET", "MEMBOX_SECRET_FILE")}
+        code = ("import membox._core as c, sys; "
+                "print(c.resolve_secret(*sys.argv[1:3]))")
+        def resolve(*args, **extra):
+            return subprocess.run([sys.executable, "-c", code, *args],
+                                  env=dict(env, **extra), capture_output=True,
+                                  text=True, timeout=60)
+        self.assertEqual(resolve("given ", "").stdout.strip(), "given")
+        self.assertEqual(resolve("", "", MEMBOX_SECRET="env\r").stdout.strip(),
+                         "env")
+        none = resolve("", "")
+        self.assertNotEqual(none.returncode, 0)
+        self.assertIn("MEMBOX_SECRET_FILE", none.stderr)
+
+
 @unittest.skipUnless(HAVE_TORCH, "needs torch")
 class ParameterServerTest(unittest.TestCase):
     """Two workers (threads of this process) and one node: rank 0's weights

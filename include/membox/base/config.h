@@ -28,9 +28,6 @@ std::string FormatByteSize(uint64_t bytes);
 // "250ms", "2s", "10us", "1m"; a bare number is milliseconds.
 Result<std::chrono::nanoseconds> ParseDuration(std::string_view text);
 
-// Returns the environment variable or nullopt when unset or empty.
-std::optional<std::string> GetEnv(const char* name);
-
 class ConfigFile {
  public:
   // Parses `path`; errors name the file and line.

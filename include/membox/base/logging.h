@@ -1,6 +1,6 @@
 // Logging: a thin layer over spdlog so every process prints the same format
-// ("[time] [role] [level] message"). The level comes from MEMBOX_LOG_LEVEL
-// (trace, debug, info, warn, error, off; default info) or SetLogLevel().
+// ("[time] [role] [level] message"). The level is info until SetLogLevel
+// (the edges apply MEMBOX_LOG_LEVEL and --log-level: base/environment.h).
 //
 // Log once, where an error is decided (UCX CodeStyle): functions that return
 // a Status do not also log it unless they are the ones that decided it.
@@ -13,13 +13,15 @@
 
 #include <spdlog/spdlog.h>
 
+#include "membox/base/status.h"
+
 namespace membox {
 
 // Sets the role shown in every line ("bench-recv", "server", ...). Call early.
 void InitLogging(std::string_view role);
-// Overrides the level; `level` is a spdlog level name. Unknown names are
-// ignored and leave the level unchanged.
-void SetLogLevel(std::string_view level);
+// Sets the level: trace, debug, info, warn, error or off. Another name is
+// kInvalidArgument, naming the choices, and leaves the level unchanged.
+Status SetLogLevel(std::string_view level);
 
 }  // namespace membox
 

@@ -16,8 +16,9 @@ std::string TrimSecret(std::string s);
 // Reads and trims the first line of `path`; kNotFound when unreadable,
 // kInvalidArgument when empty.
 Result<std::string> ReadSecretFile(const std::string& path);
-// The secret a process was given: `secret` if non-empty, else `file` if
-// non-empty, else MEMBOX_SECRET, else MEMBOX_SECRET_FILE (each trimmed).
+// The secret a process was given: `secret` (trimmed) if non-empty, else
+// the file `file`; kInvalidArgument when both are empty. The edges add the
+// environment's MEMBOX_SECRET / MEMBOX_SECRET_FILE (base/environment.h).
 Result<std::string> ResolveSecret(const std::string& secret,
                                   const std::string& file);
 

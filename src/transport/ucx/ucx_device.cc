@@ -86,6 +86,14 @@ Status UcsError(ucs_status_t st, const std::string& what) {
 
 namespace {
 
+// Whether the user set one of UCX's own variables, which ucp_config_read
+// reads from the environment: membox's defaults for UCX's settings give way
+// to the user's. (membox's own settings come to the device as options.)
+bool UserSetUcx(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0';
+}
+
 std::string ReadFirstLine(const char* path) {
   std::ifstream in(path);
   std::string s;
@@ -295,7 +303,7 @@ Status UcxDevice::Init() {
   // is detected at once through its bootstrap connection's reset). 1 s
   // declared healthy but busy peers dead when 32 processes shared 2 cores;
   // 10 s does not. An explicit UCX_KEEPALIVE_INTERVAL still wins.
-  if (!GetEnv("UCX_KEEPALIVE_INTERVAL")) {
+  if (!UserSetUcx("UCX_KEEPALIVE_INTERVAL")) {
     (void)ucp_config_modify(config, "KEEPALIVE_INTERVAL", "10s");
   }
   // DeviceOptions::sleep_on_worker_lock: UCX guards the worker with a
@@ -305,7 +313,7 @@ Status UcxDevice::Init() {
   // within noise. Every process sleeping gave the CTR run 1.09x (median, 10
   // pairs) but the digits job's small DDP rounds 1.09x slower (7 pairs), so
   // it is per device (docs/results/ctr.md).
-  if (options_.sleep_on_worker_lock && !GetEnv("UCX_USE_MT_MUTEX")) {
+  if (options_.sleep_on_worker_lock && !UserSetUcx("UCX_USE_MT_MUTEX")) {
     (void)ucp_config_modify(config, "USE_MT_MUTEX", "y");
   }
   // UCX's TCP transport listens on every interface and asserts on malformed
@@ -334,7 +342,7 @@ Status UcxDevice::Init() {
   // empty here (a [0, 0) region: "Invalid parameter", docs/results/gpu.md).
   // membox registers exactly the range it is given. Older UCX has no such
   // setting (the modify fails and nothing changes); the environment wins.
-  if (std::getenv("UCX_MEMTYPE_REG_WHOLE_ALLOC_TYPES") == nullptr) {
+  if (!UserSetUcx("UCX_MEMTYPE_REG_WHOLE_ALLOC_TYPES")) {
     (void)ucp_config_modify(config, "MEMTYPE_REG_WHOLE_ALLOC_TYPES", "");
   }
   ucp_params_t params{};
