@@ -52,7 +52,7 @@ TEST(AmMessagesTest, OtherMessages) {
   EXPECT_EQ(StatusFromWire(999, "x").code(), StatusCode::kInternal);
   EXPECT_TRUE(StatusFromWire(0, "").ok());
 
-  Access a{5, 0x1000, 2, 3, 64};
+  Access a{5, 0x1000, 2, {3, 0}, 64};
   for (bool with : {false, true}) {
     auto ab = EncodeAccess(a, with);
     ASSERT_TRUE(DecodeAccess(ab, with).ok());
