@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The test command of README.md (and of .ci/run): installs what is needed,
 # checks formatting, builds (warnings are errors), and runs every test suite
-# twice -- a release build, then an ASan+UBSan build --, `pip install .` into
+# twice -- a release build (GCC), then an ASan+UBSan build (clang, which
+# also builds the fuzz targets) --, `pip install .` into
 # a venv with PyPI's torch 2.x (the Python side against torch 2.x), the
 # transport,
 # service-layer, memory-server, proxy, embedding-server and hostile-network
 # tests under ThreadSanitizer, and finally
-# each fuzz target for a short time.
+# each fuzz target (from the ASan build) for a short time.
 # Usage: bash scripts/test.sh [--no-install]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,7 +75,7 @@ stage "pip install . into a venv, then PyPI's torch 2.x there (tests/install/pip
 bash tests/install/pip_install_test.sh --torch 2>&1 | tee build/pip_install_test.log
 grep -q "^PASS: pip install" build/pip_install_test.log
 
-stage "ASan + UBSan build and tests"
+stage "ASan + UBSan build (clang; the fuzz targets too) and tests"
 cmake --preset asan
 cmake --build --preset asan -j"$jobs"
 run_ctest asan
@@ -106,24 +107,25 @@ unset TSAN_OPTIONS UCX_MEM_EVENTS
 echo "tsan: transport_test, service_test, memserver_test, ps_test, embedding_server_test, hostile_network_test clean"
 
 stage "fuzz targets (libFuzzer, 20 s each, $jobs at a time)"
-cmake --preset fuzz
-cmake --build --preset fuzz -j"$jobs" --target fuzzers
-# Each fuzzer runs on its corpus and the seeds; its exit status goes to
-# build/fuzz/NAME.rc, its output to build/fuzz/NAME.log.
-ls build/fuzz/fuzz/*_fuzzer | xargs -P "$jobs" -I{} bash -c '
+# Built by the ASan stage (build/asan/fuzz/). Each fuzzer runs on its
+# corpus and the seeds; its exit status goes to build/asan/fuzz/NAME.rc,
+# its output to build/asan/fuzz/NAME.log.
+fuzz=build/asan/fuzz
+ls "$fuzz"/*_fuzzer | xargs -P "$jobs" -I{} bash -c '
   name=$(basename "$1")
-  mkdir -p "build/fuzz/corpus-$name"
-  "$1" -max_total_time=20 "build/fuzz/corpus-$name" "fuzz/corpus/$name" \
-    >"build/fuzz/$name.log" 2>&1
-  echo $? >"build/fuzz/$name.rc"' _ {} || true
-for f in build/fuzz/fuzz/*_fuzzer; do
+  dir=$(dirname "$1")
+  mkdir -p "$dir/corpus-$name"
+  "$1" -max_total_time=20 "$dir/corpus-$name" "fuzz/corpus/$name" \
+    >"$dir/$name.log" 2>&1
+  echo $? >"$dir/$name.rc"' _ {} || true
+for f in "$fuzz"/*_fuzzer; do
   name=$(basename "$f")
-  if [[ "$(cat "build/fuzz/$name.rc" 2>/dev/null)" != 0 ]]; then
-    tail -n 60 "build/fuzz/$name.log"
-    echo "fuzzer $name found a failure (log: build/fuzz/$name.log)"
+  if [[ "$(cat "$fuzz/$name.rc" 2>/dev/null)" != 0 ]]; then
+    tail -n 60 "$fuzz/$name.log"
+    echo "fuzzer $name found a failure (log: $fuzz/$name.log)"
     exit 1
   fi
-  echo "fuzzer $name: $(grep -o 'Done [0-9]* runs' "build/fuzz/$name.log" | tail -n 1), no failure"
+  echo "fuzzer $name: $(grep -o 'Done [0-9]* runs' "$fuzz/$name.log" | tail -n 1), no failure"
 done
 echo "all test suites passed (release and ASan+UBSan ctest runs, TSan runs, fuzzers clean)"
 stage "end"
