@@ -1,6 +1,10 @@
 #include "src/ps/protocol.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include <gtest/gtest.h>
 
@@ -51,6 +55,97 @@ TEST(PsProtocolTest, RoundTripsEveryType) {
     EXPECT_EQ(dec->type, m.type);
     EXPECT_EQ(Encode(*dec), enc) << TypeName(m.type);
   }
+}
+
+// One valid message of each type, and variants that reach the decoder's
+// other branches (optimizers, flags, parts, route tables, an observer).
+std::vector<Message> SeedMessages() {
+  std::vector<Message> out;
+  for (uint8_t t = 1; t <= static_cast<uint8_t>(kLastType); ++t) {
+    Message m;
+    m.type = static_cast<Type>(t);
+    m.name = "w";
+    m.endpoint = "10.0.0.2:7001";
+    m.rank = 1;
+    m.world = 4;
+    m.descriptor = {1, 2, 3};
+    m.key = 9;
+    m.key_end = 12;
+    m.bytes = 4096;
+    m.dtype = 1;
+    m.shard_bytes = 1024;
+    m.has_input = true;
+    m.shard = 3;
+    m.round = 5;
+    m.min_version = 6;
+    m.region = 11;
+    m.offset = 12;
+    m.out_region = 13;
+    m.out_offset = 14;
+    m.lr = 0.1;
+    m.path = "epoch-1.mbck";
+    m.text = "status";
+    out.push_back(m);
+  }
+  Message d = out[static_cast<int>(Type::kDeclare) - 1];
+  for (Optimizer o : {Optimizer::kSgd, Optimizer::kAdam, Optimizer::kAdamW,
+                      Optimizer::kAdagrad}) {
+    d.optimizer = o;
+    d.momentum = 0.9;
+    d.weight_decay = 0.01;
+    d.striped = o == Optimizer::kAdam;
+    out.push_back(d);
+  }
+  d.optimizer = Optimizer::kNone;
+  d.has_input = false;
+  d.stored = true;
+  out.push_back(d);
+  Message r = out[static_cast<int>(Type::kRoute) - 1];
+  r.from_rounds = {{9, 5}, {10, 7}};
+  out.push_back(r);
+  Message pull = out[static_cast<int>(Type::kPull) - 1];
+  pull.part = Part::kMoment2;
+  out.push_back(pull);
+  Message observer = out[static_cast<int>(Type::kHello) - 1];
+  observer.rank = observer.world = 0;
+  out.push_back(observer);
+  return out;
+}
+
+// The fuzzer's seeds (fuzz/corpus/ps_protocol_fuzzer: the type byte, then
+// the body) must be messages this version decodes: seeds of an older
+// version stop at the version byte and leave the fuzzer nothing to mutate.
+// After a format change, regenerate them:
+//   MEMBOX_WRITE_FUZZ_SEEDS=1 ps_test --gtest_filter='*FuzzSeeds*'
+TEST(PsProtocolTest, FuzzSeedsAreCurrent) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::path(MEMBOX_SOURCE_DIR) / "fuzz/corpus/ps_protocol_fuzzer";
+  if (std::getenv("MEMBOX_WRITE_FUZZ_SEEDS") != nullptr) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    int i = 0;
+    for (const Message& m : SeedMessages()) {
+      std::vector<uint8_t> seed = Body(m);
+      seed.insert(seed.begin(), static_cast<uint8_t>(m.type));
+      std::ofstream(
+          dir / (std::string(TypeName(m.type)) + "-" + std::to_string(i++)),
+          std::ios::binary)
+          .write(reinterpret_cast<const char*>(seed.data()),
+                 static_cast<std::streamsize>(seed.size()));
+    }
+  }
+  size_t seeds = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    std::ifstream in(e.path(), std::ios::binary);
+    std::vector<uint8_t> b((std::istreambuf_iterator<char>(in)), {});
+    ASSERT_FALSE(b.empty()) << e.path();
+    auto m = proto::Decode(b[0], {b.data() + 1, b.size() - 1});
+    EXPECT_TRUE(m.ok()) << e.path() << ": " << m.status().ToString()
+                        << " (regenerate the seeds: see this test)";
+    ++seeds;
+  }
+  EXPECT_GE(seeds, static_cast<size_t>(kLastType));
 }
 
 TEST(PsProtocolTest, RejectsMalformed) {
