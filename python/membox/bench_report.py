@@ -30,6 +30,23 @@ def add_contract_flags(ap):
     ap.add_argument("--plot", default="", help="write a PNG plot")
 
 
+def run_launched(cmd, out, what, die):
+    """Runs `cmd` (a `membox launch ... --out OUT` command line), which
+    writes its result as JSON to `out`; returns that result. When the run
+    fails or writes nothing: the output's tail on stderr, then
+    die(f"{what} failed (exit N)")."""
+    import os
+    import subprocess
+    import sys
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+    if p.returncode != 0 or not os.path.exists(out):
+        sys.stderr.write(p.stdout[-6000:])
+        die(f"{what} failed (exit {p.returncode})")
+    with open(out) as f:
+        return json.load(f)
+
+
 def run_interleaved(variants, repeats, run):
     """{variant: [run(variant) per repeat]}: every variant once per round,
     `repeats` rounds, so drift on a shared machine hits every variant

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -205,13 +204,8 @@ def run_case(a, model, scheme, nodes, tmp, wire=""):
            "--warmup", str(a.warmup), "--batch", str(a.batch[model]),
            "--lr", str(a.lr), "--out", out, "--wire", wire or "none"]
     t0 = time.time()
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True)
-    if p.returncode != 0 or not os.path.exists(out):
-        sys.stderr.write(p.stdout[-6000:])
-        _die(f"{model} {scheme} failed (exit {p.returncode})")
-    with open(out) as f:
-        r = json.load(f)
+    from membox.bench_report import run_launched
+    r = run_launched(cmd, out, f"{model} {scheme}", _die)
     r["wall_s"] = time.time() - t0
     return r
 

@@ -26,7 +26,6 @@ same SGD on the nodes). Records follow docs/design/benchmarks.md.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,13 +98,8 @@ def run_case(a, variant, tmp):
            "--worker", "--variant", variant, "--layers", str(a.layers),
            "--width", str(a.width), "--steps", str(a.steps), "--warmup",
            str(a.warmup), "--out", out]
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True)
-    if p.returncode != 0 or not os.path.exists(out):
-        sys.stderr.write(p.stdout[-6000:])
-        _die(f"{variant} failed (exit {p.returncode})")
-    with open(out) as f:
-        return json.load(f)
+    from membox.bench_report import run_launched
+    return run_launched(cmd, out, variant, _die)
 
 
 def main(argv=None):
