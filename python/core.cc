@@ -148,6 +148,11 @@ class Handle {
  public:
   Handle(PsHandle h, std::shared_ptr<PyOp> op)
       : h_(std::move(h)), op_(std::move(op)) {}
+  Handle(Handle&&) = default;
+  // The operation keeps its buffers alive itself (PyOp::keep, dropped on
+  // the completion thread): a dropped handle does not wait -- with the GIL
+  // held, for a round that another client in this process has yet to push.
+  ~Handle() { (void)h_.Detach(); }
   void Wait(std::optional<double> timeout_s) { WaitWithoutGil(h_, timeout_s); }
   bool done() const { return h_.done(); }
   uint64_t version() const { return h_.version(); }
@@ -566,11 +571,14 @@ class PullHandle {
   PullHandle(EmbeddingHandle h, std::vector<Rows> rows, bool many)
       : h_(std::move(h)), rows_(std::move(rows)), many_(many) {}
   PullHandle(PullHandle&&) = default;
+  // The rows are written into buffers this handle owns: a pending pull is
+  // waited for, without the GIL.
   ~PullHandle() {
     if (!rows_.empty() && !h_.done()) {
       py::gil_scoped_release nogil;
       (void)h_.Wait();
     }
+    (void)h_.Detach();
   }
   py::object Wait(std::optional<double> timeout_s) {
     WaitWithoutGil(h_, timeout_s);
@@ -598,6 +606,10 @@ class PullHandle {
 class PushHandle {
  public:
   explicit PushHandle(EmbeddingHandle h) : h_(std::move(h)) {}
+  PushHandle(PushHandle&&) = default;
+  // A push sends copies of its gradients: nothing of the caller's to wait
+  // for.
+  ~PushHandle() { (void)h_.Detach(); }
   void Wait(std::optional<double> timeout_s) { WaitWithoutGil(h_, timeout_s); }
   bool done() const { return h_.done(); }
 

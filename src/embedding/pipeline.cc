@@ -152,7 +152,7 @@ class PipelineImpl final : public EmbeddingPipeline {
     MutexLock l(&mu_);
     stats_.push_seconds += Since(t0);
     if (!h.ok()) return h.status();
-    pushes_.push_back(*h);
+    pushes_.push_back(std::move(*h));
     // Reap finished pushes; report the first failure.
     while (!pushes_.empty() && pushes_.front().done()) {
       Status s = pushes_.front().Wait();

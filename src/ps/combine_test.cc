@@ -115,7 +115,7 @@ void RunRounds(uint32_t world, bool average, bool pipelined) {
         auto h = c.Push(7, round, x.data(), y.data(), nullptr);
         if (pipelined) {
           // Two rounds in flight: the second waits for its bank.
-          pending.push_back(h);
+          pending.push_back(std::move(h));
           if (pending.size() == 2) {
             ASSERT_TRUE(pending[0].Wait().ok());
             check(out[(round - 1) & 1], round - 1);

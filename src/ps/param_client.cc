@@ -98,12 +98,13 @@ struct Op {
   RoutingTable route;
   std::shared_ptr<service::CallState> state;
   // Staged through the key's buffer while an earlier operation still used
-  // it: sent only once `after` is done, copying `copy_in` (the caller's
+  // it: sent only once `after` is released (its results are out of the
+  // buffer; membox/base/completion.h), copying `copy_in` (the caller's
   // input, `bytes` long) into `copy_to` (the staging buffer) first.
   std::shared_ptr<service::CallState> after;
   const void* copy_in = nullptr;
   void* copy_to = nullptr;
-  bool ready() const { return !after || after->done(); }
+  bool ready() const { return !after || after->released(); }
   bool operator<(const Op& o) const {  // priority_queue: top = smallest
     return priority != o.priority ? priority > o.priority : seq > o.seq;
   }
@@ -527,9 +528,8 @@ class ParamClientImpl final : public ParamClient {
       st->set_progress(progress_);
       auto text = std::make_shared<std::string>();
       RETURN_IF_ERROR(SendRequest(i, m, st, text));
-      PsHandle h(st);
-      RETURN_IF_ERROR(h.Wait(opt_.timeout));
-      uint64_t v = h.version();
+      RETURN_IF_ERROR(st->Wait(opt_.timeout));
+      uint64_t v = st->version();
       char* rest = nullptr;
       uint64_t shard_bytes = std::strtoull(text->c_str(), &rest, 10);
       bool striped = rest && std::string_view(rest) == " striped";
@@ -626,7 +626,7 @@ class ParamClientImpl final : public ParamClient {
       auto st = NewState(1, nullptr);
       auto text = std::make_shared<std::string>();
       RETURN_IF_ERROR(SendRequest(p, m, st, text));
-      RETURN_IF_ERROR(PsHandle(st).Wait(opt_.timeout));
+      RETURN_IF_ERROR(st->Wait(opt_.timeout));
       std::vector<uint8_t> bytes(text->begin(), text->end());
       ASSIGN_OR_RETURN(auto desc,
                        transport::RegionDescriptor::Deserialize(bytes));
@@ -761,7 +761,7 @@ class ParamClientImpl final : public ParamClient {
     auto st = NewState(1, nullptr);
     auto text = std::make_shared<std::string>();
     RETURN_IF_ERROR(SendRequest(proxy, m, st, text));
-    RETURN_IF_ERROR(PsHandle(st).Wait(opt_.timeout));
+    RETURN_IF_ERROR(st->Wait(opt_.timeout));
     return *text;
   }
 
@@ -1124,7 +1124,7 @@ class ParamClientImpl final : public ParamClient {
     auto st = NewState(1, nullptr);
     auto text = std::make_shared<std::string>();
     RETURN_IF_ERROR(SendRequest(proxy, m, st, text));
-    RETURN_IF_ERROR(PsHandle(st).Wait(std::chrono::seconds(5)));
+    RETURN_IF_ERROR(st->Wait(std::chrono::seconds(5)));
     return *text;
   }
 
@@ -1133,9 +1133,8 @@ class ParamClientImpl final : public ParamClient {
     auto st = NewState(1, nullptr);
     st->set_progress(progress_);
     RETURN_IF_ERROR(SendRequest(proxy, m, st));
-    PsHandle h(st);
-    RETURN_IF_ERROR(h.Wait(opt_.timeout));
-    return h.version();
+    RETURN_IF_ERROR(st->Wait(opt_.timeout));
+    return st->version();
   }
 
   // Tells every proxy about `r`. With `require_mapped`, a proxy on this
@@ -1226,7 +1225,7 @@ class ParamClientImpl final : public ParamClient {
   // the key's operations fail with the reason (combine_error).
   void AskCombine(uint64_t key, const std::shared_ptr<service::CallState>& last,
                   uint64_t bytes, DType dtype) {
-    if (last && !PsHandle(last).Wait(opt_.timeout).ok()) return;
+    if (last && !last->Wait(opt_.timeout).ok()) return;
     Message m;
     m.type = Type::kCombine;
     m.key = key;
@@ -1234,9 +1233,8 @@ class ParamClientImpl final : public ParamClient {
     st->set_progress(progress_);
     auto text = std::make_shared<std::string>();
     if (!SendRequest(0, m, st, text).ok()) return;
-    PsHandle h(st);
-    if (!h.Wait(opt_.timeout).ok()) return;
-    const uint64_t from = h.version();
+    if (!st->Wait(opt_.timeout).ok()) return;
+    const uint64_t from = st->version();
     if (from == 0) {
       MEMBOX_LOG_DEBUG("key {}: not combined in memory: {}", key, *text);
       return;
@@ -1357,7 +1355,7 @@ class ParamClientImpl final : public ParamClient {
     op.priority = priority;
     op.key = key;
     if (type != Type::kStore && !state) {
-      if (auto h = SubmitCombined(type, key, in, out, cb)) return *h;
+      if (auto h = SubmitCombined(type, key, in, out, cb)) return std::move(*h);
     }
     if (Status s = EnsureStaging(key, in, out); !s.ok()) {
       return Failed(std::move(s), std::move(cb));
@@ -1416,7 +1414,9 @@ class ParamClientImpl final : public ParamClient {
         // The key's staging buffer serves one operation at a time: this one
         // queues behind the last that used it, and the sender wakes when
         // that one finishes (Submit never blocks).
-        if (k.last_staged && !k.last_staged->done()) op.after = k.last_staged;
+        if (k.last_staged && !k.last_staged->released()) {
+          op.after = k.last_staged;
+        }
         cb = [this, user = std::move(cb)](const Status& s) {
           if (user) user(s);
           StagingFreed();
@@ -1533,8 +1533,9 @@ class ParamClientImpl final : public ParamClient {
 
   // A staged operation finished (its staging buffer is free): wakes the
   // sender if an operation waits behind one. Taking q_mu_ orders this after
-  // the sender's check of `after->done()`, so no wake-up is lost; an
-  // operation queued later sees this one done and is not blocked. Nothing
+  // the sender's check of `after->released()` (set before this callback
+  // runs), so no wake-up is lost; an operation queued later sees this one
+  // released and is not blocked. Nothing
   // blocked (the usual case): no wake-up of the sender per completion.
   void StagingFreed() {
     {

@@ -274,7 +274,7 @@ TEST(PsTest, SubmitNeverBlocksOnABusyStagingBuffer) {
     EXPECT_EQ(out1[0], 11.0f * (r + 1));
   }
   for (int r = 0; r < 3; ++r) {
-    auto h = h0[r];
+    auto& h = h0[r];
     ASSERT_TRUE(h.Wait(20s).ok()) << "round " << r;
     EXPECT_EQ(h.version(), static_cast<uint64_t>(r + 1));
     EXPECT_EQ(out0[r][0], 11.0f * (r + 1)) << "round " << r;
@@ -725,6 +725,10 @@ TEST(PsTest, AsyncWithStalenessBound) {
 // to proxy 1. First-come-first-serve proxies each wait on a different tensor
 // for the other: deadlock. Per-client queues: both complete.
 Status Fig10(Scheduler sched) {
+  // Declared before the workers, so destroyed after them: a worker that
+  // closes fails its pending operations, and a handle of a deadlocked
+  // round is then released (membox/base/completion.h).
+  PsHandle a1, a2, b1, b2;
   auto c = Cluster::Start(2, sched);
   RoutingTable r;
   r.threshold = 1 << 20;  // tensor 1 (4 KiB) -> proxy 0
@@ -743,13 +747,12 @@ Status Fig10(Scheduler sched) {
   std::vector<float> t1(1024, 1), t2(512 << 10, 1);
   // Worker 0 pushes tensor 1 first, worker 1 tensor 2 first, at the same
   // time (an emulated slow link delays the sending thread).
-  PsHandle a1, b2;
   std::thread ta([&] { a1 = w0->Push(1, t1.data(), 0); });
   std::thread tb([&] { b2 = w1->Push(2, t2.data(), 0); });
   ta.join();
   tb.join();
-  auto a2 = w0->Push(2, t2.data(), 1);
-  auto b1 = w1->Push(1, t1.data(), 1);
+  a2 = w0->Push(2, t2.data(), 1);
+  b1 = w1->Push(1, t1.data(), 1);
   for (auto* h : {&a1, &a2, &b1, &b2}) RETURN_IF_ERROR(h->Wait(3s));
   return Status::Ok();
 }

@@ -87,7 +87,7 @@ class Client {
   // Sends and waits (spinning briefly first): the reply body, or the error.
   Result<std::vector<uint8_t>> Call(
       uint16_t method, std::vector<uint8_t> msg,
-      std::chrono::nanoseconds timeout = kDefaultCallTimeout);
+      std::chrono::nanoseconds timeout = kDefaultWaitTimeout);
   // A one-way message (no reply).
   Status Notify(uint16_t method, std::vector<uint8_t> msg);
 
@@ -110,7 +110,7 @@ class Client {
   template <typename T, typename Decode>
   Result<T> CallDecoded(
       uint16_t method, std::vector<uint8_t> msg, Decode decode,
-      std::chrono::nanoseconds timeout = kDefaultCallTimeout) {
+      std::chrono::nanoseconds timeout = kDefaultWaitTimeout) {
     ASSIGN_OR_RETURN(std::vector<uint8_t> body,
                      Call(method, std::move(msg), timeout));
     Result<T> r = decode(std::span<const uint8_t>(body));
