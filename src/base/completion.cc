@@ -4,12 +4,23 @@
 
 namespace membox {
 
+namespace {
+// The operation whose callback this thread is running (callbacks may
+// finish other operations, whose callbacks nest).
+thread_local const CompletionState* tls_in_callback = nullptr;
+}  // namespace
+
 bool CompletionState::Finish(const Status& status) {
   if (claimed_.exchange(true, std::memory_order_acq_rel)) return false;
   status_ = status;
   released_.store(true, std::memory_order_release);
   CompletionCallback cb = std::move(callback_);
-  if (cb) cb(status);
+  if (cb) {
+    const CompletionState* outer = tls_in_callback;
+    tls_in_callback = this;
+    cb(status);
+    tls_in_callback = outer;
+  }
   done_.store(true, std::memory_order_release);
   events_->Notify();
   return true;
@@ -30,15 +41,16 @@ Status CompletionState::Wait(std::chrono::nanoseconds timeout) {
   return status_;  // final once done_ (acquire in done())
 }
 
-void CompletionState::WaitUntilReleased() {
-  // released() comes before done(); the callback between them may be this
-  // thread's (a callback dropping its own handle), so wait for released.
-  while (!released()) {
+void CompletionState::WaitUntilDone() {
+  // In its own callback (a callback dropping its own handle) the operation
+  // is released and the rest of its callback is this thread's: no wait.
+  if (tls_in_callback == this) return;
+  while (!done()) {
     if (!SpinThenBlock(
             [this] {
-              if (released()) return true;
+              if (done()) return true;
               if (progress_) progress_();
-              return released();
+              return done();
             },
             events_, std::chrono::seconds(30))) {
       MEMBOX_LOG_WARN(

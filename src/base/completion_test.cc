@@ -44,7 +44,7 @@ TEST(CompletionTest, WaitTimesOutWithoutCancelling) {
   EXPECT_TRUE(h.Wait(milliseconds(5)).ok());
 }
 
-TEST(CompletionTest, DestroyingAPendingHandleWaitsUntilReleased) {
+TEST(CompletionTest, DestroyingAPendingHandleWaitsUntilDone) {
   auto s = std::make_shared<CompletionState>();
   std::atomic<bool> finished{false};
   std::thread t([s, &finished] {
@@ -54,7 +54,7 @@ TEST(CompletionTest, DestroyingAPendingHandleWaitsUntilReleased) {
   });
   { Handle h(s); }  // waits here
   EXPECT_TRUE(finished.load());
-  EXPECT_TRUE(s->released());
+  EXPECT_TRUE(s->done());
   t.join();
 }
 
@@ -66,14 +66,14 @@ TEST(CompletionTest, AssigningOverAPendingHandleWaits) {
   });
   Handle h(s);
   h = Handle(std::make_shared<CompletionState>());
-  EXPECT_TRUE(s->released());
+  EXPECT_TRUE(s->done());
   (void)h.Detach();
   t.join();
 }
 
 TEST(CompletionTest, ACallbackMayDropItsOwnHandle) {
-  // The operation is released before its callback runs: the handle's
-  // destructor, in the callback, does not wait for it (no deadlock).
+  // The handle's destructor, in the operation's own callback, does not
+  // wait for it (no deadlock): the operation is released there.
   auto holder = std::make_shared<std::unique_ptr<Handle>>();
   auto s = std::make_shared<CompletionState>(
       [holder](const Status&) { holder->reset(); });

@@ -17,11 +17,12 @@
 // stay in use. Without a timeout, Wait waits kDefaultWaitTimeout.
 //
 // Handles (AsyncHandle) are move-only. Destroying (or assigning over) a
-// handle whose operation is not yet released waits until it is, so buffers
-// are never freed under an operation that still uses them. Operations fail
-// when their link fails, so this ends; to abandon operations that may
-// never finish (a round another worker never joins), close their client
-// first -- it fails them -- and then drop the handles. A handle whose
+// handle whose operation is not done waits until it is (callback included),
+// so buffers are never freed under an operation that still uses them --
+// except in the operation's own callback, where it is already released.
+// Operations fail when their link fails, so this ends; to abandon operations
+// that may never finish (a round another worker never joins), close their
+// client first -- it fails them -- and then drop the handles. A handle whose
 // operation owns everything it touches may be given up without waiting:
 // Detach().
 //
@@ -81,9 +82,10 @@ class CompletionState {
   // Spins briefly (driving progress), then blocks. The status, or
   // kDeadlineExceeded when `timeout` passed first.
   Status Wait(std::chrono::nanoseconds timeout = kDefaultWaitTimeout);
-  // Waits, however long it takes, until the operation is released; logs a
-  // warning every 30 s meanwhile. What a handle's destructor does.
-  void WaitUntilReleased();
+  // Waits, however long it takes, until the operation is done; logs a
+  // warning every 30 s meanwhile. Returns at once in the operation's own
+  // callback (released then). What a handle's destructor does.
+  void WaitUntilDone();
 
  private:
   EventCount own_events_;
@@ -132,7 +134,7 @@ class [[nodiscard]] AsyncHandle {
 
  private:
   void Release() {
-    if (state_ && !state_->released()) state_->WaitUntilReleased();
+    if (state_ && !state_->done()) state_->WaitUntilDone();
   }
 
   std::shared_ptr<State> state_;
