@@ -22,7 +22,7 @@ TEST(CompletionTest, CallbackRunsBeforeDoneAndOnce) {
     EXPECT_EQ(st.code(), StatusCode::kNotFound);
   });
   Handle h(s);
-  std::thread t([s, &done_in_callback] {
+  std::thread t([s] {
     std::this_thread::sleep_for(milliseconds(20));
     EXPECT_TRUE(s->Finish(NotFoundError("x")));
     EXPECT_FALSE(s->Finish(Status::Ok()));  // the first finish wins
