@@ -108,17 +108,20 @@ echo "tsan: transport_test, service_test, memserver_test, ps_test, embedding_ser
 
 stage "fuzz targets (libFuzzer, 20 s each, $jobs at a time)"
 # Built by the ASan stage (build/asan/fuzz/). Each fuzzer runs on its
-# corpus and the seeds; its exit status goes to build/asan/fuzz/NAME.rc,
-# its output to build/asan/fuzz/NAME.log.
+# corpus (build/asan/fuzz-corpus/NAME, outside the glob below) and the
+# seeds; its exit status goes to build/asan/fuzz/NAME.rc, its output to
+# build/asan/fuzz/NAME.log.
 fuzz=build/asan/fuzz
-ls "$fuzz"/*_fuzzer | xargs -P "$jobs" -I{} bash -c '
+fuzzers=$(find "$fuzz" -maxdepth 1 -type f -executable -name '*_fuzzer' | sort)
+[[ -n "$fuzzers" ]] || { echo "no fuzz targets in $fuzz"; exit 1; }
+echo "$fuzzers" | xargs -P "$jobs" -I{} bash -c '
   name=$(basename "$1")
   dir=$(dirname "$1")
-  mkdir -p "$dir/corpus-$name"
-  "$1" -max_total_time=20 "$dir/corpus-$name" "fuzz/corpus/$name" \
+  mkdir -p "$dir/../fuzz-corpus/$name"
+  "$1" -max_total_time=20 "$dir/../fuzz-corpus/$name" "fuzz/corpus/$name" \
     >"$dir/$name.log" 2>&1
   echo $? >"$dir/$name.rc"' _ {} || true
-for f in "$fuzz"/*_fuzzer; do
+for f in $fuzzers; do
   name=$(basename "$f")
   if [[ "$(cat "$fuzz/$name.rc" 2>/dev/null)" != 0 ]]; then
     tail -n 60 "$fuzz/$name.log"
