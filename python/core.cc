@@ -193,17 +193,19 @@ Buffer GetBuffer(py::object o, bool writable) {
   return Buffer{info.ptr, static_cast<size_t>(info.size * info.itemsize), o};
 }
 
-// A key part by name: "previous" (reads only), "value" (writes only),
-// "moment1", "moment2".
+// A key part by name: "value" (writes only), "moment1", "moment2". (The
+// value before a step is read with pull_at.)
 membox::ps::KeyPart ParsePart(const std::string& s, bool write) {
   using P = membox::ps::KeyPart;
   if (s == "moment1") return P::kMoment1;
   if (s == "moment2") return P::kMoment2;
-  if (!write && s == "previous") return P::kPrevious;
   if (write && s == "value") return P::kValue;
   throw py::value_error(std::string("part must be ") +
-                        (write ? "value" : "previous") +
-                        ", moment1 or moment2 (got '" + s + "')");
+                        (write ? "value, " : "") + "moment1 or moment2 (got '" +
+                        s + "')" +
+                        (s == "previous" ? "; a value before a step is read "
+                                           "with pull_at(key, version, out)"
+                                         : ""));
 }
 
 membox::DType ParseDType(const std::string& s) {
@@ -397,12 +399,15 @@ class Client {
     kPushPull,
     kStore,
     kPullState,
+    kPullAt,
     kStoreState
   };
 
+  // `part`: kPullState / kStoreState; `version`: kPullAt.
   Handle Submit(OpKind kind, uint64_t key, py::object in, py::object out,
                 int priority,
-                membox::ps::KeyPart part = membox::ps::KeyPart::kPrevious) {
+                membox::ps::KeyPart part = membox::ps::KeyPart::kMoment1,
+                uint64_t version = 0) {
     auto op = std::make_shared<PyOp>();
     Buffer bi, bo;
     if (!in.is_none()) {
@@ -465,6 +470,9 @@ class Client {
           break;
         case OpKind::kPullState:
           h = c_->PullState(key, part, bo.ptr, cb);
+          break;
+        case OpKind::kPullAt:
+          h = c_->PullAt(key, version, bo.ptr, cb);
           break;
         case OpKind::kStoreState:
           h = c_->StoreState(key, part, bi.ptr, cb);
@@ -857,9 +865,21 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("key"), py::arg("part"), py::arg("out"),
           "Reads part of a key with an optimizer as the nodes hold it now: "
-          "'moment1' (SGD's momentum, Adam's m, Adagrad's sums), 'moment2' "
-          "(Adam's v) or 'previous' (the value before the last step). "
-          "FAILED_PRECONDITION when the nodes have none.")
+          "'moment1' (SGD's momentum, Adam's m, Adagrad's sums) or "
+          "'moment2' (Adam's v). FAILED_PRECONDITION when the nodes have "
+          "none.")
+      .def(
+          "pull_at",
+          [](Client& c, uint64_t key, uint64_t version, py::object out) {
+            return c.Submit(Client::OpKind::kPullAt, key, py::none(), out, 0,
+                            membox::ps::KeyPart::kPrevious, version);
+          },
+          py::arg("key"), py::arg("version"), py::arg("out"),
+          "Reads a key with an optimizer as it was after `version` rounds, "
+          "shard by shard: a shard there gives its value, one a round past "
+          "it the value before its last step (what a restarted worker set "
+          "recomputes the step its job died in from). FAILED_PRECONDITION "
+          "for a shard further on.")
       .def(
           "store_state",
           [](Client& c, uint64_t key, const std::string& part,

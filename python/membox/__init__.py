@@ -83,9 +83,14 @@ class Client(_core.Client):
 
     def pull_state(self, key, part, out):
         """Part of a key with an optimizer, as the nodes hold it now:
-        "moment1", "moment2" or "previous" (its value before the last
-        step)."""
+        "moment1" or "moment2"."""
         return super().pull_state(key, part, _buffer(out))
+
+    def pull_at(self, key, version, out):
+        """A key with an optimizer as it was after `version` rounds (its
+        value, or the one before its last step where a shard is a round
+        past it)."""
+        return super().pull_at(key, version, _buffer(out))
 
     def store_state(self, key, part, data):
         """Writes "value", "moment1" or "moment2" of a key with an

@@ -520,7 +520,7 @@ class ParamClientImpl final : public ParamClient {
       m.region = k.staging->id();
       m.offset = 0;
     }
-    uint64_t version = 0;
+    std::vector<uint64_t> versions(proxies_.size(), 0);
     for (uint32_t i = 0; i < proxies_.size(); ++i) {
       // The first declaration of a key fixes its shard size; later ones
       // (this worker's S' may differ) adopt it.
@@ -533,11 +533,10 @@ class ParamClientImpl final : public ParamClient {
       char* rest = nullptr;
       uint64_t shard_bytes = std::strtoull(text->c_str(), &rest, 10);
       bool striped = rest && std::string_view(rest) == " striped";
-      // A striped key's shards advance on their owners only: the version
-      // is the newest any proxy reports.
-      // (A stored key's versions only count its stores, which reach the
-      // proxies at different moments: they may differ.)
-      if (i > 0 && ((!striped && !stored && v != version) ||
+      // A stored key's versions only count its stores, which reach the
+      // proxies at different moments: they may differ. A striped key's
+      // shards advance on their owners only (below).
+      if (i > 0 && ((!striped && !stored && v != versions[0]) ||
                     shard_bytes != k.shard_bytes || striped != k.striped)) {
         return DataLossError("proxies disagree on key " + std::to_string(key));
       }
@@ -545,12 +544,28 @@ class ParamClientImpl final : public ParamClient {
         return DataLossError("proxy gave a bad shard size for key " +
                              std::to_string(key));
       }
-      version = striped ? std::max(version, v) : v;
+      versions[i] = v;
       k.shard_bytes = shard_bytes;
       k.shards = static_cast<uint32_t>((bytes + shard_bytes - 1) / shard_bytes);
       k.striped = striped;
       m.shard_bytes = shard_bytes;
       m.striped = striped;
+    }
+    // A striped key: each owner reports its own shards. A job that died may
+    // have finished a round on some shards only. With an optimizer the
+    // version is the oldest (the rounds all shards have completed): this
+    // worker pushes that round again, and the shards that have it answer
+    // with its result (the proxy's retried round). Without one, and for a
+    // stored key (which counts its stores), the newest.
+    uint64_t version = versions.empty() ? 0 : versions.back();
+    if (stored || (k.striped && m.optimizer == proto::Optimizer::kNone)) {
+      version = *std::max_element(versions.begin(), versions.end());
+    } else if (k.striped) {
+      const auto np = static_cast<uint32_t>(versions.size());
+      version = UINT64_MAX;
+      for (uint32_t s = 0; s < k.shards; ++s) {
+        version = std::min(version, versions[StripeOwner(key, s, np)]);
+      }
     }
     k.base_version = version;
     k.declaration = m;
@@ -579,12 +594,20 @@ class ParamClientImpl final : public ParamClient {
   PsHandle PullState(uint64_t key, KeyPart part, void* out,
                      std::function<void(const Status&)> cb) override {
     const auto p = static_cast<proto::Part>(part);
-    if (p != proto::Part::kPrevious && p != proto::Part::kMoment1 &&
-        p != proto::Part::kMoment2) {
-      return Failed(InvalidArgumentError("PullState: no such part"),
+    if (p != proto::Part::kMoment1 && p != proto::Part::kMoment2) {
+      return Failed(InvalidArgumentError(
+                        p == proto::Part::kPrevious
+                            ? "PullState: the value before a step is read "
+                              "with PullAt"
+                            : "PullState: no such part"),
                     std::move(cb));
     }
     return Submit(Type::kPull, key, nullptr, out, 0, std::move(cb), p);
+  }
+  PsHandle PullAt(uint64_t key, uint64_t version, void* out,
+                  std::function<void(const Status&)> cb) override {
+    return Submit(Type::kPull, key, nullptr, out, 0, std::move(cb),
+                  proto::Part::kPrevious, version);
   }
   PsHandle StoreState(uint64_t key, KeyPart part, const void* data,
                       std::function<void(const Status&)> cb) override {
@@ -1348,7 +1371,8 @@ class ParamClientImpl final : public ParamClient {
   // optimizer (no round: the nodes' buffers as they are).
   PsHandle Submit(Type type, uint64_t key, const void* in, void* out,
                   int priority, std::function<void(const Status&)> cb,
-                  std::optional<proto::Part> state = std::nullopt) {
+                  std::optional<proto::Part> state = std::nullopt,
+                  uint64_t at_version = 0) {
     Op op;
     op.type = type;
     op.part = state.value_or(proto::Part::kValue);
@@ -1466,9 +1490,12 @@ class ParamClientImpl final : public ParamClient {
           k.last_staged = op.state;
         }
       }
-      // A stored key's pull reads what is there now.
-      op.min_version =
-          (async_ || k.stored || state) ? 0 : k.base_version + k.rounds;
+      // A stored key's pull reads what is there now; so do state pulls,
+      // except PullAt's, whose version says which value it reads.
+      op.min_version = state
+                           ? (*state == proto::Part::kPrevious ? at_version : 0)
+                       : (async_ || k.stored) ? 0
+                                              : k.base_version + k.rounds;
     }
     PsHandle h(op.state);
     {

@@ -93,7 +93,8 @@ enum class Mode : uint8_t { kSum = 0, kAverage = 1, kAsync = 2 };
 // kPull: which of a shard's buffers to read.
 enum class Part : uint8_t {
   kValue = 0,     // the current value (waits for min_version)
-  kPrevious = 1,  // the value before the last optimizer step
+  kPrevious = 1,  // the value as of round min_version: the current one, or
+                  // the one before the last optimizer step
   kMoment1 = 2,   // SGD's momentum, Adam's m, Adagrad's sum of squares
   kMoment2 = 3,   // Adam's v
 };

@@ -622,18 +622,21 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
     staleness_ = 0;
     for (auto& [k, key] : keys_) {
       // A job that failed mid-round may leave a key's shards one round
-      // apart (some completed it). The next job counts one round per key:
-      // the shards behind skip to the newest version (that round's update
-      // of them is lost, and said so).
+      // apart (some completed it). A key without an optimizer holds only
+      // that round's sum, which the next job does not need: the shards
+      // behind skip to the newest version, so it counts one round per key.
+      // A key with one holds the model: the restarted workers redo the
+      // round (CompletedRounds, RetriedRound).
       uint64_t lo = UINT64_MAX, hi = 0;
       for (const auto& sh : key.shards) {
         lo = std::min(lo, sh.version);
         hi = std::max(hi, sh.version);
       }
-      if (!key.shards.empty() && lo != hi && !key.striped) {
+      if (!key.shards.empty() && lo != hi && !key.striped &&
+          key.opt.kind == proto::Optimizer::kNone) {
         MEMBOX_LOG_WARN(
             "key {}: the job ended with its shards at versions {}..{}; "
-            "the shards behind skip to {} (their last round is lost)",
+            "the shards behind skip to {} (that round's sum is gone)",
             k, lo, hi, hi);
         for (auto& sh : key.shards) sh.version = hi;
       }

@@ -34,6 +34,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -369,6 +370,13 @@ class ProxyImpl final : public Proxy, public service::Service {
   // The round a worker's next push of `key` belongs to (striped keys: the
   // shards this proxy owns).
   uint64_t CurrentRound(uint64_t id, const Key& k) const;
+  // What a declaration is answered with. A job that died may have
+  // finished a round on some shards of a key only. A key with an
+  // optimizer: the rounds every shard this proxy owns has completed (the
+  // restarted workers redo that round; the shards that have it answer
+  // with its result, RetriedRound). A key without: its round's sum is
+  // gone with the job, and the newest shard's count is the next job's.
+  uint64_t CompletedRounds(uint64_t id, const Key& k) const;
 
   // New hyperparameters for the declared keys in [m.key, m.key_end), from
   // the next round on (workers tune between rounds: after a step's results
@@ -387,11 +395,13 @@ class ProxyImpl final : public Proxy, public service::Service {
   // and version, and its region is freed.
   void FoldCombined();
 
-  // With replication, a worker whose proxy died sends its push again to
-  // the replacement, which may hold the round already complete (a survivor
-  // finished it, and the replacement copied that): the answer is the
-  // current value -- that round's result, since the next one cannot have
-  // finished without this worker.
+  // A push for the round just completed -- the answer is the current value:
+  // that round's result, since the next one cannot have finished without
+  // this worker. Two ways to get here: with replication, a worker whose
+  // proxy died sends its push again to the replacement, which may hold the
+  // round complete (a survivor finished it, and the replacement copied
+  // that); and a restarted worker set pushes again the round its job died
+  // in, which the dead workers finished on some shards of a key only.
   bool RetriedRound(uint64_t conn, const Message& m);
 
   Status CheckShardRequest(const Message& m);

@@ -314,6 +314,17 @@ Status ProxyImpl::Configure(const Message& m) {
   return Status::Ok();
 }
 
+uint64_t ProxyImpl::CompletedRounds(uint64_t id, const Key& k) const {
+  if (k.opt.kind == proto::Optimizer::kNone) return CurrentRound(id, k);
+  std::optional<uint64_t> v;
+  for (uint32_t s = 0; s < k.shards.size(); ++s) {
+    if (!k.striped || Owner(id, s) == opt_.rank) {
+      v = std::min(v.value_or(UINT64_MAX), k.shards[s].version);
+    }
+  }
+  return v.value_or(0);
+}
+
 uint64_t ProxyImpl::CurrentRound(uint64_t id, const Key& k) const {
   if (!k.striped) return k.shards[0].version;
   uint64_t v = 0;
@@ -502,11 +513,11 @@ Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
   } else if (!k.initialized && m.has_input) {
     k.awaiting_init = true;
   }
-  return CurrentRound(m.key, k);
+  return CompletedRounds(m.key, k);
 }
 
 bool ProxyImpl::RetriedRound(uint64_t conn, const Message& m) {
-  if (!opt_.replicate || mode_ == proto::Mode::kAsync) return false;
+  if (mode_ == proto::Mode::kAsync) return false;
   auto it = keys_.find(m.key);
   if (it == keys_.end() || m.shard >= it->second.shards.size()) return false;
   Shard& sh = it->second.shards[m.shard];

@@ -585,6 +585,17 @@ void ProxyImpl::ServePull(uint64_t k, Shard& sh, const PendingPull& p) {
     case proto::Part::kValue:
       break;
     case proto::Part::kPrevious:
+      // The value as of round p.min_version (PullAt): the current one, or
+      // the one before the step that followed it.
+      if (sh.version == p.min_version) break;
+      if (sh.version != p.min_version + 1) {
+        return Reply(p.conn, Type::kPull, p.id,
+                     FailedPreconditionError(fmt::format(
+                         "key {} shard is at version {}: its value as of "
+                         "version {} is not kept",
+                         k, sh.version, p.min_version)),
+                     sh.version);
+      }
       src = &sh.previous;
       what = "previous value (no optimizer step here since it started)";
       break;

@@ -554,6 +554,90 @@ TEST(PsTest, SgdOnTheMemoryNode) {
   EXPECT_FLOAT_EQ(out[99], 1.0f - 0.5f * 3.0f);
 }
 
+// A job dies with a round finished on some shards of a striped key with an
+// optimizer and not on others (worker 1's push to proxy 1 is still on its
+// way). The restarted worker set declares the key at the round every shard
+// has (the oldest), reads it as of that round shard by shard (PullAt:
+// the value before the step where a shard is past it), and pushes the
+// round again: the shards that have it answer with its result, the others
+// complete it. The model ends where an undisturbed job would.
+TEST(PsTest, ARestartedJobRedoesARoundFinishedOnSomeShardsOnly) {
+  auto c = Cluster::Start(2);
+  RoutingTable r;
+  r.stripe = true;
+  r.partition_bytes = 4 << 10;
+  const size_t n = 4096;  // 16 KiB: 4 shards, 2 on each proxy
+  SyncConfig cfg;
+  cfg.mode = SyncConfig::Mode::kSum;
+  cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.5};
+  std::vector<float> init(n, 1.0f), g0 = Ramp(n, 1), g1 = Ramp(n, 2);
+  auto start = [&](int rank, std::vector<transport::FaultPolicy> links) {
+    auto w = Worker(c, rank, 2, r, std::move(links));
+    EXPECT_TRUE(w && w->Configure(cfg).ok());
+    return w;
+  };
+  transport::FaultPolicy fast, slow;
+  slow.fixed_latency = 600ms;
+  {
+    auto w0 = start(0, {});
+    auto w1 = start(1, {fast, slow});
+    ASSERT_TRUE(w0 && w1);
+    ASSERT_TRUE(w0->Declare(1, n * 4, DType::kFloat32, init.data()).ok());
+    ASSERT_TRUE(w1->Declare(1, n * 4, DType::kFloat32).ok());
+    // Round 0 completes everywhere.
+    auto a = w0->Push(1, g0.data());
+    auto b = w1->Push(1, g1.data());
+    ASSERT_TRUE(a.Wait(20s).ok());
+    ASSERT_TRUE(b.Wait(20s).ok());
+    // Round 1: proxy 0's shards complete; worker 1's push to proxy 1 is
+    // still in flight when the job dies.
+    a = w0->Push(1, g0.data());
+    b = w1->Push(1, g1.data());
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (c.proxies[0]->Stats().rounds_completed < 4) {
+      ASSERT_LT(std::chrono::steady_clock::now(), until);
+      std::this_thread::sleep_for(5ms);
+    }
+    EXPECT_EQ(c.proxies[1]->Stats().rounds_completed, 2u);
+    // Closing fails what is pending; then the handles may go.
+    w0.reset();
+    w1.reset();
+    EXPECT_FALSE(b.Wait(20s).ok());
+  }
+  WaitForNoWorkers(c);
+  ASSERT_EQ(c.proxies[1]->Stats().rounds_completed, 2u)
+      << "the slow push arrived after all";
+  auto w0 = start(0, {}), w1 = start(1, {});
+  ASSERT_TRUE(w0 && w1);
+  auto v0 = w0->Declare(1, n * 4, DType::kFloat32, init.data());
+  auto v1 = w1->Declare(1, n * 4, DType::kFloat32);
+  ASSERT_TRUE(v0.ok() && v1.ok()) << v0.status().ToString();
+  EXPECT_EQ(*v0, 1u);  // round 1 is not complete on every shard
+  EXPECT_EQ(*v1, 1u);
+  std::vector<float> at(n), want(n);
+  for (size_t i = 0; i < n; ++i) want[i] = 1.0f - 0.5f * (g0[i] + g1[i]);
+  ASSERT_TRUE(w1->PullAt(1, 1, at.data()).Wait(20s).ok());
+  EXPECT_EQ(at, want);
+  // The current value is further on proxy 0's shards: not what the
+  // restarted step computes with.
+  std::vector<float> now(n);
+  ASSERT_TRUE(w1->PullState(1, KeyPart::kMoment1, now.data()).Wait(20s).ok());
+  EXPECT_EQ(w1->PullState(1, KeyPart::kPrevious, now.data()).Wait(20s).code(),
+            StatusCode::kInvalidArgument);
+  auto a = w0->Push(1, g0.data());
+  auto b = w1->Push(1, g1.data());
+  ASSERT_TRUE(a.Wait(20s).ok()) << a.Wait(0s).ToString();
+  ASSERT_TRUE(b.Wait(20s).ok()) << b.Wait(0s).ToString();
+  auto p = w0->Pull(1, now.data());
+  ASSERT_TRUE(p.Wait(20s).ok()) << p.Wait(0s).ToString();
+  EXPECT_EQ(p.version(), 2u);
+  for (size_t i = 0; i < n; ++i) want[i] -= 0.5f * (g0[i] + g1[i]);
+  EXPECT_EQ(now, want);
+  // As of round 0 is two steps back now: not kept.
+  EXPECT_EQ(w0->PullAt(1, 0, at.data()).Wait(20s).code(),
+            StatusCode::kFailedPrecondition);
+}
+
 // Optimizers are per key: an SGD tensor and a plain averaged one in one job
 // (a ParameterServer next to the DDP hook), on two proxies; the learning
 // rate changes between rounds (a schedule); what workers cannot do is

@@ -166,6 +166,25 @@ class ClientTest(unittest.TestCase):
         ps.step()
         self.assertTrue(torch.allclose(w.data, torch.zeros(10)))
 
+    def test_a_key_is_read_as_of_a_round(self):
+        # pull_at: what a restarted worker set recomputes a step from.
+        c = self.client()
+        init = np.ones(10, np.float32)
+        c.declare(1, 40, "float32", init, optimizer="sgd", lr=0.5)
+        c.push(1, np.full(10, 2.0, np.float32)).wait(10)
+        out = np.zeros(10, np.float32)
+        c.pull_at(1, 0, out).wait(10)  # one step back: before it
+        np.testing.assert_array_equal(out, init)
+        c.pull_at(1, 1, out).wait(10)  # the current round
+        np.testing.assert_array_equal(out, np.zeros(10, np.float32))
+        with self.assertRaisesRegex(membox.MemboxError, "as of version 3"):
+            c.pull_at(1, 3, out).wait(10)
+        with self.assertRaisesRegex(ValueError, "pull_at"):
+            c.pull_state(1, "previous", out)
+        c.declare(2, 40)  # no optimizer: no state, no previous value
+        with self.assertRaisesRegex(membox.MemboxError, "no optimizer"):
+            c.pull_at(2, 0, out).wait(10)
+
     def test_errors_are_exceptions_with_the_message(self):
         with self.assertRaisesRegex(membox.MemboxError, "wrong secret"):
             self.client(secret="not-the-secret")

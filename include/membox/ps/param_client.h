@@ -115,7 +115,7 @@ struct SyncConfig {
 // What PullState reads of a key on the memory nodes.
 enum class KeyPart : uint8_t {
   kValue = 0,     // StoreState only (Pull reads the value)
-  kPrevious = 1,  // the value before its last optimizer step (PullState)
+  kPrevious = 1,  // PullAt only: the value as of a given round
   kMoment1 = 2,   // SGD's momentum, Adam's first moment, Adagrad's sums
   kMoment2 = 3,   // Adam's second moment
 };
@@ -181,7 +181,10 @@ class ParamClient {
   // `init` (optional) sets the initial value: rank 0's wins, and until rank
   // 0 has declared the key its pulls and pushes wait (a key declared with
   // initial values by other ranks only is never served). Returns the stored
-  // version (non-zero after a restore from a checkpoint).
+  // version (non-zero after a restore from a checkpoint, or for a restarted
+  // worker set): the rounds every shard of the key has completed. Where a
+  // job died with a round finished on some shards only, the worker pushes
+  // that round again; the shards that have it answer with its result.
   virtual Result<uint64_t> Declare(uint64_t key, size_t bytes, DType dtype,
                                    const void* init = nullptr) = 0;
   // Declare with this tensor's own optimizer.
@@ -219,13 +222,21 @@ class ParamClient {
       uint64_t key, const void* in, void* out, int priority = 0,
       std::function<void(const Status&)> cb = nullptr) = 0;
   // Reads `part` of a key with an optimizer as the nodes hold it now (no
-  // waiting for a round): its optimizer state (for a state dict), or its
-  // value before the last step (a restarted worker recomputing the step
-  // its job died in). kFailedPrecondition when the nodes have none yet
-  // (no optimizer step), or no longer (a node replaced since).
+  // waiting for a round): its optimizer state (kMoment1 / kMoment2, for a
+  // state dict). kFailedPrecondition when the nodes have none yet (no
+  // optimizer step), or no longer (a node replaced since).
   virtual PsHandle PullState(
       uint64_t key, KeyPart part, void* out,
       std::function<void(const Status&)> cb = nullptr) = 0;
+  // Reads a key with an optimizer as it was after `version` rounds, shard
+  // by shard: a shard at that version gives its value, one a round past it
+  // the value before its last step. This is what a restarted worker set
+  // recomputes the step its job died in from -- the dead worker may have
+  // finished that step's round on some shards of a key and not on others.
+  // kFailedPrecondition for a shard further on, or one whose value before
+  // the step is gone (a node replaced since).
+  virtual PsHandle PullAt(uint64_t key, uint64_t version, void* out,
+                          std::function<void(const Status&)> cb = nullptr) = 0;
   // Writes the value or a moment of a key with an optimizer (a loaded
   // state dict) on every node holding it, between rounds: a shard in a
   // round refuses it (kFailedPrecondition). The round count (Adam's step)

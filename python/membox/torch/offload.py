@@ -108,9 +108,12 @@ class _Key:
             self.flat.untyped_storage().resize_(0)
         self.at = 0  # byte offset in the unit's buffer
         self.pushed = False  # this step's gradient is on its way
-        # Rounds the nodes completed; a key ahead of the job's step (its
-        # round finished before a worker died mid-step) is recomputed from
-        # its previous value and not pushed in that step.
+        # Rounds the nodes completed on every shard of the key; a key ahead
+        # of the job's step (its round finished before a worker died
+        # mid-step) is recomputed from its previous value and not pushed in
+        # that step. A key whose round finished on some shards only is not
+        # ahead: it is pushed again, and those shards answer with their
+        # result.
         self.version = 0
         self.ahead = False
 
@@ -351,7 +354,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # values and does not push them).
         self.ahead = sum(k.ahead for u in self.units for k in u.keys)
         import os
-        if self.version and os.environ.get("MEMBOX_RESTART", "0") == "0":
+        restarted = os.environ.get("MEMBOX_RESTART", "0") != "0"
+        # A job going on from the nodes: until the first step() the forward
+        # and backward compute from the values as of that step, shard by
+        # shard (_pull).
+        self._first_step = bool(self.version) or restarted
+        if self.version and not restarted:
             import warnings
             warnings.warn("offload: the memory nodes already hold this "
                           "model at step %d (an earlier job's keys, not a "
@@ -503,11 +511,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         u.loaded = False
 
     def _pull(self, k, out):
-        if not k.ahead:
+        if not (self._first_step and k.trainable):
             return self.client.pull(k.key, out)
-        # The step this worker redoes already moved this key on the nodes:
-        # compute with the value it had before.
-        h = self.client.pull_state(k.key, "previous", out)
+        # The first step after declaring: the values as of self.version.
+        # Where a job died in this step, its round may have finished on
+        # some shards of the key (all of them: an ahead key): those give
+        # the value from before it.
+        h = self.client.pull_at(k.key, self.version, out)
         try:
             h.wait()
         except membox.MemboxError as e:
@@ -770,6 +780,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 u.busy = False
                 u.grads_left = u.grads_total
         self._step_open = False
+        self._first_step = False
         self.version += 1
         if self._auto:
             self._auto = False
