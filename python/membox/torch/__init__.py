@@ -25,10 +25,15 @@ gradients and the nodes apply the table's optimizer (Adagrad by default) --
 the rows never join a torch optimizer. prefetch() pulls a later batch's
 rows while this one trains.
 
+Importing this package also registers the torch.distributed backend
+"membox" (torch 2.x): `dist.init_process_group("membox")` runs a process
+group's collectives through the memory nodes (membox.torch.backend).
+
 The package's modules, one job each: _session (this worker's client and
 what it declared), staging (CUDA through page-locked memory), ddp (the
 hook), overlapped, ps, checkpoint, state (InMemoryState), embedding and
-offload (the model itself in the nodes). The public names are all here.
+offload (the model itself in the nodes), backend (the process group). The
+public names are all here.
 """
 from membox.torch._session import client, init
 from membox.torch.checkpoint import load_checkpoint, save_checkpoint
@@ -41,10 +46,17 @@ from membox.torch.ps import ParameterServer
 from membox.torch.staging import staging_stats
 from membox.torch.state import InMemoryState
 
+try:  # torch 2.x: Python classes may be torch.distributed backends
+    from torch._C._distributed_c10d import Backend as _Backend  # noqa: F401
+    from membox.torch.backend import MemboxBackend, register as _register
+    _register()
+except ImportError:  # torch 1.13, or a torch without distributed
+    MemboxBackend = None
+
 __all__ = [
     "init", "client", "allreduce_hook", "staging_stats",
     "OverlappedOptimizer", "ParameterServer", "save_checkpoint",
     "load_checkpoint", "InMemoryState", "embeddings", "Prefetched",
     "EmbeddingGroup", "Embedding", "EmbeddingBag", "offload",
-    "OffloadOptimizer",
+    "OffloadOptimizer", "MemboxBackend",
 ]

@@ -1,0 +1,814 @@
+"""membox as a torch.distributed backend: `import membox.torch` registers
+"membox", and `dist.init_process_group("membox")` runs a process group's
+collectives through the memory nodes (docs/design/backend.md).
+
+Paths:
+  * Sums and averages of floating-point tensors (all_reduce, reduce,
+    reduce_scatter, their coalesced and tensor forms) are rounds on the
+    memory nodes: every rank pushes, the nodes sum (striped over the
+    nodes, combined in the node's memory for small tensors on one node),
+    and the result is pulled -- by every rank (all_reduce), by the root
+    (reduce), or each rank its own chunk (reduce_scatter).
+  * Moving data (broadcast, all_gather, gather, scatter, all_to_all,
+    send/recv) and the reductions the nodes do not sum (MIN, MAX,
+    PRODUCT, bitwise ops, integer tensors) are exchanges: each rank
+    stores what it sends into stored keys on the nodes, the ranks meet
+    at a fence (one 4-byte round), and each pulls what it receives.
+    Reductions then reduce locally.
+
+Threading: collectives are called on the training thread (or DDP's
+autograd thread). Rounds are submitted at once and complete on the
+client's completion thread; exchanges run in issue order on the group's
+one exchange thread (so every rank takes its fences in the same order).
+Each operation's Work completes once, with its result or its error.
+
+Keys: the group's own key space (0xD << 60, then the group's index in this
+job), so a membox process group lives next to the DDP hook's,
+ParameterServer's and offload's keys on the same nodes."""
+import hashlib
+import os
+import queue
+import threading
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import membox
+
+_KEY_BASE = 0xD << 60
+_STORE_KEY = "membox/proxies"  # the same rendezvous key init() uses
+_ROUTING_KEY = "membox/routing"
+
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_NAMES = {torch.float32: "float32", torch.float64: "float64",
+          torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _op_name(op):
+    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR",
+                 "BXOR", "PREMUL_SUM"):
+        if op == getattr(dist.ReduceOp, name):
+            return name
+    return str(op)
+
+
+def _local_reduce(name, stacked):
+    """Reduces dim 0 of `stacked` with torch's op `name` (the exchange path:
+    every rank's contribution is here)."""
+    if name in ("SUM", "AVG"):
+        out = stacked.sum(0, dtype=stacked.dtype)
+        if name == "AVG":
+            if stacked.dtype.is_floating_point or stacked.is_complex():
+                out = out / stacked.shape[0]
+            else:
+                out = torch.div(out, stacked.shape[0], rounding_mode="floor")
+        return out
+    if name == "PRODUCT":
+        return stacked.prod(0, dtype=stacked.dtype)
+    if name == "MIN":
+        return stacked.amin(0) if stacked.dtype != torch.bool \
+            else stacked.all(0)
+    if name == "MAX":
+        return stacked.amax(0) if stacked.dtype != torch.bool \
+            else stacked.any(0)
+    ops = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or,
+           "BXOR": torch.bitwise_xor}
+    if name in ops:
+        out = stacked[0].clone()
+        for t in stacked[1:]:
+            out = ops[name](out, t)
+        return out
+    raise RuntimeError("membox backend: reduce op %s is not supported" % name)
+
+
+def _bytes_view(t):
+    """A contiguous CPU tensor's bytes as a flat uint8 tensor (same memory)."""
+    return t.view(-1).view(torch.uint8) if t.numel() else \
+        torch.empty(0, dtype=torch.uint8)
+
+
+class _Work(dist.Work):
+    """One operation: completes once, with its outputs or an error. wait()
+    waits up to its timeout (the group's when none is given) and raises the
+    operation's error; get_future() gives a Future of the outputs whose
+    error C++ callers (DDP's reducer) see as an error too."""
+
+    def __init__(self, what, outputs, timeout):
+        super().__init__()
+        self._what = what
+        self._outputs = outputs
+        self._timeout = timeout
+        self._event = threading.Event()
+        self._error = None
+        self._fut = torch.futures.Future()
+        self._checked = None
+
+    def _finish(self, error=None):
+        if self._event.is_set():
+            return
+        self._error = error
+        self._event.set()
+        if error is None:
+            self._fut.set_result(self._outputs)
+        else:
+            self._fut.set_exception(error)
+
+    def wait(self, timeout=None):
+        t = self._timeout
+        if timeout is not None and timeout > timedelta(0):
+            t = timeout
+        if not self._event.wait(t.total_seconds()):
+            raise RuntimeError("membox backend: %s timed out after %s" %
+                               (self._what, t))
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self):
+        return self._event.is_set()
+
+    def is_success(self):
+        return self._event.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        return self._outputs
+
+    def get_future(self):
+        if self._checked is None:
+            # set_exception keeps the error as the value, which C++ then
+            # fails to read as tensors: a then() that raises it makes it
+            # an error there too (as membox.torch.ddp.for_ddp does).
+            self._checked = self._fut.then(lambda f: f.value())
+        return self._checked
+
+
+def _done(what, outputs, timeout):
+    w = _Work(what, outputs, timeout)
+    w._finish()
+    return w
+
+
+def _proxies(store, rank):
+    """The memory nodes: MEMBOX_PROXIES, or what a rank that has it put into
+    the group's store (one host's environment is enough)."""
+    env = os.environ.get("MEMBOX_PROXIES")
+    if env:
+        store.set(_STORE_KEY, env)
+        return env.split(",")
+    try:
+        store.wait([_STORE_KEY], timedelta(seconds=60))
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds
+        raise membox.MemboxError(
+            "membox backend: no memory nodes. Set MEMBOX_PROXIES "
+            "(host:port of each memory node, comma-separated) on at least "
+            "one rank, or start the job with `membox launch`; rank %d "
+            "waited 60 s for another rank to publish them (%s)" % (rank, e))
+    return store.get(_STORE_KEY).decode().split(",")
+
+
+class MemboxBackend(torch._C._distributed_c10d.Backend):
+    """A torch.distributed backend whose collectives run on the memory
+    nodes (module docstring). Made by torch through the "membox" name:
+    init_process_group("membox") under torchrun, file:// or tcp:// init,
+    or mp.spawn with rank and world_size."""
+
+    _groups = 0  # groups made in this process: each its own key space
+
+    def __init__(self, store, rank, size, timeout):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._timeout = timeout if isinstance(timeout, timedelta) and \
+            timeout > timedelta(0) else timedelta(minutes=30)
+        if dist.is_initialized() and size != dist.get_world_size():
+            raise RuntimeError(
+                "membox backend: a subgroup of %d of the job's %d ranks "
+                "(new_group) is not supported: the memory nodes' rounds "
+                "count every rank of the job. Create that group with "
+                "backend='gloo'" % (size, dist.get_world_size()))
+        self._index = MemboxBackend._groups
+        MemboxBackend._groups += 1
+        self._store = store
+        proxies = _proxies(store, rank)
+        self._client = membox.connect(
+            proxies, rank=rank, world=size, name="torch-rank-%d" % rank,
+            timeout=self._timeout.total_seconds())
+        self._client.configure(mode="sum")
+        if self._client.num_proxies > 1:
+            self._route()
+        self._declared = {}  # key -> bytes
+        self._buffers = {}  # key -> registered numpy buffer
+        self._seq = {}  # signature -> calls so far (the same on every rank)
+        self._exchanges = 0
+        self._p2p_sent = {}  # (dst, tag) -> sends so far
+        self._p2p_recv = {}  # (src, tag) -> receives so far
+        self._jobs = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="membox-backend-%d" % self._index)
+        self._thread.start()
+        self._fence = self._key(2, 0, "fence")
+        self._declare(self._fence, 4, "float32")
+        self._one = self._client.allocate(4).view(np.float32)
+
+    # ------------------------------------------------------------ plumbing
+    def getBackendName(self):
+        return "membox"
+
+    @property
+    def client(self):
+        """The membox client this group's collectives use."""
+        return self._client
+
+    def _route(self):
+        """Every rank routes by rank 0's measurement of the nodes (through
+        the store: the group is not up yet)."""
+        import pickle
+        if self._rank == 0:
+            table = self._client.profile([256 << 10, 1 << 20, 4 << 20], 3)
+            self._store.set(_ROUTING_KEY, pickle.dumps(table))
+        else:
+            self._store.wait([_ROUTING_KEY], self._timeout)
+            self._client.set_routing(
+                pickle.loads(self._store.get(_ROUTING_KEY)))
+
+    def _key(self, kind, parity, *what):
+        """A key of this group: kind (1 rounds, 2 fence, 3 exchange, 4
+        point-to-point), then a digest of what it holds."""
+        h = hashlib.blake2b(repr((self._index, parity) + what).encode(),
+                            digest_size=8).digest()
+        low = int.from_bytes(h, "little") & ((1 << 52) - 1)
+        return _KEY_BASE | (kind << 56) | (self._index & 0xF) << 52 | low
+
+    def _declare(self, key, nbytes, dtype=None):
+        """Declares `key` once (dtype None: a stored key of bytes)."""
+        if key in self._declared:
+            if self._declared[key] != nbytes:
+                raise RuntimeError("membox backend: key collision")
+            return
+        if dtype is None:
+            self._client.declare_stored(key, max(nbytes, 1))
+        else:
+            self._client.declare(key, nbytes, dtype)
+        self._declared[key] = nbytes
+
+    def _buffer(self, key, nbytes):
+        """Registered memory kept for `key` (stored keys move no other)."""
+        b = self._buffers.get(key)
+        if b is None:
+            b = self._buffers[key] = self._client.allocate(max(nbytes, 1))
+        return b
+
+    def _next(self, *signature):
+        n = self._seq.get(signature, 0)
+        self._seq[signature] = n + 1
+        return n
+
+    def _check(self, what, tensors):
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError("membox backend: %s takes tensors" % what)
+            if t.device.type != "cpu":
+                raise RuntimeError(
+                    "membox backend: %s of a %s tensor is not supported yet "
+                    "(CPU tensors only; for CUDA DDP use the hook "
+                    "membox.torch.allreduce_hook)" % (what, t.device.type))
+            if t.is_sparse:
+                raise RuntimeError("membox backend: %s of a sparse tensor is "
+                                   "not supported" % what)
+
+    def _submit(self, what, outputs, fn):
+        """Runs fn() on the exchange thread, in issue order; the Work
+        completes when it returns."""
+        if self._closed:
+            raise RuntimeError("membox backend: the process group is "
+                               "destroyed")
+        w = _Work(what, outputs, self._timeout)
+        self._jobs.put((w, fn))
+        return w
+
+    def _run(self):
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            w, fn = job
+            try:
+                fn()
+                w._finish()
+            except Exception as e:  # noqa: BLE001 - the Work carries it
+                w._finish(e if isinstance(e, RuntimeError)
+                          else RuntimeError("membox backend: %s failed: %s"
+                                            % (w._what, e)))
+
+    def _wait(self, handles):
+        t = self._timeout.total_seconds()
+        for h in handles:
+            h.wait(t)
+
+    # ------------------------------------------------------------- rounds
+    def _round(self, t, push_only=False):
+        """Sum of contiguous float tensor `t` over the ranks on the nodes,
+        into `t` (push_only: `t` is only pushed). Returns the handle."""
+        nbytes = t.numel() * t.element_size()
+        seq = self._next("round", t.dtype, nbytes)
+        key = self._key(1, seq % 4, _NAMES[t.dtype], nbytes)
+        self._declare(key, nbytes, _NAMES[t.dtype])
+        arr = t.view(-1)
+        if arr.dtype == torch.bfloat16:
+            arr = arr.view(torch.int16)
+        arr = arr.numpy()
+        if push_only:
+            return self._client.push(key, arr)
+        return self._client.push_pull(key, arr, arr)
+
+    def _rounds(self, what, tensors, name, outputs):
+        """All-reduces each tensor on the nodes; the Work completes when
+        all are back (AVG divides here: the nodes sum)."""
+        w = _Work(what, outputs, self._timeout)
+        staged = []
+        for t in tensors:
+            c = t if t.is_contiguous() else t.contiguous()
+            staged.append((t, c))
+        left = [len(staged)]
+        lock = threading.Lock()
+
+        def one_done(err):
+            if err is not None:
+                return w._finish(RuntimeError("membox backend: %s: %s" %
+                                              (what, err)))
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                try:
+                    for t, c in staged:
+                        if name == "AVG":
+                            c.div_(self._size)
+                        if c is not t:
+                            t.copy_(c)
+                    w._finish()
+                except Exception as e:  # noqa: BLE001 - reach the waiter
+                    w._finish(RuntimeError(str(e)))
+
+        if not staged:
+            w._finish()
+        for _, c in staged:
+            self._round(c).add_done_callback(one_done)
+        return w
+
+    def _on_nodes(self, name, tensors):
+        return name in ("SUM", "AVG") and all(
+            t.dtype in _FLOATS for t in tensors)
+
+    # ---------------------------------------------------------- exchanges
+    def _fence_round(self):
+        """Every rank meets here (one 4-byte round on the nodes)."""
+        self._one[0] = 1.0
+        self._client.push_pull(self._fence, self._one, self._one).wait(
+            self._timeout.total_seconds())
+
+    def _exchange(self, sends, recvs):
+        """On the exchange thread: `sends` {dst or None (every rank): bytes
+        tensor}, `recvs` {src: (bytes tensor out, from_all)}. Stores, meets
+        the other ranks at the fence, pulls. Keys alternate between two
+        sets (a rank cannot store into the set the others may still be
+        reading from: it would have to pass the fence after those reads)."""
+        parity = self._exchanges % 2
+        self._exchanges += 1
+        handles = []
+        for dst, data in sends.items():
+            n = data.numel()
+            key = self._key(3, parity, self._rank, dst, n)
+            self._declare(key, n)
+            buf = self._buffer(key, n)
+            np.copyto(buf[:n], data.numpy()) if n else None
+            handles.append(self._client.store(key, buf))
+        # Every rank declares what it pulls before the fence: a pull of a
+        # stored key reads what is there now.
+        pulls = []
+        for src, (out, from_all) in recvs.items():
+            n = out.numel()
+            key = self._key(3, parity, src, None if from_all else self._rank,
+                            n)
+            self._declare(key, n)
+            pulls.append((key, out, n))
+        self._wait(handles)
+        self._fence_round()
+        handles = []
+        for key, out, n in pulls:
+            buf = self._buffer(key, n)
+            handles.append((self._client.pull(key, buf), buf, out, n))
+        for h, buf, out, n in handles:
+            h.wait(self._timeout.total_seconds())
+            if n:
+                out.numpy()[:] = buf[:n]
+
+    def _gather_all(self, t):
+        """Every rank's `t` (same shape), stacked: on the exchange thread."""
+        c = t.contiguous()
+        out = torch.empty((self._size,) + tuple(t.shape), dtype=t.dtype)
+        recvs = {q: (_bytes_view(out[q]), True) for q in range(self._size)
+                 if q != self._rank}
+        out[self._rank].copy_(c)
+        self._exchange({None: _bytes_view(c)}, recvs)
+        return out
+
+    # --------------------------------------------------------- collectives
+    def allreduce(self, tensors, opts):
+        self._check("all_reduce", tensors)
+        name = _op_name(opts.reduceOp)
+        if self._on_nodes(name, tensors):
+            return self._rounds("all_reduce", tensors, name, tensors)
+
+        def run():
+            for t in tensors:
+                t.copy_(_local_reduce(name, self._gather_all(t)))
+        return self._submit("all_reduce(%s)" % name, tensors, run)
+
+    def allreduce_coalesced(self, tensors, opts):
+        self._check("all_reduce_coalesced", tensors)
+        name = _op_name(opts.reduceOp)
+        if not tensors:
+            return _done("all_reduce_coalesced", tensors, self._timeout)
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1:
+            raise RuntimeError("membox backend: all_reduce_coalesced needs "
+                               "tensors of one dtype")
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if self._on_nodes(name, [flat]):
+            w = self._rounds("all_reduce_coalesced", [flat], name, tensors)
+            inner = w._finish
+
+            def scatter_back(error=None):
+                if error is None:
+                    at = 0
+                    for t in tensors:
+                        t.copy_(flat[at:at + t.numel()].view_as(t))
+                        at += t.numel()
+                inner(error)
+            w._finish = scatter_back
+            return w
+
+        def run():
+            r = _local_reduce(name, self._gather_all(flat))
+            at = 0
+            for t in tensors:
+                t.copy_(r[at:at + t.numel()].view_as(t))
+                at += t.numel()
+        return self._submit("all_reduce_coalesced", tensors, run)
+
+    def reduce(self, tensors, opts):
+        self._check("reduce", tensors)
+        name = _op_name(opts.reduceOp)
+        root = opts.rootRank
+        if self._on_nodes(name, tensors) and len(tensors) == 1:
+            if self._rank == root:
+                return self._rounds("reduce", tensors, name, tensors)
+            # A rank other than the root only pushes its part; its tensor
+            # stays as it was.
+            t = tensors[0].contiguous()
+            w = _Work("reduce", tensors, self._timeout)
+            self._round(t, push_only=True).add_done_callback(
+                lambda err: w._finish(None if err is None else RuntimeError(
+                    "membox backend: reduce: %s" % err)))
+            return w
+
+        def run():
+            for t in tensors:
+                stacked = self._gather_to(root, t)
+                if stacked is not None:
+                    t.copy_(_local_reduce(name, stacked))
+        return self._submit("reduce(%s)" % name, tensors, run)
+
+    def _gather_to(self, root, t):
+        """Every rank's `t` stacked on `root` (None elsewhere)."""
+        c = t.contiguous()
+        if self._rank != root:
+            self._exchange({root: _bytes_view(c)}, {})
+            return None
+        out = torch.empty((self._size,) + tuple(t.shape), dtype=t.dtype)
+        out[root].copy_(c)
+        self._exchange({}, {q: (_bytes_view(out[q]), False)
+                            for q in range(self._size) if q != root})
+        return out
+
+    def broadcast(self, tensors, opts):
+        self._check("broadcast", tensors)
+        root = opts.rootRank
+
+        def run():
+            for t in tensors:
+                if self._rank == root:
+                    self._exchange({None: _bytes_view(t.contiguous())}, {})
+                else:
+                    c = torch.empty_like(t, memory_format=torch.contiguous_format)
+                    self._exchange({}, {root: (_bytes_view(c), True)})
+                    t.copy_(c)
+        return self._submit("broadcast", tensors, run)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        self._check("all_gather", input_tensors)
+        for outs in output_tensors:
+            self._check("all_gather", outs)
+            if len(outs) != self._size:
+                raise ValueError("membox backend: all_gather needs %d output "
+                                 "tensors, got %d" % (self._size, len(outs)))
+
+        def run():
+            for outs, t in zip(output_tensors, input_tensors):
+                c = t.contiguous()
+                tmp = [torch.empty_like(o, memory_format=torch.contiguous_format)
+                       for o in outs]
+                recvs = {q: (_bytes_view(tmp[q]), True)
+                         for q in range(self._size) if q != self._rank}
+                self._exchange({None: _bytes_view(c)}, recvs)
+                for q, o in enumerate(outs):
+                    o.copy_(c.view_as(o) if q == self._rank else tmp[q])
+        return self._submit("all_gather", output_tensors, run)
+
+    def all_gather_single(self, output, input, opts=None):
+        self._check("all_gather_into_tensor", [output, input])
+        if output.numel() != input.numel() * self._size:
+            raise ValueError("membox backend: all_gather_into_tensor's output "
+                             "must hold world_size x the input")
+
+        def run():
+            out = output.contiguous()
+            parts = out.view(-1).chunk(self._size)
+            c = input.contiguous().view(-1)
+            recvs = {q: (_bytes_view(parts[q]), True)
+                     for q in range(self._size) if q != self._rank}
+            self._exchange({None: _bytes_view(c)}, recvs)
+            parts[self._rank].copy_(c)
+            if out is not output:
+                output.copy_(out)
+        return self._submit("all_gather_into_tensor", [output], run)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        return self.allgather(output_lists, input_tensors, opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i, opts)
+                 for o, i in zip(outputs, inputs)]
+        return works[-1] if works else _done("all_gather", outputs,
+                                             self._timeout)
+
+    def gather(self, output_tensors, input_tensors, opts):
+        self._check("gather", input_tensors)
+        root = opts.rootRank
+        if self._rank == root and (len(output_tensors) != 1 or
+                                   len(output_tensors[0]) != self._size):
+            raise ValueError("membox backend: gather needs %d output tensors "
+                             "on the root" % self._size)
+
+        def run():
+            stacked = self._gather_to(root, input_tensors[0])
+            if stacked is not None:
+                for q, o in enumerate(output_tensors[0]):
+                    o.copy_(stacked[q])
+        return self._submit("gather", output_tensors, run)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        self._check("scatter", output_tensors)
+        root = opts.rootRank
+        if self._rank == root and (len(input_tensors) != 1 or
+                                   len(input_tensors[0]) != self._size):
+            raise ValueError("membox backend: scatter needs %d input tensors "
+                             "on the root" % self._size)
+
+        def run():
+            out = output_tensors[0]
+            if self._rank == root:
+                ins = [t.contiguous() for t in input_tensors[0]]
+                self._exchange({q: _bytes_view(ins[q])
+                                for q in range(self._size) if q != root}, {})
+                out.copy_(ins[root])
+            else:
+                c = torch.empty_like(out, memory_format=torch.contiguous_format)
+                self._exchange({}, {root: (_bytes_view(c), False)})
+                out.copy_(c)
+        return self._submit("scatter", output_tensors, run)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        self._check("reduce_scatter", output_tensors)
+        name = _op_name(opts.reduceOp)
+        for ins in input_tensors:
+            if len(ins) != self._size:
+                raise ValueError("membox backend: reduce_scatter needs %d "
+                                 "input tensors" % self._size)
+        if self._on_nodes(name, output_tensors) and len(output_tensors) == 1:
+            return self._reduce_scatter_rounds(
+                output_tensors[0], input_tensors[0], name, output_tensors)
+
+        def run():
+            for out, ins in zip(output_tensors, input_tensors):
+                flat = torch.stack([t.contiguous() for t in ins])
+                out.copy_(_local_reduce(name, self._gather_all(flat))[
+                    self._rank])
+        return self._submit("reduce_scatter(%s)" % name, output_tensors, run)
+
+    def reduce_scatter_single(self, output, input, opts):
+        self._check("reduce_scatter_tensor", [output, input])
+        if input.numel() != output.numel() * self._size:
+            raise ValueError("membox backend: reduce_scatter_tensor's input "
+                             "must hold world_size x the output")
+        chunks = list(input.contiguous().view(-1).chunk(self._size))
+        return self.reduce_scatter([output], [[c.view_as(output)
+                                               for c in chunks]], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        works = [self.reduce_scatter_single(o, i, opts)
+                 for o, i in zip(outputs, inputs)]
+        return works[-1] if works else _done("reduce_scatter", outputs,
+                                             self._timeout)
+
+    def _reduce_scatter_rounds(self, out, ins, name, outputs):
+        """Every rank pushes every chunk (a round per chunk) and pulls only
+        its own: a rank's link carries the input out and one chunk back."""
+        w = _Work("reduce_scatter", outputs, self._timeout)
+        mine = ins[self._rank].contiguous().clone()
+        pushed = [c.contiguous() for c in ins]
+        left = [len(pushed)]
+        lock = threading.Lock()
+
+        def one_done(err):
+            if err is not None:
+                return w._finish(RuntimeError(
+                    "membox backend: reduce_scatter: %s" % err))
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                if name == "AVG":
+                    mine.div_(self._size)
+                out.copy_(mine.view_as(out))
+                w._finish()
+
+        for q, c in enumerate(pushed):
+            h = self._round(mine if q == self._rank else c,
+                            push_only=q != self._rank)
+            h.add_done_callback(one_done)
+        return w
+
+    def all_to_all_single(self, output, input, output_split_sizes,
+                          input_split_sizes, opts=None):
+        self._check("all_to_all_single", [output, input])
+
+        def splits(t, sizes):
+            flat = t.contiguous().view(t.shape[0], -1) if t.dim() else \
+                t.contiguous().view(1, -1)
+            if not sizes:
+                if t.shape[0] % self._size:
+                    raise ValueError("membox backend: all_to_all_single: "
+                                     "dim 0 does not divide by world_size")
+                sizes = [t.shape[0] // self._size] * self._size
+            if len(sizes) != self._size or sum(sizes) != t.shape[0]:
+                raise ValueError("membox backend: all_to_all_single: bad "
+                                 "split sizes %s" % list(sizes))
+            return list(flat.split(list(sizes))), flat
+
+        outs, out_flat = splits(output, list(output_split_sizes))
+        ins, _ = splits(input, list(input_split_sizes))
+
+        def run():
+            self._alltoall(outs, ins)
+            if out_flat.data_ptr() != output.data_ptr():
+                output.copy_(out_flat.view_as(output))
+        return self._submit("all_to_all_single", [output], run)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._check("all_to_all", output_tensors + input_tensors)
+        if len(output_tensors) != self._size or \
+                len(input_tensors) != self._size:
+            raise ValueError("membox backend: all_to_all needs %d tensors "
+                             "each way" % self._size)
+
+        def run():
+            outs = [torch.empty_like(o, memory_format=torch.contiguous_format)
+                    for o in output_tensors]
+            self._alltoall(outs, [t.contiguous() for t in input_tensors])
+            for o, t in zip(output_tensors, outs):
+                o.copy_(t)
+        return self._submit("all_to_all", output_tensors, run)
+
+    def _alltoall(self, outs, ins):
+        """outs[q] <- rank q's ins[this rank], by one exchange."""
+        sends = {q: _bytes_view(ins[q].contiguous())
+                 for q in range(self._size) if q != self._rank}
+        tmp = [o if o.is_contiguous() else o.contiguous() for o in outs]
+        recvs = {q: (_bytes_view(tmp[q]), False)
+                 for q in range(self._size) if q != self._rank}
+        self._exchange(sends, recvs)
+        tmp[self._rank].copy_(ins[self._rank])
+        for o, t in zip(outs, tmp):
+            if o is not t:
+                o.copy_(t)
+
+    def barrier(self, opts=None):
+        return self._submit("barrier", [], self._fence_round)
+
+    # ------------------------------------------------------ point to point
+    # A send stores into a key of its own (sender, receiver, tag, the
+    # pair's count) and says so in the group's store; the receiver waits
+    # for that word, pulls, and says it has read, which the sender waits
+    # for before reusing the key two sends later.
+    def send(self, tensors, dst, tag):
+        self._check("send", tensors)
+        t = tensors[0].contiguous()
+        n = self._p2p_sent.get((dst, tag), 0)
+        self._p2p_sent[(dst, tag)] = n + 1
+        data = _bytes_view(t).clone()
+
+        def run():
+            base = "membox/p2p/%d/%d/%d/%d" % (self._rank, dst, tag, n)
+            if n >= 2:
+                old = "membox/p2p/%d/%d/%d/%d/read" % (self._rank, dst, tag,
+                                                       n - 2)
+                self._store.wait([old], self._timeout)
+                self._store.delete_key(old)
+            key = self._key(4, n % 2, self._rank, dst, tag, data.numel())
+            self._declare(key, data.numel())
+            buf = self._buffer(key, data.numel())
+            if data.numel():
+                np.copyto(buf[:data.numel()], data.numpy())
+            self._client.store(key, buf).wait(self._timeout.total_seconds())
+            self._store.set(base, str(data.numel()))
+        # Sends and receives do not take the exchange thread: a rank may
+        # send and then receive while its peer receives and then sends.
+        return self._p2p(("send to %d" % dst), tensors, run)
+
+    def recv(self, tensors, src, tag):
+        self._check("recv", tensors)
+        t = tensors[0]
+        n = self._p2p_recv.get((src, tag), 0)
+        self._p2p_recv[(src, tag)] = n + 1
+
+        def run():
+            base = "membox/p2p/%d/%d/%d/%d" % (src, self._rank, tag, n)
+            self._store.wait([base], self._timeout)
+            size = int(self._store.get(base))
+            self._store.delete_key(base)
+            if size != t.numel() * t.element_size():
+                raise RuntimeError(
+                    "membox backend: recv from %d: the send was %d bytes, "
+                    "the tensor holds %d" % (src, size,
+                                             t.numel() * t.element_size()))
+            key = self._key(4, n % 2, src, self._rank, tag, size)
+            self._declare(key, size)
+            buf = self._buffer(key, size)
+            self._client.pull(key, buf).wait(self._timeout.total_seconds())
+            c = torch.empty_like(t, memory_format=torch.contiguous_format)
+            if size:
+                _bytes_view(c).numpy()[:] = buf[:size]
+            t.copy_(c)
+            self._store.set(base + "/read", "1")
+        return self._p2p("recv from %d" % src, tensors, run)
+
+    def recvAnysource(self, tensors, tag):
+        raise RuntimeError("membox backend: recv without a source "
+                           "(recv_anysource) is not supported; name src")
+
+    def _p2p(self, what, outputs, fn):
+        w = _Work(what, outputs, self._timeout)
+
+        def run():
+            try:
+                fn()
+                w._finish()
+            except Exception as e:  # noqa: BLE001 - the Work carries it
+                w._finish(RuntimeError("membox backend: %s: %s" % (what, e)))
+        threading.Thread(target=run, daemon=True).start()
+        return w
+
+    # -------------------------------------------------------------- teardown
+    def shutdown(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    def abort(self):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+
+def _create(store, rank, size, timeout):
+    return MemboxBackend(store, rank, size, timeout)
+
+
+def register():
+    """Registers the "membox" backend with torch.distributed (once)."""
+    if "membox" in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend("membox", _create, devices=["cpu"])
