@@ -89,6 +89,8 @@ if [[ $with_torch == 1 ]]; then
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_offload.py"
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/offload_restart_test.sh" \
     "$venv/bin/membox"
+  # The torch.distributed backend "membox" (collectives, p2p, DDP).
+  MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_backend.py"
   rc=0
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_cuda.py" || rc=$?
   [[ $rc == 0 || $rc == 77 ]] || { echo "FAIL: test_cuda ($rc)"; exit 1; }

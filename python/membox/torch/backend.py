@@ -153,21 +153,24 @@ def _done(what, outputs, timeout):
     return w
 
 
-def _proxies(store, rank):
+def _proxies(store, rank, timeout):
     """The memory nodes: MEMBOX_PROXIES, or what a rank that has it put into
-    the group's store (one host's environment is enough)."""
+    the group's store (one host's environment is enough), waited for up to
+    60 s (or the group's timeout, if shorter)."""
     env = os.environ.get("MEMBOX_PROXIES")
     if env:
         store.set(_STORE_KEY, env)
         return env.split(",")
+    wait = min(timeout, timedelta(seconds=60))
     try:
-        store.wait([_STORE_KEY], timedelta(seconds=60))
+        store.wait([_STORE_KEY], wait)
     except Exception as e:  # noqa: BLE001 - torch raises several kinds
         raise membox.MemboxError(
             "membox backend: no memory nodes. Set MEMBOX_PROXIES "
             "(host:port of each memory node, comma-separated) on at least "
             "one rank, or start the job with `membox launch`; rank %d "
-            "waited 60 s for another rank to publish them (%s)" % (rank, e))
+            "waited %s for another rank to publish them (%s)" %
+            (rank, wait, e))
     return store.get(_STORE_KEY).decode().split(",")
 
 
@@ -193,7 +196,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._index = MemboxBackend._groups
         MemboxBackend._groups += 1
         self._store = store
-        proxies = _proxies(store, rank)
+        proxies = _proxies(store, rank, self._timeout)
         self._client = membox.connect(
             proxies, rank=rank, world=size, name="torch-rank-%d" % rank,
             timeout=self._timeout.total_seconds())
@@ -326,9 +329,9 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             return self._client.push(key, arr)
         return self._client.push_pull(key, arr, arr)
 
-    def _rounds(self, what, tensors, name, outputs):
+    def _rounds(self, what, tensors, name, outputs, then=None):
         """All-reduces each tensor on the nodes; the Work completes when
-        all are back (AVG divides here: the nodes sum)."""
+        all are back (AVG divides here: the nodes sum), after then()."""
         w = _Work(what, outputs, self._timeout)
         staged = []
         for t in tensors:
@@ -351,6 +354,8 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                             c.div_(self._size)
                         if c is not t:
                             t.copy_(c)
+                    if then is not None:
+                        then()
                     w._finish()
                 except Exception as e:  # noqa: BLE001 - reach the waiter
                     w._finish(RuntimeError(str(e)))
@@ -441,18 +446,13 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                                "tensors of one dtype")
         flat = torch.cat([t.reshape(-1) for t in tensors])
         if self._on_nodes(name, [flat]):
-            w = self._rounds("all_reduce_coalesced", [flat], name, tensors)
-            inner = w._finish
-
-            def scatter_back(error=None):
-                if error is None:
-                    at = 0
-                    for t in tensors:
-                        t.copy_(flat[at:at + t.numel()].view_as(t))
-                        at += t.numel()
-                inner(error)
-            w._finish = scatter_back
-            return w
+            def scatter_back():
+                at = 0
+                for t in tensors:
+                    t.copy_(flat[at:at + t.numel()].view_as(t))
+                    at += t.numel()
+            return self._rounds("all_reduce_coalesced", [flat], name,
+                                tensors, then=scatter_back)
 
         def run():
             r = _local_reduce(name, self._gather_all(flat))
@@ -729,7 +729,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             if n >= 2:
                 old = "membox/p2p/%d/%d/%d/%d/read" % (self._rank, dst, tag,
                                                        n - 2)
-                self._store.wait([old], self._timeout)
+                self._store_wait(old)
                 self._store.delete_key(old)
             key = self._key(4, n % 2, self._rank, dst, tag, data.numel())
             self._declare(key, data.numel())
@@ -750,7 +750,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
 
         def run():
             base = "membox/p2p/%d/%d/%d/%d" % (src, self._rank, tag, n)
-            self._store.wait([base], self._timeout)
+            self._store_wait(base)
             size = int(self._store.get(base))
             self._store.delete_key(base)
             if size != t.numel() * t.element_size():
@@ -772,6 +772,21 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     def recvAnysource(self, tensors, tag):
         raise RuntimeError("membox backend: recv without a source "
                            "(recv_anysource) is not supported; name src")
+
+    def _store_wait(self, key):
+        """Waits for `key` in the group's store by polling: a blocking wait
+        would hold the store's one connection, and a send's set() on
+        another thread would queue behind it (two ranks sending to each
+        other while each waits for the other's word would never meet)."""
+        import time
+        until = time.monotonic() + self._timeout.total_seconds()
+        pause = 50e-6
+        while not self._store.check([key]):
+            if time.monotonic() > until:
+                raise RuntimeError("timed out after %s waiting for the "
+                                   "peer" % self._timeout)
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-3)
 
     def _p2p(self, what, outputs, fn):
         w = _Work(what, outputs, self._timeout)

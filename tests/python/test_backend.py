@@ -1,0 +1,384 @@
+#!/usr/bin/env python3
+"""membox as a torch.distributed backend against real `membox serve` nodes:
+init_process_group("membox") with rank and world from the call (as mp.spawn
+scripts do) over tcp:// and file:// init, and under `membox launch`
+(env://); every collective's result against what it must be, for the
+dtypes and reduce ops torch allows; point to point; the object
+collectives; DDP on the backend against DDP on Gloo; and the errors a user
+sees. Needs torch 2.x (Python backends); skips (77) without it."""
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+import unittest
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError:
+    print("SKIP: needs torch")
+    sys.exit(77)
+
+import membox
+import membox.torch as mt
+
+if mt.MemboxBackend is None:
+    print("SKIP: torch %s has no Python backends" % torch.__version__)
+    sys.exit(77)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_client import MEMBOX, Node  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+
+# ------------------------------------------------------------ rank programs
+def _collectives(rank, world):
+    """Every collective, checked here; returns what it checked."""
+    done = []
+
+    def check(name, got, want):
+        if not torch.equal(got, want):
+            raise AssertionError("%s on rank %d: %s, want %s" %
+                                 (name, rank, got.tolist(), want.tolist()))
+        done.append(name)
+
+    ranks = torch.arange(world)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16,
+                  torch.float16, torch.int64, torch.int32):
+        for op, want in (("SUM", (ranks + 1).sum()),
+                         ("MIN", (ranks + 1).min()),
+                         ("MAX", (ranks + 1).max()),
+                         ("PRODUCT", (ranks + 1).prod())):
+            t = torch.full((7,), rank + 1, dtype=dtype)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            check("all_reduce %s %s" % (op, dtype), t,
+                  torch.full((7,), int(want), dtype=dtype))
+    t = torch.full((5,), float(rank))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    check("all_reduce AVG", t, torch.full((5,), (world - 1) / 2))
+    t = torch.full((3,), rank, dtype=torch.uint8)
+    dist.all_reduce(t, op=dist.ReduceOp.BOR)
+    want = 0
+    for q in range(world):
+        want |= q
+    check("all_reduce BOR", t, torch.full((3,), want, dtype=torch.uint8))
+    # Non-contiguous, and a large tensor striped over the nodes.
+    m = torch.arange(12.0).view(3, 4) * (rank + 1)
+    col = m[:, 1]
+    dist.all_reduce(col)
+    check("all_reduce strided", col, torch.tensor([1.0, 5.0, 9.0]) *
+          (world * (world + 1) / 2))
+    big = torch.full((3 << 20,), float(rank + 1))
+    dist.all_reduce(big)
+    check("all_reduce 12 MiB", big[::65537],
+          torch.full_like(big[::65537], world * (world + 1) / 2))
+    # Coalesced.
+    ts = [torch.full((n,), float(rank + 1)) for n in (1, 100, 1000)]
+    dist.all_reduce_coalesced(ts)
+    for t in ts:
+        check("all_reduce_coalesced", t,
+              torch.full_like(t, world * (world + 1) / 2))
+    # broadcast, from every root.
+    for root in range(world):
+        t = torch.arange(6, dtype=torch.int64) * (rank + 1)
+        dist.broadcast(t, src=root)
+        check("broadcast from %d" % root, t,
+              torch.arange(6, dtype=torch.int64) * (root + 1))
+    # all_gather, into a list and into one tensor.
+    outs = [torch.empty(3) for _ in range(world)]
+    dist.all_gather(outs, torch.full((3,), float(rank)))
+    check("all_gather", torch.stack(outs),
+          torch.arange(world, dtype=torch.float32)[:, None].expand(world, 3))
+    out = torch.empty(world * 2, dtype=torch.int32)
+    dist.all_gather_into_tensor(out, torch.full((2,), rank,
+                                                dtype=torch.int32))
+    check("all_gather_into_tensor", out,
+          torch.arange(world, dtype=torch.int32).repeat_interleave(2))
+    # reduce, gather and scatter to and from the last rank.
+    root = world - 1
+    t = torch.full((4,), float(rank + 1))
+    dist.reduce(t, dst=root)
+    check("reduce", t, torch.full((4,), float(world * (world + 1) / 2))
+          if rank == root else torch.full((4,), float(rank + 1)))
+    t = torch.full((4,), rank + 1, dtype=torch.int64)
+    dist.reduce(t, dst=root, op=dist.ReduceOp.MAX)
+    if rank == root:
+        check("reduce MAX", t, torch.full((4,), world, dtype=torch.int64))
+    g = [torch.empty(2) for _ in range(world)] if rank == root else None
+    dist.gather(torch.full((2,), float(rank)), g, dst=root)
+    if rank == root:
+        check("gather", torch.stack(g),
+              torch.arange(world, dtype=torch.float32)[:, None].expand(
+                  world, 2))
+    s = torch.empty(3)
+    dist.scatter(s, [torch.full((3,), float(q * 10)) for q in range(world)]
+                 if rank == root else None, src=root)
+    check("scatter", s, torch.full((3,), float(rank * 10)))
+    # reduce_scatter, list and tensor forms, on the nodes and not.
+    out = torch.empty(2)
+    dist.reduce_scatter(out, [torch.full((2,), float(q + rank))
+                              for q in range(world)])
+    check("reduce_scatter", out,
+          torch.full((2,), float(world * rank + world * (world - 1) / 2)))
+    out = torch.empty(2, dtype=torch.int64)
+    dist.reduce_scatter_tensor(
+        out, torch.arange(2 * world, dtype=torch.int64) + rank,
+        op=dist.ReduceOp.MAX)
+    check("reduce_scatter_tensor MAX", out,
+          torch.arange(2 * rank, 2 * rank + 2, dtype=torch.int64) + world - 1)
+    # all_to_all, even and uneven.
+    inp = torch.arange(world * 2) + 100 * rank
+    o = torch.empty(world * 2, dtype=inp.dtype)
+    dist.all_to_all_single(o, inp)
+    check("all_to_all_single", o, torch.tensor(
+        [100 * q + 2 * rank + i for q in range(world) for i in range(2)]))
+    # Rank r sends q + 1 elements to rank q.
+    send = [q + 1 for q in range(world)]
+    recv = [rank + 1] * world
+    inp = torch.cat([torch.full((q + 1,), float(rank * 10 + q))
+                     for q in range(world)])
+    o = torch.empty(sum(recv))
+    dist.all_to_all_single(o, inp, recv, send)
+    check("all_to_all_single uneven", o, torch.cat(
+        [torch.full((rank + 1,), float(q * 10 + rank)) for q in range(world)]))
+    outs = [torch.empty(1) for _ in range(world)]
+    dist.all_to_all(outs, [torch.tensor([float(rank * world + q)])
+                           for q in range(world)])
+    check("all_to_all", torch.cat(outs), torch.tensor(
+        [float(q * world + rank) for q in range(world)]))
+    # Point to point around the ring, three times on one pair (the keys
+    # alternate), and isend/irecv.
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for i in range(3):
+        x = torch.empty(4)
+        if rank % 2 == 0:
+            dist.send(torch.full((4,), float(rank * 100 + i)), nxt)
+            dist.recv(x, prv)
+        else:
+            dist.recv(x, prv)
+            dist.send(torch.full((4,), float(rank * 100 + i)), nxt)
+        check("send/recv %d" % i, x, torch.full((4,), float(prv * 100 + i)))
+    x = torch.empty(2, dtype=torch.float64)
+    reqs = [dist.isend(torch.full((2,), float(rank), dtype=torch.float64),
+                       nxt, tag=7),
+            dist.irecv(x, prv, tag=7)]
+    for r in reqs:
+        r.wait()
+    check("isend/irecv", x, torch.full((2,), float(prv), dtype=torch.float64))
+    # Work objects: async ops, wait, get_future. (torch 2.15 wraps a Python
+    # backend's Work in a holder whose is_completed() stays False: only
+    # wait() and get_future() reach the backend's own.)
+    t = torch.ones(8)
+    w = dist.all_reduce(t, async_op=True)
+    got = w.get_future().wait()
+    if not w.wait():
+        raise AssertionError("wait() of a done Work said False")
+    check("async all_reduce", got[0], torch.full((8,), float(world)))
+    # Object collectives.
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "s": "x" * rank})
+    if objs != [{"rank": q, "s": "x" * q} for q in range(world)]:
+        raise AssertionError("all_gather_object: %s" % objs)
+    lst = [("from", rank)]
+    dist.broadcast_object_list(lst, src=1)
+    if lst != [("from", 1)]:
+        raise AssertionError("broadcast_object_list: %s" % lst)
+    got = [None]
+    dist.scatter_object_list(got, [q * q for q in range(world)]
+                             if rank == 0 else None, src=0)
+    if got != [rank * rank]:
+        raise AssertionError("scatter_object_list: %s" % got)
+    done.append("objects")
+    dist.barrier()
+    return done
+
+
+def _ddp(rank, world):
+    """Ten DDP steps of a small MLP, rank-dependent data; final weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model,
+                                                    bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(10):
+        x = torch.randn(8, 16, generator=g)
+        loss = (ddp(x) - x[:, :4]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().tolist() for p in model.parameters()]
+
+
+def _errors(rank, world):
+    """What a user gets wrong, each a clear error; the group still works."""
+    said = {}
+    try:
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.PREMUL_SUM)
+    except Exception as e:  # noqa: BLE001 - the message is the point
+        said["premul"] = str(e)
+    if rank == 0:
+        dist.send(torch.ones(3), 1)
+    elif rank == 1:
+        try:
+            dist.recv(torch.empty(5), 0)
+        except Exception as e:  # noqa: BLE001
+            said["recv size"] = str(e)
+    try:
+        dist.new_group([0, 1])
+    except Exception as e:  # noqa: BLE001
+        said["subgroup"] = str(e)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    said["after"] = t.tolist()
+    return said
+
+
+def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
+    try:
+        os.environ["MEMBOX_SECRET_FILE"] = secret_file
+        os.environ.pop("MEMBOX_SECRET", None)
+        if rank in proxies_on:
+            os.environ["MEMBOX_PROXIES"] = proxies_on[rank]
+        else:
+            os.environ.pop("MEMBOX_PROXIES", None)
+        backend = "gloo" if program == "ddp-gloo" else "membox"
+        dist.init_process_group(backend, init_method=init, rank=rank,
+                                world_size=world)
+        fn = {"collectives": _collectives, "ddp": _ddp, "ddp-gloo": _ddp,
+              "errors": _errors}[program]
+        out = fn(rank, world)
+        dist.destroy_process_group()
+        if program == "collectives":
+            # A second group in the same process, on the same nodes.
+            dist.init_process_group("membox", init_method=init + "-again"
+                                    if init.startswith("file") else init,
+                                    rank=rank, world_size=world)
+            t = torch.full((3,), float(rank))
+            dist.all_reduce(t)
+            out.append("second group %s" % t.tolist())
+            dist.destroy_process_group()
+        q.put((rank, "ok", out))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        q.put((rank, "error", "%s\n%s" % (e, traceback.format_exc())))
+
+
+class BackendTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp()
+        cls.nodes = [Node(cls.tmp)]
+        cls.secret_file = os.path.join(cls.tmp, "secret")
+
+    @classmethod
+    def tearDownClass(cls):
+        for n in cls.nodes:
+            n.kill()
+
+    def run_ranks(self, world, program, init=None, proxies_on=None):
+        """Runs `program` in `world` spawned processes (rank and world
+        passed to init_process_group, as mp.spawn scripts do); returns
+        each rank's result."""
+        import socket
+        if init is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                init = "tcp://127.0.0.1:%d" % s.getsockname()[1]
+        if proxies_on is None:  # only rank 0 knows the nodes
+            proxies_on = {0: self.nodes[0].endpoint}
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_rank_main,
+                             args=(r, world, init, proxies_on,
+                                   self.secret_file, program, q))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results = {}
+        try:
+            for _ in range(world):
+                rank, status, out = q.get(timeout=240)
+                self.assertEqual(status, "ok", "rank %d: %s" % (rank, out))
+                results[rank] = out
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+        return [results[r] for r in range(world)]
+
+    def test_collectives_three_ranks_tcp_init(self):
+        outs = self.run_ranks(3, "collectives")
+        for r, out in enumerate(outs):
+            self.assertIn("objects", out)
+            self.assertIn("all_to_all_single uneven", out)
+            self.assertEqual(out[-1], "second group %s" % [3.0, 3.0, 3.0])
+
+    def test_collectives_two_ranks_file_init(self):
+        outs = self.run_ranks(2, "collectives",
+                              init="file://" + os.path.join(self.tmp, "rdv"))
+        self.assertIn("send/recv 2", outs[1])
+
+    def test_ddp_matches_gloo(self):
+        got = self.run_ranks(2, "ddp")
+        want = self.run_ranks(2, "ddp-gloo")
+        for g, w in zip(got[0], want[0]):
+            # The nodes sum in another order than Gloo's ring: a few units
+            # in the last place per step.
+            self.assertTrue(torch.allclose(torch.tensor(g), torch.tensor(w),
+                                           rtol=1e-5, atol=1e-6))
+        self.assertEqual(got[0], got[1])  # the ranks agree exactly
+
+    def test_errors_are_clear(self):
+        outs = self.run_ranks(3, "errors")
+        for rank, out in enumerate(outs):
+            self.assertIn("PREMUL_SUM", out["premul"])
+            self.assertEqual(out["after"], [3.0, 3.0])
+            if rank < 2:  # rank 2 is not in the subgroup: nothing to make
+                self.assertIn("subgroup", out["subgroup"])
+                self.assertIn("backend='gloo'", out["subgroup"])
+        self.assertIn("the send was 12 bytes", outs[1]["recv size"])
+
+    def test_no_memory_nodes_named(self):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MEMBOX_PROXIES",)}
+        code = ("import torch.distributed as dist, membox.torch\n"
+                "from datetime import timedelta\n"
+                "dist.init_process_group('membox', "
+                "init_method='file://%s', rank=0, world_size=1, "
+                "timeout=timedelta(seconds=2))\n" %
+                os.path.join(self.tmp, "lonely"))
+        p = subprocess.run([sys.executable, "-c", code], env=dict(
+            env, MEMBOX_SECRET_FILE=self.secret_file),
+            capture_output=True, text=True, timeout=120)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("Set MEMBOX_PROXIES", p.stderr)
+
+    def test_under_membox_launch(self):
+        # env:// init under `membox launch`, two nodes (striped rounds).
+        code = ("import torch, torch.distributed as dist, membox.torch\n"
+                "dist.init_process_group('membox')\n"
+                "t = torch.full((1 << 20,), float(dist.get_rank() + 1))\n"
+                "dist.all_reduce(t)\n"
+                "o = [torch.empty(1) for _ in range(2)]\n"
+                "dist.all_gather(o, torch.tensor([float(dist.get_rank())]))\n"
+                "print('RESULT', t[0].item(), t[-1].item(), "
+                "torch.cat(o).tolist(), dist.get_backend())\n"
+                "dist.destroy_process_group()\n")
+        p = subprocess.run([MEMBOX, "launch", "--nodes", "2", "--workers", "2",
+                            "--", sys.executable, "-c", code],
+                           capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-2000:])
+        lines = [l for l in p.stdout.splitlines() if "RESULT" in l]
+        self.assertEqual(len(lines), 2, p.stdout[-2000:])
+        for l in lines:
+            self.assertTrue(l.endswith("RESULT 3.0 3.0 [0.0, 1.0] membox"), l)
+
+
+if __name__ == "__main__":
+    unittest.main()
