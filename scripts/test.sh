@@ -106,7 +106,7 @@ done
 unset TSAN_OPTIONS UCX_MEM_EVENTS
 echo "tsan: transport_test, service_test, memserver_test, ps_test, embedding_server_test, hostile_network_test clean"
 
-stage "fuzz targets (libFuzzer, 20 s each, $jobs at a time)"
+stage "fuzz targets (libFuzzer, 15 s each, $jobs at a time)"
 # Built by the ASan stage (build/asan/fuzz/). Each fuzzer runs on its
 # corpus (build/asan/fuzz-corpus/NAME, outside the glob below) and the
 # seeds; its exit status goes to build/asan/fuzz/NAME.rc, its output to
@@ -118,7 +118,7 @@ echo "$fuzzers" | xargs -P "$jobs" -I{} bash -c '
   name=$(basename "$1")
   dir=$(dirname "$1")
   mkdir -p "$dir/../fuzz-corpus/$name"
-  "$1" -max_total_time=20 "$dir/../fuzz-corpus/$name" "fuzz/corpus/$name" \
+  "$1" -max_total_time=15 "$dir/../fuzz-corpus/$name" "fuzz/corpus/$name" \
     >"$dir/$name.log" 2>&1
   echo $? >"$dir/$name.rc"' _ {} || true
 for f in $fuzzers; do

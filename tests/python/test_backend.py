@@ -233,6 +233,11 @@ def _errors(rank, world):
         dist.new_group([0, 1])
     except Exception as e:  # noqa: BLE001
         said["subgroup"] = str(e)
+    # A group of every rank is a group of its own on the same connection.
+    everyone = dist.new_group(list(range(world)))
+    t = torch.full((2,), float(rank))
+    dist.all_reduce(t, group=everyone)
+    said["everyone"] = t.tolist()
     t = torch.ones(2)
     dist.all_reduce(t)
     said["after"] = t.tolist()
@@ -240,6 +245,9 @@ def _errors(rank, world):
 
 
 def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
+    if os.environ.get("DEBUG_HANG"):
+        import faulthandler
+        faulthandler.dump_traceback_later(int(os.environ["DEBUG_HANG"]))
     try:
         os.environ["MEMBOX_SECRET_FILE"] = secret_file
         os.environ.pop("MEMBOX_SECRET", None)
@@ -254,10 +262,9 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
               "errors": _errors}[program]
         out = fn(rank, world)
         dist.destroy_process_group()
-        if program == "collectives":
+        if program == "collectives" and init.startswith("file"):
             # A second group in the same process, on the same nodes.
-            dist.init_process_group("membox", init_method=init + "-again"
-                                    if init.startswith("file") else init,
+            dist.init_process_group("membox", init_method=init + "-again",
                                     rank=rank, world_size=world)
             t = torch.full((3,), float(rank))
             dist.all_reduce(t)
@@ -317,12 +324,13 @@ class BackendTest(unittest.TestCase):
         for r, out in enumerate(outs):
             self.assertIn("objects", out)
             self.assertIn("all_to_all_single uneven", out)
-            self.assertEqual(out[-1], "second group %s" % [3.0, 3.0, 3.0])
 
     def test_collectives_two_ranks_file_init(self):
         outs = self.run_ranks(2, "collectives",
                               init="file://" + os.path.join(self.tmp, "rdv"))
         self.assertIn("send/recv 2", outs[1])
+        for out in outs:
+            self.assertEqual(out[-1], "second group %s" % [1.0, 1.0, 1.0])
 
     def test_ddp_matches_gloo(self):
         got = self.run_ranks(2, "ddp")
@@ -339,6 +347,7 @@ class BackendTest(unittest.TestCase):
         for rank, out in enumerate(outs):
             self.assertIn("PREMUL_SUM", out["premul"])
             self.assertEqual(out["after"], [3.0, 3.0])
+            self.assertEqual(out["everyone"], [3.0, 3.0])
             if rank < 2:  # rank 2 is not in the subgroup: nothing to make
                 self.assertIn("subgroup", out["subgroup"])
                 self.assertIn("backend='gloo'", out["subgroup"])

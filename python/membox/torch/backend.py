@@ -147,6 +147,24 @@ class _Work(dist.Work):
         return self._checked
 
 
+def _serve(jobs):
+    """A group's exchange thread: runs (work, fn) jobs in issue order until
+    None."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        w, fn = job
+        try:
+            fn()
+            w._finish()
+        except Exception as e:  # noqa: BLE001 - the Work carries it
+            w._finish(e if isinstance(e, RuntimeError)
+                      else RuntimeError("membox backend: %s failed: %s"
+                                        % (w._what, e)))
+        del w, fn, job
+
+
 def _done(what, outputs, timeout):
     w = _Work(what, outputs, timeout)
     w._finish()
@@ -181,6 +199,12 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     or mp.spawn with rank and world_size."""
 
     _groups = 0  # groups made in this process: each its own key space
+    # The one client of this process's groups, kept for the process's life
+    # (the nodes take one connection per rank of a job, and torch does not
+    # tell a Python backend when its group is destroyed: every rank must
+    # make the same choice): [client, rank, size]. A group of another rank
+    # or size replaces it.
+    _shared = None
 
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
@@ -196,13 +220,22 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._index = MemboxBackend._groups
         MemboxBackend._groups += 1
         self._store = store
-        proxies = _proxies(store, rank, self._timeout)
-        self._client = membox.connect(
-            proxies, rank=rank, world=size, name="torch-rank-%d" % rank,
-            timeout=self._timeout.total_seconds())
-        self._client.configure(mode="sum")
-        if self._client.num_proxies > 1:
-            self._route()
+        shared = MemboxBackend._shared
+        if os.environ.get("MEMBOX_PROXIES"):  # for ranks that lack it
+            store.set(_STORE_KEY, os.environ["MEMBOX_PROXIES"])
+        if shared is not None and shared[1:] == [rank, size]:
+            self._client = shared[0]  # a further group: same connection
+        else:
+            MemboxBackend._shared = None
+            shared = None  # the old connection closes first
+            proxies = _proxies(store, rank, self._timeout)
+            self._client = membox.connect(
+                proxies, rank=rank, world=size, name="torch-rank-%d" % rank,
+                timeout=self._timeout.total_seconds())
+            self._client.configure(mode="sum")
+            if self._client.num_proxies > 1:
+                self._route()
+            MemboxBackend._shared = [self._client, rank, size]
         self._declared = {}  # key -> bytes
         self._buffers = {}  # key -> registered numpy buffer
         self._seq = {}  # signature -> calls so far (the same on every rank)
@@ -211,7 +244,9 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._p2p_recv = {}  # (src, tag) -> receives so far
         self._jobs = queue.Queue()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, daemon=True,
+        # The thread holds the queue only, so the group can be collected.
+        self._thread = threading.Thread(target=_serve, args=(self._jobs,),
+                                        daemon=True,
                                         name="membox-backend-%d" % self._index)
         self._thread.start()
         self._fence = self._key(2, 0, "fence")
@@ -293,20 +328,6 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         w = _Work(what, outputs, self._timeout)
         self._jobs.put((w, fn))
         return w
-
-    def _run(self):
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            w, fn = job
-            try:
-                fn()
-                w._finish()
-            except Exception as e:  # noqa: BLE001 - the Work carries it
-                w._finish(e if isinstance(e, RuntimeError)
-                          else RuntimeError("membox backend: %s failed: %s"
-                                            % (w._what, e)))
 
     def _wait(self, handles):
         t = self._timeout.total_seconds()
@@ -806,7 +827,8 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             return
         self._closed = True
         self._jobs.put(None)
-        self._thread.join(timeout=10)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
 
     def abort(self):
         self.shutdown()
