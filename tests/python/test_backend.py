@@ -238,6 +238,10 @@ def _errors(rank, world):
     t = torch.full((2,), float(rank))
     dist.all_reduce(t, group=everyone)
     said["everyone"] = t.tolist()
+    try:  # the hook on top of the backend
+        mt.init()
+    except membox.MemboxError as e:
+        said["hook"] = str(e)
     t = torch.ones(2)
     dist.all_reduce(t)
     said["after"] = t.tolist()
@@ -348,6 +352,7 @@ class BackendTest(unittest.TestCase):
             self.assertIn("PREMUL_SUM", out["premul"])
             self.assertEqual(out["after"], [3.0, 3.0])
             self.assertEqual(out["everyone"], [3.0, 3.0])
+            self.assertIn("without init() and the hook", out["hook"])
             if rank < 2:  # rank 2 is not in the subgroup: nothing to make
                 self.assertIn("subgroup", out["subgroup"])
                 self.assertIn("backend='gloo'", out["subgroup"])

@@ -166,6 +166,36 @@ class ClientTest(unittest.TestCase):
         ps.step()
         self.assertTrue(torch.allclose(w.data, torch.zeros(10)))
 
+    @unittest.skipUnless(HAVE_TORCH, "needs torch")
+    def test_init_takes_the_rank_from_the_group_and_is_idempotent(self):
+        # mp.spawn and Lightning pass rank= to init_process_group and set no
+        # RANK; Lightning calls init() again for validate and test.
+        import torch.distributed as dist
+        import membox.torch as mt
+        env = {k: os.environ.get(k) for k in
+               ("RANK", "WORLD_SIZE", "MEMBOX_PROXIES", "MEMBOX_SECRET")}
+        os.environ.update(RANK="1", WORLD_SIZE="2",
+                          MEMBOX_PROXIES=self.node.endpoint,
+                          MEMBOX_SECRET=self.node.secret)
+        dist.init_process_group(
+            "gloo", init_method="file://" + os.path.join(self.tmp, "pg"),
+            rank=0, world_size=1)
+        try:
+            c = mt.init(mode="sum", profile=False)
+            self.assertIs(mt.init(mode="sum", profile=False), c)
+            c.declare(9, 8)
+            x = np.ones(2, np.float32)
+            c.push_pull(9, x, x).wait(10)  # world 1: its own round
+            np.testing.assert_array_equal(x, np.ones(2, np.float32))
+        finally:
+            dist.destroy_process_group()
+            for k, v in env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            mt._session.session.reset()
+
     def test_a_key_is_read_as_of_a_round(self):
         # pull_at: what a restarted worker set recomputes a step from.
         c = self.client()

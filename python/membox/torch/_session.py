@@ -57,13 +57,36 @@ def init(mode="average", client=None, wire_dtype=None, profile=True,
     them in float32 and round once, and the average comes back into the
     bucket. CUDA buckets are rounded and widened on the GPU, so only the
     narrow copy crosses PCIe and the wire (half the staging bytes each
-    way)."""
+    way).
+
+    Under torch.distributed the rank and world come from the process group
+    (scripts that pass rank= to init_process_group, as mp.spawn and
+    Lightning do, set no RANK). Called again (Lightning sets a callback up
+    for fit, validate and test), init() keeps its connection and applies
+    the new settings."""
     if wire_dtype is not None:
         key = str(wire_dtype).replace("torch.", "")
         if key not in _WIRE_DTYPES:
             raise ValueError("wire_dtype must be float16 or bfloat16")
         wire_dtype = _WIRE_DTYPES[key]
-    c = client or membox.connect(_proxies())
+    import torch.distributed as dist
+    up = dist.is_available() and dist.is_initialized()
+    if up and dist.get_backend() == "membox":
+        raise membox.MemboxError(
+            "the process group's backend is membox: DDP already synchronises "
+            "through the memory nodes, without init() and the hook")
+    with session.lock:
+        again = session.client if client is None else None
+    if again is not None:
+        again.configure(mode=mode, **configure)
+        with session.lock:
+            session.wire = wire_dtype
+        return again
+    if client is None:
+        rank = dist.get_rank() if up else None
+        world = dist.get_world_size() if up else None
+        client = membox.connect(_proxies(), rank=rank, world=world)
+    c = client
     c.configure(mode=mode, **configure)
     if profile and c.num_proxies > 1:
         _route(c)
