@@ -95,6 +95,10 @@ Commands AddPythonCommands(CLI::App* app, CLI::App* bench) {
       {bench, "ctr", "membox.ctr_bench",
        "wide & deep CTR with tables in the embedding store, against torch's "
        "layers and TorchRec in one process (membox/ctr_bench.py)"},
+      {bench, "collectives", "membox.collectives_bench",
+       "torch.distributed collectives on the membox backend against Gloo, "
+       "nccl-tests style: time, algbw, busbw per op and size "
+       "(membox/collectives_bench.py; torch 2.x)"},
       {bench, "offload", "membox.offload_bench",
        "the model's state in the memory nodes (membox.torch.offload) against "
        "DDP and FSDP2: resident bytes per parameter, step time, largest "

@@ -238,7 +238,6 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             MemboxBackend._shared = [self._client, rank, size]
         self._declared = {}  # key -> bytes
         self._buffers = {}  # key -> registered numpy buffer
-        self._seq = {}  # signature -> calls so far (the same on every rank)
         self._exchanges = 0
         self._p2p_sent = {}  # (dst, tag) -> sends so far
         self._p2p_recv = {}  # (src, tag) -> receives so far
@@ -301,11 +300,6 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             b = self._buffers[key] = self._client.allocate(max(nbytes, 1))
         return b
 
-    def _next(self, *signature):
-        n = self._seq.get(signature, 0)
-        self._seq[signature] = n + 1
-        return n
-
     def _check(self, what, tensors):
         for t in tensors:
             if not isinstance(t, torch.Tensor):
@@ -339,8 +333,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         """Sum of contiguous float tensor `t` over the ranks on the nodes,
         into `t` (push_only: `t` is only pushed). Returns the handle."""
         nbytes = t.numel() * t.element_size()
-        seq = self._next("round", t.dtype, nbytes)
-        key = self._key(1, seq % 4, _NAMES[t.dtype], nbytes)
+        key = self._key(1, 0, _NAMES[t.dtype], nbytes)
         self._declare(key, nbytes, _NAMES[t.dtype])
         arr = t.view(-1)
         if arr.dtype == torch.bfloat16:

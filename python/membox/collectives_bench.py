@@ -1,0 +1,258 @@
+"""membox bench collectives: torch.distributed collectives on the "membox"
+backend against Gloo, nccl-tests style, same machine, same run.
+
+    membox bench collectives [--quick] [--csv F] [--json F] [--plot F.png]
+                             [--workers 2] [--nodes 1] [--repeats 3]
+                             [--sizes 4K,64K,1M,16M,64M]
+                             [--ops all_reduce,all_gather,...]
+
+For each backend (interleaved --repeats times: drift on a shared machine
+hits both alike), --workers processes are started (membox: under `membox
+launch --nodes N`; Gloo: with torchrun's environment and no memory node
+running) and time each operation through torch.distributed for each size:
+two warm-up calls, then as many as fit in about half a second (at least
+three); a call's time is the slowest rank's mean. Reported as nccl-tests
+does: size is the bytes of the whole buffer (the output of all_gather, the
+input of reduce_scatter), algbw = size / time, busbw = algbw x the
+operation's factor (all_reduce 2(p-1)/p; all_gather, reduce_scatter,
+all_to_all (p-1)/p; broadcast 1). The table gives the median time and
+membox's time over Gloo's (below 1: membox is faster), and each run's CPU
+use (user + system seconds of every process it started, per wall second;
+the machine's cores are the most). Records follow docs/design/benchmarks.md.
+"""
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+       "broadcast")
+BACKENDS = ("membox", "gloo")
+
+
+def _die(msg):
+    print(f"membox bench collectives: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _size(text):
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(t)
+
+
+def _bus_factor(op, p):
+    if op == "all_reduce":
+        return 2 * (p - 1) / p
+    if op == "broadcast":
+        return 1.0
+    return (p - 1) / p
+
+
+# ------------------------------------------------------------------ worker
+def _worker(a):
+    import torch
+    import torch.distributed as dist
+    if a.backend == "membox":
+        import membox.torch  # noqa: F401 - registers the backend
+    torch.set_num_threads(1)
+    dist.init_process_group(a.backend)
+    rank, p = dist.get_rank(), dist.get_world_size()
+    results = []
+    for op in a.ops.split(","):
+        for size in (int(s) for s in a.sizes.split(",")):
+            n = max(size // 4 // p * p, p)  # float32 elements, divisible by p
+            full = torch.ones(n)
+            part = torch.ones(n // p)
+            if op == "all_reduce":
+                def call():
+                    dist.all_reduce(full)
+            elif op == "all_gather":
+                def call():
+                    dist.all_gather_into_tensor(full, part)
+            elif op == "reduce_scatter":
+                def call():
+                    dist.reduce_scatter_tensor(part, full)
+            elif op == "all_to_all":
+                out = torch.empty(n)
+
+                def call():
+                    dist.all_to_all_single(out, full)
+            elif op == "broadcast":
+                def call():
+                    dist.broadcast(full, src=0)
+            else:
+                raise SystemExit("unknown op %s" % op)
+            call()
+            t0 = time.perf_counter()
+            call()
+            # Every rank runs the same number of calls: rank 0's count
+            # (about half a second's worth, 3 to 200) decides.
+            count = torch.tensor(
+                [min(200, max(3, int(0.5 / (time.perf_counter() - t0))))],
+                dtype=torch.int64)
+            dist.broadcast(count, src=0)
+            iters = int(count.item())
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                call()
+            el = time.perf_counter() - t0
+            t = torch.tensor([el / iters], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            results.append({"op": op, "size": n * 4, "time_s": t.item(),
+                            "iters": iters})
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"world": p, "results": results}, f)
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------ driver
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children_cpu():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run(a, backend, sizes):
+    out = tempfile.mktemp(suffix=".json")
+    args = [sys.executable, "-m", "membox.collectives_bench", "--worker",
+            "--backend", backend, "--ops", ",".join(a.op_list),
+            "--sizes", ",".join(str(s) for s in sizes), "--out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cpu0, t0 = _children_cpu(), time.perf_counter()
+    if backend == "membox":
+        cmd = [os.environ.get("MEMBOX_BIN", "membox"), "launch", "--nodes",
+               str(a.nodes), "--workers", str(a.workers), "--"] + args
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env=env)]
+    else:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                   WORLD_SIZE=str(a.workers))
+        procs = [subprocess.Popen(args, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env=dict(env, RANK=str(r),
+                                           LOCAL_RANK=str(r)))
+                 for r in range(a.workers)]
+    outs = [p.communicate()[0] for p in procs]
+    wall = time.perf_counter() - t0
+    cpu = (_children_cpu() - cpu0) / wall
+    if any(p.returncode for p in procs) or not os.path.exists(out):
+        sys.stderr.write("\n".join(o[-4000:] for o in outs))
+        _die(f"the {backend} run failed")
+    with open(out) as f:
+        res = json.load(f)
+    os.unlink(out)
+    res["cpu_per_wall"] = cpu
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="membox bench collectives",
+                                 description=__doc__.split("\n\n")[0])
+    from membox.bench_report import add_contract_flags
+    add_contract_flags(ap)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=0)
+    ap.add_argument("--sizes", default="")
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", default="membox", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return _worker(a)
+    a.op_list = [o for o in a.ops.split(",") if o]
+    for o in a.op_list:
+        if o not in OPS:
+            _die(f"unknown op {o} (one of {', '.join(OPS)})")
+    if a.workers < 2:
+        _die("--workers must be 2 or more")
+    sizes = [_size(s) for s in (a.sizes or (
+        "4K,1M,16M" if a.quick else "4K,64K,1M,16M,64M")).split(",")]
+    repeats = a.repeats or (1 if a.quick else 3)
+    try:
+        import torch
+        from torch._C._distributed_c10d import Backend  # noqa: F401
+    except ImportError:
+        _die("needs torch 2.x (Python backends) in this interpreter")
+    from membox.bench_report import run_interleaved
+    runs = run_interleaved(BACKENDS, repeats, lambda b: _run(a, b, sizes))
+    p = a.workers
+    rows = {}  # (op, size) -> {backend: median time}
+    for b, rs in runs.items():
+        for i, r0 in enumerate(rs[0]["results"]):
+            ts = sorted(r["results"][i]["time_s"] for r in rs)
+            rows.setdefault((r0["op"], r0["size"]), {})[b] = ts[len(ts) // 2]
+    cpu = {b: sorted(r["cpu_per_wall"] for r in rs)[len(rs) // 2]
+           for b, rs in runs.items()}
+    print(f"\ntorch.distributed collectives, {p} processes, torch "
+          f"{torch.__version__}; membox: {a.nodes} memory node(s); median of "
+          f"{repeats} run(s); CPU (cores busy over each whole run): membox "
+          f"{cpu['membox']:.2f}, gloo {cpu['gloo']:.2f}")
+    print(f"{'op':15} {'size':>10} {'membox ms':>10} {'gloo ms':>9} "
+          f"{'membox busbw':>13} {'gloo busbw':>11} {'membox/gloo':>12}")
+    records = []
+    for (op, size), t in rows.items():
+        f = _bus_factor(op, p)
+        bus = {b: size / t[b] * f / 1e9 for b in BACKENDS}
+        ratio = t["membox"] / t["gloo"]
+        print(f"{op:15} {size:10d} {t['membox'] * 1e3:10.3f} "
+              f"{t['gloo'] * 1e3:9.3f} {bus['membox']:10.3f} GB/s "
+              f"{bus['gloo']:8.3f} GB/s {ratio:11.2f}x")
+        for b in BACKENDS:
+            for metric, value, unit in (
+                    ("time", t[b], "s"),
+                    ("algbw", size / t[b] / 1e9, "GB/s"),
+                    ("busbw", bus[b], "GB/s"),
+                    ("cpu_per_wall", cpu[b], "cores")):
+                records.append({"bench": "collectives", "variant": b,
+                                "size_bytes": size, "workers": p,
+                                "metric": metric, "value": value,
+                                "unit": unit, "case": op})
+        records.append({"bench": "collectives", "variant": "membox",
+                        "size_bytes": size, "workers": p,
+                        "metric": "vs_gloo", "value": ratio, "unit": "x",
+                        "case": op})
+    from membox.bench_report import write_records
+    write_records(records, a.csv, a.json)
+    if a.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for op in a.op_list:
+            xs = [s for (o, s) in rows if o == op]
+            ax.plot(xs, [rows[(op, s)]["membox"] / rows[(op, s)]["gloo"]
+                         for s in xs], marker="o", label=op)
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("membox time / Gloo time (below 1: membox faster)")
+        ax.set_title(f"torch.distributed collectives, {p} processes, "
+                     f"{a.nodes} memory node(s), one host")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=100)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
