@@ -69,8 +69,9 @@ print('installed launch: worker', os.environ['RANK'], 'ok')
 
 if [[ $with_torch == 1 ]]; then
   t0=$(date +%s)
-  "$venv/bin/pip" install -q --disable-pip-version-check torch scikit-learn
-  echo "pip install torch scikit-learn: $(( $(date +%s) - t0 )) s," \
+  "$venv/bin/pip" install -q --disable-pip-version-check torch scikit-learn \
+    lightning
+  echo "pip install torch scikit-learn lightning: $(( $(date +%s) - t0 )) s," \
     "venv $(du -sh "$venv" | cut -f1)"
   "$py" -c 'import torch; print("torch", torch.__version__)'
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/digits_equivalence_test.sh" \

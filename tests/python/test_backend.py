@@ -279,6 +279,38 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
         q.put((rank, "error", "%s\n%s" % (e, traceback.format_exc())))
 
 
+_LIGHTNING = """
+import os, torch, lightning as L
+import membox.torch  # registers the backend
+from lightning.pytorch.strategies import DDPStrategy
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(8, 1)
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+g = torch.Generator().manual_seed(1)
+x = torch.randn(256, 8, generator=g)
+data = torch.utils.data.DataLoader(
+    torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32)
+trainer = L.Trainer(
+    accelerator="cpu", devices=2, max_epochs=2, logger=False,
+    strategy=DDPStrategy(process_group_backend=os.environ["BACKEND"]),
+    enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False)
+model = Model()
+trainer.fit(model, data)
+if trainer.global_rank == 0:
+    print("RESULT", model.layer.weight.detach().view(-1).tolist())
+"""
+
+
 class BackendTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -372,6 +404,33 @@ class BackendTest(unittest.TestCase):
             capture_output=True, text=True, timeout=120)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("Set MEMBOX_PROXIES", p.stderr)
+
+    def test_lightning_ddp_strategy(self):
+        # PyTorch Lightning's own launcher (it starts the second process and
+        # passes rank= to init_process_group): the backend name is the one
+        # change, and the weights equal Gloo's.
+        try:
+            import lightning  # noqa: F401
+        except ImportError:
+            self.skipTest("needs lightning")
+        script = os.path.join(self.tmp, "lightning_ddp.py")
+        with open(script, "w") as f:
+            f.write(_LIGHTNING)
+        got = {}
+        for backend in ("membox", "gloo"):
+            env = dict(os.environ, BACKEND=backend,
+                       MEMBOX_PROXIES=self.nodes[0].endpoint,
+                       MEMBOX_SECRET_FILE=self.secret_file)
+            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+                env.pop(k, None)
+            p = subprocess.run([sys.executable, script], env=env, cwd=self.tmp,
+                               capture_output=True, text=True, timeout=300)
+            self.assertEqual(p.returncode, 0, p.stdout[-2000:] +
+                             p.stderr[-3000:])
+            lines = [l for l in p.stdout.splitlines() if "RESULT" in l]
+            self.assertEqual(len(lines), 1, p.stdout[-2000:])
+            got[backend] = lines[0].split("RESULT ", 1)[1]
+        self.assertEqual(got["membox"], got["gloo"])
 
     def test_under_membox_launch(self):
         # env:// init under `membox launch`, two nodes (striped rounds).
