@@ -1,8 +1,10 @@
 #!/usr/bin/python3
 """A communication-bound model: a 4-layer MLP with ~134 M parameters
 (537 MB of fp32 gradients per iteration) and a tiny batch, trained with
-PyTorch DDP; gradients averaged by Gloo (--backend gloo) or by membox
-memory nodes (--backend membox, the two-line hook). Run under
+PyTorch DDP; gradients averaged by Gloo (--backend gloo), by membox
+memory nodes through the two-line hook (--backend membox), or by plain DDP
+on the membox process group (--backend membox-pg:
+init_process_group("membox"), no hook). Run under
 `membox launch`; rank 0 prints the mean iteration time.
 
     membox launch --nodes 1 --workers 2 -- /usr/bin/python3 examples/comm_bound.py --backend membox
@@ -18,7 +20,8 @@ import torch.nn as nn
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", choices=("membox", "gloo"), required=True)
+    ap.add_argument("--backend", choices=("membox", "membox-pg", "gloo"),
+                    required=True)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--width", type=int, default=5792)
     ap.add_argument("--bucket-mb", type=int, default=25)
@@ -32,7 +35,10 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if a.backend == "membox-pg":
+        import membox.torch  # noqa: F401 - registers the backend
+    dist.init_process_group("membox" if a.backend == "membox-pg" else "gloo",
+                            rank=rank, world_size=world)
     w = a.width
     net = nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
                         nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w))

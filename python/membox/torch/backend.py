@@ -42,6 +42,9 @@ _STORE_KEY = "membox/proxies"  # the same rendezvous key init() uses
 _ROUTING_KEY = "membox/routing"
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# A tensor this large all-reduced twice at one address moves in place.
+_IN_PLACE_BYTES = 256 << 10
+_KEYS_PER_SIZE = 4
 _NAMES = {torch.float32: "float32", torch.float64: "float64",
           torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -238,6 +241,9 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             MemboxBackend._shared = [self._client, rank, size]
         self._declared = {}  # key -> bytes
         self._buffers = {}  # key -> registered numpy buffer
+        self._calls = {}  # (dtype, bytes) -> rounds of that size so far
+        self._seen = set()  # addresses of tensors all-reduced once
+        self._placed = set()  # addresses of tensors moved in place
         self._exchanges = 0
         self._p2p_sent = {}  # (dst, tag) -> sends so far
         self._p2p_recv = {}  # (src, tag) -> receives so far
@@ -333,15 +339,49 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         """Sum of contiguous float tensor `t` over the ranks on the nodes,
         into `t` (push_only: `t` is only pushed). Returns the handle."""
         nbytes = t.numel() * t.element_size()
-        key = self._key(1, 0, _NAMES[t.dtype], nbytes)
+        # The k-th call of a size takes entry k mod 4 of its keys: the same
+        # on every rank (they call in the same order), and DDP's buckets of
+        # one size run side by side instead of in one key's round order.
+        sig = (t.dtype, nbytes)
+        n = self._calls.get(sig, 0)
+        self._calls[sig] = n + 1
+        key = self._key(1, n % _KEYS_PER_SIZE, _NAMES[t.dtype], nbytes)
         self._declare(key, nbytes, _NAMES[t.dtype])
-        arr = t.view(-1)
-        if arr.dtype == torch.bfloat16:
-            arr = arr.view(torch.int16)
-        arr = arr.numpy()
+        arr = None
+        if not push_only and nbytes >= _IN_PLACE_BYTES:
+            arr = self._in_place(key, t)
+        if arr is None:  # staged through the key's buffer by the client
+            arr = t.view(-1)
+            if arr.dtype == torch.bfloat16:
+                arr = arr.view(torch.int16)
+            arr = arr.numpy()
         if push_only:
             return self._client.push(key, arr)
         return self._client.push_pull(key, arr, arr)
+
+    def _in_place(self, key, t):
+        """A tensor all-reduced again at the same address (DDP's gradient
+        buckets) moves in place from its second time on, as the DDP hook's
+        buckets do (membox.torch.ddp): on one host its storage moves into
+        shared memory the nodes map (torch's share_memory_: every view
+        follows), elsewhere it is registered with the transport. Returns
+        its flat numpy array, or None (staged this time)."""
+        from membox.torch import ddp
+        ptr = t.data_ptr()
+        if ptr in self._placed:
+            return ddp.flat_numpy(t)
+        if ptr not in self._seen:
+            self._seen.add(ptr)  # once: may be a one-off tensor
+            return None
+        c = self._client
+        if c.proxies_map_memory:
+            arr = ddp._shared_bucket(c, ("pg", self._index, ptr), t)
+        else:
+            arr = ddp.flat_numpy(t)
+            ddp._register_bucket(c, ("pg", self._index, ptr), t, arr)
+        if arr is not None:
+            self._placed.add(t.data_ptr())  # its new address, if it moved
+        return arr
 
     def _rounds(self, what, tensors, name, outputs, then=None):
         """All-reduces each tensor on the nodes; the Work completes when
