@@ -1,8 +1,10 @@
 // `membox status`: what memory nodes (and their services) say about
 // themselves.
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -21,10 +23,13 @@ namespace {
 // client's view, or every client's with the admin secret) and, with
 // `services`, the parameter proxy's and the embedding server's at the
 // node's default ports (+1, +2), or a line saying they do not answer.
-// Exit 1 when a memory server cannot be asked.
+// Exit 1 when a memory server cannot be asked. `wait`: a node that does
+// not answer yet is asked again every 200 ms until `wait_s` seconds have
+// passed (a script starting nodes waits for them to be ready).
 int PrintStatus(const std::vector<std::string>& servers,
                 const std::string& secret, const std::string& secret_file,
-                const std::string& admin_file, bool services) {
+                const std::string& admin_file, bool services, bool wait,
+                double wait_s) {
   auto choice = membox::ResolveSecretOrEnvironment(secret, secret_file);
   membox::Result<std::string> sec =
       choice.ok() ? membox::Result<std::string>(choice->secret)
@@ -37,6 +42,10 @@ int PrintStatus(const std::vector<std::string>& servers,
     return 2;
   }
   int rc = 0;
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          std::chrono::duration<double>(wait ? wait_s : 0.0));
   for (size_t i = 0; i < servers.size(); ++i) {
     const std::string& server = servers[i];
     if (servers.size() > 1 || services) {
@@ -47,9 +56,17 @@ int PrintStatus(const std::vector<std::string>& servers,
     o.secret = *sec;
     o.name = "membox-status";
     o.timeout = std::chrono::milliseconds(10000);
-    auto c = membox::memserver::Client::Connect(o);
-    auto text = c.ok() ? (*c)->ServerStatus(admin)
-                       : membox::Result<std::string>(c.status());
+    auto ask = [&]() -> membox::Result<std::string> {
+      auto c = membox::memserver::Client::Connect(o);
+      return c.ok() ? (*c)->ServerStatus(admin)
+                    : membox::Result<std::string>(c.status());
+    };
+    auto text = ask();
+    while (!text.ok() && std::chrono::steady_clock::now() < deadline &&
+           text.status().code() == membox::StatusCode::kUnavailable) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      text = ask();
+    }
     if (!text.ok()) {
       std::fprintf(stderr, "membox status: %s: %s\n", server.c_str(),
                    text.status().ToString().c_str());
@@ -93,6 +110,8 @@ int PrintStatus(const std::vector<std::string>& servers,
 struct StatusFlags {
   std::vector<std::string> servers;
   bool services = false;
+  bool wait = false;
+  double wait_s = 60;
   std::string secret, secret_file, admin_secret_file;
 };
 
@@ -113,6 +132,14 @@ Commands AddStatusCommand(CLI::App* app) {
   status->add_flag("--services", f->services,
                    "also ask each node's parameter proxy and embedding "
                    "server (default ports: +1, +2)");
+  status->add_flag("--wait", f->wait,
+                   "wait until every node answers (up to --timeout), then "
+                   "print: for scripts that start nodes");
+  status
+      ->add_option("--timeout", f->wait_s,
+                   "with --wait: seconds to wait for the nodes (default 60); "
+                   "exit 1 if one still does not answer")
+      ->check(CLI::PositiveNumber);
   status->add_option("--secret", f->secret, "authentication secret");
   status->add_option("--secret-file", f->secret_file,
                      "file whose first line is the secret");
@@ -121,7 +148,8 @@ Commands AddStatusCommand(CLI::App* app) {
                      "secret); without it, this client's view");
   return {{status, [f] {
              return PrintStatus(f->servers, f->secret, f->secret_file,
-                                f->admin_secret_file, f->services);
+                                f->admin_secret_file, f->services, f->wait,
+                                f->wait_s);
            }}};
 }
 

@@ -235,6 +235,46 @@ class ClientTest(unittest.TestCase):
         self.assertIn(self.node.endpoint, str(e.exception))
 
 
+class StatusWaitTest(unittest.TestCase):
+    """`membox status --wait`: a script that starts nodes waits for them."""
+
+    def test_waits_for_a_node_that_starts_later(self):
+        import socket
+        tmp = tempfile.mkdtemp()
+        secret = os.path.join(tmp, "secret")
+        with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write("status-wait-secret-0123456789abcdefghij\n")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        status = subprocess.Popen(
+            [MEMBOX, "status", "--wait", "--timeout", "60", "--server",
+             "127.0.0.1:%d" % port, "--secret-file", secret],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        self.assertIsNone(status.poll(), "status did not wait")
+        node = subprocess.Popen(
+            [MEMBOX, "--log-level", "warn", "serve", "--listen",
+             "127.0.0.1:%d" % port, "--pool-size", "16MiB", "--secret-file",
+             secret, "--exit-with-parent"], stdout=subprocess.DEVNULL)
+        try:
+            out, err = status.communicate(timeout=60)
+            self.assertEqual(status.returncode, 0, err)
+            self.assertIn("pool_bytes 16777216", out)
+        finally:
+            node.kill()
+            node.wait()
+        # Nobody there: exit 1 after the timeout, naming the node.
+        t0 = time.time()
+        p = subprocess.run(
+            [MEMBOX, "status", "--wait", "--timeout", "1", "--server",
+             "127.0.0.1:%d" % port, "--secret-file", secret],
+            capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("127.0.0.1:%d" % port, p.stderr)
+        self.assertLess(time.time() - t0, 30)
+
+
 class SettingsTest(unittest.TestCase):
     """The edges' settings: flags and MEMBOX_* variables (the libraries
     read none)."""
