@@ -70,7 +70,7 @@ print('installed launch: worker', os.environ['RANK'], 'ok')
 if [[ $with_torch == 1 ]]; then
   t0=$(date +%s)
   "$venv/bin/pip" install -q --disable-pip-version-check torch scikit-learn \
-    lightning
+    lightning expecttest
   echo "pip install torch scikit-learn lightning: $(( $(date +%s) - t0 )) s," \
     "venv $(du -sh "$venv" | cut -f1)"
   "$py" -c 'import torch; print("torch", torch.__version__)'
@@ -92,6 +92,10 @@ if [[ $with_torch == 1 ]]; then
     "$venv/bin/membox"
   # The torch.distributed backend "membox" (collectives, p2p, DDP).
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_backend.py"
+  # PyTorch's own distributed tests on it (a share of the CPU collectives;
+  # counts printed).
+  MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/torch_distributed_suite.sh" \
+    "$venv/bin/membox"
   rc=0
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_cuda.py" || rc=$?
   [[ $rc == 0 || $rc == 77 ]] || { echo "FAIL: test_cuda ($rc)"; exit 1; }

@@ -604,7 +604,16 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         return self._submit("all_gather_into_tensor", [output], run)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        return self.allgather(output_lists, input_tensors, opts)
+        # output_lists[r][i] is rank r's input i; allgather takes, per
+        # input, the list over ranks.
+        if len(output_lists) != self._size or any(
+                len(o) != len(input_tensors) for o in output_lists):
+            raise ValueError("membox backend: all_gather_coalesced needs %d "
+                             "lists of %d tensors" % (self._size,
+                                                      len(input_tensors)))
+        per_input = [[output_lists[r][i] for r in range(self._size)]
+                     for i in range(len(input_tensors))]
+        return self.allgather(per_input, input_tensors, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.all_gather_single(o, i, opts)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# PyTorch's own distributed tests (torch.testing._internal.distributed.
+# distributed_test) on the membox backend: starts a memory node, runs
+# tests/python/torch_distributed_suite.py with WORLD_SIZE ranks, and prints
+# the pass / skip / expected-failure / fail counts (fail: exit 1).
+# Usage: torch_distributed_suite.sh PATH/TO/membox [-k PATTERN ...]
+#   With no -k: the CPU collectives CI runs (a share of each kind; every
+#   test spawns its ranks, about 3.5 s each here). The full set the issue
+#   names: -k test_broadcast -k test_all_reduce -k test_all_gather
+#   -k test_gather -k test_scatter -k test_all_to_all -k test_barrier
+#   -k test_send_recv -k test_isend -k test_irecv -k object -k test_ddp
+set -uo pipefail
+py=${MEMBOX_TEST_PYTHON:-/usr/bin/python3}
+membox=${1:?usage: torch_distributed_suite.sh membox [-k PATTERN ...]}
+shift
+here=$(cd "$(dirname "$0")/../.." && pwd)
+"$py" -c "from torch._C._distributed_c10d import Backend; import expecttest" \
+  2>/dev/null || { echo "SKIP: needs torch 2.x and expecttest"; exit 77; }
+filters=("$@")
+if [[ ${#filters[@]} == 0 ]]; then
+  filters=(-k test_broadcast_object_list -k test_all_gather_object
+           -k test_scatter_object_list -k test_all_reduce_sum
+           -k test_all_reduce_max -k test_all_reduce_coalesced_sum
+           -k test_all_gather_coalesced_simple -k test_all_gather_full_group
+           -k test_all_to_all_single_equal_split -k test_barrier_full_group
+           -k test_send_recv -k test_scatter_full_group
+           -k test_gather_full_group -k test_reduce_sum
+           -k test_broadcast_full_group -k test_isend)
+fi
+tmp=$(mktemp -d)
+trap 'kill $node 2>/dev/null; rm -rf "$tmp"' EXIT
+(umask 077; echo "torch-suite-secret-0123456789abcdefghijkl" >"$tmp/secret")
+"$membox" --log-level warn serve --listen 127.0.0.1:0 --pool-size 512MiB \
+  --secret-file "$tmp/secret" --exit-with-parent >"$tmp/node.log" 2>&1 &
+node=$!
+for _ in $(seq 100); do
+  ep=$(grep -o "parameter proxy on .*" "$tmp/node.log" | awk '{print $NF}')
+  [[ -n $ep ]] && break
+  sleep 0.1
+done
+[[ -n $ep ]] || { cat "$tmp/node.log"; echo "FAIL: no memory node"; exit 1; }
+cd "$tmp" && MEMBOX_PROXIES=$ep MEMBOX_SECRET_FILE=$tmp/secret \
+  WORLD_SIZE=${WORLD_SIZE:-2} "$py" \
+  "$here/tests/python/torch_distributed_suite.py" -v "${filters[@]}" \
+  >"$tmp/suite.log" 2>&1
+rc=$?
+results=$(grep -E '^test_.* \.\.\. |^(ok|skipped .*|expected failure|FAIL|ERROR)$' "$tmp/suite.log")
+pass=$(grep -cE '(\.\.\. |^)ok$' <<<"$results")
+skip=$(grep -cE '(\.\.\. |^)skipped' <<<"$results")
+xfail=$(grep -cE '(\.\.\. |^)expected failure$' <<<"$results")
+fail=$(grep -cE '(\.\.\. |^)(FAIL|ERROR)$' <<<"$results")
+grep -E '^Ran ' "$tmp/suite.log"
+echo "torch distributed_test on membox (WORLD_SIZE=${WORLD_SIZE:-2}):" \
+  "$pass passed, $skip skipped, $xfail expected failures (torch's" \
+  "is_completed() of a Python backend's Work), $fail failed"
+if [[ $rc != 0 || $fail != 0 ]]; then
+  grep -E -A40 '^(ERROR|FAIL): test' "$tmp/suite.log" | grep -v USDT | tail -80
+  echo "FAIL: torch distributed_test on membox"
+  exit 1
+fi
+echo "PASS: torch distributed_test on membox"
