@@ -19,13 +19,12 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 filters=("$@")
 if [[ ${#filters[@]} == 0 ]]; then
   filters=(-k test_broadcast_object_list -k test_all_gather_object
-           -k test_scatter_object_list -k test_all_reduce_sum
-           -k test_all_reduce_max -k test_all_reduce_coalesced_sum
-           -k test_all_gather_coalesced_simple -k test_all_gather_full_group
-           -k test_all_to_all_single_equal_split -k test_barrier_full_group
-           -k test_send_recv -k test_scatter_full_group
-           -k test_gather_full_group -k test_reduce_sum
-           -k test_broadcast_full_group -k test_isend)
+           -k test_scatter_object_list -k test_all_reduce_sum_async
+           -k test_all_reduce_coalesced_max -k test_all_gather_coalesced_simple
+           -k test_all_to_all_single_unequal_split -k test_barrier_full_group
+           -k test_send_recv_with_tag -k test_scatter_full_group
+           -k test_gather_full_group -k test_reduce_full_group_sum
+           -k test_broadcast_full_group -k test_irecv -k test_ddp_create_graph)
 fi
 tmp=$(mktemp -d)
 trap 'kill $node 2>/dev/null; rm -rf "$tmp"' EXIT

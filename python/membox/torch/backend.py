@@ -88,6 +88,7 @@ def _local_reduce(name, stacked):
 
 def _bytes_view(t):
     """A contiguous CPU tensor's bytes as a flat uint8 tensor (same memory)."""
+    t = t.detach()  # collectives move values, not autograd history
     return t.view(-1).view(torch.uint8) if t.numel() else \
         torch.empty(0, dtype=torch.uint8)
 
@@ -351,7 +352,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         if not push_only and nbytes >= _IN_PLACE_BYTES:
             arr = self._in_place(key, t)
         if arr is None:  # staged through the key's buffer by the client
-            arr = t.view(-1)
+            arr = t.detach().view(-1)
             if arr.dtype == torch.bfloat16:
                 arr = arr.view(torch.int16)
             arr = arr.numpy()
@@ -367,6 +368,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         follows), elsewhere it is registered with the transport. Returns
         its flat numpy array, or None (staged this time)."""
         from membox.torch import ddp
+        t = t.detach()
         ptr = t.data_ptr()
         if ptr in self._placed:
             return ddp.flat_numpy(t)
