@@ -47,6 +47,21 @@ def run_launched(cmd, out, what, die):
         return json.load(f)
 
 
+def free_port():
+    """A TCP port free on 127.0.0.1 now (a rendezvous for torch workers)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_cpu():
+    """User + system CPU seconds of this process's finished children."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def run_interleaved(variants, repeats, run):
     """{variant: [run(variant) per repeat]}: every variant once per round,
     `repeats` rounds, so drift on a shared machine hits every variant

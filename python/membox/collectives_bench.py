@@ -23,8 +23,6 @@ the machine's cores are the most). Records follow docs/design/benchmarks.md.
 import argparse
 import json
 import os
-import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -117,15 +115,8 @@ def _worker(a):
 
 
 # ------------------------------------------------------------------ driver
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children_cpu():
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+from membox.bench_report import children_cpu as _children_cpu  # noqa: E402
+from membox.bench_report import free_port as _free_port  # noqa: E402
 
 
 def _run(a, backend, sizes):

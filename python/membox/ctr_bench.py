@@ -51,7 +51,6 @@ torch of the same release). Records follow docs/design/benchmarks.md.
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -82,16 +81,8 @@ def _find_script(path):
          "pass --script PATH")
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children_cpu():
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+from membox.bench_report import children_cpu as _children_cpu  # noqa: E402
+from membox.bench_report import free_port as _free_port  # noqa: E402
 
 
 def run_case(a, variant, script):

@@ -618,10 +618,33 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         return self.allgather(per_input, input_tensors, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        works = [self.all_gather_single(o, i, opts)
-                 for o, i in zip(outputs, inputs)]
-        return works[-1] if works else _done("all_gather", outputs,
-                                             self._timeout)
+        return self._all_of("all_gather_into_tensor_coalesced", outputs, [
+            self.all_gather_single(o, i, opts)
+            for o, i in zip(outputs, inputs)])
+
+    def _all_of(self, what, outputs, works):
+        """A Work done when every one of `works` is (with the first error)."""
+        w = _Work(what, outputs, self._timeout)
+        left = [len(works)]
+        lock = threading.Lock()
+
+        def one_done(fut):
+            err = None
+            try:
+                fut.wait()
+            except Exception as e:  # noqa: BLE001 - the Work carries it
+                err = e if isinstance(e, RuntimeError) else RuntimeError(str(e))
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if err is not None or last:
+                w._finish(err)
+
+        if not works:
+            w._finish()
+        for x in works:
+            x._fut.add_done_callback(one_done)
+        return w
 
     def gather(self, output_tensors, input_tensors, opts):
         self._check("gather", input_tensors)
@@ -687,10 +710,9 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                                                for c in chunks]], opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        works = [self.reduce_scatter_single(o, i, opts)
-                 for o, i in zip(outputs, inputs)]
-        return works[-1] if works else _done("reduce_scatter", outputs,
-                                             self._timeout)
+        return self._all_of("reduce_scatter_tensor_coalesced", outputs, [
+            self.reduce_scatter_single(o, i, opts)
+            for o, i in zip(outputs, inputs)])
 
     def _reduce_scatter_rounds(self, out, ins, name, outputs):
         """Every rank pushes every chunk (a round per chunk) and pulls only
