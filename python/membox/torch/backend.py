@@ -243,6 +243,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._declared = {}  # key -> bytes
         self._buffers = {}  # key -> registered numpy buffer
         self._calls = {}  # (dtype, bytes) -> rounds of that size so far
+        self._round_keys = {}  # ((dtype, bytes), entry) -> its key
         self._seen = set()  # addresses of tensors all-reduced once
         self._placed = set()  # addresses of tensors moved in place
         self._exchanges = 0
@@ -346,8 +347,12 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         sig = (t.dtype, nbytes)
         n = self._calls.get(sig, 0)
         self._calls[sig] = n + 1
-        key = self._key(1, n % _KEYS_PER_SIZE, _NAMES[t.dtype], nbytes)
-        self._declare(key, nbytes, _NAMES[t.dtype])
+        slot = (sig, n % _KEYS_PER_SIZE)
+        key = self._round_keys.get(slot)
+        if key is None:  # first use: named and declared once
+            key = self._key(1, slot[1], _NAMES[t.dtype], nbytes)
+            self._declare(key, nbytes, _NAMES[t.dtype])
+            self._round_keys[slot] = key
         arr = None
         if not push_only and nbytes >= _IN_PLACE_BYTES:
             arr = self._in_place(key, t)
