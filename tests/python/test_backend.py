@@ -249,9 +249,6 @@ def _errors(rank, world):
 
 
 def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
-    if os.environ.get("DEBUG_HANG"):
-        import faulthandler
-        faulthandler.dump_traceback_later(int(os.environ["DEBUG_HANG"]))
     try:
         os.environ["MEMBOX_SECRET_FILE"] = secret_file
         os.environ.pop("MEMBOX_SECRET", None)
