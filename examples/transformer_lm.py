@@ -85,6 +85,11 @@ def main():
                     help="with --offload, for restart tests: the last rank "
                          "exits in STEP's backward once the upper layers' "
                          "gradients are pushed (a job dying mid-step)")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="FSDP2 (fully_shard per encoder layer, then the "
+                         "whole model) instead of DDP, on the process "
+                         "group's backend: --backend membox runs it on "
+                         "init_process_group(\"membox\"), gloo on Gloo")
     ap.add_argument("--overlap-optimizer", action="store_true",
                     help="step each gradient bucket's parameters as its "
                          "average arrives (membox.torch.OverlappedOptimizer; "
@@ -93,7 +98,10 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if a.fsdp2 and a.backend == "membox":
+        import membox.torch  # registers the "membox" backend
+    dist.init_process_group("membox" if a.fsdp2 and a.backend == "membox"
+                            else "gloo", rank=rank, world_size=world)
     if a.d_model < 4 or a.d_model % 4 or a.layers < 1:
         ap.error("--d-model must be a positive multiple of 4, --layers >= 1")
     if a.offload and (a.backend != "membox" or a.overlap_optimizer or
@@ -101,11 +109,20 @@ def main():
         ap.error("--offload needs --backend membox and goes without "
                  "--overlap-optimizer, --in-memory-state, --no-sync and "
                  "--wire-dtype")
+    if a.fsdp2 and (a.offload or a.overlap_optimizer or a.in_memory_state
+                    or a.no_sync or a.wire_dtype):
+        ap.error("--fsdp2 goes without --offload, --overlap-optimizer, "
+                 "--in-memory-state, --no-sync and --wire-dtype")
     model = LM(a.d_model, a.layers)
     nparams = sum(p.numel() for p in model.parameters())
-    if not a.offload:
+    if a.fsdp2:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.enc.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif not a.offload:
         model = nn.parallel.DistributedDataParallel(model)
-    if a.backend == "membox":
+    if a.backend == "membox" and not a.fsdp2:
         import membox.torch
         membox.torch.init(wire_dtype=a.wire_dtype)
     if a.offload:
@@ -121,7 +138,7 @@ def main():
             model, torch.optim.Adam, lr=3e-3,
             hook=None if a.backend == "membox" else "allreduce")
     else:
-        if a.backend == "membox":
+        if a.backend == "membox" and not a.fsdp2:
             model.register_comm_hook(None, membox.torch.allreduce_hook)
         opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     first = 1

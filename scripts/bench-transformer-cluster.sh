@@ -29,12 +29,16 @@ topo=${2:?usage: bench-transformer-cluster.sh [--repeats N] OUT_PREFIX TOPOLOGY}
 case=$(basename "$topo" .toml)
 raw=$(mktemp)
 trap '"$membox" cluster down "$topo" >/dev/null 2>&1 || true; rm -f "$raw"' EXIT
+# -fsdp2: FSDP2 (fully_shard) instead of DDP, on init_process_group("gloo")
+# and on init_process_group("membox") (needs torch 2.x: --python).
 # -overlap: the optimizer stepped bucket by bucket as the averages arrive
 # (membox.torch.OverlappedOptimizer; Gloo's AllReduce under the same hook).
 variants=("compute-only:--backend gloo --no-sync" "gloo:--backend gloo"
           "membox:--backend membox"
           "gloo-overlap:--backend gloo --overlap-optimizer"
-          "membox-overlap:--backend membox --overlap-optimizer")
+          "membox-overlap:--backend membox --overlap-optimizer"
+          "gloo-fsdp2:--backend gloo --fsdp2"
+          "membox-fsdp2:--backend membox --fsdp2")
 busy() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8, $5 + $6}' /proc/stat; }
 "$membox" cluster down "$topo" >/dev/null 2>&1 || true
 "$membox" cluster up "$topo" | tail -1
@@ -66,14 +70,17 @@ for line in open(raw):
     name, ms, pct, l10, l20 = line.split()
     runs[name].append((float(ms), float(pct), l10, l20))
 losses = {n: {(r[2], r[3]) for r in rs} for n, rs in runs.items()}
-trained = [n for n in runs if n != "compute-only"]
-if len(set().union(*(losses[n] for n in trained))) != 1:
-    sys.exit(f"losses differ: {losses}")
+# DDP's variants print the same losses, and so do FSDP2's (its sharded
+# AdamW step may differ from DDP's in the last printed digit).
+for family in (lambda n: not n.endswith("-fsdp2"), lambda n: n.endswith("-fsdp2")):
+    trained = [n for n in runs if n != "compute-only" and family(n)]
+    if trained and len(set().union(*(losses[n] for n in trained))) != 1:
+        sys.exit(f"losses differ: {losses}")
 med = {n: statistics.median(r[0] for r in rs) for n, rs in runs.items()}
 gloo = med["gloo"]
 # Each variant against Gloo with the same optimizer placement.
-base = {n: med["gloo-overlap" if n.endswith("-overlap") else "gloo"]
-        for n in runs}
+base = {n: med[("gloo-" + n.split("-")[1]) if "-" in n and
+                n != "compute-only" else "gloo"] for n in runs}
 tag = case + " " + model.replace("--", "").replace(" ", "")
 with open(out + ".csv", "w") as f:
     f.write("bench,variant,size_bytes,workers,metric,value,unit,case\n")
@@ -87,7 +94,8 @@ with open(out + ".txt", "w") as f:
     f.write(f"{tag}: ms per step (steps 11-20), median of {len(runs['gloo'])}; "
             f"losses at steps 10 / 20 equal: {sorted(losses['gloo'])[0]}; "
             "vs gloo: against Gloo with the same optimizer placement "
-            "(-overlap: stepped bucket by bucket)\n")
+            "(-overlap: stepped bucket by bucket; -fsdp2: FSDP2 on each "
+            "backend)\n")
     f.write(f"{'variant':14} {'step ms':>8} {'vs gloo':>8} {'CPU busy':>8}  runs\n")
     for name, rs in runs.items():
         ms = med[name]
