@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,13 +20,45 @@
 namespace membox::tools {
 namespace {
 
+// The services a node's memory server names in its status text ("service
+// NAME ENDPOINT" lines; memserver::Server::AddService), each "host:port"
+// (empty: the node runs none). An endpoint bound to every address
+// (0.0.0.0, [::]) is reached at the host `server` was reached at.
+struct NodeServices {
+  bool known = false;  // a "services" line: the node has started them all
+  std::string proxy;
+  std::string embedding;
+};
+
+NodeServices ServicesIn(const std::string& status, const std::string& server) {
+  NodeServices out;
+  std::istringstream lines(status);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream words(line);
+    std::string tag, name, at;
+    if (words >> tag && tag == "services") out.known = true;
+    if (!(words >> name >> at) || tag != "service") continue;
+    const size_t colon = at.rfind(':');
+    if (colon == std::string::npos) continue;
+    const std::string host = at.substr(0, colon);
+    if (host == "0.0.0.0" || host == "[::]" || host == "::") {
+      const size_t sc = server.rfind(':');
+      at = server.substr(0, sc) + at.substr(colon);
+    }
+    if (name == "parameter_proxy") out.proxy = at;
+    if (name == "embedding_server") out.embedding = at;
+  }
+  return out;
+}
+
 // `membox status`: for each memory node, the memory server's status (this
 // client's view, or every client's with the admin secret) and, with
-// `services`, the parameter proxy's and the embedding server's at the
-// node's default ports (+1, +2), or a line saying they do not answer.
-// Exit 1 when a memory server cannot be asked. `wait`: a node that does
-// not answer yet is asked again every 200 ms until `wait_s` seconds have
-// passed (a script starting nodes waits for them to be ready).
+// `services`, those of the parameter proxy and the embedding server the
+// node names (a line "none" for a service the node does not run). Exit 1
+// when a memory server, or a service it names, cannot be asked. `wait`: a node
+// that does not answer yet is asked again every 200 ms until `wait_s` seconds
+// have passed (a script starting nodes waits for them to be ready).
 int PrintStatus(const std::vector<std::string>& servers,
                 const std::string& secret, const std::string& secret_file,
                 const std::string& admin_file, bool services, bool wait,
@@ -61,9 +94,14 @@ int PrintStatus(const std::vector<std::string>& servers,
       return c.ok() ? (*c)->ServerStatus(admin)
                     : membox::Result<std::string>(c.status());
     };
+    // Not ready: the memory server does not answer yet, or (with
+    // `services`) the node has not started its services yet.
+    auto starting = [&](const membox::Result<std::string>& t) {
+      return t.ok() ? services && !ServicesIn(*t, server).known
+                    : t.status().code() == membox::StatusCode::kUnavailable;
+    };
     auto text = ask();
-    while (!text.ok() && std::chrono::steady_clock::now() < deadline &&
-           text.status().code() == membox::StatusCode::kUnavailable) {
+    while (starting(text) && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       text = ask();
     }
@@ -76,19 +114,33 @@ int PrintStatus(const std::vector<std::string>& servers,
     std::fputs(text->c_str(), stdout);
     if (!services) continue;
     std::fflush(stdout);
-    if (auto ps = ServiceListen("auto", server, 1); ps.ok()) {
-      auto t = membox::ps::QueryProxyStatus(*ps, *sec,
+    const NodeServices named = ServicesIn(*text, server);
+    if (!named.known) {
+      std::printf(
+          "-- services: not named yet (the node is starting, or "
+          "runs a membox older than this; --wait waits)\n");
+      rc = 1;
+      continue;
+    }
+    if (named.proxy.empty()) {
+      std::printf("-- parameter proxy: none (this node runs none)\n");
+    } else {
+      auto t = membox::ps::QueryProxyStatus(named.proxy, *sec,
                                             std::chrono::milliseconds(5000));
       if (t.ok()) {
-        std::printf("-- parameter proxy %s --\n%s", ps->c_str(), t->c_str());
+        std::printf("-- parameter proxy %s --\n%s", named.proxy.c_str(),
+                    t->c_str());
       } else {
-        std::printf("-- parameter proxy %s: not answering (%s)\n", ps->c_str(),
-                    t.status().ToString().c_str());
+        std::printf("-- parameter proxy %s: not answering (%s)\n",
+                    named.proxy.c_str(), t.status().ToString().c_str());
+        rc = 1;
       }
     }
-    if (auto es = ServiceListen("auto", server, 2); es.ok()) {
+    if (named.embedding.empty()) {
+      std::printf("-- embedding server: none (this node runs none)\n");
+    } else {
       membox::embedding::EmbeddingClientOptions eo;
-      eo.nodes = {*es};
+      eo.nodes = {named.embedding};
       eo.secret = *sec;
       eo.name = "membox-status";
       eo.timeout = std::chrono::milliseconds(5000);
@@ -96,10 +148,12 @@ int PrintStatus(const std::vector<std::string>& servers,
       auto t = ec.ok() ? (*ec)->NodeStatus(0)
                        : membox::Result<std::string>(ec.status());
       if (t.ok()) {
-        std::printf("-- embedding server %s --\n%s", es->c_str(), t->c_str());
+        std::printf("-- embedding server %s --\n%s", named.embedding.c_str(),
+                    t->c_str());
       } else {
-        std::printf("-- embedding server %s: not answering (%s)\n", es->c_str(),
-                    t.status().ToString().c_str());
+        std::printf("-- embedding server %s: not answering (%s)\n",
+                    named.embedding.c_str(), t.status().ToString().c_str());
+        rc = 1;
       }
     }
     std::fflush(stdout);
@@ -130,8 +184,8 @@ Commands AddStatusCommand(CLI::App* app) {
       ->delimiter(',')
       ->required();
   status->add_flag("--services", f->services,
-                   "also ask each node's parameter proxy and embedding "
-                   "server (default ports: +1, +2)");
+                   "also ask the parameter proxy and embedding server "
+                   "each node runs (a node names them; none: not run)");
   status->add_flag("--wait", f->wait,
                    "wait until every node answers (up to --timeout), then "
                    "print: for scripts that start nodes");

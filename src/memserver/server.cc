@@ -9,7 +9,10 @@
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "membox/base/accumulate.h"
 #include "membox/base/config.h"
@@ -209,6 +212,13 @@ class ServerImpl final : public Server, public service::Service {
 
   std::string StatusText() const override { return StatusTextFor(0, true); }
 
+  void SetServices(
+      std::vector<std::pair<std::string, std::string>> services) override {
+    MutexLock l(&mu_);
+    services_ = std::move(services);
+    services_set_ = true;
+  }
+
   // `viewer` sees the pool totals and its own client and segments (created
   // or attached); `full` shows everything.
   std::string StatusTextFor(uint64_t viewer, bool full) const {
@@ -231,6 +241,10 @@ class ServerImpl final : public Server, public service::Service {
       << "bytes_read " << s.bytes_read << "\n"
       << "bytes_written " << s.bytes_written << "\n";
     MutexLock l(&mu_);
+    if (services_set_) o << "services " << services_.size() << "\n";
+    for (const auto& [name, at] : services_) {
+      o << "service " << name << " " << at << "\n";
+    }
     auto vit = clients_.find(viewer);
     if (vit != clients_.end() && !vit->second.principal.cluster) {
       const Principal& p = vit->second.principal;
@@ -739,6 +753,10 @@ class ServerImpl final : public Server, public service::Service {
   std::unique_ptr<BuddyAllocator> buddy_ MEMBOX_GUARDED_BY(mu_);
   Segments segments_ MEMBOX_GUARDED_BY(mu_);
   std::map<uint64_t, ClientState> clients_ MEMBOX_GUARDED_BY(mu_);
+  // The node's other services (SetServices): name, endpoint.
+  std::vector<std::pair<std::string, std::string>> services_
+      MEMBOX_GUARDED_BY(mu_);
+  bool services_set_ MEMBOX_GUARDED_BY(mu_) = false;
   // Bytes of segments each principal created and the node still holds.
   std::map<std::string, uint64_t> held_by_ MEMBOX_GUARDED_BY(mu_);
   uint64_t departed_read_ MEMBOX_GUARDED_BY(mu_) = 0;

@@ -34,6 +34,13 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::Start(MemoryNodeOptions o) {
     }
     n->embedding_ = std::move(*e);
   }
+  std::vector<std::pair<std::string, std::string>> services;
+  if (n->proxy_)
+    services.emplace_back("parameter_proxy", n->proxy_->endpoint());
+  if (n->embedding_) {
+    services.emplace_back("embedding_server", n->embedding_->endpoint());
+  }
+  n->memory_->SetServices(std::move(services));
   if (!o.metrics_listen.empty()) {
     MetricsEndpointOptions mo;
     mo.listen = o.metrics_listen;

@@ -275,6 +275,50 @@ class StatusWaitTest(unittest.TestCase):
         self.assertLess(time.time() - t0, 30)
 
 
+    def test_services_are_the_ones_the_node_runs(self):
+        """--services asks the services a node names, wherever they
+        listen, and says "none" of one the node does not run."""
+        import socket
+        tmp = tempfile.mkdtemp()
+        secret = os.path.join(tmp, "secret")
+        with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write("status-services-secret-0123456789abcdefg\n")
+        ports = []
+        socks = [socket.socket() for _ in range(2)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        for s in socks:
+            s.close()
+        mem, ps = ports
+        for extra, want_proxy in ((["--ps-listen", "off"], None),
+                                  (["--ps-listen", "127.0.0.1:%d" % ps],
+                                   "127.0.0.1:%d" % ps)):
+            node = subprocess.Popen(
+                [MEMBOX, "--log-level", "warn", "serve", "--listen",
+                 "127.0.0.1:%d" % mem, "--pool-size", "16MiB",
+                 "--secret-file", secret, "--exit-with-parent"] + extra,
+                stdout=subprocess.DEVNULL)
+            try:
+                p = subprocess.run(
+                    [MEMBOX, "status", "--wait", "--services", "--server",
+                     "127.0.0.1:%d" % mem, "--secret-file", secret],
+                    capture_output=True, text=True, timeout=60)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertNotIn("not answering", p.stdout)
+                self.assertIn("-- embedding server: none", p.stdout)
+                if want_proxy is None:
+                    self.assertIn("-- parameter proxy: none", p.stdout)
+                else:  # not the default port (+1): the one it listens on
+                    self.assertIn("-- parameter proxy %s --" % want_proxy,
+                                  p.stdout)
+                    self.assertIn("service parameter_proxy %s" % want_proxy,
+                                  p.stdout)
+            finally:
+                node.kill()
+                node.wait()
+
+
 class SettingsTest(unittest.TestCase):
     """The edges' settings: flags and MEMBOX_* variables (the libraries
     read none)."""

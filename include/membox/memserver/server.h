@@ -23,6 +23,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "membox/base/credential.h"
 #include "membox/base/metrics.h"
@@ -87,6 +89,14 @@ class Server {
   virtual ServerStats Stats() const = 0;
   // Human-readable status (what `membox status` prints).
   virtual std::string StatusText() const = 0;
+  // Names the node's other services, once all run: {name (one word, e.g.
+  // "parameter_proxy"), endpoint}. The status text then has a line
+  // "services N" and a line "service NAME ENDPOINT" for each, which
+  // `membox status --services` asks; a service not named is not running.
+  // Before the call, no "services" line: the node is still starting. Any
+  // thread.
+  virtual void SetServices(
+      std::vector<std::pair<std::string, std::string>> services) = 0;
   // Prometheus metrics: pool use, segments, clients, accumulates, one-sided
   // traffic, and the service layer's request metrics. Any thread.
   virtual void Metrics(MetricsWriter& w) const = 0;
