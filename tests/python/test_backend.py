@@ -98,6 +98,41 @@ def _collectives(rank, world):
                                                 dtype=torch.int32))
     check("all_gather_into_tensor", out,
           torch.arange(world, dtype=torch.int32).repeat_interleave(2))
+    # Small float broadcast and all_gather move as sum rounds (-0.0 where a
+    # rank places nothing): every value arrives bit for bit, -0.0, NaN,
+    # infinities and subnormals included.
+    def bits(t):
+        return t.view({2: torch.int16, 4: torch.int32,
+                       8: torch.int64}[t.element_size()])
+
+    for dtype in (torch.float32, torch.float64, torch.bfloat16,
+                  torch.float16):
+        odd = torch.tensor([-0.0, 0.0, float("nan"), float("inf"),
+                            -float("inf"), 1e-40, -3.5, 1.0 + rank],
+                           dtype=dtype)
+        for root in range(world):
+            t = odd.clone() if rank == root else torch.full_like(odd, 7.0)
+            dist.broadcast(t, src=root)
+            want = odd.clone()
+            want[-1] = 1.0 + root
+            check("broadcast bits %s from %d" % (dtype, root), bits(t),
+                  bits(want))
+        out = torch.empty(world * odd.numel(), dtype=dtype)
+        mine = out[rank * odd.numel():(rank + 1) * odd.numel()]
+        mine.copy_(odd)  # FSDP2's way: the input is the output's own chunk
+        dist.all_gather_into_tensor(out, mine)
+        want = torch.cat([torch.cat([odd[:-1],
+                                     torch.tensor([1.0 + q], dtype=dtype)])
+                          for q in range(world)])
+        check("all_gather_into_tensor bits %s" % dtype, bits(out),
+              bits(want))
+        outs = [torch.empty_like(odd) for _ in range(world)]
+        dist.all_gather(outs, odd)
+        check("all_gather bits %s" % dtype, bits(torch.cat(outs)),
+              bits(want))
+    m = torch.arange(12.0).view(3, 4) * (rank + 1)
+    dist.broadcast(m[:, 2], src=0)  # non-contiguous
+    check("broadcast strided", m[:, 2], torch.tensor([2.0, 6.0, 10.0]))
     # reduce, gather and scatter to and from the last rank.
     root = world - 1
     t = torch.full((4,), float(rank + 1))

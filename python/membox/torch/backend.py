@@ -45,6 +45,10 @@ _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # A tensor this large all-reduced twice at one address moves in place.
 _IN_PLACE_BYTES = 256 << 10
 _KEYS_PER_SIZE = 4
+# A float all_gather or broadcast of at most this many bytes is a sum round
+# (_placed_sum): latency-bound sizes, where one round beats an exchange's
+# store, fence and pull.
+_SUM_MOVE_BYTES = 256 << 10
 _NAMES = {torch.float32: "float32", torch.float64: "float64",
           torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -427,6 +431,35 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             self._round(c).add_done_callback(one_done)
         return w
 
+    def _moves_as_sum(self, tensors, times=1):
+        """Whether moving `tensors` (times their size in all) is cheaper as
+        a sum round than as an exchange: non-empty, floating point, small.
+        It depends on what every rank's tensors share (dtype, size), so
+        every rank takes the same path."""
+        return all(t.dtype in _FLOATS and
+                   0 < t.numel() * t.element_size() * times <= _SUM_MOVE_BYTES
+                   for t in tensors)
+
+    def _placed_sum(self, what, out, own, at, outputs, then=None):
+        """Data movement as a sum: every rank fills the flat float tensor
+        `out` with -0.0 but for its own part `own` (None: nothing) at
+        element `at`, and the nodes sum. x + (-0.0) is x for every x (zeros
+        and NaNs included), in any order, so each element ends as the value
+        the one rank placed there, bit for bit: one round (combined in a
+        node's memory for small tensors) instead of an exchange's store,
+        fence and pull. The Work carries `outputs`, after then()."""
+        n = 0 if own is None else own.numel()
+        slot = out[at:at + n]
+        if own is not None and own.data_ptr() != slot.data_ptr() and \
+                own.untyped_storage().data_ptr() == \
+                out.untyped_storage().data_ptr():
+            own = own.clone()  # elsewhere in `out`: the fill would clobber it
+        out[:at].fill_(-0.0)
+        out[at + n:].fill_(-0.0)
+        if own is not None and own.data_ptr() != slot.data_ptr():
+            slot.copy_(own)
+        return self._rounds(what, [out], "SUM", outputs, then)
+
     def _on_nodes(self, name, tensors):
         return name in ("SUM", "AVG") and all(
             t.dtype in _FLOATS for t in tensors)
@@ -561,6 +594,13 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     def broadcast(self, tensors, opts):
         self._check("broadcast", tensors)
         root = opts.rootRank
+        if len(tensors) == 1 and self._moves_as_sum(tensors):
+            t = tensors[0]
+            c = t if t.is_contiguous() else t.contiguous()
+            flat = c.view(-1)
+            return self._placed_sum(
+                "broadcast", flat, flat if self._rank == root else None, 0,
+                tensors, None if c is t else lambda: t.copy_(c))
 
         def run():
             for t in tensors:
@@ -580,6 +620,20 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 raise ValueError("membox backend: all_gather needs %d output "
                                  "tensors, got %d" % (self._size, len(outs)))
 
+        if len(input_tensors) == 1 and \
+                self._moves_as_sum(input_tensors, self._size) and all(o.dtype == input_tensors[0].dtype and
+                        o.numel() == input_tensors[0].numel()
+                        for o in output_tensors[0]):
+            t, outs = input_tensors[0], output_tensors[0]
+            n = t.numel()
+            flat = torch.empty(n * self._size, dtype=t.dtype)
+
+            def unpack():
+                for q, o in enumerate(outs):
+                    o.copy_(flat[q * n:(q + 1) * n].view_as(o))
+            return self._placed_sum("all_gather", flat, t.reshape(-1),
+                                    self._rank * n, output_tensors, unpack)
+
         def run():
             for outs, t in zip(output_tensors, input_tensors):
                 c = t.contiguous()
@@ -597,6 +651,13 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         if output.numel() != input.numel() * self._size:
             raise ValueError("membox backend: all_gather_into_tensor's output "
                              "must hold world_size x the input")
+        if self._moves_as_sum([output]) and input.dtype == output.dtype:
+            # FSDP2's input is often the output's own chunk: left in place.
+            c = output if output.is_contiguous() else output.contiguous()
+            return self._placed_sum(
+                "all_gather_into_tensor", c.view(-1),
+                input.contiguous().view(-1), self._rank * input.numel(),
+                [output], None if c is output else lambda: output.copy_(c))
 
         def run():
             out = output.contiguous()
