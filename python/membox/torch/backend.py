@@ -15,6 +15,9 @@ Paths:
     stores what it sends into stored keys on the nodes, the ranks meet
     at a fence (one 4-byte round), and each pulls what it receives.
     Reductions then reduce locally.
+  * Small floating-point broadcasts and all_gathers (result up to
+    256 KiB) are one sum round instead: each rank places its data in a
+    buffer of -0.0 and the nodes sum, which leaves every value as placed.
 
 Threading: collectives are called on the training thread (or DDP's
 autograd thread). Rounds are submitted at once and complete on the
