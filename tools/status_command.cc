@@ -21,7 +21,7 @@ namespace membox::tools {
 namespace {
 
 // The services a node's memory server names in its status text ("service
-// NAME ENDPOINT" lines; memserver::Server::AddService), each "host:port"
+// NAME ENDPOINT" lines; memserver::Server::SetServices), each "host:port"
 // (empty: the node runs none). An endpoint bound to every address
 // (0.0.0.0, [::]) is reached at the host `server` was reached at.
 struct NodeServices {

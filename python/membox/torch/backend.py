@@ -623,11 +623,11 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 raise ValueError("membox backend: all_gather needs %d output "
                                  "tensors, got %d" % (self._size, len(outs)))
 
-        if len(input_tensors) == 1 and \
-                self._moves_as_sum(input_tensors, self._size) and all(o.dtype == input_tensors[0].dtype and
-                        o.numel() == input_tensors[0].numel()
-                        for o in output_tensors[0]):
-            t, outs = input_tensors[0], output_tensors[0]
+        t, outs = (input_tensors[0], output_tensors[0]) \
+            if len(input_tensors) == 1 else (None, ())
+        if t is not None and self._moves_as_sum([t], self._size) and \
+                all(o.dtype == t.dtype and o.numel() == t.numel()
+                    for o in outs):
             n = t.numel()
             flat = torch.empty(n * self._size, dtype=t.dtype)
 
