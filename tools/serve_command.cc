@@ -228,6 +228,7 @@ struct ServeFlags {
   EmbeddingFlags eflags;
   std::string metrics_listen, metrics_token_file;
   bool exit_with_parent = false;
+  std::string ps_replicate = "on";
 };
 
 }  // namespace
@@ -238,7 +239,7 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
          heartbeat_ms, serve_config, revoked_file, allow_weak_secret,
          orphan_grace_ms, admin_secret_file, popt, ps_listen, ps_max, ps_sched,
          hang_report_s, failover_s, eflags, metrics_listen, metrics_token_file,
-         exit_with_parent] = *f;
+         exit_with_parent, ps_replicate] = *f;
   auto* serve = app->add_subcommand("serve", "run a memory node");
   serve->add_option("--config", serve_config,
                     "file of 'key = value' lines named like the long flags "
@@ -309,12 +310,19 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
                   "load the checkpoint (--restore-name) on start");
   serve->add_option("--restore-name", popt.restore_name,
                     "checkpoint file name (default latest.mbck)");
-  serve->add_flag("--ps-replicate", popt.replicate,
-                  "keep every key on every proxy (no striping), so any one "
-                  "node can die without losing a round");
+  serve
+      ->add_option("--ps-replicate", ps_replicate,
+                   "on (the default with --ps-peers): every shard is on two "
+                   "nodes (a striped key's owner copies each round's result "
+                   "to a backup before answering; other keys are on every "
+                   "node), so any one node can die without losing a round; "
+                   "off: one copy (a node's death ends the job)")
+      ->expected(0, 1)
+      ->default_str("on")
+      ->check(CLI::IsMember({"on", "off"}));
   serve
       ->add_option("--ps-failover-s", failover_s,
-                   "with --ps-replicate: how long rounds wait for a dead "
+                   "with replication: how long rounds wait for a dead "
                    "peer's replacement before they fail")
       ->check(CLI::Range(0.1, 86400.0));
   serve->add_flag("--join", popt.join,
@@ -349,7 +357,7 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
                 heartbeat_ms, serve_config, revoked_file, allow_weak_secret,
                 orphan_grace_ms, admin_secret_file, popt, ps_listen, ps_max,
                 ps_sched, hang_report_s, failover_s, eflags, metrics_listen,
-                metrics_token_file, exit_with_parent] = *f;
+                metrics_token_file, exit_with_parent, ps_replicate] = *f;
          if (exit_with_parent) prctl(PR_SET_PDEATHSIG, SIGTERM);
          if (!serve_config.empty()) {
            membox::Status st = ApplyConfigFile(serve, serve_config);
@@ -375,6 +383,8 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
              static_cast<int64_t>(hang_report_s * 1000));
          popt.failover_timeout =
              std::chrono::milliseconds(static_cast<int64_t>(failover_s * 1000));
+         // A bare --ps-replicate (older scripts) means on.
+         popt.replicate = ps_replicate != "off" && popt.peers.size() > 1;
          sopt.orphan_grace = std::chrono::milliseconds(orphan_grace_ms);
          if (!ReadAdminSecret(admin_secret_file, "serve", &sopt.admin_secret)) {
            return 2;

@@ -301,7 +301,10 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
   const int repeats = std::max(1, opt.repeats);
   int total =
       repeats * static_cast<int>(workers.size() *
-                                 (nodes.size() + 1 + (opt.with_gloo ? 1 : 0)));
+                                 (nodes.size() +
+                                  std::count_if(nodes.begin(), nodes.end(),
+                                                [](int m) { return m > 1; }) +
+                                  1 + (opt.with_gloo ? 1 : 0)));
   int done = 0;
   // Every variant's time per (p, size) over the repeats; the repeats are
   // interleaved (every variant once per repeat), so what the machine does
@@ -354,13 +357,24 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
                                std::to_string(opt.partition_bytes)});
         if (!collect(proc, "mpi", p)) return 1;
       }
-      // membox through 1 and 2 memory nodes.
+      // membox through 1 and 2 memory nodes; with 2+, the default
+      // (replicated: every shard on two nodes) and --ps-replicate off.
+      std::vector<std::pair<int, bool>> node_runs;
       for (int m : nodes) {
+        node_runs.push_back({m, true});
+        if (m > 1) node_runs.push_back({m, false});
+      }
+      for (auto [m, replicated] : node_runs) {
+        const std::string variant =
+            "membox-" + std::to_string(m) + "node" +
+            (replicated || m == 1 ? "" : "-unreplicated");
         Progress(done++, total,
                  "membox p=" + std::to_string(p) +
-                     " nodes=" + std::to_string(m) + tag);
+                     " nodes=" + std::to_string(m) +
+                     (replicated || m == 1 ? "" : " unreplicated") + tag);
         std::vector<std::string> peers;
-        auto cluster = ServerProcess::StartProxyCluster(m, 2, &peers);
+        auto cluster =
+            ServerProcess::StartProxyCluster(m, 2, &peers, replicated);
         if (!cluster.ok()) {
           std::fprintf(stderr, "error: %s\n",
                        cluster.status().ToString().c_str());
@@ -371,7 +385,7 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
         for (auto& pe : peers) list += (list.empty() ? "" : ",") + pe;
         auto proc = mpirun(p, {list, servers[0].secret_file(), Join(sizes),
                                iters_s, std::to_string(opt.partition_bytes)});
-        if (!collect(proc, "membox-" + std::to_string(m) + "node", p)) return 1;
+        if (!collect(proc, variant, p)) return 1;
       }
       if (opt.with_gloo) {
         Progress(done++, total, "gloo p=" + std::to_string(p) + tag);
@@ -407,9 +421,10 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
   // Table with the ratios of membox's default (`membox launch`: 2 memory
   // nodes) to each baseline; the 1-node run is its own column, never a
   // "faster of the two" (issue 47).
-  std::printf("\n%-4s %-9s %11s %11s %11s %11s %11s | %8s %8s %8s %8s\n", "p",
-              "size", "membox-1", "membox-2", "mpi", "gloo", "bound", "2n/mpi",
-              "2n/gloo", "2n/bnd", "1n/mpi");
+  std::printf(
+      "\n%-4s %-9s %11s %11s %11s %11s %11s %11s | %8s %8s %8s %8s %8s\n", "p",
+      "size", "membox-1", "membox-2", "2-unrepl", "mpi", "gloo", "bound",
+      "2n/mpi", "2n/gloo", "2n/bnd", "1n/mpi", "2n/unrep");
   for (int p : workers) {
     for (uint64_t n : sizes) {
       auto get = [&](const std::string& v) {
@@ -421,17 +436,20 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
         return std::nan("");
       };
       double m1 = get("membox-1node"), m2 = get("membox-2node"),
-             mpi = get("mpi"), gloo = get("gloo"), bound = get("memcpy-bound");
+             m2u = get("membox-2node-unreplicated"), mpi = get("mpi"),
+             gloo = get("gloo"), bound = get("memcpy-bound");
       std::printf(
-          "%-4d %-9s %9.3fms %9.3fms %9.3fms %9.3fms %9.3fms | %8.2f %8.2f "
-          "%8.2f %8.2f\n",
-          p, SizeLabel(n).c_str(), m1, m2, mpi, gloo, bound, m2 / mpi,
-          m2 / gloo, m2 / bound, m1 / mpi);
+          "%-4d %-9s %9.3fms %9.3fms %9.3fms %9.3fms %9.3fms %9.3fms | %8.2f "
+          "%8.2f %8.2f %8.2f %8.2f\n",
+          p, SizeLabel(n).c_str(), m1, m2, m2u, mpi, gloo, bound, m2 / mpi,
+          m2 / gloo, m2 / bound, m1 / mpi, m2 / m2u);
     }
   }
   std::printf(
       "(ratios: membox's time / the baseline's; < 1 is membox faster. 2n: "
-      "the default's 2 memory nodes; 1n: one node. bound: p n bytes copied at "
+      "the default's 2 memory nodes, replicated (every shard on two nodes); "
+      "2-unrepl: the same with --ps-replicate off; 1n: one node. bound: p n "
+      "bytes copied at "
       "the all-core streaming copy rate of p n bytes; times: the median over "
       "%d interleaved repeats, each the median over iterations of the "
       "slowest rank)\n",

@@ -106,7 +106,7 @@ Result<ServerProcess> ServerProcess::StartEmbeddingNode(
 Result<ServerProcess> ServerProcess::StartWithProxy(
     const std::string& transports, int sync_cores, const std::string& ps_listen,
     const std::vector<std::string>& ps_peers, int ps_rank,
-    const std::string& secret) {
+    const std::string& secret, bool replicate) {
   ServerProcess s;
   std::vector<std::string> args = {"--pool-size",  "64MiB",
                                    "--transports", transports,
@@ -116,6 +116,8 @@ Result<ServerProcess> ServerProcess::StartWithProxy(
   if (!ps_peers.empty()) {
     args.push_back("--ps-peers");
     args.push_back(fmt::format("{}", fmt::join(ps_peers, ",")));
+    args.push_back("--ps-replicate");
+    args.push_back(replicate ? "on" : "off");
   }
   RETURN_IF_ERROR(s.Spawn(secret.empty() ? RandomSecret() : secret,
                           fmt::format("-{}", ps_rank), args));
@@ -124,7 +126,8 @@ Result<ServerProcess> ServerProcess::StartWithProxy(
 }
 
 Result<std::vector<ServerProcess>> ServerProcess::StartProxyCluster(
-    int nodes, int sync_cores, std::vector<std::string>* endpoints) {
+    int nodes, int sync_cores, std::vector<std::string>* endpoints,
+    bool replicate) {
   Status last;
   for (int attempt = 0; attempt < 3; ++attempt) {
     std::vector<std::string> peers;
@@ -136,7 +139,7 @@ Result<std::vector<ServerProcess>> ServerProcess::StartProxyCluster(
     for (int i = 0; i < nodes; ++i) {
       auto s = StartWithProxy("auto", sync_cores, peers[i],
                               nodes > 1 ? peers : std::vector<std::string>{}, i,
-                              secret);
+                              secret, replicate);
       if (!s.ok()) {
         last = s.status();
         break;

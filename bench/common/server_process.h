@@ -20,11 +20,13 @@ class ServerProcess {
                                      int sync_cores = 2);
   // A memory node whose parameter proxy listens on `ps_listen` with the
   // ring `ps_peers` (empty: a single proxy) as proxy `ps_rank`; `secret`
-  // empty picks a random one. Waits until the proxy is up.
+  // empty picks a random one; `replicate` false runs it with
+  // --ps-replicate off (one copy of each shard). Waits until the proxy is
+  // up.
   static Result<ServerProcess> StartWithProxy(
       const std::string& transports, int sync_cores,
       const std::string& ps_listen, const std::vector<std::string>& ps_peers,
-      int ps_rank, const std::string& secret = "");
+      int ps_rank, const std::string& secret = "", bool replicate = true);
   // Free TCP port on 127.0.0.1 (for endpoints that must be known up front).
   static int FreePort();
   // `nodes` memory nodes whose proxies form one ring on 127.0.0.1, with one
@@ -32,7 +34,8 @@ class ServerProcess {
   // ephemeral port) makes it retry with fresh ports, up to 3 times.
   // `endpoints` receives the proxies' endpoints in ring order.
   static Result<std::vector<ServerProcess>> StartProxyCluster(
-      int nodes, int sync_cores, std::vector<std::string>* endpoints);
+      int nodes, int sync_cores, std::vector<std::string>* endpoints,
+      bool replicate = true);
   // A memory node running only the embedding server, its tables in `dir`
   // with `budget` bytes of memory tier each; embedding_endpoint() is set.
   static Result<ServerProcess> StartEmbeddingNode(const std::string& dir,

@@ -143,7 +143,7 @@ def load_topology(path):
             "bridge": f"mbx{name}br"[:15], "pool": str(cfg.get("pool", "1GiB")),
             "emb_budget": str(cfg.get("emb_budget", "256MiB")),
             "sync_cores": int(cfg.get("sync_cores", 1)),
-            "ps_replicate": bool(cfg.get("ps_replicate", False)),
+            "ps_replicate": bool(cfg.get("ps_replicate", True)),
             "ps_read_window": cfg.get("ps_read_window"),
             "state": os.path.join(STATE_ROOT, name), "source": os.path.abspath(path)}
 
@@ -371,8 +371,8 @@ def _up(topo, log):
             argv += ["--ps-read-window", str(topo["ps_read_window"])]
         if len(peers) > 1:
             argv += ["--ps-peers", ",".join(peers)]
-            if topo.get("ps_replicate"):
-                argv += ["--ps-replicate"]
+            argv += ["--ps-replicate",
+                     "on" if topo.get("ps_replicate", True) else "off"]
         logf = open(os.path.join(d, "serve.log"), "w")
         p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
                              start_new_session=True)

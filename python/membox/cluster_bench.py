@@ -214,11 +214,11 @@ def run_allreduce(a, rec):
                                           "--gloo-worker", "--sizes", sizes_s,
                                           "--iters", str(a.iters)], True))
             if m > 1:
-                # What node failover costs (--ps-replicate, `membox launch
-                # --max-restarts`): every node keeps every key, so the
-                # shards the workers stripe over the nodes are also summed
-                # around the nodes' ring.
-                runs.append(("replica", peer + ["profile"], False))
+                # What node failover costs: the default replicates (each
+                # striped shard's owner copies its result to a backup
+                # before answering); this variant runs the nodes with
+                # --ps-replicate off, one copy of each shard.
+                runs.append(("unreplicated", peer + ["profile"], False))
             # --repeats: every variant once per repeat, the repeats
             # interleaved, so that what the machine does at the time falls
             # on every variant alike; each record is the median over them.
@@ -227,15 +227,15 @@ def run_allreduce(a, rec):
                 for variant, cmd, attach in runs:
                     # Fresh nodes: a kept key keeps its first job's shards
                     # and striping (and a repeat's default must not run on
-                    # the replicating nodes the last variant left).
+                    # the unreplicated nodes the last variant left).
                     if variant in ("coarse", "fixed") or (
                             variant == "membox" and rep > 0):
                         cluster.down(topo, quiet=True)
                         cluster.up(topo, log=lambda s: None)
-                    if variant == "replica":
+                    if variant == "unreplicated":
                         cluster.down(topo, quiet=True)
                         cluster.up(topology("bcl", p, m, a,
-                                            "ps_replicate = true\n"),
+                                            "ps_replicate = false\n"),
                                    log=lambda s: None)
                     print(f"[{case}] {variant} ..." + (
                         f" (repeat {rep + 1} of {a.repeats})"
@@ -246,7 +246,7 @@ def run_allreduce(a, rec):
                         raise RuntimeError(f"{variant}: {len(res)} of "
                                            f"{len(a.sizes)} results")
                     name = f"{variant}-{m}node" if variant in (
-                        "membox", "fixed", "coarse", "replica") else variant
+                        "membox", "fixed", "coarse", "unreplicated") else variant
                     for _, size, sec in res:
                         times.setdefault((name, int(size)), []).append(
                             float(sec) * 1e3)
@@ -393,12 +393,12 @@ def print_tables(a, rec):
                       f"{_label(n)} {rec.get(f'fixed-{x}node', n, 'time', case):.2f}"
                       f" (x{rec.get(f'fixed-{x}node', n, 'time', case) / rec.get(f'membox-{x}node', n, 'time', case):.2f})"
                       for n in a.sizes))
-            if rec.get(f"replica-{x}node", a.sizes[0], "time", case) == \
-                    rec.get(f"replica-{x}node", a.sizes[0], "time", case):
-                print(f"  --ps-replicate, {x} nodes (ms; x of the default): " +
-                      ", ".join(
-                          f"{_label(n)} {rec.get(f'replica-{x}node', n, 'time', case):.2f}"
-                          f" (x{rec.get(f'replica-{x}node', n, 'time', case) / rec.get(f'membox-{x}node', n, 'time', case):.2f})"
+            if rec.get(f"unreplicated-{x}node", a.sizes[0], "time", case) == \
+                    rec.get(f"unreplicated-{x}node", a.sizes[0], "time", case):
+                print(f"  --ps-replicate off, {x} nodes (ms; the default "
+                      f"(replicated) / this): " + ", ".join(
+                          f"{_label(n)} {rec.get(f'unreplicated-{x}node', n, 'time', case):.2f}"
+                          f" (x{rec.get(f'membox-{x}node', n, 'time', case) / rec.get(f'unreplicated-{x}node', n, 'time', case):.2f})"
                           for n in a.sizes))
         cpu = {r["variant"]: r["value"] for r in rec.rows
                if r["case"] == case and r["metric"] == "cpu"}

@@ -25,10 +25,10 @@ train_ps.py resumes at ps.version). A DDP job's weights live in its
 workers: it continues from its last membox.torch.save_checkpoint
 (load_checkpoint returns it after a restart).
 
-A memory node that dies is replaced (it counts against --max-restarts):
-with several nodes, every node keeps every key (`membox serve
---ps-replicate`, on when --max-restarts is given), so the launcher starts a
-new node on the dead one's ports with `--join` -- it copies the newest
+A memory node that dies is replaced (up to --node-replacements times):
+with several nodes, every shard is on two nodes (`membox serve
+--ps-replicate`, on by default with several nodes), so the launcher starts
+a new node on the dead one's ports with `--join` -- it copies the newest
 state from the survivors -- while the workers carry on: their parameter
 clients keep the dead node's pushes and send them to the replacement, and
 the surviving nodes hold their rounds meanwhile (no round lost or
@@ -203,9 +203,13 @@ def main(argv=None):
                     "(its state copied from the others); the memory nodes "
                     "keep their state")
     ap.add_argument("--ps-replicate", choices=["auto", "on", "off"],
-                    default="auto", help="every node keeps every key, so a "
+                    default="auto", help="every shard on two nodes, so a "
                     "node can die without losing a round (auto: on with "
-                    "--max-restarts and several nodes)")
+                    "several nodes; off saves the backup copies)")
+    ap.add_argument("--node-replacements", type=int, default=3,
+                    help="with replication: replace a memory node that "
+                    "dies this many times (its state copied from the "
+                    "others) while the workers carry on")
     ap.add_argument("--emb-budget", default="256MiB",
                     help="memory tier of each embedding table per node")
     ap.add_argument("--emb-push-log", choices=("on", "off"), default="on",
@@ -262,9 +266,8 @@ def main(argv=None):
             print(f"membox launch: no parameter-server checkpoint in "
                   f"{a.checkpoint_dir}: the nodes start empty; the workers "
                   f"resume from their own (MEMBOX_RESUMED=1)", flush=True)
-    replicate = a.nodes > 1 and (
-        a.ps_replicate == "on" or
-        (a.ps_replicate == "auto" and a.max_restarts > 0))
+    replicate = a.nodes > 1 and a.ps_replicate != "off"
+    replaced = 0
     node_argv = []
     try:
         for i in range(a.nodes):
@@ -275,8 +278,7 @@ def main(argv=None):
                       "--exit-with-parent"]
             if a.nodes > 1:
                 argv_n += ["--ps-peers", ",".join(ps_eps)]
-            if replicate:
-                argv_n += ["--ps-replicate"]
+            argv_n += ["--ps-replicate", "on" if replicate else "off"]
             emb_dir = os.path.join(a.checkpoint_dir or tmp, f"embedding-{i}")
             argv_n += ["--emb-listen", emb_eps[i], "--emb-dir", emb_dir,
                        "--emb-budget", a.emb_budget,
@@ -331,16 +333,16 @@ def main(argv=None):
         start_workers()
         while True:
             dead = [n for n in nodes if n.p.poll() is not None]
-            if dead and replicate and restarts < a.max_restarts and \
+            if dead and replicate and replaced < a.node_replacements and \
                     len(dead) < len(nodes):
                 n = dead[0]
-                restarts += 1
+                replaced += 1
                 t0 = time.time()
                 with lock:
                     print(f"membox launch: memory {n.name} died (exit "
                           f"status {n.p.returncode}); replacing it from the "
-                          f"other nodes (restart {restarts} of "
-                          f"{a.max_restarts})", flush=True)
+                          f"other nodes (replacement {replaced} of "
+                          f"{a.node_replacements})", flush=True)
                 n.t.join(timeout=5)
                 procs.remove(n)
                 m = Proc("node", n.rank, node_argv[n.rank] + ["--join"],
@@ -366,9 +368,14 @@ def main(argv=None):
                         w.p.poll() is None for w in workers):
                     time.sleep(0.1)
                 why = f"memory {n.name} died"
-                if a.max_restarts and not replicate:
+                if not replicate:
                     why += (" (a single node's state dies with it)"
                             if a.nodes == 1 else " (--ps-replicate off)")
+                elif replaced >= a.node_replacements:
+                    why += (f" (replaced {replaced} time(s) already: "
+                            f"--node-replacements)")
+                elif len(dead) == len(nodes):
+                    why += " (every node is dead: nothing to copy from)"
                 return shutdown(1, why)
             failed = [w for w in workers if w.p.poll() not in (None, 0)]
             if failed and restarts < a.max_restarts:

@@ -273,7 +273,6 @@ class ParamClientImpl final : public ParamClient {
       proxies_.push_back(std::move(link));
     }
     progress_ = [this] { device_->Progress(); };
-    replicating_ = proxies_.size() > 1 && all_replicate;
     RETURN_IF_ERROR(InstallRouting(opt_.routing));
     // Failover needs proxies that replicate (they said so in the hello):
     // otherwise a dead proxy's state is gone, and its requests fail at
@@ -478,7 +477,10 @@ class ParamClientImpl final : public ParamClient {
     const uint64_t np = proxies_.size();
     // Stored keys are always asked to be striped: with no ring to spread
     // them, an unstriped one goes to every proxy (which only replication
-    // wants -- and a replicating proxy answers "unstriped" anyway).
+    // wants -- and a replicating proxy answers "unstriped" for them).
+    // Keys for rounds stay striped on replicating nodes too: each owner
+    // copies its shards' results to a backup (docs/design/ps.md,
+    // "Primary-backup").
     const RoutingTable rt = routing();
     const bool stripe = (rt.stripe || stored) && np > 1;
     const uint64_t shard =
@@ -733,18 +735,6 @@ class ParamClientImpl final : public ParamClient {
       RoutingTable r = t;
       if (r.lat_proxy >= proxies_.size()) r.lat_proxy = 0;
       if (r.bw_proxy >= proxies_.size()) r.bw_proxy = 0;
-      if (replicating_ && r.stripe) {
-        // The nodes replicate, so keys are not striped: every worker's
-        // shards go to one node and the nodes' ring sums them. Where the
-        // profile found the links equal (it asked for striping), one node
-        // for every worker would take p times a worker's bytes while the
-        // others only ring; worker w goes to node w mod M instead (seed
-        // 000's each-worker-to-its-own-node), so the nodes share the
-        // workers' traffic. A node reads which workers push to it from
-        // this table (kRoute).
-        r.lat_proxy = r.bw_proxy =
-            static_cast<uint32_t>(opt_.rank % proxies_.size());
-      }
       e.table = r;
       // The next round of every key still follows the old table: a proxy
       // may already have started it assuming so. The new table applies
@@ -1653,7 +1643,6 @@ class ParamClientImpl final : public ParamClient {
   bool repair_stop_ MEMBOX_GUARDED_BY(links_mu_) = false;
   std::thread repairer_;
   std::atomic<bool> failover_{false};  // set by Init (every proxy replicates)
-  bool replicating_ = false;           // every proxy replicates (set by Init)
   std::function<void()> progress_;
   // Small keys combined in a node's memory (one proxy, every worker on its
   // host); null when combining is off.

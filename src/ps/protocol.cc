@@ -103,6 +103,10 @@ const char* TypeName(Type t) {
       return "catch-up";
     case Type::kCatchUpDone:
       return "catch-up-done";
+    case Type::kBackup:
+      return "backup";
+    case Type::kBackupDone:
+      return "backup-done";
     case Type::kStore:
       return "store";
     case Type::kWhere:
@@ -216,11 +220,18 @@ std::vector<uint8_t> Encode(const Message& m) {
       PutBytes(w, m.descriptor);
       break;
     case Type::kCatchUp:
+    case Type::kBackup:
       w.U64(m.key);
       w.U32(m.shard);
       w.U64(m.round);
       w.U64(m.bytes);
       PutBytes(w, m.descriptor);
+      break;
+    case Type::kBackupDone:
+      w.U64(m.key);
+      w.U32(m.shard);
+      w.U64(m.round);
+      PutStr(w, m.text);
       break;
     case Type::kCatchUpDone:
       w.U64(m.key);
@@ -353,9 +364,14 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
            r.U32(&m.step) && GetBytes(r, &m.descriptor, kMaxDescriptor);
       break;
     case Type::kCatchUp:
+    case Type::kBackup:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) && m.round > 0 &&
            r.U64(&m.bytes) && m.bytes > 0 &&
            GetBytes(r, &m.descriptor, kMaxDescriptor);
+      break;
+    case Type::kBackupDone:
+      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) &&
+           GetStr(r, &m.text, kMaxText);
       break;
     case Type::kCatchUpDone:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round);

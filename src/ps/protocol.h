@@ -78,8 +78,18 @@ enum class Type : uint8_t {
   // reason (text) for no; else the round combining starts from (version)
   // and the serialized descriptor of the region (text).
   kCombine = 25,
+  // proxy -> proxy notices, primary-backup of striped keys (replicate):
+  // the owner of shard `shard` finished round `round - 1` and offers the
+  // shard as it now holds it (value, optimizer state; version `round`) in
+  // the state-manifest format (docs/formats/ps_state_manifest.md), like
+  // kCatchUp: descriptor of the manifest, bytes = its length. The backup
+  // copies it and answers kBackupDone (key, shard, round; text: why not,
+  // empty when it holds the copy); the owner answers the round's workers
+  // only then, so an acknowledged round is on two nodes.
+  kBackup = 26,
+  kBackupDone = 27,
 };
-constexpr Type kLastType = Type::kCombine;
+constexpr Type kLastType = Type::kBackupDone;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;

@@ -82,6 +82,9 @@ ProxyStats ProxyImpl::Stats() const {
   s.checkpoints = checkpoints_.load();
   s.reads_held = reads_held_.load(std::memory_order_relaxed);
   s.result_bytes = result_bytes_.load(std::memory_order_relaxed);
+  s.backups_acked = backups_acked_.load(std::memory_order_relaxed);
+  s.backup_bytes_in = backup_bytes_in_.load(std::memory_order_relaxed);
+  s.backups_pending = backups_pending_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -96,7 +99,8 @@ std::string ProxyImpl::StatusText() const {
     << "\nrejected " << s.rejected << "\ncheckpoints " << s.checkpoints
     << "\nreads_held " << s.reads_held << "\nreplicate "
     << (opt_.replicate ? "on" : "off") << "\nfailovers " << failovers_.load()
-    << "\n";
+    << "\nbackups_acked " << s.backups_acked << "\nbackup_bytes_in "
+    << s.backup_bytes_in << "\nbackups_pending " << s.backups_pending << "\n";
   MutexLock l(&waits_mu_);
   o << waits_;
   return o.str();
@@ -113,6 +117,15 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
   w.Counter("membox_ps_stored_bytes_total",
             "Bytes workers wrote into stored keys (Store).",
             stored_bytes_in_.load(std::memory_order_relaxed));
+  w.Counter("membox_ps_backups_acked_total",
+            "Rounds of shards owned here copied by their backup node.",
+            s.backups_acked);
+  w.Counter("membox_ps_backup_bytes_in_total",
+            "Bytes of state copied here as other shards' backup.",
+            s.backup_bytes_in);
+  w.Gauge("membox_ps_backups_pending",
+          "Shards applied here waiting for their backup's copy.",
+          s.backups_pending);
   w.Counter("membox_ps_ring_steps_total", "Ring steps with peer proxies.",
             s.ring_steps);
   w.Counter("membox_ps_rejected_total", "Requests refused.", s.rejected);
@@ -296,6 +309,11 @@ std::string ProxyImpl::ExplainShard(uint64_t k, uint32_t s) const {
   std::string what;
   if (key.awaiting_init) {
     what = "rank 0 has not declared it (its initial value wins)";
+  } else if (sh.awaiting_backup) {
+    const uint32_t b = BackupOf(k, s);
+    what = "applied here, waiting for the copy on its backup proxy " +
+           std::to_string(b) +
+           (peers_down_.count(b) ? " (down: waits for its replacement)" : "");
   } else if (sh.reducing) {
     what = sh.ring.Waiting(RingFor(k, s));
   } else {
@@ -418,7 +436,8 @@ void ProxyImpl::OnRequest(const service::Request& r) {
   // Ring notices arrive as notices; everything else is a request.
   const bool ring = m->type == Type::kReady || m->type == Type::kDone ||
                     m->type == Type::kResume || m->type == Type::kCatchUp ||
-                    m->type == Type::kCatchUpDone;
+                    m->type == Type::kCatchUpDone || m->type == Type::kBackup ||
+                    m->type == Type::kBackupDone;
   if (r.notice != ring) {
     rejected_.fetch_add(1);
     MEMBOX_LOG_WARN("connection {}: {} sent as a {}", conn,
@@ -461,6 +480,16 @@ void ProxyImpl::OnRequest(const service::Request& r) {
       if (c.role != Conn::Role::kPeer) break;
       catch_ups_.erase({c.rank, m->key, m->shard});
       return;
+    case Type::kBackup:
+    case Type::kBackupDone: {
+      if (c.role != Conn::Role::kPeer) break;
+      // Not tied to a ring attempt (kResume): only an incarnation that is
+      // gone is ignored.
+      auto pc = peer_conn_.find(c.rank);
+      if (pc == peer_conn_.end() || pc->second != conn) return;
+      if (m->type == Type::kBackup) return OnBackup(c.rank, *m);
+      return OnBackupDone(c.rank, *m);
+    }
     case Type::kJoin:
     case Type::kJoinDone:
       if (c.role != Conn::Role::kPeer) break;
@@ -648,6 +677,13 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
         sh.reducing = false;
         sh.ring.Reset();
         sh.first_push = {};
+        if (sh.awaiting_backup) {
+          // Nobody waits for that answer any more; the backup gets the
+          // shard whole with the next round (an offer is the full state).
+          sh.awaiting_backup = false;
+          sh.backup_offer.reset();
+          backups_pending_.fetch_sub(1);
+        }
       }
     }
   }

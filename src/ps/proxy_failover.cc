@@ -61,6 +61,16 @@ void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
   peer_out_.erase(rank);
   peers_down_.erase(rank);
   peers_down_count_.store(peers_down_.size());
+  // Rounds applied here whose backup died: the replacement copied this
+  // node's state when it joined, so it has them; offer them again for its
+  // answer.
+  for (auto& [k, key] : keys_) {
+    for (uint32_t s = 0; s < key.shards.size(); ++s) {
+      if (key.shards[s].awaiting_backup && BackupOf(k, s) == rank) {
+        SendBackup(k, s);
+      }
+    }
+  }
   if (!peers_down_.empty()) return;  // another one is still down
   for (uint32_t p = 0; p < nproxies_; ++p) {
     if (p == opt_.rank || p == rank) continue;
@@ -109,6 +119,8 @@ void ProxyImpl::PeerLost(uint32_t rank, const std::string& who,
   for (auto& [k, key] : keys_) {
     for (uint32_t s = 0; s < key.shards.size(); ++s) {
       Shard& sh = key.shards[s];
+      // Applied here, waiting for its backup: done, whoever died.
+      if (sh.awaiting_backup) continue;
       if (sh.reducing && sh.ring.ReadsComplete(RingFor(k, s))) {
         // Every chunk is in: the result is complete, and the dead peer
         // may have finished (and answered) the round -- finish it too.
@@ -129,9 +141,10 @@ void ProxyImpl::PeerLost(uint32_t rank, const std::string& who,
   if (any_client) {
     MEMBOX_LOG_WARN(
         "{}; {} round(s) in flight restart ({} complete here finish), and "
-        "every round waits for its "
-        "replacement (membox serve --join; membox launch --max-restarts "
-        "starts one) for up to {} s",
+        "every round of an unstriped key and every answer its backup "
+        "copy must precede waits for its "
+        "replacement (membox serve --join; membox launch starts one) for "
+        "up to {} s",
         who, restarted, complete.size(),
         std::chrono::duration_cast<std::chrono::seconds>(opt_.failover_timeout)
             .count());
@@ -304,6 +317,138 @@ void ProxyImpl::OnCatchUp(uint32_t from, const Message& m) {
       "proxy {}: caught up on key {} shard {}: round {} from proxy {}",
       opt_.rank, m.key, m.shard, m.round - 1, from);
   PublishRound(m.key, m.shard, st);
+}
+
+bool ProxyImpl::BacksUp(const Key& key) const {
+  return key.striped && opt_.replicate && nproxies_ > 1 &&
+         mode_ != proto::Mode::kAsync;
+}
+
+uint32_t ProxyImpl::BackupOf(uint64_t k, uint32_t s) const {
+  return (Owner(k, s) + 1) % nproxies_;
+}
+
+void ProxyImpl::SendBackup(uint64_t k, uint32_t s) {
+  Key& key = keys_[k];
+  Shard& sh = key.shards[s];
+  const uint32_t to = BackupOf(k, s);
+  if (!sh.awaiting_backup) backups_pending_.fetch_add(1);
+  sh.awaiting_backup = true;
+  sh.backup_offer.reset();
+  if (peers_down_.count(to)) return;  // PeerHello of its replacement
+  auto offer =
+      StateOffer::Make(*device_, opt_.rank,
+                       {{k, s, key.dtype, key.bytes, key.shard_bytes, &sh}});
+  if (!offer.ok()) {
+    // The round is applied here; failing it now would leave the workers
+    // a round apart from the nodes. Answer it with one copy, and say so.
+    MEMBOX_LOG_WARN(
+        "proxy {}: key {} shard {} round {} is answered without a backup "
+        "copy (cannot offer it to proxy {}: {})",
+        opt_.rank, k, s, sh.version - 1, to, offer.status().ToString());
+    sh.awaiting_backup = false;
+    backups_pending_.fetch_sub(1);
+    return PublishRound(k, s, Status::Ok());
+  }
+  Message b;
+  b.type = Type::kBackup;
+  b.key = k;
+  b.shard = s;
+  b.round = sh.version;
+  b.bytes = (*offer)->manifest_bytes();
+  b.descriptor = (*offer)->descriptor();
+  sh.backup_offer = std::move(*offer);
+  Status st = SendToPeer(to, b);
+  if (!st.ok()) {
+    // Its link failed: PeerDown follows, and the replacement's hello
+    // sends the offer again.
+    MEMBOX_LOG_DEBUG("proxy {}: backup of key {} shard {} to proxy {}: {}",
+                     opt_.rank, k, s, to, st.ToString());
+  }
+}
+
+void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
+  Message done;
+  done.type = Type::kBackupDone;
+  done.key = m.key;
+  done.shard = m.shard;
+  done.round = m.round;
+  auto it = keys_.find(m.key);
+  // (Whether the key is striped is not checked: a replacement learns it
+  // from the workers' declarations, which its owners' offers may precede.)
+  if (it == keys_.end() || m.shard >= it->second.shards.size() ||
+      Owner(m.key, m.shard) != from || BackupOf(m.key, m.shard) != opt_.rank) {
+    done.text = "proxy " + std::to_string(opt_.rank) +
+                " is not the backup of key " + std::to_string(m.key) +
+                " shard " + std::to_string(m.shard);
+    MEMBOX_LOG_WARN("proxy {}: refused a backup from proxy {}: {}", opt_.rank,
+                    from, done.text);
+    (void)SendToPeer(from, done);
+    return;
+  }
+  Key& key = it->second;
+  Shard& sh = key.shards[m.shard];
+  if (sh.version >= m.round) {
+    // Copied already (a replacement that joined after the round).
+    (void)SendToPeer(from, done);
+    return;
+  }
+  std::vector<CopiedShard> copied;
+  Status st = [&]() -> Status {
+    ASSIGN_OR_RETURN(auto ch, PeerChannel(from));
+    ASSIGN_OR_RETURN(StateManifest man,
+                     ReadStateManifest(*ch, *device_, m.descriptor, m.bytes,
+                                       from, kIoTimeout));
+    if (man.shards.size() != 1) {
+      return DataLossError("it offers " + std::to_string(man.shards.size()) +
+                           " shards, not one");
+    }
+    const OfferedShard& o = man.shards[0];
+    if (o.key != m.key || o.shard != m.shard || o.version != m.round ||
+        o.key_bytes != key.bytes || o.shard_bytes != key.shard_bytes ||
+        o.bytes != sh.bytes || o.dtype != static_cast<uint8_t>(key.dtype)) {
+      return DataLossError("its record is not the shard it announced");
+    }
+    ASSIGN_OR_RETURN(copied, CopyShards(*ch, {&o}, CopyBuffers(), kIoTimeout));
+    copied[0].offer = nullptr;  // `man` goes out of scope
+    return Status::Ok();
+  }();
+  if (!st.ok()) {
+    done.text = st.ToString();
+    MEMBOX_LOG_WARN(
+        "proxy {}: cannot copy key {} shard {} version {} from proxy {}: {}",
+        opt_.rank, m.key, m.shard, m.round, from, done.text);
+  } else {
+    sh.version = m.round;
+    sh.value = std::move(copied[0].value);
+    sh.m1 = std::move(copied[0].m1);
+    sh.m2 = std::move(copied[0].m2);
+    backup_bytes_in_.fetch_add(
+        sh.bytes * (1 + (sh.m1 ? 1 : 0) + (sh.m2 ? 1 : 0)),
+        std::memory_order_relaxed);
+  }
+  (void)SendToPeer(from, done);
+}
+
+void ProxyImpl::OnBackupDone(uint32_t from, const Message& m) {
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || m.shard >= it->second.shards.size()) return;
+  Shard& sh = it->second.shards[m.shard];
+  if (!sh.awaiting_backup || m.round != sh.version ||
+      BackupOf(m.key, m.shard) != from) {
+    return;  // an answer to an offer made again, or stale
+  }
+  if (!m.text.empty()) {
+    MEMBOX_LOG_WARN(
+        "proxy {}: key {} shard {} round {} is answered without a backup "
+        "copy: proxy {} says {}",
+        opt_.rank, m.key, m.shard, m.round - 1, from, m.text);
+  }
+  sh.awaiting_backup = false;
+  sh.backup_offer.reset();
+  backups_pending_.fetch_sub(1);
+  if (m.text.empty()) backups_acked_.fetch_add(1, std::memory_order_relaxed);
+  PublishRound(m.key, m.shard, Status::Ok());
 }
 
 Status ProxyImpl::Join() {

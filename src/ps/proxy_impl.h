@@ -133,6 +133,12 @@ struct Shard : StoredShard {
   // from a worker over the network completes later; an older one landing
   // after a newer one is dropped).
   uint64_t stores_issued = 0, stores_applied = 0;
+  // Primary-backup (a striped key on replicating nodes): the round just
+  // applied here waits for its backup's copy before it is answered
+  // (`reducing` stays set meanwhile, so the next round is not admitted),
+  // and the copy offered to the backup, kept until its kBackupDone.
+  bool awaiting_backup = false;
+  std::shared_ptr<StateOffer> backup_offer;
 };
 
 struct Key {
@@ -449,6 +455,32 @@ class ProxyImpl final : public Proxy, public service::Service {
   // The proxy that owns shard s of a striped key.
   uint32_t Owner(uint64_t k, uint32_t s) const;
 
+  // ------------------------------- primary-backup (proxy_failover.cc)
+  //
+  // With `replicate`, a striped shard lives on its owner and on a backup,
+  // the next proxy in rank order: when the owner has applied a round it
+  // offers the shard (value, optimizer state, version) to the backup, which
+  // copies it (kBackup, kBackupDone), and only then are the round's
+  // workers answered. So a round acknowledged to any worker is on two
+  // nodes, and the survivors of a death go on: the dead node's shards are
+  // copied from their backups by its replacement (Join takes the newest
+  // version any peer holds), its backup copies from their owners. A backup
+  // that dies holds its owners' answers until its replacement -- which
+  // copied the owners' state when it joined -- says hello; the offers are
+  // then made again (docs/design/ps.md, "Primary-backup").
+
+  // Whether a finished round of `key` must reach a backup first.
+  bool BacksUp(const Key& key) const;
+  // The backup of shard s of a striped key.
+  uint32_t BackupOf(uint64_t k, uint32_t s) const;
+  // Offers the shard's applied round to its backup (a held shard; sent when
+  // the backup is up, else when its replacement says hello).
+  void SendBackup(uint64_t k, uint32_t s);
+  // The backup side: copy the offered shard if it is newer, and answer.
+  void OnBackup(uint32_t from, const Message& m);
+  // The owner side: the backup holds round m.round; answer its workers.
+  void OnBackupDone(uint32_t from, const Message& m);
+
   // Starts round `version` of a shard once every worker has pushed it here
   // or routes it elsewhere (no message needed: the proxies know every
   // worker's table). A proxy nobody pushes to joins the ring with zeros.
@@ -646,7 +678,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, n_clients_{0}, rounds_{0},
       bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0},
       result_bytes_{0}, waiting_rounds_{0}, failovers_{0}, peers_down_count_{0},
-      stored_bytes_in_{0};
+      stored_bytes_in_{0}, backup_bytes_in_{0}, backups_acked_{0},
+      backups_pending_{0};
 };
 
 }  // namespace membox::ps::proxy_internal

@@ -446,7 +446,11 @@ Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
     // value -- but not the reverse: a striped key's shards are current on
     // their owners only.
     if (!k.declared) {
-      if (m.striped && nproxies_ > 1 && !opt_.replicate) k.striped = true;
+      // Stored keys on replicating nodes go to every node (the client
+      // sends every shard everywhere): no backup copy to wait for.
+      if (m.striped && nproxies_ > 1 && !(opt_.replicate && m.stored)) {
+        k.striped = true;
+      }
       OptimizerSettings o = OptimizerSettings::From(m);
       // A restored key's optimizer state is the job's own (its kind was
       // not recorded): keep it.
@@ -466,7 +470,7 @@ Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
     k.bytes = m.bytes;
     k.dtype = dt;
     k.shard_bytes = m.shard_bytes;
-    k.striped = m.striped && nproxies_ > 1 && !opt_.replicate;
+    k.striped = m.striped && nproxies_ > 1 && !(opt_.replicate && m.stored);
     k.opt = OptimizerSettings::From(m);
     k.stored = m.stored;
     k.initialized = m.stored;  // nothing to wait for

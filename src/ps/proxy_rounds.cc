@@ -520,6 +520,7 @@ void ProxyImpl::FinishRound(uint64_t k, uint32_t s) {
       mode_ == proto::Mode::kAverage && !sh.sum_scaled ? 1.0 / world_ : 1.0);
   sh.sum_scaled = false;
   if (st.ok()) sh.version++;
+  if (st.ok() && BacksUp(key)) return SendBackup(k, s);
   PublishRound(k, s, st);
 }
 

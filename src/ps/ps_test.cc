@@ -1163,8 +1163,9 @@ ProxyOptions ReplacementOptions(const Cluster& c, uint32_t rank) {
 // copies the newest state from the survivor, and the restarted workers go
 // on from the version they left: the values after five rounds are the
 // undisturbed run's to the last bit, momentum included, on both proxies.
-// With `replicate`, keys asked to be striped stay on the ring (every proxy
-// holds all of them: that is what survives a death).
+// With `replicate`, keys asked to be striped stay striped: each owner
+// copies its shards' results to the next proxy (primary-backup), and the
+// replacement takes the newest copy of each shard.
 TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
   constexpr size_t kN = 16 << 10;  // floats: 4 shards of 16 KiB
   RoutingTable striped;
@@ -1210,7 +1211,12 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
                               /*replicate=*/true);
     train(ref, 0, 5, &want);
     EXPECT_EQ(want[0], want[1]);
-    EXPECT_GT(ref.proxies[0]->Stats().ring_steps, 0u) << "not striped";
+    for (auto& p : ref.proxies) {
+      EXPECT_EQ(p->Stats().ring_steps, 0u) << "striped: no ring";
+      EXPECT_GT(p->Stats().backups_acked, 0u) << "every owner has a backup";
+      EXPECT_GT(p->Stats().backup_bytes_in, 0u);
+      EXPECT_EQ(p->Stats().backups_pending, 0u);
+    }
   }
   auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
                           /*replicate=*/true);
@@ -1242,8 +1248,11 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
 // every chunk while proxy (victim + 1) % P still waits for its last chunk
 // from the victim: the successor finishes the round, the laggard cannot
 // (a catch-up from a peer that finished it completes its round).
+// With `striped`, the keys are striped: a dead owner's shards come from
+// their backups, and the survivors' rounds whose backup died wait for its
+// replacement instead of a ring.
 void RideThrough(int P, int victim, bool laggard = false,
-                 bool elsewhere = false) {
+                 bool elsewhere = false, bool striped = false) {
   constexpr size_t kN = 16 << 10;
   auto grad = [](int rank, int round) {
     return FailoverGrad(kN, rank + 2, round);
@@ -1259,6 +1268,7 @@ void RideThrough(int P, int victim, bool laggard = false,
       RoutingTable t;
       t.partition_bytes = 16 << 10;
       t.lat_proxy = t.bw_proxy = uint32_t(r);
+      t.stripe = striped;
       w.push_back(Worker(c, r, P, t));
       ASSERT_NE(w.back(), nullptr);
       SyncConfig cfg;
@@ -1354,9 +1364,30 @@ void RideThrough(int P, int victim, bool laggard = false,
     EXPECT_EQ(got[r], want[r])
         << "through proxy " << r << (r == victim ? " (the replacement)" : "");
   }
+  if (striped) {
+    for (auto& p : c.proxies) {
+      EXPECT_EQ(p->Stats().ring_steps, 0u);
+      EXPECT_EQ(p->Stats().backups_pending, 0u);
+    }
+  }
 }
 
 TEST(PsTest, WorkersRideThroughAReplacedProxy) { RideThrough(2, 1); }
+
+// Striped keys (primary-backup): the dead proxy owned half the shards
+// (their round 3 was not finished: the backup's copy is round 2's, and
+// the workers' kept pushes redo it on the replacement) and backed up the
+// other half (the survivor finishes round 3 while it is down and holds
+// the answers until the replacement, which copied them, says hello).
+TEST(PsTest, WorkersRideThroughAReplacedOwnerOfStripedShards) {
+  RideThrough(2, 1, /*laggard=*/false, /*elsewhere=*/false,
+              /*striped=*/true);
+}
+
+TEST(PsTest, WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree) {
+  RideThrough(3, 0, /*laggard=*/false, /*elsewhere=*/false,
+              /*striped=*/true);
+}
 
 // The replacement comes up at another address (`membox serve --join` on a
 // new host, its --ps-peers naming itself there): its hello tells the

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # A memory node killed (-9) in the middle of a job, two nodes, under
-# `membox launch --max-restarts 2` (which turns on --ps-replicate: every node
-# keeps every key). The launcher starts a replacement node with --join (it
-# copies the newest state from the survivor); the workers are not restarted:
-# their parameter clients keep the dead node's pushes and send them to the
-# replacement, the survivor holds its rounds meanwhile. The job ends by
+# `membox launch` with no flags: with several nodes every shard is on two
+# of them by default (a striped key's owner copies each round's result to
+# its backup before answering). The launcher starts a replacement node with
+# --join (it copies the newest state from the survivor); the workers are not
+# restarted: their parameter clients keep the dead node's pushes and send
+# them to the replacement, the survivor goes on with the shards it owns and
+# holds the answers its backup copy must precede. The job ends by
 # itself with exit 0 and the same final loss and accuracy as an undisturbed
 # run with the same seeds (no round lost or repeated). Done for the explicit
 # parameter server (examples/train_ps.py; each node killed once, at
 # different moments) and for the DDP hook (examples/train_digits.py).
 # Usage: node_failover_test.sh PATH/TO/membox
 set -uo pipefail
+launch_flags=()
 py=${MEMBOX_TEST_PYTHON:-/usr/bin/python3}
 membox=${1:?usage: node_failover_test.sh membox}
 here=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,7 +26,7 @@ trap 'rm -rf "$tmp"' EXIT
 run() {
   local name=$1 victim_rank=$2 pattern=$3; shift 4
   local log="$tmp/$name.log"
-  "$membox" launch --nodes 2 --workers 2 --max-restarts 2 -- "$@" >"$log" 2>&1 &
+  "$membox" launch --nodes 2 --workers 2 "${launch_flags[@]}" -- "$@" >"$log" 2>&1 &
   local launch=$!
   if [[ $victim_rank != - ]]; then
     for _ in $(seq 1500); do
@@ -55,8 +58,12 @@ run() {
 epochs=30
 train=("$py" "$here/examples/train_ps.py" --epochs $epochs)
 final_ps() { tail -1 "$1" | "$py" -c 'import json,sys; r=json.load(sys.stdin); print(r["loss"], r["accuracy"])'; }
+launch_flags=(--ps-replicate off)
+run ps-unreplicated - "" -- "${train[@]}" --out "$tmp/ps-unreplicated.jsonl"
+launch_flags=()
 run ps-plain - "" -- "${train[@]}" --out "$tmp/ps-plain.jsonl"
 want=$(final_ps "$tmp/ps-plain.jsonl")
+[[ $(final_ps "$tmp/ps-unreplicated.jsonl") == "$want" ]] || { echo "FAIL: the replicated run's final (loss accuracy) $want differs from --ps-replicate off's $(final_ps "$tmp/ps-unreplicated.jsonl")"; exit 1; }
 for victim in 0 1; do
   kill_at=$((3 + 6 * victim))
   run "ps-node$victim" $victim "\"epoch\": $kill_at," -- "${train[@]}" --out "$tmp/ps-$victim.jsonl"

@@ -124,6 +124,13 @@ struct ProxyStats {
   uint64_t reads_held = 0;
   // Bytes of round results and pulls written to workers.
   uint64_t result_bytes = 0;
+  // Primary-backup (replicate, striped keys): rounds of shards owned here
+  // whose backup acknowledged its copy; bytes of state copied here as the
+  // backup of other owners' shards; shards applied here that wait for
+  // their backup's copy right now.
+  uint64_t backups_acked = 0;
+  uint64_t backup_bytes_in = 0;
+  uint64_t backups_pending = 0;
 };
 
 class Proxy {
