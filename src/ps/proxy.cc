@@ -172,6 +172,7 @@ void ProxyImpl::Stop() {
   // registered with it.
   server_->Stop();
   checkpoint_writer_.Stop();
+  backup_copier_.Stop();
   peer_regions_.clear();
   join_snapshots_.clear();
   catch_ups_.clear();

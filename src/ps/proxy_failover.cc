@@ -386,43 +386,74 @@ void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
     (void)SendToPeer(from, done);
     return;
   }
-  Key& key = it->second;
-  Shard& sh = key.shards[m.shard];
+  const Key& key = it->second;
+  const Shard& sh = key.shards[m.shard];
   if (sh.version >= m.round) {
     // Copied already (a replacement that joined after the round).
     (void)SendToPeer(from, done);
     return;
   }
-  std::vector<CopiedShard> copied;
-  Status st = [&]() -> Status {
-    ASSIGN_OR_RETURN(auto ch, PeerChannel(from));
-    ASSIGN_OR_RETURN(StateManifest man,
-                     ReadStateManifest(*ch, *device_, m.descriptor, m.bytes,
-                                       from, kIoTimeout));
-    if (man.shards.size() != 1) {
-      return DataLossError("it offers " + std::to_string(man.shards.size()) +
-                           " shards, not one");
-    }
-    const OfferedShard& o = man.shards[0];
-    if (o.key != m.key || o.shard != m.shard || o.version != m.round ||
-        o.key_bytes != key.bytes || o.shard_bytes != key.shard_bytes ||
-        o.bytes != sh.bytes || o.dtype != static_cast<uint8_t>(key.dtype)) {
-      return DataLossError("its record is not the shard it announced");
-    }
-    ASSIGN_OR_RETURN(copied, CopyShards(*ch, {&o}, CopyBuffers(), kIoTimeout));
-    copied[0].offer = nullptr;  // `man` goes out of scope
-    return Status::Ok();
-  }();
-  if (!st.ok()) {
-    done.text = st.ToString();
+  auto ch = PeerChannel(from);
+  if (!ch.ok()) return;  // its link failed: the owner's replacement offers it
+  // The reads run on the copier thread, not on the event loop: across
+  // hosts they take the shard's size at the link's rate, and this node's
+  // own rounds go on meanwhile. Its result is installed on the loop.
+  OfferedShard want;
+  want.key = m.key;
+  want.shard = m.shard;
+  want.version = m.round;
+  want.key_bytes = key.bytes;
+  want.shard_bytes = key.shard_bytes;
+  want.bytes = sh.bytes;
+  want.dtype = static_cast<uint8_t>(key.dtype);
+  auto copy = [this, channel = *ch, m, from, want] {
+    auto got =
+        std::make_shared<Result<CopiedShard>>([&]() -> Result<CopiedShard> {
+          ASSIGN_OR_RETURN(StateManifest man,
+                           ReadStateManifest(*channel, *device_, m.descriptor,
+                                             m.bytes, from, kIoTimeout));
+          if (man.shards.size() != 1) {
+            return DataLossError("it offers " +
+                                 std::to_string(man.shards.size()) +
+                                 " shards, not one");
+          }
+          const OfferedShard& o = man.shards[0];
+          if (o.key != want.key || o.shard != want.shard ||
+              o.version != want.version || o.key_bytes != want.key_bytes ||
+              o.shard_bytes != want.shard_bytes || o.bytes != want.bytes ||
+              o.dtype != want.dtype) {
+            return DataLossError("its record is not the shard it announced");
+          }
+          ASSIGN_OR_RETURN(auto copied, CopyShards(*channel, {&o},
+                                                   CopyBuffers(), kIoTimeout));
+          copied[0].offer = nullptr;  // `man` goes out of scope
+          return std::move(copied[0]);
+        }());
+    Post([this, from, m, got] { InstallBackup(from, m, *got); });
+  };
+  if (!backup_copier_.Submit(copy).ok()) copy();  // stopping, or a flood
+}
+
+void ProxyImpl::InstallBackup(uint32_t from, const Message& m,
+                              Result<CopiedShard>& got) {
+  Message done;
+  done.type = Type::kBackupDone;
+  done.key = m.key;
+  done.shard = m.shard;
+  done.round = m.round;
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || m.shard >= it->second.shards.size()) return;
+  Shard& sh = it->second.shards[m.shard];
+  if (!got.ok()) {
+    done.text = got.status().ToString();
     MEMBOX_LOG_WARN(
         "proxy {}: cannot copy key {} shard {} version {} from proxy {}: {}",
         opt_.rank, m.key, m.shard, m.round, from, done.text);
-  } else {
+  } else if (sh.version < m.round) {
     sh.version = m.round;
-    sh.value = std::move(copied[0].value);
-    sh.m1 = std::move(copied[0].m1);
-    sh.m2 = std::move(copied[0].m2);
+    sh.value = std::move(got->value);
+    sh.m1 = std::move(got->m1);
+    sh.m2 = std::move(got->m2);
     backup_bytes_in_.fetch_add(
         sh.bytes * (1 + (sh.m1 ? 1 : 0) + (sh.m2 ? 1 : 0)),
         std::memory_order_relaxed);

@@ -476,8 +476,11 @@ class ProxyImpl final : public Proxy, public service::Service {
   // Offers the shard's applied round to its backup (a held shard; sent when
   // the backup is up, else when its replacement says hello).
   void SendBackup(uint64_t k, uint32_t s);
-  // The backup side: copy the offered shard if it is newer, and answer.
+  // The backup side: copy the offered shard if it is newer (on the copier
+  // thread), and answer.
   void OnBackup(uint32_t from, const Message& m);
+  // The copy of OnBackup is done (or failed): keep it, answer the owner.
+  void InstallBackup(uint32_t from, const Message& m, Result<CopiedShard>& got);
   // The owner side: the backup holds round m.round; answer its workers.
   void OnBackupDone(uint32_t from, const Message& m);
 
@@ -625,6 +628,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   // queued (docs/design/network_face.md, "Limits").
   static constexpr size_t kMaxCheckpointsInFlight = 4;
   SerialWorker checkpoint_writer_{"checkpoint", kMaxCheckpointsInFlight};
+  // Reads the shards this node backs up (OnBackup), in the order offered:
+  // an owner offers a shard's next round only after this one's answer.
+  SerialWorker backup_copier_{"backup copy", 1 << 20};
 
   // Event-thread state.
   std::map<uint64_t, Conn> conns_;

@@ -48,8 +48,14 @@ struct Cluster {
                        bool replicate = false,
                        const std::function<void(ProxyOptions&)>& tweak = {}) {
     Cluster c;
-    for (int i = 0; i < n; ++i) {
-      c.endpoints.push_back("127.0.0.1:" + std::to_string(PickFreeLocalPort()));
+    // Distinct ports: a random pick may repeat one not yet listened on
+    // (seen once: two proxies of one cluster on the same port).
+    while (c.endpoints.size() < size_t(n)) {
+      std::string ep = "127.0.0.1:" + std::to_string(PickFreeLocalPort());
+      if (std::find(c.endpoints.begin(), c.endpoints.end(), ep) ==
+          c.endpoints.end()) {
+        c.endpoints.push_back(ep);
+      }
     }
     for (int i = 0; i < n; ++i) {
       ProxyOptions o;

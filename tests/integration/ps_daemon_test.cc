@@ -34,14 +34,14 @@ class PsDaemonTest : public ::testing::Test {
 
   std::optional<Subprocess> Launch(int rank, bool restore) {
     std::vector<std::string> argv = {
-        "--listen",         "127.0.0.1:0",
-        "--pool-size",      "64MiB",
-        "--secret-file",    scratch_.secret_file(),
-        "--ps-listen",      peers_[rank],
-        "--ps-peers",       peers_[0] + "," + peers_[1],
-        "--ps-rank",        std::to_string(rank),
-        "--checkpoint-dir", scratch_.dir().string(),
-        "--sync-cores",     "1"};
+        "--listen", "127.0.0.1:0", "--pool-size", "64MiB", "--secret-file",
+        scratch_.secret_file(), "--ps-listen", peers_[rank], "--ps-peers",
+        peers_[0] + "," + peers_[1], "--ps-rank", std::to_string(rank),
+        "--checkpoint-dir", scratch_.dir().string(), "--sync-cores", "1",
+        // One copy of each shard: a node's death ends the job, and the
+        // checkpoint is what it restarts from (replication, the default,
+        // is tested in ps_test and node_failover_test).
+        "--ps-replicate", "off"};
     if (restore) argv.push_back("--restore");
     argv.insert(argv.begin(), {MEMBOX_BIN, "serve"});
     return Subprocess::Start(argv);

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Faults seen from Python, and resuming: examples/train_ps.py (weights and
 # optimizer on the memory nodes, a checkpoint per epoch) under `membox
-# launch`; a memory node is killed with -9 during epoch 3; every worker gets
-# ProxyUnavailable naming it and launch stops with a non-zero status; then
-# `membox launch --resume` continues from the epoch-2 checkpoint.
+# launch --ps-replicate off` (one copy of each shard: what a node's death
+# costs without replication, which is on by default and tested by
+# node_failover_test.sh); a memory node is killed with -9 during epoch 3;
+# every worker gets ProxyUnavailable naming it and launch stops with a
+# non-zero status; then `membox launch --resume` continues from the
+# epoch-2 checkpoint.
 # Usage: resume_test.sh PATH/TO/membox
 set -uo pipefail
 # MEMBOX_TEST_PYTHON: another interpreter (a venv with PyPI torch 2.x).
@@ -14,7 +17,7 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 ck=$(mktemp -d)
 log=$(mktemp)
 trap 'rm -rf "$ck" "$log"' EXIT
-"$membox" launch --nodes 2 --workers 2 --checkpoint-dir "$ck" -- \
+"$membox" launch --nodes 2 --workers 2 --ps-replicate off --checkpoint-dir "$ck" -- \
   "$py" "$here/examples/train_ps.py" --epochs 4 --pause-after-epoch 2 >"$log" 2>&1 &
 launch=$!
 for _ in $(seq 300); do
