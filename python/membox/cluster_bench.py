@@ -175,7 +175,10 @@ class Records:
         return float("nan")
 
 
-def run_allreduce(a, rec):
+def run_allreduce(a, rec, only=None):
+    """PushPull against MPI and Gloo per node count; `only`: the variants
+    to run (the replication part: membox's default and --ps-replicate
+    off)."""
     membox = cluster._membox_bin()
     p = a.workers
     sizes_s = ",".join(str(s) for s in a.sizes)
@@ -202,7 +205,7 @@ def run_allreduce(a, rec):
                     ("fixed", peer + ["stripe"], False)]
             if m > 1:
                 runs.append(("coarse", peer + ["ring"], False))
-            if m == a.nodes[0]:
+            if m == a.nodes[0] and only is None:
                 for n in a.sizes:
                     rec.add("ring-bound", n, p, "time",
                             1e3 * 2 * (p - 1) / p * n / link, "ms", case)
@@ -219,6 +222,8 @@ def run_allreduce(a, rec):
                 # before answering); this variant runs the nodes with
                 # --ps-replicate off, one copy of each shard.
                 runs.append(("unreplicated", peer + ["profile"], False))
+            if only is not None:
+                runs = [r for r in runs if r[0] in only]
             # --repeats: every variant once per repeat, the repeats
             # interleaved, so that what the machine does at the time falls
             # on every variant alike; each record is the median over them.
@@ -494,7 +499,9 @@ def main(argv=None):
     ap.add_argument("--partition", default="4MiB",
                     help="membox shard size")
     ap.add_argument("--pool", default="2GiB")
-    ap.add_argument("--parts", default="allreduce,train")
+    ap.add_argument("--parts", default="allreduce,train",
+                    help="allreduce, train, replication (the default's "
+                    "PushPull against --ps-replicate off only)")
     ap.add_argument("--models", default="")
     ap.add_argument("--model-scale", type=float, default=0.0,
                     help="train: fraction of each model's tensor bytes")
@@ -535,6 +542,11 @@ def main(argv=None):
     try:
         if "allreduce" in parts:
             run_allreduce(a, rec)
+        elif "replication" in parts:
+            # What replication (the default with 2+ nodes) costs: the
+            # default against --ps-replicate off, nothing else.
+            a.nodes = [m for m in a.nodes if m > 1] or [2]
+            run_allreduce(a, rec, only=("membox", "unreplicated"))
         if "train" in parts:
             run_train(a, rec)
     finally:  # what was measured is kept even when a later part fails

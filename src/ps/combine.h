@@ -6,7 +6,9 @@
 //
 // The proxy offers a region for a key (kCombine) when every worker of the
 // job maps its memory (same host: shared memory, or a CXL pool), the key is
-// one shard on a single node that does not replicate, is summed or averaged
+// one shard (with several nodes: a striped one, on its owner -- its home
+// node; replication does not matter, the results are in the workers'
+// memory when answered), is summed or averaged
 // without an optimizer, and is at most kMaxCombineBytes. docs/design/ps.md
 // ("In-memory combining") has the reasoning.
 //

@@ -280,7 +280,7 @@ class ParamClientImpl final : public ParamClient {
     failover_ =
         opt_.failover.count() > 0 && proxies_.size() > 1 && all_replicate;
     if (failover_) repairer_ = std::thread([this] { RepairLoop(); });
-    if (opt_.combine && proxies_.size() == 1 && !failover_) {
+    if (opt_.combine) {
       combiner_ = std::make_unique<Combiner>(opt_.hang_report);
     }
     sender_ = std::thread([this] { SendLoop(); });
@@ -1228,7 +1228,7 @@ class ParamClientImpl final : public ParamClient {
   // can tell (the proxy decides: CombineRefusal). mu_ held.
   bool CombineCandidate(const KeyInfo& k) const MEMBOX_REQUIRES(mu_) {
     return combiner_ && !async_ && !k.stored && k.shards == 1 &&
-           k.bytes <= kMaxCombineBytes &&
+           (proxies_.size() == 1 || k.striped) && k.bytes <= kMaxCombineBytes &&
            k.declaration.optimizer == proto::Optimizer::kNone;
   }
 
@@ -1245,7 +1245,10 @@ class ParamClientImpl final : public ParamClient {
     auto st = NewState(1, nullptr);
     st->set_progress(progress_);
     auto text = std::make_shared<std::string>();
-    if (!SendRequest(0, m, st, text).ok()) return;
+    // The key's home: its one shard's owner (the only node with one).
+    const size_t home =
+        StripeOwner(key, 0, static_cast<uint32_t>(proxies_.size()));
+    if (!SendRequest(home, m, st, text).ok()) return;
     if (!st->Wait(opt_.timeout).ok()) return;
     const uint64_t from = st->version();
     if (from == 0) {
@@ -1263,7 +1266,7 @@ class ParamClientImpl final : public ParamClient {
     std::shared_ptr<Channel> ch;
     {
       MutexLock l(&links_mu_);
-      ch = proxies_[0].channel;
+      ch = proxies_[home].channel;
     }
     auto region = ch->Import(*desc, std::chrono::seconds(10),
                              /*verify_with_owner=*/false);

@@ -53,6 +53,8 @@ Status ProxyImpl::Init() {
     Stop();
     return loaded;
   }
+  // A replacement copies its state while it serves (Join).
+  server_->Post([this] { StartJoinCopy(); });
   endpoint_ = server_->endpoint();
   server_->Every(
       opt_.hang_report.count() > 0
@@ -85,6 +87,7 @@ ProxyStats ProxyImpl::Stats() const {
   s.backups_acked = backups_acked_.load(std::memory_order_relaxed);
   s.backup_bytes_in = backup_bytes_in_.load(std::memory_order_relaxed);
   s.backups_pending = backups_pending_.load(std::memory_order_relaxed);
+  s.shards_copying = shards_copying_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -100,7 +103,8 @@ std::string ProxyImpl::StatusText() const {
     << "\nreads_held " << s.reads_held << "\nreplicate "
     << (opt_.replicate ? "on" : "off") << "\nfailovers " << failovers_.load()
     << "\nbackups_acked " << s.backups_acked << "\nbackup_bytes_in "
-    << s.backup_bytes_in << "\nbackups_pending " << s.backups_pending << "\n";
+    << s.backup_bytes_in << "\nbackups_pending " << s.backups_pending
+    << "\nshards_copying " << s.shards_copying << "\n";
   MutexLock l(&waits_mu_);
   o << waits_;
   return o.str();
@@ -126,6 +130,9 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
   w.Gauge("membox_ps_backups_pending",
           "Shards applied here waiting for their backup's copy.",
           s.backups_pending);
+  w.Gauge("membox_ps_shards_copying",
+          "A replacement's shards still being copied from its peers.",
+          s.shards_copying);
   w.Counter("membox_ps_ring_steps_total", "Ring steps with peer proxies.",
             s.ring_steps);
   w.Counter("membox_ps_rejected_total", "Requests refused.", s.rejected);
@@ -167,12 +174,15 @@ Status ProxyImpl::Checkpoint(const std::string& name) {
 
 void ProxyImpl::Stop() {
   if (!server_ || !running_.exchange(false)) return;
+  if (join_copy_) join_copy_->cancel = true;
   // Ends the event loop (posted tasks still run) and closes every
   // connection; the device stays until server_ goes, after the memory
   // registered with it.
   server_->Stop();
   checkpoint_writer_.Stop();
-  backup_copier_.Stop();
+  join_copier_.Stop();
+  join_copy_.reset();
+  copy_waiters_.clear();
   peer_regions_.clear();
   join_snapshots_.clear();
   catch_ups_.clear();
@@ -310,6 +320,10 @@ std::string ProxyImpl::ExplainShard(uint64_t k, uint32_t s) const {
   std::string what;
   if (key.awaiting_init) {
     what = "rank 0 has not declared it (its initial value wins)";
+  } else if (sh.copying) {
+    what =
+        "this node joined and is still copying it from a peer (it is "
+        "copied next)";
   } else if (sh.awaiting_backup) {
     const uint32_t b = BackupOf(k, s);
     what = "applied here, waiting for the copy on its backup proxy " +
@@ -682,7 +696,7 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
           // Nobody waits for that answer any more; the backup gets the
           // shard whole with the next round (an offer is the full state).
           sh.awaiting_backup = false;
-          sh.backup_offer.reset();
+          sh.backup_keep.clear();
           backups_pending_.fetch_sub(1);
         }
       }

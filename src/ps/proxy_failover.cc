@@ -200,25 +200,6 @@ void ProxyImpl::FailPendingRounds(const std::string& who) {
   for (auto& [id, m] : sched_.TakeAll()) Reply(id, m.type, m.id, s);
 }
 
-Status ProxyImpl::InstallCopied(std::vector<CopiedShard>& copied,
-                                const std::string& path) {
-  for (auto& c : copied) {
-    const OfferedShard& o = *c.offer;
-    ASSIGN_OR_RETURN(Shard * sh,
-                     PrepareShard(o.key, o.shard, o.dtype, o.key_bytes,
-                                  o.shard_bytes, path));
-    if (sh->bytes != o.bytes) {
-      return DataLossError(path + ": shard size mismatch for key " +
-                           std::to_string(o.key));
-    }
-    sh->version = o.version;
-    sh->value = std::move(c.value);
-    sh->m1 = std::move(c.m1);
-    sh->m2 = std::move(c.m2);
-  }
-  return CheckComplete(path);
-}
-
 CopyAllocator ProxyImpl::CopyBuffers() {
   return [this](uint64_t n) { return storage_->AllocateForOverwrite(n); };
 }
@@ -334,11 +315,15 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s) {
   const uint32_t to = BackupOf(k, s);
   if (!sh.awaiting_backup) backups_pending_.fetch_add(1);
   sh.awaiting_backup = true;
-  sh.backup_offer.reset();
+  sh.backup_keep.clear();
   if (peers_down_.count(to)) return;  // PeerHello of its replacement
-  auto offer =
-      StateOffer::Make(*device_, opt_.rank,
-                       {{k, s, key.dtype, key.bytes, key.shard_bytes, &sh}});
+  // The manifest travels in the notice: the backup reads the buffers at
+  // once (no manifest region to read first).
+  auto offer = MakeInlineOffer(
+      opt_.rank, {{k, s, key.dtype, key.bytes, key.shard_bytes, &sh}});
+  if (offer.ok() && offer->manifest.size() > proto::kMaxDescriptor) {
+    offer = InternalError("its manifest is too long for a notice");
+  }
   if (!offer.ok()) {
     // The round is applied here; failing it now would leave the workers
     // a round apart from the nodes. Answer it with one copy, and say so.
@@ -355,9 +340,9 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s) {
   b.key = k;
   b.shard = s;
   b.round = sh.version;
-  b.bytes = (*offer)->manifest_bytes();
-  b.descriptor = (*offer)->descriptor();
-  sh.backup_offer = std::move(*offer);
+  b.bytes = offer->manifest.size();
+  b.descriptor = std::move(offer->manifest);
+  sh.backup_keep = std::move(offer->keep);
   Status st = SendToPeer(to, b);
   if (!st.ok()) {
     // Its link failed: PeerDown follows, and the replacement's hello
@@ -373,65 +358,55 @@ void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
   done.key = m.key;
   done.shard = m.shard;
   done.round = m.round;
+  auto refuse = [&](std::string why) {
+    done.text = std::move(why);
+    MEMBOX_LOG_WARN("proxy {}: refused a backup from proxy {}: {}", opt_.rank,
+                    from, done.text);
+    (void)SendToPeer(from, done);
+  };
   auto it = keys_.find(m.key);
   // (Whether the key is striped is not checked: a replacement learns it
   // from the workers' declarations, which its owners' offers may precede.)
   if (it == keys_.end() || m.shard >= it->second.shards.size() ||
       Owner(m.key, m.shard) != from || BackupOf(m.key, m.shard) != opt_.rank) {
-    done.text = "proxy " + std::to_string(opt_.rank) +
-                " is not the backup of key " + std::to_string(m.key) +
-                " shard " + std::to_string(m.shard);
-    MEMBOX_LOG_WARN("proxy {}: refused a backup from proxy {}: {}", opt_.rank,
-                    from, done.text);
-    (void)SendToPeer(from, done);
-    return;
+    return refuse("proxy " + std::to_string(opt_.rank) +
+                  " is not the backup of key " + std::to_string(m.key) +
+                  " shard " + std::to_string(m.shard));
   }
   const Key& key = it->second;
   const Shard& sh = key.shards[m.shard];
-  if (sh.version >= m.round) {
+  if (sh.version >= m.round && !sh.copying) {
     // Copied already (a replacement that joined after the round).
     (void)SendToPeer(from, done);
     return;
   }
+  auto man = std::make_shared<StateManifest>();
+  Status parsed = ParseStateManifest(m.descriptor, man.get());
+  if (parsed.ok() && (man->proxy_rank != from || man->shards.size() != 1)) {
+    parsed = DataLossError("it is not one shard offered by proxy " +
+                           std::to_string(from));
+  }
+  if (parsed.ok()) {
+    const OfferedShard& o = man->shards[0];
+    if (o.key != m.key || o.shard != m.shard || o.version != m.round ||
+        o.key_bytes != key.bytes || o.shard_bytes != key.shard_bytes ||
+        o.bytes != sh.bytes || o.dtype != static_cast<uint8_t>(key.dtype)) {
+      parsed = DataLossError("its record is not the shard it announced");
+    }
+  }
+  if (!parsed.ok()) return refuse(parsed.ToString());
   auto ch = PeerChannel(from);
   if (!ch.ok()) return;  // its link failed: the owner's replacement offers it
-  // The reads run on the copier thread, not on the event loop: across
-  // hosts they take the shard's size at the link's rate, and this node's
-  // own rounds go on meanwhile. Its result is installed on the loop.
-  OfferedShard want;
-  want.key = m.key;
-  want.shard = m.shard;
-  want.version = m.round;
-  want.key_bytes = key.bytes;
-  want.shard_bytes = key.shard_bytes;
-  want.bytes = sh.bytes;
-  want.dtype = static_cast<uint8_t>(key.dtype);
-  auto copy = [this, channel = *ch, m, from, want] {
-    auto got =
-        std::make_shared<Result<CopiedShard>>([&]() -> Result<CopiedShard> {
-          ASSIGN_OR_RETURN(StateManifest man,
-                           ReadStateManifest(*channel, *device_, m.descriptor,
-                                             m.bytes, from, kIoTimeout));
-          if (man.shards.size() != 1) {
-            return DataLossError("it offers " +
-                                 std::to_string(man.shards.size()) +
-                                 " shards, not one");
-          }
-          const OfferedShard& o = man.shards[0];
-          if (o.key != want.key || o.shard != want.shard ||
-              o.version != want.version || o.key_bytes != want.key_bytes ||
-              o.shard_bytes != want.shard_bytes || o.bytes != want.bytes ||
-              o.dtype != want.dtype) {
-            return DataLossError("its record is not the shard it announced");
-          }
-          ASSIGN_OR_RETURN(auto copied, CopyShards(*channel, {&o},
-                                                   CopyBuffers(), kIoTimeout));
-          copied[0].offer = nullptr;  // `man` goes out of scope
-          return std::move(copied[0]);
-        }());
-    Post([this, from, m, got] { InstallBackup(from, m, *got); });
-  };
-  if (!backup_copier_.Submit(copy).ok()) copy();  // stopping, or a flood
+  // The reads run while the event loop goes on (across hosts each takes
+  // the shard's size at the link's rate); their completion installs the
+  // copy on the loop. Many shards' copies are in flight at once.
+  StartCopyShard(
+      **ch, man->shards[0], CopyBuffers(),
+      [this](transport::OpHandle h) { Track(std::move(h)); },
+      [this, from, m, man](Result<CopiedShard> got) {
+        auto r = std::make_shared<Result<CopiedShard>>(std::move(got));
+        Post([this, from, m, man, r] { InstallBackup(from, m, *r); });
+      });
 }
 
 void ProxyImpl::InstallBackup(uint32_t from, const Message& m,
@@ -449,7 +424,10 @@ void ProxyImpl::InstallBackup(uint32_t from, const Message& m,
     MEMBOX_LOG_WARN(
         "proxy {}: cannot copy key {} shard {} version {} from proxy {}: {}",
         opt_.rank, m.key, m.shard, m.round, from, done.text);
-  } else if (sh.version < m.round) {
+  } else if (sh.version < m.round || sh.copying) {
+    // (A replacement still copying the shard takes the owner's offer:
+    // the same version or newer, and the answer must not come before the
+    // bytes are here.)
     sh.version = m.round;
     sh.value = std::move(got->value);
     sh.m1 = std::move(got->m1);
@@ -457,6 +435,7 @@ void ProxyImpl::InstallBackup(uint32_t from, const Message& m,
     backup_bytes_in_.fetch_add(
         sh.bytes * (1 + (sh.m1 ? 1 : 0) + (sh.m2 ? 1 : 0)),
         std::memory_order_relaxed);
+    ShardCopied(m.key, m.shard);
   }
   (void)SendToPeer(from, done);
 }
@@ -476,138 +455,10 @@ void ProxyImpl::OnBackupDone(uint32_t from, const Message& m) {
         opt_.rank, m.key, m.shard, m.round - 1, from, m.text);
   }
   sh.awaiting_backup = false;
-  sh.backup_offer.reset();
+  sh.backup_keep.clear();
   backups_pending_.fetch_sub(1);
   if (m.text.empty()) backups_acked_.fetch_add(1, std::memory_order_relaxed);
   PublishRound(m.key, m.shard, Status::Ok());
-}
-
-Status ProxyImpl::Join() {
-  if (nproxies_ < 2) {
-    return FailedPreconditionError("--join needs peers (--ps-peers)");
-  }
-  const auto t0 = Clock::now();
-  auto failed = [this](uint32_t p, const Status& s) {
-    return Status(s.code(), "joining: cannot copy the state of proxy " +
-                                std::to_string(p) + " at " + opt_.peers[p] +
-                                ": " + std::string(s.message()));
-  };
-  std::map<uint32_t, StateManifest> manifests;
-  auto tell_done = [&] {
-    for (auto& [p, man] : manifests) {
-      auto c = PeerClient(p);
-      if (!c.ok()) continue;  // gone: it frees its offer with the link
-      Message done;
-      done.type = Type::kJoinDone;
-      (void)(*c)->Call(static_cast<uint16_t>(Type::kJoinDone),
-                       proto::Encode(done), kPeerTimeout);
-    }
-  };
-  for (uint32_t p = 0; p < nproxies_; ++p) {
-    if (p == opt_.rank) continue;
-    auto man = FetchPeerManifest(p);
-    if (!man.ok()) {
-      tell_done();
-      return failed(p, man.status());
-    }
-    manifests[p] = std::move(*man);
-  }
-  const auto t_manifests = Clock::now();
-  // Who gives which shard.
-  std::map<std::pair<uint64_t, uint32_t>,
-           std::vector<std::pair<uint32_t, const OfferedShard*>>>
-      offers;
-  for (auto& [p, man] : manifests) {
-    for (const auto& o : man.shards)
-      offers[{o.key, o.shard}].push_back({p, &o});
-  }
-  std::map<uint32_t, std::vector<const OfferedShard*>> from;
-  size_t turn = 0;
-  uint64_t state_bytes = 0;
-  for (auto& [id, list] : offers) {
-    uint64_t newest = 0;
-    for (auto& [p, o] : list) newest = std::max(newest, o->version);
-    std::erase_if(list, [&](auto& e) { return e.second->version != newest; });
-    auto& [p, o] = list[turn++ % list.size()];
-    from[p].push_back(o);
-    state_bytes += o->bytes * (1 + (o->m1 ? 1 : 0) + (o->m2 ? 1 : 0));
-  }
-  const auto t_read = Clock::now();
-  std::vector<CopiedShard> copied;
-  copied.reserve(offers.size());
-  Status st;
-  for (auto& [p, list] : from) {
-    auto ch = PeerChannel(p);
-    auto r = ch.ok() ? CopyShards(**ch, list, CopyBuffers(), kIoTimeout)
-                     : Result<std::vector<CopiedShard>>(ch.status());
-    if (!r.ok()) {
-      st = failed(p, r.status());
-      break;
-    }
-    for (auto& c : *r) copied.push_back(std::move(c));
-  }
-  const auto t_done = Clock::now();
-  tell_done();
-  RETURN_IF_ERROR(st);
-  const auto t_store = Clock::now();
-  RETURN_IF_ERROR(InstallCopied(copied, "the peers' state"));
-  auto sec = [](Clock::duration d) {
-    return std::chrono::duration<double>(d).count();
-  };
-  MEMBOX_LOG_WARN(
-      "proxy {} joined: copied {} keys ({} shards, {} bytes of state) from "
-      "{} peer(s) in {:.3f} s (the peers offering it {:.3f} s, reading "
-      "{:.3f} s, storing {:.3f} s)",
-      opt_.rank, keys_.size(), copied.size(), state_bytes, from.size(),
-      sec(Clock::now() - t0), sec(t_manifests - t0), sec(t_done - t_read),
-      sec(Clock::now() - t_store));
-  return Status::Ok();
-}
-
-Result<StateManifest> ProxyImpl::FetchPeerManifest(uint32_t p) {
-  ASSIGN_OR_RETURN(service::Client * c, PeerClient(p));
-  Message q;
-  q.type = Type::kJoin;
-  q.rank = opt_.rank;
-  ASSIGN_OR_RETURN(auto body, c->Call(static_cast<uint16_t>(Type::kJoin),
-                                      proto::Encode(q), kPeerTimeout));
-  ASSIGN_OR_RETURN(Message r,
-                   proto::Decode(static_cast<uint16_t>(Type::kReply), body));
-  ASSIGN_OR_RETURN(auto ch, PeerChannel(p));
-  return ReadStateManifest(
-      *ch, *device_,
-      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(r.text.data()),
-                               r.text.size()),
-      r.version, p, kIoTimeout);
-}
-
-void ProxyImpl::OnJoinRequest(uint64_t conn, Conn& c, const Message& m) {
-  if (m.type == Type::kJoinDone) {
-    join_snapshots_.erase(conn);
-    return Reply(conn, m.type, m.id, Status::Ok());
-  }
-  if (m.rank != c.rank) {
-    return Reply(conn, m.type, m.id,
-                 InvalidArgumentError("a proxy joins as its own rank"));
-  }
-  std::vector<StateOffer::Item> items;
-  for (auto& [k, key] : keys_) {
-    for (uint32_t i = 0; i < key.shards.size(); ++i) {
-      if (!key.shards[i].value) continue;
-      items.push_back(
-          {k, i, key.dtype, key.bytes, key.shard_bytes, &key.shards[i]});
-    }
-  }
-  auto offer = StateOffer::Make(*device_, opt_.rank, items);
-  if (!offer.ok()) return Reply(conn, m.type, m.id, offer.status());
-  const uint64_t n = (*offer)->manifest_bytes();
-  auto d = (*offer)->descriptor();
-  MEMBOX_LOG_WARN(
-      "proxy {} at {} is joining (replacing the one that was there): "
-      "offering it {} shards ({} bytes of state)",
-      c.rank, opt_.peers[c.rank], (*offer)->shards(), (*offer)->state_bytes());
-  join_snapshots_[conn] = std::move(*offer);
-  Reply(conn, m.type, m.id, Status::Ok(), n, std::string(d.begin(), d.end()));
 }
 
 Result<service::Client*> ProxyImpl::PeerClient(uint32_t rank) {

@@ -136,9 +136,12 @@ struct Shard : StoredShard {
   // Primary-backup (a striped key on replicating nodes): the round just
   // applied here waits for its backup's copy before it is answered
   // (`reducing` stays set meanwhile, so the next round is not admitted),
-  // and the copy offered to the backup, kept until its kBackupDone.
+  // and the buffers offered to the backup, kept until its kBackupDone.
   bool awaiting_backup = false;
-  std::shared_ptr<StateOffer> backup_offer;
+  std::vector<std::shared_ptr<MemRegion>> backup_keep;
+  // A replacement's shard whose buffers are still being copied from a
+  // peer (its version is known): requests for it wait (WaitForCopy).
+  bool copying = false;
 };
 
 struct Key {
@@ -200,6 +203,31 @@ struct Conn {
     bool held = false;  // has waited for the window (counted once)
   };
   std::deque<WaitingRead> reads_waiting;
+};
+
+// A replacement's background copy (ProxyImpl::Join, proxy_join.cc).
+// What the copier thread works through. Built by Join on the event loop
+// before the server serves; then the copier reads `manifests`, `channels`
+// and `sources` (never changed again) and takes work from `order` under
+// `mu`, and the event loop only pushes to `urgent`.
+struct JoinCopy {
+  std::map<uint32_t, StateManifest> manifests;
+  std::map<uint32_t, std::shared_ptr<Channel>> channels;
+  // Per shard, the peers that hold its newest version (the first is tried
+  // first; the next one after a failure).
+  std::map<std::pair<uint64_t, uint32_t>,
+           std::vector<std::pair<uint32_t, const OfferedShard*>>>
+      sources;
+  Clock::time_point start;
+  uint64_t state_bytes = 0;
+  size_t shards = 0;
+  std::atomic<bool> cancel{false};
+  Mutex mu;
+  // Shards not copied yet, in key order, with the index of the source to
+  // try; shards a request waits for go first.
+  std::deque<std::pair<std::pair<uint64_t, uint32_t>, size_t>> order
+      MEMBOX_GUARDED_BY(mu);
+  std::set<std::pair<uint64_t, uint32_t>> urgent MEMBOX_GUARDED_BY(mu);
 };
 
 // Checkpoint names (a file name in the checkpoint directory): 1..128 of
@@ -396,7 +424,7 @@ class ProxyImpl final : public Proxy, public service::Service {
   // answer.
   void Combine(uint64_t conn, const Message& m);
   // Why key `k` cannot be combined now, or empty.
-  std::string CombineRefusal(const Key& key) const;
+  std::string CombineRefusal(uint64_t k, const Key& key) const;
   // The job ended: each combined key's last round becomes its stored value
   // and version, and its region is freed.
   void FoldCombined();
@@ -476,8 +504,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   // Offers the shard's applied round to its backup (a held shard; sent when
   // the backup is up, else when its replacement says hello).
   void SendBackup(uint64_t k, uint32_t s);
-  // The backup side: copy the offered shard if it is newer (on the copier
-  // thread), and answer.
+  // The backup side: copy the offered shard if it is newer (the reads in
+  // flight while the event loop goes on), and answer.
   void OnBackup(uint32_t from, const Message& m);
   // The copy of OnBackup is done (or failed): keep it, answer the owner.
   void InstallBackup(uint32_t from, const Message& m, Result<CopiedShard>& got);
@@ -555,10 +583,6 @@ class ProxyImpl final : public Proxy, public service::Service {
   Status LoadRecords(const std::vector<CheckpointShard>& shards,
                      const std::string& path);
 
-  // Takes shards copied from peers (their buffers become the shards').
-  Status InstallCopied(std::vector<CopiedShard>& copied,
-                       const std::string& path);
-
   CopyAllocator CopyBuffers();
 
   // -------------------------------------- catch-up (proxy_failover.cc)
@@ -575,14 +599,33 @@ class ProxyImpl final : public Proxy, public service::Service {
   // finished it: take it as the round's result.
   void OnCatchUp(uint32_t from, const Message& m);
 
-  // --------------------------------------- joining (proxy_failover.cc)
+  // ------------------------------------------ joining (proxy_join.cc)
 
-  // A replacement proxy (--join): for every shard, the newest version any
-  // peer holds (with replicate, every peer holds every key; a peer that
-  // finished a round the others did not have finished is ahead by one),
-  // read from one peer only -- among peers holding the same version the
-  // shards are spread round-robin -- straight into this proxy's buffers.
+  // A replacement proxy (--join), before it serves: reads every peer's
+  // manifest and picks, per shard, the newest version any peer holds
+  // (with primary-backup its owner or its backup; a peer that finished a
+  // ring round the others did not is ahead by one), spread round-robin
+  // among the peers holding it. The shards get their geometry and version
+  // now and their buffers later: the copy runs in the background once the
+  // node serves (StartJoinCopy), so its pause does not grow with the
+  // state. A request for a shard not copied yet waits for it, and moves it
+  // to the front of the copy.
   Status Join();
+  // After Serve: the copier thread starts (no-op unless joining).
+  void StartJoinCopy();
+  // The copier thread: batches of shards from one peer each, read straight
+  // into this node's buffers (CopyShards), installed on the event loop.
+  void RunJoinCopy(const std::shared_ptr<JoinCopy>& job);
+  void InstallJoined(CopiedShard& c);
+  // Shard s of key k has its buffers: what waited for it goes on.
+  void ShardCopied(uint64_t k, uint32_t s);
+  // Parks `m` (a push, pull or store) when its shard is being copied.
+  bool WaitForCopy(uint64_t conn, Message& m);
+  // No peer could give a shard: the job cannot go on.
+  void JoinCopyLost(const std::string& why);
+  void FinishJoinCopy(JoinCopy& job);
+  // Lets the peers drop the snapshots they offered.
+  void TellJoinDone(const JoinCopy& job);
 
   // Asks peer `p` for its state (kJoin) and reads the manifest it offers.
   Result<StateManifest> FetchPeerManifest(uint32_t p);
@@ -628,9 +671,14 @@ class ProxyImpl final : public Proxy, public service::Service {
   // queued (docs/design/network_face.md, "Limits").
   static constexpr size_t kMaxCheckpointsInFlight = 4;
   SerialWorker checkpoint_writer_{"checkpoint", kMaxCheckpointsInFlight};
-  // Reads the shards this node backs up (OnBackup), in the order offered:
-  // an owner offers a shard's next round only after this one's answer.
-  SerialWorker backup_copier_{"backup copy", 1 << 20};
+  // A replacement's background copy (Join): its state, the copier, the
+  // shards not copied yet and the requests waiting for them. Event loop.
+  std::shared_ptr<JoinCopy> join_copy_;
+  SerialWorker join_copier_{"join copy", 1};
+  size_t copying_shards_ = 0;
+  std::map<std::pair<uint64_t, uint32_t>,
+           std::vector<std::pair<uint64_t, Message>>>
+      copy_waiters_;
 
   // Event-thread state.
   std::map<uint64_t, Conn> conns_;
@@ -685,7 +733,7 @@ class ProxyImpl final : public Proxy, public service::Service {
       bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0},
       result_bytes_{0}, waiting_rounds_{0}, failovers_{0}, peers_down_count_{0},
       stored_bytes_in_{0}, backup_bytes_in_{0}, backups_acked_{0},
-      backups_pending_{0};
+      backups_pending_{0}, shards_copying_{0};
 };
 
 }  // namespace membox::ps::proxy_internal

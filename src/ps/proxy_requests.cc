@@ -101,6 +101,7 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
       return MaybeStartAll();
     }
     case Type::kPush: {
+      if (WaitForCopy(conn, m)) return;
       if (RetriedRound(conn, m)) return;
       Status s = CheckShardRequest(m);
       if (!s.ok()) {
@@ -121,6 +122,7 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
       return Schedule();
     }
     case Type::kPull: {
+      if (WaitForCopy(conn, m)) return;
       Status s = CheckShardRequest(m);
       if (!s.ok()) return Reply(conn, m.type, m.id, s);
       Key& key = keys_[m.key];
@@ -145,6 +147,7 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
       return Reply(conn, m.type, m.id, Status::Ok(), 0,
                    nproxies_ > 1 ? opt_.peers[m.rank] : opt_.listen);
     case Type::kStore:
+      if (WaitForCopy(conn, m)) return;
       return Store(conn, c, m);
     case Type::kCombine:
       return Combine(conn, m);
@@ -561,9 +564,19 @@ Status ProxyImpl::CheckShardRequest(const Message& m) {
   return Status::Ok();
 }
 
-std::string ProxyImpl::CombineRefusal(const Key& key) const {
-  if (nproxies_ != 1) return "the job has several memory nodes";
-  if (opt_.replicate) return "the node replicates";
+std::string ProxyImpl::CombineRefusal(uint64_t k, const Key& key) const {
+  // With several nodes a small key is one striped shard, whose owner is
+  // its home: the workers combine in that node's memory.
+  if (nproxies_ != 1 &&
+      !(key.striped && key.shards.size() == 1 && Owner(k, 0) == opt_.rank)) {
+    return "the job has several memory nodes and the key is not one "
+           "striped shard owned here";
+  }
+  // Replication does not refuse: a combined key has no optimizer, and a
+  // round's result is in every worker's memory when it is answered (each
+  // computes it), so a node's death loses no answered round. The region
+  // stays mapped by the workers if its node dies.
+  (void)opt_.replicate;
   if (mode_ == proto::Mode::kAsync) return "asynchronous mode";
   if (key.stored) return "a stored key";
   if (key.opt.kind != proto::Optimizer::kNone)
@@ -603,7 +616,7 @@ void ProxyImpl::Combine(uint64_t conn, const Message& m) {
   Key& key = it->second;
   if (!key.combine_decided) {
     key.combine_decided = true;
-    key.combine_refused = CombineRefusal(key);
+    key.combine_refused = CombineRefusal(m.key, key);
     if (key.combine_refused.empty()) {
       CombineGeometry g;
       g.world = world_;

@@ -203,7 +203,7 @@ void ProxyImpl::MaybeStart(uint64_t k, uint32_t s) {
   if (mode_ == proto::Mode::kAsync || world_ == 0) return;
   Key& key = keys_[k];
   Shard& sh = key.shards[s];
-  if (sh.reducing || !dead_worker_.empty()) return;
+  if (sh.reducing || sh.copying || !dead_worker_.empty()) return;
   if (!peers_down_.empty() && !key.striped) return;  // failover: paused
   // A key this job has not declared (kept from an earlier job, or
   // restored) has no round yet: its striping is decided by the

@@ -70,6 +70,12 @@ void ProxyImpl::StartCheckpoint(const std::string& name,
     return done(FailedPreconditionError(
         "this proxy has no checkpoint directory (--checkpoint-dir)"));
   }
+  if (copying_shards_ > 0) {
+    return done(
+        UnavailableError("this proxy joined and is still copying " +
+                         std::to_string(copying_shards_) +
+                         " shard(s) from its peers; retry once it has them"));
+  }
   // Snapshot: share the current buffers; later updates copy (storage).
   auto snap = std::make_shared<std::vector<ShardStorage::Snapshot>>();
   for (auto& [k, key] : keys_) {

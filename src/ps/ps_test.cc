@@ -1257,8 +1257,12 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
 // With `striped`, the keys are striped: a dead owner's shards come from
 // their backups, and the survivors' rounds whose backup died wait for its
 // replacement instead of a ring.
+// With `slow_copy`, the replacement copies one shard per batch, each
+// batch 60 ms late: it serves (and the workers' requests for shards it
+// has not copied yet wait, and jump the queue) while it copies.
 void RideThrough(int P, int victim, bool laggard = false,
-                 bool elsewhere = false, bool striped = false) {
+                 bool elsewhere = false, bool striped = false,
+                 bool slow_copy = false) {
   constexpr size_t kN = 16 << 10;
   auto grad = [](int rank, int round) {
     return FailoverGrad(kN, rank + 2, round);
@@ -1361,11 +1365,28 @@ void RideThrough(int P, int victim, bool laggard = false,
           o.listen = "127.0.0.1:" + std::to_string(PickFreeLocalPort());
           o.peers[victim] = o.listen;
         }
+        if (slow_copy) {
+          o.join_batch_bytes = 1;
+          o.before_join_batch_for_test = [] {
+            std::this_thread::sleep_for(60ms);
+          };
+        }
         auto joined = Proxy::Start(o);
         ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+        if (slow_copy) {
+          EXPECT_GT((*joined)->Stats().shards_copying, 0u)
+              << "the replacement serves before its copy is done";
+        }
         c.proxies[victim] = std::move(*joined);
       },
       &got);
+  if (slow_copy) {
+    for (int i = 0; i < 300 && c.proxies[victim]->Stats().shards_copying > 0;
+         ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_EQ(c.proxies[victim]->Stats().shards_copying, 0u);
+  }
   for (int r = 0; r < P; ++r) {
     EXPECT_EQ(got[r], want[r])
         << "through proxy " << r << (r == victim ? " (the replacement)" : "");
@@ -1388,6 +1409,20 @@ TEST(PsTest, WorkersRideThroughAReplacedProxy) { RideThrough(2, 1); }
 TEST(PsTest, WorkersRideThroughAReplacedOwnerOfStripedShards) {
   RideThrough(2, 1, /*laggard=*/false, /*elsewhere=*/false,
               /*striped=*/true);
+}
+
+// A replacement serves at once and copies its state meanwhile: the
+// workers' pushes for shards it has not copied yet wait for them (and move
+// them to the front of the copy), and the values are the undisturbed
+// run's. Striped keys on 2 nodes, and the ring's unstriped keys on 3.
+TEST(PsTest, AReplacementServesWhileItCopiesStripedShards) {
+  RideThrough(2, 1, /*laggard=*/false, /*elsewhere=*/false, /*striped=*/true,
+              /*slow_copy=*/true);
+}
+
+TEST(PsTest, AReplacementServesWhileItCopiesRingShards) {
+  RideThrough(3, 1, /*laggard=*/false, /*elsewhere=*/false, /*striped=*/false,
+              /*slow_copy=*/true);
 }
 
 TEST(PsTest, WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree) {

@@ -1,9 +1,11 @@
 #include "src/ps/state_copy.h"
 
+#include <atomic>
 #include <cstring>
 #include <set>
 #include <utility>
 
+#include "membox/base/mutex.h"
 #include "membox/base/wire.h"
 
 namespace membox::ps {
@@ -158,10 +160,28 @@ Result<std::unique_ptr<StateOffer>> StateOffer::Make(
     transport::Device& device, uint32_t giver_rank,
     const std::vector<Item>& items) {
   std::unique_ptr<StateOffer> offer(new StateOffer());
+  ASSIGN_OR_RETURN(InlineOffer in, MakeInlineOffer(giver_rank, items));
+  ASSIGN_OR_RETURN(offer->manifest_,
+                   device.AllocateMemRegion(in.manifest.size()));
+  std::memcpy(offer->manifest_->data(), in.manifest.data(), in.manifest.size());
+  offer->manifest_bytes_ = in.manifest.size();
+  offer->shards_ = items.size();
+  for (const Item& it : items) {
+    const StoredShard& sh = *it.stored;
+    offer->state_bytes_ +=
+        sh.bytes * (1 + (sh.m1 ? 1 : 0) + (sh.m1 && sh.m2 ? 1 : 0));
+  }
+  offer->keep_ = std::move(in.keep);
+  return offer;
+}
+
+Result<InlineOffer> MakeInlineOffer(
+    uint32_t giver_rank, const std::vector<StateOffer::Item>& items) {
+  InlineOffer offer;
   StateManifest m;
   m.proxy_rank = giver_rank;
   m.shards.reserve(items.size());
-  for (const Item& it : items) {
+  for (const StateOffer::Item& it : items) {
     const StoredShard& sh = *it.stored;
     if (!sh.value) {
       return InternalError("offering a shard without a value");
@@ -175,24 +195,19 @@ Result<std::unique_ptr<StateOffer>> StateOffer::Make(
     s.version = sh.version;
     s.bytes = sh.bytes;
     s.value = sh.value->Export();
-    offer->keep_.push_back(sh.value);
+    offer.keep.push_back(sh.value);
     // m2 without m1 does not occur (Adam has both, SGD with momentum m1).
     if (sh.m1) {
       s.m1 = sh.m1->Export();
-      offer->keep_.push_back(sh.m1);
+      offer.keep.push_back(sh.m1);
       if (sh.m2) {
         s.m2 = sh.m2->Export();
-        offer->keep_.push_back(sh.m2);
+        offer.keep.push_back(sh.m2);
       }
     }
-    offer->state_bytes_ += sh.bytes * (1 + (s.m1 ? 1 : 0) + (s.m2 ? 1 : 0));
     m.shards.push_back(std::move(s));
   }
-  auto bytes = EncodeStateManifest(m);
-  ASSIGN_OR_RETURN(offer->manifest_, device.AllocateMemRegion(bytes.size()));
-  std::memcpy(offer->manifest_->data(), bytes.data(), bytes.size());
-  offer->manifest_bytes_ = bytes.size();
-  offer->shards_ = items.size();
+  offer.manifest = EncodeStateManifest(m);
   return offer;
 }
 
@@ -269,6 +284,74 @@ Result<std::vector<CopiedShard>> CopyShards(
   }
   if (!first.ok()) return first;
   return out;
+}
+
+void StartCopyShard(transport::Channel& channel, const OfferedShard& shard,
+                    const CopyAllocator& allocate,
+                    const std::function<void(transport::OpHandle)>& track,
+                    std::function<void(Result<CopiedShard>)> done) {
+  // Shared by the reads' completions; the last one reports.
+  struct Copy {
+    CopiedShard got;
+    std::vector<std::shared_ptr<transport::RemoteMemRegion>> remotes;
+    std::atomic<int> left{0};
+    Mutex mu;
+    Status first MEMBOX_GUARDED_BY(mu);
+    std::function<void(Result<CopiedShard>)> done;
+    void Finished(const Status& st) {
+      if (!st.ok()) {
+        MutexLock l(&mu);
+        if (first.ok()) first = st;
+      }
+      if (left.fetch_sub(1) != 1) return;
+      Status f;
+      {
+        MutexLock l(&mu);
+        f = first;
+      }
+      remotes.clear();
+      if (f.ok()) {
+        done(std::move(got));
+      } else {
+        done(f);
+      }
+    }
+  };
+  auto copy = std::make_shared<Copy>();
+  copy->got.offer = &shard;
+  copy->done = std::move(done);
+  struct Part {
+    const RegionDescriptor* desc;
+    std::shared_ptr<MemRegion>* into;
+  };
+  std::vector<Part> parts = {{&shard.value, &copy->got.value}};
+  if (shard.m1) parts.push_back({&*shard.m1, &copy->got.m1});
+  if (shard.m2) parts.push_back({&*shard.m2, &copy->got.m2});
+  copy->left = static_cast<int>(parts.size());
+  for (const Part& part : parts) {
+    Status st = [&]() -> Status {
+      // From an authenticated peer's manifest: no round trip to verify it
+      // (the read is still checked against the region's range).
+      ASSIGN_OR_RETURN(
+          auto remote,
+          channel.Import(*part.desc, std::chrono::seconds(30), false));
+      ASSIGN_OR_RETURN(*part.into, allocate(shard.bytes));
+      {
+        MutexLock l(&copy->mu);
+        copy->remotes.push_back(remote);
+      }
+      ASSIGN_OR_RETURN(
+          auto h, channel.Read((*part.into)->data(), **part.into,
+                               part.desc->address, *remote, shard.bytes,
+                               [copy](const Status& s) { copy->Finished(s); }));
+      track(std::move(h));
+      return Status::Ok();
+    }();
+    if (!st.ok()) {
+      copy->Finished(st.WithContext("key " + std::to_string(shard.key) +
+                                    " shard " + std::to_string(shard.shard)));
+    }
+  }
 }
 
 }  // namespace membox::ps

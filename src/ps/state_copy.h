@@ -106,6 +106,17 @@ class StateOffer {
   std::vector<std::shared_ptr<transport::MemRegion>> keep_;
 };
 
+// The same offer carried inline (in a message, not a region the taker
+// reads first: one round trip less): the encoded manifest, and the buffers
+// it names, which the giver keeps until the taker is done. What a shard's
+// owner offers its backup every round (kBackup).
+struct InlineOffer {
+  std::vector<uint8_t> manifest;
+  std::vector<std::shared_ptr<transport::MemRegion>> keep;
+};
+Result<InlineOffer> MakeInlineOffer(uint32_t giver_rank,
+                                    const std::vector<StateOffer::Item>& items);
+
 // Reads and parses the manifest a giver offered on `channel` (`descriptor`
 // and `bytes` from its reply), and checks that it comes from `giver_rank`.
 Result<StateManifest> ReadStateManifest(transport::Channel& channel,
@@ -131,6 +142,18 @@ using CopyAllocator =
 Result<std::vector<CopiedShard>> CopyShards(
     transport::Channel& channel, const std::vector<const OfferedShard*>& shards,
     const CopyAllocator& allocate, std::chrono::nanoseconds timeout);
+
+// Starts reading the buffers of one shard (from a manifest) into buffers
+// from `allocate`, without blocking: every read is in flight when it
+// returns, and `done` runs exactly once -- on a transport thread, or
+// inline when the reads complete at once (mapped memory) -- with the copy
+// or the first failure. The read handles go to `track`, which must keep
+// them until they complete. `shard` must outlive `done`'s call only as far
+// as the returned CopiedShard::offer points to it.
+void StartCopyShard(transport::Channel& channel, const OfferedShard& shard,
+                    const CopyAllocator& allocate,
+                    const std::function<void(transport::OpHandle)>& track,
+                    std::function<void(Result<CopiedShard>)> done);
 
 }  // namespace membox::ps
 

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <future>
 
 #include <gtest/gtest.h>
 
@@ -237,6 +238,71 @@ TEST_P(StateCopyTest, ACopyBeyondTheTakersLimitFailsCleanly) {
       *channel_, {&man->shards[0]},
       [&small](uint64_t n) { return small.AllocateForOverwrite(n); }, 10s);
   EXPECT_EQ(copied.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(small.stored_bytes(), 0u);
+}
+
+// What an owner offers its backup each round: the manifest inline, the
+// buffers read without blocking (StartCopyShard), the offered version even
+// though the giver moves on; a failure (a copy beyond the taker's limit)
+// reports once, cleanly.
+TEST_P(StateCopyTest, AnInlineOfferIsCopiedWithoutBlocking) {
+  constexpr uint64_t kFloats = 300000;
+  StoredShard sh;
+  ASSERT_TRUE(giver_storage_->Create(sh, 0, kFloats * 4).ok());
+  float* v = static_cast<float*>(sh.value->data());
+  for (uint64_t i = 0; i < kFloats; ++i) v[i] = static_cast<float>(i) * 0.5f;
+  auto m1 = giver_storage_->Allocate(kFloats * 4);
+  ASSERT_TRUE(m1.ok());
+  sh.m1 = *m1;
+  static_cast<float*>(sh.m1->data())[7] = 3.0f;
+  sh.version = 4;
+  auto offer = MakeInlineOffer(
+      2, {{11, 0, DType::kFloat32, kFloats * 4, kFloats * 4, &sh}});
+  ASSERT_TRUE(offer.ok()) << offer.status().ToString();
+  EXPECT_EQ(offer->keep.size(), 2u) << "value and m1 kept for the taker";
+  const std::vector<float> offered(v, v + kFloats);
+  // The giver's next update copies on write (the offer holds the buffer).
+  ASSERT_TRUE(giver_storage_->Unshare(sh.value, kFloats * 4).ok());
+  static_cast<float*>(sh.value->data())[0] = -1.0f;
+
+  StateManifest man;
+  ASSERT_TRUE(ParseStateManifest(offer->manifest, &man).ok());
+  ASSERT_EQ(man.shards.size(), 1u);
+  EXPECT_EQ(man.proxy_rank, 2u);
+  EXPECT_EQ(man.shards[0].version, 4u);
+  auto copy = [&](const CopyAllocator& alloc) {
+    std::promise<Result<CopiedShard>> p;
+    auto f = p.get_future();
+    std::vector<transport::OpHandle> handles;
+    int calls = 0;
+    StartCopyShard(
+        *channel_, man.shards[0], alloc,
+        [&](transport::OpHandle h) { handles.push_back(std::move(h)); },
+        [&](Result<CopiedShard> r) {
+          ++calls;
+          p.set_value(std::move(r));
+        });
+    EXPECT_EQ(f.wait_for(10s), std::future_status::ready);
+    auto r = f.get();
+    for (auto& h : handles) (void)h.Wait(10s);
+    EXPECT_EQ(calls, 1);
+    return r;
+  };
+  auto got = copy(
+      [this](uint64_t n) { return taker_storage_->AllocateForOverwrite(n); });
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_TRUE(got->value && got->m1);
+  EXPECT_FALSE(got->m2);
+  EXPECT_EQ(got->offer, &man.shards[0]);
+  EXPECT_EQ(std::memcmp(got->value->data(), offered.data(), kFloats * 4), 0);
+  EXPECT_EQ(static_cast<float*>(got->m1->data())[7], 3.0f);
+
+  ShardStorage small(
+      [this](uint64_t n) { return taker_->AllocateMemRegion(n); }, 1000,
+      &cores_);
+  auto refused =
+      copy([&small](uint64_t n) { return small.AllocateForOverwrite(n); });
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(small.stored_bytes(), 0u);
 }
 

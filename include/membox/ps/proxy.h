@@ -106,6 +106,13 @@ struct ProxyOptions {
   std::function<void(uint64_t key, uint32_t shard, uint64_t round,
                      uint32_t step, uint32_t from)>
       before_ring_read_for_test;
+  // A replacement (`join`) copies its state in batches of at most this many
+  // bytes while it serves; a request for a shard not copied yet waits for
+  // it and moves it to the next batch.
+  uint64_t join_batch_bytes = 32 << 20;
+  // Tests: called on the copier thread before each batch of a join's copy
+  // (to slow it down). Unset in production.
+  std::function<void()> before_join_batch_for_test;
 };
 
 struct ProxyStats {
@@ -131,6 +138,8 @@ struct ProxyStats {
   uint64_t backups_acked = 0;
   uint64_t backup_bytes_in = 0;
   uint64_t backups_pending = 0;
+  // A replacement (join): shards whose buffers are still being copied.
+  uint64_t shards_copying = 0;
 };
 
 class Proxy {

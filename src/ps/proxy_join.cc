@@ -1,0 +1,307 @@
+// The parameter proxy: a replacement joining (--join) -- which peer gives
+// which shard, the copy in the background while it serves, and what waits
+// for a shard not copied yet (src/ps/proxy_impl.h; docs/design/ps.md,
+// "Node failover", "A replacement serves while it copies").
+#include "src/ps/proxy_impl.h"
+
+namespace membox::ps::proxy_internal {
+
+namespace {
+
+// A copier batch: at most ProxyOptions::join_batch_bytes (one read per
+// buffer, all in flight at once), so a shard a request waits for is never
+// behind more than one batch.
+constexpr size_t kJoinBatchShards = 256;
+
+uint64_t StateBytes(const OfferedShard& o) {
+  return o.bytes * (1 + (o.m1 ? 1 : 0) + (o.m2 ? 1 : 0));
+}
+
+}  // namespace
+
+Status ProxyImpl::Join() {
+  if (nproxies_ < 2) {
+    return FailedPreconditionError("--join needs peers (--ps-peers)");
+  }
+  auto job = std::make_shared<JoinCopy>();
+  job->start = Clock::now();
+  auto failed = [this](uint32_t p, const Status& s) {
+    return Status(s.code(), "joining: cannot copy the state of proxy " +
+                                std::to_string(p) + " at " + opt_.peers[p] +
+                                ": " + std::string(s.message()));
+  };
+  for (uint32_t p = 0; p < nproxies_; ++p) {
+    if (p == opt_.rank) continue;
+    auto man = FetchPeerManifest(p);
+    Result<std::shared_ptr<Channel>> ch =
+        man.ok() ? PeerChannel(p)
+                 : Result<std::shared_ptr<Channel>>(man.status());
+    if (!ch.ok()) {
+      TellJoinDone(*job);
+      return failed(p, ch.status());
+    }
+    job->manifests[p] = std::move(*man);
+    job->channels[p] = *ch;
+  }
+  // Who gives which shard: the newest version any peer holds (with
+  // primary-backup the owner or its backup; a peer that finished a ring
+  // round the others did not is ahead by one), spread round-robin among
+  // the peers holding it.
+  for (auto& [p, man] : job->manifests) {
+    for (const auto& o : man.shards) {
+      job->sources[{o.key, o.shard}].push_back({p, &o});
+    }
+  }
+  size_t turn = 0;
+  MutexLock l(&job->mu);
+  for (auto& [id, list] : job->sources) {
+    uint64_t newest = 0;
+    for (auto& [p, o] : list) newest = std::max(newest, o->version);
+    std::erase_if(list, [&](auto& e) { return e.second->version != newest; });
+    std::rotate(list.begin(), list.begin() + (turn++ % list.size()),
+                list.end());
+    const OfferedShard& o = *list.front().second;
+    // The shard's geometry and version now (declarations are answered
+    // with it at once); its buffers when the copier has them.
+    ASSIGN_OR_RETURN(Shard * sh,
+                     PrepareShard(o.key, o.shard, o.dtype, o.key_bytes,
+                                  o.shard_bytes, "the peers' state"));
+    if (sh->bytes != o.bytes) {
+      TellJoinDone(*job);
+      return DataLossError("the peers' state: shard size mismatch for key " +
+                           std::to_string(o.key));
+    }
+    sh->version = o.version;
+    sh->copying = true;
+    job->order.push_back({id, 0});
+    job->state_bytes += StateBytes(o);
+    ++job->shards;
+  }
+  // Every shard of every key must have a holder.
+  for (auto& [k, key] : keys_) {
+    for (uint32_t s = 0; s < key.shards.size(); ++s) {
+      if (!key.shards[s].copying) {
+        TellJoinDone(*job);
+        return DataLossError("the peers' state: no peer holds key " +
+                             std::to_string(k) + " shard " + std::to_string(s));
+      }
+    }
+  }
+  copying_shards_ = job->shards;
+  shards_copying_.store(copying_shards_, std::memory_order_relaxed);
+  join_copy_ = job;
+  MEMBOX_LOG_WARN(
+      "proxy {} joins: {} keys ({} shards, {} bytes of state) from {} "
+      "peer(s), copied while it serves (the peers offered it in {:.3f} s)",
+      opt_.rank, keys_.size(), job->shards, job->state_bytes,
+      job->manifests.size(),
+      std::chrono::duration<double>(Clock::now() - job->start).count());
+  return Status::Ok();
+}
+
+void ProxyImpl::StartJoinCopy() {
+  std::shared_ptr<JoinCopy> job = join_copy_;
+  if (!job) return;
+  Status st = join_copier_.Submit([this, job] { RunJoinCopy(job); });
+  if (!st.ok()) {
+    MEMBOX_LOG_ERROR("proxy {}: cannot start copying its state: {}", opt_.rank,
+                     st.ToString());
+  }
+}
+
+void ProxyImpl::RunJoinCopy(const std::shared_ptr<JoinCopy>& job) {
+  for (;;) {
+    if (job->cancel.load()) return;
+    if (opt_.before_join_batch_for_test) opt_.before_join_batch_for_test();
+    // The next batch: shards a request waits for first, then key order;
+    // consecutive ones from the same source.
+    std::vector<std::pair<std::pair<uint64_t, uint32_t>, size_t>> batch;
+    uint32_t from = 0;
+    {
+      MutexLock l(&job->mu);
+      if (job->order.empty()) break;
+      auto pick = job->order.begin();
+      if (!job->urgent.empty()) {
+        pick = std::find_if(
+            job->order.begin(), job->order.end(),
+            [&](const auto& e) { return job->urgent.count(e.first) != 0; });
+        if (pick == job->order.end()) pick = job->order.begin();
+      }
+      from = job->sources[pick->first][pick->second].first;
+      uint64_t bytes = 0;
+      for (auto it = pick; it != job->order.end() &&
+                           batch.size() < kJoinBatchShards &&
+                           bytes < opt_.join_batch_bytes;) {
+        const auto& src = job->sources[it->first][it->second];
+        if (src.first != from) {
+          if (it == pick) break;
+          ++it;
+          continue;
+        }
+        bytes += StateBytes(*src.second);
+        job->urgent.erase(it->first);
+        batch.push_back(*it);
+        it = job->order.erase(it);
+      }
+    }
+    std::vector<const OfferedShard*> list;
+    for (auto& [id, i] : batch) list.push_back(job->sources[id][i].second);
+    auto copied =
+        CopyShards(*job->channels[from], list, CopyBuffers(), kIoTimeout);
+    if (copied.ok()) {
+      auto got = std::make_shared<std::vector<CopiedShard>>(std::move(*copied));
+      Post([this, got, job] {
+        for (auto& c : *got) InstallJoined(c);
+      });
+      continue;
+    }
+    // The giver is gone (or its buffers are): the next peer holding the
+    // same version, else the shard is lost.
+    MEMBOX_LOG_WARN("proxy {}: copying {} shard(s) from proxy {} failed: {}",
+                    opt_.rank, batch.size(), from, copied.status().ToString());
+    MutexLock l(&job->mu);
+    for (auto& [id, i] : batch) {
+      if (i + 1 < job->sources[id].size()) {
+        job->order.push_front({id, i + 1});
+        continue;
+      }
+      const std::string why =
+          "key " + std::to_string(id.first) + " shard " +
+          std::to_string(id.second) + " (version " +
+          std::to_string(job->sources[id][i].second->version) +
+          "): every peer holding it failed while proxy " +
+          std::to_string(opt_.rank) + " copied it (last: proxy " +
+          std::to_string(from) + ", " + copied.status().ToString() + ")";
+      Post([this, why] { JoinCopyLost(why); });
+    }
+  }
+  Post([this, job] { FinishJoinCopy(*job); });
+}
+
+void ProxyImpl::InstallJoined(CopiedShard& c) {
+  const OfferedShard& o = *c.offer;
+  auto it = keys_.find(o.key);
+  if (it == keys_.end() || o.shard >= it->second.shards.size()) return;
+  Shard& sh = it->second.shards[o.shard];
+  if (!sh.copying) return;  // an owner's backup offer brought it first
+  sh.value = std::move(c.value);
+  sh.m1 = std::move(c.m1);
+  sh.m2 = std::move(c.m2);
+  ShardCopied(o.key, o.shard);
+}
+
+void ProxyImpl::ShardCopied(uint64_t k, uint32_t s) {
+  Shard& sh = keys_[k].shards[s];
+  if (!sh.copying) return;
+  sh.copying = false;
+  if (copying_shards_ > 0) --copying_shards_;
+  shards_copying_.store(copying_shards_, std::memory_order_relaxed);
+  auto w = copy_waiters_.find({k, s});
+  if (w != copy_waiters_.end()) {
+    auto waiting = std::move(w->second);
+    copy_waiters_.erase(w);
+    for (auto& [conn, m] : waiting) {
+      auto c = conns_.find(conn);
+      if (c != conns_.end()) OnClientMessage(conn, c->second, std::move(m));
+    }
+  }
+  ServeWaitingPulls(k, sh);
+  Schedule();
+  MaybeStart(k, s);
+}
+
+bool ProxyImpl::WaitForCopy(uint64_t conn, Message& m) {
+  if (copying_shards_ == 0) return false;
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || m.shard >= it->second.shards.size() ||
+      !it->second.shards[m.shard].copying) {
+    return false;
+  }
+  if (auto job = join_copy_) {
+    MutexLock l(&job->mu);
+    job->urgent.insert({m.key, m.shard});
+  }
+  copy_waiters_[{m.key, m.shard}].push_back({conn, std::move(m)});
+  return true;
+}
+
+void ProxyImpl::JoinCopyLost(const std::string& why) {
+  MEMBOX_LOG_ERROR("proxy {}: {}", opt_.rank, why);
+  if (HasClients()) FailPendingRounds(why);
+  for (auto& [id, waiting] : copy_waiters_) {
+    for (auto& [conn, m] : waiting) {
+      Reply(conn, m.type, m.id, DataLossError(why));
+    }
+  }
+  copy_waiters_.clear();
+}
+
+void ProxyImpl::FinishJoinCopy(JoinCopy& job) {
+  TellJoinDone(job);
+  MEMBOX_LOG_WARN(
+      "proxy {} joined: copied {} keys ({} shards, {} bytes of state) from "
+      "{} peer(s) in {:.3f} s, serving meanwhile",
+      opt_.rank, keys_.size(), job.shards, job.state_bytes,
+      job.manifests.size(),
+      std::chrono::duration<double>(Clock::now() - job.start).count());
+  join_copy_.reset();
+}
+
+void ProxyImpl::TellJoinDone(const JoinCopy& job) {
+  for (auto& [p, man] : job.manifests) {
+    auto c = PeerClient(p);
+    if (!c.ok()) continue;  // gone: it frees its offer with the link
+    Message done;
+    done.type = Type::kJoinDone;
+    (*c)->Send(static_cast<uint16_t>(Type::kJoinDone), proto::Encode(done),
+               [](const Status&, std::span<const uint8_t>) {});
+  }
+}
+
+Result<StateManifest> ProxyImpl::FetchPeerManifest(uint32_t p) {
+  ASSIGN_OR_RETURN(service::Client * c, PeerClient(p));
+  Message q;
+  q.type = Type::kJoin;
+  q.rank = opt_.rank;
+  ASSIGN_OR_RETURN(auto body, c->Call(static_cast<uint16_t>(Type::kJoin),
+                                      proto::Encode(q), kPeerTimeout));
+  ASSIGN_OR_RETURN(Message r,
+                   proto::Decode(static_cast<uint16_t>(Type::kReply), body));
+  ASSIGN_OR_RETURN(auto ch, PeerChannel(p));
+  return ReadStateManifest(
+      *ch, *device_,
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(r.text.data()),
+                               r.text.size()),
+      r.version, p, kIoTimeout);
+}
+
+void ProxyImpl::OnJoinRequest(uint64_t conn, Conn& c, const Message& m) {
+  if (m.type == Type::kJoinDone) {
+    join_snapshots_.erase(conn);
+    return Reply(conn, m.type, m.id, Status::Ok());
+  }
+  if (m.rank != c.rank) {
+    return Reply(conn, m.type, m.id,
+                 InvalidArgumentError("a proxy joins as its own rank"));
+  }
+  std::vector<StateOffer::Item> items;
+  for (auto& [k, key] : keys_) {
+    for (uint32_t i = 0; i < key.shards.size(); ++i) {
+      if (!key.shards[i].value) continue;
+      items.push_back(
+          {k, i, key.dtype, key.bytes, key.shard_bytes, &key.shards[i]});
+    }
+  }
+  auto offer = StateOffer::Make(*device_, opt_.rank, items);
+  if (!offer.ok()) return Reply(conn, m.type, m.id, offer.status());
+  const uint64_t n = (*offer)->manifest_bytes();
+  auto d = (*offer)->descriptor();
+  MEMBOX_LOG_WARN(
+      "proxy {} at {} is joining (replacing the one that was there): "
+      "offering it {} shards ({} bytes of state)",
+      c.rank, opt_.peers[c.rank], (*offer)->shards(), (*offer)->state_bytes());
+  join_snapshots_[conn] = std::move(*offer);
+  Reply(conn, m.type, m.id, Status::Ok(), n, std::string(d.begin(), d.end()));
+}
+
+}  // namespace membox::ps::proxy_internal
