@@ -99,6 +99,10 @@ Commands AddPythonCommands(CLI::App* app, CLI::App* bench) {
        "torch.distributed collectives on the membox backend against Gloo, "
        "nccl-tests style: time, algbw, busbw per op and size "
        "(membox/collectives_bench.py; torch 2.x)"},
+      {bench, "failover", "membox.failover_bench",
+       "a memory node killed under a running job: the pause and the time "
+       "until every shard is on two nodes again, against the state's size "
+       "(membox/failover_bench.py)"},
       {bench, "offload", "membox.offload_bench",
        "the model's state in the memory nodes (membox.torch.offload) against "
        "DDP and FSDP2: resident bytes per parameter, step time, largest "

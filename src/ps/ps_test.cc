@@ -373,6 +373,46 @@ TEST(PsTest, SmallKeysAreCombinedInTheNodesMemory) {
   EXPECT_EQ(out[0], float(0 + 1 + 2 + 3 * 10 * (rounds - 1)));
 }
 
+// With several (replicating: the default) nodes a small key is one striped
+// shard, whose owner is its home: the workers combine in that node's
+// memory from round 1 on, whichever node it is, and the other node never
+// sees the key's rounds.
+TEST(PsTest, SmallKeysAreCombinedOnTheirHomeNodeAmongSeveral) {
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  const size_t n = 1024;  // 4 KiB
+  const int world = 2, rounds = 6;
+  RoutingTable striped;
+  striped.stripe = true;
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < world; ++r) w.push_back(Worker(c, r, world, striped));
+  for (auto& x : w) ASSERT_NE(x, nullptr);
+  for (uint64_t key : {1, 2}) {  // homes: proxy 1 and proxy 0
+    for (auto& x : w) {
+      ASSERT_TRUE(x->Declare(key, n * 4, DType::kFloat32).ok());
+    }
+  }
+  std::vector<std::thread> th;
+  for (int r = 0; r < world; ++r) {
+    th.emplace_back([&, r] {
+      std::vector<float> in(n), out(n);
+      for (int round = 0; round < rounds; ++round) {
+        for (uint64_t key : {1, 2}) {
+          std::fill(in.begin(), in.end(), float(r + 10 * round + key));
+          const float want = float(0 + 1 + 2 * (10 * round + key));
+          auto h = w[r]->PushPull(key, in.data(), out.data());
+          ASSERT_TRUE(h.Wait(30s).ok()) << h.Wait(0s).ToString();
+          ASSERT_EQ(out[n - 1], want) << "key " << key << " round " << round;
+        }
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+  // Each node ran round 0 of the key it is home to, and nothing after.
+  EXPECT_EQ(c.proxies[0]->Stats().rounds_completed, 1u);
+  EXPECT_EQ(c.proxies[1]->Stats().rounds_completed, 1u);
+}
+
 // Two workers PushPull `n` floats of `key` (1 and 2: the sum is 3) for
 // four rounds, declaring it first.
 void TwoWorkersFourRounds(std::vector<std::unique_ptr<ParamClient>>& w,

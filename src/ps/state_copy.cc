@@ -289,7 +289,8 @@ Result<std::vector<CopiedShard>> CopyShards(
 void StartCopyShard(transport::Channel& channel, const OfferedShard& shard,
                     const CopyAllocator& allocate,
                     const std::function<void(transport::OpHandle)>& track,
-                    std::function<void(Result<CopiedShard>)> done) {
+                    std::function<void(Result<CopiedShard>)> done,
+                    const RegionImporter& import) {
   // Shared by the reads' completions; the last one reports.
   struct Copy {
     CopiedShard got;
@@ -334,7 +335,8 @@ void StartCopyShard(transport::Channel& channel, const OfferedShard& shard,
       // (the read is still checked against the region's range).
       ASSIGN_OR_RETURN(
           auto remote,
-          channel.Import(*part.desc, std::chrono::seconds(30), false));
+          import ? import(*part.desc)
+                 : channel.Import(*part.desc, std::chrono::seconds(30), false));
       ASSIGN_OR_RETURN(*part.into, allocate(shard.bytes));
       {
         MutexLock l(&copy->mu);

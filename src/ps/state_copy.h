@@ -150,10 +150,18 @@ Result<std::vector<CopiedShard>> CopyShards(
 // or the first failure. The read handles go to `track`, which must keep
 // them until they complete. `shard` must outlive `done`'s call only as far
 // as the returned CopiedShard::offer points to it.
+// `import` (optional) resolves a descriptor to a readable region -- a
+// cache of a peer's regions that every round names again; unset, each is
+// imported on `channel` (no round trip: the manifest's peer is
+// authenticated).
+using RegionImporter =
+    std::function<Result<std::shared_ptr<transport::RemoteMemRegion>>(
+        const transport::RegionDescriptor&)>;
 void StartCopyShard(transport::Channel& channel, const OfferedShard& shard,
                     const CopyAllocator& allocate,
                     const std::function<void(transport::OpHandle)>& track,
-                    std::function<void(Result<CopiedShard>)> done);
+                    std::function<void(Result<CopiedShard>)> done,
+                    const RegionImporter& import = {});
 
 }  // namespace membox::ps
 

@@ -70,15 +70,16 @@ struct ParamClientOptions {
   // with the key, shard, round and proxy, and with what that proxy says
   // the round waits for (its status). Zero: never.
   std::chrono::milliseconds hang_report{10000};
-  // With several proxies that replicate (`membox serve --ps-replicate`; they
-  // say so when a worker connects): a proxy whose link dies is waited for
-  // this long (its replacement: `membox serve --join` at the same
-  // endpoint) while its pushes and pulls are kept, and then sent again
-  // there; the survivors hold their rounds. Zero, or proxies that do not
-  // replicate: a lost proxy fails its requests at once.
+  // With several proxies that replicate (the default of `membox serve`
+  // with peers; they say so when a worker connects): a proxy whose link
+  // dies is waited for this long (its replacement: `membox serve --join`,
+  // which `membox launch` starts) while its pushes and pulls are kept, and
+  // then sent again there. Zero, or proxies that do not replicate
+  // (--ps-replicate off): a lost proxy fails its requests at once.
   std::chrono::milliseconds failover{60000};
-  // In-memory combining of small keys (docs/design/ps.md): with one proxy
-  // that does not replicate, and every worker on its host, a key of at
+  // In-memory combining of small keys (docs/design/ps.md): with every
+  // worker on the host of the key's home node (one proxy, or with several
+  // the owner of a striped key's one shard), a key of at
   // most 256 KiB (and 512 KiB times the workers) summed or averaged without
   // an optimizer is, from its second
   // round on, summed by the workers themselves in a region of the node's
@@ -204,7 +205,8 @@ class ParamClient {
   // InMemoryState). Store() replaces the value with `data` -- no round,
   // no other worker involved -- and completes once every proxy holding it
   // has the whole new value (striped keys: each shard's owner; otherwise
-  // every proxy, so it survives a node's death with --ps-replicate). A
+  // every proxy -- what replicating nodes, the default, answer -- so it
+  // survives a node's death). A
   // proxy swaps the new bytes in only once they are all read, so a worker
   // dying mid-Store leaves the old value. Pull() reads the current value.
   // Push / PushPull are refused. Both move registered memory only

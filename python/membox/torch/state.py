@@ -66,7 +66,7 @@ class InMemoryState:
     of state/p bytes and one small round trip for the previous step's
     marker. Rank 0 adds the optimizer's hyperparameters (what an LR
     schedule changed) and the scheduler's state_dict() if one is given.
-    With several nodes and --ps-replicate (on with --max-restarts) every
+    With several nodes (replicated by default) every
     node holds it, so it also survives a memory node's death.
 
     Consistency: four slots used in turn. A rank stores a slot's marker
