@@ -183,6 +183,7 @@ void ProxyImpl::Stop() {
   join_copier_.Stop();
   join_copy_.reset();
   copy_waiters_.clear();
+  copy_notices_.clear();
   peer_regions_.clear();
   join_snapshots_.clear();
   catch_ups_.clear();

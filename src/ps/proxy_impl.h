@@ -625,6 +625,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   void ShardCopied(uint64_t k, uint32_t s);
   // Parks `m` (a push, pull or store) when its shard is being copied.
   bool WaitForCopy(uint64_t conn, Message& m);
+  // Parks a peer's ring notice for a shard being copied.
+  void WaitForCopy(const Message& peer_notice);
   // No peer could give a shard: the job cannot go on.
   void JoinCopyLost(const std::string& why);
   void FinishJoinCopy(JoinCopy& job);
@@ -683,6 +685,7 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::map<std::pair<uint64_t, uint32_t>,
            std::vector<std::pair<uint64_t, Message>>>
       copy_waiters_;
+  std::map<std::pair<uint64_t, uint32_t>, std::vector<Message>> copy_notices_;
 
   // Event-thread state.
   std::map<uint64_t, Conn> conns_;

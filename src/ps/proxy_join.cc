@@ -205,9 +205,23 @@ void ProxyImpl::ShardCopied(uint64_t k, uint32_t s) {
       if (c != conns_.end()) OnClientMessage(conn, c->second, std::move(m));
     }
   }
+  auto n = copy_notices_.find({k, s});
+  if (n != copy_notices_.end()) {
+    auto notices = std::move(n->second);
+    copy_notices_.erase(n);
+    for (const Message& m : notices) OnPeerNotice(m);
+  }
   ServeWaitingPulls(k, sh);
   Schedule();
   MaybeStart(k, s);
+}
+
+void ProxyImpl::WaitForCopy(const Message& peer_notice) {
+  if (auto job = join_copy_) {
+    MutexLock l(&job->mu);
+    job->urgent.insert({peer_notice.key, peer_notice.shard});
+  }
+  copy_notices_[{peer_notice.key, peer_notice.shard}].push_back(peer_notice);
 }
 
 bool ProxyImpl::WaitForCopy(uint64_t conn, Message& m) {

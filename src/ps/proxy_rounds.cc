@@ -425,6 +425,11 @@ void ProxyImpl::OnPeerNotice(const Message& m) {
     return;
   }
   Shard& sh = it->second.shards[m.shard];
+  if (sh.copying) {
+    // A replacement still copying this shard: the notice counts once it
+    // is here (a laggard's announcement needs its value for a catch-up).
+    return WaitForCopy(m);
+  }
   if (m.type == Type::kReady && m.round < sh.version && opt_.replicate) {
     // Only a laggard announces a round we finished (see kCatchUp).
     return SendCatchUp(RingFor(m.key, m.shard).prev, m.key, m.shard, m.round);
