@@ -400,14 +400,6 @@ void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
   // The reads run while the event loop goes on (across hosts each takes
   // the shard's size at the link's rate); their completion installs the
   // copy on the loop. Many shards' copies are in flight at once.
-  const uint64_t k = m.key;
-  const uint32_t s = m.shard;
-  auto reuse = [this, k, s](uint64_t n) -> Result<std::shared_ptr<MemRegion>> {
-    for (auto& b : keys_[k].shards[s].backup_spares) {
-      if (b && b.use_count() == 1 && b->size() == n) return std::move(b);
-    }
-    return storage_->AllocateForOverwrite(n);
-  };
   auto import = [this, from, channel = *ch](const RegionDescriptor& d)
       -> Result<std::shared_ptr<RemoteMemRegion>> {
     // The owner offers the same few buffers of a shard round after round
@@ -423,7 +415,7 @@ void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
     return r;
   };
   StartCopyShard(
-      **ch, man->shards[0], reuse,
+      **ch, man->shards[0], CopyBuffers(),
       [this](transport::OpHandle h) { Track(std::move(h)); },
       [this, from, m, man](Result<CopiedShard> got) {
         auto r = std::make_shared<Result<CopiedShard>>(std::move(got));
@@ -452,8 +444,6 @@ void ProxyImpl::InstallBackup(uint32_t from, const Message& m,
     // the same version or newer, and the answer must not come before the
     // bytes are here.)
     sh.version = m.round;
-    sh.backup_spares = {std::move(sh.value), std::move(sh.m1),
-                        std::move(sh.m2)};
     sh.value = std::move(got->value);
     sh.m1 = std::move(got->m1);
     sh.m2 = std::move(got->m2);

@@ -139,10 +139,6 @@ struct Shard : StoredShard {
   // and the buffers offered to the backup, kept until its kBackupDone.
   bool awaiting_backup = false;
   std::vector<std::shared_ptr<MemRegion>> backup_keep;
-  // On a backup: the buffers its last copy replaced, reused by the next
-  // one when nobody else holds them (a registered allocation per shard
-  // and round was the backup's main cost).
-  std::vector<std::shared_ptr<MemRegion>> backup_spares;
   // A replacement's shard whose buffers are still being copied from a
   // peer (its version is known): requests for it wait (WaitForCopy).
   bool copying = false;
