@@ -383,8 +383,11 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
         std::vector<ServerProcess> servers = std::move(*cluster);
         std::string list;
         for (auto& pe : peers) list += (list.empty() ? "" : ",") + pe;
+        // "profile": what a job does by default (the profiler picks
+        // routing, striping and shard sizes; on one host it stripes).
         auto proc = mpirun(p, {list, servers[0].secret_file(), Join(sizes),
-                               iters_s, std::to_string(opt.partition_bytes)});
+                               iters_s, std::to_string(opt.partition_bytes),
+                               "profile"});
         if (!collect(proc, variant, p)) return 1;
       }
       if (opt.with_gloo) {
