@@ -4,6 +4,33 @@
 
 namespace membox::ps::proxy_internal {
 
+namespace {
+
+// The answer to a peer's notice about one shard's round (key, shard, round
+// as in `about`).
+Message AnswerTo(Type type, const Message& about) {
+  Message m;
+  m.type = type;
+  m.key = about.key;
+  m.shard = about.shard;
+  m.round = about.round;
+  return m;
+}
+
+// Whether the one shard a peer offered is the one its notice named, with
+// this node's geometry.
+Status MatchesNotice(const OfferedShard& o, const Message& m, const Key& key,
+                     uint64_t shard_bytes) {
+  if (o.key != m.key || o.shard != m.shard || o.version != m.round ||
+      o.key_bytes != key.bytes || o.shard_bytes != key.shard_bytes ||
+      o.bytes != shard_bytes || o.dtype != static_cast<uint8_t>(key.dtype)) {
+    return DataLossError("its record is not the shard it announced");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 void ProxyImpl::PeerDown(uint32_t rank, const Status& why) {
   if (!running_) return;  // this proxy is stopping too
   bool any_client = false;
@@ -247,11 +274,7 @@ void ProxyImpl::SendCatchUp(uint32_t to, uint64_t k, uint32_t s,
 }
 
 void ProxyImpl::OnCatchUp(uint32_t from, const Message& m) {
-  Message done;
-  done.type = Type::kCatchUpDone;
-  done.key = m.key;
-  done.shard = m.shard;
-  done.round = m.round;
+  Message done = AnswerTo(Type::kCatchUpDone, m);
   auto it = keys_.find(m.key);
   if (it == keys_.end() || m.shard >= it->second.shards.size() ||
       it->second.shards[m.shard].version + 1 != m.round) {
@@ -271,11 +294,7 @@ void ProxyImpl::OnCatchUp(uint32_t from, const Message& m) {
                            " shards, not one");
     }
     const OfferedShard& o = man.shards[0];
-    if (o.key != m.key || o.shard != m.shard || o.version != m.round ||
-        o.key_bytes != key.bytes || o.shard_bytes != key.shard_bytes ||
-        o.bytes != sh.bytes || o.dtype != static_cast<uint8_t>(key.dtype)) {
-      return DataLossError("its record is not the shard's next version");
-    }
+    RETURN_IF_ERROR(MatchesNotice(o, m, key, sh.bytes));
     ASSIGN_OR_RETURN(copied, CopyShards(*ch, {&o}, CopyBuffers(), kIoTimeout));
     copied[0].offer = nullptr;  // `man` goes out of scope
     return Status::Ok();
@@ -353,11 +372,7 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s) {
 }
 
 void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
-  Message done;
-  done.type = Type::kBackupDone;
-  done.key = m.key;
-  done.shard = m.shard;
-  done.round = m.round;
+  Message done = AnswerTo(Type::kBackupDone, m);
   auto refuse = [&](std::string why) {
     done.text = std::move(why);
     MEMBOX_LOG_WARN("proxy {}: refused a backup from proxy {}: {}", opt_.rank,
@@ -386,14 +401,7 @@ void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
     parsed = DataLossError("it is not one shard offered by proxy " +
                            std::to_string(from));
   }
-  if (parsed.ok()) {
-    const OfferedShard& o = man->shards[0];
-    if (o.key != m.key || o.shard != m.shard || o.version != m.round ||
-        o.key_bytes != key.bytes || o.shard_bytes != key.shard_bytes ||
-        o.bytes != sh.bytes || o.dtype != static_cast<uint8_t>(key.dtype)) {
-      parsed = DataLossError("its record is not the shard it announced");
-    }
-  }
+  if (parsed.ok()) parsed = MatchesNotice(man->shards[0], m, key, sh.bytes);
   if (!parsed.ok()) return refuse(parsed.ToString());
   auto ch = PeerChannel(from);
   if (!ch.ok()) return;  // its link failed: the owner's replacement offers it
@@ -426,11 +434,7 @@ void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
 
 void ProxyImpl::InstallBackup(uint32_t from, const Message& m,
                               Result<CopiedShard>& got) {
-  Message done;
-  done.type = Type::kBackupDone;
-  done.key = m.key;
-  done.shard = m.shard;
-  done.round = m.round;
+  Message done = AnswerTo(Type::kBackupDone, m);
   auto it = keys_.find(m.key);
   if (it == keys_.end() || m.shard >= it->second.shards.size()) return;
   Shard& sh = it->second.shards[m.shard];
