@@ -42,7 +42,8 @@ def run(a, out, kills):
            "ctr": ["ctr_wide_deep.py", "--in-memory-state", "--samples",
                    str(a.ctr_samples)]}[a.job]
     cmd = [a.membox, "launch", "--nodes", str(a.nodes), "--workers",
-           str(a.workers), "--max-restarts", str(kills), "--ps-replicate",
+           str(a.workers), "--max-restarts", str(kills),
+           "--node-replacements", str(kills), "--ps-replicate",
            "on" if a.nodes > 1 else "off", "--", a.python,
            os.path.join(HERE, "examples", job[0]), *job[1:], "--epochs",
            str(a.epochs), "--out", out]

@@ -1,9 +1,9 @@
 #!/usr/bin/python3
-"""What --ps-replicate costs in steady state: the same jobs under
-`membox launch --nodes 2 --workers 2`, with every key on every node
-(`--ps-replicate on`: no striping, the survivors of a node's death hold
-everything) and without (`off`: keys the profiler stripes live on one node
-only, and a node's death loses them). Runs the pairs alternately, --repeats
+"""What replication (the default with 2+ nodes) costs in steady state: the
+same jobs under `membox launch --nodes 2 --workers 2` with `--ps-replicate
+on` (every shard on two nodes: a striped key's owner copies each round to
+its backup before answering) and `off` (one copy; a node's death loses
+it). Runs the pairs alternately, --repeats
 times, and reports the median iteration time of each and their ratio, with
 the CPU seconds the whole run used (this machine's cores, not links, bound
 these jobs: the cost shown is the one-host cost).
