@@ -385,9 +385,9 @@ int RunAllreduceBench(const AllreduceOptions& opt) {
         for (auto& pe : peers) list += (list.empty() ? "" : ",") + pe;
         // "profile": what a job does by default (the profiler picks
         // routing, striping and shard sizes; on one host it stripes).
-        auto proc = mpirun(p, {list, servers[0].secret_file(), Join(sizes),
-                               iters_s, std::to_string(opt.partition_bytes),
-                               "profile"});
+        auto proc =
+            mpirun(p, {list, servers[0].secret_file(), Join(sizes), iters_s,
+                       std::to_string(opt.partition_bytes), "profile"});
         if (!collect(proc, variant, p)) return 1;
       }
       if (opt.with_gloo) {
