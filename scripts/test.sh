@@ -93,7 +93,7 @@ build/tsan/src/transport/transport_test --gtest_filter='-*WriteAndReadManySizes/
 # through a shared-memory mapping whose address a later mapping or thread
 # stack reuses -- a race TSan reports and separate processes cannot have
 # (docs/results/failures.md, "Known problems in the tests").
-tsan_skip='-PsTest.ALaggingSurvivorCatchesUpFromAPeerThatFinished:PsTest.AReplacementAtAnotherAddressTakesOver:PsTest.WorkersRideThroughAReplacedProxyOfThree'
+tsan_skip='-PsTest.ALaggingSurvivorCatchesUpFromAPeerThatFinished:PsTest.AReplacementAtAnotherAddressTakesOver:PsTest.WorkersRideThroughAReplacedProxyOfThree:PsTest.WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree:PsTest.AReplacementServesWhileItCopiesRingShards'
 for t in service/service_test memserver/memserver_test ps/ps_test embedding/embedding_server_test; do
   filter=()
   [[ $t == ps/ps_test ]] && filter=(--gtest_filter="$tsan_skip")
