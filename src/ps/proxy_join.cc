@@ -122,10 +122,12 @@ void ProxyImpl::RunJoinCopy(const std::shared_ptr<JoinCopy>& job) {
       if (job->order.empty()) break;
       auto pick = job->order.begin();
       if (!job->urgent.empty()) {
-        pick = std::find_if(
-            job->order.begin(), job->order.end(),
-            [&](const auto& e) { return job->urgent.count(e.first) != 0; });
-        if (pick == job->order.end()) pick = job->order.begin();
+        for (auto it = job->order.begin(); it != job->order.end(); ++it) {
+          if (job->urgent.count(it->first) != 0) {
+            pick = it;
+            break;
+          }
+        }
       }
       from = job->sources[pick->first][pick->second].first;
       uint64_t bytes = 0;
