@@ -452,7 +452,7 @@ void ProxyImpl::InstallBackup(uint32_t from, const Message& m,
     sh.m1 = std::move(got->m1);
     sh.m2 = std::move(got->m2);
     backup_bytes_in_.fetch_add(
-        sh.bytes * (1 + (sh.m1 ? 1 : 0) + (sh.m2 ? 1 : 0)),
+        StateBytes(sh.bytes, sh.m1 != nullptr, sh.m2 != nullptr),
         std::memory_order_relaxed);
     ShardCopied(m.key, m.shard);
   }

@@ -14,7 +14,7 @@ namespace {
 constexpr size_t kJoinBatchShards = 256;
 
 uint64_t StateBytes(const OfferedShard& o) {
-  return o.bytes * (1 + (o.m1 ? 1 : 0) + (o.m2 ? 1 : 0));
+  return ps::StateBytes(o.bytes, o.m1.has_value(), o.m2.has_value());
 }
 
 }  // namespace

@@ -169,7 +169,7 @@ Result<std::unique_ptr<StateOffer>> StateOffer::Make(
   for (const Item& it : items) {
     const StoredShard& sh = *it.stored;
     offer->state_bytes_ +=
-        sh.bytes * (1 + (sh.m1 ? 1 : 0) + (sh.m1 && sh.m2 ? 1 : 0));
+        StateBytes(sh.bytes, sh.m1 != nullptr, sh.m1 && sh.m2);
   }
   offer->keep_ = std::move(in.keep);
   return offer;

@@ -61,6 +61,12 @@ struct OfferedShard {
   std::optional<transport::RegionDescriptor> m1, m2;  // optimizer state
 };
 
+// The bytes of state a shard's buffers hold: its value and whichever
+// optimizer moments it has.
+inline uint64_t StateBytes(uint64_t shard_bytes, bool m1, bool m2) {
+  return shard_bytes * (1 + (m1 ? 1 : 0) + (m2 ? 1 : 0));
+}
+
 struct StateManifest {
   uint32_t proxy_rank = 0;  // the giver
   std::vector<OfferedShard> shards;
