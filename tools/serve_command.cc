@@ -329,7 +329,7 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
       ->check(CLI::Range(0.1, 86400.0));
   serve->add_flag("--join", popt.join,
                   "replace a proxy that died: copy the state from the "
-                  "running --ps-peers before serving");
+                  "running --ps-peers (it serves while it copies)");
   serve->add_option("--emb-dir", eflags.dir,
                     "run the embedding server; its tables live here");
   serve->add_option("--emb-listen", eflags.listen,

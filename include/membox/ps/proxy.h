@@ -95,9 +95,11 @@ struct ProxyOptions {
   // With replicate: how long rounds wait for a dead peer's replacement
   // before they fail.
   std::chrono::milliseconds failover_timeout{60000};
-  // Replace a proxy that died: before serving, copy the state (values,
-  // optimizer state, versions) from every peer, taking for each shard the
-  // newest version any of them holds. The peers must be running.
+  // Replace a proxy that died: copy the state (values, optimizer state,
+  // versions) from every peer, taking for each shard the newest version
+  // any of them holds. The versions are known before it serves; the
+  // buffers are copied while it serves (a request for a shard not copied
+  // yet waits for it). The peers must be running.
   bool join = false;
   // Test hook: runs on the event loop before each ring read of shard
   // `shard` of `key`, round `round`, step `step`, from proxy `from`. Tests
