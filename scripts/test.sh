@@ -72,7 +72,9 @@ cmake --build --preset release -j"$jobs"
 run_ctest release
 
 stage "pip install . into a venv, then PyPI's torch 2.x there (tests/install/pip_install_test.sh)"
-bash tests/install/pip_install_test.sh --torch 2>&1 | tee build/pip_install_test.log
+# Each stage that runs outside ctest has a deadline, so that a hang fails
+# with its log instead of running out CI's clock (about 11 min normally).
+timeout -k 30 1800 bash tests/install/pip_install_test.sh --torch 2>&1 | tee build/pip_install_test.log
 grep -q "^PASS: pip install" build/pip_install_test.log
 
 stage "ASan + UBSan build (clang; the fuzz targets too) and tests"
@@ -86,7 +88,7 @@ cmake --build --preset tsan -j"$jobs" --target transport_test service_test memse
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp" UCX_MEM_EVENTS=no
 # WriteAndReadManySizes/am: a 9 MiB rendezvous through instrumented memcpy
 # exceeds its 10 s wait under TSan (tests/tsan.supp).
-build/tsan/src/transport/transport_test --gtest_filter='-*WriteAndReadManySizes/am' >build/tsan/transport_test.log 2>&1 \
+timeout -k 30 900 build/tsan/src/transport/transport_test --gtest_filter='-*WriteAndReadManySizes/am' >build/tsan/transport_test.log 2>&1 \
   || { show_failure build/tsan/transport_test.log; exit 1; }
 # The three-proxy failover tests (the release and ASan runs have them):
 # under TSan, in one process, a proxy reads a stopped peer's ring buffer
@@ -97,10 +99,10 @@ tsan_skip='-PsTest.ALaggingSurvivorCatchesUpFromAPeerThatFinished:PsTest.AReplac
 for t in service/service_test memserver/memserver_test ps/ps_test embedding/embedding_server_test; do
   filter=()
   [[ $t == ps/ps_test ]] && filter=(--gtest_filter="$tsan_skip")
-  build/tsan/src/$t "${filter[@]}" >"build/tsan/${t##*/}.log" 2>&1 \
+  timeout -k 30 900 build/tsan/src/$t "${filter[@]}" >"build/tsan/${t##*/}.log" 2>&1 \
     || { show_failure "build/tsan/${t##*/}.log"; exit 1; }
 done
-/usr/bin/python3 tests/hostile/hostile_network_test.py build/tsan/tools/membox \
+timeout -k 30 900 /usr/bin/python3 tests/hostile/hostile_network_test.py build/tsan/tools/membox \
   >build/tsan/hostile_network_test.log 2>&1 \
   || { tail -n 80 build/tsan/hostile_network_test.log; exit 1; }
 unset TSAN_OPTIONS UCX_MEM_EVENTS

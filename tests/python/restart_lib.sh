@@ -31,6 +31,22 @@ kill_one_worker() {
     sleep 0.02
   done
   recovery=$("$py" -c "import time; print(round(time.time() - $t0, 2))")
+  # A job that does not end by itself within ${RESTART_DEADLINE:-240} s of
+  # the kill is a hang: say where it stood, stop it, and fail.
+  local waited=0
+  while kill -0 "$launch" 2>/dev/null && (( waited < ${RESTART_DEADLINE:-240} * 10 )); do
+    sleep 0.1
+    waited=$(( waited + 1 ))
+  done
+  if kill -0 "$launch" 2>/dev/null; then
+    kill -TERM "$launch" 2>/dev/null
+    sleep 2
+    pkill -9 -P "$launch" 2>/dev/null
+    kill -9 "$launch" 2>/dev/null
+    tail -80 "$log"
+    echo "FAIL: the restarted job did not end within ${RESTART_DEADLINE:-240} s of the kill"
+    exit 1
+  fi
   wait "$launch"
   local rc=$?
   [[ $rc == 0 ]] || { tail -60 "$log"; echo "FAIL: launch exit $rc after a restart"; exit 1; }
