@@ -44,6 +44,7 @@ PMI_*) into the one above and exec the command:
         --secret-file s --master a:29500 -- python3 train.py
 """
 import argparse
+import collections
 import os
 import secrets
 import shutil
@@ -95,7 +96,7 @@ class Proc:
                                   stderr=subprocess.STDOUT, text=True,
                                   bufsize=1, start_new_session=True)
         self.ready = threading.Event()
-        self.lines = []
+        self.lines = collections.deque(maxlen=50)  # the last ones
         self.t = threading.Thread(target=self._pump, args=(out_lock,),
                                   daemon=True)
         self.t.start()
@@ -332,33 +333,63 @@ def main(argv=None):
                 print(f"membox launch: workers restarted in "
                       f"{time.time() - t0:.2f} s", flush=True)
 
+        def replace_node(n):
+            """Starts node n's replacement (--join); None once it serves, or
+            why the job must end. While it starts, a second death is
+            watched for: that replacement then finds out whether the live
+            nodes still hold every shard, and says what was lost if not."""
+            nonlocal replaced
+            replaced += 1
+            t0 = time.time()
+            with lock:
+                print(f"membox launch: memory {n.name} died (exit "
+                      f"status {n.p.returncode}); replacing it from the "
+                      f"other nodes (replacement {replaced} of "
+                      f"{a.node_replacements})", flush=True)
+            n.t.join(timeout=5)
+            procs.remove(n)
+            m = Proc("node", n.rank, node_argv[n.rank] + ["--join"],
+                     dict(os.environ), lock)
+            procs.append(m)
+            nodes[n.rank] = m
+            deadline = time.time() + 60
+            others = set()
+            while not m.ready.wait(0.1):
+                for o in nodes:
+                    if o is not m and o.p.poll() is not None and \
+                            o.rank not in others:
+                        others.add(o.rank)
+                        with lock:
+                            print(f"membox launch: memory {o.name} died "
+                                  f"too (exit status {o.p.returncode}) "
+                                  f"before {m.name}'s replacement "
+                                  f"started", flush=True)
+                if m.p.poll() is not None or time.time() > deadline:
+                    m.t.join(timeout=5)
+                    said = next((line for line in reversed(m.lines)
+                                 if "joining:" in line), "")
+                    both = "".join(f" and memory node {r}"
+                                   for r in sorted(others))
+                    return (f"memory {n.name}{both} died; the replacement "
+                            f"of {n.name} "
+                            + (f"did not start (exit status {m.p.poll()})"
+                               if m.p.poll() is not None else
+                               "did not start within 60 s")
+                            + (f": {said.strip()}" if said else ""))
+            with lock:
+                print(f"membox launch: memory {n.name} replaced in "
+                      f"{time.time() - t0:.2f} s; the workers carry on",
+                      flush=True)
+            return None
+
         start_workers()
         while True:
             dead = [n for n in nodes if n.p.poll() is not None]
             if dead and replicate and replaced < a.node_replacements and \
                     len(dead) < len(nodes):
-                n = dead[0]
-                replaced += 1
-                t0 = time.time()
-                with lock:
-                    print(f"membox launch: memory {n.name} died (exit "
-                          f"status {n.p.returncode}); replacing it from the "
-                          f"other nodes (replacement {replaced} of "
-                          f"{a.node_replacements})", flush=True)
-                n.t.join(timeout=5)
-                procs.remove(n)
-                m = Proc("node", n.rank, node_argv[n.rank] + ["--join"],
-                         dict(os.environ), lock)
-                procs.append(m)
-                nodes[n.rank] = m
-                if not m.ready.wait(60):
-                    return shutdown(1, f"the replacement of memory {n.name} "
-                                       f"did not start (exit status "
-                                       f"{m.p.poll()})")
-                with lock:
-                    print(f"membox launch: memory {n.name} replaced in "
-                          f"{time.time() - t0:.2f} s; the workers carry on",
-                          flush=True)
+                why = replace_node(dead[0])
+                if why:
+                    return shutdown(1, why)
                 continue
             for n in dead:
                 with lock:

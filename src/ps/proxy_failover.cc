@@ -88,6 +88,10 @@ void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
   peer_out_.erase(rank);
   peers_down_.erase(rank);
   peers_down_count_.store(peers_down_.size());
+  // A replacement starts with no ring state: there is nothing it must
+  // resume (a survivor waiting on the peer that died after another did
+  // would wait for it forever).
+  awaiting_resume_.erase(rank);
   // Rounds applied here whose backup died: the replacement copied this
   // node's state when it joined, so it has them; offer them again for its
   // answer.
@@ -480,7 +484,8 @@ void ProxyImpl::OnBackupDone(uint32_t from, const Message& m) {
   PublishRound(m.key, m.shard, Status::Ok());
 }
 
-Result<service::Client*> ProxyImpl::PeerClient(uint32_t rank) {
+Result<service::Client*> ProxyImpl::PeerClient(uint32_t rank,
+                                               Clock::duration wait) {
   auto it = peer_out_.find(rank);
   if (it != peer_out_.end()) {
     Status h = it->second->health();
@@ -488,7 +493,7 @@ Result<service::Client*> ProxyImpl::PeerClient(uint32_t rank) {
     return UnavailableError("proxy " + std::to_string(rank) + " at " +
                             opt_.peers[rank] + " is down: " + h.ToString());
   }
-  auto deadline = Clock::now() + kPeerTimeout;
+  auto deadline = Clock::now() + wait;
   Status last;
   while (Clock::now() < deadline && running_) {
     service::ClientOptions co;

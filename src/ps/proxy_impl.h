@@ -73,6 +73,11 @@ using transport::RemoteMemRegion;
 using Clock = std::chrono::steady_clock;
 
 constexpr auto kPeerTimeout = std::chrono::seconds(30);
+// How long a joining replacement tries to reach each peer: the survivors
+// are up already, so one that does not answer by then is taken as dead too
+// (its shards come from their other holders, or the join fails naming
+// what no live peer holds).
+constexpr auto kJoinPeerWait = std::chrono::seconds(3);
 constexpr auto kIoTimeout = std::chrono::seconds(30);
 // Per-worker limits (docs/design/network_face.md, "Limits"): regions it may
 // register, registrations in flight, routing tables it may send and how far
@@ -641,7 +646,9 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   // The link to peer proxy `rank`, connected on first use (retrying while
   // the peer starts up). A link that was up and failed fails fast.
-  Result<service::Client*> PeerClient(uint32_t rank);
+  // `wait`: how long to keep trying to connect to a peer not linked yet.
+  Result<service::Client*> PeerClient(
+      uint32_t rank, Clock::duration wait = kPeerTimeout);
 
   Result<std::shared_ptr<Channel>> PeerChannel(uint32_t rank);
 

@@ -25,23 +25,43 @@ Status ProxyImpl::Join() {
   }
   auto job = std::make_shared<JoinCopy>();
   job->start = Clock::now();
-  auto failed = [this](uint32_t p, const Status& s) {
-    return Status(s.code(), "joining: cannot copy the state of proxy " +
-                                std::to_string(p) + " at " + opt_.peers[p] +
-                                ": " + std::string(s.message()));
-  };
+  // A peer that cannot be reached is taken as dead too: what it held comes
+  // from the other holders, and what none of the live peers holds is lost.
+  std::vector<uint32_t> down;
+  std::string why_down;
   for (uint32_t p = 0; p < nproxies_; ++p) {
     if (p == opt_.rank) continue;
-    auto man = FetchPeerManifest(p);
+    Result<StateManifest> man = PeerClient(p, kJoinPeerWait).status();
+    if (man.ok() || man.status().code() != StatusCode::kUnavailable) {
+      man = FetchPeerManifest(p);
+    }
     Result<std::shared_ptr<Channel>> ch =
         man.ok() ? PeerChannel(p)
                  : Result<std::shared_ptr<Channel>>(man.status());
     if (!ch.ok()) {
-      TellJoinDone(*job);
-      return failed(p, ch.status());
+      if (ch.status().code() != StatusCode::kUnavailable) {
+        TellJoinDone(*job);
+        return Status(ch.status().code(),
+                      "joining: cannot copy the state of proxy " +
+                          std::to_string(p) + " at " + opt_.peers[p] + ": " +
+                          std::string(ch.status().message()));
+      }
+      MEMBOX_LOG_WARN(
+          "proxy {} joins without proxy {} at {} (down: {}): its shards "
+          "come from their other holders",
+          opt_.rank, p, opt_.peers[p], ch.status().ToString());
+      down.push_back(p);
+      why_down += " proxy " + std::to_string(p) + ": " + ch.status().ToString();
+      continue;
     }
     job->manifests[p] = std::move(*man);
     job->channels[p] = *ch;
+  }
+  if (job->manifests.empty()) {
+    return UnavailableError(
+        "joining: no peer is reachable, so there is no state to copy "
+        "(every other node is down:" +
+        why_down + ")");
   }
   // Who gives which shard: the newest version any peer holds (with
   // primary-backup the owner or its backup; a peer that finished a ring
@@ -77,15 +97,43 @@ Status ProxyImpl::Join() {
     job->state_bytes += StateBytes(o);
     ++job->shards;
   }
-  // Every shard of every key must have a holder.
+  // Every shard of every key must have a holder among the live peers.
+  std::vector<std::pair<uint64_t, uint32_t>> lost;
+  uint64_t lost_bytes = 0;
   for (auto& [k, key] : keys_) {
     for (uint32_t s = 0; s < key.shards.size(); ++s) {
       if (!key.shards[s].copying) {
-        TellJoinDone(*job);
-        return DataLossError("the peers' state: no peer holds key " +
-                             std::to_string(k) + " shard " + std::to_string(s));
+        lost.push_back({k, s});
+        lost_bytes += std::min(key.shard_bytes, key.bytes - s * key.shard_bytes);
       }
     }
+  }
+  if (!lost.empty()) {
+    TellJoinDone(*job);
+    std::string gone = "proxy " + std::to_string(opt_.rank) + " (replaced)";
+    for (uint32_t p : down) gone += " and proxy " + std::to_string(p);
+    std::string which;
+    for (size_t i = 0; i < lost.size() && i < 4; ++i) {
+      which += (i ? ", key " : "key ") + std::to_string(lost[i].first) +
+               " shard " + std::to_string(lost[i].second);
+    }
+    if (lost.size() > 4) {
+      which += " and " + std::to_string(lost.size() - 4) + " more";
+    }
+    return DataLossError(
+        "joining: " + std::to_string(lost.size()) + " shard(s) (" +
+        std::to_string(lost_bytes) + " bytes of parameters) were held only by " +
+        gone + ", which are all down, so the job's state is lost: " + which +
+        "; restart the job from a checkpoint" +
+        (down.empty() ? std::string() : " (down:" + why_down + ")"));
+  }
+  // The peers found down: their rounds wait for their replacements, as
+  // with a peer that dies while this node serves.
+  for (uint32_t p : down) {
+    PeerLost(p,
+             "proxy " + std::to_string(p) + " at " + opt_.peers[p] +
+                 " is down (found while joining)",
+             false);
   }
   copying_shards_ = job->shards;
   shards_copying_.store(copying_shards_, std::memory_order_relaxed);
@@ -303,7 +351,15 @@ void ProxyImpl::OnJoinRequest(uint64_t conn, Conn& c, const Message& m) {
   std::vector<StateOffer::Item> items;
   for (auto& [k, key] : keys_) {
     for (uint32_t i = 0; i < key.shards.size(); ++i) {
-      if (!key.shards[i].value) continue;
+      // (A shard this node is still copying itself has no state yet.)
+      if (!key.shards[i].value || key.shards[i].copying) continue;
+      // Of a striped key, every node has every shard's initial value, but
+      // only the owner and its backup keep a shard current: a stale copy
+      // offered as the newest would roll the shard back silently.
+      if (key.striped && Owner(k, i) != opt_.rank &&
+          !(BacksUp(key) && BackupOf(k, i) == opt_.rank)) {
+        continue;
+      }
       items.push_back(
           {k, i, key.dtype, key.bytes, key.shard_bytes, &key.shards[i]});
     }

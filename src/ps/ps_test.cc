@@ -1470,6 +1470,93 @@ TEST(PsTest, WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree) {
               /*striped=*/true);
 }
 
+// Two of three nodes die before either is replaced. With the ring's
+// unstriped keys every node holds every key: the first replacement joins
+// from the one survivor (the other peer is found down), the second from
+// both, and five rounds end with the undisturbed run's values. With
+// striped keys, proxy 1's shards were on proxy 1 and its backup, proxy 2:
+// the replacement refuses to start, naming both nodes and the shards no
+// live node holds.
+void TwoDeathsBeforeAReplacement(bool striped) {
+  constexpr size_t kN = 24 << 10;  // floats: 6 shards of 16 KiB
+  RoutingTable table;
+  table.stripe = striped;
+  table.partition_bytes = 16 << 10;
+  std::vector<float> init(kN);
+  for (size_t i = 0; i < kN; ++i) init[i] = std::sin(float(i) * 0.5f);
+  auto train = [&](const Cluster& c, int from, int to,
+                   std::vector<float>* final) {
+    std::vector<std::unique_ptr<ParamClient>> w;
+    for (int r = 0; r < 2; ++r) {
+      RoutingTable t = table;
+      t.lat_proxy = t.bw_proxy = uint32_t(r);
+      w.push_back(Worker(c, r, 2, t));
+      ASSERT_NE(w.back(), nullptr);
+      SyncConfig cfg;
+      cfg.mode = SyncConfig::Mode::kAverage;
+      cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
+      ASSERT_TRUE(w[r]->Configure(cfg).ok());
+    }
+    for (int r = 0; r < 2; ++r) {
+      auto v = w[r]->Declare(5, kN * 4, DType::kFloat32,
+                             r == 0 ? init.data() : nullptr);
+      ASSERT_TRUE(v.ok()) << v.status().ToString();
+      EXPECT_EQ(*v, uint64_t(from));
+    }
+    for (int round = from; round < to; ++round) {
+      std::vector<PsHandle> h;
+      std::vector<std::vector<float>> g = {FailoverGrad(kN, 0, round),
+                                           FailoverGrad(kN, 1, round)};
+      for (int r = 0; r < 2; ++r) h.push_back(w[r]->Push(5, g[r].data()));
+      for (auto& x : h) ASSERT_TRUE(x.Wait(20s).ok()) << x.Wait(0s).ToString();
+    }
+    final->assign(kN, 0.f);
+    ASSERT_TRUE(w[1]->Pull(5, final->data()).Wait(20s).ok());
+  };
+  std::vector<float> want, got;
+  {
+    auto ref = Cluster::Start(3, Scheduler::kPerClientQueues, "", false, 10s,
+                              /*replicate=*/true);
+    train(ref, 0, 5, &want);
+  }
+  auto c = Cluster::Start(3, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  train(c, 0, 3, &got);
+  WaitForNoWorkers(c);
+  for (int victim : {1, 2}) {  // both die
+    c.proxies[victim]->Stop();
+    c.proxies[victim].reset();
+  }
+  auto first = Proxy::Start(ReplacementOptions(c, 1));
+  if (striped) {
+    ASSERT_FALSE(first.ok());
+    EXPECT_EQ(first.status().code(), StatusCode::kDataLoss);
+    const std::string why(first.status().message());
+    EXPECT_NE(why.find("held only by proxy 1 (replaced) and proxy 2"),
+              std::string::npos)
+        << why;
+    EXPECT_NE(why.find("key 5 shard "), std::string::npos) << why;
+    EXPECT_NE(why.find("restart the job from a checkpoint"), std::string::npos)
+        << why;
+    return;
+  }
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  c.proxies[1] = std::move(*first);
+  auto second = Proxy::Start(ReplacementOptions(c, 2));
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  c.proxies[2] = std::move(*second);
+  train(c, 3, 5, &got);
+  EXPECT_EQ(got, want);
+}
+
+TEST(PsTest, TwoDeathsBeforeAReplacementLeaveTheRingsKeysWhole) {
+  TwoDeathsBeforeAReplacement(/*striped=*/false);
+}
+
+TEST(PsTest, TwoDeathsBeforeAReplacementNameTheStripedShardsLost) {
+  TwoDeathsBeforeAReplacement(/*striped=*/true);
+}
+
 // The replacement comes up at another address (`membox serve --join` on a
 // new host, its --ps-peers naming itself there): its hello tells the
 // survivors, the workers find it by asking them (kWhere), and the values
