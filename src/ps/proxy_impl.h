@@ -647,8 +647,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   // The link to peer proxy `rank`, connected on first use (retrying while
   // the peer starts up). A link that was up and failed fails fast.
   // `wait`: how long to keep trying to connect to a peer not linked yet.
-  Result<service::Client*> PeerClient(
-      uint32_t rank, Clock::duration wait = kPeerTimeout);
+  Result<service::Client*> PeerClient(uint32_t rank,
+                                      Clock::duration wait = kPeerTimeout);
 
   Result<std::shared_ptr<Channel>> PeerChannel(uint32_t rank);
 

@@ -104,7 +104,8 @@ Status ProxyImpl::Join() {
     for (uint32_t s = 0; s < key.shards.size(); ++s) {
       if (!key.shards[s].copying) {
         lost.push_back({k, s});
-        lost_bytes += std::min(key.shard_bytes, key.bytes - s * key.shard_bytes);
+        lost_bytes +=
+            std::min(key.shard_bytes, key.bytes - s * key.shard_bytes);
       }
     }
   }
@@ -122,8 +123,9 @@ Status ProxyImpl::Join() {
     }
     return DataLossError(
         "joining: " + std::to_string(lost.size()) + " shard(s) (" +
-        std::to_string(lost_bytes) + " bytes of parameters) were held only by " +
-        gone + ", which are all down, so the job's state is lost: " + which +
+        std::to_string(lost_bytes) +
+        " bytes of parameters) were held only by " + gone +
+        ", which are all down, so the job's state is lost: " + which +
         "; restart the job from a checkpoint" +
         (down.empty() ? std::string() : " (down:" + why_down + ")"));
   }
