@@ -43,8 +43,10 @@ def run(a, out, kills):
                    str(a.ctr_samples)]}[a.job]
     cmd = [a.membox, "launch", "--nodes", str(a.nodes), "--workers",
            str(a.workers), "--max-restarts", str(kills),
-           "--node-replacements", str(kills), "--ps-replicate",
-           "on" if a.nodes > 1 else "off", "--", a.python,
+           # Replication and node replacement are the defaults with 2+
+           # nodes; only the number of replacements (3) may be too few.
+           *(["--node-replacements", str(kills)] if kills > 3 else []),
+           "--", a.python,
            os.path.join(HERE, "examples", job[0]), *job[1:], "--epochs",
            str(a.epochs), "--out", out]
     t0 = time.time()

@@ -693,6 +693,7 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
         sh.reducing = false;
         sh.ring.Reset();
         sh.first_push = {};
+        sh.untouched_by_job = true;
         if (sh.awaiting_backup) {
           // Nobody waits for that answer any more; the backup gets the
           // shard whole with the next round (an offer is the full state).

@@ -147,6 +147,9 @@ struct Shard : StoredShard {
   // A replacement's shard whose buffers are still being copied from a
   // peer (its version is known): requests for it wait (WaitForCopy).
   bool copying = false;
+  // No push of the current job has reached this shard yet (set again when
+  // every worker has left). See SkipToTheJobsRound.
+  bool untouched_by_job = true;
 };
 
 struct Key {
@@ -442,6 +445,17 @@ class ProxyImpl final : public Proxy, public service::Service {
   // that); and a restarted worker set pushes again the round its job died
   // in, which the dead workers finished on some shards of a key only.
   bool RetriedRound(uint64_t conn, const Message& m);
+  // The other half of "a job that died may leave a key's shards one round
+  // apart", for a striped key without an optimizer: every proxy reports
+  // its own shards, and the restarted workers push the newest round
+  // (ParamClient's Declare) -- also after a replacement copied a shard
+  // from a backup that missed the dead owner's last, unanswered round. The
+  // sum of a round nobody waits for any more is not needed, so the job's
+  // first push of such a shard, if it is for a later round, moves the
+  // shard to that round (as the unstriped keys' shards behind skip to the
+  // newest when the job ends, OnDisconnect). Otherwise that push would
+  // wait for a round nobody pushes.
+  void SkipToTheJobsRound(const Message& m);
 
   Status CheckShardRequest(const Message& m);
 

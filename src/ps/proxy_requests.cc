@@ -102,6 +102,7 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
     }
     case Type::kPush: {
       if (WaitForCopy(conn, m)) return;
+      SkipToTheJobsRound(m);
       if (RetriedRound(conn, m)) return;
       Status s = CheckShardRequest(m);
       if (!s.ok()) {
@@ -521,6 +522,29 @@ Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
     k.awaiting_init = true;
   }
   return CompletedRounds(m.key, k);
+}
+
+void ProxyImpl::SkipToTheJobsRound(const Message& m) {
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || m.shard >= it->second.shards.size()) return;
+  Key& key = it->second;
+  Shard& sh = key.shards[m.shard];
+  if (!sh.untouched_by_job) return;
+  sh.untouched_by_job = false;
+  if (mode_ == proto::Mode::kAsync || !key.striped || key.stored ||
+      key.opt.kind != proto::Optimizer::kNone || m.round <= sh.version ||
+      sh.reducing || sh.awaiting_backup || !sh.pushes.empty() ||
+      Owner(m.key, m.shard) != opt_.rank) {
+    return;
+  }
+  MEMBOX_LOG_WARN(
+      "key {} shard {}: this job's first push is for round {}, the shard "
+      "holds round {} (the job before finished that round on other shards "
+      "only, or this node's copy came from a backup that missed it); a "
+      "round's sum nobody waits for is not needed: the shard goes on from "
+      "round {}",
+      m.key, m.shard, m.round, sh.version, m.round);
+  sh.version = m.round;
 }
 
 bool ProxyImpl::RetriedRound(uint64_t conn, const Message& m) {

@@ -684,6 +684,73 @@ TEST(PsTest, ARestartedJobRedoesARoundFinishedOnSomeShardsOnly) {
             StatusCode::kFailedPrecondition);
 }
 
+// The same death for a striped key without an optimizer (the DDP hook's
+// gradient sums): proxy 0's shards finished round 1, proxy 1's did not.
+// The sum of round 1 is of no use to the restarted job, which declares the
+// key at the newest round (2) and pushes it: proxy 1's shards, one round
+// behind, go on from round 2 instead of waiting for a round 1 nobody
+// pushes (the hang a default two-node `membox launch --max-restarts` met).
+TEST(PsTest, ARestartedJobGoesOnFromTheNewestRoundOfAKeyWithoutOptimizer) {
+  auto c = Cluster::Start(2);
+  RoutingTable r;
+  r.stripe = true;
+  r.partition_bytes = 4 << 10;
+  const size_t n = 4096;  // 16 KiB: 4 shards, 2 on each proxy
+  SyncConfig cfg;
+  cfg.mode = SyncConfig::Mode::kSum;
+  std::vector<float> g0 = Ramp(n, 1), g1 = Ramp(n, 2);
+  auto start = [&](int rank, std::vector<transport::FaultPolicy> links) {
+    auto w = Worker(c, rank, 2, r, std::move(links));
+    EXPECT_TRUE(w && w->Configure(cfg).ok());
+    return w;
+  };
+  transport::FaultPolicy fast, slow;
+  slow.fixed_latency = 600ms;
+  {
+    auto w0 = start(0, {});
+    auto w1 = start(1, {fast, slow});
+    ASSERT_TRUE(w0 && w1);
+    ASSERT_TRUE(w0->Declare(1, n * 4, DType::kFloat32).ok());
+    ASSERT_TRUE(w1->Declare(1, n * 4, DType::kFloat32).ok());
+    for (int round = 0; round < 2; ++round) {
+      auto a = w0->Push(1, g0.data());
+      auto b = w1->Push(1, g1.data());
+      if (round == 0) {
+        ASSERT_TRUE(a.Wait(20s).ok());
+        ASSERT_TRUE(b.Wait(20s).ok());
+        continue;
+      }
+      const auto until = std::chrono::steady_clock::now() + 10s;
+      while (c.proxies[0]->Stats().rounds_completed < 4) {
+        ASSERT_LT(std::chrono::steady_clock::now(), until);
+        std::this_thread::sleep_for(5ms);
+      }
+      w0.reset();
+      w1.reset();
+      EXPECT_FALSE(b.Wait(20s).ok());
+    }
+  }
+  WaitForNoWorkers(c);
+  ASSERT_EQ(c.proxies[1]->Stats().rounds_completed, 2u)
+      << "the slow push arrived after all";
+  auto w0 = start(0, {}), w1 = start(1, {});
+  ASSERT_TRUE(w0 && w1);
+  auto v0 = w0->Declare(1, n * 4, DType::kFloat32);
+  auto v1 = w1->Declare(1, n * 4, DType::kFloat32);
+  ASSERT_TRUE(v0.ok() && v1.ok()) << v0.status().ToString();
+  EXPECT_EQ(*v0, 2u);  // the newest shard's count
+  EXPECT_EQ(*v1, 2u);
+  std::vector<float> out0(n), out1(n), want(n);
+  for (size_t i = 0; i < n; ++i) want[i] = g0[i] + g1[i];
+  auto a = w0->PushPull(1, g0.data(), out0.data());
+  auto b = w1->PushPull(1, g1.data(), out1.data());
+  ASSERT_TRUE(a.Wait(20s).ok()) << a.Wait(0s).ToString();
+  ASSERT_TRUE(b.Wait(20s).ok()) << b.Wait(0s).ToString();
+  EXPECT_EQ(a.version(), 3u);
+  EXPECT_EQ(out0, want);
+  EXPECT_EQ(out1, want);
+}
+
 // Optimizers are per key: an SGD tensor and a plain averaged one in one job
 // (a ParameterServer next to the DDP hook), on two proxies; the learning
 // rate changes between rounds (a schedule); what workers cannot do is
