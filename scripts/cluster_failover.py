@@ -25,6 +25,13 @@ iteration times of both runs, final loss and accuracy.
     sudo scripts/cluster_failover.py [--rate 400mbit] [--epochs 40]
         [--kill-after-epoch 8] [--python out/venv/bin/python]
         [--json F] [--csv F] [--plot F.png]
+
+With --state SIZE (e.g. 1GiB) the job is `membox bench failover`'s instead
+(one tensor with SGD momentum holding SIZE of state, PushPull rounds; the
+kill after round 4, the replacement on m2 as above). Reported: the pause
+(the longest round after the kill minus the median round before it),
+kill -> next round, kill -> the replacement's "joined: copied" (every
+shard on two nodes again).
 """
 import argparse
 import json
@@ -54,19 +61,23 @@ def topology(a, tmp):
     return cluster.load_topology(path)
 
 
-def job(a, topo, out, kill_after):
+def job(a, topo, out, kill_after, worker=None, flag=None):
     """Runs the job on a fresh cluster; with kill_after, kills m1's node
-    after that epoch and starts its replacement on m2. Returns a dict."""
+    after that epoch and starts its replacement on m2. Returns a dict.
+    With `worker` (a command), that runs instead of the example: it prints
+    "ROUND i t" per round, the kill comes after round kill_after, and
+    `flag` is created once the replacement has copied everything."""
     cluster.down(topo, quiet=True)
     cluster.up(topo, log=lambda s: None)
     state = cluster._read_state(NAME)
     res = {"epochs": [], "kill_s": None, "joined_s": None, "back_s": [],
-           "join_line": ""}
+           "join_line": "", "rounds": {}}
     repl_log = os.path.join(topo["state"], "replacement.log")
     try:
         argv = cluster.mpirun_argv(
-            topo, [a.python, os.path.join(HERE, "examples", "train_ps.py"),
-                   "--epochs", str(a.epochs), "--out", out])
+            topo, worker or [a.python, os.path.join(HERE, "examples",
+                                                    "train_ps.py"),
+                             "--epochs", str(a.epochs), "--out", out])
         env = dict(os.environ)
         env["MEMBOX_FAILOVER_S"] = "60"
         p = subprocess.Popen(argv, stdout=subprocess.PIPE,
@@ -86,13 +97,18 @@ def job(a, topo, out, kill_after):
                     res["epochs"].append(rec)
                     if kill_after and rec["epoch"] == kill_after:
                         killed.set()
+                if line.startswith("ROUND "):
+                    i = int(line.split()[1])
+                    res["rounds"].setdefault(i, float(line.split()[2]))
+                    if kill_after and i == kill_after:
+                        killed.set()
                 if "is back after" in line and t_kill[0]:
                     res["back_s"].append(round(now - t_kill[0], 3))
 
         t = threading.Thread(target=pump, daemon=True)
         t.start()
         if kill_after:
-            if not killed.wait(300):
+            if not killed.wait(900):
                 raise RuntimeError("the job did not reach the kill epoch:\n"
                                    + "".join(lines[-40:]))
             mem = cluster.memory_hosts(topo)
@@ -123,13 +139,15 @@ def job(a, topo, out, kill_after):
             state["nodes"].append({"host": "m2", "pid": r.pid, "log": repl_log})
             with open(os.path.join(topo["state"], "state.json"), "w") as f:
                 json.dump(state, f, indent=1)  # so `down` stops it too
-            while time.time() - t_kill[0] < 60:
+            while time.time() - t_kill[0] < 600:
                 with open(repl_log) as f:
                     text = f.read()
                 if "joined: copied" in text:
                     res["joined_s"] = round(time.time() - t_kill[0], 3)
                     res["join_line"] = [x for x in text.splitlines()
                                         if "joined: copied" in x][0]
+                    if flag:
+                        open(flag, "w").close()
                     break
                 if r.poll() is not None:
                     raise RuntimeError("the replacement exited:\n" + text)
@@ -155,11 +173,19 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--csv", default="")
     ap.add_argument("--plot", default="")
+    ap.add_argument("--state", default="",
+                    help="instead of the example: one tensor with SGD "
+                         "momentum holding this much state (e.g. 1GiB), "
+                         "PushPull rounds, the kill after round 4; reports "
+                         "the pause and the time to full redundancy")
     a = ap.parse_args()
     cluster.require_root()
     os.environ["MEMBOX_BIN"] = os.path.abspath(a.membox)
     tmp = tempfile.mkdtemp(prefix="membox-fo-")
+    os.chmod(tmp, 0o755)
     topo = topology(a, tmp)
+    if a.state:
+        return state_run(a, topo, tmp)
     plain = job(a, topo, os.path.join(tmp, "plain.jsonl"), 0)
     print("undisturbed:", json.dumps(plain["epochs"][-1]), flush=True)
     hit = job(a, topo, os.path.join(tmp, "killed.jsonl"), a.kill_after_epoch)
@@ -223,6 +249,37 @@ def main():
     if hit["exit"] != 0 or not same:
         sys.exit(f"FAIL: exit {hit['exit']}, final {last} vs undisturbed {base}"
                  f"\n{hit['log_tail']}")
+
+
+def state_run(a, topo, tmp):
+    """--state: the pause a node's death adds across hosts, against the
+    state's size (membox bench failover's job, on the emulated cluster)."""
+    from membox import failover_bench as fb
+    size = fb._size(a.state)
+    script = os.path.join(tmp, "failover_worker.py")
+    with open(script, "w") as f:
+        f.write(fb.WORKER)
+    flag = os.path.join(tmp, "copied")
+    hit = job(a, topo, None, 4, worker=[a.python, script, str(size // 2), flag],
+              flag=flag)
+    rounds = [hit["rounds"][i] for i in sorted(hit["rounds"])]
+    t_kill = hit["kill_s"]
+    before = [b - x for x, b in zip(rounds[:4], rounds[1:5])]
+    after = [r for r in rounds if r > t_kill]
+    gaps = [b - x for x, b in zip(rounds[4:], rounds[5:])]
+    base = sorted(before)[len(before) // 2]
+    res = {"rate": a.rate, "state_bytes": size, "round_s": base,
+           "pause_s": max(gaps) - base if gaps else None,
+           "kill_to_round_s": after[0] - t_kill if after else None,
+           "redundancy_s": hit["joined_s"], "join_line": hit["join_line"],
+           "workers_back_s": hit["back_s"], "rounds": len(rounds),
+           "exit": hit["exit"]}
+    print(json.dumps(res, indent=1), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if hit["exit"] != 0:
+        sys.exit(f"FAIL: exit {hit['exit']}\n{hit['log_tail']}")
 
 
 if __name__ == "__main__":
