@@ -486,7 +486,10 @@ Status ProxyImpl::RingRead(Key& key, Shard& sh, const RingGeometry& ring,
     }
     ASSIGN_OR_RETURN(
         auto h, ch->Read(into, *into_region, rr->address() + off, *rr, len));
-    RETURN_IF_ERROR(h.Wait(kIoTimeout));
+    // A chunk of a large key crosses a slow link while the workers' pushes
+    // share it: 30 s plus a second per 4 MiB (a 4 MB/s floor) before the
+    // read is given up, instead of 30 s whatever the size.
+    RETURN_IF_ERROR(h.Wait(kIoTimeout + std::chrono::seconds(len >> 22)));
     src = into;
   }
   if (reduce) {
