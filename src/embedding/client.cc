@@ -2,18 +2,16 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
-#include <future>
 #include <map>
-#include <mutex>
 #include <random>
 #include <set>
-#include <thread>
 #include <unordered_map>
 
 #include "membox/base/logging.h"
 #include "membox/base/mutex.h"
+#include "membox/base/timer.h"
 #include "membox/service/client.h"
+#include "membox/service/link.h"
 #include "membox/transport/device.h"
 
 #include "src/embedding/protocol.h"
@@ -75,23 +73,23 @@ using proto::Message;
 using proto::Type;
 using ReplyFn = std::function<void(Result<Message>)>;
 
-// One memory node: a service link whose replies are decoded here, and --
-// when the node keeps a push log and failover is on -- what rides through
-// the node's death (docs/design/embedding.md, "Riding through a node's
-// death"): every request is kept until answered; when the link is lost
-// (UNAVAILABLE), a repair thread reconnects to the same endpoint (where
-// `membox launch` restarts the node, which replays its push log), says
-// hello as a rejoining client, opens the tables again (their ids may
-// differ) and sends the kept requests again in their order. Pushes carry
-// a sequence number so that one the dead node had applied is acknowledged,
-// not applied twice. A node not back within the failover time fails what
-// is kept and everything after (UNAVAILABLE, naming the node).
+// One memory node: a service::Link whose replies are decoded here. When the
+// node keeps a push log and failover is on, the Link rides through the
+// node's death (docs/design/embedding.md, "Riding through a node's
+// death"): every request is kept until answered; when the connection is
+// lost the Link reconnects to the same endpoint (where `membox launch`
+// restarts the node, which replays its push log), and this Node's greeting
+// says hello as a rejoining client and opens the tables again (their ids
+// may differ); the Link then sends the kept requests again in their order.
+// Pushes carry a sequence number so that one the dead node had applied is
+// acknowledged, not applied twice. A node not back within the failover
+// time fails what is kept and everything after (UNAVAILABLE, naming it).
 //
-// Messages carry the client's table numbers; Send translates them into
-// the node's ids when it sends (again). Order: send_mu_ is held while a
-// request is numbered and sent, so the node sees a client's pushes in
-// sequence order; mu_ guards the state and is never held while sending
-// (a failed link runs the callback inline).
+// Messages carry the client's table numbers; each (re)send translates them
+// into the node's ids. Order: send_mu_ is held while a request is numbered
+// and handed to the Link, so the node sees a client's pushes in sequence
+// order; mu_ guards the tables and sequence numbers and is never held
+// while calling the Link.
 class Node {
   static Result<Message> DecodeReply(std::span<const uint8_t> body) {
     return proto::Decode(static_cast<uint16_t>(Type::kReply), body);
@@ -100,6 +98,7 @@ class Node {
  public:
   struct Options {
     transport::Device* device = nullptr;  // outlives the Node
+    Timer* timer = nullptr;               // outlives the Node
     std::string endpoint;
     std::string name;  // the worker's, in hellos
     uint64_t client_id = 0;
@@ -107,30 +106,38 @@ class Node {
     std::chrono::milliseconds failover{0};
   };
 
-  explicit Node(Options o) : opt_(std::move(o)) {}
-  ~Node() {
-    {
-      MutexLock l(&mu_);
-      closing_ = true;
-    }
-    cv_.NotifyAll();
-    if (repairer_.joinable()) repairer_.join();
-    std::shared_ptr<service::Client> c;
-    {
-      MutexLock l(&mu_);
-      c = std::move(c_);
-    }
-    c.reset();  // pending callbacks run (closing_: they finish)
-    FailKept(UnavailableError("embedding client closed"));
+  explicit Node(Options o) : opt_(std::move(o)) {
+    service::LinkOptions lo;
+    lo.name = "embedding node " + opt_.endpoint;
+    lo.owner = "embedding client " + opt_.name;
+    lo.endpoint = opt_.endpoint;
+    lo.client.node_kind = "embedding node";
+    lo.timer = opt_.timer;
+    lo.open = [device = opt_.device](const std::string& ep) {
+      return device->GetChannel(ep);
+    };
+    lo.greet = [this](service::Client& c, bool rejoin) {
+      return Greet(c, rejoin);
+    };
+    link_ = std::make_unique<service::Link>(std::move(lo));
   }
+  ~Node() { link_->Close("embedding client closed"); }
 
   // The first link: hello; learns whether the node keeps a push log.
   Status Connect() {
-    ASSIGN_OR_RETURN(auto fresh, Link(/*rejoin=*/false));
-    MutexLock l(&mu_);
-    c_ = std::move(fresh.client);
-    failover_ = opt_.failover.count() > 0 && fresh.durable;
-    if (failover_) repairer_ = std::thread([this] { RepairLoop(); });
+    RETURN_IF_ERROR(link_->Connect());
+    bool durable = false;
+    {
+      MutexLock l(&mu_);
+      durable = durable_;
+    }
+    if (opt_.failover.count() > 0 && durable) {
+      {
+        MutexLock l(&mu_);
+        numbered_ = true;
+      }
+      link_->set_failover(opt_.failover);
+    }
     return Status::Ok();
   }
 
@@ -151,62 +158,59 @@ class Node {
   }
 
   // Sends `m` (table numbers: the client's); `done` runs exactly once, on
-  // the progress thread or the repair thread or -- when the node has
+  // the progress thread or the Link's timer or -- when the node has
   // failed -- in this call.
   void Send(Message m, ReplyFn done) {
     MutexLock order(&send_mu_);
-    uint64_t id = 0;
-    Status gone;
+    auto kept = std::make_shared<Kept>();
     {
       MutexLock l(&mu_);
-      gone = gone_;
-      if (gone.ok()) {
-        id = next_id_++;
-        if (m.type == Type::kPush && failover_) {
-          // Pushes below the oldest unanswered one may be forgotten.
-          m.seq = next_seq_++;
-          unanswered_.insert(m.seq);
-          m.floor = *unanswered_.begin() - 1;
-        }
-        Kept& k = kept_[id];
-        k.m = std::move(m);
-        k.done = std::move(done);
-        for (const proto::Section& s : k.m.sections) {
-          k.tables.push_back(s.table_id);
-        }
-        if (k.m.type == Type::kRelease) k.tables.push_back(k.m.table_id);
-        if (down_) return;  // the repair sends it
+      if (m.type == Type::kPush && numbered_) {
+        // Pushes below the oldest unanswered one may be forgotten.
+        m.seq = next_seq_++;
+        unanswered_.insert(m.seq);
+        m.floor = *unanswered_.begin() - 1;
       }
     }
-    if (!gone.ok()) return done(gone);
-    Transmit({id});
+    kept->m = std::move(m);
+    for (const proto::Section& s : kept->m.sections) {
+      kept->tables.push_back(s.table_id);
+    }
+    if (kept->m.type == Type::kRelease)
+      kept->tables.push_back(kept->m.table_id);
+    const uint64_t seq = kept->m.seq;
+    link_->Send(
+        static_cast<uint16_t>(kept->m.type),
+        [this, kept] { return Encode(kept.get()); },
+        [this, seq, done = std::move(done)](const Status& s,
+                                            std::span<const uint8_t> body) {
+          if (seq != 0) {
+            MutexLock l(&mu_);
+            unanswered_.erase(seq);
+          }
+          if (!s.ok()) return done(s);
+          Result<Message> r = DecodeReply(body);
+          if (!r.ok()) return done(BadReply(r.status()));
+          done(std::move(r));
+        });
   }
 
   // A synchronous request with no failover (open, status).
   Result<Message> Call(const Message& m) {
-    std::shared_ptr<service::Client> c;
-    {
-      MutexLock l(&mu_);
-      if (!gone_.ok()) return gone_;
-      if (down_ || !c_) {
-        return UnavailableError("embedding node " + opt_.endpoint +
-                                " is being reconnected");
-      }
-      c = c_;
-    }
-    return c->CallDecoded<Message>(static_cast<uint16_t>(m.type),
-                                   proto::Encode(m), DecodeReply, opt_.timeout);
+    ASSIGN_OR_RETURN(std::vector<uint8_t> body,
+                     link_->Call(static_cast<uint16_t>(m.type),
+                                 proto::Encode(m), opt_.timeout));
+    Result<Message> r = DecodeReply(body);
+    if (!r.ok()) return BadReply(r.status());
+    return r;
   }
 
   // A reply that contradicts its request fails the node.
   Status Malformed(const std::string& what) {
-    std::shared_ptr<service::Client> c;
-    {
-      MutexLock l(&mu_);
-      c = c_;
-    }
-    if (!c)
+    std::shared_ptr<service::Client> c = link_->client();
+    if (!c) {
       return DataLossError("embedding node " + opt_.endpoint + ": " + what);
+    }
     c->Fail(DataLossError(what));
     return c->health();
   }
@@ -215,36 +219,47 @@ class Node {
   struct Kept {
     Message m;
     std::vector<uint32_t> tables;  // the client's table numbers, in order
-    ReplyFn done;
-  };
-  struct Fresh {
-    std::shared_ptr<service::Client> client;
-    bool durable = false;
-    std::vector<uint32_t> ids;  // the node's ids of configs_ (rejoin)
   };
 
-  // A new link: hello (and, rejoining, the tables opened again).
-  Result<Fresh> Link(bool rejoin) {
-    ASSIGN_OR_RETURN(std::shared_ptr<transport::Channel> ch,
-                     opt_.device->GetChannel(opt_.endpoint));
-    service::ClientOptions co;
-    co.node_kind = "embedding node";
-    Fresh f;
-    f.client = service::Client::Over(ch, opt_.endpoint, co);
+  // A reply body that does not decode fails the link (DataLoss).
+  Status BadReply(const Status& why) {
+    std::shared_ptr<service::Client> c = link_->client();
+    if (!c)
+      return DataLossError("embedding node " + opt_.endpoint + ": " +
+                           why.ToString());
+    return c->BadReply(why);
+  }
+
+  // `k`'s bytes, with the node's table ids as they are now.
+  std::vector<uint8_t> Encode(Kept* k) {
+    MutexLock l(&mu_);
+    size_t i = 0;
+    for (proto::Section& s : k->m.sections) s.table_id = ids_[k->tables[i++]];
+    if (k->m.type == Type::kRelease) k->m.table_id = ids_[k->tables[0]];
+    return proto::Encode(k->m);
+  }
+
+  // A new connection's greeting: hello and, rejoining, the tables opened
+  // again. Runs in Connect or on the Link's timer.
+  Status Greet(service::Client& c, bool rejoin) {
+    auto call = [&](const Message& m) {
+      return c.CallDecoded<Message>(static_cast<uint16_t>(m.type),
+                                    proto::Encode(m), DecodeReply,
+                                    opt_.timeout);
+    };
     Message h;
     h.type = Type::kHello;
     h.name = opt_.name;
     h.client_id = opt_.client_id;
     h.rejoin = rejoin;
-    auto call = [&](const Message& m) {
-      return f.client->CallDecoded<Message>(static_cast<uint16_t>(m.type),
-                                            proto::Encode(m), DecodeReply,
-                                            opt_.timeout);
-    };
     ASSIGN_OR_RETURN(Message r, call(h));
-    f.durable = r.text == "push-log";
-    if (!rejoin) return f;
-    if (!f.durable) {
+    const bool durable = r.text == "push-log";
+    if (!rejoin) {
+      MutexLock l(&mu_);
+      durable_ = durable;
+      return Status::Ok();
+    }
+    if (!durable) {
       return FailedPreconditionError(
           "embedding node " + opt_.endpoint +
           " came back without its push log: what it acknowledged is lost");
@@ -254,165 +269,29 @@ class Node {
       MutexLock l(&mu_);
       configs = configs_;
     }
+    std::vector<uint32_t> ids;
     for (const TableConfig& t : configs) {
       Message m;
       m.type = Type::kOpenTable;
       m.table = t;
       ASSIGN_OR_RETURN(Message o, call(m));
-      f.ids.push_back(o.table_id);
+      ids.push_back(o.table_id);
     }
-    return f;
-  }
-
-  // Sends kept requests `ids` (in this order) on the current link. Called
-  // with send_mu_ held.
-  void Transmit(const std::vector<uint64_t>& ids) {
-    for (uint64_t id : ids) {
-      std::shared_ptr<service::Client> c;
-      uint64_t gen = 0;
-      std::vector<uint8_t> bytes;
-      uint16_t method = 0;
-      {
-        MutexLock l(&mu_);
-        auto it = kept_.find(id);
-        if (it == kept_.end() || down_) continue;
-        Kept& k = it->second;
-        size_t i = 0;
-        for (proto::Section& s : k.m.sections) s.table_id = ids_[k.tables[i++]];
-        if (k.m.type == Type::kRelease) k.m.table_id = ids_[k.tables[0]];
-        bytes = proto::Encode(k.m);
-        method = static_cast<uint16_t>(k.m.type);
-        c = c_;
-        gen = gen_;
-      }
-      c->SendDecoded<Message>(method, std::move(bytes), DecodeReply,
-                              [this, id, gen](Result<Message> r) {
-                                OnReply(id, gen, std::move(r));
-                              });
-    }
-  }
-
-  void OnReply(uint64_t id, uint64_t gen, Result<Message> r) {
-    ReplyFn done;
-    {
-      MutexLock l(&mu_);
-      if (gen != gen_) return;  // sent again on a newer link
-      auto it = kept_.find(id);
-      if (it == kept_.end()) return;
-      if (!r.ok() && failover_ && !closing_ && c_ &&
-          c_->health().code() == StatusCode::kUnavailable) {
-        // The link is lost, not the request refused: kept for the repair.
-        if (!down_) {
-          down_ = true;
-          cv_.NotifyAll();
-        }
-        return;
-      }
-      done = std::move(it->second.done);
-      if (it->second.m.seq != 0) unanswered_.erase(it->second.m.seq);
-      kept_.erase(it);
-    }
-    done(std::move(r));
-  }
-
-  void RepairLoop() {
-    for (;;) {
-      {
-        MutexLock l(&mu_);
-        while (!closing_ && !down_) cv_.Wait(&mu_);
-        if (closing_) return;
-      }
-      Repair();
-    }
-  }
-
-  void Repair() {
-    const auto t0 = std::chrono::steady_clock::now();
-    MEMBOX_LOG_WARN(
-        "embedding client {}: lost embedding node {}; waiting up to {} s for "
-        "it to come back (its requests are kept)",
-        opt_.name, opt_.endpoint,
-        std::chrono::duration_cast<std::chrono::seconds>(opt_.failover)
-            .count());
-    Status last;
-    for (int tries = 0;; ++tries) {
-      {
-        MutexLock l(&mu_);
-        if (closing_) return;
-      }
-      if (std::chrono::steady_clock::now() - t0 >= opt_.failover) break;
-      if (tries > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      auto fresh = Link(/*rejoin=*/true);
-      if (!fresh.ok()) {
-        last = fresh.status();
-        if (last.code() == StatusCode::kFailedPrecondition) break;
-        continue;
-      }
-      // Swap the link in and send what was kept, in order, before any new
-      // request (send_mu_).
-      MutexLock order(&send_mu_);
-      std::vector<uint64_t> ids;
-      {
-        MutexLock l(&mu_);
-        c_ = fresh->client;
-        gen_++;
-        for (size_t t = 0; t < fresh->ids.size() && t < ids_.size(); ++t) {
-          ids_[t] = fresh->ids[t];
-        }
-        down_ = false;
-        for (const auto& [id, k] : kept_) ids.push_back(id);
-      }
-      Transmit(ids);
-      MEMBOX_LOG_WARN(
-          "embedding client {}: embedding node {} is back after {:.2f} s; {} "
-          "request(s) sent again",
-          opt_.name, opt_.endpoint,
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-              .count(),
-          ids.size());
-      return;
-    }
-    Status gone = UnavailableError(
-        "embedding node " + opt_.endpoint + " did not come back within " +
-        std::to_string(
-            std::chrono::duration_cast<std::chrono::seconds>(opt_.failover)
-                .count()) +
-        " s (last: " + last.ToString() + ")");
-    MEMBOX_LOG_ERROR("embedding client {}: {}", opt_.name, gone.ToString());
-    {
-      MutexLock l(&mu_);
-      gone_ = gone;
-    }
-    FailKept(gone);
-  }
-
-  void FailKept(const Status& why) {
-    std::map<uint64_t, Kept> kept;
-    {
-      MutexLock l(&mu_);
-      kept.swap(kept_);
-      unanswered_.clear();
-    }
-    for (auto& [id, k] : kept) k.done(why);
+    MutexLock l(&mu_);
+    for (size_t t = 0; t < ids.size() && t < ids_.size(); ++t) ids_[t] = ids[t];
+    return Status::Ok();
   }
 
   const Options opt_;
-  Mutex send_mu_;  // taken before mu_
+  std::unique_ptr<service::Link> link_;
+  Mutex send_mu_;  // taken before mu_ (and before the Link's locks)
   mutable Mutex mu_;
-  CondVar cv_;
-  std::shared_ptr<service::Client> c_ MEMBOX_GUARDED_BY(mu_);
-  uint64_t gen_ MEMBOX_GUARDED_BY(mu_) = 0;
-  bool failover_ MEMBOX_GUARDED_BY(mu_) = false;
-  bool down_ MEMBOX_GUARDED_BY(mu_) = false;
-  bool closing_ MEMBOX_GUARDED_BY(mu_) = false;
-  Status gone_ MEMBOX_GUARDED_BY(mu_);
-  std::map<uint64_t, Kept> kept_ MEMBOX_GUARDED_BY(mu_);
-  uint64_t next_id_ MEMBOX_GUARDED_BY(mu_) = 1;
+  bool durable_ MEMBOX_GUARDED_BY(mu_) = false;   // keeps a push log
+  bool numbered_ MEMBOX_GUARDED_BY(mu_) = false;  // pushes carry seqs
   uint64_t next_seq_ MEMBOX_GUARDED_BY(mu_) = 1;
   std::set<uint64_t> unanswered_ MEMBOX_GUARDED_BY(mu_);  // pushes' seqs
   std::vector<TableConfig> configs_ MEMBOX_GUARDED_BY(mu_);
   std::vector<uint32_t> ids_ MEMBOX_GUARDED_BY(mu_);
-  std::thread repairer_;
 };
 
 struct OpenedTable {
@@ -428,6 +307,7 @@ class ClientImpl final : public EmbeddingClient {
     // Closed channels call no handler any more: the Nodes go first, then
     // the device (channels must not outlive it).
     nodes_.clear();
+    timer_.Stop();
     device_.reset();
   }
 
@@ -448,6 +328,7 @@ class ClientImpl final : public EmbeddingClient {
     for (const std::string& ep : opt_.nodes) {
       Node::Options no;
       no.device = device_.get();
+      no.timer = &timer_;
       no.endpoint = ep;
       no.name = opt_.name;
       no.client_id = id;
@@ -853,6 +734,7 @@ class ClientImpl final : public EmbeddingClient {
 
   EmbeddingClientOptions opt_;
   std::unique_ptr<transport::Device> device_;
+  Timer timer_;  // the Nodes' reconnection attempts; outlives them
   std::vector<std::unique_ptr<Node>> nodes_;
   Mutex open_mu_;  // one OpenTable at a time (table numbers)
   mutable Mutex mu_;

@@ -1,14 +1,10 @@
 #include "membox/ps/param_client.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <queue>
 #include <set>
@@ -22,7 +18,9 @@
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
 #include "membox/base/mutex.h"
+#include "membox/base/timer.h"
 #include "membox/service/client.h"
+#include "membox/service/link.h"
 #include "membox/transport/device.h"
 
 #include "src/ps/client/hang_watch.h"
@@ -110,32 +108,6 @@ struct Op {
   }
 };
 
-// A proxy's link. `client` and `channel` are replaced when the proxy is
-// replaced (failover); readers take copies under links_mu_.
-struct ProxyLink {
-  // Where the proxy listens; a replacement on another host changes it
-  // (Repair asks the other proxies: kWhere). Under links_mu_ once running.
-  std::string endpoint;
-  std::shared_ptr<service::Client> client;
-  std::shared_ptr<Channel> channel;  // client's (maybe fault-wrapped)
-  // Failover: reconnecting; the pushes and pulls sent meanwhile (and those
-  // the lost link failed) wait in `stash`, in order. `gone`: not back in
-  // time -- requests fail at once.
-  bool repairing = false;
-  // The current link's number; every reconnection attempt takes a new one
-  // (`attempts`), so a failed attempt's link failing later is not taken
-  // for the current one's.
-  uint64_t generation = 0, attempts = 0;
-  Status gone;
-  struct Stashed {
-    Message m;
-    std::shared_ptr<service::CallState> st;
-    std::shared_ptr<std::string> text;
-    uint64_t watch = 0;
-  };
-  std::vector<Stashed> stash;
-};
-
 class ParamClientImpl final : public ParamClient {
  public:
   explicit ParamClientImpl(ParamClientOptions o) : opt_(std::move(o)) {
@@ -149,11 +121,6 @@ class ParamClientImpl final : public ParamClient {
     }
     q_cv_.NotifyAll();
     timer_cv_.NotifyAll();
-    {
-      MutexLock l(&links_mu_);
-      repair_stop_ = true;
-    }
-    links_cv_.NotifyAll();
     if (sender_.joinable()) sender_.join();
     // What was never sent fails (its buffers are the caller's again).
     std::vector<Op> unsent;
@@ -170,20 +137,11 @@ class ParamClientImpl final : public ParamClient {
     }
     if (reprofiler_.joinable()) reprofiler_.join();
     if (hang_watch_) hang_watch_->Stop();  // its thread asks the proxies
-    if (repairer_.joinable()) repairer_.join();
-    // Closing each link fails its pending calls with kAborted.
-    std::vector<ProxyLink::Stashed> stashed;
-    {
-      MutexLock l(&links_mu_);
-      for (auto& p : proxies_) {
-        for (auto& x : p.stash) stashed.push_back(std::move(x));
-        p.stash.clear();
-        p.gone = AbortedError("the parameter client is closing");
-      }
-    }
-    for (auto& x : stashed) x.st->Finish(AbortedError("closing"), 0);
     combiner_.reset();  // fails its pending operations; drops the mappings
-    for (auto& p : proxies_) p.client.reset();
+    // Closing each link stops its reconnection and fails what it kept and
+    // its pending calls with kAborted.
+    for (auto& p : proxies_) p->Close("the parameter client is closing");
+    timer_.Stop();
     keys_.clear();
     probe_.reset();
     regions_.clear();
@@ -204,82 +162,23 @@ class ParamClientImpl final : public ParamClient {
     d.secret = opt_.secret;
     d.name = opt_.name + "-" + std::to_string(opt_.rank);
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
-    bool all_replicate = true;
+    // A restarted worker set (membox launch --max-restarts) may say hello
+    // before a proxy has seen the previous run's connections close: the
+    // greeting retries then, and Connect retries a lost link, until this.
+    const auto give_up =
+        Clock::now() + (opt_.restarted ? kRejoinWindow : Clock::duration(0));
     for (size_t i = 0; i < opt_.proxies.size(); ++i) {
-      ProxyLink link;
-      link.endpoint = opt_.proxies[i];
-      auto ch = device_->GetChannel(link.endpoint);
-      if (!ch.ok()) {
-        // Keep the code: a wrong secret is kUnauthenticated, not a dead node.
-        return Status(ch.status().code(),
-                      "cannot reach proxy " + std::to_string(i) + " at " +
-                          link.endpoint + ": " +
-                          std::string(ch.status().message()));
-      }
-      link.channel = *ch;
-      if (!opt_.links.empty()) {
-        link.channel = transport::WrapWithFaults(link.channel, opt_.links[i]);
-      }
-      service::ClientOptions co = LinkOptions(static_cast<uint32_t>(i), 0);
-      link.client = service::Client::Over(link.channel, link.endpoint, co);
-      const Message h = HelloMessage();
-      // A restarted worker set (membox launch --max-restarts) may say hello
-      // before the proxy has seen the previous run's connections close: it
-      // answers ALREADY_EXISTS (this rank is still connected) or ABORTED
-      // (the failed job is being torn down) until then, or the new link is
-      // lost while the old one of the same name is closed (UNAVAILABLE).
-      // Retry for a while, on a new link after a lost one.
-      const auto give_up =
-          Clock::now() + (opt_.restarted ? kRejoinWindow : Clock::duration(0));
-      for (bool told = false;;) {
-        auto body = link.client->Call(static_cast<uint16_t>(Type::kHello),
-                                      proto::Encode(h), opt_.timeout);
-        Status st = body.status();
-        if (st.ok()) {
-          auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), *body);
-          st = r.status();
-          if (r.ok() && r->text != "replicate") all_replicate = false;
-        }
-        const bool lost = st.code() == StatusCode::kUnavailable;
-        const bool stale = st.code() == StatusCode::kAlreadyExists ||
-                           st.code() == StatusCode::kAborted || lost;
-        if (st.ok() || !stale || Clock::now() >= give_up) {
-          RETURN_IF_ERROR(st);
-          break;
-        }
-        if (!told) {
-          told = true;
-          MEMBOX_LOG_INFO(
-              "proxy {} is still closing the previous run ({}); retrying "
-              "for up to {} s",
-              i, st.ToString(),
-              std::chrono::duration_cast<std::chrono::seconds>(kRejoinWindow)
-                  .count());
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        if (lost) {
-          auto again = device_->GetChannel(link.endpoint);
-          if (!again.ok()) continue;  // the next hello fails the same way
-          link.channel = *again;
-          if (!opt_.links.empty()) {
-            link.channel =
-                transport::WrapWithFaults(link.channel, opt_.links[i]);
-          }
-          link.client =
-              service::Client::Over(link.channel, link.endpoint,
-                                    LinkOptions(static_cast<uint32_t>(i), 0));
-        }
-      }
-      proxies_.push_back(std::move(link));
+      proxies_.push_back(NewLink(static_cast<uint32_t>(i), give_up));
+      RETURN_IF_ERROR(proxies_.back()->Connect(give_up));
     }
     progress_ = [this] { device_->Progress(); };
     RETURN_IF_ERROR(InstallRouting(opt_.routing));
     // Failover needs proxies that replicate (they said so in the hello):
     // otherwise a dead proxy's state is gone, and its requests fail at
     // once with its name.
-    failover_ =
-        opt_.failover.count() > 0 && proxies_.size() > 1 && all_replicate;
-    if (failover_) repairer_ = std::thread([this] { RepairLoop(); });
+    if (opt_.failover.count() > 0 && proxies_.size() > 1 && all_replicate_) {
+      for (auto& p : proxies_) p->set_failover(opt_.failover);
+    }
     if (opt_.combine) {
       combiner_ = std::make_unique<Combiner>(opt_.hang_report);
     }
@@ -297,11 +196,8 @@ class ParamClientImpl final : public ParamClient {
   int num_proxies() const override { return static_cast<int>(proxies_.size()); }
 
   bool proxies_map_memory() const override {
-    MutexLock l(&links_mu_);
-    for (const auto& p : proxies_) {
-      if (!p.channel || p.channel->protocol() != transport::Protocol::kMapped) {
-        return false;
-      }
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      if (!ProxyOnThisHost(i)) return false;
     }
     return !proxies_.empty();
   }
@@ -655,10 +551,8 @@ class ParamClientImpl final : public ParamClient {
       std::vector<uint8_t> bytes(text->begin(), text->end());
       ASSIGN_OR_RETURN(auto desc,
                        transport::RegionDescriptor::Deserialize(bytes));
-      {
-        MutexLock l(&links_mu_);
-        targets[p].channel = proxies_[p].channel;
-      }
+      targets[p].channel = ChannelOf(p);
+      if (!targets[p].channel) return proxies_[p]->health();
       ASSIGN_OR_RETURN(targets[p].remote,
                        targets[p].channel->Import(desc, opt_.timeout));
     }
@@ -784,30 +678,32 @@ class ParamClientImpl final : public ParamClient {
   // Sends `m` to proxy `proxy`; the reply finishes one part of `st` with
   // its version (and stores the status text of kStats / kDeclare / kProbe
   // in `text`). The service client's failure policy applies: a dead link
-  // or a malformed reply fails every pending call naming the proxy.
-  // Pushes and pulls are watched (HangWatch) until their reply.
+  // or a malformed reply fails every pending call naming the proxy. With
+  // failover, pushes, pulls and stores ride through the proxy's
+  // replacement (the Link keeps them). Pushes and pulls are watched
+  // (HangWatch) until their reply. Never fails itself: `st` finishes.
   Status SendRequest(uint32_t proxy, const Message& m,
                      const std::shared_ptr<service::CallState>& st,
                      std::shared_ptr<std::string> text = nullptr) {
-    const bool retryable = failover_.load(std::memory_order_relaxed) &&
-                           (m.type == Type::kPush || m.type == Type::kPull ||
-                            m.type == Type::kStore);
-    std::shared_ptr<service::Client> c;
-    {
-      MutexLock l(&links_mu_);
-      ProxyLink& link = proxies_[proxy];
-      if (!link.gone.ok()) return link.gone;
-      if (retryable && (link.repairing || !link.client->health().ok())) {
-        // Waits for the replacement (RepairLoop sends it).
-        link.stash.push_back({m, st, text, Watch(proxy, m)});
-        StartRepairLocked(proxy);
-        return Status::Ok();
-      }
-      c = link.client;
-    }
-    RETURN_IF_ERROR(c->health());
+    const bool keep = m.type == Type::kPush || m.type == Type::kPull ||
+                      m.type == Type::kStore;
     const uint64_t watch = Watch(proxy, m);
-    SendOn(*c, proxy, m, st, text, watch, retryable);
+    service::Link& link = *proxies_[proxy];
+    link.Send(
+        static_cast<uint16_t>(m.type), [m] { return proto::Encode(m); },
+        [this, &link, st, text, watch](const Status& s,
+                                       std::span<const uint8_t> body) {
+          if (watch) hang_watch_->Done(watch);
+          if (!s.ok()) return st->Finish(s, 0);
+          auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), body);
+          if (!r.ok()) {
+            std::shared_ptr<service::Client> c = link.client();
+            return st->Finish(c ? c->BadReply(r.status()) : r.status(), 0);
+          }
+          if (text) *text = r->text;
+          st->Finish(Status::Ok(), r->version);
+        },
+        keep);
     return Status::Ok();
   }
 
@@ -825,69 +721,57 @@ class ParamClientImpl final : public ParamClient {
     return hang_watch_->Watch(r);
   }
 
-  // Sends on `c`; the reply finishes `st`. A retryable request whose link
-  // is lost before the reply goes to the proxy's stash instead (failover).
-  void SendOn(service::Client& c, uint32_t proxy, const Message& m,
-              const std::shared_ptr<service::CallState>& st,
-              const std::shared_ptr<std::string>& text, uint64_t watch,
-              bool retryable) {
-    std::shared_ptr<service::Client> keep;  // the callback checks its health
-    {
-      MutexLock l(&links_mu_);
-      keep = proxies_[proxy].client;
-    }
-    std::weak_ptr<service::Client> link = keep;
-    c.SendDecoded<Message>(
-        static_cast<uint16_t>(m.type), proto::Encode(m),
-        [](std::span<const uint8_t> body) {
-          return proto::Decode(static_cast<uint16_t>(Type::kReply), body);
-        },
-        [this, st, text, watch, retryable, proxy, m, link](Result<Message> r) {
-          if (!r.ok() && retryable) {
-            auto l = link.lock();
-            if (l && !l->health().ok() && Stash(proxy, m, st, text, watch)) {
-              return;  // the link died: sent again to the replacement
-            }
-          }
-          if (watch) hang_watch_->Done(watch);
-          if (!r.ok()) return st->Finish(r.status(), 0);
-          if (text) *text = r->text;
-          st->Finish(Status::Ok(), r->version);
-        });
+  // The channel of proxy `proxy`'s connection now (for one-sided
+  // transfers); null while it is being reconnected.
+  std::shared_ptr<Channel> ChannelOf(uint32_t proxy) const {
+    std::shared_ptr<service::Client> c = proxies_[proxy]->client();
+    return c ? c->channel_ptr() : nullptr;
   }
 
   // ------------------------------------------------------------ failover
   //
   // A proxy whose link dies (kill -9 of its node) is waited for, up to
-  // opt_.failover, instead of failing the job: its pushes and pulls are
-  // kept, in order, while RepairLoop reconnects to the same endpoint
-  // (where `membox serve --join` -- started by `membox launch
-  // --max-restarts`, or by the operator -- holds the survivors' state),
-  // says hello, replays what this worker told the old one (configuration,
-  // regions, routing tables, declarations, hyperparameters) and sends the
+  // opt_.failover, instead of failing the job: its service::Link keeps its
+  // pushes, pulls and stores, in order, and reconnects -- to the same
+  // endpoint (where `membox serve --join`, started by `membox launch
+  // --max-restarts` or by the operator, holds the survivors' state) or to
+  // where the other proxies say it moved --; the greeting says hello and
+  // replays what this worker told the old one (configuration, regions,
+  // routing tables, declarations, hyperparameters), and the Link sends the
   // kept requests again. The survivors hold their rounds meanwhile
   // (ProxyOptions::replicate), so no round is lost or repeated.
 
-  // Options of link `generation` to proxy `proxy`: with failover, its
-  // failure starts a repair even with nothing in flight (the replacement
-  // must see every worker, or its rounds wait).
-  service::ClientOptions LinkOptions(uint32_t proxy, uint64_t generation) {
-    service::ClientOptions co;
-    co.node_kind = "proxy";
-    co.name =
+  // Proxy `proxy`'s link; the first connection's greeting retries a stale
+  // hello until `give_up`.
+  std::unique_ptr<service::Link> NewLink(uint32_t proxy,
+                                         Clock::time_point give_up) {
+    service::LinkOptions lo;
+    lo.name = "proxy " + std::to_string(proxy);
+    lo.owner = "worker rank " + std::to_string(opt_.rank);
+    lo.endpoint = opt_.proxies[proxy];
+    lo.client.node_kind = "proxy";
+    lo.client.name =
         "proxy " + std::to_string(proxy) + " (" + opt_.proxies[proxy] + ")";
-    if (opt_.failover.count() > 0 && opt_.proxies.size() > 1) {
-      co.on_failure = [this, proxy, generation](const Status&) {
-        if (!failover_.load()) return;
-        MutexLock l(&links_mu_);
-        if (repair_stop_ || proxies_.size() <= proxy) return;
-        ProxyLink& link = proxies_[proxy];
-        if (link.generation == generation && link.gone.ok()) {
-          StartRepairLocked(proxy);
-        }
-      };
-    }
-    return co;
+    lo.timer = &timer_;
+    lo.open =
+        [this, proxy](
+            const std::string& endpoint) -> Result<std::shared_ptr<Channel>> {
+      auto ch = device_->GetChannel(endpoint);
+      if (!ch.ok()) {
+        // Keep the code: a wrong secret is kUnauthenticated, not a dead
+        // node.
+        return Status(ch.status().code(),
+                      "cannot reach proxy " + std::to_string(proxy) + " at " +
+                          endpoint + ": " + std::string(ch.status().message()));
+      }
+      if (opt_.links.empty()) return *ch;
+      return transport::WrapWithFaults(*ch, opt_.links[proxy]);
+    };
+    lo.greet = [this, proxy, give_up](service::Client& c, bool rejoin) {
+      return rejoin ? Rejoin(c) : Hello(c, proxy, give_up);
+    };
+    lo.resolve = [this, proxy](const std::string&) { return AskWhere(proxy); };
+    return std::make_unique<service::Link>(std::move(lo));
   }
 
   Message HelloMessage() const {
@@ -899,44 +783,40 @@ class ParamClientImpl final : public ParamClient {
     return h;
   }
 
-  // Keeps a request for proxy `proxy`'s replacement; false when the proxy
-  // is given up on (the caller fails it).
-  bool Stash(uint32_t proxy, const Message& m,
-             const std::shared_ptr<service::CallState>& st,
-             const std::shared_ptr<std::string>& text, uint64_t watch) {
-    MutexLock l(&links_mu_);
-    ProxyLink& link = proxies_[proxy];
-    if (!link.gone.ok()) return false;
-    link.stash.push_back({m, st, text, watch});
-    StartRepairLocked(proxy);
-    return true;
-  }
-
-  void StartRepairLocked(uint32_t proxy) MEMBOX_REQUIRES(links_mu_) {
-    if (proxies_[proxy].repairing) return;
-    proxies_[proxy].repairing = true;
-    to_repair_.push_back(proxy);
-    links_cv_.NotifyAll();
-  }
-
-  void RepairLoop() {
-    for (;;) {
-      uint32_t proxy = 0;
-      {
-        MutexLock l(&links_mu_);
-        while (!repair_stop_ && to_repair_.empty()) links_cv_.Wait(&links_mu_);
-        if (repair_stop_) return;
-        proxy = to_repair_.front();
-        to_repair_.pop_front();
+  // The first connection's hello. A restarted worker set may say hello
+  // before the proxy has seen the previous run's connections close: it
+  // answers ALREADY_EXISTS (this rank is still connected) or ABORTED (the
+  // failed job is being torn down) until then -- retried until `give_up`
+  // -- or the new link is lost while the old one of the same name is
+  // closed (UNAVAILABLE: the Link retries on a new one).
+  Status Hello(service::Client& c, uint32_t proxy, Clock::time_point give_up) {
+    const Message h = HelloMessage();
+    for (bool told = false;;) {
+      auto body = c.Call(static_cast<uint16_t>(Type::kHello), proto::Encode(h),
+                         opt_.timeout);
+      Status st = body.status();
+      if (st.ok()) {
+        auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), *body);
+        st = r.status();
+        if (r.ok() && r->text != "replicate") all_replicate_ = false;
       }
-      Repair(proxy);
+      const bool stale = st.code() == StatusCode::kAlreadyExists ||
+                         st.code() == StatusCode::kAborted;
+      if (st.ok() || !stale || Clock::now() >= give_up) return st;
+      if (!told) {
+        told = true;
+        MEMBOX_LOG_INFO(
+            "proxy {} is still closing the previous run ({}); retrying for up "
+            "to {} s",
+            proxy, st.ToString(),
+            std::chrono::duration_cast<std::chrono::seconds>(kRejoinWindow)
+                .count());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   }
 
-  std::string EndpointOf(uint32_t proxy) {
-    MutexLock l(&links_mu_);
-    return proxies_[proxy].endpoint;
-  }
+  std::string EndpointOf(uint32_t proxy) { return proxies_[proxy]->endpoint(); }
 
   // Where the other proxies say proxy `proxy` listens now (a replacement
   // on another host tells them in its kPeerHello); empty when none knows
@@ -948,12 +828,7 @@ class ParamClientImpl final : public ParamClient {
     const std::string mine = EndpointOf(proxy);
     for (uint32_t i = 0; i < proxies_.size(); ++i) {
       if (i == proxy) continue;
-      std::shared_ptr<service::Client> c;
-      {
-        MutexLock l(&links_mu_);
-        if (proxies_[i].repairing || !proxies_[i].gone.ok()) continue;
-        c = proxies_[i].client;
-      }
+      std::shared_ptr<service::Client> c = proxies_[i]->client();
       if (!c || !c->health().ok()) continue;
       auto body = c->Call(static_cast<uint16_t>(m.type), proto::Encode(m),
                           std::chrono::seconds(2));
@@ -964,120 +839,13 @@ class ParamClientImpl final : public ParamClient {
     return "";
   }
 
-  void Repair(uint32_t proxy) {
-    const auto t0 = Clock::now();
-    std::string endpoint = EndpointOf(proxy);
-    MEMBOX_LOG_WARN(
-        "worker rank {}: lost proxy {} at {}; waiting up to {} s for its "
-        "replacement (its pushes and pulls are kept)",
-        opt_.rank, proxy, endpoint,
-        std::chrono::duration_cast<std::chrono::seconds>(opt_.failover)
-            .count());
-    Status last;
-    size_t tries = 0;
-    while (Clock::now() - t0 < opt_.failover) {
-      {
-        MutexLock l(&links_mu_);
-        if (repair_stop_) return;
-      }
-      if (tries++ > 0)
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      auto fresh = Reconnect(proxy);
-      if (!fresh.ok()) {
-        last = fresh.status();
-        // Not back where it was: perhaps on another host.
-        if (std::string moved = AskWhere(proxy); !moved.empty()) {
-          MEMBOX_LOG_WARN(
-              "worker rank {}: proxy {} moved from {} to {} (its peers say)",
-              opt_.rank, proxy, endpoint, moved);
-          {
-            MutexLock l(&links_mu_);
-            proxies_[proxy].endpoint = moved;
-          }
-          endpoint = moved;
-        }
-        continue;
-      }
-      // Swap the link in and send what waited, in order; requests that
-      // come meanwhile are stashed behind them until the stash is empty.
-      size_t resent = 0;
-      for (;;) {
-        std::vector<ProxyLink::Stashed> batch;
-        std::shared_ptr<service::Client> c;
-        {
-          MutexLock l(&links_mu_);
-          ProxyLink& link = proxies_[proxy];
-          link.generation = fresh->generation;
-          link.client = fresh->client;
-          link.channel = fresh->channel;
-          if (link.stash.empty()) {
-            link.repairing = false;
-            // Failed before it was installed (its failure was ignored).
-            if (!link.client->health().ok()) StartRepairLocked(proxy);
-            break;
-          }
-          batch.swap(link.stash);
-          c = link.client;
-        }
-        for (auto& x : batch) {
-          SendOn(*c, proxy, x.m, x.st, x.text, x.watch, true);
-        }
-        resent += batch.size();
-      }
-      MEMBOX_LOG_WARN(
-          "worker rank {}: proxy {} at {} is back after {:.2f} s; {} "
-          "request(s) sent again",
-          opt_.rank, proxy, endpoint,
-          std::chrono::duration<double>(Clock::now() - t0).count(), resent);
-      return;
-    }
-    Status gone = UnavailableError(
-        "proxy " + std::to_string(proxy) + " at " + endpoint +
-        " was not replaced within " +
-        std::to_string(
-            std::chrono::duration_cast<std::chrono::seconds>(opt_.failover)
-                .count()) +
-        " s (last: " + last.ToString() + ")");
-    MEMBOX_LOG_ERROR("worker rank {}: {}", opt_.rank, gone.ToString());
-    std::vector<ProxyLink::Stashed> failed;
-    {
-      MutexLock l(&links_mu_);
-      ProxyLink& link = proxies_[proxy];
-      link.gone = gone;
-      link.repairing = false;
-      failed.swap(link.stash);
-    }
-    for (auto& x : failed) {
-      if (x.watch) hang_watch_->Done(x.watch);
-      x.st->Finish(gone, 0);
-    }
-  }
-
-  // A new link to proxy `proxy`'s endpoint with this worker's state
-  // replayed on it.
-  struct Fresh {
-    std::shared_ptr<service::Client> client;
-    std::shared_ptr<Channel> channel;
-    uint64_t generation = 0;
-  };
-  Result<Fresh> Reconnect(uint32_t proxy) {
-    const std::string endpoint = EndpointOf(proxy);
-    ASSIGN_OR_RETURN(std::shared_ptr<Channel> ch,
-                     device_->GetChannel(endpoint));
-    if (!opt_.links.empty()) {
-      ch = transport::WrapWithFaults(ch, opt_.links[proxy]);
-    }
-    uint64_t generation = 0;
-    {
-      MutexLock l(&links_mu_);
-      generation = ++proxies_[proxy].attempts;
-    }
-    std::shared_ptr<service::Client> c =
-        service::Client::Over(ch, endpoint, LinkOptions(proxy, generation));
+  // A replacement's greeting: hello as a rejoining worker, then what this
+  // worker told the old proxy, replayed on `c`.
+  Status Rejoin(service::Client& c) {
     const auto t = std::chrono::seconds(10);
     auto call = [&](const Message& m) -> Result<uint64_t> {
-      ASSIGN_OR_RETURN(auto body, c->Call(static_cast<uint16_t>(m.type),
-                                          proto::Encode(m), t));
+      ASSIGN_OR_RETURN(auto body, c.Call(static_cast<uint16_t>(m.type),
+                                         proto::Encode(m), t));
       ASSIGN_OR_RETURN(
           Message r, proto::Decode(static_cast<uint16_t>(Type::kReply), body));
       return r.version;
@@ -1126,7 +894,7 @@ class ParamClientImpl final : public ParamClient {
                 " on the replacement: " + std::string(v.status().message()));
       }
     }
-    return Fresh{c, ch, generation};
+    return Status::Ok();
   }
 
   // Proxy `proxy`'s status text, within a short deadline (a stuck proxy
@@ -1202,9 +970,8 @@ class ParamClientImpl final : public ParamClient {
   }
 
   bool ProxyOnThisHost(uint32_t i) const {
-    MutexLock l(&links_mu_);
-    return i < proxies_.size() && proxies_[i].channel &&
-           proxies_[i].channel->protocol() == transport::Protocol::kMapped;
+    std::shared_ptr<Channel> ch = i < proxies_.size() ? ChannelOf(i) : nullptr;
+    return ch && ch->protocol() == transport::Protocol::kMapped;
   }
 
   // The table this worker uses for round `round` of `key` (RouteHistory's
@@ -1263,11 +1030,8 @@ class ParamClientImpl final : public ParamClient {
     auto desc = transport::RegionDescriptor::Deserialize(
         {reinterpret_cast<const uint8_t*>(text->data()), text->size()});
     if (!desc.ok()) return fail(desc.status());
-    std::shared_ptr<Channel> ch;
-    {
-      MutexLock l(&links_mu_);
-      ch = proxies_[home].channel;
-    }
+    std::shared_ptr<Channel> ch = ChannelOf(static_cast<uint32_t>(home));
+    if (!ch) return;  // being reconnected: stays on the proxy's path
     auto region = ch->Import(*desc, std::chrono::seconds(10),
                              /*verify_with_owner=*/false);
     if (!region.ok()) return fail(region.status());
@@ -1638,14 +1402,13 @@ class ParamClientImpl final : public ParamClient {
   // links (whose last replies still finish watched requests).
   std::unique_ptr<client::HangWatch> hang_watch_;
   std::unique_ptr<transport::Device> device_;
-  // Fixed in size after Init; links replaced under links_mu_ (failover).
-  mutable Mutex links_mu_;
-  CondVar links_cv_;
-  std::vector<ProxyLink> proxies_;
-  std::deque<uint32_t> to_repair_ MEMBOX_GUARDED_BY(links_mu_);
-  bool repair_stop_ MEMBOX_GUARDED_BY(links_mu_) = false;
-  std::thread repairer_;
-  std::atomic<bool> failover_{false};  // set by Init (every proxy replicates)
+  // The proxies' links' reconnection attempts; stopped after the links
+  // are closed.
+  Timer timer_;
+  // One per proxy, fixed after Init; each keeps its connection (and, with
+  // failover, reconnects it).
+  std::vector<std::unique_ptr<service::Link>> proxies_;
+  bool all_replicate_ = true;  // Init's hellos: every proxy replicates
   std::function<void()> progress_;
   // Small keys combined in a node's memory (one proxy, every worker on its
   // host); null when combining is off.

@@ -1958,7 +1958,7 @@ TEST(PsTest, AProxyNotReplacedInTimeFailsWithItsName) {
             std::string::npos)
       << sa.ToString();
   EXPECT_EQ(sb.code(), StatusCode::kUnavailable) << sb.ToString();
-  EXPECT_NE(sb.ToString().find("was not replaced within 3 s"),
+  EXPECT_NE(sb.ToString().find("did not come back within 3 s"),
             std::string::npos)
       << sb.ToString();
   // Given up on: later requests to it fail at once.
