@@ -6,7 +6,6 @@
 #include <cstring>
 #include <map>
 #include <optional>
-#include <queue>
 #include <set>
 #include <sstream>
 #include <string_view>
@@ -25,6 +24,7 @@
 
 #include "src/ps/client/hang_watch.h"
 #include "src/ps/client/profiler.h"
+#include "src/ps/client/sender.h"
 #include "src/ps/combine.h"
 #include "src/ps/combiner.h"
 #include "src/ps/protocol.h"
@@ -79,34 +79,7 @@ struct KeyInfo {
   Status combine_error;
 };
 
-struct Op {
-  int priority = 0;
-  uint64_t seq = 0;
-  Type type = Type::kPush;
-  uint64_t key = 0;
-  uint64_t round = 0, min_version = 0;
-  proto::Part part = proto::Part::kValue;  // kPull
-  uint64_t in_region = 0, in_offset = 0;
-  bool has_output = false;
-  uint64_t out_region = 0, out_offset = 0;
-  uint64_t shard_bytes = 0, bytes = 0;
-  uint32_t shards = 0;
-  bool striped = false;
-  uint32_t copies = 1;  // kStore of an unstriped key: every proxy holds it
-  RoutingTable route;
-  std::shared_ptr<service::CallState> state;
-  // Staged through the key's buffer while an earlier operation still used
-  // it: sent only once `after` is released (its results are out of the
-  // buffer; membox/base/completion.h), copying `copy_in` (the caller's
-  // input, `bytes` long) into `copy_to` (the staging buffer) first.
-  std::shared_ptr<service::CallState> after;
-  const void* copy_in = nullptr;
-  void* copy_to = nullptr;
-  bool ready() const { return !after || after->released(); }
-  bool operator<(const Op& o) const {  // priority_queue: top = smallest
-    return priority != o.priority ? priority > o.priority : seq > o.seq;
-  }
-};
+using client::Op;
 
 class ParamClientImpl final : public ParamClient {
  public:
@@ -116,23 +89,16 @@ class ParamClientImpl final : public ParamClient {
 
   ~ParamClientImpl() override {
     {
-      MutexLock l(&q_mu_);
-      stop_ = true;
+      MutexLock l(&reprofile_mu_);
+      reprofile_stop_ = true;
     }
-    q_cv_.NotifyAll();
-    timer_cv_.NotifyAll();
-    if (sender_.joinable()) sender_.join();
+    reprofile_cv_.NotifyAll();
     // What was never sent fails (its buffers are the caller's again).
-    std::vector<Op> unsent;
-    {
-      MutexLock l(&q_mu_);
-      for (auto* q : {&queue_, &blocked_}) {
-        for (; !q->empty(); q->pop()) unsent.push_back(q->top());
-      }
-    }
-    for (const Op& op : unsent) {
-      for (uint32_t i = 0; i < op.shards * op.copies; ++i) {
-        op.state->Finish(AbortedError("the parameter client is closing"), 0);
+    if (sender_) {
+      for (const Op& op : sender_->Stop()) {
+        for (uint32_t i = 0; i < op.shards * op.copies; ++i) {
+          op.state->Finish(AbortedError("the parameter client is closing"), 0);
+        }
       }
     }
     if (reprofiler_.joinable()) reprofiler_.join();
@@ -182,7 +148,12 @@ class ParamClientImpl final : public ParamClient {
     if (opt_.combine) {
       combiner_ = std::make_unique<Combiner>(opt_.hang_report);
     }
-    sender_ = std::thread([this] { SendLoop(); });
+    sender_ = std::make_unique<client::Sender>([this](const Op& op) {
+      for (const client::Addressed& a :
+           client::ShardMessages(op, static_cast<uint32_t>(proxies_.size()))) {
+        SendRequest(a.proxy, a.m, op.state);
+      }
+    });
     if (opt_.reprofile_interval.count() > 0) {
       reprofiler_ = std::thread([this] { ReprofileLoop(); });
     }
@@ -425,7 +396,7 @@ class ParamClientImpl final : public ParamClient {
       auto st = NewState(1, nullptr);
       st->set_progress(progress_);
       auto text = std::make_shared<std::string>();
-      RETURN_IF_ERROR(SendRequest(i, m, st, text));
+      SendRequest(i, m, st, text);
       RETURN_IF_ERROR(st->Wait(opt_.timeout));
       uint64_t v = st->version();
       char* rest = nullptr;
@@ -546,7 +517,7 @@ class ParamClientImpl final : public ParamClient {
     for (uint32_t p = 0; p < proxies_.size(); ++p) {
       auto st = NewState(1, nullptr);
       auto text = std::make_shared<std::string>();
-      RETURN_IF_ERROR(SendRequest(p, m, st, text));
+      SendRequest(p, m, st, text);
       RETURN_IF_ERROR(st->Wait(opt_.timeout));
       std::vector<uint8_t> bytes(text->begin(), text->end());
       ASSIGN_OR_RETURN(auto desc,
@@ -667,7 +638,7 @@ class ParamClientImpl final : public ParamClient {
     m.type = Type::kStats;
     auto st = NewState(1, nullptr);
     auto text = std::make_shared<std::string>();
-    RETURN_IF_ERROR(SendRequest(proxy, m, st, text));
+    SendRequest(proxy, m, st, text);
     RETURN_IF_ERROR(st->Wait(opt_.timeout));
     return *text;
   }
@@ -681,10 +652,10 @@ class ParamClientImpl final : public ParamClient {
   // or a malformed reply fails every pending call naming the proxy. With
   // failover, pushes, pulls and stores ride through the proxy's
   // replacement (the Link keeps them). Pushes and pulls are watched
-  // (HangWatch) until their reply. Never fails itself: `st` finishes.
-  Status SendRequest(uint32_t proxy, const Message& m,
-                     const std::shared_ptr<service::CallState>& st,
-                     std::shared_ptr<std::string> text = nullptr) {
+  // (HangWatch) until their reply. `st` finishes, whatever happens.
+  void SendRequest(uint32_t proxy, const Message& m,
+                   const std::shared_ptr<service::CallState>& st,
+                   std::shared_ptr<std::string> text = nullptr) {
     const bool keep = m.type == Type::kPush || m.type == Type::kPull ||
                       m.type == Type::kStore;
     const uint64_t watch = Watch(proxy, m);
@@ -704,7 +675,6 @@ class ParamClientImpl final : public ParamClient {
           st->Finish(Status::Ok(), r->version);
         },
         keep);
-    return Status::Ok();
   }
 
   // Registers a push or pull with the hang watch; 0 when not watched.
@@ -904,7 +874,7 @@ class ParamClientImpl final : public ParamClient {
     m.type = Type::kStats;
     auto st = NewState(1, nullptr);
     auto text = std::make_shared<std::string>();
-    RETURN_IF_ERROR(SendRequest(proxy, m, st, text));
+    SendRequest(proxy, m, st, text);
     RETURN_IF_ERROR(st->Wait(std::chrono::seconds(5)));
     return *text;
   }
@@ -913,7 +883,7 @@ class ParamClientImpl final : public ParamClient {
   Result<uint64_t> Call(uint32_t proxy, const Message& m) {
     auto st = NewState(1, nullptr);
     st->set_progress(progress_);
-    RETURN_IF_ERROR(SendRequest(proxy, m, st));
+    SendRequest(proxy, m, st);
     RETURN_IF_ERROR(st->Wait(opt_.timeout));
     return st->version();
   }
@@ -1015,7 +985,7 @@ class ParamClientImpl final : public ParamClient {
     // The key's home: its one shard's owner (the only node with one).
     const size_t home =
         StripeOwner(key, 0, static_cast<uint32_t>(proxies_.size()));
-    if (!SendRequest(home, m, st, text).ok()) return;
+    SendRequest(home, m, st, text);
     if (!st->Wait(opt_.timeout).ok()) return;
     const uint64_t from = st->version();
     if (from == 0) {
@@ -1200,7 +1170,7 @@ class ParamClientImpl final : public ParamClient {
         }
         cb = [this, user = std::move(cb)](const Status& s) {
           if (user) user(s);
-          StagingFreed();
+          sender_->StagingFreed();
         };
       }
       op.state =
@@ -1255,140 +1225,20 @@ class ParamClientImpl final : public ParamClient {
                                               : k.base_version + k.rounds;
     }
     PsHandle h(op.state);
-    {
-      // Nothing queued and nothing being sent: send from this thread (saves
-      // the sender thread's wake-up). Otherwise the queue keeps the order.
-      q_mu_.Lock();
-      if (op.ready() && queue_.empty() && blocked_.empty() && !sending_) {
-        sending_ = true;
-        q_mu_.Unlock();
-        SendOp(op);
-        q_mu_.Lock();
-        sending_ = false;
-        bool more = !queue_.empty();
-        q_mu_.Unlock();
-        if (more) q_cv_.NotifyOne();
-        return h;
-      }
-      (op.ready() ? queue_ : blocked_).push(std::move(op));
-      q_mu_.Unlock();
-    }
-    q_cv_.NotifyOne();
+    sender_->Submit(std::move(op));
     return h;
-  }
-
-  void SendLoop() {
-    for (;;) {
-      Op op;
-      {
-        MutexLock l(&q_mu_);
-        for (;;) {
-          if (stop_) return;
-          UnblockLocked();
-          if (!queue_.empty() && !sending_) break;
-          q_cv_.Wait(&q_mu_);
-        }
-        op = queue_.top();
-        queue_.pop();
-        sending_ = true;
-      }
-      // The staging buffer is this operation's now.
-      if (op.copy_in) CopyBytes(op.copy_to, op.copy_in, op.bytes);
-      SendOp(op);
-      {
-        MutexLock l(&q_mu_);
-        sending_ = false;
-      }
-      q_cv_.NotifyAll();
-    }
-  }
-
-  // Moves the blocked operations whose predecessor has finished to the
-  // queue. q_mu_ held.
-  void UnblockLocked() MEMBOX_REQUIRES(q_mu_) {
-    std::priority_queue<Op> still;
-    while (!blocked_.empty()) {
-      Op op = blocked_.top();
-      blocked_.pop();
-      (op.ready() ? queue_ : still).push(std::move(op));
-    }
-    blocked_.swap(still);
-  }
-
-  // A staged operation finished (its staging buffer is free): wakes the
-  // sender if an operation waits behind one. Taking q_mu_ orders this after
-  // the sender's check of `after->released()` (set before this callback
-  // runs), so no wake-up is lost; an operation queued later sees this one
-  // released and is not blocked. Nothing
-  // blocked (the usual case): no wake-up of the sender per completion.
-  void StagingFreed() {
-    {
-      MutexLock l(&q_mu_);
-      if (blocked_.empty()) return;
-    }
-    q_cv_.NotifyAll();
-  }
-
-  void SendOp(const Op& op) {
-    MutexLock send(&send_mu_);
-    {
-      for (uint32_t s = 0; s < op.shards; ++s) {
-        uint64_t off = uint64_t{s} * op.shard_bytes;
-        uint64_t n = std::min(op.shard_bytes, op.bytes - off);
-        uint32_t target =
-            op.striped
-                ? StripeOwner(op.key, s, static_cast<uint32_t>(proxies_.size()))
-                : op.route.Route(n);
-        Message m;
-        m.key = op.key;
-        m.shard = s;
-        if (op.type == Type::kStore) {
-          // Striped: the owner holds the shard; otherwise every proxy
-          // does (op.copies of them).
-          m.type = Type::kStore;
-          m.region = op.in_region;
-          m.offset = op.in_offset + off;
-          m.part = op.part;
-          for (uint32_t c = 0; c < op.copies; ++c) {
-            const uint32_t to = op.copies == 1 ? target : c;
-            Status st = SendRequest(to, m, op.state);
-            if (!st.ok()) op.state->Finish(st, 0);
-          }
-          continue;
-        }
-        if (op.type == Type::kPull) {
-          m.type = Type::kPull;
-          m.min_version = op.min_version;
-          m.part = op.part;
-          m.out_region = op.out_region;
-          m.out_offset = op.out_offset + off;
-        } else {
-          m.type = Type::kPush;
-          m.round = op.round;
-          m.region = op.in_region;
-          m.offset = op.in_offset + off;
-          m.has_output = op.has_output;
-          m.out_region = op.out_region;
-          m.out_offset = op.out_offset + off;
-        }
-        Status st = SendRequest(target, m, op.state);
-        if (!st.ok()) {
-          op.state->Finish(st, 0);
-          continue;
-        }
-      }
-    }
   }
 
   void ReprofileLoop() {
     for (;;) {
       {
         auto until = std::chrono::steady_clock::now() + opt_.reprofile_interval;
-        MutexLock l(&q_mu_);
-        while (!stop_ && std::chrono::steady_clock::now() < until) {
-          timer_cv_.WaitFor(&q_mu_, until - std::chrono::steady_clock::now());
+        MutexLock l(&reprofile_mu_);
+        while (!reprofile_stop_ && std::chrono::steady_clock::now() < until) {
+          reprofile_cv_.WaitFor(&reprofile_mu_,
+                                until - std::chrono::steady_clock::now());
         }
-        if (stop_) return;
+        if (reprofile_stop_) return;
       }
       auto t = Profile(ProfileOptions{});
       if (!t.ok())
@@ -1431,22 +1281,14 @@ class ParamClientImpl final : public ParamClient {
   std::unique_ptr<MemRegion> probe_ MEMBOX_GUARDED_BY(profile_mu_);
   std::vector<ProfileSample> last_profile_ MEMBOX_GUARDED_BY(profile_mu_);
 
-  Mutex q_mu_;
-  // q_cv_: the send queue (the sender thread waits on it: a NotifyOne must
-  // reach it). timer_cv_: the watchdog's and re-profiler's periods, woken
-  // only by stop -- sharing q_cv_ let a submit's NotifyOne wake a timer
-  // instead of the sender, and the operation sat in the queue until
-  // another one came (a Store issued from a completion callback while the
-  // training thread submitted hung for good).
-  CondVar q_cv_;
-  CondVar timer_cv_;
-  std::priority_queue<Op> queue_ MEMBOX_GUARDED_BY(q_mu_);    // ready
-  std::priority_queue<Op> blocked_ MEMBOX_GUARDED_BY(q_mu_);  // Op::after
-  bool stop_ MEMBOX_GUARDED_BY(q_mu_) = false;
-  bool sending_ MEMBOX_GUARDED_BY(q_mu_) = false;
-  Mutex send_mu_;     // one operation's messages go out together
+  // Sends the submitted operations (made by Init).
+  std::unique_ptr<client::Sender> sender_;
+  // The re-profiler's period, woken only by the destructor.
+  Mutex reprofile_mu_;
+  CondVar reprofile_cv_;
+  bool reprofile_stop_ MEMBOX_GUARDED_BY(reprofile_mu_) = false;
   Mutex install_mu_;  // one routing change at a time
-  std::thread sender_, reprofiler_;
+  std::thread reprofiler_;
 };
 
 }  // namespace
