@@ -23,6 +23,7 @@
 #include "membox/transport/device.h"
 
 #include "src/ps/client/hang_watch.h"
+#include "src/ps/client/key_table.h"
 #include "src/ps/client/profiler.h"
 #include "src/ps/client/sender.h"
 #include "src/ps/combine.h"
@@ -58,27 +59,7 @@ PsHandle Failed(const Status& s, std::function<void(const Status&)> cb) {
 // a new link). A first start is refused at once (a rank really used twice).
 constexpr auto kRejoinWindow = std::chrono::seconds(45);
 
-struct KeyInfo {
-  uint64_t bytes = 0;
-  DType dtype = DType::kFloat32;
-  uint64_t shard_bytes = 0;
-  uint32_t shards = 0;
-  bool striped = false;       // shard s lives on proxy (key + s) % proxies
-  bool stored = false;        // Store / Pull only, registered memory only
-  Message declaration;        // as sent (without initial values): failover
-  uint64_t rounds = 0;        // pushes issued by this worker
-  uint64_t base_version = 0;  // stored version when declared
-  std::unique_ptr<MemRegion> staging;               // [in | out], registered
-  std::shared_ptr<service::CallState> last_staged;  // last op using staging
-  std::shared_ptr<service::CallState> last_push;    // the latest push
-  // In-memory combining (src/ps/combine.h): asked once, after round 0; a
-  // proxy that said yes to a key this worker could not then use fails its
-  // operations (the other workers are combining it already).
-  bool combine_asked = false;
-  bool combined = false;  // the Combiner has it
-  Status combine_error;
-};
-
+using client::KeyInfo;
 using client::Op;
 
 class ParamClientImpl final : public ParamClient {
@@ -108,9 +89,8 @@ class ParamClientImpl final : public ParamClient {
     // its pending calls with kAborted.
     for (auto& p : proxies_) p->Close("the parameter client is closing");
     timer_.Stop();
-    keys_.clear();
+    table_.Clear();
     probe_.reset();
-    regions_.clear();
     proxies_.clear();
     device_.reset();
   }
@@ -178,7 +158,7 @@ class ParamClientImpl final : public ParamClient {
     RETURN_IF_ERROR(RegisterRegion(*r));
     void* p = r->data();
     MutexLock l(&mu_);
-    regions_[reinterpret_cast<uintptr_t>(p)] = std::move(r);
+    table_.AddRegion(std::move(r), /*user=*/false);
     return p;
   }
 
@@ -204,42 +184,27 @@ class ParamClientImpl final : public ParamClient {
     if (data == nullptr || bytes == 0) {
       return InvalidArgumentError("RegisterTensor: null address or size 0");
     }
-    auto start = reinterpret_cast<uintptr_t>(data);
     std::vector<std::unique_ptr<MemRegion>> stale;  // unmapped unlocked
     {
       MutexLock l(&mu_);
-      if (Locate(data, bytes) != nullptr) return Status::Ok();
-      for (auto it = user_regions_.begin(); it != user_regions_.end();) {
-        auto r = regions_.find(*it);
-        uintptr_t b = r->first, e = b + r->second->size();
-        if (b < start + bytes && start < e) {
-          stale.push_back(std::move(r->second));
-          regions_.erase(r);
-          it = user_regions_.erase(it);
-        } else {
-          ++it;
-        }
-      }
+      if (table_.Locate(data, bytes) != nullptr) return Status::Ok();
+      stale = table_.TakeUserRegionsOverlapping(data, bytes);
     }
     stale.clear();
     ASSIGN_OR_RETURN(auto r, reg());
     RETURN_IF_ERROR(RegisterRegion(*r, require_mapped));
     MutexLock l(&mu_);
-    regions_[start] = std::move(r);
-    user_regions_.insert(start);
+    table_.AddRegion(std::move(r), /*user=*/true);
     return Status::Ok();
   }
 
   Status UnregisterTensor(void* data) override {
-    auto start = reinterpret_cast<uintptr_t>(data);
-    std::unique_ptr<MemRegion> gone;
-    MutexLock l(&mu_);
-    if (user_regions_.erase(start) == 0) {
-      return NotFoundError("no tensor registered at this address");
+    Result<std::unique_ptr<MemRegion>> gone = NotFoundError("");
+    {
+      MutexLock l(&mu_);
+      gone = table_.TakeUserRegion(data);
     }
-    gone = std::move(regions_[start]);
-    regions_.erase(start);
-    return Status::Ok();
+    return gone.status();  // the region is unregistered unlocked
   }
 
   Status Configure(const SyncConfig& c) override {
@@ -364,7 +329,7 @@ class ParamClientImpl final : public ParamClient {
     const MemRegion* init_region = nullptr;
     if (init) {
       MutexLock l(&mu_);
-      init_region = Locate(init, bytes);
+      init_region = table_.Locate(init, bytes);
     }
     if (init && !init_region) {
       ASSIGN_OR_RETURN(k.staging, NewStaging(bytes));
@@ -440,7 +405,7 @@ class ParamClientImpl final : public ParamClient {
     k.declaration = m;
     k.declaration.has_input = false;
     MutexLock l(&mu_);
-    keys_[key] = std::move(k);
+    table_.Put(key, std::move(k));
     return version;
   }
 
@@ -604,8 +569,8 @@ class ParamClientImpl final : public ParamClient {
       // The next round of every key still follows the old table: a proxy
       // may already have started it assuming so. The new table applies
       // from the round after (see docs/design/ps.md, "Routing changes").
-      for (auto& [key, k] : keys_) {
-        e.from[key] = k.base_version + k.rounds + 1;
+      for (auto& [key, k] : table_.keys()) {
+        e.from[key] = k.next_round() + 1;
         m.from_rounds.emplace_back(key, e.from[key]);
       }
       m.threshold = r.threshold;
@@ -827,13 +792,13 @@ class ParamClientImpl final : public ParamClient {
     {
       MutexLock l(&mu_);
       if (configuration_) replay.push_back(*configuration_);
-      for (const auto& [addr, r] : regions_) {
+      for (const auto& [addr, r] : table_.regions()) {
         Message m;
         m.type = Type::kRegion;
         m.descriptor = r->Export().Serialize();
         replay.push_back(std::move(m));
       }
-      for (const auto& [key, k] : keys_) {
+      for (const auto& [key, k] : table_.keys()) {
         if (!k.staging) continue;  // stored keys have none
         Message m;
         m.type = Type::kRegion;
@@ -849,7 +814,9 @@ class ParamClientImpl final : public ParamClient {
         m.from_rounds.assign(e.from.begin(), e.from.end());
         replay.push_back(std::move(m));
       }
-      for (const auto& [key, k] : keys_) replay.push_back(k.declaration);
+      for (const auto& [key, k] : table_.keys()) {
+        replay.push_back(k.declaration);
+      }
       for (const auto& t2 : tunes_) replay.push_back(t2);
     }
     Message done;
@@ -905,21 +872,12 @@ class ParamClientImpl final : public ParamClient {
     uint64_t bytes = 0;
     {
       MutexLock l(&mu_);
-      auto it = keys_.find(key);
-      if (it == keys_.end() || it->second.stored || it->second.staging) {
-        return Status::Ok();
-      }
-      bytes = it->second.bytes;
-      if ((!in || Locate(in, bytes)) && (!out || Locate(out, bytes))) {
-        return Status::Ok();
-      }
+      bytes = table_.StagingNeeded(key, in, out);
     }
+    if (bytes == 0) return Status::Ok();
     ASSIGN_OR_RETURN(auto r, NewStaging(bytes));
     MutexLock l(&mu_);
-    auto it = keys_.find(key);
-    if (it != keys_.end() && !it->second.staging) {
-      it->second.staging = std::move(r);
-    }
+    r = table_.SetStaging(key, std::move(r));
     return Status::Ok();
   }
 
@@ -950,15 +908,6 @@ class ParamClientImpl final : public ParamClient {
       MEMBOX_REQUIRES(mu_) {
     const RoutingTable* t = route_history_.For(key, round);
     return t ? *t : routing_;
-  }
-
-  // The registered region holding [p, p + n), or nullptr. mu_ held.
-  const MemRegion* Locate(const void* p, size_t n) const MEMBOX_REQUIRES(mu_) {
-    auto a = reinterpret_cast<uintptr_t>(p);
-    auto it = regions_.upper_bound(a);
-    if (it == regions_.begin()) return nullptr;
-    --it;
-    return it->second->Contains(p, n) ? it->second.get() : nullptr;
   }
 
   // Whether `k` may be combined in a node's memory as far as this worker
@@ -995,7 +944,7 @@ class ParamClientImpl final : public ParamClient {
     auto fail = [&](const Status& why) {
       MEMBOX_LOG_ERROR("key {}: {}", key, why.ToString());
       MutexLock l(&mu_);
-      keys_[key].combine_error = why;
+      if (KeyInfo* k = table_.Find(key)) k->combine_error = why;
     };
     auto desc = transport::RegionDescriptor::Deserialize(
         {reinterpret_cast<const uint8_t*>(text->data()), text->size()});
@@ -1017,8 +966,8 @@ class ParamClientImpl final : public ParamClient {
     uint64_t next = 0;
     {
       MutexLock l(&mu_);
-      const KeyInfo& k = keys_[key];
-      next = k.base_version + k.rounds;
+      const KeyInfo* k = table_.Find(key);
+      next = k ? k->next_round() : 0;
     }
     if (next != from) {
       return fail(
@@ -1032,7 +981,7 @@ class ParamClientImpl final : public ParamClient {
         std::shared_ptr<void>(*region));
     {
       MutexLock l(&mu_);
-      keys_[key].combined = true;
+      if (KeyInfo* k = table_.Find(key)) k->combined = true;
     }
     MEMBOX_LOG_DEBUG("key {}: combined in the node's memory from round {}", key,
                      from);
@@ -1050,9 +999,9 @@ class ParamClientImpl final : public ParamClient {
     DType dtype = DType::kFloat32;
     {
       MutexLock l(&mu_);
-      auto it = keys_.find(key);
-      if (it == keys_.end()) return std::nullopt;
-      KeyInfo& k = it->second;
+      KeyInfo* found = table_.Find(key);
+      if (!found) return std::nullopt;
+      KeyInfo& k = *found;
       if (!k.combine_error.ok()) return Failed(k.combine_error, std::move(cb));
       if (type == Type::kPush && in && !k.combine_asked && k.rounds >= 1 &&
           CombineCandidate(k)) {
@@ -1067,17 +1016,18 @@ class ParamClientImpl final : public ParamClient {
     if (ask) AskCombine(key, last, bytes, dtype);
     {
       MutexLock l(&mu_);
-      if (!keys_[key].combined) return std::nullopt;
+      const KeyInfo* k = table_.Find(key);
+      if (!k || !k->combined) return std::nullopt;
     }
     if (type == Type::kPull) return combiner_->Pull(key, out, cb);
     if (type != Type::kPush || !in) return std::nullopt;
     uint64_t round = 0;
     {
       MutexLock l(&mu_);
-      KeyInfo& k = keys_[key];
+      KeyInfo& k = *table_.Find(key);  // combined: declared
       if (!k.combine_error.ok()) return Failed(k.combine_error, std::move(cb));
       for (const void* p : {in, static_cast<const void*>(out)}) {
-        const MemRegion* r = p ? Locate(p, k.bytes) : nullptr;
+        const MemRegion* r = p ? table_.Locate(p, k.bytes) : nullptr;
         if (r && r->memory_type() == transport::MemoryType::kCuda) {
           return Failed(
               FailedPreconditionError(
@@ -1100,132 +1050,39 @@ class ParamClientImpl final : public ParamClient {
                   int priority, std::function<void(const Status&)> cb,
                   std::optional<proto::Part> state = std::nullopt,
                   uint64_t at_version = 0) {
-    Op op;
-    op.type = type;
-    op.part = state.value_or(proto::Part::kValue);
-    op.priority = priority;
-    op.key = key;
     if (type != Type::kStore && !state) {
       if (auto h = SubmitCombined(type, key, in, out, cb)) return std::move(*h);
     }
     if (Status s = EnsureStaging(key, in, out); !s.ok()) {
       return Failed(std::move(s), std::move(cb));
     }
+    client::KeyTable::Submission sub;
+    sub.type = type;
+    sub.key = key;
+    sub.in = in;
+    sub.out = out;
+    sub.priority = priority;
+    sub.state = state;
+    sub.at_version = at_version;
+    Result<Op> op = InternalError("not prepared");
     {
       MutexLock l(&mu_);
-      auto it = keys_.find(key);
-      if (it == keys_.end()) {
-        return Failed(NotFoundError("key " + std::to_string(key) +
-                                    " not declared on this worker"),
-                      std::move(cb));
-      }
-      KeyInfo& k = it->second;
-      if (state &&
-          (k.stored || k.declaration.optimizer == proto::Optimizer::kNone)) {
-        return Failed(FailedPreconditionError(
-                          "key " + std::to_string(key) +
-                          " has no optimizer: no state or previous value"),
-                      std::move(cb));
-      }
-      if (!state && (k.stored ? type == Type::kPush : type == Type::kStore)) {
-        return Failed(
-            FailedPreconditionError(
-                "key " + std::to_string(key) +
-                (k.stored ? " is a stored key: Store and Pull it"
-                          : " is not a stored key: declare it stored to "
-                            "Store it")),
-            std::move(cb));
-      }
-      if (k.stored && !Locate(in ? in : out, k.bytes)) {
-        return Failed(
-            InvalidArgumentError("stored keys move registered memory "
-                                 "(AllocateTensor / RegisterTensor) only"),
-            std::move(cb));
-      }
-      if (!k.stored && !k.staging &&
-          ((in && !Locate(in, k.bytes)) || (out && !Locate(out, k.bytes)))) {
-        return Failed(FailedPreconditionError(
-                          "key " + std::to_string(key) +
-                          ": its memory was unregistered while submitting"),
-                      std::move(cb));
-      }
-      op.bytes = k.bytes;
-      op.shard_bytes = k.shard_bytes;
-      op.shards = k.shards;
-      op.striped = k.striped;
-      op.copies = (type == Type::kStore && !k.striped)
-                      ? static_cast<uint32_t>(proxies_.size())
-                      : 1;
-      op.route = (in && !k.stored) ? RouteFor(key, k.base_version + k.rounds)
-                                   : routing_;
-      op.seq = next_seq_++;
-      const bool staged =
-          (in && !Locate(in, k.bytes)) || (out && !Locate(out, k.bytes));
-      if (staged) {
-        // The key's staging buffer serves one operation at a time: this one
-        // queues behind the last that used it, and the sender wakes when
-        // that one finishes (Submit never blocks).
-        if (k.last_staged && !k.last_staged->released()) {
-          op.after = k.last_staged;
-        }
-        cb = [this, user = std::move(cb)](const Status& s) {
-          if (user) user(s);
-          sender_->StagingFreed();
-        };
-      }
-      op.state =
-          NewState(static_cast<int>(k.shards * op.copies), std::move(cb));
-      op.state->set_progress(progress_);
-      uint8_t* staging =
-          k.staging ? static_cast<uint8_t*>(k.staging->data()) : nullptr;
-      if (in) {
-        const MemRegion* r = Locate(in, k.bytes);
-        if (r) {
-          op.in_region = r->id();
-          op.in_offset = static_cast<const uint8_t*>(in) -
-                         static_cast<const uint8_t*>(r->data());
-        } else {
-          if (op.after) {
-            op.copy_in = in;
-            op.copy_to = staging;
-          } else {
-            CopyBytes(staging, in, k.bytes);
-          }
-          k.last_staged = op.state;
-          op.in_region = k.staging->id();
-          op.in_offset = 0;
-        }
-        if (!k.stored && !state) op.round = k.base_version + k.rounds++;
-        if (type == Type::kPush) k.last_push = op.state;
-      }
-      if (out) {
-        op.has_output = true;
-        const MemRegion* r = Locate(out, k.bytes);
-        if (r) {
-          op.out_region = r->id();
-          op.out_offset = static_cast<uint8_t*>(out) -
-                          static_cast<const uint8_t*>(r->data());
-        } else {
-          op.out_region = k.staging->id();
-          op.out_offset = k.bytes;
-          size_t n = k.bytes;
-          const uint8_t* from = staging + k.bytes;
-          op.state->set_finisher([out, from, n] {
-            CopyBytes(out, from, n);
-            return Status::Ok();
-          });
-          k.last_staged = op.state;
-        }
-      }
-      // A stored key's pull reads what is there now; so do state pulls,
-      // except PullAt's, whose version says which value it reads.
-      op.min_version = state
-                           ? (*state == proto::Part::kPrevious ? at_version : 0)
-                       : (async_ || k.stored) ? 0
-                                              : k.base_version + k.rounds;
+      client::KeyTable::Context c;
+      c.proxies = static_cast<uint32_t>(proxies_.size());
+      c.async = async_;
+      c.seq = next_seq_++;
+      c.current = routing_;
+      // mu_ is held throughout Prepare.
+      c.route_for =
+          [this](uint64_t k, uint64_t round)
+              MEMBOX_NO_THREAD_SAFETY_ANALYSIS { return RouteFor(k, round); };
+      c.staging_freed = [this] { sender_->StagingFreed(); };
+      c.progress = progress_;
+      op = table_.Prepare(sub, c, &cb);
     }
-    PsHandle h(op.state);
-    sender_->Submit(std::move(op));
+    if (!op.ok()) return Failed(op.status(), std::move(cb));
+    PsHandle h(op->state);
+    sender_->Submit(std::move(*op));
     return h;
   }
 
@@ -1267,10 +1124,8 @@ class ParamClientImpl final : public ParamClient {
   mutable Mutex mu_;
   RoutingTable routing_ MEMBOX_GUARDED_BY(mu_);
   RouteHistory route_history_ MEMBOX_GUARDED_BY(mu_);
-  std::map<uintptr_t, std::unique_ptr<MemRegion>> regions_
-      MEMBOX_GUARDED_BY(mu_);
-  std::set<uintptr_t> user_regions_ MEMBOX_GUARDED_BY(mu_);
-  std::map<uint64_t, KeyInfo> keys_ MEMBOX_GUARDED_BY(mu_);
+  // The keys, the registered regions and the staging buffers.
+  client::KeyTable table_ MEMBOX_GUARDED_BY(mu_);
   bool async_ MEMBOX_GUARDED_BY(mu_) = false;
   std::optional<Message> configuration_ MEMBOX_GUARDED_BY(mu_);  // failover
   std::vector<Message> tunes_ MEMBOX_GUARDED_BY(mu_);            // failover
