@@ -216,7 +216,7 @@ void Link::Attempt() {
     where = endpoint_;
   }
   if (expired) {
-    GiveUp(last);
+    GiveUp(last, /*refused=*/false);
     return Finished();
   }
   auto c = Open(generation, /*rejoin=*/true);
@@ -235,7 +235,7 @@ void Link::Attempt() {
         task_ = opt_.timer->After(opt_.retry_every, [this] { Attempt(); });
       }
     }
-    if (give_up) GiveUp(c.status());
+    if (give_up) GiveUp(c.status(), /*refused=*/true);
     return Finished();
   }
   size_t resent = 0;
@@ -278,14 +278,18 @@ void Link::Finished() {
   cv_.NotifyAll();
 }
 
-void Link::GiveUp(const Status& last) {
+void Link::GiveUp(const Status& last, bool refused) {
   std::map<uint64_t, std::shared_ptr<Kept>> kept;
   Status gone;
   {
     MutexLock l(&mu_);
-    gone = UnavailableError(opt_.name + " at " + endpoint_ +
-                            " did not come back within " + Seconds(failover_) +
-                            " s (last: " + last.ToString() + ")");
+    gone = UnavailableError(
+        refused
+            ? opt_.name + " at " + endpoint_ +
+                  " came back but cannot be rejoined: " +
+                  std::string(last.message())
+            : opt_.name + " at " + endpoint_ + " did not come back within " +
+                  Seconds(failover_) + " s (last: " + last.ToString() + ")");
     if (gone_.ok()) gone_ = gone;
     down_ = false;
     kept.swap(kept_);

@@ -140,7 +140,9 @@ class Link {
   void Attempt();
   // An attempt is over (Close may go on).
   void Finished();
-  void GiveUp(const Status& last);
+  // Fails what is kept, for good: the window passed, or the node came back
+  // and refused the rejoin (`refused`).
+  void GiveUp(const Status& last, bool refused);
   // Sends kept requests `ids`, in order, on the connection now. With
   // order_mu_ held.
   void Transmit(const std::vector<uint64_t>& ids) MEMBOX_REQUIRES(order_mu_);
