@@ -113,6 +113,8 @@ const char* TypeName(Type t) {
       return "where";
     case Type::kCombine:
       return "combine";
+    case Type::kRingAbort:
+      return "ring-abort";
   }
   return "?";
 }
@@ -228,6 +230,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       PutBytes(w, m.descriptor);
       break;
     case Type::kBackupDone:
+    case Type::kRingAbort:
       w.U64(m.key);
       w.U32(m.shard);
       w.U64(m.round);
@@ -370,6 +373,7 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
            GetBytes(r, &m.descriptor, kMaxDescriptor);
       break;
     case Type::kBackupDone:
+    case Type::kRingAbort:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) &&
            GetStr(r, &m.text, kMaxText);
       break;

@@ -88,8 +88,13 @@ enum class Type : uint8_t {
   // only then, so an acknowledged round is on two nodes.
   kBackup = 26,
   kBackupDone = 27,
+  // proxy -> proxy notice: this proxy gave up round `round` of (key,
+  // shard) -- a ring read or notice failed for a reason other than a dead
+  // peer -- and failed its workers' requests of it (text: why). The other
+  // proxies of the ring fail theirs too instead of waiting for it.
+  kRingAbort = 28,
 };
-constexpr Type kLastType = Type::kBackupDone;
+constexpr Type kLastType = Type::kRingAbort;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;

@@ -453,7 +453,7 @@ void ProxyImpl::OnRequest(const service::Request& r) {
   const bool ring = m->type == Type::kReady || m->type == Type::kDone ||
                     m->type == Type::kResume || m->type == Type::kCatchUp ||
                     m->type == Type::kCatchUpDone || m->type == Type::kBackup ||
-                    m->type == Type::kBackupDone;
+                    m->type == Type::kBackupDone || m->type == Type::kRingAbort;
   if (r.notice != ring) {
     rejected_.fetch_add(1);
     MEMBOX_LOG_WARN("connection {}: {} sent as a {}", conn,
@@ -488,6 +488,10 @@ void ProxyImpl::OnRequest(const service::Request& r) {
     case Type::kResume:
       if (c.role != Conn::Role::kPeer) break;
       return OnResume(c.rank, *m);
+    case Type::kRingAbort:
+      if (c.role != Conn::Role::kPeer) break;
+      if (!PeerCurrent(c.rank, conn)) return;
+      return OnRingAbort(c.rank, *m);
     case Type::kCatchUp:
       if (c.role != Conn::Role::kPeer) break;
       if (!PeerCurrent(c.rank, conn)) return;
@@ -694,6 +698,8 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
         sh.ring.Reset();
         sh.first_push = {};
         sh.untouched_by_job = true;
+        sh.aborted_round = UINT64_MAX;
+        sh.aborted_why = Status::Ok();
         if (sh.awaiting_backup) {
           // Nobody waits for that answer any more; the backup gets the
           // shard whole with the next round (an offer is the full state).

@@ -150,6 +150,11 @@ struct Shard : StoredShard {
   // No push of the current job has reached this shard yet (set again when
   // every worker has left). See SkipToTheJobsRound.
   bool untouched_by_job = true;
+  // A round given up (AbortRound, here or by a ring peer): its pushes, and
+  // pulls waiting for it, fail with `aborted_why` instead of waiting for a
+  // round that will not come. UINT64_MAX: none. Cleared when the job ends.
+  uint64_t aborted_round = UINT64_MAX;
+  Status aborted_why;
 };
 
 struct Key {
@@ -568,7 +573,14 @@ class ProxyImpl final : public Proxy, public service::Service {
   Status RingRead(Key& key, Shard& sh, const RingGeometry& ring, uint32_t step,
                   const RegionDescriptor& desc);
 
-  void AbortRound(uint64_t k, uint32_t s, const Status& why);
+  // Fails the round in progress of (k, s): its pushes and waiting pulls
+  // get `why`, later requests of that round too (Shard::aborted_round).
+  // With `tell_peers` (this proxy gave up on its own), the other proxies
+  // of the ring are told (kRingAbort) and fail theirs instead of waiting.
+  void AbortRound(uint64_t k, uint32_t s, const Status& why,
+                  bool tell_peers = true);
+  // A peer gave up round m.round of (m.key, m.shard) (kRingAbort).
+  void OnRingAbort(uint32_t from, const Message& m);
 
   // The sum is complete in scratch: apply mode / optimizer, publish the new
   // version, answer the pushes and pulls, and admit the next round.

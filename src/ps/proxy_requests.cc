@@ -575,6 +575,12 @@ Status ProxyImpl::CheckShardRequest(const Message& m) {
     return OutOfRangeError("shard index out of range");
   }
   const Shard& sh = it->second.shards[m.shard];
+  if (sh.aborted_round != UINT64_MAX &&
+      ((m.type == Type::kPush && m.round >= sh.aborted_round) ||
+       (m.type == Type::kPull && m.part == proto::Part::kValue &&
+        m.min_version > sh.aborted_round))) {
+    return sh.aborted_why;  // waits for a round given up
+  }
   if (m.type == Type::kPush && mode_ != proto::Mode::kAsync) {
     if (m.round < sh.version) {
       return InvalidArgumentError("round " + std::to_string(m.round) +

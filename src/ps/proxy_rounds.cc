@@ -363,8 +363,8 @@ RingProgress::Io ProxyImpl::RingIo(uint64_t k, uint32_t s) {
     Key& key = keys_[k];
     const RingGeometry ring = RingFor(k, s);
     if (opt_.before_ring_read_for_test) {
-      opt_.before_ring_read_for_test(k, s, key.shards[s].version, step,
-                                     ring.prev);
+      RETURN_IF_ERROR(opt_.before_ring_read_for_test(
+          k, s, key.shards[s].version, step, ring.prev));
     }
     return RingRead(key, key.shards[s], ring, step, d);
   };
@@ -503,11 +503,32 @@ Status ProxyImpl::RingRead(Key& key, Shard& sh, const RingGeometry& ring,
   return Status::Ok();
 }
 
-void ProxyImpl::AbortRound(uint64_t k, uint32_t s, const Status& why) {
-  Shard& sh = keys_[k].shards[s];
+void ProxyImpl::AbortRound(uint64_t k, uint32_t s, const Status& why,
+                           bool tell_peers) {
+  Key& key = keys_[k];
+  Shard& sh = key.shards[s];
   MEMBOX_LOG_WARN("key {} shard {} round {}: {}", k, s, sh.version,
                   why.ToString());
   Status st = UnavailableError("proxy ring failed: " + why.ToString());
+  sh.aborted_round = sh.version;
+  sh.aborted_why = st;
+  if (tell_peers && !key.striped && nproxies_ > 1) {
+    Message m;
+    m.type = Type::kRingAbort;
+    m.key = k;
+    m.shard = s;
+    m.round = sh.version;
+    m.text = "proxy " + std::to_string(opt_.rank) + " gave up round " +
+             std::to_string(sh.version) + ": " + why.ToString();
+    for (uint32_t p = 0; p < nproxies_; ++p) {
+      if (p == opt_.rank) continue;
+      // A peer that cannot be told is down: its own failover handles it.
+      if (Status sent = SendToPeer(p, m); !sent.ok()) {
+        MEMBOX_LOG_DEBUG("proxy {}: ring abort not sent to proxy {}: {}",
+                         opt_.rank, p, sent.ToString());
+      }
+    }
+  }
   for (auto& [r, p] : sh.pushes) Reply(p.conn, Type::kPush, p.id, st);
   for (auto& p : sh.pulls) Reply(p.conn, Type::kPull, p.id, st);
   sh.pushes.clear();
@@ -515,6 +536,22 @@ void ProxyImpl::AbortRound(uint64_t k, uint32_t s, const Status& why) {
   sh.reducing = false;
   sh.ring.Stop();
   sh.first_push = {};
+}
+
+void ProxyImpl::OnRingAbort(uint32_t from, const Message& m) {
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || m.shard >= it->second.shards.size()) return;
+  Shard& sh = it->second.shards[m.shard];
+  if (m.round < sh.version) return;  // a round this proxy finished
+  const Status why = UnavailableError("proxy " + std::to_string(from) +
+                                      " gave up the round: " + m.text);
+  if (m.round == sh.version &&
+      (sh.reducing || !sh.pushes.empty() || !sh.pulls.empty())) {
+    return AbortRound(m.key, m.shard, why, /*tell_peers=*/false);
+  }
+  // Not started here yet: its pushes fail as they come.
+  sh.aborted_round = std::min(sh.aborted_round, m.round);
+  sh.aborted_why = UnavailableError("proxy ring failed: " + why.ToString());
 }
 
 void ProxyImpl::FinishRound(uint64_t k, uint32_t s) {

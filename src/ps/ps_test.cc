@@ -577,6 +577,54 @@ TEST(PsTest, ThreeProxiesBothRingDirections) {
   EXPECT_EQ(c.proxies[0]->Stats().ring_steps, 2u * 3 * 2 * 4);
 }
 
+// A proxy that gives up a ring round (a read fails for a reason other than
+// a dead peer) tells the other proxies of the ring, which fail their
+// workers' requests of it at once -- they used to wait for the round until
+// the workers' deadline -- and so do later requests of that round.
+TEST(PsTest, ARingRoundGivenUpByOneProxyFailsOnEveryProxy) {
+  auto c = Cluster::Start(
+      3, Scheduler::kPerClientQueues, "", false, 10s,
+      /*replicate=*/false, [](ProxyOptions& o) {
+        if (o.rank != 1) return;
+        o.before_ring_read_for_test = [](uint64_t, uint32_t, uint64_t round,
+                                         uint32_t, uint32_t) -> Status {
+          if (round != 1) return Status::Ok();
+          return DataLossError("injected: the peer's chunk is corrupt");
+        };
+      });
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < 2; ++r) {
+    w.push_back(Worker(c, r, 2));
+    ASSERT_NE(w[r], nullptr);
+    ASSERT_TRUE(w[r]->Declare(1, 3000 * 4, DType::kFloat32).ok());
+  }
+  std::vector<float> in(3000, 1.0f), o0(3000), o1(3000);
+  {
+    auto a = w[0]->PushPull(1, in.data(), o0.data());
+    auto b = w[1]->PushPull(1, in.data(), o1.data());
+    ASSERT_TRUE(a.Wait(20s).ok()) << a.Wait(0s).ToString();
+    ASSERT_TRUE(b.Wait(20s).ok()) << b.Wait(0s).ToString();
+    ASSERT_EQ(o0[0], 2.0f);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto a = w[0]->PushPull(1, in.data(), o0.data());
+  auto b = w[1]->PushPull(1, in.data(), o1.data());
+  for (auto* h : {&a, &b}) {
+    Status s = h->Wait(20s);
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+    EXPECT_NE(s.ToString().find("injected: the peer's chunk is corrupt"),
+              std::string::npos)
+        << s.ToString();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s)
+      << "the proxies waited for the round instead of failing it";
+  // A later request of the round given up fails at once, naming why.
+  Status late = w[0]->Pull(1, o0.data()).Wait(10s);
+  EXPECT_EQ(late.code(), StatusCode::kUnavailable) << late.ToString();
+  EXPECT_NE(late.ToString().find("gave up round 1"), std::string::npos)
+      << late.ToString();
+}
+
 TEST(PsTest, SgdOnTheMemoryNode) {
   auto c = Cluster::Start(2);
   auto w0 = Worker(c, 0, 2), w1 = Worker(c, 1, 2);
@@ -1434,16 +1482,18 @@ void RideThrough(int P, int victim, bool laggard = false,
   auto hold_laggard = [&](ProxyOptions& o) {
     if (!laggard || o.rank != uint32_t(late)) return;
     o.before_ring_read_for_test = [&, P](uint64_t, uint32_t, uint64_t round,
-                                         uint32_t step, uint32_t from) {
+                                         uint32_t step,
+                                         uint32_t from) -> Status {
       if (round != 3 || from != uint32_t(victim) ||
           step + 1 != 2 * uint32_t(P - 1)) {
-        return;
+        return Status::Ok();
       }
       std::unique_lock<std::mutex> l(mu);
-      if (held) return;
+      if (held) return Status::Ok();
       held = true;
       cv.notify_all();
       cv.wait_for(l, 10s, [&] { return released; });
+      return Status::Ok();
     };
   };
   auto c = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,

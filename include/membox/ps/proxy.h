@@ -104,9 +104,10 @@ struct ProxyOptions {
   // Test hook: runs on the event loop before each ring read of shard
   // `shard` of `key`, round `round`, step `step`, from proxy `from`. Tests
   // use it to hold a proxy at a chosen point of a round (a peer dies
-  // meanwhile). Unset in production.
-  std::function<void(uint64_t key, uint32_t shard, uint64_t round,
-                     uint32_t step, uint32_t from)>
+  // meanwhile), or to fail the read (an error it returns is the read's).
+  // Unset in production.
+  std::function<Status(uint64_t key, uint32_t shard, uint64_t round,
+                       uint32_t step, uint32_t from)>
       before_ring_read_for_test;
   // A replacement (`join`) copies its state in batches of at most this many
   // bytes while it serves; a request for a shard not copied yet waits for
