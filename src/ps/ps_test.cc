@@ -1212,7 +1212,7 @@ TEST(PsTest, RandomWholeMessagesAfterAHelloDoNotHurtTheProxy) {
     }
     proto::Message m;
     m.type = static_cast<proto::Type>(
-        pick({3, 4, 5, 6, 7, 8, 9, 10, 15, 20, 23, 24, 25, 2}));
+        pick({3, 4, 5, 6, 7, 8, 9, 10, 15, 20, 23, 24, 25, 28, 2}));
     m.key = pick({0, 1, 2, rng() % 8, rng()});
     m.key_end = m.key + pick({0, 1, rng() % 16, rng()});
     m.bytes = pick({0, 4, 4096, 1 << 20, rng() % (1 << 24), rng()});
