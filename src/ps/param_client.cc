@@ -1056,14 +1056,13 @@ class ParamClientImpl final : public ParamClient {
     if (Status s = EnsureStaging(key, in, out); !s.ok()) {
       return Failed(std::move(s), std::move(cb));
     }
-    client::KeyTable::Submission sub;
-    sub.type = type;
-    sub.key = key;
-    sub.in = in;
-    sub.out = out;
-    sub.priority = priority;
-    sub.state = state;
-    sub.at_version = at_version;
+    const client::KeyTable::Submission sub{.type = type,
+                                           .key = key,
+                                           .in = in,
+                                           .out = out,
+                                           .priority = priority,
+                                           .state = state,
+                                           .at_version = at_version};
     Result<Op> op = InternalError("not prepared");
     {
       MutexLock l(&mu_);

@@ -12,6 +12,8 @@
 
 #include "membox/service/server.h"
 
+#include "src/service/test_messages.h"
+
 namespace membox::service {
 namespace {
 
@@ -23,13 +25,8 @@ enum Method : uint16_t {
   kEcho = 3,
 };
 
-std::vector<uint8_t> Msg(const std::string& body) {
-  std::vector<uint8_t> m = NewMessage(body.size());
-  m.insert(m.end(), body.begin(), body.end());
-  return m;
-}
-
-std::string Str(std::span<const uint8_t> b) { return {b.begin(), b.end()}; }
+using testing::Msg;
+using testing::Str;
 
 // Records what arrives; with `hold`, answers no kRecord (a node about to
 // die with requests in flight).

@@ -10,6 +10,8 @@
 #include "membox/service/client.h"
 #include "membox/service/server.h"
 
+#include "src/service/test_messages.h"
+
 namespace membox::service {
 namespace {
 
@@ -26,13 +28,8 @@ enum Method : uint16_t {
   kBogus = 8,  // answered, then a reply to no request
 };
 
-std::vector<uint8_t> Msg(const std::string& body) {
-  std::vector<uint8_t> m = NewMessage(body.size());
-  m.insert(m.end(), body.begin(), body.end());
-  return m;
-}
-
-std::string Str(std::span<const uint8_t> b) { return {b.begin(), b.end()}; }
+using testing::Msg;
+using testing::Str;
 
 class TestService : public Service {
  public:
