@@ -66,23 +66,32 @@ def _ephemeral_range():
         return 32768, 60999
 
 
+_given_ports = set()  # handed out by free_port in this process
+
+
 def free_port():
     """A port for a server the launcher starts later (memory nodes, the
     torch.distributed master). Chosen below the kernel's ephemeral range:
     a port bound to 0 and released could be handed to any outgoing
     connection before the server binds it ("Address already in use"); one
-    below the range only to an explicit bind."""
+    below the range only to an explicit bind. Never one handed out before
+    by this process: the servers bind them later, so a port that is free
+    now may already be promised to another node (two nodes of one launch
+    were once given the same embedding port)."""
     import random
     lo, _ = _ephemeral_range()
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(10000, max(10001, lo))
+        if port in _given_ports:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _given_ports.add(port)
+        return port
     with socket.socket() as s:  # everything below the range is taken
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -238,6 +238,7 @@ void Link::Attempt() {
     if (give_up) GiveUp(c.status(), /*refused=*/true);
     return Finished();
   }
+  std::shared_ptr<Client> fresh = std::move(*c);
   size_t resent = 0;
   {
     // Installs the connection and sends what was kept, in order, before
@@ -247,7 +248,7 @@ void Link::Attempt() {
     {
       MutexLock l(&mu_);
       if (!closing_) {
-        client_ = std::move(*c);
+        client_ = std::move(fresh);
         generation_ = generation;
         down_ = false;
         for (const auto& [id, k] : kept_) ids.push_back(id);
@@ -256,6 +257,9 @@ void Link::Attempt() {
     Transmit(ids);
     resent = ids.size();
   }
+  // Not installed (the Link is closing): closed now, while Close still
+  // waits for this attempt (the transport device may go right after).
+  fresh.reset();
   MutexLock l(&mu_);
   attempting_ = false;
   cv_.NotifyAll();

@@ -610,6 +610,13 @@ class LaunchPortTest(unittest.TestCase):
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", port))  # still free
 
+    def test_a_port_is_handed_out_once(self):
+        # The nodes bind their ports later: two picks before either binds
+        # must differ (two nodes of one launch once got the same one).
+        from membox import launch
+        ports = [launch.free_port() for _ in range(2000)]
+        self.assertEqual(len(set(ports)), len(ports))
+
 
 if __name__ == "__main__":
     unittest.main()
