@@ -48,11 +48,12 @@ def run_launched(cmd, out, what, die):
 
 
 def free_port():
-    """A TCP port free on 127.0.0.1 now (a rendezvous for torch workers)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a rendezvous the bench's torch workers bind later: the
+    launcher's rule (membox.launch.free_port: below the kernel's ephemeral
+    range, never handed out twice), not a port bound to 0, which an
+    outgoing connection may take before the workers bind it."""
+    from membox.launch import free_port as launcher_free_port
+    return launcher_free_port()
 
 
 def children_cpu():

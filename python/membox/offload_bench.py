@@ -38,7 +38,6 @@ Records follow docs/design/benchmarks.md. The worker is this module with
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -188,12 +187,6 @@ def worker(a):
 
 
 # ------------------------------------------------------------------ driver
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cpu_times():
     """(busy, total) jiffies of the machine, from /proc/stat."""
     with open("/proc/stat") as f:
@@ -249,7 +242,8 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
                            stderr=subprocess.STDOUT, text=True)
         rcs, log = [p.returncode], p.stdout
     else:
-        port = _free_port()
+        from membox.bench_report import free_port
+        port = free_port()
         procs = []
         for r in range(a.workers):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.workers),
