@@ -36,9 +36,37 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 
 
 # ------------------------------------------------------------ rank programs
-def _collectives(rank, world):
-    """Every collective, checked here; returns what it checked."""
+class _Group:
+    """torch.distributed's calls on `group` (None: the default group), with
+    roots and peers given as ranks in the group."""
+
+    _PEER = ("send", "recv", "isend", "irecv")
+
+    def __init__(self, group):
+        self.group = group
+
+    def __getattr__(self, name):
+        fn = getattr(dist, name)
+        if self.group is None or name[:1].isupper():
+            return fn
+
+        def call(*args, **kw):
+            def glob(r):
+                return dist.get_global_rank(self.group, r)
+            for k in ("src", "dst"):
+                if k in kw:
+                    kw[k] = glob(kw[k])
+            if name in self._PEER:
+                args = (args[0], glob(args[1])) + args[2:]
+            return fn(*args, group=self.group, **kw)
+        return call
+
+
+def _collectives(rank, world, group=None):
+    """Every collective on `group` (None: the default group; `rank` and
+    `world` are the group's), checked here; returns what it checked."""
     done = []
+    d = _Group(group)
 
     def check(name, got, want):
         if not torch.equal(got, want):
@@ -54,14 +82,14 @@ def _collectives(rank, world):
                          ("MAX", (ranks + 1).max()),
                          ("PRODUCT", (ranks + 1).prod())):
             t = torch.full((7,), rank + 1, dtype=dtype)
-            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            d.all_reduce(t, op=getattr(d.ReduceOp, op))
             check("all_reduce %s %s" % (op, dtype), t,
                   torch.full((7,), int(want), dtype=dtype))
     t = torch.full((5,), float(rank))
-    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    d.all_reduce(t, op=d.ReduceOp.AVG)
     check("all_reduce AVG", t, torch.full((5,), (world - 1) / 2))
     t = torch.full((3,), rank, dtype=torch.uint8)
-    dist.all_reduce(t, op=dist.ReduceOp.BOR)
+    d.all_reduce(t, op=d.ReduceOp.BOR)
     want = 0
     for q in range(world):
         want |= q
@@ -69,32 +97,32 @@ def _collectives(rank, world):
     # Non-contiguous, and a large tensor striped over the nodes.
     m = torch.arange(12.0).view(3, 4) * (rank + 1)
     col = m[:, 1]
-    dist.all_reduce(col)
+    d.all_reduce(col)
     check("all_reduce strided", col, torch.tensor([1.0, 5.0, 9.0]) *
           (world * (world + 1) / 2))
     big = torch.full((3 << 20,), float(rank + 1))
-    dist.all_reduce(big)
+    d.all_reduce(big)
     check("all_reduce 12 MiB", big[::65537],
           torch.full_like(big[::65537], world * (world + 1) / 2))
     # Coalesced.
     ts = [torch.full((n,), float(rank + 1)) for n in (1, 100, 1000)]
-    dist.all_reduce_coalesced(ts)
+    d.all_reduce_coalesced(ts)
     for t in ts:
         check("all_reduce_coalesced", t,
               torch.full_like(t, world * (world + 1) / 2))
     # broadcast, from every root.
     for root in range(world):
         t = torch.arange(6, dtype=torch.int64) * (rank + 1)
-        dist.broadcast(t, src=root)
+        d.broadcast(t, src=root)
         check("broadcast from %d" % root, t,
               torch.arange(6, dtype=torch.int64) * (root + 1))
     # all_gather, into a list and into one tensor.
     outs = [torch.empty(3) for _ in range(world)]
-    dist.all_gather(outs, torch.full((3,), float(rank)))
+    d.all_gather(outs, torch.full((3,), float(rank)))
     check("all_gather", torch.stack(outs),
           torch.arange(world, dtype=torch.float32)[:, None].expand(world, 3))
     out = torch.empty(world * 2, dtype=torch.int32)
-    dist.all_gather_into_tensor(out, torch.full((2,), rank,
+    d.all_gather_into_tensor(out, torch.full((2,), rank,
                                                 dtype=torch.int32))
     check("all_gather_into_tensor", out,
           torch.arange(world, dtype=torch.int32).repeat_interleave(2))
@@ -112,7 +140,7 @@ def _collectives(rank, world):
                            dtype=dtype)
         for root in range(world):
             t = odd.clone() if rank == root else torch.full_like(odd, 7.0)
-            dist.broadcast(t, src=root)
+            d.broadcast(t, src=root)
             want = odd.clone()
             want[-1] = 1.0 + root
             check("broadcast bits %s from %d" % (dtype, root), bits(t),
@@ -120,55 +148,55 @@ def _collectives(rank, world):
         out = torch.empty(world * odd.numel(), dtype=dtype)
         mine = out[rank * odd.numel():(rank + 1) * odd.numel()]
         mine.copy_(odd)  # FSDP2's way: the input is the output's own chunk
-        dist.all_gather_into_tensor(out, mine)
+        d.all_gather_into_tensor(out, mine)
         want = torch.cat([torch.cat([odd[:-1],
                                      torch.tensor([1.0 + q], dtype=dtype)])
                           for q in range(world)])
         check("all_gather_into_tensor bits %s" % dtype, bits(out),
               bits(want))
         outs = [torch.empty_like(odd) for _ in range(world)]
-        dist.all_gather(outs, odd)
+        d.all_gather(outs, odd)
         check("all_gather bits %s" % dtype, bits(torch.cat(outs)),
               bits(want))
     m = torch.arange(12.0).view(3, 4) * (rank + 1)
-    dist.broadcast(m[:, 2], src=0)  # non-contiguous
+    d.broadcast(m[:, 2], src=0)  # non-contiguous
     check("broadcast strided", m[:, 2], torch.tensor([2.0, 6.0, 10.0]))
     # reduce, gather and scatter to and from the last rank.
     root = world - 1
     t = torch.full((4,), float(rank + 1))
-    dist.reduce(t, dst=root)
+    d.reduce(t, dst=root)
     check("reduce", t, torch.full((4,), float(world * (world + 1) / 2))
           if rank == root else torch.full((4,), float(rank + 1)))
     t = torch.full((4,), rank + 1, dtype=torch.int64)
-    dist.reduce(t, dst=root, op=dist.ReduceOp.MAX)
+    d.reduce(t, dst=root, op=d.ReduceOp.MAX)
     if rank == root:
         check("reduce MAX", t, torch.full((4,), world, dtype=torch.int64))
     g = [torch.empty(2) for _ in range(world)] if rank == root else None
-    dist.gather(torch.full((2,), float(rank)), g, dst=root)
+    d.gather(torch.full((2,), float(rank)), g, dst=root)
     if rank == root:
         check("gather", torch.stack(g),
               torch.arange(world, dtype=torch.float32)[:, None].expand(
                   world, 2))
     s = torch.empty(3)
-    dist.scatter(s, [torch.full((3,), float(q * 10)) for q in range(world)]
+    d.scatter(s, [torch.full((3,), float(q * 10)) for q in range(world)]
                  if rank == root else None, src=root)
     check("scatter", s, torch.full((3,), float(rank * 10)))
     # reduce_scatter, list and tensor forms, on the nodes and not.
     out = torch.empty(2)
-    dist.reduce_scatter(out, [torch.full((2,), float(q + rank))
+    d.reduce_scatter(out, [torch.full((2,), float(q + rank))
                               for q in range(world)])
     check("reduce_scatter", out,
           torch.full((2,), float(world * rank + world * (world - 1) / 2)))
     out = torch.empty(2, dtype=torch.int64)
-    dist.reduce_scatter_tensor(
+    d.reduce_scatter_tensor(
         out, torch.arange(2 * world, dtype=torch.int64) + rank,
-        op=dist.ReduceOp.MAX)
+        op=d.ReduceOp.MAX)
     check("reduce_scatter_tensor MAX", out,
           torch.arange(2 * rank, 2 * rank + 2, dtype=torch.int64) + world - 1)
     # all_to_all, even and uneven.
     inp = torch.arange(world * 2) + 100 * rank
     o = torch.empty(world * 2, dtype=inp.dtype)
-    dist.all_to_all_single(o, inp)
+    d.all_to_all_single(o, inp)
     check("all_to_all_single", o, torch.tensor(
         [100 * q + 2 * rank + i for q in range(world) for i in range(2)]))
     # Rank r sends q + 1 elements to rank q.
@@ -177,11 +205,11 @@ def _collectives(rank, world):
     inp = torch.cat([torch.full((q + 1,), float(rank * 10 + q))
                      for q in range(world)])
     o = torch.empty(sum(recv))
-    dist.all_to_all_single(o, inp, recv, send)
+    d.all_to_all_single(o, inp, recv, send)
     check("all_to_all_single uneven", o, torch.cat(
         [torch.full((rank + 1,), float(q * 10 + rank)) for q in range(world)]))
     outs = [torch.empty(1) for _ in range(world)]
-    dist.all_to_all(outs, [torch.tensor([float(rank * world + q)])
+    d.all_to_all(outs, [torch.tensor([float(rank * world + q)])
                            for q in range(world)])
     check("all_to_all", torch.cat(outs), torch.tensor(
         [float(q * world + rank) for q in range(world)]))
@@ -191,16 +219,16 @@ def _collectives(rank, world):
     for i in range(3):
         x = torch.empty(4)
         if rank % 2 == 0:
-            dist.send(torch.full((4,), float(rank * 100 + i)), nxt)
-            dist.recv(x, prv)
+            d.send(torch.full((4,), float(rank * 100 + i)), nxt)
+            d.recv(x, prv)
         else:
-            dist.recv(x, prv)
-            dist.send(torch.full((4,), float(rank * 100 + i)), nxt)
+            d.recv(x, prv)
+            d.send(torch.full((4,), float(rank * 100 + i)), nxt)
         check("send/recv %d" % i, x, torch.full((4,), float(prv * 100 + i)))
     x = torch.empty(2, dtype=torch.float64)
-    reqs = [dist.isend(torch.full((2,), float(rank), dtype=torch.float64),
+    reqs = [d.isend(torch.full((2,), float(rank), dtype=torch.float64),
                        nxt, tag=7),
-            dist.irecv(x, prv, tag=7)]
+            d.irecv(x, prv, tag=7)]
     for r in reqs:
         r.wait()
     check("isend/irecv", x, torch.full((2,), float(prv), dtype=torch.float64))
@@ -208,27 +236,27 @@ def _collectives(rank, world):
     # backend's Work in a holder whose is_completed() stays False: only
     # wait() and get_future() reach the backend's own.)
     t = torch.ones(8)
-    w = dist.all_reduce(t, async_op=True)
+    w = d.all_reduce(t, async_op=True)
     got = w.get_future().wait()
     if not w.wait():
         raise AssertionError("wait() of a done Work said False")
     check("async all_reduce", got[0], torch.full((8,), float(world)))
     # Object collectives.
     objs = [None] * world
-    dist.all_gather_object(objs, {"rank": rank, "s": "x" * rank})
+    d.all_gather_object(objs, {"rank": rank, "s": "x" * rank})
     if objs != [{"rank": q, "s": "x" * q} for q in range(world)]:
         raise AssertionError("all_gather_object: %s" % objs)
     lst = [("from", rank)]
-    dist.broadcast_object_list(lst, src=1)
+    d.broadcast_object_list(lst, src=1)
     if lst != [("from", 1)]:
         raise AssertionError("broadcast_object_list: %s" % lst)
     got = [None]
-    dist.scatter_object_list(got, [q * q for q in range(world)]
+    d.scatter_object_list(got, [q * q for q in range(world)]
                              if rank == 0 else None, src=0)
     if got != [rank * rank]:
         raise AssertionError("scatter_object_list: %s" % got)
     done.append("objects")
-    dist.barrier()
+    d.barrier()
     return done
 
 
@@ -278,6 +306,30 @@ def _fsdp2(rank, world):
     return [losses, weights]
 
 
+def _subgroups(rank, world):
+    """Three ranks: every collective on a subgroup of two whose ranks are
+    the job's in another order ([2, 0]), while the third rank uses the
+    default group and a subgroup of its own; then every collective on a
+    group of the whole job in reverse order. Returns what each checked."""
+    pair = dist.new_group([2, 0])  # every rank makes every group (torch)
+    other = dist.new_group([1, 2])
+    everyone = dist.new_group([2, 1, 0])
+    out = {}
+    if rank != 1:
+        out["pair"] = _collectives(dist.get_rank(pair), 2, pair)
+    t = torch.full((2,), float(rank))
+    dist.all_reduce(t)  # the default group, between the subgroups' work
+    out["world"] = t.tolist()
+    if rank != 0:
+        t = torch.full((3,), float(rank), dtype=torch.float64)
+        dist.all_reduce(t, group=other)
+        dist.barrier(group=other)
+        out["other"] = t.tolist()
+        dist.destroy_process_group(other)
+    out["everyone"] = _collectives(dist.get_rank(everyone), 3, everyone)
+    return out
+
+
 def _errors(rank, world):
     """What a user gets wrong, each a clear error; the group still works."""
     said = {}
@@ -292,10 +344,6 @@ def _errors(rank, world):
             dist.recv(torch.empty(5), 0)
         except Exception as e:  # noqa: BLE001
             said["recv size"] = str(e)
-    try:
-        dist.new_group([0, 1])
-    except Exception as e:  # noqa: BLE001
-        said["subgroup"] = str(e)
     # A group of every rank is a group of its own on the same connection.
     everyone = dist.new_group(list(range(world)))
     t = torch.full((2,), float(rank))
@@ -324,7 +372,7 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
                                 world_size=world)
         fn = {"collectives": _collectives, "ddp": _ddp, "ddp-gloo": _ddp,
               "fsdp2": _fsdp2, "fsdp2-gloo": _fsdp2,
-              "errors": _errors}[program]
+              "errors": _errors, "subgroups": _subgroups}[program]
         out = fn(rank, world)
         dist.destroy_process_group()
         if program == "collectives" and init.startswith("file"):
@@ -449,6 +497,18 @@ class BackendTest(unittest.TestCase):
         for g, w in zip(got[0][1], want[0][1]):
             self.assertEqual(g, w)
 
+    def test_subgroups(self):
+        outs = self.run_ranks(3, "subgroups")
+        for rank, out in enumerate(outs):
+            self.assertEqual(out["world"], [3.0, 3.0])
+            self.assertIn("objects", out["everyone"])
+            self.assertIn("all_to_all_single uneven", out["everyone"])
+            if rank != 1:
+                self.assertIn("objects", out["pair"])
+                self.assertIn("send/recv 2", out["pair"])
+            if rank != 0:
+                self.assertEqual(out["other"], [3.0, 3.0, 3.0])
+
     def test_errors_are_clear(self):
         outs = self.run_ranks(3, "errors")
         for rank, out in enumerate(outs):
@@ -456,9 +516,6 @@ class BackendTest(unittest.TestCase):
             self.assertEqual(out["after"], [3.0, 3.0])
             self.assertEqual(out["everyone"], [3.0, 3.0])
             self.assertIn("without init() and the hook", out["hook"])
-            if rank < 2:  # rank 2 is not in the subgroup: nothing to make
-                self.assertIn("subgroup", out["subgroup"])
-                self.assertIn("backend='gloo'", out["subgroup"])
         self.assertIn("the send was 12 bytes", outs[1]["recv size"])
 
     def test_no_memory_nodes_named(self):

@@ -7,8 +7,10 @@ init, the memory nodes named in MEMBOX_PROXIES (a node must be running:
 tests/python/torch_distributed_suite.sh starts one).
 
 membox declares what it implements the way PyTorch's own backends are
-declared in DistTestCases: the DDP tests run ("ddp"); send/recv without a
-source and subgroups are not implemented, so the tests that need them skip.
+declared in DistTestCases: the DDP tests and the subgroup tests run ("ddp",
+"subgroup"); send/recv without a source is not implemented, so the tests
+that need it skip. (Most of the suite's *_group tests also need
+WORLD_SIZE >= 8, torch's skip_if_small_worldsize.)
 Usage (pytest-style filters through unittest's -k):
     torch_distributed_suite.py [-k PATTERN ...]"""
 import os
@@ -32,6 +34,7 @@ from torch.testing._internal.common_distributed import DistTestCases  # noqa: E4
 
 DistTestCases.backend_feature["plugin"].add("membox")
 DistTestCases.backend_feature["ddp"].add("membox")
+DistTestCases.backend_feature["subgroup"].add("membox")
 DistTestCases.skip_collective["sendrecv anysource"].add("membox")
 
 from torch.testing._internal.common_utils import run_tests  # noqa: E402

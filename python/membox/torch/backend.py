@@ -209,44 +209,56 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     init_process_group("membox") under torchrun, file:// or tcp:// init,
     or mp.spawn with rank and world_size."""
 
-    _groups = 0  # groups made in this process: each its own key space
+    # Groups of the whole job made in this process: each its own key space.
+    # Every rank makes them in the same order (torch's rule), so the count
+    # names the same group on every rank. A subgroup is named by torch's
+    # group name within the whole-job group it was made in.
+    _groups = 0
     # The one client of this process's groups, kept for the process's life
     # (the nodes take one connection per rank of a job, and torch does not
     # tell a Python backend when its group is destroyed: every rank must
-    # make the same choice): [client, rank, size]. A group of another rank
-    # or size replaces it.
+    # make the same choice): [client, global rank, job size]. A group of
+    # another rank or job size replaces it.
     _shared = None
 
-    def __init__(self, store, rank, size, timeout):
+    def __init__(self, store, rank, size, timeout, global_ranks=None,
+                 group_name=""):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._timeout = timeout if isinstance(timeout, timedelta) and \
             timeout > timedelta(0) else timedelta(minutes=30)
-        if dist.is_initialized() and size != dist.get_world_size():
-            raise RuntimeError(
-                "membox backend: a subgroup of %d of the job's %d ranks "
-                "(new_group) is not supported: the memory nodes' rounds "
-                "count every rank of the job. Create that group with "
-                "backend='gloo'" % (size, dist.get_world_size()))
-        self._index = MemboxBackend._groups
-        MemboxBackend._groups += 1
+        # The job's ranks and this process's among them: the default group
+        # is the job (torch passes no rank list for it).
+        global_ranks = list(global_ranks or [])
+        job_size = dist.get_world_size() if global_ranks and \
+            dist.is_initialized() else size
+        me = global_ranks[rank] if global_ranks else rank
+        # A subgroup of fewer ranks than the job: the nodes' rounds count
+        # every rank of the job, so its operations are exchanges, and its
+        # ranks meet at fences in the group's store instead of at a round.
+        self._sub = size < job_size
+        if self._sub:
+            self._index = ("subgroup", MemboxBackend._groups - 1, group_name)
+        else:
+            self._index = MemboxBackend._groups
+            MemboxBackend._groups += 1
         self._store = store
         shared = MemboxBackend._shared
         if os.environ.get("MEMBOX_PROXIES"):  # for ranks that lack it
             store.set(_STORE_KEY, os.environ["MEMBOX_PROXIES"])
-        if shared is not None and shared[1:] == [rank, size]:
+        if shared is not None and shared[1:] == [me, job_size]:
             self._client = shared[0]  # a further group: same connection
         else:
             MemboxBackend._shared = None
             shared = None  # the old connection closes first
             proxies = _proxies(store, rank, self._timeout)
             self._client = membox.connect(
-                proxies, rank=rank, world=size, name="torch-rank-%d" % rank,
+                proxies, rank=me, world=job_size, name="torch-rank-%d" % me,
                 timeout=self._timeout.total_seconds())
             self._client.configure(mode="sum")
-            if self._client.num_proxies > 1:
+            if self._client.num_proxies > 1 and not self._sub:
                 self._route()
-            MemboxBackend._shared = [self._client, rank, size]
+            MemboxBackend._shared = [self._client, me, job_size]
         self._declared = {}  # key -> bytes
         self._buffers = {}  # key -> registered numpy buffer
         self._calls = {}  # (dtype, bytes) -> rounds of that size so far
@@ -254,6 +266,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._seen = set()  # addresses of tensors all-reduced once
         self._placed = set()  # addresses of tensors moved in place
         self._exchanges = 0
+        self._fences = 0  # a subgroup's fences so far
         self._p2p_sent = {}  # (dst, tag) -> sends so far
         self._p2p_recv = {}  # (src, tag) -> receives so far
         self._jobs = queue.Queue()
@@ -261,11 +274,13 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         # The thread holds the queue only, so the group can be collected.
         self._thread = threading.Thread(target=_serve, args=(self._jobs,),
                                         daemon=True,
-                                        name="membox-backend-%d" % self._index)
+                                        name="membox-backend-%s" % (
+                                            group_name or self._index))
         self._thread.start()
-        self._fence = self._key(2, 0, "fence")
-        self._declare(self._fence, 4, "float32")
-        self._one = self._client.allocate(4).view(np.float32)
+        if not self._sub:
+            self._fence = self._key(2, 0, "fence")
+            self._declare(self._fence, 4, "float32")
+            self._one = self._client.allocate(4).view(np.float32)
 
     # ------------------------------------------------------------ plumbing
     def getBackendName(self):
@@ -293,8 +308,10 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         point-to-point), then a digest of what it holds."""
         h = hashlib.blake2b(repr((self._index, parity) + what).encode(),
                             digest_size=8).digest()
-        low = int.from_bytes(h, "little") & ((1 << 52) - 1)
-        return _KEY_BASE | (kind << 56) | (self._index & 0xF) << 52 | low
+        bits = int.from_bytes(h, "little")
+        space = self._index if isinstance(self._index, int) else bits >> 60
+        return _KEY_BASE | (kind << 56) | (space & 0xF) << 52 | \
+            (bits & ((1 << 52) - 1))
 
     def _declare(self, key, nbytes, dtype=None):
         """Declares `key` once (dtype None: a stored key of bytes)."""
@@ -436,10 +453,10 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
 
     def _moves_as_sum(self, tensors, times=1):
         """Whether moving `tensors` (times their size in all) is cheaper as
-        a sum round than as an exchange: non-empty, floating point, small.
-        It depends on what every rank's tensors share (dtype, size), so
-        every rank takes the same path."""
-        return all(t.dtype in _FLOATS and
+        a sum round than as an exchange: non-empty, floating point, small,
+        in a group of the whole job. It depends on what every rank's
+        tensors share (dtype, size), so every rank takes the same path."""
+        return not self._sub and all(t.dtype in _FLOATS and
                    0 < t.numel() * t.element_size() * times <= _SUM_MOVE_BYTES
                    for t in tensors)
 
@@ -464,15 +481,44 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         return self._rounds(what, [out], "SUM", outputs, then)
 
     def _on_nodes(self, name, tensors):
-        return name in ("SUM", "AVG") and all(
+        """Whether the nodes sum this reduction: a sum or average of
+        floating-point tensors, in a group of the whole job (the nodes'
+        rounds count every rank of the job)."""
+        return not self._sub and name in ("SUM", "AVG") and all(
             t.dtype in _FLOATS for t in tensors)
 
     # ---------------------------------------------------------- exchanges
     def _fence_round(self):
-        """Every rank meets here (one 4-byte round on the nodes)."""
+        """Every rank meets here: one 4-byte round on the nodes, or, in a
+        subgroup, a counter in the group's store."""
+        if self._sub:
+            return self._fence_in_store()
         self._one[0] = 1.0
         self._client.push_pull(self._fence, self._one, self._one).wait(
             self._timeout.total_seconds())
+
+    def _fence_in_store(self):
+        """A subgroup's fence: each rank adds one to the fence's counter in
+        the group's store and waits until every rank has. Once a rank is
+        past fence n, every rank has left fence n - 1's wait, so rank 0
+        removes that counter then."""
+        import time
+        n = self._fences
+        self._fences += 1
+        key = "membox/fence/%d" % n
+        self._store.add(key, 1)
+        until = time.monotonic() + self._timeout.total_seconds()
+        pause = 50e-6
+        while self._store.add(key, 0) < self._size:
+            if time.monotonic() > until:
+                raise RuntimeError(
+                    "membox backend: timed out after %s at a fence of the "
+                    "group's %d ranks (%d arrived)" % (
+                        self._timeout, self._size, self._store.add(key, 0)))
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-3)
+        if n >= 1 and self._rank == 0:
+            self._store.delete_key("membox/fence/%d" % (n - 1))
 
     def _exchange(self, sends, recvs):
         """On the exchange thread: `sends` {dst or None (every rank): bytes
@@ -975,12 +1021,17 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             pass
 
 
-def _create(store, rank, size, timeout):
-    return MemboxBackend(store, rank, size, timeout)
+def _create(opts, backend_options=None):
+    """torch's extended creator: the group's store, rank and size, and its
+    name and ranks in the job (empty for the default group)."""
+    return MemboxBackend(opts.store, opts.group_rank, opts.group_size,
+                         opts.timeout, list(opts.global_ranks_in_group),
+                         opts.group_id)
 
 
 def register():
     """Registers the "membox" backend with torch.distributed (once)."""
     if "membox" in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend("membox", _create, devices=["cpu"])
+    dist.Backend.register_backend("membox", _create, extended_api=True,
+                                  devices=["cpu"])
