@@ -25,8 +25,12 @@ client's completion thread; exchanges run in issue order on the group's
 one exchange thread (so every rank takes its fences in the same order).
 Each operation's Work completes once, with its result or its error.
 
-Keys: the group's own key space (0xD << 60, then the group's index in this
-job), so a membox process group lives next to the DDP hook's,
+Subgroups (fewer ranks than the job) take no rounds, since the nodes'
+rounds count every rank of the job: every operation is an exchange, sums
+reduced locally, and the fence is a counter in the group's store.
+
+Keys: the group's own key space (0xD << 60, then a digest of the group's
+name), so a membox process group lives next to the DDP hook's,
 ParameterServer's and offload's keys on the same nodes."""
 import hashlib
 import os
