@@ -341,6 +341,19 @@ class Client {
     return version;
   }
 
+  uint64_t DeclareScratch(uint64_t key, uint64_t nbytes,
+                          const std::string& dtype, bool stored) {
+    auto dt = ParseDType(dtype);
+    membox::Result<uint64_t> v = membox::InternalError("");
+    {
+      py::gil_scoped_release nogil;
+      v = c_->DeclareScratch(key, nbytes, dt, stored);
+    }
+    uint64_t version = Check(std::move(v));
+    declared_[key] = nbytes;
+    return version;
+  }
+
   void Tune(uint64_t first_key, uint64_t end_key, const std::string& optimizer,
             double lr, double momentum, double beta1, double beta2, double eps,
             double weight_decay) {
@@ -896,6 +909,13 @@ PYBIND11_MODULE(_core, m) {
            "Declares a stored key: state this worker keeps on the memory "
            "nodes (store() replaces it, pull() reads it; no rounds). Moves "
            "memory from allocate() / register_tensor() only.")
+      .def("declare_scratch", &Client::DeclareScratch, py::arg("key"),
+           py::arg("nbytes"), py::arg("dtype") = "float32",
+           py::arg("stored") = false,
+           "Declares a key of the job's scratch: a collective's sums "
+           "(stored=False: rounds, no optimizer) or exchanges (stored=True), "
+           "which the memory nodes free when the job ends and leave out of "
+           "checkpoints.")
       .def(
           "store",
           [](Client& c, uint64_t key, py::object data) {

@@ -287,18 +287,25 @@ class ParamClientImpl final : public ParamClient {
   Result<uint64_t> DeclareWithOptimizer(uint64_t key, size_t bytes, DType dtype,
                                         const void* init,
                                         const OptimizerConfig& o) override {
-    return DeclareKey(key, bytes, dtype, init, o, /*stored=*/false);
+    return DeclareKey(key, bytes, dtype, init, o, /*stored=*/false,
+                      /*scratch=*/false);
   }
 
   Result<uint64_t> DeclareStored(uint64_t key, size_t bytes,
                                  DType dtype) override {
     return DeclareKey(key, bytes, dtype, nullptr, OptimizerConfig{},
-                      /*stored=*/true);
+                      /*stored=*/true, /*scratch=*/false);
+  }
+
+  Result<uint64_t> DeclareScratch(uint64_t key, size_t bytes, DType dtype,
+                                  bool stored) override {
+    return DeclareKey(key, bytes, dtype, nullptr, OptimizerConfig{}, stored,
+                      /*scratch=*/true);
   }
 
   Result<uint64_t> DeclareKey(uint64_t key, size_t bytes, DType dtype,
                               const void* init, const OptimizerConfig& o,
-                              bool stored) {
+                              bool stored, bool scratch) {
     RETURN_IF_ERROR(CheckOptimizer(o));
     size_t es = DTypeSize(dtype);
     if (bytes == 0 || bytes % es != 0) {
@@ -342,6 +349,7 @@ class ParamClientImpl final : public ParamClient {
     m.shard_bytes = shard;
     m.striped = stripe;
     m.stored = stored;
+    m.scratch = scratch;
     PutOptimizer(o, &m);
     if (init && init_region) {
       m.has_input = true;

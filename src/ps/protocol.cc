@@ -147,7 +147,8 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U64(m.bytes);
       w.U8(m.dtype);
       w.U64(m.shard_bytes);
-      w.U8((m.has_input ? 1 : 0) | (m.striped ? 2 : 0) | (m.stored ? 4 : 0));
+      w.U8((m.has_input ? 1 : 0) | (m.striped ? 2 : 0) | (m.stored ? 4 : 0) |
+           (m.scratch ? 8 : 0));
       w.U64(m.region);
       w.U64(m.offset);
       PutOptimizer(w, m);
@@ -290,14 +291,16 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       ok = r.U64(&m.key) && r.U64(&m.bytes) && r.U8(&m.dtype) &&
            r.U64(&m.shard_bytes) && r.U8(&flags) && r.U64(&m.region) &&
            r.U64(&m.offset) && GetOptimizer(r, &m);
-      ok = ok && m.bytes > 0 && m.shard_bytes > 0 && (flags & ~7u) == 0;
+      ok = ok && m.bytes > 0 && m.shard_bytes > 0 && (flags & ~15u) == 0;
       m.has_input = flags & 1;
       m.striped = flags & 2;
       m.stored = flags & 4;
+      m.scratch = flags & 8;
       // A stored key is written by kStore only: no initial value, no
-      // optimizer.
+      // optimizer. A scratch key has no optimizer either.
       ok =
           ok && !(m.stored && (m.has_input || m.optimizer != Optimizer::kNone));
+      ok = ok && !(m.scratch && m.optimizer != Optimizer::kNone);
       break;
     }
     case Type::kTune:

@@ -171,6 +171,10 @@ struct Message {
   // kDeclare: a stored key -- workers write its value with kStore and read
   // it with kPull; it takes no pushes (no rounds, no optimizer).
   bool stored = false;
+  // kDeclare: the job's scratch (a collective's sums and exchanges): the
+  // proxy frees the key when the job ends, instead of keeping its value
+  // for the next job. No optimizer (no state worth keeping).
+  bool scratch = false;
   // kPush (PushPull) / kPull: where the result goes
   bool has_output = false;
   uint64_t out_region = 0;

@@ -68,6 +68,8 @@ std::vector<Message> SeedMessages() {
   d.has_input = false;
   d.stored = true;
   out.push_back(d);
+  d.scratch = true;  // a collective's exchange key
+  out.push_back(d);
   Message r = out[static_cast<int>(Type::kRoute) - 1];
   r.from_rounds = {{9, 5}, {10, 7}};
   out.push_back(r);
@@ -229,8 +231,8 @@ TEST(PsProtocolTest, ValidatesFields) {
   d.bytes = 0;
   d.shard_bytes = 4;
   EXPECT_FALSE(Decode(d).ok());
-  // Declare flags: has_input (bit 0), striped (bit 1) and stored (bit 2)
-  // round-trip; any other bit is refused.
+  // Declare flags: has_input (bit 0), striped (bit 1), stored (bit 2) and
+  // scratch (bit 3) round-trip; any other bit is refused.
   d.bytes = 8192;
   d.striped = true;
   d.has_input = true;
@@ -245,7 +247,7 @@ TEST(PsProtocolTest, ValidatesFields) {
   size_t flags = 0;  // the one byte the striped bit changes
   while (flags < bytes.size() && bytes[flags] == plain[flags]) ++flags;
   ASSERT_LT(flags, bytes.size());
-  bytes[flags] |= 8;
+  bytes[flags] |= 16;
   EXPECT_FALSE(
       proto::Decode(static_cast<uint16_t>(Type::kDeclare), bytes).ok());
   // A stored key takes neither an initial value nor an optimizer.
@@ -257,6 +259,14 @@ TEST(PsProtocolTest, ValidatesFields) {
   EXPECT_TRUE(stored->stored);
   d.optimizer = Optimizer::kSgd;
   EXPECT_FALSE(Decode(d).ok());
+  // A scratch key takes no optimizer (it keeps no state for a later job).
+  d.stored = false;
+  d.scratch = true;
+  EXPECT_FALSE(Decode(d).ok());
+  d.optimizer = Optimizer::kNone;
+  auto scratch = Decode(d);
+  ASSERT_TRUE(scratch.ok());
+  EXPECT_TRUE(scratch->scratch);
 }
 
 }  // namespace

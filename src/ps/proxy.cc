@@ -709,7 +709,35 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
         }
       }
     }
+    if (const uint64_t freed = FreeScratch(); freed > 0) {
+      MEMBOX_LOG_INFO("the job ended: freed {} bytes of its scratch keys",
+                      freed);
+    }
   }
+}
+
+uint64_t ProxyImpl::FreeScratch() {
+  const uint64_t before = storage_->stored_bytes();
+  std::set<uint64_t> gone;
+  for (auto it = keys_.begin(); it != keys_.end();) {
+    const Key& key = it->second;
+    const bool copying = std::any_of(key.shards.begin(), key.shards.end(),
+                                     [](const Shard& sh) { return sh.copying; });
+    if (!key.scratch || copying) {
+      ++it;
+      continue;
+    }
+    n_shards_.fetch_sub(key.shards.size());
+    n_keys_.fetch_sub(1);
+    gone.insert(it->first);
+    it = keys_.erase(it);
+  }
+  // Ring notices parked for a key that is gone belong to the ended job.
+  std::erase_if(early_notices_,
+                [&](const Message& e) { return gone.count(e.key) > 0; });
+  // What is still held elsewhere (a result write in flight) goes when
+  // that lets go.
+  return before - std::min(before, storage_->stored_bytes());
 }
 
 }  // namespace membox::ps::proxy_internal

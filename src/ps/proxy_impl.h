@@ -181,6 +181,10 @@ struct Key {
   // weights): no pushes, no rounds, no optimizer. Fixed by the first
   // worker's Declare.
   bool stored = false;
+  // The job's scratch (kDeclare's `scratch`: a collective's sums and
+  // exchanges): freed when the job ends (FreeScratch), left out of
+  // checkpoints. Fixed by the first worker's Declare.
+  bool scratch = false;
   std::vector<Shard> shards;
   // In-memory combining (src/ps/combine.h), decided by the first kCombine
   // of the job and the same for every worker: the region and the round it
@@ -441,6 +445,10 @@ class ProxyImpl final : public Proxy, public service::Service {
   // The job ended: each combined key's last round becomes its stored value
   // and version, and its region is freed.
   void FoldCombined();
+  // The job ended: its scratch keys are freed (their buffers go back to
+  // the pool once nothing else holds them), except a key a replacement is
+  // still copying (freed at a later job's end). Returns the bytes freed.
+  uint64_t FreeScratch();
 
   // A push for the round just completed -- the answer is the current value:
   // that round's result, since the next one cannot have finished without

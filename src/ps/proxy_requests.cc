@@ -437,6 +437,12 @@ Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
           (k.stored ? "stored" : "for rounds") +
           " by another worker: every worker declares it the same way");
     }
+    if (k.declared && k.scratch != m.scratch) {
+      return FailedPreconditionError(
+          "key " + std::to_string(m.key) + " was declared " +
+          (k.scratch ? "as the job's scratch" : "as state kept for later jobs") +
+          " by another worker: every worker declares it the same way");
+    }
     if (k.declared && k.opt.kind != m.optimizer) {
       return FailedPreconditionError(
           "key " + std::to_string(m.key) + " was declared with optimizer " +
@@ -466,6 +472,7 @@ Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
       }
       k.opt = o;
       k.stored = m.stored;
+      k.scratch = m.scratch;
     }
     k.declared = true;
     k.restored = false;  // adopted by this job
@@ -477,6 +484,7 @@ Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
     k.striped = m.striped && nproxies_ > 1 && !(opt_.replicate && m.stored);
     k.opt = OptimizerSettings::From(m);
     k.stored = m.stored;
+    k.scratch = m.scratch;
     k.initialized = m.stored;  // nothing to wait for
     k.declared = true;
     uint64_t n = (m.bytes + m.shard_bytes - 1) / m.shard_bytes;

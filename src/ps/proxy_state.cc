@@ -79,6 +79,7 @@ void ProxyImpl::StartCheckpoint(const std::string& name,
   // Snapshot: share the current buffers; later updates copy (storage).
   auto snap = std::make_shared<std::vector<ShardStorage::Snapshot>>();
   for (auto& [k, key] : keys_) {
+    if (key.scratch) continue;  // the job's scratch is no model state
     for (uint32_t i = 0; i < key.shards.size(); ++i) {
       snap->push_back(ShardStorage::Snap(k, i, key.dtype, key.bytes,
                                          key.shard_bytes, key.shards[i]));

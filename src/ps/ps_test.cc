@@ -1773,6 +1773,82 @@ TEST(PsTest, StoredKeysKeepWorkerStateOnEveryReplica) {
   EXPECT_TRUE(again.ok()) << again.status().ToString();
 }
 
+// A job's scratch keys (a collective's sums and exchanges: DeclareScratch)
+// are freed by every node when the job ends; its other keys stay for the
+// next job (nodes outlive jobs). Every worker declares a key the same way.
+TEST(PsTest, ScratchKeysAreFreedWhenTheJobEnds) {
+  constexpr size_t kN = 256 << 10;  // floats: 1 MiB, striped over 2 nodes
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  auto job = [&](bool first) {
+    std::vector<std::unique_ptr<ParamClient>> w;
+    for (int r = 0; r < 2; ++r) {
+      w.push_back(Worker(c, r, 2));
+      if (!w.back()) return w;
+      auto sums = w[r]->DeclareScratch(1, kN * 4, DType::kFloat32, false);
+      EXPECT_TRUE(sums.ok()) << sums.status().ToString();
+      EXPECT_EQ(sums.ok() ? *sums : 99u, 0u) << "a scratch key starts afresh";
+      EXPECT_TRUE(
+          w[r]->DeclareScratch(2, 64 << 10, DType::kUInt8, /*stored=*/true)
+              .ok());
+      auto kept = w[r]->Declare(3, kN * 4, DType::kFloat32);
+      EXPECT_TRUE(kept.ok()) << kept.status().ToString();
+      EXPECT_EQ(kept.ok() ? *kept : 99u, first ? 0u : 2u)
+          << "kept: its rounds";
+    }
+    // Declared otherwise by another worker: refused, both ways.
+    EXPECT_EQ(w[1]->Declare(1, kN * 4, DType::kFloat32).status().code(),
+              StatusCode::kFailedPrecondition);
+    EXPECT_EQ(
+        w[1]->DeclareScratch(3, kN * 4, DType::kFloat32, false).status().code(),
+        StatusCode::kFailedPrecondition);
+    for (uint64_t key : {1u, 3u}) {
+      for (int round = 0; round < 2; ++round) {
+        std::vector<std::vector<float>> in(2, Ramp(kN, 1.f)), out(2);
+        std::vector<PsHandle> h;
+        for (int r = 0; r < 2; ++r) {
+          out[r].assign(kN, -1.f);
+          h.push_back(w[r]->PushPull(key, in[r].data(), out[r].data()));
+        }
+        for (int r = 0; r < 2; ++r) {
+          Status st = h[r].Wait(20s);
+          EXPECT_TRUE(st.ok()) << st.ToString();
+          EXPECT_EQ(out[r][5], 12.f);
+        }
+      }
+    }
+    auto buf = w[0]->AllocateTensor(64 << 10);
+    EXPECT_TRUE(buf.ok());
+    if (buf.ok()) {
+      EXPECT_TRUE(w[0]->Store(2, *buf).Wait(20s).ok());
+    }
+    return w;
+  };
+  auto w = job(true);
+  ASSERT_EQ(w.size(), 2u);
+  std::vector<ProxyStats> during;
+  for (auto& p : c.proxies) during.push_back(p->Stats());
+  EXPECT_EQ(during[0].keys, 3u);
+  w.clear();  // the job ends
+  WaitForNoWorkers(c);
+  auto until = std::chrono::steady_clock::now() + 10s;
+  for (size_t i = 0; i < c.proxies.size(); ++i) {
+    while (c.proxies[i]->Stats().keys != 1 &&
+           std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(10ms);
+    }
+    ProxyStats after = c.proxies[i]->Stats();
+    EXPECT_EQ(after.keys, 1u) << "proxy " << i << ": key 3 only";
+    // Key 1's value, scratch and backup copies, and key 2's bytes: at
+    // least its 1 MiB striped over the two nodes, as value and scratch.
+    EXPECT_LE(after.stored_bytes + (1u << 20), during[i].stored_bytes)
+        << "proxy " << i;
+  }
+  // The next job declares the scratch keys afresh; key 3 kept its rounds.
+  w = job(false);
+  ASSERT_EQ(w.size(), 2u);
+}
+
 // Over TCP (as between hosts) a store is read from the worker while the
 // proxy goes on serving; back-to-back stores land in order (the newest
 // wins), and a pull sees the last one.

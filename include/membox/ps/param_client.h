@@ -213,6 +213,13 @@ class ParamClient {
   // (AllocateTensor / RegisterTensor): no staging buffer is allocated.
   virtual Result<uint64_t> DeclareStored(uint64_t key, size_t bytes,
                                          DType dtype) = 0;
+  // A key of the job's scratch -- a collective's sums (`stored` false: a
+  // key for rounds, no optimizer) or its exchanges (`stored` true) --,
+  // which the memory nodes free when the job ends (every worker has left)
+  // instead of keeping its value for a later job, and leave out of
+  // checkpoints. Every worker declares it the same way.
+  virtual Result<uint64_t> DeclareScratch(uint64_t key, size_t bytes,
+                                          DType dtype, bool stored) = 0;
   virtual PsHandle Store(uint64_t key, const void* data,
                          std::function<void(const Status&)> cb = nullptr) = 0;
 

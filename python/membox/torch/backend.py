@@ -318,15 +318,17 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             (bits & ((1 << 52) - 1))
 
     def _declare(self, key, nbytes, dtype=None):
-        """Declares `key` once (dtype None: a stored key of bytes)."""
+        """Declares `key` once (dtype None: a stored key of bytes), as the
+        job's scratch: the nodes free it when the job ends."""
         if key in self._declared:
             if self._declared[key] != nbytes:
                 raise RuntimeError("membox backend: key collision")
             return
         if dtype is None:
-            self._client.declare_stored(key, max(nbytes, 1))
+            self._client.declare_scratch(key, max(nbytes, 1), "uint8",
+                                         stored=True)
         else:
-            self._client.declare(key, nbytes, dtype)
+            self._client.declare_scratch(key, nbytes, dtype)
         self._declared[key] = nbytes
 
     def _buffer(self, key, nbytes):
