@@ -359,6 +359,31 @@ def _errors(rank, world):
     return said
 
 
+def _node_stats(server, secret_file):
+    """(keys, stored bytes) of the parameter proxy of the node at `server`
+    (membox status)."""
+    out = subprocess.run(
+        [MEMBOX, "status", "--server", server, "--services", "--secret-file",
+         secret_file], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise AssertionError("membox status: %s" % out.stderr)
+    proxy = out.stdout.split("-- parameter proxy")[1]
+    stats = dict(line.split(None, 1) for line in proxy.splitlines()[1:]
+                 if len(line.split(None, 1)) == 2)
+    return int(stats["keys"]), int(stats["stored_bytes"])
+
+
+def _held(rank, world):
+    """Every collective; then, while every rank is still in the job, what
+    the node holds for it (rank 0 asks)."""
+    _collectives(rank, world)
+    dist.barrier()
+    held = _node_stats(os.environ["MEMBOX_TEST_NODE_SERVER"],
+                       os.environ["MEMBOX_SECRET_FILE"]) if rank == 0 else None
+    dist.barrier()
+    return held
+
+
 def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
     try:
         os.environ["MEMBOX_SECRET_FILE"] = secret_file
@@ -372,7 +397,8 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
                                 world_size=world)
         fn = {"collectives": _collectives, "ddp": _ddp, "ddp-gloo": _ddp,
               "fsdp2": _fsdp2, "fsdp2-gloo": _fsdp2,
-              "errors": _errors, "subgroups": _subgroups}[program]
+              "errors": _errors, "subgroups": _subgroups,
+              "held": _held}[program]
         out = fn(rank, world)
         dist.destroy_process_group()
         if program == "collectives" and init.startswith("file"):
@@ -469,6 +495,26 @@ class BackendTest(unittest.TestCase):
         for r, out in enumerate(outs):
             self.assertIn("objects", out)
             self.assertIn("all_to_all_single uneven", out)
+
+    def test_a_finished_jobs_keys_are_freed(self):
+        """A long-lived node keeps nothing of a job of the backend once its
+        ranks are gone: every key it declares is the job's scratch."""
+        import time
+        server = self.nodes[0].server
+        before = _node_stats(server, self.secret_file)
+        os.environ["MEMBOX_TEST_NODE_SERVER"] = server  # for the ranks
+        try:
+            held = self.run_ranks(2, "held")[0]
+        finally:
+            del os.environ["MEMBOX_TEST_NODE_SERVER"]
+        self.assertGreater(held[0], before[0], "the job's keys: %s" % (held,))
+        self.assertGreater(held[1], before[1])
+        until = time.monotonic() + 20
+        while _node_stats(server, self.secret_file) != before and \
+                time.monotonic() < until:
+            time.sleep(0.1)
+        self.assertEqual(_node_stats(server, self.secret_file), before,
+                         "while the job ran: %s" % (held,))
 
     def test_collectives_two_ranks_file_init(self):
         outs = self.run_ranks(2, "collectives",

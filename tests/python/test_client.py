@@ -34,7 +34,10 @@ class Node:
              "--pool-size", "16MiB", "--secret-file", path,
              "--exit-with-parent", *extra], stdout=subprocess.PIPE, text=True)
         self.endpoint = None
+        self.server = None  # the memory node's own endpoint (membox status)
         for line in self.p.stdout:
+            if line.startswith("membox serve: listening on "):
+                self.server = line.split()[-1]
             if line.startswith("membox serve: parameter proxy on "):
                 self.endpoint = line.split()[-1]
                 break
