@@ -375,13 +375,26 @@ def _node_stats(server, secret_file):
 
 def _held(rank, world):
     """Every collective; then, while every rank is still in the job, what
-    the node holds for it (rank 0 asks)."""
+    the node holds for it (rank 0 asks); then destroy_process_group(), and
+    how long until the node holds what it held before the job (the
+    baseline) again, with every rank's process still alive (None: not
+    within 20 s)."""
+    import time
+    server = os.environ["MEMBOX_TEST_NODE_SERVER"]
+    secret_file = os.environ["MEMBOX_SECRET_FILE"]
+    baseline = tuple(int(x) for x in
+                     os.environ["MEMBOX_TEST_NODE_BASELINE"].split(","))
     _collectives(rank, world)
     dist.barrier()
-    held = _node_stats(os.environ["MEMBOX_TEST_NODE_SERVER"],
-                       os.environ["MEMBOX_SECRET_FILE"]) if rank == 0 else None
+    held = _node_stats(server, secret_file) if rank == 0 else None
     dist.barrier()
-    return held
+    dist.destroy_process_group()
+    start = time.monotonic()
+    while _node_stats(server, secret_file) != baseline:
+        if time.monotonic() - start > 20:
+            return held, None
+        time.sleep(0.05)
+    return held, time.monotonic() - start
 
 
 def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
@@ -400,7 +413,8 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
               "errors": _errors, "subgroups": _subgroups,
               "held": _held}[program]
         out = fn(rank, world)
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         if program == "collectives" and init.startswith("file"):
             # A second group in the same process, on the same nodes.
             dist.init_process_group("membox", init_method=init + "-again",
@@ -498,23 +512,27 @@ class BackendTest(unittest.TestCase):
 
     def test_a_finished_jobs_keys_are_freed(self):
         """A long-lived node keeps nothing of a job of the backend once its
-        ranks are gone: every key it declares is the job's scratch."""
-        import time
+        groups are destroyed (every key it declares is the job's scratch,
+        and the last group's destruction closes the rank's connection):
+        keys and bytes held while the ranks run, and none after
+        destroy_process_group(), while the processes are still alive."""
         server = self.nodes[0].server
         before = _node_stats(server, self.secret_file)
-        os.environ["MEMBOX_TEST_NODE_SERVER"] = server  # for the ranks
+        env = {"MEMBOX_TEST_NODE_SERVER": server,
+               "MEMBOX_TEST_NODE_BASELINE": "%d,%d" % before}
+        os.environ.update(env)  # for the ranks
         try:
-            held = self.run_ranks(2, "held")[0]
+            outs = self.run_ranks(2, "held")
         finally:
-            del os.environ["MEMBOX_TEST_NODE_SERVER"]
+            for k in env:
+                del os.environ[k]
+        held = outs[0][0]
         self.assertGreater(held[0], before[0], "the job's keys: %s" % (held,))
         self.assertGreater(held[1], before[1])
-        until = time.monotonic() + 20
-        while _node_stats(server, self.secret_file) != before and \
-                time.monotonic() < until:
-            time.sleep(0.1)
-        self.assertEqual(_node_stats(server, self.secret_file), before,
-                         "while the job ran: %s" % (held,))
+        for rank, (_, freed_after) in enumerate(outs):
+            self.assertIsNotNone(freed_after, "rank %d: the node still held "
+                                 "the job's keys 20 s after "
+                                 "destroy_process_group()" % rank)
 
     def test_collectives_two_ranks_file_init(self):
         outs = self.run_ranks(2, "collectives",

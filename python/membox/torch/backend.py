@@ -218,11 +218,12 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     # names the same group on every rank. A subgroup is named by torch's
     # group name within the whole-job group it was made in.
     _groups = 0
-    # The one client of this process's groups, kept for the process's life
-    # (the nodes take one connection per rank of a job, and torch does not
-    # tell a Python backend when its group is destroyed: every rank must
-    # make the same choice): [client, global rank, job size]. A group of
-    # another rank or job size replaces it.
+    # The one client of this process's groups (the nodes take one
+    # connection per rank of a job): [client, global rank, job size, groups
+    # using it]. A group of another rank or job size replaces it. When the
+    # last group using it is destroyed (torch calls shutdown()), it is
+    # dropped and its connection closes: once every rank's has, the job has
+    # ended on the nodes, which free its keys (all scratch: _declare).
     _shared = None
 
     def __init__(self, store, rank, size, timeout, global_ranks=None,
@@ -250,8 +251,9 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         shared = MemboxBackend._shared
         if os.environ.get("MEMBOX_PROXIES"):  # for ranks that lack it
             store.set(_STORE_KEY, os.environ["MEMBOX_PROXIES"])
-        if shared is not None and shared[1:] == [me, job_size]:
+        if shared is not None and shared[1:3] == [me, job_size]:
             self._client = shared[0]  # a further group: same connection
+            shared[3] += 1
         else:
             MemboxBackend._shared = None
             shared = None  # the old connection closes first
@@ -262,7 +264,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             self._client.configure(mode="sum")
             if self._client.num_proxies > 1 and not self._sub:
                 self._route()
-            MemboxBackend._shared = [self._client, me, job_size]
+            MemboxBackend._shared = [self._client, me, job_size, 1]
         self._declared = {}  # key -> bytes
         self._buffers = {}  # key -> registered numpy buffer
         self._calls = {}  # (dtype, bytes) -> rounds of that size so far
@@ -1010,12 +1012,23 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
 
     # -------------------------------------------------------------- teardown
     def shutdown(self):
+        """The group is destroyed: its exchange thread ends, and the last
+        group of the process's connection closes it (the memory it
+        registered goes with it)."""
         if self._closed:
             return
         self._closed = True
         self._jobs.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+        shared = MemboxBackend._shared
+        if shared is not None and shared[0] is self._client:
+            shared[3] -= 1
+            if shared[3] == 0:
+                MemboxBackend._shared = None
+        self._buffers.clear()
+        self._one = None
+        self._client = None
 
     def abort(self):
         self.shutdown()
