@@ -112,10 +112,13 @@ def _secret():
 
 
 def connect(proxies=None, secret=None, rank=None, world=None, name=None,
-            timeout=60.0, partition_bytes=4 << 20):
+            timeout=60.0, partition_bytes=4 << 20, rejoin=False):
     """A Client for this worker. Missing arguments come from the environment
     `membox launch` sets: MEMBOX_PROXIES (comma-separated host:port),
-    MEMBOX_SECRET or MEMBOX_SECRET_FILE, RANK, WORLD_SIZE."""
+    MEMBOX_SECRET or MEMBOX_SECRET_FILE, RANK, WORLD_SIZE. rejoin: this
+    worker set follows one that used the nodes before (restarted, or of
+    another size): the hello is retried for up to 45 s while the nodes
+    still hold the previous job's connections."""
     if proxies is None:
         env = os.environ.get("MEMBOX_PROXIES")
         if not env:
@@ -125,7 +128,7 @@ def connect(proxies=None, secret=None, rank=None, world=None, name=None,
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     return Client(list(proxies), secret or _secret(), rank, world,
-                  name or f"worker-{rank}", timeout, partition_bytes)
+                  name or f"worker-{rank}", timeout, partition_bytes, rejoin)
 
 
 def connect_embeddings(nodes=None, secret=None, name=None, timeout=60.0,

@@ -579,10 +579,13 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
     return;
   }
   if (world_ != 0 && m.world != world_) {
+    // Another job is still here (ABORTED, as for a rank still connected: a
+    // worker set restarted with another size, such as torchft's next
+    // quorum, retries until the previous job's connections have closed).
     Reply(conn, m.type, m.id,
-          InvalidArgumentError("world size " + std::to_string(m.world) +
-                               " differs from the job's " +
-                               std::to_string(world_)));
+          AbortedError("world size " + std::to_string(m.world) +
+                       " differs from the job's " + std::to_string(world_) +
+                       " (that job's workers are still connected)"));
     return;
   }
   for (auto& [id, o] : conns_) {

@@ -5,7 +5,7 @@
 # options, the client test passes against the installed extension, and the
 # workers of an installed `membox launch` import the installed package.
 # With --torch, PyPI's torch 2.x goes into the same venv (size and time
-# printed) and the DDP-hook equivalence tests (membox vs Gloo, same losses:
+# printed; torchft too) and the DDP-hook equivalence tests (membox vs Gloo, same losses:
 # under `membox launch`, and under torchrun with separately started memory
 # nodes, with no_sync() accumulation and torch.compile), the embedding
 # layers and the CTR example, and the CUDA test
@@ -70,8 +70,8 @@ print('installed launch: worker', os.environ['RANK'], 'ok')
 if [[ $with_torch == 1 ]]; then
   t0=$(date +%s)
   "$venv/bin/pip" install -q --disable-pip-version-check torch scikit-learn \
-    lightning expecttest
-  echo "pip install torch scikit-learn lightning: $(( $(date +%s) - t0 )) s," \
+    lightning expecttest torchft
+  echo "pip install torch scikit-learn lightning torchft: $(( $(date +%s) - t0 )) s," \
     "venv $(du -sh "$venv" | cut -f1)"
   "$py" -c 'import torch; print("torch", torch.__version__)'
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/digits_equivalence_test.sh" \
@@ -92,6 +92,9 @@ if [[ $with_torch == 1 ]]; then
     "$venv/bin/membox"
   # The torch.distributed backend "membox" (collectives, p2p, DDP).
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_backend.py"
+  # torchft's fault-tolerant DDP over membox (ProcessGroupMembox) survives
+  # a replica kill.
+  MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/torchft_test.py"
   # PyTorch's own distributed tests on it (a share of the CPU collectives;
   # counts printed).
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/torch_distributed_suite.sh" \

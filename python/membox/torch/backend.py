@@ -116,19 +116,27 @@ class _Work(dist.Work):
         self._outputs = outputs
         self._timeout = timeout
         self._event = threading.Event()
+        self._finish_lock = threading.Lock()
+        self._finishing = False
         self._error = None
         self._fut = torch.futures.Future()
         self._checked = None
 
     def _finish(self, error=None):
-        if self._event.is_set():
-            return
+        """Completes the Work once: the futures first (their callbacks run
+        here), then wait(). So once wait() returns, get_future() is complete
+        too, and a then() on it runs at once, on the caller's thread, which
+        torchft's Manager relies on."""
+        with self._finish_lock:
+            if self._finishing:
+                return
+            self._finishing = True
         self._error = error
-        self._event.set()
         if error is None:
             self._fut.set_result(self._outputs)
         else:
             self._fut.set_exception(error)
+        self._event.set()
 
     def wait(self, timeout=None):
         t = self._timeout
@@ -227,7 +235,12 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     _shared = None
 
     def __init__(self, store, rank, size, timeout, global_ranks=None,
-                 group_name=""):
+                 group_name="", space=None, rejoin=False):
+        """`space`: the name of the group's key space, the same on every
+        rank (default: the group's place among this process's groups, see
+        _groups). `rejoin`: the group follows another job on the same nodes
+        (torchft's next quorum): its connection waits for that job's to
+        close (membox.connect's rejoin)."""
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._timeout = timeout if isinstance(timeout, timedelta) and \
@@ -242,7 +255,9 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         # every rank of the job, so its operations are exchanges, and its
         # ranks meet at fences in the group's store instead of at a round.
         self._sub = size < job_size
-        if self._sub:
+        if space is not None:
+            self._index = ("named", space)
+        elif self._sub:
             self._index = ("subgroup", MemboxBackend._groups - 1, group_name)
         else:
             self._index = MemboxBackend._groups
@@ -260,7 +275,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             proxies = _proxies(store, rank, self._timeout)
             self._client = membox.connect(
                 proxies, rank=me, world=job_size, name="torch-rank-%d" % me,
-                timeout=self._timeout.total_seconds())
+                timeout=self._timeout.total_seconds(), rejoin=rejoin)
             self._client.configure(mode="sum")
             if self._client.num_proxies > 1 and not self._sub:
                 self._route()
@@ -281,7 +296,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._thread = threading.Thread(target=_serve, args=(self._jobs,),
                                         daemon=True,
                                         name="membox-backend-%s" % (
-                                            group_name or self._index))
+                                            group_name or str(self._index),))
         self._thread.start()
         if not self._sub:
             self._fence = self._key(2, 0, "fence")
