@@ -359,6 +359,28 @@ def _errors(rank, world):
     return said
 
 
+def _reconfigure(rank, world):
+    """Three ranks, then torch's reconfigure API: rank 2 leaves, ranks 0
+    and 1 reconfigure the default group with their handles in reverse
+    order (global rank 1 becomes rank 0) and go on."""
+    t = torch.full((2,), float(rank))
+    dist.all_reduce(t)
+    out = {"before": t.tolist(), "supports": dist._supports_reconfigure()}
+    handles = [None] * world
+    dist.all_gather_object(handles, dist._get_reconfigure_handle())
+    if rank == 2:
+        return out  # leaves the job (its connection closes)
+    dist._reconfigure(uuid=42, handles=[handles[1], handles[0]]).wait()
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    out["after"] = t.tolist()
+    b = torch.full((3,), float(rank))
+    dist.broadcast(b, src=0)  # the new rank 0: global rank 1
+    out["broadcast"] = b.tolist()
+    dist.barrier()
+    return out
+
+
 def _node_stats(server, secret_file):
     """(keys, stored bytes) of the parameter proxy of the node at `server`
     (membox status)."""
@@ -406,12 +428,14 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
         else:
             os.environ.pop("MEMBOX_PROXIES", None)
         backend = "gloo" if program.endswith("-gloo") else "membox"
+        extra = {"enable_reconfigure": True} if program == "reconfigure" \
+            else {}
         dist.init_process_group(backend, init_method=init, rank=rank,
-                                world_size=world)
+                                world_size=world, **extra)
         fn = {"collectives": _collectives, "ddp": _ddp, "ddp-gloo": _ddp,
               "fsdp2": _fsdp2, "fsdp2-gloo": _fsdp2,
               "errors": _errors, "subgroups": _subgroups,
-              "held": _held}[program]
+              "held": _held, "reconfigure": _reconfigure}[program]
         out = fn(rank, world)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -572,6 +596,17 @@ class BackendTest(unittest.TestCase):
                 self.assertIn("send/recv 2", out["pair"])
             if rank != 0:
                 self.assertEqual(out["other"], [3.0, 3.0, 3.0])
+
+    @unittest.skipUnless(hasattr(dist, "_reconfigure"),
+                         "torch without the reconfigure API")
+    def test_reconfigure_after_a_rank_leaves(self):
+        outs = self.run_ranks(3, "reconfigure")
+        for rank, out in enumerate(outs):
+            self.assertTrue(out["supports"])
+            self.assertEqual(out["before"], [3.0, 3.0])
+            if rank < 2:
+                self.assertEqual(out["after"], [3.0, 3.0])
+                self.assertEqual(out["broadcast"], [1.0, 1.0, 1.0])
 
     def test_errors_are_clear(self):
         outs = self.run_ranks(3, "errors")

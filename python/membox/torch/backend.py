@@ -262,6 +262,14 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         else:
             self._index = MemboxBackend._groups
             MemboxBackend._groups += 1
+        self._base_store = store
+        self._handle = None  # get_reconfigure_handle's, made on first use
+        self._start(store, me, job_size, group_name or str(self._index),
+                    rejoin)
+
+    def _start(self, store, me, job_size, label, rejoin):
+        """Connects (or shares the process's connection for job rank `me` of
+        `job_size`) and starts the group's exchange thread and state."""
         self._store = store
         shared = MemboxBackend._shared
         if os.environ.get("MEMBOX_PROXIES"):  # for ranks that lack it
@@ -272,7 +280,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         else:
             MemboxBackend._shared = None
             shared = None  # the old connection closes first
-            proxies = _proxies(store, rank, self._timeout)
+            proxies = _proxies(store, self._rank, self._timeout)
             self._client = membox.connect(
                 proxies, rank=me, world=job_size, name="torch-rank-%d" % me,
                 timeout=self._timeout.total_seconds(), rejoin=rejoin)
@@ -295,13 +303,61 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         # The thread holds the queue only, so the group can be collected.
         self._thread = threading.Thread(target=_serve, args=(self._jobs,),
                                         daemon=True,
-                                        name="membox-backend-%s" % (
-                                            group_name or str(self._index),))
+                                        name="membox-backend-%s" % label)
         self._thread.start()
         if not self._sub:
             self._fence = self._key(2, 0, "fence")
             self._declare(self._fence, 4, "float32")
             self._one = self._client.allocate(4).view(np.float32)
+
+    # ---------------------------------------------------------- reconfigure
+    # torch's reconfigure API (torch 2.15, as Gloo's): a group made with
+    # init_process_group(..., enable_reconfigure=True) takes a new set of
+    # peers -- a fault-tolerance layer's next quorum -- without being made
+    # again.
+    @property
+    def supports_reconfigure(self):
+        return True
+
+    def get_reconfigure_handle(self):
+        """This process's handle for the peers' out-of-band exchange."""
+        if self._handle is None:
+            import socket
+            import uuid
+            self._handle = "membox:%s:%d:%s" % (
+                socket.gethostname(), os.getpid(), uuid.uuid4().hex)
+        return self._handle
+
+    def reconfigure(self, opts):
+        """Becomes a group of the processes whose handles are in
+        opts.handles (a list: ranks by position; a set: in sorted order), a
+        new job on the nodes: this rank's connection to the old one closes,
+        the new one waits for the old job's other connections to close
+        (rejoin), and its keys are a space named by opts.uuid. torch keeps
+        the ProcessGroup's rank() and size() of its creation for a backend
+        registered from Python; the backend's own operations use the new
+        rank and size."""
+        handles = list(opts.handles) if isinstance(opts.handles, list) \
+            else sorted(opts.handles)
+        mine = self.get_reconfigure_handle()
+        if len(set(handles)) != len(handles):
+            raise ValueError("membox backend: reconfigure: a handle is "
+                             "named twice")
+        if mine not in handles:
+            raise ValueError("membox backend: reconfigure: this process's "
+                             "handle is not among the %d handles"
+                             % len(handles))
+        self.shutdown()  # the exchange thread and the old connection
+        self._rank, self._size = handles.index(mine), len(handles)
+        self._sub = False
+        self._index = ("reconfigured", int(opts.uuid))
+        store = dist.PrefixStore("membox/reconfigured/%d/" % int(opts.uuid),
+                                 self._base_store)
+        if not os.environ.get("MEMBOX_PROXIES"):  # what init() found
+            store.set(_STORE_KEY, self._base_store.get(_STORE_KEY))
+        self._start(store, self._rank, self._size,
+                    "reconfigured-%d" % int(opts.uuid), rejoin=True)
+        return _done("reconfigure", [], self._timeout)
 
     # ------------------------------------------------------------ plumbing
     def getBackendName(self):
