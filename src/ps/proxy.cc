@@ -724,8 +724,9 @@ uint64_t ProxyImpl::FreeScratch() {
   std::set<uint64_t> gone;
   for (auto it = keys_.begin(); it != keys_.end();) {
     const Key& key = it->second;
-    const bool copying = std::any_of(key.shards.begin(), key.shards.end(),
-                                     [](const Shard& sh) { return sh.copying; });
+    const bool copying =
+        std::any_of(key.shards.begin(), key.shards.end(),
+                    [](const Shard& sh) { return sh.copying; });
     if (!key.scratch || copying) {
       ++it;
       continue;

@@ -440,7 +440,8 @@ Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
     if (k.declared && k.scratch != m.scratch) {
       return FailedPreconditionError(
           "key " + std::to_string(m.key) + " was declared " +
-          (k.scratch ? "as the job's scratch" : "as state kept for later jobs") +
+          (k.scratch ? "as the job's scratch"
+                     : "as state kept for later jobs") +
           " by another worker: every worker declares it the same way");
     }
     if (k.declared && k.opt.kind != m.optimizer) {

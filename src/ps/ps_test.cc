@@ -1793,8 +1793,7 @@ TEST(PsTest, ScratchKeysAreFreedWhenTheJobEnds) {
               .ok());
       auto kept = w[r]->Declare(3, kN * 4, DType::kFloat32);
       EXPECT_TRUE(kept.ok()) << kept.status().ToString();
-      EXPECT_EQ(kept.ok() ? *kept : 99u, first ? 0u : 2u)
-          << "kept: its rounds";
+      EXPECT_EQ(kept.ok() ? *kept : 99u, first ? 0u : 2u) << "kept: its rounds";
     }
     // Declared otherwise by another worker: refused, both ways.
     EXPECT_EQ(w[1]->Declare(1, kN * 4, DType::kFloat32).status().code(),

@@ -29,7 +29,7 @@ if mt.MemboxBackend is None:
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_client import MEMBOX, Node  # noqa: E402
+from test_client import MEMBOX, Node, proxy_stats  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -382,17 +382,9 @@ def _reconfigure(rank, world):
 
 
 def _node_stats(server, secret_file):
-    """(keys, stored bytes) of the parameter proxy of the node at `server`
-    (membox status)."""
-    out = subprocess.run(
-        [MEMBOX, "status", "--server", server, "--services", "--secret-file",
-         secret_file], capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise AssertionError("membox status: %s" % out.stderr)
-    proxy = out.stdout.split("-- parameter proxy")[1]
-    stats = dict(line.split(None, 1) for line in proxy.splitlines()[1:]
-                 if len(line.split(None, 1)) == 2)
-    return int(stats["keys"]), int(stats["stored_bytes"])
+    """(keys, stored bytes) of the parameter proxy of the node at `server`."""
+    stats = proxy_stats(server, secret_file)
+    return stats["keys"], stats["stored_bytes"]
 
 
 def _held(rank, world):

@@ -48,6 +48,22 @@ class Node:
         self.p.wait()
 
 
+def proxy_stats(server, secret_file):
+    """The stats of the parameter proxy of the memory node at `server`
+    (`membox status --services`), as a dict of ints where they are ints."""
+    out = subprocess.run(
+        [MEMBOX, "status", "--server", server, "--services", "--secret-file",
+         secret_file], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise AssertionError("membox status: %s" % out.stderr)
+    stats = {}
+    for line in out.stdout.split("-- parameter proxy")[1].splitlines()[1:]:
+        parts = line.split(None, 1)
+        if len(parts) == 2:
+            stats[parts[0]] = int(parts[1]) if parts[1].isdigit() else parts[1]
+    return stats
+
+
 class ClientTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp()

@@ -14,7 +14,6 @@ weights, and the averages ran on the memory node (its rounds). Needs torch
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ if mt.MemboxBackend is None:
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_client import MEMBOX, Node  # noqa: E402
+from test_client import Node, proxy_stats  # noqa: E402
 
 STEPS = 24
 KILL_AT = 8
@@ -144,7 +143,8 @@ class TorchftTest(unittest.TestCase):
                 if p.is_alive():
                     p.kill()
             lighthouse.shutdown()
-            rounds = self.node_rounds(node, tmp)
+            rounds = proxy_stats(node.server, os.path.join(tmp, "secret"))[
+                "rounds_completed"]
             node.kill()
         survivor, rejoined = results[0], results[1]
         self.assertEqual(sorted(survivor[0]), list(range(STEPS)),
@@ -160,17 +160,6 @@ class TorchftTest(unittest.TestCase):
         print("PASS: torchft DDP over membox survived a replica kill "
               "(participants per step: %s; %d rounds on the node)" %
               (survivor[0], rounds))
-
-    @staticmethod
-    def node_rounds(node, tmp):
-        out = subprocess.run(
-            [MEMBOX, "status", "--server", node.server, "--services",
-             "--secret-file", os.path.join(tmp, "secret")],
-            capture_output=True, text=True, timeout=30)
-        for line in out.stdout.split("-- parameter proxy")[-1].splitlines():
-            if line.startswith("rounds_completed "):
-                return int(line.split()[1])
-        return 0
 
 
 if __name__ == "__main__":
