@@ -1066,12 +1066,16 @@ TEST(PsTest, ErrorsAreClear) {
   EXPECT_EQ(ParamClient::Connect(o).status().code(),
             StatusCode::kUnauthenticated);
   auto w0 = Worker(c, 0, 2);
-  // Another worker with a different world size, or the same rank, is refused.
+  // Another worker with a different world size, or the same rank, is
+  // refused: another job is still here (ABORTED, which a rejoining worker
+  // set retries until that job's connections have closed).
   o.secret = kSecret;
   o.world = 3;
   o.rank = 1;
-  EXPECT_EQ(ParamClient::Connect(o).status().code(),
-            StatusCode::kInvalidArgument);
+  Status other = ParamClient::Connect(o).status();
+  EXPECT_EQ(other.code(), StatusCode::kAborted);
+  EXPECT_NE(other.message().find("differs from the job's 2"), std::string::npos)
+      << other.ToString();
   o.world = 2;
   o.rank = 0;
   EXPECT_EQ(ParamClient::Connect(o).status().code(),
