@@ -7,8 +7,9 @@
 #                                         RocksDB, iperf3), namespaces
 #   bash scripts/install-deps.sh --tests  that, and what the tests add:
 #                                         GoogleTest, clang (fuzzers,
-#                                         clang-format), git, and Debian's
+#                                         clang-format), git, Debian's
 #                                         torch 1.13 (the old path's tests)
+#                                         and Slurm with munge
 set -euo pipefail
 SUDO=""
 if [[ $(id -u) -ne 0 ]]; then SUDO=sudo; fi
@@ -29,6 +30,7 @@ tests=(
   libgtest-dev libgmock-dev googletest
   python3-torch
   clang clang-format libclang-rt-14-dev
+  slurmctld slurmd slurm-client munge
 )
 pkgs=("${main[@]}")
 case "${1:-}" in

@@ -95,6 +95,12 @@ if [[ $with_torch == 1 ]]; then
   # torchft's fault-tolerant DDP over membox (ProcessGroupMembox) survives
   # a replica kill.
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/torchft_test.py"
+  # Real Slurm across two emulated hosts: sbatch starts the memory nodes and
+  # the workers (examples/slurm/membox.sbatch). Root only (77 otherwise).
+  rc=0
+  MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/slurm_test.sh" \
+    "$venv/bin/membox" || rc=$?
+  [[ $rc == 0 || $rc == 77 ]] || { echo "FAIL: slurm_test ($rc)"; exit 1; }
   # PyTorch's own distributed tests on it (a share of the CPU collectives;
   # counts printed).
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/torch_distributed_suite.sh" \
