@@ -28,6 +28,7 @@
 #include "membox/base/environment.h"
 #include "membox/base/logging.h"
 #include "membox/base/secret.h"
+#include "membox/collective/ring_allreduce.h"
 #include "membox/embedding/client.h"
 #include "membox/ps/client_environment.h"
 #include "membox/ps/param_client.h"
@@ -803,6 +804,73 @@ PYBIND11_MODULE(_core, m) {
       "The secret by membox's one rule: `secret`, else the first line of "
       "`file`, else MEMBOX_SECRET, else MEMBOX_SECRET_FILE; trailing "
       "whitespace and CR removed.");
+
+  // The workers' own ring (collective::RingAllreduce): the direct path of
+  // the torch backend's large all_gather. Blocking calls, GIL released;
+  // one call at a time (the caller serialises).
+  using membox::collective::RingAllreduce;
+  py::class_<RingAllreduce>(m, "Ring")
+      .def(py::init([](int rank, int world, const std::string& listen,
+                       const std::string& secret, size_t max_bytes,
+                       double timeout_s) {
+             membox::collective::RingOptions o;
+             o.rank = rank;
+             o.world = world;
+             o.listen = listen;
+             o.secret = secret;
+             o.max_bytes = max_bytes;
+             o.timeout = std::chrono::milliseconds(
+                 static_cast<int64_t>(timeout_s * 1000));
+             return Check(RingAllreduce::Create(o));
+           }),
+           py::arg("rank"), py::arg("world"), py::arg("listen"),
+           py::arg("secret"), py::arg("max_bytes") = 64 << 20,
+           py::arg("timeout_s") = 60.0,
+           "Listens at `listen` (host:0 picks a port); connect() next.")
+      .def_property_readonly("endpoint", &RingAllreduce::endpoint)
+      .def(
+          "connect",
+          [](RingAllreduce& r, const std::vector<std::string>& eps) {
+            Status s;
+            {
+              py::gil_scoped_release nogil;
+              s = r.Connect(eps);
+            }
+            if (!s.ok()) Throw(s);
+          },
+          py::arg("endpoints"), "Every worker's endpoint, in rank order.")
+      .def(
+          "allgather",
+          [](RingAllreduce& r, py::object data, size_t chunk_bytes) {
+            Buffer b = GetBuffer(data, true);
+            if (chunk_bytes == 0 || b.bytes % chunk_bytes != 0) {
+              throw py::value_error("the buffer is not whole chunks");
+            }
+            Status s;
+            {
+              py::gil_scoped_release nogil;
+              s = r.Allgather(b.ptr, chunk_bytes);
+            }
+            if (!s.ok()) Throw(s);
+          },
+          py::arg("data"), py::arg("chunk_bytes"),
+          "In place: `data` holds world chunks; this worker's own at "
+          "rank * chunk_bytes; every worker's on return.")
+      .def(
+          "allreduce",
+          [](RingAllreduce& r, py::object data) {
+            Buffer b = GetBuffer(data, true);
+            if (b.bytes % sizeof(float) != 0) {
+              throw py::value_error("a float32 buffer is needed");
+            }
+            Status s;
+            {
+              py::gil_scoped_release nogil;
+              s = r.Allreduce(static_cast<float*>(b.ptr), b.bytes / 4);
+            }
+            if (!s.ok()) Throw(s);
+          },
+          py::arg("data"), "float32 sum in place (at most max_bytes).");
 
   py::class_<Handle>(m, "Handle")
       .def("wait", &Handle::Wait, py::arg("timeout") = py::none(),

@@ -5,11 +5,14 @@ backend against Gloo, nccl-tests style, same machine, same run.
                              [--workers 2] [--nodes 1] [--repeats 3]
                              [--sizes 4K,64K,1M,16M,64M]
                              [--ops all_reduce,all_gather,...]
+                             [--cluster examples/cluster/4w4m.toml]
 
 For each backend (interleaved --repeats times: drift on a shared machine
 hits both alike), --workers processes are started (membox: under `membox
 launch --nodes N`; Gloo: with torchrun's environment and no memory node
-running) and time each operation through torch.distributed for each size:
+running; with --cluster, both across the emulated cluster's worker hosts
+through mpirun and `membox launch --attach`, the topology's memory nodes
+up for both) and time each operation through torch.distributed for each size:
 two warm-up calls, then as many as fit in about half a second (at least
 three); a call's time is the slowest rank's mean. Reported as nccl-tests
 does: size is the bytes of the whole buffer (the output of all_gather, the
@@ -18,7 +21,8 @@ operation's factor (all_reduce 2(p-1)/p; all_gather, reduce_scatter,
 all_to_all (p-1)/p; broadcast 1). The table gives the median time and
 membox's time over Gloo's (below 1: membox is faster), and each run's CPU
 use (user + system seconds of every process it started, per wall second;
-the machine's cores are the most). Records follow docs/design/benchmarks.md.
+the machine's cores are the most; with --cluster the machine's busy cores,
+memory nodes included). Records follow docs/design/benchmarks.md.
 """
 import argparse
 import json
@@ -27,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from membox import cluster
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
        "broadcast")
@@ -126,7 +132,16 @@ def _run(a, backend, sizes):
             "--sizes", ",".join(str(s) for s in sizes), "--out", out]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cpu0, t0 = _children_cpu(), time.perf_counter()
-    if backend == "membox":
+    if a.topo is not None:
+        # Across the emulated hosts: mpirun over the worker hosts and
+        # `membox launch --attach` on each, for both backends (Gloo ignores
+        # the memory nodes; it talks over the same links).
+        cmd = cluster.mpirun_argv(a.topo, args, attach=True)
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                  start_new_session=True)]
+    elif backend == "membox":
         cmd = [os.environ.get("MEMBOX_BIN", "membox"), "launch", "--nodes",
                str(a.nodes), "--workers", str(a.workers), "--"] + args
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE,
@@ -140,9 +155,18 @@ def _run(a, backend, sizes):
                                   env=dict(env, RANK=str(r),
                                            LOCAL_RANK=str(r)))
                  for r in range(a.workers)]
-    outs = [p.communicate()[0] for p in procs]
-    wall = time.perf_counter() - t0
-    cpu = (_children_cpu() - cpu0) / wall
+    if a.topo is not None:
+        # Its processes are not this one's children (mpirun's daemons
+        # detach): the machine's busy cores, the memory nodes included.
+        from membox.cluster_bench import CpuMeter
+        with CpuMeter() as meter:
+            outs = [p.communicate()[0] for p in procs]
+        wall = time.perf_counter() - t0
+        cpu = meter.percent / 100 * (os.cpu_count() or 1)
+    else:
+        outs = [p.communicate()[0] for p in procs]
+        wall = time.perf_counter() - t0
+        cpu = (_children_cpu() - cpu0) / wall
     if any(p.returncode for p in procs) or not os.path.exists(out):
         sys.stderr.write("\n".join(o[-4000:] for o in outs))
         _die(f"the {backend} run failed")
@@ -163,12 +187,28 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--sizes", default="")
     ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--cluster", default="", metavar="TOPOLOGY",
+                    help="run across an emulated cluster (membox cluster's "
+                    "topology file; root): one worker per worker host, "
+                    "the topology's memory nodes; brought up for the run "
+                    "and down after unless it is up already")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="membox", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         return _worker(a)
+    a.topo = None
+    if a.cluster:
+        try:
+            cluster.require_root()
+            a.topo = cluster.load_topology(a.cluster)
+        except cluster.ClusterError as e:
+            _die(str(e))
+        a.workers = len(cluster.workers(a.topo))
+        a.nodes = len(cluster.memory_hosts(a.topo))
+        if not a.nodes:
+            _die(f"{a.cluster}: the topology has no memory hosts")
     a.op_list = [o for o in a.ops.split(",") if o]
     for o in a.op_list:
         if o not in OPS:
@@ -184,7 +224,22 @@ def main(argv=None):
     except ImportError:
         _die("needs torch 2.x (Python backends) in this interpreter")
     from membox.bench_report import run_interleaved
-    runs = run_interleaved(BACKENDS, repeats, lambda b: _run(a, b, sizes))
+    created = False
+    if a.topo is not None and not cluster.is_up(a.topo):
+        try:
+            cluster.up(a.topo, log=lambda s: print(s, file=sys.stderr))
+        except cluster.ClusterError as e:
+            _die(str(e))
+        created = True
+    try:
+        runs = run_interleaved(BACKENDS, repeats,
+                               lambda b: _run(a, b, sizes))
+    finally:
+        if created:
+            cluster.down(a.topo, quiet=True)
+    where = (f"emulated cluster {os.path.basename(a.cluster)} "
+             f"({a.topo['hosts'][0]['rate'] or 'unshaped'} links)"
+             if a.topo is not None else "one host")
     p = a.workers
     rows = {}  # (op, size) -> {backend: median time}
     for b, rs in runs.items():
@@ -193,7 +248,7 @@ def main(argv=None):
             rows.setdefault((r0["op"], r0["size"]), {})[b] = ts[len(ts) // 2]
     cpu = {b: sorted(r["cpu_per_wall"] for r in rs)[len(rs) // 2]
            for b, rs in runs.items()}
-    print(f"\ntorch.distributed collectives, {p} processes, torch "
+    print(f"\ntorch.distributed collectives, {where}, {p} processes, torch "
           f"{torch.__version__}; membox: {a.nodes} memory node(s); median of "
           f"{repeats} run(s); CPU (cores busy over each whole run): membox "
           f"{cpu['membox']:.2f}, gloo {cpu['gloo']:.2f}")
@@ -238,7 +293,7 @@ def main(argv=None):
         ax.set_xlabel("bytes")
         ax.set_ylabel("membox time / Gloo time (below 1: membox faster)")
         ax.set_title(f"torch.distributed collectives, {p} processes, "
-                     f"{a.nodes} memory node(s), one host")
+                     f"{a.nodes} memory node(s), {where}", fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(a.plot, dpi=100)

@@ -134,6 +134,40 @@ class RingImpl final : public RingAllreduce {
     return Recv(*next_, RingType::kAck, call, steps - 1).status();
   }
 
+  Status Allgather(void* data, size_t chunk_bytes) override {
+    const int P = opt_.world;
+    if (P == 1 || chunk_bytes == 0) return Status::Ok();
+    if (!next_ || !prev_) return FailedPreconditionError("ring not connected");
+    auto* base = static_cast<uint8_t*>(data);
+    const size_t piece = ChunkCapacity();
+    const int r = opt_.rank;
+    // Pieces of every chunk in turn: step t forwards chunk (r - t) and
+    // receives chunk (r - t - 1), as the all-gather half of Allreduce.
+    for (size_t off = 0; off < chunk_bytes; off += piece) {
+      const size_t n = std::min(piece, chunk_bytes - off);
+      const uint64_t call = ++calls_;
+      for (int t = 0; t < P - 1; ++t) {
+        const int send_c = ((r - t) % P + P) % P;
+        const int recv_c = ((r - t - 1) % P + P) % P;
+        if (t > 0)
+          RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, t - 1).status());
+        std::memcpy(send_->data(), base + send_c * chunk_bytes + off, n);
+        ASSIGN_OR_RETURN(auto h,
+                         next_->Write(send_->data(), *send_,
+                                      remote_recv_->address(), *remote_recv_, n));
+        RETURN_IF_ERROR(h.Wait(opt_.timeout));
+        ASSIGN_OR_RETURN(auto f, next_->Flush());
+        RETURN_IF_ERROR(f.Wait(opt_.timeout));
+        RETURN_IF_ERROR(Send(*next_, RingType::kReady, call, t));
+        RETURN_IF_ERROR(Recv(*prev_, RingType::kReady, call, t).status());
+        std::memcpy(base + recv_c * chunk_bytes + off, recv_->data(), n);
+        RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, t));
+      }
+      RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, P - 2).status());
+    }
+    return Status::Ok();
+  }
+
  private:
   size_t ChunkCapacity() const {
     size_t floats = (opt_.max_bytes / sizeof(float) + opt_.world - 1) /

@@ -50,6 +50,55 @@ TEST(RingAllreduceTest, SumsAcrossWorkers) {
   RunRing(1, 100, 1);
 }
 
+// Allgather in place, chunks larger than a piece (max_bytes / world), then
+// an Allreduce on the same ring: the calls stay in step.
+void RunGather(int world, size_t chunk, size_t max_bytes) {
+  std::vector<std::unique_ptr<RingAllreduce>> rings;
+  std::vector<std::string> eps;
+  for (int r = 0; r < world; ++r) {
+    RingOptions o;
+    o.rank = r;
+    o.world = world;
+    o.listen = "127.0.0.1:0";
+    o.max_bytes = max_bytes;
+    auto ring = RingAllreduce::Create(o);
+    ASSERT_TRUE(ring.ok()) << ring.status().ToString();
+    eps.push_back((*ring)->endpoint());
+    rings.push_back(std::move(*ring));
+  }
+  std::vector<std::thread> th;
+  for (int r = 0; r < world; ++r) {
+    th.emplace_back([&, r] {
+      ASSERT_TRUE(rings[r]->Connect(eps).ok());
+      for (int call = 0; call < 2; ++call) {
+        std::vector<uint8_t> v(chunk * world, 0xEE);
+        for (size_t i = 0; i < chunk; ++i)
+          v[r * chunk + i] = uint8_t(r * 31 + i * 7 + call);
+        Status s = rings[r]->Allgather(v.data(), chunk);
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        for (int q = 0; q < world; ++q) {
+          for (size_t i = 0; i < chunk; ++i) {
+            ASSERT_EQ(v[q * chunk + i], uint8_t(q * 31 + i * 7 + call))
+                << "rank " << r << " chunk " << q << " byte " << i;
+          }
+        }
+        std::vector<float> f(world, float(r + 1));
+        s = rings[r]->Allreduce(f.data(), f.size());
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        ASSERT_EQ(f[0], float(world * (world + 1) / 2));
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+}
+
+TEST(RingAllreduceTest, GathersChunksOfAnySize) {
+  RunGather(3, 1001, 3 * 256);  // four pieces per chunk, the last short
+  RunGather(2, 7, 1 << 20);
+  RunGather(4, 1, 64);
+  RunGather(1, 10, 64);
+}
+
 TEST(RingAllreduceTest, RejectsOversizeAndBadMessages) {
   RingOptions o;
   o.max_bytes = 64;

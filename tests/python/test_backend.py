@@ -126,6 +126,21 @@ def _collectives(rank, world, group=None):
                                                 dtype=torch.int32))
     check("all_gather_into_tensor", out,
           torch.arange(world, dtype=torch.int32).repeat_interleave(2))
+    # Large all_gathers (1 MiB or more in all) go over the workers' own
+    # ring in a group of the whole job (the direct path), through the nodes
+    # in a subgroup: odd sizes, several dtypes, into a list and into one
+    # tensor, chunks larger than a ring piece included.
+    for dtype, n in ((torch.float32, (1 << 18) + 3), (torch.int64, 70001),
+                     (torch.uint8, (40 << 20) + 1)):
+        mine = (torch.arange(n) % 251 + rank).to(dtype)
+        want = torch.cat([(torch.arange(n) % 251 + q).to(dtype)
+                          for q in range(world)])
+        out = torch.empty(n * world, dtype=dtype)
+        d.all_gather_into_tensor(out, mine)
+        check("all_gather_into_tensor large %s" % dtype, out, want)
+        outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
+        d.all_gather(outs, mine)
+        check("all_gather large %s" % dtype, torch.cat(outs), want)
     # Small float broadcast and all_gather move as sum rounds (-0.0 where a
     # rank places nothing): every value arrives bit for bit, -0.0, NaN,
     # infinities and subnormals included.

@@ -1,6 +1,7 @@
 // Worker-side ring AllReduce (the "GPU synchronisation" half of seed 000's
 // dual synchronisation, §III.F): p workers sum a float32 buffer in place by
-// reduce-scatter + all-gather over p chunks, each step a one-sided write of
+// reduce-scatter + all-gather over p chunks (or only all-gather bytes: the
+// direct path of the torch backend's all_gather), each step a one-sided write of
 // one chunk into the next worker's receive buffer (mapped memory on one
 // host, RDMA/TCP across hosts) followed by a control notice.
 //
@@ -54,6 +55,12 @@ class RingAllreduce {
   // data[i] <- sum over workers of data[i]; `count` * 4 <= max_bytes and
   // equal on every worker.
   virtual Status Allreduce(float* data, size_t count) = 0;
+  // In-place all-gather of bytes: `data` holds world chunks of
+  // `chunk_bytes` each, this worker's own at rank * chunk_bytes; on return
+  // every chunk holds its worker's bytes. Each worker sends and receives
+  // (world - 1) * chunk_bytes, in pieces of at most max_bytes / world (any
+  // chunk size works). `chunk_bytes` must be equal on every worker.
+  virtual Status Allgather(void* data, size_t chunk_bytes) = 0;
 };
 
 }  // namespace membox::collective

@@ -35,6 +35,7 @@ ParameterServer's and offload's keys on the same nodes."""
 import hashlib
 import os
 import queue
+import socket
 import threading
 from datetime import timedelta
 
@@ -56,6 +57,12 @@ _KEYS_PER_SIZE = 4
 # (_placed_sum): latency-bound sizes, where one round beats an exchange's
 # store, fence and pull.
 _SUM_MOVE_BYTES = 256 << 10
+# An all_gather of at least this many bytes in all (the output) goes over
+# the workers' own ring (collective::RingAllreduce's all-gather) instead of
+# through the nodes (docs/design/backend.md, "Direct path"). 0 turns the
+# ring off (MEMBOX_BACKEND_DIRECT_BYTES, read once at import).
+_DIRECT_BYTES = int(os.environ.get("MEMBOX_BACKEND_DIRECT_BYTES", 1 << 20))
+_RING_MAX_BYTES = 64 << 20  # the ring's pieces: this / world per step
 _NAMES = {torch.float32: "float32", torch.float64: "float64",
           torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -298,6 +305,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._fences = 0  # a subgroup's fences so far
         self._p2p_sent = {}  # (dst, tag) -> sends so far
         self._p2p_recv = {}  # (src, tag) -> receives so far
+        self._ring = None  # the workers' ring, made on its first use
         self._jobs = queue.Queue()
         self._closed = False
         # The thread holds the queue only, so the group can be collected.
@@ -635,6 +643,36 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             if n:
                 out.numpy()[:] = buf[:n]
 
+    # ---------------------------------------------------------- direct path
+    def _direct(self, total_bytes):
+        """Whether an all_gather of `total_bytes` (the output) goes over the
+        workers' ring: large, in a group of the whole job. Every rank sees
+        the same sizes, so every rank takes the same path."""
+        return (not self._sub and self._size > 1 and _DIRECT_BYTES > 0 and
+                total_bytes >= _DIRECT_BYTES)
+
+    def _ring_gather(self, flat, chunk_bytes):
+        """On the exchange thread: the uint8 tensor `flat` holds every
+        rank's chunk of `chunk_bytes`, this rank's filled in; the ring
+        fills the rest. The ring is made on first use: each rank listens
+        on its address toward the first memory node (the interface the
+        job already uses) and finds the others' in the group's store."""
+        if self._ring is None:
+            host, _, port = _proxies(self._store, self._rank,
+                                     self._timeout)[0].rpartition(":")
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                u.connect((host.strip("[]"), int(port)))  # no packet sent
+                mine = u.getsockname()[0]
+            ring = membox._core.Ring(
+                self._rank, self._size, "%s:0" % mine, membox._secret(),
+                _RING_MAX_BYTES, self._timeout.total_seconds())
+            self._store.set("membox/ring/%d" % self._rank, ring.endpoint)
+            keys = ["membox/ring/%d" % q for q in range(self._size)]
+            self._store.wait(keys, self._timeout)
+            ring.connect([self._store.get(k).decode() for k in keys])
+            self._ring = ring
+        self._ring.allgather(flat.numpy(), chunk_bytes)
+
     def _gather_all(self, t):
         """Every rank's `t` (same shape), stacked: on the exchange thread."""
         c = t.contiguous()
@@ -765,6 +803,16 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         def run():
             for outs, t in zip(output_tensors, input_tensors):
                 c = t.contiguous()
+                nb = c.numel() * c.element_size()
+                if nb and self._direct(nb * self._size):
+                    flat = torch.empty(nb * self._size, dtype=torch.uint8)
+                    flat[self._rank * nb:(self._rank + 1) * nb].copy_(
+                        _bytes_view(c))
+                    self._ring_gather(flat, nb)
+                    for q, o in enumerate(outs):
+                        o.copy_(flat[q * nb:(q + 1) * nb].view(c.dtype)
+                                .view_as(o))
+                    continue
                 tmp = [torch.empty_like(o, memory_format=torch.contiguous_format)
                        for o in outs]
                 recvs = {q: (_bytes_view(tmp[q]), True)
@@ -791,6 +839,13 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             out = output.contiguous()
             parts = out.view(-1).chunk(self._size)
             c = input.contiguous().view(-1)
+            nb = c.numel() * c.element_size()
+            if nb and self._direct(nb * self._size):
+                parts[self._rank].copy_(c)
+                self._ring_gather(_bytes_view(out), nb)
+                if out is not output:
+                    output.copy_(out)
+                return
             recvs = {q: (_bytes_view(parts[q]), True)
                      for q in range(self._size) if q != self._rank}
             self._exchange({None: _bytes_view(c)}, recvs)
