@@ -152,9 +152,9 @@ class RingImpl final : public RingAllreduce {
         if (t > 0)
           RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, t - 1).status());
         std::memcpy(send_->data(), base + send_c * chunk_bytes + off, n);
-        ASSIGN_OR_RETURN(auto h,
-                         next_->Write(send_->data(), *send_,
-                                      remote_recv_->address(), *remote_recv_, n));
+        ASSIGN_OR_RETURN(
+            auto h, next_->Write(send_->data(), *send_, remote_recv_->address(),
+                                 *remote_recv_, n));
         RETURN_IF_ERROR(h.Wait(opt_.timeout));
         ASSIGN_OR_RETURN(auto f, next_->Flush());
         RETURN_IF_ERROR(f.Wait(opt_.timeout));

@@ -1,8 +1,8 @@
 // Worker-side ring AllReduce (the "GPU synchronisation" half of seed 000's
 // dual synchronisation, §III.F): p workers sum a float32 buffer in place by
 // reduce-scatter + all-gather over p chunks (or only all-gather bytes: the
-// direct path of the torch backend's all_gather), each step a one-sided write of
-// one chunk into the next worker's receive buffer (mapped memory on one
+// direct path of the torch backend's all_gather), each step a one-sided write
+// of one chunk into the next worker's receive buffer (mapped memory on one
 // host, RDMA/TCP across hosts) followed by a control notice.
 //
 // Setup is two-phase because the endpoints must be exchanged by the
