@@ -2,8 +2,9 @@
 --attach` on each host, it trains on the "membox" torch.distributed backend
 and checks its sums.
 
-- all_reduce of int64 and float64 tensors of 1 element to 1 Mi elements:
-  every sum exact;
+- all_reduce of int64 and float64 tensors of 1 element to 1 Mi elements,
+  and of 12 MiB float32 tensors (split between the workers' ring and the
+  nodes): every sum exact;
 - 12 DDP steps of a small MLP (data differ per rank): after every step the
   weights are identical on every rank, and equal (to float rounding) to one
   process's training on the mean of every rank's gradients.
@@ -36,6 +37,15 @@ def main():
             want = torch.arange(n, dtype=dtype) * tri
             if not torch.equal(t, want):
                 sys.exit(f"rank {rank}: all_reduce of {n} {dtype} is not exact")
+
+    # Large float32 sums: split between the workers' ring and the nodes
+    # across the hosts, the share moving between calls; exact.
+    for i in range(6):
+        t = (torch.arange(3 << 20) % 1024).float() * (rank + 1) + i
+        dist.all_reduce(t)
+        want = (torch.arange(3 << 20) % 1024).float() * tri + i * world
+        if not torch.equal(t, want):
+            sys.exit(f"rank {rank}: split all_reduce {i} is not exact")
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),

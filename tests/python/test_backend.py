@@ -100,10 +100,22 @@ def _collectives(rank, world, group=None):
     d.all_reduce(col)
     check("all_reduce strided", col, torch.tensor([1.0, 5.0, 9.0]) *
           (world * (world + 1) / 2))
-    big = torch.full((3 << 20,), float(rank + 1))
-    d.all_reduce(big)
-    check("all_reduce 12 MiB", big[::65537],
-          torch.full_like(big[::65537], world * (world + 1) / 2))
+    # Large float32 sums and averages are split between the workers' ring
+    # and the nodes (the test forces the split on one host); the share
+    # moves between calls, and every call is exact.
+    for i in range(4):
+        big = torch.full((3 << 20,), float(rank + 1 + i))
+        big[-1] = rank * 2 ** 20
+        d.all_reduce(big)
+        check("all_reduce 12 MiB", big[::65537],
+              torch.full_like(big[::65537], world * (world + 1) / 2 + world * i))
+        check("all_reduce 12 MiB last", big[-1:],
+              torch.tensor([world * (world - 1) / 2 * 2 ** 20]))
+        big = torch.arange((1 << 20) + 5, dtype=torch.float32) * (rank + 1)
+        d.all_reduce(big, op=d.ReduceOp.AVG)
+        check("all_reduce AVG 4 MiB", big[::4099],
+              torch.arange((1 << 20) + 5, dtype=torch.float32)[::4099] *
+              ((world + 1) / 2))
     # Coalesced.
     ts = [torch.full((n,), float(rank + 1)) for n in (1, 100, 1000)]
     d.all_reduce_coalesced(ts)
@@ -435,6 +447,8 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
         else:
             os.environ.pop("MEMBOX_PROXIES", None)
         backend = "gloo" if program.endswith("-gloo") else "membox"
+        import membox.torch.backend as mb
+        mb._SPLIT_ON_ONE_HOST = True  # the split's path, on one host too
         extra = {"enable_reconfigure": True} if program == "reconfigure" \
             else {}
         dist.init_process_group(backend, init_method=init, rank=rank,

@@ -37,6 +37,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -63,6 +64,14 @@ _SUM_MOVE_BYTES = 256 << 10
 # ring off (MEMBOX_BACKEND_DIRECT_BYTES, read once at import).
 _DIRECT_BYTES = int(os.environ.get("MEMBOX_BACKEND_DIRECT_BYTES", 1 << 20))
 _RING_MAX_BYTES = 64 << 20  # the ring's pieces: this / world per step
+# A float32 SUM/AVG all_reduce of at least this many bytes is split: its
+# head over the workers' ring, its tail through the nodes at the same time
+# (seed 000's dual synchronisation within one tensor; docs/design/
+# backend.md, "Split all_reduce"). 0 turns it off
+# (MEMBOX_BACKEND_SPLIT_BYTES, read once at import).
+_SPLIT_BYTES = int(os.environ.get("MEMBOX_BACKEND_SPLIT_BYTES", 4 << 20))
+_SPLIT_STEPS = 16  # the ring's share is a multiple of 1/16
+_SPLIT_ON_ONE_HOST = False  # tests: split even where the nodes map memory
 _NAMES = {torch.float32: "float32", torch.float64: "float64",
           torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -306,6 +315,13 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._p2p_sent = {}  # (dst, tag) -> sends so far
         self._p2p_recv = {}  # (src, tag) -> receives so far
         self._ring = None  # the workers' ring, made on its first use
+        self._split_share = 4  # the ring's share of a split, in 16ths
+        self._split_remote = None  # rank 0's nodes are on other hosts
+        if self._rank == 0 and not self._sub:
+            self._store.set("membox/split/remote", "0" if
+                            self._client.proxies_map_memory and
+                            not _SPLIT_ON_ONE_HOST else "1")
+        self._splits = 0  # split all_reduces so far
         self._jobs = queue.Queue()
         self._closed = False
         # The thread holds the queue only, so the group can be collected.
@@ -448,20 +464,23 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             h.wait(t)
 
     # ------------------------------------------------------------- rounds
-    def _round(self, t, push_only=False):
+    def _round(self, t, push_only=False, space=""):
         """Sum of contiguous float tensor `t` over the ranks on the nodes,
-        into `t` (push_only: `t` is only pushed). Returns the handle."""
+        into `t` (push_only: `t` is only pushed). Returns the handle.
+        `space`: a set of keys and call counts of its own (the tails of
+        split all_reduces, issued from the exchange thread)."""
         nbytes = t.numel() * t.element_size()
         # The k-th call of a size takes entry k mod 4 of its keys: the same
         # on every rank (they call in the same order), and DDP's buckets of
         # one size run side by side instead of in one key's round order.
-        sig = (t.dtype, nbytes)
+        sig = (t.dtype, nbytes, space)
         n = self._calls.get(sig, 0)
         self._calls[sig] = n + 1
         slot = (sig, n % _KEYS_PER_SIZE)
         key = self._round_keys.get(slot)
         if key is None:  # first use: named and declared once
-            key = self._key(1, slot[1], _NAMES[t.dtype], nbytes)
+            key = self._key(1, slot[1], _NAMES[t.dtype], nbytes,
+                            *((space,) if space else ()))
             self._declare(key, nbytes, _NAMES[t.dtype])
             self._round_keys[slot] = key
         arr = None
@@ -657,6 +676,10 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         fills the rest. The ring is made on first use: each rank listens
         on its address toward the first memory node (the interface the
         job already uses) and finds the others' in the group's store."""
+        self._ensure_ring()
+        self._ring.allgather(flat.numpy(), chunk_bytes)
+
+    def _ensure_ring(self):
         if self._ring is None:
             host, _, port = _proxies(self._store, self._rank,
                                      self._timeout)[0].rpartition(":")
@@ -671,7 +694,6 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             self._store.wait(keys, self._timeout)
             ring.connect([self._store.get(k).decode() for k in keys])
             self._ring = ring
-        self._ring.allgather(flat.numpy(), chunk_bytes)
 
     def _gather_all(self, t):
         """Every rank's `t` (same shape), stacked: on the exchange thread."""
@@ -683,10 +705,95 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._exchange({None: _bytes_view(c)}, recvs)
         return out
 
+    # ------------------------------------------------------ split all_reduce
+    def _split(self, name, tensors):
+        """Whether this all_reduce is split between the workers' ring and
+        the nodes: one large contiguous float32 tensor, SUM or AVG, in a
+        group of the whole job (the same answer on every rank), with nodes
+        on other hosts than rank 0: nodes that map the workers' memory (one
+        host) sum at memory speed, and the ring would only slow them down.
+        (Rank 0's view is in the group's store, so every rank agrees.)"""
+        if not (_SPLIT_BYTES > 0 and _DIRECT_BYTES > 0 and not self._sub and
+                self._size > 1 and name in ("SUM", "AVG") and
+                len(tensors) == 1 and tensors[0].dtype == torch.float32 and
+                tensors[0].is_contiguous() and
+                tensors[0].numel() * 4 >= _SPLIT_BYTES):
+            return False
+        if self._split_remote is None:
+            self._split_remote = self._store.get(
+                "membox/split/remote") == b"1"
+        return self._split_remote
+
+    def _split_allreduce(self, t, name):
+        """On the exchange thread: the first share/16 of `t` over the
+        workers' ring while the rest goes through the nodes. The share
+        follows the paths' measured speeds: after each split, rank 0 sets
+        the next share so that both parts would have taken equally long
+        (each part's time per 16th, measured while both ran), moving half
+        way there, and publishes it in the group's store; the other ranks
+        read it there before their next split, so every rank cuts alike."""
+        k = self._splits
+        self._splits += 1
+        if k > 0 and self._rank != 0:
+            self._split_share = int(self._store.get("membox/split/%d" % k))
+        share = self._split_share
+        flat = t.detach().view(-1)
+        cut = flat.numel() * share // _SPLIT_STEPS
+        head, tail = flat[:cut], flat[cut:]
+        done = threading.Event()
+        nodes = [None, None]  # error, seconds
+
+        def tail_done(err):
+            nodes[0], nodes[1] = err, time.perf_counter() - t0
+            done.set()
+
+        t0 = time.perf_counter()
+        if tail.numel():
+            self._round(tail, space="split").add_done_callback(tail_done)
+        else:
+            tail_done(None)
+        step = _RING_MAX_BYTES // 4
+        for i in range(0, head.numel(), step):
+            self._ring_allreduce(head[i:i + step])
+        ring_s = time.perf_counter() - t0
+        if not done.wait(self._timeout.total_seconds()):
+            raise RuntimeError("membox backend: all_reduce: the nodes' part "
+                               "timed out after %s" % self._timeout)
+        if nodes[0] is not None:
+            raise RuntimeError("membox backend: all_reduce: %s" % nodes[0])
+        if name == "AVG":
+            flat.div_(self._size)
+        if self._rank == 0:
+            # Seconds per 16th on each path, then the share that evens them.
+            ring = ring_s / share if share else None
+            node = nodes[1] / (_SPLIT_STEPS - share) \
+                if share < _SPLIT_STEPS else None
+            if ring is not None and node is not None:
+                target = _SPLIT_STEPS * node / (ring + node)
+            elif ring is None:  # all on the nodes: it stays so
+                target = 0
+            else:
+                target = _SPLIT_STEPS - 1
+            nxt = int(round((share + target) / 2))
+            self._split_share = min(_SPLIT_STEPS - 1, max(0, nxt))
+            self._store.set("membox/split/%d" % (k + 1),
+                            str(self._split_share))
+            if k >= 1:
+                self._store.delete_key("membox/split/%d" % k)
+
+    def _ring_allreduce(self, part):
+        if part.numel():
+            self._ensure_ring()
+            self._ring.allreduce(part.numpy())
+
     # --------------------------------------------------------- collectives
     def allreduce(self, tensors, opts):
         self._check("all_reduce", tensors)
         name = _op_name(opts.reduceOp)
+        if self._split(name, tensors):
+            t = tensors[0]
+            return self._submit("all_reduce(%s)" % name, tensors,
+                                lambda: self._split_allreduce(t, name))
         if self._on_nodes(name, tensors):
             return self._rounds("all_reduce", tensors, name, tensors)
 
