@@ -806,7 +806,8 @@ PYBIND11_MODULE(_core, m) {
       "whitespace and CR removed.");
 
   // The workers' own ring (collective::RingAllreduce): the direct path of
-  // the torch backend's large all_gather. Blocking calls, GIL released;
+  // the torch backend's large all_gather and broadcast, and the ring's part
+  // of a split all_reduce. Blocking calls, GIL released;
   // one call at a time (the caller serialises).
   using membox::collective::RingAllreduce;
   py::class_<RingAllreduce>(m, "Ring")
@@ -856,6 +857,20 @@ PYBIND11_MODULE(_core, m) {
           py::arg("data"), py::arg("chunk_bytes"),
           "In place: `data` holds world chunks; this worker's own at "
           "rank * chunk_bytes; every worker's on return.")
+      .def(
+          "broadcast",
+          [](RingAllreduce& r, py::object data, int root) {
+            Buffer b = GetBuffer(data, true);
+            Status s;
+            {
+              py::gil_scoped_release nogil;
+              s = r.Broadcast(b.ptr, b.bytes, root);
+            }
+            if (!s.ok()) Throw(s);
+          },
+          py::arg("data"), py::arg("root"),
+          "In place: root's bytes into every worker's `data`, down the "
+          "ring as a pipelined chain.")
       .def(
           "allreduce",
           [](RingAllreduce& r, py::object data) {

@@ -13,7 +13,7 @@ launch --nodes N`; Gloo: with torchrun's environment and no memory node
 running; with --cluster, both across the emulated cluster's worker hosts
 through mpirun and `membox launch --attach`, the topology's memory nodes
 up for both) and time each operation through torch.distributed for each size:
-two warm-up calls, then as many as fit in about half a second (at least
+four warm-up calls, then as many as fit in about half a second (at least
 three); a call's time is the slowest rank's mean. Reported as nccl-tests
 does: size is the bytes of the whole buffer (the output of all_gather, the
 input of reduce_scatter), algbw = size / time, busbw = algbw x the
@@ -94,7 +94,8 @@ def _worker(a):
                     dist.broadcast(full, src=0)
             else:
                 raise SystemExit("unknown op %s" % op)
-            call()
+            for _ in range(3):  # warm-up (the split all_reduce's share
+                call()          # settles within a few calls)
             t0 = time.perf_counter()
             call()
             # Every rank runs the same number of calls: rank 0's count

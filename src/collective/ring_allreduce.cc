@@ -168,6 +168,46 @@ class RingImpl final : public RingAllreduce {
     return Status::Ok();
   }
 
+  Status Broadcast(void* data, size_t bytes, int root) override {
+    const int P = opt_.world;
+    if (root < 0 || root >= P) return InvalidArgumentError("no such root");
+    if (P == 1 || bytes == 0) return Status::Ok();
+    if (!next_ || !prev_) return FailedPreconditionError("ring not connected");
+    auto* base = static_cast<uint8_t*>(data);
+    // Pieces small enough that the chain fills quickly (a quarter of the
+    // bytes per hop of the chain at least), large enough to amortise a
+    // step's messages.
+    const size_t piece =
+        std::min(ChunkCapacity(),
+                 std::max<size_t>(256 << 10, bytes / (4 * static_cast<size_t>(P))));
+    const size_t pieces = (bytes + piece - 1) / piece;
+    const int d = ((opt_.rank - root) % P + P) % P;  // place in the chain
+    const uint64_t call = ++calls_;
+    for (size_t j = 0; j < pieces; ++j) {
+      const size_t off = j * piece, n = std::min(piece, bytes - off);
+      const int step = static_cast<int>(j);
+      if (d > 0) {
+        RETURN_IF_ERROR(Recv(*prev_, RingType::kReady, call, step).status());
+        std::memcpy(base + off, recv_->data(), n);
+        RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, step));
+      }
+      if (d == P - 1) continue;  // the chain's end
+      if (j > 0)
+        RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, step - 1).status());
+      std::memcpy(send_->data(), base + off, n);
+      ASSIGN_OR_RETURN(auto h, next_->Write(send_->data(), *send_,
+                                            remote_recv_->address(),
+                                            *remote_recv_, n));
+      RETURN_IF_ERROR(h.Wait(opt_.timeout));
+      ASSIGN_OR_RETURN(auto f, next_->Flush());
+      RETURN_IF_ERROR(f.Wait(opt_.timeout));
+      RETURN_IF_ERROR(Send(*next_, RingType::kReady, call, step));
+    }
+    if (d == P - 1) return Status::Ok();
+    return Recv(*next_, RingType::kAck, call, static_cast<int>(pieces) - 1)
+        .status();
+  }
+
  private:
   size_t ChunkCapacity() const {
     size_t floats = (opt_.max_bytes / sizeof(float) + opt_.world - 1) /

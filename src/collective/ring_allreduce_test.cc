@@ -82,6 +82,19 @@ void RunGather(int world, size_t chunk, size_t max_bytes) {
                 << "rank " << r << " chunk " << q << " byte " << i;
           }
         }
+        // A broadcast from every root on the same ring, then the sums.
+        for (int root = 0; root < world; ++root) {
+          std::vector<uint8_t> b(chunk * world + 3, uint8_t(r));
+          if (r == root) {
+            for (size_t i = 0; i < b.size(); ++i) b[i] = uint8_t(i * 13 + root);
+          }
+          s = rings[r]->Broadcast(b.data(), b.size(), root);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          for (size_t i = 0; i < b.size(); ++i) {
+            ASSERT_EQ(b[i], uint8_t(i * 13 + root))
+                << "rank " << r << " root " << root << " byte " << i;
+          }
+        }
         std::vector<float> f(world, float(r + 1));
         s = rings[r]->Allreduce(f.data(), f.size());
         ASSERT_TRUE(s.ok()) << s.ToString();
@@ -92,7 +105,7 @@ void RunGather(int world, size_t chunk, size_t max_bytes) {
   for (auto& t : th) t.join();
 }
 
-TEST(RingAllreduceTest, GathersChunksOfAnySize) {
+TEST(RingAllreduceTest, GathersAndBroadcastsAnySize) {
   RunGather(3, 1001, 3 * 256);  // four pieces per chunk, the last short
   RunGather(2, 7, 1 << 20);
   RunGather(4, 1, 64);

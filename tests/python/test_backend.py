@@ -153,6 +153,12 @@ def _collectives(rank, world, group=None):
         outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
         d.all_gather(outs, mine)
         check("all_gather large %s" % dtype, torch.cat(outs), want)
+        bn = n if n < (8 << 20) else (3 << 20) + 1  # 3 MiB of uint8
+        for root in range(world):  # large broadcasts: down the ring too
+            t = (torch.arange(bn) % 241 + root * (rank + 1)).to(dtype)
+            d.broadcast(t, src=root)
+            check("broadcast large %s from %d" % (dtype, root), t,
+                  (torch.arange(bn) % 241 + root * (root + 1)).to(dtype))
     # Small float broadcast and all_gather move as sum rounds (-0.0 where a
     # rank places nothing): every value arrives bit for bit, -0.0, NaN,
     # infinities and subnormals included.

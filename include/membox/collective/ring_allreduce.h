@@ -61,6 +61,11 @@ class RingAllreduce {
   // (world - 1) * chunk_bytes, in pieces of at most max_bytes / world (any
   // chunk size works). `chunk_bytes` must be equal on every worker.
   virtual Status Allgather(void* data, size_t chunk_bytes) = 0;
+  // `bytes` of `data` from worker `root` to every worker, down the ring as
+  // a chain (root, root+1, ...), pipelined in pieces of at most
+  // max_bytes / world: each link carries the bytes once. `bytes` and `root`
+  // must be equal on every worker.
+  virtual Status Broadcast(void* data, size_t bytes, int root) = 0;
 };
 
 }  // namespace membox::collective

@@ -664,8 +664,8 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
 
     # ---------------------------------------------------------- direct path
     def _direct(self, total_bytes):
-        """Whether an all_gather of `total_bytes` (the output) goes over the
-        workers' ring: large, in a group of the whole job. Every rank sees
+        """Whether an all_gather of `total_bytes` (the output) or a
+        broadcast of that many goes over the workers' ring: large, in a group of the whole job. Every rank sees
         the same sizes, so every rank takes the same path."""
         return (not self._sub and self._size > 1 and _DIRECT_BYTES > 0 and
                 total_bytes >= _DIRECT_BYTES)
@@ -877,7 +877,14 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
 
         def run():
             for t in tensors:
-                if self._rank == root:
+                nb = t.numel() * t.element_size()
+                if nb and self._direct(nb):  # down the workers' ring
+                    c = t.contiguous()
+                    self._ensure_ring()
+                    self._ring.broadcast(_bytes_view(c).numpy(), root)
+                    if c is not t:
+                        t.copy_(c)
+                elif self._rank == root:
                     self._exchange({None: _bytes_view(t.contiguous())}, {})
                 else:
                     c = torch.empty_like(t, memory_format=torch.contiguous_format)
