@@ -111,16 +111,7 @@ class RingImpl final : public RingAllreduce {
       if (s > 0)
         RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, s - 1).status());
       auto [sb, sn] = chunk(send_c);
-      std::memcpy(send_->data(), data + sb, sn * sizeof(float));
-      if (sn > 0) {
-        ASSIGN_OR_RETURN(
-            auto h, next_->Write(send_->data(), *send_, remote_recv_->address(),
-                                 *remote_recv_, sn * sizeof(float)));
-        RETURN_IF_ERROR(h.Wait(opt_.timeout));
-        ASSIGN_OR_RETURN(auto f, next_->Flush());
-        RETURN_IF_ERROR(f.Wait(opt_.timeout));
-      }
-      RETURN_IF_ERROR(Send(*next_, RingType::kReady, call, s));
+      RETURN_IF_ERROR(SendPiece(data + sb, sn * sizeof(float), call, s));
       RETURN_IF_ERROR(Recv(*prev_, RingType::kReady, call, s).status());
       auto [rb, rn] = chunk(recv_c);
       const float* in = static_cast<const float*>(recv_->data());
@@ -151,14 +142,8 @@ class RingImpl final : public RingAllreduce {
         const int recv_c = ((r - t - 1) % P + P) % P;
         if (t > 0)
           RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, t - 1).status());
-        std::memcpy(send_->data(), base + send_c * chunk_bytes + off, n);
-        ASSIGN_OR_RETURN(
-            auto h, next_->Write(send_->data(), *send_, remote_recv_->address(),
-                                 *remote_recv_, n));
-        RETURN_IF_ERROR(h.Wait(opt_.timeout));
-        ASSIGN_OR_RETURN(auto f, next_->Flush());
-        RETURN_IF_ERROR(f.Wait(opt_.timeout));
-        RETURN_IF_ERROR(Send(*next_, RingType::kReady, call, t));
+        RETURN_IF_ERROR(
+            SendPiece(base + send_c * chunk_bytes + off, n, call, t));
         RETURN_IF_ERROR(Recv(*prev_, RingType::kReady, call, t).status());
         std::memcpy(base + recv_c * chunk_bytes + off, recv_->data(), n);
         RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, t));
@@ -177,9 +162,9 @@ class RingImpl final : public RingAllreduce {
     // Pieces small enough that the chain fills quickly (a quarter of the
     // bytes per hop of the chain at least), large enough to amortise a
     // step's messages.
-    const size_t piece =
-        std::min(ChunkCapacity(),
-                 std::max<size_t>(256 << 10, bytes / (4 * static_cast<size_t>(P))));
+    const size_t piece = std::min(
+        ChunkCapacity(),
+        std::max<size_t>(256 << 10, bytes / (4 * static_cast<size_t>(P))));
     const size_t pieces = (bytes + piece - 1) / piece;
     const int d = ((opt_.rank - root) % P + P) % P;  // place in the chain
     const uint64_t call = ++calls_;
@@ -194,14 +179,7 @@ class RingImpl final : public RingAllreduce {
       if (d == P - 1) continue;  // the chain's end
       if (j > 0)
         RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, step - 1).status());
-      std::memcpy(send_->data(), base + off, n);
-      ASSIGN_OR_RETURN(auto h, next_->Write(send_->data(), *send_,
-                                            remote_recv_->address(),
-                                            *remote_recv_, n));
-      RETURN_IF_ERROR(h.Wait(opt_.timeout));
-      ASSIGN_OR_RETURN(auto f, next_->Flush());
-      RETURN_IF_ERROR(f.Wait(opt_.timeout));
-      RETURN_IF_ERROR(Send(*next_, RingType::kReady, call, step));
+      RETURN_IF_ERROR(SendPiece(base + off, n, call, step));
     }
     if (d == P - 1) return Status::Ok();
     return Recv(*next_, RingType::kAck, call, static_cast<int>(pieces) - 1)
@@ -213,6 +191,21 @@ class RingImpl final : public RingAllreduce {
     size_t floats = (opt_.max_bytes / sizeof(float) + opt_.world - 1) /
                     static_cast<size_t>(opt_.world);
     return std::max<size_t>(floats * sizeof(float), 64);
+  }
+
+  // `n` bytes of `src` into the successor's receive buffer (through the
+  // registered send buffer; nothing for n = 0), flushed, then READY.
+  Status SendPiece(const void* src, size_t n, uint64_t call, int step) {
+    if (n > 0) {
+      std::memcpy(send_->data(), src, n);
+      ASSIGN_OR_RETURN(
+          auto h, next_->Write(send_->data(), *send_, remote_recv_->address(),
+                               *remote_recv_, n));
+      RETURN_IF_ERROR(h.Wait(opt_.timeout));
+      ASSIGN_OR_RETURN(auto f, next_->Flush());
+      RETURN_IF_ERROR(f.Wait(opt_.timeout));
+    }
+    return Send(*next_, RingType::kReady, call, step);
   }
 
   Status Send(Channel& ch, RingType type, uint64_t call, int step) {
