@@ -9,50 +9,10 @@
 namespace membox::collective {
 namespace {
 
-void RunRing(int world, size_t count, int calls) {
-  std::vector<std::unique_ptr<RingAllreduce>> rings;
-  std::vector<std::string> eps;
-  for (int r = 0; r < world; ++r) {
-    RingOptions o;
-    o.rank = r;
-    o.world = world;
-    o.listen = "127.0.0.1:0";
-    o.max_bytes = count * 4;
-    auto ring = RingAllreduce::Create(o);
-    ASSERT_TRUE(ring.ok()) << ring.status().ToString();
-    eps.push_back((*ring)->endpoint());
-    rings.push_back(std::move(*ring));
-  }
-  std::vector<std::thread> th;
-  for (int r = 0; r < world; ++r) {
-    th.emplace_back([&, r] {
-      ASSERT_TRUE(rings[r]->Connect(eps).ok());
-      std::vector<float> v(count);
-      for (int c = 0; c < calls; ++c) {
-        for (size_t i = 0; i < count; ++i) v[i] = float(r + c) + float(i % 7);
-        Status s = rings[r]->Allreduce(v.data(), count);
-        ASSERT_TRUE(s.ok()) << s.ToString();
-        for (size_t i = 0; i < count; i += 101) {
-          float want = 0;
-          for (int q = 0; q < world; ++q) want += float(q + c) + float(i % 7);
-          ASSERT_EQ(v[i], want) << "rank " << r << " call " << c << " i " << i;
-        }
-      }
-    });
-  }
-  for (auto& t : th) t.join();
-}
-
-TEST(RingAllreduceTest, SumsAcrossWorkers) {
-  RunRing(3, 10007, 3);  // chunks of unequal size
-  RunRing(2, 5, 2);
-  RunRing(4, 3, 2);  // fewer elements than workers: empty chunks
-  RunRing(1, 100, 1);
-}
-
-// Allgather in place, chunks larger than a piece (max_bytes / world), then
-// an Allreduce on the same ring: the calls stay in step.
-void RunGather(int world, size_t chunk, size_t max_bytes) {
+// `world` rings on loopback, connected, with body(rank, ring) run on one
+// thread per rank.
+template <typename Body>
+void OnRing(int world, size_t max_bytes, Body body) {
   std::vector<std::unique_ptr<RingAllreduce>> rings;
   std::vector<std::string> eps;
   for (int r = 0; r < world; ++r) {
@@ -70,39 +30,70 @@ void RunGather(int world, size_t chunk, size_t max_bytes) {
   for (int r = 0; r < world; ++r) {
     th.emplace_back([&, r] {
       ASSERT_TRUE(rings[r]->Connect(eps).ok());
-      for (int call = 0; call < 2; ++call) {
-        std::vector<uint8_t> v(chunk * world, 0xEE);
-        for (size_t i = 0; i < chunk; ++i)
-          v[r * chunk + i] = uint8_t(r * 31 + i * 7 + call);
-        Status s = rings[r]->Allgather(v.data(), chunk);
-        ASSERT_TRUE(s.ok()) << s.ToString();
-        for (int q = 0; q < world; ++q) {
-          for (size_t i = 0; i < chunk; ++i) {
-            ASSERT_EQ(v[q * chunk + i], uint8_t(q * 31 + i * 7 + call))
-                << "rank " << r << " chunk " << q << " byte " << i;
-          }
-        }
-        // A broadcast from every root on the same ring, then the sums.
-        for (int root = 0; root < world; ++root) {
-          std::vector<uint8_t> b(chunk * world + 3, uint8_t(r));
-          if (r == root) {
-            for (size_t i = 0; i < b.size(); ++i) b[i] = uint8_t(i * 13 + root);
-          }
-          s = rings[r]->Broadcast(b.data(), b.size(), root);
-          ASSERT_TRUE(s.ok()) << s.ToString();
-          for (size_t i = 0; i < b.size(); ++i) {
-            ASSERT_EQ(b[i], uint8_t(i * 13 + root))
-                << "rank " << r << " root " << root << " byte " << i;
-          }
-        }
-        std::vector<float> f(world, float(r + 1));
-        s = rings[r]->Allreduce(f.data(), f.size());
-        ASSERT_TRUE(s.ok()) << s.ToString();
-        ASSERT_EQ(f[0], float(world * (world + 1) / 2));
-      }
+      body(r, *rings[r]);
     });
   }
   for (auto& t : th) t.join();
+}
+
+void RunRing(int world, size_t count, int calls) {
+  OnRing(world, count * 4, [&](int r, RingAllreduce& ring) {
+    std::vector<float> v(count);
+    for (int c = 0; c < calls; ++c) {
+      for (size_t i = 0; i < count; ++i) v[i] = float(r + c) + float(i % 7);
+      Status s = ring.Allreduce(v.data(), count);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      for (size_t i = 0; i < count; i += 101) {
+        float want = 0;
+        for (int q = 0; q < world; ++q) want += float(q + c) + float(i % 7);
+        ASSERT_EQ(v[i], want) << "rank " << r << " call " << c << " i " << i;
+      }
+    }
+  });
+}
+
+TEST(RingAllreduceTest, SumsAcrossWorkers) {
+  RunRing(3, 10007, 3);  // chunks of unequal size
+  RunRing(2, 5, 2);
+  RunRing(4, 3, 2);  // fewer elements than workers: empty chunks
+  RunRing(1, 100, 1);
+}
+
+// Allgather in place, chunks larger than a piece (max_bytes / world), then
+// an Allreduce on the same ring: the calls stay in step.
+void RunGather(int world, size_t chunk, size_t max_bytes) {
+  OnRing(world, max_bytes, [&](int r, RingAllreduce& ring) {
+    for (int call = 0; call < 2; ++call) {
+      std::vector<uint8_t> v(chunk * world, 0xEE);
+      for (size_t i = 0; i < chunk; ++i)
+        v[r * chunk + i] = uint8_t(r * 31 + i * 7 + call);
+      Status s = ring.Allgather(v.data(), chunk);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      for (int q = 0; q < world; ++q) {
+        for (size_t i = 0; i < chunk; ++i) {
+          ASSERT_EQ(v[q * chunk + i], uint8_t(q * 31 + i * 7 + call))
+              << "rank " << r << " chunk " << q << " byte " << i;
+        }
+      }
+      // A broadcast from every root on the same ring, then the sums.
+      for (int root = 0; root < world; ++root) {
+        std::vector<uint8_t> b(chunk * world + 3, uint8_t(r));
+        if (r == root) {
+          for (size_t i = 0; i < b.size(); ++i) b[i] = uint8_t(i * 13 + root);
+        }
+        s = ring.Broadcast(b.data(), b.size(), root);
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        for (size_t i = 0; i < b.size(); ++i) {
+          ASSERT_EQ(b[i], uint8_t(i * 13 + root))
+              << "rank " << r << " root " << root << " byte " << i;
+        }
+      }
+      std::vector<float> f(world, float(r + 1));
+      s = ring.Allreduce(f.data(), f.size());
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      ASSERT_EQ(f[0], float(world * (world + 1) / 2));
+    }
+  });
 }
 
 TEST(RingAllreduceTest, GathersAndBroadcastsAnySize) {
@@ -119,6 +110,8 @@ TEST(RingAllreduceTest, RejectsOversizeAndBadMessages) {
   ASSERT_TRUE(ring.ok());
   std::vector<float> v(100);
   EXPECT_TRUE((*ring)->Allreduce(v.data(), v.size()).ok());  // world 1: no-op
+  EXPECT_EQ((*ring)->Broadcast(v.data(), 4, 1).code(),
+            StatusCode::kInvalidArgument);  // no such root
   RingOptions bad;
   bad.rank = 2;
   bad.world = 2;
