@@ -858,6 +858,23 @@ PYBIND11_MODULE(_core, m) {
           "In place: `data` holds world chunks; this worker's own at "
           "rank * chunk_bytes; every worker's on return.")
       .def(
+          "reduce_scatter",
+          [](RingAllreduce& r, py::object data, size_t count) {
+            Buffer b = GetBuffer(data, true);
+            if (count == 0 || b.bytes % (count * sizeof(float)) != 0) {
+              throw py::value_error("the buffer is not whole float32 chunks");
+            }
+            Status s;
+            {
+              py::gil_scoped_release nogil;
+              s = r.ReduceScatter(static_cast<float*>(b.ptr), count);
+            }
+            if (!s.ok()) Throw(s);
+          },
+          py::arg("data"), py::arg("count"),
+          "In place: `data` holds world chunks of `count` float32; chunk "
+          "`rank` ends as the sum of every worker's chunk `rank`.")
+      .def(
           "broadcast",
           [](RingAllreduce& r, py::object data, int root) {
             Buffer b = GetBuffer(data, true);

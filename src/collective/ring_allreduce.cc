@@ -126,31 +126,12 @@ class RingImpl final : public RingAllreduce {
   }
 
   Status Allgather(void* data, size_t chunk_bytes) override {
-    const int P = opt_.world;
-    if (P == 1 || chunk_bytes == 0) return Status::Ok();
-    if (!next_ || !prev_) return FailedPreconditionError("ring not connected");
-    auto* base = static_cast<uint8_t*>(data);
-    const size_t piece = ChunkCapacity();
-    const int r = opt_.rank;
-    // Pieces of every chunk in turn: step t forwards chunk (r - t) and
-    // receives chunk (r - t - 1), as the all-gather half of Allreduce.
-    for (size_t off = 0; off < chunk_bytes; off += piece) {
-      const size_t n = std::min(piece, chunk_bytes - off);
-      const uint64_t call = ++calls_;
-      for (int t = 0; t < P - 1; ++t) {
-        const int send_c = ((r - t) % P + P) % P;
-        const int recv_c = ((r - t - 1) % P + P) % P;
-        if (t > 0)
-          RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, t - 1).status());
-        RETURN_IF_ERROR(
-            SendPiece(base + send_c * chunk_bytes + off, n, call, t));
-        RETURN_IF_ERROR(Recv(*prev_, RingType::kReady, call, t).status());
-        std::memcpy(base + recv_c * chunk_bytes + off, recv_->data(), n);
-        RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, t));
-      }
-      RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, P - 2).status());
-    }
-    return Status::Ok();
+    return AroundTheRing(static_cast<uint8_t*>(data), chunk_bytes, 0, false);
+  }
+
+  Status ReduceScatter(float* data, size_t count) override {
+    return AroundTheRing(reinterpret_cast<uint8_t*>(data),
+                         count * sizeof(float), 1, true);
   }
 
   Status Broadcast(void* data, size_t bytes, int root) override {
@@ -191,6 +172,45 @@ class RingImpl final : public RingAllreduce {
     size_t floats = (opt_.max_bytes / sizeof(float) + opt_.world - 1) /
                     static_cast<size_t>(opt_.world);
     return std::max<size_t>(floats * sizeof(float), 64);
+  }
+
+  // p - 1 steps around the ring over `base`'s p chunks of `chunk_bytes`,
+  // in pieces of at most ChunkCapacity() (a multiple of 4): step t sends
+  // chunk (r - t - shift) and receives chunk (r - t - shift - 1), which it
+  // copies (the all-gather half of Allreduce: shift 0) or adds to as
+  // float32 (its reduce-scatter half, shifted so that worker r ends with
+  // chunk r complete: shift 1).
+  Status AroundTheRing(uint8_t* base, size_t chunk_bytes, int shift,
+                       bool reduce) {
+    const int P = opt_.world;
+    if (P == 1 || chunk_bytes == 0) return Status::Ok();
+    if (!next_ || !prev_) return FailedPreconditionError("ring not connected");
+    const size_t piece = ChunkCapacity();
+    const int r = opt_.rank;
+    for (size_t off = 0; off < chunk_bytes; off += piece) {
+      const size_t n = std::min(piece, chunk_bytes - off);
+      const uint64_t call = ++calls_;
+      for (int t = 0; t < P - 1; ++t) {
+        const int send_c = ((r - t - shift) % P + 2 * P) % P;
+        const int recv_c = ((r - t - shift - 1) % P + 2 * P) % P;
+        if (t > 0)
+          RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, t - 1).status());
+        RETURN_IF_ERROR(
+            SendPiece(base + send_c * chunk_bytes + off, n, call, t));
+        RETURN_IF_ERROR(Recv(*prev_, RingType::kReady, call, t).status());
+        uint8_t* into = base + recv_c * chunk_bytes + off;
+        if (reduce) {
+          AccumulateKernel(DType::kFloat32, reinterpret_cast<float*>(into),
+                           static_cast<const float*>(recv_->data()),
+                           n / sizeof(float), 1.0);
+        } else {
+          std::memcpy(into, recv_->data(), n);
+        }
+        RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, t));
+      }
+      RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, P - 2).status());
+    }
+    return Status::Ok();
   }
 
   // `n` bytes of `src` into the successor's receive buffer (through the

@@ -59,8 +59,9 @@ TEST(RingAllreduceTest, SumsAcrossWorkers) {
   RunRing(1, 100, 1);
 }
 
-// Allgather in place, chunks larger than a piece (max_bytes / world), then
-// an Allreduce on the same ring: the calls stay in step.
+// Allgather in place, chunks larger than a piece (max_bytes / world), a
+// broadcast from every root, a reduce-scatter, then an Allreduce on the
+// same ring: the calls stay in step.
 void RunGather(int world, size_t chunk, size_t max_bytes) {
   OnRing(world, max_bytes, [&](int r, RingAllreduce& ring) {
     for (int call = 0; call < 2; ++call) {
@@ -88,6 +89,20 @@ void RunGather(int world, size_t chunk, size_t max_bytes) {
               << "rank " << r << " root " << root << " byte " << i;
         }
       }
+      // Reduce-scatter: chunk q of worker w holds w + q + i; worker r
+      // ends with chunk r summed over the workers.
+      const size_t count = chunk / 4 + 1;
+      std::vector<float> rs(count * world);
+      for (int q = 0; q < world; ++q)
+        for (size_t i = 0; i < count; ++i)
+          rs[q * count + i] = float(r + q) + float(i % 5);
+      s = ring.ReduceScatter(rs.data(), count);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      for (size_t i = 0; i < count; ++i) {
+        float want = 0;
+        for (int w = 0; w < world; ++w) want += float(w + r) + float(i % 5);
+        ASSERT_EQ(rs[r * count + i], want) << "rank " << r << " i " << i;
+      }
       std::vector<float> f(world, float(r + 1));
       s = ring.Allreduce(f.data(), f.size());
       ASSERT_TRUE(s.ok()) << s.ToString();
@@ -96,7 +111,7 @@ void RunGather(int world, size_t chunk, size_t max_bytes) {
   });
 }
 
-TEST(RingAllreduceTest, GathersAndBroadcastsAnySize) {
+TEST(RingAllreduceTest, GathersScattersAndBroadcastsAnySize) {
   RunGather(3, 1001, 3 * 256);  // four pieces per chunk, the last short
   RunGather(2, 7, 1 << 20);
   RunGather(4, 1, 64);

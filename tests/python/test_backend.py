@@ -226,6 +226,22 @@ def _collectives(rank, world, group=None):
         op=d.ReduceOp.MAX)
     check("reduce_scatter_tensor MAX", out,
           torch.arange(2 * rank, 2 * rank + 2, dtype=torch.int64) + world - 1)
+    # Large float32 reduce_scatters go around the workers' ring (whole-job
+    # group; in a subgroup, the nodes): list and tensor forms, SUM and AVG,
+    # the inputs left as they were.
+    n = (3 << 17) + 5
+    ins = [torch.arange(n, dtype=torch.float32) % 17 + q + rank
+           for q in range(world)]
+    kept = [t.clone() for t in ins]
+    out = torch.empty(n)
+    d.reduce_scatter(out, ins)
+    check("reduce_scatter large", out, (torch.arange(n) % 17).float() * world +
+          world * rank + world * (world - 1) / 2)
+    check("reduce_scatter large: inputs kept", torch.cat(ins), torch.cat(kept))
+    out = torch.empty(n)
+    d.reduce_scatter_tensor(out, torch.cat(ins), op=d.ReduceOp.AVG)
+    check("reduce_scatter_tensor large AVG", out,
+          (torch.arange(n) % 17).float() + rank + (world - 1) / 2)
     # all_to_all, even and uneven.
     inp = torch.arange(world * 2) + 100 * rank
     o = torch.empty(world * 2, dtype=inp.dtype)

@@ -1052,6 +1052,24 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             if len(ins) != self._size:
                 raise ValueError("membox backend: reduce_scatter needs %d "
                                  "input tensors" % self._size)
+        if len(output_tensors) == 1 and name in ("SUM", "AVG") and all(
+                t.dtype == torch.float32 and t.numel() ==
+                output_tensors[0].numel()
+                for t in list(input_tensors[0]) + output_tensors) and \
+                self._direct(output_tensors[0].numel() * 4 * self._size):
+            out, ins = output_tensors[0], input_tensors[0]
+
+            def ring():  # around the workers' ring (the direct path)
+                n = out.numel()
+                flat = torch.cat([t.detach().reshape(-1) for t in ins])
+                self._ensure_ring()
+                self._ring.reduce_scatter(flat.numpy(), n)
+                mine = flat[self._rank * n:(self._rank + 1) * n]
+                if name == "AVG":
+                    mine.div_(self._size)
+                out.copy_(mine.view_as(out))
+            return self._submit("reduce_scatter(%s)" % name, output_tensors,
+                                ring)
         if self._on_nodes(name, output_tensors) and len(output_tensors) == 1:
             return self._reduce_scatter_rounds(
                 output_tensors[0], input_tensors[0], name, output_tensors)
