@@ -58,10 +58,11 @@ _KEYS_PER_SIZE = 4
 # (_placed_sum): latency-bound sizes, where one round beats an exchange's
 # store, fence and pull.
 _SUM_MOVE_BYTES = 256 << 10
-# An all_gather of at least this many bytes in all (the output) goes over
-# the workers' own ring (collective::RingAllreduce's all-gather) instead of
-# through the nodes (docs/design/backend.md, "Direct path"). 0 turns the
-# ring off (MEMBOX_BACKEND_DIRECT_BYTES, read once at import).
+# An all_gather (its output), a float32 SUM/AVG reduce_scatter (its input)
+# or a broadcast of at least this many bytes goes over the workers' own
+# ring (collective::RingAllreduce) instead of through the nodes
+# (docs/design/backend.md, "Direct path"). 0 turns the ring off
+# (MEMBOX_BACKEND_DIRECT_BYTES, read once at import).
 _DIRECT_BYTES = int(os.environ.get("MEMBOX_BACKEND_DIRECT_BYTES", 1 << 20))
 _RING_MAX_BYTES = 64 << 20  # the ring's pieces: this / world per step
 # A float32 SUM/AVG all_reduce of at least this many bytes is split: its
@@ -664,8 +665,9 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
 
     # ---------------------------------------------------------- direct path
     def _direct(self, total_bytes):
-        """Whether an all_gather of `total_bytes` (the output) or a
-        broadcast of that many goes over the workers' ring: large, in a group of the whole job. Every rank sees
+        """Whether an all_gather of `total_bytes` (the output), a
+        reduce_scatter (the input) or a broadcast of that many goes over
+        the workers' ring: large, in a group of the whole job. Every rank sees
         the same sizes, so every rank takes the same path."""
         return (not self._sub and self._size > 1 and _DIRECT_BYTES > 0 and
                 total_bytes >= _DIRECT_BYTES)
