@@ -71,6 +71,18 @@ void WaitWithoutGil(H& h, std::optional<double> timeout_s) {
   if (!s.ok()) Throw(s);
 }
 
+// Runs f() (a Status) with the GIL released; a failure becomes the
+// matching Python exception.
+template <typename F>
+void CallWithoutGil(F&& f) {
+  Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = f();
+  }
+  if (!s.ok()) Throw(s);
+}
+
 // Runs Python callbacks and drops buffer references with the GIL, off the
 // transport's threads.
 //
@@ -832,12 +844,7 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "connect",
           [](RingAllreduce& r, const std::vector<std::string>& eps) {
-            Status s;
-            {
-              py::gil_scoped_release nogil;
-              s = r.Connect(eps);
-            }
-            if (!s.ok()) Throw(s);
+            CallWithoutGil([&] { return r.Connect(eps); });
           },
           py::arg("endpoints"), "Every worker's endpoint, in rank order.")
       .def(
@@ -847,12 +854,7 @@ PYBIND11_MODULE(_core, m) {
             if (chunk_bytes == 0 || b.bytes % chunk_bytes != 0) {
               throw py::value_error("the buffer is not whole chunks");
             }
-            Status s;
-            {
-              py::gil_scoped_release nogil;
-              s = r.Allgather(b.ptr, chunk_bytes);
-            }
-            if (!s.ok()) Throw(s);
+            CallWithoutGil([&] { return r.Allgather(b.ptr, chunk_bytes); });
           },
           py::arg("data"), py::arg("chunk_bytes"),
           "In place: `data` holds world chunks; this worker's own at "
@@ -864,12 +866,9 @@ PYBIND11_MODULE(_core, m) {
             if (count == 0 || b.bytes % (count * sizeof(float)) != 0) {
               throw py::value_error("the buffer is not whole float32 chunks");
             }
-            Status s;
-            {
-              py::gil_scoped_release nogil;
-              s = r.ReduceScatter(static_cast<float*>(b.ptr), count);
-            }
-            if (!s.ok()) Throw(s);
+            CallWithoutGil([&] {
+              return r.ReduceScatter(static_cast<float*>(b.ptr), count);
+            });
           },
           py::arg("data"), py::arg("count"),
           "In place: `data` holds world chunks of `count` float32; chunk "
@@ -878,12 +877,7 @@ PYBIND11_MODULE(_core, m) {
           "broadcast",
           [](RingAllreduce& r, py::object data, int root) {
             Buffer b = GetBuffer(data, true);
-            Status s;
-            {
-              py::gil_scoped_release nogil;
-              s = r.Broadcast(b.ptr, b.bytes, root);
-            }
-            if (!s.ok()) Throw(s);
+            CallWithoutGil([&] { return r.Broadcast(b.ptr, b.bytes, root); });
           },
           py::arg("data"), py::arg("root"),
           "In place: root's bytes into every worker's `data`, down the "
@@ -895,12 +889,9 @@ PYBIND11_MODULE(_core, m) {
             if (b.bytes % sizeof(float) != 0) {
               throw py::value_error("a float32 buffer is needed");
             }
-            Status s;
-            {
-              py::gil_scoped_release nogil;
-              s = r.Allreduce(static_cast<float*>(b.ptr), b.bytes / 4);
-            }
-            if (!s.ok()) Throw(s);
+            CallWithoutGil([&] {
+              return r.Allreduce(static_cast<float*>(b.ptr), b.bytes / 4);
+            });
           },
           py::arg("data"), "float32 sum in place (at most max_bytes).");
 
