@@ -4,12 +4,12 @@
 #include <functional>
 #include <map>
 #include <set>
-#include <thread>
 
 #include "membox/base/accumulate.h"
 #include "membox/base/copy.h"
 #include "membox/transport/device.h"
 
+#include "src/collective/peer_links.h"
 #include "src/collective/ring_message.h"
 
 namespace membox::collective {
@@ -17,25 +17,12 @@ namespace {
 
 using transport::Channel;
 using transport::MemRegion;
-using transport::RemoteMemRegion;
-
-// Both directions with one peer: `out` (we connected: we write into the
-// peer's receive buffer and send READY; we receive its ACKs) and `in` (it
-// connected: its READYs arrive there; we send ACKs).
-struct Link {
-  std::shared_ptr<Channel> out, in;
-  std::shared_ptr<RemoteMemRegion> remote_recv;
-  std::unique_ptr<MemRegion> recv;  // the peer writes here
-};
 
 class HierImpl final : public HierarchicalAllreduce {
  public:
   explicit HierImpl(HierarchicalOptions o) : opt_(std::move(o)) {}
   ~HierImpl() override {
-    for (auto& [p, l] : links_) {
-      if (l.out) l.out->Close();
-      if (l.in) l.in->Close();
-    }
+    CloseLinks(links_);
     links_.clear();
     send_.reset();
     device_.reset();
@@ -75,53 +62,8 @@ class HierImpl final : public HierarchicalAllreduce {
       if (c < L) peers.insert(node * L + c);
     if (local == 0)
       for (int k = 1; k < nodes; k <<= 1) peers.insert((node ^ k) * L);
-    // Connect out to every peer, then accept one channel from each.
-    for (int p : peers) {
-      Link& l = links_[p];
-      ASSIGN_OR_RETURN(l.recv, device_->AllocateMemRegion(opt_.max_bytes));
-      auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
-      Status last;
-      while (!l.out && std::chrono::steady_clock::now() < deadline) {
-        auto ch = device_->GetChannel(endpoints[p]);
-        if (ch.ok()) {
-          l.out = *ch;
-        } else {
-          last = ch.status();
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
-      }
-      if (!l.out) {
-        return UnavailableError("cannot reach worker " + std::to_string(p) +
-                                ": " + last.ToString());
-      }
-      // Who we are, so the peer can file our inbound channel.
-      RingMessage hello;
-      hello.type = RingType::kReady;
-      hello.call = static_cast<uint64_t>(opt_.rank);
-      hello.step = 0xffffffffu;
-      RETURN_IF_ERROR(l.out->SendControl(EncodeRing(hello)));
-    }
-    for (size_t i = 0; i < peers.size(); ++i) {
-      ASSIGN_OR_RETURN(auto ch, device_->Accept(opt_.timeout));
-      ASSIGN_OR_RETURN(auto bytes, ch->RecvControl(opt_.timeout));
-      ASSIGN_OR_RETURN(RingMessage m, DecodeRing(bytes));
-      int p = static_cast<int>(m.call);
-      if (!peers.count(p) || links_[p].in) {
-        return DataLossError("unexpected worker " + std::to_string(p));
-      }
-      links_[p].in = ch;
-      RingMessage d;
-      d.type = RingType::kDescriptor;
-      d.payload = links_[p].recv->Export().Serialize();
-      RETURN_IF_ERROR(ch->SendControl(EncodeRing(d)));
-    }
-    for (auto& [p, l] : links_) {
-      ASSIGN_OR_RETURN(RingMessage d,
-                       Recv(*l.out, RingType::kDescriptor, 0, 0));
-      ASSIGN_OR_RETURN(auto desc,
-                       transport::RegionDescriptor::Deserialize(d.payload));
-      ASSIGN_OR_RETURN(l.remote_recv, l.out->Import(desc, opt_.timeout));
-    }
+    ASSIGN_OR_RETURN(links_, ConnectPeers(*device_, r, endpoints, peers,
+                                          opt_.max_bytes, opt_.timeout));
     return Status::Ok();
   }
 
@@ -158,7 +100,7 @@ class HierImpl final : public HierarchicalAllreduce {
     // Every buffer we wrote into has been consumed (ACKs) before we return.
     for (auto& [p, pend] : pending_acks_) {
       for (uint32_t s : pend)
-        RETURN_IF_ERROR(Recv(*links_[p].out, RingType::kAck, call, s).status());
+        RETURN_IF_ERROR(Recv(*links_.at(p).out, RingType::kAck, call, s));
     }
     pending_acks_.clear();
     return Status::Ok();
@@ -167,11 +109,11 @@ class HierImpl final : public HierarchicalAllreduce {
  private:
   Status Send(int peer, const float* data, size_t bytes, uint64_t call,
               uint32_t step) {
-    Link& l = links_.at(peer);
+    PeerLink& l = links_.at(peer);
     // The peer's buffer must be free: wait for its ACK of our last send.
     auto& pend = pending_acks_[peer];
     for (uint32_t s : pend)
-      RETURN_IF_ERROR(Recv(*l.out, RingType::kAck, call, s).status());
+      RETURN_IF_ERROR(Recv(*l.out, RingType::kAck, call, s));
     pend.clear();
     CopyBytes(send_->data(), data, bytes);
     ASSIGN_OR_RETURN(
@@ -180,25 +122,17 @@ class HierImpl final : public HierarchicalAllreduce {
     RETURN_IF_ERROR(h.Wait(opt_.timeout));
     ASSIGN_OR_RETURN(auto f, l.out->Flush());
     RETURN_IF_ERROR(f.Wait(opt_.timeout));
-    RingMessage m;
-    m.type = RingType::kReady;
-    m.call = call;
-    m.step = step;
-    RETURN_IF_ERROR(l.out->SendControl(EncodeRing(m)));
+    RETURN_IF_ERROR(SendRing(*l.out, {RingType::kReady, call, step}));
     pend.push_back(step);
     return Status::Ok();
   }
 
   Status Consume(int peer, uint64_t call, uint32_t step,
                  const std::function<void(const float*)>& fn) {
-    Link& l = links_.at(peer);
-    RETURN_IF_ERROR(Recv(*l.in, RingType::kReady, call, step).status());
+    PeerLink& l = links_.at(peer);
+    RETURN_IF_ERROR(Recv(*l.in, RingType::kReady, call, step));
     fn(static_cast<const float*>(l.recv->data()));
-    RingMessage a;
-    a.type = RingType::kAck;
-    a.call = call;
-    a.step = step;
-    return l.in->SendControl(EncodeRing(a));
+    return SendRing(*l.in, {RingType::kAck, call, step});
   }
 
   Status RecvAdd(int peer, float* data, size_t count, uint64_t call,
@@ -214,25 +148,14 @@ class HierImpl final : public HierarchicalAllreduce {
                    [&](const float* in) { CopyBytes(data, in, bytes); });
   }
 
-  Result<RingMessage> Recv(Channel& ch, RingType type, uint64_t call,
-                           uint32_t step) {
-    auto bytes = ch.RecvControl(opt_.timeout);
-    if (!bytes.ok()) {
-      return Status(
-          bytes.status().code(),
-          "worker " + ch.peer() + ": " + std::string(bytes.status().message()));
-    }
-    ASSIGN_OR_RETURN(RingMessage m, DecodeRing(*bytes));
-    if (m.type != type || m.call != call || m.step != step) {
-      return DataLossError("worker " + ch.peer() + " is out of step");
-    }
-    return m;
+  Status Recv(Channel& ch, RingType type, uint64_t call, uint32_t step) {
+    return RecvRing(ch, type, call, step, opt_.timeout).status();
   }
 
   HierarchicalOptions opt_;
   std::unique_ptr<transport::Device> device_;
   std::unique_ptr<MemRegion> send_;
-  std::map<int, Link> links_;
+  std::map<int, PeerLink> links_;
   std::map<int, std::vector<uint32_t>> pending_acks_;
   uint64_t calls_ = 0;
 };

@@ -74,7 +74,7 @@ class RingImpl final : public RingAllreduce {
     RingMessage d;
     d.type = RingType::kDescriptor;
     d.payload = recv_->Export().Serialize();
-    RETURN_IF_ERROR(prev_->SendControl(EncodeRing(d)));
+    RETURN_IF_ERROR(SendRing(*prev_, d));
     ASSIGN_OR_RETURN(RingMessage got,
                      Recv(*next_, RingType::kDescriptor, 0, 0));
     ASSIGN_OR_RETURN(auto desc,
@@ -229,30 +229,13 @@ class RingImpl final : public RingAllreduce {
   }
 
   Status Send(Channel& ch, RingType type, uint64_t call, int step) {
-    RingMessage m;
-    m.type = type;
-    m.call = call;
-    m.step = static_cast<uint32_t>(step);
-    return ch.SendControl(EncodeRing(m));
+    return SendRing(ch, {type, call, static_cast<uint32_t>(step)});
   }
 
-  // The next message on `ch` must be exactly (type, call, step).
   Result<RingMessage> Recv(Channel& ch, RingType type, uint64_t call,
                            int step) {
-    auto bytes = ch.RecvControl(opt_.timeout);
-    if (!bytes.ok()) {
-      return Status(bytes.status().code(),
-                    "ring neighbour " + ch.peer() + ": " +
-                        std::string(bytes.status().message()));
-    }
-    ASSIGN_OR_RETURN(RingMessage m, DecodeRing(*bytes));
-    if (m.type != type || m.call != call ||
-        m.step != static_cast<uint32_t>(step)) {
-      return DataLossError("ring neighbour " + ch.peer() +
-                           " is out of step (a worker called Allreduce with "
-                           "different arguments?)");
-    }
-    return m;
+    return RecvRing(ch, type, call, static_cast<uint32_t>(step),
+                    opt_.timeout);
   }
 
   RingOptions opt_;

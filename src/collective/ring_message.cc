@@ -17,6 +17,8 @@ std::vector<uint8_t> EncodeRing(const RingMessage& m) {
   if (m.type == RingType::kDescriptor) {
     w.U32(static_cast<uint32_t>(m.payload.size()));
     w.Bytes(m.payload.data(), m.payload.size());
+  } else if (m.type == RingType::kPiece) {
+    w.U64(m.total);
   }
   return std::move(w.buffer());
 }
@@ -26,7 +28,7 @@ Result<RingMessage> DecodeRing(std::span<const uint8_t> in) {
   uint8_t magic = 0, version = 0, type = 0;
   RingMessage m;
   if (!r.U8(&magic) || magic != 'R' || !r.U8(&version) || version != 1 ||
-      !r.U8(&type) || type < 1 || type > 3 || !r.U64(&m.call) ||
+      !r.U8(&type) || type < 1 || type > 5 || !r.U64(&m.call) ||
       !r.U32(&m.step)) {
     return InvalidArgumentError("malformed ring message");
   }
@@ -36,9 +38,33 @@ Result<RingMessage> DecodeRing(std::span<const uint8_t> in) {
     if (!r.U32(&n) || n == 0 || n > 8192 || !r.Bytes(&m.payload, n)) {
       return InvalidArgumentError("malformed ring descriptor message");
     }
+  } else if (m.type == RingType::kPiece && !r.U64(&m.total)) {
+    return InvalidArgumentError("malformed mesh piece message");
   }
   if (r.remaining() != 0) {
     return InvalidArgumentError("malformed ring message (trailing bytes)");
+  }
+  return m;
+}
+
+Status SendRing(transport::Channel& ch, const RingMessage& m) {
+  return ch.SendControl(EncodeRing(m));
+}
+
+Result<RingMessage> RecvRing(transport::Channel& ch, RingType type,
+                             uint64_t call, uint32_t step,
+                             std::chrono::milliseconds timeout) {
+  auto bytes = ch.RecvControl(timeout);
+  if (!bytes.ok()) {
+    return Status(bytes.status().code(),
+                  "neighbour " + ch.peer() + ": " +
+                      std::string(bytes.status().message()));
+  }
+  ASSIGN_OR_RETURN(RingMessage m, DecodeRing(*bytes));
+  if (m.type != type || m.call != call || m.step != step) {
+    return DataLossError("neighbour " + ch.peer() +
+                         " is out of step (a worker called the collective "
+                         "with different arguments?)");
   }
   return m;
 }

@@ -1,0 +1,71 @@
+// Workers connected to each other, every pair directly: the direct path
+// of the torch backend's all-to-all (the exchange DLRM's embeddings and
+// expert-parallel layers make), which the memory nodes would only relay.
+//
+// Each worker gives every peer a receive buffer of `max_bytes / world`
+// bytes (at least 64 KiB) and keeps a send buffer per peer; a pair's bytes
+// move in pieces of that size, each a one-sided write into the peer's
+// buffer (mapped memory on one host, RDMA/TCP across hosts) followed by a
+// kPiece notice that also carries the pair's byte count for the call. The
+// receiver copies the piece out and ACKs it, which frees the buffer for
+// the pair's next piece. Every pair sends at least one notice per call, so
+// sizes that disagree are found at once.
+//
+// Setup is two-phase like RingAllreduce: Create() listens, endpoint() is
+// what others need, Connect() takes every worker's endpoint in rank order.
+//
+// Failure: a dead peer or a timeout gives kUnavailable / kDeadlineExceeded
+// naming the peer; sizes that disagree give kInvalidArgument naming both
+// workers. After any failure the mesh closes its channels (its peers fail
+// at once rather than at their deadline) and refuses later calls
+// (kFailedPrecondition with the first error): the receive buffers are
+// then unspecified.
+// Thread-safety: one call at a time per Mesh object; Connect first.
+#ifndef MEMBOX_COLLECTIVE_MESH_H_
+#define MEMBOX_COLLECTIVE_MESH_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+namespace membox::collective {
+
+struct MeshOptions {
+  int rank = 0;
+  int world = 1;
+  std::string listen = "0.0.0.0:0";
+  std::string transports = "auto";
+  // Shared secret: peers prove it when they connect.
+  std::string secret;
+  // Buffer budget: each peer's receive buffer (and each send buffer) is
+  // max_bytes / world. A call may move any number of bytes.
+  size_t max_bytes = 16 << 20;
+  std::chrono::milliseconds timeout{60000};
+};
+
+class Mesh {
+ public:
+  static Result<std::unique_ptr<Mesh>> Create(const MeshOptions& options);
+  virtual ~Mesh() = default;
+  virtual std::string endpoint() const = 0;
+  // Connects with every other worker; `endpoints[i]` is worker i's
+  // endpoint().
+  virtual Status Connect(const std::vector<std::string>& endpoints) = 0;
+  // All-to-all of bytes: `sends[q]` goes to worker q, and `recvs[q]`
+  // receives worker q's `sends[rank]` (sizes may differ between pairs; a
+  // pair's two sizes must be equal). `sends[rank]` is copied into
+  // `recvs[rank]`. Every worker sends and receives in parallel with all its
+  // peers, each pair's bytes crossing once.
+  virtual Status AllToAll(const std::vector<std::span<const uint8_t>>& sends,
+                          const std::vector<std::span<uint8_t>>& recvs) = 0;
+};
+
+}  // namespace membox::collective
+
+#endif  // MEMBOX_COLLECTIVE_MESH_H_

@@ -1,0 +1,197 @@
+#include "membox/collective/mesh.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <set>
+
+#include "membox/base/copy.h"
+#include "membox/transport/device.h"
+
+#include "src/collective/peer_links.h"
+#include "src/collective/ring_message.h"
+
+namespace membox::collective {
+namespace {
+
+using transport::MemRegion;
+using transport::OpHandle;
+
+class MeshImpl final : public Mesh {
+ public:
+  explicit MeshImpl(MeshOptions o) : opt_(std::move(o)) {}
+  ~MeshImpl() override {
+    CloseLinks(links_);
+    // Links and buffers before the device that owns their machinery.
+    links_.clear();
+    send_.clear();
+    device_.reset();
+  }
+
+  Status Init() {
+    if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world) {
+      return InvalidArgumentError("rank must be in [0, world)");
+    }
+    slot_ = std::max<size_t>(64 << 10, opt_.max_bytes / opt_.world);
+    transport::DeviceOptions d;
+    d.listen_address = opt_.listen;
+    d.transports = opt_.transports;
+    d.secret = opt_.secret;
+    d.name = "mesh-" + std::to_string(opt_.rank);
+    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    return Status::Ok();
+  }
+
+  std::string endpoint() const override { return device_->listen_endpoint(); }
+
+  Status Connect(const std::vector<std::string>& endpoints) override {
+    if (endpoints.size() != static_cast<size_t>(opt_.world)) {
+      return InvalidArgumentError("one endpoint per worker");
+    }
+    if (connected_) return FailedPreconditionError("mesh already connected");
+    std::set<int> peers;
+    for (int q = 0; q < opt_.world; ++q)
+      if (q != opt_.rank) peers.insert(q);
+    for (int q : peers) {
+      ASSIGN_OR_RETURN(send_[q], device_->AllocateMemRegion(slot_));
+    }
+    ASSIGN_OR_RETURN(links_, ConnectPeers(*device_, opt_.rank, endpoints,
+                                          peers, slot_, opt_.timeout));
+    connected_ = true;
+    return Status::Ok();
+  }
+
+  Status AllToAll(const std::vector<std::span<const uint8_t>>& sends,
+                  const std::vector<std::span<uint8_t>>& recvs) override {
+    const int P = opt_.world, r = opt_.rank;
+    if (sends.size() != static_cast<size_t>(P) ||
+        recvs.size() != static_cast<size_t>(P)) {
+      return InvalidArgumentError("one send and one receive buffer per worker");
+    }
+    if (sends[r].size() != recvs[r].size()) {
+      return InvalidArgumentError(
+          "this worker's send to itself and receive from itself differ in "
+          "size");
+    }
+    if (!broken_.ok()) {
+      return FailedPreconditionError("mesh unusable after an earlier failure: " +
+                                     broken_.ToString());
+    }
+    if (P > 1 && !connected_) return FailedPreconditionError("mesh not connected");
+    if (sends[r].data() != recvs[r].data() && !sends[r].empty()) {
+      std::memmove(recvs[r].data(), sends[r].data(), sends[r].size());
+    }
+    if (P == 1) return Status::Ok();
+    Status s = Exchange(sends, recvs);
+    if (!s.ok()) {
+      broken_ = s;
+      CloseLinks(links_);
+    }
+    return s;
+  }
+
+ private:
+  // A pair of n bytes moves in this many pieces (one, empty, for n = 0).
+  size_t Pieces(size_t n) const {
+    return std::max<size_t>(1, (n + slot_ - 1) / slot_);
+  }
+
+  Status Exchange(const std::vector<std::span<const uint8_t>>& sends,
+                  const std::vector<std::span<uint8_t>>& recvs) {
+    const int P = opt_.world, r = opt_.rank;
+    const uint64_t call = ++calls_;
+    size_t rounds = 0;
+    for (int q = 0; q < P; ++q) {
+      if (q == r) continue;
+      rounds = std::max({rounds, Pieces(sends[q].size()),
+                         Pieces(recvs[q].size())});
+    }
+    for (size_t i = 0; i < rounds; ++i) {
+      const uint32_t step = static_cast<uint32_t>(i);
+      // 1. Start this piece's writes to every peer (in the order r+1,
+      // r+2, ... so that not everyone writes to the same worker first).
+      std::vector<std::pair<int, std::optional<OpHandle>>> writes;
+      for (int k = 1; k < P; ++k) {
+        const int q = (r + k) % P;
+        const size_t total = sends[q].size();
+        if (i >= Pieces(total)) continue;
+        PeerLink& l = links_.at(q);
+        if (i > 0) RETURN_IF_ERROR(Recv(*l.out, RingType::kAck, call, step - 1));
+        const size_t off = i * slot_, n = std::min(slot_, total - off);
+        std::optional<OpHandle> h;
+        if (n > 0) {
+          MemRegion& buf = *send_.at(q);
+          CopyBytes(buf.data(), sends[q].data() + off, n);
+          ASSIGN_OR_RETURN(h, l.out->Write(buf.data(), buf,
+                                            l.remote_recv->address(),
+                                            *l.remote_recv, n));
+        }
+        writes.emplace_back(q, std::move(h));
+      }
+      // 2. As each lands, flush it and say so.
+      for (auto& [q, h] : writes) {
+        PeerLink& l = links_.at(q);
+        if (h) {
+          RETURN_IF_ERROR(h->Wait(opt_.timeout));
+          ASSIGN_OR_RETURN(auto f, l.out->Flush());
+          RETURN_IF_ERROR(f.Wait(opt_.timeout));
+        }
+        RingMessage m{RingType::kPiece, call, step};
+        m.total = sends[q].size();
+        RETURN_IF_ERROR(SendRing(*l.out, m));
+      }
+      // 3. Take this piece from every peer, and free its buffer.
+      for (int k = 1; k < P; ++k) {
+        const int q = (r - k + P) % P;
+        const size_t total = recvs[q].size();
+        if (i >= Pieces(total)) continue;
+        PeerLink& l = links_.at(q);
+        ASSIGN_OR_RETURN(RingMessage m,
+                         RecvRing(*l.in, RingType::kPiece, call, step,
+                                  opt_.timeout));
+        if (m.total != total) {
+          return InvalidArgumentError(
+              "all-to-all sizes disagree: worker " + std::to_string(q) +
+              " sends " + std::to_string(m.total) + " bytes to worker " +
+              std::to_string(r) + ", which expects " + std::to_string(total));
+        }
+        const size_t off = i * slot_, n = std::min(slot_, total - off);
+        if (n > 0) CopyBytes(recvs[q].data() + off, l.recv->data(), n);
+        RETURN_IF_ERROR(SendRing(*l.in, {RingType::kAck, call, step}));
+      }
+    }
+    // Every buffer we wrote into is free again before we return (the next
+    // call may write at once).
+    for (int q = 0; q < P; ++q) {
+      if (q == r) continue;
+      const uint32_t last = static_cast<uint32_t>(Pieces(sends[q].size()) - 1);
+      RETURN_IF_ERROR(Recv(*links_.at(q).out, RingType::kAck, call, last));
+    }
+    return Status::Ok();
+  }
+
+  Status Recv(transport::Channel& ch, RingType type, uint64_t call,
+              uint32_t step) {
+    return RecvRing(ch, type, call, step, opt_.timeout).status();
+  }
+
+  MeshOptions opt_;
+  size_t slot_ = 0;
+  std::unique_ptr<transport::Device> device_;
+  std::map<int, std::unique_ptr<MemRegion>> send_;  // per peer
+  std::map<int, PeerLink> links_;
+  bool connected_ = false;
+  Status broken_;  // the first failure; calls are refused after it
+  uint64_t calls_ = 0;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Mesh>> Mesh::Create(const MeshOptions& options) {
+  auto m = std::make_unique<MeshImpl>(options);
+  RETURN_IF_ERROR(m->Init());
+  return std::unique_ptr<Mesh>(std::move(m));
+}
+
+}  // namespace membox::collective
