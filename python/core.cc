@@ -28,6 +28,7 @@
 #include "membox/base/environment.h"
 #include "membox/base/logging.h"
 #include "membox/base/secret.h"
+#include "membox/collective/mesh.h"
 #include "membox/collective/ring_allreduce.h"
 #include "membox/embedding/client.h"
 #include "membox/ps/client_environment.h"
@@ -894,6 +895,55 @@ PYBIND11_MODULE(_core, m) {
             });
           },
           py::arg("data"), "float32 sum in place (at most max_bytes).");
+
+  // The workers' mesh (collective::Mesh): the direct path of the torch
+  // backend's all-to-all. Blocking calls, GIL released; one call at a time
+  // (the caller serialises).
+  using membox::collective::Mesh;
+  py::class_<Mesh>(m, "Mesh")
+      .def(py::init([](int rank, int world, const std::string& listen,
+                       const std::string& secret, size_t max_bytes,
+                       double timeout_s) {
+             membox::collective::MeshOptions o;
+             o.rank = rank;
+             o.world = world;
+             o.listen = listen;
+             o.secret = secret;
+             o.max_bytes = max_bytes;
+             o.timeout = std::chrono::milliseconds(
+                 static_cast<int64_t>(timeout_s * 1000));
+             return Check(Mesh::Create(o));
+           }),
+           py::arg("rank"), py::arg("world"), py::arg("listen"),
+           py::arg("secret"), py::arg("max_bytes") = 16 << 20,
+           py::arg("timeout_s") = 60.0,
+           "Listens at `listen` (host:0 picks a port); connect() next.")
+      .def_property_readonly("endpoint", &Mesh::endpoint)
+      .def(
+          "connect",
+          [](Mesh& mesh, const std::vector<std::string>& eps) {
+            CallWithoutGil([&] { return mesh.Connect(eps); });
+          },
+          py::arg("endpoints"), "Every worker's endpoint, in rank order.")
+      .def(
+          "alltoall",
+          [](Mesh& mesh, const std::vector<py::object>& sends,
+             const std::vector<py::object>& recvs) {
+            std::vector<std::span<const uint8_t>> out;
+            std::vector<std::span<uint8_t>> in;
+            for (const py::object& o : sends) {
+              Buffer b = GetBuffer(o, false);
+              out.emplace_back(static_cast<const uint8_t*>(b.ptr), b.bytes);
+            }
+            for (const py::object& o : recvs) {
+              Buffer b = GetBuffer(o, true);
+              in.emplace_back(static_cast<uint8_t*>(b.ptr), b.bytes);
+            }
+            CallWithoutGil([&] { return mesh.AllToAll(out, in); });
+          },
+          py::arg("sends"), py::arg("recvs"),
+          "sends[q] to worker q; recvs[q] <- worker q's sends[rank] (the "
+          "pair's sizes must agree). Buffers: contiguous, any dtype.");
 
   py::class_<Handle>(m, "Handle")
       .def("wait", &Handle::Wait, py::arg("timeout") = py::none(),

@@ -257,6 +257,19 @@ def _collectives(rank, world, group=None):
     d.all_to_all_single(o, inp, recv, send)
     check("all_to_all_single uneven", o, torch.cat(
         [torch.full((rank + 1,), float(q * 10 + rank)) for q in range(world)]))
+    # A large uneven all_to_all: pairs of up to 8 MiB (two of the mesh's
+    # pieces at three ranks), some empty (world 3: rank 1 to rank 2).
+    def pair(r, q):
+        return (r + q) % 3 * (1 << 19) + (q if q % 2 else 0)
+    send = [pair(rank, q) for q in range(world)]
+    recv = [pair(q, rank) for q in range(world)]
+    inp = torch.cat([torch.arange(send[q], dtype=torch.float64) +
+                     1000 * rank + q for q in range(world)])
+    o = torch.empty(sum(recv), dtype=torch.float64)
+    d.all_to_all_single(o, inp, recv, send)
+    check("all_to_all_single large", o, torch.cat(
+        [torch.arange(recv[q], dtype=torch.float64) + 1000 * q + rank
+         for q in range(world)]))
     outs = [torch.empty(1) for _ in range(world)]
     d.all_to_all(outs, [torch.tensor([float(rank * world + q)])
                            for q in range(world)])
@@ -402,6 +415,16 @@ def _errors(rank, world):
         mt.init()
     except membox.MemboxError as e:
         said["hook"] = str(e)
+    # all_to_all sizes that disagree: rank 0 sends rank 1 two elements,
+    # rank 1 expects one. Rank 1 names the pair; no rank hangs.
+    send = [1] * world
+    if rank == 0:
+        send[1] = 2
+    try:
+        dist.all_to_all_single(torch.empty(world), torch.zeros(sum(send)),
+                               [1] * world, send)
+    except Exception as e:  # noqa: BLE001
+        said["all_to_all sizes"] = str(e)
     t = torch.ones(2)
     dist.all_reduce(t)
     said["after"] = t.tolist()
@@ -659,6 +682,10 @@ class BackendTest(unittest.TestCase):
             self.assertEqual(out["everyone"], [3.0, 3.0])
             self.assertIn("without init() and the hook", out["hook"])
         self.assertIn("the send was 12 bytes", outs[1]["recv size"])
+        self.assertIn("all-to-all sizes disagree: worker 0 sends 8 bytes to "
+                      "worker 1, which expects 4",
+                      outs[1]["all_to_all sizes"])
+        self.assertIn("all_to_all sizes", outs[0])  # failed, did not hang
 
     def test_no_memory_nodes_named(self):
         env = {k: v for k, v in os.environ.items()

@@ -65,6 +65,11 @@ _SUM_MOVE_BYTES = 256 << 10
 # (MEMBOX_BACKEND_DIRECT_BYTES, read once at import).
 _DIRECT_BYTES = int(os.environ.get("MEMBOX_BACKEND_DIRECT_BYTES", 1 << 20))
 _RING_MAX_BYTES = 64 << 20  # the ring's pieces: this / world per step
+# The mesh's (collective::Mesh) buffers: this / world per peer, each way.
+# Every all_to_all of a whole-job group goes over the mesh while the direct
+# path is on (MEMBOX_BACKEND_DIRECT_BYTES > 0): the nodes would only relay
+# it.
+_MESH_MAX_BYTES = 16 << 20
 # A float32 SUM/AVG all_reduce of at least this many bytes is split: its
 # head over the workers' ring, its tail through the nodes at the same time
 # (seed 000's dual synchronisation within one tensor; docs/design/
@@ -316,6 +321,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._p2p_sent = {}  # (dst, tag) -> sends so far
         self._p2p_recv = {}  # (src, tag) -> receives so far
         self._ring = None  # the workers' ring, made on its first use
+        self._mesh = None  # the workers' mesh, made on its first use
         self._split_share = 4  # the ring's share of a split, in 16ths
         self._split_remote = None  # rank 0's nodes are on other hosts
         if self._rank == 0 and not self._sub:
@@ -683,19 +689,31 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
 
     def _ensure_ring(self):
         if self._ring is None:
-            host, _, port = _proxies(self._store, self._rank,
-                                     self._timeout)[0].rpartition(":")
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-                u.connect((host.strip("[]"), int(port)))  # no packet sent
-                mine = u.getsockname()[0]
-            ring = membox._core.Ring(
-                self._rank, self._size, "%s:0" % mine, membox._secret(),
-                _RING_MAX_BYTES, self._timeout.total_seconds())
-            self._store.set("membox/ring/%d" % self._rank, ring.endpoint)
-            keys = ["membox/ring/%d" % q for q in range(self._size)]
-            self._store.wait(keys, self._timeout)
-            ring.connect([self._store.get(k).decode() for k in keys])
-            self._ring = ring
+            self._ring = self._connect_direct("ring", membox._core.Ring,
+                                              _RING_MAX_BYTES)
+
+    def _ensure_mesh(self):
+        if self._mesh is None:
+            self._mesh = self._connect_direct("mesh", membox._core.Mesh,
+                                              _MESH_MAX_BYTES)
+
+    def _connect_direct(self, kind, make, max_bytes):
+        """A ring or mesh of this group's ranks, connected: each rank
+        listens on its address toward the first memory node (the interface
+        the job already uses) and finds the others' in the group's store
+        under "membox/<kind>/<rank>"; the job's secret is checked."""
+        host, _, port = _proxies(self._store, self._rank,
+                                 self._timeout)[0].rpartition(":")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            u.connect((host.strip("[]"), int(port)))  # no packet sent
+            mine = u.getsockname()[0]
+        obj = make(self._rank, self._size, "%s:0" % mine, membox._secret(),
+                   max_bytes, self._timeout.total_seconds())
+        self._store.set("membox/%s/%d" % (kind, self._rank), obj.endpoint)
+        keys = ["membox/%s/%d" % (kind, q) for q in range(self._size)]
+        self._store.wait(keys, self._timeout)
+        obj.connect([self._store.get(k).decode() for k in keys])
+        return obj
 
     def _gather_all(self, t):
         """Every rank's `t` (same shape), stacked: on the exchange thread."""
@@ -1167,7 +1185,19 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         return self._submit("all_to_all", output_tensors, run)
 
     def _alltoall(self, outs, ins):
-        """outs[q] <- rank q's ins[this rank], by one exchange."""
+        """outs[q] <- rank q's ins[this rank]: over the workers' mesh in a
+        whole-job group (each pair's bytes cross once, directly), else by
+        one exchange through the nodes."""
+        if not self._sub and self._size > 1 and _DIRECT_BYTES > 0:
+            self._ensure_mesh()
+            tmp = [o if o.is_contiguous() else o.contiguous() for o in outs]
+            self._mesh.alltoall(
+                [_bytes_view(t.contiguous()).numpy() for t in ins],
+                [_bytes_view(t).numpy() for t in tmp])
+            for o, t in zip(outs, tmp):
+                if o is not t:
+                    o.copy_(t)
+            return
         sends = {q: _bytes_view(ins[q].contiguous())
                  for q in range(self._size) if q != self._rank}
         tmp = [o if o.is_contiguous() else o.contiguous() for o in outs]
@@ -1288,6 +1318,8 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 MemboxBackend._shared = None
         self._buffers.clear()
         self._one = None
+        self._ring = None  # closes its channels
+        self._mesh = None
         self._client = None
 
     def abort(self):
