@@ -33,6 +33,11 @@ class MeshImpl final : public Mesh {
     if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world) {
       return InvalidArgumentError("rank must be in [0, world)");
     }
+    if (opt_.inline_bytes + 64 > transport::Channel::kMaxControlMessage) {
+      return InvalidArgumentError(
+          "inline_bytes exceeds the control path's " +
+          std::to_string(transport::Channel::kMaxControlMessage) + " bytes");
+    }
     slot_ = std::max<size_t>(64 << 10, opt_.max_bytes / opt_.world);
     transport::DeviceOptions d;
     d.listen_address = opt_.listen;
@@ -56,8 +61,8 @@ class MeshImpl final : public Mesh {
     for (int q : peers) {
       ASSIGN_OR_RETURN(send_[q], device_->AllocateMemRegion(slot_));
     }
-    ASSIGN_OR_RETURN(links_, ConnectPeers(*device_, opt_.rank, endpoints,
-                                          peers, slot_, opt_.timeout));
+    ASSIGN_OR_RETURN(links_, ConnectPeers(*device_, opt_.rank, endpoints, peers,
+                                          slot_, opt_.timeout));
     connected_ = true;
     return Status::Ok();
   }
@@ -75,10 +80,11 @@ class MeshImpl final : public Mesh {
           "size");
     }
     if (!broken_.ok()) {
-      return FailedPreconditionError("mesh unusable after an earlier failure: " +
-                                     broken_.ToString());
+      return FailedPreconditionError(
+          "mesh unusable after an earlier failure: " + broken_.ToString());
     }
-    if (P > 1 && !connected_) return FailedPreconditionError("mesh not connected");
+    if (P > 1 && !connected_)
+      return FailedPreconditionError("mesh not connected");
     if (sends[r].data() != recvs[r].data() && !sends[r].empty()) {
       std::memmove(recvs[r].data(), sends[r].data(), sends[r].size());
     }
@@ -92,9 +98,21 @@ class MeshImpl final : public Mesh {
   }
 
  private:
-  // A pair of n bytes moves in this many pieces (one, empty, for n = 0).
+  // A pair of n bytes goes inline (in its one notice) up to inline_bytes;
+  // above, in pieces written into the peer's buffer.
+  bool Inline(size_t n) const { return n <= opt_.inline_bytes; }
   size_t Pieces(size_t n) const {
-    return std::max<size_t>(1, (n + slot_ - 1) / slot_);
+    return Inline(n) ? 1 : (n + slot_ - 1) / slot_;
+  }
+
+  // The peer's buffer for us is free again: its ACK of the last piece we
+  // wrote there (possibly of an earlier call) has come.
+  Status AwaitFree(int q) {
+    auto it = unacked_.find(q);
+    if (it == unacked_.end()) return Status::Ok();
+    auto [call, step] = it->second;
+    unacked_.erase(it);
+    return Recv(*links_.at(q).out, RingType::kAck, call, step);
   }
 
   Status Exchange(const std::vector<std::span<const uint8_t>>& sends,
@@ -104,70 +122,78 @@ class MeshImpl final : public Mesh {
     size_t rounds = 0;
     for (int q = 0; q < P; ++q) {
       if (q == r) continue;
-      rounds = std::max({rounds, Pieces(sends[q].size()),
-                         Pieces(recvs[q].size())});
+      rounds =
+          std::max({rounds, Pieces(sends[q].size()), Pieces(recvs[q].size())});
     }
     for (size_t i = 0; i < rounds; ++i) {
       const uint32_t step = static_cast<uint32_t>(i);
-      // 1. Start this piece's writes to every peer (in the order r+1,
-      // r+2, ... so that not everyone writes to the same worker first).
+      // 1. Send this piece to every peer (in the order r+1, r+2, ... so
+      // that not everyone sends to the same worker first): inline, or
+      // start its write.
       std::vector<std::pair<int, std::optional<OpHandle>>> writes;
       for (int k = 1; k < P; ++k) {
         const int q = (r + k) % P;
         const size_t total = sends[q].size();
         if (i >= Pieces(total)) continue;
         PeerLink& l = links_.at(q);
-        if (i > 0) RETURN_IF_ERROR(Recv(*l.out, RingType::kAck, call, step - 1));
-        const size_t off = i * slot_, n = std::min(slot_, total - off);
-        std::optional<OpHandle> h;
-        if (n > 0) {
-          MemRegion& buf = *send_.at(q);
-          CopyBytes(buf.data(), sends[q].data() + off, n);
-          ASSIGN_OR_RETURN(h, l.out->Write(buf.data(), buf,
-                                            l.remote_recv->address(),
-                                            *l.remote_recv, n));
+        RingMessage m{RingType::kPiece, call, step};
+        m.total = total;
+        if (Inline(total)) {
+          m.payload.assign(sends[q].begin(), sends[q].end());
+          RETURN_IF_ERROR(SendRing(*l.out, m));
+          continue;
         }
+        RETURN_IF_ERROR(AwaitFree(q));
+        const size_t off = i * slot_, n = std::min(slot_, total - off);
+        MemRegion& buf = *send_.at(q);
+        CopyBytes(buf.data(), sends[q].data() + off, n);
+        ASSIGN_OR_RETURN(auto h,
+                         l.out->Write(buf.data(), buf, l.remote_recv->address(),
+                                      *l.remote_recv, n));
         writes.emplace_back(q, std::move(h));
       }
-      // 2. As each lands, flush it and say so.
+      // 2. As each write lands, flush it and say so.
       for (auto& [q, h] : writes) {
         PeerLink& l = links_.at(q);
-        if (h) {
-          RETURN_IF_ERROR(h->Wait(opt_.timeout));
-          ASSIGN_OR_RETURN(auto f, l.out->Flush());
-          RETURN_IF_ERROR(f.Wait(opt_.timeout));
-        }
+        RETURN_IF_ERROR(h->Wait(opt_.timeout));
+        ASSIGN_OR_RETURN(auto f, l.out->Flush());
+        RETURN_IF_ERROR(f.Wait(opt_.timeout));
         RingMessage m{RingType::kPiece, call, step};
         m.total = sends[q].size();
         RETURN_IF_ERROR(SendRing(*l.out, m));
+        unacked_[q] = {call, step};
       }
-      // 3. Take this piece from every peer, and free its buffer.
+      // 3. Take this piece from every peer; free the buffer of a written
+      // one.
       for (int k = 1; k < P; ++k) {
         const int q = (r - k + P) % P;
         const size_t total = recvs[q].size();
         if (i >= Pieces(total)) continue;
         PeerLink& l = links_.at(q);
-        ASSIGN_OR_RETURN(RingMessage m,
-                         RecvRing(*l.in, RingType::kPiece, call, step,
-                                  opt_.timeout));
+        ASSIGN_OR_RETURN(RingMessage m, RecvRing(*l.in, RingType::kPiece, call,
+                                                 step, opt_.timeout));
         if (m.total != total) {
           return InvalidArgumentError(
               "all-to-all sizes disagree: worker " + std::to_string(q) +
               " sends " + std::to_string(m.total) + " bytes to worker " +
               std::to_string(r) + ", which expects " + std::to_string(total));
         }
+        if (Inline(total)) {
+          if (m.payload.size() != total) {
+            return DataLossError("worker " + std::to_string(q) +
+                                 " sent a short inline piece");
+          }
+          if (total > 0) CopyBytes(recvs[q].data(), m.payload.data(), total);
+          continue;
+        }
         const size_t off = i * slot_, n = std::min(slot_, total - off);
-        if (n > 0) CopyBytes(recvs[q].data() + off, l.recv->data(), n);
+        CopyBytes(recvs[q].data() + off, l.recv->data(), n);
         RETURN_IF_ERROR(SendRing(*l.in, {RingType::kAck, call, step}));
       }
     }
-    // Every buffer we wrote into is free again before we return (the next
-    // call may write at once).
-    for (int q = 0; q < P; ++q) {
-      if (q == r) continue;
-      const uint32_t last = static_cast<uint32_t>(Pieces(sends[q].size()) - 1);
-      RETURN_IF_ERROR(Recv(*links_.at(q).out, RingType::kAck, call, last));
-    }
+    // The last written pieces' ACKs are awaited before their buffers are
+    // written again (AwaitFree), not here: the call ends when every piece
+    // has arrived.
     return Status::Ok();
   }
 
@@ -182,6 +208,9 @@ class MeshImpl final : public Mesh {
   std::map<int, std::unique_ptr<MemRegion>> send_;  // per peer
   std::map<int, PeerLink> links_;
   bool connected_ = false;
+  // Per peer: the (call, step) of the last piece written into its buffer
+  // whose ACK has not been read.
+  std::map<int, std::pair<uint64_t, uint32_t>> unacked_;
   Status broken_;  // the first failure; calls are refused after it
   uint64_t calls_ = 0;
 };

@@ -234,8 +234,7 @@ class RingImpl final : public RingAllreduce {
 
   Result<RingMessage> Recv(Channel& ch, RingType type, uint64_t call,
                            int step) {
-    return RecvRing(ch, type, call, static_cast<uint32_t>(step),
-                    opt_.timeout);
+    return RecvRing(ch, type, call, static_cast<uint32_t>(step), opt_.timeout);
   }
 
   RingOptions opt_;

@@ -19,6 +19,8 @@ std::vector<uint8_t> EncodeRing(const RingMessage& m) {
     w.Bytes(m.payload.data(), m.payload.size());
   } else if (m.type == RingType::kPiece) {
     w.U64(m.total);
+    w.U32(static_cast<uint32_t>(m.payload.size()));
+    w.Bytes(m.payload.data(), m.payload.size());
   }
   return std::move(w.buffer());
 }
@@ -38,8 +40,13 @@ Result<RingMessage> DecodeRing(std::span<const uint8_t> in) {
     if (!r.U32(&n) || n == 0 || n > 8192 || !r.Bytes(&m.payload, n)) {
       return InvalidArgumentError("malformed ring descriptor message");
     }
-  } else if (m.type == RingType::kPiece && !r.U64(&m.total)) {
-    return InvalidArgumentError("malformed mesh piece message");
+  } else if (m.type == RingType::kPiece) {
+    uint32_t n = 0;
+    if (!r.U64(&m.total) || !r.U32(&n) || n > m.total ||
+        n > transport::Channel::kMaxControlMessage ||
+        (n > 0 && !r.Bytes(&m.payload, n))) {
+      return InvalidArgumentError("malformed mesh piece message");
+    }
   }
   if (r.remaining() != 0) {
     return InvalidArgumentError("malformed ring message (trailing bytes)");

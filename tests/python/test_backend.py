@@ -685,7 +685,6 @@ class BackendTest(unittest.TestCase):
         self.assertIn("all-to-all sizes disagree: worker 0 sends 8 bytes to "
                       "worker 1, which expects 4",
                       outs[1]["all_to_all sizes"])
-        self.assertIn("all_to_all sizes", outs[0])  # failed, did not hang
 
     def test_no_memory_nodes_named(self):
         env = {k: v for k, v in os.environ.items()

@@ -2,13 +2,15 @@
 // of the torch backend's all-to-all (the exchange DLRM's embeddings and
 // expert-parallel layers make), which the memory nodes would only relay.
 //
-// Each worker gives every peer a receive buffer of `max_bytes / world`
-// bytes (at least 64 KiB) and keeps a send buffer per peer; a pair's bytes
-// move in pieces of that size, each a one-sided write into the peer's
-// buffer (mapped memory on one host, RDMA/TCP across hosts) followed by a
-// kPiece notice that also carries the pair's byte count for the call. The
-// receiver copies the piece out and ACKs it, which frees the buffer for
-// the pair's next piece. Every pair sends at least one notice per call, so
+// A pair's bytes of at most `inline_bytes` travel inside its one kPiece
+// notice (latency: one message, no ACK). Larger ones move in pieces: each
+// worker gives every peer a receive buffer of `max_bytes / world` bytes (at
+// least 64 KiB) and keeps a send buffer per peer; each piece is a one-sided
+// write into the peer's buffer (mapped memory on one host, RDMA/TCP across
+// hosts) followed by a kPiece notice. The receiver copies the piece out and
+// ACKs it; the sender reads that ACK before it next writes into that
+// buffer (in this call or a later one). Every notice carries the pair's
+// byte count for the call and every pair sends at least one per call, so
 // sizes that disagree are found at once.
 //
 // Setup is two-phase like RingAllreduce: Create() listens, endpoint() is
@@ -46,6 +48,9 @@ struct MeshOptions {
   // Buffer budget: each peer's receive buffer (and each send buffer) is
   // max_bytes / world. A call may move any number of bytes.
   size_t max_bytes = 16 << 20;
+  // A pair's bytes up to this many go inside its notice (must be equal on
+  // every worker; at most 1 MiB, the control path's limit).
+  size_t inline_bytes = 64 << 10;
   std::chrono::milliseconds timeout{60000};
 };
 

@@ -802,11 +802,13 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       {
         MutexLock l(&mu_);
         auto it = rpcs_.find(reply.request);
-        if (it == rpcs_.end())
-          return drop(NotFoundError("response to an unknown request"));
-        st = it->second;
-        rpcs_.erase(it);
+        if (it != rpcs_.end()) {
+          st = it->second;
+          rpcs_.erase(it);
+        }
       }
+      // (Not under mu_: drop() names the peer, which takes mu_.)
+      if (!st) return drop(NotFoundError("response to an unknown request"));
       st->Complete(msg::StatusFromWire(reply.code, reply.message));
       return UCS_OK;
     }
@@ -870,11 +872,14 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       {
         MutexLock l(&mu_);
         auto it = reads_.find(m->request);
-        if (it == reads_.end())
-          return drop(NotFoundError("read response to an unknown request"));
-        pr = it->second;
-        reads_.erase(it);
+        if (it != reads_.end()) {
+          pr = it->second;
+          reads_.erase(it);
+        }
       }
+      // (Not under mu_: drop() names the peer, which takes mu_.)
+      if (!pr.state)
+        return drop(NotFoundError("read response to an unknown request"));
       Status s = msg::StatusFromWire(m->code, m->message);
       if (s.ok() && len != pr.len)
         s = DataLossError("read response of the wrong length");
