@@ -903,8 +903,9 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Mesh>(m, "Mesh")
       .def(py::init([](int rank, int world, const std::string& listen,
                        const std::string& secret, size_t max_bytes,
-                       double timeout_s) {
+                       double timeout_s, size_t inline_bytes) {
              membox::collective::MeshOptions o;
+             o.inline_bytes = inline_bytes;
              o.rank = rank;
              o.world = world;
              o.listen = listen;
@@ -917,7 +918,10 @@ PYBIND11_MODULE(_core, m) {
            py::arg("rank"), py::arg("world"), py::arg("listen"),
            py::arg("secret"), py::arg("max_bytes") = 16 << 20,
            py::arg("timeout_s") = 60.0,
-           "Listens at `listen` (host:0 picks a port); connect() next.")
+           py::arg("inline_bytes") =
+               membox::collective::MeshOptions().inline_bytes,
+           "Listens at `listen` (host:0 picks a port); connect() next. A "
+           "pair's bytes up to inline_bytes travel in its notice.")
       .def_property_readonly("endpoint", &Mesh::endpoint)
       .def(
           "connect",

@@ -188,7 +188,10 @@ class MeshImpl final : public Mesh {
         }
         const size_t off = i * slot_, n = std::min(slot_, total - off);
         CopyBytes(recvs[q].data() + off, l.recv->data(), n);
-        RETURN_IF_ERROR(SendRing(*l.in, {RingType::kAck, call, step}));
+        Status acked = SendRing(*l.in, {RingType::kAck, call, step});
+        // The pair's last ACK may find the peer gone: it had all it needed
+        // from us and may have left the job (its next call would fail).
+        if (!acked.ok() && i + 1 < Pieces(total)) return acked;
       }
     }
     // The last written pieces' ACKs are awaited before their buffers are

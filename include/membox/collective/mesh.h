@@ -50,7 +50,7 @@ struct MeshOptions {
   size_t max_bytes = 16 << 20;
   // A pair's bytes up to this many go inside its notice (must be equal on
   // every worker; at most 1 MiB, the control path's limit).
-  size_t inline_bytes = 64 << 10;
+  size_t inline_bytes = 512 << 10;
   std::chrono::milliseconds timeout{60000};
 };
 

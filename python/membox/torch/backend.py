@@ -70,6 +70,11 @@ _RING_MAX_BYTES = 64 << 20  # the ring's pieces: this / world per step
 # path is on (MEMBOX_BACKEND_DIRECT_BYTES > 0): the nodes would only relay
 # it.
 _MESH_MAX_BYTES = 16 << 20
+# An all_to_all over the mesh moving at most this many bytes (sent and
+# received), and a barrier, run on the caller's thread when nothing of the
+# group is queued ahead of them (_Jobs): blocking, but shorter than the
+# hand-offs to the exchange thread.
+_INLINE_BYTES = 1 << 20
 # A float32 SUM/AVG all_reduce of at least this many bytes is split: its
 # head over the workers' ring, its tail through the nodes at the same time
 # (seed 000's dual synchronisation within one tensor; docs/design/
@@ -192,22 +197,52 @@ class _Work(dist.Work):
         return self._checked
 
 
-def _serve(jobs):
-    """A group's exchange thread: runs (work, fn) jobs in issue order until
-    None."""
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        w, fn = job
-        try:
-            fn()
-            w._finish()
-        except Exception as e:  # noqa: BLE001 - the Work carries it
-            w._finish(e if isinstance(e, RuntimeError)
-                      else RuntimeError("membox backend: %s failed: %s"
-                                        % (w._what, e)))
-        del w, fn, job
+class _Jobs:
+    """A group's operations in issue order: each runs on the group's
+    exchange thread, or, when it asks to and nothing is queued or running,
+    at once on the caller's thread (a small operation then skips the two
+    thread hand-offs, which cost more than the operation itself on a busy
+    machine). Submitters wait on each other only while an inline operation
+    runs, so the issue order is the run order either way."""
+
+    def __init__(self):
+        self._queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0  # queued or running on the exchange thread
+
+    def submit(self, w, fn, inline=False):
+        with self._lock:
+            if inline and self._pending == 0:
+                _run(w, fn)
+                return
+            self._pending += 1
+            self._queue.put((w, fn))
+
+    def stop(self):
+        self._queue.put(None)
+
+    def serve(self):
+        """The exchange thread: runs jobs until stop(). (It holds this
+        object only, not the group, so the group can be collected.)"""
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            _run(*job)
+            del job
+            with self._lock:
+                self._pending -= 1
+
+
+def _run(w, fn):
+    """Runs fn() and completes the Work `w` with its outcome."""
+    try:
+        fn()
+        w._finish()
+    except Exception as e:  # noqa: BLE001 - the Work carries it
+        w._finish(e if isinstance(e, RuntimeError)
+                  else RuntimeError("membox backend: %s failed: %s"
+                                    % (w._what, e)))
 
 
 def _done(what, outputs, timeout):
@@ -329,10 +364,9 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                             self._client.proxies_map_memory and
                             not _SPLIT_ON_ONE_HOST else "1")
         self._splits = 0  # split all_reduces so far
-        self._jobs = queue.Queue()
+        self._jobs = _Jobs()
         self._closed = False
-        # The thread holds the queue only, so the group can be collected.
-        self._thread = threading.Thread(target=_serve, args=(self._jobs,),
+        self._thread = threading.Thread(target=self._jobs.serve,
                                         daemon=True,
                                         name="membox-backend-%s" % label)
         self._thread.start()
@@ -455,14 +489,15 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 raise RuntimeError("membox backend: %s of a sparse tensor is "
                                    "not supported" % what)
 
-    def _submit(self, what, outputs, fn):
-        """Runs fn() on the exchange thread, in issue order; the Work
+    def _submit(self, what, outputs, fn, inline=False):
+        """Runs fn() in issue order, on the exchange thread (or, `inline`
+        and with nothing ahead of it, on this thread: _Jobs); the Work
         completes when it returns."""
         if self._closed:
             raise RuntimeError("membox backend: the process group is "
                                "destroyed")
         w = _Work(what, outputs, self._timeout)
-        self._jobs.put((w, fn))
+        self._jobs.submit(w, fn, inline)
         return w
 
     def _wait(self, handles):
@@ -1167,7 +1202,10 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             self._alltoall(outs, ins)
             if out_flat.data_ptr() != output.data_ptr():
                 output.copy_(out_flat.view_as(output))
-        return self._submit("all_to_all_single", [output], run)
+        moved = (output.numel() * output.element_size() +
+                 input.numel() * input.element_size())
+        return self._submit("all_to_all_single", [output], run,
+                            inline=self._inline_a2a(moved))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         self._check("all_to_all", output_tensors + input_tensors)
@@ -1182,13 +1220,24 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             self._alltoall(outs, [t.contiguous() for t in input_tensors])
             for o, t in zip(output_tensors, outs):
                 o.copy_(t)
-        return self._submit("all_to_all", output_tensors, run)
+        moved = sum(t.numel() * t.element_size()
+                    for t in output_tensors + input_tensors)
+        return self._submit("all_to_all", output_tensors, run,
+                            inline=self._inline_a2a(moved))
+
+    def _mesh_path(self):
+        """Whether all_to_all goes over the workers' mesh: in a group of
+        the whole job, while the direct path is on."""
+        return not self._sub and self._size > 1 and _DIRECT_BYTES > 0
+
+    def _inline_a2a(self, moved):
+        return self._mesh_path() and moved <= _INLINE_BYTES
 
     def _alltoall(self, outs, ins):
         """outs[q] <- rank q's ins[this rank]: over the workers' mesh in a
         whole-job group (each pair's bytes cross once, directly), else by
         one exchange through the nodes."""
-        if not self._sub and self._size > 1 and _DIRECT_BYTES > 0:
+        if self._mesh_path():
             self._ensure_mesh()
             tmp = [o if o.is_contiguous() else o.contiguous() for o in outs]
             self._mesh.alltoall(
@@ -1210,7 +1259,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 o.copy_(t)
 
     def barrier(self, opts=None):
-        return self._submit("barrier", [], self._fence_round)
+        return self._submit("barrier", [], self._fence_round, inline=True)
 
     # ------------------------------------------------------ point to point
     # A send stores into a key of its own (sender, receiver, tag, the
@@ -1308,7 +1357,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         if self._closed:
             return
         self._closed = True
-        self._jobs.put(None)
+        self._jobs.stop()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
         shared = MemboxBackend._shared
