@@ -84,9 +84,9 @@ cmake --build --preset asan -j"$jobs"
 # joiner with peers down) ps_test covers under ASan already.
 run_ctest asan -E '^overlapping_failures_test$'
 
-stage "ThreadSanitizer: transport (handshake, TCP path), the service layer, the memory server, the proxy, the embedding server, a real daemon under hostile input"
+stage "ThreadSanitizer: transport (handshake, TCP path), the workers' collectives, the service layer, the memory server, the proxy, the embedding server, a real daemon under hostile input"
 cmake --preset tsan
-cmake --build --preset tsan -j"$jobs" --target transport_test service_test memserver_test ps_test embedding_server_test membox
+cmake --build --preset tsan -j"$jobs" --target transport_test collective_test service_test memserver_test ps_test embedding_server_test membox
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp" UCX_MEM_EVENTS=no
 # WriteAndReadManySizes/am: a 9 MiB rendezvous through instrumented memcpy
 # exceeds its 10 s wait under TSan (tests/tsan.supp).
@@ -98,7 +98,7 @@ timeout -k 30 900 build/tsan/src/transport/transport_test --gtest_filter='-*Writ
 # stack reuses -- a race TSan reports and separate processes cannot have
 # (docs/results/failures.md, "Known problems in the tests").
 tsan_skip='-PsTest.ALaggingSurvivorCatchesUpFromAPeerThatFinished:PsTest.AReplacementAtAnotherAddressTakesOver:PsTest.WorkersRideThroughAReplacedProxyOfThree:PsTest.WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree:PsTest.AReplacementServesWhileItCopiesRingShards:PsTest.TwoDeathsBeforeAReplacement*:PsTest.AReplacementServesWhileItCopiesStripedShards'
-for t in service/service_test memserver/memserver_test ps/ps_test embedding/embedding_server_test; do
+for t in collective/collective_test service/service_test memserver/memserver_test ps/ps_test embedding/embedding_server_test; do
   filter=()
   [[ $t == ps/ps_test ]] && filter=(--gtest_filter="$tsan_skip")
   timeout -k 30 900 build/tsan/src/$t "${filter[@]}" >"build/tsan/${t##*/}.log" 2>&1 \
