@@ -1,0 +1,83 @@
+// Point to point between workers, directly: the torch backend's send and
+// recv (pipeline stages, hand-written exchanges), which the memory nodes
+// would only relay through a stored key and a store word.
+//
+// Every pair of workers is connected both ways (ConnectPeers, as the mesh
+// is). A message of at most `inline_bytes` travels inside its one kPiece
+// notice (call = the tag, total = the message's bytes). A larger one moves
+// in pieces of `max_bytes / world` through the receiver's buffer for this
+// sender: a one-sided write, a flush and a notice per piece; the receiver
+// copies the piece out and ACKs it, and the sender reads that ACK before it
+// next writes into that buffer. So a send returns once its last piece is in
+// the receiver's buffer (or its notice is sent), and a send that needs the
+// buffer again waits until the receiver has taken what is there: for a
+// multi-piece message, or a second written message, the receiver must be
+// receiving (a rendezvous, as Gloo's).
+//
+// Matching: a receive from `src` with `tag` takes the first message from
+// `src` with that tag. Messages from `src` with another tag that arrive
+// first are taken in whole and kept until a receive asks for them (so
+// senders never wait on a tag the receiver asks for later). A message whose
+// size differs from the receive's buffer is consumed and reported
+// (kInvalidArgument, "the send was N bytes, the buffer holds M").
+//
+// Threading: Send to different peers, Recv from different peers, and a
+// Send and a Recv with the same peer may run at once on different
+// threads; calls to one peer in one direction are serialised here (in the
+// order they take the peer's lock: callers that need issue order keep one
+// thread per peer and direction). Connect first, on one thread.
+//
+// Failure: a dead peer or a timeout gives kUnavailable /
+// kDeadlineExceeded naming the peer; that peer's direction is unusable
+// afterwards (the stream may be mid-message).
+#ifndef MEMBOX_COLLECTIVE_POINT_TO_POINT_H_
+#define MEMBOX_COLLECTIVE_POINT_TO_POINT_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "membox/base/status.h"
+
+namespace membox::collective {
+
+struct PointToPointOptions {
+  int rank = 0;
+  int world = 1;
+  std::string listen = "0.0.0.0:0";
+  std::string transports = "auto";
+  // Shared secret: peers prove it when they connect.
+  std::string secret;
+  // Buffer budget: each peer's receive buffer (and each send buffer) is
+  // max_bytes / world, at least 64 KiB. Messages may be of any size.
+  size_t max_bytes = 16 << 20;
+  // Messages up to this many bytes go inside their notice (at most 1 MiB,
+  // the control path's limit).
+  size_t inline_bytes = 512 << 10;
+  // How long a Recv waits for its message, and a Send for its buffer.
+  std::chrono::milliseconds timeout{60000};
+};
+
+class PointToPoint {
+ public:
+  static Result<std::unique_ptr<PointToPoint>> Create(
+      const PointToPointOptions& options);
+  virtual ~PointToPoint() = default;
+  virtual std::string endpoint() const = 0;
+  // Connects with every other worker; `endpoints[i]` is worker i's
+  // endpoint().
+  virtual Status Connect(const std::vector<std::string>& endpoints) = 0;
+  // `data` to worker `dst` (not this one) as a message with `tag`.
+  virtual Status Send(int dst, std::span<const uint8_t> data, uint64_t tag) = 0;
+  // The next message from worker `src` with `tag` into `data`, whose size
+  // must be the message's.
+  virtual Status Recv(int src, std::span<uint8_t> data, uint64_t tag) = 0;
+};
+
+}  // namespace membox::collective
+
+#endif  // MEMBOX_COLLECTIVE_POINT_TO_POINT_H_

@@ -1,0 +1,162 @@
+#include "membox/collective/point_to_point.h"
+
+#include <latch>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+namespace membox::collective {
+namespace {
+
+// `world` workers on loopback with slots of 64 KiB and messages of up to
+// 1 KiB inline, connected; body(rank, p2p) on one thread per rank once
+// every rank is connected.
+template <typename Body>
+void OnPairs(int world, Body body) {
+  std::vector<std::unique_ptr<PointToPoint>> all;
+  std::vector<std::string> eps;
+  for (int r = 0; r < world; ++r) {
+    PointToPointOptions o;
+    o.rank = r;
+    o.world = world;
+    o.listen = "127.0.0.1:0";
+    o.max_bytes = 0;  // 64 KiB slots
+    o.inline_bytes = 1024;
+    o.timeout = std::chrono::seconds(20);
+    auto p = PointToPoint::Create(o);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    eps.push_back((*p)->endpoint());
+    all.push_back(std::move(*p));
+  }
+  std::latch connected(world);
+  std::vector<std::thread> th;
+  for (int r = 0; r < world; ++r) {
+    th.emplace_back([&, r] {
+      Status s = all[r]->Connect(eps);
+      connected.arrive_and_wait();
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      body(r, *all[r]);
+    });
+  }
+  for (auto& t : th) t.join();
+}
+
+std::vector<uint8_t> Message(int from, int to, int i, size_t n) {
+  std::vector<uint8_t> v(n);
+  for (size_t k = 0; k < n; ++k) v[k] = uint8_t(from * 31 + to * 7 + i + k);
+  return v;
+}
+
+// Every worker sends every other a run of messages (empty, inline, one
+// piece, several pieces) while receiving theirs, a thread per peer and
+// direction.
+TEST(PointToPointTest, MessagesOfAnySizeBetweenEveryPair) {
+  const std::vector<size_t> sizes = {0, 5, 1024, 1025, 64 << 10, 200 << 10, 3};
+  OnPairs(3, [&](int r, PointToPoint& p2p) {
+    std::vector<std::thread> th;
+    for (int q = 0; q < 3; ++q) {
+      if (q == r) continue;
+      th.emplace_back([&, q] {
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          Status s = p2p.Send(q, Message(r, q, int(i), sizes[i]), 7);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+        }
+      });
+      th.emplace_back([&, q] {
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          std::vector<uint8_t> got(sizes[i], 0xEE);
+          Status s = p2p.Recv(q, got, 7);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          ASSERT_EQ(got, Message(q, r, int(i), sizes[i]))
+              << "rank " << r << " from " << q << " message " << i;
+        }
+      });
+    }
+    for (auto& t : th) t.join();
+  });
+}
+
+// A receive for a tag takes that tag's next message; what comes first
+// under other tags (a multi-piece one too) is taken in whole and kept for
+// its own receive, so the sender never waits on the receiver's order.
+// Both workers send (on a thread of their own: a multi-piece message is a
+// rendezvous) while they receive in another order.
+TEST(PointToPointTest, TagsAreMatchedWhateverTheOrder) {
+  OnPairs(2, [&](int r, PointToPoint& p2p) {
+    const int peer = 1 - r;
+    std::thread sender([&] {
+      ASSERT_TRUE(p2p.Send(peer, Message(r, peer, 1, 300 << 10), 1).ok());
+      ASSERT_TRUE(p2p.Send(peer, Message(r, peer, 2, 10), 2).ok());
+      ASSERT_TRUE(p2p.Send(peer, Message(r, peer, 3, 2000), 1).ok());
+    });
+    std::vector<uint8_t> b(10), a(300 << 10), c(2000);
+    ASSERT_TRUE(p2p.Recv(peer, b, 2).ok());
+    EXPECT_EQ(b, Message(peer, r, 2, 10));
+    ASSERT_TRUE(p2p.Recv(peer, a, 1).ok());
+    EXPECT_EQ(a, Message(peer, r, 1, 300 << 10));
+    ASSERT_TRUE(p2p.Recv(peer, c, 1).ok());
+    EXPECT_EQ(c, Message(peer, r, 3, 2000));
+    sender.join();
+  });
+}
+
+// Messages that fit one buffer are not a rendezvous: both workers send
+// one, then receive.
+TEST(PointToPointTest, OneBufferfulNeedsNoReceiverYet) {
+  OnPairs(2, [&](int r, PointToPoint& p2p) {
+    const int peer = 1 - r;
+    ASSERT_TRUE(p2p.Send(peer, Message(r, peer, 0, 60 << 10), 4).ok());
+    ASSERT_TRUE(p2p.Send(peer, Message(r, peer, 1, 100), 4).ok());  // inline
+    std::vector<uint8_t> a(60 << 10), b(100);
+    ASSERT_TRUE(p2p.Recv(peer, a, 4).ok());
+    ASSERT_TRUE(p2p.Recv(peer, b, 4).ok());
+    EXPECT_EQ(a, Message(peer, r, 0, 60 << 10));
+    EXPECT_EQ(b, Message(peer, r, 1, 100));
+  });
+}
+
+// A message of another size than the receive's buffer is reported, and
+// the next message arrives intact.
+TEST(PointToPointTest, ASizeThatDiffersIsReportedAndTheStreamGoesOn) {
+  OnPairs(2, [&](int r, PointToPoint& p2p) {
+    if (r == 0) {
+      ASSERT_TRUE(p2p.Send(1, Message(0, 1, 0, 100 << 10), 0).ok());
+      ASSERT_TRUE(p2p.Send(1, Message(0, 1, 1, 12), 0).ok());
+      ASSERT_TRUE(p2p.Send(1, Message(0, 1, 2, 8), 0).ok());
+      return;
+    }
+    std::vector<uint8_t> small(20);
+    Status s = p2p.Recv(0, small, 0);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.ToString().find("the send was 102400 bytes, the buffer "
+                                "holds 20"),
+              std::string::npos)
+        << s.ToString();
+    s = p2p.Recv(0, small, 0);
+    EXPECT_NE(s.ToString().find("the send was 12 bytes"), std::string::npos);
+    std::vector<uint8_t> ok(8);
+    ASSERT_TRUE(p2p.Recv(0, ok, 0).ok());
+    EXPECT_EQ(ok, Message(0, 1, 2, 8));
+  });
+}
+
+TEST(PointToPointTest, BadArgumentsAreRefused) {
+  PointToPointOptions bad;
+  bad.world = 2;
+  bad.rank = 2;
+  EXPECT_EQ(PointToPoint::Create(bad).status().code(),
+            StatusCode::kInvalidArgument);
+  PointToPointOptions o;
+  o.world = 2;
+  o.listen = "127.0.0.1:0";
+  auto p = PointToPoint::Create(o);
+  ASSERT_TRUE(p.ok());
+  std::vector<uint8_t> v(4);
+  EXPECT_EQ((*p)->Send(1, v, 0).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*p)->Send(0, v, 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*p)->Recv(5, v, 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*p)->Connect({"a"}).code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace membox::collective
