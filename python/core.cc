@@ -29,6 +29,7 @@
 #include "membox/base/logging.h"
 #include "membox/base/secret.h"
 #include "membox/collective/mesh.h"
+#include "membox/collective/point_to_point.h"
 #include "membox/collective/ring_allreduce.h"
 #include "membox/embedding/client.h"
 #include "membox/ps/client_environment.h"
@@ -948,6 +949,58 @@ PYBIND11_MODULE(_core, m) {
           py::arg("sends"), py::arg("recvs"),
           "sends[q] to worker q; recvs[q] <- worker q's sends[rank] (the "
           "pair's sizes must agree). Buffers: contiguous, any dtype.");
+
+  // Point to point between workers (collective::PointToPoint): the direct
+  // path of the torch backend's send and recv. Blocking calls, GIL
+  // released; a send and a receive, or calls with different peers, may run
+  // at once on different threads.
+  using membox::collective::PointToPoint;
+  py::class_<PointToPoint>(m, "PointToPoint")
+      .def(py::init([](int rank, int world, const std::string& listen,
+                       const std::string& secret, size_t max_bytes,
+                       double timeout_s) {
+             membox::collective::PointToPointOptions o;
+             o.rank = rank;
+             o.world = world;
+             o.listen = listen;
+             o.secret = secret;
+             o.max_bytes = max_bytes;
+             o.timeout = std::chrono::milliseconds(
+                 static_cast<int64_t>(timeout_s * 1000));
+             return Check(PointToPoint::Create(o));
+           }),
+           py::arg("rank"), py::arg("world"), py::arg("listen"),
+           py::arg("secret"), py::arg("max_bytes") = 16 << 20,
+           py::arg("timeout_s") = 60.0,
+           "Listens at `listen` (host:0 picks a port); connect() next.")
+      .def_property_readonly("endpoint", &PointToPoint::endpoint)
+      .def(
+          "add_peer",
+          [](PointToPoint& p, int q, const std::string& endpoint) {
+            CallWithoutGil([&] { return p.AddPeer(q, endpoint); });
+          },
+          py::arg("rank"), py::arg("endpoint"),
+          "Worker `rank`'s endpoint (needed before the first send to it).")
+      .def(
+          "send",
+          [](PointToPoint& p, int dst, py::object data, uint64_t tag) {
+            Buffer b = GetBuffer(data, false);
+            std::span<const uint8_t> s(static_cast<const uint8_t*>(b.ptr),
+                                       b.bytes);
+            CallWithoutGil([&] { return p.Send(dst, s, tag); });
+          },
+          py::arg("dst"), py::arg("data"), py::arg("tag"),
+          "`data` (contiguous, any dtype) to worker `dst` under `tag`.")
+      .def(
+          "recv",
+          [](PointToPoint& p, int src, py::object data, uint64_t tag) {
+            Buffer b = GetBuffer(data, true);
+            std::span<uint8_t> s(static_cast<uint8_t*>(b.ptr), b.bytes);
+            CallWithoutGil([&] { return p.Recv(src, s, tag); });
+          },
+          py::arg("src"), py::arg("data"), py::arg("tag"),
+          "The next message from `src` under `tag` into `data` (its size "
+          "must be the message's).");
 
   py::class_<Handle>(m, "Handle")
       .def("wait", &Handle::Wait, py::arg("timeout") = py::none(),

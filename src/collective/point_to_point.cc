@@ -1,16 +1,18 @@
 #include "membox/collective/point_to_point.h"
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <map>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "membox/base/copy.h"
+#include "membox/base/logging.h"
 #include "membox/base/mutex.h"
 #include "membox/transport/device.h"
 
-#include "src/collective/peer_links.h"
 #include "src/collective/ring_message.h"
 
 namespace membox::collective {
@@ -21,14 +23,22 @@ using transport::MemRegion;
 // One peer's two directions. `send_mu` serialises our sends to it (the
 // `out` channel, our send buffer, its receive buffer for us); `recv_mu`
 // our receives from it (the `in` channel, our buffer for it, the kept
-// messages).
+// messages). The acceptor files `in` and `recv` under recv_mu.
 struct Peer {
   Mutex send_mu;
+  std::string endpoint MEMBOX_GUARDED_BY(send_mu);
+  CondVar endpoint_known;
+  std::shared_ptr<transport::Channel> out MEMBOX_GUARDED_BY(send_mu);
+  std::shared_ptr<transport::RemoteMemRegion> remote_recv
+      MEMBOX_GUARDED_BY(send_mu);
   std::unique_ptr<MemRegion> send MEMBOX_GUARDED_BY(send_mu);
   // The last piece written into the peer's buffer whose ACK is unread.
   std::optional<std::pair<uint64_t, uint32_t>> unacked
       MEMBOX_GUARDED_BY(send_mu);
   Mutex recv_mu;
+  CondVar connected;  // `in` was filed
+  std::shared_ptr<transport::Channel> in MEMBOX_GUARDED_BY(recv_mu);
+  std::unique_ptr<MemRegion> recv MEMBOX_GUARDED_BY(recv_mu);
   // Messages taken ahead of their receive, by tag, in arrival order.
   std::map<uint64_t, std::deque<std::vector<uint8_t>>> kept
       MEMBOX_GUARDED_BY(recv_mu);
@@ -38,8 +48,21 @@ class PointToPointImpl final : public PointToPoint {
  public:
   explicit PointToPointImpl(PointToPointOptions o) : opt_(std::move(o)) {}
   ~PointToPointImpl() override {
-    CloseLinks(links_);
-    links_.clear();
+    stop_ = true;
+    if (acceptor_.joinable()) acceptor_.join();
+    for (auto& [q, p] : peers_) {
+      {
+        MutexLock l(&p->send_mu);
+        if (p->out) p->out->Close();
+        p->out.reset();
+        p->remote_recv.reset();
+        p->send.reset();
+      }
+      MutexLock l(&p->recv_mu);
+      if (p->in) p->in->Close();
+      p->in.reset();
+      p->recv.reset();
+    }
     peers_.clear();
     device_.reset();
   }
@@ -60,42 +83,35 @@ class PointToPointImpl final : public PointToPoint {
     d.secret = opt_.secret;
     d.name = "p2p-" + std::to_string(opt_.rank);
     ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    for (int q = 0; q < opt_.world; ++q) {
+      if (q != opt_.rank) peers_[q] = std::make_unique<Peer>();
+    }
+    acceptor_ = std::thread([this] { AcceptLoop(); });
     return Status::Ok();
   }
 
   std::string endpoint() const override { return device_->listen_endpoint(); }
 
-  Status Connect(const std::vector<std::string>& endpoints) override {
-    if (endpoints.size() != static_cast<size_t>(opt_.world)) {
-      return InvalidArgumentError("one endpoint per worker");
-    }
-    if (connected_) return FailedPreconditionError("already connected");
-    std::set<int> others;
-    for (int q = 0; q < opt_.world; ++q) {
-      if (q == opt_.rank) continue;
-      others.insert(q);
-      auto p = std::make_unique<Peer>();
-      MutexLock l(&p->send_mu);
-      ASSIGN_OR_RETURN(p->send, device_->AllocateMemRegion(slot_));
-      peers_[q] = std::move(p);
-    }
-    ASSIGN_OR_RETURN(links_, ConnectPeers(*device_, opt_.rank, endpoints,
-                                          others, slot_, opt_.timeout));
-    connected_ = true;
+  Status AddPeer(int q, const std::string& endpoint) override {
+    RETURN_IF_ERROR(CheckPeer(q));
+    Peer& p = *peers_.at(q);
+    MutexLock l(&p.send_mu);
+    p.endpoint = endpoint;
+    p.endpoint_known.NotifyAll();
     return Status::Ok();
   }
 
   Status Send(int dst, std::span<const uint8_t> data, uint64_t tag) override {
     RETURN_IF_ERROR(CheckPeer(dst));
     Peer& p = *peers_.at(dst);
-    PeerLink& l = links_.at(dst);
     MutexLock lock(&p.send_mu);
+    if (!p.out) RETURN_IF_ERROR(OpenOut(dst, p));
     const size_t total = data.size();
     RingMessage m{RingType::kPiece, tag, 0};
     m.total = total;
     if (Inline(total)) {
       m.payload.assign(data.begin(), data.end());
-      return SendRing(*l.out, m);
+      return SendRing(*p.out, m);
     }
     const size_t pieces = (total + slot_ - 1) / slot_;
     for (size_t i = 0; i < pieces; ++i) {
@@ -103,19 +119,19 @@ class PointToPointImpl final : public PointToPoint {
         auto [call, step] = *p.unacked;
         p.unacked.reset();
         RETURN_IF_ERROR(
-            RecvRing(*l.out, RingType::kAck, call, step, opt_.timeout)
+            RecvRing(*p.out, RingType::kAck, call, step, opt_.timeout)
                 .status());
       }
       const size_t off = i * slot_, n = std::min(slot_, total - off);
       CopyBytes(p.send->data(), data.data() + off, n);
       ASSIGN_OR_RETURN(
-          auto h, l.out->Write(p.send->data(), *p.send,
-                               l.remote_recv->address(), *l.remote_recv, n));
+          auto h, p.out->Write(p.send->data(), *p.send,
+                               p.remote_recv->address(), *p.remote_recv, n));
       RETURN_IF_ERROR(h.Wait(opt_.timeout));
-      ASSIGN_OR_RETURN(auto f, l.out->Flush());
+      ASSIGN_OR_RETURN(auto f, p.out->Flush());
       RETURN_IF_ERROR(f.Wait(opt_.timeout));
       m.step = static_cast<uint32_t>(i);
-      RETURN_IF_ERROR(SendRing(*l.out, m));
+      RETURN_IF_ERROR(SendRing(*p.out, m));
       p.unacked = {tag, m.step};
     }
     return Status::Ok();
@@ -124,7 +140,6 @@ class PointToPointImpl final : public PointToPoint {
   Status Recv(int src, std::span<uint8_t> data, uint64_t tag) override {
     RETURN_IF_ERROR(CheckPeer(src));
     Peer& p = *peers_.at(src);
-    PeerLink& l = links_.at(src);
     MutexLock lock(&p.recv_mu);
     auto it = p.kept.find(tag);
     if (it != p.kept.end()) {
@@ -135,8 +150,18 @@ class PointToPointImpl final : public PointToPoint {
       if (!msg.empty()) CopyBytes(data.data(), msg.data(), msg.size());
       return Status::Ok();
     }
+    auto until = std::chrono::steady_clock::now() + opt_.timeout;
+    while (!p.in) {
+      auto left = until - std::chrono::steady_clock::now();
+      if (left <= left.zero() || !p.connected.WaitFor(&p.recv_mu, left)) {
+        if (p.in) break;
+        return DeadlineExceededError(
+            "receive from worker " + std::to_string(src) + ": it did not " +
+            "connect within " + std::to_string(opt_.timeout.count()) + " ms");
+      }
+    }
     while (true) {
-      auto bytes = l.in->RecvControl(opt_.timeout);
+      auto bytes = p.in->RecvControl(opt_.timeout);
       if (!bytes.ok()) {
         return Status(bytes.status().code(),
                       "receive from worker " + std::to_string(src) + ": " +
@@ -148,13 +173,13 @@ class PointToPointImpl final : public PointToPoint {
                              " is out of step (not the start of a message)");
       }
       if (m.call == tag && m.total == data.size()) {
-        return Take(src, l, m, data);
+        return Take(src, p, m, data);
       }
       // Another tag's message (kept for its receive), or this tag's of the
       // wrong size (taken, then reported): read in whole either way, so
       // the stream stays at a message boundary.
       std::vector<uint8_t> msg(m.total);
-      RETURN_IF_ERROR(Take(src, l, m, msg));
+      RETURN_IF_ERROR(Take(src, p, m, msg));
       if (m.call == tag) return CheckSize(src, m.total, data.size());
       p.kept[m.call].push_back(std::move(msg));
     }
@@ -167,7 +192,6 @@ class PointToPointImpl final : public PointToPoint {
     if (q < 0 || q >= opt_.world || q == opt_.rank) {
       return InvalidArgumentError("no such peer " + std::to_string(q));
     }
-    if (!connected_) return FailedPreconditionError("not connected");
     return Status::Ok();
   }
 
@@ -181,8 +205,8 @@ class PointToPointImpl final : public PointToPoint {
 
   // The rest of the message whose first notice is `first`, into `out`
   // (exactly first.total bytes).
-  Status Take(int src, PeerLink& l, const RingMessage& first,
-              std::span<uint8_t> out) {
+  Status Take(int src, Peer& p, const RingMessage& first,
+              std::span<uint8_t> out) MEMBOX_REQUIRES(p.recv_mu) {
     const size_t total = first.total;
     if (Inline(total)) {
       if (first.payload.size() != total) {
@@ -199,26 +223,110 @@ class PointToPointImpl final : public PointToPoint {
       if (i > 0) {
         ASSIGN_OR_RETURN(
             RingMessage m,
-            RecvRing(*l.in, RingType::kPiece, first.call, step, opt_.timeout));
+            RecvRing(*p.in, RingType::kPiece, first.call, step, opt_.timeout));
         if (m.total != total) {
           return DataLossError("worker " + std::to_string(src) +
                                " changed a message's size mid-way");
         }
       }
       const size_t off = i * slot_, n = std::min(slot_, total - off);
-      CopyBytes(out.data() + off, l.recv->data(), n);
-      RETURN_IF_ERROR(SendRing(*l.in, {RingType::kAck, first.call, step}));
+      CopyBytes(out.data() + off, p.recv->data(), n);
+      RETURN_IF_ERROR(SendRing(*p.in, {RingType::kAck, first.call, step}));
     }
+    return Status::Ok();
+  }
+
+  // Our channel to peer q: wait for its endpoint, connect, say who we are
+  // (kHello), learn where to write (kDescriptor from its acceptor).
+  Status OpenOut(int q, Peer& p) MEMBOX_REQUIRES(p.send_mu) {
+    auto until = std::chrono::steady_clock::now() + opt_.timeout;
+    while (p.endpoint.empty()) {
+      auto left = until - std::chrono::steady_clock::now();
+      if (left <= left.zero() || !p.endpoint_known.WaitFor(&p.send_mu, left)) {
+        if (!p.endpoint.empty()) break;
+        return DeadlineExceededError("worker " + std::to_string(q) +
+                                     "'s endpoint is not known");
+      }
+    }
+    std::shared_ptr<transport::Channel> ch;
+    Status last;
+    while (!ch && std::chrono::steady_clock::now() < until) {
+      auto c = device_->GetChannel(p.endpoint);
+      if (c.ok()) {
+        ch = *c;
+      } else {
+        last = c.status();
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+    if (!ch) {
+      return UnavailableError("cannot reach worker " + std::to_string(q) +
+                              ": " + last.ToString());
+    }
+    RingMessage hello{RingType::kHello, 0, static_cast<uint32_t>(opt_.rank)};
+    RETURN_IF_ERROR(SendRing(*ch, hello));
+    ASSIGN_OR_RETURN(RingMessage d,
+                     RecvRing(*ch, RingType::kDescriptor, 0, 0, opt_.timeout));
+    ASSIGN_OR_RETURN(auto desc,
+                     transport::RegionDescriptor::Deserialize(d.payload));
+    ASSIGN_OR_RETURN(auto remote, ch->Import(desc, opt_.timeout));
+    if (remote->size() < slot_) {
+      return FailedPreconditionError(
+          "worker " + std::to_string(q) +
+          "'s receive buffer is smaller than ours (workers disagree on "
+          "max_bytes)");
+    }
+    if (!p.send) {
+      ASSIGN_OR_RETURN(p.send, device_->AllocateMemRegion(slot_));
+    }
+    p.remote_recv = std::move(remote);
+    p.out = std::move(ch);
+    return Status::Ok();
+  }
+
+  // Files each peer's channel to us: its hello names it; it gets a receive
+  // buffer and is told where. A connection that names no peer, or a second
+  // one from the same peer, is closed.
+  void AcceptLoop() {
+    while (!stop_) {
+      auto ch = device_->Accept(std::chrono::milliseconds(200));
+      if (!ch.ok()) continue;  // (a timeout: look at stop_ again)
+      Status s = FileIn(*ch);
+      if (!s.ok()) {
+        MEMBOX_LOG_WARN("p2p-{}: refused a connection from {}: {}", opt_.rank,
+                        (*ch)->peer(), s.ToString());
+        (*ch)->Close();
+      }
+    }
+  }
+
+  Status FileIn(const std::shared_ptr<transport::Channel>& ch) {
+    ASSIGN_OR_RETURN(auto bytes, ch->RecvControl(opt_.timeout));
+    ASSIGN_OR_RETURN(RingMessage m, DecodeRing(bytes));
+    const int q = static_cast<int>(m.step);
+    if (m.type != RingType::kHello || !peers_.count(q)) {
+      return DataLossError("not a hello from a worker of this job");
+    }
+    Peer& p = *peers_.at(q);
+    MutexLock l(&p.recv_mu);
+    if (p.in)
+      return AlreadyExistsError("worker " + std::to_string(q) +
+                                " is already connected");
+    ASSIGN_OR_RETURN(p.recv, device_->AllocateMemRegion(slot_));
+    RingMessage d{RingType::kDescriptor, 0, 0};
+    d.payload = p.recv->Export().Serialize();
+    RETURN_IF_ERROR(SendRing(*ch, d));
+    p.in = ch;
+    p.connected.NotifyAll();
     return Status::Ok();
   }
 
   PointToPointOptions opt_;
   size_t slot_ = 0;
   std::unique_ptr<transport::Device> device_;
-  // Set by Connect (one thread, before any Send or Recv), then read only.
-  std::map<int, PeerLink> links_;
-  std::map<int, std::unique_ptr<Peer>> peers_;
-  bool connected_ = false;
+  std::map<int, std::unique_ptr<Peer>> peers_;  // fixed after Init
+  std::atomic<bool> stop_{false};
+  std::thread acceptor_;
 };
 
 }  // namespace

@@ -1,6 +1,5 @@
 #include "membox/collective/point_to_point.h"
 
-#include <latch>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -9,8 +8,8 @@ namespace membox::collective {
 namespace {
 
 // `world` workers on loopback with slots of 64 KiB and messages of up to
-// 1 KiB inline, connected; body(rank, p2p) on one thread per rank once
-// every rank is connected.
+// 1 KiB inline, each told the others' endpoints; body(rank, p2p) on one
+// thread per rank (connections are made as they are used).
 template <typename Body>
 void OnPairs(int world, Body body) {
   std::vector<std::unique_ptr<PointToPoint>> all;
@@ -28,15 +27,14 @@ void OnPairs(int world, Body body) {
     eps.push_back((*p)->endpoint());
     all.push_back(std::move(*p));
   }
-  std::latch connected(world);
   std::vector<std::thread> th;
   for (int r = 0; r < world; ++r) {
-    th.emplace_back([&, r] {
-      Status s = all[r]->Connect(eps);
-      connected.arrive_and_wait();
-      ASSERT_TRUE(s.ok()) << s.ToString();
-      body(r, *all[r]);
-    });
+    for (int q = 0; q < world; ++q) {
+      if (q != r) {
+        ASSERT_TRUE(all[r]->AddPeer(q, eps[q]).ok());
+      }
+    }
+    th.emplace_back([&, r] { body(r, *all[r]); });
   }
   for (auto& t : th) t.join();
 }
@@ -140,6 +138,22 @@ TEST(PointToPointTest, ASizeThatDiffersIsReportedAndTheStreamGoesOn) {
   });
 }
 
+// A receive waits for its sender's connection, which comes with the
+// sender's first send.
+TEST(PointToPointTest, AReceiveWaitsForTheSendersConnection) {
+  OnPairs(2, [&](int r, PointToPoint& p2p) {
+    if (r == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      ASSERT_TRUE(p2p.Send(1, Message(0, 1, 0, 100 << 10), 3).ok());
+      return;
+    }
+    std::vector<uint8_t> got(100 << 10);
+    Status s = p2p.Recv(0, got, 3);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(got, Message(0, 1, 0, 100 << 10));
+  });
+}
+
 TEST(PointToPointTest, BadArgumentsAreRefused) {
   PointToPointOptions bad;
   bad.world = 2;
@@ -149,13 +163,16 @@ TEST(PointToPointTest, BadArgumentsAreRefused) {
   PointToPointOptions o;
   o.world = 2;
   o.listen = "127.0.0.1:0";
+  o.timeout = std::chrono::milliseconds(200);
   auto p = PointToPoint::Create(o);
   ASSERT_TRUE(p.ok());
   std::vector<uint8_t> v(4);
-  EXPECT_EQ((*p)->Send(1, v, 0).code(), StatusCode::kFailedPrecondition);
+  // No endpoint for worker 1, and worker 1 never connects.
+  EXPECT_EQ((*p)->Send(1, v, 0).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*p)->Recv(1, v, 0).code(), StatusCode::kDeadlineExceeded);
   EXPECT_EQ((*p)->Send(0, v, 0).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ((*p)->Recv(5, v, 0).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ((*p)->Connect({"a"}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*p)->AddPeer(-1, "x").code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -2,17 +2,20 @@
 // recv (pipeline stages, hand-written exchanges), which the memory nodes
 // would only relay through a stored key and a store word.
 //
-// Every pair of workers is connected both ways (ConnectPeers, as the mesh
-// is). A message of at most `inline_bytes` travels inside its one kPiece
-// notice (call = the tag, total = the message's bytes). A larger one moves
-// in pieces of `max_bytes / world` through the receiver's buffer for this
-// sender: a one-sided write, a flush and a notice per piece; the receiver
-// copies the piece out and ACKs it, and the sender reads that ACK before it
-// next writes into that buffer. So a send returns once its last piece is in
-// the receiver's buffer (or its notice is sent), and a send that needs the
-// buffer again waits until the receiver has taken what is there: for a
-// multi-piece message, or a second written message, the receiver must be
-// receiving (a rendezvous, as Gloo's).
+// Connections are made per pair and direction, on first use and without
+// the peer's part: a worker's first Send to a peer opens a channel to the
+// peer's endpoint (given by AddPeer) and says who it is; the peer's
+// acceptor thread gives it a receive buffer and says where. So a worker
+// that never sends or receives still lets others send to it. A message of at
+// most `inline_bytes` travels inside its one kPiece notice (call = the tag,
+// total = the message's bytes). A larger one moves in pieces of `max_bytes /
+// world` through the receiver's buffer for this sender: a one-sided write, a
+// flush and a notice per piece; the receiver copies the piece out and ACKs it,
+// and the sender reads that ACK before it next writes into that buffer. So a
+// send returns once its last piece is in the receiver's buffer (or its notice
+// is sent), and a send that needs the buffer again waits until the receiver has
+// taken what is there: for a multi-piece message, or a second written message,
+// the receiver must be receiving (a rendezvous, as Gloo's).
 //
 // Matching: a receive from `src` with `tag` takes the first message from
 // `src` with that tag. Messages from `src` with another tag that arrive
@@ -25,7 +28,8 @@
 // Send and a Recv with the same peer may run at once on different
 // threads; calls to one peer in one direction are serialised here (in the
 // order they take the peer's lock: callers that need issue order keep one
-// thread per peer and direction). Connect first, on one thread.
+// thread per peer and direction). AddPeer may be called at any time from
+// any thread; a Send to a peer waits until its endpoint is known.
 //
 // Failure: a dead peer or a timeout gives kUnavailable /
 // kDeadlineExceeded naming the peer; that peer's direction is unusable
@@ -58,7 +62,8 @@ struct PointToPointOptions {
   // Messages up to this many bytes go inside their notice (at most 1 MiB,
   // the control path's limit).
   size_t inline_bytes = 512 << 10;
-  // How long a Recv waits for its message, and a Send for its buffer.
+  // How long a Recv waits for its message, a Send for its buffer, and
+  // either for its peer's connection.
   std::chrono::milliseconds timeout{60000};
 };
 
@@ -68,9 +73,8 @@ class PointToPoint {
       const PointToPointOptions& options);
   virtual ~PointToPoint() = default;
   virtual std::string endpoint() const = 0;
-  // Connects with every other worker; `endpoints[i]` is worker i's
-  // endpoint().
-  virtual Status Connect(const std::vector<std::string>& endpoints) = 0;
+  // Worker q's endpoint(); needed before the first Send to q.
+  virtual Status AddPeer(int q, const std::string& endpoint) = 0;
   // `data` to worker `dst` (not this one) as a message with `tag`.
   virtual Status Send(int dst, std::span<const uint8_t> data, uint64_t tag) = 0;
   // The next message from worker `src` with `tag` into `data`, whose size

@@ -75,6 +75,9 @@ _MESH_MAX_BYTES = 16 << 20
 # group is queued ahead of them (_Jobs): blocking, but shorter than the
 # hand-offs to the exchange thread.
 _INLINE_BYTES = 1 << 20
+# A direct send of at most this many bytes is one message (PointToPoint's
+# inline_bytes): it runs on the caller's thread when its lane is idle.
+_P2P_INLINE_BYTES = 512 << 10
 # A float32 SUM/AVG all_reduce of at least this many bytes is split: its
 # head over the workers' ring, its tail through the nodes at the same time
 # (seed 000's dual synchronisation within one tensor; docs/design/
@@ -357,6 +360,10 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._p2p_recv = {}  # (src, tag) -> receives so far
         self._ring = None  # the workers' ring, made on its first use
         self._mesh = None  # the workers' mesh, made on its first use
+        self._pairs = None  # their point to point, made on its first use
+        self._pairs_lock = threading.Lock()
+        self._peers_known = set()  # ranks whose p2p endpoint _pairs has
+        self._lanes = {}  # (direction, peer) -> _Jobs of direct p2p
         self._split_share = 4  # the ring's share of a split, in 16ths
         self._split_remote = None  # rank 0's nodes are on other hosts
         if self._rank == 0 and not self._sub:
@@ -732,18 +739,22 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             self._mesh = self._connect_direct("mesh", membox._core.Mesh,
                                               _MESH_MAX_BYTES)
 
+    def _direct_address(self):
+        """This rank's address toward the first memory node: the interface
+        the job already uses, where the direct paths listen."""
+        host, _, port = _proxies(self._store, self._rank,
+                                 self._timeout)[0].rpartition(":")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            u.connect((host.strip("[]"), int(port)))  # no packet sent
+            return u.getsockname()[0]
+
     def _connect_direct(self, kind, make, max_bytes):
         """A ring or mesh of this group's ranks, connected: each rank
         listens on its address toward the first memory node (the interface
         the job already uses) and finds the others' in the group's store
         under "membox/<kind>/<rank>"; the job's secret is checked."""
-        host, _, port = _proxies(self._store, self._rank,
-                                 self._timeout)[0].rpartition(":")
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-            u.connect((host.strip("[]"), int(port)))  # no packet sent
-            mine = u.getsockname()[0]
-        obj = make(self._rank, self._size, "%s:0" % mine, membox._secret(),
-                   max_bytes, self._timeout.total_seconds())
+        obj = make(self._rank, self._size, "%s:0" % self._direct_address(),
+                   membox._secret(), max_bytes, self._timeout.total_seconds())
         self._store.set("membox/%s/%d" % (kind, self._rank), obj.endpoint)
         keys = ["membox/%s/%d" % (kind, q) for q in range(self._size)]
         self._store.wait(keys, self._timeout)
@@ -1262,13 +1273,69 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         return self._submit("barrier", [], self._fence_round, inline=True)
 
     # ------------------------------------------------------ point to point
-    # A send stores into a key of its own (sender, receiver, tag, the
-    # pair's count) and says so in the group's store; the receiver waits
-    # for that word, pulls, and says it has read, which the sender waits
-    # for before reusing the key two sends later.
+    # In a group of the whole job (direct path on), a send and a recv go
+    # straight between the two workers (collective::PointToPoint), each on
+    # the lane of its peer and direction, in issue order; a send that fits
+    # in one message runs at once when its lane is idle.
+    #
+    # Otherwise a send stores into a key of its own (sender, receiver, tag,
+    # the pair's count) and says so in the group's store; the receiver
+    # waits for that word, pulls, and says it has read, which the sender
+    # waits for before reusing the key two sends later.
+    def _p2p_direct(self):
+        return self._mesh_path()
+
+    def _ensure_pairs(self):
+        """This rank's PointToPoint, made on its first send or recv, its
+        endpoint published under "membox/pairs/<rank>" (no other rank need
+        be there: connections are made per pair as they are used)."""
+        with self._pairs_lock:
+            if self._pairs is None:
+                self._pairs = membox._core.PointToPoint(
+                    self._rank, self._size, "%s:0" % self._direct_address(),
+                    membox._secret(), _MESH_MAX_BYTES,
+                    self._timeout.total_seconds())
+                self._store.set("membox/pairs/%d" % self._rank,
+                                self._pairs.endpoint)
+            return self._pairs
+
+    def _pair_to(self, dst):
+        """The PointToPoint, knowing dst's endpoint: published when dst
+        made its own (its first send or recv), waited for here."""
+        pairs = self._ensure_pairs()
+        if dst not in self._peers_known:
+            key = "membox/pairs/%d" % dst
+            self._store_wait(key)
+            pairs.add_peer(dst, self._store.get(key).decode())
+            self._peers_known.add(dst)
+        return pairs
+
+    def _lane(self, kind, peer):
+        """The _Jobs (and its thread) of sends to, or receives from, peer."""
+        lane = self._lanes.get((kind, peer))
+        if lane is None:
+            lane = self._lanes[(kind, peer)] = _Jobs()
+            threading.Thread(target=lane.serve, daemon=True,
+                             name="membox-%s-%d" % (kind, peer)).start()
+        return lane
+
+    def _direct_p2p(self, kind, peer, tensors, fn, inline):
+        w = _Work("%s %d" % (kind, peer), tensors, self._timeout)
+        self._lane(kind, peer).submit(w, fn, inline)
+        return w
+
     def send(self, tensors, dst, tag):
         self._check("send", tensors)
         t = tensors[0].contiguous()
+        if self._p2p_direct():
+            data = _bytes_view(t)
+
+            def direct():
+                self._pair_to(dst).send(dst, data.numpy(), tag % (1 << 64))
+            return self._direct_p2p(
+                "send to", dst, tensors, direct,
+                inline=(data.numel() <= _P2P_INLINE_BYTES and
+                        dst in self._peers_known))
         n = self._p2p_sent.get((dst, tag), 0)
         self._p2p_sent[(dst, tag)] = n + 1
         data = _bytes_view(t).clone()
@@ -1294,6 +1361,17 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     def recv(self, tensors, src, tag):
         self._check("recv", tensors)
         t = tensors[0]
+        if self._p2p_direct():
+            def direct():
+                c = t if t.is_contiguous() else torch.empty_like(
+                    t, memory_format=torch.contiguous_format)
+                self._ensure_pairs().recv(src, _bytes_view(c).numpy(),
+                                          tag % (1 << 64))
+                if c is not t:
+                    t.copy_(c)
+            # (never on the caller's thread: an irecv before an isend)
+            return self._direct_p2p("recv from", src, tensors, direct,
+                                    inline=False)
         n = self._p2p_recv.get((src, tag), 0)
         self._p2p_recv[(src, tag)] = n + 1
 
@@ -1367,8 +1445,12 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 MemboxBackend._shared = None
         self._buffers.clear()
         self._one = None
+        for lane in self._lanes.values():
+            lane.stop()
+        self._lanes.clear()
         self._ring = None  # closes its channels
         self._mesh = None
+        self._pairs = None
         self._client = None
 
     def abort(self):
