@@ -294,6 +294,21 @@ def _collectives(rank, world, group=None):
     for r in reqs:
         r.wait()
     check("isend/irecv", x, torch.full((2,), float(prv), dtype=torch.float64))
+    # A message of several of the direct path's pieces (20 MiB) under tag
+    # 1, then a small one under tag 2, received in the other order.
+    big = torch.arange(5 << 20, dtype=torch.float32) + rank
+    got_big, got_small = torch.empty_like(big), torch.empty(3)
+    reqs = [d.isend(big, nxt, tag=1), d.isend(torch.full((3,), rank + 0.5),
+                                              nxt, tag=2),
+            d.irecv(got_small, prv, tag=2), d.irecv(got_big, prv, tag=1)]
+    for r in reqs:
+        r.wait()
+    check("isend/irecv large, tags reordered", torch.cat([got_small,
+                                                          got_big[-3:]]),
+          torch.tensor([prv + 0.5] * 3 + [float((5 << 20) - 3 + prv + k)
+                                          for k in range(3)]))
+    check("isend/irecv large: every element",
+          got_big, torch.arange(5 << 20, dtype=torch.float32) + prv)
     # Work objects: async ops, wait, get_future. (torch 2.15 wraps a Python
     # backend's Work in a holder whose is_completed() stays False: only
     # wait() and get_future() reach the backend's own.)
