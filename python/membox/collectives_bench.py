@@ -35,7 +35,7 @@ import time
 from membox import cluster
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-       "broadcast")
+       "broadcast", "sendrecv")
 BACKENDS = ("membox", "gloo")
 
 
@@ -55,7 +55,7 @@ def _size(text):
 def _bus_factor(op, p):
     if op == "all_reduce":
         return 2 * (p - 1) / p
-    if op == "broadcast":
+    if op in ("broadcast", "sendrecv"):
         return 1.0
     return (p - 1) / p
 
@@ -92,6 +92,14 @@ def _worker(a):
             elif op == "broadcast":
                 def call():
                     dist.broadcast(full, src=0)
+            elif op == "sendrecv":  # nccl-tests' sendrecv: a ring shift
+                got = torch.empty(n)
+
+                def call():
+                    reqs = [dist.isend(full, (rank + 1) % p),
+                            dist.irecv(got, (rank - 1) % p)]
+                    for r in reqs:
+                        r.wait()
             else:
                 raise SystemExit("unknown op %s" % op)
             for _ in range(3):  # warm-up (the split all_reduce's share
