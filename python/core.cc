@@ -85,6 +85,21 @@ void CallWithoutGil(F&& f) {
   if (!s.ok()) Throw(s);
 }
 
+// The options of a workers' direct collective (ring, mesh, point to
+// point) from its binding's arguments.
+template <typename O>
+O DirectFrom(int rank, int world, const std::string& listen,
+             const std::string& secret, size_t max_bytes, double timeout_s) {
+  O o;
+  o.rank = rank;
+  o.world = world;
+  o.listen = listen;
+  o.secret = secret;
+  o.max_bytes = max_bytes;
+  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  return o;
+}
+
 // Runs Python callbacks and drops buffer references with the GIL, off the
 // transport's threads.
 //
@@ -828,14 +843,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](int rank, int world, const std::string& listen,
                        const std::string& secret, size_t max_bytes,
                        double timeout_s) {
-             membox::collective::RingOptions o;
-             o.rank = rank;
-             o.world = world;
-             o.listen = listen;
-             o.secret = secret;
-             o.max_bytes = max_bytes;
-             o.timeout = std::chrono::milliseconds(
-                 static_cast<int64_t>(timeout_s * 1000));
+             auto o = DirectFrom<membox::collective::RingOptions>(
+                 rank, world, listen, secret, max_bytes, timeout_s);
              return Check(RingAllreduce::Create(o));
            }),
            py::arg("rank"), py::arg("world"), py::arg("listen"),
@@ -905,15 +914,9 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](int rank, int world, const std::string& listen,
                        const std::string& secret, size_t max_bytes,
                        double timeout_s, size_t inline_bytes) {
-             membox::collective::MeshOptions o;
+             auto o = DirectFrom<membox::collective::MeshOptions>(
+                 rank, world, listen, secret, max_bytes, timeout_s);
              o.inline_bytes = inline_bytes;
-             o.rank = rank;
-             o.world = world;
-             o.listen = listen;
-             o.secret = secret;
-             o.max_bytes = max_bytes;
-             o.timeout = std::chrono::milliseconds(
-                 static_cast<int64_t>(timeout_s * 1000));
              return Check(Mesh::Create(o));
            }),
            py::arg("rank"), py::arg("world"), py::arg("listen"),
@@ -959,14 +962,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](int rank, int world, const std::string& listen,
                        const std::string& secret, size_t max_bytes,
                        double timeout_s) {
-             membox::collective::PointToPointOptions o;
-             o.rank = rank;
-             o.world = world;
-             o.listen = listen;
-             o.secret = secret;
-             o.max_bytes = max_bytes;
-             o.timeout = std::chrono::milliseconds(
-                 static_cast<int64_t>(timeout_s * 1000));
+             auto o = DirectFrom<membox::collective::PointToPointOptions>(
+                 rank, world, listen, secret, max_bytes, timeout_s);
              return Check(PointToPoint::Create(o));
            }),
            py::arg("rank"), py::arg("world"), py::arg("listen"),

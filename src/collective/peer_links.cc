@@ -1,5 +1,6 @@
 #include "src/collective/peer_links.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "src/collective/ring_message.h"
@@ -68,6 +69,26 @@ Result<std::map<int, PeerLink>> ConnectPeers(
     }
   }
   return links;
+}
+
+Result<std::unique_ptr<transport::Device>> OpenDirect(const DirectOptions& o,
+                                                      const std::string& kind,
+                                                      size_t* slot) {
+  if (o.world < 1 || o.rank < 0 || o.rank >= o.world) {
+    return InvalidArgumentError("rank must be in [0, world)");
+  }
+  if (o.inline_bytes + 64 > transport::Channel::kMaxControlMessage) {
+    return InvalidArgumentError(
+        "inline_bytes exceeds the control path's " +
+        std::to_string(transport::Channel::kMaxControlMessage) + " bytes");
+  }
+  *slot = std::max<size_t>(64 << 10, o.max_bytes / o.world);
+  transport::DeviceOptions d;
+  d.listen_address = o.listen;
+  d.transports = o.transports;
+  d.secret = o.secret;
+  d.name = kind + "-" + std::to_string(o.rank);
+  return transport::Device::Create(d);
 }
 
 void CloseLinks(std::map<int, PeerLink>& links) {

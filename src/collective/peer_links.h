@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "membox/base/status.h"
+#include "membox/collective/direct_options.h"
 #include "membox/transport/device.h"
 
 namespace membox::collective {
@@ -41,6 +42,13 @@ Result<std::map<int, PeerLink>> ConnectPeers(
     transport::Device& device, int rank,
     const std::vector<std::string>& endpoints, const std::set<int>& peers,
     size_t recv_bytes, std::chrono::milliseconds timeout);
+
+// The checks and the device every DirectOptions user starts with: rank
+// and world, inline_bytes within the control path; the device listening
+// (named "<kind>-<rank>"); `*slot` the bytes of one peer's buffer.
+Result<std::unique_ptr<transport::Device>> OpenDirect(const DirectOptions& o,
+                                                      const std::string& kind,
+                                                      size_t* slot);
 
 // Closes both channels of every link (pending reads and waits end with
 // kAborted / kUnavailable on both sides).

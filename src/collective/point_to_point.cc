@@ -13,6 +13,7 @@
 #include "membox/base/mutex.h"
 #include "membox/transport/device.h"
 
+#include "src/collective/peer_links.h"
 #include "src/collective/ring_message.h"
 
 namespace membox::collective {
@@ -68,21 +69,7 @@ class PointToPointImpl final : public PointToPoint {
   }
 
   Status Init() {
-    if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world) {
-      return InvalidArgumentError("rank must be in [0, world)");
-    }
-    if (opt_.inline_bytes + 64 > transport::Channel::kMaxControlMessage) {
-      return InvalidArgumentError(
-          "inline_bytes exceeds the control path's " +
-          std::to_string(transport::Channel::kMaxControlMessage) + " bytes");
-    }
-    slot_ = std::max<size_t>(64 << 10, opt_.max_bytes / opt_.world);
-    transport::DeviceOptions d;
-    d.listen_address = opt_.listen;
-    d.transports = opt_.transports;
-    d.secret = opt_.secret;
-    d.name = "p2p-" + std::to_string(opt_.rank);
-    ASSIGN_OR_RETURN(device_, transport::Device::Create(d));
+    ASSIGN_OR_RETURN(device_, OpenDirect(opt_, "p2p", &slot_));
     for (int q = 0; q < opt_.world; ++q) {
       if (q != opt_.rank) peers_[q] = std::make_unique<Peer>();
     }

@@ -26,7 +26,6 @@
 #ifndef MEMBOX_COLLECTIVE_MESH_H_
 #define MEMBOX_COLLECTIVE_MESH_H_
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -35,24 +34,11 @@
 #include <vector>
 
 #include "membox/base/status.h"
+#include "membox/collective/direct_options.h"
 
 namespace membox::collective {
 
-struct MeshOptions {
-  int rank = 0;
-  int world = 1;
-  std::string listen = "0.0.0.0:0";
-  std::string transports = "auto";
-  // Shared secret: peers prove it when they connect.
-  std::string secret;
-  // Buffer budget: each peer's receive buffer (and each send buffer) is
-  // max_bytes / world. A call may move any number of bytes.
-  size_t max_bytes = 16 << 20;
-  // A pair's bytes up to this many go inside its notice (must be equal on
-  // every worker; at most 1 MiB, the control path's limit).
-  size_t inline_bytes = 512 << 10;
-  std::chrono::milliseconds timeout{60000};
-};
+using MeshOptions = DirectOptions;
 
 class Mesh {
  public:

@@ -37,7 +37,6 @@
 #ifndef MEMBOX_COLLECTIVE_POINT_TO_POINT_H_
 #define MEMBOX_COLLECTIVE_POINT_TO_POINT_H_
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -46,26 +45,11 @@
 #include <vector>
 
 #include "membox/base/status.h"
+#include "membox/collective/direct_options.h"
 
 namespace membox::collective {
 
-struct PointToPointOptions {
-  int rank = 0;
-  int world = 1;
-  std::string listen = "0.0.0.0:0";
-  std::string transports = "auto";
-  // Shared secret: peers prove it when they connect.
-  std::string secret;
-  // Buffer budget: each peer's receive buffer (and each send buffer) is
-  // max_bytes / world, at least 64 KiB. Messages may be of any size.
-  size_t max_bytes = 16 << 20;
-  // Messages up to this many bytes go inside their notice (at most 1 MiB,
-  // the control path's limit).
-  size_t inline_bytes = 512 << 10;
-  // How long a Recv waits for its message, a Send for its buffer, and
-  // either for its peer's connection.
-  std::chrono::milliseconds timeout{60000};
-};
+using PointToPointOptions = DirectOptions;
 
 class PointToPoint {
  public:
