@@ -4,6 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include "membox/transport/device.h"
+
+#include "src/collective/ring_message.h"
+
 namespace membox::collective {
 namespace {
 
@@ -151,6 +155,40 @@ TEST(PointToPointTest, AReceiveWaitsForTheSendersConnection) {
     Status s = p2p.Recv(0, got, 3);
     ASSERT_TRUE(s.ok()) << s.ToString();
     EXPECT_EQ(got, Message(0, 1, 0, 100 << 10));
+  });
+}
+
+// What reaches the acceptor from a holder of the secret that is not a
+// worker of the job (garbage, a hello naming no worker, a second hello
+// from a worker already connected) is refused without harm: the workers'
+// own messages still go through.
+TEST(PointToPointTest, HostileConnectionsAreRefused) {
+  OnPairs(2, [&](int r, PointToPoint& p2p) {
+    if (r == 1) {
+      std::vector<uint8_t> got(100);
+      Status s = p2p.Recv(0, got, 9);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      EXPECT_EQ(got, Message(0, 1, 0, 100));
+      return;
+    }
+    transport::DeviceOptions o;
+    o.listen_address = "127.0.0.1:0";
+    o.name = "intruder";
+    auto dev = transport::Device::Create(o);
+    ASSERT_TRUE(dev.ok());
+    auto bad = [&](std::vector<uint8_t> first) {
+      auto ch = (*dev)->GetChannel(p2p.endpoint());
+      ASSERT_TRUE(ch.ok()) << ch.status().ToString();
+      ASSERT_TRUE((*ch)->SendControl(first).ok());
+      // Refused: closed, with no descriptor sent.
+      auto reply = (*ch)->RecvControl(std::chrono::seconds(10));
+      EXPECT_FALSE(reply.ok());
+    };
+    bad({1, 2, 3});
+    bad(EncodeRing({RingType::kHello, 0, 7}));  // no worker 7
+    bad(EncodeRing({RingType::kHello, 0, 0}));  // itself
+    bad(EncodeRing({RingType::kAck, 0, 1}));    // not a hello
+    ASSERT_TRUE(p2p.Send(1, Message(0, 1, 0, 100), 9).ok());
   });
 }
 
