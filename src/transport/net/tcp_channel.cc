@@ -37,8 +37,13 @@ class TcpRemoteMemRegion final : public RemoteMemRegion {
 
 }  // namespace
 
-TcpChannel::TcpChannel(ChannelHost* host, Fd fd, int lane, std::string peer)
-    : host_(host), fd_(std::move(fd)), lane_(lane), peer_(std::move(peer)) {
+TcpChannel::TcpChannel(transport::ChannelHost* host, Fd fd, int lane,
+                       std::string peer)
+    : host_(host),
+      fd_(std::move(fd)),
+      lane_(lane),
+      peer_(std::move(peer)),
+      rma_(host, /*host_memory_only=*/true) {
   // The writer sends blocking; a peer that takes no bytes for this long
   // fails the channel.
   timeval tv{static_cast<time_t>(kSendStall.count()), 0};
@@ -72,8 +77,6 @@ Status TcpChannel::health() const {
 }
 
 void TcpChannel::Fail(const Status& s) {
-  std::map<uint64_t, PendingRead> reads;
-  std::map<uint64_t, std::shared_ptr<OpState>> rpcs;
   std::deque<OutFrame> queued;
   Status failure;
   {
@@ -86,14 +89,11 @@ void TcpChannel::Fail(const Status& s) {
       if (fd_) shutdown(fd_.get(), SHUT_RDWR);
     }
     failure = failure_;
-    reads.swap(reads_);
-    rpcs.swap(rpcs_);
     queued.swap(sendq_);
     queued_cost_ = 0;
   }
   send_cv_.NotifyAll();
-  for (auto& [id, r] : reads) r.state->Complete(failure);
-  for (auto& [id, st] : rpcs) st->Complete(failure);
+  rma_.Close(failure);
   for (auto& f : queued) {
     if (f.state) f.state->Complete(failure);
   }
@@ -317,18 +317,6 @@ Status TcpChannel::Discard(uint64_t n) {
   return Status::Ok();
 }
 
-Result<std::shared_ptr<OpState>> TcpChannel::TakeRpc(uint64_t id) {
-  MutexLock l(&mu_);
-  auto it = rpcs_.find(id);
-  if (it == rpcs_.end()) {
-    return InvalidArgumentError("answer to an unknown request " +
-                                std::to_string(id));
-  }
-  auto st = it->second;
-  rpcs_.erase(it);
-  return st;
-}
-
 Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
                                uint64_t plen) {
   auto no_payload = [&]() -> Status {
@@ -347,130 +335,62 @@ Status TcpChannel::HandleFrame(uint32_t type, std::vector<uint8_t>& header,
     }
     case kTcpValidateReq: {
       RETURN_IF_ERROR(no_payload());
-      ASSIGN_OR_RETURN(msg::ValidateRequest m,
-                       msg::DecodeValidateRequest(header));
-      Status s = host_->CheckAccess(m.region_id, m.token, m.address, m.length,
-                                    /*host_memory=*/true);
-      if (s.ok() && !host_->CheckRkeyCrc(m.region_id, m.rkey_crc)) {
-        s = PermissionDeniedError("remote key bytes do not match region " +
-                                  std::to_string(m.region_id));
-      }
-      msg::Reply r{m.request, static_cast<uint32_t>(s.code()),
-                   std::string(s.message())};
-      return Enqueue(kTcpValidateResp, msg::EncodeReply(r), nullptr, 0, {},
+      ASSIGN_OR_RETURN(auto answer, rma_.AnswerValidate(header));
+      return Enqueue(kTcpValidateResp, std::move(answer), nullptr, 0, {},
                      nullptr);
     }
     case kTcpValidateResp:
-    case kTcpFlushResp: {
       RETURN_IF_ERROR(no_payload());
-      msg::Reply reply;
-      if (type == kTcpValidateResp) {
-        ASSIGN_OR_RETURN(reply, msg::DecodeReply(header));
-      } else {
-        ASSIGN_OR_RETURN(reply.request, msg::DecodeId(header));
-      }
-      ASSIGN_OR_RETURN(auto st, TakeRpc(reply.request));
-      st->Complete(msg::StatusFromWire(reply.code, reply.message));
-      return Status::Ok();
-    }
+      return rma_.OnValidateAnswer(header);
+    case kTcpFlushResp:
+      RETURN_IF_ERROR(no_payload());
+      return rma_.OnFlushAnswer(header);
     case kTcpWrite: {
-      ASSIGN_OR_RETURN(msg::Access m, msg::DecodeAccess(header, false));
-      // The lease holds the range until the payload is in place: a segment
-      // freed meanwhile waits for it (or fences this channel), so no byte
-      // lands in memory handed to someone else.
-      auto lease =
-          host_->AcquireAccess(m.region_id, m.token, m.address, m.length,
-                               /*host_memory=*/true, FenceFor());
-      Status s = lease.status();
-      if (s.ok() && m.length != plen) {
-        s = InvalidArgumentError("write length mismatch");
-      }
-      if (!s.ok()) {
-        if (lease.ok()) lease->reset();
+      ASSIGN_OR_RETURN(auto w, rma_.AdmitWrite(header, plen, FenceFor()));
+      if (!w.refused.ok()) {
         RETURN_IF_ERROR(Discard(plen));
-        msg::Error e{static_cast<uint32_t>(s.code()),
-                     "write rejected: " + std::string(s.message())};
-        return Enqueue(kTcpError, msg::EncodeError(e), nullptr, 0, {}, nullptr);
+        return Enqueue(kTcpError, std::move(w.error_header), nullptr, 0, {},
+                       nullptr);
       }
-      return RecvExact(fd_.get(), reinterpret_cast<void*>(m.address), plen);
+      return RecvExact(fd_.get(), w.dst, plen);
     }
     case kTcpReadReq: {
       RETURN_IF_ERROR(no_payload());
-      ASSIGN_OR_RETURN(msg::Access m, msg::DecodeAccess(header, true));
-      auto lease =
-          host_->AcquireAccess(m.region_id, m.token, m.address, m.length,
-                               /*host_memory=*/true, FenceFor());
-      Status s = lease.status();
-      msg::Reply r{m.request, static_cast<uint32_t>(s.code()),
-                   std::string(s.message())};
-      // The source is the registered region itself (zero copy): the frame
-      // keeps the lease until its last byte is sent, so the range is not
-      // freed (or is fenced) while the answer still reads from it.
-      return Enqueue(kTcpReadResp, msg::EncodeReply(r),
-                     s.ok() ? reinterpret_cast<void*>(m.address) : nullptr,
-                     s.ok() ? m.length : 0, {}, nullptr,
-                     s.ok() ? std::move(*lease) : nullptr);
+      ASSIGN_OR_RETURN(auto a, rma_.AnswerRead(header, FenceFor()));
+      // The frame keeps the lease until its last byte is sent, so the range
+      // is not freed (or is fenced) while the answer still reads from it.
+      return Enqueue(kTcpReadResp, std::move(a.header), a.src, a.len, {},
+                     nullptr, std::move(a.lease));
     }
     case kTcpReadResp: {
-      ASSIGN_OR_RETURN(msg::Reply m, msg::DecodeReply(header));
-      PendingRead pr{};
-      {
-        MutexLock l(&mu_);
-        auto it = reads_.find(m.request);
-        if (it == reads_.end()) {
-          return InvalidArgumentError("read answer to an unknown request");
-        }
-        pr = it->second;
-        reads_.erase(it);
-      }
-      Status s = msg::StatusFromWire(m.code, m.message);
-      if (!s.ok()) {
-        if (plen != 0) return InvalidArgumentError("failed read with data");
-        pr.state->Complete(s);
-        return Status::Ok();
-      }
-      if (plen != pr.len) {
-        pr.state->Complete(DataLossError("read answer of the wrong length"));
-        return InvalidArgumentError("read answer of the wrong length");
-      }
-      Status r = RecvExact(fd_.get(), pr.local, pr.len);
-      pr.state->Complete(r);
+      ASSIGN_OR_RETURN(auto target, rma_.OnReadAnswer(header, plen));
+      if (target.local == nullptr) return Status::Ok();
+      Status r = RecvExact(fd_.get(), target.local, target.len);
+      target.state->Complete(r);
       return r;
     }
     case kTcpFlushReq: {
       RETURN_IF_ERROR(no_payload());
-      ASSIGN_OR_RETURN(uint64_t id, msg::DecodeId(header));
       // Writes are applied by this thread in arrival order: everything sent
-      // before the request is in place.
-      return Enqueue(kTcpFlushResp, msg::EncodeId(id), nullptr, 0, {}, nullptr);
+      // before the request is in place, so the answer is always due now.
+      ASSIGN_OR_RETURN(auto answer, rma_.OnFlushRequest(header));
+      if (!answer) return InternalError("flush deferred on a TCP channel");
+      return Enqueue(kTcpFlushResp, std::move(*answer), nullptr, 0, {},
+                     nullptr);
     }
-    case kTcpError: {
+    case kTcpError:
       RETURN_IF_ERROR(no_payload());
-      ASSIGN_OR_RETURN(msg::Error m, msg::DecodeError(header));
-      Status s = msg::StatusFromWire(m.code, m.message);
-      MEMBOX_LOG_WARN("peer {} reported: {}", peer_, s.ToString());
-      MutexLock l(&mu_);
-      if (async_error_.ok()) async_error_ = s;
-      return Status::Ok();
-    }
+      return rma_.OnError(header, peer_);
     default:
       return InvalidArgumentError("unknown frame type " + std::to_string(type));
   }
 }
 
-Status TcpChannel::RoundTrip(uint32_t type, std::vector<uint8_t> header,
-                             uint64_t id,
-                             const std::shared_ptr<OpState>& state) {
-  {
-    MutexLock l(&mu_);
-    if (failed_.load()) return failure_;
-    rpcs_[id] = state;
-  }
-  Status s = Enqueue(type, std::move(header), nullptr, 0, {}, nullptr);
-  if (!s.ok()) {
-    MutexLock l(&mu_);
-    rpcs_.erase(id);
-  }
+Status TcpChannel::SendRequest(uint32_t type,
+                               Result<MessageRma::Request> request) {
+  RETURN_IF_ERROR(request.status());
+  Status s = Enqueue(type, std::move(request->header), nullptr, 0, {}, nullptr);
+  if (!s.ok()) rma_.Withdraw(request->id);
   return s;
 }
 
@@ -480,19 +400,9 @@ Result<std::shared_ptr<RemoteMemRegion>> TcpChannel::Import(
   RETURN_IF_ERROR(health());
   RETURN_IF_ERROR(CheckDescriptorShape(desc));
   if (verify_with_owner) {
-    uint64_t id = next_op_.fetch_add(1);
     auto state = std::make_shared<OpState>(host_->events());
-    msg::ValidateRequest vr{
-        id,
-        desc.region_id,
-        desc.token,
-        desc.address,
-        desc.length,
-        wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size())};
-    Status s =
-        RoundTrip(kTcpValidateReq, msg::EncodeValidateRequest(vr), id, state);
-    bool sent = s.ok();
-    if (sent) {
+    Status s = SendRequest(kTcpValidateReq, rma_.Validate(desc, state));
+    if (s.ok()) {
       OpHandle h(state);
       s = h.Wait(timeout);
       // Give up at the deadline: completed here, the handle does not wait
@@ -501,10 +411,6 @@ Result<std::shared_ptr<RemoteMemRegion>> TcpChannel::Import(
       if (!s.ok()) state->Complete(s);
     }
     if (!s.ok()) {
-      if (!sent) {
-        MutexLock l(&mu_);
-        rpcs_.erase(id);
-      }
       return s.WithContext("import of region " +
                            std::to_string(desc.region_id));
     }
@@ -540,10 +446,10 @@ Result<OpHandle> TcpChannel::Memcpy(void* local_addr, const MemRegion& local,
     for (size_t off = 0; off < size; off += kWriteChunk) {
       size_t n = std::min(kWriteChunk, size - off);
       bool last = off + n == size;
-      msg::Access a{0, remote_addr + off, remote.descriptor().region_id,
-                    remote.descriptor().token, n};
-      Status s = Enqueue(kTcpWrite, msg::EncodeAccess(a, false), src + off, n,
-                         {}, last ? state : nullptr);
+      Status s = Enqueue(
+          kTcpWrite,
+          MessageRma::WriteHeader(remote_addr + off, remote.descriptor(), n),
+          src + off, n, {}, last ? state : nullptr);
       if (!s.ok()) {
         if (off == 0) return s;  // nothing started
         state->Complete(s);      // a part went out: the write failed
@@ -552,21 +458,9 @@ Result<OpHandle> TcpChannel::Memcpy(void* local_addr, const MemRegion& local,
     }
     return OpHandle(std::move(state));
   }
-  uint64_t id = next_op_.fetch_add(1);
-  {
-    MutexLock l(&mu_);
-    if (failed_.load()) return failure_;
-    reads_[id] = PendingRead{local_addr, size, state};
-  }
-  msg::Access a{id, remote_addr, remote.descriptor().region_id,
-                remote.descriptor().token, size};
-  Status s =
-      Enqueue(kTcpReadReq, msg::EncodeAccess(a, true), nullptr, 0, {}, nullptr);
-  if (!s.ok()) {
-    MutexLock l(&mu_);
-    reads_.erase(id);
-    return s;
-  }
+  RETURN_IF_ERROR(SendRequest(
+      kTcpReadReq,
+      rma_.Read(local_addr, size, remote_addr, remote.descriptor(), state)));
   return OpHandle(std::move(state));
 }
 
@@ -577,18 +471,12 @@ Status TcpChannel::Fence() {
 
 Result<OpHandle> TcpChannel::Flush(Completion cb) {
   RETURN_IF_ERROR(health());
-  {
-    MutexLock l(&mu_);
-    if (!async_error_.ok()) {
-      Status e = async_error_;
-      async_error_ = Status();
-      if (cb) cb(e);
-      return OpHandle::Done(e);
-    }
+  if (Status e = rma_.TakeAsyncError(); !e.ok()) {
+    if (cb) cb(e);
+    return OpHandle::Done(e);
   }
   auto state = std::make_shared<OpState>(host_->events(), std::move(cb));
-  uint64_t id = next_op_.fetch_add(1);
-  RETURN_IF_ERROR(RoundTrip(kTcpFlushReq, msg::EncodeId(id), id, state));
+  RETURN_IF_ERROR(SendRequest(kTcpFlushReq, rma_.Flush(state)));
   return OpHandle(std::move(state));
 }
 

@@ -7,7 +7,9 @@
 //
 // Frames (docs/formats/wire_protocol.md, "TCP data path"): a 16-byte header
 // {u32 type, u32 header length, u64 payload length}, the header bytes (the
-// same encodings as the active-message headers) and the payload. Writes are
+// same encodings as the active-message headers) and the payload. What the
+// frames mean (requests pending, access checks, answers) is MessageRma's,
+// shared with UCX's active-message path; this class moves them. Writes are
 // received straight into the target region after the owner's export table
 // has checked region, access token and range; reads are answered from the
 // region itself, so neither side copies beyond the socket.
@@ -42,27 +44,13 @@
 #include "membox/base/wait.h"
 #include "membox/transport/channel.h"
 
+#include "src/transport/channel_host.h"
 #include "src/transport/control_inbox.h"
 #include "src/transport/export_table.h"
+#include "src/transport/message_rma.h"
 #include "src/transport/net/socket.h"
 
 namespace membox::transport::net {
-
-// What a channel needs from the device that owns it: the waiters' event
-// count and the export table that guards incoming accesses.
-class ChannelHost {
- public:
-  virtual ~ChannelHost() = default;
-  virtual EventCount* events() = 0;
-  virtual Status CheckAccess(uint64_t region_id, const Token128& token,
-                             uint64_t addr, uint64_t len, bool host_memory) = 0;
-  // CheckAccess, holding the range until the lease is released (revocation
-  // waits for it; export_table.h).
-  virtual Result<ExportTable::Lease> AcquireAccess(
-      uint64_t region_id, const Token128& token, uint64_t addr, uint64_t len,
-      bool host_memory, ExportTable::Fence fence) = 0;
-  virtual bool CheckRkeyCrc(uint64_t region_id, uint32_t crc) = 0;
-};
 
 enum TcpFrame : uint32_t {
   kTcpControl = 1,
@@ -81,7 +69,7 @@ class TcpChannel final : public Channel,
  public:
   // Takes the authenticated, blocking socket. `peer` names the other side in
   // errors ("host:port" or the peer device's name).
-  TcpChannel(ChannelHost* host, Fd fd, int lane, std::string peer);
+  TcpChannel(transport::ChannelHost* host, Fd fd, int lane, std::string peer);
   ~TcpChannel() override;
   void Start();
 
@@ -129,11 +117,6 @@ class TcpChannel final : public Channel,
   // the limit instead of growing this process without bound.
   static constexpr size_t kFrameOverhead = 128;
   static constexpr size_t kMaxQueuedCost = size_t{64} << 20;
-  struct PendingRead {
-    void* local;
-    size_t len;
-    std::shared_ptr<OpState> state;
-  };
   Status Enqueue(uint32_t type, std::vector<uint8_t> header,
                  const void* payload, size_t len, std::vector<uint8_t> owned,
                  std::shared_ptr<OpState> state,
@@ -150,11 +133,10 @@ class TcpChannel final : public Channel,
   Status HandleFrame(uint32_t type, std::vector<uint8_t>& header,
                      uint64_t payload_len);
   Status Discard(uint64_t n);
-  Result<std::shared_ptr<OpState>> TakeRpc(uint64_t id);
-  Status RoundTrip(uint32_t type, std::vector<uint8_t> header, uint64_t id,
-                   const std::shared_ptr<OpState>& state);
+  // Sends a request registered with rma_ (withdrawn if it cannot be sent).
+  Status SendRequest(uint32_t type, Result<MessageRma::Request> request);
 
-  ChannelHost* host_;
+  transport::ChannelHost* host_;
   Fd fd_;
   const int lane_;
   const std::string peer_;
@@ -162,18 +144,15 @@ class TcpChannel final : public Channel,
   std::thread reader_;
   std::thread writer_;
   std::atomic<bool> failed_{false};
-  std::atomic<uint64_t> next_op_{1};
 
   mutable Mutex mu_;
   CondVar send_cv_;
   Status failure_ MEMBOX_GUARDED_BY(mu_);
-  Status async_error_ MEMBOX_GUARDED_BY(mu_);
   std::deque<OutFrame> sendq_ MEMBOX_GUARDED_BY(mu_);
   size_t queued_cost_ MEMBOX_GUARDED_BY(mu_) = 0;
   bool sending_ MEMBOX_GUARDED_BY(mu_) =
-      false;  // a thread owns the socket's send
-  std::map<uint64_t, PendingRead> reads_ MEMBOX_GUARDED_BY(mu_);
-  std::map<uint64_t, std::shared_ptr<OpState>> rpcs_ MEMBOX_GUARDED_BY(mu_);
+      false;        // a thread owns the socket's send
+  MessageRma rma_;  // reads, writes, imports and flushes as frames
   ControlInbox inbox_;
 };
 

@@ -60,7 +60,8 @@ UcxChannel::UcxChannel(UcxDevice* dev, UcxWorker* worker, int lane,
       worker_(worker),
       lane_(lane),
       peer_(std::move(peer)),
-      accepted_(accepted) {
+      accepted_(accepted),
+      rma_(dev, /*host_memory_only=*/false) {
   dev_->ChannelOpened();
 }
 
@@ -102,8 +103,6 @@ Status UcxChannel::CheckUsable() const {
 }
 
 void UcxChannel::Fail(const Status& s) {
-  std::map<uint64_t, PendingRead> reads;
-  std::map<uint64_t, std::shared_ptr<OpState>> rpcs;
   std::set<std::shared_ptr<OpState>> inflight;
   Status failure;
   {
@@ -115,15 +114,12 @@ void UcxChannel::Fail(const Status& s) {
       MEMBOX_LOG_DEBUG("channel to {} failed: {}", who, s.ToString());
     }
     failure = failure_;
-    reads.swap(reads_);
-    rpcs.swap(rpcs_);
     inflight.swap(inflight_);
   }
   // Operations UCX may never complete on a dead peer (shared-memory lanes
   // have no peer-failure detection) end here; UCX's own completion, if it
   // comes later, is ignored by OpState.
-  for (auto& [id, r] : reads) r.state->Complete(failure);
-  for (auto& [id, st] : rpcs) st->Complete(failure);
+  rma_.Close(failure);
   for (auto& st : inflight) st->Complete(failure);
   inbox_.Fail(failure);
   dev_->events()->Notify();
@@ -407,35 +403,18 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
   RETURN_IF_ERROR(CheckUsable());
   RETURN_IF_ERROR(CheckDescriptorShape(desc));
   if (verify_with_owner) {
-    uint64_t req = next_op_.fetch_add(1);
     auto state = std::make_shared<OpState>(dev_->events());
     state->set_progress(&UcxWorker::HelpProgress, worker_);
-    {
-      // Under mu_ with the failure check: Fail() drains rpcs_ once, so an
-      // entry added after it would wait out its whole timeout.
-      MutexLock l(&mu_);
-      if (failed_.load(std::memory_order_acquire)) return failure_;
-      rpcs_[req] = state;
-    }
-    msg::ValidateRequest vr{
-        req,
-        desc.region_id,
-        desc.token,
-        desc.address,
-        desc.length,
-        wire::Crc32(desc.packed_rkey.data(), desc.packed_rkey.size())};
-    Status s = SendAm(kAmValidateReq, msg::EncodeValidateRequest(vr), nullptr,
-                      0, nullptr);
+    Status s = SendRequest(kAmValidateReq, rma_.Validate(desc, state));
     if (s.ok()) {
       OpHandle h(state);
       s = h.Wait(timeout);
       // Give up at the deadline: completed here, the handle does not wait
-      // on (a late answer then finds the request done and changes nothing).
+      // on. The request stays registered, so a late answer is taken (and
+      // changes nothing).
       if (!s.ok()) state->Complete(s);
     }
     if (!s.ok()) {
-      MutexLock l(&mu_);
-      rpcs_.erase(req);
       return s.WithContext("import of region " +
                            std::to_string(desc.region_id));
     }
@@ -527,10 +506,9 @@ Result<OpHandle> UcxChannel::AmWrite(const void* local, uint64_t raddr,
                                      const RemoteMemRegion& remote, size_t size,
                                      Completion cb) {
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
-  msg::Access a{0, raddr, remote.descriptor().region_id,
-                remote.descriptor().token, size};
-  RETURN_IF_ERROR(
-      SendAm(kAmWrite, msg::EncodeAccess(a, false), local, size, state));
+  RETURN_IF_ERROR(SendAm(
+      kAmWrite, MessageRma::WriteHeader(raddr, remote.descriptor(), size),
+      local, size, state));
   return OpHandle(std::move(state));
 }
 
@@ -539,21 +517,8 @@ Result<OpHandle> UcxChannel::AmRead(void* local, uint64_t raddr,
                                     Completion cb) {
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
   state->set_progress(&UcxWorker::HelpProgress, worker_);
-  uint64_t op = next_op_.fetch_add(1);
-  {
-    MutexLock l(&mu_);  // with the failure check (see Import)
-    if (failed_.load(std::memory_order_acquire)) return failure_;
-    reads_[op] = PendingRead{local, size, state};
-  }
-  msg::Access a{op, raddr, remote.descriptor().region_id,
-                remote.descriptor().token, size};
-  Status s =
-      SendAm(kAmReadReq, msg::EncodeAccess(a, true), nullptr, 0, nullptr);
-  if (!s.ok()) {
-    MutexLock l(&mu_);
-    reads_.erase(op);
-    return s;
-  }
+  RETURN_IF_ERROR(SendRequest(
+      kAmReadReq, rma_.Read(local, size, raddr, remote.descriptor(), state)));
   return OpHandle(std::move(state));
 }
 
@@ -593,14 +558,9 @@ Status UcxChannel::Fence() {
 
 Result<OpHandle> UcxChannel::Flush(Completion cb) {
   RETURN_IF_ERROR(CheckUsable());
-  {
-    MutexLock l(&mu_);
-    if (!async_error_.ok()) {
-      Status e = async_error_;
-      async_error_ = Status();
-      if (cb) cb(e);
-      return OpHandle::Done(e);
-    }
+  if (Status e = rma_.TakeAsyncError(); !e.ok()) {
+    if (cb) cb(e);
+    return OpHandle::Done(e);
   }
   if (protocol_ == Protocol::kMapped &&
       !rma_since_flush_.exchange(false, std::memory_order_acq_rel)) {
@@ -612,18 +572,7 @@ Result<OpHandle> UcxChannel::Flush(Completion cb) {
   auto state = std::make_shared<OpState>(dev_->events(), std::move(cb));
   if (protocol_ == Protocol::kActiveMessage) {
     state->set_progress(&UcxWorker::HelpProgress, worker_);
-    uint64_t op = next_op_.fetch_add(1);
-    {
-      MutexLock l(&mu_);  // with the failure check (see Import)
-      if (failed_.load(std::memory_order_acquire)) return failure_;
-      rpcs_[op] = state;
-    }
-    Status s = SendAm(kAmFlushReq, msg::EncodeId(op), nullptr, 0, nullptr);
-    if (!s.ok()) {
-      MutexLock l(&mu_);
-      rpcs_.erase(op);
-      return s;
-    }
+    RETURN_IF_ERROR(SendRequest(kAmFlushReq, rma_.Flush(state)));
     return OpHandle(std::move(state));
   }
   RETURN_IF_ERROR(
@@ -675,8 +624,14 @@ void UcxChannel::RecvInto(void* desc, void* dst, size_t len,
 }
 
 void UcxChannel::SendError(const Status& s) {
-  msg::Error e{static_cast<uint32_t>(s.code()), std::string(s.message())};
-  (void)SendAm(kAmError, msg::EncodeError(e), nullptr, 0, nullptr);
+  (void)SendAm(kAmError, MessageRma::ErrorHeader(s), nullptr, 0, nullptr);
+}
+
+Status UcxChannel::SendRequest(AmId id, Result<MessageRma::Request> request) {
+  RETURN_IF_ERROR(request.status());
+  Status s = SendAm(id, request->header, nullptr, 0, nullptr);
+  if (!s.ok()) rma_.Withdraw(request->id);
+  return s;
 }
 
 void UcxChannel::DeliverInOrder(uint64_t seq, std::vector<uint8_t> m) {
@@ -717,14 +672,9 @@ void UcxChannel::DeliverInOrder(uint64_t seq, std::vector<uint8_t> m) {
   Fail(bad);
 }
 
-void UcxChannel::RndvDone() {
-  std::vector<uint64_t> flushes;
-  {
-    MutexLock l(&mu_);
-    if (--rndv_in_progress_ == 0) flushes.swap(deferred_flushes_);
-  }
-  for (uint64_t op : flushes)
-    (void)SendAm(kAmFlushResp, msg::EncodeId(op), nullptr, 0, nullptr);
+void UcxChannel::WriteReceived() {
+  for (auto& answer : rma_.EndWrite())
+    (void)SendAm(kAmFlushResp, answer, nullptr, 0, nullptr);
 }
 
 ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
@@ -772,163 +722,84 @@ ucs_status_t UcxChannel::OnAm(AmId id, const void* header, size_t hlen,
       return UCS_OK;
     }
     case kAmValidateReq: {
-      auto m = msg::DecodeValidateRequest(hdr);
-      if (!m.ok()) return drop(m.status());
-      Status s =
-          dev_->CheckAccess(m->region_id, m->token, m->address, m->length,
-                            /*host_memory=*/false);
-      // The key bytes are checked too, so the importer never unpacks bytes
-      // the owner did not produce.
-      if (s.ok() && !dev_->CheckRkeyCrc(m->region_id, m->rkey_crc)) {
-        s = PermissionDeniedError("remote key bytes do not match region " +
-                                  std::to_string(m->region_id));
-      }
-      ReplyValidate(m->request, s);
+      auto answer = rma_.AnswerValidate(hdr);
+      if (!answer.ok()) return drop(answer.status());
+      (void)SendAm(kAmValidateResp, *answer, nullptr, 0, nullptr);
       return UCS_OK;
     }
     case kAmValidateResp:
     case kAmFlushResp: {
-      msg::Reply reply;
-      if (id == kAmValidateResp) {
-        auto m = msg::DecodeReply(hdr);
-        if (!m.ok()) return drop(m.status());
-        reply = std::move(*m);
-      } else {
-        auto m = msg::DecodeId(hdr);
-        if (!m.ok()) return drop(m.status());
-        reply.request = *m;
-      }
-      std::shared_ptr<OpState> st;
-      {
-        MutexLock l(&mu_);
-        auto it = rpcs_.find(reply.request);
-        if (it != rpcs_.end()) {
-          st = it->second;
-          rpcs_.erase(it);
-        }
-      }
-      // (Not under mu_: drop() names the peer, which takes mu_.)
-      if (!st) return drop(NotFoundError("response to an unknown request"));
-      st->Complete(msg::StatusFromWire(reply.code, reply.message));
+      Status s = id == kAmValidateResp ? rma_.OnValidateAnswer(hdr)
+                                       : rma_.OnFlushAnswer(hdr);
+      if (!s.ok()) return drop(s);
       return UCS_OK;
     }
     case kAmWrite: {
-      auto m = msg::DecodeAccess(hdr, false);
-      if (!m.ok()) return drop(m.status());
-      // Held until the bytes are in place (export_table.h).
-      auto lease =
-          dev_->AcquireAccess(m->region_id, m->token, m->address, m->length,
-                              /*host_memory=*/true, FenceFor());
-      Status s = lease.status();
-      if (s.ok() && m->length != len)
-        s = InvalidArgumentError("write length mismatch");
-      if (!s.ok()) {
+      auto w = rma_.AdmitWrite(hdr, len, FenceFor());
+      if (!w.ok()) return drop(w.status());
+      if (!w->refused.ok()) {
         // (a rendezvous message: UCX drops it when we return UCS_OK)
-        SendError(s.WithContext("write rejected"));
+        (void)SendAm(kAmError, w->error_header, nullptr, 0, nullptr);
         return UCS_OK;
       }
-      void* dst = reinterpret_cast<void*>(m->address);
       if (rndv) {
-        {
-          MutexLock l(&mu_);
-          ++rndv_in_progress_;
-        }
-        RecvInto(data, dst, len, param,
-                 [this, l = std::move(*lease)](const Status& st) mutable {
+        rma_.BeginWrite();
+        RecvInto(data, w->dst, len, param,
+                 [this, l = std::move(w->lease)](const Status& st) mutable {
                    l.reset();
                    if (!st.ok())
                      SendError(st.WithContext("write receive failed"));
-                   RndvDone();
+                   WriteReceived();
                  });
       } else if (len) {
-        std::memcpy(dst, data, len);
+        std::memcpy(w->dst, data, len);
       }
       return UCS_OK;
     }
     case kAmReadReq: {
-      auto m = msg::DecodeAccess(hdr, true);
-      if (!m.ok()) return drop(m.status());
-      auto lease =
-          dev_->AcquireAccess(m->region_id, m->token, m->address, m->length,
-                              /*host_memory=*/true, FenceFor());
-      Status s = lease.status();
-      msg::Reply reply{m->request, static_cast<uint32_t>(s.code()),
-                       std::string(s.message())};
+      auto a = rma_.AnswerRead(hdr, FenceFor());
+      if (!a.ok()) return drop(a.status());
       // The source is the registered region itself: the send's completion
       // keeps the lease, so the range is not freed while UCX reads it.
-      ExportTable::Lease held = s.ok() ? std::move(*lease) : nullptr;
       auto st = std::make_shared<OpState>(
-          nullptr,
-          [held = std::move(held)](const Status&) mutable { held.reset(); });
-      (void)SendAm(kAmReadResp, msg::EncodeReply(reply),
-                   s.ok() ? reinterpret_cast<void*>(m->address) : nullptr,
-                   s.ok() ? m->length : 0, st);
+          nullptr, [held = std::move(a->lease)](const Status&) mutable {
+            held.reset();
+          });
+      (void)SendAm(kAmReadResp, a->header, a->src, a->len, st);
       return UCS_OK;
     }
     case kAmReadResp: {
-      auto m = msg::DecodeReply(hdr);
-      if (!m.ok()) return drop(m.status());
-      PendingRead pr{};
-      {
-        MutexLock l(&mu_);
-        auto it = reads_.find(m->request);
-        if (it != reads_.end()) {
-          pr = it->second;
-          reads_.erase(it);
-        }
-      }
-      // (Not under mu_: drop() names the peer, which takes mu_.)
-      if (!pr.state)
-        return drop(NotFoundError("read response to an unknown request"));
-      Status s = msg::StatusFromWire(m->code, m->message);
-      if (s.ok() && len != pr.len)
-        s = DataLossError("read response of the wrong length");
-      if (!s.ok()) {
-        // (a rendezvous message: UCX drops it when we return UCS_OK)
-        pr.state->Complete(s);
-        return UCS_OK;
-      }
+      // A failed read, or one of the wrong length, is completed there; a
+      // rendezvous message is then dropped by UCX when we return UCS_OK.
+      auto target = rma_.OnReadAnswer(hdr, len);
+      if (!target.ok()) return drop(target.status());
+      if (target->local == nullptr) return UCS_OK;
       if (rndv) {
-        auto state = pr.state;
-        RecvInto(data, pr.local, len, param,
-                 [state](const Status& st) { state->Complete(st); });
+        RecvInto(
+            data, target->local, len, param,
+            [state = target->state](const Status& st) { state->Complete(st); });
       } else {
-        if (len) std::memcpy(pr.local, data, len);
-        pr.state->Complete(Status::Ok());
+        if (len) std::memcpy(target->local, data, len);
+        target->state->Complete(Status::Ok());
       }
       return UCS_OK;
     }
     case kAmFlushReq: {
-      auto m = msg::DecodeId(hdr);
-      if (!m.ok()) return drop(m.status());
-      bool now;
-      {
-        MutexLock l(&mu_);
-        now = rndv_in_progress_ == 0;
-        if (!now) deferred_flushes_.push_back(*m);
-      }
-      if (now)
-        (void)SendAm(kAmFlushResp, msg::EncodeId(*m), nullptr, 0, nullptr);
+      auto answer = rma_.OnFlushRequest(hdr);
+      if (!answer.ok()) return drop(answer.status());
+      // Held back while rendezvous writes are still arriving (WriteReceived).
+      if (*answer) (void)SendAm(kAmFlushResp, **answer, nullptr, 0, nullptr);
       return UCS_OK;
     }
     case kAmError: {
-      auto m = msg::DecodeError(hdr);
-      if (!m.ok()) return drop(m.status());
-      Status s = msg::StatusFromWire(m->code, m->message);
-      MEMBOX_LOG_WARN("peer {} reported: {}", peer(), s.ToString());
-      MutexLock l(&mu_);
-      if (async_error_.ok()) async_error_ = s;
+      Status s = rma_.OnError(hdr, peer());
+      if (!s.ok()) return drop(s);
       return UCS_OK;
     }
     case kAmCount:
       break;
   }
   return drop(InvalidArgumentError("unknown message id"));
-}
-
-void UcxChannel::ReplyValidate(uint64_t req, const Status& s) {
-  msg::Reply r{req, static_cast<uint32_t>(s.code()), std::string(s.message())};
-  (void)SendAm(kAmValidateResp, msg::EncodeReply(r), nullptr, 0, nullptr);
 }
 
 }  // namespace membox::transport::ucx

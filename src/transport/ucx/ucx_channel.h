@@ -29,6 +29,7 @@
 
 #include "src/transport/am_messages.h"
 #include "src/transport/control_inbox.h"
+#include "src/transport/message_rma.h"
 #include "src/transport/shared_file.h"
 #include "src/transport/ucx/ucx_device.h"
 
@@ -104,11 +105,6 @@ class UcxChannel final : public Channel,
   void Untrack(const std::shared_ptr<OpState>& st);  // its completion
 
  private:
-  struct PendingRead {
-    void* local;
-    size_t len;
-    std::shared_ptr<OpState> state;
-  };
   Protocol ChooseProtocol() const;
   Status CheckUsable() const;
   // Posts one UCX request through `post` and routes its completion to
@@ -137,10 +133,11 @@ class UcxChannel final : public Channel,
   void RecvInto(void* data_desc, void* dst, size_t len,
                 const ucp_am_recv_param_t* p,
                 std::function<void(const Status&)> done);
-  void ReplyValidate(uint64_t req, const Status& s);
-  void ReplyFlushLocked(uint64_t req);
+  // Sends a request registered with rma_ (withdrawn if it cannot be sent).
+  Status SendRequest(AmId id, Result<MessageRma::Request> request);
   void SendError(const Status& s);
-  void RndvDone();
+  // A rendezvous write is in place: sends the flush answers it held back.
+  void WriteReceived();
 
   UcxDevice* dev_;
   UcxWorker* worker_;
@@ -168,21 +165,17 @@ class UcxChannel final : public Channel,
   std::atomic<bool> rma_since_fence_{false};  // an RMA write awaits a fence
   std::atomic<bool> rma_since_flush_{false};  // an RMA write awaits a flush
   std::atomic<int64_t> am_writes_in_flight_{0};
-  std::atomic<uint64_t> next_op_{1};
   // UCX requests of this channel not completed yet (Close waits for them).
   std::shared_ptr<std::atomic<int64_t>> requests_ =
       std::make_shared<std::atomic<int64_t>>(0);
 
   mutable Mutex mu_;
   Status failure_ MEMBOX_GUARDED_BY(mu_);
-  Status async_error_ MEMBOX_GUARDED_BY(mu_);
-  std::map<uint64_t, PendingRead> reads_ MEMBOX_GUARDED_BY(mu_);
-  std::map<uint64_t, std::shared_ptr<OpState>> rpcs_ MEMBOX_GUARDED_BY(mu_);
   std::set<std::shared_ptr<OpState>> inflight_ MEMBOX_GUARDED_BY(mu_);
-  int64_t rndv_in_progress_ MEMBOX_GUARDED_BY(mu_) = 0;
-  std::vector<uint64_t> deferred_flushes_ MEMBOX_GUARDED_BY(mu_);
   std::string peer_name_ MEMBOX_GUARDED_BY(mu_);
   std::string peer_host_ MEMBOX_GUARDED_BY(mu_);
+  // Imports' checks, and reads, writes and flushes in kActiveMessage.
+  MessageRma rma_;
   ControlInbox inbox_;
 
   // Control messages are numbered by the sender and delivered in that

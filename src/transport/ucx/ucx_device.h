@@ -50,6 +50,7 @@
 #include "membox/base/wait.h"
 #include "membox/transport/device.h"
 
+#include "src/transport/channel_host.h"
 #include "src/transport/export_table.h"
 #include "src/transport/net/handshake.h"
 #include "src/transport/net/socket.h"
@@ -126,7 +127,7 @@ class UcxWorker {
 
 using ExportedRegion = ExportTable::Entry;
 
-class UcxDevice final : public Device, public net::ChannelHost {
+class UcxDevice final : public Device, public ChannelHost {
  public:
   explicit UcxDevice(DeviceOptions options);
   ~UcxDevice() override;
