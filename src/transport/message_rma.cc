@@ -69,6 +69,26 @@ void MessageRma::Withdraw(uint64_t id) {
   reads_.erase(id);
 }
 
+Status MessageRma::CheckWithOwner(
+    const RegionDescriptor& desc, std::shared_ptr<OpState> state,
+    std::chrono::nanoseconds timeout,
+    const std::function<Status(const Request&)>& send) {
+  auto request = Validate(desc, state);
+  Status s = request.status();
+  if (s.ok()) {
+    s = send(*request);
+    if (!s.ok()) Withdraw(request->id);
+  }
+  if (s.ok()) {
+    OpHandle h(state);
+    s = h.Wait(timeout);
+    // Given up at the deadline: completed here, so the handle does not
+    // wait on when it goes.
+    if (!s.ok()) state->Complete(s);
+  }
+  return s.WithContext("import of region " + std::to_string(desc.region_id));
+}
+
 std::vector<uint8_t> MessageRma::WriteHeader(uint64_t remote_addr,
                                              const RegionDescriptor& remote,
                                              size_t len) {

@@ -30,7 +30,9 @@
 #define MEMBOX_SRC_TRANSPORT_MESSAGE_RMA_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -71,6 +73,15 @@ class MessageRma {
   Result<Request> Flush(std::shared_ptr<OpState> state);
   // Forgets a request that could not be sent (its state is not completed).
   void Withdraw(uint64_t id);
+  // An import's check with the owner: registers a validate request on
+  // `state`, sends its header with `send`, and waits up to `timeout` for
+  // the answer. At the deadline the state is completed here and the
+  // request stays registered, so a late answer is taken and changes
+  // nothing. Errors name the region.
+  Status CheckWithOwner(const RegionDescriptor& desc,
+                        std::shared_ptr<OpState> state,
+                        std::chrono::nanoseconds timeout,
+                        const std::function<Status(const Request&)>& send);
   // A write's header: no answer comes (a rejection arrives as an error).
   static std::vector<uint8_t> WriteHeader(uint64_t remote_addr,
                                           const RegionDescriptor& remote,

@@ -3,6 +3,7 @@
 #include "src/transport/message_rma.h"
 
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -101,6 +102,43 @@ TEST_F(MessageRmaTest, ValidateChecksTokenRangeAndKeyBytes) {
 
   // An answer is taken once: the same answer again names no request.
   EXPECT_FALSE(requester_.OnValidateAnswer(*answer).ok());
+}
+
+TEST_F(MessageRmaTest, AnImportCheckSendsWaitsAndGivesUpAtItsDeadline) {
+  using namespace std::chrono_literals;
+  // Answered while waiting: the owner's verdict is the result.
+  std::thread owner;
+  Status s = requester_.CheckWithOwner(
+      desc_, NewState(), 10s, [&](const MessageRma::Request& r) {
+        owner = std::thread([this, header = r.header] {
+          auto a = owner_.AnswerValidate(header);
+          ASSERT_TRUE(a.ok());
+          ASSERT_TRUE(requester_.OnValidateAnswer(*a).ok());
+        });
+        return Status::Ok();
+      });
+  owner.join();
+  EXPECT_TRUE(s.ok()) << s.ToString();
+
+  // Not sent: withdrawn, the error names the region.
+  s = requester_.CheckWithOwner(
+      desc_, NewState(), 10s,
+      [](const MessageRma::Request&) { return UnavailableError("gone"); });
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.message().find("import of region 5"), std::string::npos);
+  EXPECT_EQ(requester_.pending(), 0u);
+
+  // No answer in time: given up, but a late answer is still taken.
+  std::vector<uint8_t> sent;
+  s = requester_.CheckWithOwner(desc_, NewState(), 20ms,
+                                [&](const MessageRma::Request& r) {
+                                  sent = r.header;
+                                  return Status::Ok();
+                                });
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(requester_.pending(), 1u);
+  EXPECT_TRUE(requester_.OnValidateAnswer(*owner_.AnswerValidate(sent)).ok());
+  EXPECT_EQ(requester_.pending(), 0u);
 }
 
 TEST_F(MessageRmaTest, ReadIsAnsweredFromTheRegionUnderALease) {

@@ -210,10 +210,16 @@ Status SendAll(int fd, const void* data, size_t n, Clock::time_point deadline) {
   return SendAllV(fd, &v, 1, deadline);
 }
 
-Status RecvAll(int fd, void* data, size_t n, Clock::time_point deadline) {
+namespace {
+
+// Receives exactly `n` bytes: non-blocking until `deadline` when one is
+// given, otherwise letting the kernel fill the buffer (MSG_WAITALL).
+Status RecvLoop(int fd, void* data, size_t n,
+                const Clock::time_point* deadline) {
   auto* p = static_cast<char*>(data);
+  const int flags = deadline ? MSG_DONTWAIT : MSG_WAITALL;
   while (n > 0) {
-    ssize_t r = recv(fd, p, n, MSG_DONTWAIT);
+    ssize_t r = recv(fd, p, n, flags);
     if (r > 0) {
       p += r;
       n -= static_cast<size_t>(r);
@@ -221,8 +227,8 @@ Status RecvAll(int fd, void* data, size_t n, Clock::time_point deadline) {
     }
     if (r == 0) return UnavailableError("connection closed by the peer");
     if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      ASSIGN_OR_RETURN(bool ready, WaitFor(fd, POLLIN, deadline));
+    if (deadline && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      ASSIGN_OR_RETURN(bool ready, WaitFor(fd, POLLIN, *deadline));
       if (!ready) return DeadlineExceededError("receive timed out");
       continue;
     }
@@ -231,20 +237,14 @@ Status RecvAll(int fd, void* data, size_t n, Clock::time_point deadline) {
   return Status::Ok();
 }
 
+}  // namespace
+
+Status RecvAll(int fd, void* data, size_t n, Clock::time_point deadline) {
+  return RecvLoop(fd, data, n, &deadline);
+}
+
 Status RecvExact(int fd, void* data, size_t n) {
-  auto* p = static_cast<char*>(data);
-  while (n > 0) {
-    ssize_t r = recv(fd, p, n, MSG_WAITALL);
-    if (r > 0) {
-      p += r;
-      n -= static_cast<size_t>(r);
-      continue;
-    }
-    if (r == 0) return UnavailableError("connection closed by the peer");
-    if (errno == EINTR) continue;
-    return Errno("recv");
-  }
-  return Status::Ok();
+  return RecvLoop(fd, data, n, nullptr);
 }
 
 Status SendFrame(int fd, std::span<const uint8_t> body,

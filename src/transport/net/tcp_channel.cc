@@ -400,20 +400,11 @@ Result<std::shared_ptr<RemoteMemRegion>> TcpChannel::Import(
   RETURN_IF_ERROR(health());
   RETURN_IF_ERROR(CheckDescriptorShape(desc));
   if (verify_with_owner) {
-    auto state = std::make_shared<OpState>(host_->events());
-    Status s = SendRequest(kTcpValidateReq, rma_.Validate(desc, state));
-    if (s.ok()) {
-      OpHandle h(state);
-      s = h.Wait(timeout);
-      // Give up at the deadline: completed here, the handle does not wait
-      // on. The request stays registered, so a late answer is taken (and
-      // changes nothing) instead of failing the channel as an unknown one.
-      if (!s.ok()) state->Complete(s);
-    }
-    if (!s.ok()) {
-      return s.WithContext("import of region " +
-                           std::to_string(desc.region_id));
-    }
+    RETURN_IF_ERROR(rma_.CheckWithOwner(
+        desc, std::make_shared<OpState>(host_->events()), timeout,
+        [this](const MessageRma::Request& r) {
+          return Enqueue(kTcpValidateReq, r.header, nullptr, 0, {}, nullptr);
+        }));
   }
   return std::shared_ptr<RemoteMemRegion>(
       std::make_shared<TcpRemoteMemRegion>(desc, this));

@@ -405,19 +405,10 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
   if (verify_with_owner) {
     auto state = std::make_shared<OpState>(dev_->events());
     state->set_progress(&UcxWorker::HelpProgress, worker_);
-    Status s = SendRequest(kAmValidateReq, rma_.Validate(desc, state));
-    if (s.ok()) {
-      OpHandle h(state);
-      s = h.Wait(timeout);
-      // Give up at the deadline: completed here, the handle does not wait
-      // on. The request stays registered, so a late answer is taken (and
-      // changes nothing).
-      if (!s.ok()) state->Complete(s);
-    }
-    if (!s.ok()) {
-      return s.WithContext("import of region " +
-                           std::to_string(desc.region_id));
-    }
+    RETURN_IF_ERROR(rma_.CheckWithOwner(
+        desc, std::move(state), timeout, [this](const MessageRma::Request& r) {
+          return SendAm(kAmValidateReq, r.header, nullptr, 0, nullptr);
+        }));
   }
   ucp_rkey_h rkey = nullptr;
   void* mapped = nullptr;

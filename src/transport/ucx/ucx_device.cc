@@ -383,50 +383,24 @@ Status UcxDevice::Init() {
     }
     workers_.push_back(std::move(w));
   }
-  if (!options_.listen_address.empty()) RETURN_IF_ERROR(CreateListener());
   for (auto& w : workers_) w->Start();
-  return StartNetThread();
-}
-
-Status UcxDevice::CreateListener() {
-  ASSIGN_OR_RETURN(listen_fd_,
-                   net::Listen(options_.listen_address, &listen_endpoint_));
-  MEMBOX_LOG_DEBUG("device {} listening on {}", options_.name,
-                   listen_endpoint_);
-  return Status::Ok();
-}
-
-namespace {
-constexpr uint64_t kListenToken = 1;
-constexpr uint64_t kWakeToken = 2;
-}  // namespace
-
-Status UcxDevice::StartNetThread() {
-  epoll_fd_.reset(epoll_create1(EPOLL_CLOEXEC));
-  wake_fd_.reset(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
-  spare_fd_.reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
-  if (!epoll_fd_ || !wake_fd_) return InternalError("epoll/eventfd failed");
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.u64 = kWakeToken;
-  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &ev);
-  if (listen_fd_) {
-    ev.data.u64 = kListenToken;
-    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, listen_fd_.get(), &ev);
-  }
-  net_thread_ = std::thread([this] { NetLoop(); });
+  net::Listener::Options lo;
+  lo.name = options_.name;
+  lo.listen_address = options_.listen_address;
+  lo.max_pending = options_.max_pending_handshakes;
+  lo.handshake_timeout = options_.handshake_timeout;
+  listener_ = std::make_unique<net::Listener>(
+      std::move(lo), [this](net::Listener::Handshake& h) { OnProof(h); });
+  RETURN_IF_ERROR(listener_->Start());
+  listen_endpoint_ = listener_->endpoint();
   return Status::Ok();
 }
 
 UcxDevice::~UcxDevice() {
-  if (net_thread_.joinable()) {
-    net_stop_.store(true);
-    uint64_t one = 1;
-    (void)!write(wake_fd_.get(), &one, sizeof(one));
-    net_thread_.join();
-  }
-  pending_.clear();
-  listen_fd_.reset();
+  // The listener's thread ends first (no handshake or watch callback runs
+  // after this); the object stays until the channels below have forgotten
+  // their watches.
+  if (listener_) listener_->Stop();
   for (auto& w : workers_) w->Stop();
   std::vector<std::shared_ptr<Channel>> all;
   {
@@ -435,8 +409,6 @@ UcxDevice::~UcxDevice() {
     by_id_.clear();
     out_.clear();
     accept_q_.clear();
-    liveness_.clear();
-    liveness_tokens_.clear();
   }
   for (auto& ch : all) {
     // TCP channels may outlive the device in their users' hands; their
@@ -450,136 +422,6 @@ UcxDevice::~UcxDevice() {
   all.clear();
   workers_.clear();
   if (ctx_) ucp_cleanup(ctx_);
-}
-
-void UcxDevice::NetLoop() {
-  epoll_event evs[64];
-  while (!net_stop_.load()) {
-    int timeout_ms = 1000;
-    if (!pending_.empty()) timeout_ms = 100;
-    int n = epoll_wait(epoll_fd_.get(), evs, 64, timeout_ms);
-    for (int i = 0; i < n; ++i) {
-      uint64_t token = evs[i].data.u64;
-      if (token == kWakeToken) {
-        uint64_t v;
-        (void)!read(wake_fd_.get(), &v, sizeof(v));
-      } else if (token == kListenToken) {
-        AcceptConnections();
-      } else if (pending_.count(token)) {
-        OnPendingReadable(token);
-      } else {
-        // A UCX channel's connection: any event means it closed, reset, or
-        // the peer broke protocol by sending after the handshake.
-        // The peek and the forgetting happen under mu_: a channel's Close()
-        // forgets its fd (under mu_) before closing it, so the fd cannot be
-        // closed -- and its number reused by another connection, whose
-        // entry we would then drop -- in between (TSan saw close() race
-        // with this recv()).
-        std::shared_ptr<UcxChannel> ch;
-        {
-          MutexLock l(&mu_);
-          auto it = liveness_.find(token);
-          if (it == liveness_.end()) continue;
-          const int fd = it->second.fd;
-          if (fd >= 0) {
-            char c;
-            ssize_t r = recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK);
-            if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-          }
-          ch = it->second.channel.lock();
-          liveness_.erase(it);
-          if (fd >= 0) {
-            liveness_tokens_.erase(fd);
-            if (epoll_fd_)
-              epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
-          }
-        }
-        if (ch) ch->Fail(UnavailableError("connection lost"));
-      }
-    }
-    ExpirePending();
-  }
-}
-
-void UcxDevice::AcceptConnections() {
-  for (;;) {
-    int fd = accept4(listen_fd_.get(), nullptr, nullptr,
-                     SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      if ((errno == EMFILE || errno == ENFILE) && spare_fd_) {
-        // Out of descriptors: take the connection with the spare one and
-        // close it, so the listener does not stay readable forever.
-        spare_fd_.reset();
-        int victim = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-        if (victim >= 0) close(victim);
-        spare_fd_.reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
-        MEMBOX_LOG_WARN("{}: out of file descriptors, refused a connection",
-                        options_.name);
-        continue;
-      }
-      return;  // EAGAIN, or an error that a later wake-up retries
-    }
-    net::TuneStream(fd);
-    if (pending_.size() >=
-        static_cast<size_t>(options_.max_pending_handshakes)) {
-      // Evict the oldest half-open connection: idle floods cannot lock out
-      // the clients that do complete the handshake.
-      auto oldest = pending_.begin();
-      for (auto it = pending_.begin(); it != pending_.end(); ++it) {
-        if (it->second.seq < oldest->second.seq) oldest = it;
-      }
-      DropPending(oldest->first, "too many connections in handshake");
-    }
-    uint64_t token = next_token_++;
-    Pending p;
-    p.fd.reset(fd);
-    p.deadline = std::chrono::steady_clock::now() + options_.handshake_timeout;
-    p.seq = next_seq_++;
-    epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLRDHUP;
-    ev.data.u64 = token;
-    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) continue;
-    pending_.emplace(token, std::move(p));
-  }
-}
-
-void UcxDevice::DropPending(uint64_t token, const char* why) {
-  auto it = pending_.find(token);
-  if (it == pending_.end()) return;
-  MEMBOX_LOG_DEBUG("{}: dropping connection from {}: {}", options_.name,
-                   net::PeerName(it->second.fd.get()), why);
-  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, it->second.fd.get(), nullptr);
-  pending_.erase(it);
-}
-
-void UcxDevice::ExpirePending() {
-  auto now = std::chrono::steady_clock::now();
-  std::vector<uint64_t> late;
-  for (auto& [token, p] : pending_) {
-    if (now >= p.deadline) late.push_back(token);
-  }
-  for (uint64_t t : late) DropPending(t, "handshake timed out");
-}
-
-void UcxDevice::OnPendingReadable(uint64_t token) {
-  Pending& p = pending_.at(token);
-  for (;;) {
-    auto got = p.reader.ReadFrom(p.fd.get());
-    if (!got.ok()) {
-      DropPending(token, "handshake failed");
-      return;
-    }
-    if (!*got) return;  // more bytes needed
-    if (!AdvanceHandshake(p)) {
-      DropPending(token, "handshake rejected");
-      return;
-    }
-    if (!p.fd) {  // handed over to a channel
-      pending_.erase(token);
-      return;
-    }
-  }
 }
 
 uint32_t UcxDevice::LocalFlags() const {
@@ -641,45 +483,26 @@ bool UcxDevice::PlausibleUcxAddress(const std::vector<uint8_t>& a) const {
   return a.size() >= 16 && !mine.empty() && a[0] == mine[0];
 }
 
-bool UcxDevice::AdvanceHandshake(Pending& p) {
+void UcxDevice::OnProof(net::Listener::Handshake& h) {
   const auto send_deadline =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-  if (p.stage == 0) {
-    auto hello = net::DecodeClientHello(p.reader.frame());
-    if (!hello.ok()) return false;
-    p.client_nonce = hello->nonce;
-    p.server_nonce = net::NewNonce();
-    // Only a nonce: nothing computed from the secret goes to a peer that
-    // has not proven it knows the secret.
-    net::ServerChallenge sc{p.server_nonce};
-    if (!net::SendFrame(p.fd.get(), net::EncodeServerChallenge(sc),
-                        send_deadline)
-             .ok()) {
-      return false;
-    }
-    p.stage = 1;
-    p.reader.Reset(net::kMaxProofFrame);
-    return true;
-  }
-  auto cp = net::DecodeClientProof(p.reader.frame());
-  if (!cp.ok()) return false;
-  // Logs why, tells the peer `s` (a refusal verdict, no proof), and drops
-  // the connection.
+  const net::ClientProof* cp = &h.proof;
+  // Logs why, tells the peer `s` (a refusal verdict, no proof); the
+  // connection then closes.
   auto refuse = [&](const Status& s, const std::string& as) {
     MEMBOX_LOG_WARN("{}: refusing {} ({}){}: {}", options_.name,
-                    net::PeerName(p.fd.get()), cp->hello.name, as,
+                    net::PeerName(h.fd.get()), cp->hello.name, as,
                     s.ToString());
     net::ServerVerdict v;
     v.code = static_cast<uint32_t>(s.code());
     v.message = std::string(s.message());
-    (void)net::SendFrame(p.fd.get(), net::EncodeServerVerdict(v),
+    (void)net::SendFrame(h.fd.get(), net::EncodeServerVerdict(v),
                          send_deadline);
-    return false;
   };
   auto key = KeyFor(cp->credential);
   if (!key.ok() ||
       !net::ProofEquals(
-          net::ClientProofFor(key->second, p.client_nonce, p.server_nonce, *cp),
+          net::ClientProofFor(key->second, h.client_nonce, h.server_nonce, *cp),
           cp->proof)) {
     return refuse(UnauthenticatedError("wrong secret"), "");
   }
@@ -693,7 +516,7 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   // cluster's principal is trusted with that. A job or tenant with its own
   // credential gets membox's TCP path, where the owner checks every access
   // against the range its token names (docs/design/network_face.md).
-  bool ucx = principal.cluster && UseUcx(cp->flags, cp->hello.host, p.fd.get());
+  bool ucx = principal.cluster && UseUcx(cp->flags, cp->hello.host, h.fd.get());
   if (ucx && !PlausibleUcxAddress(cp->hello.address)) {
     return refuse(InvalidArgumentError("malformed UCX worker address"), "");
   }
@@ -705,7 +528,7 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
   v.hello.name = options_.name;
   v.hello.host = host_id_;
   v.hello.address = w->address();
-  v.proof = net::ServerProofFor(key->second, p.client_nonce, p.server_nonce,
+  v.proof = net::ServerProofFor(key->second, h.client_nonce, h.server_nonce,
                                 cp->proof, v);
   int lane = static_cast<int>(cp->hello.lane);
   if (ucx) {
@@ -714,8 +537,7 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
     MutexLock l(&mu_);
     by_id_[v.hello.channel_id] = uch;
   }
-  net::Fd fd = std::move(p.fd);
-  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd.get(), nullptr);
+  net::Fd fd = std::move(h.fd);
   int raw = fd.get();
   auto ch = MakeChannel(std::move(fd), v.path, cp->hello, uch, lane,
                         cp->hello.name, principal);
@@ -726,14 +548,14 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
       MutexLock l(&mu_);
       by_id_.erase(v.hello.channel_id);
     }
-    return true;  // fd already moved out: the caller forgets the entry
+    return;
   }
   // The verdict goes out after the channel exists, so the client's first
   // message finds it; a TCP channel's threads start after it.
   Status sent = net::SendFrame(raw, net::EncodeServerVerdict(v), send_deadline);
   if (!sent.ok()) {
     (*ch)->Close();
-    return true;
+    return;
   }
   if (auto tcp = std::dynamic_pointer_cast<net::TcpChannel>(*ch)) tcp->Start();
   {
@@ -741,7 +563,6 @@ bool UcxDevice::AdvanceHandshake(Pending& p) {
     accept_q_.push_back(*ch);
   }
   accept_ev_.Notify();
-  return true;
 }
 
 Result<std::shared_ptr<Channel>> UcxDevice::MakeChannel(
@@ -776,24 +597,13 @@ void UcxDevice::RegisterChannel(const std::shared_ptr<Channel>& ch) {
 }
 
 void UcxDevice::WatchLiveness(int fd, const std::shared_ptr<UcxChannel>& ch) {
-  MutexLock l(&mu_);
-  uint64_t token = next_liveness_token_++;  // never a pending token
-  liveness_[token] = Watched{fd, ch};
-  liveness_tokens_[fd] = token;
-  epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP;
-  ev.data.u64 = token;
-  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev);
+  listener_->Watch(fd, [w = std::weak_ptr<UcxChannel>(ch)] {
+    if (auto c = w.lock()) c->Fail(UnavailableError("connection lost"));
+  });
 }
 
 void UcxDevice::ForgetLiveness(int fd) {
-  if (fd < 0) return;
-  MutexLock l(&mu_);
-  auto it = liveness_tokens_.find(fd);
-  if (it == liveness_tokens_.end()) return;
-  liveness_.erase(it->second);
-  liveness_tokens_.erase(it);
-  if (epoll_fd_) epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
+  if (listener_) listener_->Forget(fd);
 }
 
 Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {

@@ -10,8 +10,9 @@
 //   UcxChannel  one ucp_ep on one worker: a lane to one peer.
 //
 // Connection set-up (docs/design/network_face.md): a channel starts as a
-// plain TCP connection to the device's listener, served by the device's
-// network thread. The two sides run the authenticated handshake
+// plain TCP connection to the device's listener (net::Listener: the
+// network thread, the handshake's first step, liveness watches). The two
+// sides run the authenticated handshake
 // (src/transport/net/handshake.h) and exchange their UCX worker addresses
 // inside it; only then does the server pick the data path:
 //   UCX     processes on one host (shared memory, cross-memory attach) and
@@ -53,6 +54,7 @@
 #include "src/transport/channel_host.h"
 #include "src/transport/export_table.h"
 #include "src/transport/net/handshake.h"
+#include "src/transport/net/listener.h"
 #include "src/transport/net/socket.h"
 #include "src/transport/net/tcp_channel.h"
 
@@ -190,31 +192,15 @@ class UcxDevice final : public Device, public ChannelHost {
   UcxWorker* NextAcceptWorker();
   UcxWorker* worker(size_t i) { return workers_[i % workers_.size()].get(); }
   int thread_index() const;  // index of the worker whose thread is calling
-  // A UCX channel's TCP connection is watched by the network thread until
-  // the channel forgets it (Close).
+  // A UCX channel's TCP connection is watched by the listener's network
+  // thread until the channel forgets it (Close).
   void WatchLiveness(int fd, const std::shared_ptr<UcxChannel>& ch);
   void ForgetLiveness(int fd);
 
  private:
-  // One connection in the handshake, owned by the network thread.
-  struct Pending {
-    net::Fd fd;
-    net::FrameReader reader{net::kMaxHelloFrame};
-    int stage = 0;  // 0: awaiting ClientHello, 1: awaiting ClientProof
-    net::Nonce client_nonce{};
-    net::Nonce server_nonce{};
-    std::chrono::steady_clock::time_point deadline;
-    uint64_t seq = 0;  // arrival order, for eviction
-  };
-  Status CreateListener();
-  Status StartNetThread();
-  void NetLoop();
-  void AcceptConnections();
-  void OnPendingReadable(uint64_t token);
-  // Handles one complete handshake frame; false drops the connection.
-  bool AdvanceHandshake(Pending& p);
-  void DropPending(uint64_t token, const char* why);
-  void ExpirePending();
+  // The handshake's last step, on the listener's thread: checks the
+  // client's proof, sends the verdict and makes the channel.
+  void OnProof(net::Listener::Handshake& h);
   uint32_t LocalFlags() const;
   // Whether a channel to this peer runs over UCX (shared memory only with a
   // peer proven local, on connection `fd`).
@@ -253,24 +239,7 @@ class UcxDevice final : public Device, public ChannelHost {
   ucp_context_h ctx_ = nullptr;
   std::vector<std::unique_ptr<UcxWorker>> workers_;
   std::string listen_endpoint_;
-  // Network thread: listener, handshakes, liveness of UCX channels.
-  net::Fd listen_fd_;
-  net::Fd epoll_fd_;
-  net::Fd wake_fd_;
-  net::Fd spare_fd_;  // released to accept-and-close when out of descriptors
-  std::thread net_thread_;
-  std::atomic<bool> net_stop_{false};
-  uint64_t next_token_ = 16;             // network thread only
-  uint64_t next_seq_ = 0;                // network thread only
-  std::map<uint64_t, Pending> pending_;  // network thread only
-  uint64_t next_liveness_token_ MEMBOX_GUARDED_BY(mu_) = uint64_t{1} << 62;
-  struct Watched {
-    int fd;
-    std::weak_ptr<UcxChannel> channel;
-  };
-  std::map<int, uint64_t> liveness_tokens_
-      MEMBOX_GUARDED_BY(mu_);  // fd -> token
-  std::map<uint64_t, Watched> liveness_ MEMBOX_GUARDED_BY(mu_);
+  std::unique_ptr<net::Listener> listener_;  // set by Init
   EventCount events_;
   std::atomic<uint64_t> next_region_id_{1};
   std::atomic<int> ucx_channels_{0};  // open UcxChannels
