@@ -329,7 +329,7 @@ std::string ProxyImpl::ExplainShard(uint64_t k, uint32_t s) const {
     const uint32_t b = BackupOf(k, s);
     what = "applied here, waiting for the copy on its backup proxy " +
            std::to_string(b) +
-           (peers_down_.count(b) ? " (down: waits for its replacement)" : "");
+           (failover_.down(b) ? " (down: waits for its replacement)" : "");
   } else if (sh.reducing) {
     what = sh.ring.Waiting(RingFor(k, s));
   } else {
@@ -374,12 +374,12 @@ void ProxyImpl::ReportWaits() {
   const auto now = Clock::now();
   const auto limit = opt_.hang_report;
   std::string text;
-  for (uint32_t r : peers_down_) {
+  for (uint32_t r : failover_.down()) {
     text += fmt::format(
         "down proxy {} at {} for {:.1f} s: rounds wait for its "
         "replacement\n",
         r, opt_.peers[r],
-        std::chrono::duration<double>(now - down_since_).count());
+        std::chrono::duration<double>(now - failover_.down_since()).count());
   }
   {
     std::string workers;
@@ -505,8 +505,7 @@ void ProxyImpl::OnRequest(const service::Request& r) {
       if (c.role != Conn::Role::kPeer) break;
       // Not tied to a ring attempt (kResume): only an incarnation that is
       // gone is ignored.
-      auto pc = peer_conn_.find(c.rank);
-      if (pc == peer_conn_.end() || pc->second != conn) return;
+      if (!failover_.IsLink(c.rank, conn)) return;
       if (m->type == Type::kBackup) return OnBackup(c.rank, *m);
       return OnBackupDone(c.rank, *m);
     }
@@ -645,8 +644,7 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
     uint32_t rank = it->second.rank;
     conns_.erase(it);
     // A replaced incarnation's link closing late is old news.
-    auto pc = peer_conn_.find(rank);
-    if (peer && pc != peer_conn_.end() && pc->second == conn) {
+    if (peer && failover_.IsLink(rank, conn)) {
       PeerDown(rank, why);
     }
   }

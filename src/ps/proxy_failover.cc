@@ -51,8 +51,6 @@ void ProxyImpl::PeerDown(uint32_t rank, const Status& why) {
 
 void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
                           const std::string& endpoint) {
-  auto it = peer_nonce_.find(rank);
-  const bool replaced = it != peer_nonce_.end() && it->second != nonce;
   if (!endpoint.empty() && endpoint != opt_.peers[rank]) {
     // A replacement on another host (`membox serve --join` there): we
     // reach it, and tell workers who ask (kWhere), at its new address.
@@ -60,9 +58,7 @@ void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
                     endpoint, opt_.peers[rank]);
     opt_.peers[rank] = endpoint;
   }
-  peer_nonce_[rank] = nonce;
-  peer_conn_[rank] = conn;
-  if (!replaced && !peers_down_.count(rank)) {
+  if (failover_.OnHello(rank, conn, nonce) == PeerFailover::Hello::kFirst) {
     // A first hello; a link we had to an earlier incarnation we never
     // heard from is of no use.
     if (auto p = peer_out_.find(rank);
@@ -73,25 +69,20 @@ void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
     }
     return;
   }
-  if (!peers_down_.count(rank)) {
+  if (!failover_.down(rank)) {
     PeerLost(rank,
              "proxy " + std::to_string(rank) + " at " + opt_.peers[rank] +
                  " was replaced",
              HasClients());
   }
   // The new incarnation gets new links.
-  peer_incarnation_[rank]++;
   std::erase_if(catch_ups_,
                 [&](const auto& e) { return std::get<0>(e.first) == rank; });
   std::erase_if(peer_regions_,
                 [&](const auto& e) { return e.first.first == rank; });
   peer_out_.erase(rank);
-  peers_down_.erase(rank);
-  peers_down_count_.store(peers_down_.size());
-  // A replacement starts with no ring state: there is nothing it must
-  // resume (a survivor waiting on the peer that died after another did
-  // would wait for it forever).
-  awaiting_resume_.erase(rank);
+  const bool all_up = failover_.Replaced(rank);
+  peers_down_count_.store(failover_.down().size());
   // Rounds applied here whose backup died: the replacement copied this
   // node's state when it joined, so it has them; offer them again for its
   // answer.
@@ -102,7 +93,7 @@ void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
       }
     }
   }
-  if (!peers_down_.empty()) return;  // another one is still down
+  if (!all_up) return;  // another one is still down
   for (uint32_t p = 0; p < nproxies_; ++p) {
     if (p == opt_.rank || p == rank) continue;
     Message r;
@@ -116,7 +107,8 @@ void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
     }
   }
   const double paused =
-      std::chrono::duration<double>(Clock::now() - down_since_).count();
+      std::chrono::duration<double>(Clock::now() - failover_.down_since())
+          .count();
   if (HasClients()) {
     MEMBOX_LOG_WARN(
         "proxy {}: proxy {} at {} is back (a replacement); the rounds "
@@ -129,22 +121,19 @@ void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
 
 void ProxyImpl::OnResume(uint32_t from, const Message& m) {
   if (m.rank >= nproxies_ || m.rank == opt_.rank) return;
-  auto it = peer_nonce_.find(m.rank);
-  const bool seen = it != peer_nonce_.end() && it->second == m.world;
-  if (!seen && !peers_down_.count(m.rank)) {
+  if (failover_.ResumeIsNews(m.rank, m.world)) {
     PeerLost(m.rank,
              "proxy " + std::to_string(from) + " reports proxy " +
                  std::to_string(m.rank) + " replaced",
              HasClients());
   }
-  awaiting_resume_.erase(from);
+  failover_.Resumed(from);
 }
 
 void ProxyImpl::PeerLost(uint32_t rank, const std::string& who,
                          bool any_client) {
-  if (!peers_down_.insert(rank).second) return;
-  peers_down_count_.store(peers_down_.size());
-  if (peers_down_.size() == 1) down_since_ = Clock::now();
+  if (!failover_.Lost(rank, Clock::now())) return;
+  peers_down_count_.store(failover_.down().size());
   size_t restarted = 0;
   std::vector<std::pair<uint64_t, uint32_t>> complete;
   for (auto& [k, key] : keys_) {
@@ -163,11 +152,6 @@ void ProxyImpl::PeerLost(uint32_t rank, const std::string& who,
       sh.ring.Reset();  // and every notice kept for later rounds
     }
   }
-  for (uint32_t p = 0; p < nproxies_; ++p) {
-    if (p != opt_.rank && p != rank && !peers_down_.count(p)) {
-      awaiting_resume_.insert(p);
-    }
-  }
   for (auto [k, s] : complete) FinishRound(k, s);
   if (any_client) {
     MEMBOX_LOG_WARN(
@@ -184,12 +168,6 @@ void ProxyImpl::PeerLost(uint32_t rank, const std::string& who,
   }
 }
 
-bool ProxyImpl::PeerCurrent(uint32_t rank, uint64_t conn) const {
-  auto pc = peer_conn_.find(rank);
-  return pc != peer_conn_.end() && pc->second == conn &&
-         !peers_down_.count(rank) && !awaiting_resume_.count(rank);
-}
-
 bool ProxyImpl::HasClients() const {
   for (const auto& [id, c] : conns_) {
     if (c.role == Conn::Role::kClient) return true;
@@ -198,10 +176,10 @@ bool ProxyImpl::HasClients() const {
 }
 
 void ProxyImpl::CheckFailoverDeadline() {
-  if (peers_down_.empty() || !HasClients() || !dead_worker_.empty()) return;
-  if (Clock::now() - down_since_ < opt_.failover_timeout) return;
+  if (!HasClients() || !dead_worker_.empty()) return;
+  if (!failover_.Overdue(Clock::now(), opt_.failover_timeout)) return;
   std::string who;
-  for (uint32_t r : peers_down_) {
+  for (uint32_t r : failover_.down()) {
     who += (who.empty() ? "proxy " : ", proxy ") + std::to_string(r) + " at " +
            opt_.peers[r];
   }
@@ -339,7 +317,7 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s) {
   if (!sh.awaiting_backup) backups_pending_.fetch_add(1);
   sh.awaiting_backup = true;
   sh.backup_keep.clear();
-  if (peers_down_.count(to)) return;  // PeerHello of its replacement
+  if (failover_.down(to)) return;  // PeerHello of its replacement
   // The manifest travels in the notice: the backup reads the buffers at
   // once (no manifest region to read first).
   auto offer = MakeInlineOffer(
@@ -498,12 +476,12 @@ Result<service::Client*> ProxyImpl::PeerClient(uint32_t rank,
   while (Clock::now() < deadline && running_) {
     service::ClientOptions co;
     co.node_kind = "proxy " + std::to_string(rank);
-    const uint64_t incarnation = peer_incarnation_[rank];
+    const uint64_t incarnation = failover_.incarnation(rank);
     co.on_failure = [this, rank, incarnation](const Status& s) {
       // PeerDown reports it, at a level that fits the moment.
       MEMBOX_LOG_DEBUG("link to proxy {} failed: {}", rank, s.ToString());
       Post([this, rank, incarnation, s] {
-        if (peer_incarnation_[rank] == incarnation) PeerDown(rank, s);
+        if (failover_.incarnation(rank) == incarnation) PeerDown(rank, s);
       });
     };
     auto c = service::Client::Connect(*device_, opt_.peers[rank], co);

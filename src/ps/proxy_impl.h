@@ -55,6 +55,7 @@
 
 #include "src/ps/checkpoint.h"
 #include "src/ps/combine.h"
+#include "src/ps/peer_failover.h"
 #include "src/ps/protocol.h"
 #include "src/ps/reduce.h"
 #include "src/ps/ring.h"
@@ -378,7 +379,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   void PeerLost(uint32_t rank, const std::string& who, bool any_client);
 
   // Whether ring notices from peer `rank` on `conn` count.
-  bool PeerCurrent(uint32_t rank, uint64_t conn) const;
+  bool PeerCurrent(uint32_t rank, uint64_t conn) const {
+    return failover_.Current(rank, conn);
+  }
 
   bool HasClients() const;
 
@@ -761,16 +764,11 @@ class ProxyImpl final : public Proxy, public service::Service {
   uint32_t staleness_ = 0;
   proto::Mode mode_ = proto::Mode::kSum;
   std::string dead_worker_;
-  // Failover (replicate): peers down, since when; peers whose notices are
-  // dropped until their kResume; each peer's current incoming link,
-  // incarnation nonce and the count of its incarnations seen (outgoing
-  // links of an older one are ignored when they fail).
-  std::set<uint32_t> peers_down_;
-  Clock::time_point down_since_{};
-  std::set<uint32_t> awaiting_resume_;
-  std::map<uint32_t, uint64_t> peer_conn_;
-  std::map<uint32_t, uint32_t> peer_nonce_;
-  std::map<uint32_t, uint64_t> peer_incarnation_;
+  // Failover (replicate): peers' incarnations and links, who is down and
+  // since when, whose notices wait for their kResume.
+  PeerFailover failover_{
+      opt_.rank,
+      static_cast<uint32_t>(opt_.peers.empty() ? 1 : opt_.peers.size())};
   const uint32_t nonce_ = std::random_device{}();
 
   std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, n_clients_{0}, rounds_{0},

@@ -204,7 +204,7 @@ void ProxyImpl::MaybeStart(uint64_t k, uint32_t s) {
   Key& key = keys_[k];
   Shard& sh = key.shards[s];
   if (sh.reducing || sh.copying || !dead_worker_.empty()) return;
-  if (!peers_down_.empty() && !key.striped) return;  // failover: paused
+  if (!failover_.down().empty() && !key.striped) return;  // failover: paused
   // A key this job has not declared (kept from an earlier job, or
   // restored) has no round yet: its striping is decided by the
   // declaration, and a proxy must not join a ring for it before.
