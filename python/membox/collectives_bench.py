@@ -6,6 +6,7 @@ backend against Gloo, nccl-tests style, same machine, same run.
                              [--sizes 4K,64K,1M,16M,64M]
                              [--ops all_reduce,all_gather,...]
                              [--cluster examples/cluster/4w4m.toml]
+                             [--group-size K]
 
 For each backend (interleaved --repeats times: drift on a shared machine
 hits both alike), --workers processes are started (membox: under `membox
@@ -22,7 +23,11 @@ all_to_all (p-1)/p; broadcast 1). The table gives the median time and
 membox's time over Gloo's (below 1: membox is faster), and each run's CPU
 use (user + system seconds of every process it started, per wall second;
 the machine's cores are the most; with --cluster the machine's busy cores,
-memory nodes included). Records follow docs/design/benchmarks.md.
+memory nodes included). With --group-size K the job is cut into
+subgroups of K consecutive ranks (torch's new_subgroups, as HSDP's
+replica groups are), each timing the operations on its own subgroup at
+the same time; sizes and bus factors are then per subgroup. Records follow
+docs/design/benchmarks.md.
 """
 import argparse
 import json
@@ -68,7 +73,15 @@ def _worker(a):
         import membox.torch  # noqa: F401 - registers the backend
     torch.set_num_threads(1)
     dist.init_process_group(a.backend)
-    rank, p = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group, p = None, world
+    if a.group_size:
+        group, _ = dist.new_subgroups(a.group_size)
+        p = a.group_size
+    me = dist.get_rank(group)
+
+    def peer(q):  # the job rank of group rank q
+        return dist.get_global_rank(group, q) if group is not None else q
     results = []
     for op in a.ops.split(","):
         for size in (int(s) for s in a.sizes.split(",")):
@@ -77,27 +90,27 @@ def _worker(a):
             part = torch.ones(n // p)
             if op == "all_reduce":
                 def call():
-                    dist.all_reduce(full)
+                    dist.all_reduce(full, group=group)
             elif op == "all_gather":
                 def call():
-                    dist.all_gather_into_tensor(full, part)
+                    dist.all_gather_into_tensor(full, part, group=group)
             elif op == "reduce_scatter":
                 def call():
-                    dist.reduce_scatter_tensor(part, full)
+                    dist.reduce_scatter_tensor(part, full, group=group)
             elif op == "all_to_all":
                 out = torch.empty(n)
 
                 def call():
-                    dist.all_to_all_single(out, full)
+                    dist.all_to_all_single(out, full, group=group)
             elif op == "broadcast":
                 def call():
-                    dist.broadcast(full, src=0)
+                    dist.broadcast(full, src=peer(0), group=group)
             elif op == "sendrecv":  # nccl-tests' sendrecv: a ring shift
                 got = torch.empty(n)
 
                 def call():
-                    reqs = [dist.isend(full, (rank + 1) % p),
-                            dist.irecv(got, (rank - 1) % p)]
+                    reqs = [dist.isend(full, peer((me + 1) % p), group=group),
+                            dist.irecv(got, peer((me - 1) % p), group=group)]
                     for r in reqs:
                         r.wait()
             else:
@@ -138,7 +151,8 @@ def _run(a, backend, sizes):
     out = tempfile.mktemp(suffix=".json")
     args = [sys.executable, "-m", "membox.collectives_bench", "--worker",
             "--backend", backend, "--ops", ",".join(a.op_list),
-            "--sizes", ",".join(str(s) for s in sizes), "--out", out]
+            "--sizes", ",".join(str(s) for s in sizes), "--out", out,
+            "--group-size", str(a.group_size)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cpu0, t0 = _children_cpu(), time.perf_counter()
     if a.topo is not None:
@@ -201,6 +215,10 @@ def main(argv=None):
                     "topology file; root): one worker per worker host, "
                     "the topology's memory nodes; brought up for the run "
                     "and down after unless it is up already")
+    ap.add_argument("--group-size", type=int, default=0, metavar="K",
+                    help="time the operations on subgroups of K "
+                    "consecutive ranks (new_subgroups), all at once; 0: "
+                    "the whole job")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="membox", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -224,6 +242,9 @@ def main(argv=None):
             _die(f"unknown op {o} (one of {', '.join(OPS)})")
     if a.workers < 2:
         _die("--workers must be 2 or more")
+    if a.group_size and (a.group_size < 2 or a.workers % a.group_size):
+        _die(f"--group-size {a.group_size}: 2 or more, dividing the "
+             f"{a.workers} workers")
     sizes = [_size(s) for s in (a.sizes or (
         "4K,1M,16M" if a.quick else "4K,64K,1M,16M,64M")).split(",")]
     repeats = a.repeats or (1 if a.quick else 3)
@@ -249,7 +270,7 @@ def main(argv=None):
     where = (f"emulated cluster {os.path.basename(a.cluster)} "
              f"({a.topo['hosts'][0]['rate'] or 'unshaped'} links)"
              if a.topo is not None else "one host")
-    p = a.workers
+    p = a.group_size or a.workers
     rows = {}  # (op, size) -> {backend: median time}
     for b, rs in runs.items():
         for i, r0 in enumerate(rs[0]["results"]):
@@ -257,7 +278,9 @@ def main(argv=None):
             rows.setdefault((r0["op"], r0["size"]), {})[b] = ts[len(ts) // 2]
     cpu = {b: sorted(r["cpu_per_wall"] for r in rs)[len(rs) // 2]
            for b, rs in runs.items()}
-    print(f"\ntorch.distributed collectives, {where}, {p} processes, torch "
+    groups = (f" in subgroups of {p}" if a.group_size else "")
+    print(f"\ntorch.distributed collectives, {where}, {a.workers} "
+          f"processes{groups}, torch "
           f"{torch.__version__}; membox: {a.nodes} memory node(s); median of "
           f"{repeats} run(s); CPU (cores busy over each whole run): membox "
           f"{cpu['membox']:.2f}, gloo {cpu['gloo']:.2f}")
@@ -265,6 +288,7 @@ def main(argv=None):
           f"{'membox busbw':>13} {'gloo busbw':>11} {'membox/gloo':>12}")
     records = []
     for (op, size), t in rows.items():
+        case = f"{op} in groups of {p}" if a.group_size else op
         f = _bus_factor(op, p)
         bus = {b: size / t[b] * f / 1e9 for b in BACKENDS}
         ratio = t["membox"] / t["gloo"]
@@ -278,13 +302,13 @@ def main(argv=None):
                     ("busbw", bus[b], "GB/s"),
                     ("cpu_per_wall", cpu[b], "cores")):
                 records.append({"bench": "collectives", "variant": b,
-                                "size_bytes": size, "workers": p,
+                                "size_bytes": size, "workers": a.workers,
                                 "metric": metric, "value": value,
-                                "unit": unit, "case": op})
+                                "unit": unit, "case": case})
         records.append({"bench": "collectives", "variant": "membox",
-                        "size_bytes": size, "workers": p,
+                        "size_bytes": size, "workers": a.workers,
                         "metric": "vs_gloo", "value": ratio, "unit": "x",
-                        "case": op})
+                        "case": case})
     from membox.bench_report import write_records
     write_records(records, a.csv, a.json)
     if a.plot:
@@ -301,7 +325,8 @@ def main(argv=None):
         ax.set_yscale("log", base=2)
         ax.set_xlabel("bytes")
         ax.set_ylabel("membox time / Gloo time (below 1: membox faster)")
-        ax.set_title(f"torch.distributed collectives, {p} processes, "
+        ax.set_title(f"torch.distributed collectives, {a.workers} "
+                     f"processes{groups}, "
                      f"{a.nodes} memory node(s), {where}", fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()

@@ -383,6 +383,14 @@ def _fsdp2(rank, world):
     return [losses, weights]
 
 
+def _direct_paths(group):
+    """Which direct paths the group's backend has made (its own ring, mesh
+    and point to point)."""
+    b = group._get_backend(torch.device("cpu"))
+    return sorted(kind[1:] for kind in ("_ring", "_mesh", "_pairs")
+                  if getattr(b, kind, None) is not None)
+
+
 def _subgroups(rank, world):
     """Three ranks: every collective on a subgroup of two whose ranks are
     the job's in another order ([2, 0]), while the third rank uses the
@@ -394,6 +402,7 @@ def _subgroups(rank, world):
     out = {}
     if rank != 1:
         out["pair"] = _collectives(dist.get_rank(pair), 2, pair)
+        out["pair paths"] = _direct_paths(pair)
     t = torch.full((2,), float(rank))
     dist.all_reduce(t)  # the default group, between the subgroups' work
     out["world"] = t.tolist()
@@ -402,6 +411,7 @@ def _subgroups(rank, world):
         dist.all_reduce(t, group=other)
         dist.barrier(group=other)
         out["other"] = t.tolist()
+        out["other paths"] = _direct_paths(other)
         dist.destroy_process_group(other)
     out["everyone"] = _collectives(dist.get_rank(everyone), 3, everyone)
     return out
@@ -675,8 +685,13 @@ class BackendTest(unittest.TestCase):
             if rank != 1:
                 self.assertIn("objects", out["pair"])
                 self.assertIn("send/recv 2", out["pair"])
+                # A subgroup's collectives go straight between its workers:
+                # its own ring (large gathers, sums), mesh (exchanges,
+                # all_to_all) and point to point.
+                self.assertEqual(out["pair paths"], ["mesh", "pairs", "ring"])
             if rank != 0:
                 self.assertEqual(out["other"], [3.0, 3.0, 3.0])
+                self.assertIn("mesh", out["other paths"])
 
     @unittest.skipUnless(hasattr(dist, "_reconfigure"),
                          "torch without the reconfigure API")

@@ -66,9 +66,9 @@ _SUM_MOVE_BYTES = 256 << 10
 _DIRECT_BYTES = int(os.environ.get("MEMBOX_BACKEND_DIRECT_BYTES", 1 << 20))
 _RING_MAX_BYTES = 64 << 20  # the ring's pieces: this / world per step
 # The mesh's (collective::Mesh) buffers: this / world per peer, each way.
-# Every all_to_all of a whole-job group goes over the mesh while the direct
-# path is on (MEMBOX_BACKEND_DIRECT_BYTES > 0): the nodes would only relay
-# it.
+# Every all_to_all, and every exchange (gathers, scatters, the reductions
+# the nodes do not sum), goes over the mesh while the direct path is on
+# (MEMBOX_BACKEND_DIRECT_BYTES > 0): the nodes would only relay it.
 _MESH_MAX_BYTES = 16 << 20
 # An all_to_all over the mesh moving at most this many bytes (sent and
 # received), and a barrier, run on the caller's thread when nothing of the
@@ -293,6 +293,10 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     # dropped and its connection closes: once every rank's has, the job has
     # ended on the nodes, which free its keys (all scratch: _declare).
     _shared = None
+    # The first memory node of the process's connection: the direct paths
+    # listen on the address toward it (a subgroup's store need not hold the
+    # nodes' list).
+    _first_proxy = None
 
     def __init__(self, store, rank, size, timeout, global_ranks=None,
                  group_name="", space=None, rejoin=False):
@@ -341,6 +345,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             MemboxBackend._shared = None
             shared = None  # the old connection closes first
             proxies = _proxies(store, self._rank, self._timeout)
+            MemboxBackend._first_proxy = proxies[0]
             self._client = membox.connect(
                 proxies, rank=me, world=job_size, name="torch-rank-%d" % me,
                 timeout=self._timeout.total_seconds(), rejoin=rejoin)
@@ -677,10 +682,28 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
 
     def _exchange(self, sends, recvs):
         """On the exchange thread: `sends` {dst or None (every rank): bytes
-        tensor}, `recvs` {src: (bytes tensor out, from_all)}. Stores, meets
-        the other ranks at the fence, pulls. Keys alternate between two
-        sets (a rank cannot store into the set the others may still be
-        reading from: it would have to pass the fence after those reads)."""
+        tensor}, `recvs` {src: (bytes tensor out, from_all)}. Over the
+        group's mesh while the direct path is on (one all-to-all: the pairs
+        that exchange nothing send an empty notice), else through the
+        nodes (_exchange_on_nodes)."""
+        if self._mesh_path():
+            none = torch.empty(0, dtype=torch.uint8)
+            every = sends.get(None)
+            outs = [recvs[q][0] if q in recvs else none
+                    for q in range(self._size)]
+            ins = [sends.get(q, every if every is not None else none)
+                   if q != self._rank else none for q in range(self._size)]
+            self._ensure_mesh()
+            self._mesh.alltoall([t.numpy() for t in ins],
+                                [t.numpy() for t in outs])
+            return
+        self._exchange_on_nodes(sends, recvs)
+
+    def _exchange_on_nodes(self, sends, recvs):
+        """Stores, meets the other ranks at the fence, pulls. Keys
+        alternate between two sets (a rank cannot store into the set the
+        others may still be reading from: it would have to pass the fence
+        after those reads)."""
         parity = self._exchanges % 2
         self._exchanges += 1
         handles = []
@@ -714,10 +737,11 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     # ---------------------------------------------------------- direct path
     def _direct(self, total_bytes):
         """Whether an all_gather of `total_bytes` (the output), a
-        reduce_scatter (the input) or a broadcast of that many goes over
-        the workers' ring: large, in a group of the whole job. Every rank sees
-        the same sizes, so every rank takes the same path."""
-        return (not self._sub and self._size > 1 and _DIRECT_BYTES > 0 and
+        reduce_scatter (the input), a broadcast or a subgroup's float32
+        sum of that many goes over the group's own ring of workers: large.
+        Every rank sees the same sizes, so every rank takes the same
+        path."""
+        return (self._size > 1 and _DIRECT_BYTES > 0 and
                 total_bytes >= _DIRECT_BYTES)
 
     def _ring_gather(self, flat, chunk_bytes):
@@ -742,8 +766,9 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     def _direct_address(self):
         """This rank's address toward the first memory node: the interface
         the job already uses, where the direct paths listen."""
-        host, _, port = _proxies(self._store, self._rank,
-                                 self._timeout)[0].rpartition(":")
+        first = MemboxBackend._first_proxy or _proxies(
+            self._store, self._rank, self._timeout)[0]
+        host, _, port = first.rpartition(":")
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
             u.connect((host.strip("[]"), int(port)))  # no packet sent
             return u.getsockname()[0]
@@ -865,8 +890,28 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
 
         def run():
             for t in tensors:
-                t.copy_(_local_reduce(name, self._gather_all(t)))
+                if self._ring_sum(name, t):
+                    c = t if t.is_contiguous() else t.contiguous()
+                    flat = c.view(-1)
+                    step = _RING_MAX_BYTES // 4
+                    for i in range(0, flat.numel(), step):
+                        self._ring_allreduce(flat[i:i + step])
+                    if name == "AVG":
+                        flat.div_(self._size)
+                    if c is not t:
+                        t.copy_(c)
+                else:
+                    t.copy_(_local_reduce(name, self._gather_all(t)))
         return self._submit("all_reduce(%s)" % name, tensors, run)
+
+    def _ring_sum(self, name, t):
+        """Whether a subgroup's all_reduce of `t` goes around its ring of
+        workers: a large float32 sum or average (the nodes' rounds count
+        every rank of the job, so a subgroup's sums never go there; a small
+        one is gathered over the mesh and summed on each rank)."""
+        return (self._sub and name in ("SUM", "AVG") and
+                t.dtype == torch.float32 and
+                self._direct(t.numel() * 4))
 
     def allreduce_coalesced(self, tensors, opts):
         self._check("all_reduce_coalesced", tensors)
@@ -1237,17 +1282,18 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                             inline=self._inline_a2a(moved))
 
     def _mesh_path(self):
-        """Whether all_to_all goes over the workers' mesh: in a group of
-        the whole job, while the direct path is on."""
-        return not self._sub and self._size > 1 and _DIRECT_BYTES > 0
+        """Whether all_to_all and exchanges go over the group's mesh of
+        workers (and send/recv straight between them): while the direct
+        path is on, in any group."""
+        return self._size > 1 and _DIRECT_BYTES > 0
 
     def _inline_a2a(self, moved):
         return self._mesh_path() and moved <= _INLINE_BYTES
 
     def _alltoall(self, outs, ins):
-        """outs[q] <- rank q's ins[this rank]: over the workers' mesh in a
-        whole-job group (each pair's bytes cross once, directly), else by
-        one exchange through the nodes."""
+        """outs[q] <- rank q's ins[this rank]: over the workers' mesh (each
+        pair's bytes cross once, directly), else by one exchange through
+        the nodes."""
         if self._mesh_path():
             self._ensure_mesh()
             tmp = [o if o.is_contiguous() else o.contiguous() for o in outs]
@@ -1270,7 +1316,16 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 o.copy_(t)
 
     def barrier(self, opts=None):
+        if self._sub and self._mesh_path():
+            # Every pair's empty notice: no rank leaves before all came.
+            return self._submit("barrier", [], self._mesh_barrier,
+                                inline=True)
         return self._submit("barrier", [], self._fence_round, inline=True)
+
+    def _mesh_barrier(self):
+        self._ensure_mesh()
+        none = np.empty(0, dtype=np.uint8)
+        self._mesh.alltoall([none] * self._size, [none] * self._size)
 
     # ------------------------------------------------------ point to point
     # In a group of the whole job (direct path on), a send and a recv go
