@@ -14,8 +14,10 @@
 //
 // The units with logic of their own live beside it with their own tests:
 // storage.h (shards, copy-on-write, apply), scheduler.h, ring.h,
-// checkpoint.h, state_copy.h, reduce.h, routing.h. What remains here is
-// the orchestration of one node's state, on one event loop.
+// checkpoint.h, state_copy.h, reduce.h, routing.h, peer_failover.h (what
+// this node knows of its peers' deaths and replacements, and the
+// decisions on them). What remains here is the orchestration of one
+// node's state, on one event loop.
 //
 // Threading: everything runs on the service::Server's serial event loop
 // (requests, peer notices, posted completions), so the members below the

@@ -65,6 +65,12 @@ _SUM_MOVE_BYTES = 256 << 10
 # (MEMBOX_BACKEND_DIRECT_BYTES, read once at import).
 _DIRECT_BYTES = int(os.environ.get("MEMBOX_BACKEND_DIRECT_BYTES", 1 << 20))
 _RING_MAX_BYTES = 64 << 20  # the ring's pieces: this / world per step
+# A subgroup's float32 SUM/AVG all_reduce of at least this many bytes goes
+# around its ring; a smaller one is gathered over its mesh and summed on
+# each rank (one host, subgroups of 2: the ring took 4.1-4.4 ms at 1-2 MiB,
+# the gather 2.5-3.9 ms; from 3 MiB the ring is faster). Off with the
+# direct path.
+_SUB_RING_BYTES = 2 << 20
 # The mesh's (collective::Mesh) buffers: this / world per peer, each way.
 # Every all_to_all, and every exchange (gathers, scatters, the reductions
 # the nodes do not sum), goes over the mesh while the direct path is on
@@ -910,8 +916,8 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         every rank of the job, so a subgroup's sums never go there; a small
         one is gathered over the mesh and summed on each rank)."""
         return (self._sub and name in ("SUM", "AVG") and
-                t.dtype == torch.float32 and
-                self._direct(t.numel() * 4))
+                t.dtype == torch.float32 and _DIRECT_BYTES > 0 and
+                t.numel() * 4 >= _SUB_RING_BYTES)
 
     def allreduce_coalesced(self, tensors, opts):
         self._check("all_reduce_coalesced", tensors)
