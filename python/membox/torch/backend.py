@@ -376,14 +376,10 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._peers_known = set()  # ranks whose p2p endpoint _pairs has
         self._lanes = {}  # (direction, peer) -> _Jobs of direct p2p
         self._split_share = 4  # the ring's share of a split, in 16ths
-        self._split_remote = None  # rank 0's nodes are on other hosts
         self._remote = None  # rank 0's nodes are on other hosts
         if self._rank == 0 and not self._sub:
             self._store.set("membox/nodes/remote", "0" if
                             self._client.proxies_map_memory else "1")
-            self._store.set("membox/split/remote", "0" if
-                            self._client.proxies_map_memory and
-                            not _SPLIT_ON_ONE_HOST else "1")
         self._splits = 0  # split all_reduces so far
         self._jobs = _Jobs()
         self._closed = False
@@ -827,10 +823,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 tensors[0].is_contiguous() and
                 tensors[0].numel() * 4 >= _SPLIT_BYTES):
             return False
-        if self._split_remote is None:
-            self._split_remote = self._store.get(
-                "membox/split/remote") == b"1"
-        return self._split_remote
+        return self._nodes_remote() or _SPLIT_ON_ONE_HOST
 
     def _split_allreduce(self, t, name):
         """On the exchange thread: the first share/16 of `t` over the
@@ -860,9 +853,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             self._round(tail, space="split").add_done_callback(tail_done)
         else:
             tail_done(None)
-        step = _RING_MAX_BYTES // 4
-        for i in range(0, head.numel(), step):
-            self._ring_allreduce(head[i:i + step])
+        self._ring_allreduce(head)
         ring_s = time.perf_counter() - t0
         if not done.wait(self._timeout.total_seconds()):
             raise RuntimeError("membox backend: all_reduce: the nodes' part "
@@ -889,10 +880,13 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             if k >= 1:
                 self._store.delete_key("membox/split/%d" % k)
 
-    def _ring_allreduce(self, part):
-        if part.numel():
+    def _ring_allreduce(self, flat):
+        """The float32 sum of `flat` (1-D) in place around the ring, in
+        pieces of at most the ring's buffer."""
+        step = _RING_MAX_BYTES // 4
+        for i in range(0, flat.numel(), step):
             self._ensure_ring()
-            self._ring.allreduce(part.numpy())
+            self._ring.allreduce(flat[i:i + step].numpy())
 
     # --------------------------------------------------------- collectives
     def allreduce(self, tensors, opts):
@@ -910,9 +904,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 if self._ring_sum(name, t):
                     c = t if t.is_contiguous() else t.contiguous()
                     flat = c.view(-1)
-                    step = _RING_MAX_BYTES // 4
-                    for i in range(0, flat.numel(), step):
-                        self._ring_allreduce(flat[i:i + step])
+                    self._ring_allreduce(flat)
                     if name == "AVG":
                         flat.div_(self._size)
                     if c is not t:
