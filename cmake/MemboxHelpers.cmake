@@ -91,7 +91,9 @@ function(membox_cc_test)
   cmake_parse_arguments(ARG "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
   add_executable(${ARG_NAME} ${ARG_SRCS})
   membox_own_private_dir(private)
-  target_include_directories(${ARG_NAME} PRIVATE ${private})
+  # tests/support: helpers every layer's tests share (public headers only).
+  membox_private_dir(tests/support support)
+  target_include_directories(${ARG_NAME} PRIVATE ${private} ${support})
   target_link_libraries(${ARG_NAME} PRIVATE membox_build_flags ${ARG_DEPS}
     GTest::gtest GTest::gmock GTest::gtest_main)
   if(NOT ARG_TIMEOUT)

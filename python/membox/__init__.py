@@ -111,6 +111,18 @@ def _secret():
     return _core.resolve_secret("", "")
 
 
+def _addresses(given, env, what):
+    """`given` (a list of host:port), or the comma-separated list in the
+    environment variable `env` that `membox launch` sets; none: an error
+    naming the variable."""
+    if given is not None:
+        return list(given)
+    value = os.environ.get(env)
+    if not value:
+        raise MemboxError(f"no {what}: set {env} (membox launch does)")
+    return value.split(",")
+
+
 def connect(proxies=None, secret=None, rank=None, world=None, name=None,
             timeout=60.0, partition_bytes=4 << 20, rejoin=False):
     """A Client for this worker. Missing arguments come from the environment
@@ -119,12 +131,7 @@ def connect(proxies=None, secret=None, rank=None, world=None, name=None,
     worker set follows one that used the nodes before (restarted, or of
     another size): the hello is retried for up to 45 s while the nodes
     still hold the previous job's connections."""
-    if proxies is None:
-        env = os.environ.get("MEMBOX_PROXIES")
-        if not env:
-            raise MemboxError("no memory nodes: set MEMBOX_PROXIES "
-                              "(membox launch does)")
-        proxies = env.split(",")
+    proxies = _addresses(proxies, "MEMBOX_PROXIES", "memory nodes")
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     return Client(list(proxies), secret or _secret(), rank, world,
@@ -141,12 +148,7 @@ def connect_embeddings(nodes=None, secret=None, name=None, timeout=60.0,
     push log, the default) is waited for up to `failover_timeout` seconds
     while `membox launch --max-restarts` restarts it; the calls meanwhile
     take longer and nothing is lost or applied twice (0: fail at once)."""
-    if nodes is None:
-        env = os.environ.get("MEMBOX_EMBEDDING_NODES")
-        if not env:
-            raise MemboxError("no embedding nodes: set MEMBOX_EMBEDDING_NODES "
-                              "(membox launch does)")
-        nodes = env.split(",")
+    nodes = _addresses(nodes, "MEMBOX_EMBEDDING_NODES", "embedding nodes")
     rank = int(os.environ.get("RANK", 0))
     return EmbeddingClient(list(nodes), secret or _secret(),
                            name or f"worker-{rank}", timeout, partition,

@@ -30,6 +30,36 @@ def add_contract_flags(ap):
     ap.add_argument("--plot", default="", help="write a PNG plot")
 
 
+def bench_parser(prog, description, workers=2, nodes=1):
+    """The argument parser a `membox bench` starts from: the contract flags
+    (add_contract_flags), --workers and --nodes with this bench's defaults,
+    and the hidden flags its own worker runs take (--worker, --variant,
+    --out)."""
+    import argparse
+    ap = argparse.ArgumentParser(
+        prog=prog, description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_contract_flags(ap)
+    ap.add_argument("--workers", type=int, default=workers)
+    ap.add_argument("--nodes", type=int, default=nodes)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    return ap
+
+
+def median_runs(results, key, scale=1.0, ndigits=None):
+    """Per variant of `results` (variant -> its runs, dicts), the run whose
+    `key` is the median, with "all": every run's key times `scale`, rounded
+    to `ndigits`, in run order."""
+    rows = {}
+    for v, runs in results.items():
+        mid = sorted(runs, key=lambda x: x[key])[len(runs) // 2]
+        rows[v] = dict(mid, all=[round(x[key] * scale, ndigits)
+                                 for x in runs])
+    return rows
+
+
 def run_launched(cmd, out, what, die):
     """Runs `cmd` (a `membox launch ... --out OUT` command line), which
     writes its result as JSON to `out`; returns that result. When the run

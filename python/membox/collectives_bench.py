@@ -201,12 +201,9 @@ def _run(a, backend, sizes):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="membox bench collectives",
-                                 description=__doc__.split("\n\n")[0])
-    from membox.bench_report import add_contract_flags
-    add_contract_flags(ap)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--nodes", type=int, default=1)
+    from membox.bench_report import bench_parser
+    ap = bench_parser("membox bench collectives", __doc__.split("\n\n")[0],
+                      workers=2, nodes=1)
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--sizes", default="")
     ap.add_argument("--ops", default=",".join(OPS))
@@ -219,9 +216,7 @@ def main(argv=None):
                     help="time the operations on subgroups of K "
                     "consecutive ranks (new_subgroups), all at once; 0: "
                     "the whole job")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="membox", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         return _worker(a)

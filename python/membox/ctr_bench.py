@@ -48,7 +48,6 @@ process, per wall second: two cores give at most 2.0). All variants run
 under this interpreter (MEMBOX_PYTHON picks it: TorchRec's wheels need a
 torch of the same release). Records follow docs/design/benchmarks.md.
 """
-import argparse
 import json
 import os
 import subprocess
@@ -157,12 +156,8 @@ def _has_torchrec():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="membox bench ctr", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    from membox.bench_report import add_contract_flags
-    add_contract_flags(ap)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--nodes", type=int, default=2)
+    from membox.bench_report import bench_parser
+    ap = bench_parser("membox bench ctr", __doc__, workers=2, nodes=2)
     ap.add_argument("--samples", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=0)
@@ -176,11 +171,8 @@ def main(argv=None):
                 if not v.startswith("torchrec") or has_torchrec]
     from membox.bench_report import run_interleaved
     res = run_interleaved(variants, repeats, lambda v: run_case(a, v, script))
-    rows = {}
-    for v, runs in res.items():
-        runs = sorted(runs, key=lambda x: x["samples_per_s"])
-        rows[v] = dict(runs[len(runs) // 2],
-                       all=[round(x["samples_per_s"]) for x in res[v]])
+    from membox.bench_report import median_runs
+    rows = median_runs(res, "samples_per_s")
     local = rows["torch-local"]["samples_per_s"]
     trec = rows["torchrec"]["samples_per_s"] if "torchrec" in rows else None
     import torch

@@ -242,6 +242,12 @@ def main(argv=None):
         except OSError as e:
             ap.error(f"--checkpoint-dir {a.checkpoint_dir}: {e.strerror}")
     lock = threading.Lock()
+
+    def say(message):
+        """A line of the launcher's own, between the processes' lines."""
+        with lock:
+            print(f"membox launch: {message}", flush=True)
+
     tmp = tempfile.mkdtemp(prefix="membox-launch-")
     secret_file = os.path.join(tmp, "secret")
     with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
@@ -250,8 +256,7 @@ def main(argv=None):
 
     def shutdown(code, why=None):
         if why:
-            with lock:
-                print(f"membox launch: {why}; stopping everything", flush=True)
+            say(f"{why}; stopping everything")
         stop_all(procs)
         shutil.rmtree(tmp, ignore_errors=True)  # secret, scratch tables
         return code
@@ -338,9 +343,8 @@ def main(argv=None):
                 procs.remove(x)
             workers.clear()
             start_workers()
-            with lock:
-                print(f"membox launch: workers restarted in "
-                      f"{time.time() - t0:.2f} s", flush=True)
+            say(f"workers restarted in "
+                f"{time.time() - t0:.2f} s")
 
         def replace_node(n):
             """Starts node n's replacement (--join); None once it serves, or
@@ -350,11 +354,10 @@ def main(argv=None):
             nonlocal replaced
             replaced += 1
             t0 = time.time()
-            with lock:
-                print(f"membox launch: memory {n.name} died (exit "
-                      f"status {n.p.returncode}); replacing it from the "
-                      f"other nodes (replacement {replaced} of "
-                      f"{a.node_replacements})", flush=True)
+            say(f"memory {n.name} died (exit "
+                f"status {n.p.returncode}); replacing it from the "
+                f"other nodes (replacement {replaced} of "
+                f"{a.node_replacements})")
             n.t.join(timeout=5)
             procs.remove(n)
             m = Proc("node", n.rank, node_argv[n.rank] + ["--join"],
@@ -368,11 +371,10 @@ def main(argv=None):
                     if o is not m and o.p.poll() is not None and \
                             o.rank not in others:
                         others.add(o.rank)
-                        with lock:
-                            print(f"membox launch: memory {o.name} died "
-                                  f"too (exit status {o.p.returncode}) "
-                                  f"before {m.name}'s replacement "
-                                  f"started", flush=True)
+                        say(f"memory {o.name} died "
+                            f"too (exit status {o.p.returncode}) "
+                            f"before {m.name}'s replacement "
+                            f"started")
                 if m.p.poll() is not None or time.time() > deadline:
                     m.t.join(timeout=5)
                     said = next((line for line in reversed(m.lines)
@@ -385,10 +387,8 @@ def main(argv=None):
                                if m.p.poll() is not None else
                                "did not start within 60 s")
                             + (f": {said.strip()}" if said else ""))
-            with lock:
-                print(f"membox launch: memory {n.name} replaced in "
-                      f"{time.time() - t0:.2f} s; the workers carry on",
-                      flush=True)
+            say(f"memory {n.name} replaced in "
+                f"{time.time() - t0:.2f} s; the workers carry on")
             return None
 
         start_workers()
@@ -401,10 +401,9 @@ def main(argv=None):
                     return shutdown(1, why)
                 continue
             for n in dead:
-                with lock:
-                    print(f"membox launch: memory {n.name} died (exit "
-                          f"status {n.p.returncode}); giving the workers "
-                          f"10 s to report it", flush=True)
+                say(f"memory {n.name} died (exit "
+                    f"status {n.p.returncode}); giving the workers "
+                    f"10 s to report it")
                 deadline = time.time() + 10
                 while time.time() < deadline and any(
                         w.p.poll() is None for w in workers):
@@ -424,11 +423,10 @@ def main(argv=None):
                 w = failed[0]
                 restarts += 1
                 t0 = time.time()
-                with lock:
-                    print(f"membox launch: {w.name} failed (exit status "
-                          f"{w.p.returncode}); restarting the workers "
-                          f"(restart {restarts} of {a.max_restarts}); the "
-                          f"memory nodes keep their state", flush=True)
+                say(f"{w.name} failed (exit status "
+                    f"{w.p.returncode}); restarting the workers "
+                    f"(restart {restarts} of {a.max_restarts}); the "
+                    f"memory nodes keep their state")
                 restart_workers(t0)
                 continue
             if failed:

@@ -313,17 +313,9 @@ def largest_batch(a, variant, tmp):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="membox bench offload",
-                                 description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    from membox.bench_report import add_contract_flags
-    add_contract_flags(ap)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--variant", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    from membox.bench_report import bench_parser
+    ap = bench_parser("membox bench offload", __doc__, workers=2, nodes=2)
     ap.add_argument("--cgroup", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--layers", type=int, default=0)
     ap.add_argument("--d-model", type=int, default=0)
     ap.add_argument("--seq", type=int, default=64)

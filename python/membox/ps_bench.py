@@ -23,7 +23,6 @@ Reported: median step time (after warm-up), the ratio to gloo-ddp, and the
 final loss (per-tensor and fused must agree exactly: the same sums and the
 same SGD on the nodes). Records follow docs/design/benchmarks.md.
 """
-import argparse
 import json
 import os
 import sys
@@ -103,21 +102,14 @@ def run_case(a, variant, tmp):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="membox bench ps", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    from membox.bench_report import add_contract_flags
-    add_contract_flags(ap)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--nodes", type=int, default=1)
+    from membox.bench_report import bench_parser
+    ap = bench_parser("membox bench ps", __doc__, workers=2, nodes=1)
     ap.add_argument("--layers", type=int, default=200)
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=0,
                     help="runs per variant (median of medians)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--variant", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         return worker(a)
@@ -126,11 +118,8 @@ def main(argv=None):
     tmp = tempfile.mkdtemp(prefix="membox-ps-bench-")
     from membox.bench_report import run_interleaved
     res = run_interleaved(VARIANTS, repeats, lambda v: run_case(a, v, tmp))
-    rows = {}
-    for v, runs in res.items():
-        steps = sorted(x["step_s"] for x in runs)
-        rows[v] = dict(runs[0], step_s=steps[len(steps) // 2],
-                       all_ms=[round(x["step_s"] * 1e3, 2) for x in runs])
+    from membox.bench_report import median_runs
+    rows = median_runs(res, "step_s", scale=1e3, ndigits=2)
     base = rows["gloo-ddp"]["step_s"]
     per = rows["per-tensor"]["step_s"]
     print(f"\n{rows['fused']['tensors']} tensors, "
@@ -142,7 +131,7 @@ def main(argv=None):
     for v in VARIANTS:
         r = rows[v]
         print(f"{v:11} {r['step_s'] * 1e3:8.2f} {r['step_s'] / base:7.2f}x "
-              f"{r['step_s'] / per:13.2f}x {r['loss']:10.6f}  {r['all_ms']}")
+              f"{r['step_s'] / per:13.2f}x {r['loss']:10.6f}  {r['all']}")
         for metric, value, unit in (("step_ms", r["step_s"] * 1e3, "ms"),
                                     ("vs_gloo", r["step_s"] / base, "x"),
                                     ("final_loss", r["loss"], "loss")):

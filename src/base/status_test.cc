@@ -50,5 +50,48 @@ TEST(StatusTest, MacrosPropagate) {
   EXPECT_EQ(Both(1, -2).code(), StatusCode::kOutOfRange);
 }
 
+TEST(StatusTest, EveryCodeHasItsCanonicalName) {
+  EXPECT_EQ(StatusCodeName(StatusCode::kOk), "OK");
+  EXPECT_EQ(StatusCodeName(StatusCode::kCancelled), "CANCELLED");
+  EXPECT_EQ(StatusCodeName(StatusCode::kDeadlineExceeded), "DEADLINE_EXCEEDED");
+  EXPECT_EQ(StatusCodeName(StatusCode::kFailedPrecondition),
+            "FAILED_PRECONDITION");
+  EXPECT_EQ(StatusCodeName(StatusCode::kUnauthenticated), "UNAUTHENTICATED");
+  // A value off the table (a peer's newer code) is named, not read past.
+  EXPECT_EQ(StatusCodeName(static_cast<StatusCode>(17)), "UNKNOWN");
+  EXPECT_EQ(StatusCodeName(static_cast<StatusCode>(-1)), "UNKNOWN");
+}
+
+// MakeInitialized: the factory rule (construct, Init, hand out only what
+// initialised).
+struct Thing {
+  virtual ~Thing() = default;
+  virtual int value() const = 0;
+};
+
+struct ThingImpl final : Thing {
+  ThingImpl(int v, int* destroyed) : v_(v), destroyed_(destroyed) {}
+  ~ThingImpl() override { ++*destroyed_; }
+  Status Init() {
+    return v_ >= 0 ? Status::Ok() : InvalidArgumentError("negative");
+  }
+  int value() const override { return v_; }
+  int v_;
+  int* destroyed_;
+};
+
+TEST(StatusTest, MakeInitializedHandsOutOnlyWhatInitialised) {
+  int destroyed = 0;
+  auto good = MakeInitialized<Thing, ThingImpl>(7, &destroyed);
+  ASSERT_TRUE(good.ok()) << good.status().ToString();
+  EXPECT_EQ((*good)->value(), 7);
+  auto bad = MakeInitialized<Thing, ThingImpl>(-1, &destroyed);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(destroyed, 1);  // the failed one, at once
+  good->reset();
+  EXPECT_EQ(destroyed, 2);
+}
+
 }  // namespace
 }  // namespace membox

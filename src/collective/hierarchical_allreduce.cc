@@ -164,9 +164,7 @@ class HierImpl final : public HierarchicalAllreduce {
 
 Result<std::unique_ptr<HierarchicalAllreduce>> HierarchicalAllreduce::Create(
     const HierarchicalOptions& options) {
-  auto h = std::make_unique<HierImpl>(options);
-  RETURN_IF_ERROR(h->Init());
-  return std::unique_ptr<HierarchicalAllreduce>(std::move(h));
+  return MakeInitialized<HierarchicalAllreduce, HierImpl>(options);
 }
 
 }  // namespace membox::collective

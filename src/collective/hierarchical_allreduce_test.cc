@@ -4,43 +4,37 @@
 
 #include <gtest/gtest.h>
 
+#include "src/collective/loopback_group_test_util.h"
+
 namespace membox::collective {
 namespace {
 
 void RunHier(int world, int local, size_t count, int calls) {
   std::vector<std::unique_ptr<HierarchicalAllreduce>> w;
   std::vector<std::string> eps;
-  for (int r = 0; r < world; ++r) {
-    HierarchicalOptions o;
-    o.rank = r;
-    o.world = world;
-    o.local_size = local;
-    o.listen = "127.0.0.1:0";
-    o.max_bytes = count * 4;
-    auto h = HierarchicalAllreduce::Create(o);
-    ASSERT_TRUE(h.ok()) << h.status().ToString();
-    eps.push_back((*h)->endpoint());
-    w.push_back(std::move(*h));
-  }
-  std::vector<std::thread> th;
-  for (int r = 0; r < world; ++r) {
-    th.emplace_back([&, r] {
-      Status c = w[r]->Connect(eps);
-      ASSERT_TRUE(c.ok()) << c.ToString();
-      std::vector<float> v(count);
-      for (int call = 0; call < calls; ++call) {
-        for (size_t i = 0; i < count; ++i) v[i] = float(r * 3 + call + i % 5);
-        Status s = w[r]->Allreduce(v.data(), count);
-        ASSERT_TRUE(s.ok()) << s.ToString();
-        for (size_t i = 0; i < count; i += 97) {
-          float want = 0;
-          for (int q = 0; q < world; ++q) want += float(q * 3 + call + i % 5);
-          ASSERT_EQ(v[i], want) << "rank " << r << " call " << call;
-        }
+  StartLoopback<HierarchicalAllreduce, HierarchicalOptions>(
+      world,
+      [&](HierarchicalOptions& o) {
+        o.local_size = local;
+        o.max_bytes = count * 4;
+      },
+      &w, &eps);
+  ASSERT_EQ(w.size(), size_t(world));
+  OnEachRank(world, [&](int r) {
+    Status c = w[r]->Connect(eps);
+    ASSERT_TRUE(c.ok()) << c.ToString();
+    std::vector<float> v(count);
+    for (int call = 0; call < calls; ++call) {
+      for (size_t i = 0; i < count; ++i) v[i] = float(r * 3 + call + i % 5);
+      Status s = w[r]->Allreduce(v.data(), count);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      for (size_t i = 0; i < count; i += 97) {
+        float want = 0;
+        for (int q = 0; q < world; ++q) want += float(q * 3 + call + i % 5);
+        ASSERT_EQ(v[i], want) << "rank " << r << " call " << call;
       }
-    });
-  }
-  for (auto& t : th) t.join();
+    }
+  });
 }
 
 TEST(HierarchicalAllreduceTest, NodesTimesLocalRanks) {

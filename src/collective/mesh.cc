@@ -207,9 +207,7 @@ class MeshImpl final : public Mesh {
 }  // namespace
 
 Result<std::unique_ptr<Mesh>> Mesh::Create(const MeshOptions& options) {
-  auto m = std::make_unique<MeshImpl>(options);
-  RETURN_IF_ERROR(m->Init());
-  return std::unique_ptr<Mesh>(std::move(m));
+  return MakeInitialized<Mesh, MeshImpl>(options);
 }
 
 }  // namespace membox::collective

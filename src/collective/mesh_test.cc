@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include "src/collective/loopback_group_test_util.h"
 #include "src/collective/ring_message.h"
 
 namespace membox::collective {
@@ -19,30 +20,22 @@ void OnMesh(int world, size_t max_bytes, Body body,
             size_t inline_bytes = MeshOptions().inline_bytes) {
   std::vector<std::unique_ptr<Mesh>> meshes;
   std::vector<std::string> eps;
-  for (int r = 0; r < world; ++r) {
-    MeshOptions o;
-    o.rank = r;
-    o.world = world;
-    o.listen = "127.0.0.1:0";
-    o.max_bytes = max_bytes;
-    o.inline_bytes = inline_bytes;
-    o.timeout = std::chrono::seconds(20);
-    auto m = Mesh::Create(o);
-    ASSERT_TRUE(m.ok()) << m.status().ToString();
-    eps.push_back((*m)->endpoint());
-    meshes.push_back(std::move(*m));
-  }
-  std::vector<std::thread> th;
+  StartLoopback<Mesh, MeshOptions>(
+      world,
+      [&](MeshOptions& o) {
+        o.max_bytes = max_bytes;
+        o.inline_bytes = inline_bytes;
+        o.timeout = std::chrono::seconds(20);
+      },
+      &meshes, &eps);
+  ASSERT_EQ(meshes.size(), size_t(world));
   std::latch connected(world);
-  for (int r = 0; r < world; ++r) {
-    th.emplace_back([&, r] {
-      Status s = meshes[r]->Connect(eps);
-      connected.arrive_and_wait();
-      ASSERT_TRUE(s.ok()) << s.ToString();
-      body(r, *meshes[r]);
-    });
-  }
-  for (auto& t : th) t.join();
+  OnEachRank(world, [&](int r) {
+    Status s = meshes[r]->Connect(eps);
+    connected.arrive_and_wait();
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    body(r, *meshes[r]);
+  });
 }
 
 // What worker `from` sends worker `to` in call `call`: a size that differs

@@ -320,9 +320,7 @@ class PointToPointImpl final : public PointToPoint {
 
 Result<std::unique_ptr<PointToPoint>> PointToPoint::Create(
     const PointToPointOptions& options) {
-  auto p = std::make_unique<PointToPointImpl>(options);
-  RETURN_IF_ERROR(p->Init());
-  return std::unique_ptr<PointToPoint>(std::move(p));
+  return MakeInitialized<PointToPoint, PointToPointImpl>(options);
 }
 
 }  // namespace membox::collective

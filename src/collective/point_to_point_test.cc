@@ -6,6 +6,7 @@
 
 #include "membox/transport/device.h"
 
+#include "src/collective/loopback_group_test_util.h"
 #include "src/collective/ring_message.h"
 
 namespace membox::collective {
@@ -18,29 +19,23 @@ template <typename Body>
 void OnPairs(int world, Body body) {
   std::vector<std::unique_ptr<PointToPoint>> all;
   std::vector<std::string> eps;
-  for (int r = 0; r < world; ++r) {
-    PointToPointOptions o;
-    o.rank = r;
-    o.world = world;
-    o.listen = "127.0.0.1:0";
-    o.max_bytes = 0;  // 64 KiB slots
-    o.inline_bytes = 1024;
-    o.timeout = std::chrono::seconds(20);
-    auto p = PointToPoint::Create(o);
-    ASSERT_TRUE(p.ok()) << p.status().ToString();
-    eps.push_back((*p)->endpoint());
-    all.push_back(std::move(*p));
-  }
-  std::vector<std::thread> th;
+  StartLoopback<PointToPoint, PointToPointOptions>(
+      world,
+      [](PointToPointOptions& o) {
+        o.max_bytes = 0;  // 64 KiB slots
+        o.inline_bytes = 1024;
+        o.timeout = std::chrono::seconds(20);
+      },
+      &all, &eps);
+  ASSERT_EQ(all.size(), size_t(world));
   for (int r = 0; r < world; ++r) {
     for (int q = 0; q < world; ++q) {
       if (q != r) {
         ASSERT_TRUE(all[r]->AddPeer(q, eps[q]).ok());
       }
     }
-    th.emplace_back([&, r] { body(r, *all[r]); });
   }
-  for (auto& t : th) t.join();
+  OnEachRank(world, [&](int r) { body(r, *all[r]); });
 }
 
 std::vector<uint8_t> Message(int from, int to, int i, size_t n) {

@@ -249,9 +249,7 @@ class RingImpl final : public RingAllreduce {
 
 Result<std::unique_ptr<RingAllreduce>> RingAllreduce::Create(
     const RingOptions& options) {
-  auto r = std::make_unique<RingImpl>(options);
-  RETURN_IF_ERROR(r->Init());
-  return std::unique_ptr<RingAllreduce>(std::move(r));
+  return MakeInitialized<RingAllreduce, RingImpl>(options);
 }
 
 }  // namespace membox::collective

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "src/collective/loopback_group_test_util.h"
 #include "src/collective/ring_message.h"
 
 namespace membox::collective {
@@ -15,25 +16,13 @@ template <typename Body>
 void OnRing(int world, size_t max_bytes, Body body) {
   std::vector<std::unique_ptr<RingAllreduce>> rings;
   std::vector<std::string> eps;
-  for (int r = 0; r < world; ++r) {
-    RingOptions o;
-    o.rank = r;
-    o.world = world;
-    o.listen = "127.0.0.1:0";
-    o.max_bytes = max_bytes;
-    auto ring = RingAllreduce::Create(o);
-    ASSERT_TRUE(ring.ok()) << ring.status().ToString();
-    eps.push_back((*ring)->endpoint());
-    rings.push_back(std::move(*ring));
-  }
-  std::vector<std::thread> th;
-  for (int r = 0; r < world; ++r) {
-    th.emplace_back([&, r] {
-      ASSERT_TRUE(rings[r]->Connect(eps).ok());
-      body(r, *rings[r]);
-    });
-  }
-  for (auto& t : th) t.join();
+  StartLoopback<RingAllreduce, RingOptions>(
+      world, [&](RingOptions& o) { o.max_bytes = max_bytes; }, &rings, &eps);
+  ASSERT_EQ(rings.size(), size_t(world));
+  OnEachRank(world, [&](int r) {
+    ASSERT_TRUE(rings[r]->Connect(eps).ok());
+    body(r, *rings[r]);
+  });
 }
 
 void RunRing(int world, size_t count, int calls) {

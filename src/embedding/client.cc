@@ -747,9 +747,7 @@ class ClientImpl final : public EmbeddingClient {
 
 Result<std::unique_ptr<EmbeddingClient>> EmbeddingClient::Connect(
     const EmbeddingClientOptions& options) {
-  auto c = std::make_unique<ClientImpl>(options);
-  RETURN_IF_ERROR(c->Init());
-  return std::unique_ptr<EmbeddingClient>(std::move(c));
+  return MakeInitialized<EmbeddingClient, ClientImpl>(options);
 }
 
 }  // namespace membox::embedding

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include "tests/support/testing.h"
+
 namespace membox::embedding {
 namespace {
 
@@ -14,10 +16,7 @@ constexpr uint32_t kRow = 16;
 class MemTierTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("membox-mem-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    dir_ = test_support::FreshTestDir("mem");
     SsdOptions o;
     o.dir = dir_.string();
     o.row_bytes = kRow;

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include "tests/support/testing.h"
+
 namespace membox::embedding {
 namespace {
 
@@ -28,9 +30,7 @@ PushLogRecord Record(uint64_t first_key, uint8_t fill) {
 class PushLogTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() /
-           ("membox-pushlog-" + std::to_string(getpid()));
-    std::filesystem::create_directories(dir_);
+    dir_ = test_support::FreshTestDir("pushlog");
     path_ = (dir_ / "PUSHLOG").string();
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }

@@ -999,9 +999,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
 
 Result<std::unique_ptr<EmbeddingServer>> EmbeddingServer::Start(
     const EmbeddingServerOptions& options) {
-  auto s = std::make_unique<ServerImpl>(options);
-  RETURN_IF_ERROR(s->Init());
-  return std::unique_ptr<EmbeddingServer>(std::move(s));
+  return MakeInitialized<EmbeddingServer, ServerImpl>(options);
 }
 
 }  // namespace membox::embedding

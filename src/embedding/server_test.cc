@@ -20,6 +20,7 @@
 #include "membox/transport/device.h"
 
 #include "src/embedding/protocol.h"
+#include "tests/support/testing.h"
 
 namespace membox::embedding {
 namespace {
@@ -344,15 +345,7 @@ TEST_F(EmbeddingServerTest,
       m.sections.push_back(std::move(sec));
     }
     std::vector<uint8_t> msg = proto::Encode(m);
-    if (rng() % 4 == 0 && msg.size() > service::kHeaderBytes + 1) {
-      size_t at =
-          service::kHeaderBytes + rng() % (msg.size() - service::kHeaderBytes);
-      if (rng() % 2) {
-        msg[at] ^= static_cast<uint8_t>(1 + rng() % 255);
-      } else {
-        msg.resize(at);
-      }
-    }
+    if (rng() % 4 == 0) test_support::DamageBody(msg, rng);
     ++sent;
     auto r = cl->Call(static_cast<uint16_t>(m.type), std::move(msg), 3s);
     if (r.ok() || r.status().code() != StatusCode::kUnavailable) {

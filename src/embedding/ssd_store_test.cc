@@ -11,6 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "tests/support/testing.h"
+
 namespace membox::embedding {
 namespace {
 
@@ -26,12 +28,7 @@ std::vector<uint8_t> Row(uint64_t key, uint64_t version) {
 
 class SsdStoreTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("membox-ssd-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-  }
+  void SetUp() override { dir_ = test_support::FreshTestDir("ssd"); }
   void TearDown() override { fs::remove_all(dir_); }
 
   std::unique_ptr<SsdStore> Open(RecoveryStats* rs = nullptr,

@@ -350,9 +350,7 @@ class ClientImpl final : public Client {
 }  // namespace
 
 Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
-  auto c = std::make_unique<ClientImpl>(options);
-  RETURN_IF_ERROR(c->Init());
-  return std::unique_ptr<Client>(std::move(c));
+  return MakeInitialized<Client, ClientImpl>(options);
 }
 
 }  // namespace membox::memserver

@@ -769,9 +769,7 @@ class ServerImpl final : public Server, public service::Service {
 }  // namespace
 
 Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
-  auto s = std::make_unique<ServerImpl>(options);
-  RETURN_IF_ERROR(s->Init());
-  return std::unique_ptr<Server>(std::move(s));
+  return MakeInitialized<Server, ServerImpl>(options);
 }
 
 }  // namespace membox::memserver

@@ -15,6 +15,7 @@
 #include "membox/transport/device.h"
 
 #include "src/memserver/protocol.h"
+#include "tests/support/testing.h"
 
 namespace membox::memserver {
 namespace {
@@ -232,15 +233,7 @@ TEST_P(ServerTest, RandomWholeRequestsFromATenantChangeNothingOfAnother) {
     q.length = pick({0, 4, 4096, 1 << 16, rng()});
     q.bytes_read = rng();
     std::vector<uint8_t> msg = proto::EncodeRequest(q);
-    if (rng() % 4 == 0 && msg.size() > service::kHeaderBytes + 1) {
-      size_t at =
-          service::kHeaderBytes + rng() % (msg.size() - service::kHeaderBytes);
-      if (rng() % 2) {
-        msg[at] ^= static_cast<uint8_t>(1 + rng() % 255);
-      } else {
-        msg.resize(at);
-      }
-    }
+    if (rng() % 4 == 0) test_support::DamageBody(msg, rng);
     ++sent;
     auto r = cl->Call(static_cast<uint16_t>(q.op), std::move(msg), 3s);
     if (r.ok() && q.op == proto::Op::kCreate) {

@@ -3,19 +3,27 @@
 #include "membox/base/logging.h"
 
 namespace membox::node {
+namespace {
+
+// What every service of the node shares: the secret, the admission rule and
+// the transports.
+template <typename ServiceOptions>
+void ShareNodeSettings(const MemoryNodeOptions& node, ServiceOptions& o) {
+  o.secret = node.secret;
+  o.admit = node.admit;
+  o.transports = node.transports;
+}
+
+}  // namespace
 
 Result<std::unique_ptr<MemoryNode>> MemoryNode::Start(MemoryNodeOptions o) {
   std::unique_ptr<MemoryNode> n(new MemoryNode());
-  o.memory.secret = o.secret;
-  o.memory.admit = o.admit;
-  o.memory.transports = o.transports;
+  ShareNodeSettings(o, o.memory);
   auto m = memserver::Server::Start(o.memory);
   if (!m.ok()) return m.status().WithContext("memory server");
   n->memory_ = std::move(*m);
   if (o.proxy) {
-    o.proxy->secret = o.secret;
-    o.proxy->admit = o.admit;
-    o.proxy->transports = o.transports;
+    ShareNodeSettings(o, *o.proxy);
     auto p = ps::Proxy::Start(*o.proxy);
     if (!p.ok()) {
       n->Stop();
@@ -24,9 +32,7 @@ Result<std::unique_ptr<MemoryNode>> MemoryNode::Start(MemoryNodeOptions o) {
     n->proxy_ = std::move(*p);
   }
   if (o.embedding) {
-    o.embedding->secret = o.secret;
-    o.embedding->admit = o.admit;
-    o.embedding->transports = o.transports;
+    ShareNodeSettings(o, *o.embedding);
     auto e = embedding::EmbeddingServer::Start(*o.embedding);
     if (!e.ok()) {
       n->Stop();

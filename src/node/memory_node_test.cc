@@ -18,6 +18,8 @@
 #include "membox/node/metrics_endpoint.h"
 #include "membox/ps/param_client.h"
 
+#include "tests/support/testing.h"
+
 namespace membox::node {
 namespace {
 
@@ -39,10 +41,7 @@ MemoryNodeOptions AllThree(const std::string& dir) {
 
 class MemoryNodeTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() /
-           ("membox-node-test-" + std::to_string(getpid()));
-  }
+  void SetUp() override { dir_ = test_support::FreshTestDir("node-test"); }
   void TearDown() override { std::filesystem::remove_all(dir_); }
   std::filesystem::path dir_;
 };

@@ -62,6 +62,20 @@ Status WriteAll(int fd, const void* p, size_t n) {
 
 }  // namespace
 
+void PutShardHeader(Writer& w, const ShardHeader& h) {
+  w.U64(h.key);
+  w.U32(h.shard);
+  w.U8(h.dtype);
+  w.U64(h.key_bytes);
+  w.U64(h.shard_bytes);
+  w.U64(h.version);
+}
+
+bool GetShardHeader(Reader& r, ShardHeader* h) {
+  return r.U64(&h->key) && r.U32(&h->shard) && r.U8(&h->dtype) &&
+         r.U64(&h->key_bytes) && r.U64(&h->shard_bytes) && r.U64(&h->version);
+}
+
 Status EncodeCheckpoint(const CheckpointHeader& header,
                         const std::vector<CheckpointShard>& shards,
                         const CheckpointSink& sink) {
@@ -87,12 +101,7 @@ Status EncodeCheckpoint(const CheckpointHeader& header,
   }
   for (const auto& sh : shards) {
     Writer w;
-    w.U64(sh.key);
-    w.U32(sh.shard);
-    w.U8(sh.dtype);
-    w.U64(sh.key_bytes);
-    w.U64(sh.shard_bytes);
-    w.U64(sh.version);
+    PutShardHeader(w, sh);
     w.U64(sh.value.size());
     w.U32(Crc32(sh.value.data(), sh.value.size()));
     emit(w);
@@ -172,9 +181,7 @@ Status ParseCheckpoint(std::span<const uint8_t> bytes, CheckpointHeader* header,
     CheckpointShard sh;
     uint64_t n = 0;
     uint32_t vcrc = 0;
-    if (!r.U64(&sh.key) || !r.U32(&sh.shard) || !r.U8(&sh.dtype) ||
-        !r.U64(&sh.key_bytes) || !r.U64(&sh.shard_bytes) ||
-        !r.U64(&sh.version) || !r.U64(&n) || !r.U32(&vcrc)) {
+    if (!GetShardHeader(r, &sh) || !r.U64(&n) || !r.U32(&vcrc)) {
       return Damaged("truncated shard record " + std::to_string(i));
     }
     fold(mark, r.consumed());

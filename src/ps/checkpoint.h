@@ -17,16 +17,27 @@
 #include <vector>
 
 #include "membox/base/status.h"
+#include "membox/base/wire.h"
 
 namespace membox::ps {
 
-struct CheckpointShard {
+// What names a shard and its geometry wherever a shard's state travels:
+// in a checkpoint's records and in a state copy's manifest (state_copy.h).
+struct ShardHeader {
   uint64_t key = 0;
   uint32_t shard = 0;
   uint8_t dtype = 0;
   uint64_t key_bytes = 0;
   uint64_t shard_bytes = 0;  // nominal shard size of the key
   uint64_t version = 0;
+};
+
+// The header's encoding (33 bytes, little-endian, in the order above), and
+// its decoding: false when `r` ends first. The callers validate the values.
+void PutShardHeader(wire::Writer& w, const ShardHeader& h);
+bool GetShardHeader(wire::Reader& r, ShardHeader* h);
+
+struct CheckpointShard : ShardHeader {
   // The data. ParseCheckpoint leaves views into the bytes it parsed (keep
   // them alive while the records are used); ReadCheckpoint's records own
   // their bytes in `owned_*` and the views point there (move such a

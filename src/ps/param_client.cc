@@ -1187,9 +1187,7 @@ Result<std::string> QueryProxyStatus(const std::string& endpoint,
 
 Result<std::unique_ptr<ParamClient>> ParamClient::Connect(
     const ParamClientOptions& options) {
-  auto c = std::make_unique<ParamClientImpl>(options);
-  RETURN_IF_ERROR(c->Init());
-  return std::unique_ptr<ParamClient>(std::move(c));
+  return MakeInitialized<ParamClient, ParamClientImpl>(options);
 }
 
 }  // namespace membox::ps

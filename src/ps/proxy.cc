@@ -319,51 +319,21 @@ std::string ProxyImpl::ExplainShard(uint64_t k, uint32_t s) const {
   const Key& key = keys_.at(k);
   const Shard& sh = key.shards[s];
   std::string what;
-  if (key.awaiting_init) {
+  if (key.awaiting_init) {  // its pushes are not admitted yet
     what = "rank 0 has not declared it (its initial value wins)";
-  } else if (sh.copying) {
-    what =
-        "this node joined and is still copying it from a peer (it is "
-        "copied next)";
-  } else if (sh.awaiting_backup) {
-    const uint32_t b = BackupOf(k, s);
-    what = "applied here, waiting for the copy on its backup proxy " +
-           std::to_string(b) +
-           (failover_.down(b) ? " (down: waits for its replacement)" : "");
-  } else if (sh.reducing) {
-    what = sh.ring.Waiting(RingFor(k, s));
   } else {
-    std::string pushed, missing, reading, rejoining;
-    std::set<uint32_t> connected;
-    for (const auto& [id, c] : conns_) {
-      if (c.role != Conn::Role::kClient) continue;
-      connected.insert(c.rank);
-      if (c.replaying) rejoining += " " + std::to_string(c.rank);
-      auto p = sh.pushes.find(c.rank);
-      if (p != sh.pushes.end()) {
-        (p->second.fetching ? reading : pushed) += " " + std::to_string(c.rank);
-        continue;
-      }
-      if (key.striped || c.routes.empty() ||
-          RoutedHere(c, k, sh.bytes, sh.version)) {
-        missing += " " + std::to_string(c.rank) + " (" + c.name + ")";
-      }
+    std::vector<RoundWorker> workers;
+    const RoundWait wait = CheckRound(RoundOf(k, s, &workers));
+    std::string detail;
+    if (wait.blocker == RoundWait::Blocker::kAwaitingBackup) {
+      const uint32_t b = BackupOf(k, s);
+      detail = "applied here, waiting for the copy on its backup proxy " +
+               std::to_string(b) +
+               (failover_.down(b) ? " (down: waits for its replacement)" : "");
+    } else if (wait.blocker == RoundWait::Blocker::kReducing) {
+      detail = sh.ring.Waiting(RingFor(k, s));
     }
-    std::string absent;
-    for (uint32_t r = 0; r < world_; ++r) {
-      if (!connected.count(r)) absent += " " + std::to_string(r);
-    }
-    what = "pushed by ranks" + (pushed.empty() ? " none" : pushed);
-    if (!missing.empty()) what += "; waiting for ranks" + missing;
-    if (!reading.empty()) what += "; reading the pushes of ranks" + reading;
-    if (!absent.empty()) what += "; ranks not connected:" + absent;
-    if (!rejoining.empty()) {
-      what += "; ranks replaying their state (rejoining):" + rejoining;
-    }
-    if (missing.empty() && reading.empty() && absent.empty() &&
-        !sched_.MayStart({k, s, sh.version})) {
-      what += "; behind an older tensor (first-come-first-serve)";
-    }
+    what = DescribeWait(wait, detail);
   }
   return "key " + std::to_string(k) + " shard " + std::to_string(s) +
          " round " + std::to_string(sh.version) + ": " + what;
@@ -747,9 +717,7 @@ uint64_t ProxyImpl::FreeScratch() {
 namespace membox::ps {
 
 Result<std::unique_ptr<Proxy>> Proxy::Start(const ProxyOptions& options) {
-  auto p = std::make_unique<proxy_internal::ProxyImpl>(options);
-  RETURN_IF_ERROR(p->Init());
-  return std::unique_ptr<Proxy>(std::move(p));
+  return MakeInitialized<Proxy, proxy_internal::ProxyImpl>(options);
 }
 
 }  // namespace membox::ps

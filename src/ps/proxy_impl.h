@@ -14,6 +14,7 @@
 //
 // The units with logic of their own live beside it with their own tests:
 // storage.h (shards, copy-on-write, apply), scheduler.h, ring.h,
+// round_gate.h (when a round starts, and what it waits for),
 // checkpoint.h, state_copy.h, reduce.h, routing.h, peer_failover.h (what
 // this node knows of its peers' deaths and replacements, and the
 // decisions on them). What remains here is the orchestration of one
@@ -61,6 +62,7 @@
 #include "src/ps/protocol.h"
 #include "src/ps/reduce.h"
 #include "src/ps/ring.h"
+#include "src/ps/round_gate.h"
 #include "src/ps/scheduler.h"
 #include "src/ps/state_copy.h"
 #include "src/ps/storage.h"
@@ -549,9 +551,15 @@ class ProxyImpl final : public Proxy, public service::Service {
   // The owner side: the backup holds round m.round; answer its workers.
   void OnBackupDone(uint32_t from, const Message& m);
 
+  // The round of shard s of key k as the start rule sees it
+  // (src/ps/round_gate.h); `workers` holds the connected workers' part.
+  RoundInputs RoundOf(uint64_t k, uint32_t s,
+                      std::vector<RoundWorker>* workers) const;
+
   // Starts round `version` of a shard once every worker has pushed it here
   // or routes it elsewhere (no message needed: the proxies know every
   // worker's table). A proxy nobody pushes to joins the ring with zeros.
+  // The rule is CheckRound's; ExplainShard words the same rule's answer.
   void MaybeStart(uint64_t k, uint32_t s);
 
   void MaybeStartAll();
@@ -750,8 +758,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   // Result writes and flushes in flight (WriteThenReply); done ones are
   // dropped as new ones start.
   std::deque<transport::OpHandle> inflight_;
-  bool reissue_posted_ = false;          // IssueReadsSoon's task is queued
-  std::atomic<uint64_t> reads_held_{0};  // ProxyStats::reads_held
+  std::vector<RoundWorker> round_workers_;  // MaybeStart's, reused
+  bool reissue_posted_ = false;             // IssueReadsSoon's task is queued
+  std::atomic<uint64_t> reads_held_{0};     // ProxyStats::reads_held
   uint32_t world_ = 0;
   // The principal whose job this proxy serves (set by the first worker's
   // hello; base/credential.h). Event loop only.

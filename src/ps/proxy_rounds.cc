@@ -199,33 +199,53 @@ uint32_t ProxyImpl::Owner(uint64_t k, uint32_t s) const {
   return StripeOwner(k, s, nproxies_);
 }
 
-void ProxyImpl::MaybeStart(uint64_t k, uint32_t s) {
-  if (mode_ == proto::Mode::kAsync || world_ == 0) return;
-  Key& key = keys_[k];
-  Shard& sh = key.shards[s];
-  if (sh.reducing || sh.copying || !dead_worker_.empty()) return;
-  if (!failover_.down().empty() && !key.striped) return;  // failover: paused
+RoundInputs ProxyImpl::RoundOf(uint64_t k, uint32_t s,
+                               std::vector<RoundWorker>* workers) const {
+  const Key& key = keys_.at(k);
+  const Shard& sh = key.shards[s];
+  workers->clear();
+  for (const auto& [id, c] : conns_) {
+    if (c.role != Conn::Role::kClient) continue;
+    RoundWorker w;
+    w.rank = c.rank;
+    w.name = c.name;
+    w.replaying = c.replaying;
+    auto p = sh.pushes.find(c.rank);
+    if (p != sh.pushes.end()) {
+      // A prefetched push still being read: Fetched() asks again.
+      w.push = p->second.fetching ? RoundWorker::Push::kReading
+                                  : RoundWorker::Push::kIn;
+    }
+    w.routes_here = c.routes.empty() || RoutedHere(c, k, sh.bytes, sh.version);
+    workers->push_back(w);
+  }
+  RoundInputs in;
+  in.synchronous = mode_ != proto::Mode::kAsync;
+  in.world = world_;
+  in.job_failed = !dead_worker_.empty();
+  in.peers_down = !failover_.down().empty();
+  in.nodes = nproxies_;
   // A key this job has not declared (kept from an earlier job, or
   // restored) has no round yet: its striping is decided by the
   // declaration, and a proxy must not join a ring for it before.
-  if (!key.declared) return;
-  if (key.striped && Owner(k, s) != opt_.rank) return;
-  for (auto& [r, p] : sh.pushes) {
-    if (p.fetching) return;  // Fetched() calls again
-  }
-  uint32_t present = 0;
-  for (auto& [id, c] : conns_) {
-    if (c.role != Conn::Role::kClient) continue;
-    ++present;
-    if (c.replaying) return;
-    if (sh.pushes.count(c.rank)) continue;
-    if (key.striped) return;
-    if (c.routes.empty() || RoutedHere(c, k, sh.bytes, sh.version)) return;
-  }
-  if (present != world_) return;
-  if (sh.pushes.empty() && nproxies_ == 1) return;
-  if (!sched_.MayStart({k, s, sh.version})) return;
-  StartReduce(k, s);
+  in.declared = key.declared;
+  in.awaiting_init = key.awaiting_init;
+  in.striped = key.striped;
+  in.owned_here = !key.striped || Owner(k, s) == opt_.rank;
+  in.round = {k, s, sh.version};
+  in.copying = sh.copying;
+  in.reducing = sh.reducing;
+  in.awaiting_backup = sh.awaiting_backup;
+  in.workers = *workers;
+  in.scheduler = &sched_;
+  return in;
+}
+
+void ProxyImpl::MaybeStart(uint64_t k, uint32_t s) {
+  if (mode_ == proto::Mode::kAsync || world_ == 0) return;  // the hot exit
+  auto it = keys_.find(k);
+  if (it == keys_.end() || s >= it->second.shards.size()) return;
+  if (CheckRound(RoundOf(k, s, &round_workers_)).ready()) StartReduce(k, s);
 }
 
 void ProxyImpl::MaybeStartAll() {

@@ -30,6 +30,7 @@
 #include "membox/transport/device.h"
 
 #include "src/ps/protocol.h"
+#include "tests/support/testing.h"
 
 namespace membox::ps {
 namespace {
@@ -1246,16 +1247,7 @@ TEST(PsTest, RandomWholeMessagesAfterAHelloDoNotHurtTheProxy) {
     for (auto& b : m.descriptor) b = static_cast<uint8_t>(rng());
     m.path = pick({0, 1}) ? "ck" : std::string(rng() % 8, 'x');
     std::vector<uint8_t> msg = proto::Encode(m);
-    if (rng() % 3 == 0 && msg.size() > service::kHeaderBytes + 1) {
-      // Damage the body (never the envelope: that only closes the link).
-      size_t at =
-          service::kHeaderBytes + rng() % (msg.size() - service::kHeaderBytes);
-      if (rng() % 2) {
-        msg[at] ^= static_cast<uint8_t>(1 + rng() % 255);
-      } else {
-        msg.resize(at);
-      }
-    }
+    if (rng() % 3 == 0) test_support::DamageBody(msg, rng);
     ++sent;
     // A push or pull may wait for a round that never comes: not for long.
     auto r = cl->Call(static_cast<uint16_t>(m.type), std::move(msg), 300ms);

@@ -60,12 +60,7 @@ std::vector<uint8_t> EncodeStateManifest(const StateManifest& m) {
   w.U32(m.proxy_rank);
   w.U32(static_cast<uint32_t>(m.shards.size()));
   for (const auto& s : m.shards) {
-    w.U64(s.key);
-    w.U32(s.shard);
-    w.U8(s.dtype);
-    w.U64(s.key_bytes);
-    w.U64(s.shard_bytes);
-    w.U64(s.version);
+    PutShardHeader(w, s);
     w.U64(s.bytes);
     w.U8(kHasValue | (s.m1 ? kHasM1 : 0) | (s.m2 ? kHasM2 : 0));
     PutDescriptor(w, s.value);
@@ -112,9 +107,7 @@ Status ParseStateManifest(std::span<const uint8_t> bytes, StateManifest* out) {
   for (uint32_t i = 0; i < count; ++i) {
     OfferedShard s;
     uint8_t buffers = 0;
-    if (!r.U64(&s.key) || !r.U32(&s.shard) || !r.U8(&s.dtype) ||
-        !r.U64(&s.key_bytes) || !r.U64(&s.shard_bytes) || !r.U64(&s.version) ||
-        !r.U64(&s.bytes) || !r.U8(&buffers)) {
+    if (!GetShardHeader(r, &s) || !r.U64(&s.bytes) || !r.U8(&buffers)) {
       return Damaged("truncated shard record");
     }
     const std::string where =

@@ -48,13 +48,7 @@
 namespace membox::ps {
 
 // One shard as the giver holds it.
-struct OfferedShard {
-  uint64_t key = 0;
-  uint32_t shard = 0;
-  uint8_t dtype = 0;
-  uint64_t key_bytes = 0;
-  uint64_t shard_bytes = 0;  // nominal shard size of the key
-  uint64_t version = 0;
+struct OfferedShard : ShardHeader {
   uint64_t bytes =
       0;  // this shard's size: min(shard_bytes, key_bytes - offset)
   transport::RegionDescriptor value;

@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/support/testing.h"
+
 namespace membox::ps {
 namespace {
 
@@ -121,24 +123,17 @@ TEST(StateManifestTest, InconsistentShardsAreRefusedWithTheReason) {
 class StateCopyTest : public ::testing::TestWithParam<ProtocolChoice> {
  protected:
   void SetUp() override {
-    DeviceOptions o;
-    o.listen_address = "127.0.0.1:0";
-    o.protocol = GetParam();
-    o.name = "giver";
-    auto g = Device::Create(o);
-    ASSERT_TRUE(g.ok()) << g.status().ToString();
-    giver_ = std::move(*g);
-    o.listen_address = "";
-    o.name = "taker";
-    auto t = Device::Create(o);
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
-    taker_ = std::move(*t);
-    auto ch = taker_->GetChannel(giver_->listen_endpoint(), 0);
-    ASSERT_TRUE(ch.ok()) << ch.status().ToString();
-    channel_ = *ch;
-    auto a = giver_->Accept(10s);
-    ASSERT_TRUE(a.ok()) << a.status().ToString();
-    accepted_ = *a;
+    DeviceOptions g;
+    g.protocol = GetParam();
+    g.name = "giver";
+    DeviceOptions t = g;
+    t.name = "taker";
+    auto p = test_support::ConnectDevices(g, t);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    giver_ = std::move(p->server);
+    taker_ = std::move(p->client);
+    channel_ = p->to_server;
+    accepted_ = p->to_client;
     auto alloc = [](Device* d) {
       return [d](uint64_t n) { return d->AllocateMemRegion(n); };
     };

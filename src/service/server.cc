@@ -548,9 +548,7 @@ class ServerImpl final : public Server {
 
 Result<std::unique_ptr<Server>> Server::Create(const ServerOptions& options,
                                                Service* service) {
-  auto s = std::make_unique<ServerImpl>(options, service);
-  RETURN_IF_ERROR(s->Init());
-  return std::unique_ptr<Server>(std::move(s));
+  return MakeInitialized<Server, ServerImpl>(options, service);
 }
 
 void WriteServerMetrics(const Server& server, const std::string& service,

@@ -12,6 +12,8 @@
 
 #include "membox/transport/device.h"
 
+#include "tests/support/testing.h"
+
 namespace membox::transport {
 namespace {
 
@@ -28,27 +30,19 @@ class ChannelTest : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
     DeviceOptions so;
-    so.listen_address = "127.0.0.1:0";
     so.transports = GetParam().transports;
     so.protocol = GetParam().protocol;
     so.name = "server";
-    auto s = Device::Create(so);
-    ASSERT_TRUE(s.ok()) << s.status().ToString();
-    server_ = std::move(*s);
     DeviceOptions co = so;
-    co.listen_address = "";
     co.name = "client";
     co.lanes_per_peer = 2;
     co.progress_threads = 2;
-    auto c = Device::Create(co);
-    ASSERT_TRUE(c.ok()) << c.status().ToString();
-    client_ = std::move(*c);
-    auto ch = client_->GetChannel(server_->listen_endpoint(), 0);
-    ASSERT_TRUE(ch.ok()) << ch.status().ToString();
-    cch_ = *ch;
-    auto a = server_->Accept(10s);
-    ASSERT_TRUE(a.ok()) << a.status().ToString();
-    sch_ = *a;
+    auto p = test_support::ConnectDevices(so, co);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    server_ = std::move(p->server);
+    client_ = std::move(p->client);
+    cch_ = p->to_server;
+    sch_ = p->to_client;
   }
   void TearDown() override {
     cch_.reset();

@@ -13,41 +13,25 @@
 #include "membox/transport/channel.h"
 #include "membox/transport/device.h"
 
+#include "tests/support/testing.h"
+
 namespace membox::transport {
 namespace {
 
 using namespace std::chrono_literals;
 
-struct Pair {
-  std::unique_ptr<Device> server, client;
-  std::shared_ptr<Channel> cch, sch;
-};
+using Pair = test_support::DevicePair;
 
 Pair Connect(const char* transports, ProtocolChoice protocol) {
-  Pair p;
   DeviceOptions so;
-  so.listen_address = "127.0.0.1:0";
   so.transports = transports;
   so.protocol = protocol;
   so.name = "gpu-owner";
-  auto s = Device::Create(so);
-  EXPECT_TRUE(s.ok()) << s.status().ToString();
-  if (!s.ok()) return p;
-  p.server = std::move(*s);
   DeviceOptions co = so;
-  co.listen_address = "";
   co.name = "peer";
-  auto c = Device::Create(co);
-  EXPECT_TRUE(c.ok()) << c.status().ToString();
-  if (!c.ok()) return p;
-  p.client = std::move(*c);
-  auto ch = p.client->GetChannel(p.server->listen_endpoint(), 0);
-  EXPECT_TRUE(ch.ok()) << ch.status().ToString();
-  if (ch.ok()) p.cch = *ch;
-  auto a = p.server->Accept(10s);
-  EXPECT_TRUE(a.ok()) << a.status().ToString();
-  if (a.ok()) p.sch = *a;
-  return p;
+  auto p = test_support::ConnectDevices(so, co);
+  EXPECT_TRUE(p.ok()) << p.status().ToString();
+  return p.ok() ? std::move(*p) : Pair{};
 }
 
 class CudaMemoryTest : public ::testing::Test {
@@ -69,14 +53,14 @@ class CudaMemoryTest : public ::testing::Test {
 
 TEST_F(CudaMemoryTest, PeerWritesAndReadsGpuMemoryWithRma) {
   Pair p = Connect("auto", ProtocolChoice::kRma);
-  ASSERT_NE(p.cch, nullptr);
+  ASSERT_NE(p.to_server, nullptr);
   if (!p.server->SupportsMemoryType(MemoryType::kCuda)) {
     GTEST_SKIP() << "this UCX has no CUDA support";
   }
   auto gpu = p.server->RegisterMemRegion(gpu_, kBytes, MemoryType::kCuda);
   ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
   EXPECT_EQ((*gpu)->memory_type(), MemoryType::kCuda);
-  auto remote = p.cch->Import((*gpu)->Export());
+  auto remote = p.to_server->Import((*gpu)->Export());
   ASSERT_TRUE(remote.ok()) << remote.status().ToString();
   EXPECT_EQ((*remote)->mapped(), nullptr);
 
@@ -84,10 +68,11 @@ TEST_F(CudaMemoryTest, PeerWritesAndReadsGpuMemoryWithRma) {
   ASSERT_TRUE(local.ok());
   auto* src = static_cast<uint8_t*>((*local)->data());
   for (size_t i = 0; i < kBytes; ++i) src[i] = static_cast<uint8_t>(i * 13 + 1);
-  auto w = p.cch->Write(src, **local, (*remote)->address(), **remote, kBytes);
+  auto w =
+      p.to_server->Write(src, **local, (*remote)->address(), **remote, kBytes);
   ASSERT_TRUE(w.ok()) << w.status().ToString();
   ASSERT_TRUE(w->Wait(30s).ok());
-  ASSERT_TRUE(p.cch->Flush()->Wait(30s).ok());
+  ASSERT_TRUE(p.to_server->Flush()->Wait(30s).ok());
   std::vector<uint8_t> check(kBytes);
   ASSERT_EQ(cudaMemcpy(check.data(), gpu_, kBytes, cudaMemcpyDeviceToHost),
             cudaSuccess);
@@ -99,8 +84,8 @@ TEST_F(CudaMemoryTest, PeerWritesAndReadsGpuMemoryWithRma) {
   std::vector<uint8_t> back(kBytes);
   auto reg = p.client->RegisterMemRegion(back.data(), kBytes);
   ASSERT_TRUE(reg.ok());
-  auto r =
-      p.cch->Read(back.data(), **reg, (*remote)->address(), **remote, kBytes);
+  auto r = p.to_server->Read(back.data(), **reg, (*remote)->address(), **remote,
+                             kBytes);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_TRUE(r->Wait(30s).ok());
   for (size_t i = 0; i < kBytes; ++i) {
@@ -111,7 +96,7 @@ TEST_F(CudaMemoryTest, PeerWritesAndReadsGpuMemoryWithRma) {
 
 TEST_F(CudaMemoryTest, TcpPathRefusesGpuMemory) {
   Pair p = Connect("tcp", ProtocolChoice::kAuto);
-  ASSERT_NE(p.cch, nullptr);
+  ASSERT_NE(p.to_server, nullptr);
   if (!p.server->SupportsMemoryType(MemoryType::kCuda)) {
     GTEST_SKIP() << "this UCX has no CUDA support";
   }
@@ -119,7 +104,7 @@ TEST_F(CudaMemoryTest, TcpPathRefusesGpuMemory) {
   ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
   // The owner refuses the import: its TCP reader cannot recv() into GPU
   // memory.
-  auto remote = p.cch->Import((*gpu)->Export());
+  auto remote = p.to_server->Import((*gpu)->Export());
   ASSERT_FALSE(remote.ok());
   EXPECT_EQ(remote.status().code(), StatusCode::kFailedPrecondition)
       << remote.status().ToString();
@@ -127,10 +112,10 @@ TEST_F(CudaMemoryTest, TcpPathRefusesGpuMemory) {
   auto local_gpu = p.client->RegisterMemRegion(gpu_, kBytes, MemoryType::kCuda);
   ASSERT_TRUE(local_gpu.ok());
   auto host = p.server->AllocateMemRegion(4096);
-  auto host_remote = p.cch->Import((*host)->Export());
+  auto host_remote = p.to_server->Import((*host)->Export());
   ASSERT_TRUE(host_remote.ok()) << host_remote.status().ToString();
-  auto w = p.cch->Write(gpu_, **local_gpu, (*host_remote)->address(),
-                        **host_remote, 4096);
+  auto w = p.to_server->Write(gpu_, **local_gpu, (*host_remote)->address(),
+                              **host_remote, 4096);
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), StatusCode::kFailedPrecondition);
 }

@@ -5,29 +5,22 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/support/testing.h"
+
 namespace membox::transport {
 namespace {
 
 using namespace std::chrono_literals;
 
-struct Pair {
-  std::unique_ptr<Device> server, client;
-  std::shared_ptr<Channel> to_server, to_client;
-};
+using Pair = test_support::DevicePair;
 
 Pair Connect(ProtocolChoice protocol, const char* transports) {
-  Pair p;
-  DeviceOptions so;
-  so.listen_address = "127.0.0.1:0";
-  so.protocol = protocol;
-  so.transports = transports;
-  p.server = std::move(*Device::Create(so));
-  DeviceOptions co = so;
-  co.listen_address = "";
-  p.client = std::move(*Device::Create(co));
-  p.to_server = *p.client->GetChannel(p.server->listen_endpoint(), 0);
-  p.to_client = *p.server->Accept(10s);
-  return p;
+  DeviceOptions o;
+  o.protocol = protocol;
+  o.transports = transports;
+  auto p = test_support::ConnectDevices(o, o);
+  EXPECT_TRUE(p.ok()) << p.status().ToString();
+  return p.ok() ? std::move(*p) : Pair{};
 }
 
 class TensorTransferTest

@@ -122,6 +122,16 @@ class [[nodiscard]] Result {
   std::variant<T, Status> v_;
 };
 
+// The one rule for a factory of an interface: construct the implementation
+// from `args`, run its `Status Init()`, and hand it out as `Base` only if
+// Init succeeded (a failed one is destroyed here, never returned half made).
+template <typename Base, typename Impl, typename... Args>
+Result<std::unique_ptr<Base>> MakeInitialized(Args&&... args) {
+  auto impl = std::make_unique<Impl>(std::forward<Args>(args)...);
+  if (Status s = impl->Init(); !s.ok()) return s;
+  return std::unique_ptr<Base>(std::move(impl));
+}
+
 }  // namespace membox
 
 #define MEMBOX_CONCAT_INNER_(a, b) a##b

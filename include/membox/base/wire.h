@@ -16,7 +16,9 @@ namespace membox::wire {
 
 class Writer {
  public:
-  Writer() = default;
+  // Starts with room: GCC 12 cannot bound the first insert into an empty
+  // vector once it is inlined and warns (-Wstringop-overflow).
+  Writer() { buf_.reserve(64); }
   // Appends after `start` (e.g. a service message's reserved header).
   explicit Writer(std::vector<uint8_t> start) : buf_(std::move(start)) {}
   void U8(uint8_t v) { buf_.push_back(v); }

@@ -1129,13 +1129,18 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             x._fut.add_done_callback(one_done)
         return w
 
+    def _check_root_list(self, op, side, tensors, root):
+        """The root of a gather or scatter passes one list of a tensor per
+        rank on its `side`."""
+        if self._rank == root and (len(tensors) != 1 or
+                                   len(tensors[0]) != self._size):
+            raise ValueError("membox backend: %s needs %d %s tensors on the "
+                             "root" % (op, self._size, side))
+
     def gather(self, output_tensors, input_tensors, opts):
         self._check("gather", input_tensors)
         root = opts.rootRank
-        if self._rank == root and (len(output_tensors) != 1 or
-                                   len(output_tensors[0]) != self._size):
-            raise ValueError("membox backend: gather needs %d output tensors "
-                             "on the root" % self._size)
+        self._check_root_list("gather", "output", output_tensors, root)
 
         def run():
             stacked = self._gather_to(root, input_tensors[0])
@@ -1147,10 +1152,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     def scatter(self, output_tensors, input_tensors, opts):
         self._check("scatter", output_tensors)
         root = opts.rootRank
-        if self._rank == root and (len(input_tensors) != 1 or
-                                   len(input_tensors[0]) != self._size):
-            raise ValueError("membox backend: scatter needs %d input tensors "
-                             "on the root" % self._size)
+        self._check_root_list("scatter", "input", input_tensors, root)
 
         def run():
             out = output_tensors[0]

@@ -69,6 +69,19 @@ class _CudaStaging:
     def _event(self):
         return torch.cuda.Event(enable_timing=self.timing)
 
+    def _copy_on(self, stream, direction, nbytes, copy):
+        """Runs copy() on `stream` between two events; returns the one after
+        it (timed as `direction` when timing)."""
+        with torch.cuda.stream(stream):
+            start = self._event()
+            start.record(stream)
+            copy()
+            done = self._event()
+            done.record(stream)
+        if self.timing:
+            self._timed[direction].append((nbytes, start, done))
+        return done
+
     def to_host(self, src, host, device):
         """Starts copying `src` (on `device`) into pinned `host` once the
         current stream's work on it is done; returns the completion event."""
@@ -77,15 +90,9 @@ class _CudaStaging:
         d2h, _ = self.streams(device)
         ready = torch.cuda.current_stream(device).record_event()
         d2h.wait_event(ready)
-        with torch.cuda.stream(d2h):
-            start = self._event()
-            start.record(d2h)
-            host.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
-            done = self._event()
-            done.record(d2h)
+        done = self._copy_on(d2h, "d2h", host.numel(), lambda: host.copy_(
+            src.reshape(-1).view(torch.uint8), non_blocking=True))
         src.record_stream(d2h)
-        if self.timing:
-            self._timed["d2h"].append((host.numel(), start, done))
         return done
 
     def to_device(self, host, dst, device):
@@ -95,15 +102,9 @@ class _CudaStaging:
         if not dst.is_contiguous():
             raise membox.MemboxError("membox needs contiguous CUDA tensors")
         _, h2d = self.streams(device)
-        with torch.cuda.stream(h2d):
-            start = self._event()
-            start.record(h2d)
-            dst.reshape(-1).view(torch.uint8).copy_(host, non_blocking=True)
-            done = self._event()
-            done.record(h2d)
+        self._copy_on(h2d, "h2d", host.numel(), lambda: dst.reshape(-1).view(
+            torch.uint8).copy_(host, non_blocking=True))
         dst.record_stream(h2d)
-        if self.timing:
-            self._timed["h2d"].append((host.numel(), start, done))
         return h2d
 
     def after(self, event, fn):

@@ -95,28 +95,48 @@ Status SetBlocking(int fd, bool blocking) {
   return Status::Ok();
 }
 
-Result<Fd> Listen(const std::string& endpoint, std::string* bound) {
-  ASSIGN_OR_RETURN(Endpoint e, Split(endpoint));
+namespace {
+
+// `endpoint`'s first address (a passive one for a listener: an empty host
+// is any address) and a non-blocking stream socket of its family.
+struct Opened {
+  Fd fd;
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+};
+
+Result<Opened> Open(const std::string& endpoint, const Endpoint& e,
+                    bool passive) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
   addrinfo* res = nullptr;
-  int rc = getaddrinfo(e.host.empty() ? nullptr : e.host.c_str(),
+  int rc = getaddrinfo(passive && e.host.empty() ? nullptr : e.host.c_str(),
                        e.port.c_str(), &hints, &res);
   if (rc != 0 || res == nullptr) {
     return InvalidArgumentError("cannot resolve '" + endpoint +
                                 "': " + gai_strerror(rc));
   }
-  Fd fd(socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd) {
-    freeaddrinfo(res);
-    return Errno("socket");
-  }
+  Opened o;
+  std::memcpy(&o.addr, res->ai_addr, res->ai_addrlen);
+  o.len = res->ai_addrlen;
+  o.fd =
+      Fd(socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  freeaddrinfo(res);
+  if (!o.fd) return Errno("socket");
+  return o;
+}
+
+}  // namespace
+
+Result<Fd> Listen(const std::string& endpoint, std::string* bound) {
+  ASSIGN_OR_RETURN(Endpoint e, Split(endpoint));
+  ASSIGN_OR_RETURN(Opened o, Open(endpoint, e, /*passive=*/true));
+  Fd fd = std::move(o.fd);
   int one = 1;
   setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  rc = bind(fd.get(), res->ai_addr, res->ai_addrlen);
-  freeaddrinfo(res);
+  int rc = bind(fd.get(), reinterpret_cast<sockaddr*>(&o.addr), o.len);
   if (rc != 0) {
     int err = errno;
     return UnavailableError("cannot listen on '" + endpoint +
@@ -138,22 +158,9 @@ Result<Fd> Listen(const std::string& endpoint, std::string* bound) {
 
 Result<Fd> Connect(const std::string& endpoint, Clock::time_point deadline) {
   ASSIGN_OR_RETURN(Endpoint e, Split(endpoint));
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  int rc = getaddrinfo(e.host.c_str(), e.port.c_str(), &hints, &res);
-  if (rc != 0 || res == nullptr) {
-    return InvalidArgumentError("cannot resolve '" + endpoint +
-                                "': " + gai_strerror(rc));
-  }
-  Fd fd(socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd) {
-    freeaddrinfo(res);
-    return Errno("socket");
-  }
-  rc = connect(fd.get(), res->ai_addr, res->ai_addrlen);
-  freeaddrinfo(res);
+  ASSIGN_OR_RETURN(Opened o, Open(endpoint, e, /*passive=*/false));
+  Fd fd = std::move(o.fd);
+  int rc = connect(fd.get(), reinterpret_cast<sockaddr*>(&o.addr), o.len);
   if (rc != 0 && errno != EINPROGRESS) return Errno("connect");
   if (rc != 0) {
     ASSIGN_OR_RETURN(bool ready, WaitFor(fd.get(), POLLOUT, deadline));

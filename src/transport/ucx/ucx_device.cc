@@ -35,9 +35,7 @@ Result<std::unique_ptr<Device>> Device::Create(const DeviceOptions& options) {
   if (options.lanes_per_peer < 1 || options.lanes_per_peer > 64) {
     return InvalidArgumentError("lanes_per_peer must be in [1, 64]");
   }
-  auto dev = std::make_unique<ucx::UcxDevice>(options);
-  RETURN_IF_ERROR(dev->Init());
-  return std::unique_ptr<Device>(std::move(dev));
+  return MakeInitialized<Device, ucx::UcxDevice>(options);
 }
 
 const char* ProtocolName(Protocol p) {
