@@ -22,6 +22,7 @@
 #include "membox/service/link.h"
 #include "membox/transport/device.h"
 
+#include "src/ps/client/combining.h"
 #include "src/ps/client/hang_watch.h"
 #include "src/ps/client/key_table.h"
 #include "src/ps/client/profiler.h"
@@ -918,21 +919,13 @@ class ParamClientImpl final : public ParamClient {
     return t ? *t : routing_;
   }
 
-  // Whether `k` may be combined in a node's memory as far as this worker
-  // can tell (the proxy decides: CombineRefusal). mu_ held.
-  bool CombineCandidate(const KeyInfo& k) const MEMBOX_REQUIRES(mu_) {
-    return combiner_ && !async_ && !k.stored && k.shards == 1 &&
-           (proxies_.size() == 1 || k.striped) && k.bytes <= kMaxCombineBytes &&
-           k.declaration.optimizer == proto::Optimizer::kNone;
-  }
-
-  // Asks the proxy whether `key` is combined (kCombine), once its round 0
-  // (`last`) is done everywhere, and maps the region if so. Any failure
-  // before the proxy's yes leaves the key on the proxy's path; after it,
-  // the key's operations fail with the reason (combine_error).
-  void AskCombine(uint64_t key, const std::shared_ptr<service::CallState>& last,
-                  uint64_t bytes, DType dtype) {
-    if (last && !last->Wait(opt_.timeout).ok()) return;
+  // Asks the key's home node whether it combines `key` (kCombine), once its
+  // round 0 (`ask.last`) is done everywhere, and attaches the region if so
+  // (client/combining.h). Any failure before the node's yes leaves the key
+  // on the proxy's path; after it, the key's operations fail with the
+  // reason (KeyTable::CombineAttached).
+  void AskCombine(uint64_t key, const client::KeyTable::CombineAsk& ask) {
+    if (ask.last && !ask.last->Wait(opt_.timeout).ok()) return;
     Message m;
     m.type = Type::kCombine;
     m.key = key;
@@ -940,59 +933,44 @@ class ParamClientImpl final : public ParamClient {
     st->set_progress(progress_);
     auto text = std::make_shared<std::string>();
     // The key's home: its one shard's owner (the only node with one).
-    const size_t home =
-        StripeOwner(key, 0, static_cast<uint32_t>(proxies_.size()));
+    const auto home = static_cast<uint32_t>(
+        StripeOwner(key, 0, static_cast<uint32_t>(proxies_.size())));
     SendRequest(home, m, st, text);
     if (!st->Wait(opt_.timeout).ok()) return;
-    const uint64_t from = st->version();
-    if (from == 0) {
+    client::CombineRequest r;
+    r.key = key;
+    r.world = static_cast<uint32_t>(opt_.world);
+    r.rank = static_cast<uint32_t>(opt_.rank);
+    r.bytes = ask.bytes;
+    r.dtype = ask.dtype;
+    r.from = st->version();
+    if (r.from == 0) {
       MEMBOX_LOG_DEBUG("key {}: not combined in memory: {}", key, *text);
       return;
     }
-    auto fail = [&](const Status& why) {
-      MEMBOX_LOG_ERROR("key {}: {}", key, why.ToString());
-      MutexLock l(&mu_);
-      if (KeyInfo* k = table_.Find(key)) k->combine_error = why;
-    };
-    auto desc = transport::RegionDescriptor::Deserialize(
-        {reinterpret_cast<const uint8_t*>(text->data()), text->size()});
-    if (!desc.ok()) return fail(desc.status());
-    std::shared_ptr<Channel> ch = ChannelOf(static_cast<uint32_t>(home));
+    std::shared_ptr<Channel> ch = ChannelOf(home);
     if (!ch) return;  // being reconnected: stays on the proxy's path
-    auto region = ch->Import(*desc, std::chrono::seconds(10),
-                             /*verify_with_owner=*/false);
-    if (!region.ok()) return fail(region.status());
-    if (!(*region)->mapped()) {
-      return fail(FailedPreconditionError(
-          "the proxy offered to combine key " + std::to_string(key) +
-          " in its memory, which this worker cannot map"));
-    }
-    auto g =
-        ParseCombineRegion((*region)->mapped(), (*region)->size(),
-                           static_cast<uint32_t>(opt_.world), bytes, dtype);
-    if (!g.ok()) return fail(g.status());
-    uint64_t next = 0;
     {
       MutexLock l(&mu_);
-      const KeyInfo* k = table_.Find(key);
-      next = k ? k->next_round() : 0;
+      const client::KeyInfo* k = table_.Find(key);
+      r.next_round = k ? k->next_round() : 0;
     }
-    if (next != from) {
-      return fail(
-          DataLossError("the proxy combines key " + std::to_string(key) +
-                        " from round " + std::to_string(from) +
-                        ", this worker is at round " + std::to_string(next)));
+    auto attached = client::AttachCombineRegion(*ch, *text, r);
+    if (!attached.ok()) {
+      MEMBOX_LOG_ERROR("key {}: {}", key, attached.status().ToString());
+      MutexLock l(&mu_);
+      table_.CombineAttached(key, attached.status());
+      return;
     }
-    void* base = (*region)->mapped();
-    combiner_->Add(
-        key, CombineView(base, *g, static_cast<uint32_t>(opt_.rank), from),
-        std::shared_ptr<void>(*region));
+    // The Combiner has the key before any operation is sent its way.
+    combiner_->Add(key, attached->view,
+                   std::shared_ptr<void>(std::move(attached->region)));
     {
       MutexLock l(&mu_);
-      if (KeyInfo* k = table_.Find(key)) k->combined = true;
+      table_.CombineAttached(key, Status::Ok());
     }
     MEMBOX_LOG_DEBUG("key {}: combined in the node's memory from round {}", key,
-                     from);
+                     r.from);
   }
 
   // A push or pull of a key combined in a node's memory (src/ps/combine.h):
@@ -1001,55 +979,29 @@ class ParamClientImpl final : public ParamClient {
       Type type, uint64_t key, const void* in, void* out,
       std::function<void(const Status&)>& cb) {
     if (!combiner_) return std::nullopt;
-    bool ask = false;
-    std::shared_ptr<service::CallState> last;
-    uint64_t bytes = 0;
-    DType dtype = DType::kFloat32;
+    std::optional<client::KeyTable::CombineAsk> ask;
     {
       MutexLock l(&mu_);
-      KeyInfo* found = table_.Find(key);
-      if (!found) return std::nullopt;
-      KeyInfo& k = *found;
-      if (!k.combine_error.ok()) return Failed(k.combine_error, std::move(cb));
-      if (type == Type::kPush && in && !k.combine_asked && k.rounds >= 1 &&
-          CombineCandidate(k)) {
-        ask = true;
-        k.combine_asked = true;
-        last = k.last_push;
-        bytes = k.bytes;
-        dtype = k.dtype;
-      }
-      if (!ask && !k.combined) return std::nullopt;
+      auto before = table_.BeforeCombining(
+          type, key, in, static_cast<uint32_t>(proxies_.size()), async_);
+      if (!before.ok()) return Failed(before.status(), std::move(cb));
+      ask = std::move(*before);
+      if (!ask && !table_.Combined(key)) return std::nullopt;
     }
-    if (ask) AskCombine(key, last, bytes, dtype);
+    if (ask) AskCombine(key, *ask);
     {
       MutexLock l(&mu_);
-      const KeyInfo* k = table_.Find(key);
-      if (!k || !k->combined) return std::nullopt;
+      if (!table_.Combined(key)) return std::nullopt;
     }
     if (type == Type::kPull) return combiner_->Pull(key, out, cb);
     if (type != Type::kPush || !in) return std::nullopt;
-    uint64_t round = 0;
+    Result<uint64_t> round = InternalError("not taken");
     {
       MutexLock l(&mu_);
-      KeyInfo& k = *table_.Find(key);  // combined: declared
-      if (!k.combine_error.ok()) return Failed(k.combine_error, std::move(cb));
-      for (const void* p : {in, static_cast<const void*>(out)}) {
-        const MemRegion* r = p ? table_.Locate(p, k.bytes) : nullptr;
-        if (r && r->memory_type() == transport::MemoryType::kCuda) {
-          return Failed(
-              FailedPreconditionError(
-                  "key " + std::to_string(key) +
-                  " is combined in the memory node's host memory, which "
-                  "every worker of the job maps; a CUDA buffer cannot take "
-                  "part: stage it through host memory, or set "
-                  "MEMBOX_COMBINE=0 on every worker"),
-              std::move(cb));
-        }
-      }
-      round = k.base_version + k.rounds++;
+      round = table_.TakeCombinedRound(key, in, out);
     }
-    return combiner_->Push(key, round, in, out, std::move(cb));
+    if (!round.ok()) return Failed(round.status(), std::move(cb));
+    return combiner_->Push(key, *round, in, out, std::move(cb));
   }
 
   // `state`: a PullState / StoreState of that part of a key with an

@@ -5,6 +5,8 @@
 
 #include "membox/base/copy.h"
 
+#include "src/ps/combine.h"
+
 namespace membox::ps::client {
 
 using proto::Type;
@@ -192,6 +194,63 @@ void KeyTable::Clear() {
   keys_.clear();
   regions_.clear();
   user_regions_.clear();
+}
+
+bool KeyTable::CombineCandidate(const KeyInfo& k, uint32_t proxies,
+                                bool async) {
+  return !async && !k.stored && k.shards == 1 && (proxies == 1 || k.striped) &&
+         k.bytes <= kMaxCombineBytes &&
+         k.declaration.optimizer == proto::Optimizer::kNone;
+}
+
+Result<std::optional<KeyTable::CombineAsk>> KeyTable::BeforeCombining(
+    Type type, uint64_t key, const void* in, uint32_t proxies, bool async) {
+  KeyInfo* k = Find(key);
+  if (!k) return std::optional<CombineAsk>();
+  if (!k->combine_error.ok()) return k->combine_error;
+  if (type != Type::kPush || !in || k->combine_asked || k->rounds < 1 ||
+      !CombineCandidate(*k, proxies, async)) {
+    return std::optional<CombineAsk>();
+  }
+  k->combine_asked = true;
+  return std::optional<CombineAsk>(
+      CombineAsk{k->last_push, k->bytes, k->dtype});
+}
+
+bool KeyTable::Combined(uint64_t key) const {
+  auto it = keys_.find(key);
+  return it != keys_.end() && it->second.combined;
+}
+
+void KeyTable::CombineAttached(uint64_t key, const Status& st) {
+  KeyInfo* k = Find(key);
+  if (!k) return;
+  if (st.ok()) {
+    k->combined = true;
+  } else {
+    k->combine_error = st;
+  }
+}
+
+Result<uint64_t> KeyTable::TakeCombinedRound(uint64_t key, const void* in,
+                                             const void* out) {
+  KeyInfo* k = Find(key);
+  if (!k || !k->combined) {
+    return FailedPreconditionError("key " + std::to_string(key) +
+                                   " is not combined in memory");
+  }
+  if (!k->combine_error.ok()) return k->combine_error;
+  for (const void* p : {in, out}) {
+    const transport::MemRegion* r = p ? Locate(p, k->bytes) : nullptr;
+    if (r && r->memory_type() == transport::MemoryType::kCuda) {
+      return FailedPreconditionError(
+          "key " + std::to_string(key) +
+          " is combined in the memory node's host memory, which every "
+          "worker of the job maps; a CUDA buffer cannot take part: stage it "
+          "through host memory, or set MEMBOX_COMBINE=0 on every worker");
+    }
+  }
+  return k->base_version + k->rounds++;
 }
 
 }  // namespace membox::ps::client

@@ -130,6 +130,39 @@ class KeyTable {
   Result<Op> Prepare(const Submission& s, const Context& c,
                      CompletionCallback* cb);
 
+  // ------------------------------------------------ in-memory combining
+  // (src/ps/combine.h; the attaching itself is combining.h's.)
+  //
+  // Whether `k` may be combined in a node's memory as far as this worker
+  // can tell (the proxy decides): unstored, one shard, on its only node or
+  // striped (one home), small, no optimizer; the job synchronous.
+  static bool CombineCandidate(const KeyInfo& k, uint32_t proxies, bool async);
+  // Asking the key's home node whether it combines the key: after round 0
+  // (`last`, the push that must be done everywhere first).
+  struct CombineAsk {
+    std::shared_ptr<service::CallState> last;
+    uint64_t bytes = 0;
+    DType dtype = DType::kFloat32;
+  };
+  // Before a push or pull of `key` (`in`: the push's input): the key's
+  // combining failure, if any; the ask when this is the first push of a
+  // candidate after its round 0 (asked once); nullopt otherwise.
+  Result<std::optional<CombineAsk>> BeforeCombining(proto::Type type,
+                                                    uint64_t key,
+                                                    const void* in,
+                                                    uint32_t proxies,
+                                                    bool async);
+  // Whether `key`'s operations go to the Combiner.
+  bool Combined(uint64_t key) const;
+  // The attach's outcome: combined from now on, or failed (its operations
+  // fail with `st` from now on: the other workers combine it already).
+  void CombineAttached(uint64_t key, const Status& st);
+  // A push of a combined key: its round (taken), or why it cannot be (the
+  // key's combining failed; `in` or `out` in CUDA memory, which the node's
+  // host memory cannot share).
+  Result<uint64_t> TakeCombinedRound(uint64_t key, const void* in,
+                                     const void* out);
+
   // Drops every key and region (the client is closing).
   void Clear();
 

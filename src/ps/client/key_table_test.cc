@@ -18,8 +18,9 @@ using transport::RegionDescriptor;
 // Memory the "proxies" can reach: an id and a range, nothing exported.
 class PlainRegion final : public MemRegion {
  public:
-  PlainRegion(void* data, size_t size, uint64_t id)
-      : MemRegion(data, size, id, /*device_allocated=*/false) {}
+  PlainRegion(void* data, size_t size, uint64_t id,
+              transport::MemoryType type = transport::MemoryType::kHost)
+      : MemRegion(data, size, id, /*device_allocated=*/false, type) {}
   RegionDescriptor Export() const override { return {}; }
   Result<RegionDescriptor> ExportRange(uint64_t, uint64_t) override {
     return UnimplementedError("plain");
@@ -210,6 +211,77 @@ TEST(KeyTableTest, BadSubmissionsSayWhyAndChangeNothing) {
   expect(s, StatusCode::kFailedPrecondition, "unregistered while submitting");
   EXPECT_EQ(t.Find(1)->rounds, 0u);
   EXPECT_EQ(called, 0);
+}
+
+// In-memory combining: which keys are candidates, the one ask after round
+// 0, the rounds of a combined key, and a failure that sticks.
+TEST(KeyTableTest, CombiningIsAskedOnceAfterRoundZero) {
+  KeyInfo small = Key(4096, 4096);
+  EXPECT_TRUE(KeyTable::CombineCandidate(small, 1, /*async=*/false));
+  EXPECT_FALSE(KeyTable::CombineCandidate(small, 1, /*async=*/true));
+  EXPECT_FALSE(KeyTable::CombineCandidate(small, 2, false)) << "no one home";
+  small.striped = true;
+  EXPECT_TRUE(KeyTable::CombineCandidate(small, 2, false));
+  EXPECT_FALSE(KeyTable::CombineCandidate(Key(1 << 20, 1 << 20), 1, false));
+  EXPECT_FALSE(KeyTable::CombineCandidate(Key(4096, 1024), 1, false));
+  EXPECT_FALSE(KeyTable::CombineCandidate(Key(4096, 4096, true), 1, false));
+  KeyInfo adam = Key(4096, 4096);
+  adam.declaration.optimizer = proto::Optimizer::kAdam;
+  EXPECT_FALSE(KeyTable::CombineCandidate(adam, 1, false));
+
+  KeyTable t;
+  t.Put(5, Key(4096, 4096));
+  std::vector<float> in(1024);
+  // Round 0 is the proxy's: nothing to ask before it.
+  auto b = t.BeforeCombining(Type::kPush, 5, in.data(), 1, false);
+  ASSERT_TRUE(b.ok());
+  EXPECT_FALSE(b->has_value());
+  t.Find(5)->rounds = 1;
+  auto pull = t.BeforeCombining(Type::kPull, 5, nullptr, 1, false);
+  ASSERT_TRUE(pull.ok());
+  EXPECT_FALSE(pull->has_value()) << "a pull never asks";
+  b = t.BeforeCombining(Type::kPush, 5, in.data(), 1, false);
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE(b->has_value());
+  EXPECT_EQ((*b)->bytes, 4096u);
+  b = t.BeforeCombining(Type::kPush, 5, in.data(), 1, false);
+  ASSERT_TRUE(b.ok());
+  EXPECT_FALSE(b->has_value()) << "asked once";
+  EXPECT_FALSE(t.Combined(5));
+  // Unknown keys are the proxy path's business.
+  b = t.BeforeCombining(Type::kPush, 99, in.data(), 1, false);
+  ASSERT_TRUE(b.ok());
+  EXPECT_FALSE(b->has_value());
+
+  EXPECT_FALSE(t.TakeCombinedRound(5, in.data(), nullptr).ok())
+      << "not combined yet";
+  t.CombineAttached(5, Status::Ok());
+  EXPECT_TRUE(t.Combined(5));
+  t.Find(5)->base_version = 10;
+  EXPECT_EQ(*t.TakeCombinedRound(5, in.data(), nullptr), 11u);
+  EXPECT_EQ(*t.TakeCombinedRound(5, in.data(), nullptr), 12u);
+}
+
+TEST(KeyTableTest, CombiningRefusesCudaBuffersAndFailuresStick) {
+  KeyTable t;
+  t.Put(5, Key(4096, 4096));
+  std::vector<float> gpu(1024), host(1024);
+  t.AddRegion(std::make_unique<PlainRegion>(gpu.data(), 4096, 1,
+                                            transport::MemoryType::kCuda),
+              /*user=*/true);
+  t.CombineAttached(5, Status::Ok());
+  auto r = t.TakeCombinedRound(5, host.data(), gpu.data());
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("CUDA"), std::string::npos);
+  EXPECT_EQ(t.Find(5)->rounds, 0u) << "a refused push takes no round";
+
+  // An attach that failed after the node's yes: every later operation of
+  // the key fails with its reason.
+  t.Put(6, Key(4096, 4096));
+  t.CombineAttached(6, DataLossError("the proxy combines key 6 from round 2"));
+  auto b = t.BeforeCombining(Type::kPull, 6, nullptr, 1, false);
+  EXPECT_EQ(b.status().code(), StatusCode::kDataLoss);
+  EXPECT_FALSE(t.Combined(6));
 }
 
 }  // namespace
