@@ -229,7 +229,6 @@ RoundInputs ProxyImpl::RoundOf(uint64_t k, uint32_t s,
   // restored) has no round yet: its striping is decided by the
   // declaration, and a proxy must not join a ring for it before.
   in.declared = key.declared;
-  in.awaiting_init = key.awaiting_init;
   in.striped = key.striped;
   in.owned_here = !key.striped || Owner(k, s) == opt_.rank;
   in.round = {k, s, sh.version};

@@ -1,6 +1,7 @@
 #include "src/ps/round_gate.h"
 
 #include <algorithm>
+#include <iterator>
 
 namespace membox::ps {
 
@@ -119,28 +120,25 @@ std::string DescribeWait(const RoundWait& w, const std::string& detail) {
     what += "; ranks replaying their state (rejoining):";
     what += Ranks(w.replaying);
   }
-  switch (w.blocker) {
-    case Blocker::kNoSyncJob:
-      what += "; no synchronous job is configured";
-      break;
-    case Blocker::kJobFailed:
-      what += "; the job failed (a worker died)";
-      break;
-    case Blocker::kPeersDown:
-      what += "; paused: a peer node is down (waits for its replacement)";
-      break;
-    case Blocker::kUndeclared:
-      what += "; not declared by this job yet";
-      break;
-    case Blocker::kNotOwner:
-      what += "; another node owns this shard";
-      break;
-    case Blocker::kScheduler:
-      what += "; behind an older tensor (first-come-first-serve)";
-      break;
-    default:
-      break;
-  }
+  // What holds the round besides the lists above, by blocker (in the
+  // enum's order; the ones worded above, or by `detail`, add nothing).
+  static constexpr const char* kWhy[] = {
+      "",                                    // kNone
+      "; no synchronous job is configured",  // kNoSyncJob
+      "",                                    // kCopying
+      "",                                    // kAwaitingBackup
+      "",                                    // kReducing
+      "; the job failed (a worker died)",    // kJobFailed
+      "; paused: a peer node is down (waits for its replacement)",
+      "; not declared by this job yet",  // kUndeclared
+      "; another node owns this shard",  // kNotOwner
+      "",                                // kWorkers
+      "; nothing pushed here, and no other node takes part",
+      "; behind an older tensor (first-come-first-serve)",  // kScheduler
+  };
+  static_assert(std::size(kWhy) == static_cast<size_t>(Blocker::kScheduler) + 1,
+                "a reason for every blocker");
+  what += kWhy[static_cast<size_t>(w.blocker)];
   return what;
 }
 

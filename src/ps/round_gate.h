@@ -51,8 +51,7 @@ struct RoundInputs {
   bool peers_down = false;
   uint32_t nodes = 1;
   // The key.
-  bool declared = false;       // by a worker of this job
-  bool awaiting_init = false;  // rank 0's initial value has not arrived
+  bool declared = false;  // by a worker of this job
   bool striped = false;
   bool owned_here = true;  // striped: this node owns the shard
   // The shard.
@@ -70,9 +69,8 @@ struct RoundInputs {
 struct RoundWait {
   enum class Blocker {
     kNone,
-    kNoSyncJob,     // no job yet, or an asynchronous one
-    kAwaitingInit,  // rank 0's declaration
-    kCopying,       // the replacement's copy of this shard
+    kNoSyncJob,  // no job yet, or an asynchronous one
+    kCopying,    // the replacement's copy of this shard
     kAwaitingBackup,
     kReducing,  // this round is running already
     kJobFailed,
@@ -81,7 +79,7 @@ struct RoundWait {
     kNotOwner,       // a striped shard of another node
     kWorkers,        // see the lists below
     kNothingPushed,  // a lone node with no push: no round to run
-    kScheduler,      // behind an older tensor (first-come-first-serve)
+    kScheduler,      // behind an older tensor (FCFS); the last (DescribeWait)
   } blocker = Blocker::kNone;
   // kWorkers and the explanation: ranks that pushed; that must push here
   // and have not (with their names: views of RoundWorker::name, valid while

@@ -21,6 +21,11 @@
 
 namespace membox::ps::client {
 
+struct AttachedCombine {
+  std::shared_ptr<transport::RemoteMemRegion> region;  // the mapping
+  CombineView view;
+};
+
 // What the worker declared and where it stands.
 struct CombineRequest {
   uint64_t key = 0;
@@ -30,11 +35,6 @@ struct CombineRequest {
   DType dtype = DType::kFloat32;
   uint64_t from = 0;        // the node's answer: the first combined round
   uint64_t next_round = 0;  // this worker's next push of the key
-};
-
-struct AttachedCombine {
-  std::shared_ptr<transport::RemoteMemRegion> region;  // the mapping
-  CombineView view;
 };
 
 // Maps the region `descriptor` (a serialized RegionDescriptor from the
