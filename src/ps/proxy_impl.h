@@ -14,7 +14,8 @@
 //
 // The units with logic of their own live beside it with their own tests:
 // storage.h (shards, copy-on-write, apply), scheduler.h, ring.h,
-// round_gate.h (when a round starts, and what it waits for),
+// round_gate.h (when a round starts, and what it waits for), local_sum.h
+// (a round's sum of the pushes),
 // checkpoint.h, state_copy.h, reduce.h, routing.h, peer_failover.h (what
 // this node knows of its peers' deaths and replacements, and the
 // decisions on them). What remains here is the orchestration of one
@@ -58,6 +59,7 @@
 
 #include "src/ps/checkpoint.h"
 #include "src/ps/combine.h"
+#include "src/ps/local_sum.h"
 #include "src/ps/peer_failover.h"
 #include "src/ps/protocol.h"
 #include "src/ps/reduce.h"

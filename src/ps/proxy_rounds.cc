@@ -283,13 +283,13 @@ void ProxyImpl::StartReduce(uint64_t k, uint32_t s) {
 Status ProxyImpl::LocalSum(Key& key, Shard& sh, double scale,
                            bool result_is_sum) {
   sh.sum_scaled = false;
-  bool scaled = false;  // by SumInto
   if (!sh.scratch || sh.scratch.use_count() > 1) {
     ASSIGN_OR_RETURN(sh.scratch, storage_->Allocate(sh.bytes));
   }
-  uint8_t* dst = static_cast<uint8_t*>(sh.scratch->data());
-  std::vector<const void*> srcs;
-  bool all_mapped = true;
+  // The pushes in rank order: in memory here (prefetched, or the worker's
+  // memory mapped), or read when the sum gets to them.
+  std::vector<PushInput> inputs;
+  inputs.reserve(sh.pushes.size());
   for (auto& [r, p] : sh.pushes) {
     Conn& c = conns_[p.conn];
     auto it = c.regions.find(p.region);
@@ -300,74 +300,42 @@ Status ProxyImpl::LocalSum(Key& key, Shard& sh, double scale,
         sh.bytes > it->second->size() - p.offset) {
       return OutOfRangeError("push range outside the registered region");
     }
+    PushInput in;
     if (p.prefetched) {
       RETURN_IF_ERROR(p.fetched);
-      srcs.push_back(sh.inbox[r]->data());
+      in.data = sh.inbox[r]->data();
     } else if (it->second->mapped()) {
-      srcs.push_back(static_cast<const uint8_t*>(it->second->mapped()) +
-                     p.offset);
+      in.data = static_cast<const uint8_t*>(it->second->mapped()) + p.offset;
     } else {
-      all_mapped = false;  // read below, one push at a time
+      in.read = [this, &c, &p, bytes = sh.bytes](uint8_t* into,
+                                                 const MemRegion& into_region) {
+        return ReadWorker(c, p.region, p.offset, bytes, into, into_region);
+      };
     }
-  }
-  if (sh.pushes.empty()) {
-    std::memset(dst, 0, sh.bytes);
-  } else if (all_mapped) {  // mapped or prefetched: sum on the sync cores
-    // Where the sum is the result, the workers' mapped outputs get it from
-    // the cache as each block is done (one host: no second pass over the
-    // shard per worker in PublishRound).
-    std::vector<void*> outs;
-    if (result_is_sum) {
-      for (auto& [r, p] : sh.pushes) {
-        if (!p.has_output) continue;
-        auto rr = WorkerRange(conns_[p.conn], p.out_region, p.out_offset,
-                              sh.bytes, "output");
-        if (!rr.ok() || !(*rr)->mapped()) continue;  // PublishRound's way
-        outs.push_back(static_cast<uint8_t*>((*rr)->mapped()) + p.out_offset);
-        p.output_written = true;
+    if (result_is_sum && p.has_output) {
+      // Where the sum is the result, the workers' mapped outputs get it in
+      // the summing pass (one host: no second pass over the shard per
+      // worker in PublishRound); the others get it there.
+      auto rr = WorkerRange(c, p.out_region, p.out_offset, sh.bytes, "output");
+      if (rr.ok() && (*rr)->mapped()) {
+        in.output = static_cast<uint8_t*>((*rr)->mapped()) + p.out_offset;
       }
     }
-    SumInto(*sync_, key.dtype, dst, srcs, sh.bytes, scale, outs);
-    if (!outs.empty()) {
-      std::atomic_thread_fence(std::memory_order_release);
-      result_bytes_.fetch_add(sh.bytes * outs.size(),
-                              std::memory_order_relaxed);
-    }
-    scaled = true;
-  } else {
-    bool first = true;
+    inputs.push_back(std::move(in));
+  }
+  ASSIGN_OR_RETURN(
+      LocalSumDone done,
+      SumPushes(*sync_, key.dtype, static_cast<uint8_t*>(sh.scratch->data()),
+                *sh.scratch, sh.bytes, inputs, scale,
+                [this](uint64_t n) { return Staging(n); }));
+  if (done.outputs_written) {
+    size_t i = 0;
     for (auto& [r, p] : sh.pushes) {
-      Conn& c = conns_[p.conn];
-      uint8_t* into = dst;
-      const MemRegion* into_region = sh.scratch.get();
-      if (!first) {
-        ASSIGN_OR_RETURN(auto* st, Staging(sh.bytes));
-        into = static_cast<uint8_t*>(st->data());
-        into_region = st;
-      }
-      const uint8_t* src = nullptr;
-      if (p.prefetched) {
-        src = static_cast<const uint8_t*>(sh.inbox[r]->data());
-      } else {
-        ASSIGN_OR_RETURN(src, ReadWorker(c, p.region, p.offset, sh.bytes, into,
-                                         *into_region));
-      }
-      if (first) {
-        if (src != dst) std::memcpy(dst, src, sh.bytes);
-        first = false;
-      } else {
-        size_t es = DTypeSize(key.dtype);
-        sync_->Run(key.dtype, dst, src, sh.bytes / es, 1.0);
-      }
+      if (inputs[i++].output) p.output_written = true;
     }
+    result_bytes_.fetch_add(sh.bytes * done.outputs, std::memory_order_relaxed);
   }
-  if (scale != 1.0) {
-    if (!scaled) {
-      ScaleInPlace(*sync_, key.dtype, dst, sh.bytes / DTypeSize(key.dtype),
-                   scale);
-    }
-    sh.sum_scaled = true;  // FinishRound does not scale again
-  }
+  sh.sum_scaled = scale != 1.0;  // FinishRound does not scale again
   bytes_reduced_.fetch_add(sh.bytes * std::max<size_t>(1, sh.pushes.size()));
   return Status::Ok();
 }
