@@ -187,8 +187,10 @@ void ProxyImpl::Stop() {
   peer_regions_.clear();
   join_snapshots_.clear();
   catch_ups_.clear();
-  peer_out_.clear();  // closes the links to peers
-  inflight_.clear();  // closed channels complete them
+  peer_out_.clear();    // closes the links to peers
+  inflight_.clear();    // closed channels complete them
+  ring_reads_.clear();  // their reads are done (above): buffers go
+  ring_staging_.clear();
   conns_.clear();
   keys_.clear();
   staging_.reset();
@@ -341,6 +343,7 @@ std::string ProxyImpl::ExplainShard(uint64_t k, uint32_t s) const {
 
 void ProxyImpl::ReportWaits() {
   CheckFailoverDeadline();
+  RingReadsOverdue();
   const auto now = Clock::now();
   const auto limit = opt_.hang_report;
   std::string text;

@@ -592,9 +592,40 @@ class ProxyImpl final : public Proxy, public service::Service {
   void OnPeerNotice(const Message& m);
 
   // Step `step`: reduce-scatter (add the previous proxy's chunk) for the
-  // first P-1 steps, all-gather (copy it) after.
-  Status RingRead(Key& key, Shard& sh, const RingGeometry& ring, uint32_t step,
-                  const RegionDescriptor& desc);
+  // first P-1 steps, all-gather (copy it) after. True when the chunk is in
+  // place (the peer's memory is mapped here); false when its read is in
+  // flight across a link: RingReadLanded goes on from it, and the event
+  // loop serves meanwhile.
+  Result<bool> RingRead(uint64_t k, uint32_t s, const RingGeometry& ring,
+                        uint32_t step, const RegionDescriptor& desc);
+  // dst <- dst + src (reduce) or src, `len` bytes of `dtype`, on the sync
+  // cores.
+  void RingChunkIn(DType dtype, bool reduce, uint8_t* dst, const uint8_t* src,
+                   uint64_t len);
+  // A registered buffer of at least `len` for a ring read that sums: one
+  // of ring_staging_, or a new one (returned there when its read lands).
+  Result<std::shared_ptr<MemRegion>> TakeRingStaging(uint64_t len);
+  // A ring read in flight (ring_reads_, by its id): the shard, and the
+  // buffers it writes into, held until it lands whatever becomes of its
+  // round (Stop waits for the reads before it drops them).
+  struct RingReadInFlight {
+    uint64_t key = 0;
+    uint32_t shard = 0;
+    uint64_t epoch = 0;  // the shard's RingProgress::epoch() at the read
+    bool reduce = false;
+    uint64_t off = 0, len = 0;
+    std::shared_ptr<MemRegion> into;     // staging (reduce) or the scratch
+    std::shared_ptr<MemRegion> scratch;  // the shard's buffer of the round
+    Clock::time_point deadline{};
+    bool given_up = false;  // past its deadline: its round failed
+  };
+  // Ring read `id` landed (posted by its completion): add a sum's chunk,
+  // tell the ring, and run it on. A stale one (its round stopped, or it
+  // was given up) only gives its buffers back.
+  void RingReadLanded(uint64_t id, const Status& st);
+  // Gives up the ring reads past their deadline (ReportWaits' tick): their
+  // rounds fail as a failed read fails them.
+  void RingReadsOverdue();
 
   // Fails the round in progress of (k, s): its pushes and waiting pulls
   // get `why`, later requests of that round too (Shard::aborted_round).
@@ -761,8 +792,13 @@ class ProxyImpl final : public Proxy, public service::Service {
   // dropped as new ones start.
   std::deque<transport::OpHandle> inflight_;
   std::vector<RoundWorker> round_workers_;  // MaybeStart's, reused
-  bool reissue_posted_ = false;             // IssueReadsSoon's task is queued
-  std::atomic<uint64_t> reads_held_{0};     // ProxyStats::reads_held
+  // Ring reads in flight, by (key, shard), and the free staging buffers of
+  // ring reads that sum (RingRead).
+  std::map<uint64_t, RingReadInFlight> ring_reads_;
+  uint64_t next_ring_read_ = 0;
+  std::vector<std::shared_ptr<MemRegion>> ring_staging_;
+  bool reissue_posted_ = false;          // IssueReadsSoon's task is queued
+  std::atomic<uint64_t> reads_held_{0};  // ProxyStats::reads_held
   uint32_t world_ = 0;
   // The principal whose job this proxy serves (set by the first worker's
   // hello; base/credential.h). Event loop only.

@@ -346,14 +346,15 @@ RingGeometry ProxyImpl::RingFor(uint64_t k, uint32_t s) const {
 
 RingProgress::Io ProxyImpl::RingIo(uint64_t k, uint32_t s) {
   RingProgress::Io io;
-  io.read = [this, k, s](uint32_t step, const RegionDescriptor& d) {
+  io.read = [this, k, s](uint32_t step,
+                         const RegionDescriptor& d) -> Result<bool> {
     Key& key = keys_[k];
     const RingGeometry ring = RingFor(k, s);
     if (opt_.before_ring_read_for_test) {
       RETURN_IF_ERROR(opt_.before_ring_read_for_test(
           k, s, key.shards[s].version, step, ring.prev));
     }
-    return RingRead(key, key.shards[s], ring, step, d);
+    return RingRead(k, s, ring, step, d);
   };
   io.send_ready = [this, k, s](uint32_t step) {
     Shard& sh = keys_[k].shards[s];
@@ -439,12 +440,15 @@ void ProxyImpl::OnPeerNotice(const Message& m) {
   if (sh.reducing && sh.ring.running()) RunRing(m.key, m.shard, false);
 }
 
-Status ProxyImpl::RingRead(Key& key, Shard& sh, const RingGeometry& ring,
-                           uint32_t step, const RegionDescriptor& desc) {
+Result<bool> ProxyImpl::RingRead(uint64_t k, uint32_t s,
+                                 const RingGeometry& ring, uint32_t step,
+                                 const RegionDescriptor& desc) {
+  Key& key = keys_[k];
+  Shard& sh = key.shards[s];
   const size_t es = DTypeSize(key.dtype);
   const bool reduce = ring.Reduces(step);
   auto [off, len] = RingChunk(sh.bytes, es, ring.P, ring.ChunkAt(step));
-  if (len == 0) return Status::Ok();
+  if (len == 0) return true;
   if (desc.length != sh.bytes) {
     return DataLossError("peer's ring buffer has a different size");
   }
@@ -460,34 +464,113 @@ Status ProxyImpl::RingRead(Key& key, Shard& sh, const RingGeometry& ring,
     peer_regions_[key2] = rr;
   }
   uint8_t* dst = static_cast<uint8_t*>(sh.scratch->data()) + off;
-  const uint8_t* src;
-  if (rr->mapped()) {
-    src = static_cast<const uint8_t*>(rr->mapped()) + off;
-  } else {
-    uint8_t* into = dst;
-    const MemRegion* into_region = sh.scratch.get();
-    if (reduce) {
-      ASSIGN_OR_RETURN(auto* st, Staging(len));
-      into = static_cast<uint8_t*>(st->data());
-      into_region = st;
-    }
-    ASSIGN_OR_RETURN(
-        auto h, ch->Read(into, *into_region, rr->address() + off, *rr, len));
-    // A chunk of a large key crosses a slow link while the workers' pushes
-    // share it: 30 s plus a second per 4 MiB (a 4 MB/s floor) before the
-    // read is given up, instead of 30 s whatever the size.
-    RETURN_IF_ERROR(h.Wait(kIoTimeout + std::chrono::seconds(len >> 22)));
-    src = into;
+  if (rr->mapped()) {  // the peer's memory is mapped here: at once
+    RingChunkIn(key.dtype, reduce, dst,
+                static_cast<const uint8_t*>(rr->mapped()) + off, len);
+    return true;
   }
+  // Across a link: the read lands later (RingReadLanded) and the event
+  // loop serves meanwhile. A sum reads into a staging buffer of its own
+  // and adds it then; a copy reads into the shard's buffer. Both buffers
+  // are held by the read until it lands, so a read that outlives its round
+  // (the round stopped, or timed out) writes into memory no round uses.
+  std::shared_ptr<MemRegion> into = sh.scratch;
   if (reduce) {
-    sync_->Run(key.dtype, dst, src, len / es, 1.0);
+    ASSIGN_OR_RETURN(into, TakeRingStaging(len));
+  }
+  uint8_t* at = reduce ? static_cast<uint8_t*>(into->data()) : dst;
+  const uint64_t id = ++next_ring_read_;
+  ring_reads_[id] = RingReadInFlight{
+      .key = k,
+      .shard = s,
+      .epoch = sh.ring.epoch(),
+      .reduce = reduce,
+      .off = off,
+      .len = len,
+      .into = into,
+      .scratch = sh.scratch,
+      // A chunk of a large key crosses a slow link while the workers'
+      // pushes share it: 30 s plus a second per 4 MiB (a 4 MB/s floor)
+      // before the read is given up.
+      .deadline = Clock::now() + kIoTimeout + std::chrono::seconds(len >> 22)};
+  auto h = ch->Read(at, *into, rr->address() + off, *rr, len,
+                    [this, id](const Status& st) {
+                      Post([this, id, st] { RingReadLanded(id, st); });
+                    });
+  if (!h.ok()) {
+    if (reduce) ring_staging_.push_back(into);
+    ring_reads_.erase(id);
+    return h.status();
+  }
+  Track(std::move(*h));
+  return false;
+}
+
+void ProxyImpl::RingChunkIn(DType dtype, bool reduce, uint8_t* dst,
+                            const uint8_t* src, uint64_t len) {
+  if (reduce) {
+    sync_->Run(dtype, dst, src, len / DTypeSize(dtype), 1.0);
   } else if (src != dst) {
-    const size_t total = len;  // a structured binding: not capturable
-    sync_->ParallelFor(total, 1 << 20, [&](size_t b, size_t e) {
-      CopyPiece(dst + b, src + b, e - b, total);
+    sync_->ParallelFor(len, 1 << 20, [&](size_t b, size_t e) {
+      CopyPiece(dst + b, src + b, e - b, len);
     });
   }
-  return Status::Ok();
+}
+
+Result<std::shared_ptr<MemRegion>> ProxyImpl::TakeRingStaging(uint64_t len) {
+  for (auto it = ring_staging_.begin(); it != ring_staging_.end(); ++it) {
+    if ((*it)->size() >= len) {
+      std::shared_ptr<MemRegion> r = std::move(*it);
+      ring_staging_.erase(it);
+      return r;
+    }
+  }
+  ASSIGN_OR_RETURN(
+      auto r, device_->AllocateMemRegion(std::max<uint64_t>(len, 1 << 20)));
+  return std::shared_ptr<MemRegion>(std::move(r));
+}
+
+void ProxyImpl::RingReadLanded(uint64_t id, const Status& st) {
+  auto it = ring_reads_.find(id);
+  if (it == ring_reads_.end()) return;
+  const RingReadInFlight read = std::move(it->second);
+  ring_reads_.erase(it);
+  // The staging buffer is free again, whatever became of the round.
+  if (read.reduce) ring_staging_.push_back(read.into);
+  if (read.given_up) return;
+  auto kit = keys_.find(read.key);
+  if (kit == keys_.end() || read.shard >= kit->second.shards.size()) return;
+  Shard& sh = kit->second.shards[read.shard];
+  if (sh.ring.epoch() != read.epoch || !sh.ring.reading()) return;  // stale
+  if (st.ok() && read.reduce) {
+    RingChunkIn(kit->second.dtype, /*reduce=*/true,
+                static_cast<uint8_t*>(read.scratch->data()) + read.off,
+                static_cast<const uint8_t*>(read.into->data()), read.len);
+  }
+  sh.ring.ReadLanded(read.epoch, st);
+  RunRing(read.key, read.shard, /*start=*/false);
+}
+
+void ProxyImpl::RingReadsOverdue() {
+  const auto now = Clock::now();
+  std::vector<RingReadInFlight> late;
+  for (auto& [id, read] : ring_reads_) {
+    if (read.given_up || read.deadline > now) continue;
+    read.given_up = true;  // kept (with its buffers) until it lands
+    late.push_back(read);
+  }
+  for (const RingReadInFlight& read : late) {
+    auto kit = keys_.find(read.key);
+    if (kit == keys_.end() || read.shard >= kit->second.shards.size()) continue;
+    Shard& sh = kit->second.shards[read.shard];
+    if (sh.ring.epoch() != read.epoch || !sh.ring.reading()) continue;
+    sh.ring.ReadLanded(
+        read.epoch,
+        DeadlineExceededError(
+            "ring read of " + std::to_string(read.len) + " bytes from proxy " +
+            std::to_string(RingFor(read.key, read.shard).prev) + " timed out"));
+    RunRing(read.key, read.shard, /*start=*/false);
+  }
 }
 
 void ProxyImpl::AbortRound(uint64_t k, uint32_t s, const Status& why,

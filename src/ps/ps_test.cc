@@ -578,6 +578,19 @@ TEST(PsTest, ThreeProxiesBothRingDirections) {
   EXPECT_EQ(c.proxies[0]->Stats().ring_steps, 2u * 3 * 2 * 4);
 }
 
+// The nodes' ring across a link (membox's TCP path, nothing mapped): each
+// read lands later while the node's event loop serves, in both ring
+// directions, with sums and copies, over several rounds.
+TEST(PsTest, ThreeProxiesRingOverTcpWithReadsInFlight) {
+  auto c = Cluster::Start(3, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/false,
+                          [](ProxyOptions& o) { o.transports = "tcp"; });
+  RoutingTable r;
+  r.partition_bytes = 4 << 10;
+  RunRounds(c, 2, 3000, 3, r, /*average=*/true, /*registered=*/false);
+  EXPECT_EQ(c.proxies[0]->Stats().ring_steps, 2u * 3 * 3 * 4);
+}
+
 // A proxy that gives up a ring round (a read fails for a reason other than
 // a dead peer) tells the other proxies of the ring, which fail their
 // workers' requests of it at once -- they used to wait for the round until

@@ -38,6 +38,7 @@ std::pair<uint64_t, uint64_t> RingChunk(uint64_t bytes, size_t element_size,
 
 Result<bool> RingProgress::Start(uint64_t round, const RingGeometry& ring,
                                  const Io& io) {
+  ForgetRead();
   round_ = round;
   step_ = 0;
   read_done_ = false;
@@ -67,6 +68,7 @@ Result<bool> RingProgress::Advance(const RingGeometry& ring, const Io& io) {
   if (!running_) return false;
   auto fail = [this](Status s) -> Result<bool> {
     running_ = false;
+    ForgetRead();
     return s;
   };
   const uint32_t steps = ring.steps();
@@ -74,12 +76,23 @@ Result<bool> RingProgress::Advance(const RingGeometry& ring, const Io& io) {
     const auto id = std::make_pair(round_, step_);
     if (!read_done_) {
       auto r = ready_.find(id);
-      if (r == ready_.end()) return false;
-      Status s = io.read(step_, r->second);
-      if (!s.ok()) return fail(s);
-      ready_.erase(r);
+      if (!reading_) {
+        if (r == ready_.end()) return false;
+        auto got = io.read(step_, r->second);
+        if (!got.ok()) return fail(got.status());
+        if (!*got) {
+          reading_ = true;
+          return false;  // ReadLanded, then Advance again
+        }
+      } else {
+        if (!landed_) return false;
+        Status landed = *landed_;
+        ForgetRead();
+        if (!landed.ok()) return fail(landed);
+      }
+      if (r != ready_.end()) ready_.erase(r);
       read_done_ = true;
-      s = io.send_done(step_);
+      Status s = io.send_done(step_);
       if (!s.ok()) return fail(s);
     }
     auto d = done_.find(id);
@@ -97,7 +110,13 @@ Result<bool> RingProgress::Advance(const RingGeometry& ring, const Io& io) {
   return true;
 }
 
+void RingProgress::ReadLanded(uint64_t epoch, Status st) {
+  if (epoch != epoch_ || !reading_ || landed_) return;  // stale
+  landed_ = std::move(st);
+}
+
 void RingProgress::Reset() {
+  ForgetRead();
   running_ = false;
   step_ = 0;
   read_done_ = false;
@@ -110,6 +129,9 @@ std::string RingProgress::Waiting(const RingGeometry& ring) const {
   std::string at = "ring step " + std::to_string(step_ + 1) + "/" +
                    std::to_string(ring.steps()) + " of round " +
                    std::to_string(round_) + ": waiting for proxy ";
+  if (reading()) {
+    return at + "reading proxy " + std::to_string(ring.prev) + "'s chunk";
+  }
   if (!read_done_) {
     return at + std::to_string(ring.prev) + " to announce its buffer";
   }

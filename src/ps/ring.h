@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -55,10 +56,13 @@ class RingProgress {
  public:
   struct Io {
     // Read prev's chunk for `step` (described by its buffer) into this
-    // proxy's buffer: add it or copy it (RingGeometry::Reduces). Returns
-    // when the data is in place.
-    std::function<Status(uint32_t step,
-                         const transport::RegionDescriptor& prev_buffer)>
+    // proxy's buffer: add it or copy it (RingGeometry::Reduces). True: the
+    // data is in place. False: the read is in flight, and the proxy calls
+    // ReadLanded with this ring's epoch() (as it was when read was called)
+    // once the chunk is added or copied, or the read failed -- the event
+    // loop is not held for a read across a slow link.
+    std::function<Result<bool>(uint32_t step,
+                               const transport::RegionDescriptor& prev_buffer)>
         read;
     std::function<Status(uint32_t step)> send_ready;  // to next
     std::function<Status(uint32_t step)> send_done;   // to prev
@@ -73,10 +77,21 @@ class RingProgress {
                transport::RegionDescriptor prev_buffer);
   void OnDone(uint64_t round, uint32_t step);
 
-  // Runs every step whose notices are in. True when the last step is done
-  // (the round's sum is complete in this proxy's buffer). An error leaves
-  // the ring stopped (Stop is implied).
+  // Runs every step whose notices are in (and whose read has landed). True
+  // when the last step is done (the round's sum is complete in this
+  // proxy's buffer). An error -- a failed read among them -- leaves the
+  // ring stopped (Stop is implied).
   Result<bool> Advance(const RingGeometry& ring, const Io& io);
+  // A read Io::read left in flight has landed (`st`: the chunk is in
+  // place, or why not). Taken when `epoch` is still this ring's epoch and
+  // a read is in flight; a stale one (the round stopped or started again
+  // meanwhile) is dropped. Advance goes on from it.
+  void ReadLanded(uint64_t epoch, Status st);
+  // Changes whenever the round in progress ends, stops or starts: what a
+  // read in flight is matched by.
+  uint64_t epoch() const { return epoch_; }
+  // A read of the current step is in flight (not landed yet).
+  bool reading() const { return reading_ && !landed_; }
 
   bool running() const { return running_; }
   uint32_t step() const { return step_; }
@@ -88,8 +103,12 @@ class RingProgress {
   bool ReadsComplete(const RingGeometry& ring) const {
     return ring.steps() > 0 && step_ + 1 == ring.steps() && read_done_;
   }
-  // Stops the round in progress (kept notices stay).
-  void Stop() { running_ = false; }
+  // Stops the round in progress (kept notices stay; a read in flight is
+  // stale from now on).
+  void Stop() {
+    running_ = false;
+    ForgetRead();
+  }
   // Forgets everything (a job ended).
   void Reset();
   // What the step in progress waits for, for explanations of a wait.
@@ -98,10 +117,19 @@ class RingProgress {
   uint64_t steps_done() const { return steps_done_; }
 
  private:
+  void ForgetRead() {
+    reading_ = false;
+    landed_.reset();
+    ++epoch_;
+  }
+
   bool running_ = false;
   uint64_t round_ = 0;
   uint32_t step_ = 0;
   bool read_done_ = false;
+  uint64_t epoch_ = 0;
+  bool reading_ = false;          // the step's read is in flight or landed
+  std::optional<Status> landed_;  // ... and has landed, so
   uint64_t steps_done_ = 0;
   std::map<std::pair<uint64_t, uint32_t>, transport::RegionDescriptor> ready_;
   std::set<std::pair<uint64_t, uint32_t>> done_;

@@ -43,14 +43,19 @@ TEST(RingTest, ChunksCoverTheBufferInWholeElements) {
 struct Notice {
   uint32_t to;
   bool ready;
+  // A read in flight landing (to: the reader): `landed` runs the copy.
+  std::function<void()> landed;
   uint64_t round;
   uint32_t step;
   RegionDescriptor desc;
 };
 
 // Runs `rounds` overlapping rounds of one shard over P simulated proxies.
-// Proxy r's input in round t is element i -> (r + 1) * (t + 1) + i.
-void RunRounds(uint32_t P, uint64_t key, size_t n, int rounds, uint32_t seed) {
+// Proxy r's input in round t is element i -> (r + 1) * (t + 1) + i. With
+// `async_reads`, every other read is left in flight and lands later, in
+// random order among the notices (as a read across a link does).
+void RunRounds(uint32_t P, uint64_t key, size_t n, int rounds, uint32_t seed,
+               bool async_reads = false) {
   std::mt19937 rng(seed);
   // buffers[rank][round]
   std::vector<std::vector<std::vector<float>>> buf(
@@ -63,6 +68,7 @@ void RunRounds(uint32_t P, uint64_t key, size_t n, int rounds, uint32_t seed) {
   std::vector<RingProgress> ring(P);
   std::vector<int> round(P, 0);
   std::deque<Notice> wire;
+  int reads = 0;
   auto io_for = [&](uint32_t r) {
     RingGeometry g = RingGeometry::For(P, r, key, 0);
     RingProgress::Io io;
@@ -71,25 +77,44 @@ void RunRounds(uint32_t P, uint64_t key, size_t n, int rounds, uint32_t seed) {
       d.address = r;
       d.region_id = static_cast<uint64_t>(round[r]);
       d.length = n * sizeof(float);
-      wire.push_back({g.next, true, static_cast<uint64_t>(round[r]), step, d});
+      wire.push_back(
+          {g.next, true, {}, static_cast<uint64_t>(round[r]), step, d});
       return Status::Ok();
     };
     io.send_done = [&, r, g](uint32_t step) {
       wire.push_back(
-          {g.prev, false, static_cast<uint64_t>(round[r]), step, {}});
+          {g.prev, false, {}, static_cast<uint64_t>(round[r]), step, {}});
       return Status::Ok();
     };
-    io.read = [&, r, g](uint32_t step, const RegionDescriptor& d) {
+    io.read = [&, r, g](uint32_t step,
+                        const RegionDescriptor& d) -> Result<bool> {
       EXPECT_EQ(d.address, g.prev);
       EXPECT_EQ(d.region_id, static_cast<uint64_t>(round[r]));
       auto [off, len] =
           RingChunk(n * sizeof(float), sizeof(float), P, g.ChunkAt(step));
-      const float* src = buf[g.prev][round[r]].data() + off / sizeof(float);
-      float* dst = buf[r][round[r]].data() + off / sizeof(float);
-      for (size_t i = 0; i < len / sizeof(float); ++i) {
-        dst[i] = g.Reduces(step) ? dst[i] + src[i] : src[i];
+      const int t = round[r];
+      auto copy = [&, r, g, step, off, len, t] {
+        const float* src = buf[g.prev][t].data() + off / sizeof(float);
+        float* dst = buf[r][t].data() + off / sizeof(float);
+        for (size_t i = 0; i < len / sizeof(float); ++i) {
+          dst[i] = g.Reduces(step) ? dst[i] + src[i] : src[i];
+        }
+      };
+      if (!async_reads || ++reads % 2 == 0) {
+        copy();
+        return true;
       }
-      return Status::Ok();
+      const uint64_t epoch = ring[r].epoch();
+      wire.push_back({r,
+                      false,
+                      [&, r, copy, epoch] {
+                        copy();
+                        ring[r].ReadLanded(epoch, Status::Ok());
+                      },
+                      0,
+                      0,
+                      {}});
+      return false;
     };
     return std::make_pair(g, io);
   };
@@ -122,7 +147,9 @@ void RunRounds(uint32_t P, uint64_t key, size_t n, int rounds, uint32_t seed) {
         std::uniform_int_distribution<size_t>(0, wire.size() - 1)(rng);
     Notice m = wire[pick];
     wire.erase(wire.begin() + static_cast<std::ptrdiff_t>(pick));
-    if (m.ready) {
+    if (m.landed) {
+      m.landed();
+    } else if (m.ready) {
       ring[m.to].OnReady(m.round, m.step, m.desc);
     } else {
       ring[m.to].OnDone(m.round, m.step);
@@ -146,6 +173,7 @@ TEST(RingTest, EveryProxyEndsWithTheSumInEitherDirection) {
         SCOPED_TRACE("P=" + std::to_string(P) + " key=" + std::to_string(key) +
                      " n=" + std::to_string(n));
         RunRounds(P, key, n, /*rounds=*/3, seed++);
+        RunRounds(P, key, n, /*rounds=*/3, seed++, /*async_reads=*/true);
       }
     }
   }
@@ -157,7 +185,7 @@ TEST(RingTest, AFailedReadStopsTheRound) {
   RingProgress::Io io;
   io.send_ready = [](uint32_t) { return Status::Ok(); };
   io.send_done = [](uint32_t) { return Status::Ok(); };
-  io.read = [](uint32_t, const RegionDescriptor&) {
+  io.read = [](uint32_t, const RegionDescriptor&) -> Result<bool> {
     return UnavailableError("peer gone");
   };
   auto r = p.Start(0, g, io);
@@ -185,7 +213,9 @@ TEST(RingTest, ReadsCompleteOnlyAfterTheLastRead) {
   RingProgress::Io io;
   io.send_ready = [](uint32_t) { return Status::Ok(); };
   io.send_done = [](uint32_t) { return Status::Ok(); };
-  io.read = [](uint32_t, const RegionDescriptor&) { return Status::Ok(); };
+  io.read = [](uint32_t, const RegionDescriptor&) -> Result<bool> {
+    return true;
+  };
   ASSERT_TRUE(p.Start(7, g, io).ok());
   EXPECT_FALSE(p.ReadsComplete(g));
   p.OnReady(7, 0, RegionDescriptor{});
@@ -199,6 +229,60 @@ TEST(RingTest, ReadsCompleteOnlyAfterTheLastRead) {
   io.send_done = [](uint32_t) { return UnavailableError("peer gone"); };
   EXPECT_FALSE(p.Advance(g, io).ok());
   EXPECT_TRUE(p.ReadsComplete(g));
+}
+
+// A read left in flight: the step waits for it, a landing from a stopped
+// or restarted round is dropped, and a failed landing stops the round.
+TEST(RingTest, AReadInFlightIsWaitedForAndAStaleOneDropped) {
+  RingGeometry g = RingGeometry::For(2, 0, 0, 0);
+  RingProgress p;
+  RingProgress::Io io;
+  int dones = 0;
+  io.send_ready = [](uint32_t) { return Status::Ok(); };
+  io.send_done = [&dones](uint32_t) {
+    ++dones;
+    return Status::Ok();
+  };
+  uint64_t issued_epoch = 0;
+  io.read = [&](uint32_t, const RegionDescriptor&) -> Result<bool> {
+    issued_epoch = p.epoch();
+    return false;  // in flight
+  };
+  ASSERT_TRUE(p.Start(3, g, io).ok());
+  p.OnReady(3, 0, RegionDescriptor{});
+  ASSERT_FALSE(*p.Advance(g, io));
+  EXPECT_TRUE(p.reading());
+  EXPECT_NE(p.Waiting(g).find("reading proxy 1's chunk"), std::string::npos)
+      << p.Waiting(g);
+  ASSERT_FALSE(*p.Advance(g, io)) << "nothing landed yet";
+  EXPECT_EQ(dones, 0) << "no DONE before the chunk is in place";
+  p.ReadLanded(issued_epoch, Status::Ok());
+  ASSERT_FALSE(*p.Advance(g, io));
+  EXPECT_EQ(dones, 1);
+  EXPECT_FALSE(p.reading());
+
+  // Step 1's read is in flight when the round stops (a peer died): its
+  // landing is stale, also once the round starts again.
+  p.OnDone(3, 0);
+  p.OnReady(3, 1, RegionDescriptor{});
+  ASSERT_FALSE(*p.Advance(g, io));
+  ASSERT_TRUE(p.reading());
+  const uint64_t stale = issued_epoch;
+  p.Stop();
+  p.ReadLanded(stale, Status::Ok());
+  ASSERT_FALSE(*p.Start(3, g, io));
+  p.ReadLanded(stale, Status::Ok());
+  EXPECT_EQ(dones, 1);
+  p.OnReady(3, 0, RegionDescriptor{});
+  ASSERT_FALSE(*p.Advance(g, io));
+  ASSERT_TRUE(p.reading());
+  EXPECT_NE(issued_epoch, stale);
+  // A read that failed stops the round with its error.
+  p.ReadLanded(issued_epoch, UnavailableError("link lost"));
+  auto f = p.Advance(g, io);
+  EXPECT_EQ(f.status().code(), StatusCode::kUnavailable);
+  EXPECT_FALSE(p.running());
+  EXPECT_FALSE(p.reading());
 }
 
 }  // namespace
