@@ -307,9 +307,11 @@ Status ProxyImpl::LocalSum(Key& key, Shard& sh, double scale,
     } else if (it->second->mapped()) {
       in.data = static_cast<const uint8_t*>(it->second->mapped()) + p.offset;
     } else {
-      in.read = [this, &c, &p, bytes = sh.bytes](uint8_t* into,
-                                                 const MemRegion& into_region) {
-        return ReadWorker(c, p.region, p.offset, bytes, into, into_region);
+      // (Clang 14 cannot capture a structured binding: its fields by value.)
+      in.read = [this, &c, region = p.region, offset = p.offset,
+                 bytes = sh.bytes](uint8_t* into,
+                                   const MemRegion& into_region) {
+        return ReadWorker(c, region, offset, bytes, into, into_region);
       };
     }
     if (result_is_sum && p.has_output) {

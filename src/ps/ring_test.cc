@@ -90,8 +90,9 @@ void RunRounds(uint32_t P, uint64_t key, size_t n, int rounds, uint32_t seed,
                         const RegionDescriptor& d) -> Result<bool> {
       EXPECT_EQ(d.address, g.prev);
       EXPECT_EQ(d.region_id, static_cast<uint64_t>(round[r]));
-      auto [off, len] =
+      const auto chunk =
           RingChunk(n * sizeof(float), sizeof(float), P, g.ChunkAt(step));
+      const uint64_t off = chunk.first, len = chunk.second;
       const int t = round[r];
       auto copy = [&, r, g, step, off, len, t] {
         const float* src = buf[g.prev][t].data() + off / sizeof(float);
