@@ -31,6 +31,13 @@ Measured, per scheme:
                          [--workers 2] [--nodes 2] [--layers 24]
                          [--d-model 640] [--batch 4] [--seq 64]
                          [--budget-mb M] [--repeats R] [--variants a,b]
+                         [--min-batch 1] [--max-batch 64]
+                         [--device cpu|cuda]
+
+With --device cuda every scheme computes on the GPU (ranks sharing one GPU
+use Gloo's CUDA path, a GPU each NCCL): each worker's peak GPU allocation
+per parameter is reported too, and --budget-mb caps each worker's GPU
+memory (torch.cuda.set_per_process_memory_fraction) instead of a cgroup.
 
 Records follow docs/design/benchmarks.md. The worker is this module with
 --worker (an internal flag).
@@ -121,14 +128,34 @@ def worker(a):
                      a.budget_mb)
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = a.device == "cuda"
+    if cuda:
+        # The GPU's budget: the caching allocator refuses beyond it
+        # (torch.OutOfMemoryError), as a smaller card would.
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) %
+                           torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        if a.budget_mb:
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, (a.budget_mb << 20) /
+                    torch.cuda.get_device_properties(dev).total_memory))
+        # NCCL needs a GPU per rank; ranks sharing one use Gloo's CUDA path.
+        backend = "cpu:gloo,cuda:nccl" \
+            if torch.cuda.device_count() >= world else "gloo"
+    else:
+        dev = torch.device("cpu")
+        torch.set_num_threads(1)
+        backend = "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
     vocab = 8192
     rss0 = _rss()["VmRSS"]
+    gpu0 = torch.cuda.memory_allocated(dev) if cuda else 0
     torch.manual_seed(0)
     model = _model(a.layers, a.d_model, vocab, a.seq)
     nparams = sum(p.numel() for p in model.parameters())
+    if cuda and a.variant != "fsdp2-offload":  # that one places its own
+        model = model.to(dev)
     lr = 1e-3
     accounted = None
     if a.variant == "ddp":
@@ -137,7 +164,7 @@ def worker(a):
     elif a.variant.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(dev.type, (world,))
         kw = {"mesh": mesh}
         if a.variant == "fsdp2-offload":
             kw["offload_policy"] = CPUOffloadPolicy()
@@ -155,17 +182,23 @@ def worker(a):
     # model for a moment, as every scheme's is, before it moves out).
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
     gen = torch.Generator().manual_seed(100 + rank)
     loss_fn = torch.nn.CrossEntropyLoss()
     times, losses = [], []
     for step in range(a.steps):
-        x = torch.randint(0, vocab, (a.batch, a.seq + 1), generator=gen)
+        x = torch.randint(0, vocab, (a.batch, a.seq + 1),
+                          generator=gen).to(dev)
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(model(x[:, :-1]).reshape(-1, vocab),
                        x[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
         if a.variant == "membox" and step == 0:
@@ -180,6 +213,9 @@ def worker(a):
                                    if accounted is not None else None),
            "step_s": sorted(times[2:] or times)[len(times[2:] or times) // 2],
            "losses": losses}
+    if cuda:  # what the GPU held at its peak, over what it held before
+        res["gpu_bytes"] = torch.cuda.max_memory_allocated(dev) - gpu0
+        res["gpu_per_param"] = res["gpu_bytes"] / nparams
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(res, f)
@@ -218,9 +254,11 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
              "--layers", str(a.layers), "--d-model", str(a.d_model),
              "--seq", str(a.seq), "--batch", str(batch),
              "--steps", str(steps), "--prefetch", str(a.prefetch),
-             "--out", out]
+             "--device", a.device, "--out", out]
     if budget_mb:
-        wargs += ["--budget-mb", str(budget_mb), "--cgroup", cgroup]
+        wargs += ["--budget-mb", str(budget_mb)]
+        if a.device == "cpu":
+            wargs += ["--cgroup", cgroup]
     if os.path.exists(out):
         os.unlink(out)
     t0 = time.time()
@@ -267,7 +305,8 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
     busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
     if any(rc != 0 for rc in rcs) or not os.path.exists(out):
         oom = any(rc in (-9, 137) for rc in rcs) or "Killed" in log or \
-            "exit status -9" in log or "signal 9" in log
+            "exit status -9" in log or "signal 9" in log or \
+            "OutOfMemoryError" in log
         return None, ("out of memory" if oom and budget_mb else
                       "failed: " + log.strip().splitlines()[-1][:200]
                       if log.strip() else "failed"), wall
@@ -292,7 +331,7 @@ def largest_batch(a, variant, tmp):
     """The largest power-of-two batch `variant` trains under the budget,
     with its record."""
     best = None
-    batch = 1
+    batch = a.min_batch
     cgroup = f"membox-bench-{os.getpid()}"
     while batch <= a.max_batch:
         try:
@@ -324,7 +363,12 @@ def main(argv=None):
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--budget-mb", type=int, default=0)
+    ap.add_argument("--min-batch", type=int, default=1)
     ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where every scheme computes; cuda: the GPU's "
+                         "peak allocation per parameter too, and "
+                         "--budget-mb caps each worker's GPU memory")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--topology", default="", metavar="T.toml",
                     help="run every variant across an emulated cluster "
@@ -346,7 +390,7 @@ def main(argv=None):
     for v in variants:
         if v not in VARIANTS:
             _die(f"unknown variant {v} ({', '.join(VARIANTS)})")
-    if a.budget_mb and not os.access(_CGROUP, os.W_OK):
+    if a.budget_mb and a.device == "cpu" and not os.access(_CGROUP, os.W_OK):
         _die(f"--budget-mb needs root and memory cgroups ({_CGROUP})")
     if a.topology:
         if a.budget_mb:
@@ -389,15 +433,18 @@ def main(argv=None):
     print(f"\nGPT-style model, {a.layers} blocks, d={a.d_model}, "
           f"{nparams / 1e6:.1f} M parameters, batch {a.batch} x {a.seq} "
           f"tokens per worker, {a.workers} workers"
-          f"{' across ' + a.topology if a.topology else ' on this host'}, "
+          f"{' across ' + a.topology if a.topology else ' on this host'}"
+          f"{', on ' + a.device if a.device != 'cpu' else ''}, "
           f"Adam; torch "
           f"{torch.__version__}; median of {repeats} run(s)")
     base = rows.get("ddp")
     print(f"{'variant':14} {'bytes/param':>11} {'(accounted)':>11} "
           f"{'step ms':>8} {'vs ddp':>7} {'vs fsdp2':>8} {'CPU':>5}  last loss"
-          f"  runs")
+          f"  runs{'  GPU bytes/param' if a.device == 'cuda' else ''}")
     records = []
     case = f"gpt-{a.layers}x{a.d_model}-b{a.batch}"
+    if a.device != "cpu":
+        case += "-" + a.device
     if a.topology:
         case += "-" + os.path.basename(a.topology).rsplit(".", 1)[0]
     for v in variants:
@@ -415,7 +462,8 @@ def main(argv=None):
               f"{(f'{vs_ddp:.2f}x' if vs_ddp else '-'):>7} "
               f"{(f'{vs_f:.2f}x' if vs_f else '-'):>8} "
               f"{r['cpu_busy']:5.2f}  "
-              f"{r['losses'][-1]:.4f}  {r['all']}")
+              f"{r['losses'][-1]:.4f}  {r['all']}"
+              f"{'  %.2f' % r['gpu_per_param'] if 'gpu_per_param' in r else ''}")
         metrics = [("resident_bytes_per_param", r["per_param"], "bytes"),
                    ("step_time", r["step_s"], "s"),
                    ("samples_per_s", a.workers * a.batch / r["step_s"],
@@ -424,6 +472,9 @@ def main(argv=None):
                    ("cpu_busy", r["cpu_busy"], "cores")]
         if acc is not None:
             metrics.append(("accounted_bytes_per_param", acc, "bytes"))
+        if "gpu_per_param" in r:
+            metrics.append(("gpu_bytes_per_param", r["gpu_per_param"],
+                            "bytes"))
         if vs_ddp:
             metrics.append(("step_vs_ddp", vs_ddp, "x"))
         if vs_f:
@@ -435,8 +486,9 @@ def main(argv=None):
                             "value": value, "unit": unit, "case": case})
     budget = {}
     if a.budget_mb:
-        print(f"\nunder {a.budget_mb} MiB per worker (memory cgroup): "
-              f"largest batch and its samples/s")
+        print(f"\nunder {a.budget_mb} MiB per worker "
+              f"({'GPU memory' if a.device == 'cuda' else 'memory cgroup'}):"
+              f" largest batch and its samples/s")
         for v in variants:
             if v in skipped:
                 continue
@@ -482,17 +534,21 @@ def plot(records, path):
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.8))
     colors = {"ddp": "#7f7f7f", "fsdp2": "#ff7f0e", "fsdp2-offload": "#ffbb78",
               "membox": "#1f77b4"}
-    rss = by["resident_bytes_per_param"]
+    gpu = "gpu_bytes_per_param" in by
+    rss = by["gpu_bytes_per_param" if gpu else "resident_bytes_per_param"]
     acc = by.get("accounted_bytes_per_param", {})
     axes[0].bar(shown, [rss[v] for v in shown],
-                color=[colors[v] for v in shown], label="peak RSS growth")
+                color=[colors[v] for v in shown],
+                label="GPU peak allocation" if gpu else "peak RSS growth")
     for i, v in enumerate(shown):
         if v in acc:
             axes[0].bar([v], [acc[v]], color="#08306b",
                         label="membox's model state (accounted)")
             axes[0].annotate(f"{acc[v]:.2f}", (i, acc[v]), ha="center",
                              va="bottom", fontsize=8, color="white")
-    axes[0].set_ylabel("bytes per parameter (peak RSS\nabove pre-model RSS)")
+    axes[0].set_ylabel("bytes per parameter (" +
+                       ("GPU's peak allocation" if gpu else
+                        "peak RSS\nabove pre-model RSS") + ")")
     axes[0].legend(fontsize=7, loc="center right")
     axes[1].bar(shown, [by["step_time"][v] * 1e3 for v in shown],
                 color=[colors[v] for v in shown])

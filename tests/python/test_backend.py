@@ -347,7 +347,8 @@ def _ddp(rank, world):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for _ in range(10):
-        x = torch.randn(8, 16, generator=g)
+        x = torch.randn(8, 16, generator=g, device="cpu").to(
+            torch.get_default_device())
         loss = (ddp(x) - x[:, :4]).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -516,6 +517,10 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
             os.environ["MEMBOX_PROXIES"] = proxies_on[rank]
         else:
             os.environ.pop("MEMBOX_PROXIES", None)
+        if "-cuda" in program:  # every tensor the program makes: CUDA
+            torch.cuda.set_device(0)
+            torch.set_default_device("cuda")
+            program = program.replace("-cuda", "")
         backend = "gloo" if program.endswith("-gloo") else "membox"
         import membox.torch.backend as mb
         mb._SPLIT_ON_ONE_HOST = True  # the split's path, on one host too

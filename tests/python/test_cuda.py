@@ -24,6 +24,7 @@ from membox import gpu_bench  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_client import Node  # noqa: E402
+import test_backend  # noqa: E402
 
 
 class Args:
@@ -156,6 +157,34 @@ class ParameterServerTest(unittest.TestCase):
         from membox.torch._session import flat_numpy
         with self.assertRaisesRegex(membox.MemboxError, "CPU and CUDA"):
             flat_numpy(torch.empty(4, device="meta"))
+
+
+class BackendCudaTest(unittest.TestCase):
+    """The "membox" process group with CUDA tensors (two ranks sharing the
+    GPU, rank and world from init_process_group): every collective of
+    test_backend's CPU check, with every tensor it makes on the GPU, and
+    DDP of a CUDA model on the backend without a hook against DDP on
+    Gloo."""
+
+    setUpClass = classmethod(test_backend.BackendTest.setUpClass.__func__)
+    tearDownClass = classmethod(
+        test_backend.BackendTest.tearDownClass.__func__)
+    run_ranks = test_backend.BackendTest.run_ranks
+
+    def test_collectives_on_cuda_tensors(self):
+        outs = self.run_ranks(2, "collectives-cuda")
+        for out in outs:
+            self.assertIn("objects", out)
+            self.assertIn("all_to_all_single uneven", out)
+        self.assertIn("send/recv 2", outs[1])
+
+    def test_ddp_of_a_cuda_model_matches_gloo(self):
+        got = self.run_ranks(2, "ddp-cuda")
+        want = self.run_ranks(2, "ddp-cuda-gloo")
+        for g, w in zip(got[0], want[0]):
+            self.assertTrue(torch.allclose(torch.tensor(g), torch.tensor(w),
+                                           rtol=1e-5, atol=1e-6))
+        self.assertEqual(got[0], got[1])
 
 
 if __name__ == "__main__":

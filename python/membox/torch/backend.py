@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 import membox
+from membox.torch._cuda_staged import _Streams, staged
 
 _KEY_BASE = 0xD << 60
 _STORE_KEY = "membox/proxies"  # the same rendezvous key init() uses
@@ -146,7 +147,7 @@ class _Work(dist.Work):
     operation's error; get_future() gives a Future of the outputs whose
     error C++ callers (DDP's reducer) see as an error too."""
 
-    def __init__(self, what, outputs, timeout):
+    def __init__(self, what, outputs, timeout, device=None):
         super().__init__()
         self._what = what
         self._outputs = outputs
@@ -155,7 +156,9 @@ class _Work(dist.Work):
         self._finish_lock = threading.Lock()
         self._finishing = False
         self._error = None
-        self._fut = torch.futures.Future()
+        # A CUDA operation's future is one of its device (_cuda_staged).
+        self._fut = torch.futures.Future(
+            devices=[device] if device is not None else None)
         self._checked = None
 
     def _finish(self, error=None):
@@ -315,6 +318,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._rank, self._size = rank, size
         self._timeout = timeout if isinstance(timeout, timedelta) and \
             timeout > timedelta(0) else timedelta(minutes=30)
+        self._h2d = _Streams()  # CUDA results' copies back (_cuda_staged)
         # The job's ranks and this process's among them: the default group
         # is the job (torch passes no rank list for it).
         global_ranks = list(global_ranks or [])
@@ -497,14 +501,17 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError("membox backend: %s takes tensors" % what)
-            if t.device.type != "cpu":
+            if t.device.type != "cpu":  # CUDA ones are host copies here
                 raise RuntimeError(
-                    "membox backend: %s of a %s tensor is not supported yet "
-                    "(CPU tensors only; for CUDA DDP use the hook "
-                    "membox.torch.allreduce_hook)" % (what, t.device.type))
+                    "membox backend: %s of a %s tensor is not supported "
+                    "(CPU and CUDA tensors only)" % (what, t.device.type))
             if t.is_sparse:
                 raise RuntimeError("membox backend: %s of a sparse tensor is "
                                    "not supported" % what)
+
+    def _staged_work(self, what, outputs, device):
+        """The Work of an operation on CUDA tensors (_cuda_staged.staged)."""
+        return _Work(what, outputs, self._timeout, device)
 
     def _submit(self, what, outputs, fn, inline=False):
         """Runs fn() in issue order, on the exchange thread (or, `inline`
@@ -889,6 +896,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             self._ring.allreduce(flat[i:i + step].numpy())
 
     # --------------------------------------------------------- collectives
+    @staged("inout")
     def allreduce(self, tensors, opts):
         self._check("all_reduce", tensors)
         name = _op_name(opts.reduceOp)
@@ -922,6 +930,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 t.dtype == torch.float32 and _DIRECT_BYTES > 0 and
                 t.numel() * 4 >= _SUB_RING_BYTES)
 
+    @staged("inout")
     def allreduce_coalesced(self, tensors, opts):
         self._check("all_reduce_coalesced", tensors)
         name = _op_name(opts.reduceOp)
@@ -949,6 +958,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 at += t.numel()
         return self._submit("all_reduce_coalesced", tensors, run)
 
+    @staged("inout")
     def reduce(self, tensors, opts):
         self._check("reduce", tensors)
         name = _op_name(opts.reduceOp)
@@ -984,6 +994,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                             for q in range(self._size) if q != root})
         return out
 
+    @staged("inout")
     def broadcast(self, tensors, opts):
         self._check("broadcast", tensors)
         root = opts.rootRank
@@ -1012,6 +1023,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                     t.copy_(c)
         return self._submit("broadcast", tensors, run)
 
+    @staged("out")
     def allgather(self, output_tensors, input_tensors, opts=None):
         self._check("all_gather", input_tensors)
         for outs in output_tensors:
@@ -1056,6 +1068,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                     o.copy_(c.view_as(o) if q == self._rank else tmp[q])
         return self._submit("all_gather", output_tensors, run)
 
+    @staged("out")
     def all_gather_single(self, output, input, opts=None):
         self._check("all_gather_into_tensor", [output, input])
         if output.numel() != input.numel() * self._size:
@@ -1088,6 +1101,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 output.copy_(out)
         return self._submit("all_gather_into_tensor", [output], run)
 
+    @staged("out")
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         # output_lists[r][i] is rank r's input i; allgather takes, per
         # input, the list over ranks.
@@ -1100,6 +1114,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                      for i in range(len(input_tensors))]
         return self.allgather(per_input, input_tensors, opts)
 
+    @staged("out")
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self._all_of("all_gather_into_tensor_coalesced", outputs, [
             self.all_gather_single(o, i, opts)
@@ -1137,6 +1152,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             raise ValueError("membox backend: %s needs %d %s tensors on the "
                              "root" % (op, self._size, side))
 
+    @staged("out")
     def gather(self, output_tensors, input_tensors, opts):
         self._check("gather", input_tensors)
         root = opts.rootRank
@@ -1149,6 +1165,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                     o.copy_(stacked[q])
         return self._submit("gather", output_tensors, run)
 
+    @staged("out")
     def scatter(self, output_tensors, input_tensors, opts):
         self._check("scatter", output_tensors)
         root = opts.rootRank
@@ -1167,6 +1184,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 out.copy_(c)
         return self._submit("scatter", output_tensors, run)
 
+    @staged("out")
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         self._check("reduce_scatter", output_tensors)
         name = _op_name(opts.reduceOp)
@@ -1223,6 +1241,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                     self._rank])
         return self._submit("reduce_scatter(%s)" % name, output_tensors, run)
 
+    @staged("out")
     def reduce_scatter_single(self, output, input, opts):
         self._check("reduce_scatter_tensor", [output, input])
         if input.numel() != output.numel() * self._size:
@@ -1232,6 +1251,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         return self.reduce_scatter([output], [[c.view_as(output)
                                                for c in chunks]], opts)
 
+    @staged("out")
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         return self._all_of("reduce_scatter_tensor_coalesced", outputs, [
             self.reduce_scatter_single(o, i, opts)
@@ -1265,6 +1285,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             h.add_done_callback(one_done)
         return w
 
+    @staged("out")
     def all_to_all_single(self, output, input, output_split_sizes,
                           input_split_sizes, opts=None):
         self._check("all_to_all_single", [output, input])
@@ -1294,6 +1315,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         return self._submit("all_to_all_single", [output], run,
                             inline=self._inline_a2a(moved))
 
+    @staged("out")
     def alltoall(self, output_tensors, input_tensors, opts=None):
         self._check("all_to_all", output_tensors + input_tensors)
         if len(output_tensors) != self._size or \
@@ -1410,6 +1432,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         self._lane(kind, peer).submit(w, fn, inline)
         return w
 
+    @staged("in")
     def send(self, tensors, dst, tag):
         self._check("send", tensors)
         t = tensors[0].contiguous()
@@ -1444,6 +1467,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         # send and then receive while its peer receives and then sends.
         return self._p2p(("send to %d" % dst), tensors, run)
 
+    @staged("out")
     def recv(self, tensors, src, tag):
         self._check("recv", tensors)
         t = tensors[0]
@@ -1482,6 +1506,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             self._store.set(base + "/read", "1")
         return self._p2p("recv from %d" % src, tensors, run)
 
+    @staged("out")
     def recvAnysource(self, tensors, tag):
         raise RuntimeError("membox backend: recv without a source "
                            "(recv_anysource) is not supported; name src")
@@ -1562,4 +1587,4 @@ def register():
     if "membox" in dist.Backend.backend_list:
         return
     dist.Backend.register_backend("membox", _create, extended_api=True,
-                                  devices=["cpu"])
+                                  devices=["cpu", "cuda"])
