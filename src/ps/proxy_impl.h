@@ -86,6 +86,9 @@ constexpr auto kPeerTimeout = std::chrono::seconds(30);
 // what no live peer holds).
 constexpr auto kJoinPeerWait = std::chrono::seconds(3);
 constexpr auto kIoTimeout = std::chrono::seconds(30);
+// Free staging buffers of ring reads that sum, kept for the next reads
+// (ProxyImpl::ReturnRingStaging): at most this many bytes.
+constexpr uint64_t kRingStagingKeepBytes = 64 << 20;
 // Per-worker limits (docs/design/network_face.md, "Limits"): regions it may
 // register, registrations in flight, routing tables it may send and how far
 // one may name more keys than the job declared, and how long a worker has
@@ -605,6 +608,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   // A registered buffer of at least `len` for a ring read that sums: one
   // of ring_staging_, or a new one (returned there when its read lands).
   Result<std::shared_ptr<MemRegion>> TakeRingStaging(uint64_t len);
+  // Gives a staging buffer back to ring_staging_, which keeps at most
+  // kRingStagingKeepBytes free (beyond that the buffer is freed).
+  void ReturnRingStaging(std::shared_ptr<MemRegion> r);
   // A ring read in flight (ring_reads_, by its id): the shard, and the
   // buffers it writes into, held until it lands whatever becomes of its
   // round (Stop waits for the reads before it drops them).

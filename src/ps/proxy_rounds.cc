@@ -493,14 +493,17 @@ Result<bool> ProxyImpl::RingRead(uint64_t k, uint32_t s,
       .scratch = sh.scratch,
       // A chunk of a large key crosses a slow link while the workers'
       // pushes share it: 30 s plus a second per 4 MiB (a 4 MB/s floor)
-      // before the read is given up.
-      .deadline = Clock::now() + kIoTimeout + std::chrono::seconds(len >> 22)};
+      // before the read is given up, unless the options say otherwise.
+      .deadline =
+          Clock::now() + (opt_.ring_read_timeout.count() > 0
+                              ? Clock::duration(opt_.ring_read_timeout)
+                              : kIoTimeout + std::chrono::seconds(len >> 22))};
   auto h = ch->Read(at, *into, rr->address() + off, *rr, len,
                     [this, id](const Status& st) {
                       Post([this, id, st] { RingReadLanded(id, st); });
                     });
   if (!h.ok()) {
-    if (reduce) ring_staging_.push_back(into);
+    if (reduce) ReturnRingStaging(std::move(into));
     ring_reads_.erase(id);
     return h.status();
   }
@@ -532,13 +535,26 @@ Result<std::shared_ptr<MemRegion>> ProxyImpl::TakeRingStaging(uint64_t len) {
   return std::shared_ptr<MemRegion>(std::move(r));
 }
 
+void ProxyImpl::ReturnRingStaging(std::shared_ptr<MemRegion> r) {
+  uint64_t held = r->size();
+  for (const auto& f : ring_staging_) held += f->size();
+  // A burst of large reads (many shards of a big key at once) would
+  // otherwise keep its peak in registered memory for good.
+  if (held > kRingStagingKeepBytes && !ring_staging_.empty()) return;
+  ring_staging_.push_back(std::move(r));
+}
+
 void ProxyImpl::RingReadLanded(uint64_t id, const Status& st) {
   auto it = ring_reads_.find(id);
   if (it == ring_reads_.end()) return;
+  if (opt_.lose_ring_read_for_test &&
+      opt_.lose_ring_read_for_test(it->second.key, it->second.shard)) {
+    return;  // as if it never landed: RingReadsOverdue gives it up
+  }
   const RingReadInFlight read = std::move(it->second);
   ring_reads_.erase(it);
   // The staging buffer is free again, whatever became of the round.
-  if (read.reduce) ring_staging_.push_back(read.into);
+  if (read.reduce) ReturnRingStaging(read.into);
   if (read.given_up) return;
   auto kit = keys_.find(read.key);
   if (kit == keys_.end() || read.shard >= kit->second.shards.size()) return;

@@ -639,6 +639,52 @@ TEST(PsTest, ARingRoundGivenUpByOneProxyFailsOnEveryProxy) {
       << late.ToString();
 }
 
+// A ring read across a link that never lands (a peer that stops answering
+// one-sided reads while its connection stays up) fails its round once its
+// deadline passes (RingReadsOverdue, on the proxy's report tick), naming
+// the read, instead of holding the round until the workers' deadline.
+TEST(PsTest, ARingReadThatNeverLandsFailsItsRoundAtItsDeadline) {
+  auto c = Cluster::Start(
+      3, Scheduler::kPerClientQueues, "", false, 10s,
+      /*replicate=*/false, [](ProxyOptions& o) {
+        o.transports = "tcp";
+        o.hang_report = 400ms;  // the report tick: every 100 ms
+        o.ring_read_timeout = 300ms;
+        if (o.rank != 1) return;
+        auto rounds = std::make_shared<int>(0);
+        o.lose_ring_read_for_test = [rounds](uint64_t, uint32_t) {
+          return ++*rounds > 4;  // round 0's reads land; later ones do not
+        };
+      });
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < 2; ++r) {
+    w.push_back(Worker(c, r, 2));
+    ASSERT_NE(w[r], nullptr);
+    ASSERT_TRUE(w[r]->Declare(1, 3000 * 4, DType::kFloat32).ok());
+  }
+  std::vector<float> in(3000, 1.0f), o0(3000), o1(3000);
+  {
+    auto a = w[0]->PushPull(1, in.data(), o0.data());
+    auto b = w[1]->PushPull(1, in.data(), o1.data());
+    ASSERT_TRUE(a.Wait(20s).ok()) << a.Wait(0s).ToString();
+    ASSERT_TRUE(b.Wait(20s).ok()) << b.Wait(0s).ToString();
+    ASSERT_EQ(o0[0], 2.0f);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto a = w[0]->PushPull(1, in.data(), o0.data());
+  auto b = w[1]->PushPull(1, in.data(), o1.data());
+  for (auto* h : {&a, &b}) {
+    Status s = h->Wait(20s);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.ToString().find("timed out"), std::string::npos)
+        << s.ToString();
+    EXPECT_NE(s.ToString().find("ring read of"), std::string::npos)
+        << s.ToString();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 8s)
+      << "the round waited for the workers' deadline, not the read's";
+}
+
 TEST(PsTest, SgdOnTheMemoryNode) {
   auto c = Cluster::Start(2);
   auto w0 = Worker(c, 0, 2), w1 = Worker(c, 1, 2);

@@ -109,6 +109,14 @@ struct ProxyOptions {
   std::function<Status(uint64_t key, uint32_t shard, uint64_t round,
                        uint32_t step, uint32_t from)>
       before_ring_read_for_test;
+  // A ring read across a link (a peer's memory not mapped here) that has
+  // not landed after this fails its round, as a failed read does. 0: 30 s
+  // plus a second per 4 MiB of the chunk (a 4 MB/s floor).
+  std::chrono::milliseconds ring_read_timeout{0};
+  // Test hook: runs on the event loop as each ring read across a link
+  // lands; returning true loses the landing (a peer that never answers).
+  // Unset in production.
+  std::function<bool(uint64_t key, uint32_t shard)> lose_ring_read_for_test;
   // A replacement (`join`) copies its state in batches of at most this many
   // bytes while it serves; a request for a shard not copied yet waits for
   // it and moves it to the next batch.
