@@ -17,6 +17,10 @@ on them, with the baselines in the same run:
                membox: max(n / worker link, p n / (M memory-node link))
              (--memory-rate: memory hosts' links apart from the workers')
                ring AllReduce: 2 (p - 1) / p  n / worker link
+  replication  the default (replicated nodes) against --ps-replicate off:
+             PushPull at --sizes, and the transformer example's DDP step
+             with the membox hook (examples/transformer_lm.py, 4 blocks of
+             width 512, one sequence per worker: the link-bound size)
   train      `membox bench train`'s emulated data-parallel training
              (compute as sleeps, the real model's tensors scaled by
              --model-scale) under DDP's schedule (all buckets reduced, then
@@ -269,6 +273,95 @@ def run_allreduce(a, rec, only=None):
             cluster.down(topo, quiet=True)
 
 
+# The transformer example's link-bound size (docs/results/failures.md): one
+# sequence per worker, so that the links and not the cores set the step.
+TRANSFORMER = ["--d-model", "512", "--layers", "4", "--batch", "1",
+               "--steps", "20"]
+
+
+def _example(name):
+    """examples/<name> of the source tree this package was built from."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for up in range(1, 6):
+        cand = os.path.join(here, *[".."] * up, "examples", name)
+        if os.path.isfile(cand):
+            return os.path.normpath(cand)
+    return None
+
+
+def _steady_step_ms(text):
+    """The mean step of steps 11-20 from the example's "step 10 ... (A
+    ms/step)" and "step 20 ... (B ms/step)" lines (each the mean since step
+    1): 2B - A."""
+    means = {}
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 6 and f[0] == "step" and f[1] in ("10", "20"):
+            means[f[1]] = float(f[4].lstrip("("))
+    if len(means) != 2:
+        return None
+    return 2 * means["20"] - means["10"]
+
+
+def run_transformer_replication(a, rec):
+    """The transformer example (examples/transformer_lm.py, DDP with the
+    membox hook) on the default's replicated nodes and with --ps-replicate
+    off, fresh nodes for every run, the variants interleaved over
+    --repeats; the steady-state step (steps 11-20) and the CPU use."""
+    script = _example("transformer_lm.py")
+    if script is None:
+        print("transformer step skipped: examples/transformer_lm.py is not "
+              "beside this package (run from the source tree)",
+              file=sys.stderr)
+        return
+    python = os.environ.get("MEMBOX_PYTHON", sys.executable)
+    p = a.workers
+    for m in a.nodes:
+        case = f"transformer@{p}w{m}m-{links(a)}"
+        steps, cpus = {}, {}
+        for rep in range(a.repeats):
+            for variant, extra in (("membox", ""),
+                                   ("unreplicated", "ps_replicate = false\n")):
+                topo = topology("btf", p, m, a, extra)
+                cluster.up(topo, log=lambda s: None)
+                try:
+                    print(f"[{case}] {variant} ..." + (
+                        f" (repeat {rep + 1} of {a.repeats})"
+                        if a.repeats > 1 else ""), file=sys.stderr,
+                        flush=True)
+                    argv = cluster.mpirun_argv(
+                        topo, [python, script, "--backend", "membox"] +
+                        TRANSFORMER, attach=True)
+                    with CpuMeter() as cpu:
+                        out = subprocess.run(argv, capture_output=True,
+                                             text=True, timeout=900)
+                finally:
+                    cluster.down(topo, quiet=True)
+                ms = _steady_step_ms(out.stdout + out.stderr)
+                if out.returncode != 0 or ms is None:
+                    sys.stderr.write(out.stdout[-2000:] + out.stderr[-2000:])
+                    raise RuntimeError(f"transformer {variant}: failed "
+                                       f"(exit {out.returncode})")
+                name = f"{variant}-{m}node"
+                steps.setdefault(name, []).append(ms)
+                cpus.setdefault(name, []).append(cpu.percent)
+        for name, v in steps.items():
+            rec.add(name, 0, p, "step_time", statistics.median(v), "ms", case)
+            rec.add(name, 0, p, "cpu", statistics.median(cpus[name]), "%",
+                    case)
+        r = statistics.median(steps[f"membox-{m}node"]) / \
+            statistics.median(steps[f"unreplicated-{m}node"])
+        rec.add(f"replicated-over-unreplicated-{m}node", 0, p, "ratio", r,
+                "x", case)
+        print(f"\n{case}: transformer step (steps 11-20), ms: replicated "
+              + ", ".join(f"{x:.0f}" for x in steps[f"membox-{m}node"])
+              + "; --ps-replicate off "
+              + ", ".join(f"{x:.0f}" for x in steps[f"unreplicated-{m}node"])
+              + f"; replicated / off {r:.2f}; CPU % "
+              + ", ".join(f"{k} {statistics.median(v):.0f}"
+                          for k, v in cpus.items()))
+
+
 TRAIN_SCHEMES = [
     # name, nodes (0: MPI or Gloo), routing, partition, dual
     ("mpi", 0, 0, 0, 0),
@@ -435,7 +528,8 @@ def plot(a, rec):
     import matplotlib.pyplot as plt
     cases = sorted({r["case"] for r in rec.rows if r["metric"] == "time"})
     tcases = sorted({r["case"] for r in rec.rows if r["metric"] == "iteration"})
-    panels = len(cases) + (1 if tcases else 0)
+    fcases = sorted({r["case"] for r in rec.rows if r["metric"] == "step_time"})
+    panels = len(cases) + (1 if tcases else 0) + (1 if fcases else 0)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
     for ax, case in zip(axes[0], cases):
         variants = []
@@ -459,6 +553,29 @@ def plot(a, rec):
         ax.set_title(case)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
+    if fcases:  # the transformer step, replicated against not
+        ax = axes[0][len(cases)]
+        for i, (v, label) in enumerate((("membox", "replicated (default)"),
+                                        ("unreplicated",
+                                         "--ps-replicate off"))):
+            ys = [next((r["value"] for r in rec.rows if r["case"] == c and
+                        r["metric"] == "step_time" and
+                        r["variant"].startswith(v + "-")), float("nan"))
+                  for c in fcases]
+            ax.bar([j + i * 0.4 for j in range(len(fcases))], ys, 0.4,
+                   label=label)
+        for j, c in enumerate(fcases):
+            ratio = next((r["value"] for r in rec.rows if r["case"] == c and
+                          r["metric"] == "ratio"), None)
+            if ratio is not None:
+                ax.annotate(f"{ratio:.2f}x", (j + 0.2, 0), ha="center",
+                            va="bottom", fontsize=8)
+        ax.set_xticks([j + 0.2 for j in range(len(fcases))])
+        ax.set_xticklabels([c.split("@")[1] for c in fcases], fontsize=7)
+        ax.set_ylabel("transformer step (ms)")
+        ax.set_title("transformer_lm.py, DDP + membox hook")
+        ax.legend(fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
     if tcases:
         ax = axes[0][-1]
         names = [s[0] for s in TRAIN_SCHEMES]
@@ -501,7 +618,8 @@ def main(argv=None):
     ap.add_argument("--pool", default="2GiB")
     ap.add_argument("--parts", default="allreduce,train",
                     help="allreduce, train, replication (the default's "
-                    "PushPull against --ps-replicate off only)")
+                    "PushPull and the transformer example's DDP step "
+                    "against --ps-replicate off only)")
     ap.add_argument("--models", default="")
     ap.add_argument("--model-scale", type=float, default=0.0,
                     help="train: fraction of each model's tensor bytes")
@@ -547,6 +665,7 @@ def main(argv=None):
             # default against --ps-replicate off, nothing else.
             a.nodes = [m for m in a.nodes if m > 1] or [2]
             run_allreduce(a, rec, only=("membox", "unreplicated"))
+            run_transformer_replication(a, rec)
         if "train" in parts:
             run_train(a, rec)
     finally:  # what was measured is kept even when a later part fails
