@@ -591,6 +591,32 @@ TEST(PsTest, ThreeProxiesRingOverTcpWithReadsInFlight) {
   EXPECT_EQ(c.proxies[0]->Stats().ring_steps, 2u * 3 * 3 * 4);
 }
 
+// Two workers of `c` declare key 1 (3000 floats) and finish its round 0
+// (each pushes ones: the sum is 2); then both push round 1. `w` gets the
+// workers, `round1` their round-1 outcomes, `took` how long those took.
+void RoundZeroThenOne(Cluster& c, std::vector<std::unique_ptr<ParamClient>>* w,
+                      std::vector<Status>* round1,
+                      std::chrono::steady_clock::duration* took) {
+  for (int r = 0; r < 2; ++r) {
+    w->push_back(Worker(c, r, 2));
+    ASSERT_NE((*w)[r], nullptr);
+    ASSERT_TRUE((*w)[r]->Declare(1, 3000 * 4, DType::kFloat32).ok());
+  }
+  std::vector<float> in(3000, 1.0f), o0(3000), o1(3000);
+  {
+    auto a = (*w)[0]->PushPull(1, in.data(), o0.data());
+    auto b = (*w)[1]->PushPull(1, in.data(), o1.data());
+    ASSERT_TRUE(a.Wait(20s).ok()) << a.Wait(0s).ToString();
+    ASSERT_TRUE(b.Wait(20s).ok()) << b.Wait(0s).ToString();
+    ASSERT_EQ(o0[0], 2.0f);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto a = (*w)[0]->PushPull(1, in.data(), o0.data());
+  auto b = (*w)[1]->PushPull(1, in.data(), o1.data());
+  for (auto* h : {&a, &b}) round1->push_back(h->Wait(20s));
+  *took = std::chrono::steady_clock::now() - t0;
+}
+
 // A proxy that gives up a ring round (a read fails for a reason other than
 // a dead peer) tells the other proxies of the ring, which fail their
 // workers' requests of it at once -- they used to wait for the round until
@@ -607,33 +633,21 @@ TEST(PsTest, ARingRoundGivenUpByOneProxyFailsOnEveryProxy) {
         };
       });
   std::vector<std::unique_ptr<ParamClient>> w;
-  for (int r = 0; r < 2; ++r) {
-    w.push_back(Worker(c, r, 2));
-    ASSERT_NE(w[r], nullptr);
-    ASSERT_TRUE(w[r]->Declare(1, 3000 * 4, DType::kFloat32).ok());
-  }
-  std::vector<float> in(3000, 1.0f), o0(3000), o1(3000);
-  {
-    auto a = w[0]->PushPull(1, in.data(), o0.data());
-    auto b = w[1]->PushPull(1, in.data(), o1.data());
-    ASSERT_TRUE(a.Wait(20s).ok()) << a.Wait(0s).ToString();
-    ASSERT_TRUE(b.Wait(20s).ok()) << b.Wait(0s).ToString();
-    ASSERT_EQ(o0[0], 2.0f);
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  auto a = w[0]->PushPull(1, in.data(), o0.data());
-  auto b = w[1]->PushPull(1, in.data(), o1.data());
-  for (auto* h : {&a, &b}) {
-    Status s = h->Wait(20s);
+  std::vector<Status> round1;
+  std::chrono::steady_clock::duration took{};
+  RoundZeroThenOne(c, &w, &round1, &took);
+  ASSERT_EQ(round1.size(), 2u);
+  for (const Status& s : round1) {
     EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
     EXPECT_NE(s.ToString().find("injected: the peer's chunk is corrupt"),
               std::string::npos)
         << s.ToString();
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s)
+  EXPECT_LT(took, 10s)
       << "the proxies waited for the round instead of failing it";
   // A later request of the round given up fails at once, naming why.
-  Status late = w[0]->Pull(1, o0.data()).Wait(10s);
+  std::vector<float> out(3000);
+  Status late = w[0]->Pull(1, out.data()).Wait(10s);
   EXPECT_EQ(late.code(), StatusCode::kUnavailable) << late.ToString();
   EXPECT_NE(late.ToString().find("gave up round 1"), std::string::npos)
       << late.ToString();
@@ -657,31 +671,18 @@ TEST(PsTest, ARingReadThatNeverLandsFailsItsRoundAtItsDeadline) {
         };
       });
   std::vector<std::unique_ptr<ParamClient>> w;
-  for (int r = 0; r < 2; ++r) {
-    w.push_back(Worker(c, r, 2));
-    ASSERT_NE(w[r], nullptr);
-    ASSERT_TRUE(w[r]->Declare(1, 3000 * 4, DType::kFloat32).ok());
-  }
-  std::vector<float> in(3000, 1.0f), o0(3000), o1(3000);
-  {
-    auto a = w[0]->PushPull(1, in.data(), o0.data());
-    auto b = w[1]->PushPull(1, in.data(), o1.data());
-    ASSERT_TRUE(a.Wait(20s).ok()) << a.Wait(0s).ToString();
-    ASSERT_TRUE(b.Wait(20s).ok()) << b.Wait(0s).ToString();
-    ASSERT_EQ(o0[0], 2.0f);
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  auto a = w[0]->PushPull(1, in.data(), o0.data());
-  auto b = w[1]->PushPull(1, in.data(), o1.data());
-  for (auto* h : {&a, &b}) {
-    Status s = h->Wait(20s);
+  std::vector<Status> round1;
+  std::chrono::steady_clock::duration took{};
+  RoundZeroThenOne(c, &w, &round1, &took);
+  ASSERT_EQ(round1.size(), 2u);
+  for (const Status& s : round1) {
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.ToString().find("timed out"), std::string::npos)
         << s.ToString();
     EXPECT_NE(s.ToString().find("ring read of"), std::string::npos)
         << s.ToString();
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 8s)
+  EXPECT_LT(took, 8s)
       << "the round waited for the workers' deadline, not the read's";
 }
 
