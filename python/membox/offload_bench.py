@@ -25,7 +25,8 @@ Measured, per scheme:
   budget         with --budget-mb M: every worker in a memory cgroup of M
                  MiB (v1, /sys/fs/cgroup/memory; needs root), the largest
                  batch (1, 2, 4, ...) each scheme trains for three steps
-                 without being OOM-killed, and its samples/s there
+                 without being OOM-killed, and its samples/s there; on one
+                 host or across --topology's hosts
 
     membox bench offload [--quick] [--csv F] [--json F] [--plot F.png]
                          [--workers 2] [--nodes 2] [--layers 24]
@@ -111,8 +112,22 @@ def _rss():
     return out
 
 
+def _cgroup_root():
+    """The memory cgroup hierarchy: this machine's, or -- inside an
+    emulated host, whose `ip netns exec` mounts a fresh /sys without the
+    cgroup file systems -- the same (global) v1 hierarchy mounted again in
+    that private mount namespace."""
+    if os.path.isdir(_CGROUP):
+        return _CGROUP
+    root = f"/tmp/membox-memcg-{os.getpid()}"
+    os.makedirs(root, exist_ok=True)
+    subprocess.run(["mount", "-t", "cgroup", "-o", "memory", "cgroup", root],
+                   check=True)
+    return root
+
+
 def _join_cgroup(name, limit_mb):
-    path = os.path.join(_CGROUP, name)
+    path = os.path.join(_cgroup_root(), name)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
         f.write(str(limit_mb << 20))
@@ -120,6 +135,10 @@ def _join_cgroup(name, limit_mb):
         f.write("0")
     with open(os.path.join(path, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
+    root = os.path.dirname(path)
+    if root != _CGROUP:  # mounted here for the join only
+        subprocess.run(["umount", root], check=False)
+        os.rmdir(root)
 
 
 def worker(a):
@@ -158,7 +177,7 @@ def worker(a):
         model = model.to(dev)
     lr = 1e-3
     accounted = None
-    if a.variant == "ddp":
+    if a.variant in ("ddp", "ddp-accum"):
         model = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.Adam(model.parameters(), lr=lr)
     elif a.variant.startswith("fsdp2"):
@@ -193,9 +212,26 @@ def worker(a):
                           generator=gen).to(dev)
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = loss_fn(model(x[:, :-1]).reshape(-1, vocab),
-                       x[:, 1:].reshape(-1))
-        loss.backward()
+        if a.variant == "ddp-accum":
+            # The batch in a.accum micro-batches, gradients averaged over
+            # them and all-reduced once (DDP's no_sync on all but the last).
+            import contextlib
+            micro = a.batch // a.accum
+            total = 0.0
+            for i in range(a.accum):
+                part = x[i * micro:(i + 1) * micro]
+                ctx = model.no_sync() if i < a.accum - 1 else \
+                    contextlib.nullcontext()
+                with ctx:
+                    lp = loss_fn(model(part[:, :-1]).reshape(-1, vocab),
+                                 part[:, 1:].reshape(-1)) / a.accum
+                    lp.backward()
+                total += float(lp.detach())
+            loss = torch.tensor(total)
+        else:
+            loss = loss_fn(model(x[:, :-1]).reshape(-1, vocab),
+                           x[:, 1:].reshape(-1))
+            loss.backward()
         opt.step()
         if cuda:
             torch.cuda.synchronize(dev)
@@ -244,7 +280,7 @@ def _membox_bin():
     return os.environ.get("MEMBOX_BIN") or shutil.which("membox") or "membox"
 
 
-def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
+def run_case(a, variant, batch, out, budget_mb=0, cgroup="", accum=1):
     """One training run of `variant`; its rank 0 record, or None with the
     reason when it failed (OOM: killed by the kernel)."""
     py = sys.executable
@@ -254,7 +290,7 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup=""):
              "--layers", str(a.layers), "--d-model", str(a.d_model),
              "--seq", str(a.seq), "--batch", str(batch),
              "--steps", str(steps), "--prefetch", str(a.prefetch),
-             "--device", a.device, "--out", out]
+             "--device", a.device, "--accum", str(accum), "--out", out]
     if budget_mb:
         wargs += ["--budget-mb", str(budget_mb)]
         if a.device == "cpu":
@@ -363,6 +399,7 @@ def main(argv=None):
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--budget-mb", type=int, default=0)
+    ap.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--min-batch", type=int, default=1)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -393,8 +430,9 @@ def main(argv=None):
     if a.budget_mb and a.device == "cpu" and not os.access(_CGROUP, os.W_OK):
         _die(f"--budget-mb needs root and memory cgroups ({_CGROUP})")
     if a.topology:
-        if a.budget_mb:
-            _die("--budget-mb runs on one host (not with --topology)")
+        # (With --budget-mb each worker joins its memory cgroup from inside
+        # its host's network namespace: the namespaces share this machine's
+        # cgroup file system.)
         import re
         with open(a.topology) as f:
             text = f.read()
@@ -495,6 +533,25 @@ def main(argv=None):
             best = largest_batch(a, v, tmp)
             budget[v] = best
         ddp_b = budget.get("ddp")
+        mbx_b = budget.get("membox")
+        if ddp_b and mbx_b and mbx_b[0] > ddp_b[0]:
+            # DDP at its best under the budget, as a user limited by memory
+            # would run it: its largest batch as micro-batches, gradients
+            # accumulated to membox's batch and all-reduced once per step.
+            k = mbx_b[0] // ddp_b[0]
+            cgroup = f"membox-bench-{os.getpid()}"
+            try:
+                rec, why, _ = run_case(
+                    a, "ddp-accum", mbx_b[0],
+                    os.path.join(tmp, "ddp-accum.json"), a.budget_mb,
+                    cgroup, accum=k)
+            finally:
+                _remove_cgroups(cgroup)
+            print(f"  budget {a.budget_mb} MiB, ddp-accum batch {mbx_b[0]} "
+                  f"({k} x {ddp_b[0]}): "
+                  f"{why or '%.0f ms/step' % (rec['step_s'] * 1e3)}",
+                  file=sys.stderr, flush=True)
+            budget["ddp-accum"] = (mbx_b[0], rec) if rec else None
         for v, best in budget.items():
             if best is None:
                 print(f"{v:14} does not train at batch 1")
@@ -529,10 +586,11 @@ def plot(records, path):
     for r in records:
         by.setdefault(r["metric"], {})[r["variant"]] = r["value"]
     shown = [v for v in VARIANTS if v in by.get("step_time", {})]
-    budget = [v for v in VARIANTS if v in by.get("budget_samples_per_s", {})]
+    budget = [v for v in VARIANTS + ("ddp-accum",)
+              if v in by.get("budget_samples_per_s", {})]
     n = 3 if budget else 2
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.8))
-    colors = {"ddp": "#7f7f7f", "fsdp2": "#ff7f0e", "fsdp2-offload": "#ffbb78",
+    colors = {"ddp": "#7f7f7f", "ddp-accum": "#bdbdbd", "fsdp2": "#ff7f0e", "fsdp2-offload": "#ffbb78",
               "membox": "#1f77b4"}
     gpu = "gpu_bytes_per_param" in by
     rss = by["gpu_bytes_per_param" if gpu else "resident_bytes_per_param"]
