@@ -536,21 +536,25 @@ def main(argv=None):
         mbx_b = budget.get("membox")
         if ddp_b and mbx_b and mbx_b[0] > ddp_b[0]:
             # DDP at its best under the budget, as a user limited by memory
-            # would run it: its largest batch as micro-batches, gradients
-            # accumulated to membox's batch and all-reduced once per step.
-            k = mbx_b[0] // ddp_b[0]
+            # would run it: micro-batches (its largest batch, halved until
+            # accumulating fits), gradients accumulated to membox's batch
+            # and all-reduced once per step.
+            micro, rec = ddp_b[0], None
             cgroup = f"membox-bench-{os.getpid()}"
-            try:
-                rec, why, _ = run_case(
-                    a, "ddp-accum", mbx_b[0],
-                    os.path.join(tmp, "ddp-accum.json"), a.budget_mb,
-                    cgroup, accum=k)
-            finally:
-                _remove_cgroups(cgroup)
-            print(f"  budget {a.budget_mb} MiB, ddp-accum batch {mbx_b[0]} "
-                  f"({k} x {ddp_b[0]}): "
-                  f"{why or '%.0f ms/step' % (rec['step_s'] * 1e3)}",
-                  file=sys.stderr, flush=True)
+            while micro >= 1 and rec is None:
+                k = mbx_b[0] // micro
+                try:
+                    rec, why, _ = run_case(
+                        a, "ddp-accum", mbx_b[0],
+                        os.path.join(tmp, "ddp-accum.json"), a.budget_mb,
+                        cgroup, accum=k)
+                finally:
+                    _remove_cgroups(cgroup)
+                print(f"  budget {a.budget_mb} MiB, ddp-accum batch "
+                      f"{mbx_b[0]} ({k} x {micro}): "
+                      f"{why or '%.0f ms/step' % (rec['step_s'] * 1e3)}",
+                      file=sys.stderr, flush=True)
+                micro //= 2
             budget["ddp-accum"] = (mbx_b[0], rec) if rec else None
         for v, best in budget.items():
             if best is None:
