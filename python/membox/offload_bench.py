@@ -573,6 +573,8 @@ def main(argv=None):
                                 "workers": a.workers, "metric": metric,
                                 "value": value, "unit": unit,
                                 "case": f"{case}-budget{a.budget_mb}MiB"})
+        if a.topology:  # each run brought the cluster up again
+            _cluster(a.topology, "down")
     from membox.bench_report import write_records
     write_records(records, a.csv, a.json)
     if a.plot:
