@@ -179,7 +179,8 @@ def worker(a):
         result["staged_bytes"] = st["d2h"]["bytes"]
         dist.barrier()  # the other workers are idle while rank 0 measures
         if rank == 0:
-            staging = membox_torch._staging_for(membox_torch.client())
+            from membox.torch.staging import staging_for
+            staging = staging_for(membox_torch.client())
             nbytes = BUCKET_MB << 20
             arr, host = staging.buffer(("gpu_bench", nbytes), nbytes)
             result.update(copy_rates(host, nbytes, dev))

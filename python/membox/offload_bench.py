@@ -355,6 +355,8 @@ def run_case(a, variant, batch, out, budget_mb=0, cgroup="", accum=1):
 
 
 def _remove_cgroups(prefix):
+    if not os.path.isdir(_CGROUP):  # a GPU budget made none
+        return
     for name in os.listdir(_CGROUP):
         if name.startswith(prefix):
             try:

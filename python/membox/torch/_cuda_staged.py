@@ -37,7 +37,7 @@ def _to_host(x, pairs, read):
     if isinstance(x, torch.Tensor):
         if x.device.type != "cuda":
             return x
-        h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        h = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
         if read:
             h.copy_(x, non_blocking=True)
         pairs.append((x, h))

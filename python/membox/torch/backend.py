@@ -138,7 +138,7 @@ def _bytes_view(t):
     """A contiguous CPU tensor's bytes as a flat uint8 tensor (same memory)."""
     t = t.detach()  # collectives move values, not autograd history
     return t.view(-1).view(torch.uint8) if t.numel() else \
-        torch.empty(0, dtype=torch.uint8)
+        torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
 class _Work(dist.Work):
@@ -284,11 +284,28 @@ def _proxies(store, rank, timeout):
     return store.get(_STORE_KEY).decode().split(",")
 
 
-class MemboxBackend(torch._C._distributed_c10d.Backend):
+def _base_class():
+    """torch's Backend where Python may subclass it (torch 2.15 on), else
+    its ProcessGroup: earlier torch binds no constructor for Backend, and
+    a creator that returns a ProcessGroup gives torch the group itself
+    (torch's own Python process groups, test_c10d_pypg, do the same)."""
+    backend = torch._C._distributed_c10d.Backend
+
+    class _Probe(backend):
+        pass
+    try:
+        _Probe(0, 1)
+        return backend
+    except TypeError:
+        return dist.ProcessGroup
+
+
+class MemboxBackend(_base_class()):
     """A torch.distributed backend whose collectives run on the memory
     nodes (module docstring). Made by torch through the "membox" name:
     init_process_group("membox") under torchrun, file:// or tcp:// init,
-    or mp.spawn with rank and world_size."""
+    or mp.spawn with rank and world_size. A torch.distributed Backend,
+    or on torch before 2.15 a ProcessGroup (_base_class)."""
 
     # Groups of the whole job made in this process: each its own key space.
     # Every rank makes them in the same order (torch's rule), so the count
@@ -707,7 +724,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         that exchange nothing send an empty notice), else through the
         nodes (_exchange_on_nodes)."""
         if self._mesh_path():
-            none = torch.empty(0, dtype=torch.uint8)
+            none = torch.empty(0, dtype=torch.uint8, device="cpu")
             every = sends.get(None)
             outs = [recvs[q][0] if q in recvs else none
                     for q in range(self._size)]
@@ -809,7 +826,8 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
     def _gather_all(self, t):
         """Every rank's `t` (same shape), stacked: on the exchange thread."""
         c = t.contiguous()
-        out = torch.empty((self._size,) + tuple(t.shape), dtype=t.dtype)
+        out = torch.empty((self._size,) + tuple(t.shape), dtype=t.dtype,
+                          device="cpu")
         recvs = {q: (_bytes_view(out[q]), True) for q in range(self._size)
                  if q != self._rank}
         out[self._rank].copy_(c)
@@ -988,7 +1006,8 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
         if self._rank != root:
             self._exchange({root: _bytes_view(c)}, {})
             return None
-        out = torch.empty((self._size,) + tuple(t.shape), dtype=t.dtype)
+        out = torch.empty((self._size,) + tuple(t.shape), dtype=t.dtype,
+                          device="cpu")
         out[root].copy_(c)
         self._exchange({}, {q: (_bytes_view(out[q]), False)
                             for q in range(self._size) if q != root})
@@ -1038,7 +1057,7 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 all(o.dtype == t.dtype and o.numel() == t.numel()
                     for o in outs):
             n = t.numel()
-            flat = torch.empty(n * self._size, dtype=t.dtype)
+            flat = torch.empty(n * self._size, dtype=t.dtype, device="cpu")
 
             def unpack():
                 for q, o in enumerate(outs):
@@ -1051,7 +1070,8 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
                 c = t.contiguous()
                 nb = c.numel() * c.element_size()
                 if nb and self._direct(nb * self._size):
-                    flat = torch.empty(nb * self._size, dtype=torch.uint8)
+                    flat = torch.empty(nb * self._size, dtype=torch.uint8,
+                                       device="cpu")
                     flat[self._rank * nb:(self._rank + 1) * nb].copy_(
                         _bytes_view(c))
                     self._ring_gather(flat, nb)
@@ -1572,6 +1592,33 @@ class MemboxBackend(torch._C._distributed_c10d.Backend):
             self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
+
+
+if issubclass(MemboxBackend, dist.ProcessGroup):
+    # torch before 2.15 calls a ProcessGroup's single-tensor collectives by
+    # these names (and binds no Python override for them).
+    MemboxBackend._allgather_base = MemboxBackend.all_gather_single
+    MemboxBackend._reduce_scatter_base = MemboxBackend.reduce_scatter_single
+    MemboxBackend.alltoall_base = MemboxBackend.all_to_all_single
+    MemboxBackend.allgather_into_tensor_coalesced = \
+        MemboxBackend.all_gather_single_coalesced
+    MemboxBackend.reduce_scatter_tensor_coalesced = \
+        MemboxBackend.reduce_scatter_single_coalesced
+    MemboxBackend.recv_anysource = MemboxBackend.recvAnysource
+
+    # The group is its own backend for every device, and keeps the name
+    # torch gives it (its C++ side reads the name from a registered
+    # backend, which a Python group has none of).
+    def _get_backend(self, device=None):
+        return self
+
+    def _set_group_name(self, name):
+        self._membox_group_name = name
+
+    MemboxBackend._get_backend = _get_backend
+    MemboxBackend._set_group_name = _set_group_name
+    MemboxBackend.group_name = property(
+        lambda self: getattr(self, "_membox_group_name", ""))
 
 
 def _create(opts, backend_options=None):

@@ -11,6 +11,12 @@ from membox.torch._session import (session, client, declare, flat_numpy)
 from membox.torch.staging import staging_for
 
 
+def _esize(dtype):
+    """Bytes per element of `dtype` (torch 1.13 has no dtype.itemsize);
+    on the CPU whatever the default device."""
+    return torch.empty(0, dtype=dtype, device="cpu").element_size()
+
+
 def allreduce_hook(state, bucket):
     """DDP communication hook: average the bucket across workers through the
     memory nodes. Returns a Future completed with the averaged bucket.
@@ -83,7 +89,7 @@ def _result_buffer(c, key, numel, dtype):
         results = session.results
         r = results.get(key)
     if r is None:
-        arr = c.allocate(numel * torch.empty(0, dtype=dtype).element_size())
+        arr = c.allocate(numel * _esize(dtype))
         r = (arr, torch.from_numpy(arr).view(dtype))
         with session.lock:
             results[key] = r
@@ -121,7 +127,7 @@ def _narrow_push_pull(c, index, t):
     in place: no staging copies."""
     wire = session.wire
     key = _bucket_key(index, wire,
-                      t.numel() * torch.empty(0, dtype=wire).element_size())
+                      t.numel() * _esize(wire))
     arr = None
     if t.device.type == "cpu" and c.proxies_map_memory:
         arr, w = _result_buffer(c, key, t.numel(), wire)

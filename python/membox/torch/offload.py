@@ -542,18 +542,29 @@ class OffloadOptimizer(torch.optim.Optimizer):
                             else self._buffer_of(u)]
         host = buf.host
         streams = set()
+        staged = []
         for k in u.keys:
             src = host[k.at:k.at + k.nbytes]
             flat = src.view(k.dtype)
             if k.flat is not None:
-                k.flat.untyped_storage().resize_(k.numel *
-                                                 k.flat.element_size())
+                nbytes = k.numel * k.flat.element_size()
                 if k.device.type != "cuda":  # a compute-dtype copy
+                    k.flat.untyped_storage().resize_(nbytes)
                     k.flat.copy_(flat)
                 elif k.flat.dtype == k.dtype:  # the pull, to the device
-                    streams.add(staging_for(self.client).to_device(
-                        src, k.flat, k.device))
+                    # Allocated in the copy's stream: a block the compute
+                    # stream freed may still be read by its queued kernels
+                    # (a unit released before the GPU ran its compute);
+                    # the allocator holds a block back from other streams
+                    # until the compute recorded on it is done (below).
+                    staging = staging_for(self.client)
+                    _, h2d = staging.streams(k.device)
+                    with torch.cuda.stream(h2d):
+                        k.flat.untyped_storage().resize_(nbytes)
+                    streams.add(staging.to_device(src, k.flat, k.device))
+                    staged.append(k.flat)
                 else:  # to the device, then narrowed there
+                    k.flat.untyped_storage().resize_(nbytes)
                     k.flat.copy_(flat.to(k.device))
                 flat = k.flat
             for p, view in k.views(flat):
@@ -561,6 +572,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for st in streams:
             torch.cuda.current_stream(st.device).wait_stream(st)
             buf.copied = st.record_event()
+        for t in staged:  # read by the compute stream from now on
+            t.record_stream(torch.cuda.current_stream(t.device))
         u.laid = True
         self._account()
 
@@ -950,7 +963,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         raise ValueError(
                             "offload: %s is in the state of some parameters "
                             "of unit %s but not all" % (name, u.name))
-                    flat = torch.empty(k.numel, dtype=k.dtype)
+                    flat = torch.empty(k.numel, dtype=k.dtype, device="cpu")
                     for p, off, shape in zip(k.params, k.offsets, k.shapes):
                         t = state[index[id(p)]][name]
                         if tuple(t.shape) != tuple(shape):
@@ -1027,7 +1040,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _read_key(self, k):
         u, _ = self._param_unit[id(k.params[0])]
         values = self._gather(u)
-        flat = torch.empty(k.numel, dtype=k.dtype)
+        flat = torch.empty(k.numel, dtype=k.dtype, device="cpu")
         for p, off, shape in zip(k.params, k.offsets, k.shapes):
             flat[off:off + shape.numel()].copy_(values[id(p)].reshape(-1))
         return flat

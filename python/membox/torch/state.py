@@ -377,7 +377,8 @@ class InMemoryState:
     # ------------------------------------------------------------- restore
 
     def _markers(self):
-        buf = torch.zeros(_SLOTS * self.world * _MARKER, dtype=torch.int64)
+        buf = torch.zeros(_SLOTS * self.world * _MARKER, dtype=torch.int64,
+                          device="cpu")
         self.client.register_tensor(buf)
         try:
             hs = []
@@ -447,7 +448,7 @@ class InMemoryState:
                 "restart with the same model and optimizer"
                 % (total, lay[1]))
         per = lay[2]
-        buf = torch.empty(per * self.world, dtype=torch.uint8)
+        buf = torch.empty(per * self.world, dtype=torch.uint8, device="cpu")
         self.client.register_tensor(buf)
         try:
             hs = []
@@ -474,7 +475,7 @@ class InMemoryState:
     def _pull_extras(self, slot, gen, n):
         key = _state_key(2, slot, 0, gen)
         self.client.declare_stored(key, _EXTRAS_BYTES)
-        buf = torch.empty(_EXTRAS_BYTES, dtype=torch.uint8)
+        buf = torch.empty(_EXTRAS_BYTES, dtype=torch.uint8, device="cpu")
         self.client.register_tensor(buf)
         try:
             self.client.pull(key, buf).wait()
