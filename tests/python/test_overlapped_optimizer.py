@@ -4,6 +4,7 @@ and of two processes, a real `membox serve`): stepping each bucket as its
 average arrives gives the same parameters as one optimizer.step() after
 backward, through membox's hook and through the process group's AllReduce;
 its state round-trips; the errors a user sees. Skips (77) without torch."""
+import faulthandler
 import os
 import sys
 import tempfile
@@ -53,6 +54,10 @@ def two_rank_worker(rank, world, pg_file, endpoint, secret, out_dir):
     differ from either rank's own. Writes its parameters after the
     reference (plain DDP + Adam.step() after backward) and after
     OverlappedOptimizer with membox's hook and with Gloo's AllReduce."""
+    # Every thread's Python stack if the process aborts (a CI run saw this
+    # rank end with SIGABRT, "terminate called without an active
+    # exception", once in many runs; not reproduced in 50 here).
+    faulthandler.enable()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + pg_file,
                             rank=rank, world_size=world)
