@@ -107,6 +107,10 @@ const char* TypeName(Type t) {
       return "backup";
     case Type::kBackupDone:
       return "backup-done";
+    case Type::kBackupStep:
+      return "backup-step";
+    case Type::kBackupWhole:
+      return "backup-whole";
     case Type::kStore:
       return "store";
     case Type::kWhere:
@@ -238,9 +242,19 @@ std::vector<uint8_t> Encode(const Message& m) {
       PutStr(w, m.text);
       break;
     case Type::kCatchUpDone:
+    case Type::kBackupWhole:
       w.U64(m.key);
       w.U32(m.shard);
       w.U64(m.round);
+      break;
+    case Type::kBackupStep:
+      w.U64(m.key);
+      w.U32(m.shard);
+      w.U64(m.round);
+      w.U64(m.bytes);
+      PutBytes(w, m.descriptor);
+      PutOptimizer(w, m);
+      PutF64(w, m.grad_scale);
       break;
     case Type::kCombine:
       w.U64(m.key);
@@ -381,7 +395,16 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
            GetStr(r, &m.text, kMaxText);
       break;
     case Type::kCatchUpDone:
+    case Type::kBackupWhole:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round);
+      break;
+    case Type::kBackupStep:
+      // A step needs an optimizer; the scale is a positive finite factor.
+      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) && m.round > 0 &&
+           r.U64(&m.bytes) && m.bytes > 0 &&
+           GetBytes(r, &m.descriptor, kMaxDescriptor) && GetOptimizer(r, &m) &&
+           m.optimizer != Optimizer::kNone && GetF64(r, &m.grad_scale) &&
+           m.grad_scale > 0 && std::isfinite(m.grad_scale);
       break;
     case Type::kCombine:
       ok = r.U64(&m.key);

@@ -93,8 +93,18 @@ enum class Type : uint8_t {
   // peer -- and failed its workers' requests of it (text: why). The other
   // proxies of the ring fail theirs too instead of waiting for it.
   kRingAbort = 28,
+  // proxy -> proxy notice, primary-backup of a striped key with an
+  // optimizer: instead of the shard's new value and moments (kBackup),
+  // the owner offers round `round - 1`'s summed gradient (a state
+  // manifest whose one shard's value is the sum, version `round`) and the
+  // step as it applied it (optimizer, hyperparameters, grad_scale). A
+  // backup holding version `round - 1` applies the same step and answers
+  // kBackupDone; any other backup answers kBackupWhole (key, shard,
+  // round), and the owner offers the shard whole (kBackup).
+  kBackupStep = 29,
+  kBackupWhole = 30,
 };
-constexpr Type kLastType = Type::kRingAbort;
+constexpr Type kLastType = Type::kBackupWhole;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;
@@ -142,6 +152,9 @@ struct Message {
   Optimizer optimizer = Optimizer::kNone;
   double lr = 0, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double weight_decay = 0;
+  // kBackupStep: the factor the summed gradient was multiplied by first
+  // (1 / workers when averaging)
+  double grad_scale = 1;
   // kRoute: the table, and for every key declared so far the first round
   // it applies to (keys declared later use it from round 0).
   uint64_t threshold = 0;

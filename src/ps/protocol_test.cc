@@ -55,6 +55,10 @@ std::vector<Message> SeedMessages() {
     m.text = "status";
     out.push_back(m);
   }
+  // A step backup needs an optimizer and a positive scale.
+  Message& step = out[static_cast<int>(Type::kBackupStep) - 1];
+  step.optimizer = Optimizer::kAdam;
+  step.grad_scale = 0.25;
   Message d = out[static_cast<int>(Type::kDeclare) - 1];
   for (Optimizer o : {Optimizer::kSgd, Optimizer::kAdam, Optimizer::kAdamW,
                       Optimizer::kAdagrad}) {
@@ -152,6 +156,39 @@ TEST(PsProtocolTest, RejectsMalformed) {
   bad = enc;
   bad[1] = 2;
   EXPECT_FALSE(proto::Decode(push, bad).ok());
+}
+
+TEST(PsProtocolTest, ABackupStepNamesItsStep) {
+  Message m;
+  m.type = Type::kBackupStep;
+  m.key = 1;
+  m.round = 4;
+  m.bytes = 64;
+  m.descriptor = {1, 2, 3};
+  m.optimizer = Optimizer::kAdamW;
+  m.lr = 0.001;
+  m.weight_decay = 0.1;
+  m.grad_scale = 0.5;
+  auto dec = Decode(m);
+  ASSERT_TRUE(dec.ok()) << dec.status().ToString();
+  EXPECT_EQ(dec->optimizer, Optimizer::kAdamW);
+  EXPECT_EQ(dec->lr, 0.001);
+  EXPECT_EQ(dec->weight_decay, 0.1);
+  EXPECT_EQ(dec->grad_scale, 0.5);
+  Message b = m;
+  b.optimizer = Optimizer::kNone;  // a step without an optimizer
+  EXPECT_FALSE(Decode(b).ok());
+  for (double bad : {0.0, -1.0, std::nan(""), HUGE_VAL}) {
+    b = m;
+    b.grad_scale = bad;
+    EXPECT_FALSE(Decode(b).ok()) << "grad_scale " << bad;
+  }
+  b = m;
+  b.round = 0;  // the version the step makes is at least 1
+  EXPECT_FALSE(Decode(b).ok());
+  b = m;
+  b.bytes = 0;
+  EXPECT_FALSE(Decode(b).ok());
 }
 
 TEST(PsProtocolTest, ValidatesFields) {

@@ -86,6 +86,7 @@ ProxyStats ProxyImpl::Stats() const {
   s.result_bytes = result_bytes_.load(std::memory_order_relaxed);
   s.backups_acked = backups_acked_.load(std::memory_order_relaxed);
   s.backup_bytes_in = backup_bytes_in_.load(std::memory_order_relaxed);
+  s.backup_steps = backup_steps_.load(std::memory_order_relaxed);
   s.backups_pending = backups_pending_.load(std::memory_order_relaxed);
   s.shards_copying = shards_copying_.load(std::memory_order_relaxed);
   return s;
@@ -103,8 +104,9 @@ std::string ProxyImpl::StatusText() const {
     << "\nreads_held " << s.reads_held << "\nreplicate "
     << (opt_.replicate ? "on" : "off") << "\nfailovers " << failovers_.load()
     << "\nbackups_acked " << s.backups_acked << "\nbackup_bytes_in "
-    << s.backup_bytes_in << "\nbackups_pending " << s.backups_pending
-    << "\nshards_copying " << s.shards_copying << "\n";
+    << s.backup_bytes_in << "\nbackup_steps " << s.backup_steps
+    << "\nbackups_pending " << s.backups_pending << "\nshards_copying "
+    << s.shards_copying << "\n";
   MutexLock l(&waits_mu_);
   o << waits_;
   return o.str();
@@ -127,6 +129,9 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
   w.Counter("membox_ps_backup_bytes_in_total",
             "Bytes of state copied here as other shards' backup.",
             s.backup_bytes_in);
+  w.Counter("membox_ps_backup_steps_total",
+            "Rounds of other shards backed up here by repeating their step.",
+            s.backup_steps);
   w.Gauge("membox_ps_backups_pending",
           "Shards applied here waiting for their backup's copy.",
           s.backups_pending);
@@ -423,10 +428,12 @@ void ProxyImpl::OnRequest(const service::Request& r) {
   }
   m->id = r.id;
   // Ring notices arrive as notices; everything else is a request.
-  const bool ring = m->type == Type::kReady || m->type == Type::kDone ||
-                    m->type == Type::kResume || m->type == Type::kCatchUp ||
-                    m->type == Type::kCatchUpDone || m->type == Type::kBackup ||
-                    m->type == Type::kBackupDone || m->type == Type::kRingAbort;
+  const bool ring =
+      m->type == Type::kReady || m->type == Type::kDone ||
+      m->type == Type::kResume || m->type == Type::kCatchUp ||
+      m->type == Type::kCatchUpDone || m->type == Type::kBackup ||
+      m->type == Type::kBackupDone || m->type == Type::kRingAbort ||
+      m->type == Type::kBackupStep || m->type == Type::kBackupWhole;
   if (r.notice != ring) {
     rejected_.fetch_add(1);
     MEMBOX_LOG_WARN("connection {}: {} sent as a {}", conn,
@@ -474,12 +481,16 @@ void ProxyImpl::OnRequest(const service::Request& r) {
       catch_ups_.erase({c.rank, m->key, m->shard});
       return;
     case Type::kBackup:
+    case Type::kBackupStep:
+    case Type::kBackupWhole:
     case Type::kBackupDone: {
       if (c.role != Conn::Role::kPeer) break;
       // Not tied to a ring attempt (kResume): only an incarnation that is
       // gone is ignored.
       if (!failover_.IsLink(c.rank, conn)) return;
       if (m->type == Type::kBackup) return OnBackup(c.rank, *m);
+      if (m->type == Type::kBackupStep) return OnBackupStep(c.rank, *m);
+      if (m->type == Type::kBackupWhole) return OnBackupWhole(c.rank, *m);
       return OnBackupDone(c.rank, *m);
     }
     case Type::kJoin:
@@ -678,6 +689,7 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
           // Nobody waits for that answer any more; the backup gets the
           // shard whole with the next round (an offer is the full state).
           sh.awaiting_backup = false;
+          sh.backup_synced = false;
           sh.backup_keep.clear();
           backups_pending_.fetch_sub(1);
         }

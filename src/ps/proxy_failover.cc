@@ -88,9 +88,10 @@ void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
   // answer.
   for (auto& [k, key] : keys_) {
     for (uint32_t s = 0; s < key.shards.size(); ++s) {
-      if (key.shards[s].awaiting_backup && BackupOf(k, s) == rank) {
-        SendBackup(k, s);
-      }
+      if (BackupOf(k, s) != rank) continue;
+      // A new backup: in step again only once it acknowledges a whole copy.
+      key.shards[s].backup_synced = false;
+      if (key.shards[s].awaiting_backup) SendBackup(k, s, /*whole=*/true);
     }
   }
   if (!all_up) return;  // another one is still down
@@ -310,7 +311,7 @@ uint32_t ProxyImpl::BackupOf(uint64_t k, uint32_t s) const {
   return (Owner(k, s) + 1) % nproxies_;
 }
 
-void ProxyImpl::SendBackup(uint64_t k, uint32_t s) {
+void ProxyImpl::SendBackup(uint64_t k, uint32_t s, bool whole) {
   Key& key = keys_[k];
   Shard& sh = key.shards[s];
   const uint32_t to = BackupOf(k, s);
@@ -318,10 +319,25 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s) {
   sh.awaiting_backup = true;
   sh.backup_keep.clear();
   if (failover_.down(to)) return;  // PeerHello of its replacement
+  // The step instead of its result: the round's sum, which the backup
+  // applies to the previous round it acknowledged (docs/design/ps.md,
+  // "Backing up a step instead of its result").
+  const bool step = !whole && sh.backup_synced && sh.scratch &&
+                    sh.step_opt.kind != proto::Optimizer::kNone;
+  sh.backup_synced = false;  // until this offer is acknowledged
+  StoredShard sum;
+  if (step) {
+    sum.offset = sh.offset;
+    sum.bytes = sh.bytes;
+    sum.version = sh.version;
+    sum.value = sh.scratch;  // kept (backup_keep): the next round sums
+                             // into a fresh buffer meanwhile
+  }
   // The manifest travels in the notice: the backup reads the buffers at
   // once (no manifest region to read first).
   auto offer = MakeInlineOffer(
-      opt_.rank, {{k, s, key.dtype, key.bytes, key.shard_bytes, &sh}});
+      opt_.rank,
+      {{k, s, key.dtype, key.bytes, key.shard_bytes, step ? &sum : &sh}});
   if (offer.ok() && offer->manifest.size() > proto::kMaxDescriptor) {
     offer = InternalError("its manifest is too long for a notice");
   }
@@ -337,12 +353,22 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s) {
     return PublishRound(k, s, Status::Ok());
   }
   Message b;
-  b.type = Type::kBackup;
+  b.type = step ? Type::kBackupStep : Type::kBackup;
   b.key = k;
   b.shard = s;
   b.round = sh.version;
   b.bytes = offer->manifest.size();
   b.descriptor = std::move(offer->manifest);
+  if (step) {
+    b.optimizer = sh.step_opt.kind;
+    b.lr = sh.step_opt.lr;
+    b.momentum = sh.step_opt.momentum;
+    b.beta1 = sh.step_opt.beta1;
+    b.beta2 = sh.step_opt.beta2;
+    b.eps = sh.step_opt.eps;
+    b.weight_decay = sh.step_opt.weight_decay;
+    b.grad_scale = sh.step_scale;
+  }
   sh.backup_keep = std::move(offer->keep);
   Status st = SendToPeer(to, b);
   if (!st.ok()) {
@@ -390,19 +416,8 @@ void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
   // The reads run while the event loop goes on (across hosts each takes
   // the shard's size at the link's rate); their completion installs the
   // copy on the loop. Many shards' copies are in flight at once.
-  auto import = [this, from, channel = *ch](const RegionDescriptor& d)
-      -> Result<std::shared_ptr<RemoteMemRegion>> {
-    // The owner offers the same few buffers of a shard round after round
-    // (copy-on-write swaps them): import each once.
-    auto key2 = std::make_pair(from, d.region_id);
-    auto it = peer_regions_.find(key2);
-    if (it != peer_regions_.end() &&
-        it->second->descriptor().token == d.token) {
-      return it->second;
-    }
-    ASSIGN_OR_RETURN(auto r, channel->Import(d, kIoTimeout, false));
-    peer_regions_[key2] = r;
-    return r;
+  auto import = [this, from, channel = *ch](const RegionDescriptor& d) {
+    return ImportPeerRegion(from, *channel, d);
   };
   StartCopyShard(
       **ch, man->shards[0], CopyBuffers(),
@@ -412,6 +427,20 @@ void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
         Post([this, from, m, man, r] { InstallBackup(from, m, *r); });
       },
       import);
+}
+
+Result<std::shared_ptr<RemoteMemRegion>> ProxyImpl::ImportPeerRegion(
+    uint32_t from, transport::Channel& channel, const RegionDescriptor& d) {
+  // The owner offers the same few buffers of a shard round after round
+  // (copy-on-write swaps them): import each once.
+  auto key = std::make_pair(from, d.region_id);
+  auto it = peer_regions_.find(key);
+  if (it != peer_regions_.end() && it->second->descriptor().token == d.token) {
+    return it->second;
+  }
+  ASSIGN_OR_RETURN(auto r, channel.Import(d, kIoTimeout, false));
+  peer_regions_[key] = r;
+  return r;
 }
 
 void ProxyImpl::InstallBackup(uint32_t from, const Message& m,
@@ -456,10 +485,108 @@ void ProxyImpl::OnBackupDone(uint32_t from, const Message& m) {
         opt_.rank, m.key, m.shard, m.round - 1, from, m.text);
   }
   sh.awaiting_backup = false;
+  sh.backup_synced = m.text.empty();
   sh.backup_keep.clear();
   backups_pending_.fetch_sub(1);
   if (m.text.empty()) backups_acked_.fetch_add(1, std::memory_order_relaxed);
   PublishRound(m.key, m.shard, Status::Ok());
+}
+
+void ProxyImpl::OnBackupWhole(uint32_t from, const Message& m) {
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || m.shard >= it->second.shards.size()) return;
+  Shard& sh = it->second.shards[m.shard];
+  if (!sh.awaiting_backup || m.round != sh.version ||
+      BackupOf(m.key, m.shard) != from) {
+    return;  // stale
+  }
+  SendBackup(m.key, m.shard, /*whole=*/true);
+}
+
+void ProxyImpl::OnBackupStep(uint32_t from, const Message& m) {
+  Message done = AnswerTo(Type::kBackupDone, m);
+  auto refuse = [&](std::string why) {
+    done.text = std::move(why);
+    MEMBOX_LOG_WARN("proxy {}: refused a backup step from proxy {}: {}",
+                    opt_.rank, from, done.text);
+    (void)SendToPeer(from, done);
+  };
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || m.shard >= it->second.shards.size() ||
+      Owner(m.key, m.shard) != from || BackupOf(m.key, m.shard) != opt_.rank) {
+    return refuse("proxy " + std::to_string(opt_.rank) +
+                  " is not the backup of key " + std::to_string(m.key) +
+                  " shard " + std::to_string(m.shard));
+  }
+  const Key& key = it->second;
+  const Shard& sh = key.shards[m.shard];
+  if (sh.version >= m.round && !sh.copying) {
+    (void)SendToPeer(from, done);  // has it already
+    return;
+  }
+  if (sh.copying || sh.version + 1 != m.round || !sh.value) {
+    // Not the round the step starts from: the shard whole, please.
+    (void)SendToPeer(from, AnswerTo(Type::kBackupWhole, m));
+    return;
+  }
+  auto man = std::make_shared<StateManifest>();
+  Status parsed = ParseStateManifest(m.descriptor, man.get());
+  if (parsed.ok() && (man->proxy_rank != from || man->shards.size() != 1 ||
+                      man->shards[0].m1 || man->shards[0].m2)) {
+    parsed = DataLossError("it is not one round's sum offered by proxy " +
+                           std::to_string(from));
+  }
+  if (parsed.ok()) parsed = MatchesNotice(man->shards[0], m, key, sh.bytes);
+  if (!parsed.ok()) return refuse(parsed.ToString());
+  auto ch = PeerChannel(from);
+  if (!ch.ok()) return;  // its link failed: the owner's replacement offers it
+  StartCopyShard(
+      **ch, man->shards[0], CopyBuffers(),
+      [this](transport::OpHandle h) { Track(std::move(h)); },
+      [this, from, m, man](Result<CopiedShard> got) {
+        auto r = std::make_shared<Result<CopiedShard>>(std::move(got));
+        Post([this, from, m, man, r] { InstallBackupStep(from, m, *r); });
+      },
+      [this, from, channel = *ch](const RegionDescriptor& d) {
+        return ImportPeerRegion(from, *channel, d);
+      });
+}
+
+void ProxyImpl::InstallBackupStep(uint32_t from, const Message& m,
+                                  Result<CopiedShard>& got) {
+  Message done = AnswerTo(Type::kBackupDone, m);
+  auto it = keys_.find(m.key);
+  if (it == keys_.end() || m.shard >= it->second.shards.size()) return;
+  Key& key = it->second;
+  Shard& sh = key.shards[m.shard];
+  if (!got.ok()) {
+    done.text = got.status().ToString();
+    MEMBOX_LOG_WARN(
+        "proxy {}: cannot read key {} shard {} round {}'s sum from proxy {}: "
+        "{}",
+        opt_.rank, m.key, m.shard, m.round - 1, from, done.text);
+  } else if (sh.version >= m.round && !sh.copying) {
+    // (a whole offer brought it meanwhile)
+  } else if (sh.copying || sh.version + 1 != m.round || !sh.value) {
+    (void)SendToPeer(from, AnswerTo(Type::kBackupWhole, m));
+    return;
+  } else {
+    // The owner's step, as it applied it: the same code on the same data
+    // gives the owner's round bit for bit.
+    Status st =
+        storage_->Apply(key.dtype, OptimizerSettings::From(m),
+                        Update::kOptimizer, sh, got->value.get(), m.grad_scale);
+    if (st.ok()) {
+      sh.version = m.round;
+      backup_bytes_in_.fetch_add(sh.bytes, std::memory_order_relaxed);
+      backup_steps_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      done.text = st.ToString();
+      MEMBOX_LOG_WARN("proxy {}: cannot apply key {} shard {} round {}: {}",
+                      opt_.rank, m.key, m.shard, m.round - 1, done.text);
+    }
+  }
+  (void)SendToPeer(from, done);
 }
 
 Result<service::Client*> ProxyImpl::PeerClient(uint32_t rank,

@@ -154,6 +154,17 @@ struct Shard : StoredShard {
   // and the buffers offered to the backup, kept until its kBackupDone.
   bool awaiting_backup = false;
   std::vector<std::shared_ptr<MemRegion>> backup_keep;
+  // The owner's side of a step backup (kBackupStep): whether the backup
+  // acknowledged this shard's current state (set by its kBackupDone,
+  // cleared by anything that changes the state without a round: a
+  // loaded value or moment, a backup replaced or an answer dropped), and
+  // the step the round last applied here took (its settings as applied,
+  // and the factor its sum was scaled by). With an optimizer and a backup
+  // in step, a round offers its sum and step (n bytes) instead of the
+  // value and moments (2n-3n).
+  bool backup_synced = false;
+  OptimizerSettings step_opt;
+  double step_scale = 1;
   // A replacement's shard whose buffers are still being copied from a
   // peer (its version is known): requests for it wait (WaitForCopy).
   bool copying = false;
@@ -546,13 +557,27 @@ class ProxyImpl final : public Proxy, public service::Service {
   // The backup of shard s of a striped key.
   uint32_t BackupOf(uint64_t k, uint32_t s) const;
   // Offers the shard's applied round to its backup (a held shard; sent when
-  // the backup is up, else when its replacement says hello).
-  void SendBackup(uint64_t k, uint32_t s);
+  // the backup is up, else when its replacement says hello): the step
+  // (kBackupStep) when the backup is in step and the round had an
+  // optimizer, unless `whole`; else the shard whole (kBackup).
+  void SendBackup(uint64_t k, uint32_t s, bool whole = false);
   // The backup side: copy the offered shard if it is newer (the reads in
   // flight while the event loop goes on), and answer.
   void OnBackup(uint32_t from, const Message& m);
+  // A peer's region a backup copy reads (imported once per region: the
+  // owner offers the same few buffers round after round).
+  Result<std::shared_ptr<RemoteMemRegion>> ImportPeerRegion(
+      uint32_t from, transport::Channel& channel, const RegionDescriptor& d);
   // The copy of OnBackup is done (or failed): keep it, answer the owner.
   void InstallBackup(uint32_t from, const Message& m, Result<CopiedShard>& got);
+  // The backup side of a step offer: read the round's sum and apply the
+  // owner's step to the previous round held here, or ask for the shard
+  // whole (kBackupWhole) when this copy is not that round.
+  void OnBackupStep(uint32_t from, const Message& m);
+  void InstallBackupStep(uint32_t from, const Message& m,
+                         Result<CopiedShard>& got);
+  // The owner side: the backup cannot take the step; offer it whole.
+  void OnBackupWhole(uint32_t from, const Message& m);
   // The owner side: the backup holds round m.round; answer its workers.
   void OnBackupDone(uint32_t from, const Message& m);
 
@@ -829,8 +854,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::atomic<uint64_t> n_keys_{0}, n_shards_{0}, n_clients_{0}, rounds_{0},
       bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0},
       result_bytes_{0}, waiting_rounds_{0}, failovers_{0}, peers_down_count_{0},
-      stored_bytes_in_{0}, backup_bytes_in_{0}, backups_acked_{0},
-      backups_pending_{0}, shards_copying_{0};
+      stored_bytes_in_{0}, backup_bytes_in_{0}, backup_steps_{0},
+      backups_acked_{0}, backups_pending_{0}, shards_copying_{0};
 };
 
 }  // namespace membox::ps::proxy_internal

@@ -271,6 +271,7 @@ Result<uint64_t> ProxyImpl::FinishStore(uint64_t k, uint32_t shard,
                                                                         : sh.m2;
       dst = std::move(buf);
       sh.previous.reset();
+      sh.backup_synced = false;  // the backup gets the shard whole next
     }
     return sh.version;
   }

@@ -645,13 +645,16 @@ void ProxyImpl::OnRingAbort(uint32_t from, const Message& m) {
 void ProxyImpl::FinishRound(uint64_t k, uint32_t s) {
   Key& key = keys_[k];
   Shard& sh = key.shards[s];
-  Status st = storage_->Apply(
-      key.dtype, key.opt,
-      key.opt.kind == proto::Optimizer::kNone ? Update::kReplace
-                                              : Update::kOptimizer,
-      sh, sh.scratch.get(),
-      mode_ == proto::Mode::kAverage && !sh.sum_scaled ? 1.0 / world_ : 1.0);
+  const double scale =
+      mode_ == proto::Mode::kAverage && !sh.sum_scaled ? 1.0 / world_ : 1.0;
+  Status st = storage_->Apply(key.dtype, key.opt,
+                              key.opt.kind == proto::Optimizer::kNone
+                                  ? Update::kReplace
+                                  : Update::kOptimizer,
+                              sh, sh.scratch.get(), scale);
   sh.sum_scaled = false;
+  sh.step_opt = key.opt;  // what a step backup repeats
+  sh.step_scale = scale;
   if (st.ok()) sh.version++;
   if (st.ok() && BacksUp(key)) return SendBackup(k, s);
   PublishRound(k, s, st);

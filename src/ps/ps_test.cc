@@ -1432,6 +1432,8 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
       EXPECT_EQ(p->Stats().ring_steps, 0u) << "striped: no ring";
       EXPECT_GT(p->Stats().backups_acked, 0u) << "every owner has a backup";
       EXPECT_GT(p->Stats().backup_bytes_in, 0u);
+      EXPECT_GT(p->Stats().backup_steps, 0u)
+          << "rounds after the first back up their step, not the state";
       EXPECT_EQ(p->Stats().backups_pending, 0u);
     }
   }
@@ -1451,6 +1453,101 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
   c.proxies[1] = std::move(*joined);
   EXPECT_EQ(c.proxies[1]->Stats().keys, 1u);
   train(c, 3, 5, &got);
+  EXPECT_EQ(got[0], want[0]) << "through proxy 0";
+  EXPECT_EQ(got[1], want[1]) << "through the replacement";
+}
+
+// A backup repeats its owner's steps only on a copy it knows is the
+// owner's: a state written between rounds (a loaded state dict, on the
+// owners only) sends the next round's backup whole. Here the value and
+// momentum are written after round 3, two more rounds run, and the owner
+// of half the shards dies: its replacement copies them from their backup,
+// and the values after one more round are the undisturbed run's.
+TEST(PsTest, AStateWrittenBetweenRoundsReachesTheBackupWhole) {
+  constexpr size_t kN = 16 << 10;  // floats: 4 shards of 16 KiB
+  RoutingTable striped;
+  striped.stripe = true;
+  striped.partition_bytes = 16 << 10;
+  auto grad = [](int rank, int round) { return FailoverGrad(kN, rank, round); };
+  std::vector<float> init(kN), loaded(kN), momentum(kN);
+  for (size_t i = 0; i < kN; ++i) {
+    init[i] = std::sin(float(i));
+    loaded[i] = std::cos(float(i) * 0.25f);
+    momentum[i] = 0.01f * std::sin(float(i) * 0.125f);
+  }
+  auto workers = [&](const Cluster& c, uint64_t version) {
+    std::vector<std::unique_ptr<ParamClient>> w;
+    for (int r = 0; r < 2; ++r) {
+      RoutingTable t = striped;
+      t.lat_proxy = t.bw_proxy = uint32_t(r);
+      w.push_back(Worker(c, r, 2, t));
+      EXPECT_NE(w.back(), nullptr);
+      if (!w.back()) return w;
+      SyncConfig cfg;
+      cfg.mode = SyncConfig::Mode::kAverage;
+      cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
+      EXPECT_TRUE(w[r]->Configure(cfg).ok());
+    }
+    for (int r = 0; r < 2; ++r) {
+      auto v = w[r]->Declare(3, kN * 4, DType::kFloat32,
+                             r == 0 ? init.data() : nullptr);
+      EXPECT_TRUE(v.ok()) << v.status().ToString();
+      if (v.ok()) {
+        EXPECT_EQ(*v, version);
+      }
+    }
+    return w;
+  };
+  auto rounds = [&](std::vector<std::unique_ptr<ParamClient>>& w, int from,
+                    int to) {
+    for (int round = from; round < to; ++round) {
+      if (round == 3) {  // a state dict loaded between rounds
+        ASSERT_TRUE(
+            w[0]->StoreState(3, KeyPart::kValue, loaded.data()).Wait(20s).ok());
+        ASSERT_TRUE(w[0]->StoreState(3, KeyPart::kMoment1, momentum.data())
+                        .Wait(20s)
+                        .ok());
+      }
+      std::vector<PsHandle> h;
+      std::vector<std::vector<float>> g = {grad(0, round), grad(1, round)};
+      for (int r = 0; r < 2; ++r) h.push_back(w[r]->Push(3, g[r].data()));
+      for (auto& x : h) ASSERT_TRUE(x.Wait(20s).ok()) << x.Wait(0s).ToString();
+    }
+  };
+  auto pull = [&](std::vector<std::unique_ptr<ParamClient>>& w) {
+    std::vector<std::vector<float>> out(2, std::vector<float>(kN));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(w[r]->Pull(3, out[r].data()).Wait(20s).ok());
+    }
+    return out;
+  };
+  std::vector<std::vector<float>> want, got;
+  {
+    auto ref = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                              /*replicate=*/true);
+    auto w = workers(ref, 0);
+    rounds(w, 0, 6);
+    want = pull(w);
+    EXPECT_EQ(want[0], want[1]);
+  }
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  {
+    auto w = workers(c, 0);
+    rounds(w, 0, 5);
+  }
+  WaitForNoWorkers(c);
+  uint64_t steps = 0;
+  for (auto& p : c.proxies) steps += p->Stats().backup_steps;
+  EXPECT_GT(steps, 0u) << "rounds 1, 2 and 4 back up their step";
+  c.proxies[1]->Stop();  // the owner of half the shards dies
+  c.proxies[1].reset();
+  auto joined = Proxy::Start(ReplacementOptions(c, 1));
+  ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+  c.proxies[1] = std::move(*joined);
+  auto w = workers(c, 5);
+  rounds(w, 5, 6);
+  got = pull(w);
   EXPECT_EQ(got[0], want[0]) << "through proxy 0";
   EXPECT_EQ(got[1], want[1]) << "through the replacement";
 }

@@ -145,9 +145,12 @@ struct ProxyStats {
   // Primary-backup (replicate, striped keys): rounds of shards owned here
   // whose backup acknowledged its copy; bytes of state copied here as the
   // backup of other owners' shards; shards applied here that wait for
-  // their backup's copy right now.
+  // their backup's copy right now. Of the copies here, rounds taken as a
+  // step (the owner's sum and step applied here: one shard's bytes read,
+  // not its value and moments).
   uint64_t backups_acked = 0;
   uint64_t backup_bytes_in = 0;
+  uint64_t backup_steps = 0;
   uint64_t backups_pending = 0;
   // A replacement (join): shards whose buffers are still being copied.
   uint64_t shards_copying = 0;
