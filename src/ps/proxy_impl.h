@@ -543,8 +543,10 @@ class ProxyImpl final : public Proxy, public service::Service {
   // With `replicate`, a striped shard lives on its owner and on a backup,
   // the next proxy in rank order: when the owner has applied a round it
   // offers the shard (value, optimizer state, version) to the backup, which
-  // copies it (kBackup, kBackupDone), and only then are the round's
-  // workers answered. So a round acknowledged to any worker is on two
+  // copies it (kBackup, kBackupDone) -- or, for a key with an optimizer and
+  // a backup in step, the round's sum and step, which the backup repeats
+  // (kBackupStep; kBackupWhole asks for the shard whole) -- and only then
+  // are the round's workers answered. So a round acknowledged to any worker is on two
   // nodes, and the survivors of a death go on: the dead node's shards are
   // copied from their backups by its replacement (Join takes the newest
   // version any peer holds), its backup copies from their owners. A backup
