@@ -546,9 +546,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   // copies it (kBackup, kBackupDone) -- or, for a key with an optimizer and
   // a backup in step, the round's sum and step, which the backup repeats
   // (kBackupStep; kBackupWhole asks for the shard whole) -- and only then
-  // are the round's workers answered. So a round acknowledged to any worker is on two
-  // nodes, and the survivors of a death go on: the dead node's shards are
-  // copied from their backups by its replacement (Join takes the newest
+  // are the round's workers answered. So a round acknowledged to any worker is
+  // on two nodes, and the survivors of a death go on: the dead node's shards
+  // are copied from their backups by its replacement (Join takes the newest
   // version any peer holds), its backup copies from their owners. A backup
   // that dies holds its owners' answers until its replacement -- which
   // copied the owners' state when it joined -- says hello; the offers are
