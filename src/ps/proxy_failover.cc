@@ -379,28 +379,37 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s, bool whole) {
   }
 }
 
-void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
+void ProxyImpl::RefuseBackup(uint32_t from, const Message& m, std::string why) {
   Message done = AnswerTo(Type::kBackupDone, m);
-  auto refuse = [&](std::string why) {
-    done.text = std::move(why);
-    MEMBOX_LOG_WARN("proxy {}: refused a backup from proxy {}: {}", opt_.rank,
-                    from, done.text);
-    (void)SendToPeer(from, done);
-  };
+  done.text = std::move(why);
+  MEMBOX_LOG_WARN("proxy {}: refused a {} from proxy {}: {}", opt_.rank,
+                  proto::TypeName(m.type), from, done.text);
+  (void)SendToPeer(from, done);
+}
+
+const Key* ProxyImpl::OfferedToMe(uint32_t from, const Message& m) {
   auto it = keys_.find(m.key);
   // (Whether the key is striped is not checked: a replacement learns it
   // from the workers' declarations, which its owners' offers may precede.)
   if (it == keys_.end() || m.shard >= it->second.shards.size() ||
       Owner(m.key, m.shard) != from || BackupOf(m.key, m.shard) != opt_.rank) {
-    return refuse("proxy " + std::to_string(opt_.rank) +
-                  " is not the backup of key " + std::to_string(m.key) +
-                  " shard " + std::to_string(m.shard));
+    RefuseBackup(from, m,
+                 "proxy " + std::to_string(opt_.rank) +
+                     " is not the backup of key " + std::to_string(m.key) +
+                     " shard " + std::to_string(m.shard));
+    return nullptr;
   }
-  const Key& key = it->second;
+  return &it->second;
+}
+
+void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
+  const Key* offered = OfferedToMe(from, m);
+  if (offered == nullptr) return;
+  const Key& key = *offered;
   const Shard& sh = key.shards[m.shard];
   if (sh.version >= m.round && !sh.copying) {
     // Copied already (a replacement that joined after the round).
-    (void)SendToPeer(from, done);
+    (void)SendToPeer(from, AnswerTo(Type::kBackupDone, m));
     return;
   }
   auto man = std::make_shared<StateManifest>();
@@ -410,7 +419,7 @@ void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
                            std::to_string(from));
   }
   if (parsed.ok()) parsed = MatchesNotice(man->shards[0], m, key, sh.bytes);
-  if (!parsed.ok()) return refuse(parsed.ToString());
+  if (!parsed.ok()) return RefuseBackup(from, m, parsed.ToString());
   auto ch = PeerChannel(from);
   if (!ch.ok()) return;  // its link failed: the owner's replacement offers it
   // The reads run while the event loop goes on (across hosts each takes
@@ -504,24 +513,12 @@ void ProxyImpl::OnBackupWhole(uint32_t from, const Message& m) {
 }
 
 void ProxyImpl::OnBackupStep(uint32_t from, const Message& m) {
-  Message done = AnswerTo(Type::kBackupDone, m);
-  auto refuse = [&](std::string why) {
-    done.text = std::move(why);
-    MEMBOX_LOG_WARN("proxy {}: refused a backup step from proxy {}: {}",
-                    opt_.rank, from, done.text);
-    (void)SendToPeer(from, done);
-  };
-  auto it = keys_.find(m.key);
-  if (it == keys_.end() || m.shard >= it->second.shards.size() ||
-      Owner(m.key, m.shard) != from || BackupOf(m.key, m.shard) != opt_.rank) {
-    return refuse("proxy " + std::to_string(opt_.rank) +
-                  " is not the backup of key " + std::to_string(m.key) +
-                  " shard " + std::to_string(m.shard));
-  }
-  const Key& key = it->second;
+  const Key* offered = OfferedToMe(from, m);
+  if (offered == nullptr) return;
+  const Key& key = *offered;
   const Shard& sh = key.shards[m.shard];
   if (sh.version >= m.round && !sh.copying) {
-    (void)SendToPeer(from, done);  // has it already
+    (void)SendToPeer(from, AnswerTo(Type::kBackupDone, m));  // has it already
     return;
   }
   if (sh.copying || sh.version + 1 != m.round || !sh.value) {
@@ -537,7 +534,7 @@ void ProxyImpl::OnBackupStep(uint32_t from, const Message& m) {
                            std::to_string(from));
   }
   if (parsed.ok()) parsed = MatchesNotice(man->shards[0], m, key, sh.bytes);
-  if (!parsed.ok()) return refuse(parsed.ToString());
+  if (!parsed.ok()) return RefuseBackup(from, m, parsed.ToString());
   auto ch = PeerChannel(from);
   if (!ch.ok()) return;  // its link failed: the owner's replacement offers it
   StartCopyShard(

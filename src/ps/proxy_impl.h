@@ -563,6 +563,11 @@ class ProxyImpl final : public Proxy, public service::Service {
   // (kBackupStep) when the backup is in step and the round had an
   // optimizer, unless `whole`; else the shard whole (kBackup).
   void SendBackup(uint64_t k, uint32_t s, bool whole = false);
+  // The backup side of an offer (kBackup, kBackupStep): the key, when
+  // this proxy is the backup of m's shard and `from` its owner; else the
+  // owner is told why not (kBackupDone with text) and it is null.
+  const Key* OfferedToMe(uint32_t from, const Message& m);
+  void RefuseBackup(uint32_t from, const Message& m, std::string why);
   // The backup side: copy the offered shard if it is newer (the reads in
   // flight while the event loop goes on), and answer.
   void OnBackup(uint32_t from, const Message& m);
