@@ -385,6 +385,16 @@ class Client {
     return version;
   }
 
+  void FreeScratch(const std::vector<uint64_t>& keys) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = c_->FreeScratch(keys);
+    }
+    if (!s.ok()) Throw(s);
+    for (uint64_t key : keys) declared_.erase(key);
+  }
+
   void Tune(uint64_t first_key, uint64_t end_key, const std::string& optimizer,
             double lr, double momentum, double beta1, double beta2, double eps,
             double weight_decay) {
@@ -1117,6 +1127,12 @@ PYBIND11_MODULE(_core, m) {
            "(stored=False: rounds, no optimizer) or exchanges (stored=True), "
            "which the memory nodes free when the job ends and leave out of "
            "checkpoints.")
+      .def("free_scratch", &Client::FreeScratch, py::arg("keys"),
+           "Lets the memory nodes free scratch keys before the job ends (a "
+           "group destroyed mid-job): this worker forgets them, and a node "
+           "frees each once every worker that declared it has let it go. "
+           "Each must be a scratch key this worker declared, with no "
+           "operation in flight.")
       .def(
           "store",
           [](Client& c, uint64_t key, py::object data) {

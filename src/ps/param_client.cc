@@ -304,6 +304,49 @@ class ParamClientImpl final : public ParamClient {
                       /*scratch=*/true);
   }
 
+  Status FreeScratch(std::span<const uint64_t> keys) override {
+    if (keys.empty()) return Status::Ok();
+    {
+      MutexLock l(&mu_);
+      std::set<uint64_t> named;
+      for (uint64_t key : keys) {
+        const std::string k = "FreeScratch: key " + std::to_string(key);
+        if (!named.insert(key).second) {
+          return InvalidArgumentError(k + " is named twice");
+        }
+        const KeyInfo* info = table_.Find(key);
+        if (info == nullptr) {
+          return NotFoundError(k + " was not declared by this worker");
+        }
+        if (!info->declaration.scratch) {
+          return FailedPreconditionError(
+              k +
+              " is not the job's scratch (DeclareScratch): only scratch is "
+              "freed before the job ends");
+        }
+        const bool busy = (info->last_push && !info->last_push->done()) ||
+                          (info->last_staged && !info->last_staged->done());
+        if (busy) {
+          return FailedPreconditionError(
+              k + " has an operation in flight: wait for it first");
+        }
+      }
+    }
+    for (size_t first = 0; first < keys.size(); first += proto::kMaxFreeKeys) {
+      Message m;
+      m.type = Type::kFree;
+      const size_t n =
+          std::min<size_t>(proto::kMaxFreeKeys, keys.size() - first);
+      m.keys.assign(keys.begin() + first, keys.begin() + first + n);
+      for (uint32_t i = 0; i < proxies_.size(); ++i) {
+        RETURN_IF_ERROR(Call(i, m).status());
+      }
+    }
+    MutexLock l(&mu_);
+    for (uint64_t key : keys) table_.keys().erase(key);
+    return Status::Ok();
+  }
+
   Result<uint64_t> DeclareKey(uint64_t key, size_t bytes, DType dtype,
                               const void* init, const OptimizerConfig& o,
                               bool stored, bool scratch) {

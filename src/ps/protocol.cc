@@ -1,5 +1,6 @@
 #include "src/ps/protocol.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -119,6 +120,8 @@ const char* TypeName(Type t) {
       return "combine";
     case Type::kRingAbort:
       return "ring-abort";
+    case Type::kFree:
+      return "free";
   }
   return "?";
 }
@@ -258,6 +261,10 @@ std::vector<uint8_t> Encode(const Message& m) {
       break;
     case Type::kCombine:
       w.U64(m.key);
+      break;
+    case Type::kFree:
+      w.U32(static_cast<uint32_t>(m.keys.size()));
+      for (uint64_t k : m.keys) w.U64(k);
       break;
   }
   return std::move(w.buffer());
@@ -409,6 +416,22 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
     case Type::kCombine:
       ok = r.U64(&m.key);
       break;
+    case Type::kFree: {
+      uint32_t n = 0;
+      ok = r.U32(&n) && n >= 1 && n <= kMaxFreeKeys && n <= r.remaining() / 8;
+      for (uint32_t i = 0; ok && i < n; ++i) {
+        uint64_t k = 0;
+        ok = r.U64(&k);
+        m.keys.push_back(k);
+      }
+      // Each key once: a repeated one is a confused (or hostile) worker.
+      if (ok) {
+        std::vector<uint64_t> sorted = m.keys;
+        std::sort(sorted.begin(), sorted.end());
+        ok = std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+      }
+      break;
+    }
   }
   if (!ok) return Bad(TypeName(m.type));
   if (r.remaining() != 0) return Bad("trailing bytes");

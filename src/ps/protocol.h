@@ -103,8 +103,13 @@ enum class Type : uint8_t {
   // round), and the owner offers the shard whole (kBackup).
   kBackupStep = 29,
   kBackupWhole = 30,
+  // worker -> proxy: this worker is done with these scratch keys (`keys`:
+  // a collective group of the job destroyed mid-job). A key is freed once
+  // every worker that declared it has let it go, and it is idle; one still
+  // busy goes when the job ends. Only the job's scratch can be freed.
+  kFree = 31,
 };
-constexpr Type kLastType = Type::kBackupWhole;
+constexpr Type kLastType = Type::kFree;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;
@@ -113,6 +118,7 @@ constexpr size_t kMaxDescriptor = 8192;
 constexpr uint32_t kMaxWorld = 4096;
 constexpr uint32_t kMaxProxies = 64;
 constexpr uint32_t kMaxRouteKeys = 1 << 16;
+constexpr uint32_t kMaxFreeKeys = 1 << 16;
 
 enum class Mode : uint8_t { kSum = 0, kAverage = 1, kAsync = 2 };
 // kPull: which of a shard's buffers to read.
@@ -162,6 +168,8 @@ struct Message {
   std::vector<std::pair<uint64_t, uint64_t>> from_rounds;
   // kDeclare / kPush / kPull / kStore / kReady / kDone
   uint64_t key = 0;
+  // kFree: the keys (1 .. kMaxFreeKeys, each once)
+  std::vector<uint64_t> keys;
   uint64_t key_end = 0;      // kTune: keys [key, key_end)
   uint64_t bytes = 0;        // kDeclare: tensor size; kProbe, kCatchUp: length
   uint8_t dtype = 0;         // kDeclare

@@ -59,6 +59,7 @@ std::vector<Message> SeedMessages() {
   Message& step = out[static_cast<int>(Type::kBackupStep) - 1];
   step.optimizer = Optimizer::kAdam;
   step.grad_scale = 0.25;
+  out[static_cast<int>(Type::kFree) - 1].keys = {9, 10, uint64_t{1} << 60};
   Message d = out[static_cast<int>(Type::kDeclare) - 1];
   for (Optimizer o : {Optimizer::kSgd, Optimizer::kAdam, Optimizer::kAdamW,
                       Optimizer::kAdagrad}) {
@@ -189,6 +190,28 @@ TEST(PsProtocolTest, ABackupStepNamesItsStep) {
   b = m;
   b.bytes = 0;
   EXPECT_FALSE(Decode(b).ok());
+}
+
+// kFree names 1 .. kMaxFreeKeys keys, each once.
+TEST(PsProtocolTest, AFreeNamesEachKeyOnce) {
+  Message m;
+  m.type = Type::kFree;
+  m.keys = {7, 3, 9};
+  auto dec = Decode(m);
+  ASSERT_TRUE(dec.ok()) << dec.status().ToString();
+  EXPECT_EQ(dec->keys, m.keys);
+  Message b = m;
+  b.keys = {};
+  EXPECT_FALSE(Decode(b).ok()) << "no key";
+  b.keys = {7, 3, 7};
+  EXPECT_FALSE(Decode(b).ok()) << "a key twice";
+  b.keys.assign(proto::kMaxFreeKeys + 1, 0);
+  for (size_t i = 0; i < b.keys.size(); ++i) b.keys[i] = i;
+  EXPECT_FALSE(Decode(b).ok()) << "too many";
+  // A count beyond the bytes that follow.
+  auto body = Body(m);
+  body.resize(body.size() - 8);
+  EXPECT_FALSE(proto::Decode(static_cast<uint16_t>(Type::kFree), body).ok());
 }
 
 TEST(PsProtocolTest, ValidatesFields) {

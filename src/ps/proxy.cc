@@ -676,6 +676,7 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
       }
       key.awaiting_init = false;
       key.declared = false;  // the next job's first declaration decides
+      key.holders.clear();
       for (auto& sh : key.shards) {
         sh.pushes.clear();
         sh.pulls.clear();
@@ -704,7 +705,6 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
 
 uint64_t ProxyImpl::FreeScratch() {
   const uint64_t before = storage_->stored_bytes();
-  std::set<uint64_t> gone;
   for (auto it = keys_.begin(); it != keys_.end();) {
     const Key& key = it->second;
     const bool copying =
@@ -714,17 +714,92 @@ uint64_t ProxyImpl::FreeScratch() {
       ++it;
       continue;
     }
-    n_shards_.fetch_sub(key.shards.size());
-    n_keys_.fetch_sub(1);
-    gone.insert(it->first);
-    it = keys_.erase(it);
+    it = EraseKey(it);
   }
-  // Ring notices parked for a key that is gone belong to the ended job.
-  std::erase_if(early_notices_,
-                [&](const Message& e) { return gone.count(e.key) > 0; });
   // What is still held elsewhere (a result write in flight) goes when
   // that lets go.
   return before - std::min(before, storage_->stored_bytes());
+}
+
+std::map<uint64_t, Key>::iterator ProxyImpl::EraseKey(
+    std::map<uint64_t, Key>::iterator it) {
+  const uint64_t k = it->first;
+  n_shards_.fetch_sub(it->second.shards.size());
+  n_keys_.fetch_sub(1);
+  // Ring notices parked for a key that is gone belong to its last round.
+  std::erase_if(early_notices_, [&](const Message& e) { return e.key == k; });
+  return keys_.erase(it);
+}
+
+bool ProxyImpl::Quiet(uint64_t k, const Key& key) const {
+  if (key.combine || !join_snapshots_.empty()) return false;
+  for (const Shard& sh : key.shards) {
+    if (!sh.pushes.empty() || !sh.pulls.empty() || sh.reducing ||
+        sh.ring.running() || sh.copying || sh.awaiting_backup) {
+      return false;
+    }
+  }
+  for (const auto& [id, c] : conns_) {
+    for (const auto& w : c.reads_waiting) {
+      if (w.key == k) return false;
+    }
+    if (const auto* q = sched_.queue(id)) {
+      for (const Message& m : *q) {
+        if (m.key == k) return false;
+      }
+    }
+  }
+  for (const auto& t : sched_.line()) {
+    if (t.key == k) return false;
+  }
+  for (const auto& [id, r] : ring_reads_) {
+    if (r.key == k) return false;
+  }
+  for (const auto& [who, cu] : catch_ups_) {
+    if (std::get<1>(who) == k) return false;
+  }
+  for (const auto& [where, notices] : copy_notices_) {
+    if (where.first == k) return false;
+  }
+  return true;
+}
+
+Result<std::string> ProxyImpl::Free(const Conn& c, const Message& m) {
+  for (uint64_t k : m.keys) {
+    auto it = keys_.find(k);
+    if (it != keys_.end() && !it->second.scratch) {
+      return FailedPreconditionError(
+          "key " + std::to_string(k) +
+          " is not the job's scratch: only scratch is freed before the job "
+          "ends");
+    }
+  }
+  size_t freed = 0, waiting = 0;
+  const uint64_t before = storage_->stored_bytes();
+  for (uint64_t k : m.keys) {
+    // A key this node never saw, or one this worker does not hold (never
+    // declared it, or let it go already): nothing to do.
+    auto it = keys_.find(k);
+    if (it == keys_.end() || it->second.holders.erase(c.rank) == 0 ||
+        !it->second.holders.empty()) {
+      continue;
+    }
+    if (Quiet(k, it->second)) {
+      EraseKey(it);
+      ++freed;
+    } else {
+      ++waiting;  // freed when the job ends (FreeScratch)
+    }
+  }
+  if (freed > 0 || waiting > 0) {
+    MEMBOX_LOG_INFO(
+        "worker {} let scratch keys go: {} freed ({} bytes now), {} busy "
+        "(freed when the job ends)",
+        c.rank, freed, before - std::min(before, storage_->stored_bytes()),
+        waiting);
+  }
+  return "freed " + std::to_string(freed) + " waiting " +
+         std::to_string(waiting);
 }
 
 }  // namespace membox::ps::proxy_internal

@@ -206,6 +206,9 @@ struct Key {
   // exchanges): freed when the job ends (FreeScratch), left out of
   // checkpoints. Fixed by the first worker's Declare.
   bool scratch = false;
+  // A scratch key: the workers of this job that declared it and have not
+  // let it go (kFree). Emptied by kFree, the key is freed mid-job.
+  std::set<uint32_t> holders;
   std::vector<Shard> shards;
   // In-memory combining (src/ps/combine.h), decided by the first kCombine
   // of the job and the same for every worker: the region and the round it
@@ -472,6 +475,20 @@ class ProxyImpl final : public Proxy, public service::Service {
   // the pool once nothing else holds them), except a key a replacement is
   // still copying (freed at a later job's end). Returns the bytes freed.
   uint64_t FreeScratch();
+  // kFree: worker `c` lets these scratch keys go; a key no worker holds
+  // any more is freed now if Quiet, else when the job ends. Refused, with
+  // nothing changed, if a key named is not scratch. The reply's text says
+  // how many were freed and how many wait.
+  Result<std::string> Free(const Conn& c, const Message& m);
+  // Whether nothing of this node's is under way on key `k`: no push, pull,
+  // ring step, copy, backup, catch-up or queued request, no combining
+  // region, no state offer to a replacement. Only such a key is freed
+  // mid-job.
+  bool Quiet(uint64_t k, const Key& key) const;
+  // Forgets a key (its buffers go back to the pool once nothing else
+  // holds them) and the ring notices parked for it; returns the next.
+  std::map<uint64_t, Key>::iterator EraseKey(
+      std::map<uint64_t, Key>::iterator it);
 
   // A push for the round just completed -- the answer is the current value:
   // that round's result, since the next one cannot have finished without

@@ -152,6 +152,11 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
       return Store(conn, c, m);
     case Type::kCombine:
       return Combine(conn, m);
+    case Type::kFree: {
+      auto freed = Free(c, m);
+      return Reply(conn, m.type, m.id, freed.status(), 0,
+                   freed.ok() ? *freed : std::string());
+    }
     case Type::kProbe: {
       // The profiler writes into this buffer over the worker's own link.
       if (m.bytes > (256u << 20)) {
@@ -510,6 +515,7 @@ Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
     for (auto& e : early) OnPeerNotice(e);
   }
   Key& k = it->second;
+  if (k.scratch) k.holders.insert(c.rank);
   // Initial values: rank 0's win, whatever the order declarations arrive
   // in; until rank 0 has declared, the key's pulls and pushes wait.
   if (!k.initialized && c.rank == 0) {

@@ -244,6 +244,9 @@ void ProxyImpl::MaybeStart(uint64_t k, uint32_t s) {
   if (mode_ == proto::Mode::kAsync || world_ == 0) return;  // the hot exit
   auto it = keys_.find(k);
   if (it == keys_.end() || s >= it->second.shards.size()) return;
+  // A stored key has no rounds: a node no worker routes it to must not
+  // start one (and sit in its ring, waiting for peers that never do).
+  if (it->second.stored) return;
   if (CheckRound(RoundOf(k, s, &round_workers_)).ready()) StartReduce(k, s);
 }
 

@@ -2001,6 +2001,80 @@ TEST(PsTest, ScratchKeysAreFreedWhenTheJobEnds) {
   ASSERT_EQ(w.size(), 2u);
 }
 
+// A group destroyed mid-job lets its scratch keys go (FreeScratch): each
+// node frees a key once every worker that declared it has let it go, while
+// the job and its other keys go on. Only this worker's declared scratch
+// keys may be named, each once; a refused call changes nothing.
+TEST(PsTest, ScratchKeysAreFreedMidJobOnceEveryWorkerLetsThemGo) {
+  constexpr size_t kN = 256 << 10;  // floats: 1 MiB, striped over 2 nodes
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  std::vector<std::unique_ptr<ParamClient>> w;
+  RoutingTable striped;
+  striped.stripe = true;
+  for (int r = 0; r < 2; ++r) {
+    w.push_back(Worker(c, r, 2, striped));
+    ASSERT_TRUE(w.back());
+    ASSERT_TRUE(w[r]->DeclareScratch(1, kN * 4, DType::kFloat32, false).ok());
+    ASSERT_TRUE(
+        w[r]->DeclareScratch(2, 64 << 10, DType::kUInt8, /*stored=*/true).ok());
+    ASSERT_TRUE(w[r]->Declare(3, kN * 4, DType::kFloat32).ok());
+  }
+  auto round = [&](uint64_t key) {
+    std::vector<std::vector<float>> in(2, Ramp(kN, 1.f)), out(2);
+    std::vector<PsHandle> h;
+    for (int r = 0; r < 2; ++r) {
+      out[r].assign(kN, -1.f);
+      h.push_back(w[r]->PushPull(key, in[r].data(), out[r].data()));
+    }
+    for (int r = 0; r < 2; ++r) {
+      Status st = h[r].Wait(20s);
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      EXPECT_EQ(out[r][5], 12.f);
+    }
+  };
+  round(1);
+  round(3);
+  std::vector<ProxyStats> during;
+  for (auto& p : c.proxies) during.push_back(p->Stats());
+  ASSERT_EQ(during[0].keys, 3u);
+
+  // Refused, and nothing changes: a kept key, a key never declared, a key
+  // named twice.
+  const uint64_t kept[] = {1, 3};
+  EXPECT_EQ(w[0]->FreeScratch(kept).code(), StatusCode::kFailedPrecondition);
+  const uint64_t unknown[] = {1, 99};
+  EXPECT_EQ(w[0]->FreeScratch(unknown).code(), StatusCode::kNotFound);
+  const uint64_t twice[] = {2, 2};
+  EXPECT_EQ(w[0]->FreeScratch(twice).code(), StatusCode::kInvalidArgument);
+  for (auto& p : c.proxies) EXPECT_EQ(p->Stats().keys, 3u);
+
+  // One worker lets keys 1 and 2 go: the other still holds them, and key
+  // 1's rounds go on.
+  const uint64_t group[] = {1, 2};
+  ASSERT_TRUE(w[0]->FreeScratch(group).ok());
+  for (auto& p : c.proxies) EXPECT_EQ(p->Stats().keys, 3u);
+  EXPECT_EQ(w[0]->FreeScratch(group).code(), StatusCode::kNotFound)
+      << "this worker forgot them";
+  // The other lets them go too: every node frees them now.
+  ASSERT_TRUE(w[1]->FreeScratch(group).ok());
+  for (size_t i = 0; i < c.proxies.size(); ++i) {
+    ProxyStats after = c.proxies[i]->Stats();
+    EXPECT_EQ(after.keys, 1u) << "proxy " << i << ": key 3 only";
+    EXPECT_LE(after.stored_bytes + (1u << 20), during[i].stored_bytes)
+        << "proxy " << i;
+  }
+  // The job goes on: the kept key's rounds, and a scratch key declared
+  // again starts afresh.
+  round(3);
+  for (int r = 0; r < 2; ++r) {
+    auto again = w[r]->DeclareScratch(1, kN * 4, DType::kFloat32, false);
+    ASSERT_TRUE(again.ok()) << again.status().ToString();
+    EXPECT_EQ(*again, 0u);
+  }
+  round(1);
+}
+
 // Over TCP (as between hosts) a store is read from the worker while the
 // proxy goes on serving; back-to-back stores land in order (the newest
 // wins), and a pull sees the last one.

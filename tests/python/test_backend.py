@@ -509,6 +509,66 @@ def _held(rank, world):
     return held, time.monotonic() - start
 
 
+def _subgroup_held(rank, world):
+    """Three ranks, what the node holds (rank 0 asks) as groups come and
+    go mid-job, the default group in use throughout: with the default
+    group's keys only ("before"); with a subgroup of two in use too; how
+    long after the subgroup is destroyed until the node holds "before"
+    again (None: not within 20 s); with a group of the whole job in use
+    too; and how long after that one is destroyed until it holds "before"
+    again. Then the default group's sum."""
+    import time
+    server = os.environ["MEMBOX_TEST_NODE_SERVER"]
+    secret_file = os.environ["MEMBOX_SECRET_FILE"]
+
+    def stats():
+        dist.barrier()
+        got = _node_stats(server, secret_file) if rank == 0 else None
+        dist.barrier()
+        return got
+
+    def wait_until(done):
+        """Seconds until done(stats) (rank 0; None: not within 20 s), and
+        the last stats."""
+        got = None
+        if rank == 0:
+            start = time.monotonic()
+            while time.monotonic() - start < 20:
+                got = _node_stats(server, secret_file)
+                if done(got):
+                    return time.monotonic() - start, got
+                time.sleep(0.05)
+        return None, got
+
+    for _ in range(2):  # the default group's keys, both parities
+        t = torch.full((2,), float(rank))
+        dist.all_reduce(t)
+        dist.barrier()
+    out = {"before": stats()}
+    pair = dist.new_group([0, 1])
+    if rank != 2:
+        _collectives(dist.get_rank(pair), 2, pair)
+    out["with the subgroup"] = stats()
+    if rank != 2:
+        dist.destroy_process_group(pair)
+    dist.barrier()
+    out["subgroup freed after"], out["after the subgroup"] = wait_until(
+        lambda s: s == out["before"])
+    dist.barrier()
+    everyone = dist.new_group([2, 1, 0])
+    _collectives(dist.get_rank(everyone), 3, everyone)
+    out["with the group"] = stats()
+    dist.destroy_process_group(everyone)
+    dist.barrier()
+    out["group freed after"], out["after the group"] = wait_until(
+        lambda s: s == out["before"])
+    dist.barrier()
+    t = torch.full((2,), float(rank))
+    dist.all_reduce(t)
+    out["sum"] = t.tolist()
+    return out
+
+
 def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
     try:
         os.environ["MEMBOX_SECRET_FILE"] = secret_file
@@ -531,7 +591,8 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
         fn = {"collectives": _collectives, "ddp": _ddp, "ddp-gloo": _ddp,
               "fsdp2": _fsdp2, "fsdp2-gloo": _fsdp2,
               "errors": _errors, "subgroups": _subgroups,
-              "held": _held, "reconfigure": _reconfigure}[program]
+              "held": _held, "reconfigure": _reconfigure,
+              "subgroup-held": _subgroup_held}[program]
         out = fn(rank, world)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -653,6 +714,34 @@ class BackendTest(unittest.TestCase):
             self.assertIsNotNone(freed_after, "rank %d: the node still held "
                                  "the job's keys 20 s after "
                                  "destroy_process_group()" % rank)
+
+    def test_a_destroyed_groups_keys_are_freed_mid_job(self):
+        """destroy_process_group(group) of a group of the whole job, one
+        of several on the rank's connection, or of a subgroup, frees its
+        keys on the node while the job goes on (not only when the job
+        ends)."""
+        server = self.nodes[0].server
+        env = {"MEMBOX_TEST_NODE_SERVER": server}
+        os.environ.update(env)  # for the ranks
+        try:
+            outs = self.run_ranks(3, "subgroup-held")
+        finally:
+            for k in env:
+                del os.environ[k]
+        got = outs[0]
+        # The subgroup's operations go straight between its ranks here (one
+        # host): it may hold nothing on the node, and must leave nothing.
+        self.assertIsNotNone(got["subgroup freed after"], "the node still "
+                             "held the subgroup's keys 20 s after it was "
+                             "destroyed: %s" % (got,))
+        self.assertGreater(got["with the group"][0], got["before"][0],
+                           "the group's keys: %s" % (got,))
+        self.assertGreater(got["with the group"][1], got["before"][1])
+        self.assertIsNotNone(got["group freed after"], "the node still held "
+                             "the group's keys 20 s after it was destroyed: "
+                             "%s" % (got,))
+        for out in outs:
+            self.assertEqual(out["sum"], [3.0, 3.0])
 
     def test_collectives_two_ranks_file_init(self):
         outs = self.run_ranks(2, "collectives",

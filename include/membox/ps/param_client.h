@@ -41,6 +41,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -220,6 +221,14 @@ class ParamClient {
   // checkpoints. Every worker declares it the same way.
   virtual Result<uint64_t> DeclareScratch(uint64_t key, size_t bytes,
                                           DType dtype, bool stored) = 0;
+  // Lets the memory nodes free scratch keys before the job ends (a
+  // collective group destroyed mid-job): this worker forgets them, and
+  // each node frees a key once every worker that declared it has let it
+  // go (one still busy then goes when the job ends). Every key must be a
+  // scratch key this worker declared, named once, with no operation of
+  // this worker in flight; otherwise nothing changes. A node that cannot
+  // be reached fails the call (the keys stay declared: call it again).
+  virtual Status FreeScratch(std::span<const uint64_t> keys) = 0;
   virtual PsHandle Store(uint64_t key, const void* data,
                          std::function<void(const Status&)> cb = nullptr) = 0;
 

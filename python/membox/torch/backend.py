@@ -38,6 +38,7 @@ import queue
 import socket
 import threading
 import time
+import warnings
 from datetime import timedelta
 
 import numpy as np
@@ -1570,15 +1571,28 @@ class MemboxBackend(_base_class()):
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
         shared = MemboxBackend._shared
+        stays = False  # the connection goes on serving other groups
         if shared is not None and shared[0] is self._client:
             shared[3] -= 1
-            if shared[3] == 0:
+            stays = shared[3] > 0
+            if not stays:
                 MemboxBackend._shared = None
-        self._buffers.clear()
-        self._one = None
         for lane in self._lanes.values():
             lane.stop()
         self._lanes.clear()
+        if stays and self._declared:
+            # Destroyed mid-job (a subgroup, or one group of several): its
+            # keys go now, once every rank that used them has let them go,
+            # instead of when the job ends (the connection's close).
+            try:
+                self._client.free_scratch(list(self._declared))
+            except Exception as e:  # noqa: BLE001 - teardown goes on
+                warnings.warn("membox backend: group %s: the memory nodes "
+                              "keep its keys until the job ends: %s"
+                              % (self._index, e))
+            self._declared.clear()
+        self._buffers.clear()
+        self._one = None
         self._ring = None  # closes its channels
         self._mesh = None
         self._pairs = None

@@ -221,6 +221,14 @@ void UcxWorker::Stop() {
   thread_.join();
 }
 
+void UcxWorker::Drain() {
+  const int own = tls_worker_index;
+  tls_worker_index = index_;  // handlers see their worker's thread
+  for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) {
+  }
+  tls_worker_index = own;
+}
+
 void UcxWorker::Loop() {
   tls_worker_index = index_;
   // Naps of 100 us stay 100 us (the default timer slack is 50 us).
@@ -596,7 +604,11 @@ void UcxDevice::RegisterChannel(const std::shared_ptr<Channel>& ch) {
 
 void UcxDevice::WatchLiveness(int fd, const std::shared_ptr<UcxChannel>& ch) {
   listener_->Watch(fd, [w = std::weak_ptr<UcxChannel>(ch)] {
-    if (auto c = w.lock()) c->Fail(UnavailableError("connection lost"));
+    auto c = w.lock();
+    if (!c) return;
+    // What the peer sent before it went is delivered first.
+    c->worker()->Drain();
+    c->Fail(UnavailableError("connection lost"));
   });
 }
 

@@ -104,6 +104,13 @@ class UcxWorker {
   static void HelpProgress(void* self) {
     static_cast<UcxWorker*>(self)->HelpProgress();
   }
+  // Delivers what the worker has already received (a dead peer's last
+  // messages) before its channel is failed: progresses the worker from the
+  // calling thread, as if it were the progress thread, until a pass finds
+  // nothing (at most 1024 passes). Called by the network thread when a
+  // peer's liveness connection drops; the hang-up can overtake the
+  // peer's last messages, which UCX holds until a progress pass.
+  void Drain();
   ucp_worker_h worker() const { return worker_; }
   // This worker's UCX address, which peers use to create data endpoints.
   const std::vector<uint8_t>& address() const { return address_; }
