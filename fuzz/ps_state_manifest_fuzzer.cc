@@ -20,12 +20,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           !seen.insert({s.key, s.shard}).second)
         std::abort();
     }
+    std::set<uint64_t> keys;
+    for (const auto& k : m.keys) {
+      if (k.shard_bytes == 0 || k.shard_bytes > k.key_bytes ||
+          !keys.insert(k.key).second)
+        std::abort();
+    }
     // What parses re-encodes to something that parses the same way.
     membox::ps::StateManifest again;
     if (!membox::ps::ParseStateManifest(membox::ps::EncodeStateManifest(m),
                                         &again)
              .ok() ||
         again.shards.size() != m.shards.size() ||
+        again.keys.size() != m.keys.size() ||
         again.proxy_rank != m.proxy_rank)
       std::abort();
   }

@@ -97,6 +97,21 @@ Status ProxyImpl::Join() {
     job->state_bytes += StateBytes(o);
     ++job->shards;
   }
+  // A key a live peer holds but offers no shard of: every node that kept
+  // its shards current is down. Its shards are lost (below), not silently
+  // absent (a worker's declaration would make it afresh).
+  for (auto& [p, man] : job->manifests) {
+    for (const HeldKey& k : man.keys) {
+      auto it = keys_.find(k.key);
+      if (it != keys_.end() && !it->second.shards.empty()) continue;
+      auto sh = PrepareShard(k.key, 0, k.dtype, k.key_bytes, k.shard_bytes,
+                             "the peers' state");
+      if (!sh.ok()) {
+        TellJoinDone(*job);
+        return sh.status();
+      }
+    }
+  }
   // Every shard of every key must have a holder among the live peers.
   std::vector<std::pair<uint64_t, uint32_t>> lost;
   uint64_t lost_bytes = 0;
@@ -351,7 +366,12 @@ void ProxyImpl::OnJoinRequest(uint64_t conn, Conn& c, const Message& m) {
                  InvalidArgumentError("a proxy joins as its own rank"));
   }
   std::vector<StateOffer::Item> items;
+  std::vector<HeldKey> held;
   for (auto& [k, key] : keys_) {
+    if (!key.shards.empty()) {
+      held.push_back({k, static_cast<uint8_t>(key.dtype), key.bytes,
+                      key.shard_bytes});
+    }
     for (uint32_t i = 0; i < key.shards.size(); ++i) {
       // (A shard this node is still copying itself has no state yet.)
       if (!key.shards[i].value || key.shards[i].copying) continue;
@@ -366,7 +386,7 @@ void ProxyImpl::OnJoinRequest(uint64_t conn, Conn& c, const Message& m) {
           {k, i, key.dtype, key.bytes, key.shard_bytes, &key.shards[i]});
     }
   }
-  auto offer = StateOffer::Make(*device_, opt_.rank, items);
+  auto offer = StateOffer::Make(*device_, opt_.rank, items, std::move(held));
   if (!offer.ok()) return Reply(conn, m.type, m.id, offer.status());
   const uint64_t n = (*offer)->manifest_bytes();
   auto d = (*offer)->descriptor();

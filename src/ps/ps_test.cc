@@ -1772,6 +1772,11 @@ void TwoDeathsBeforeAReplacement(bool striped) {
                              r == 0 ? init.data() : nullptr);
       ASSERT_TRUE(v.ok()) << v.status().ToString();
       EXPECT_EQ(*v, uint64_t(from));
+      // A key of one shard, striped: owned by proxy 1, backed up by proxy
+      // 2, so no survivor offers any of it when both die.
+      auto small = w[r]->Declare(7, 4096, DType::kFloat32,
+                                 r == 0 ? init.data() : nullptr);
+      ASSERT_TRUE(small.ok()) << small.status().ToString();
     }
     for (int round = from; round < to; ++round) {
       std::vector<PsHandle> h;
@@ -1806,6 +1811,11 @@ void TwoDeathsBeforeAReplacement(bool striped) {
               std::string::npos)
         << why;
     EXPECT_NE(why.find("key 5 shard "), std::string::npos) << why;
+    // The survivor holds key 7 but keeps none of it current: it lists the
+    // key, so the joiner names it lost instead of leaving it absent (a
+    // worker's declaration would then make it afresh, losing its state
+    // silently).
+    EXPECT_NE(why.find("key 7 shard 0"), std::string::npos) << why;
     EXPECT_NE(why.find("restart the job from a checkpoint"), std::string::npos)
         << why;
     return;

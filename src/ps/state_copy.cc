@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <set>
 #include <utility>
 
@@ -19,13 +20,16 @@ using wire::Writer;
 
 constexpr char kMagic[8] = {'M', 'B', 'X', 'S', 'T', 'A', 'T', '1'};
 constexpr char kEnd[4] = {'E', 'N', 'D', '!'};
-constexpr uint32_t kFormat = 1;
+// 2: the held keys after the shards.
+constexpr uint32_t kFormat = 2;
 constexpr uint64_t kMaxKeyBytes = 1ull << 40;
 constexpr uint32_t kMaxDescriptor = 8192;
 constexpr uint8_t kHasValue = 1, kHasM1 = 2, kHasM2 = 4;
 // key, shard, dtype, key_bytes, shard_bytes, version, bytes, buffers, and
 // one descriptor's length: the least a record takes.
 constexpr size_t kMinRecord = 8 + 4 + 1 + 8 + 8 + 8 + 8 + 1 + 4;
+// key, dtype, key_bytes, shard_bytes
+constexpr size_t kKeyRecord = 8 + 1 + 8 + 8;
 
 Status Damaged(const std::string& what) {
   return DataLossError("state manifest is damaged: " + what);
@@ -66,6 +70,13 @@ std::vector<uint8_t> EncodeStateManifest(const StateManifest& m) {
     PutDescriptor(w, s.value);
     if (s.m1) PutDescriptor(w, *s.m1);
     if (s.m2) PutDescriptor(w, *s.m2);
+  }
+  w.U32(static_cast<uint32_t>(m.keys.size()));
+  for (const auto& k : m.keys) {
+    w.U64(k.key);
+    w.U8(k.dtype);
+    w.U64(k.key_bytes);
+    w.U64(k.shard_bytes);
   }
   auto& b = w.buffer();
   w.U32(Crc32(b.data(), b.size()));
@@ -144,16 +155,49 @@ Status ParseStateManifest(std::span<const uint8_t> bytes, StateManifest* out) {
     }
     m.shards.push_back(std::move(s));
   }
-  if (r.remaining() != 0) return Damaged("bytes after the last shard");
+  uint32_t keys = 0;
+  if (!r.U32(&keys)) return Damaged("truncated: no key list");
+  if (keys > r.remaining() / kKeyRecord) return Damaged("more keys than bytes");
+  std::map<uint64_t, const HeldKey*> listed;
+  m.keys.resize(keys);
+  for (HeldKey& k : m.keys) {
+    if (!r.U64(&k.key) || !r.U8(&k.dtype) || !r.U64(&k.key_bytes) ||
+        !r.U64(&k.shard_bytes)) {
+      return Damaged("truncated key record");
+    }
+    const std::string where = "held key " + std::to_string(k.key);
+    if (k.dtype < 1 || k.dtype > static_cast<uint8_t>(DType::kUInt8)) {
+      return Damaged(where + ": unknown dtype");
+    }
+    if (k.key_bytes == 0 || k.key_bytes > kMaxKeyBytes || k.shard_bytes == 0 ||
+        k.shard_bytes > k.key_bytes) {
+      return Damaged(where + ": bad key or shard size");
+    }
+    if (!listed.emplace(k.key, &k).second) {
+      return Damaged(where + ": given twice");
+    }
+  }
+  // An offered shard's key, where listed, has the same geometry.
+  for (const OfferedShard& s : m.shards) {
+    auto it = listed.find(s.key);
+    if (it != listed.end() &&
+        (it->second->dtype != s.dtype || it->second->key_bytes != s.key_bytes ||
+         it->second->shard_bytes != s.shard_bytes)) {
+      return Damaged("key " + std::to_string(s.key) +
+                     ": its shards and its key record disagree");
+    }
+  }
+  if (r.remaining() != 0) return Damaged("bytes after the key list");
   *out = std::move(m);
   return Status::Ok();
 }
 
 Result<std::unique_ptr<StateOffer>> StateOffer::Make(
     transport::Device& device, uint32_t giver_rank,
-    const std::vector<Item>& items) {
+    const std::vector<Item>& items, std::vector<HeldKey> keys) {
   std::unique_ptr<StateOffer> offer(new StateOffer());
-  ASSIGN_OR_RETURN(InlineOffer in, MakeInlineOffer(giver_rank, items));
+  ASSIGN_OR_RETURN(InlineOffer in,
+                   MakeInlineOffer(giver_rank, items, std::move(keys)));
   ASSIGN_OR_RETURN(offer->manifest_,
                    device.AllocateMemRegion(in.manifest.size()));
   std::memcpy(offer->manifest_->data(), in.manifest.data(), in.manifest.size());
@@ -168,11 +212,13 @@ Result<std::unique_ptr<StateOffer>> StateOffer::Make(
   return offer;
 }
 
-Result<InlineOffer> MakeInlineOffer(
-    uint32_t giver_rank, const std::vector<StateOffer::Item>& items) {
+Result<InlineOffer> MakeInlineOffer(uint32_t giver_rank,
+                                    const std::vector<StateOffer::Item>& items,
+                                    std::vector<HeldKey> keys) {
   InlineOffer offer;
   StateManifest m;
   m.proxy_rank = giver_rank;
+  m.keys = std::move(keys);
   m.shards.reserve(items.size());
   for (const StateOffer::Item& it : items) {
     const StoredShard& sh = *it.stored;

@@ -61,9 +61,21 @@ inline uint64_t StateBytes(uint64_t shard_bytes, bool m1, bool m2) {
   return shard_bytes * (1 + (m1 ? 1 : 0) + (m2 ? 1 : 0));
 }
 
+// A key the giver holds, whether or not it offers any of its shards.
+struct HeldKey {
+  uint64_t key = 0;
+  uint8_t dtype = 0;
+  uint64_t key_bytes = 0;
+  uint64_t shard_bytes = 0;  // nominal shard size
+};
+
 struct StateManifest {
   uint32_t proxy_rank = 0;  // the giver
   std::vector<OfferedShard> shards;
+  // A join's manifest: every key the giver holds, so that a joiner learns
+  // of a key none of whose shards a live peer offers (all its holders are
+  // down: lost, not silently absent). Empty in other manifests.
+  std::vector<HeldKey> keys;
 };
 
 std::vector<uint8_t> EncodeStateManifest(const StateManifest& manifest);
@@ -86,9 +98,10 @@ class StateOffer {
   };
   // Snapshots `items` (references to their buffers) and writes their
   // manifest into a region allocated on `device`.
+  // `keys`: the manifest's list of held keys (a join's).
   static Result<std::unique_ptr<StateOffer>> Make(
       transport::Device& device, uint32_t giver_rank,
-      const std::vector<Item>& items);
+      const std::vector<Item>& items, std::vector<HeldKey> keys = {});
 
   // Where the taker reads the manifest, and how many bytes.
   std::vector<uint8_t> descriptor() const {
@@ -115,7 +128,8 @@ struct InlineOffer {
   std::vector<std::shared_ptr<transport::MemRegion>> keep;
 };
 Result<InlineOffer> MakeInlineOffer(uint32_t giver_rank,
-                                    const std::vector<StateOffer::Item>& items);
+                                    const std::vector<StateOffer::Item>& items,
+                                    std::vector<HeldKey> keys = {});
 
 // Reads and parses the manifest a giver offered on `channel` (`descriptor`
 // and `bytes` from its reply), and checks that it comes from `giver_rank`.

@@ -1,8 +1,11 @@
 #include "src/ps/state_copy.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <future>
+#include <iterator>
 
 #include <gtest/gtest.h>
 
@@ -49,6 +52,8 @@ StateManifest Example() {
   m.shards.push_back(Shard(7, 2, 1000, 400));  // the last, 200 bytes
   m.shards.back().m1 = Desc(0x20000, 200);
   m.shards.back().m2 = Desc(0x30000, 4096);
+  const auto f32 = static_cast<uint8_t>(DType::kFloat32);
+  m.keys = {{7, f32, 1000, 400}, {11, f32, 64, 64}};  // 11: nothing offered
   return m;
 }
 
@@ -65,6 +70,30 @@ TEST(StateManifestTest, RoundTrips) {
   ASSERT_TRUE(out.shards[1].m2.has_value());
   EXPECT_EQ(out.shards[1].m2->address, 0x30000u);
   EXPECT_EQ(out.shards[1].m2->packed_rkey, in.shards[1].m2->packed_rkey);
+  ASSERT_EQ(out.keys.size(), 2u);
+  EXPECT_EQ(out.keys[1].key, 11u);
+  EXPECT_EQ(out.keys[1].key_bytes, 64u);
+  EXPECT_EQ(out.keys[0].shard_bytes, 400u);
+}
+
+// The fuzzer's seed (fuzz/corpus/ps_state_manifest_fuzzer) must be a
+// manifest this format parses. After a format change, regenerate it:
+//   MEMBOX_WRITE_FUZZ_SEEDS=1 ps_test --gtest_filter='StateManifest*'
+TEST(StateManifestTest, FuzzSeedIsCurrent) {
+  const std::string path = std::string(MEMBOX_SOURCE_DIR) +
+                           "/fuzz/corpus/ps_state_manifest_fuzzer/two_shards";
+  if (std::getenv("MEMBOX_WRITE_FUZZ_SEEDS") != nullptr) {
+    auto b = EncodeStateManifest(Example());
+    std::ofstream(path, std::ios::binary)
+        .write(reinterpret_cast<const char*>(b.data()),
+               static_cast<std::streamsize>(b.size()));
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::vector<uint8_t> b((std::istreambuf_iterator<char>(in)), {});
+  StateManifest out;
+  Status st = ParseStateManifest(b, &out);
+  EXPECT_TRUE(st.ok()) << path << ": " << st.ToString()
+                       << " (regenerate the seed: see this test)";
 }
 
 TEST(StateManifestTest, EveryTruncationAndEveryFlippedByteIsRefused) {
@@ -107,6 +136,15 @@ TEST(StateManifestTest, InconsistentShardsAreRefusedWithTheReason) {
        "shorter than its shard"},
       {"m2 alone", [](StateManifest& m) { m.shards[1].m1.reset(); },
        "bad buffer set"},
+      {"key twice", [](StateManifest& m) { m.keys[1].key = 7; },
+       "held key 7: given twice"},
+      {"key size", [](StateManifest& m) { m.keys[1].shard_bytes = 65; },
+       "held key 11: bad key or shard size"},
+      {"key dtype", [](StateManifest& m) { m.keys[1].dtype = 99; },
+       "held key 11: unknown dtype"},
+      {"key and shards",
+       [](StateManifest& m) { m.keys[0].shard_bytes = 500; },
+       "key 7: its shards and its key record disagree"},
   };
   for (const auto& c : cases) {
     StateManifest m = Example(), out;
