@@ -32,8 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                         &again)
              .ok() ||
         again.shards.size() != m.shards.size() ||
-        again.keys.size() != m.keys.size() ||
-        again.proxy_rank != m.proxy_rank)
+        again.keys.size() != m.keys.size() || again.proxy_rank != m.proxy_rank)
       std::abort();
   }
   return 0;

@@ -369,8 +369,8 @@ void ProxyImpl::OnJoinRequest(uint64_t conn, Conn& c, const Message& m) {
   std::vector<HeldKey> held;
   for (auto& [k, key] : keys_) {
     if (!key.shards.empty()) {
-      held.push_back({k, static_cast<uint8_t>(key.dtype), key.bytes,
-                      key.shard_bytes});
+      held.push_back(
+          {k, static_cast<uint8_t>(key.dtype), key.bytes, key.shard_bytes});
     }
     for (uint32_t i = 0; i < key.shards.size(); ++i) {
       // (A shard this node is still copying itself has no state yet.)

@@ -142,8 +142,7 @@ TEST(StateManifestTest, InconsistentShardsAreRefusedWithTheReason) {
        "held key 11: bad key or shard size"},
       {"key dtype", [](StateManifest& m) { m.keys[1].dtype = 99; },
        "held key 11: unknown dtype"},
-      {"key and shards",
-       [](StateManifest& m) { m.keys[0].shard_bytes = 500; },
+      {"key and shards", [](StateManifest& m) { m.keys[0].shard_bytes = 500; },
        "key 7: its shards and its key record disagree"},
   };
   for (const auto& c : cases) {
