@@ -8,7 +8,10 @@ against the size of the state the nodes hold.
 A job of --workers workers and 2 memory nodes under `membox launch` with its
 defaults (replication on: every shard on two nodes). One tensor of S/2 with
 SGD momentum lives on the nodes, so the job's state is S (weights and
-momentum); striped, each node owns half of it and backs up the other half.
+momentum). The workers use the plain client's default routing (no
+profile): every push goes to node 0 and the nodes' ring carries the round,
+so each node holds the whole state, and the round after the kill needs all
+of the replacement's copy.
 The workers run PushPull rounds and timestamp each one. After four rounds
 memory node 1 is killed with SIGKILL; the launcher starts a replacement
 with --join, which serves at once and copies its state in the background

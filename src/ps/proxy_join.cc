@@ -195,12 +195,17 @@ void ProxyImpl::RunJoinCopy(const std::shared_ptr<JoinCopy>& job) {
         }
       }
       from = job->sources[pick->first][pick->second].first;
+      // A batch with a shard a request waits for takes only such shards:
+      // the others (the shards this node backs up, say) would make the
+      // waiting requests wait for their copy too.
+      const bool urgent_only = job->urgent.count(pick->first) != 0;
       uint64_t bytes = 0;
       for (auto it = pick; it != job->order.end() &&
                            batch.size() < kJoinBatchShards &&
                            bytes < opt_.join_batch_bytes;) {
         const auto& src = job->sources[it->first][it->second];
-        if (src.first != from) {
+        if (src.first != from ||
+            (urgent_only && job->urgent.count(it->first) == 0)) {
           if (it == pick) break;
           ++it;
           continue;
