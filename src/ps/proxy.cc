@@ -200,6 +200,8 @@ void ProxyImpl::Stop() {
   keys_.clear();
   staging_.reset();
   probe_.reset();
+  // Recycled buffers go before the device they were registered with.
+  storage_->CloseRecycling();
   sync_.reset();
   server_.reset();
   MEMBOX_LOG_INFO("parameter proxy stopped");
@@ -700,6 +702,8 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
       MEMBOX_LOG_INFO("the job ended: freed {} bytes of its scratch keys",
                       freed);
     }
+    // An idle node keeps no recycled buffers.
+    storage_->TrimRecycled();
   }
 }
 

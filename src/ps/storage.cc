@@ -1,5 +1,6 @@
 #include "src/ps/storage.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "src/ps/reduce.h"
@@ -24,6 +25,49 @@ Result<std::shared_ptr<MemRegion>> ShardStorage::Allocate(uint64_t bytes) {
   return r;
 }
 
+std::unique_ptr<MemRegion> RegionRecycler::Take(uint64_t bytes) {
+  MutexLock l(&mu_);
+  auto it = kept_.find(bytes);
+  if (it == kept_.end()) return nullptr;
+  auto r = std::move(it->second);
+  kept_.erase(it);
+  bytes_ -= bytes;
+  return r;
+}
+
+bool RegionRecycler::Put(std::unique_ptr<MemRegion>& r, uint64_t bytes) {
+  MutexLock l(&mu_);
+  if (closed_ || bytes_ + bytes > cap_bytes_) return false;
+  bytes_ += bytes;
+  kept_.emplace(bytes, std::move(r));
+  return true;
+}
+
+void RegionRecycler::LowerCap(uint64_t cap_bytes) {
+  MutexLock l(&mu_);
+  cap_bytes_ = std::min(cap_bytes_, cap_bytes);
+}
+
+void RegionRecycler::Clear() {
+  std::multimap<uint64_t, std::unique_ptr<MemRegion>> gone;
+  MutexLock l(&mu_);
+  gone.swap(kept_);
+  bytes_ = 0;
+}
+
+void RegionRecycler::Close() {
+  {
+    MutexLock l(&mu_);
+    closed_ = true;
+  }
+  Clear();
+}
+
+uint64_t RegionRecycler::bytes() const {
+  MutexLock l(&mu_);
+  return bytes_;
+}
+
 Result<std::shared_ptr<MemRegion>> ShardStorage::AllocateForOverwrite(
     uint64_t bytes) {
   if (stored_.load() + bytes > max_bytes_.load()) {
@@ -31,15 +75,21 @@ Result<std::shared_ptr<MemRegion>> ShardStorage::AllocateForOverwrite(
                                   std::to_string(max_bytes_.load()) +
                                   " bytes); " + limit_why_);
   }
-  ASSIGN_OR_RETURN(auto r, allocate_(bytes));
+  std::unique_ptr<MemRegion> r = recycler_->Take(bytes);
+  if (!r) {
+    ASSIGN_OR_RETURN(r, allocate_(bytes));
+  }
   stored_.fetch_add(bytes);
-  // The counter outlives this storage while a snapshot holds a buffer.
+  // The counter and the recycler outlive this storage while a snapshot
+  // holds a buffer.
   auto counter = stored_counter_;
-  return std::shared_ptr<MemRegion>(r.release(),
-                                    [counter, bytes](MemRegion* p) {
-                                      counter->fetch_sub(bytes);
-                                      delete p;
-                                    });
+  auto recycler = recycler_;
+  return std::shared_ptr<MemRegion>(
+      r.release(), [counter, recycler, bytes](MemRegion* p) {
+        counter->fetch_sub(bytes);
+        std::unique_ptr<MemRegion> owned(p);
+        recycler->Put(owned, bytes);  // else `owned` frees it here
+      });
 }
 
 Status ShardStorage::Create(StoredShard& sh, uint64_t offset, uint64_t bytes) {

@@ -10,18 +10,23 @@
 // Ownership and threading: a ShardStorage belongs to one proxy and is used
 // on its event loop; the arithmetic runs on the SyncCores passed in.
 // stored_bytes() may be read from any thread. Buffers it allocated may
-// outlive it only as long as the allocator's device does.
+// outlive it only as long as the allocator's device does; buffers let go
+// of are recycled (RegionRecycler) until CloseRecycling(), which the owner
+// calls before the device goes.
 #ifndef MEMBOX_SRC_PS_STORAGE_H_
 #define MEMBOX_SRC_PS_STORAGE_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "membox/base/accumulate.h"
+#include "membox/base/mutex.h"
 #include "membox/base/status.h"
 #include "membox/transport/mem_region.h"
 
@@ -68,13 +73,62 @@ enum class Update {
   kOptimizer,
 };
 
+// Buffers a node let go of, kept for the next allocation of the same size
+// instead of being unregistered and unmapped: a replicated round allocates
+// a shard-sized buffer on the owner and on its backup every round, and a
+// fresh one costs its page faults and zeroing (a 32 MiB buffer: about as
+// long as the round's own copies on one host). Holds at most `cap_bytes`;
+// Close() frees what it holds and makes later Put()s refuse, so that no
+// buffer outlives the device it was registered with.
+// Thread-safety: every method may be called from any thread (a buffer's
+// last holder may be the copier thread or a transport completion).
+class RegionRecycler {
+ public:
+  explicit RegionRecycler(uint64_t cap_bytes) : cap_bytes_(cap_bytes) {}
+  // Lowers the cap (never raises it); what is kept stays until taken.
+  void LowerCap(uint64_t cap_bytes);
+  // A kept buffer of exactly `bytes`, or null.
+  std::unique_ptr<transport::MemRegion> Take(uint64_t bytes);
+  // Keeps `r` (of `bytes`); false, leaving `r` to the caller, when closed
+  // or full.
+  bool Put(std::unique_ptr<transport::MemRegion>& r, uint64_t bytes);
+  // Frees what it holds (a job ended: an idle node keeps nothing).
+  void Clear();
+  // Clear(), and Put() refuses from now on.
+  void Close();
+  uint64_t bytes() const;
+
+ private:
+  mutable Mutex mu_;
+  uint64_t cap_bytes_ MEMBOX_GUARDED_BY(mu_);
+  bool closed_ MEMBOX_GUARDED_BY(mu_) = false;
+  uint64_t bytes_ MEMBOX_GUARDED_BY(mu_) = 0;
+  std::multimap<uint64_t, std::unique_ptr<transport::MemRegion>> kept_
+      MEMBOX_GUARDED_BY(mu_);
+};
+
 class ShardStorage {
  public:
   using Allocator =
       std::function<Result<std::unique_ptr<transport::MemRegion>>(uint64_t)>;
 
-  ShardStorage(Allocator allocate, uint64_t max_bytes, SyncCores* cores)
-      : allocate_(std::move(allocate)), max_bytes_(max_bytes), cores_(cores) {}
+  // Buffers let go of are recycled up to `recycle_bytes` (RegionRecycler),
+  // and never more than a quarter of the byte limit: recycled buffers are
+  // not counted as stored, so a principal's quota bounds them too.
+  ShardStorage(Allocator allocate, uint64_t max_bytes, SyncCores* cores,
+               uint64_t recycle_bytes = kDefaultRecycleBytes)
+      : allocate_(std::move(allocate)),
+        max_bytes_(max_bytes),
+        cores_(cores),
+        recycler_(std::make_shared<RegionRecycler>(
+            std::min(recycle_bytes, max_bytes / 4))) {}
+  static constexpr uint64_t kDefaultRecycleBytes = 512ull << 20;
+
+  // Frees the recycled buffers (a job ended), or (Close) also stops
+  // recycling: before the allocator's device goes.
+  void TrimRecycled() { recycler_->Clear(); }
+  void CloseRecycling() { recycler_->Close(); }
+  uint64_t recycled_bytes() const { return recycler_->bytes(); }
   ShardStorage(const ShardStorage&) = delete;
   ShardStorage& operator=(const ShardStorage&) = delete;
 
@@ -121,6 +175,7 @@ class ShardStorage {
     if (bytes < max_bytes_.load()) {
       max_bytes_.store(bytes);
       limit_why_ = std::move(why);
+      recycler_->LowerCap(bytes / 4);
     }
   }
 
@@ -132,6 +187,8 @@ class ShardStorage {
   std::shared_ptr<std::atomic<uint64_t>> stored_counter_ =
       std::make_shared<std::atomic<uint64_t>>(0);
   std::atomic<uint64_t>& stored_ = *stored_counter_;
+  // Shared with the buffers' deleters, which may run after this is gone.
+  std::shared_ptr<RegionRecycler> recycler_;
 };
 
 }  // namespace membox::ps

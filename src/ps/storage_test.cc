@@ -61,6 +61,71 @@ TEST_F(StorageTest, TheLimitHoldsAndFreedBytesReturn) {
   EXPECT_TRUE(storage_.Allocate(2000).ok());
 }
 
+TEST(RegionRecyclerTest, KeepsBuffersBySizeUpToItsCapUntilClosed) {
+  RegionRecycler r(100);
+  std::unique_ptr<MemRegion> a(new HeapRegion(60)), b(new HeapRegion(60));
+  void* a_data = a->data();
+  ASSERT_TRUE(r.Put(a, 60));
+  EXPECT_EQ(a, nullptr);  // kept
+  EXPECT_FALSE(r.Put(b, 60)) << "past the cap";
+  EXPECT_NE(b, nullptr) << "left to the caller";
+  EXPECT_EQ(r.bytes(), 60u);
+  EXPECT_EQ(r.Take(40), nullptr) << "exact sizes only";
+  auto again = r.Take(60);
+  ASSERT_NE(again, nullptr);
+  EXPECT_EQ(again->data(), a_data);
+  EXPECT_EQ(r.bytes(), 0u);
+  ASSERT_TRUE(r.Put(again, 60));
+  r.Clear();
+  EXPECT_EQ(r.bytes(), 0u);
+  EXPECT_EQ(r.Take(60), nullptr);
+  r.LowerCap(50);
+  EXPECT_FALSE(r.Put(b, 60)) << "past the lowered cap";
+  r.Close();
+  std::unique_ptr<MemRegion> small(new HeapRegion(10));
+  EXPECT_FALSE(r.Put(small, 10)) << "closed";
+  EXPECT_NE(b, nullptr);
+}
+
+// A buffer let go of is handed out again for the same size (no fresh
+// allocation, hence no page faults), zeroed by Allocate, and counted as
+// stored only while held; TrimRecycled and CloseRecycling free the kept.
+TEST(StorageRecyclingTest, AFreedBufferIsReusedForTheSameSize) {
+  SyncCores cores(1);
+  int allocations = 0;
+  ShardStorage storage(
+      [&](uint64_t n) -> Result<std::unique_ptr<MemRegion>> {
+        ++allocations;
+        return std::unique_ptr<MemRegion>(new HeapRegion(n));
+      },
+      1 << 20, &cores, /*recycle_bytes=*/4096);
+  auto a = *storage.AllocateForOverwrite(1024);
+  std::memset(a->data(), 7, 1024);
+  void* data = a->data();
+  a.reset();
+  EXPECT_EQ(storage.stored_bytes(), 0u);
+  EXPECT_EQ(storage.recycled_bytes(), 1024u);
+  auto b = *storage.Allocate(1024);
+  EXPECT_EQ(allocations, 1);
+  EXPECT_EQ(b->data(), data);
+  EXPECT_EQ(static_cast<const uint8_t*>(b->data())[1023], 0) << "zeroed";
+  EXPECT_EQ(storage.stored_bytes(), 1024u);
+  EXPECT_EQ(storage.recycled_bytes(), 0u);
+  auto c = *storage.Allocate(2048);  // another size: a fresh one
+  EXPECT_EQ(allocations, 2);
+  b.reset();
+  c.reset();
+  EXPECT_EQ(storage.recycled_bytes(), 3072u);
+  storage.TrimRecycled();
+  EXPECT_EQ(storage.recycled_bytes(), 0u);
+  ASSERT_TRUE(storage.Allocate(1024).ok());
+  EXPECT_EQ(allocations, 3) << "trimmed: allocated afresh";
+  storage.CloseRecycling();
+  auto d = *storage.Allocate(1024);
+  d.reset();
+  EXPECT_EQ(storage.recycled_bytes(), 0u) << "closed: freed at once";
+}
+
 TEST_F(StorageTest, ReplaceSwapsTheSumInAndScales) {
   StoredShard sh;
   ASSERT_TRUE(storage_.Create(sh, 0, 64).ok());
