@@ -1936,6 +1936,23 @@ TEST(PsTest, StoredKeysKeepWorkerStateOnEveryReplica) {
   EXPECT_TRUE(again.ok()) << again.status().ToString();
 }
 
+// One PushPull round of `key` by two workers, each pushing Ramp(n, 1):
+// element 5 of the sum is 12.
+void RampRound(const std::vector<std::unique_ptr<ParamClient>>& w, uint64_t key,
+               size_t n) {
+  std::vector<std::vector<float>> in(2, Ramp(n, 1.f)), out(2);
+  std::vector<PsHandle> h;
+  for (int r = 0; r < 2; ++r) {
+    out[r].assign(n, -1.f);
+    h.push_back(w[r]->PushPull(key, in[r].data(), out[r].data()));
+  }
+  for (int r = 0; r < 2; ++r) {
+    Status st = h[r].Wait(20s);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    EXPECT_EQ(out[r][5], 12.f);
+  }
+}
+
 // A job's scratch keys (a collective's sums and exchanges: DeclareScratch)
 // are freed by every node when the job ends; its other keys stay for the
 // next job (nodes outlive jobs). Every worker declares a key the same way.
@@ -1965,19 +1982,7 @@ TEST(PsTest, ScratchKeysAreFreedWhenTheJobEnds) {
         w[1]->DeclareScratch(3, kN * 4, DType::kFloat32, false).status().code(),
         StatusCode::kFailedPrecondition);
     for (uint64_t key : {1u, 3u}) {
-      for (int round = 0; round < 2; ++round) {
-        std::vector<std::vector<float>> in(2, Ramp(kN, 1.f)), out(2);
-        std::vector<PsHandle> h;
-        for (int r = 0; r < 2; ++r) {
-          out[r].assign(kN, -1.f);
-          h.push_back(w[r]->PushPull(key, in[r].data(), out[r].data()));
-        }
-        for (int r = 0; r < 2; ++r) {
-          Status st = h[r].Wait(20s);
-          EXPECT_TRUE(st.ok()) << st.ToString();
-          EXPECT_EQ(out[r][5], 12.f);
-        }
-      }
+      for (int round = 0; round < 2; ++round) RampRound(w, key, kN);
     }
     auto buf = w[0]->AllocateTensor(64 << 10);
     EXPECT_TRUE(buf.ok());
@@ -2030,19 +2035,7 @@ TEST(PsTest, ScratchKeysAreFreedMidJobOnceEveryWorkerLetsThemGo) {
         w[r]->DeclareScratch(2, 64 << 10, DType::kUInt8, /*stored=*/true).ok());
     ASSERT_TRUE(w[r]->Declare(3, kN * 4, DType::kFloat32).ok());
   }
-  auto round = [&](uint64_t key) {
-    std::vector<std::vector<float>> in(2, Ramp(kN, 1.f)), out(2);
-    std::vector<PsHandle> h;
-    for (int r = 0; r < 2; ++r) {
-      out[r].assign(kN, -1.f);
-      h.push_back(w[r]->PushPull(key, in[r].data(), out[r].data()));
-    }
-    for (int r = 0; r < 2; ++r) {
-      Status st = h[r].Wait(20s);
-      EXPECT_TRUE(st.ok()) << st.ToString();
-      EXPECT_EQ(out[r][5], 12.f);
-    }
-  };
+  auto round = [&](uint64_t key) { RampRound(w, key, kN); };
   round(1);
   round(3);
   std::vector<ProxyStats> during;
