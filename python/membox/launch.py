@@ -286,7 +286,15 @@ def main(argv=None):
     replicate = a.nodes > 1 and a.ps_replicate != "off"
     replaced = 0
     node_argv = []
-    try:
+
+    def start_nodes():
+        """Starts the memory nodes on ps_eps / emb_eps; (None, False) once
+        all serve, else (why not, whether a port they were given was taken
+        by another process before the node bound it: free_port() checks a
+        port when it picks it, and another launch on this host may pick and
+        bind the same one first)."""
+        node_argv.clear()
+        started = []
         for i in range(a.nodes):
             argv_n = [a.membox, "--log-level", "warn", "serve",
                       "--listen", "127.0.0.1:0",
@@ -305,11 +313,32 @@ def main(argv=None):
             node_argv.append(list(argv_n))
             if restore:
                 argv_n += ["--restore"]
-            procs.append(Proc("node", i, argv_n, dict(os.environ), lock))
-        for p in procs:
-            if not p.ready.wait(30) :
-                return shutdown(1, f"{p.name} did not start "
-                                   f"(exit status {p.p.poll()})")
+            started.append(Proc("node", i, argv_n, dict(os.environ), lock))
+            procs.append(started[-1])
+        for p in started:
+            deadline = time.time() + 30
+            while not p.ready.wait(0.1):
+                if p.p.poll() is not None or time.time() > deadline:
+                    p.t.join(timeout=5)
+                    taken = any("Address already in use" in line
+                                for line in p.lines)
+                    return (f"{p.name} did not start (exit status "
+                            f"{p.p.poll()})", taken)
+        return None, False
+
+    try:
+        for attempt in range(3):
+            why, taken = start_nodes()
+            if why is None:
+                break
+            if not taken or attempt == 2:
+                return shutdown(1, why)
+            say(f"{why}: a port it was given was taken meanwhile; starting "
+                f"the memory nodes again on other ports")
+            stop_all(procs)
+            procs.clear()
+            ps_eps[:] = [f"127.0.0.1:{free_port()}" for _ in range(a.nodes)]
+            emb_eps[:] = [f"127.0.0.1:{free_port()}" for _ in range(a.nodes)]
         env = dict(os.environ)
         env.update({"WORLD_SIZE": str(a.workers), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(free_port()),

@@ -636,6 +636,43 @@ class LaunchPortTest(unittest.TestCase):
         ports = [launch.free_port() for _ in range(2000)]
         self.assertEqual(len(set(ports)), len(ports))
 
+    def test_a_node_whose_port_was_taken_starts_on_another(self):
+        # The launcher picks its nodes' ports before they bind them; another
+        # process on the host may bind one first. It then starts the nodes
+        # again on other ports instead of ending the job.
+        import contextlib
+        import io
+        import socket
+        import membox.launch as launch
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        real = launch.free_port
+        given = []
+
+        def first_taken():  # node 0's parameter proxy port
+            given.append(1)
+            return port if len(given) == 1 else real()
+
+        out = io.StringIO()
+        launch.free_port = first_taken
+        try:
+            with contextlib.redirect_stdout(out):
+                rc = launch.main([
+                    "--nodes", "2", "--workers", "1", "--membox", MEMBOX,
+                    "--", sys.executable, "-c",
+                    "import os; print('PROXIES', os.environ['MEMBOX_PROXIES'])"])
+        finally:
+            launch.free_port = real
+            taken.close()
+        self.assertEqual(rc, 0, out.getvalue()[-3000:])
+        self.assertIn("a port it was given was taken meanwhile", out.getvalue())
+        self.assertIn("PROXIES 127.0.0.1:", out.getvalue())
+        proxies = [line for line in out.getvalue().splitlines()
+                   if "PROXIES " in line][0].split("PROXIES ")[1]
+        self.assertNotIn("127.0.0.1:%d" % port, proxies.split(","))
+
 
 if __name__ == "__main__":
     unittest.main()
