@@ -653,6 +653,15 @@ class BackendTest(unittest.TestCase):
         for n in cls.nodes:
             n.kill()
 
+    def run_ranks_with(self, env, world, program):
+        """run_ranks with `env` added to the ranks' environment."""
+        os.environ.update(env)  # the spawned ranks inherit it
+        try:
+            return self.run_ranks(world, program)
+        finally:
+            for k in env:
+                del os.environ[k]
+
     def run_ranks(self, world, program, init=None, proxies_on=None):
         """Runs `program` in `world` spawned processes (rank and world
         passed to init_process_group, as mp.spawn scripts do); returns
@@ -699,14 +708,9 @@ class BackendTest(unittest.TestCase):
         destroy_process_group(), while the processes are still alive."""
         server = self.nodes[0].server
         before = _node_stats(server, self.secret_file)
-        env = {"MEMBOX_TEST_NODE_SERVER": server,
-               "MEMBOX_TEST_NODE_BASELINE": "%d,%d" % before}
-        os.environ.update(env)  # for the ranks
-        try:
-            outs = self.run_ranks(2, "held")
-        finally:
-            for k in env:
-                del os.environ[k]
+        outs = self.run_ranks_with(
+            {"MEMBOX_TEST_NODE_SERVER": server,
+             "MEMBOX_TEST_NODE_BASELINE": "%d,%d" % before}, 2, "held")
         held = outs[0][0]
         self.assertGreater(held[0], before[0], "the job's keys: %s" % (held,))
         self.assertGreater(held[1], before[1])
@@ -720,14 +724,9 @@ class BackendTest(unittest.TestCase):
         of several on the rank's connection, or of a subgroup, frees its
         keys on the node while the job goes on (not only when the job
         ends)."""
-        server = self.nodes[0].server
-        env = {"MEMBOX_TEST_NODE_SERVER": server}
-        os.environ.update(env)  # for the ranks
-        try:
-            outs = self.run_ranks(3, "subgroup-held")
-        finally:
-            for k in env:
-                del os.environ[k]
+        outs = self.run_ranks_with(
+            {"MEMBOX_TEST_NODE_SERVER": self.nodes[0].server}, 3,
+            "subgroup-held")
         got = outs[0]
         # The subgroup's operations go straight between its ranks here (one
         # host): it may hold nothing on the node, and must leave nothing.
