@@ -258,14 +258,15 @@ class StatusWaitTest(unittest.TestCase):
     """`membox status --wait`: a script that starts nodes waits for them."""
 
     def test_waits_for_a_node_that_starts_later(self):
-        import socket
         tmp = tempfile.mkdtemp()
         secret = os.path.join(tmp, "secret")
         with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write("status-wait-secret-0123456789abcdefghij\n")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # Ports below the ephemeral range (launch.free_port): one bound to 0
+        # and released may be taken by an outgoing connection before the
+        # node binds it (a CI run failed so).
+        from membox.launch import free_port
+        port = free_port()
         status = subprocess.Popen(
             [MEMBOX, "status", "--wait", "--timeout", "60", "--server",
              "127.0.0.1:%d" % port, "--secret-file", secret],
@@ -274,8 +275,11 @@ class StatusWaitTest(unittest.TestCase):
         self.assertIsNone(status.poll(), "status did not wait")
         node = subprocess.Popen(
             [MEMBOX, "--log-level", "warn", "serve", "--listen",
-             "127.0.0.1:%d" % port, "--pool-size", "16MiB", "--secret-file",
-             secret, "--exit-with-parent"], stdout=subprocess.DEVNULL)
+             "127.0.0.1:%d" % port, "--ps-listen",
+             "127.0.0.1:%d" % free_port(), "--emb-listen",
+             "127.0.0.1:%d" % free_port(), "--pool-size", "16MiB",
+             "--secret-file", secret, "--exit-with-parent"],
+            stdout=subprocess.DEVNULL)
         try:
             out, err = status.communicate(timeout=60)
             self.assertEqual(status.returncode, 0, err)
