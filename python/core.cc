@@ -717,14 +717,14 @@ class PyEmbeddingClient {
     membox::Result<uint32_t> t = membox::InternalError("");
     {
       py::gil_scoped_release nogil;
-      t = c_->OpenTable(c);
+      t = client()->OpenTable(c);
     }
     return Check(std::move(t));
   }
 
   uint32_t Dim(uint32_t table) {
-    if (table >= c_->num_tables()) throw py::value_error("no such table");
-    return c_->table(table).dim;
+    if (table >= client()->num_tables()) throw py::value_error("no such table");
+    return client()->table(table).dim;
   }
 
   PullHandle PullAsync(uint32_t table, KeyArray keys, uint64_t batch) {
@@ -750,7 +750,7 @@ class PyEmbeddingClient {
     membox::Result<EmbeddingHandle> h = membox::InternalError("");
     {
       py::gil_scoped_release nogil;
-      h = c_->PullManyAsync(pulls, batch);
+      h = client()->PullManyAsync(pulls, batch);
     }
     return PullHandle(Check(std::move(h)), std::move(rows), many);
   }
@@ -780,7 +780,7 @@ class PyEmbeddingClient {
     membox::Result<EmbeddingHandle> h = membox::InternalError("");
     {
       py::gil_scoped_release nogil;
-      h = c_->PushManyAsync(pushes, batch, release);
+      h = client()->PushManyAsync(pushes, batch, release);
     }
     return PushHandle(Check(std::move(h)));
   }
@@ -789,7 +789,7 @@ class PyEmbeddingClient {
     Status s;
     {
       py::gil_scoped_release nogil;
-      s = c_->Release(table, batch);
+      s = client()->Release(table, batch);
     }
     if (!s.ok()) Throw(s);
   }
@@ -798,7 +798,7 @@ class PyEmbeddingClient {
     Status s;
     {
       py::gil_scoped_release nogil;
-      s = c_->Flush();
+      s = client()->Flush();
     }
     if (!s.ok()) Throw(s);
   }
@@ -807,15 +807,29 @@ class PyEmbeddingClient {
     membox::Result<std::string> t = membox::InternalError("");
     {
       py::gil_scoped_release nogil;
-      t = c_->NodeStatus(node);
+      t = client()->NodeStatus(node);
     }
     return Check(std::move(t));
   }
 
-  uint32_t num_nodes() const { return c_->num_nodes(); }
-  uint32_t NodeOf(uint64_t key) const { return c_->NodeOf(key); }
+  uint32_t num_nodes() { return client()->num_nodes(); }
+  uint32_t NodeOf(uint64_t key) { return client()->NodeOf(key); }
+
+  // Ends the connections (and any wait for a lost node) now, not when the
+  // garbage collector gets to this object; the calls after it raise.
+  // Pending handles complete with an error.
+  void Close() {
+    std::unique_ptr<EmbeddingClient> c = std::move(c_);
+    py::gil_scoped_release nogil;
+    c.reset();
+  }
 
  private:
+  EmbeddingClient* client() {
+    if (c_ == nullptr) throw py::value_error("this EmbeddingClient is closed");
+    return c_.get();
+  }
+
   std::unique_ptr<EmbeddingClient> c_;
 };
 
@@ -1220,5 +1234,13 @@ PYBIND11_MODULE(_core, m) {
       .def("flush", &PyEmbeddingClient::Flush)
       .def("node_status", &PyEmbeddingClient::NodeStatus, py::arg("node") = 0)
       .def("node_of", &PyEmbeddingClient::NodeOf, py::arg("key"))
+      .def("close", &PyEmbeddingClient::Close,
+           "Closes the connections now; later calls raise ValueError.")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__",
+           [](PyEmbeddingClient& c, py::args) {
+             c.Close();
+             return false;
+           })
       .def_property_readonly("num_nodes", &PyEmbeddingClient::num_nodes);
 }
