@@ -666,11 +666,12 @@ class BackendTest(unittest.TestCase):
         """Runs `program` in `world` spawned processes (rank and world
         passed to init_process_group, as mp.spawn scripts do); returns
         each rank's result."""
-        import socket
         if init is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                init = "tcp://127.0.0.1:%d" % s.getsockname()[1]
+            # Below the ephemeral range: a port bound to 0 and released
+            # could go to an outgoing connection before rank 0's store
+            # binds it.
+            from membox.launch import free_port
+            init = "tcp://127.0.0.1:%d" % free_port()
         if proxies_on is None:  # only rank 0 knows the nodes
             proxies_on = {0: self.nodes[0].endpoint}
         ctx = mp.get_context("spawn")

@@ -301,19 +301,12 @@ class StatusWaitTest(unittest.TestCase):
     def test_services_are_the_ones_the_node_runs(self):
         """--services asks the services a node names, wherever they
         listen, and says "none" of one the node does not run."""
-        import socket
+        from membox import launch
         tmp = tempfile.mkdtemp()
         secret = os.path.join(tmp, "secret")
         with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write("status-services-secret-0123456789abcdefg\n")
-        ports = []
-        socks = [socket.socket() for _ in range(2)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-        for s in socks:
-            s.close()
-        mem, ps = ports
+        mem, ps = launch.free_port(), launch.free_port()
         for extra, want_proxy in ((["--ps-listen", "off"], None),
                                   (["--ps-listen", "127.0.0.1:%d" % ps],
                                    "127.0.0.1:%d" % ps)):

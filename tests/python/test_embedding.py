@@ -6,7 +6,6 @@ layers), prefetching, the errors a user sees, and the wide & deep example
 under `membox launch`."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 import membox
 import membox.torch as mt
+from membox.launch import free_port
 
 MEMBOX = os.environ.get("MEMBOX_BIN", "membox")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -340,9 +340,7 @@ def _run_ranks(args, ranks=2, tries=2):
 
 
 def _run_ranks_once(args, ranks):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range (see free_port)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable] + args, cwd=ROOT,
