@@ -178,6 +178,24 @@ def _collectives(rank, world, group=None):
             want[-1] = 1.0 + root
             check("broadcast bits %s from %d" % (dtype, root), bits(t),
                   bits(want))
+        # Where the nodes are on other hosts, small broadcasts go straight
+        # from the root over the workers' mesh: the same bits.
+        b = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+        b._remote = True
+
+        def no_round(*args):
+            raise AssertionError("a small broadcast took a round on the "
+                                 "nodes across hosts")
+        b._placed_sum = no_round
+        for root in range(world):
+            t = odd.clone() if rank == root else torch.full_like(odd, 7.0)
+            d.broadcast(t, src=root)
+            want = odd.clone()
+            want[-1] = 1.0 + root
+            check("broadcast over the mesh %s from %d" % (dtype, root),
+                  bits(t), bits(want))
+        del b._placed_sum
+        b._remote = None  # rank 0's view again, from the store
         out = torch.empty(world * odd.numel(), dtype=dtype)
         mine = out[rank * odd.numel():(rank + 1) * odd.numel()]
         mine.copy_(odd)  # FSDP2's way: the input is the output's own chunk
