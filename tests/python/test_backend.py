@@ -503,6 +503,34 @@ def _node_stats(server, secret_file):
     return stats["keys"], stats["stored_bytes"]
 
 
+def _broadcast_tree(rank, world):
+    """Broadcasts below the ring's threshold as where the nodes are on
+    other hosts: small ones flat over the mesh, from 32 KiB down a binomial
+    tree of mesh exchanges when there are 4 ranks or more; never a round on
+    the nodes. Every root, odd sizes, several dtypes."""
+    b = dist.group.WORLD._get_backend(torch.device("cpu"))
+    b._remote = True
+    trees = []
+
+    def no_round(*args):
+        raise AssertionError("a broadcast took a round on the nodes")
+    b._placed_sum = no_round
+    tree = b._tree
+    b._tree = lambda buf, root: (trees.append(buf.numel()), tree(buf, root))
+    sizes = ((torch.float32, 5), (torch.float32, 8192),
+             (torch.bfloat16, 40001), (torch.uint8, 100003),
+             (torch.int64, 37501))
+    for dtype, n in sizes:
+        for root in range(world):
+            want = (torch.arange(n) % 251 + 3 * root).to(dtype)
+            t = want.clone() if rank == root else torch.zeros(n, dtype=dtype)
+            dist.broadcast(t, src=root)
+            if not torch.equal(t, want):
+                raise AssertionError("broadcast of %d %s from %d on rank %d"
+                                     % (n, dtype, root, rank))
+    return trees
+
+
 def _held(rank, world):
     """Every collective; then, while every rank is still in the job, what
     the node holds for it (rank 0 asks); then destroy_process_group(), and
@@ -610,6 +638,7 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
               "fsdp2": _fsdp2, "fsdp2-gloo": _fsdp2,
               "errors": _errors, "subgroups": _subgroups,
               "held": _held, "reconfigure": _reconfigure,
+              "broadcast-tree": _broadcast_tree,
               "subgroup-held": _subgroup_held}[program]
         out = fn(rank, world)
         if dist.is_initialized():
@@ -767,6 +796,23 @@ class BackendTest(unittest.TestCase):
         self.assertIn("send/recv 2", outs[1])
         for out in outs:
             self.assertEqual(out[-1], "second group %s" % [1.0, 1.0, 1.0])
+
+    def test_broadcast_down_a_tree_across_hosts(self):
+        # 4 and 5 ranks (a full tree and one with a missing leaf): from
+        # 32 KiB, every rank takes part in a tree step (each step is an
+        # exchange of every pair); below, one flat exchange.
+        for world in (4, 5):
+            outs = self.run_ranks(world, "broadcast-tree")
+            big = [n for _, n in ((torch.float32, 8192 * 4),
+                                  (torch.bfloat16, 40001 * 2),
+                                  (torch.uint8, 100003),
+                                  (torch.int64, 37501 * 8))]
+            want = [n for n in big for _ in range(world)]
+            for out in outs:
+                self.assertEqual(out, want)
+        # 3 ranks: a flat exchange at every size.
+        for out in self.run_ranks(3, "broadcast-tree"):
+            self.assertEqual(out, [])
 
     def test_ddp_matches_gloo(self):
         got = self.run_ranks(2, "ddp")

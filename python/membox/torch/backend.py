@@ -78,13 +78,15 @@ _SUB_RING_BYTES = 2 << 20
 # the nodes do not sum), goes over the mesh while the direct path is on
 # (MEMBOX_BACKEND_DIRECT_BYTES > 0): the nodes would only relay it.
 _MESH_MAX_BYTES = 16 << 20
-# Across hosts, a small float broadcast whose root sends at most this
-# many bytes in all (p - 1 copies) goes over the workers' mesh instead of
-# as a sum round on the nodes. 4w4m, 400 Mbit/s, same conditions: 4 KiB
-# 1.79 ms over the mesh against 4.14 ms as a round, 64 KiB 4.16 against
-# 7.07 ms, but 256 KiB 16.3 against 12.8 ms: the root's link carries
-# p - 1 copies, where the round's striped push and pull carry about two.
-_MESH_BROADCAST_BYTES = 256 << 10
+# Across hosts (nodes on other hosts than rank 0), a broadcast below the
+# ring's threshold goes over the workers' mesh, never as a sum round on the
+# nodes (4w4m, 4 KiB: 0.92 ms against the round's 1.70 ms; Gloo 0.69).
+# From this many bytes, in a group of 4 ranks or more, it goes down a
+# binomial tree of mesh exchanges: ceil(log2 p) steps, each carrying the
+# bytes once per sender, where the flat exchange puts p - 1 copies on the
+# root's link at once (4w4m, 256 KiB: the flat exchange 16.4 ms, Gloo's
+# tree 10.9 ms).
+_TREE_BROADCAST_BYTES = 32 << 10
 # An all_to_all over the mesh moving at most this many bytes (sent and
 # received), and a barrier, run on the caller's thread when nothing of the
 # group is queued ahead of them (_Jobs): blocking, but shorter than the
@@ -1026,13 +1028,9 @@ class MemboxBackend(_base_class()):
         self._check("broadcast", tensors)
         root = opts.rootRank
         if len(tensors) == 1 and self._moves_as_sum(tensors) and not (
-                self._mesh_path() and self._nodes_remote() and
-                (self._size - 1) * tensors[0].numel() *
-                tensors[0].element_size() <= _MESH_BROADCAST_BYTES):
+                self._mesh_path() and self._nodes_remote()):
             # One round on the nodes where they map the workers' memory
-            # (one host), or where the root's link would carry more than
-            # _MESH_BROADCAST_BYTES as p - 1 copies; otherwise the root's
-            # bytes go straight to each rank over the mesh (below).
+            # (one host); across hosts over the mesh (below).
             t = tensors[0]
             c = t if t.is_contiguous() else t.contiguous()
             flat = c.view(-1)
@@ -1049,6 +1047,11 @@ class MemboxBackend(_base_class()):
                     self._ring.broadcast(_bytes_view(c).numpy(), root)
                     if c is not t:
                         t.copy_(c)
+                elif nb and self._tree_broadcast(nb):
+                    c = t.contiguous()
+                    self._tree(_bytes_view(c), root)
+                    if c is not t:
+                        t.copy_(c)
                 elif self._rank == root:
                     self._exchange({None: _bytes_view(t.contiguous())}, {})
                 else:
@@ -1059,6 +1062,32 @@ class MemboxBackend(_base_class()):
         return self._submit("broadcast", tensors, run,
                             inline=self._inline_a2a(moved) and
                             not self._direct(moved))
+
+    def _tree_broadcast(self, nb):
+        """Whether a broadcast of `nb` bytes below the ring's threshold
+        goes down a binomial tree of mesh exchanges: large enough, in a
+        group of the whole job of 4 ranks or more, with the nodes on other
+        hosts (where the links, not memory, set the time). The same answer
+        on every rank."""
+        return (nb >= _TREE_BROADCAST_BYTES and self._size >= 4 and
+                not self._sub and self._mesh_path() and self._nodes_remote())
+
+    def _tree(self, buf, root):
+        """Broadcasts bytes tensor `buf` from `root` down a binomial tree:
+        in step k (1, 2, 4, ...) each rank that has the bytes (relative
+        rank below k) sends them to the rank k further on. Each step is one
+        mesh exchange, so the pairs' sizes are checked as in any other."""
+        rel = (self._rank - root) % self._size
+        k = 1
+        while k < self._size:
+            if rel < k and rel + k < self._size:
+                self._exchange({(self._rank + k) % self._size: buf}, {})
+            elif k <= rel < 2 * k:
+                self._exchange({}, {(self._rank - k) % self._size:
+                                    (buf, False)})
+            else:
+                self._exchange({}, {})
+            k *= 2
 
     @staged("out")
     def allgather(self, output_tensors, input_tensors, opts=None):
