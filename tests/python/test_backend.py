@@ -528,6 +528,25 @@ def _broadcast_tree(rank, world):
             if not torch.equal(t, want):
                 raise AssertionError("broadcast of %d %s from %d on rank %d"
                                      % (n, dtype, root, rank))
+    # float32 sums from 16 KiB below the split's 4 MiB go around the
+    # workers' ring alone; smaller ones stay rounds on the nodes.
+    rounds = []
+    b._rounds = lambda *args: rounds.append(args[0]) or no_round()
+    for n, op in ((4096, dist.ReduceOp.SUM), (100003, dist.ReduceOp.SUM),
+                  (50000, dist.ReduceOp.AVG)):
+        t = torch.arange(n, dtype=torch.float32) % 97 * (rank + 1)
+        dist.all_reduce(t, op=op)
+        want = torch.arange(n, dtype=torch.float32) % 97 * \
+            (world * (world + 1) / 2)
+        if op == dist.ReduceOp.AVG:
+            want /= world
+        if not torch.equal(t, want):
+            raise AssertionError("all_reduce of %d on rank %d" % (n, rank))
+    del b._rounds
+    t = torch.ones(1000)  # 4000 bytes: a round on the nodes
+    dist.all_reduce(t)
+    if not torch.equal(t, torch.full((1000,), float(world))):
+        raise AssertionError("small all_reduce on rank %d" % rank)
     return trees
 
 

@@ -102,6 +102,10 @@ _P2P_INLINE_BYTES = 512 << 10
 # (MEMBOX_BACKEND_SPLIT_BYTES, read once at import).
 _SPLIT_BYTES = int(os.environ.get("MEMBOX_BACKEND_SPLIT_BYTES", 4 << 20))
 _SPLIT_STEPS = 16  # the ring's share is a multiple of 1/16
+# Across hosts, a float32 SUM/AVG all_reduce from this many bytes up to
+# _SPLIT_BYTES goes around the workers' ring alone (_ring_whole).
+_RING_SUM_BYTES = int(os.environ.get("MEMBOX_BACKEND_RING_SUM_BYTES",
+                                     16 << 10))
 _SPLIT_ON_ONE_HOST = False  # tests: split even where the nodes map memory
 _NAMES = {torch.float32: "float32", torch.float64: "float64",
           torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -860,6 +864,22 @@ class MemboxBackend(_base_class()):
             return False
         return self._nodes_remote() or _SPLIT_ON_ONE_HOST
 
+    def _ring_whole(self, name, tensors):
+        """Whether this all_reduce goes around the workers' ring alone:
+        what _split would split but below its threshold, down to
+        _RING_SUM_BYTES, with the nodes on other hosts. There the
+        replicated nodes' round waits for its backup copies between the
+        pushes and the answers, and the split's two paths are too short
+        to balance; below _RING_SUM_BYTES the ring's 2(p - 1) dependent
+        steps cost more than the nodes' one round."""
+        if not (_SPLIT_BYTES > 0 and _DIRECT_BYTES > 0 and not self._sub and
+                self._size > 1 and name in ("SUM", "AVG") and
+                len(tensors) == 1 and tensors[0].dtype == torch.float32 and
+                tensors[0].is_contiguous() and
+                _RING_SUM_BYTES <= tensors[0].numel() * 4 < _SPLIT_BYTES):
+            return False
+        return self._nodes_remote()
+
     def _split_allreduce(self, t, name):
         """On the exchange thread: the first share/16 of `t` over the
         workers' ring while the rest goes through the nodes. The share
@@ -932,6 +952,15 @@ class MemboxBackend(_base_class()):
             t = tensors[0]
             return self._submit("all_reduce(%s)" % name, tensors,
                                 lambda: self._split_allreduce(t, name))
+        if self._ring_whole(name, tensors):
+            t = tensors[0]
+
+            def ring():
+                flat = t.detach().view(-1)
+                self._ring_allreduce(flat)
+                if name == "AVG":
+                    flat.div_(self._size)
+            return self._submit("all_reduce(%s)" % name, tensors, ring)
         if self._on_nodes(name, tensors):
             return self._rounds("all_reduce", tensors, name, tensors)
 
