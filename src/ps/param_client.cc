@@ -679,8 +679,10 @@ class ParamClientImpl final : public ParamClient {
     service::Link& link = *proxies_[proxy];
     link.Send(
         static_cast<uint16_t>(m.type), [m] { return proto::Encode(m); },
-        [this, &link, st, text, watch](const Status& s,
-                                       std::span<const uint8_t> body) {
+        [this, &link, st, text, watch, proxy,
+         held = m.type == Type::kPush && m.held ? std::optional<Message>(m)
+                                                : std::nullopt](
+            const Status& s, std::span<const uint8_t> body) {
           if (watch) hang_watch_->Done(watch);
           if (!s.ok()) return st->Finish(s, 0);
           auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), body);
@@ -689,6 +691,7 @@ class ParamClientImpl final : public ParamClient {
             return st->Finish(c ? c->BadReply(r.status()) : r.status(), 0);
           }
           if (text) *text = r->text;
+          if (held) KeepHeld(proxy, *held);
           st->Finish(Status::Ok(), r->version);
         },
         keep);
@@ -755,7 +758,7 @@ class ParamClientImpl final : public ParamClient {
       return transport::WrapWithFaults(*ch, opt_.links[proxy]);
     };
     lo.greet = [this, proxy, give_up](service::Client& c, bool rejoin) {
-      return rejoin ? Rejoin(c) : Hello(c, proxy, give_up);
+      return rejoin ? Rejoin(c, proxy) : Hello(c, proxy, give_up);
     };
     lo.resolve = [this, proxy](const std::string&) { return AskWhere(proxy); };
     return std::make_unique<service::Link>(std::move(lo));
@@ -828,7 +831,7 @@ class ParamClientImpl final : public ParamClient {
 
   // A replacement's greeting: hello as a rejoining worker, then what this
   // worker told the old proxy, replayed on `c`.
-  Status Rejoin(service::Client& c) {
+  Status Rejoin(service::Client& c, uint32_t proxy) {
     const auto t = std::chrono::seconds(10);
     auto call = [&](const Message& m) -> Result<uint64_t> {
       ASSIGN_OR_RETURN(auto body, c.Call(static_cast<uint16_t>(m.type),
@@ -851,11 +854,13 @@ class ParamClientImpl final : public ParamClient {
         replay.push_back(std::move(m));
       }
       for (const auto& [key, k] : table_.keys()) {
-        if (!k.staging) continue;  // stored keys have none
-        Message m;
-        m.type = Type::kRegion;
-        m.descriptor = k.staging->Export().Serialize();
-        replay.push_back(std::move(m));
+        for (const MemRegion* r : {k.staging.get(), k.hold.get()}) {
+          if (!r) continue;  // stored keys have none
+          Message m;
+          m.type = Type::kRegion;
+          m.descriptor = r->Export().Serialize();
+          replay.push_back(std::move(m));
+        }
       }
       for (const auto& e : route_history_.entries()) {
         Message m;
@@ -882,6 +887,25 @@ class ParamClientImpl final : public ParamClient {
             std::string("replaying ") + proto::TypeName(m.type) +
                 " on the replacement: " + std::string(v.status().message()));
       }
+    }
+    // The held pushes of the shards it owns, before the Link sends what
+    // was not answered: a shard it reopened (its backup had the version
+    // only) redoes its last round from them. Answered without a result;
+    // a push of a round the node has complete is refused, which is fine.
+    std::vector<Message> held;
+    {
+      MutexLock l(&held_mu_);
+      for (const auto& [id, h] : held_) {
+        if (h.proxy == proxy) held.push_back(h.m);
+      }
+    }
+    for (const Message& m : held) {
+      c.Send(static_cast<uint16_t>(m.type), proto::Encode(m),
+             [](const Status&, std::span<const uint8_t>) {});
+    }
+    if (!held.empty()) {
+      MEMBOX_LOG_INFO("worker {}: sent {} held push(es) again to proxy {}",
+                      opt_.rank, held.size(), proxy);
     }
     return Status::Ok();
   }
@@ -931,6 +955,42 @@ class ParamClientImpl final : public ParamClient {
     MutexLock l(&mu_);
     r = table_.SetStaging(key, std::move(r));
     return Status::Ok();
+  }
+
+  // Whether this worker holds its pushes of Holdable keys (KeyTable): the
+  // nodes replicate and failover is on, so a node's replacement may need
+  // the last round's pushes again (docs/design/ps.md, "Version notices").
+  bool HoldsPushes() const {
+    return opt_.hold_pushes && !async_ && !proxies_.empty() &&
+           proxies_[0]->failover();
+  }
+
+  // Gives `key` its hold buffer (two rounds' inputs, registered with
+  // every proxy) when it is Holdable and has none yet.
+  Status EnsureHold(uint64_t key) {
+    uint64_t bytes = 0;
+    {
+      MutexLock l(&mu_);
+      bytes = table_.HoldNeeded(key);
+    }
+    if (bytes == 0) return Status::Ok();
+    ASSIGN_OR_RETURN(auto r, NewStaging(bytes));
+    MutexLock l(&mu_);
+    r = table_.SetHold(key, std::move(r));
+    return Status::Ok();
+  }
+
+  // A held push of shard `m.shard` was answered: it is the one to send
+  // again to a replacement of proxy `proxy` (the one before it is
+  // released: its buffer half takes the push after next).
+  void KeepHeld(uint32_t proxy, const Message& m) {
+    MutexLock l(&held_mu_);
+    HeldPush& h = held_[{m.key, m.shard}];
+    if (h.m.round > m.round && h.proxy == proxy) return;
+    h.proxy = proxy;
+    h.m = m;
+    h.m.has_output = false;
+    h.m.out_region = h.m.out_offset = 0;
   }
 
   Status RegisterRegion(const MemRegion& r, bool require_mapped = false) {
@@ -1059,6 +1119,12 @@ class ParamClientImpl final : public ParamClient {
     if (Status s = EnsureStaging(key, in, out); !s.ok()) {
       return Failed(std::move(s), std::move(cb));
     }
+    const bool hold = HoldsPushes() && type == Type::kPush && in && !state;
+    if (hold) {
+      if (Status s = EnsureHold(key); !s.ok()) {
+        return Failed(std::move(s), std::move(cb));
+      }
+    }
     const client::KeyTable::Submission sub{.type = type,
                                            .key = key,
                                            .in = in,
@@ -1080,6 +1146,7 @@ class ParamClientImpl final : public ParamClient {
               MEMBOX_NO_THREAD_SAFETY_ANALYSIS { return RouteFor(k, round); };
       c.staging_freed = [this] { sender_->StagingFreed(); };
       c.progress = progress_;
+      c.hold = hold;
       op = table_.Prepare(sub, c, &cb);
     }
     if (!op.ok()) return Failed(op.status(), std::move(cb));
@@ -1118,6 +1185,16 @@ class ParamClientImpl final : public ParamClient {
   // failover, reconnects it).
   std::vector<std::unique_ptr<service::Link>> proxies_;
   bool all_replicate_ = true;  // Init's hellos: every proxy replicates
+  // Per (key, shard): the last held push answered, and by which proxy
+  // (KeepHeld; sent again by Rejoin). Its own lock: reply callbacks take
+  // it on the progress thread.
+  struct HeldPush {
+    uint32_t proxy = 0;
+    Message m;
+  };
+  Mutex held_mu_;
+  std::map<std::pair<uint64_t, uint32_t>, HeldPush> held_
+      MEMBOX_GUARDED_BY(held_mu_);
   std::function<void()> progress_;
   // Small keys combined in a node's memory (one proxy, every worker on its
   // host); null when combining is off.

@@ -10,7 +10,6 @@
 namespace membox::ps::proto {
 namespace {
 
-using wire::GetBool;
 using wire::GetBytes;
 using wire::GetF64;
 using wire::GetStr;
@@ -122,6 +121,8 @@ const char* TypeName(Type t) {
       return "ring-abort";
     case Type::kFree:
       return "free";
+    case Type::kBackupVersion:
+      return "backup-version";
   }
   return "?";
 }
@@ -171,7 +172,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U64(m.round);
       w.U64(m.region);
       w.U64(m.offset);
-      w.U8(m.has_output ? 1 : 0);
+      w.U8((m.has_output ? 1 : 0) | (m.held ? 2 : 0));
       w.U64(m.out_region);
       w.U64(m.out_offset);
       break;
@@ -246,6 +247,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       break;
     case Type::kCatchUpDone:
     case Type::kBackupWhole:
+    case Type::kBackupVersion:
       w.U64(m.key);
       w.U32(m.shard);
       w.U64(m.round);
@@ -330,8 +332,10 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       break;
     case Type::kPush:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) &&
-           r.U64(&m.region) && r.U64(&m.offset) && GetBool(r, &m.has_output) &&
-           r.U64(&m.out_region) && r.U64(&m.out_offset);
+           r.U64(&m.region) && r.U64(&m.offset) && r.U8(&u8) &&
+           (u8 & ~3u) == 0 && r.U64(&m.out_region) && r.U64(&m.out_offset);
+      m.has_output = u8 & 1;
+      m.held = u8 & 2;
       break;
     case Type::kRoute: {
       uint32_t n = 0;
@@ -404,6 +408,9 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
     case Type::kCatchUpDone:
     case Type::kBackupWhole:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round);
+      break;
+    case Type::kBackupVersion:
+      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) && m.round > 0;
       break;
     case Type::kBackupStep:
       // A step needs an optimizer; the scale is a positive finite factor.

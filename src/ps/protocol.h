@@ -108,8 +108,15 @@ enum class Type : uint8_t {
   // every worker that declared it has let it go, and it is idle; one still
   // busy goes when the job ends. Only the job's scratch can be freed.
   kFree = 31,
+  // proxy -> proxy notice, primary-backup of a striped key without an
+  // optimizer whose round's pushes were all held (kPush's `held`): the
+  // owner finished round `round - 1`. The backup takes the version, not
+  // the bytes (the round's sum does not feed the next round; a replacement
+  // redoes the last round from the workers' held pushes), and answers
+  // kBackupDone. docs/design/ps.md, "Version notices".
+  kBackupVersion = 32,
 };
-constexpr Type kLastType = Type::kFree;
+constexpr Type kLastType = Type::kBackupVersion;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;
@@ -198,6 +205,10 @@ struct Message {
   bool scratch = false;
   // kPush (PushPull) / kPull: where the result goes
   bool has_output = false;
+  // kPush: the worker keeps this push (its bytes included) until its next
+  // answer from this node, and sends it again, without an output, to a
+  // replacement of this node (the version notices' replay).
+  bool held = false;
   uint64_t out_region = 0;
   uint64_t out_offset = 0;
   // kCheckpoint: optional file name inside the proxy's checkpoint directory

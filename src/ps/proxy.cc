@@ -87,6 +87,7 @@ ProxyStats ProxyImpl::Stats() const {
   s.backups_acked = backups_acked_.load(std::memory_order_relaxed);
   s.backup_bytes_in = backup_bytes_in_.load(std::memory_order_relaxed);
   s.backup_steps = backup_steps_.load(std::memory_order_relaxed);
+  s.version_notices = version_notices_in_.load(std::memory_order_relaxed);
   s.backups_pending = backups_pending_.load(std::memory_order_relaxed);
   s.shards_copying = shards_copying_.load(std::memory_order_relaxed);
   return s;
@@ -105,6 +106,7 @@ std::string ProxyImpl::StatusText() const {
     << (opt_.replicate ? "on" : "off") << "\nfailovers " << failovers_.load()
     << "\nbackups_acked " << s.backups_acked << "\nbackup_bytes_in "
     << s.backup_bytes_in << "\nbackup_steps " << s.backup_steps
+    << "\nversion_notices " << s.version_notices
     << "\nbackups_pending " << s.backups_pending << "\nshards_copying "
     << s.shards_copying << "\n";
   MutexLock l(&waits_mu_);
@@ -129,6 +131,10 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
   w.Counter("membox_ps_backup_bytes_in_total",
             "Bytes of state copied here as other shards' backup.",
             s.backup_bytes_in);
+  w.Counter("membox_ps_version_notices_total",
+            "Rounds of other shards backed up here by their version alone "
+            "(every worker held its push).",
+            s.version_notices);
   w.Counter("membox_ps_backup_steps_total",
             "Rounds of other shards backed up here by repeating their step.",
             s.backup_steps);
@@ -435,7 +441,8 @@ void ProxyImpl::OnRequest(const service::Request& r) {
       m->type == Type::kResume || m->type == Type::kCatchUp ||
       m->type == Type::kCatchUpDone || m->type == Type::kBackup ||
       m->type == Type::kBackupDone || m->type == Type::kRingAbort ||
-      m->type == Type::kBackupStep || m->type == Type::kBackupWhole;
+      m->type == Type::kBackupStep || m->type == Type::kBackupWhole ||
+      m->type == Type::kBackupVersion;
   if (r.notice != ring) {
     rejected_.fetch_add(1);
     MEMBOX_LOG_WARN("connection {}: {} sent as a {}", conn,
@@ -485,6 +492,7 @@ void ProxyImpl::OnRequest(const service::Request& r) {
     case Type::kBackup:
     case Type::kBackupStep:
     case Type::kBackupWhole:
+    case Type::kBackupVersion:
     case Type::kBackupDone: {
       if (c.role != Conn::Role::kPeer) break;
       // Not tied to a ring attempt (kResume): only an incarnation that is
@@ -493,6 +501,7 @@ void ProxyImpl::OnRequest(const service::Request& r) {
       if (m->type == Type::kBackup) return OnBackup(c.rank, *m);
       if (m->type == Type::kBackupStep) return OnBackupStep(c.rank, *m);
       if (m->type == Type::kBackupWhole) return OnBackupWhole(c.rank, *m);
+      if (m->type == Type::kBackupVersion) return OnBackupVersion(c.rank, *m);
       return OnBackupDone(c.rank, *m);
     }
     case Type::kJoin:

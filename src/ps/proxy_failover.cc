@@ -319,6 +319,24 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s, bool whole) {
   sh.awaiting_backup = true;
   sh.backup_keep.clear();
   if (failover_.down(to)) return;  // PeerHello of its replacement
+  if (sh.round_held && key.opt.kind == proto::Optimizer::kNone) {
+    // The version, not the bytes: the round's sum feeds no later round,
+    // and every worker holds its push of it until its next answer from
+    // here, so a replacement redoes it (docs/design/ps.md, "Version
+    // notices").
+    sh.backup_synced = false;
+    Message b;
+    b.type = Type::kBackupVersion;
+    b.key = k;
+    b.shard = s;
+    b.round = sh.version;
+    if (Status st = SendToPeer(to, b); !st.ok()) {
+      MEMBOX_LOG_DEBUG("proxy {}: version notice of key {} shard {} to "
+                       "proxy {}: {}",
+                       opt_.rank, k, s, to, st.ToString());
+    }
+    return;
+  }
   // The step instead of its result: the round's sum, which the backup
   // applies to the previous round it acknowledged (docs/design/ps.md,
   // "Backing up a step instead of its result").
@@ -469,6 +487,7 @@ void ProxyImpl::InstallBackup(uint32_t from, const Message& m,
     // bytes are here.)
     sh.version = m.round;
     sh.value = std::move(got->value);
+    sh.value_stale = false;
     sh.m1 = std::move(got->m1);
     sh.m2 = std::move(got->m2);
     backup_bytes_in_.fetch_add(
@@ -510,6 +529,19 @@ void ProxyImpl::OnBackupWhole(uint32_t from, const Message& m) {
     return;  // stale
   }
   SendBackup(m.key, m.shard, /*whole=*/true);
+}
+
+void ProxyImpl::OnBackupVersion(uint32_t from, const Message& m) {
+  if (OfferedToMe(from, m) == nullptr) return;
+  Shard& sh = keys_[m.key].shards[m.shard];
+  if (m.round > sh.version || sh.copying) {
+    // (A replacement still copying the shard from its owner keeps the
+    // newer version; the bytes that land are older and stay stale.)
+    sh.version = std::max(sh.version, m.round);
+    sh.value_stale = true;
+  }
+  version_notices_in_.fetch_add(1, std::memory_order_relaxed);
+  (void)SendToPeer(from, AnswerTo(Type::kBackupDone, m));
 }
 
 void ProxyImpl::OnBackupStep(uint32_t from, const Message& m) {

@@ -110,6 +110,9 @@ struct Contribution {
   // The round's result is already in the output (LocalSum wrote it there
   // with the sum); the reply is all that is left.
   bool output_written = false;
+  // The worker holds this push until its next answer from this node
+  // (kPush's `held`): a replacement can redo the round from it.
+  bool held = false;
   // Prefetched (pushes the proxy cannot map): read into the shard's inbox
   // for this rank as soon as admitted; `fetching` until the read is back.
   bool prefetched = false;
@@ -163,6 +166,10 @@ struct Shard : StoredShard {
   // in step, a round offers its sum and step (n bytes) instead of the
   // value and moments (2n-3n).
   bool backup_synced = false;
+  // The round last applied here had every push held by its worker (and
+  // the key no optimizer): its backup takes a version notice
+  // (kBackupVersion), not the bytes.
+  bool round_held = false;
   OptimizerSettings step_opt;
   double step_scale = 1;
   // A replacement's shard whose buffers are still being copied from a
@@ -602,6 +609,9 @@ class ProxyImpl final : public Proxy, public service::Service {
                          Result<CopiedShard>& got);
   // The owner side: the backup cannot take the step; offer it whole.
   void OnBackupWhole(uint32_t from, const Message& m);
+  // The backup side of a version notice: take the version, mark the value
+  // stale, answer.
+  void OnBackupVersion(uint32_t from, const Message& m);
   // The owner side: the backup holds round m.round; answer its workers.
   void OnBackupDone(uint32_t from, const Message& m);
 
@@ -879,7 +889,8 @@ class ProxyImpl final : public Proxy, public service::Service {
       bytes_reduced_{0}, ring_steps_{0}, rejected_{0}, checkpoints_{0},
       result_bytes_{0}, waiting_rounds_{0}, failovers_{0}, peers_down_count_{0},
       stored_bytes_in_{0}, backup_bytes_in_{0}, backup_steps_{0},
-      backups_acked_{0}, backups_pending_{0}, shards_copying_{0};
+      backups_acked_{0}, backups_pending_{0}, shards_copying_{0},
+      version_notices_in_{0};
 };
 
 }  // namespace membox::ps::proxy_internal

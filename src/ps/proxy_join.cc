@@ -73,11 +73,19 @@ Status ProxyImpl::Join() {
     }
   }
   size_t turn = 0;
+  // Shards whose holders have the version only (a backup that took
+  // version notices): reopened here, not copied.
+  std::set<std::pair<uint64_t, uint32_t>> reopened;
   MutexLock l(&job->mu);
   for (auto& [id, list] : job->sources) {
     uint64_t newest = 0;
     for (auto& [p, o] : list) newest = std::max(newest, o->version);
     std::erase_if(list, [&](auto& e) { return e.second->version != newest; });
+    // A holder with the bytes goes before one with the version only.
+    if (std::any_of(list.begin(), list.end(),
+                    [](auto& e) { return !e.second->stale_value; })) {
+      std::erase_if(list, [](auto& e) { return e.second->stale_value; });
+    }
     std::rotate(list.begin(), list.begin() + (turn++ % list.size()),
                 list.end());
     const OfferedShard& o = *list.front().second;
@@ -90,6 +98,23 @@ Status ProxyImpl::Join() {
       TellJoinDone(*job);
       return DataLossError("the peers' state: shard size mismatch for key " +
                            std::to_string(o.key));
+    }
+    if (o.stale_value) {
+      // Only the version survived its owner's death: round version - 1
+      // was applied, and maybe answered to some workers, but no round
+      // after it was (its notice would be here). Every worker holds its
+      // push of that round until its next answer, or has not been
+      // answered; so the round is reopened and redone from their pushes
+      // (docs/design/ps.md, "Version notices"). The value is never served
+      // before that.
+      ASSIGN_OR_RETURN(sh->value, storage_->Allocate(sh->bytes));
+      sh->version = o.version > 0 ? o.version - 1 : 0;
+      sh->value_stale = o.version > 0;
+      // The first push it sees may be a later round's (a worker answered
+      // before the death): not a new job's, so no skipping ahead.
+      sh->untouched_by_job = false;
+      reopened.insert(id);
+      continue;
     }
     sh->version = o.version;
     sh->copying = true;
@@ -117,7 +142,7 @@ Status ProxyImpl::Join() {
   uint64_t lost_bytes = 0;
   for (auto& [k, key] : keys_) {
     for (uint32_t s = 0; s < key.shards.size(); ++s) {
-      if (!key.shards[s].copying) {
+      if (!key.shards[s].copying && reopened.count({k, s}) == 0) {
         lost.push_back({k, s});
         lost_bytes +=
             std::min(key.shard_bytes, key.bytes - s * key.shard_bytes);
@@ -157,9 +182,11 @@ Status ProxyImpl::Join() {
   join_copy_ = job;
   MEMBOX_LOG_WARN(
       "proxy {} joins: {} keys ({} shards, {} bytes of state) from {} "
-      "peer(s), copied while it serves (the peers offered it in {:.3f} s)",
+      "peer(s), copied while it serves; {} shard(s) held as versions only "
+      "reopen their last round, which the workers' held pushes redo (the "
+      "peers offered it in {:.3f} s)",
       opt_.rank, keys_.size(), job->shards, job->state_bytes,
-      job->manifests.size(),
+      job->manifests.size(), reopened.size(),
       std::chrono::duration<double>(Clock::now() - job->start).count());
   return Status::Ok();
 }

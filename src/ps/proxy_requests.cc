@@ -131,8 +131,9 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
       PendingPull p{conn,         m.id,         m.min_version, m.out_region,
                     m.out_offset, Clock::now(), m.part};
       // Optimizer state and the previous value are read as they are now.
+      // A stale value (a reopened round) waits for the round's redo.
       if ((sh.version >= p.min_version || m.part != proto::Part::kValue) &&
-          !key.awaiting_init) {
+          !key.awaiting_init && !sh.value_stale) {
         return ServePull(m.key, sh, p);
       }
       if (!dead_worker_.empty()) {
@@ -569,6 +570,27 @@ bool ProxyImpl::RetriedRound(uint64_t conn, const Message& m) {
   if (it == keys_.end() || m.shard >= it->second.shards.size()) return false;
   Shard& sh = it->second.shards[m.shard];
   if (m.round + 1 != sh.version || !sh.value) return false;
+  if (sh.value_stale) {
+    // Only this node's version survived its predecessor's death (version
+    // notices): the round's sum is gone. Every worker answered it is
+    // past it, and one not answered holds its push of the round, which
+    // the reopened round redoes -- so a push of the round before that
+    // one is a held replay, answered without a result; with an output
+    // it is a worker that broke the rule (ParamClient sends a held key's
+    // next push only after the last one's answer).
+    if (m.has_output) {
+      Reply(conn, Type::kPush, m.id,
+            DataLossError("round " + std::to_string(m.round) + " of key " +
+                          std::to_string(m.key) + " shard " +
+                          std::to_string(m.shard) +
+                          " was answered to the other workers and its sum "
+                          "is gone with the node that died; a held key's "
+                          "push must wait for the previous push's answer"));
+    } else {
+      Reply(conn, Type::kPush, m.id, Status::Ok(), sh.version);
+    }
+    return true;
+  }
   MEMBOX_LOG_DEBUG(
       "key {} shard {}: round {} was completed elsewhere; "
       "answering the retried push with version {}",

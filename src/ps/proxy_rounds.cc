@@ -54,6 +54,7 @@ void ProxyImpl::Admit(uint64_t conn, Conn& c, const Message& m) {
   sh.pushes[c.rank] =
       Contribution{conn,     m.id,         c.rank,       m.region,
                    m.offset, m.has_output, m.out_region, m.out_offset};
+  sh.pushes[c.rank].held = m.held;
   Prefetch(conn, m.key, m.shard, c, sh.pushes[c.rank]);
   MaybeStart(m.key, m.shard);
 }
@@ -658,7 +659,16 @@ void ProxyImpl::FinishRound(uint64_t k, uint32_t s) {
   sh.sum_scaled = false;
   sh.step_opt = key.opt;  // what a step backup repeats
   sh.step_scale = scale;
-  if (st.ok()) sh.version++;
+  // Every worker of the round holds its push: the backup needs the
+  // version only (docs/design/ps.md, "Version notices").
+  sh.round_held = key.opt.kind == proto::Optimizer::kNone &&
+                  !sh.pushes.empty() &&
+                  std::all_of(sh.pushes.begin(), sh.pushes.end(),
+                              [](const auto& p) { return p.second.held; });
+  if (st.ok()) {
+    sh.version++;
+    sh.value_stale = false;
+  }
   if (st.ok() && BacksUp(key)) return SendBackup(k, s);
   PublishRound(k, s, st);
 }
@@ -671,6 +681,10 @@ void ProxyImpl::PublishRound(uint64_t k, uint32_t s, const Status& st) {
   sh.pushes.clear();
   if (st.ok()) rounds_.fetch_add(1);
   for (auto& [r, p] : pushes) {
+    if (opt_.drop_answer_for_test &&
+        opt_.drop_answer_for_test(k, s, sh.version - 1, r)) {
+      continue;
+    }
     if (st.ok() && p.output_written) {
       Reply(p.conn, Type::kPush, p.id, st, sh.version);
     } else if (st.ok() && p.has_output) {
@@ -763,7 +777,7 @@ void ProxyImpl::ServePull(uint64_t k, Shard& sh, const PendingPull& p) {
 }
 
 void ProxyImpl::ServeWaitingPulls(uint64_t k, Shard& sh) {
-  if (keys_[k].awaiting_init) return;
+  if (keys_[k].awaiting_init || sh.value_stale) return;
   std::vector<PendingPull> keep;
   for (auto& p : sh.pulls) {
     if (sh.version >= p.min_version) {

@@ -2,10 +2,12 @@
 // its own transport device, talking over UCX as separate processes would).
 // The daemon-level tests with real `membox serve` processes are in
 // tests/integration/ps_daemon_test.cc.
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -1733,6 +1735,117 @@ TEST(PsTest, AReplacementServesWhileItCopiesStripedShards) {
 TEST(PsTest, AReplacementServesWhileItCopiesRingShards) {
   RideThrough(3, 1, /*laggard=*/false, /*elsewhere=*/false, /*striped=*/false,
               /*slow_copy=*/true);
+}
+
+// Held pushes and version notices (docs/design/ps.md, "Version notices"):
+// sums of striped keys without an optimizer are backed up by their
+// version alone -- no bytes cross to the backup -- because each worker
+// holds its push until its next answer. The owner of half the shards dies
+// after answering round 3 to rank 0 but not to the others
+// (`answered_some`), or after answering everyone (the workers hold round
+// 3's pushes and have not pushed round 4). Its replacement finds only the
+// version at the backup, reopens round 3 and redoes it from the held
+// pushes sent again and the unanswered ones: every worker's every result
+// is the undisturbed run's, bit for bit (three workers: the sum's order
+// shows).
+void HeldSumsRideThroughTheirOwnersDeath(bool answered_some) {
+  constexpr int P = 2, W = 3;
+  constexpr size_t kN = 16 << 10;  // floats: 4 shards of 16 KiB
+  constexpr uint32_t kVictim = 1;
+  RoutingTable striped;
+  striped.stripe = true;
+  striped.partition_bytes = 16 << 10;
+  using Results = std::vector<std::vector<std::vector<float>>>;  // [round][rank]
+  auto train = [&](const Cluster& c, const std::function<void()>& at_round3,
+                   std::promise<void>* rank0_round3, Results* results) {
+    std::vector<std::unique_ptr<ParamClient>> w;
+    for (int r = 0; r < W; ++r) {
+      w.push_back(Worker(c, r, W, striped));
+      ASSERT_NE(w.back(), nullptr);
+    }
+    for (int r = 0; r < W; ++r) {
+      ASSERT_TRUE(w[r]->Declare(5, kN * 4, DType::kFloat32).ok());
+    }
+    results->assign(6, std::vector<std::vector<float>>(
+                           W, std::vector<float>(kN)));
+    for (int round = 0; round < 6; ++round) {
+      std::thread side;
+      if (at_round3 && answered_some && round == 3) {
+        side = std::thread(at_round3);  // while round 3 runs
+      }
+      if (at_round3 && !answered_some && round == 4) {
+        at_round3();  // round 3 answered everywhere, round 4 not pushed
+      }
+      std::vector<std::thread> th;
+      for (int r = 0; r < W; ++r) {
+        th.emplace_back([&, r] {
+          auto g = FailoverGrad(kN, r, round);
+          Status st =
+              w[r]->PushPull(5, g.data(), (*results)[round][r].data()).Wait(30s);
+          EXPECT_TRUE(st.ok())
+              << "rank " << r << " round " << round << ": " << st.ToString();
+          if (round == 3 && r == 0 && rank0_round3) rank0_round3->set_value();
+        });
+      }
+      for (auto& t : th) t.join();
+      if (side.joinable()) side.join();
+    }
+  };
+  Results want, got;
+  {
+    auto ref = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
+                              /*replicate=*/true);
+    train(ref, nullptr, nullptr, &want);
+    for (auto& p : ref.proxies) {
+      EXPECT_GT(p->Stats().version_notices, 0u) << "backed up by version";
+      EXPECT_EQ(p->Stats().backup_bytes_in, 0u) << "no bytes to the backup";
+      EXPECT_GT(p->Stats().backups_acked, 0u);
+    }
+  }
+  // The victim leaves round 3's answers to ranks 1 and 2 unsent.
+  auto c = Cluster::Start(
+      P, Scheduler::kPerClientQueues, "", false, 10s, /*replicate=*/true,
+      [&](ProxyOptions& o) {
+        if (!answered_some || o.rank != kVictim) return;
+        o.drop_answer_for_test = [](uint64_t, uint32_t, uint64_t round,
+                                    uint32_t rank) {
+          return round == 3 && rank != 0;
+        };
+      });
+  std::promise<void> rank0_round3;
+  auto rank0_done = rank0_round3.get_future();
+  std::atomic<bool> replaced{false};
+  train(
+      c,
+      [&] {
+        if (answered_some) {
+          ASSERT_EQ(rank0_done.wait_for(10s), std::future_status::ready)
+              << "rank 0 never had round 3";
+        }
+        c.proxies[kVictim]->Stop();  // the node dies
+        std::this_thread::sleep_for(300ms);
+        auto joined = Proxy::Start(ReplacementOptions(c, kVictim));
+        ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+        c.proxies[kVictim] = std::move(*joined);
+        replaced = true;
+      },
+      answered_some ? &rank0_round3 : nullptr, &got);
+  EXPECT_TRUE(replaced.load());
+  for (int round = 0; round < 6; ++round) {
+    for (int r = 0; r < W; ++r) {
+      EXPECT_EQ(got[round][r], want[round][r])
+          << "round " << round << " rank " << r;
+    }
+  }
+  for (auto& p : c.proxies) EXPECT_EQ(p->Stats().backups_pending, 0u);
+}
+
+TEST(PsTest, HeldSumsRideThroughTheirOwnersDeathBetweenItsAnswers) {
+  HeldSumsRideThroughTheirOwnersDeath(/*answered_some=*/true);
+}
+
+TEST(PsTest, HeldSumsRideThroughTheirOwnersDeathBetweenRounds) {
+  HeldSumsRideThroughTheirOwnersDeath(/*answered_some=*/false);
 }
 
 TEST(PsTest, WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree) {

@@ -53,6 +53,10 @@ struct OfferedShard : ShardHeader {
       0;  // this shard's size: min(shard_bytes, key_bytes - offset)
   transport::RegionDescriptor value;
   std::optional<transport::RegionDescriptor> m1, m2;  // optimizer state
+  // The giver holds the version only (StoredShard::value_stale): `value`
+  // is not this version's and is not worth reading; the taker that owns
+  // the shard redoes round version - 1 from the workers' held pushes.
+  bool stale_value = false;
 };
 
 // The bytes of state a shard's buffers hold: its value and whichever

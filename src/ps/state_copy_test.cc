@@ -49,6 +49,7 @@ StateManifest Example() {
   StateManifest m;
   m.proxy_rank = 2;
   m.shards.push_back(Shard(7, 0, 1000, 400));
+  m.shards.back().stale_value = true;  // a backup's version notice
   m.shards.push_back(Shard(7, 2, 1000, 400));  // the last, 200 bytes
   m.shards.back().m1 = Desc(0x20000, 200);
   m.shards.back().m2 = Desc(0x30000, 4096);
@@ -67,6 +68,8 @@ TEST(StateManifestTest, RoundTrips) {
   EXPECT_EQ(out.shards[1].bytes, 200u);
   EXPECT_EQ(out.shards[1].version, 9u);
   EXPECT_FALSE(out.shards[0].m1.has_value());
+  EXPECT_TRUE(out.shards[0].stale_value);
+  EXPECT_FALSE(out.shards[1].stale_value);
   ASSERT_TRUE(out.shards[1].m2.has_value());
   EXPECT_EQ(out.shards[1].m2->address, 0x30000u);
   EXPECT_EQ(out.shards[1].m2->packed_rkey, in.shards[1].m2->packed_rkey);
@@ -135,6 +138,9 @@ TEST(StateManifestTest, InconsistentShardsAreRefusedWithTheReason) {
       {"short region", [](StateManifest& m) { m.shards[0].value.length = 100; },
        "shorter than its shard"},
       {"m2 alone", [](StateManifest& m) { m.shards[1].m1.reset(); },
+       "bad buffer set"},
+      {"stale with state",
+       [](StateManifest& m) { m.shards[1].stale_value = true; },
        "bad buffer set"},
       {"key twice", [](StateManifest& m) { m.keys[1].key = 7; },
        "held key 7: given twice"},

@@ -64,6 +64,11 @@ struct StoredShard {
   // the new value there and swaps: no extra pass), for a restarted
   // worker that must recompute that step's other keys exactly.
   std::shared_ptr<transport::MemRegion> value, scratch, m1, m2, previous;
+  // The version is newer than the value: a backup that took version
+  // notices (kBackupVersion: a sum nobody's next round depends on), or a
+  // replacement that reopened the round such a notice announced. Such a
+  // value is never served; the next round applied here replaces it.
+  bool value_stale = false;
 };
 
 // How a finished round changes a shard.

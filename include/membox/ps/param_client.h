@@ -78,6 +78,16 @@ struct ParamClientOptions {
   // then sent again there. Zero, or proxies that do not replicate
   // (--ps-replicate off): a lost proxy fails its requests at once.
   std::chrono::milliseconds failover{60000};
+  // With failover on, a push of a striped key without an optimizer is
+  // held: its input is copied into a buffer of the key's (two rounds'
+  // worth, registered) and kept until the next push's answer, and each
+  // such push waits for the previous one's answer. The nodes then back
+  // such a round up by its version alone instead of its bytes, and a
+  // node's replacement redoes the round it died in from the held pushes
+  // (docs/design/ps.md, "Version notices"). Costs two copies of each such
+  // key's memory on the worker and a copy per push; off: the nodes copy
+  // each round's sum to the backup before answering.
+  bool hold_pushes = true;
   // In-memory combining of small keys (docs/design/ps.md): with every
   // worker on the host of the key's home node (one proxy, or with several
   // the owner of a striped key's one shard), a key of at

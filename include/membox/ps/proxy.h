@@ -124,6 +124,12 @@ struct ProxyOptions {
   // Tests: called on the copier thread before each batch of a join's copy
   // (to slow it down). Unset in production.
   std::function<void()> before_join_batch_for_test;
+  // Test hook: runs on the event loop before the answer of worker `rank`'s
+  // push of round `round` of (key, shard) goes out; returning true drops
+  // it (a node that died before that answer left). Unset in production.
+  std::function<bool(uint64_t key, uint32_t shard, uint64_t round,
+                     uint32_t rank)>
+      drop_answer_for_test;
 };
 
 struct ProxyStats {
@@ -150,6 +156,9 @@ struct ProxyStats {
   // not its value and moments).
   uint64_t backups_acked = 0;
   uint64_t backup_bytes_in = 0;
+  // Rounds of other shards backed up here by their version alone (every
+  // worker held its push: kBackupVersion).
+  uint64_t version_notices = 0;
   uint64_t backup_steps = 0;
   uint64_t backups_pending = 0;
   // A replacement (join): shards whose buffers are still being copied.

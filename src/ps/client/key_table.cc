@@ -77,6 +77,25 @@ std::unique_ptr<MemRegion> KeyTable::SetStaging(uint64_t key,
   return nullptr;
 }
 
+bool KeyTable::Holdable(const KeyInfo& k) {
+  return k.striped && !k.stored && !k.combined &&
+         k.declaration.optimizer == proto::Optimizer::kNone;
+}
+
+uint64_t KeyTable::HoldNeeded(uint64_t key) const {
+  auto it = keys_.find(key);
+  if (it == keys_.end() || it->second.hold || !Holdable(it->second)) return 0;
+  return it->second.bytes;
+}
+
+std::unique_ptr<MemRegion> KeyTable::SetHold(uint64_t key,
+                                             std::unique_ptr<MemRegion> r) {
+  KeyInfo* k = Find(key);
+  if (!k || k->hold) return r;
+  k->hold = std::move(r);
+  return nullptr;
+}
+
 Result<Op> KeyTable::Prepare(const Submission& s, const Context& c,
                              CompletionCallback* cb) {
   KeyInfo* found = Find(s.key);
@@ -144,6 +163,44 @@ Result<Op> KeyTable::Prepare(const Submission& s, const Context& c,
   if (c.progress) op.state->set_progress(c.progress);
   uint8_t* staging =
       k.staging ? static_cast<uint8_t*>(k.staging->data()) : nullptr;
+  // A held push waits for the previous push's answer (so a node that
+  // died had answered every worker the round before the one it applied
+  // last), and for the staging buffer when its output is staged: held
+  // only when one operation covers both.
+  std::shared_ptr<service::CallState> held_after;
+  bool held = c.hold && s.type == Type::kPush && in && !s.state && k.hold &&
+              Holdable(k) &&
+              !(in_region &&
+                in_region->memory_type() == transport::MemoryType::kCuda);
+  if (held) {
+    auto pending = [](const std::shared_ptr<service::CallState>& st) {
+      return st && !st->released() ? st : nullptr;
+    };
+    auto push = pending(k.last_push);
+    auto staged_op = staged ? pending(k.last_staged) : nullptr;
+    if (push && staged_op && push != staged_op) {
+      held = false;  // this round is backed up by its bytes
+    } else {
+      held_after = push ? push : staged_op;
+    }
+  }
+  if (held) {
+    op.held = true;
+    op.after = held_after;
+    const uint64_t half = k.next_round() % 2 * k.bytes;
+    uint8_t* slot = static_cast<uint8_t*>(k.hold->data()) + half;
+    if (op.after) {
+      op.copy_in = in;
+      op.copy_to = slot;
+    } else {
+      CopyBytes(slot, in, k.bytes);
+    }
+    op.in_region = k.hold->id();
+    op.in_offset = half;
+    if (!k.stored && !s.state) op.round = k.base_version + k.rounds++;
+    k.last_push = op.state;
+    in = nullptr;  // taken
+  }
   if (in) {
     if (in_region) {
       op.in_region = in_region->id();

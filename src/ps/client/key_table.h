@@ -56,6 +56,11 @@ struct KeyInfo {
   std::unique_ptr<transport::MemRegion> staging;    // [in | out], registered
   std::shared_ptr<service::CallState> last_staged;  // last op using staging
   std::shared_ptr<service::CallState> last_push;    // the latest push
+  // Held pushes (Context::hold): [even rounds | odd rounds], registered.
+  // A push's input is copied into its round's half and stays there until
+  // the next push is answered: the node's replacement may need it again
+  // (docs/design/ps.md, "Version notices").
+  std::unique_ptr<transport::MemRegion> hold;
   // In-memory combining (src/ps/combine.h): asked once, after round 0; a
   // proxy that said yes to a key this worker could not then use fails its
   // operations (the other workers are combining it already).
@@ -101,6 +106,15 @@ class KeyTable {
   // it outside its lock.
   std::unique_ptr<transport::MemRegion> SetStaging(
       uint64_t key, std::unique_ptr<transport::MemRegion> r);
+  // Whether a push of `key` is held when the client holds pushes: a
+  // striped key for rounds without an optimizer (its next round does not
+  // depend on its last result), not combined in a node's memory.
+  static bool Holdable(const KeyInfo& k);
+  // The size of the hold buffer `key` needs and lacks (0: none).
+  uint64_t HoldNeeded(uint64_t key) const;
+  // As SetStaging, for the hold buffer.
+  std::unique_ptr<transport::MemRegion> SetHold(
+      uint64_t key, std::unique_ptr<transport::MemRegion> r);
 
   // -------------------------------------------------------------- operations
   struct Submission {
@@ -123,6 +137,10 @@ class KeyTable {
     std::function<RoutingTable(uint64_t key, uint64_t round)> route_for;
     std::function<void()> staging_freed;  // a staged op released its buffer
     std::function<void()> progress;       // drives the transport (waiters)
+    // The nodes replicate and failover is on: pushes of Holdable keys are
+    // held (their hold buffer made first: HoldNeeded / SetHold), and each
+    // waits for the previous push's answer.
+    bool hold = false;
   };
   // The operation for `s`, or why it cannot be (nothing changed then, and
   // `*cb` is left to the caller). On success `*cb` is moved into the Op's

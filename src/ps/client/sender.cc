@@ -45,6 +45,7 @@ std::vector<Addressed> ShardMessages(const Op& op, uint32_t proxies) {
       m.region = op.in_region;
       m.offset = op.in_offset + off;
       m.has_output = op.has_output;
+      m.held = op.held;
       m.out_region = op.out_region;
       m.out_offset = op.out_offset + off;
     }

@@ -42,6 +42,9 @@ struct Op {
   uint64_t in_region = 0, in_offset = 0;
   bool has_output = false;
   uint64_t out_region = 0, out_offset = 0;
+  // kPush: its input is in the key's hold buffer, kept there until the
+  // next push's answer (proto::Message::held).
+  bool held = false;
   uint64_t shard_bytes = 0, bytes = 0;
   uint32_t shards = 0;
   bool striped = false;
