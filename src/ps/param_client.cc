@@ -342,6 +342,13 @@ class ParamClientImpl final : public ParamClient {
         RETURN_IF_ERROR(Call(i, m).status());
       }
     }
+    {
+      // Their held pushes go with them (a replacement does not need them).
+      MutexLock h(&held_mu_);
+      for (uint64_t key : keys) {
+        std::erase_if(held_, [key](const auto& e) { return e.first.first == key; });
+      }
+    }
     MutexLock l(&mu_);
     for (uint64_t key : keys) table_.keys().erase(key);
     return Status::Ok();

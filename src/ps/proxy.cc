@@ -609,6 +609,7 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
   c.role = Conn::Role::kClient;
   c.rank = m.rank;
   c.replaying = m.type == Type::kRejoin;
+  c.rejoined = m.type == Type::kRejoin;
   c.name = m.name;
   n_clients_.fetch_add(1);
   MEMBOX_LOG_DEBUG("worker {} ({}) joined, world {}", m.rank, m.name, m.world);

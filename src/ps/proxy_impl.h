@@ -242,6 +242,9 @@ struct Conn {
   // A worker rejoining after a failover, its state not fully replayed
   // (kRejoin .. kRejoined): no round that depends on it starts.
   bool replaying = false;
+  // It said kRejoin: a worker of the job this node's predecessor served
+  // (its held pushes redo a reopened round; SkipToTheJobsRound).
+  bool rejoined = false;
   // Prefetch reads of this worker's pushes waiting for their key's read
   // window (ProxyOptions::read_window_shards), oldest first.
   struct WaitingRead {
@@ -515,7 +518,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   // shard to that round (as the unstriped keys' shards behind skip to the
   // newest when the job ends, OnDisconnect). Otherwise that push would
   // wait for a round nobody pushes.
-  void SkipToTheJobsRound(const Message& m);
+  // `rejoined`: the push comes from a worker of the same job (Conn).
+  void SkipToTheJobsRound(const Message& m, bool rejoined);
 
   Status CheckShardRequest(const Message& m);
 

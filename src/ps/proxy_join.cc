@@ -110,9 +110,6 @@ Status ProxyImpl::Join() {
       ASSIGN_OR_RETURN(sh->value, storage_->Allocate(sh->bytes));
       sh->version = o.version > 0 ? o.version - 1 : 0;
       sh->value_stale = o.version > 0;
-      // The first push it sees may be a later round's (a worker answered
-      // before the death): not a new job's, so no skipping ahead.
-      sh->untouched_by_job = false;
       reopened.insert(id);
       continue;
     }

@@ -102,7 +102,7 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
     }
     case Type::kPush: {
       if (WaitForCopy(conn, m)) return;
-      SkipToTheJobsRound(m);
+      SkipToTheJobsRound(m, c.rejoined);
       if (RetriedRound(conn, m)) return;
       Status s = CheckShardRequest(m);
       if (!s.ok()) {
@@ -541,13 +541,18 @@ Result<uint64_t> ProxyImpl::Declare(Conn& c, const Message& m) {
   return CompletedRounds(m.key, k);
 }
 
-void ProxyImpl::SkipToTheJobsRound(const Message& m) {
+void ProxyImpl::SkipToTheJobsRound(const Message& m, bool rejoined) {
   auto it = keys_.find(m.key);
   if (it == keys_.end() || m.shard >= it->second.shards.size()) return;
   Key& key = it->second;
   Shard& sh = key.shards[m.shard];
   if (!sh.untouched_by_job) return;
   sh.untouched_by_job = false;
+  // A round reopened by a replacement (version notices) is redone by the
+  // job's workers, rejoining with their held pushes: a later round's push
+  // among them is not a new job's. A new job (the workers restarted) has
+  // no held pushes and skips it like any round nobody waits for.
+  if (rejoined && sh.value_stale) return;
   if (mode_ == proto::Mode::kAsync || !key.striped || key.stored ||
       key.opt.kind != proto::Optimizer::kNone || m.round <= sh.version ||
       sh.reducing || sh.awaiting_backup || !sh.pushes.empty() ||
