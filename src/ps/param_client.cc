@@ -967,9 +967,21 @@ class ParamClientImpl final : public ParamClient {
   // Whether this worker holds its pushes of Holdable keys (KeyTable): the
   // nodes replicate and failover is on, so a node's replacement may need
   // the last round's pushes again (docs/design/ps.md, "Version notices").
+  // Not when every proxy is on this host (they map this worker's memory):
+  // there the backup's copy of a sum is one memory copy on the nodes, and
+  // each worker's copy into its hold buffer costs more (p copies of the
+  // tensor instead of one; measured in docs/results/failures.md).
   bool HoldsPushes() const {
-    return opt_.hold_pushes && !async_ && !proxies_.empty() &&
-           proxies_[0]->failover();
+    using Hold = ParamClientOptions::HoldPushes;
+    if (opt_.hold_pushes == Hold::kNever || async_ || proxies_.empty() ||
+        !proxies_[0]->failover()) {
+      return false;
+    }
+    if (opt_.hold_pushes == Hold::kAlways) return true;
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      if (!ProxyOnThisHost(i)) return true;
+    }
+    return false;
   }
 
   // Gives `key` its hold buffer (two rounds' inputs, registered with

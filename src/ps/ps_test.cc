@@ -1760,7 +1760,10 @@ void HeldSumsRideThroughTheirOwnersDeath(bool answered_some) {
                    std::promise<void>* rank0_round3, Results* results) {
     std::vector<std::unique_ptr<ParamClient>> w;
     for (int r = 0; r < W; ++r) {
-      w.push_back(Worker(c, r, W, striped));
+      // (On one host the default holds nothing: force it.)
+      w.push_back(Worker(c, r, W, striped, {}, 10s, [](ParamClientOptions& o) {
+        o.hold_pushes = ParamClientOptions::HoldPushes::kAlways;
+      }));
       ASSERT_NE(w.back(), nullptr);
     }
     for (int r = 0; r < W; ++r) {
@@ -1846,6 +1849,38 @@ TEST(PsTest, HeldSumsRideThroughTheirOwnersDeathBetweenItsAnswers) {
 
 TEST(PsTest, HeldSumsRideThroughTheirOwnersDeathBetweenRounds) {
   HeldSumsRideThroughTheirOwnersDeath(/*answered_some=*/false);
+}
+
+// The default holds pushes only across hosts: with every node on the
+// worker's host (they map its memory) one copy of the sum on the nodes is
+// cheaper than every worker's copy into its hold buffer, so a round there
+// is backed up by its bytes.
+TEST(PsTest, OnOneHostSumsAreBackedUpByTheirBytes) {
+  constexpr size_t kN = 16 << 10;
+  RoutingTable striped;
+  striped.stripe = true;
+  striped.partition_bytes = 16 << 10;
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < 2; ++r) {
+    w.push_back(Worker(c, r, 2, striped));
+    ASSERT_NE(w.back(), nullptr);
+    ASSERT_TRUE(w[r]->Declare(5, kN * 4, DType::kFloat32).ok());
+  }
+  for (int round = 0; round < 2; ++round) {
+    std::vector<std::vector<float>> g = {FailoverGrad(kN, 0, round),
+                                         FailoverGrad(kN, 1, round)};
+    std::vector<PsHandle> h;
+    for (int r = 0; r < 2; ++r) {
+      h.push_back(w[r]->PushPull(5, g[r].data(), g[r].data()));
+    }
+    for (auto& x : h) ASSERT_TRUE(x.Wait(20s).ok());
+  }
+  for (auto& p : c.proxies) {
+    EXPECT_EQ(p->Stats().version_notices, 0u);
+    EXPECT_GT(p->Stats().backup_bytes_in, 0u);
+  }
 }
 
 TEST(PsTest, WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree) {

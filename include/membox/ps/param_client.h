@@ -85,9 +85,13 @@ struct ParamClientOptions {
   // such a round up by its version alone instead of its bytes, and a
   // node's replacement redoes the round it died in from the held pushes
   // (docs/design/ps.md, "Version notices"). Costs two copies of each such
-  // key's memory on the worker and a copy per push; off: the nodes copy
-  // each round's sum to the backup before answering.
-  bool hold_pushes = true;
+  // key's memory on the worker and a copy per push; without: the nodes
+  // copy each round's sum to the backup before answering. kAcrossHosts
+  // (the default) holds unless every proxy is on this worker's host (they
+  // map its memory, and one copy on the nodes is cheaper than each
+  // worker's: docs/results/failures.md, "One host").
+  enum class HoldPushes { kAcrossHosts, kAlways, kNever };
+  HoldPushes hold_pushes = HoldPushes::kAcrossHosts;
   // In-memory combining of small keys (docs/design/ps.md): with every
   // worker on the host of the key's home node (one proxy, or with several
   // the owner of a striped key's one shard), a key of at
