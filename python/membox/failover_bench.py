@@ -2,8 +2,8 @@
 against the size of the state the nodes hold.
 
     membox bench failover [--sizes 64MiB,1GiB,4GiB] [--repeats 1]
-                          [--workers 1] [--python PY] [--csv F] [--json F]
-                          [--plot F.png]
+                          [--workers 1] [--job params|sums] [--python PY]
+                          [--csv F] [--json F] [--plot F.png]
 
 A job of --workers workers and 2 memory nodes under `membox launch` with its
 defaults (replication on: every shard on two nodes). One tensor of S/2 with
@@ -12,6 +12,13 @@ momentum). The workers use the plain client's default routing (no
 profile): every push goes to node 0 and the nodes' ring carries the round,
 so each node holds the whole state, and the round after the kill needs all
 of the replacement's copy.
+--job sums: instead, one striped tensor of S without an optimizer (the
+DDP hook's gradient sums, PushPull): its shards live on their owners, the
+backups take each round's version only, and the workers hold their pushes
+(MEMBOX_HOLD_PUSHES=always: the default does so only across hosts, and
+this bench runs on one). The replacement copies nothing of the shards it
+owns: it reopens their last round, which the workers' held pushes redo
+(docs/design/ps.md, "Version notices").
 The workers run PushPull rounds and timestamp each one. After four rounds
 memory node 1 is killed with SIGKILL; the launcher starts a replacement
 with --join, which serves at once and copies its state in the background
@@ -44,13 +51,20 @@ WORKER = r"""
 import os, sys, time
 import numpy as np
 import membox
-nbytes, flag = int(sys.argv[1]), sys.argv[2]
+nbytes, flag, job = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 n = nbytes // 4
 c = membox.connect()
-c.configure(mode="average", optimizer="sgd", lr=0.01, momentum=0.9)
-w = np.ones(n, dtype=np.float32)
-c.declare(1, w.nbytes, "float32", init=w)
-del w
+if job == "sums":
+    r = c.routing()
+    r["stripe"] = True
+    c.set_routing(r)
+    c.configure(mode="average")
+    c.declare(1, n * 4, "float32")
+else:
+    c.configure(mode="average", optimizer="sgd", lr=0.01, momentum=0.9)
+    w = np.ones(n, dtype=np.float32)
+    c.declare(1, w.nbytes, "float32", init=w)
+    del w
 g = np.full(n, 0.5, dtype=np.float32)
 out = np.empty_like(g)
 i = 0
@@ -86,8 +100,10 @@ def one(a, state, tmp):
         f.write(WORKER)
     cmd = [a.membox, "launch", "--nodes", "2", "--workers", str(a.workers),
            "--pool-size", "64MiB", "--", a.python, script,
-           str(state // 2), flag]
+           str(state if a.job == "sums" else state // 2), flag, a.job]
     env = dict(os.environ, MEMBOX_LOG_LEVEL="warn")
+    if a.job == "sums":
+        env["MEMBOX_HOLD_PUSHES"] = "always"
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, bufsize=1, env=env)
     # Rounds of rank 0 (the launcher prefixes worker output with its rank).
@@ -149,6 +165,9 @@ def main(argv=None):
     ap.add_argument("--sizes", default="64MiB,1GiB,4GiB",
                     help="the job's state (weights + momentum)")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--job", choices=("params", "sums"), default="params",
+                    help="params: weights and SGD momentum on the nodes; "
+                    "sums: a striped tensor summed without an optimizer")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900,
                     help="seconds one job may take")
@@ -182,9 +201,9 @@ def main(argv=None):
         for k in keys:
             row[k] = med([r.get(k) for r in mine])
         summary.append(row)
-    print(f"\nA memory node killed under a running job: 2 nodes, {a.workers} "
-          f"worker(s), defaults (replicated); seconds, medians of "
-          f"{a.repeats}")
+    print(f"\nA memory node killed under a running job ({a.job}): 2 nodes, "
+          f"{a.workers} worker(s), defaults (replicated); seconds, medians "
+          f"of {a.repeats}")
     print(f"{'state':>9} {'round':>8} {'pause':>8} {'kill->rnd':>10} "
           f"{'redundant':>10} {'copy':>8} finished")
     for r in summary:

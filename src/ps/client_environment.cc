@@ -71,6 +71,19 @@ Status ApplyClientEnvironment(ParamClientOptions* o) {
     }
     o->combine = *v == "1";
   }
+  if (auto v = GetEnv("MEMBOX_HOLD_PUSHES")) {
+    using Hold = ParamClientOptions::HoldPushes;
+    if (*v == "across-hosts") {
+      o->hold_pushes = Hold::kAcrossHosts;
+    } else if (*v == "always") {
+      o->hold_pushes = Hold::kAlways;
+    } else if (*v == "never") {
+      o->hold_pushes = Hold::kNever;
+    } else {
+      return InvalidArgumentError("MEMBOX_HOLD_PUSHES: bad value '" + *v +
+                                  "' (across-hosts, always or never)");
+    }
+  }
   return Status::Ok();
 }
 

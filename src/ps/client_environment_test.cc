@@ -13,7 +13,7 @@ class ClientEnvironmentTest : public ::testing::Test {
   void TearDown() override {
     for (const char* v :
          {"MEMBOX_RESTART", "MEMBOX_PROXY_DELAYS_MS", "MEMBOX_HANG_REPORT_S",
-          "MEMBOX_FAILOVER_S", "MEMBOX_COMBINE"}) {
+          "MEMBOX_FAILOVER_S", "MEMBOX_COMBINE", "MEMBOX_HOLD_PUSHES"}) {
       ::unsetenv(v);
     }
   }
@@ -33,6 +33,7 @@ TEST_F(ClientEnvironmentTest, UnsetLeavesTheOptions) {
   EXPECT_EQ(o.hang_report, d.hang_report);
   EXPECT_EQ(o.failover, d.failover);
   EXPECT_EQ(o.combine, d.combine);
+  EXPECT_EQ(o.hold_pushes, d.hold_pushes);
 }
 
 TEST_F(ClientEnvironmentTest, EachVariableSetsItsOption) {
@@ -41,6 +42,7 @@ TEST_F(ClientEnvironmentTest, EachVariableSetsItsOption) {
   ::setenv("MEMBOX_HANG_REPORT_S", "0", 1);
   ::setenv("MEMBOX_FAILOVER_S", "1.5", 1);
   ::setenv("MEMBOX_COMBINE", "0", 1);
+  ::setenv("MEMBOX_HOLD_PUSHES", "always", 1);
   ParamClientOptions o = TwoProxies();
   ASSERT_TRUE(ApplyClientEnvironment(&o).ok());
   EXPECT_TRUE(o.restarted);
@@ -50,6 +52,7 @@ TEST_F(ClientEnvironmentTest, EachVariableSetsItsOption) {
   EXPECT_EQ(o.hang_report, std::chrono::milliseconds(0));
   EXPECT_EQ(o.failover, std::chrono::milliseconds(1500));
   EXPECT_FALSE(o.combine);
+  EXPECT_EQ(o.hold_pushes, ParamClientOptions::HoldPushes::kAlways);
 }
 
 TEST_F(ClientEnvironmentTest, ZeroDelaysAndExplicitLinksAddNoLinkModel) {
@@ -72,6 +75,7 @@ TEST_F(ClientEnvironmentTest, MalformedValuesAreErrorsNamingTheVariable) {
       {"MEMBOX_PROXY_DELAYS_MS", "1,,2"}, {"MEMBOX_PROXY_DELAYS_MS", "-1,0"},
       {"MEMBOX_HANG_REPORT_S", "ten"},    {"MEMBOX_HANG_REPORT_S", "-1"},
       {"MEMBOX_FAILOVER_S", "1e9"},       {"MEMBOX_COMBINE", "yes"},
+      {"MEMBOX_HOLD_PUSHES", "sometimes"},
   };
   for (const auto& [name, value] : bad) {
     ::setenv(name, value, 1);

@@ -12,6 +12,7 @@
 //   MEMBOX_HANG_REPORT_S=S      options.hang_report (0: never)
 //   MEMBOX_FAILOVER_S=S         options.failover (0: off)
 //   MEMBOX_COMBINE=0|1          options.combine
+//   MEMBOX_HOLD_PUSHES=across-hosts|always|never  options.hold_pushes
 //
 // Unset or empty variables leave the options as they are; a malformed one
 // is an error naming it and saying what it takes. Not thread-safe against
