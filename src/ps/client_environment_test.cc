@@ -71,10 +71,10 @@ TEST_F(ClientEnvironmentTest, ZeroDelaysAndExplicitLinksAddNoLinkModel) {
 
 TEST_F(ClientEnvironmentTest, MalformedValuesAreErrorsNamingTheVariable) {
   const std::pair<const char*, const char*> bad[] = {
-      {"MEMBOX_PROXY_DELAYS_MS", "1,x"},  {"MEMBOX_PROXY_DELAYS_MS", "1"},
-      {"MEMBOX_PROXY_DELAYS_MS", "1,,2"}, {"MEMBOX_PROXY_DELAYS_MS", "-1,0"},
-      {"MEMBOX_HANG_REPORT_S", "ten"},    {"MEMBOX_HANG_REPORT_S", "-1"},
-      {"MEMBOX_FAILOVER_S", "1e9"},       {"MEMBOX_COMBINE", "yes"},
+      {"MEMBOX_PROXY_DELAYS_MS", "1,x"},   {"MEMBOX_PROXY_DELAYS_MS", "1"},
+      {"MEMBOX_PROXY_DELAYS_MS", "1,,2"},  {"MEMBOX_PROXY_DELAYS_MS", "-1,0"},
+      {"MEMBOX_HANG_REPORT_S", "ten"},     {"MEMBOX_HANG_REPORT_S", "-1"},
+      {"MEMBOX_FAILOVER_S", "1e9"},        {"MEMBOX_COMBINE", "yes"},
       {"MEMBOX_HOLD_PUSHES", "sometimes"},
   };
   for (const auto& [name, value] : bad) {

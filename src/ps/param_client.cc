@@ -346,7 +346,8 @@ class ParamClientImpl final : public ParamClient {
       // Their held pushes go with them (a replacement does not need them).
       MutexLock h(&held_mu_);
       for (uint64_t key : keys) {
-        std::erase_if(held_, [key](const auto& e) { return e.first.first == key; });
+        std::erase_if(held_,
+                      [key](const auto& e) { return e.first.first == key; });
       }
     }
     MutexLock l(&mu_);

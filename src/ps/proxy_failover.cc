@@ -331,9 +331,10 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s, bool whole) {
     b.shard = s;
     b.round = sh.version;
     if (Status st = SendToPeer(to, b); !st.ok()) {
-      MEMBOX_LOG_DEBUG("proxy {}: version notice of key {} shard {} to "
-                       "proxy {}: {}",
-                       opt_.rank, k, s, to, st.ToString());
+      MEMBOX_LOG_DEBUG(
+          "proxy {}: version notice of key {} shard {} to "
+          "proxy {}: {}",
+          opt_.rank, k, s, to, st.ToString());
     }
     return;
   }

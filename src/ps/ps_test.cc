@@ -1755,7 +1755,8 @@ void HeldSumsRideThroughTheirOwnersDeath(bool answered_some) {
   RoutingTable striped;
   striped.stripe = true;
   striped.partition_bytes = 16 << 10;
-  using Results = std::vector<std::vector<std::vector<float>>>;  // [round][rank]
+  using Results =
+      std::vector<std::vector<std::vector<float>>>;  // [round][rank]
   auto train = [&](const Cluster& c, const std::function<void()>& at_round3,
                    std::promise<void>* rank0_round3, Results* results) {
     std::vector<std::unique_ptr<ParamClient>> w;
@@ -1769,8 +1770,8 @@ void HeldSumsRideThroughTheirOwnersDeath(bool answered_some) {
     for (int r = 0; r < W; ++r) {
       ASSERT_TRUE(w[r]->Declare(5, kN * 4, DType::kFloat32).ok());
     }
-    results->assign(6, std::vector<std::vector<float>>(
-                           W, std::vector<float>(kN)));
+    results->assign(6,
+                    std::vector<std::vector<float>>(W, std::vector<float>(kN)));
     for (int round = 0; round < 6; ++round) {
       std::thread side;
       if (at_round3 && answered_some && round == 3) {
@@ -1783,8 +1784,8 @@ void HeldSumsRideThroughTheirOwnersDeath(bool answered_some) {
       for (int r = 0; r < W; ++r) {
         th.emplace_back([&, r] {
           auto g = FailoverGrad(kN, r, round);
-          Status st =
-              w[r]->PushPull(5, g.data(), (*results)[round][r].data()).Wait(30s);
+          Status st = w[r]->PushPull(5, g.data(), (*results)[round][r].data())
+                          .Wait(30s);
           EXPECT_TRUE(st.ok())
               << "rank " << r << " round " << round << ": " << st.ToString();
           if (round == 3 && r == 0 && rank0_round3) rank0_round3->set_value();
@@ -1806,15 +1807,15 @@ void HeldSumsRideThroughTheirOwnersDeath(bool answered_some) {
     }
   }
   // The victim leaves round 3's answers to ranks 1 and 2 unsent.
-  auto c = Cluster::Start(
-      P, Scheduler::kPerClientQueues, "", false, 10s, /*replicate=*/true,
-      [&](ProxyOptions& o) {
-        if (!answered_some || o.rank != kVictim) return;
-        o.drop_answer_for_test = [](uint64_t, uint32_t, uint64_t round,
-                                    uint32_t rank) {
-          return round == 3 && rank != 0;
-        };
-      });
+  auto c = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true, [&](ProxyOptions& o) {
+                            if (!answered_some || o.rank != kVictim) return;
+                            o.drop_answer_for_test = [](uint64_t, uint32_t,
+                                                        uint64_t round,
+                                                        uint32_t rank) {
+                              return round == 3 && rank != 0;
+                            };
+                          });
   std::promise<void> rank0_round3;
   auto rank0_done = rank0_round3.get_future();
   std::atomic<bool> replaced{false};

@@ -49,7 +49,7 @@ StateManifest Example() {
   StateManifest m;
   m.proxy_rank = 2;
   m.shards.push_back(Shard(7, 0, 1000, 400));
-  m.shards.back().stale_value = true;  // a backup's version notice
+  m.shards.back().stale_value = true;          // a backup's version notice
   m.shards.push_back(Shard(7, 2, 1000, 400));  // the last, 200 bytes
   m.shards.back().m1 = Desc(0x20000, 200);
   m.shards.back().m2 = Desc(0x30000, 4096);

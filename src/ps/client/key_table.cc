@@ -168,10 +168,10 @@ Result<Op> KeyTable::Prepare(const Submission& s, const Context& c,
   // last), and for the staging buffer when its output is staged: held
   // only when one operation covers both.
   std::shared_ptr<service::CallState> held_after;
-  bool held = c.hold && s.type == Type::kPush && in && !s.state && k.hold &&
-              Holdable(k) &&
-              !(in_region &&
-                in_region->memory_type() == transport::MemoryType::kCuda);
+  bool held =
+      c.hold && s.type == Type::kPush && in && !s.state && k.hold &&
+      Holdable(k) &&
+      !(in_region && in_region->memory_type() == transport::MemoryType::kCuda);
   if (held) {
     auto pending = [](const std::shared_ptr<service::CallState>& st) {
       return st && !st->released() ? st : nullptr;
