@@ -974,7 +974,12 @@ class ParamClientImpl final : public ParamClient {
   // tensor instead of one; measured in docs/results/failures.md).
   bool HoldsPushes() const {
     using Hold = ParamClientOptions::HoldPushes;
-    if (opt_.hold_pushes == Hold::kNever || async_ || proxies_.empty() ||
+    bool async = false;
+    {
+      MutexLock l(&mu_);
+      async = async_;
+    }
+    if (opt_.hold_pushes == Hold::kNever || async || proxies_.empty() ||
         !proxies_[0]->failover()) {
       return false;
     }
