@@ -238,9 +238,13 @@ void UcxWorker::Loop() {
   // Spin window after the last event: long enough to catch a reply that is
   // microseconds away, short enough not to matter to other processes.
   const auto spin_window = std::chrono::microseconds(50);
+  // Arms refused (UCS_ERR_BUSY) in a row with nothing progressed between
+  // them: see below.
+  uint32_t busy_arms = 0;
   while (!stop_.load(std::memory_order_relaxed)) {
     if (ucp_worker_progress(worker_) != 0) {
       last_activity = Clock::now();
+      busy_arms = 0;
       continue;
     }
     // While a user thread drives the worker (HelpProgress within the last
@@ -262,7 +266,23 @@ void UcxWorker::Loop() {
       continue;
     }
     ucs_status_t st = ucp_worker_arm(worker_);
-    if (st == UCS_ERR_BUSY) continue;
+    if (st == UCS_ERR_BUSY) {
+      // An event came in since the last progress, which found nothing to
+      // do: a peer's transfer in flight signals again and again (a large
+      // transfer over shared memory does, for its whole length). Arming
+      // and progressing in a tight loop then takes a core for nothing; on
+      // a machine with more runnable threads than cores that core is the
+      // one the transfer's other end or a copy needs (a 1 GiB failover on
+      // 2 cores: this loop in two processes took half the machine). After
+      // a few such arms, nap 20 us between them there.
+      if (++busy_arms > 16 && MachineOversubscribed()) {
+        pollfd pfd{stop_fd_, POLLIN, 0};
+        timespec nap{0, 20000};
+        (void)ppoll(&pfd, 1, &nap, nullptr);
+      }
+      continue;
+    }
+    busy_arms = 0;
     epoll_event evs[2];
     sleeping_.store(true, std::memory_order_release);
     int n = epoll_wait(epfd_, evs, 2, 100);
