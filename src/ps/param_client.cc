@@ -972,22 +972,30 @@ class ParamClientImpl final : public ParamClient {
   // there the backup's copy of a sum is one memory copy on the nodes, and
   // each worker's copy into its hold buffer costs more (p copies of the
   // tensor instead of one; measured in docs/results/failures.md).
+  // Where a proxy is, as its channel said last: a proxy being reconnected
+  // has no channel, and the answer must not flip then (a key would start
+  // holding mid-job, registering its hold buffer with a proxy that is
+  // not there).
   bool HoldsPushes() const {
     using Hold = ParamClientOptions::HoldPushes;
-    bool async = false;
-    {
-      MutexLock l(&mu_);
-      async = async_;
-    }
-    if (opt_.hold_pushes == Hold::kNever || async || proxies_.empty() ||
+    if (opt_.hold_pushes == Hold::kNever || proxies_.empty() ||
         !proxies_[0]->failover()) {
       return false;
     }
-    if (opt_.hold_pushes == Hold::kAlways) return true;
+    std::vector<int8_t> now(proxies_.size(), -1);  // (channels: no mu_)
     for (uint32_t i = 0; i < proxies_.size(); ++i) {
-      if (!ProxyOnThisHost(i)) return true;
+      if (ChannelOf(i)) now[i] = ProxyOnThisHost(i) ? 1 : 0;
     }
-    return false;
+    MutexLock l(&mu_);
+    if (async_) return false;
+    if (opt_.hold_pushes == Hold::kAlways) return true;
+    proxy_on_host_.resize(proxies_.size(), -1);
+    bool elsewhere = false;
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      if (now[i] >= 0) proxy_on_host_[i] = now[i];
+      elsewhere = elsewhere || proxy_on_host_[i] == 0;
+    }
+    return elsewhere;
   }
 
   // Gives `key` its hold buffer (two rounds' inputs, registered with
@@ -1226,6 +1234,8 @@ class ParamClientImpl final : public ParamClient {
   std::unique_ptr<Combiner> combiner_;
 
   mutable Mutex mu_;
+  // HoldsPushes: per proxy, on this host (1), elsewhere (0), not seen (-1).
+  mutable std::vector<int8_t> proxy_on_host_ MEMBOX_GUARDED_BY(mu_);
   RoutingTable routing_ MEMBOX_GUARDED_BY(mu_);
   RouteHistory route_history_ MEMBOX_GUARDED_BY(mu_);
   // The keys, the registered regions and the staging buffers.

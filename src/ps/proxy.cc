@@ -88,6 +88,7 @@ ProxyStats ProxyImpl::Stats() const {
   s.backup_bytes_in = backup_bytes_in_.load(std::memory_order_relaxed);
   s.backup_steps = backup_steps_.load(std::memory_order_relaxed);
   s.version_notices = version_notices_in_.load(std::memory_order_relaxed);
+  s.answered_early = answered_early_.load(std::memory_order_relaxed);
   s.backups_pending = backups_pending_.load(std::memory_order_relaxed);
   s.shards_copying = shards_copying_.load(std::memory_order_relaxed);
   return s;
@@ -106,7 +107,8 @@ std::string ProxyImpl::StatusText() const {
     << (opt_.replicate ? "on" : "off") << "\nfailovers " << failovers_.load()
     << "\nbackups_acked " << s.backups_acked << "\nbackup_bytes_in "
     << s.backup_bytes_in << "\nbackup_steps " << s.backup_steps
-    << "\nversion_notices " << s.version_notices << "\nbackups_pending "
+    << "\nversion_notices " << s.version_notices << "\nanswered_early "
+    << s.answered_early << "\nbackups_pending "
     << s.backups_pending << "\nshards_copying " << s.shards_copying << "\n";
   MutexLock l(&waits_mu_);
   o << waits_;
@@ -134,6 +136,10 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
             "Rounds of other shards backed up here by their version alone "
             "(every worker held its push).",
             s.version_notices);
+  w.Counter("membox_ps_answered_early_total",
+            "Rounds answered before their backup had them (every push held; "
+            "the next round waits for it).",
+            s.answered_early);
   w.Counter("membox_ps_backup_steps_total",
             "Rounds of other shards backed up here by repeating their step.",
             s.backup_steps);
@@ -705,6 +711,7 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
           sh.backup_keep.clear();
           backups_pending_.fetch_sub(1);
         }
+        sh.answered_early = false;
       }
     }
     if (const uint64_t freed = FreeScratch(); freed > 0) {

@@ -369,7 +369,7 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s, bool whole) {
         opt_.rank, k, s, sh.version - 1, to, offer.status().ToString());
     sh.awaiting_backup = false;
     backups_pending_.fetch_sub(1);
-    return PublishRound(k, s, Status::Ok());
+    return BackupSettled(k, s);
   }
   Message b;
   b.type = step ? Type::kBackupStep : Type::kBackup;
@@ -422,6 +422,7 @@ const Key* ProxyImpl::OfferedToMe(uint32_t from, const Message& m) {
 }
 
 void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
+  if (IgnoreBackupForTest(m)) return;
   const Key* offered = OfferedToMe(from, m);
   if (offered == nullptr) return;
   const Key& key = *offered;
@@ -518,7 +519,16 @@ void ProxyImpl::OnBackupDone(uint32_t from, const Message& m) {
   sh.backup_keep.clear();
   backups_pending_.fetch_sub(1);
   if (m.text.empty()) backups_acked_.fetch_add(1, std::memory_order_relaxed);
-  PublishRound(m.key, m.shard, Status::Ok());
+  BackupSettled(m.key, m.shard);
+}
+
+void ProxyImpl::BackupSettled(uint64_t k, uint32_t s) {
+  Shard& sh = keys_[k].shards[s];
+  if (!sh.answered_early) return PublishRound(k, s, Status::Ok());
+  // Answered when it was applied: the next round may start now.
+  sh.answered_early = false;
+  Schedule();
+  MaybeStart(k, s);
 }
 
 void ProxyImpl::OnBackupWhole(uint32_t from, const Message& m) {
@@ -545,7 +555,13 @@ void ProxyImpl::OnBackupVersion(uint32_t from, const Message& m) {
   (void)SendToPeer(from, AnswerTo(Type::kBackupDone, m));
 }
 
+bool ProxyImpl::IgnoreBackupForTest(const Message& m) const {
+  return opt_.ignore_backup_for_test &&
+         opt_.ignore_backup_for_test(m.key, m.shard, m.round);
+}
+
 void ProxyImpl::OnBackupStep(uint32_t from, const Message& m) {
+  if (IgnoreBackupForTest(m)) return;
   const Key* offered = OfferedToMe(from, m);
   if (offered == nullptr) return;
   const Key& key = *offered;

@@ -166,10 +166,13 @@ struct Shard : StoredShard {
   // in step, a round offers its sum and step (n bytes) instead of the
   // value and moments (2n-3n).
   bool backup_synced = false;
-  // The round last applied here had every push held by its worker (and
-  // the key no optimizer): its backup takes a version notice
-  // (kBackupVersion), not the bytes.
+  // The round last applied here had every push held by its worker. Without
+  // an optimizer its backup takes a version notice (kBackupVersion), not
+  // the bytes; with one the round is answered before its backup has it
+  // (`answered_early`; docs/design/ps.md, "Answer first"), and
+  // `awaiting_backup` holds the next round until the backup's kBackupDone.
   bool round_held = false;
+  bool answered_early = false;
   OptimizerSettings step_opt;
   double step_scale = 1;
   // A replacement's shard whose buffers are still being copied from a
@@ -618,6 +621,12 @@ class ProxyImpl final : public Proxy, public service::Service {
   void OnBackupVersion(uint32_t from, const Message& m);
   // The owner side: the backup holds round m.round; answer its workers.
   void OnBackupDone(uint32_t from, const Message& m);
+  // The backup of shard (k, s)'s last round settled (acknowledged, or given
+  // up): the round is answered now, or was when it was applied
+  // (answered_early) and the next one may start.
+  void BackupSettled(uint64_t k, uint32_t s);
+  // ProxyOptions::ignore_backup_for_test says to drop this offer.
+  bool IgnoreBackupForTest(const Message& m) const;
 
   // The round of shard s of key k as the start rule sees it
   // (src/ps/round_gate.h); `workers` holds the connected workers' part.
@@ -894,7 +903,7 @@ class ProxyImpl final : public Proxy, public service::Service {
       result_bytes_{0}, waiting_rounds_{0}, failovers_{0}, peers_down_count_{0},
       stored_bytes_in_{0}, backup_bytes_in_{0}, backup_steps_{0},
       backups_acked_{0}, backups_pending_{0}, shards_copying_{0},
-      version_notices_in_{0};
+      version_notices_in_{0}, answered_early_{0};
 };
 
 }  // namespace membox::ps::proxy_internal

@@ -659,17 +659,29 @@ void ProxyImpl::FinishRound(uint64_t k, uint32_t s) {
   sh.sum_scaled = false;
   sh.step_opt = key.opt;  // what a step backup repeats
   sh.step_scale = scale;
-  // Every worker of the round holds its push: the backup needs the
-  // version only (docs/design/ps.md, "Version notices").
-  sh.round_held = key.opt.kind == proto::Optimizer::kNone &&
-                  !sh.pushes.empty() &&
+  // Every worker of the round holds its push: without an optimizer the
+  // backup needs the version only (docs/design/ps.md, "Version notices");
+  // with one the round is answered at once ("Answer first").
+  sh.round_held = !sh.pushes.empty() &&
                   std::all_of(sh.pushes.begin(), sh.pushes.end(),
                               [](const auto& p) { return p.second.held; });
   if (st.ok()) {
     sh.version++;
     sh.value_stale = false;
   }
-  if (st.ok() && BacksUp(key)) return SendBackup(k, s);
+  if (st.ok() && BacksUp(key)) {
+    SendBackup(k, s);
+    // Answer first: the backup may then lag this round, which the
+    // workers' held pushes redo on a replacement that copied the backup
+    // (the next round waits for its kBackupDone: one round at most).
+    if (sh.awaiting_backup && sh.round_held &&
+        key.opt.kind != proto::Optimizer::kNone) {
+      sh.answered_early = true;
+      answered_early_.fetch_add(1, std::memory_order_relaxed);
+      PublishRound(k, s, st);
+    }
+    return;
+  }
   PublishRound(k, s, st);
 }
 

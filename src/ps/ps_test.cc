@@ -1852,6 +1852,121 @@ TEST(PsTest, HeldSumsRideThroughTheirOwnersDeathBetweenRounds) {
   HeldSumsRideThroughTheirOwnersDeath(/*answered_some=*/false);
 }
 
+// Answer first (docs/design/ps.md): a round of a striped key with an
+// optimizer, every push of it held by its worker, is answered as soon as
+// it is applied, and its backup may lag it by that round. Here the backup
+// of the victim's shards ignores their round-3 offers, so round 3 is
+// answered while the backup lacks it, and round 4 waits for the backup.
+// The victim dies in round 4. Its replacement copies its shards from the
+// backup, which lacks round 3, and redoes it from the workers' held pushes
+// sent again: every result of every worker, and the momentum, are the
+// undisturbed run's, bit for bit (three workers: the sum's order shows).
+TEST(PsTest, RoundsAnsweredBeforeTheirBackupRideThroughTheOwnersDeath) {
+  constexpr int P = 2, W = 3, kRounds = 6;
+  constexpr size_t kN = 16 << 10;  // floats: 4 shards of 16 KiB
+  constexpr uint32_t kVictim = 1, kBackup = 0;
+  RoutingTable striped;
+  striped.stripe = true;
+  striped.partition_bytes = 16 << 10;
+  std::vector<float> init(kN);
+  for (size_t i = 0; i < kN; ++i) init[i] = std::cos(float(i));
+  using Results = std::vector<std::vector<std::vector<float>>>;
+  // kill: called while round 4 is in flight (null: undisturbed).
+  auto train = [&](const Cluster& c, const std::function<void()>& kill,
+                   Results* results, std::vector<float>* momentum) {
+    std::vector<std::unique_ptr<ParamClient>> w;
+    for (int r = 0; r < W; ++r) {
+      w.push_back(Worker(c, r, W, striped, {}, 10s, [](ParamClientOptions& o) {
+        o.hold_pushes = ParamClientOptions::HoldPushes::kAlways;
+      }));
+      ASSERT_NE(w.back(), nullptr);
+      SyncConfig cfg;
+      cfg.mode = SyncConfig::Mode::kAverage;
+      cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
+      ASSERT_TRUE(w[r]->Configure(cfg).ok());
+    }
+    for (int r = 0; r < W; ++r) {
+      ASSERT_TRUE(w[r]->Declare(7, kN * 4, DType::kFloat32,
+                                r == 0 ? init.data() : nullptr)
+                      .ok());
+    }
+    results->assign(kRounds, std::vector<std::vector<float>>(
+                                 W, std::vector<float>(kN)));
+    for (int round = 0; round < kRounds; ++round) {
+      std::vector<std::thread> th;
+      for (int r = 0; r < W; ++r) {
+        th.emplace_back([&, r] {
+          auto g = FailoverGrad(kN, r, round);
+          Status st = w[r]->PushPull(7, g.data(), (*results)[round][r].data())
+                          .Wait(30s);
+          EXPECT_TRUE(st.ok())
+              << "rank " << r << " round " << round << ": " << st.ToString();
+        });
+      }
+      if (kill && round == 4) {
+        std::this_thread::sleep_for(200ms);  // round 4 waits for the backup
+        kill();
+      }
+      for (auto& t : th) t.join();
+    }
+    momentum->assign(kN, 0.f);
+    ASSERT_TRUE(
+        w[0]->PullState(7, KeyPart::kMoment1, momentum->data()).Wait(20s).ok());
+  };
+  Results want, got;
+  std::vector<float> want_m, got_m;
+  {
+    auto ref = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
+                              /*replicate=*/true);
+    train(ref, nullptr, &want, &want_m);
+    for (auto& p : ref.proxies) {
+      EXPECT_GT(p->Stats().answered_early, 0u) << "answered first";
+      EXPECT_GT(p->Stats().backup_bytes_in, 0u) << "backed up by bytes";
+      EXPECT_EQ(p->Stats().version_notices, 0u);
+      EXPECT_EQ(p->Stats().backups_pending, 0u);
+    }
+  }
+  // Round 3 applied leaves the shards at version 4: the backup drops the
+  // victim's offers of it until the victim is gone.
+  std::atomic<bool> lagging{true};
+  std::atomic<int> dropped{0};
+  auto c = Cluster::Start(
+      P, Scheduler::kPerClientQueues, "", false, 10s, /*replicate=*/true,
+      [&](ProxyOptions& o) {
+        if (o.rank != kBackup) return;
+        o.ignore_backup_for_test = [&](uint64_t, uint32_t, uint64_t version) {
+          if (!lagging.load() || version != 4) return false;
+          dropped.fetch_add(1);
+          return true;
+        };
+      });
+  std::atomic<bool> replaced{false};
+  train(
+      c,
+      [&] {
+        EXPECT_GT(dropped.load(), 0) << "the backup lacks round 3";
+        EXPECT_GT(c.proxies[kVictim]->Stats().backups_pending, 0u)
+            << "round 4 waits for the backup";
+        c.proxies[kVictim]->Stop();  // the node dies
+        lagging = false;
+        std::this_thread::sleep_for(300ms);
+        auto joined = Proxy::Start(ReplacementOptions(c, kVictim));
+        ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+        c.proxies[kVictim] = std::move(*joined);
+        replaced = true;
+      },
+      &got, &got_m);
+  EXPECT_TRUE(replaced.load());
+  for (int round = 0; round < kRounds; ++round) {
+    for (int r = 0; r < W; ++r) {
+      EXPECT_EQ(got[round][r], want[round][r])
+          << "round " << round << " rank " << r;
+    }
+  }
+  EXPECT_EQ(got_m, want_m) << "momentum";
+  for (auto& p : c.proxies) EXPECT_EQ(p->Stats().backups_pending, 0u);
+}
+
 // The default holds pushes only across hosts: with every node on the
 // worker's host (they map its memory) one copy of the sum on the nodes is
 // cheaper than every worker's copy into its hold buffer, so a round there

@@ -130,6 +130,12 @@ struct ProxyOptions {
   std::function<bool(uint64_t key, uint32_t shard, uint64_t round,
                      uint32_t rank)>
       drop_answer_for_test;
+  // Test hook: runs on the event loop when an owner's backup offer of
+  // (key, shard) at `version` arrives here; returning true ignores it (no
+  // copy, no kBackupDone: a backup whose copy has not landed). Unset in
+  // production.
+  std::function<bool(uint64_t key, uint32_t shard, uint64_t version)>
+      ignore_backup_for_test;
 };
 
 struct ProxyStats {
@@ -159,6 +165,10 @@ struct ProxyStats {
   // Rounds of other shards backed up here by their version alone (every
   // worker held its push: kBackupVersion).
   uint64_t version_notices = 0;
+  // Rounds of shards owned here answered before their backup had them
+  // (every push held, the key with an optimizer: docs/design/ps.md,
+  // "Answer first").
+  uint64_t answered_early = 0;
   uint64_t backup_steps = 0;
   uint64_t backups_pending = 0;
   // A replacement (join): shards whose buffers are still being copied.

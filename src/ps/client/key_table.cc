@@ -78,8 +78,7 @@ std::unique_ptr<MemRegion> KeyTable::SetStaging(uint64_t key,
 }
 
 bool KeyTable::Holdable(const KeyInfo& k) {
-  return k.striped && !k.stored && !k.combined &&
-         k.declaration.optimizer == proto::Optimizer::kNone;
+  return k.striped && !k.stored && !k.combined;
 }
 
 uint64_t KeyTable::HoldNeeded(uint64_t key) const {

@@ -107,8 +107,10 @@ class KeyTable {
   std::unique_ptr<transport::MemRegion> SetStaging(
       uint64_t key, std::unique_ptr<transport::MemRegion> r);
   // Whether a push of `key` is held when the client holds pushes: a
-  // striped key for rounds without an optimizer (its next round does not
-  // depend on its last result), not combined in a node's memory.
+  // striped key (primary-backup) not combined in a node's memory. Without
+  // an optimizer the backup then takes the round's version only; with one
+  // the owner answers before its backup has the round (docs/design/ps.md,
+  // "Version notices", "Answer first").
   static bool Holdable(const KeyInfo& k);
   // The size of the hold buffer `key` needs and lacks (0: none).
   uint64_t HoldNeeded(uint64_t key) const;
