@@ -108,8 +108,8 @@ std::string ProxyImpl::StatusText() const {
     << "\nbackups_acked " << s.backups_acked << "\nbackup_bytes_in "
     << s.backup_bytes_in << "\nbackup_steps " << s.backup_steps
     << "\nversion_notices " << s.version_notices << "\nanswered_early "
-    << s.answered_early << "\nbackups_pending "
-    << s.backups_pending << "\nshards_copying " << s.shards_copying << "\n";
+    << s.answered_early << "\nbackups_pending " << s.backups_pending
+    << "\nshards_copying " << s.shards_copying << "\n";
   MutexLock l(&waits_mu_);
   o << waits_;
   return o.str();

@@ -1890,8 +1890,8 @@ TEST(PsTest, RoundsAnsweredBeforeTheirBackupRideThroughTheOwnersDeath) {
                                 r == 0 ? init.data() : nullptr)
                       .ok());
     }
-    results->assign(kRounds, std::vector<std::vector<float>>(
-                                 W, std::vector<float>(kN)));
+    results->assign(kRounds,
+                    std::vector<std::vector<float>>(W, std::vector<float>(kN)));
     for (int round = 0; round < kRounds; ++round) {
       std::vector<std::thread> th;
       for (int r = 0; r < W; ++r) {
@@ -1930,16 +1930,16 @@ TEST(PsTest, RoundsAnsweredBeforeTheirBackupRideThroughTheOwnersDeath) {
   // victim's offers of it until the victim is gone.
   std::atomic<bool> lagging{true};
   std::atomic<int> dropped{0};
-  auto c = Cluster::Start(
-      P, Scheduler::kPerClientQueues, "", false, 10s, /*replicate=*/true,
-      [&](ProxyOptions& o) {
-        if (o.rank != kBackup) return;
-        o.ignore_backup_for_test = [&](uint64_t, uint32_t, uint64_t version) {
-          if (!lagging.load() || version != 4) return false;
-          dropped.fetch_add(1);
-          return true;
-        };
-      });
+  auto c = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true, [&](ProxyOptions& o) {
+                            if (o.rank != kBackup) return;
+                            o.ignore_backup_for_test = [&](uint64_t, uint32_t,
+                                                           uint64_t version) {
+                              if (!lagging.load() || version != 4) return false;
+                              dropped.fetch_add(1);
+                              return true;
+                            };
+                          });
   std::atomic<bool> replaced{false};
   train(
       c,
