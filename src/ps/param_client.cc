@@ -965,18 +965,25 @@ class ParamClientImpl final : public ParamClient {
     return Status::Ok();
   }
 
-  // Whether this worker holds its pushes of Holdable keys (KeyTable): the
-  // nodes replicate and failover is on, so a node's replacement may need
-  // the last round's pushes again (docs/design/ps.md, "Version notices").
-  // Not when every proxy is on this host (they map this worker's memory):
-  // there the backup's copy of a sum is one memory copy on the nodes, and
-  // each worker's copy into its hold buffer costs more (p copies of the
-  // tensor instead of one; measured in docs/results/failures.md).
+  // Whether this worker holds its pushes of `key` when it is Holdable
+  // (KeyTable): the nodes replicate and failover is on, so a node's
+  // replacement may need the last round's pushes again (docs/design/ps.md,
+  // "Version notices", "Answer first"). By default (kAcrossHosts) only a
+  // key without an optimizer, and only when some proxy is on another host:
+  // - with every proxy on this host (they map this worker's memory) the
+  //   backup's copy of a sum is one memory copy on the nodes, and each
+  //   worker's copy into its hold buffer costs more (p copies of the
+  //   tensor instead of one; docs/results/failures.md);
+  // - a key with an optimizer would be answered before its backup has the
+  //   round, but its backup's bytes still cross the memory hosts' links:
+  //   offload's step across the emulated cluster gained 1-2 % (noise) for
+  //   8 more bytes per parameter in every worker (two rounds of gradients;
+  //   docs/results/offload.md), against what offload is for.
   // Where a proxy is, as its channel said last: a proxy being reconnected
   // has no channel, and the answer must not flip then (a key would start
   // holding mid-job, registering its hold buffer with a proxy that is
   // not there).
-  bool HoldsPushes() const {
+  bool HoldsPushes(uint64_t key) const {
     using Hold = ParamClientOptions::HoldPushes;
     if (opt_.hold_pushes == Hold::kNever || proxies_.empty() ||
         !proxies_[0]->failover()) {
@@ -989,6 +996,10 @@ class ParamClientImpl final : public ParamClient {
     MutexLock l(&mu_);
     if (async_) return false;
     if (opt_.hold_pushes == Hold::kAlways) return true;
+    const client::KeyInfo* k = table_.Find(key);
+    if (!k || k->declaration.optimizer != proto::Optimizer::kNone) {
+      return false;
+    }
     proxy_on_host_.resize(proxies_.size(), -1);
     bool elsewhere = false;
     for (uint32_t i = 0; i < proxies_.size(); ++i) {
@@ -1152,7 +1163,7 @@ class ParamClientImpl final : public ParamClient {
     if (Status s = EnsureStaging(key, in, out); !s.ok()) {
       return Failed(std::move(s), std::move(cb));
     }
-    const bool hold = HoldsPushes() && type == Type::kPush && in && !state;
+    const bool hold = type == Type::kPush && in && !state && HoldsPushes(key);
     if (hold) {
       if (Status s = EnsureHold(key); !s.ok()) {
         return Failed(std::move(s), std::move(cb));

@@ -87,9 +87,13 @@ struct ParamClientOptions {
   // (docs/design/ps.md, "Version notices"). Costs two copies of each such
   // key's memory on the worker and a copy per push; without: the nodes
   // copy each round's sum to the backup before answering. kAcrossHosts
-  // (the default) holds unless every proxy is on this worker's host (they
-  // map its memory, and one copy on the nodes is cheaper than each
-  // worker's: docs/results/failures.md, "One host").
+  // (the default) holds keys without an optimizer, unless every proxy is
+  // on this worker's host (they map its memory, and one copy on the nodes
+  // is cheaper than each worker's: docs/results/failures.md, "One host").
+  // kAlways also holds keys with an optimizer: their rounds are answered
+  // before the backup has them ("Answer first"), for two copies of the
+  // gradient in every worker (docs/results/offload.md: no measurable gain
+  // on the emulated cluster, so not the default).
   enum class HoldPushes { kAcrossHosts, kAlways, kNever };
   HoldPushes hold_pushes = HoldPushes::kAcrossHosts;
   // In-memory combining of small keys (docs/design/ps.md): with every

@@ -60,6 +60,11 @@ KeyInfo* KeyTable::Find(uint64_t key) {
   return it == keys_.end() ? nullptr : &it->second;
 }
 
+const KeyInfo* KeyTable::Find(uint64_t key) const {
+  auto it = keys_.find(key);
+  return it == keys_.end() ? nullptr : &it->second;
+}
+
 uint64_t KeyTable::StagingNeeded(uint64_t key, const void* in,
                                  const void* out) const {
   auto it = keys_.find(key);

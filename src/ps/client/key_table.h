@@ -94,6 +94,7 @@ class KeyTable {
 
   // ------------------------------------------------------------------- keys
   KeyInfo* Find(uint64_t key);
+  const KeyInfo* Find(uint64_t key) const;
   // Declares (or declares again) `key`.
   void Put(uint64_t key, KeyInfo k) { keys_[key] = std::move(k); }
   std::map<uint64_t, KeyInfo>& keys() { return keys_; }
