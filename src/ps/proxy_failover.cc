@@ -344,6 +344,7 @@ void ProxyImpl::SendBackup(uint64_t k, uint32_t s, bool whole) {
   const bool step = !whole && sh.backup_synced && sh.scratch &&
                     sh.step_opt.kind != proto::Optimizer::kNone;
   sh.backup_synced = false;  // until this offer is acknowledged
+  sh.written_since_offer = false;
   StoredShard sum;
   if (step) {
     sum.offset = sh.offset;
@@ -515,7 +516,7 @@ void ProxyImpl::OnBackupDone(uint32_t from, const Message& m) {
         opt_.rank, m.key, m.shard, m.round - 1, from, m.text);
   }
   sh.awaiting_backup = false;
-  sh.backup_synced = m.text.empty();
+  sh.backup_synced = m.text.empty() && !sh.written_since_offer;
   sh.backup_keep.clear();
   backups_pending_.fetch_sub(1);
   if (m.text.empty()) backups_acked_.fetch_add(1, std::memory_order_relaxed);

@@ -166,6 +166,10 @@ struct Shard : StoredShard {
   // in step, a round offers its sum and step (n bytes) instead of the
   // value and moments (2n-3n).
   bool backup_synced = false;
+  // A state written here (kStore) since the last backup offer: that
+  // offer's kBackupDone does not put the backup in step (a round answered
+  // first may take a loaded state dict before its backup has it).
+  bool written_since_offer = false;
   // The round last applied here had every push held by its worker. Without
   // an optimizer its backup takes a version notice (kBackupVersion), not
   // the bytes; with one the round is answered before its backup has it

@@ -278,6 +278,7 @@ Result<uint64_t> ProxyImpl::FinishStore(uint64_t k, uint32_t shard,
       dst = std::move(buf);
       sh.previous.reset();
       sh.backup_synced = false;  // the backup gets the shard whole next
+      sh.written_since_offer = true;
     }
     return sh.version;
   }
