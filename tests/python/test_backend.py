@@ -908,6 +908,36 @@ class BackendTest(unittest.TestCase):
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("Set MEMBOX_PROXIES", p.stderr)
 
+    def test_groups_never_destroyed_end_before_the_interpreter(self):
+        # A script that ends without destroy_process_group, while an
+        # operation's completion is still running on the group's exchange
+        # thread (a callback of its future): membox's exit hook ends that
+        # thread before Python finalizes, so it never asks a finalizing
+        # interpreter for the GIL (which aborted the process at exit).
+        code = ("import atexit, threading\n"
+                "def after():  # registered first: runs after membox's\n"
+                "    print('LEFT', sorted(t.name for t in threading.enumerate()"
+                " if t.name.startswith('membox-')), flush=True)\n"
+                "atexit.register(after)\n"
+                "import time, torch, torch.distributed as dist\n"
+                "import membox.torch\n"
+                "dist.init_process_group('membox', init_method='file://%s', "
+                "rank=0, world_size=1)\n"
+                "t = torch.ones(1024)\n"
+                "w = dist.all_reduce(t, async_op=True)\n"
+                "fut = w.get_future()\n"
+                "fut.then(lambda f: time.sleep(0.5))\n"
+                "fut.wait()\n"
+                "print('RESULT', t[:2].tolist(), flush=True)\n" %
+                os.path.join(self.tmp, "never_destroyed"))
+        p = subprocess.run([sys.executable, "-c", code], env=dict(
+            os.environ, MEMBOX_PROXIES=self.nodes[0].endpoint,
+            MEMBOX_SECRET_FILE=self.secret_file),
+            capture_output=True, text=True, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-3000:])
+        self.assertIn("RESULT [1.0, 1.0]", p.stdout)
+        self.assertIn("LEFT []", p.stdout)
+
     def test_lightning_ddp_strategy(self):
         # PyTorch Lightning's own launcher (it starts the second process and
         # passes rank= to init_process_group): the backend name is the one

@@ -32,6 +32,7 @@ reduced locally, and the fence is a counter in the group's store.
 Keys: the group's own key space (0xD << 60, then a digest of the group's
 name), so a membox process group lives next to the DDP hook's,
 ParameterServer's and offload's keys on the same nodes."""
+import atexit
 import hashlib
 import os
 import queue
@@ -39,6 +40,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from datetime import timedelta
 
 import numpy as np
@@ -87,6 +89,29 @@ _MESH_MAX_BYTES = 16 << 20
 # root's link at once (4w4m, 256 KiB: the flat exchange 16.4 ms, Gloo's
 # tree 10.9 ms).
 _TREE_BROADCAST_BYTES = 32 << 10
+# The groups of this process not yet shut down. Those never destroyed
+# (torch's destroy_process_group is optional, and many scripts end
+# without it) are shut down at Python's exit, before the interpreter
+# finalizes: their threads end there, so none of them is still on its way
+# back to the GIL once the interpreter finalizes. Python ends such a thread
+# with pthread_exit, and its unwinding through a C++ destructor that takes
+# the GIL (pybind11's, torch's) aborts the process: "terminate called
+# without an active exception" after a job had finished.
+_LIVE = weakref.WeakSet()
+
+
+def _shutdown_at_exit():
+    for group in list(_LIVE):
+        try:
+            group.shutdown()
+        except Exception as e:  # noqa: BLE001 - exit goes on
+            warnings.warn("membox backend: closing a group at exit: %s" % e)
+
+
+# Registered after membox._core's (at `import membox`): Python runs it
+# first, while the core's completion thread still runs.
+atexit.register(_shutdown_at_exit)
+
 # An all_to_all over the mesh moving at most this many bytes (sent and
 # received), and a barrier, run on the caller's thread when nothing of the
 # group is queued ahead of them (_Jobs): blocking, but shorter than the
@@ -231,10 +256,13 @@ class _Jobs:
     machine). Submitters wait on each other only while an inline operation
     runs, so the issue order is the run order either way."""
 
-    def __init__(self):
+    def __init__(self, name):
         self._queue = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0  # queued or running on the exchange thread
+        self._thread = threading.Thread(target=self.serve, daemon=True,
+                                        name=name)
+        self._thread.start()
 
     def submit(self, w, fn, inline=False):
         with self._lock:
@@ -244,8 +272,15 @@ class _Jobs:
             self._pending += 1
             self._queue.put((w, fn))
 
-    def stop(self):
+    def stop(self, wait_s=10):
+        """Ends the thread once what is queued has run, and waits up to
+        `wait_s` for it (unless called from it): a job's completion may
+        still be on its way back to the GIL (torch's Future releases it
+        while it wakes the waiters), and a thread that asks for the GIL of
+        a finalizing interpreter aborts the process."""
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(wait_s)
 
     def serve(self):
         """The exchange thread: runs jobs until stop(). (It holds this
@@ -416,12 +451,10 @@ class MemboxBackend(_base_class()):
             self._store.set("membox/nodes/remote", "0" if
                             self._client.proxies_map_memory else "1")
         self._splits = 0  # split all_reduces so far
-        self._jobs = _Jobs()
+        self._jobs = _Jobs("membox-backend-%s" % label)
+        self._p2p_threads = set()  # _p2p's, while they run
         self._closed = False
-        self._thread = threading.Thread(target=self._jobs.serve,
-                                        daemon=True,
-                                        name="membox-backend-%s" % label)
-        self._thread.start()
+        _LIVE.add(self)
         if not self._sub:
             self._fence = self._key(2, 0, "fence")
             self._declare(self._fence, 4, "float32")
@@ -1515,9 +1548,8 @@ class MemboxBackend(_base_class()):
         """The _Jobs (and its thread) of sends to, or receives from, peer."""
         lane = self._lanes.get((kind, peer))
         if lane is None:
-            lane = self._lanes[(kind, peer)] = _Jobs()
-            threading.Thread(target=lane.serve, daemon=True,
-                             name="membox-%s-%d" % (kind, peer)).start()
+            lane = self._lanes[(kind, peer)] = _Jobs(
+                "membox-%s-%d" % (kind, peer))
         return lane
 
     def _direct_p2p(self, kind, peer, tensors, fn, inline):
@@ -1628,7 +1660,11 @@ class MemboxBackend(_base_class()):
                 w._finish()
             except Exception as e:  # noqa: BLE001 - the Work carries it
                 w._finish(RuntimeError("membox backend: %s: %s" % (what, e)))
-        threading.Thread(target=run, daemon=True).start()
+            finally:
+                self._p2p_threads.discard(threading.current_thread())
+        t = threading.Thread(target=run, daemon=True)
+        self._p2p_threads.add(t)
+        t.start()
         return w
 
     # -------------------------------------------------------------- teardown
@@ -1639,9 +1675,11 @@ class MemboxBackend(_base_class()):
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
         self._jobs.stop()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+        for t in list(self._p2p_threads):
+            if t is not threading.current_thread():
+                t.join(timeout=10)
         shared = MemboxBackend._shared
         stays = False  # the connection goes on serving other groups
         if shared is not None and shared[0] is self._client:
