@@ -54,9 +54,12 @@ def two_rank_worker(rank, world, pg_file, endpoint, secret, out_dir):
     differ from either rank's own. Writes its parameters after the
     reference (plain DDP + Adam.step() after backward) and after
     OverlappedOptimizer with membox's hook and with Gloo's AllReduce."""
-    # Every thread's Python stack if the process aborts (a CI run saw this
-    # rank end with SIGABRT, "terminate called without an active
-    # exception", once in many runs; not reproduced in 50 here).
+    # Every thread's Python stack if the process aborts. A CI run once saw
+    # a rank end with SIGABRT, "terminate called without an active
+    # exception": a step thread that had just completed DDP's future (torch
+    # releases the GIL to wake its waiters) asked the finalizing
+    # interpreter for the GIL. The step threads now end at Python's exit
+    # (membox.torch.overlapped._stop_at_exit).
     faulthandler.enable()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + pg_file,

@@ -1,11 +1,29 @@
 """OverlappedOptimizer: the optimizer stepped bucket by bucket as each
 DDP bucket's average arrives."""
+import atexit
 import queue
 import threading
+import weakref
 
 import torch
 
 from membox.torch.ddp import allreduce_hook, for_ddp
+
+
+# Optimizers whose step threads run (a bucket index each). They end at
+# Python's exit, before the interpreter finalizes: a thread that has just
+# completed DDP's future may still be on its way back to the GIL, and one
+# that asks a finalizing interpreter for it aborts the process (the same
+# rule as the backend's groups, membox.torch.backend._LIVE).
+_RUNNING = weakref.WeakSet()
+
+
+def _stop_at_exit():
+    for o in list(_RUNNING):
+        o._stop_threads()
+
+
+atexit.register(_stop_at_exit)
 
 
 class OverlappedOptimizer:
@@ -55,6 +73,7 @@ class OverlappedOptimizer:
         self._group = None  # "allreduce": the group, None for the default
         self._lock = threading.Lock()  # _queues, buckets_stepped
         self._queues = None  # "allreduce": bucket index -> its thread's queue
+        self._threads = []  # (thread, its queue) of each bucket index
         if hook is None:
             hook = allreduce_hook
         elif hook == "allreduce":
@@ -106,25 +125,53 @@ class OverlappedOptimizer:
             q = self._queues.get(index)
             if q is None:
                 q = self._queues[index] = queue.SimpleQueue()
-                threading.Thread(
-                    target=self._run_allreduce_steps, args=(q,), daemon=True,
-                    name=f"membox-overlapped-optimizer-{index}").start()
+                t = threading.Thread(
+                    target=OverlappedOptimizer._run_allreduce_steps,
+                    args=(weakref.ref(self), q), daemon=True,
+                    name=f"membox-overlapped-optimizer-{index}")
+                self._threads.append((t, q))
+                _RUNNING.add(self)
+                t.start()
         q.put((work, buf, layout, out))
         return for_ddp(out)
 
-    def _run_allreduce_steps(self, q):
+    @staticmethod
+    def _run_allreduce_steps(ref, q):
+        """A bucket index's thread: holds the optimizer only while a step
+        runs (a weak reference otherwise), until _stop_threads' None."""
         import torch.distributed as dist
-        world = dist.get_world_size(self._group)
         while True:
-            work, buf, layout, out = q.get()
+            item = q.get()
+            if item is None:
+                return
+            work, buf, layout, out = item
+            del item
+            self = ref()
+            if self is None:
+                return
             try:
                 work.wait()
-                buf.div_(world)
+                buf.div_(dist.get_world_size(self._group))
                 self._step(buf, layout)
             except Exception as e:  # noqa: BLE001 - reach DDP's backward
                 out.set_exception(e)
             else:
                 out.set_result(buf)
+            del self, work, buf, out
+
+    def _stop_threads(self, wait_s=10):
+        """Ends the step threads once their queued steps have run, waiting
+        up to `wait_s` for each."""
+        with self._lock:
+            threads, self._threads = self._threads, []
+            if self._queues is not None:
+                self._queues.clear()
+        _RUNNING.discard(self)
+        for _, q in threads:
+            q.put(None)
+        for t, _ in threads:
+            if t is not threading.current_thread():
+                t.join(wait_s)
 
     def _step(self, result, layout):
         flat = result.view(-1)
