@@ -227,6 +227,11 @@ def main(argv=None):
     ap.add_argument("--emb-push-log", choices=("on", "off"), default="on",
                     help="on: an embedding push is durable when acknowledged "
                     "(logged and synced first); off: at the next flush")
+    ap.add_argument("--node-log-level",
+                    default=os.environ.get("MEMBOX_LOG_LEVEL", "warn"),
+                    choices=["trace", "debug", "info", "warn", "error", "off"],
+                    help="the memory nodes' log level (default: "
+                    "MEMBOX_LOG_LEVEL, else warn: failovers and errors)")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -296,7 +301,7 @@ def main(argv=None):
         node_argv.clear()
         started = []
         for i in range(a.nodes):
-            argv_n = [a.membox, "--log-level", "warn", "serve",
+            argv_n = [a.membox, "--log-level", a.node_log_level, "serve",
                       "--listen", "127.0.0.1:0",
                       "--pool-size", a.pool_size, "--secret-file", secret_file,
                       "--ps-listen", ps_eps[i], "--ps-rank", str(i),

@@ -984,6 +984,21 @@ class BackendTest(unittest.TestCase):
         self.assertEqual(len(lines), 2, p.stdout[-2000:])
         for l in lines:
             self.assertTrue(l.endswith("RESULT 3.0 3.0 [0.0, 1.0] membox"), l)
+        # The nodes log at warn unless told otherwise.
+        self.assertNotIn("parameter proxy 0/2 listening on", p.stdout)
+
+    def test_membox_launch_node_log_level(self):
+        p = subprocess.run([MEMBOX, "launch", "--nodes", "2", "--workers", "1",
+                            "--node-log-level", "info", "--", sys.executable,
+                            "-c", "print('RESULT')"],
+                           capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-2000:])
+        self.assertIn("parameter proxy 0/2 listening on", p.stdout)
+        p = subprocess.run([MEMBOX, "launch", "--node-log-level", "loud",
+                            "--", sys.executable, "-c", "pass"],
+                           capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("--node-log-level", p.stderr)
 
 
 if __name__ == "__main__":
