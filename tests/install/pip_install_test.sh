@@ -84,6 +84,8 @@ if [[ $with_torch == 1 ]]; then
     "$venv/bin/membox"
   # OverlappedOptimizer (per-bucket steps) on torch 2.x's DDP.
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_overlapped_optimizer.py"
+  # The exit rule of membox.torch's threads (membox.torch._at_exit).
+  "$py" "$here/tests/python/test_at_exit.py"
   # The sparse store's layers, EmbeddingGroup and the CTR example on torch 2.x.
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_embedding.py"
   # Extended parameter storage: the model and optimizer on the nodes.

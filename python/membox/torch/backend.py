@@ -32,7 +32,6 @@ reduced locally, and the fence is a counter in the group's store.
 Keys: the group's own key space (0xD << 60, then a digest of the group's
 name), so a membox process group lives next to the DDP hook's,
 ParameterServer's and offload's keys on the same nodes."""
-import atexit
 import hashlib
 import os
 import queue
@@ -40,7 +39,6 @@ import socket
 import threading
 import time
 import warnings
-import weakref
 from datetime import timedelta
 
 import numpy as np
@@ -48,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 import membox
+from membox.torch import _at_exit
 from membox.torch._cuda_staged import _Streams, staged
 
 _KEY_BASE = 0xD << 60
@@ -89,28 +88,6 @@ _MESH_MAX_BYTES = 16 << 20
 # root's link at once (4w4m, 256 KiB: the flat exchange 16.4 ms, Gloo's
 # tree 10.9 ms).
 _TREE_BROADCAST_BYTES = 32 << 10
-# The groups of this process not yet shut down. Those never destroyed
-# (torch's destroy_process_group is optional, and many scripts end
-# without it) are shut down at Python's exit, before the interpreter
-# finalizes: their threads end there, so none of them is still on its way
-# back to the GIL once the interpreter finalizes. Python ends such a thread
-# with pthread_exit, and its unwinding through a C++ destructor that takes
-# the GIL (pybind11's, torch's) aborts the process: "terminate called
-# without an active exception" after a job had finished.
-_LIVE = weakref.WeakSet()
-
-
-def _shutdown_at_exit():
-    for group in list(_LIVE):
-        try:
-            group.shutdown()
-        except Exception as e:  # noqa: BLE001 - exit goes on
-            warnings.warn("membox backend: closing a group at exit: %s" % e)
-
-
-# Registered after membox._core's (at `import membox`): Python runs it
-# first, while the core's completion thread still runs.
-atexit.register(_shutdown_at_exit)
 
 # An all_to_all over the mesh moving at most this many bytes (sent and
 # received), and a barrier, run on the caller's thread when nothing of the
@@ -454,7 +431,9 @@ class MemboxBackend(_base_class()):
         self._jobs = _Jobs("membox-backend-%s" % label)
         self._p2p_threads = set()  # _p2p's, while they run
         self._closed = False
-        _LIVE.add(self)
+        # Never destroyed (destroy_process_group is optional): shut down at
+        # Python's exit (membox.torch._at_exit says why).
+        _at_exit.end_at_exit(self, MemboxBackend.shutdown)
         if not self._sub:
             self._fence = self._key(2, 0, "fence")
             self._declare(self._fence, 4, "float32")
@@ -1675,7 +1654,7 @@ class MemboxBackend(_base_class()):
         if self._closed:
             return
         self._closed = True
-        _LIVE.discard(self)
+        _at_exit.forget(self)
         self._jobs.stop()
         for t in list(self._p2p_threads):
             if t is not threading.current_thread():

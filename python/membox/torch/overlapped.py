@@ -1,29 +1,13 @@
 """OverlappedOptimizer: the optimizer stepped bucket by bucket as each
 DDP bucket's average arrives."""
-import atexit
 import queue
 import threading
 import weakref
 
 import torch
 
+from membox.torch import _at_exit
 from membox.torch.ddp import allreduce_hook, for_ddp
-
-
-# Optimizers whose step threads run (a bucket index each). They end at
-# Python's exit, before the interpreter finalizes: a thread that has just
-# completed DDP's future may still be on its way back to the GIL, and one
-# that asks a finalizing interpreter for it aborts the process (the same
-# rule as the backend's groups, membox.torch.backend._LIVE).
-_RUNNING = weakref.WeakSet()
-
-
-def _stop_at_exit():
-    for o in list(_RUNNING):
-        o._stop_threads()
-
-
-atexit.register(_stop_at_exit)
 
 
 class OverlappedOptimizer:
@@ -81,6 +65,8 @@ class OverlappedOptimizer:
             if model.process_group is not \
                     dist.distributed_c10d._get_default_group():
                 self._group = model.process_group
+            # The divisor of each bucket's sum, read once (not per bucket).
+            self._world = dist.get_world_size(self._group)
             self._queues = {}
             hook = None
         elif not callable(hook):
@@ -130,7 +116,8 @@ class OverlappedOptimizer:
                     args=(weakref.ref(self), q), daemon=True,
                     name=f"membox-overlapped-optimizer-{index}")
                 self._threads.append((t, q))
-                _RUNNING.add(self)
+                # End at Python's exit (membox.torch._at_exit says why).
+                _at_exit.end_at_exit(self, OverlappedOptimizer._stop_threads)
                 t.start()
         q.put((work, buf, layout, out))
         return for_ddp(out)
@@ -139,7 +126,6 @@ class OverlappedOptimizer:
     def _run_allreduce_steps(ref, q):
         """A bucket index's thread: holds the optimizer only while a step
         runs (a weak reference otherwise), until _stop_threads' None."""
-        import torch.distributed as dist
         while True:
             item = q.get()
             if item is None:
@@ -151,7 +137,7 @@ class OverlappedOptimizer:
                 return
             try:
                 work.wait()
-                buf.div_(dist.get_world_size(self._group))
+                buf.div_(self._world)
                 self._step(buf, layout)
             except Exception as e:  # noqa: BLE001 - reach DDP's backward
                 out.set_exception(e)
@@ -166,7 +152,7 @@ class OverlappedOptimizer:
             threads, self._threads = self._threads, []
             if self._queues is not None:
                 self._queues.clear()
-        _RUNNING.discard(self)
+        _at_exit.forget(self)
         for _, q in threads:
             q.put(None)
         for t, _ in threads:

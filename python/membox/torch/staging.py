@@ -6,6 +6,7 @@ import weakref
 import torch
 
 import membox
+from membox.torch import _at_exit
 from membox.torch._session import client
 
 
@@ -111,20 +112,21 @@ class _CudaStaging:
         """Runs fn() on the staging thread once `event` has completed."""
         with self._lock:
             if self._queue is None:
-                import atexit
                 import queue
                 self._queue = queue.SimpleQueue()
                 t = threading.Thread(target=self._run,
                                      name="membox-cuda-staging", daemon=True)
                 t.start()
                 # Ended before the interpreter finalizes: a thread inside
-                # torch's C++ then would abort the process at exit.
-                atexit.register(self._stop, t)
+                # torch's C++ then would abort the process at exit
+                # (membox.torch._at_exit).
+                self._thread = t
+                _at_exit.end_at_exit(self, _CudaStaging._stop)
         self._queue.put((event, fn))
 
-    def _stop(self, thread):
+    def _stop(self):
         self._queue.put((None, None))
-        thread.join(timeout=10)
+        self._thread.join(timeout=10)
 
     def _run(self):
         while True:
