@@ -58,6 +58,11 @@ void TcpChannel::Stop() {
   for (std::thread* t : {&reader_, &writer_}) {
     if (!t->joinable()) continue;
     if (t->get_id() == std::this_thread::get_id()) {
+      // Only the destructor can get here on the channel's own thread, and
+      // the owner rule in the header keeps that from happening (the
+      // device's reference is dropped on other threads). Were it to, the
+      // thread returns into a loop of a freed channel: detaching at least
+      // keeps std::thread's destructor from terminating the process.
       t->detach();
     } else {
       t->join();

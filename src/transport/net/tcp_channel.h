@@ -24,6 +24,13 @@
 // stream, applied in order, so Fence() is free and a flush answer proves every
 // earlier write is in place.
 //
+// Ownership: shared. The device holds every channel until it Stop()s it
+// (joining both threads) or, once it has failed and nobody else holds it,
+// drops it from a thread of its own (RegisterChannel). So the last reference
+// never goes on the reader or writer thread, whose loops still use the
+// channel after a callback returns; a user's callback must not hold the
+// only other reference past the device either.
+//
 // Failure: EOF, a reset, keepalive expiry or any malformed frame fails the
 // channel: every pending operation completes with kUnavailable (or the
 // protocol error) naming the peer.
