@@ -351,12 +351,15 @@ class MemboxBackend(_base_class()):
     _first_proxy = None
 
     def __init__(self, store, rank, size, timeout, global_ranks=None,
-                 group_name="", space=None, rejoin=False):
+                 group_name="", space=None, rejoin=False, job=None):
         """`space`: the name of the group's key space, the same on every
         rank (default: the group's place among this process's groups, see
         _groups). `rejoin`: the group follows another job on the same nodes
         (torchft's next quorum): its connection waits for that job's to
-        close (membox.connect's rejoin)."""
+        close (membox.connect's rejoin). `job`: (this process's rank in the
+        job, the job's size) when the group is part of a larger job that no
+        torch group describes (torchft's replica groups of several ranks:
+        one group per local rank, all one job on the nodes)."""
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._timeout = timeout if isinstance(timeout, timedelta) and \
@@ -368,6 +371,11 @@ class MemboxBackend(_base_class()):
         job_size = dist.get_world_size() if global_ranks and \
             dist.is_initialized() else size
         me = global_ranks[rank] if global_ranks else rank
+        if job is not None:
+            me, job_size = job
+            if not 0 <= me < job_size or job_size < size:
+                raise ValueError("membox backend: job rank %d of %d cannot "
+                                 "hold a group of %d" % (me, job_size, size))
         # A subgroup of fewer ranks than the job: the nodes' rounds count
         # every rank of the job, so its operations are exchanges, and its
         # ranks meet at fences in the group's store instead of at a round.
@@ -424,7 +432,7 @@ class MemboxBackend(_base_class()):
         self._lanes = {}  # (direction, peer) -> _Jobs of direct p2p
         self._split_share = 4  # the ring's share of a split, in 16ths
         self._remote = None  # rank 0's nodes are on other hosts
-        if self._rank == 0 and not self._sub:
+        if self._rank == 0:
             self._store.set("membox/nodes/remote", "0" if
                             self._client.proxies_map_memory else "1")
         self._splits = 0  # split all_reduces so far
