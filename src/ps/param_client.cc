@@ -132,6 +132,7 @@ class ParamClientImpl final : public ParamClient {
     sender_ = std::make_unique<client::Sender>([this](const Op& op) {
       for (const client::Addressed& a :
            client::ShardMessages(op, static_cast<uint32_t>(proxies_.size()))) {
+        a.CopyInput();
         SendRequest(a.proxy, a.m, op.state);
       }
     });

@@ -707,6 +707,20 @@ if trainer.global_rank == 0:
 """
 
 
+class SplitShareTest(unittest.TestCase):
+    def test_the_first_share_balances_equal_links(self):
+        # The ring's first share of a split all_reduce, in 16ths: none
+        # where the nodes have as many links as the workers (4w4m), the
+        # links' balance where they have fewer (0.4 of the tensor on 4w2m).
+        from membox.torch.backend import _first_split_share as share
+        self.assertEqual(share(4, 4), 0)
+        self.assertEqual(share(4, 8), 0)
+        self.assertEqual(share(1, 1), 0)
+        self.assertEqual(share(4, 2), 6)
+        self.assertEqual(share(2, 1), 8)
+        self.assertEqual(share(64, 1), 15)
+
+
 class BackendTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):

@@ -113,6 +113,21 @@ _NAMES = {torch.float32: "float32", torch.float64: "float64",
           torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
+def _first_split_share(workers, nodes):
+    """The ring's share of a split all_reduce, in 16ths, that loads every
+    link alike when all hosts' links have one rate. Per byte of the tensor
+    the ring moves 2(p-1)/p bytes each way over each worker's link; the
+    nodes' path moves 1 over each worker's link and p/m over each node's
+    (p workers, m nodes, striped). With p <= m the nodes' path alone is
+    fastest (the workers' links bound both, and the ring moves more); else
+    the links balance at ring/nodes = (p/m - 1) p / (2 (p - 1)): 6/16 for
+    4 workers and 2 nodes."""
+    if workers < 2 or workers <= nodes:
+        return 0
+    r = (workers / nodes - 1) * workers / (2 * (workers - 1))
+    return min(_SPLIT_STEPS - 1, int(round(_SPLIT_STEPS * r / (1 + r))))
+
+
 def _op_name(op):
     for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR",
                  "BXOR", "PREMUL_SUM"):
@@ -430,7 +445,10 @@ class MemboxBackend(_base_class()):
         self._pairs_lock = threading.Lock()
         self._peers_known = set()  # ranks whose p2p endpoint _pairs has
         self._lanes = {}  # (direction, peer) -> _Jobs of direct p2p
-        self._split_share = 4  # the ring's share of a split, in 16ths
+        # The ring's share of a split, in 16ths: the links' balance to
+        # start with, then what the splits measure (_split_allreduce).
+        self._split_share = _first_split_share(
+            self._size, self._client.num_proxies)
         self._remote = None  # rank 0's nodes are on other hosts
         if self._rank == 0:
             self._store.set("membox/nodes/remote", "0" if
@@ -590,10 +608,13 @@ class MemboxBackend(_base_class()):
         # The k-th call of a size takes entry k mod 4 of its keys: the same
         # on every rank (they call in the same order), and DDP's buckets of
         # one size run side by side instead of in one key's round order.
+        # A split's tail is one round at a time (the exchange thread waits
+        # for it): one key per size, whose buffers are warm from its second
+        # round on, instead of _KEYS_PER_SIZE keys each touched afresh.
         sig = (t.dtype, nbytes, space)
         n = self._calls.get(sig, 0)
         self._calls[sig] = n + 1
-        slot = (sig, n % _KEYS_PER_SIZE)
+        slot = (sig, 0 if space == "split" else n % _KEYS_PER_SIZE)
         key = self._round_keys.get(slot)
         if key is None:  # first use: named and declared once
             key = self._key(1, slot[1], _NAMES[t.dtype], nbytes,
@@ -910,8 +931,9 @@ class MemboxBackend(_base_class()):
         workers' ring while the rest goes through the nodes. The share
         follows the paths' measured speeds: after each split, rank 0 sets
         the next share so that both parts would have taken equally long
-        (each part's time per 16th, measured while both ran), moving half
-        way there, and publishes it in the group's store; the other ranks
+        (each part's time per 16th, measured while both ran), starting
+        from the links' balance (_first_split_share) and moving half way
+        there from afar, and publishes it in the group's store; the other ranks
         read it there before their next split, so every rank cuts alike."""
         k = self._splits
         self._splits += 1
@@ -953,7 +975,16 @@ class MemboxBackend(_base_class()):
                 target = 0
             else:
                 target = _SPLIT_STEPS - 1
-            nxt = int(round((share + target) / 2))
+            # Half way there from afar; straight there when near (halving
+            # a small step rounds it away); no move within half a step
+            # (each new cut is a new key on the nodes, touched afresh).
+            delta = target - share
+            if abs(delta) < 0.5:
+                nxt = share
+            elif abs(delta) <= 2:
+                nxt = int(target + 0.5)
+            else:
+                nxt = int(share + delta / 2 + 0.5)
             self._split_share = min(_SPLIT_STEPS - 1, max(0, nxt))
             self._store.set("membox/split/%d" % (k + 1),
                             str(self._split_share))

@@ -192,13 +192,11 @@ Result<Op> KeyTable::Prepare(const Submission& s, const Context& c,
     op.held = true;
     op.after = held_after;
     const uint64_t half = k.next_round() % 2 * k.bytes;
-    uint8_t* slot = static_cast<uint8_t*>(k.hold->data()) + half;
-    if (op.after) {
-      op.copy_in = in;
-      op.copy_to = slot;
-    } else {
-      CopyBytes(slot, in, k.bytes);
-    }
+    // Copied shard by shard as the shards go out (Op::copy_in), not here:
+    // a large push's first shards are on the wire while its last ones are
+    // still copied.
+    op.copy_in = in;
+    op.copy_to = static_cast<uint8_t*>(k.hold->data()) + half;
     op.in_region = k.hold->id();
     op.in_offset = half;
     if (!k.stored && !s.state) op.round = k.base_version + k.rounds++;

@@ -18,6 +18,13 @@ std::vector<Addressed> ShardMessages(const Op& op, uint32_t proxies) {
     const uint64_t n = std::min(op.shard_bytes, op.bytes - off);
     const uint32_t target =
         op.striped ? StripeOwner(op.key, s, proxies) : op.route.Route(n);
+    Addressed copy;
+    if (op.copy_in) {
+      copy.copy_from = static_cast<const uint8_t*>(op.copy_in) + off;
+      copy.copy_into = static_cast<uint8_t*>(op.copy_to) + off;
+      copy.copy_bytes = n;
+      copy.copy_total = op.bytes;
+    }
     Message m;
     m.key = op.key;
     m.shard = s;
@@ -29,7 +36,10 @@ std::vector<Addressed> ShardMessages(const Op& op, uint32_t proxies) {
       m.offset = op.in_offset + off;
       m.part = op.part;
       for (uint32_t c = 0; c < op.copies; ++c) {
-        out.push_back({op.copies == 1 ? target : c, m});
+        Addressed a = c == 0 ? copy : Addressed{};
+        a.proxy = op.copies == 1 ? target : c;
+        a.m = m;
+        out.push_back(std::move(a));
       }
       continue;
     }
@@ -49,9 +59,17 @@ std::vector<Addressed> ShardMessages(const Op& op, uint32_t proxies) {
       m.out_region = op.out_region;
       m.out_offset = op.out_offset + off;
     }
-    out.push_back({target, std::move(m)});
+    copy.proxy = target;
+    copy.m = std::move(m);
+    out.push_back(std::move(copy));
   }
   return out;
+}
+
+void Addressed::CopyInput() const {
+  if (copy_bytes == 0) return;
+  // Streams (no cache pollution) when the whole operation's copy would.
+  CopyPiece(copy_into, copy_from, copy_bytes, copy_total);
 }
 
 Sender::Sender(SendFn send) : send_(std::move(send)) {
@@ -135,8 +153,8 @@ void Sender::Loop() {
       queue_.pop();
       sending_ = true;
     }
-    // The staging buffer is this operation's now.
-    if (op.copy_in) CopyBytes(op.copy_to, op.copy_in, op.bytes);
+    // The staging buffer is this operation's now: send_ copies each
+    // shard's input into it as it sends that shard (Addressed::CopyInput).
     send_(op);
     {
       MutexLock l(&mu_);

@@ -53,9 +53,13 @@ struct Op {
   std::shared_ptr<service::CallState> state;
   // Staged through the key's buffer while an earlier operation still used
   // it: sent only once `after` is released (its results are out of the
-  // buffer; membox/base/completion.h), copying `copy_in` (the caller's
-  // input, `bytes` long) into `copy_to` (the staging buffer) first.
+  // buffer; membox/base/completion.h).
   std::shared_ptr<service::CallState> after;
+  // `copy_in` (the caller's input, `bytes` long) goes into `copy_to` (the
+  // key's staging or hold buffer) shard by shard, each shard just before
+  // its message is sent (Addressed::CopyInput), so the first shards are on
+  // the wire while the later ones are copied. The caller's input stays
+  // valid until the operation completes.
   const void* copy_in = nullptr;
   void* copy_to = nullptr;
   bool ready() const { return !after || after->released(); }
@@ -68,6 +72,13 @@ struct Op {
 struct Addressed {
   uint32_t proxy = 0;
   proto::Message m;
+  // This message's part of the operation's deferred copy (Op::copy_in):
+  // the first message of each shard carries it.
+  const void* copy_from = nullptr;
+  void* copy_into = nullptr;
+  uint64_t copy_bytes = 0, copy_total = 0;
+  // Copies that part; whoever sends the message calls it first.
+  void CopyInput() const;
 };
 
 // The messages of `op` among `proxies` proxies, in shard order: shard s of

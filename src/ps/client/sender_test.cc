@@ -132,9 +132,49 @@ TEST(SenderTest, QueuedOperationsGoInPriorityThenSubmissionOrder) {
 // An operation behind a busy staging buffer waits -- Submit returns at
 // once -- and goes out, after copying its input, once the buffer's
 // previous operation is released; later ones are not held behind it.
+// A deferred copy (Op::copy_in) travels with the messages: each shard's
+// first message carries that shard's bytes, and copying them all gives the
+// whole input; a store's further copies to other proxies carry none.
+TEST(ShardMessagesTest, EachShardCarriesItsPartOfTheDeferredCopy) {
+  std::vector<uint8_t> in(10000), to(10000, 0);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<uint8_t>(i * 7);
+  Op op = MakeOp(Type::kPush, 7, 10000, 4096);  // 4096, 4096, 1808
+  op.striped = true;
+  op.copy_in = in.data();
+  op.copy_to = to.data();
+  auto msgs = ShardMessages(op, 2);
+  ASSERT_EQ(msgs.size(), 3u);
+  EXPECT_EQ(msgs[2].copy_bytes, 1808u);
+  EXPECT_EQ(msgs[2].copy_into, to.data() + 8192);
+  msgs[1].CopyInput();
+  EXPECT_EQ(to[4096], in[4096]);
+  EXPECT_EQ(to[0], 0) << "shard 0 copied with shard 1";
+  EXPECT_EQ(to[8192], 0) << "shard 2 copied with shard 1";
+  for (const auto& a : msgs) a.CopyInput();
+  EXPECT_EQ(to, in);
+
+  Op store = MakeOp(Type::kStore, 2, 100, 100);
+  store.copies = 3;
+  store.copy_in = in.data();
+  store.copy_to = to.data();
+  auto copies = ShardMessages(store, 3);
+  ASSERT_EQ(copies.size(), 3u);
+  EXPECT_EQ(copies[0].copy_bytes, 100u);
+  EXPECT_EQ(copies[1].copy_bytes, 0u);
+  EXPECT_EQ(copies[2].copy_bytes, 0u);
+  EXPECT_EQ(copies[2].proxy, 2u);
+
+  Op plain = MakeOp(Type::kPush, 7, 10000, 4096);
+  for (const auto& a : ShardMessages(plain, 2)) EXPECT_EQ(a.copy_bytes, 0u);
+}
+
 TEST(SenderTest, AnOperationBehindABusyStagingBufferWaitsAndSubmitDoesNot) {
   Recorder r;
-  Sender s([&r](const Op& op) { r.Send(op); });
+  // As the client's send does: each message's part of the copy first.
+  Sender s([&r](const Op& op) {
+    for (const Addressed& a : ShardMessages(op, 1)) a.CopyInput();
+    r.Send(op);
+  });
   auto busy = std::make_shared<service::CallState>(1);
   std::vector<float> in(4, 3.0f), staging(4, 0.0f);
   Op behind = MakeOp(Type::kPush, 1, sizeof(float) * 4, 64);
