@@ -80,7 +80,9 @@ struct ParamClientOptions {
   std::chrono::milliseconds failover{60000};
   // With failover on, a push of a striped key without an optimizer is
   // held: its input is copied into a buffer of the key's (two rounds'
-  // worth, registered) and kept until the next push's answer, and each
+  // worth, registered; shard by shard as the shards go out, so the input
+  // must stay unchanged until the push completes, as for any push) and
+  // kept until the next push's answer, and each
   // such push waits for the previous one's answer. The nodes then back
   // such a round up by its version alone instead of its bytes, and a
   // node's replacement redoes the round it died in from the held pushes
