@@ -8,18 +8,21 @@
 # a table (.txt) and a bar plot (.png); checks that Gloo and membox print the
 # same losses.
 #   scripts/bench-transformer-cluster.sh [--repeats N] [--python PY]
-#       [--model "ARGS"] OUT_PREFIX TOPOLOGY.toml
+#       [--model "ARGS"] [--variants NAME,...] OUT_PREFIX TOPOLOGY.toml
+# (--variants: only those, e.g. gloo-fsdp2,membox-fsdp2; each needs its
+# Gloo counterpart in the list to get a ratio)
 # e.g. scripts/bench-transformer-cluster.sh docs/results/transformer_cluster \
 #        examples/cluster/4w4m.toml
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 membox=${MEMBOX_BIN:-$here/build/release/tools/membox}
-repeats=2 python=python3 model="--d-model 512 --layers 4 --batch 1"
+repeats=2 python=python3 model="--d-model 512 --layers 4 --batch 1" only=""
 while [[ $# -gt 0 && $1 == --* ]]; do
   case $1 in
     --repeats) repeats=$2; shift 2 ;;
     --python) python=$2; shift 2 ;;
     --model) model=$2; shift 2 ;;
+    --variants) only=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -39,6 +42,14 @@ variants=("compute-only:--backend gloo --no-sync" "gloo:--backend gloo"
           "membox-overlap:--backend membox --overlap-optimizer"
           "gloo-fsdp2:--backend gloo --fsdp2"
           "membox-fsdp2:--backend membox --fsdp2")
+if [[ -n $only ]]; then
+  keep=()
+  for v in "${variants[@]}"; do
+    [[ ",$only," == *",${v%%:*},"* ]] && keep+=("$v")
+  done
+  [[ ${#keep[@]} -gt 0 ]] || { echo "no variant named in --variants $only" >&2; exit 2; }
+  variants=("${keep[@]}")
+fi
 busy() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8, $5 + $6}' /proc/stat; }
 "$membox" cluster down "$topo" >/dev/null 2>&1 || true
 "$membox" cluster up "$topo" | tail -1
@@ -77,10 +88,14 @@ for family in (lambda n: not n.endswith("-fsdp2"), lambda n: n.endswith("-fsdp2"
     if trained and len(set().union(*(losses[n] for n in trained))) != 1:
         sys.exit(f"losses differ: {losses}")
 med = {n: statistics.median(r[0] for r in rs) for n, rs in runs.items()}
-gloo = med["gloo"]
+first = next(iter(runs))
 # Each variant against Gloo with the same optimizer placement.
-base = {n: med[("gloo-" + n.split("-")[1]) if "-" in n and
-                n != "compute-only" else "gloo"] for n in runs}
+def counterpart(n):
+    return ("gloo-" + n.split("-")[1]) if "-" in n and n != "compute-only" else "gloo"
+missing = {counterpart(n) for n in runs} - set(runs)
+if missing:
+    sys.exit(f"--variants needs {sorted(missing)} for the ratios")
+base = {n: med[counterpart(n)] for n in runs}
 tag = case + " " + model.replace("--", "").replace(" ", "")
 with open(out + ".csv", "w") as f:
     f.write("bench,variant,size_bytes,workers,metric,value,unit,case\n")
@@ -91,8 +106,8 @@ with open(out + ".csv", "w") as f:
                                     ("cpu_busy", statistics.mean(r[1] for r in rs), "%")):
             f.write(f"transformer-cluster,{name},0,4,{metric},{value:.4g},{unit},{tag}\n")
 with open(out + ".txt", "w") as f:
-    f.write(f"{tag}: ms per step (steps 11-20), median of {len(runs['gloo'])}; "
-            f"losses at steps 10 / 20 equal: {sorted(losses['gloo'])[0]}; "
+    f.write(f"{tag}: ms per step (steps 11-20), median of {len(runs[first])}; "
+            f"losses at steps 10 / 20 equal: {sorted(losses[first])[0]}; "
             "vs gloo: against Gloo with the same optimizer placement "
             "(-overlap: stepped bucket by bucket; -fsdp2: FSDP2 on each "
             "backend)\n")
