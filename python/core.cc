@@ -866,15 +866,18 @@ PYBIND11_MODULE(_core, m) {
   py::class_<RingAllreduce>(m, "Ring")
       .def(py::init([](int rank, int world, const std::string& listen,
                        const std::string& secret, size_t max_bytes,
-                       double timeout_s) {
+                       double timeout_s, size_t segment_bytes) {
              auto o = DirectFrom<membox::collective::RingOptions>(
                  rank, world, listen, secret, max_bytes, timeout_s);
+             o.segment_bytes = segment_bytes;
              return Check(RingAllreduce::Create(o));
            }),
            py::arg("rank"), py::arg("world"), py::arg("listen"),
            py::arg("secret"), py::arg("max_bytes") = 64 << 20,
-           py::arg("timeout_s") = 60.0,
-           "Listens at `listen` (host:0 picks a port); connect() next.")
+           py::arg("timeout_s") = 60.0, py::arg("segment_bytes") = 0,
+           "Listens at `listen` (host:0 picks a port); connect() next. "
+           "segment_bytes > 0 pipelines large steps in segments of about "
+           "that size (equal on every worker).")
       .def_property_readonly("endpoint", &RingAllreduce::endpoint)
       .def(
           "connect",

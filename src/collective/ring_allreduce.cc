@@ -1,7 +1,12 @@
 #include "membox/collective/ring_allreduce.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
 
 #include "membox/base/accumulate.h"
 #include "membox/transport/device.h"
@@ -14,6 +19,10 @@ namespace {
 using transport::Channel;
 using transport::MemRegion;
 using transport::RemoteMemRegion;
+
+// At most this many segments per step in a pipelined pass (the control
+// notices per step grow with it).
+constexpr size_t kMaxSegments = 16;
 
 class RingImpl final : public RingAllreduce {
  public:
@@ -93,36 +102,18 @@ class RingImpl final : public RingAllreduce {
     if (count * sizeof(float) > opt_.max_bytes) {
       return InvalidArgumentError("buffer larger than the ring's max_bytes");
     }
-    const uint64_t call = ++calls_;
     const size_t per = (count + P - 1) / P;
-    auto chunk = [&](int c) {
+    Pass pass;
+    pass.base = reinterpret_cast<uint8_t*>(data);
+    pass.steps = 2 * (P - 1);
+    pass.reduce_steps = P - 1;  // reduce-scatter, then all-gather
+    pass.chunk = [count, per](int c) {
       size_t b = std::min(count, per * static_cast<size_t>(c));
-      return std::make_pair(b, std::min(count, b + per) - b);
+      return std::make_pair(b * sizeof(float),
+                            (std::min(count, b + per) - b) * sizeof(float));
     };
-    const int r = opt_.rank;
-    const int steps = 2 * (P - 1);
-    for (int s = 0; s < steps; ++s) {
-      bool reduce = s < P - 1;
-      int t = s - (P - 1);
-      int send_c = reduce ? ((r - s) % P + P) % P : ((r + 1 - t) % P + P) % P;
-      int recv_c =
-          reduce ? ((r - s - 1) % P + 2 * P) % P : ((r - t) % P + P) % P;
-      // The successor has consumed what we sent last step.
-      if (s > 0)
-        RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, s - 1).status());
-      auto [sb, sn] = chunk(send_c);
-      RETURN_IF_ERROR(SendPiece(data + sb, sn * sizeof(float), call, s));
-      RETURN_IF_ERROR(Recv(*prev_, RingType::kReady, call, s).status());
-      auto [rb, rn] = chunk(recv_c);
-      const float* in = static_cast<const float*>(recv_->data());
-      if (reduce) {
-        AccumulateKernel(DType::kFloat32, data + rb, in, rn, 1.0);
-      } else {
-        std::memcpy(data + rb, in, rn * sizeof(float));
-      }
-      RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, s));
-    }
-    return Recv(*next_, RingType::kAck, call, steps - 1).status();
+    pass.largest = per * sizeof(float);
+    return Run(pass);
   }
 
   Status Allgather(void* data, size_t chunk_bytes) override {
@@ -160,7 +151,7 @@ class RingImpl final : public RingAllreduce {
       if (d == P - 1) continue;  // the chain's end
       if (j > 0)
         RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, step - 1).status());
-      RETURN_IF_ERROR(SendPiece(base + off, n, call, step));
+      RETURN_IF_ERROR(SendPiece(base + off, 0, n, call, step));
     }
     if (d == P - 1) return Status::Ok();
     return Recv(*next_, RingType::kAck, call, static_cast<int>(pieces) - 1)
@@ -186,41 +177,183 @@ class RingImpl final : public RingAllreduce {
     if (P == 1 || chunk_bytes == 0) return Status::Ok();
     if (!next_ || !prev_) return FailedPreconditionError("ring not connected");
     const size_t piece = ChunkCapacity();
-    const int r = opt_.rank;
     for (size_t off = 0; off < chunk_bytes; off += piece) {
       const size_t n = std::min(piece, chunk_bytes - off);
-      const uint64_t call = ++calls_;
-      for (int t = 0; t < P - 1; ++t) {
-        const int send_c = ((r - t - shift) % P + 2 * P) % P;
-        const int recv_c = ((r - t - shift - 1) % P + 2 * P) % P;
-        if (t > 0)
-          RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, t - 1).status());
-        RETURN_IF_ERROR(
-            SendPiece(base + send_c * chunk_bytes + off, n, call, t));
-        RETURN_IF_ERROR(Recv(*prev_, RingType::kReady, call, t).status());
-        uint8_t* into = base + recv_c * chunk_bytes + off;
-        if (reduce) {
-          AccumulateKernel(DType::kFloat32, reinterpret_cast<float*>(into),
-                           static_cast<const float*>(recv_->data()),
-                           n / sizeof(float), 1.0);
-        } else {
-          std::memcpy(into, recv_->data(), n);
-        }
-        RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, t));
-      }
-      RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, P - 2).status());
+      Pass pass;
+      pass.base = base;
+      pass.steps = P - 1;
+      pass.reduce_steps = reduce ? P - 1 : 0;
+      pass.shift = shift;
+      pass.chunk = [chunk_bytes, off, n](int c) {
+        return std::make_pair(static_cast<size_t>(c) * chunk_bytes + off, n);
+      };
+      pass.largest = n;
+      RETURN_IF_ERROR(Run(pass));
     }
     return Status::Ok();
   }
 
-  // `n` bytes of `src` into the successor's receive buffer (through the
-  // registered send buffer; nothing for n = 0), flushed, then READY.
-  Status SendPiece(const void* src, size_t n, uint64_t call, int step) {
+  // One pass around the ring: step s sends chunk Send(s) = (rank - s -
+  // shift) mod p and receives chunk Send(s + 1) -- what a step receives,
+  // the next one forwards --, which it adds to as float32 (s <
+  // reduce_steps) or copies. chunk(c) = (byte offset in base, bytes); no
+  // chunk is larger than `largest` (<= ChunkCapacity()).
+  struct Pass {
+    uint8_t* base = nullptr;
+    int steps = 0;
+    int reduce_steps = 0;
+    int shift = 0;
+    std::function<std::pair<size_t, size_t>(int)> chunk;
+    size_t largest = 0;
+  };
+
+  int SendChunk(const Pass& p, int s) const {
+    const int P = opt_.world;
+    return ((opt_.rank - s - p.shift) % P + 2 * P) % P;
+  }
+
+  // How many segments each step's chunk goes in: opt_.segment_bytes each
+  // (rounded to whole float32s), at most kMaxSegments, 1 when off.
+  int Segments(const Pass& p) const {
+    if (opt_.segment_bytes == 0 || p.largest < 2 * opt_.segment_bytes) return 1;
+    return static_cast<int>(
+        std::min<size_t>(kMaxSegments, p.largest / opt_.segment_bytes));
+  }
+
+  Status Run(const Pass& p) {
+    const int k = Segments(p);
+    const uint64_t call = ++calls_;
+    return k == 1 ? RunInSteps(p, call) : RunPipelined(p, call, k);
+  }
+
+  // Step after step on the calling thread: send the step's chunk, take the
+  // predecessor's, wait for the successor to have consumed ours.
+  Status RunInSteps(const Pass& p, uint64_t call) {
+    for (int s = 0; s < p.steps; ++s) {
+      // The successor has consumed what we sent last step.
+      if (s > 0)
+        RETURN_IF_ERROR(Recv(*next_, RingType::kAck, call, s - 1).status());
+      auto [sb, sn] = p.chunk(SendChunk(p, s));
+      RETURN_IF_ERROR(SendPiece(p.base + sb, 0, sn, call, s));
+      RETURN_IF_ERROR(Recv(*prev_, RingType::kReady, call, s).status());
+      auto [rb, rn] = p.chunk(SendChunk(p, s + 1));
+      Consume(p, s, p.base + rb, recv_->data(), rn);
+      RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, s));
+    }
+    return Recv(*next_, RingType::kAck, call, p.steps - 1).status();
+  }
+
+  // The same pass in k segments per step, without a barrier between steps:
+  // the calling thread takes each segment from the predecessor as it
+  // arrives and hands it on to a sender thread, which forwards it to the
+  // successor (segment j of step s + 1 is segment j of step s's chunk) as
+  // soon as the successor has consumed segment j of the step before. So a
+  // link carries the next segment while the last one is added, and a slow
+  // hop holds up one segment, not every worker's next step. Segment j
+  // lives at the same offset of the send and receive buffers in every
+  // step. Notices are numbered s * k + j. On an error the first one is
+  // returned and both neighbours' connections are closed: the other
+  // thread may be blocked on either, and the ring is out of step anyway.
+  Status RunPipelined(const Pass& p, uint64_t call, int k) {
+    const size_t seg = ((p.largest + k - 1) / k + 3) / 4 * 4;
+    auto piece = [&](int s, int j) {  // (offset in base, bytes) of a segment
+      auto [b, n] = p.chunk(SendChunk(p, s));
+      size_t lo = std::min(n, seg * static_cast<size_t>(j));
+      return std::make_pair(b + lo, std::min(n, lo + seg) - lo);
+    };
+    auto id = [k](int s, int j) { return s * k + j; };
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<int> to_send;  // segment ids of steps >= 1, in order
+    bool stop = false;
+    Status first;
+    auto fail = [&](Status st) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        if (first.ok()) first = st;
+        stop = true;
+      }
+      cv.notify_all();
+      next_->Close();
+      prev_->Close();
+    };
+    std::thread sender([&] {
+      auto send = [&](int s, int j) {
+        auto [b, n] = piece(s, j);
+        return SendPiece(p.base + b, seg * j, n, call, id(s, j));
+      };
+      Status st = [&]() -> Status {
+        for (int j = 0; j < k; ++j) RETURN_IF_ERROR(send(0, j));
+        for (int left = (p.steps - 1) * k; left > 0; --left) {
+          int i;
+          {
+            std::unique_lock<std::mutex> l(mu);
+            cv.wait(l, [&] { return stop || !to_send.empty(); });
+            if (to_send.empty()) return AbortedError("ring: stopped");
+            i = to_send.front();
+            to_send.pop_front();
+          }
+          const int s = i / k, j = i % k;
+          RETURN_IF_ERROR(
+              Recv(*next_, RingType::kAck, call, id(s - 1, j)).status());
+          RETURN_IF_ERROR(send(s, j));
+        }
+        for (int j = 0; j < k; ++j) {
+          RETURN_IF_ERROR(
+              Recv(*next_, RingType::kAck, call, id(p.steps - 1, j)).status());
+        }
+        return Status::Ok();
+      }();
+      if (!st.ok()) fail(st);
+    });
+    Status st = [&]() -> Status {
+      for (int s = 0; s < p.steps; ++s) {
+        for (int j = 0; j < k; ++j) {
+          RETURN_IF_ERROR(
+              Recv(*prev_, RingType::kReady, call, id(s, j)).status());
+          auto [b, n] = piece(s + 1, j);
+          Consume(p, s, p.base + b,
+                  static_cast<const uint8_t*>(recv_->data()) + seg * j, n);
+          RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, id(s, j)));
+          if (s + 1 < p.steps) {
+            {
+              std::lock_guard<std::mutex> l(mu);
+              to_send.push_back(id(s + 1, j));
+            }
+            cv.notify_one();
+          }
+        }
+      }
+      return Status::Ok();
+    }();
+    if (!st.ok()) fail(st);
+    sender.join();
+    std::lock_guard<std::mutex> l(mu);
+    return first;
+  }
+
+  // Step s's received bytes `in` into `into`: added as float32 or copied.
+  static void Consume(const Pass& p, int s, uint8_t* into, const void* in,
+                      size_t n) {
+    if (s < p.reduce_steps) {
+      AccumulateKernel(DType::kFloat32, reinterpret_cast<float*>(into),
+                       static_cast<const float*>(in), n / sizeof(float), 1.0);
+    } else {
+      std::memcpy(into, in, n);
+    }
+  }
+
+  // `n` bytes of `src` into the successor's receive buffer at `at`
+  // (through the registered send buffer at the same offset; nothing for
+  // n = 0), flushed, then READY.
+  Status SendPiece(const void* src, size_t at, size_t n, uint64_t call,
+                   int step) {
     if (n > 0) {
-      std::memcpy(send_->data(), src, n);
-      ASSIGN_OR_RETURN(
-          auto h, next_->Write(send_->data(), *send_, remote_recv_->address(),
-                               *remote_recv_, n));
+      auto* from = static_cast<uint8_t*>(send_->data()) + at;
+      std::memcpy(from, src, n);
+      ASSIGN_OR_RETURN(auto h,
+                       next_->Write(from, *send_, remote_recv_->address() + at,
+                                    *remote_recv_, n));
       RETURN_IF_ERROR(h.Wait(opt_.timeout));
       ASSIGN_OR_RETURN(auto f, next_->Flush());
       RETURN_IF_ERROR(f.Wait(opt_.timeout));

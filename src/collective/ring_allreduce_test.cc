@@ -1,5 +1,6 @@
 #include "membox/collective/ring_allreduce.h"
 
+#include <atomic>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -12,12 +13,18 @@ namespace {
 
 // `world` rings on loopback, connected, with body(rank, ring) run on one
 // thread per rank.
+// segment_bytes > 0: pipelined passes (RingOptions::segment_bytes).
 template <typename Body>
-void OnRing(int world, size_t max_bytes, Body body) {
+void OnRing(int world, size_t max_bytes, Body body, size_t segment_bytes = 0) {
   std::vector<std::unique_ptr<RingAllreduce>> rings;
   std::vector<std::string> eps;
   StartLoopback<RingAllreduce, RingOptions>(
-      world, [&](RingOptions& o) { o.max_bytes = max_bytes; }, &rings, &eps);
+      world,
+      [&](RingOptions& o) {
+        o.max_bytes = max_bytes;
+        o.segment_bytes = segment_bytes;
+      },
+      &rings, &eps);
   ASSERT_EQ(rings.size(), size_t(world));
   OnEachRank(world, [&](int r) {
     ASSERT_TRUE(rings[r]->Connect(eps).ok());
@@ -25,20 +32,24 @@ void OnRing(int world, size_t max_bytes, Body body) {
   });
 }
 
-void RunRing(int world, size_t count, int calls) {
-  OnRing(world, count * 4, [&](int r, RingAllreduce& ring) {
-    std::vector<float> v(count);
-    for (int c = 0; c < calls; ++c) {
-      for (size_t i = 0; i < count; ++i) v[i] = float(r + c) + float(i % 7);
-      Status s = ring.Allreduce(v.data(), count);
-      ASSERT_TRUE(s.ok()) << s.ToString();
-      for (size_t i = 0; i < count; i += 101) {
-        float want = 0;
-        for (int q = 0; q < world; ++q) want += float(q + c) + float(i % 7);
-        ASSERT_EQ(v[i], want) << "rank " << r << " call " << c << " i " << i;
-      }
-    }
-  });
+void RunRing(int world, size_t count, int calls, size_t segment_bytes = 0) {
+  OnRing(
+      world, count * 4,
+      [&](int r, RingAllreduce& ring) {
+        std::vector<float> v(count);
+        for (int c = 0; c < calls; ++c) {
+          for (size_t i = 0; i < count; ++i) v[i] = float(r + c) + float(i % 7);
+          Status s = ring.Allreduce(v.data(), count);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          for (size_t i = 0; i < count; i += 101) {
+            float want = 0;
+            for (int q = 0; q < world; ++q) want += float(q + c) + float(i % 7);
+            ASSERT_EQ(v[i], want)
+                << "rank " << r << " call " << c << " i " << i;
+          }
+        }
+      },
+      segment_bytes);
 }
 
 TEST(RingAllreduceTest, SumsAcrossWorkers) {
@@ -48,56 +59,71 @@ TEST(RingAllreduceTest, SumsAcrossWorkers) {
   RunRing(1, 100, 1);
 }
 
+// Pipelined: chunks in segments forwarded as they arrive, no barrier
+// between steps; unequal chunks, a short last segment, empty segments of
+// an empty chunk, the 16-segment cap, and a chunk too small to cut.
+TEST(RingAllreduceTest, SumsInSegments) {
+  RunRing(3, 10007, 3, 1024);  // 13 segments per step, the last short
+  RunRing(4, 9, 2, 4);         // chunks of 3, 3, 3 and 0 floats
+  RunRing(2, 4096, 2, 64);     // capped at 16 segments
+  RunRing(3, 30, 2, 1024);     // below two segments: one piece per step
+}
+
 // Allgather in place, chunks larger than a piece (max_bytes / world), a
 // broadcast from every root, a reduce-scatter, then an Allreduce on the
 // same ring: the calls stay in step.
-void RunGather(int world, size_t chunk, size_t max_bytes) {
-  OnRing(world, max_bytes, [&](int r, RingAllreduce& ring) {
-    for (int call = 0; call < 2; ++call) {
-      std::vector<uint8_t> v(chunk * world, 0xEE);
-      for (size_t i = 0; i < chunk; ++i)
-        v[r * chunk + i] = uint8_t(r * 31 + i * 7 + call);
-      Status s = ring.Allgather(v.data(), chunk);
-      ASSERT_TRUE(s.ok()) << s.ToString();
-      for (int q = 0; q < world; ++q) {
-        for (size_t i = 0; i < chunk; ++i) {
-          ASSERT_EQ(v[q * chunk + i], uint8_t(q * 31 + i * 7 + call))
-              << "rank " << r << " chunk " << q << " byte " << i;
+void RunGather(int world, size_t chunk, size_t max_bytes,
+               size_t segment_bytes = 0) {
+  OnRing(
+      world, max_bytes,
+      [&](int r, RingAllreduce& ring) {
+        for (int call = 0; call < 2; ++call) {
+          std::vector<uint8_t> v(chunk * world, 0xEE);
+          for (size_t i = 0; i < chunk; ++i)
+            v[r * chunk + i] = uint8_t(r * 31 + i * 7 + call);
+          Status s = ring.Allgather(v.data(), chunk);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          for (int q = 0; q < world; ++q) {
+            for (size_t i = 0; i < chunk; ++i) {
+              ASSERT_EQ(v[q * chunk + i], uint8_t(q * 31 + i * 7 + call))
+                  << "rank " << r << " chunk " << q << " byte " << i;
+            }
+          }
+          // A broadcast from every root on the same ring, then the sums.
+          for (int root = 0; root < world; ++root) {
+            std::vector<uint8_t> b(chunk * world + 3, uint8_t(r));
+            if (r == root) {
+              for (size_t i = 0; i < b.size(); ++i)
+                b[i] = uint8_t(i * 13 + root);
+            }
+            s = ring.Broadcast(b.data(), b.size(), root);
+            ASSERT_TRUE(s.ok()) << s.ToString();
+            for (size_t i = 0; i < b.size(); ++i) {
+              ASSERT_EQ(b[i], uint8_t(i * 13 + root))
+                  << "rank " << r << " root " << root << " byte " << i;
+            }
+          }
+          // Reduce-scatter: chunk q of worker w holds w + q + i; worker r
+          // ends with chunk r summed over the workers.
+          const size_t count = chunk / 4 + 1;
+          std::vector<float> rs(count * world);
+          for (int q = 0; q < world; ++q)
+            for (size_t i = 0; i < count; ++i)
+              rs[q * count + i] = float(r + q) + float(i % 5);
+          s = ring.ReduceScatter(rs.data(), count);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          for (size_t i = 0; i < count; ++i) {
+            float want = 0;
+            for (int w = 0; w < world; ++w) want += float(w + r) + float(i % 5);
+            ASSERT_EQ(rs[r * count + i], want) << "rank " << r << " i " << i;
+          }
+          std::vector<float> f(world, float(r + 1));
+          s = ring.Allreduce(f.data(), f.size());
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          ASSERT_EQ(f[0], float(world * (world + 1) / 2));
         }
-      }
-      // A broadcast from every root on the same ring, then the sums.
-      for (int root = 0; root < world; ++root) {
-        std::vector<uint8_t> b(chunk * world + 3, uint8_t(r));
-        if (r == root) {
-          for (size_t i = 0; i < b.size(); ++i) b[i] = uint8_t(i * 13 + root);
-        }
-        s = ring.Broadcast(b.data(), b.size(), root);
-        ASSERT_TRUE(s.ok()) << s.ToString();
-        for (size_t i = 0; i < b.size(); ++i) {
-          ASSERT_EQ(b[i], uint8_t(i * 13 + root))
-              << "rank " << r << " root " << root << " byte " << i;
-        }
-      }
-      // Reduce-scatter: chunk q of worker w holds w + q + i; worker r
-      // ends with chunk r summed over the workers.
-      const size_t count = chunk / 4 + 1;
-      std::vector<float> rs(count * world);
-      for (int q = 0; q < world; ++q)
-        for (size_t i = 0; i < count; ++i)
-          rs[q * count + i] = float(r + q) + float(i % 5);
-      s = ring.ReduceScatter(rs.data(), count);
-      ASSERT_TRUE(s.ok()) << s.ToString();
-      for (size_t i = 0; i < count; ++i) {
-        float want = 0;
-        for (int w = 0; w < world; ++w) want += float(w + r) + float(i % 5);
-        ASSERT_EQ(rs[r * count + i], want) << "rank " << r << " i " << i;
-      }
-      std::vector<float> f(world, float(r + 1));
-      s = ring.Allreduce(f.data(), f.size());
-      ASSERT_TRUE(s.ok()) << s.ToString();
-      ASSERT_EQ(f[0], float(world * (world + 1) / 2));
-    }
-  });
+      },
+      segment_bytes);
 }
 
 TEST(RingAllreduceTest, GathersScattersAndBroadcastsAnySize) {
@@ -105,6 +131,47 @@ TEST(RingAllreduceTest, GathersScattersAndBroadcastsAnySize) {
   RunGather(2, 7, 1 << 20);
   RunGather(4, 1, 64);
   RunGather(1, 10, 64);
+  // Pipelined, pieces of 256 bytes in segments of 64 (16 floats).
+  RunGather(3, 1001, 3 * 256, 64);
+  RunGather(4, 4096, 1 << 20, 1000);  // segments not a multiple of 4
+}
+
+// A worker that leaves in the middle of a pipelined pass: the others get an
+// error naming a neighbour (not a hang), their sender threads joined.
+TEST(RingAllreduceTest, APipelinedPassFailsWhenANeighbourLeaves) {
+  std::vector<std::unique_ptr<RingAllreduce>> rings;
+  std::vector<std::string> eps;
+  StartLoopback<RingAllreduce, RingOptions>(
+      3,
+      [&](RingOptions& o) {
+        o.max_bytes = 1 << 20;
+        o.segment_bytes = 4096;
+        o.timeout = std::chrono::milliseconds(20000);
+      },
+      &rings, &eps);
+  ASSERT_EQ(rings.size(), 3u);
+  std::vector<Status> got(3, InternalError("not called"));
+  std::atomic<int> connected{0};
+  OnEachRank(3, [&](int r) {
+    ASSERT_TRUE(rings[r]->Connect(eps).ok());
+    // Every ring connected (descriptors imported) before one leaves.
+    connected.fetch_add(1);
+    while (connected.load() < 3) std::this_thread::yield();
+    std::vector<float> v((1 << 20) / 4, 1.0f);
+    if (r == 2) {
+      rings[r].reset();  // gone before it sends anything
+      return;
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    got[r] = rings[r]->Allreduce(v.data(), v.size());
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(15));
+    // Every later call fails at once.
+    EXPECT_FALSE(rings[r]->Allreduce(v.data(), v.size()).ok());
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(got[r].ok()) << "rank " << r;
+    EXPECT_NE(got[r].code(), StatusCode::kInternal) << "rank " << r;
+  }
 }
 
 TEST(RingAllreduceTest, RejectsOversizeAndBadMessages) {

@@ -510,6 +510,10 @@ def _broadcast_tree(rank, world):
     the nodes. Every root, odd sizes, several dtypes."""
     b = dist.group.WORLD._get_backend(torch.device("cpu"))
     b._remote = True
+    made = []  # (kind, options) of the direct paths made
+    connect = b._connect_direct
+    b._connect_direct = lambda kind, make, max_bytes, **o: (
+        made.append((kind, o)), connect(kind, make, max_bytes, **o))[1]
     trees = []
 
     def no_round(*args):
@@ -543,6 +547,33 @@ def _broadcast_tree(rank, world):
         if not torch.equal(t, want):
             raise AssertionError("all_reduce of %d on rank %d" % (n, rank))
     del b._rounds
+    # Large ones across hosts go around the ring in segments of 1 MiB
+    # forwarded as they arrive (a pipelined pass): a split sum, an
+    # all_gather and a reduce_scatter whose ring chunks hold 2-3 segments.
+    n = 4 << 20  # 16 MiB of float32: split between the ring and the nodes
+    t = torch.arange(n, dtype=torch.float32) % 89 * (rank + 1)
+    dist.all_reduce(t)
+    if not torch.equal(t, torch.arange(n, dtype=torch.float32) % 89 *
+                       (world * (world + 1) / 2)):
+        raise AssertionError("split all_reduce on rank %d" % rank)
+    m = 3 << 18  # 3 MiB of float32 per rank
+    out = torch.empty(world * m)
+    dist.all_gather_into_tensor(out, torch.arange(m, dtype=torch.float32) %
+                                83 + rank)
+    for q in range(world):
+        if not torch.equal(out[q * m:(q + 1) * m],
+                           torch.arange(m, dtype=torch.float32) % 83 + q):
+            raise AssertionError("all_gather chunk %d on rank %d" % (q, rank))
+    part = torch.empty(m)
+    dist.reduce_scatter_tensor(part, torch.arange(
+        world * m, dtype=torch.float32) % 79 * (rank + 1))
+    want = (torch.arange(world * m, dtype=torch.float32) % 79)[
+        rank * m:(rank + 1) * m] * (world * (world + 1) / 2)
+    if not torch.equal(part, want):
+        raise AssertionError("reduce_scatter on rank %d" % rank)
+    if ("ring", {"segment_bytes": 1 << 20}) not in made:
+        raise AssertionError("the ring across hosts is not pipelined: %s"
+                             % made)
     t = torch.ones(1000)  # 4000 bytes: a round on the nodes
     dist.all_reduce(t)
     if not torch.equal(t, torch.full((1000,), float(world))):

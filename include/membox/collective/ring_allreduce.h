@@ -18,7 +18,10 @@
 //
 // Failure: a dead neighbour or a timeout gives kUnavailable /
 // kDeadlineExceeded naming the neighbour; the buffer is then unspecified.
-// Thread-safety: one Allreduce at a time per RingAllreduce object.
+// A pipelined call (RingOptions::segment_bytes) that fails also closes the
+// connections to both neighbours: every later call fails at once.
+// Threading: one call at a time per RingAllreduce object; a pipelined call
+// runs a sender thread of its own, joined before it returns.
 #ifndef MEMBOX_COLLECTIVE_RING_ALLREDUCE_H_
 #define MEMBOX_COLLECTIVE_RING_ALLREDUCE_H_
 
@@ -41,6 +44,13 @@ struct RingOptions {
   // workers' listeners face the network too).
   std::string secret;
   size_t max_bytes = 64 << 20;  // largest buffer Allreduce will be given
+  // Pipelining (Allreduce, Allgather, ReduceScatter): a step's chunk of at
+  // least twice this many bytes goes in segments of about this size (at
+  // most 16), each forwarded by a sender thread as soon as it arrived, with
+  // no barrier between steps: for links, where a step's adds and notices
+  // would leave the link idle. 0: one piece per step, on the calling
+  // thread (memory speed, one host). Must be equal on every worker.
+  size_t segment_bytes = 0;
   std::chrono::milliseconds timeout{60000};
 };
 

@@ -68,6 +68,11 @@ _SUM_MOVE_BYTES = 256 << 10
 # (MEMBOX_BACKEND_DIRECT_BYTES, read once at import).
 _DIRECT_BYTES = int(os.environ.get("MEMBOX_BACKEND_DIRECT_BYTES", 1 << 20))
 _RING_MAX_BYTES = 64 << 20  # the ring's pieces: this / world per step
+# Across hosts a ring step's chunk goes in segments of this many bytes,
+# each forwarded as it arrives (RingOptions::segment_bytes; 0: whole
+# steps). MEMBOX_BACKEND_RING_SEGMENT_BYTES, read once at import.
+_RING_SEGMENT_BYTES = int(os.environ.get("MEMBOX_BACKEND_RING_SEGMENT_BYTES",
+                                         1 << 20))
 # A subgroup's float32 SUM/AVG all_reduce of at least this many bytes goes
 # around its ring; a smaller one is gathered over its mesh and summed on
 # each rank (one host, subgroups of 2: the ring took 4.1-4.4 ms at 1-2 MiB,
@@ -847,8 +852,12 @@ class MemboxBackend(_base_class()):
 
     def _ensure_ring(self):
         if self._ring is None:
+            # Pipelined in segments where the ranks talk over links (the
+            # nodes on other hosts, rank 0's view: every rank cuts alike).
+            seg = _RING_SEGMENT_BYTES if self._nodes_remote() else 0
             self._ring = self._connect_direct("ring", membox._core.Ring,
-                                              _RING_MAX_BYTES)
+                                              _RING_MAX_BYTES,
+                                              segment_bytes=seg)
 
     def _ensure_mesh(self):
         if self._mesh is None:
@@ -865,13 +874,14 @@ class MemboxBackend(_base_class()):
             u.connect((host.strip("[]"), int(port)))  # no packet sent
             return u.getsockname()[0]
 
-    def _connect_direct(self, kind, make, max_bytes):
+    def _connect_direct(self, kind, make, max_bytes, **options):
         """A ring or mesh of this group's ranks, connected: each rank
         listens on its address toward the first memory node (the interface
         the job already uses) and finds the others' in the group's store
         under "membox/<kind>/<rank>"; the job's secret is checked."""
         obj = make(self._rank, self._size, "%s:0" % self._direct_address(),
-                   membox._secret(), max_bytes, self._timeout.total_seconds())
+                   membox._secret(), max_bytes, self._timeout.total_seconds(),
+                   **options)
         self._store.set("membox/%s/%d" % (kind, self._rank), obj.endpoint)
         keys = ["membox/%s/%d" % (kind, q) for q in range(self._size)]
         self._store.wait(keys, self._timeout)
