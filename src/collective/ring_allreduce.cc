@@ -267,10 +267,13 @@ class RingImpl final : public RingAllreduce {
     std::deque<int> to_send;  // segment ids of steps >= 1, in order
     bool stop = false;
     Status first;
+    // The first error closes both connections (once: the other thread's
+    // error is then only their closing).
     auto fail = [&](Status st) {
       {
         std::lock_guard<std::mutex> l(mu);
-        if (first.ok()) first = st;
+        if (!first.ok()) return;
+        first = st;
         stop = true;
       }
       cv.notify_all();
