@@ -456,6 +456,23 @@ TEST_P(ChannelTest, CloseWaitsForARunningHandler) {
   EXPECT_FALSE(late.load());
 }
 
+// Close is idempotent and may run on several threads at once (a pipelined
+// ring closes its channels from whichever of its threads fails first): a
+// receive blocked on the channel ends with kAborted, later calls fail.
+TEST_P(ChannelTest, CloseOnTwoThreadsAtOnce) {
+  Status blocked;
+  std::thread receiver([&] { blocked = cch_->RecvControl(10s).status(); });
+  std::this_thread::sleep_for(20ms);
+  std::thread a([&] { cch_->Close(); });
+  std::thread b([&] { cch_->Close(); });
+  a.join();
+  b.join();
+  receiver.join();
+  EXPECT_EQ(blocked.code(), StatusCode::kAborted) << blocked.ToString();
+  EXPECT_FALSE(cch_->SendControl(std::vector<uint8_t>{1}).ok());
+  cch_->Close();
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Protocols, ChannelTest,
     ::testing::Values(

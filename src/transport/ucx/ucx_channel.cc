@@ -170,7 +170,7 @@ void UcxChannel::Close() {
     }
   }
   data_ready_.store(false, std::memory_order_release);
-  if (liveness_) {
+  if (!liveness_closed_.exchange(true) && liveness_) {
     dev_->ForgetLiveness(liveness_.get());
     shutdown(liveness_.get(), SHUT_RDWR);
     liveness_.reset();

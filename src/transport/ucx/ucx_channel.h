@@ -145,6 +145,9 @@ class UcxChannel final : public Channel,
   std::string peer_;
   bool accepted_;
   net::Fd liveness_;  // the authenticated TCP connection
+  // Set by the one Close() that shuts liveness_ down (Close may run on
+  // several threads at once).
+  std::atomic<bool> liveness_closed_{false};
   // The data endpoint, from the peer's worker address. A UCX call on it
   // runs inside an EndpointUse (ep_users_ counted, seq_cst); Close() takes
   // the endpoint out of ep_ and waits for the users inside before closing
