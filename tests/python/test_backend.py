@@ -374,6 +374,35 @@ def _ddp(rank, world):
     return [p.detach().tolist() for p in model.parameters()]
 
 
+def _ddp_big(rank, world, hook):
+    """Six DDP steps (on Gloo) of an MLP whose one bucket is 4.2 MB; with
+    `hook`, membox's DDP hook, whose buckets of 4 MiB and more are split
+    between the workers' ring and the nodes (forced here on one host).
+    Returns the final weights and how many buckets were split."""
+    from membox.torch import ddp as mddp
+    from membox.torch._session import session
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
+                                torch.nn.Linear(1024, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+    if hook:
+        import membox.torch as mt
+        mddp._SPLIT_ON_ONE_HOST = True
+        mt.init()
+        ddp.register_comm_hook(None, mt.allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x = torch.randn(8, 1024, generator=g)
+        loss = (ddp(x) - x[:, :4]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    splits = session.splitter._share._splits if hook and \
+        session.splitter is not None else 0
+    return [p.detach().tolist() for p in model.parameters()], splits
+
+
 def _fsdp2(rank, world):
     """Ten FSDP2 (fully_shard) steps of a small MLP, AdamW, rank-dependent
     data: each step's loss summed over the ranks, and the full weights."""
@@ -689,7 +718,9 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
               "errors": _errors, "subgroups": _subgroups,
               "held": _held, "reconfigure": _reconfigure,
               "broadcast-tree": _broadcast_tree,
-              "subgroup-held": _subgroup_held}[program]
+              "subgroup-held": _subgroup_held,
+              "ddp-split-hook-gloo": lambda r, w: _ddp_big(r, w, True),
+              "ddp-big-gloo": lambda r, w: _ddp_big(r, w, False)}[program]
         out = fn(rank, world)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -750,6 +781,41 @@ class SplitShareTest(unittest.TestCase):
         self.assertEqual(share(4, 2), 6)
         self.assertEqual(share(2, 1), 8)
         self.assertEqual(share(64, 1), 15)
+
+    def test_rank_0_moves_the_share_and_the_others_follow(self):
+        # _split.Share: after each split rank 0 sets the share that evens
+        # both parts' time per sixteenth -- straight there within two
+        # sixteenths, half way beyond, not at all within half a sixteenth
+        # -- and publishes it; another rank reads it before its next split.
+        from membox.torch._split import Share
+
+        class Store(dict):
+            def set(self, k, v):
+                self[k] = v.encode()
+
+            def get(self, k):
+                return dict.__getitem__(self, k)
+
+            def delete_key(self, k):
+                del self[k]
+        store = Store()
+        zero, one = (Share(store, r, 4, 2, "t") for r in (0, 1))
+        self.assertEqual((zero.take(), one.take()), (6, 6))
+        zero.measured(6, ring_s=1.0, nodes_s=1.0)  # both parts alike
+        self.assertEqual((zero.value, store["t/1"]), (6, b"6"))
+        self.assertEqual((zero.take(), one.take()), (6, 6))
+        # The ring's part took longer: 0.2 s per sixteenth against the
+        # nodes' 0.1, target 16/3 = 5.3, within two: straight there.
+        zero.measured(6, ring_s=6 * 0.2, nodes_s=10 * 0.1)
+        self.assertEqual(zero.value, 5)
+        self.assertNotIn("t/1", store)  # the previous one is dropped
+        self.assertEqual((zero.take(), one.take()), (5, 5))
+        # The nodes took 9 times as long per sixteenth: target 14.4, more
+        # than two away: half way (5 + 4.7, rounded).
+        zero.measured(5, ring_s=5 * 0.1, nodes_s=11 * 0.9)
+        self.assertEqual(zero.value, 10)
+        self.assertEqual(one.take(), 10)
+        self.assertEqual(Share(store, 0, 4, 4, "u").take(), 0)  # 4w4m
 
 
 class BackendTest(unittest.TestCase):
@@ -887,6 +953,22 @@ class BackendTest(unittest.TestCase):
             self.assertTrue(torch.allclose(torch.tensor(g), torch.tensor(w),
                                            rtol=1e-5, atol=1e-6))
         self.assertEqual(got[0], got[1])  # the ranks agree exactly
+
+    def test_ddp_hook_splits_large_buckets_between_ring_and_nodes(self):
+        # Three ranks, one node: the links' balance gives the ring 11/16 of
+        # each bucket; the first iteration goes through Gloo (DDP rebuilds
+        # its buckets after it), the five after it are split.
+        got = self.run_ranks(3, "ddp-split-hook-gloo")
+        want = self.run_ranks(3, "ddp-big-gloo")
+        for r in range(3):
+            self.assertEqual(got[r][1], 5)
+            for g, w in zip(got[r][0], want[0][0]):
+                # The ring and the nodes sum in other orders than Gloo.
+                self.assertTrue(torch.allclose(torch.tensor(g),
+                                               torch.tensor(w),
+                                               rtol=1e-5, atol=1e-6))
+        self.assertEqual(got[0][0], got[1][0])  # the ranks agree exactly
+        self.assertEqual(got[0][0], got[2][0])
 
     def test_fsdp2_matches_gloo(self):
         got = self.run_ranks(2, "fsdp2")

@@ -26,9 +26,10 @@ class Session:
         self.lock = threading.Lock()
         self.reset()
 
-    def reset(self, client=None, wire=None):
+    def reset(self, client=None, wire=None, mode="average"):
         self.client = client
         self.wire = wire  # dtype the hook sends float gradients in
+        self.mode = mode  # the nodes' synchronisation mode (init's)
         self.declared = set()  # keys declared through `client`
         # The DDP hook's state (membox.torch.ddp):
         self.iterations_seen = 0  # DDP iterations whose last bucket came
@@ -36,6 +37,7 @@ class Session:
         self.narrow = {}  # bucket index -> its wire-dtype buffer
         self.results = {}  # bucket key -> (numpy, tensor) registered result
         self.share_refused = []  # why the nodes cannot map a bucket, if so
+        self.splitter = None  # the hook's split buckets (ddp._Splitter)
 
 
 session = Session()
@@ -81,6 +83,7 @@ def init(mode="average", client=None, wire_dtype=None, profile=True,
         again.configure(mode=mode, **configure)
         with session.lock:
             session.wire = wire_dtype
+            session.mode = mode
         return again
     if client is None:
         rank = dist.get_rank() if up else None
@@ -91,7 +94,7 @@ def init(mode="average", client=None, wire_dtype=None, profile=True,
     if profile and c.num_proxies > 1:
         _route(c)
     with session.lock:
-        session.reset(c, wire_dtype)
+        session.reset(c, wire_dtype, mode)
     return c
 
 

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import membox
-from membox.torch import _at_exit
+from membox.torch import _at_exit, _split
 from membox.torch._cuda_staged import _Streams, staged
 
 _KEY_BASE = 0xD << 60
@@ -67,12 +67,8 @@ _SUM_MOVE_BYTES = 256 << 10
 # (docs/design/backend.md, "Direct path"). 0 turns the ring off
 # (MEMBOX_BACKEND_DIRECT_BYTES, read once at import).
 _DIRECT_BYTES = int(os.environ.get("MEMBOX_BACKEND_DIRECT_BYTES", 1 << 20))
-_RING_MAX_BYTES = 64 << 20  # the ring's pieces: this / world per step
-# Across hosts a ring step's chunk goes in segments of this many bytes,
-# each forwarded as it arrives (RingOptions::segment_bytes; 0: whole
-# steps). MEMBOX_BACKEND_RING_SEGMENT_BYTES, read once at import.
-_RING_SEGMENT_BYTES = int(os.environ.get("MEMBOX_BACKEND_RING_SEGMENT_BYTES",
-                                         1 << 20))
+_RING_MAX_BYTES = _split.RING_MAX_BYTES  # the ring's pieces: this / world
+_RING_SEGMENT_BYTES = _split.RING_SEGMENT_BYTES  # across hosts
 # A subgroup's float32 SUM/AVG all_reduce of at least this many bytes goes
 # around its ring; a smaller one is gathered over its mesh and summed on
 # each rank (one host, subgroups of 2: the ring took 4.1-4.4 ms at 1-2 MiB,
@@ -108,7 +104,7 @@ _P2P_INLINE_BYTES = 512 << 10
 # backend.md, "Split all_reduce"). 0 turns it off
 # (MEMBOX_BACKEND_SPLIT_BYTES, read once at import).
 _SPLIT_BYTES = int(os.environ.get("MEMBOX_BACKEND_SPLIT_BYTES", 4 << 20))
-_SPLIT_STEPS = 16  # the ring's share is a multiple of 1/16
+_SPLIT_STEPS = _split.STEPS  # the ring's share is a multiple of 1/16
 # Across hosts, a float32 SUM/AVG all_reduce from this many bytes up to
 # _SPLIT_BYTES goes around the workers' ring alone (_ring_whole).
 _RING_SUM_BYTES = int(os.environ.get("MEMBOX_BACKEND_RING_SUM_BYTES",
@@ -118,19 +114,8 @@ _NAMES = {torch.float32: "float32", torch.float64: "float64",
           torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def _first_split_share(workers, nodes):
-    """The ring's share of a split all_reduce, in 16ths, that loads every
-    link alike when all hosts' links have one rate. Per byte of the tensor
-    the ring moves 2(p-1)/p bytes each way over each worker's link; the
-    nodes' path moves 1 over each worker's link and p/m over each node's
-    (p workers, m nodes, striped). With p <= m the nodes' path alone is
-    fastest (the workers' links bound both, and the ring moves more); else
-    the links balance at ring/nodes = (p/m - 1) p / (2 (p - 1)): 6/16 for
-    4 workers and 2 nodes."""
-    if workers < 2 or workers <= nodes:
-        return 0
-    r = (workers / nodes - 1) * workers / (2 * (workers - 1))
-    return min(_SPLIT_STEPS - 1, int(round(_SPLIT_STEPS * r / (1 + r))))
+# The links' balance (tests read it here).
+_first_split_share = _split.first_share
 
 
 def _op_name(op):
@@ -450,15 +435,13 @@ class MemboxBackend(_base_class()):
         self._pairs_lock = threading.Lock()
         self._peers_known = set()  # ranks whose p2p endpoint _pairs has
         self._lanes = {}  # (direction, peer) -> _Jobs of direct p2p
-        # The ring's share of a split, in 16ths: the links' balance to
-        # start with, then what the splits measure (_split_allreduce).
-        self._split_share = _first_split_share(
-            self._size, self._client.num_proxies)
+        # The ring's share of each split all_reduce (_split_allreduce).
+        self._share = _split.Share(self._store, self._rank, self._size,
+                                   self._client.num_proxies, "membox/split")
         self._remote = None  # rank 0's nodes are on other hosts
         if self._rank == 0:
             self._store.set("membox/nodes/remote", "0" if
                             self._client.proxies_map_memory else "1")
-        self._splits = 0  # split all_reduces so far
         self._jobs = _Jobs("membox-backend-%s" % label)
         self._p2p_threads = set()  # _p2p's, while they run
         self._closed = False
@@ -867,26 +850,15 @@ class MemboxBackend(_base_class()):
     def _direct_address(self):
         """This rank's address toward the first memory node: the interface
         the job already uses, where the direct paths listen."""
-        first = MemboxBackend._first_proxy or _proxies(
-            self._store, self._rank, self._timeout)[0]
-        host, _, port = first.rpartition(":")
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-            u.connect((host.strip("[]"), int(port)))  # no packet sent
-            return u.getsockname()[0]
+        return _split.address_toward(MemboxBackend._first_proxy or _proxies(
+            self._store, self._rank, self._timeout)[0])
 
     def _connect_direct(self, kind, make, max_bytes, **options):
-        """A ring or mesh of this group's ranks, connected: each rank
-        listens on its address toward the first memory node (the interface
-        the job already uses) and finds the others' in the group's store
-        under "membox/<kind>/<rank>"; the job's secret is checked."""
-        obj = make(self._rank, self._size, "%s:0" % self._direct_address(),
-                   membox._secret(), max_bytes, self._timeout.total_seconds(),
-                   **options)
-        self._store.set("membox/%s/%d" % (kind, self._rank), obj.endpoint)
-        keys = ["membox/%s/%d" % (kind, q) for q in range(self._size)]
-        self._store.wait(keys, self._timeout)
-        obj.connect([self._store.get(k).decode() for k in keys])
-        return obj
+        """A ring or mesh of this group's ranks, connected through the
+        group's store under "membox/<kind>/<rank>" (_split.connect_direct)."""
+        return _split.connect_direct(
+            self._store, self._rank, self._size, self._direct_address(),
+            "membox/" + kind, make, max_bytes, self._timeout, **options)
 
     def _gather_all(self, t):
         """Every rank's `t` (same shape), stacked: on the exchange thread."""
@@ -938,18 +910,10 @@ class MemboxBackend(_base_class()):
 
     def _split_allreduce(self, t, name):
         """On the exchange thread: the first share/16 of `t` over the
-        workers' ring while the rest goes through the nodes. The share
-        follows the paths' measured speeds: after each split, rank 0 sets
-        the next share so that both parts would have taken equally long
-        (each part's time per 16th, measured while both ran), starting
-        from the links' balance (_first_split_share) and moving half way
-        there from afar, and publishes it in the group's store; the other ranks
-        read it there before their next split, so every rank cuts alike."""
-        k = self._splits
-        self._splits += 1
-        if k > 0 and self._rank != 0:
-            self._split_share = int(self._store.get("membox/split/%d" % k))
-        share = self._split_share
+        workers' ring while the rest goes through the nodes; the share
+        follows the paths' measured speeds, agreed through the group's
+        store (_split.Share)."""
+        share = self._share.take()
         flat = t.detach().view(-1)
         cut = flat.numel() * share // _SPLIT_STEPS
         head, tail = flat[:cut], flat[cut:]
@@ -974,32 +938,7 @@ class MemboxBackend(_base_class()):
             raise RuntimeError("membox backend: all_reduce: %s" % nodes[0])
         if name == "AVG":
             flat.div_(self._size)
-        if self._rank == 0:
-            # Seconds per 16th on each path, then the share that evens them.
-            ring = ring_s / share if share else None
-            node = nodes[1] / (_SPLIT_STEPS - share) \
-                if share < _SPLIT_STEPS else None
-            if ring is not None and node is not None:
-                target = _SPLIT_STEPS * node / (ring + node)
-            elif ring is None:  # all on the nodes: it stays so
-                target = 0
-            else:
-                target = _SPLIT_STEPS - 1
-            # Half way there from afar; straight there when near (halving
-            # a small step rounds it away); no move within half a step
-            # (each new cut is a new key on the nodes, touched afresh).
-            delta = target - share
-            if abs(delta) < 0.5:
-                nxt = share
-            elif abs(delta) <= 2:
-                nxt = int(target + 0.5)
-            else:
-                nxt = int(share + delta / 2 + 0.5)
-            self._split_share = min(_SPLIT_STEPS - 1, max(0, nxt))
-            self._store.set("membox/split/%d" % (k + 1),
-                            str(self._split_share))
-            if k >= 1:
-                self._store.delete_key("membox/split/%d" % k)
+        self._share.measured(share, ring_s, nodes[1])
 
     def _ring_allreduce(self, flat):
         """The float32 sum of `flat` (1-D) in place around the ring, in

@@ -63,6 +63,10 @@ def allreduce_hook(state, bucket):
         arr = flat_numpy(t)
         out, result = _result_buffer(c, key, t.numel(), t.dtype)
         result = result.view(t.shape)
+    if out is arr:  # in place: a large float32 bucket may be split
+        splitter = _splitter(c, t)
+        if splitter is not None:
+            return for_ddp(splitter.submit(bucket.index(), t, arr))
     fut = torch.futures.Future()
     handle = c.push_pull(key, arr, out, priority=-bucket.index())
 
@@ -74,6 +78,122 @@ def allreduce_hook(state, bucket):
 
     handle.add_done_callback(done)
     return for_ddp(fut)
+
+
+# A float32 CPU bucket of at least this many bytes, with the nodes on other
+# hosts and more workers than nodes, is split as the backend's all_reduce
+# is: its head around the workers' ring while its tail is averaged on the
+# nodes (membox.torch._split; docs/design/backend.md, "Split all_reduce").
+# 0 turns it off (MEMBOX_HOOK_SPLIT_BYTES, read once at import).
+_SPLIT_BYTES = int(os.environ.get("MEMBOX_HOOK_SPLIT_BYTES", 4 << 20))
+_SPLIT_ON_ONE_HOST = False  # tests: split even where the nodes map memory
+_SPLIT_TAIL = 15  # the dtype code of a split's tail keys (_bucket_key)
+
+
+def _splitter(c, t):
+    """The session's _Splitter when bucket `t` is split, else None: float32
+    on the CPU, _SPLIT_BYTES or more, no narrow wire, the nodes averaging
+    or summing, under torch.distributed with more workers than nodes (the
+    links' balance gives the ring a share), and the nodes reached over a
+    link (where they map this worker's memory they sum at memory speed)."""
+    if not (0 < _SPLIT_BYTES <= t.numel() * t.element_size() and
+            t.dtype == torch.float32 and t.device.type == "cpu" and
+            session.wire is None and session.mode in ("average", "sum")):
+        return None
+    if c.proxies_map_memory and not _SPLIT_ON_ONE_HOST:
+        return None
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from membox.torch import _split
+    if _split.first_share(dist.get_world_size(), c.num_proxies) == 0:
+        return None
+    with session.lock:
+        if session.splitter is None:
+            session.splitter = _Splitter(c, session.mode == "average")
+        return session.splitter
+
+
+class _Splitter:
+    """Split buckets, one at a time on a thread of its own in the order
+    DDP hands them over (the same bucket order on every rank, so every rank
+    cuts alike): the ring's share (membox.torch._split.Share, agreed
+    through torch.distributed's store) around a ring of the workers, made
+    on first use, while the rest is a round on the nodes in place."""
+
+    def __init__(self, c, average):
+        import queue
+        import threading
+        import torch.distributed as dist
+        from membox.torch import _split
+        from membox.torch._session import _proxies
+        self._c, self._average = c, average
+        self._store = dist.distributed_c10d._get_default_store()
+        self._rank, self._size = dist.get_rank(), dist.get_world_size()
+        self._share = _split.Share(self._store, self._rank, self._size,
+                                   c.num_proxies, "membox/hook-split")
+        self._first = _proxies()[0]
+        self._ring = None
+        self._jobs = queue.Queue()
+        threading.Thread(target=self._serve, daemon=True,
+                         name="membox-hook-split").start()
+
+    def submit(self, index, t, arr):
+        fut = torch.futures.Future()
+        self._jobs.put((index, t, arr, fut))
+        return fut
+
+    def _serve(self):
+        while True:
+            index, t, arr, fut = self._jobs.get()
+            try:
+                self._run(index, t, arr)
+            except Exception as e:  # noqa: BLE001 - reach the waiter
+                fut.set_exception(e)
+                continue
+            fut.set_result(t)
+
+    def _run(self, index, t, arr):
+        import threading
+        import time
+        from membox.torch import _split
+        share = self._share.take()
+        n = arr.size
+        cut = n * share // _split.STEPS
+        done = threading.Event()
+        tail = [None, None]  # error, seconds
+        t0 = time.perf_counter()
+
+        def tail_done(err):
+            tail[0], tail[1] = err, time.perf_counter() - t0
+            done.set()
+        if cut < n:
+            key = (index << 40) | (_SPLIT_TAIL << 36) | ((n - cut) * 4)
+            declare(key, t.view(-1)[cut:])
+            self._c.push_pull(key, arr[cut:], arr[cut:],
+                              priority=-index).add_done_callback(tail_done)
+        else:
+            tail_done(None)
+        if cut:
+            if self._ring is None:
+                self._ring = _split.connect_direct(
+                    self._store, self._rank, self._size,
+                    _split.address_toward(self._first), "membox/hook-ring",
+                    membox._core.Ring, _split.RING_MAX_BYTES,
+                    _split.DEFAULT_TIMEOUT,
+                    segment_bytes=_split.RING_SEGMENT_BYTES)
+            step = _split.RING_MAX_BYTES // 4
+            for i in range(0, cut, step):
+                self._ring.allreduce(arr[i:min(cut, i + step)])
+        ring_s = time.perf_counter() - t0
+        if not done.wait(_split.DEFAULT_TIMEOUT.total_seconds()):
+            raise membox.MemboxError("a split bucket's round on the nodes "
+                                     "did not finish")
+        if tail[0] is not None:
+            raise _error(tail[0])
+        if cut and self._average:
+            t.view(-1)[:cut].div_(self._size)
+        self._share.measured(share, ring_s, tail[1])
 
 
 def _result_buffer(c, key, numel, dtype):
