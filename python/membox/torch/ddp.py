@@ -7,6 +7,7 @@ import os
 import torch
 
 import membox
+from membox.torch import _at_exit
 from membox.torch._session import (session, client, declare, flat_numpy)
 from membox.torch.staging import staging_for
 
@@ -135,17 +136,31 @@ class _Splitter:
         self._first = _proxies()[0]
         self._ring = None
         self._jobs = queue.Queue()
-        threading.Thread(target=self._serve, daemon=True,
-                         name="membox-hook-split").start()
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name="membox-hook-split")
+        self._thread.start()
+        # It completes torch futures: ended at Python's exit (_at_exit).
+        _at_exit.end_at_exit(self, _Splitter.stop)
 
     def submit(self, index, t, arr):
         fut = torch.futures.Future()
         self._jobs.put((index, t, arr, fut))
         return fut
 
+    def stop(self, wait_s=10):
+        """Ends the thread once what is queued has run (waits up to
+        `wait_s` unless called from it)."""
+        import threading
+        self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(wait_s)
+
     def _serve(self):
         while True:
-            index, t, arr, fut = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            index, t, arr, fut = job
             try:
                 self._run(index, t, arr)
             except Exception as e:  # noqa: BLE001 - reach the waiter
