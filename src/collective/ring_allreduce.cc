@@ -1,14 +1,13 @@
 #include "membox/collective/ring_allreduce.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 
 #include "membox/base/accumulate.h"
+#include "membox/base/mutex.h"
 #include "membox/transport/device.h"
 
 #include "src/collective/ring_message.h"
@@ -262,8 +261,8 @@ class RingImpl final : public RingAllreduce {
       return std::make_pair(b + lo, std::min(n, lo + seg) - lo);
     };
     auto id = [k](int s, int j) { return s * k + j; };
-    std::mutex mu;
-    std::condition_variable cv;
+    Mutex mu;
+    CondVar cv;
     std::deque<int> to_send;  // segment ids of steps >= 1, in order
     bool stop = false;
     Status first;
@@ -271,12 +270,12 @@ class RingImpl final : public RingAllreduce {
     // error is then only their closing).
     auto fail = [&](Status st) {
       {
-        std::lock_guard<std::mutex> l(mu);
+        MutexLock l(&mu);
         if (!first.ok()) return;
         first = st;
         stop = true;
       }
-      cv.notify_all();
+      cv.NotifyAll();
       next_->Close();
       prev_->Close();
     };
@@ -290,8 +289,8 @@ class RingImpl final : public RingAllreduce {
         for (int left = (p.steps - 1) * k; left > 0; --left) {
           int i;
           {
-            std::unique_lock<std::mutex> l(mu);
-            cv.wait(l, [&] { return stop || !to_send.empty(); });
+            MutexLock l(&mu);
+            while (!stop && to_send.empty()) cv.Wait(&mu);
             if (to_send.empty()) return AbortedError("ring: stopped");
             i = to_send.front();
             to_send.pop_front();
@@ -320,10 +319,10 @@ class RingImpl final : public RingAllreduce {
           RETURN_IF_ERROR(Send(*prev_, RingType::kAck, call, id(s, j)));
           if (s + 1 < p.steps) {
             {
-              std::lock_guard<std::mutex> l(mu);
+              MutexLock l(&mu);
               to_send.push_back(id(s + 1, j));
             }
-            cv.notify_one();
+            cv.NotifyOne();
           }
         }
       }
@@ -331,7 +330,7 @@ class RingImpl final : public RingAllreduce {
     }();
     if (!st.ok()) fail(st);
     sender.join();
-    std::lock_guard<std::mutex> l(mu);
+    MutexLock l(&mu);
     return first;
   }
 
