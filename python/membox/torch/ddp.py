@@ -3,11 +3,14 @@ memory nodes, in place where the nodes map or register the bucket, staged
 otherwise (CUDA through membox.torch.staging), optionally narrowed to a
 16-bit wire type. The hook's per-bucket state lives in the session."""
 import os
+import queue
+import threading
+import time
 
 import torch
 
 import membox
-from membox.torch import _at_exit
+from membox.torch import _at_exit, _split
 from membox.torch._session import (session, client, declare, flat_numpy)
 from membox.torch.staging import staging_for
 
@@ -88,7 +91,7 @@ def allreduce_hook(state, bucket):
 # 0 turns it off (MEMBOX_HOOK_SPLIT_BYTES, read once at import).
 _SPLIT_BYTES = int(os.environ.get("MEMBOX_HOOK_SPLIT_BYTES", 4 << 20))
 _SPLIT_ON_ONE_HOST = False  # tests: split even where the nodes map memory
-_SPLIT_TAIL = 15  # the dtype code of a split's tail keys (_bucket_key)
+_SPLIT_TAIL = 15  # a split tail's key: _bucket_key's layout, this dtype code
 
 
 def _splitter(c, t):
@@ -106,7 +109,6 @@ def _splitter(c, t):
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from membox.torch import _split
     if _split.first_share(dist.get_world_size(), c.num_proxies) == 0:
         return None
     with session.lock:
@@ -123,10 +125,7 @@ class _Splitter:
     on first use, while the rest is a round on the nodes in place."""
 
     def __init__(self, c, average):
-        import queue
-        import threading
         import torch.distributed as dist
-        from membox.torch import _split
         from membox.torch._session import _proxies
         self._c, self._average = c, average
         self._store = dist.distributed_c10d._get_default_store()
@@ -150,7 +149,6 @@ class _Splitter:
     def stop(self, wait_s=10):
         """Ends the thread once what is queued has run (waits up to
         `wait_s` unless called from it)."""
-        import threading
         self._jobs.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(wait_s)
@@ -169,9 +167,6 @@ class _Splitter:
             fut.set_result(t)
 
     def _run(self, index, t, arr):
-        import threading
-        import time
-        from membox.torch import _split
         share = self._share.take()
         n = arr.size
         cut = n * share // _split.STEPS
