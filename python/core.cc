@@ -34,6 +34,7 @@
 #include "membox/embedding/client.h"
 #include "membox/ps/client_environment.h"
 #include "membox/ps/param_client.h"
+#include "membox/sync/split_allreduce.h"
 
 namespace py = pybind11;
 using membox::Status;
@@ -857,6 +858,18 @@ PYBIND11_MODULE(_core, m) {
       "The secret by membox's one rule: `secret`, else the first line of "
       "`file`, else MEMBOX_SECRET, else MEMBOX_SECRET_FILE; trailing "
       "whitespace and CR removed.");
+
+  // The split all_reduce's rule (sync/split_allreduce.h), one place for the
+  // C++ SplitAllreduce and membox.torch's backend and hook (_split.Share).
+  m.attr("SPLIT_STEPS") = membox::sync::kSplitSteps;
+  m.def("split_first_share", &membox::sync::FirstSplitShare, py::arg("workers"),
+        py::arg("nodes"),
+        "The ring's first share of a split all_reduce, in 16ths: where "
+        "every link is loaded alike at equal rates (0: the nodes alone).");
+  m.def("split_next_share", &membox::sync::NextSplitShare, py::arg("share"),
+        py::arg("ring_s"), py::arg("nodes_s"),
+        "The next split's share after one at `share` whose parts took "
+        "ring_s and nodes_s seconds.");
 
   // The workers' own ring (collective::RingAllreduce): the direct path of
   // the torch backend's large all_gather and broadcast, and the ring's part

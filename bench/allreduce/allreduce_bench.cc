@@ -24,7 +24,9 @@
 #include "membox/collective/ring_allreduce.h"
 #include "membox/ps/client_environment.h"
 #include "membox/ps/param_client.h"
+#include "membox/sync/split_allreduce.h"
 
+#include "bench/common/local_address.h"
 #include "bench/common/mpi_launch.h"
 #include "bench/common/mpi_routing.h"
 #include "bench/common/server_process.h"
@@ -157,7 +159,7 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
   if (a.size() < 5) {
     std::fprintf(stderr,
                  "usage: bench-peer allreduce worker PROXIES|- SECRET_FILE "
-                 "SIZES ITERS PARTITION [stripe|profile]\n");
+                 "SIZES ITERS PARTITION [stripe|profile|profile-nodes|ring]\n");
     return 2;
   }
   int provided;
@@ -204,7 +206,9 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
     // nodes and picks routing, striping and shard sizes. Rank 0 measures
     // alone (workers probing the same links at once measure each other)
     // and every rank uses its table.
-    if (a.size() > 5 && a[5] == "profile") {
+    const bool profile =
+        a.size() > 5 && (a[5] == "profile" || a[5] == "profile-nodes");
+    if (profile) {
       ps::RoutingTable t;
       BarrierAsleep();
       if (rank == 0) {
@@ -216,6 +220,54 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
       BroadcastRouting(&t);
       client->SetRouting(t);
     }
+    // membox's default where the nodes are reached over links and have
+    // fewer of them than the workers (FirstSplitShare > 0): each tensor
+    // split between the workers' ring and the nodes (sync::SplitAllreduce),
+    // as the torch backend and the DDP hook do; "profile-nodes" keeps the
+    // nodes alone, to compare. On one host the nodes map the workers'
+    // memory and stay alone.
+    std::unique_ptr<collective::RingAllreduce> ring;
+    std::unique_ptr<sync::SplitAllreduce> split;
+    const int nodes = static_cast<int>(o.proxies.size());
+    const std::string here = LocalAddressToward(o.proxies[0]);
+    // Rank 0's view, so that every rank decides alike.
+    int use_split = profile && a[5] == "profile" && !IsLoopbackAddress(here) &&
+                    sync::FirstSplitShare(world, nodes) > 0;
+    MPI_Bcast(&use_split, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    if (use_split) {
+      collective::RingOptions ro;
+      ro.rank = rank;
+      ro.world = world;
+      ro.listen = here + ":0";
+      ro.secret = o.secret;
+      ro.max_bytes = largest;
+      // Each ring step goes in 1 MiB segments, forwarded as they arrive
+      // (the torch backend's choice across hosts, RING_SEGMENT_BYTES).
+      ro.segment_bytes = 1 << 20;
+      auto r = collective::RingAllreduce::Create(ro);
+      if (!r.ok()) return fail(r.status());
+      ring = std::move(*r);
+      char ep[128] = {0};
+      std::snprintf(ep, sizeof ep, "%s", ring->endpoint().c_str());
+      std::vector<char> all(128 * world);
+      MPI_Allgather(ep, 128, MPI_CHAR, all.data(), 128, MPI_CHAR,
+                    MPI_COMM_WORLD);
+      std::vector<std::string> eps;
+      for (int i = 0; i < world; ++i) eps.emplace_back(&all[128 * i]);
+      if (Status s = ring->Connect(eps); !s.ok()) return fail(s);
+      sync::SplitOptions so;
+      so.rank = rank;
+      so.world = world;
+      so.nodes = nodes;
+      so.ring_max_bytes = largest;
+      auto sp = sync::SplitAllreduce::Create(client.get(), ring.get(), so);
+      if (!sp.ok()) return fail(sp.status());
+      split = std::move(*sp);
+      if (rank == 0) {
+        std::fprintf(stderr, "split: %d/16 of each tensor over the ring\n",
+                     split->share());
+      }
+    }
     auto in = client->AllocateTensor(largest);
     auto out = client->AllocateTensor(largest);
     if (!in.ok() || !out.ok())
@@ -225,15 +277,22 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
     for (uint64_t i = 0; i < largest / 4; ++i) x[i] = RampInput(rank, i);
     for (size_t i = 0; i < sizes.size(); ++i) {
       uint64_t n = sizes[i];
-      auto d = client->Declare(i + 1, n, DType::kFloat32);
-      if (!d.ok()) return fail(d.status());
+      if (!split) {
+        auto d = client->Declare(i + 1, n, DType::kFloat32);
+        if (!d.ok()) return fail(d.status());
+      }
       // A result that is never written shows as NaN, not as an old sum.
       std::fill(y, y + n / 4, std::nanf(""));
       Status err;
       double t = TimeCollective(ItersFor(n, iters), [&] {
-        Status s = client->PushPull(i + 1, x, y).Wait();
+        Status s = split ? split->Allreduce(i + 1, x, y, n / 4)
+                         : client->PushPull(i + 1, x, y).Wait();
         if (!s.ok()) err = s;
       });
+      if (split && rank == 0) {
+        std::fprintf(stderr, "split %s: now %d/16 over the ring\n",
+                     SizeLabel(n).c_str(), split->share());
+      }
       if (!err.ok()) return fail(err);
       Status sum = CheckRampSum(y, n / 4, world);
       if (!sum.ok()) return fail(sum);

@@ -27,6 +27,7 @@
 #include "membox/ps/client_environment.h"
 #include "membox/ps/param_client.h"
 
+#include "bench/common/local_address.h"
 #include "bench/common/mpi_launch.h"
 #include "bench/common/mpi_routing.h"
 #include "bench/common/server_process.h"
@@ -175,28 +176,6 @@ WorkerResult RunMpi(const Model& m, int iters) {
 }
 
 // ---------------------------------------------------------------- membox
-
-// The address of this host's interface that reaches `endpoint` (host:port):
-// where the workers' own ring listens, so that it also works across hosts
-// (`membox bench cluster`). 127.0.0.1 when the route cannot be found.
-std::string LocalAddressToward(const std::string& endpoint) {
-  std::string host = endpoint.substr(0, endpoint.rfind(':'));
-  sockaddr_in to{};
-  to.sin_family = AF_INET;
-  to.sin_port = htons(9);
-  if (inet_pton(AF_INET, host.c_str(), &to.sin_addr) != 1) return "127.0.0.1";
-  int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd < 0) return "127.0.0.1";
-  sockaddr_in me{};
-  socklen_t len = sizeof me;
-  char buf[INET_ADDRSTRLEN] = "127.0.0.1";
-  if (connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) == 0) {
-    inet_ntop(AF_INET, &me.sin_addr, buf, sizeof buf);
-  }
-  close(fd);
-  return buf;
-}
 
 struct MemboxConfig {
   std::vector<std::string> proxies;

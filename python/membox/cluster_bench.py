@@ -14,7 +14,10 @@ on them, with the baselines in the same run:
              MPI_Allreduce (Open MPI, TCP) and Gloo's all_reduce (torch)
              across the worker hosts, 1 MiB ... 256 MiB, with each scheme's
              link bound in the same table:
-               membox: max(n / worker link, p n / (M memory-node link))
+               membox: max(n / worker link, p n / (M memory-node link)),
+                       or, with fewer nodes than workers, that of the best
+                       split of each tensor between the workers' ring and
+                       the nodes (split_bound; 0.8x the ring's on 4w2m)
              (--memory-rate: memory hosts' links apart from the workers')
                ring AllReduce: 2 (p - 1) / p  n / worker link
   replication  the default (replicated nodes) against --ps-replicate off:
@@ -179,6 +182,23 @@ class Records:
         return float("nan")
 
 
+def split_bound(n, p, m, link, mem_link):
+    """The link bound (s) of membox's default sum of n bytes: the best split
+    x of the tensor between the workers' ring, which moves 2x(p-1)/p n over
+    each worker's link, and the nodes, which move (1-x) n over each
+    worker's link and p(1-x) n / m over each node's. Where the nodes have
+    as many links as the workers x = 0: max(n / link, p n / (m mem_link))."""
+    best = float("inf")
+    for i in range(0, 1001):
+        x = i / 1000
+        worker = (2 * x * (p - 1) / p + (1 - x)) * n / link
+        node = p * (1 - x) * n / (m * mem_link)
+        best = min(best, max(worker, node))
+        if p <= m:
+            break  # the nodes alone: what membox does there
+    return best
+
+
 def run_allreduce(a, rec, only=None):
     """PushPull against MPI and Gloo per node count; `only`: the variants
     to run (the replication part: membox's default and --ps-replicate
@@ -196,7 +216,7 @@ def run_allreduce(a, rec, only=None):
         try:
             for n in a.sizes:
                 rec.add(f"bound-{m}node", n, p, "time",
-                        1e3 * max(n / link, p * n / (m * mem_link)), "ms", case)
+                        1e3 * split_bound(n, p, m, link, mem_link), "ms", case)
             peer = [membox, "bench-peer", "allreduce", "worker",
                     cluster.proxies(topo), cluster.secret_file(topo), sizes_s,
                     str(a.iters), str(a.partition)]
@@ -205,11 +225,16 @@ def run_allreduce(a, rec, only=None):
             # --partition striped over the nodes (no profile); coarse: seed
             # 000's scheme, each worker through the node next to it
             # (rank % M) and the nodes' ring.
+            # Where the nodes have fewer links than the workers the default
+            # splits each tensor between the workers' ring and the nodes
+            # (sync::SplitAllreduce); "nodes" is the nodes alone.
             runs = [("membox", peer + ["profile"], False),
                     ("fixed", peer + ["stripe"], False)]
+            if m < p:
+                runs.append(("nodes", peer + ["profile-nodes"], False))
             if m > 1:
                 runs.append(("coarse", peer + ["ring"], False))
-            if m == a.nodes[0] and only is None:
+            if m == a.nodes[0]:
                 for n in a.sizes:
                     rec.add("ring-bound", n, p, "time",
                             1e3 * 2 * (p - 1) / p * n / link, "ms", case)
@@ -237,7 +262,7 @@ def run_allreduce(a, rec, only=None):
                     # Fresh nodes: a kept key keeps its first job's shards
                     # and striping (and a repeat's default must not run on
                     # the unreplicated nodes the last variant left).
-                    if variant in ("coarse", "fixed") or (
+                    if variant in ("coarse", "fixed", "nodes") or (
                             variant == "membox" and rep > 0):
                         cluster.down(topo, quiet=True)
                         cluster.up(topo, log=lambda s: None)
@@ -255,7 +280,8 @@ def run_allreduce(a, rec, only=None):
                         raise RuntimeError(f"{variant}: {len(res)} of "
                                            f"{len(a.sizes)} results")
                     name = f"{variant}-{m}node" if variant in (
-                        "membox", "fixed", "coarse", "unreplicated") else variant
+                        "membox", "fixed", "coarse", "nodes",
+                        "unreplicated") else variant
                     for _, size, sec in res:
                         times.setdefault((name, int(size)), []).append(
                             float(sec) * 1e3)
@@ -491,6 +517,13 @@ def print_tables(a, rec):
                       f"{_label(n)} {rec.get(f'fixed-{x}node', n, 'time', case):.2f}"
                       f" (x{rec.get(f'fixed-{x}node', n, 'time', case) / rec.get(f'membox-{x}node', n, 'time', case):.2f})"
                       for n in a.sizes))
+            if rec.get(f"nodes-{x}node", a.sizes[0], "time", case) == \
+                    rec.get(f"nodes-{x}node", a.sizes[0], "time", case):
+                print(f"  the nodes alone (no split), {x} nodes (ms; x of the "
+                      f"default): " + ", ".join(
+                          f"{_label(n)} {rec.get(f'nodes-{x}node', n, 'time', case):.2f}"
+                          f" (x{rec.get(f'nodes-{x}node', n, 'time', case) / rec.get(f'membox-{x}node', n, 'time', case):.2f})"
+                          for n in a.sizes))
             if rec.get(f"unreplicated-{x}node", a.sizes[0], "time", case) == \
                     rec.get(f"unreplicated-{x}node", a.sizes[0], "time", case):
                 print(f"  --ps-replicate off, {x} nodes (ms; the default "
@@ -626,6 +659,9 @@ def main(argv=None):
     ap.add_argument("--compute-scale", type=float, default=0.0,
                     help="train: fraction of each model's compute time")
     ap.add_argument("--train-iters", type=int, default=0)
+    ap.add_argument("--variants", default="",
+                    help="allreduce: run only these variants (membox, "
+                    "fixed, nodes, coarse, unreplicated, mpi, gloo)")
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--gloo-worker", action="store_true",
                     help=argparse.SUPPRESS)
@@ -659,7 +695,8 @@ def main(argv=None):
     t0 = time.time()
     try:
         if "allreduce" in parts:
-            run_allreduce(a, rec)
+            run_allreduce(a, rec, only=tuple(a.variants.split(","))
+                          if a.variants else None)
         elif "replication" in parts:
             # What replication (the default with 2+ nodes) costs: the
             # default against --ps-replicate off, nothing else.

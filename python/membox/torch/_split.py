@@ -13,7 +13,7 @@ import socket
 
 import membox
 
-STEPS = 16  # the ring's share is a multiple of 1/16
+STEPS = membox._core.SPLIT_STEPS  # the ring's share is a multiple of 1/16
 RING_MAX_BYTES = 64 << 20  # the workers' ring's pieces: this / world a step
 # Across hosts a ring step's chunk goes in segments of this many bytes,
 # each forwarded as it arrives (RingOptions::segment_bytes; 0: whole
@@ -24,27 +24,18 @@ RING_SEGMENT_BYTES = int(os.environ.get("MEMBOX_BACKEND_RING_SEGMENT_BYTES",
 
 def first_share(workers, nodes):
     """The ring's share of a split all_reduce, in 16ths, that loads every
-    link alike when all hosts' links have one rate. Per byte of the tensor
-    the ring moves 2(p-1)/p bytes each way over each worker's link; the
-    nodes' path moves 1 over each worker's link and p/m over each node's
-    (p workers, m nodes, striped). With p <= m the nodes' path alone is
-    fastest (the workers' links bound both, and the ring moves more); else
-    the links balance at ring/nodes = (p/m - 1) p / (2 (p - 1)): 6/16 for
-    4 workers and 2 nodes."""
-    if workers < 2 or workers <= nodes:
-        return 0
-    r = (workers / nodes - 1) * workers / (2 * (workers - 1))
-    return min(STEPS - 1, int(round(STEPS * r / (1 + r))))
+    link alike when all hosts' links have one rate (sync::FirstSplitShare,
+    the rule the C++ SplitAllreduce uses too): 0 where the nodes have as
+    many links as the workers, 6/16 for 4 workers and 2 nodes."""
+    return membox._core.split_first_share(workers, nodes)
 
 
 class Share:
     """The ring's share of each split, in 16ths. It starts at the links'
-    balance (first_share); after each split rank 0 takes each part's time
-    per sixteenth (measured while both ran, so a shared link shows in
-    both), computes the share that makes both take equally long, moves
-    there at once when within two sixteenths, half way when further, not
-    at all within half a sixteenth (each new cut is a new key on the
-    nodes, touched afresh), and publishes it in `store` under
+    balance (first_share); after each split rank 0 moves it by the parts'
+    measured times (sync::NextSplitShare: toward equal times, at once
+    within two sixteenths, half way further, not within half a sixteenth)
+    and publishes it in `store` under
     "<prefix>/<k>"; every other rank reads it there before its k-th split,
     so every rank cuts alike. Once the nodes alone are chosen it stays 0."""
 
@@ -68,22 +59,7 @@ class Share:
         if self._rank != 0:
             return
         k = self._splits - 1
-        ring = ring_s / share if share else None
-        node = nodes_s / (STEPS - share) if share < STEPS else None
-        if ring is not None and node is not None:
-            target = STEPS * node / (ring + node)
-        elif ring is None:  # all on the nodes: it stays so
-            target = 0
-        else:
-            target = STEPS - 1
-        delta = target - share
-        if abs(delta) < 0.5:
-            nxt = share
-        elif abs(delta) <= 2:
-            nxt = int(target + 0.5)
-        else:
-            nxt = int(share + delta / 2 + 0.5)
-        self.value = min(STEPS - 1, max(0, nxt))
+        self.value = membox._core.split_next_share(share, ring_s, nodes_s)
         self._store.set("%s/%d" % (self._prefix, k + 1), str(self.value))
         if k >= 1:
             self._store.delete_key("%s/%d" % (self._prefix, k))
