@@ -935,16 +935,21 @@ PYBIND11_MODULE(_core, m) {
           "ring as a pipelined chain.")
       .def(
           "allreduce",
-          [](RingAllreduce& r, py::object data) {
+          [](RingAllreduce& r, py::object data, const std::string& dtype) {
             Buffer b = GetBuffer(data, true);
-            if (b.bytes % sizeof(float) != 0) {
-              throw py::value_error("a float32 buffer is needed");
+            const membox::DType dt = ParseDType(dtype);
+            const size_t es = membox::DTypeSize(dt);
+            if (b.bytes % es != 0) {
+              throw py::value_error("the buffer is not whole " + dtype +
+                                    " elements");
             }
-            CallWithoutGil([&] {
-              return r.Allreduce(static_cast<float*>(b.ptr), b.bytes / 4);
-            });
+            CallWithoutGil(
+                [&] { return r.Allreduce(b.ptr, b.bytes / es, dt); });
           },
-          py::arg("data"), "float32 sum in place (at most max_bytes).");
+          py::arg("data"), py::arg("dtype") = "float32",
+          "Sum in place (at most max_bytes) of the buffer's bytes read as "
+          "`dtype` (float32, float64, float16, bfloat16: a 16-bit buffer "
+          "may be given as uint16).");
 
   // The workers' mesh (collective::Mesh): the direct path of the torch
   // backend's all-to-all. Blocking calls, GIL released; one call at a time

@@ -77,7 +77,7 @@ background_build() {
   cmake --preset asan && cmake --build --preset asan -j"$jobs" &&
     cmake --preset tsan &&
     cmake --build --preset tsan -j"$jobs" --target transport_test collective_test \
-      service_test memserver_test ps_test embedding_server_test membox
+      service_test memserver_test ps_test embedding_server_test sync_test membox
 }
 mkdir -p build
 # A session of its own (setsid: one process group to stop on exit). With
@@ -110,7 +110,7 @@ cmake --build --preset asan -j"$jobs"  # nothing left to do, normally
 # joiner with peers down) ps_test covers under ASan already.
 run_ctest asan -E '^overlapping_failures_test$'
 
-stage "ThreadSanitizer: transport (handshake, TCP path), the workers' collectives, the service layer, the memory server, the proxy, the embedding server, a real daemon under hostile input"
+stage "ThreadSanitizer: transport (handshake, TCP path), the workers' collectives, the split sum, the service layer, the memory server, the proxy, the embedding server, a real daemon under hostile input"
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp" UCX_MEM_EVENTS=no
 # WriteAndReadManySizes/am: a 9 MiB rendezvous through instrumented memcpy
 # exceeds its 10 s wait under TSan (tests/tsan.supp).
@@ -122,7 +122,7 @@ timeout -k 30 900 build/tsan/src/transport/transport_test --gtest_filter='-*Writ
 # stack reuses -- a race TSan reports and separate processes cannot have
 # (docs/results/failures.md, "Known problems in the tests").
 tsan_skip='-PsTest.ALaggingSurvivorCatchesUpFromAPeerThatFinished:PsTest.AReplacementAtAnotherAddressTakesOver:PsTest.WorkersRideThroughAReplacedProxyOfThree:PsTest.WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree:PsTest.AReplacementServesWhileItCopiesRingShards:PsTest.TwoDeathsBeforeAReplacement*:PsTest.AReplacementServesWhileItCopiesStripedShards'
-for t in collective/collective_test service/service_test memserver/memserver_test ps/ps_test embedding/embedding_server_test; do
+for t in collective/collective_test service/service_test memserver/memserver_test ps/ps_test embedding/embedding_server_test sync/sync_test; do
   filter=()
   [[ $t == ps/ps_test ]] && filter=(--gtest_filter="$tsan_skip")
   timeout -k 30 900 build/tsan/src/$t "${filter[@]}" >"build/tsan/${t##*/}.log" 2>&1 \
@@ -132,7 +132,7 @@ timeout -k 30 900 /usr/bin/python3 tests/hostile/hostile_network_test.py build/t
   >build/tsan/hostile_network_test.log 2>&1 \
   || { tail -n 80 build/tsan/hostile_network_test.log; exit 1; }
 unset TSAN_OPTIONS UCX_MEM_EVENTS
-echo "tsan: transport_test, service_test, memserver_test, ps_test, embedding_server_test, hostile_network_test clean"
+echo "tsan: transport_test, service_test, memserver_test, ps_test, embedding_server_test, sync_test, hostile_network_test clean"
 
 stage "fuzz targets (libFuzzer, 15 s each, $jobs at a time)"
 # Built by the ASan stage (build/asan/fuzz/). Each fuzzer runs on its

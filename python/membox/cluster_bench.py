@@ -123,7 +123,8 @@ def mpirun(topo, cmd, attach=False, timeout=900):
         sys.stderr.write(p.stdout[-3000:] + p.stderr[-3000:])
         raise RuntimeError(f"run failed (exit {p.returncode}): {' '.join(cmd[:4])}")
     for line in p.stderr.splitlines():  # what the default decided
-        if line.startswith("  dual sync:") or ": routing S=" in line:
+        if (line.startswith("  dual sync:") or ": routing S=" in line or
+                line.startswith("split")):
             print(line, file=sys.stderr)
     return results(p.stdout)
 

@@ -94,24 +94,35 @@ class RingImpl final : public RingAllreduce {
     return Status::Ok();
   }
 
-  Status Allreduce(float* data, size_t count) override {
+  using RingAllreduce::Allreduce;
+  Status Allreduce(void* data, size_t count, DType dtype) override {
+    const size_t es = DTypeSize(dtype);
+    if (es == 0 || !AccumulateSupports(dtype)) {
+      return InvalidArgumentError("ring: no sum of dtype " +
+                                  std::to_string(static_cast<int>(dtype)));
+    }
     const int P = opt_.world;
     if (P == 1 || count == 0) return Status::Ok();
     if (!next_ || !prev_) return FailedPreconditionError("ring not connected");
-    if (count * sizeof(float) > opt_.max_bytes) {
+    if (count * es > opt_.max_bytes) {
       return InvalidArgumentError("buffer larger than the ring's max_bytes");
     }
     const size_t per = (count + P - 1) / P;
+    if (per * es > ChunkCapacity()) {  // 8-byte elements, a tiny max_bytes
+      return InvalidArgumentError("ring: a chunk of " +
+                                  std::to_string(per * es) +
+                                  " bytes exceeds the ring's buffer");
+    }
     Pass pass;
-    pass.base = reinterpret_cast<uint8_t*>(data);
+    pass.base = static_cast<uint8_t*>(data);
+    pass.dtype = dtype;
     pass.steps = 2 * (P - 1);
     pass.reduce_steps = P - 1;  // reduce-scatter, then all-gather
-    pass.chunk = [count, per](int c) {
+    pass.chunk = [count, per, es](int c) {
       size_t b = std::min(count, per * static_cast<size_t>(c));
-      return std::make_pair(b * sizeof(float),
-                            (std::min(count, b + per) - b) * sizeof(float));
+      return std::make_pair(b * es, (std::min(count, b + per) - b) * es);
     };
-    pass.largest = per * sizeof(float);
+    pass.largest = per * es;
     return Run(pass);
   }
 
@@ -199,6 +210,7 @@ class RingImpl final : public RingAllreduce {
   // chunk is larger than `largest` (<= ChunkCapacity()).
   struct Pass {
     uint8_t* base = nullptr;
+    DType dtype = DType::kFloat32;  // what the reduce steps add
     int steps = 0;
     int reduce_steps = 0;
     int shift = 0;
@@ -254,7 +266,8 @@ class RingImpl final : public RingAllreduce {
   // returned and both neighbours' connections are closed: the other
   // thread may be blocked on either, and the ring is out of step anyway.
   Status RunPipelined(const Pass& p, uint64_t call, int k) {
-    const size_t seg = ((p.largest + k - 1) / k + 3) / 4 * 4;
+    // Whole elements of any dtype (at most 8 bytes) in every segment.
+    const size_t seg = ((p.largest + k - 1) / k + 7) / 8 * 8;
     auto piece = [&](int s, int j) {  // (offset in base, bytes) of a segment
       auto [b, n] = p.chunk(SendChunk(p, s));
       size_t lo = std::min(n, seg * static_cast<size_t>(j));
@@ -334,12 +347,11 @@ class RingImpl final : public RingAllreduce {
     return first;
   }
 
-  // Step s's received bytes `in` into `into`: added as float32 or copied.
+  // Step s's received bytes `in` into `into`: added as p.dtype or copied.
   static void Consume(const Pass& p, int s, uint8_t* into, const void* in,
                       size_t n) {
     if (s < p.reduce_steps) {
-      AccumulateKernel(DType::kFloat32, reinterpret_cast<float*>(into),
-                       static_cast<const float*>(in), n / sizeof(float), 1.0);
+      AccumulateKernel(p.dtype, into, in, n / DTypeSize(p.dtype), 1.0);
     } else {
       std::memcpy(into, in, n);
     }

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include "membox/base/accumulate.h"
+
 #include "src/collective/loopback_group_test_util.h"
 #include "src/collective/ring_message.h"
 
@@ -67,6 +69,52 @@ TEST(RingAllreduceTest, SumsInSegments) {
   RunRing(4, 9, 2, 4);         // chunks of 3, 3, 3 and 0 floats
   RunRing(2, 4096, 2, 64);     // capped at 16 segments
   RunRing(3, 30, 2, 1024);     // below two segments: one piece per step
+}
+
+// Every dtype the accumulate kernels sum: float64 in place, float16 and
+// bfloat16 (small integers, exact in each) as 16-bit words, in whole steps
+// and pipelined (segments of whole elements); other dtypes are refused.
+void RunTyped(int world, size_t count, DType dtype, size_t segment_bytes) {
+  const size_t es = DTypeSize(dtype);
+  OnRing(
+      world, count * es,
+      [&](int r, RingAllreduce& ring) {
+        std::vector<float> in(count), out(count);
+        for (size_t i = 0; i < count; ++i) in[i] = float(r) + float(i % 7);
+        std::vector<uint8_t> buf(count * es);
+        if (dtype == DType::kFloat64) {
+          auto* d = reinterpret_cast<double*>(buf.data());
+          for (size_t i = 0; i < count; ++i) d[i] = in[i];
+        } else {
+          NarrowFromFloat(dtype, in.data(), buf.data(), count);
+        }
+        Status s = ring.Allreduce(buf.data(), count, dtype);
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        if (dtype == DType::kFloat64) {
+          auto* d = reinterpret_cast<double*>(buf.data());
+          for (size_t i = 0; i < count; ++i) out[i] = float(d[i]);
+        } else {
+          WidenToFloat(dtype, buf.data(), out.data(), count);
+        }
+        for (size_t i = 0; i < count; ++i) {
+          float want = 0;
+          for (int q = 0; q < world; ++q) want += float(q) + float(i % 7);
+          ASSERT_EQ(out[i], want)
+              << "dtype " << int(dtype) << " rank " << r << " i " << i;
+        }
+        int32_t ints[4] = {1, 2, 3, 4};
+        EXPECT_EQ(ring.Allreduce(ints, 4, DType::kInt32).code(),
+                  StatusCode::kInvalidArgument);
+      },
+      segment_bytes);
+}
+
+TEST(RingAllreduceTest, SumsEveryFloatDtype) {
+  for (DType t : {DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    RunTyped(3, 10007, t, 0);
+    RunTyped(3, 10007, t, 1024);  // segments of 1024 bytes, the last short
+    RunTyped(4, 9, t, 8);         // chunks of 3, 3, 3 and 0 elements
+  }
 }
 
 // Allgather in place, chunks larger than a piece (max_bytes / world), a

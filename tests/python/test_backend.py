@@ -374,26 +374,27 @@ def _ddp(rank, world):
     return [p.detach().tolist() for p in model.parameters()]
 
 
-def _ddp_big(rank, world, hook):
-    """Six DDP steps (on Gloo) of an MLP whose one bucket is 4.2 MB; with
-    `hook`, membox's DDP hook, whose buckets of 4 MiB and more are split
+def _ddp_big(rank, world, hook, wire=None, width=1024):
+    """Six DDP steps (on Gloo) of an MLP whose one bucket is 4.2 MB (width
+    1024; 8.4 MB at 2048); with `hook`, membox's DDP hook, whose buckets of
+    4 MiB and more on the wire (`wire`: the hook's wire_dtype) are split
     between the workers' ring and the nodes (forced here on one host).
     Returns the final weights and how many buckets were split."""
     from membox.torch import ddp as mddp
     from membox.torch._session import session
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
+    model = torch.nn.Sequential(torch.nn.Linear(width, 1024), torch.nn.Tanh(),
                                 torch.nn.Linear(1024, 4))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
     if hook:
         import membox.torch as mt
         mddp._SPLIT_ON_ONE_HOST = True
-        mt.init()
+        mt.init(wire_dtype=wire)
         ddp.register_comm_hook(None, mt.allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for _ in range(6):
-        x = torch.randn(8, 1024, generator=g)
+        x = torch.randn(8, width, generator=g)
         loss = (ddp(x) - x[:, :4]).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -720,7 +721,13 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
               "broadcast-tree": _broadcast_tree,
               "subgroup-held": _subgroup_held,
               "ddp-split-hook-gloo": lambda r, w: _ddp_big(r, w, True),
-              "ddp-big-gloo": lambda r, w: _ddp_big(r, w, False)}[program]
+              "ddp-big-gloo": lambda r, w: _ddp_big(r, w, False),
+              "ddp-split-hook-bf16-gloo": lambda r, w: _ddp_big(
+                  r, w, True, "bfloat16", 2048),
+              "ddp-split-hook-fp16-gloo": lambda r, w: _ddp_big(
+                  r, w, True, "float16", 2048),
+              "ddp-wide-gloo": lambda r, w: _ddp_big(r, w, False, None,
+                                                     2048)}[program]
         out = fn(rank, world)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -969,6 +976,28 @@ class BackendTest(unittest.TestCase):
                                                rtol=1e-5, atol=1e-6))
         self.assertEqual(got[0][0], got[1][0])  # the ranks agree exactly
         self.assertEqual(got[0][0], got[2][0])
+
+    def test_ddp_hook_splits_narrow_wire_buckets(self):
+        # The same with a bfloat16 and a float16 wire (an 8.4 MB float32
+        # bucket, 4.2 MB on the wire): the head is summed in the wire type
+        # around the ring (rounded at each of its two adds, as Gloo's
+        # compress hooks are), the tail on the nodes in float32 and rounded
+        # once; the average is divided after widening.
+        want = self.run_ranks(3, "ddp-wide-gloo")
+        for program, tol in (("ddp-split-hook-bf16-gloo", 2e-3),
+                             ("ddp-split-hook-fp16-gloo", 3e-4)):
+            got = self.run_ranks(3, program)
+            for r in range(3):
+                self.assertEqual(got[r][1], 5, program)
+                for g, w in zip(got[r][0], want[0][0]):
+                    # Six SGD steps of lr 0.1 on gradients rounded to 8
+                    # (bfloat16) or 11 (float16) significant bits.
+                    self.assertTrue(torch.allclose(torch.tensor(g),
+                                                   torch.tensor(w),
+                                                   rtol=tol, atol=tol),
+                                    program)
+            self.assertEqual(got[0][0], got[1][0])  # the ranks agree exactly
+            self.assertEqual(got[0][0], got[2][0])
 
     def test_fsdp2_matches_gloo(self):
         got = self.run_ranks(2, "fsdp2")

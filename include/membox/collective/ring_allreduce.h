@@ -1,5 +1,5 @@
 // Worker-side ring AllReduce (the "GPU synchronisation" half of seed 000's
-// dual synchronisation, §III.F): p workers sum a float32 buffer in place by
+// dual synchronisation, §III.F): p workers sum a buffer in place by
 // reduce-scatter + all-gather over p chunks (or only all-gather bytes: the
 // direct path of the torch backend's all_gather), each step a one-sided write
 // of one chunk into the next worker's receive buffer (mapped memory on one
@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "membox/base/dtype.h"
 #include "membox/base/status.h"
 
 namespace membox::collective {
@@ -62,9 +63,15 @@ class RingAllreduce {
   virtual std::string endpoint() const = 0;
   // Connects to the neighbours; `endpoints[i]` is worker i's endpoint().
   virtual Status Connect(const std::vector<std::string>& endpoints) = 0;
-  // data[i] <- sum over workers of data[i]; `count` * 4 <= max_bytes and
-  // equal on every worker.
-  virtual Status Allreduce(float* data, size_t count) = 0;
+  // data[i] <- sum over workers of data[i], `count` elements of `dtype`
+  // (float32, float64, float16, bfloat16: the accumulate kernels' types;
+  // a 16-bit sum is rounded at each of the p - 1 adds, as Gloo's is); `count` *
+  // its size <= max_bytes and equal on every worker. kInvalidArgument for
+  // another dtype or too many bytes.
+  virtual Status Allreduce(void* data, size_t count, DType dtype) = 0;
+  Status Allreduce(float* data, size_t count) {
+    return Allreduce(data, count, DType::kFloat32);
+  }
   // In-place all-gather of bytes: `data` holds world chunks of
   // `chunk_bytes` each, this worker's own at rank * chunk_bytes; on return
   // every chunk holds its worker's bytes. Each worker sends and receives

@@ -11,7 +11,8 @@ import torch
 
 import membox
 from membox.torch import _at_exit, _split
-from membox.torch._session import (session, client, declare, flat_numpy)
+from membox.torch._session import (session, client, declare, dtype_name,
+                                   flat_numpy)
 from membox.torch.staging import staging_for
 
 
@@ -84,25 +85,30 @@ def allreduce_hook(state, bucket):
     return for_ddp(fut)
 
 
-# A float32 CPU bucket of at least this many bytes, with the nodes on other
-# hosts and more workers than nodes, is split as the backend's all_reduce
-# is: its head around the workers' ring while its tail is averaged on the
-# nodes (membox.torch._split; docs/design/backend.md, "Split all_reduce").
+# A CPU bucket of at least this many bytes on the wire (float32, or the
+# bfloat16 / float16 wire copy of one), with the nodes on other hosts and
+# more workers than nodes, is split as the backend's all_reduce is: its
+# head around the workers' ring while its tail is averaged on the nodes
+# (membox.torch._split; docs/design/backend.md, "Split all_reduce").
 # 0 turns it off (MEMBOX_HOOK_SPLIT_BYTES, read once at import).
 _SPLIT_BYTES = int(os.environ.get("MEMBOX_HOOK_SPLIT_BYTES", 4 << 20))
 _SPLIT_ON_ONE_HOST = False  # tests: split even where the nodes map memory
-_SPLIT_TAIL = 15  # a split tail's key: _bucket_key's layout, this dtype code
+# A split tail's key: _bucket_key's layout with this dtype code (float32),
+# or the next lower one (a 16-bit wire's tails).
+_SPLIT_TAIL = 15
+_SPLIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _splitter(c, t):
-    """The session's _Splitter when bucket `t` is split, else None: float32
-    on the CPU, _SPLIT_BYTES or more, no narrow wire, the nodes averaging
-    or summing, under torch.distributed with more workers than nodes (the
-    links' balance gives the ring a share), and the nodes reached over a
-    link (where they map this worker's memory they sum at memory speed)."""
+    """The session's _Splitter when bucket `t` (what goes on the wire) is
+    split, else None: float32, or a bfloat16 / float16 wire copy, on the
+    CPU, _SPLIT_BYTES or more, the nodes averaging or summing, under
+    torch.distributed with more workers than nodes (the links' balance
+    gives the ring a share), and the nodes reached over a link (where they
+    map this worker's memory they sum at memory speed)."""
     if not (0 < _SPLIT_BYTES <= t.numel() * t.element_size() and
-            t.dtype == torch.float32 and t.device.type == "cpu" and
-            session.wire is None and session.mode in ("average", "sum")):
+            t.dtype in _SPLIT_DTYPES and t.device.type == "cpu" and
+            session.mode in ("average", "sum")):
         return None
     if c.proxies_map_memory and not _SPLIT_ON_ONE_HOST:
         return None
@@ -141,9 +147,12 @@ class _Splitter:
         # It completes torch futures: ended at Python's exit (_at_exit).
         _at_exit.end_at_exit(self, _Splitter.stop)
 
-    def submit(self, index, t, arr):
+    def submit(self, index, t, arr, result=None):
+        """Sums bucket `t` (its memory: `arr`) in place; `result`: the
+        float32 bucket `t` is a narrow wire copy of, widened into once the
+        sum is in. The future's value is `result`, else `t`."""
         fut = torch.futures.Future()
-        self._jobs.put((index, t, arr, fut))
+        self._jobs.put((index, t, arr, result, fut))
         return fut
 
     def stop(self, wait_s=10):
@@ -158,18 +167,20 @@ class _Splitter:
             job = self._jobs.get()
             if job is None:
                 return
-            index, t, arr, fut = job
+            index, t, arr, result, fut = job
             try:
-                self._run(index, t, arr)
+                self._run(index, t, arr, result)
             except Exception as e:  # noqa: BLE001 - reach the waiter
                 fut.set_exception(e)
                 continue
-            fut.set_result(t)
+            fut.set_result(t if result is None else result)
 
-    def _run(self, index, t, arr):
+    def _run(self, index, t, arr, result):
         share = self._share.take()
         n = arr.size
         cut = n * share // _split.STEPS
+        name = dtype_name(t)
+        esize = t.element_size()
         done = threading.Event()
         tail = [None, None]  # error, seconds
         t0 = time.perf_counter()
@@ -178,7 +189,8 @@ class _Splitter:
             tail[0], tail[1] = err, time.perf_counter() - t0
             done.set()
         if cut < n:
-            key = (index << 40) | (_SPLIT_TAIL << 36) | ((n - cut) * 4)
+            code = _SPLIT_TAIL if t.dtype == torch.float32 else _SPLIT_TAIL - 1
+            key = (index << 40) | (code << 36) | ((n - cut) * esize)
             declare(key, t.view(-1)[cut:])
             self._c.push_pull(key, arr[cut:], arr[cut:],
                               priority=-index).add_done_callback(tail_done)
@@ -192,17 +204,21 @@ class _Splitter:
                     membox._core.Ring, _split.RING_MAX_BYTES,
                     _split.DEFAULT_TIMEOUT,
                     segment_bytes=_split.RING_SEGMENT_BYTES)
-            step = _split.RING_MAX_BYTES // 4
+            step = _split.RING_MAX_BYTES // esize
             for i in range(0, cut, step):
-                self._ring.allreduce(arr[i:min(cut, i + step)])
+                self._ring.allreduce(arr[i:min(cut, i + step)], name)
         ring_s = time.perf_counter() - t0
         if not done.wait(_split.DEFAULT_TIMEOUT.total_seconds()):
             raise membox.MemboxError("a split bucket's round on the nodes "
                                      "did not finish")
         if tail[0] is not None:
             raise _error(tail[0])
+        out = t
+        if result is not None:  # widened first: the head's average is
+            out = result.view(-1)  # divided in float32, rounded once less
+            out.copy_(t.view(-1))
         if cut and self._average:
-            t.view(-1)[:cut].div_(self._size)
+            out.view(-1)[:cut].div_(self._size)
         self._share.measured(share, ring_s, tail[1])
 
 
@@ -269,12 +285,19 @@ def _narrow_push_pull(c, index, t):
                 w = torch.empty(t.numel(), dtype=wire, device=t.device)
                 session.narrow[index] = w
     w.copy_(t.view(-1))
-    declare(key, w)
     if t.device.type == "cuda":
+        declare(key, w)
         return _cuda_push_pull(c, key, w, -index, result=t)
     if arr is None:
         arr = flat_numpy(w)
         _register_bucket(c, index, w, arr)
+    # A large narrow bucket is split as a float32 one is: its head summed
+    # in the wire type around the workers' ring, its tail on the nodes.
+    # (flat_numpy(w): the elements; one host's `arr` is its bytes.)
+    splitter = _splitter(c, w)
+    if splitter is not None:
+        return for_ddp(splitter.submit(index, w, flat_numpy(w), result=t))
+    declare(key, w)
     fut = torch.futures.Future()
 
     def done(err):
