@@ -912,17 +912,19 @@ PYBIND11_MODULE(_core, m) {
           "rank * chunk_bytes; every worker's on return.")
       .def(
           "reduce_scatter",
-          [](RingAllreduce& r, py::object data, size_t count) {
+          [](RingAllreduce& r, py::object data, size_t count,
+             const std::string& dtype) {
             Buffer b = GetBuffer(data, true);
-            if (count == 0 || b.bytes % (count * sizeof(float)) != 0) {
-              throw py::value_error("the buffer is not whole float32 chunks");
+            const membox::DType dt = ParseDType(dtype);
+            if (count == 0 || b.bytes % (count * membox::DTypeSize(dt)) != 0) {
+              throw py::value_error("the buffer is not whole chunks of " +
+                                    std::to_string(count) + " " + dtype);
             }
-            CallWithoutGil([&] {
-              return r.ReduceScatter(static_cast<float*>(b.ptr), count);
-            });
+            CallWithoutGil([&] { return r.ReduceScatter(b.ptr, count, dt); });
           },
-          py::arg("data"), py::arg("count"),
-          "In place: `data` holds world chunks of `count` float32; chunk "
+          py::arg("data"), py::arg("count"), py::arg("dtype") = "float32",
+          "In place: `data` holds world chunks of `count` elements of "
+          "`dtype` (float32, float64, float16, bfloat16 as uint16); chunk "
           "`rank` ends as the sum of every worker's chunk `rank`.")
       .def(
           "broadcast",

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <thread>
 
 #include "membox/base/accumulate.h"
@@ -127,12 +128,18 @@ class RingImpl final : public RingAllreduce {
   }
 
   Status Allgather(void* data, size_t chunk_bytes) override {
-    return AroundTheRing(static_cast<uint8_t*>(data), chunk_bytes, 0, false);
+    return AroundTheRing(static_cast<uint8_t*>(data), chunk_bytes, 0,
+                         std::nullopt);
   }
 
-  Status ReduceScatter(float* data, size_t count) override {
-    return AroundTheRing(reinterpret_cast<uint8_t*>(data),
-                         count * sizeof(float), 1, true);
+  using RingAllreduce::ReduceScatter;
+  Status ReduceScatter(void* data, size_t count, DType dtype) override {
+    const size_t es = DTypeSize(dtype);
+    if (es == 0 || !AccumulateSupports(dtype)) {
+      return InvalidArgumentError("ring: no sum of dtype " +
+                                  std::to_string(static_cast<int>(dtype)));
+    }
+    return AroundTheRing(static_cast<uint8_t*>(data), count * es, 1, dtype);
   }
 
   Status Broadcast(void* data, size_t bytes, int root) override {
@@ -176,21 +183,23 @@ class RingImpl final : public RingAllreduce {
   }
 
   // p - 1 steps around the ring over `base`'s p chunks of `chunk_bytes`,
-  // in pieces of at most ChunkCapacity() (a multiple of 4): step t sends
-  // chunk (r - t - shift) and receives chunk (r - t - shift - 1), which it
-  // copies (the all-gather half of Allreduce: shift 0) or adds to as
-  // float32 (its reduce-scatter half, shifted so that worker r ends with
-  // chunk r complete: shift 1).
+  // in pieces of at most ChunkCapacity() (a multiple of 8 when it is cut,
+  // so whole elements): step t sends chunk (r - t - shift) and receives
+  // chunk (r - t - shift - 1), which it copies (the all-gather half of
+  // Allreduce: shift 0, no `reduce`) or adds to as `reduce` (its
+  // reduce-scatter half, shifted so that worker r ends with chunk r
+  // complete: shift 1).
   Status AroundTheRing(uint8_t* base, size_t chunk_bytes, int shift,
-                       bool reduce) {
+                       std::optional<DType> reduce) {
     const int P = opt_.world;
     if (P == 1 || chunk_bytes == 0) return Status::Ok();
     if (!next_ || !prev_) return FailedPreconditionError("ring not connected");
-    const size_t piece = ChunkCapacity();
+    const size_t piece = ChunkCapacity() / 8 * 8;
     for (size_t off = 0; off < chunk_bytes; off += piece) {
       const size_t n = std::min(piece, chunk_bytes - off);
       Pass pass;
       pass.base = base;
+      pass.dtype = reduce.value_or(DType::kFloat32);
       pass.steps = P - 1;
       pass.reduce_steps = reduce ? P - 1 : 0;
       pass.shift = shift;

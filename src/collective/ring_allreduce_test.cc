@@ -73,7 +73,8 @@ TEST(RingAllreduceTest, SumsInSegments) {
 
 // Every dtype the accumulate kernels sum: float64 in place, float16 and
 // bfloat16 (small integers, exact in each) as 16-bit words, in whole steps
-// and pipelined (segments of whole elements); other dtypes are refused.
+// and pipelined (segments of whole elements), by Allreduce and by
+// ReduceScatter; other dtypes are refused.
 void RunTyped(int world, size_t count, DType dtype, size_t segment_bytes) {
   const size_t es = DTypeSize(dtype);
   OnRing(
@@ -102,8 +103,39 @@ void RunTyped(int world, size_t count, DType dtype, size_t segment_bytes) {
           ASSERT_EQ(out[i], want)
               << "dtype " << int(dtype) << " rank " << r << " i " << i;
         }
+        // Reduce-scatter in the same type: chunk q of worker w holds
+        // w + q + i % 5; worker r ends with chunk r summed.
+        const size_t m = count / world + 1;
+        std::vector<float> rs(m * world), back(m);
+        for (int q = 0; q < world; ++q)
+          for (size_t i = 0; i < m; ++i)
+            rs[q * m + i] = float(r + q) + float(i % 5);
+        std::vector<uint8_t> rsb(rs.size() * es);
+        if (dtype == DType::kFloat64) {
+          auto* d = reinterpret_cast<double*>(rsb.data());
+          for (size_t i = 0; i < rs.size(); ++i) d[i] = rs[i];
+        } else {
+          NarrowFromFloat(dtype, rs.data(), rsb.data(), rs.size());
+        }
+        s = ring.ReduceScatter(rsb.data(), m, dtype);
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        const uint8_t* mine = rsb.data() + r * m * es;
+        if (dtype == DType::kFloat64) {
+          for (size_t i = 0; i < m; ++i)
+            back[i] = float(reinterpret_cast<const double*>(mine)[i]);
+        } else {
+          WidenToFloat(dtype, mine, back.data(), m);
+        }
+        for (size_t i = 0; i < m; ++i) {
+          float want = 0;
+          for (int w = 0; w < world; ++w) want += float(w + r) + float(i % 5);
+          ASSERT_EQ(back[i], want) << "reduce-scatter, dtype " << int(dtype)
+                                   << " rank " << r << " i " << i;
+        }
         int32_t ints[4] = {1, 2, 3, 4};
         EXPECT_EQ(ring.Allreduce(ints, 4, DType::kInt32).code(),
+                  StatusCode::kInvalidArgument);
+        EXPECT_EQ(ring.ReduceScatter(ints, 1, DType::kInt32).code(),
                   StatusCode::kInvalidArgument);
       },
       segment_bytes);

@@ -586,6 +586,27 @@ def _broadcast_tree(rank, world):
     if not torch.equal(t, torch.arange(n, dtype=torch.float32) % 89 *
                        (world * (world + 1) / 2)):
         raise AssertionError("split all_reduce on rank %d" % rank)
+    # 16-bit tensors too, summed in their type around the ring (small
+    # integers: exact in bfloat16 and float16): an 8 MiB split sum, a
+    # ring-alone sum, a ring-alone average.
+    ring_dtypes = []
+    ring = b._ring_allreduce
+    b._ring_allreduce = lambda flat: (ring_dtypes.append(flat.dtype),
+                                      ring(flat))[1]
+    for dtype, n, op in ((torch.bfloat16, 4 << 20, dist.ReduceOp.SUM),
+                         (torch.float16, 100003, dist.ReduceOp.SUM),
+                         (torch.bfloat16, 50001, dist.ReduceOp.AVG)):
+        t = (torch.arange(n) % 5 * (rank + 1)).to(dtype)
+        dist.all_reduce(t, op=op)
+        want = torch.arange(n) % 5 * (world * (world + 1) / 2)
+        if op == dist.ReduceOp.AVG:
+            want = want / world
+        if not torch.equal(t, want.to(dtype)):
+            raise AssertionError("all_reduce of %d %s on rank %d"
+                                 % (n, dtype, rank))
+    if ring_dtypes != [torch.bfloat16, torch.float16, torch.bfloat16]:
+        raise AssertionError("the ring summed %s" % ring_dtypes)
+    del b._ring_allreduce
     m = 3 << 18  # 3 MiB of float32 per rank
     out = torch.empty(world * m)
     dist.all_gather_into_tensor(out, torch.arange(m, dtype=torch.float32) %
@@ -601,6 +622,15 @@ def _broadcast_tree(rank, world):
         rank * m:(rank + 1) * m] * (world * (world + 1) / 2)
     if not torch.equal(part, want):
         raise AssertionError("reduce_scatter on rank %d" % rank)
+    # bfloat16 (FSDP2's reduce_dtype): summed in its type on the ring.
+    h = 1 << 19  # 1 MiB of bfloat16 per rank
+    part = torch.empty(h, dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(part, (torch.arange(world * h) % 7 * (
+        rank + 1)).to(torch.bfloat16))
+    want = (torch.arange(world * h) % 7)[rank * h:(rank + 1) * h] * (
+        world * (world + 1) / 2)
+    if not torch.equal(part, want.to(torch.bfloat16)):
+        raise AssertionError("bfloat16 reduce_scatter on rank %d" % rank)
     if ("ring", {"segment_bytes": 1 << 20}) not in made:
         raise AssertionError("the ring across hosts is not pipelined: %s"
                              % made)

@@ -78,12 +78,15 @@ class RingAllreduce {
   // (world - 1) * chunk_bytes, in pieces of at most max_bytes / world (any
   // chunk size works). `chunk_bytes` must be equal on every worker.
   virtual Status Allgather(void* data, size_t chunk_bytes) = 0;
-  // In-place reduce-scatter of float32: `data` holds world chunks of
-  // `count` floats; on return chunk `rank` holds the sum over workers of
-  // every worker's chunk `rank` (the other chunks hold partial sums). Each
-  // worker sends and receives (world - 1) * count floats. `count` must be
-  // equal on every worker.
-  virtual Status ReduceScatter(float* data, size_t count) = 0;
+  // In-place reduce-scatter: `data` holds world chunks of `count` elements
+  // of `dtype` (Allreduce's types); on return chunk `rank` holds the sum
+  // over workers of every worker's chunk `rank` (the other chunks hold
+  // partial sums). Each worker sends and receives (world - 1) * count
+  // elements. `count` must be equal on every worker.
+  virtual Status ReduceScatter(void* data, size_t count, DType dtype) = 0;
+  Status ReduceScatter(float* data, size_t count) {
+    return ReduceScatter(data, count, DType::kFloat32);
+  }
   // `bytes` of `data` from worker `root` to every worker, down the ring as
   // a chain (root, root+1, ...), pipelined in pieces of at most
   // max_bytes / world: each link carries the bytes once. `bytes` and `root`

@@ -61,7 +61,7 @@ _KEYS_PER_SIZE = 4
 # (_placed_sum): latency-bound sizes, where one round beats an exchange's
 # store, fence and pull.
 _SUM_MOVE_BYTES = 256 << 10
-# An all_gather (its output), a float32 SUM/AVG reduce_scatter (its input)
+# An all_gather (its output), a float32 / 16-bit SUM/AVG reduce_scatter (its input)
 # or a broadcast of at least this many bytes goes over the workers' own
 # ring (collective::RingAllreduce) instead of through the nodes
 # (docs/design/backend.md, "Direct path"). 0 turns the ring off
@@ -98,15 +98,18 @@ _INLINE_BYTES = 1 << 20
 # A direct send of at most this many bytes is one message (PointToPoint's
 # inline_bytes): it runs on the caller's thread when its lane is idle.
 _P2P_INLINE_BYTES = 512 << 10
-# A float32 SUM/AVG all_reduce of at least this many bytes is split: its
-# head over the workers' ring, its tail through the nodes at the same time
-# (seed 000's dual synchronisation within one tensor; docs/design/
-# backend.md, "Split all_reduce"). 0 turns it off
+# A float32, bfloat16 or float16 SUM/AVG all_reduce of at least this many
+# bytes is split: its head over the workers' ring, its tail through the
+# nodes at the same time (seed 000's dual synchronisation within one
+# tensor; docs/design/backend.md, "Split all_reduce"). 0 turns it off
 # (MEMBOX_BACKEND_SPLIT_BYTES, read once at import).
 _SPLIT_BYTES = int(os.environ.get("MEMBOX_BACKEND_SPLIT_BYTES", 4 << 20))
 _SPLIT_STEPS = _split.STEPS  # the ring's share is a multiple of 1/16
-# Across hosts, a float32 SUM/AVG all_reduce from this many bytes up to
-# _SPLIT_BYTES goes around the workers' ring alone (_ring_whole).
+# What the workers' ring sums (collective::RingAllreduce), by membox's name.
+_RING_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                torch.float16: "float16"}
+# Across hosts, such an all_reduce from this many bytes up to _SPLIT_BYTES
+# goes around the workers' ring alone (_ring_whole).
 _RING_SUM_BYTES = int(os.environ.get("MEMBOX_BACKEND_RING_SUM_BYTES",
                                      16 << 10))
 _SPLIT_ON_ONE_HOST = False  # tests: split even where the nodes map memory
@@ -899,14 +902,15 @@ class MemboxBackend(_base_class()):
 
     def _ring_candidate(self, name, tensors):
         """The bytes of an all_reduce the workers' ring may take (alone or
-        split): one contiguous float32 tensor, SUM or AVG, in a group of
-        the whole job, with the direct path and the split on; else None."""
+        split): one contiguous float32, bfloat16 or float16 tensor, SUM or
+        AVG, in a group of the whole job, with the direct path and the
+        split on; else None."""
         if not (_SPLIT_BYTES > 0 and _DIRECT_BYTES > 0 and not self._sub and
                 self._size > 1 and name in ("SUM", "AVG") and
-                len(tensors) == 1 and tensors[0].dtype == torch.float32 and
+                len(tensors) == 1 and tensors[0].dtype in _RING_DTYPES and
                 tensors[0].is_contiguous()):
             return None
-        return tensors[0].numel() * 4
+        return tensors[0].numel() * tensors[0].element_size()
 
     def _split_allreduce(self, t, name):
         """On the exchange thread: the first share/16 of `t` over the
@@ -941,12 +945,16 @@ class MemboxBackend(_base_class()):
         self._share.measured(share, ring_s, nodes[1])
 
     def _ring_allreduce(self, flat):
-        """The float32 sum of `flat` (1-D) in place around the ring, in
-        pieces of at most the ring's buffer."""
-        step = _RING_MAX_BYTES // 4
+        """The sum of `flat` (1-D; float32, bfloat16 or float16: a 16-bit
+        sum is rounded at each add, as Gloo's is) in place around the ring,
+        in pieces of at most the ring's buffer."""
+        name = _RING_DTYPES[flat.dtype]
+        bits = flat.view(torch.int16) if flat.dtype == torch.bfloat16 \
+            else flat  # numpy has no bfloat16: the same bits
+        step = _RING_MAX_BYTES // flat.element_size()
         for i in range(0, flat.numel(), step):
             self._ensure_ring()
-            self._ring.allreduce(flat[i:i + step].numpy())
+            self._ring.allreduce(bits[i:i + step].numpy(), name)
 
     # --------------------------------------------------------- collectives
     @staged("inout")
@@ -977,12 +985,13 @@ class MemboxBackend(_base_class()):
 
     def _ring_sum(self, name, t):
         """Whether a subgroup's all_reduce of `t` goes around its ring of
-        workers: a large float32 sum or average (the nodes' rounds count
-        every rank of the job, so a subgroup's sums never go there; a small
-        one is gathered over the mesh and summed on each rank)."""
+        workers: a large float32, bfloat16 or float16 sum or average (the
+        nodes' rounds count every rank of the job, so a subgroup's sums
+        never go there; a small one is gathered over the mesh and summed
+        on each rank)."""
         return (self._sub and name in ("SUM", "AVG") and
-                t.dtype == torch.float32 and _DIRECT_BYTES > 0 and
-                t.numel() * 4 >= _SUB_RING_BYTES)
+                t.dtype in _RING_DTYPES and _DIRECT_BYTES > 0 and
+                t.numel() * t.element_size() >= _SUB_RING_BYTES)
 
     @staged("inout")
     def allreduce_coalesced(self, tensors, opts):
@@ -1285,18 +1294,24 @@ class MemboxBackend(_base_class()):
             if len(ins) != self._size:
                 raise ValueError("membox backend: reduce_scatter needs %d "
                                  "input tensors" % self._size)
+        dtype = output_tensors[0].dtype if output_tensors else None
         if len(output_tensors) == 1 and name in ("SUM", "AVG") and all(
-                t.dtype == torch.float32 and t.numel() ==
+                t.dtype == dtype and t.numel() ==
                 output_tensors[0].numel()
                 for t in list(input_tensors[0]) + output_tensors) and \
-                self._direct(output_tensors[0].numel() * 4 * self._size):
+                dtype in _RING_DTYPES and self._direct(
+                    output_tensors[0].numel() *
+                    output_tensors[0].element_size() * self._size):
             out, ins = output_tensors[0], input_tensors[0]
 
             def ring():  # around the workers' ring (the direct path)
                 n = out.numel()
                 flat = torch.cat([t.detach().reshape(-1) for t in ins])
+                bits = flat.view(torch.int16) \
+                    if flat.dtype == torch.bfloat16 else flat
                 self._ensure_ring()
-                self._ring.reduce_scatter(flat.numpy(), n)
+                self._ring.reduce_scatter(bits.numpy(), n,
+                                          _RING_DTYPES[flat.dtype])
                 mine = flat[self._rank * n:(self._rank + 1) * n]
                 if name == "AVG":
                     mine.div_(self._size)
