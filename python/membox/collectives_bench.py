@@ -6,7 +6,7 @@ backend against Gloo, nccl-tests style, same machine, same run.
                              [--sizes 4K,64K,1M,16M,64M]
                              [--ops all_reduce,all_gather,...]
                              [--cluster examples/cluster/4w4m.toml]
-                             [--group-size K]
+                             [--group-size K] [--dtype bfloat16]
 
 For each backend (interleaved --repeats times: drift on a shared machine
 hits both alike), --workers processes are started (membox: under `membox
@@ -83,11 +83,13 @@ def _worker(a):
     def peer(q):  # the job rank of group rank q
         return dist.get_global_rank(group, q) if group is not None else q
     results = []
+    dtype = getattr(torch, a.dtype)
+    esize = torch.empty(0, dtype=dtype).element_size()
     for op in a.ops.split(","):
         for size in (int(s) for s in a.sizes.split(",")):
-            n = max(size // 4 // p * p, p)  # float32 elements, divisible by p
-            full = torch.ones(n)
-            part = torch.ones(n // p)
+            n = max(size // esize // p * p, p)  # elements, divisible by p
+            full = torch.ones(n, dtype=dtype)
+            part = torch.ones(n // p, dtype=dtype)
             if op == "all_reduce":
                 def call():
                     dist.all_reduce(full, group=group)
@@ -98,7 +100,7 @@ def _worker(a):
                 def call():
                     dist.reduce_scatter_tensor(part, full, group=group)
             elif op == "all_to_all":
-                out = torch.empty(n)
+                out = torch.empty(n, dtype=dtype)
 
                 def call():
                     dist.all_to_all_single(out, full, group=group)
@@ -106,7 +108,7 @@ def _worker(a):
                 def call():
                     dist.broadcast(full, src=peer(0), group=group)
             elif op == "sendrecv":  # nccl-tests' sendrecv: a ring shift
-                got = torch.empty(n)
+                got = torch.empty(n, dtype=dtype)
 
                 def call():
                     reqs = [dist.isend(full, peer((me + 1) % p), group=group),
@@ -133,7 +135,7 @@ def _worker(a):
             el = time.perf_counter() - t0
             t = torch.tensor([el / iters], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            results.append({"op": op, "size": n * 4, "time_s": t.item(),
+            results.append({"op": op, "size": n * esize, "time_s": t.item(),
                             "iters": iters})
     if rank == 0:
         with open(a.out, "w") as f:
@@ -152,7 +154,7 @@ def _run(a, backend, sizes):
     args = [sys.executable, "-m", "membox.collectives_bench", "--worker",
             "--backend", backend, "--ops", ",".join(a.op_list),
             "--sizes", ",".join(str(s) for s in sizes), "--out", out,
-            "--group-size", str(a.group_size)]
+            "--group-size", str(a.group_size), "--dtype", a.dtype]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cpu0, t0 = _children_cpu(), time.perf_counter()
     if a.topo is not None:
@@ -216,6 +218,9 @@ def main(argv=None):
                     help="time the operations on subgroups of K "
                     "consecutive ranks (new_subgroups), all at once; 0: "
                     "the whole job")
+    ap.add_argument("--dtype", default="float32",
+                    choices=("float32", "bfloat16", "float16"),
+                    help="the tensors' element type (sizes stay bytes)")
     ap.add_argument("--backend", default="membox", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -274,8 +279,8 @@ def main(argv=None):
     cpu = {b: sorted(r["cpu_per_wall"] for r in rs)[len(rs) // 2]
            for b, rs in runs.items()}
     groups = (f" in subgroups of {p}" if a.group_size else "")
-    print(f"\ntorch.distributed collectives, {where}, {a.workers} "
-          f"processes{groups}, torch "
+    print(f"\ntorch.distributed collectives ({a.dtype}), {where}, "
+          f"{a.workers} processes{groups}, torch "
           f"{torch.__version__}; membox: {a.nodes} memory node(s); median of "
           f"{repeats} run(s); CPU (cores busy over each whole run): membox "
           f"{cpu['membox']:.2f}, gloo {cpu['gloo']:.2f}")
@@ -284,6 +289,8 @@ def main(argv=None):
     records = []
     for (op, size), t in rows.items():
         case = f"{op} in groups of {p}" if a.group_size else op
+        if a.dtype != "float32":
+            case += f" {a.dtype}"
         f = _bus_factor(op, p)
         bus = {b: size / t[b] * f / 1e9 for b in BACKENDS}
         ratio = t["membox"] / t["gloo"]
