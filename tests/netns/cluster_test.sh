@@ -3,7 +3,8 @@
 # memory hosts (network namespaces, 300 Mbit/s links), brought up, used and
 # removed by `membox cluster run` -- PushPull across hosts with exact sums
 # (striped and through the proxies' ring; the workers check every sum and
-# abort otherwise), a Python worker through `membox launch --attach`, and
+# abort otherwise), split between the workers' ring and one node, a Python
+# worker through `membox launch --attach`, and
 # the clean-up when the job fails. Also: `up` without root says so.
 # Usage: cluster_test.sh PATH/TO/membox
 # Exit 77 (skipped) without root, iproute2, tc or network namespaces.
@@ -32,6 +33,7 @@ rate = "200mbit"
 TOML
 cleanup() {
   "$membox" cluster down "$topo" >/dev/null 2>&1 || true
+  [[ -z ${topo1:-} ]] || "$membox" cluster down "$topo1" >/dev/null 2>&1 || true
   rm -rf "$dir"
 }
 trap cleanup EXIT
@@ -65,6 +67,38 @@ done
 for f in "$state"/m*/serve.log; do
   grep -q "worker rank 1" "$f" || fail "no worker reached $(dirname "$f")"
 done
+
+# Fewer memory nodes than workers (2 worker hosts, 1 memory host): membox's
+# default ("profile") splits each tensor of 4 MiB or more between the
+# workers' ring and the node (sync::SplitAllreduce), pipelined across
+# hosts; the workers check every sum.
+"$membox" cluster down "$topo" >/dev/null
+topo1=$dir/one-node.toml
+name1=cs$(( $$ % 10000 ))
+cat >"$topo1" <<TOML
+name = "$name1"
+subnet = "10.85.$(( $$ % 200 ))"
+workers = 2
+memory = 1
+rate = "300mbit"
+pool = "256MiB"
+emb_budget = "16MiB"
+TOML
+"$membox" cluster up "$topo1" >/dev/null
+one=$("$membox" cluster status "$topo1" | grep -o "10\.85\.[0-9]*\.101" | head -1):7310
+if ! timeout 300 "$membox" cluster run "$topo1" --no-attach -- "$membox" bench-peer \
+    allreduce worker "$one" "/run/membox-cluster/$name1/secret" 65536,8388608 3 \
+    1048576 profile >"$dir/split.out" 2>"$dir/split.err"; then
+  tail -n 30 "$dir/split.err"
+  "$membox" cluster down "$topo1" >/dev/null 2>&1 || true
+  fail "the split run failed"
+fi
+"$membox" cluster down "$topo1" >/dev/null
+cat "$dir/split.out"
+[[ $(grep -c "^RESULT membox" "$dir/split.out") -eq 2 ]] || fail "split: missing results"
+grep -q "^split: 8/16 of each tensor over the ring" "$dir/split.err" ||
+  { tail -n 30 "$dir/split.err"; fail "the default did not split with 2 workers and 1 node"; }
+"$membox" cluster up "$topo" >/dev/null
 
 # A Python worker per host through launch --attach: rank, proxies, master.
 # One write per rank: unbuffered print() writes piece by piece, and mpirun
