@@ -512,26 +512,25 @@ def print_tables(a, rec):
                   f" {g('mpi'):9.2f} {g('gloo'):9.2f} {bnd:9.2f}"
                   f" {g('ring-bound'):9.2f} | {mb[-1] / bnd:7.2f}"
                   f" {default / g('gloo'):8.2f} {default / g('mpi'):7.2f}")
+        def against_default(variant, x, title, inverse=False):
+            """A line of `variant`'s times with each ratio to the default
+            (default / it with `inverse`); nothing when it did not run."""
+            t = lambda v, n: rec.get(f"{v}-{x}node", n, "time", case)  # noqa: E731
+            if t(variant, a.sizes[0]) != t(variant, a.sizes[0]):  # NaN
+                return
+            print(f"  {title}, {x} nodes (ms; " + (
+                "the default / this" if inverse else "x of the default") +
+                "): " + ", ".join(
+                    f"{_label(n)} {t(variant, n):.2f} (x" + "%.2f" % (
+                        t("membox", n) / t(variant, n) if inverse else
+                        t(variant, n) / t("membox", n)) + ")"
+                    for n in a.sizes))
         for x in nodes:
-            print(f"  fixed {_label(a.partition)} shards striped, {x} nodes "
-                  f"(ms; x of the default): " + ", ".join(
-                      f"{_label(n)} {rec.get(f'fixed-{x}node', n, 'time', case):.2f}"
-                      f" (x{rec.get(f'fixed-{x}node', n, 'time', case) / rec.get(f'membox-{x}node', n, 'time', case):.2f})"
-                      for n in a.sizes))
-            if rec.get(f"nodes-{x}node", a.sizes[0], "time", case) == \
-                    rec.get(f"nodes-{x}node", a.sizes[0], "time", case):
-                print(f"  the nodes alone (no split), {x} nodes (ms; x of the "
-                      f"default): " + ", ".join(
-                          f"{_label(n)} {rec.get(f'nodes-{x}node', n, 'time', case):.2f}"
-                          f" (x{rec.get(f'nodes-{x}node', n, 'time', case) / rec.get(f'membox-{x}node', n, 'time', case):.2f})"
-                          for n in a.sizes))
-            if rec.get(f"unreplicated-{x}node", a.sizes[0], "time", case) == \
-                    rec.get(f"unreplicated-{x}node", a.sizes[0], "time", case):
-                print(f"  --ps-replicate off, {x} nodes (ms; the default "
-                      f"(replicated) / this): " + ", ".join(
-                          f"{_label(n)} {rec.get(f'unreplicated-{x}node', n, 'time', case):.2f}"
-                          f" (x{rec.get(f'membox-{x}node', n, 'time', case) / rec.get(f'unreplicated-{x}node', n, 'time', case):.2f})"
-                          for n in a.sizes))
+            against_default("fixed", x, f"fixed {_label(a.partition)} shards "
+                            "striped")
+            against_default("nodes", x, "the nodes alone (no split)")
+            against_default("unreplicated", x, "--ps-replicate off (the "
+                            "default is replicated)", inverse=True)
         cpu = {r["variant"]: r["value"] for r in rec.rows
                if r["case"] == case and r["metric"] == "cpu"}
         print("  CPU use of the runs (% of all cores): " +

@@ -97,11 +97,8 @@ class RingImpl final : public RingAllreduce {
 
   using RingAllreduce::Allreduce;
   Status Allreduce(void* data, size_t count, DType dtype) override {
+    RETURN_IF_ERROR(Summable(dtype));
     const size_t es = DTypeSize(dtype);
-    if (es == 0 || !AccumulateSupports(dtype)) {
-      return InvalidArgumentError("ring: no sum of dtype " +
-                                  std::to_string(static_cast<int>(dtype)));
-    }
     const int P = opt_.world;
     if (P == 1 || count == 0) return Status::Ok();
     if (!next_ || !prev_) return FailedPreconditionError("ring not connected");
@@ -134,12 +131,9 @@ class RingImpl final : public RingAllreduce {
 
   using RingAllreduce::ReduceScatter;
   Status ReduceScatter(void* data, size_t count, DType dtype) override {
-    const size_t es = DTypeSize(dtype);
-    if (es == 0 || !AccumulateSupports(dtype)) {
-      return InvalidArgumentError("ring: no sum of dtype " +
-                                  std::to_string(static_cast<int>(dtype)));
-    }
-    return AroundTheRing(static_cast<uint8_t*>(data), count * es, 1, dtype);
+    RETURN_IF_ERROR(Summable(dtype));
+    return AroundTheRing(static_cast<uint8_t*>(data), count * DTypeSize(dtype),
+                         1, dtype);
   }
 
   Status Broadcast(void* data, size_t bytes, int root) override {
@@ -176,6 +170,13 @@ class RingImpl final : public RingAllreduce {
   }
 
  private:
+  // The dtypes the reduce steps can add (the accumulate kernels').
+  static Status Summable(DType dtype) {
+    if (DTypeSize(dtype) != 0 && AccumulateSupports(dtype)) return Status::Ok();
+    return InvalidArgumentError("ring: no sum of dtype " +
+                                std::to_string(static_cast<int>(dtype)));
+  }
+
   size_t ChunkCapacity() const {
     size_t floats = (opt_.max_bytes / sizeof(float) + opt_.world - 1) /
                     static_cast<size_t>(opt_.world);

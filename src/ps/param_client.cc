@@ -798,6 +798,12 @@ class ParamClientImpl final : public ParamClient {
         auto r = proto::Decode(static_cast<uint16_t>(Type::kReply), *body);
         st = r.status();
         if (r.ok() && r->text != "replicate") all_replicate_ = false;
+        if (r.ok()) {
+          // Not retried: another list of nodes stays another list.
+          return proto::CheckHelloPlace(
+              r->version, proxy, static_cast<uint32_t>(opt_.proxies.size()),
+              opt_.proxies[proxy]);
+        }
       }
       const bool stale = st.code() == StatusCode::kAlreadyExists ||
                          st.code() == StatusCode::kAborted;

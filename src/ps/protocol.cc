@@ -57,6 +57,26 @@ Status Bad(const char* what) {
 
 }  // namespace
 
+uint64_t HelloPlace(uint32_t rank, uint32_t nodes) {
+  return (uint64_t{nodes} << 32) | rank;
+}
+
+Status CheckHelloPlace(uint64_t version, uint32_t index, uint32_t given,
+                       const std::string& endpoint) {
+  if (version == 0) return Status::Ok();
+  const uint32_t nodes = static_cast<uint32_t>(version >> 32);
+  const uint32_t rank = static_cast<uint32_t>(version);
+  if (nodes == given && rank == index) return Status::Ok();
+  return FailedPreconditionError(
+      "the memory node at " + endpoint + " is node " + std::to_string(rank) +
+      " of the job's " + std::to_string(nodes) +
+      ", but this worker was given " + std::to_string(given) +
+      " node(s) with it as node " + std::to_string(index) +
+      ": give every worker the job's whole list of memory nodes, in their "
+      "order (MEMBOX_PROXIES, --proxies; what `membox launch` and `membox "
+      "cluster` pass)");
+}
+
 const char* TypeName(Type t) {
   switch (t) {
     case Type::kHello:

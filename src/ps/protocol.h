@@ -31,7 +31,7 @@ enum class Type : uint8_t {
   kCheckpoint = 9,  // write a snapshot now
   kStats = 10,
   // proxy -> worker
-  kReply = 11,  // an ok reply's body: version, text
+  kReply = 11,  // an ok reply's body: version, text (a kHello's: HelloPlace)
   // proxy <-> proxy
   kPeerHello = 12,  // proxy rank
   kReady = 13,      // my ring buffer for (key, shard, round, step) is ready
@@ -222,6 +222,16 @@ struct Message {
 std::vector<uint8_t> Encode(const Message& m);
 // Decodes a body of `type` (the envelope's method; kReply for replies).
 Result<Message> Decode(uint16_t type, std::span<const uint8_t> body);
+
+// A worker's kHello is answered with the node's place in the job: its rank
+// among `nodes` peers, coded in the reply's version as nodes << 32 | rank
+// (never 0: nodes >= 1). CheckHelloPlace is the worker's check of it
+// against the list it was given: kFailedPrecondition naming both when the
+// node is not node `index` of `given`. A version of 0 (a node from before
+// this rule) passes.
+uint64_t HelloPlace(uint32_t rank, uint32_t nodes);
+Status CheckHelloPlace(uint64_t version, uint32_t index, uint32_t given,
+                       const std::string& endpoint);
 
 }  // namespace membox::ps::proto
 

@@ -134,6 +134,20 @@ TEST(PsProtocolTest, FuzzSeedsAreCurrent) {
   EXPECT_GE(seeds, static_cast<size_t>(kLastType));
 }
 
+TEST(PsProtocolTest, AHelloPlaceChecksTheWorkersListOfNodes) {
+  EXPECT_TRUE(CheckHelloPlace(HelloPlace(1, 3), 1, 3, "h:1").ok());
+  EXPECT_TRUE(CheckHelloPlace(HelloPlace(0, 1), 0, 1, "h:1").ok());
+  EXPECT_TRUE(CheckHelloPlace(0, 5, 9, "h:1").ok());  // a node before the rule
+  Status fewer = CheckHelloPlace(HelloPlace(0, 2), 0, 1, "h:7310");
+  EXPECT_EQ(fewer.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(fewer.message().find("h:7310 is node 0 of the job's 2"),
+            std::string::npos)
+      << fewer.ToString();
+  EXPECT_NE(fewer.message().find("given 1 node(s)"), std::string::npos);
+  EXPECT_EQ(CheckHelloPlace(HelloPlace(1, 2), 0, 2, "h:1").code(),
+            StatusCode::kFailedPrecondition);  // the order differs
+}
+
 TEST(PsProtocolTest, RejectsMalformed) {
   Message m;
   m.type = Type::kPush;

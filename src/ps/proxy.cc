@@ -620,7 +620,12 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
   MEMBOX_LOG_DEBUG("worker {} ({}) joined, world {}", m.rank, m.name, m.world);
   // A replicating proxy says so: the worker then waits for a dead
   // proxy's replacement instead of failing (ParamClientOptions::failover).
-  Reply(conn, m.type, m.id, Status::Ok(), 0, opt_.replicate ? "replicate" : "");
+  // The reply's version says which node of how many this is, so that a
+  // worker given another list of nodes than the job's stops with a clear
+  // error instead of waiting for rounds the others never join.
+  Reply(conn, m.type, m.id, Status::Ok(),
+        proto::HelloPlace(opt_.rank, nproxies_),
+        opt_.replicate ? "replicate" : "");
   MaybeStartAll();
 }
 

@@ -173,6 +173,31 @@ void RunRounds(const Cluster& c, int world, size_t n, int rounds,
   for (auto& t : th) t.join();
 }
 
+// A worker given only some of the job's nodes (or them in another order)
+// is refused at once with an error naming the node and what to pass,
+// instead of waiting for rounds the nodes it was not given never join.
+TEST(PsTest, AWorkerGivenPartOfTheNodesIsRefused) {
+  Cluster c = Cluster::Start(2);
+  for (auto endpoints : {std::vector<std::string>{c.endpoints[1]},
+                         std::vector<std::string>{c.endpoints[1],
+                                                  c.endpoints[0]}}) {
+    ParamClientOptions o;
+    o.proxies = endpoints;
+    o.secret = kSecret;
+    o.timeout = 20s;
+    auto w = ParamClient::Connect(o);
+    ASSERT_FALSE(w.ok());
+    EXPECT_EQ(w.status().code(), StatusCode::kFailedPrecondition)
+        << w.status().ToString();
+    EXPECT_NE(w.status().message().find("is node 1 of the job's 2"),
+              std::string::npos)
+        << w.status().ToString();
+  }
+  // The whole list, in order, works.
+  auto ok = Worker(c, 0, 1);
+  ASSERT_NE(ok, nullptr);
+}
+
 TEST(PsTest, SumOneProxyTwoWorkersShardedRegistered) {
   auto c = Cluster::Start(1);
   RoutingTable r;
