@@ -178,9 +178,9 @@ void RunRounds(const Cluster& c, int world, size_t n, int rounds,
 // instead of waiting for rounds the nodes it was not given never join.
 TEST(PsTest, AWorkerGivenPartOfTheNodesIsRefused) {
   Cluster c = Cluster::Start(2);
-  for (auto endpoints : {std::vector<std::string>{c.endpoints[1]},
-                         std::vector<std::string>{c.endpoints[1],
-                                                  c.endpoints[0]}}) {
+  for (auto endpoints :
+       {std::vector<std::string>{c.endpoints[1]},
+        std::vector<std::string>{c.endpoints[1], c.endpoints[0]}}) {
     ParamClientOptions o;
     o.proxies = endpoints;
     o.secret = kSecret;
