@@ -247,14 +247,9 @@ int RunAllreduceWorker(const std::vector<std::string>& a) {
       auto r = collective::RingAllreduce::Create(ro);
       if (!r.ok()) return fail(r.status());
       ring = std::move(*r);
-      char ep[128] = {0};
-      std::snprintf(ep, sizeof ep, "%s", ring->endpoint().c_str());
-      std::vector<char> all(128 * world);
-      MPI_Allgather(ep, 128, MPI_CHAR, all.data(), 128, MPI_CHAR,
-                    MPI_COMM_WORLD);
-      std::vector<std::string> eps;
-      for (int i = 0; i < world; ++i) eps.emplace_back(&all[128 * i]);
-      if (Status s = ring->Connect(eps); !s.ok()) return fail(s);
+      if (Status s = ring->Connect(AllgatherEndpoints(ring->endpoint()));
+          !s.ok())
+        return fail(s);
       sync::SplitOptions so;
       so.rank = rank;
       so.world = world;
@@ -546,16 +541,6 @@ int RunCollectiveWorker(const std::vector<std::string>& a) {
     MPI_Abort(MPI_COMM_WORLD, 1);
     return 1;
   };
-  auto exchange = [&](const std::string& ep) {
-    char mine[128] = {0};
-    std::snprintf(mine, sizeof mine, "%s", ep.c_str());
-    std::vector<char> all(128 * world);
-    MPI_Allgather(mine, 128, MPI_CHAR, all.data(), 128, MPI_CHAR,
-                  MPI_COMM_WORLD);
-    std::vector<std::string> eps;
-    for (int i = 0; i < world; ++i) eps.emplace_back(&all[128 * i]);
-    return eps;
-  };
   collective::RingOptions ro;
   ro.rank = rank;
   ro.world = world;
@@ -563,7 +548,7 @@ int RunCollectiveWorker(const std::vector<std::string>& a) {
   ro.max_bytes = largest;
   auto ring = collective::RingAllreduce::Create(ro);
   if (!ring.ok()) return fail(ring.status());
-  Status st = (*ring)->Connect(exchange((*ring)->endpoint()));
+  Status st = (*ring)->Connect(AllgatherEndpoints((*ring)->endpoint()));
   if (!st.ok()) return fail(st);
   collective::HierarchicalOptions ho;
   ho.rank = rank;
@@ -573,7 +558,7 @@ int RunCollectiveWorker(const std::vector<std::string>& a) {
   ho.max_bytes = largest;
   auto hier = collective::HierarchicalAllreduce::Create(ho);
   if (!hier.ok()) return fail(hier.status());
-  st = (*hier)->Connect(exchange((*hier)->endpoint()));
+  st = (*hier)->Connect(AllgatherEndpoints((*hier)->endpoint()));
   if (!st.ok()) return fail(st);
   std::vector<float> buf(largest / 4);
   auto verify = [&](auto& collective, uint64_t n, const char* name) {

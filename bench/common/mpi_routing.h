@@ -14,7 +14,10 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <mpi.h>
 
@@ -39,6 +42,21 @@ inline void BarrierAsleep() {
   MPI_Request req;
   MPI_Ibarrier(MPI_COMM_WORLD, &req);
   WaitAsleep(&req);
+}
+
+// Every rank's `endpoint` (at most 127 bytes), in rank order: how the
+// workers' own collectives (rings, meshes) find each other under MPI.
+inline std::vector<std::string> AllgatherEndpoints(
+    const std::string& endpoint) {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  char mine[128] = {0};
+  std::snprintf(mine, sizeof mine, "%s", endpoint.c_str());
+  std::vector<char> all(128 * static_cast<size_t>(world));
+  MPI_Allgather(mine, 128, MPI_CHAR, all.data(), 128, MPI_CHAR, MPI_COMM_WORLD);
+  std::vector<std::string> eps;
+  for (int i = 0; i < world; ++i) eps.emplace_back(&all[128 * i]);
+  return eps;
 }
 
 inline void BroadcastRouting(ps::RoutingTable* t) {

@@ -245,13 +245,7 @@ Result<WorkerResult> RunMembox(const Model& m, int iters,
     ro.listen = LocalAddressToward(cfg.proxies[0]) + ":0";
     ro.max_bytes = f.total;
     ASSIGN_OR_RETURN(ring, collective::RingAllreduce::Create(ro));
-    char ep[128] = {0};
-    std::snprintf(ep, sizeof ep, "%s", ring->endpoint().c_str());
-    std::vector<char> all(128 * world);
-    MPI_Allgather(ep, 128, MPI_CHAR, all.data(), 128, MPI_CHAR, MPI_COMM_WORLD);
-    std::vector<std::string> eps;
-    for (int i = 0; i < world; ++i) eps.emplace_back(&all[128 * i]);
-    RETURN_IF_ERROR(ring->Connect(eps));
+    RETURN_IF_ERROR(ring->Connect(AllgatherEndpoints(ring->endpoint())));
     ASSIGN_OR_RETURN(void* pm, client->AllocateTensor(probe));
     RETURN_IF_ERROR(client->Declare(1u << 30, probe, DType::kFloat32).status());
     double f2 = 2.0 * (world - 1) / world;

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import membox
 from membox.torch import _at_exit, _split
 from membox.torch._cuda_staged import _Streams, staged
+from membox.torch._session import flat_numpy
 
 _KEY_BASE = 0xD << 60
 _STORE_KEY = "membox/proxies"  # the same rendezvous key init() uses
@@ -949,12 +950,10 @@ class MemboxBackend(_base_class()):
         sum is rounded at each add, as Gloo's is) in place around the ring,
         in pieces of at most the ring's buffer."""
         name = _RING_DTYPES[flat.dtype]
-        bits = flat.view(torch.int16) if flat.dtype == torch.bfloat16 \
-            else flat  # numpy has no bfloat16: the same bits
         step = _RING_MAX_BYTES // flat.element_size()
         for i in range(0, flat.numel(), step):
             self._ensure_ring()
-            self._ring.allreduce(bits[i:i + step].numpy(), name)
+            self._ring.allreduce(flat_numpy(flat[i:i + step]), name)
 
     # --------------------------------------------------------- collectives
     @staged("inout")
@@ -1307,10 +1306,8 @@ class MemboxBackend(_base_class()):
             def ring():  # around the workers' ring (the direct path)
                 n = out.numel()
                 flat = torch.cat([t.detach().reshape(-1) for t in ins])
-                bits = flat.view(torch.int16) \
-                    if flat.dtype == torch.bfloat16 else flat
                 self._ensure_ring()
-                self._ring.reduce_scatter(bits.numpy(), n,
+                self._ring.reduce_scatter(flat_numpy(flat), n,
                                           _RING_DTYPES[flat.dtype])
                 mine = flat[self._rank * n:(self._rank + 1) * n]
                 if name == "AVG":
