@@ -23,6 +23,7 @@
 #include "membox/memserver/server.h"
 #include "membox/node/memory_node.h"
 #include "membox/ps/proxy.h"
+#include "membox/ps/standby.h"
 
 #include "tools/commands.h"
 
@@ -81,7 +82,7 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
           int heartbeat_ms, const EmbeddingFlags& ef,
           const std::string& metrics_listen, bool allow_weak_secret,
           const std::string& revoked_file,
-          const std::string& metrics_token_file) {
+          const std::string& metrics_token_file, bool standby) {
   auto choice = membox::ResolveSecretOrEnvironment(secret, secret_file);
   membox::Result<std::string> sec =
       choice.ok() ? membox::Result<std::string>(choice->secret)
@@ -156,6 +157,33 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
     no.admit = [rl](const membox::Principal& p) { return rl->Admit(p); };
   }
   no.memory = o;
+  if (standby) {
+    // Hold nothing until a node of the job dies; then be its replacement.
+    if (*pl == "off") {
+      std::fprintf(stderr, "membox serve: --standby needs --ps-listen\n");
+      return 2;
+    }
+    membox::ps::StandbyOptions so;
+    so.peers = po.peers;
+    so.endpoint = *pl;
+    so.secret = *sec;
+    so.transports = o.transports;
+    so.stop = [&set] {
+      timespec now{0, 0};
+      return sigtimedwait(&set, nullptr, &now) > 0;
+    };
+    auto place = membox::ps::AwaitVacancy(so);
+    if (!place.ok()) {
+      if (place.status().code() == membox::StatusCode::kCancelled) return 0;
+      std::fprintf(stderr, "membox serve: %s\n",
+                   place.status().ToString().c_str());
+      return 1;
+    }
+    po.rank = *place;
+    po.peers[*place] = *pl;
+    po.join = true;
+    po.replicate = true;
+  }
   if (*pl != "off") {
     po.listen = *pl;
     po.sync_cores = o.sync_cores;
@@ -229,6 +257,7 @@ struct ServeFlags {
   std::string metrics_listen, metrics_token_file;
   bool exit_with_parent = false;
   std::string ps_replicate = "on";
+  bool standby = false;
 };
 
 }  // namespace
@@ -239,7 +268,7 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
          heartbeat_ms, serve_config, revoked_file, allow_weak_secret,
          orphan_grace_ms, admin_secret_file, popt, ps_listen, ps_max, ps_sched,
          hang_report_s, failover_s, eflags, metrics_listen, metrics_token_file,
-         exit_with_parent, ps_replicate] = *f;
+         exit_with_parent, ps_replicate, standby] = *f;
   auto* serve = app->add_subcommand("serve", "run a memory node");
   serve->add_option("--config", serve_config,
                     "file of 'key = value' lines named like the long flags "
@@ -330,6 +359,11 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
   serve->add_flag("--join", popt.join,
                   "replace a proxy that died: copy the state from the "
                   "running --ps-peers (it serves while it copies)");
+  serve->add_flag("--standby", standby,
+                  "wait, holding nothing, for one of the job's nodes "
+                  "(--ps-peers, this one not among them) to die, then take "
+                  "its place at --ps-listen (which must be the address the "
+                  "others reach; --ps-rank is ignored)");
   serve->add_option("--emb-dir", eflags.dir,
                     "run the embedding server; its tables live here");
   serve->add_option("--emb-listen", eflags.listen,
@@ -359,7 +393,8 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
                 heartbeat_ms, serve_config, revoked_file, allow_weak_secret,
                 orphan_grace_ms, admin_secret_file, popt, ps_listen, ps_max,
                 ps_sched, hang_report_s, failover_s, eflags, metrics_listen,
-                metrics_token_file, exit_with_parent, ps_replicate] = *f;
+                metrics_token_file, exit_with_parent, ps_replicate, standby] =
+             *f;
          if (exit_with_parent) prctl(PR_SET_PDEATHSIG, SIGTERM);
          if (!serve_config.empty()) {
            membox::Status st = ApplyConfigFile(serve, serve_config);
@@ -391,10 +426,16 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
          if (!ReadAdminSecret(admin_secret_file, "serve", &sopt.admin_secret)) {
            return 2;
          }
+         if (standby && (popt.join || popt.restore)) {
+           std::fprintf(stderr,
+                        "membox serve: --standby joins when a node dies; "
+                        "it takes neither --join nor --restore\n");
+           return 2;
+         }
          return Serve(sopt, popt, ps_listen, ps_max, secret, secret_file, pool,
                       min_block, max_block, quota, heartbeat_ms, eflags,
                       metrics_listen, allow_weak_secret, revoked_file,
-                      metrics_token_file);
+                      metrics_token_file, standby);
        }}};
 }
 

@@ -24,6 +24,7 @@ bool PeerFailover::Lost(uint32_t rank, Clock::time_point now) {
 bool PeerFailover::Replaced(uint32_t rank) {
   ++incarnations_[rank];
   down_.erase(rank);
+  claims_.erase(rank);  // served: the place is taken
   // A replacement starts with no ring state: there is nothing it must
   // resume (a survivor waiting on the peer that died after another did
   // would wait for it forever).
@@ -56,6 +57,41 @@ uint64_t PeerFailover::incarnation(uint32_t rank) const {
 bool PeerFailover::Overdue(Clock::time_point now,
                            Clock::duration timeout) const {
   return !down_.empty() && now - down_since_ >= timeout;
+}
+
+Status PeerFailover::Claim(uint32_t rank, const std::string& endpoint,
+                           bool linked, Clock::time_point now) {
+  if (rank >= proxies_ || rank == self_) {
+    return InvalidArgumentError("no peer proxy " + std::to_string(rank) +
+                                " to replace here");
+  }
+  RETURN_IF_ERROR(MayReplace(rank, endpoint, now));
+  if (!down(rank) && linked) {
+    return UnavailableError("proxy " + std::to_string(rank) + " is up");
+  }
+  claims_[rank] = {endpoint, now + kClaimHold};
+  if (!down(rank)) {
+    return NotFoundError("no link to proxy " + std::to_string(rank) +
+                         " here: its death is for its neighbours to tell");
+  }
+  return Status::Ok();
+}
+
+void PeerFailover::Unclaim(uint32_t rank, const std::string& endpoint) {
+  auto it = claims_.find(rank);
+  if (it != claims_.end() && it->second.endpoint == endpoint) claims_.erase(it);
+}
+
+Status PeerFailover::MayReplace(uint32_t rank, const std::string& endpoint,
+                                Clock::time_point now) const {
+  auto it = claims_.find(rank);
+  if (it == claims_.end() || it->second.endpoint == endpoint ||
+      it->second.until <= now) {
+    return Status::Ok();
+  }
+  return AlreadyExistsError("proxy " + std::to_string(rank) +
+                            "'s place is claimed by the standby at " +
+                            it->second.endpoint);
 }
 
 }  // namespace membox::ps

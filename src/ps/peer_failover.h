@@ -12,7 +12,10 @@
 //                they restarted their rounds too (kResume): notices sent
 //                before that belong to rounds that are being redone;
 //   count        how many incarnations of each peer this proxy has taken
-//                in: a link made to an older one is ignored when it fails.
+//                in: a link made to an older one is ignored when it fails;
+//   claims       which standby node (by its endpoint) this proxy let take a
+//                down peer's place (kClaim), until when: one replacement
+//                per place, the first to claim it.
 //
 // Ownership: plain state, no I/O. Threading: the proxy's event loop only.
 #ifndef MEMBOX_SRC_PS_PEER_FAILOVER_H_
@@ -22,6 +25,9 @@
 #include <cstdint>
 #include <map>
 #include <set>
+#include <string>
+
+#include "membox/base/status.h"
 
 namespace membox::ps {
 
@@ -77,6 +83,24 @@ class PeerFailover {
   // Some peer has been down for `timeout` or longer.
   bool Overdue(Clock::time_point now, Clock::duration timeout) const;
 
+  // How long a granted claim holds without its claimant's hello.
+  static constexpr Clock::duration kClaimHold = std::chrono::seconds(30);
+  // The standby at `endpoint` asks for down peer `rank`'s place; `linked`:
+  // this proxy has a live link to `rank` now. OK: `rank` is down here and
+  // the place is the standby's (again, when it asks again). NOT_FOUND:
+  // this proxy has no link to `rank` and so cannot know whether it is
+  // down; the claim is recorded all the same (a proxy that knows decides).
+  // UNAVAILABLE: `rank` is up here; ALREADY_EXISTS: another standby's
+  // claim holds; INVALID_ARGUMENT: `rank` is this proxy or not a peer.
+  Status Claim(uint32_t rank, const std::string& endpoint, bool linked,
+               Clock::time_point now);
+  // The standby at `endpoint` lets its claim on `rank` go.
+  void Unclaim(uint32_t rank, const std::string& endpoint);
+  // Whether a replacement at `endpoint` may take `rank`'s place: OK unless
+  // another standby's claim holds (ALREADY_EXISTS, naming it).
+  Status MayReplace(uint32_t rank, const std::string& endpoint,
+                    Clock::time_point now) const;
+
  private:
   const uint32_t self_;
   const uint32_t proxies_;
@@ -86,6 +110,11 @@ class PeerFailover {
   std::set<uint32_t> down_;
   Clock::time_point down_since_{};
   std::set<uint32_t> awaiting_resume_;
+  struct HeldClaim {
+    std::string endpoint;
+    Clock::time_point until;
+  };
+  std::map<uint32_t, HeldClaim> claims_;
 };
 
 }  // namespace membox::ps

@@ -111,5 +111,46 @@ TEST_F(PeerFailoverTest, TwoDeathsResumeOnlyWhenBothAreReplaced) {
   EXPECT_TRUE(f_.Current(2, 12));
 }
 
+// Standby nodes (kClaim): a down peer's place goes to the first standby
+// that claims it, until that standby's hello or the claim lapses.
+TEST_F(PeerFailoverTest, ADownPeersPlaceGoesToTheFirstStandbyToClaimIt) {
+  const std::string a = "10.0.0.7:7410", b = "10.0.0.8:7410";
+  EXPECT_EQ(f_.Claim(2, a, /*linked=*/true, t0_).code(),
+            StatusCode::kUnavailable)
+      << "proxy 2 is up";
+  EXPECT_EQ(f_.Claim(0, a, false, t0_).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(f_.Claim(4, a, false, t0_).code(), StatusCode::kInvalidArgument);
+  // Not linked to proxy 3: this proxy cannot tell, but keeps the claim.
+  EXPECT_EQ(f_.Claim(3, a, false, t0_).code(), StatusCode::kNotFound);
+  EXPECT_EQ(f_.Claim(3, b, false, t0_).code(), StatusCode::kAlreadyExists);
+  f_.Unclaim(3, a);
+  ASSERT_TRUE(f_.Lost(2, t0_));
+  ASSERT_TRUE(f_.Claim(2, a, false, t0_).ok());
+  EXPECT_TRUE(f_.Claim(2, a, false, t0_ + 1s).ok()) << "again: still a's";
+  Status other = f_.Claim(2, b, false, t0_ + 1s);
+  EXPECT_EQ(other.code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(other.ToString().find(a), std::string::npos) << other.ToString();
+  // A replacement elsewhere (the launcher's, at the old address) is
+  // refused while a's claim holds; a itself may.
+  EXPECT_EQ(f_.MayReplace(2, "10.0.0.2:7410", t0_ + 1s).code(),
+            StatusCode::kAlreadyExists);
+  EXPECT_TRUE(f_.MayReplace(2, a, t0_ + 1s).ok());
+  // A claim that lapses (its standby died before joining) frees the place.
+  const auto later = t0_ + PeerFailover::kClaimHold + 1s;
+  EXPECT_TRUE(f_.MayReplace(2, b, later).ok());
+  ASSERT_TRUE(f_.Claim(2, b, false, later).ok());
+  // Let go by another standby: nothing; by its holder: free.
+  f_.Unclaim(2, a);
+  EXPECT_EQ(f_.Claim(2, a, false, later).code(), StatusCode::kAlreadyExists);
+  f_.Unclaim(2, b);
+  ASSERT_TRUE(f_.Claim(2, a, false, later).ok());
+  // The claimant's hello takes the place: no claim is left, and the peer
+  // is up, so no one can claim it again.
+  EXPECT_EQ(f_.OnHello(2, 32, 902), Hello::kReplacement);
+  EXPECT_TRUE(f_.Replaced(2));
+  EXPECT_TRUE(f_.MayReplace(2, b, later).ok());
+  EXPECT_EQ(f_.Claim(2, b, true, later).code(), StatusCode::kUnavailable);
+}
+
 }  // namespace
 }  // namespace membox::ps

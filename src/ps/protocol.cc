@@ -143,6 +143,8 @@ const char* TypeName(Type t) {
       return "free";
     case Type::kBackupVersion:
       return "backup-version";
+    case Type::kClaim:
+      return "claim";
   }
   return "?";
 }
@@ -162,6 +164,11 @@ std::vector<uint8_t> Encode(const Message& m) {
       break;
     case Type::kWhere:
       w.U32(m.rank);
+      break;
+    case Type::kClaim:
+      w.U32(m.rank);
+      w.U32(m.world);
+      PutStr(w, m.endpoint);
       break;
     case Type::kRegion:
       PutBytes(w, m.descriptor);
@@ -320,6 +327,11 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       break;
     case Type::kWhere:
       ok = r.U32(&m.rank) && m.rank < kMaxProxies;
+      break;
+    case Type::kClaim:
+      ok = r.U32(&m.rank) && m.rank < kMaxProxies && r.U32(&m.world) &&
+           m.world <= 1 && GetStr(r, &m.endpoint, kMaxName) &&
+           !m.endpoint.empty();
       break;
     case Type::kRegion:
       ok = GetBytes(r, &m.descriptor, kMaxDescriptor) && !m.descriptor.empty();

@@ -115,8 +115,16 @@ enum class Type : uint8_t {
   // redoes the last round from the workers' held pushes), and answers
   // kBackupDone. docs/design/ps.md, "Version notices".
   kBackupVersion = 32,
+  // standby node -> proxy, before any hello (node right only): may the
+  // standby at `endpoint` take the place of proxy `rank`, which is down?
+  // `world` 1 claims, 0 lets a claim go. A claim is granted when this
+  // proxy has lost `rank`, replicates, and no other standby's claim on it
+  // is live; it holds until the claimant's kPeerHello (or lapses). The
+  // claimant joins (--join) as `rank` at `endpoint` once every live peer
+  // granted it. docs/design/ps.md, "Standby nodes".
+  kClaim = 33,
 };
-constexpr Type kLastType = Type::kBackupVersion;
+constexpr Type kLastType = Type::kClaim;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;

@@ -58,6 +58,8 @@ std::vector<Message> SeedMessages() {
   // A step backup needs an optimizer and a positive scale.
   Message& step = out[static_cast<int>(Type::kBackupStep) - 1];
   step.optimizer = Optimizer::kAdam;
+  // A claim's world is 1 (claim) or 0 (let go).
+  out[static_cast<int>(Type::kClaim) - 1].world = 1;
   step.grad_scale = 0.25;
   out[static_cast<int>(Type::kFree) - 1].keys = {9, 10, uint64_t{1} << 60};
   Message d = out[static_cast<int>(Type::kDeclare) - 1];
@@ -244,6 +246,24 @@ TEST(PsProtocolTest, ValidatesFields) {
   cfg.type = Type::kConfigure;
   cfg.mode = static_cast<Mode>(7);
   EXPECT_FALSE(Decode(cfg).ok());
+  // A claim names a peer, claims (1) or lets go (0), and says where the
+  // standby listens.
+  Message cl;
+  cl.type = Type::kClaim;
+  cl.rank = 2;
+  cl.world = 1;
+  cl.endpoint = "10.0.0.9:7410";
+  ASSERT_TRUE(Decode(cl).ok());
+  EXPECT_EQ(Decode(cl)->endpoint, cl.endpoint);
+  Message bad = cl;
+  bad.world = 2;
+  EXPECT_FALSE(Decode(bad).ok());
+  bad = cl;
+  bad.rank = kMaxProxies;
+  EXPECT_FALSE(Decode(bad).ok());
+  bad = cl;
+  bad.endpoint.clear();
+  EXPECT_FALSE(Decode(bad).ok());
   // Optimizer settings (declare, tune): ranges checked, NaN refused.
   for (auto t : {Type::kDeclare, Type::kTune}) {
     Message o;

@@ -457,7 +457,8 @@ void ProxyImpl::OnRequest(const service::Request& r) {
                                 " must be sent as a notice"));
   }
   if (c.role == Conn::Role::kUnknown && m->type != Type::kHello &&
-      m->type != Type::kPeerHello && m->type != Type::kRejoin) {
+      m->type != Type::kPeerHello && m->type != Type::kRejoin &&
+      m->type != Type::kClaim && m->type != Type::kWhere) {
     Reply(conn, m->type, m->id, UnauthenticatedError("say hello first"));
     return;
   }
@@ -513,6 +514,11 @@ void ProxyImpl::OnRequest(const service::Request& r) {
     case Type::kJoinDone:
       if (c.role != Conn::Role::kPeer) break;
       return OnJoinRequest(conn, c, *m);
+    case Type::kClaim:
+      if (c.role != Conn::Role::kUnknown) break;  // a standby is no peer
+      return OnClaim(conn, c, *m);
+    case Type::kWhere:  // addresses: for workers, and standbys before hello
+      return Where(conn, *m);
     case Type::kStats:
       if (c.role != Conn::Role::kClient && c.role != Conn::Role::kObserver)
         break;
@@ -547,6 +553,17 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
     }
     if (m.rank >= nproxies_ || m.rank == opt_.rank) {
       Reply(conn, m.type, m.id, InvalidArgumentError("bad peer proxy rank"));
+      return;
+    }
+    // One replacement per place: a standby that claimed it goes first.
+    if (Status may = failover_.MayReplace(
+            m.rank, m.endpoint.empty() ? opt_.peers[m.rank] : m.endpoint,
+            Clock::now());
+        !may.ok()) {
+      MEMBOX_LOG_WARN("proxy {}: refused a replacement of proxy {}: {}",
+                      opt_.rank, m.rank, may.ToString());
+      Reply(conn, m.type, m.id, may);
+      server_->Close(conn, may);
       return;
     }
     c.role = Conn::Role::kPeer;

@@ -120,6 +120,52 @@ void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
   MaybeStartAll();
 }
 
+void ProxyImpl::Where(uint64_t conn, const Message& m) {
+  if (m.rank >= nproxies_) {
+    return Reply(conn, m.type, m.id, InvalidArgumentError("no such proxy"));
+  }
+  Reply(conn, m.type, m.id, Status::Ok(), 0,
+        nproxies_ > 1 ? opt_.peers[m.rank] : opt_.listen);
+}
+
+void ProxyImpl::OnClaim(uint64_t conn, Conn& c, const Message& m) {
+  const Principal& who = c.channel ? c.channel->principal() : Principal();
+  if (!who.may(kRightNode)) {
+    Reply(conn, m.type, m.id,
+          PermissionDeniedError("claim from " + who.label() +
+                                ", which has no node right"));
+    server_->Close(conn, PermissionDeniedError("not a node"));
+    return;
+  }
+  if (m.world == 0) {
+    failover_.Unclaim(m.rank, m.endpoint);
+    return Reply(conn, m.type, m.id, Status::Ok());
+  }
+  if (!opt_.replicate || nproxies_ < 2) {
+    return Reply(conn, m.type, m.id,
+                 FailedPreconditionError(
+                     "this node keeps the only copy of its shards "
+                     "(--ps-replicate off): a standby cannot take a dead "
+                     "node's place"));
+  }
+  // Linked to it now: an out-link that works, or the in-link of its
+  // current incarnation.
+  bool linked = false;
+  if (auto p = peer_out_.find(m.rank); p != peer_out_.end()) {
+    linked = p->second->health().ok();
+  }
+  for (const auto& [id, o] : conns_) {
+    linked |= o.role == Conn::Role::kPeer && o.rank == m.rank &&
+              failover_.IsLink(m.rank, id);
+  }
+  Status st = failover_.Claim(m.rank, m.endpoint, linked, Clock::now());
+  if (st.ok()) {
+    MEMBOX_LOG_WARN("proxy {}: the standby at {} claims the place of proxy {}",
+                    opt_.rank, m.endpoint, m.rank);
+  }
+  Reply(conn, m.type, m.id, st);
+}
+
 void ProxyImpl::OnResume(uint32_t from, const Message& m) {
   if (m.rank >= nproxies_ || m.rank == opt_.rank) return;
   if (failover_.ResumeIsNews(m.rank, m.world)) {

@@ -413,6 +413,11 @@ class ProxyImpl final : public Proxy, public service::Service {
   // A peer restarted its rounds after `m.rank` (incarnation m.world) was
   // replaced. If we have not seen that yet, we pause now; its hello is on
   // its way.
+  // kWhere: where proxy m.rank listens now (workers, and standbys before
+  // any hello).
+  void Where(uint64_t conn, const Message& m);
+  // A standby's kClaim (or its letting go) of a down peer's place.
+  void OnClaim(uint64_t conn, Conn& c, const Message& m);
   void OnResume(uint32_t from, const Message& m);
 
   // Pauses every round until `rank` is back (PeerHello).

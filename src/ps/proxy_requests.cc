@@ -142,12 +142,6 @@ void ProxyImpl::OnClientMessage(uint64_t conn, Conn& c, Message m) {
       sh.pulls.push_back(p);
       return;
     }
-    case Type::kWhere:
-      if (m.rank >= nproxies_) {
-        return Reply(conn, m.type, m.id, InvalidArgumentError("no such proxy"));
-      }
-      return Reply(conn, m.type, m.id, Status::Ok(), 0,
-                   nproxies_ > 1 ? opt_.peers[m.rank] : opt_.listen);
     case Type::kStore:
       if (WaitForCopy(conn, m)) return;
       return Store(conn, c, m);

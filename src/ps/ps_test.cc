@@ -27,6 +27,7 @@
 #include "membox/base/subprocess.h"
 #include "membox/ps/param_client.h"
 #include "membox/ps/proxy.h"
+#include "membox/ps/standby.h"
 #include "membox/service/client.h"
 #include "membox/service/envelope.h"
 #include "membox/transport/device.h"
@@ -1597,7 +1598,7 @@ TEST(PsTest, AStateWrittenBetweenRoundsReachesTheBackupWhole) {
 // has not copied yet wait, and jump the queue) while it copies.
 void RideThrough(int P, int victim, bool laggard = false,
                  bool elsewhere = false, bool striped = false,
-                 bool slow_copy = false) {
+                 bool slow_copy = false, bool standby = false) {
   constexpr size_t kN = 16 << 10;
   auto grad = [](int rank, int round) {
     return FailoverGrad(kN, rank + 2, round);
@@ -1678,6 +1679,18 @@ void RideThrough(int P, int victim, bool laggard = false,
   };
   auto c = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
                           /*replicate=*/true, hold_laggard);
+  // A standby node watching from the start (membox serve --standby): it
+  // finds the victim's place, and nobody starts the replacement for it.
+  std::atomic<bool> stop_standby{false};
+  StandbyOptions so;
+  so.peers = c.endpoints;
+  so.endpoint = "127.0.0.1:" + std::to_string(PickFreeLocalPort());
+  so.secret = kSecret;
+  so.stop = [&] { return stop_standby.load(); };
+  std::future<Result<uint32_t>> vacancy;
+  if (standby) {
+    vacancy = std::async(std::launch::async, [&] { return AwaitVacancy(so); });
+  }
   train(
       c,
       [&] {
@@ -1696,8 +1709,18 @@ void RideThrough(int P, int victim, bool laggard = false,
           released = true;
         }
         cv.notify_all();
-        std::this_thread::sleep_for(600ms);
         ProxyOptions o = ReplacementOptions(c, uint32_t(victim));
+        if (standby) {
+          ASSERT_EQ(vacancy.wait_for(20s), std::future_status::ready)
+              << "the standby never took the dead node's place";
+          Result<uint32_t> place = vacancy.get();
+          ASSERT_TRUE(place.ok()) << place.status().ToString();
+          EXPECT_EQ(*place, uint32_t(victim));
+          o.listen = so.endpoint;
+          o.peers[victim] = o.listen;
+        } else {
+          std::this_thread::sleep_for(600ms);
+        }
         if (elsewhere) {  // a new host: another address than the workers'
           o.listen = "127.0.0.1:" + std::to_string(PickFreeLocalPort());
           o.peers[victim] = o.listen;
@@ -2132,6 +2155,115 @@ TEST(PsTest, TwoDeathsBeforeAReplacementNameTheStripedShardsLost) {
 // are the undisturbed run's.
 TEST(PsTest, AReplacementAtAnotherAddressTakesOver) {
   RideThrough(3, 2, /*laggard=*/false, /*elsewhere=*/true);
+}
+
+// A standby node (membox serve --standby) watching a job of three: when
+// proxy 1 dies it claims the place, joins at its own address, and the
+// workers find it there; the values are the undisturbed run's.
+TEST(PsTest, AStandbyTakesTheDeadNodesPlace) {
+  RideThrough(3, 1, /*laggard=*/false, /*elsewhere=*/false, /*striped=*/true,
+              /*slow_copy=*/false, /*standby=*/true);
+}
+
+// Two standbys race for one place: one takes it, the other watches on
+// (and follows the new node's address). A worker's credential cannot
+// claim; with one copy of each shard no standby can take a place.
+TEST(PsTest, OneStandbyPerPlaceAndOnlyNodesClaim) {
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  // A job's round links the nodes (a node with no link to a peer cannot
+  // tell a standby that the peer died).
+  RoutingTable t;
+  t.partition_bytes = 16 << 10;
+  t.stripe = true;
+  auto worker = Worker(c, 0, 1, t);
+  ASSERT_NE(worker, nullptr);
+  std::vector<float> g(16 << 10, 1.f), out(16 << 10);
+  ASSERT_TRUE(worker->Declare(1, g.size() * 4, DType::kFloat32).ok());
+  ASSERT_TRUE(worker->PushPull(1, g.data(), out.data()).Wait(20s).ok());
+  std::atomic<bool> stop{false};
+  std::vector<StandbyOptions> so(2);
+  for (auto& o : so) {
+    o.peers = c.endpoints;
+    o.endpoint = "127.0.0.1:" + std::to_string(PickFreeLocalPort());
+    o.secret = kSecret;
+    o.stop = [&] { return stop.load(); };
+  }
+  // Bad options are refused before any wait.
+  StandbyOptions bad = so[0];
+  bad.endpoint = "0.0.0.0:7410";
+  EXPECT_EQ(AwaitVacancy(bad).status().code(), StatusCode::kInvalidArgument);
+  bad.endpoint = c.endpoints[0];
+  EXPECT_EQ(AwaitVacancy(bad).status().code(), StatusCode::kInvalidArgument);
+  bad = so[0];
+  bad.peers.resize(1);
+  EXPECT_EQ(AwaitVacancy(bad).status().code(), StatusCode::kInvalidArgument);
+  // A worker's credential speaks to the nodes but cannot claim a place.
+  bad = so[0];
+  Principal tenant;
+  tenant.cluster = false;
+  tenant.name = "tenant";
+  tenant.rights = kRightWorker;
+  bad.secret = Credential::Issue(kSecret, tenant)->Encode();
+  auto denied = std::async(std::launch::async, [&] { return AwaitVacancy(bad); });
+
+  std::vector<std::future<Result<uint32_t>>> w;
+  for (auto& o : so) {
+    w.push_back(std::async(std::launch::async, [&o] { return AwaitVacancy(o); }));
+  }
+  std::this_thread::sleep_for(300ms);
+  for (auto& f : w) {
+    EXPECT_EQ(f.wait_for(0s), std::future_status::timeout)
+        << "every node is up: nothing to take";
+  }
+  c.proxies[1]->Stop();
+  c.proxies[1].reset();
+  ASSERT_EQ(denied.wait_for(20s), std::future_status::ready);
+  EXPECT_EQ(denied.get().status().code(), StatusCode::kPermissionDenied);
+  int winner = -1;
+  for (int i = 0; i < 200 && winner < 0; ++i) {
+    for (int k = 0; k < 2; ++k) {
+      if (w[k].valid() && w[k].wait_for(0s) == std::future_status::ready) {
+        winner = k;
+      }
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_GE(winner, 0) << "no standby took the place";
+  Result<uint32_t> place = w[winner].get();
+  ASSERT_TRUE(place.ok()) << place.status().ToString();
+  EXPECT_EQ(*place, 1u);
+  ProxyOptions o = ReplacementOptions(c, 1);
+  o.listen = so[winner].endpoint;
+  o.peers[1] = o.listen;
+  auto joined = Proxy::Start(o);
+  ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+  c.proxies[1] = std::move(*joined);
+  // The other one is refused (the place is taken) and keeps watching.
+  auto& loser = w[1 - winner];
+  EXPECT_EQ(loser.wait_for(1s), std::future_status::timeout);
+  // The job goes on through the winner.
+  ASSERT_TRUE(worker->PushPull(1, g.data(), out.data()).Wait(20s).ok());
+  EXPECT_EQ(out[5], 1.f);
+  stop = true;
+  ASSERT_EQ(loser.wait_for(10s), std::future_status::ready);
+  EXPECT_EQ(loser.get().status().code(), StatusCode::kCancelled);
+
+  // One copy of each shard: a standby is told, not left waiting.
+  auto u = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/false);
+  StandbyOptions uo = so[0];
+  uo.peers = u.endpoints;
+  stop = false;
+  auto refused =
+      std::async(std::launch::async, [&] { return AwaitVacancy(uo); });
+  u.proxies[1]->Stop();
+  u.proxies[1].reset();
+  ASSERT_EQ(refused.wait_for(20s), std::future_status::ready);
+  Status st = refused.get().status();
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+  EXPECT_NE(st.ToString().find("--ps-replicate off"), std::string::npos)
+      << st.ToString();
 }
 
 // Stored keys (a DDP job's weights and optimizer state kept on the nodes,
