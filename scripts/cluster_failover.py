@@ -61,6 +61,39 @@ def topology(a, tmp):
     return cluster.load_topology(path)
 
 
+def start_replacement(a, topo, state, log, standby):
+    """m1's replacement on host m2 at a new address: `membox serve --join
+    --ps-rank 1` naming that address in --ps-peers (the operator, after the
+    kill), or `membox serve --standby` with the job's peers (before it)."""
+    mem = cluster.memory_hosts(topo)
+    host2 = mem[2]
+    peers = [f"{h['ip']}:{cluster.PS_PORT}" for h in mem]
+    if standby:
+        place = ["--standby"]
+    else:
+        peers[1] = f"{host2['ip']}:{NEW_PS}"
+        place = ["--ps-rank", "1", "--join"]
+    d = os.path.join(topo["state"], "m1-replacement")
+    os.makedirs(d, exist_ok=True)
+    argv = cluster.host_argv(topo, host2) + [
+        a.membox, "--log-level", "info", "serve",
+        "--listen", f"{host2['ip']}:{NEW_MEM}",
+        "--pool-size", topo["pool"],
+        "--secret-file", cluster.secret_file(topo),
+        "--ps-listen", f"{host2['ip']}:{NEW_PS}",
+        "--ps-peers", ",".join(peers), "--ps-replicate"] + place + [
+        "--emb-listen", f"{host2['ip']}:{NEW_EMB}",
+        "--emb-dir", os.path.join(d, "embedding"),
+        "--emb-budget", topo["emb_budget"]]
+    with open(log, "w") as logf:
+        r = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    state["nodes"].append({"host": "m2", "pid": r.pid, "log": log})
+    with open(os.path.join(topo["state"], "state.json"), "w") as f:
+        json.dump(state, f, indent=1)  # so `down` stops it too
+    return r
+
+
 def job(a, topo, out, kill_after, worker=None, flag=None):
     """Runs the job on a fresh cluster; with kill_after, kills m1's node
     after that epoch and starts its replacement on m2. Returns a dict.
@@ -73,6 +106,11 @@ def job(a, topo, out, kill_after, worker=None, flag=None):
     res = {"epochs": [], "kill_s": None, "joined_s": None, "back_s": [],
            "join_line": "", "rounds": {}}
     repl_log = os.path.join(topo["state"], "replacement.log")
+    # With --standby, m2's standby node watches from the start and takes
+    # m1's place by itself; else the operator starts one after the kill.
+    r = None
+    if a.standby and kill_after:
+        r = start_replacement(a, topo, state, repl_log, standby=True)
     try:
         argv = cluster.mpirun_argv(
             topo, worker or [a.python, os.path.join(HERE, "examples",
@@ -111,37 +149,19 @@ def job(a, topo, out, kill_after, worker=None, flag=None):
             if not killed.wait(900):
                 raise RuntimeError("the job did not reach the kill epoch:\n"
                                    + "".join(lines[-40:]))
-            mem = cluster.memory_hosts(topo)
             victim = [n for n in state["nodes"] if n["host"] == "m1"][0]
-            host2 = mem[2]
-            peers = [f"{h['ip']}:{cluster.PS_PORT}" for h in mem]
-            peers[1] = f"{host2['ip']}:{NEW_PS}"
             t_kill[0] = time.time()
             os.kill(victim["pid"], 9)
             res["kill_s"] = t_kill[0]
-            d = os.path.join(topo["state"], "m1-replacement")
-            os.makedirs(d, exist_ok=True)
-            rargv = cluster.host_argv(topo, host2) + [a.membox,
-                     "--log-level", "info", "serve",
-                     "--listen", f"{host2['ip']}:{NEW_MEM}",
-                     "--pool-size", topo["pool"],
-                     "--secret-file", cluster.secret_file(topo),
-                     "--ps-listen", f"{host2['ip']}:{NEW_PS}",
-                     "--ps-rank", "1", "--ps-peers", ",".join(peers),
-                     "--ps-replicate", "--join",
-                     "--emb-listen", f"{host2['ip']}:{NEW_EMB}",
-                     "--emb-dir", os.path.join(d, "embedding"),
-                     "--emb-budget", topo["emb_budget"]]
-            logf = open(repl_log, "w")
-            r = subprocess.Popen(rargv, stdout=logf, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-            logf.close()
-            state["nodes"].append({"host": "m2", "pid": r.pid, "log": repl_log})
-            with open(os.path.join(topo["state"], "state.json"), "w") as f:
-                json.dump(state, f, indent=1)  # so `down` stops it too
+            if r is None:
+                r = start_replacement(a, topo, state, repl_log, standby=False)
             while time.time() - t_kill[0] < 600:
                 with open(repl_log) as f:
                     text = f.read()
+                if "taking its place" in text and "claim_line" not in res:
+                    res["claim_line"] = [x for x in text.splitlines()
+                                         if "taking its place" in x][0]
+                    res["claim_s"] = round(time.time() - t_kill[0], 3)
                 if "joined: copied" in text:
                     res["joined_s"] = round(time.time() - t_kill[0], 3)
                     res["join_line"] = [x for x in text.splitlines()
@@ -170,6 +190,9 @@ def main():
     ap.add_argument("--rate", default="400mbit")
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--kill-after-epoch", type=int, default=8)
+    ap.add_argument("--standby", action="store_true",
+                    help="m2 runs `membox serve --standby` from the start, "
+                         "which takes the dead node's place by itself")
     ap.add_argument("--json", default="")
     ap.add_argument("--csv", default="")
     ap.add_argument("--plot", default="")
@@ -196,10 +219,13 @@ def main():
     summary = {
         "rate": a.rate, "epochs": a.epochs,
         "kill_after_epoch": a.kill_after_epoch,
+        "replacement": "standby" if a.standby else "operator's --join",
         "replacement_joined_s": hit["joined_s"],
+        "standby_claimed_s": hit.get("claim_s"),
         "workers_back_s": hit["back_s"],
         "recovery_s": max(hit["back_s"]) if hit["back_s"] else None,
         "join_line": hit["join_line"],
+        "claim_line": hit.get("claim_line", ""),
         "final_loss": last["loss"], "final_accuracy": last["accuracy"],
         "undisturbed_final_loss": base["loss"],
         "undisturbed_final_accuracy": base["accuracy"],
