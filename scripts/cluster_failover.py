@@ -18,6 +18,11 @@ asked of the survivors) and replay their state to it; the job must end by
 itself with the undisturbed run's final loss and accuracy, to the last
 digit (no round lost or repeated).
 
+With --standby the topology has a standby host s0 (`standby = 1`:
+`membox cluster up` starts `membox serve --standby` there) and nobody
+starts anything after the kill: the standby claims m1's place and joins
+at its own address.
+
 Reported: kill -> the replacement serving ("joined" in its log, with what
 it copied), kill -> each worker's "is back after" line, per-epoch
 iteration times of both runs, final loss and accuracy.
@@ -57,22 +62,34 @@ def topology(a, tmp):
     with open(path, "w") as f:
         f.write(f'name = "{NAME}"\nsubnet = "{SUBNET}"\nworkers = 2\n'
                 f'memory = 3\nrate = "{a.rate}"\nps_replicate = true\n'
+                f'standby = {1 if a.standby else 0}\n'
                 'pool = "256MiB"\nemb_budget = "64MiB"\n')
     return cluster.load_topology(path)
 
 
-def start_replacement(a, topo, state, log, standby):
-    """m1's replacement on host m2 at a new address: `membox serve --join
-    --ps-rank 1` naming that address in --ps-peers (the operator, after the
-    kill), or `membox serve --standby` with the job's peers (before it)."""
+class StandbyProcess:
+    """poll() of a process `membox cluster up` started (not our child)."""
+
+    def __init__(self, pid):
+        self.pid = pid
+
+    def poll(self):
+        try:
+            os.kill(self.pid, 0)
+            return None
+        except ProcessLookupError:
+            return 1
+
+
+def start_replacement(a, topo, state, log):
+    """The operator's replacement of m1, after the kill: on host m2 at a new
+    address, `membox serve --join --ps-rank 1` naming that address in
+    --ps-peers."""
     mem = cluster.memory_hosts(topo)
     host2 = mem[2]
     peers = [f"{h['ip']}:{cluster.PS_PORT}" for h in mem]
-    if standby:
-        place = ["--standby"]
-    else:
-        peers[1] = f"{host2['ip']}:{NEW_PS}"
-        place = ["--ps-rank", "1", "--join"]
+    peers[1] = f"{host2['ip']}:{NEW_PS}"
+    place = ["--ps-rank", "1", "--join"]
     d = os.path.join(topo["state"], "m1-replacement")
     os.makedirs(d, exist_ok=True)
     argv = cluster.host_argv(topo, host2) + [
@@ -106,11 +123,15 @@ def job(a, topo, out, kill_after, worker=None, flag=None):
     res = {"epochs": [], "kill_s": None, "joined_s": None, "back_s": [],
            "join_line": "", "rounds": {}}
     repl_log = os.path.join(topo["state"], "replacement.log")
-    # With --standby, m2's standby node watches from the start and takes
-    # m1's place by itself; else the operator starts one after the kill.
+    # With --standby, host s0's standby node (`standby = 1` in the
+    # topology: `membox serve --standby`, started by `membox cluster up`)
+    # watches from the start and takes m1's place by itself; else the
+    # operator starts a replacement on m2 after the kill.
     r = None
-    if a.standby and kill_after:
-        r = start_replacement(a, topo, state, repl_log, standby=True)
+    if a.standby:
+        repl_log = [n for n in state["nodes"] if n["host"] == "s0"][0]["log"]
+        r = StandbyProcess([n for n in state["nodes"]
+                            if n["host"] == "s0"][0]["pid"])
     try:
         argv = cluster.mpirun_argv(
             topo, worker or [a.python, os.path.join(HERE, "examples",
@@ -154,7 +175,7 @@ def job(a, topo, out, kill_after, worker=None, flag=None):
             os.kill(victim["pid"], 9)
             res["kill_s"] = t_kill[0]
             if r is None:
-                r = start_replacement(a, topo, state, repl_log, standby=False)
+                r = start_replacement(a, topo, state, repl_log)
             while time.time() - t_kill[0] < 600:
                 with open(repl_log) as f:
                     text = f.read()
@@ -191,8 +212,9 @@ def main():
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--kill-after-epoch", type=int, default=8)
     ap.add_argument("--standby", action="store_true",
-                    help="m2 runs `membox serve --standby` from the start, "
-                         "which takes the dead node's place by itself")
+                    help="a standby host (s0, `membox serve --standby`, "
+                         "from the topology's `standby = 1`) takes the dead "
+                         "node's place by itself")
     ap.add_argument("--json", default="")
     ap.add_argument("--csv", default="")
     ap.add_argument("--plot", default="")

@@ -28,6 +28,8 @@ The topology is a small TOML file (examples/cluster/*.toml):
     rate = "1gbit"         # every link, each direction ("": unshaped)
     delay_ms = 0           # one-way delay of every link
     pool = "1GiB"          # each memory node's pool
+    standby = 0            # standby hosts s0 ..: `membox serve --standby`,
+                           # each takes the place of a memory node that dies
     [host.m1]              # per-host overrides: rate, delay_ms
     rate = "200mbit"
 
@@ -94,7 +96,7 @@ def load_topology(path):
         raise ClusterError(f"{path}: {e}")
     known = {"name", "subnet", "workers", "memory", "rate", "delay_ms", "pool",
              "emb_budget", "host", "sync_cores", "ps_replicate",
-             "ps_read_window"}
+             "ps_read_window", "standby"}
     extra = set(cfg) - known
     if extra:
         raise ClusterError(f"{path}: unknown keys {sorted(extra)}")
@@ -108,6 +110,12 @@ def load_topology(path):
     nw, nm = int(cfg.get("workers", 2)), int(cfg.get("memory", 1))
     if not (1 <= nw <= 64) or not (0 <= nm <= 64):
         raise ClusterError(f"{path}: 1-64 worker hosts and 0-64 memory hosts")
+    ns = cfg.get("standby", 0)
+    if not isinstance(ns, int) or isinstance(ns, bool) or not 0 <= ns <= 16:
+        raise ClusterError(f"{path}: standby must be a host count, 0-16")
+    if ns and (nm < 2 or not cfg.get("ps_replicate", True)):
+        raise ClusterError(f"{path}: standby hosts replace memory nodes that "
+                           "die, which needs 2+ memory hosts and ps_replicate")
     window = cfg.get("ps_read_window")
     if window is not None and (not isinstance(window, int) or
                                isinstance(window, bool) or window < 0):
@@ -116,7 +124,8 @@ def load_topology(path):
     delay = float(cfg.get("delay_ms", 0))
     overrides = cfg.get("host", {})
     hosts = []
-    for role, count, first in (("worker", nw, 1), ("memory", nm, 101)):
+    for role, count, first in (("worker", nw, 1), ("memory", nm, 101),
+                               ("standby", ns, 201)):
         for i in range(count):
             hn = f"{role[0]}{i}"
             o = overrides.get(hn, {})
@@ -154,6 +163,10 @@ def workers(topo):
 
 def memory_hosts(topo):
     return [h for h in topo["hosts"] if h["role"] == "memory"]
+
+
+def standby_hosts(topo):
+    return [h for h in topo["hosts"] if h["role"] == "standby"]
 
 
 def proxies(topo):
@@ -379,6 +392,28 @@ def _up(topo, log):
         logf.close()
         state["nodes"].append({"host": h["name"], "pid": p.pid,
                                "log": os.path.join(d, "serve.log")})
+    for h in standby_hosts(topo):
+        # Holds nothing until a memory node dies; then it is its
+        # replacement, at its own address (docs/design/ps.md).
+        d = os.path.join(st, h["name"])
+        os.makedirs(d, exist_ok=True)
+        argv = host_argv(topo, h) + [
+                _membox_bin(), "--log-level", "info", "serve",
+                "--listen", f"{h['ip']}:{MEM_PORT}",
+                "--pool-size", topo["pool"], "--secret-file", secret_file(topo),
+                "--sync-cores", str(topo["sync_cores"]),
+                "--ps-listen", f"{h['ip']}:{PS_PORT}",
+                "--ps-peers", ",".join(peers), "--standby",
+                "--emb-listen", f"{h['ip']}:{EMB_PORT}",
+                "--emb-dir", os.path.join(d, "embedding"),
+                "--emb-budget", topo["emb_budget"]]
+        logf = open(os.path.join(d, "serve.log"), "w")
+        p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        logf.close()
+        state["nodes"].append({"host": h["name"], "pid": p.pid,
+                               "log": os.path.join(d, "serve.log"),
+                               "standby": True})
     with open(os.path.join(st, "state.json"), "w") as f:
         json.dump(state, f, indent=1)
     deadline = time.time() + 60
@@ -386,14 +421,18 @@ def _up(topo, log):
         while True:
             with open(n["log"]) as f:
                 text = f.read()
-            if "embedding server on" in text:
+            if "embedding server on" in text or (
+                    n.get("standby") and "it takes the place of" in text):
                 break
             if not _alive(n["pid"]) or time.time() > deadline:
                 raise ClusterError(f"memory node on {n['host']} did not start:"
                                    f"\n{text[-2000:]}")
             time.sleep(0.1)
+    sb = standby_hosts(topo)
     log(f"membox cluster '{topo['name']}' up: {len(workers(topo))} worker "
-        f"hosts, {len(mem)} memory hosts on {topo['subnet']}.0/24 "
+        f"hosts, {len(mem)} memory hosts"
+        + (f" and {len(sb)} standby" if sb else "") +
+        f" on {topo['subnet']}.0/24 "
         f"(bridge {br}); links: " + describe_links(topo, netem))
     log(f"  proxies {proxies(topo) or '-'}; agent {agent}")
 
@@ -558,7 +597,7 @@ def status(topo):
         alive = "" if node is None else (
             "  membox serve pid %d %s" % (node["pid"], "running" if
                                           _alive(node["pid"]) else "DEAD"))
-        print(f"  {h['name']:4} {h['role']:6} {h['ip']:15} {h['ns']:18} "
+        print(f"  {h['name']:4} {h['role']:7} {h['ip']:15} {h['ns']:18} "
               f"{h['rate'] or 'unshaped':>9} {h['delay_ms']:g} ms{alive}")
     code = 0
     for h in memory_hosts(topo):
