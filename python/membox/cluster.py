@@ -367,7 +367,8 @@ def _up(topo, log):
     agent = _write_agent(topo)
     mem = memory_hosts(topo)
     peers = [f"{h['ip']}:{PS_PORT}" for h in mem]
-    for h in mem:
+    def serve(h, place, standby=False):
+        """Starts host h's `membox serve`; `place`: its proxy's flags."""
         d = os.path.join(st, h["name"])
         os.makedirs(d, exist_ok=True)
         argv = host_argv(topo, h) + [
@@ -375,35 +376,7 @@ def _up(topo, log):
                 "--listen", f"{h['ip']}:{MEM_PORT}",
                 "--pool-size", topo["pool"], "--secret-file", secret_file(topo),
                 "--sync-cores", str(topo["sync_cores"]),
-                "--ps-listen", f"{h['ip']}:{PS_PORT}",
-                "--ps-rank", str(h["index"]),
-                "--emb-listen", f"{h['ip']}:{EMB_PORT}",
-                "--emb-dir", os.path.join(d, "embedding"),
-                "--emb-budget", topo["emb_budget"]]
-        if topo.get("ps_read_window") is not None:
-            argv += ["--ps-read-window", str(topo["ps_read_window"])]
-        if len(peers) > 1:
-            argv += ["--ps-peers", ",".join(peers)]
-            argv += ["--ps-replicate",
-                     "on" if topo.get("ps_replicate", True) else "off"]
-        logf = open(os.path.join(d, "serve.log"), "w")
-        p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        logf.close()
-        state["nodes"].append({"host": h["name"], "pid": p.pid,
-                               "log": os.path.join(d, "serve.log")})
-    for h in standby_hosts(topo):
-        # Holds nothing until a memory node dies; then it is its
-        # replacement, at its own address (docs/design/ps.md).
-        d = os.path.join(st, h["name"])
-        os.makedirs(d, exist_ok=True)
-        argv = host_argv(topo, h) + [
-                _membox_bin(), "--log-level", "info", "serve",
-                "--listen", f"{h['ip']}:{MEM_PORT}",
-                "--pool-size", topo["pool"], "--secret-file", secret_file(topo),
-                "--sync-cores", str(topo["sync_cores"]),
-                "--ps-listen", f"{h['ip']}:{PS_PORT}",
-                "--ps-peers", ",".join(peers), "--standby",
+                "--ps-listen", f"{h['ip']}:{PS_PORT}"] + place + [
                 "--emb-listen", f"{h['ip']}:{EMB_PORT}",
                 "--emb-dir", os.path.join(d, "embedding"),
                 "--emb-budget", topo["emb_budget"]]
@@ -413,7 +386,20 @@ def _up(topo, log):
         logf.close()
         state["nodes"].append({"host": h["name"], "pid": p.pid,
                                "log": os.path.join(d, "serve.log"),
-                               "standby": True})
+                               "standby": standby})
+
+    for h in mem:
+        place = ["--ps-rank", str(h["index"])]
+        if topo.get("ps_read_window") is not None:
+            place += ["--ps-read-window", str(topo["ps_read_window"])]
+        if len(peers) > 1:
+            place += ["--ps-peers", ",".join(peers), "--ps-replicate",
+                      "on" if topo.get("ps_replicate", True) else "off"]
+        serve(h, place)
+    for h in standby_hosts(topo):
+        # Holds nothing until a memory node dies; then it is its
+        # replacement, at its own address (docs/design/ps.md).
+        serve(h, ["--ps-peers", ",".join(peers), "--standby"], standby=True)
     with open(os.path.join(st, "state.json"), "w") as f:
         json.dump(state, f, indent=1)
     deadline = time.time() + 60

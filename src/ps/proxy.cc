@@ -533,6 +533,17 @@ void ProxyImpl::OnRequest(const service::Request& r) {
                               " not allowed on this connection"));
 }
 
+bool ProxyImpl::FromNode(uint64_t conn, const Conn& c, const Message& m,
+                         const char* what) {
+  const Principal& who = c.channel ? c.channel->principal() : Principal();
+  if (who.may(kRightNode)) return true;
+  Reply(conn, m.type, m.id,
+        PermissionDeniedError(std::string(what) + " from " + who.label() +
+                              ", which has no node right"));
+  server_->Close(conn, PermissionDeniedError("not a node"));
+  return false;
+}
+
 void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
   // The channel proved the secret in the transport's handshake.
   if (c.role != Conn::Role::kUnknown) {
@@ -541,16 +552,9 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
   }
   const Principal& who = c.channel ? c.channel->principal() : Principal();
   if (m.type == Type::kPeerHello) {
-    // Node-to-node: only a principal with the node right (the cluster
-    // secret, or a node credential). A worker's credential cannot say where
-    // a peer is, make this proxy dial out, or take over a peer connection.
-    if (!who.may(kRightNode)) {
-      Reply(conn, m.type, m.id,
-            PermissionDeniedError("peer hello from " + who.label() +
-                                  ", which has no node right"));
-      server_->Close(conn, PermissionDeniedError("not a node"));
-      return;
-    }
+    // A worker's credential cannot say where a peer is, make this proxy
+    // dial out, or take over a peer connection.
+    if (!FromNode(conn, c, m, "peer hello")) return;
     if (m.rank >= nproxies_ || m.rank == opt_.rank) {
       Reply(conn, m.type, m.id, InvalidArgumentError("bad peer proxy rank"));
       return;

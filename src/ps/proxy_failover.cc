@@ -129,14 +129,7 @@ void ProxyImpl::Where(uint64_t conn, const Message& m) {
 }
 
 void ProxyImpl::OnClaim(uint64_t conn, Conn& c, const Message& m) {
-  const Principal& who = c.channel ? c.channel->principal() : Principal();
-  if (!who.may(kRightNode)) {
-    Reply(conn, m.type, m.id,
-          PermissionDeniedError("claim from " + who.label() +
-                                ", which has no node right"));
-    server_->Close(conn, PermissionDeniedError("not a node"));
-    return;
-  }
+  if (!FromNode(conn, c, m, "claim")) return;
   if (m.world == 0) {
     failover_.Unclaim(m.rank, m.endpoint);
     return Reply(conn, m.type, m.id, Status::Ok());

@@ -413,6 +413,10 @@ class ProxyImpl final : public Proxy, public service::Service {
   // A peer restarted its rounds after `m.rank` (incarnation m.world) was
   // replaced. If we have not seen that yet, we pause now; its hello is on
   // its way.
+  // Node-to-node messages need the node right (the cluster secret, or a
+  // node credential). False: `what` was refused and the link closed.
+  bool FromNode(uint64_t conn, const Conn& c, const Message& m,
+                const char* what);
   // kWhere: where proxy m.rank listens now (workers, and standbys before
   // any hello).
   void Where(uint64_t conn, const Message& m);

@@ -2205,11 +2205,13 @@ TEST(PsTest, OneStandbyPerPlaceAndOnlyNodesClaim) {
   tenant.name = "tenant";
   tenant.rights = kRightWorker;
   bad.secret = Credential::Issue(kSecret, tenant)->Encode();
-  auto denied = std::async(std::launch::async, [&] { return AwaitVacancy(bad); });
+  auto denied =
+      std::async(std::launch::async, [&] { return AwaitVacancy(bad); });
 
   std::vector<std::future<Result<uint32_t>>> w;
   for (auto& o : so) {
-    w.push_back(std::async(std::launch::async, [&o] { return AwaitVacancy(o); }));
+    w.push_back(
+        std::async(std::launch::async, [&o] { return AwaitVacancy(o); }));
   }
   std::this_thread::sleep_for(300ms);
   for (auto& f : w) {

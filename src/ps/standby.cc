@@ -9,6 +9,7 @@
 #include "membox/base/logging.h"
 #include "membox/service/client.h"
 #include "membox/transport/device.h"
+
 #include "src/ps/protocol.h"
 
 namespace membox::ps {
@@ -161,17 +162,16 @@ class Watch {
     if (refused.code() == StatusCode::kFailedPrecondition ||
         refused.code() == StatusCode::kPermissionDenied ||
         refused.code() == StatusCode::kUnauthenticated) {
-      return Status(refused.code(), "standby at " + o_.endpoint +
-                                        ": memory node " +
-                                        std::to_string(refuser) + " at " +
-                                        peers_[refuser] + " refuses it: " +
-                                        std::string(refused.message()));
+      return Status(refused.code(),
+                    "standby at " + o_.endpoint + ": memory node " +
+                        std::to_string(refuser) + " at " + peers_[refuser] +
+                        " refuses it: " + std::string(refused.message()));
     }
     // Not yet: no survivor has noticed, or another standby is first.
     const std::string why =
-        refused.ok() ? "no node linked to it has noticed yet"
-                     : "node " + std::to_string(refuser) + ": " +
-                           refused.ToString();
+        refused.ok()
+            ? "no node linked to it has noticed yet"
+            : "node " + std::to_string(refuser) + ": " + refused.ToString();
     // Said when the reason changes kind, and every 10 s while it holds.
     const auto now = Clock::now();
     if (refused.code() != last_code_ || now - last_said_ > kSayEvery) {

@@ -1,7 +1,7 @@
 // A standby memory node's watch (`membox serve --standby`; docs/design/
-// ps.md, "Standby nodes"): it waits, holding nothing, for one of a job's parameter proxies to die,
-// and then takes its place on its own host, with no operator and no
-// launcher on the dead node's host.
+// ps.md, "Standby nodes"): it waits, holding nothing, for one of a job's
+// parameter proxies to die, and then takes its place on its own host, with no
+// operator and no launcher on the dead node's host.
 //
 // AwaitVacancy polls the job's proxies. One it cannot reach is a
 // candidate: it asks every proxy it reaches to let it take that place
