@@ -24,6 +24,7 @@
 #include "membox/node/memory_node.h"
 #include "membox/ps/proxy.h"
 #include "membox/ps/standby.h"
+#include "membox/transport/huge_pages.h"
 
 #include "tools/commands.h"
 
@@ -218,6 +219,18 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
   }
   std::printf("membox serve: listening on %s\n",
               (*node)->memory().endpoint().c_str());
+  // A replacement's copy (and every fresh buffer) faults its memory in
+  // 4 KiB pages without them: about twice the failover pause at 1 GiB.
+  if (const std::string hp = membox::transport::ShmemHugePagePolicy();
+      hp == "never" || hp == "deny") {
+    MEMBOX_LOG_INFO(
+        "shared-memory huge pages are off (shmem_enabled is {}): a "
+        "replacement node copies its state in 4 KiB pages, about twice the "
+        "failover pause at 1 GiB; as root, `echo advise > "
+        "/sys/kernel/mm/transparent_hugepage/shmem_enabled` gives membox's "
+        "nodes 2 MiB pages and nothing else (docs/results/failures.md)",
+        hp);
+  }
   if ((*node)->proxy()) {
     std::printf("membox serve: parameter proxy on %s\n",
                 (*node)->proxy()->endpoint().c_str());

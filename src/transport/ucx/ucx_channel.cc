@@ -14,6 +14,7 @@
 
 #include "src/transport/am_messages.h"
 #include "src/transport/control_inbox.h"
+#include "membox/transport/huge_pages.h"
 
 namespace membox::transport::ucx {
 namespace {
@@ -427,6 +428,9 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
       mapped =
           nullptr;  // user-registered memory: RMA through the data endpoint
     }
+    // The owner's shared memory mapped here: in its 2 MiB pages too where
+    // the kernel allows (membox/transport/huge_pages.h).
+    if (mapped != nullptr) AdviseHugePages(mapped, desc.length);
   }
   SharedMapping file;
   if (protocol_ == Protocol::kMapped && mapped == nullptr && desc.shared_file) {

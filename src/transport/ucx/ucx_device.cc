@@ -24,6 +24,7 @@
 #include "membox/base/logging.h"
 #include "membox/base/wire.h"
 
+#include "membox/transport/huge_pages.h"
 #include "src/transport/ucx/ucx_channel.h"
 
 namespace membox::transport {
@@ -654,6 +655,9 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {
   ucp_mem_attr_t attr{};
   attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
   ucp_mem_query(memh, &attr);
+  // Before the first touch: its faults then fill 2 MiB pages where the
+  // kernel allows (membox/transport/huge_pages.h).
+  AdviseHugePages(attr.address, bytes);
   return FinishRegistration(memh, attr.address, bytes, /*allocated=*/true);
 }
 
