@@ -710,11 +710,12 @@ Result<service::Client*> ProxyImpl::PeerClient(uint32_t rank,
       h.world = nonce_;
       h.endpoint = opt_.peers[opt_.rank];
       (*c)->Send(static_cast<uint16_t>(Type::kPeerHello), proto::Encode(h),
-                 [rank](const Status& s, std::span<const uint8_t>) {
-                   if (!s.ok()) {
-                     MEMBOX_LOG_ERROR("proxy {} refused us: {}", rank,
-                                      s.ToString());
-                   }
+                 [this, rank](const Status& s, std::span<const uint8_t>) {
+                   if (s.ok()) return;
+                   MEMBOX_LOG_ERROR("proxy {} refused us: {}", rank,
+                                    s.ToString());
+                   MutexLock l(&refusals_mu_);
+                   hello_refusals_[rank] = s;
                  });
       service::Client* raw = c->get();
       peer_out_[rank] = std::move(*c);

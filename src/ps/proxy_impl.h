@@ -787,6 +787,8 @@ class ProxyImpl final : public Proxy, public service::Service {
   // state. A request for a shard not copied yet waits for it, and moves it
   // to the front of the copy.
   Status Join();
+  // Why peer `p` refused our kPeerHello, if it did (OK otherwise).
+  Status HelloRefusal(uint32_t p);
   // After Serve: the copier thread starts (no-op unless joining).
   void StartJoinCopy();
   // The copier thread: batches of shards from one peer each, read straight
@@ -847,6 +849,10 @@ class ProxyImpl final : public Proxy, public service::Service {
   std::atomic<bool> running_{false};
   mutable Mutex waits_mu_;
   std::string waits_ MEMBOX_GUARDED_BY(waits_mu_);  // ReportWaits' lines
+  // Why a peer refused this proxy's kPeerHello (answered on a progress
+  // thread): a joiner names it when it cannot copy from that peer.
+  mutable Mutex refusals_mu_;
+  std::map<uint32_t, Status> hello_refusals_ MEMBOX_GUARDED_BY(refusals_mu_);
   // Writes checkpoints one at a time, at most kMaxCheckpointsInFlight
   // queued (docs/design/network_face.md, "Limits").
   static constexpr size_t kMaxCheckpointsInFlight = 4;

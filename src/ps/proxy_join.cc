@@ -19,6 +19,20 @@ uint64_t StateBytes(const OfferedShard& o) {
 
 }  // namespace
 
+Status ProxyImpl::HelloRefusal(uint32_t p) {
+  // The refusal is answered before the peer closes the link: it is here by
+  // the time the copy failed, or within moments.
+  for (int i = 0; i < 20; ++i) {
+    {
+      MutexLock l(&refusals_mu_);
+      auto it = hello_refusals_.find(p);
+      if (it != hello_refusals_.end()) return it->second;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return Status::Ok();
+}
+
 Status ProxyImpl::Join() {
   if (nproxies_ < 2) {
     return FailedPreconditionError("--join needs peers (--ps-peers)");
@@ -31,14 +45,25 @@ Status ProxyImpl::Join() {
   std::string why_down;
   for (uint32_t p = 0; p < nproxies_; ++p) {
     if (p == opt_.rank) continue;
-    Result<StateManifest> man = PeerClient(p, kJoinPeerWait).status();
-    if (man.ok() || man.status().code() != StatusCode::kUnavailable) {
-      man = FetchPeerManifest(p);
-    }
+    const Status reached = PeerClient(p, kJoinPeerWait).status();
+    const bool linked = reached.ok();  // our hello went out
+    Result<StateManifest> man =
+        linked || reached.code() != StatusCode::kUnavailable
+            ? FetchPeerManifest(p)
+            : Result<StateManifest>(reached);
     Result<std::shared_ptr<Channel>> ch =
         man.ok() ? PeerChannel(p)
                  : Result<std::shared_ptr<Channel>>(man.status());
     if (!ch.ok()) {
+      // Another replacement has this place (a standby's claim): nothing to
+      // do here, and the peers' refusal says who.
+      if (Status why = linked ? HelloRefusal(p) : Status::Ok();
+          why.code() == StatusCode::kAlreadyExists) {
+        return AlreadyExistsError(
+            "joining as proxy " + std::to_string(opt_.rank) +
+            ": this place is taken (proxy " + std::to_string(p) + " says: " +
+            std::string(why.message()) + "); this replacement is not needed");
+      }
       if (ch.status().code() != StatusCode::kUnavailable) {
         TellJoinDone(*job);
         return Status(ch.status().code(),

@@ -2235,6 +2235,15 @@ TEST(PsTest, OneStandbyPerPlaceAndOnlyNodesClaim) {
   Result<uint32_t> place = w[winner].get();
   ASSERT_TRUE(place.ok()) << place.status().ToString();
   EXPECT_EQ(*place, 1u);
+  // Another replacement (a launcher's, at the old address) is refused
+  // while the standby's claim holds, and says who has the place.
+  auto other = Proxy::Start(ReplacementOptions(c, 1));
+  ASSERT_FALSE(other.ok());
+  EXPECT_EQ(other.status().code(), StatusCode::kAlreadyExists)
+      << other.status().ToString();
+  EXPECT_NE(other.status().ToString().find(so[winner].endpoint),
+            std::string::npos)
+      << other.status().ToString();
   ProxyOptions o = ReplacementOptions(c, 1);
   o.listen = so[winner].endpoint;
   o.peers[1] = o.listen;

@@ -23,8 +23,7 @@ std::string ShmemHugePagePolicy() {
   const std::string text((std::istreambuf_iterator<char>(f)),
                          std::istreambuf_iterator<char>());
   const size_t open = text.find('['), close = text.find(']');
-  if (open == std::string::npos || close == std::string::npos ||
-      close < open) {
+  if (open == std::string::npos || close == std::string::npos || close < open) {
     return "";
   }
   return text.substr(open + 1, close - open - 1);

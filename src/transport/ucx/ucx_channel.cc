@@ -11,10 +11,10 @@
 #include "membox/base/copy.h"
 #include "membox/base/logging.h"
 #include "membox/base/wire.h"
+#include "membox/transport/huge_pages.h"
 
 #include "src/transport/am_messages.h"
 #include "src/transport/control_inbox.h"
-#include "membox/transport/huge_pages.h"
 
 namespace membox::transport::ucx {
 namespace {

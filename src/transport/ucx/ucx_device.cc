@@ -23,8 +23,8 @@
 #include "membox/base/config.h"
 #include "membox/base/logging.h"
 #include "membox/base/wire.h"
-
 #include "membox/transport/huge_pages.h"
+
 #include "src/transport/ucx/ucx_channel.h"
 
 namespace membox::transport {
