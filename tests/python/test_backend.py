@@ -374,18 +374,22 @@ def _ddp(rank, world):
     return [p.detach().tolist() for p in model.parameters()]
 
 
-def _ddp_big(rank, world, hook, wire=None, width=1024):
+def _ddp_big(rank, world, hook, wire=None, width=1024, layers=1):
     """Six DDP steps (on Gloo) of an MLP whose one bucket is 4.2 MB (width
-    1024; 8.4 MB at 2048); with `hook`, membox's DDP hook, whose buckets of
-    4 MiB and more on the wire (`wire`: the hook's wire_dtype) are split
-    between the workers' ring and the nodes (forced here on one host).
-    Returns the final weights and how many buckets were split."""
+    1024; 8.4 MB at 2048); with `layers` 3, three such layers in buckets
+    of about one layer (DDP makes two: 8.4 and 4.2 MB); with `hook`, membox's DDP hook, whose buckets of 4 MiB and more
+    on the wire (`wire`: the hook's wire_dtype) are split between the
+    workers' ring and the nodes (forced here on one host). Returns the
+    final weights and how many buckets were split."""
     from membox.torch import ddp as mddp
     from membox.torch._session import session
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, 1024), torch.nn.Tanh(),
+    big = [torch.nn.Linear(width if i == 0 else 1024, 1024)
+           for i in range(layers)]
+    model = torch.nn.Sequential(*[m for b in big for m in (b, torch.nn.Tanh())],
                                 torch.nn.Linear(1024, 4))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+    cap = 25 if layers == 1 else width * 1024 * 4 / 1e6 * 1.01
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
     if hook:
         import membox.torch as mt
         mddp._SPLIT_ON_ONE_HOST = True
@@ -757,7 +761,11 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
               "ddp-split-hook-fp16-gloo": lambda r, w: _ddp_big(
                   r, w, True, "float16", 2048),
               "ddp-wide-gloo": lambda r, w: _ddp_big(r, w, False, None,
-                                                     2048)}[program]
+                                                     2048),
+              "ddp-split-hook-3b-gloo": lambda r, w: _ddp_big(
+                  r, w, True, layers=3),
+              "ddp-3b-gloo": lambda r, w: _ddp_big(r, w, False, layers=3)
+              }[program]
         out = fn(rank, world)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -839,19 +847,25 @@ class SplitShareTest(unittest.TestCase):
         zero, one = (Share(store, r, 4, 2, "t") for r in (0, 1))
         self.assertEqual((zero.take(), one.take()), (6, 6))
         zero.measured(6, ring_s=1.0, nodes_s=1.0)  # both parts alike
-        self.assertEqual((zero.value, store["t/1"]), (6, b"6"))
-        self.assertEqual((zero.take(), one.take()), (6, 6))
+        self.assertEqual(zero.value, 6)
+        self.assertEqual((zero.take(), store["t/1"], one.take()), (6, b"6", 6))
         # The ring's part took longer: 0.2 s per sixteenth against the
         # nodes' 0.1, target 16/3 = 5.3, within two: straight there.
         zero.measured(6, ring_s=6 * 0.2, nodes_s=10 * 0.1)
         self.assertEqual(zero.value, 5)
-        self.assertNotIn("t/1", store)  # the previous one is dropped
+        self.assertNotIn("t/1", store)  # the measured split's key goes
+        self.assertEqual((zero.take(), one.take()), (5, 5))
+        # Pipelined: rank 0 takes split 3 before split 2 is measured; it
+        # publishes what it cuts by, so the ranks still agree.
         self.assertEqual((zero.take(), one.take()), (5, 5))
         # The nodes took 9 times as long per sixteenth: target 14.4, more
         # than two away: half way (5 + 4.7, rounded).
         zero.measured(5, ring_s=5 * 0.1, nodes_s=11 * 0.9)
         self.assertEqual(zero.value, 10)
-        self.assertEqual(one.take(), 10)
+        self.assertNotIn("t/2", store)
+        self.assertEqual((zero.take(), one.take()), (10, 10))
+        zero.measured(5, ring_s=1.0, nodes_s=1.0)  # split 3
+        self.assertEqual(sorted(store), ["t/4"])
         self.assertEqual(Share(store, 0, 4, 4, "u").take(), 0)  # 4w4m
 
 
@@ -1001,6 +1015,22 @@ class BackendTest(unittest.TestCase):
             self.assertEqual(got[r][1], 5)
             for g, w in zip(got[r][0], want[0][0]):
                 # The ring and the nodes sum in other orders than Gloo.
+                self.assertTrue(torch.allclose(torch.tensor(g),
+                                               torch.tensor(w),
+                                               rtol=1e-5, atol=1e-6))
+        self.assertEqual(got[0][0], got[1][0])  # the ranks agree exactly
+        self.assertEqual(got[0][0], got[2][0])
+
+    def test_ddp_hook_pipelines_split_buckets(self):
+        # Three 4.2 MB layers in two buckets (8.4 and 4.2 MB once DDP has
+        # rebuilt them), both split: the second bucket's head goes around
+        # the ring while the first one's tail may still be on the nodes,
+        # and each bucket is finished in DDP's order.
+        got = self.run_ranks(3, "ddp-split-hook-3b-gloo")
+        want = self.run_ranks(3, "ddp-3b-gloo")
+        for r in range(3):
+            self.assertEqual(got[r][1], 10)  # 5 iterations x 2 buckets
+            for g, w in zip(got[r][0], want[0][0]):
                 self.assertTrue(torch.allclose(torch.tensor(g),
                                                torch.tensor(w),
                                                rtol=1e-5, atol=1e-6))

@@ -5,8 +5,7 @@ follows the measured speeds, and how every rank agrees on it; and the
 workers' direct connections (ring, mesh) made through a store
 (docs/design/backend.md, "Split all_reduce").
 
-Threading: a Share is used by one thread at a time (the one that runs the
-splits, in the same order on every rank)."""
+Threading: see Share."""
 import datetime
 import os
 import socket
@@ -32,35 +31,49 @@ def first_share(workers, nodes):
 
 class Share:
     """The ring's share of each split, in 16ths. It starts at the links'
-    balance (first_share); after each split rank 0 moves it by the parts'
-    measured times (sync::NextSplitShare: toward equal times, at once
-    within two sixteenths, half way further, not within half a sixteenth)
-    and publishes it in `store` under
-    "<prefix>/<k>"; every other rank reads it there before its k-th split,
-    so every rank cuts alike. Once the nodes alone are chosen it stays 0."""
+    balance (first_share) and follows the parts' measured times
+    (sync::NextSplitShare: toward equal times, at once within two
+    sixteenths, half way further, not within half a sixteenth), as rank 0
+    measures them. Rank 0 publishes the share of its k-th split in `store`
+    under "<prefix>/<k>" when it takes it; every other rank reads it there
+    before its k-th split, so every rank cuts alike, whether or not the
+    splits before have finished (the DDP hook runs a bucket's ring part
+    while the buckets before it are still on the nodes). Once the nodes
+    alone are chosen it stays 0.
+
+    Threading: take() from one thread, in split order; measured() from one
+    thread (the same or another), in the same order."""
 
     def __init__(self, store, rank, workers, nodes, prefix):
         self._store, self._rank, self._prefix = store, rank, prefix
         self.value = first_share(workers, nodes)
         self._splits = 0  # splits taken so far
+        self._measured = 0  # splits measured so far (rank 0)
 
     def take(self):
         """The share of the next split (blocks on the store on ranks other
-        than 0 from the second split on)."""
+        than 0 from the second split on, until rank 0 has taken it)."""
         k = self._splits
         self._splits += 1
-        if k > 0 and self._rank != 0:
-            self.value = int(self._store.get("%s/%d" % (self._prefix, k)))
+        if k > 0:
+            key = "%s/%d" % (self._prefix, k)
+            if self._rank == 0:
+                self._store.set(key, str(self.value))
+            else:
+                self.value = int(self._store.get(key))
         return self.value
 
     def measured(self, share, ring_s, nodes_s):
-        """Rank 0, after the split take() gave `share`: the seconds each
-        part took. Sets and publishes the next split's share."""
+        """Rank 0, once the oldest split not yet measured (take() gave it
+        `share`) has finished on both paths: the seconds each part took.
+        Sets the share of the splits taken from now on; that split's key
+        goes (every rank took it: its parts could not finish without
+        them)."""
         if self._rank != 0:
             return
-        k = self._splits - 1
+        k = self._measured
+        self._measured += 1
         self.value = membox._core.split_next_share(share, ring_s, nodes_s)
-        self._store.set("%s/%d" % (self._prefix, k + 1), str(self.value))
         if k >= 1:
             self._store.delete_key("%s/%d" % (self._prefix, k))
 

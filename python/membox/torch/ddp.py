@@ -124,11 +124,17 @@ def _splitter(c, t):
 
 
 class _Splitter:
-    """Split buckets, one at a time on a thread of its own in the order
-    DDP hands them over (the same bucket order on every rank, so every rank
-    cuts alike): the ring's share (membox.torch._split.Share, agreed
-    through torch.distributed's store) around a ring of the workers, made
-    on first use, while the rest is a round on the nodes in place."""
+    """Split buckets: each one's head around a ring of the workers (made on
+    first use) while its tail is a round on the nodes in place, the ring's
+    share following the parts' speeds (membox.torch._split.Share, agreed
+    through torch.distributed's store). Two threads of its own, so both
+    paths stay busy: the ring thread takes the buckets in the order DDP
+    hands them over (the same on every rank, so every rank cuts alike),
+    starts each one's tail and runs its head, then goes on to the next
+    bucket; the finish thread waits for each tail in the same order,
+    finishes the bucket (widened, averaged) and completes its future. So
+    bucket i + 1's head goes around the ring while bucket i's tail is still
+    on the nodes, instead of whichever part ended first idling its path."""
 
     def __init__(self, c, average):
         import torch.distributed as dist
@@ -140,10 +146,14 @@ class _Splitter:
                                    c.num_proxies, "membox/hook-split")
         self._first = _proxies()[0]
         self._ring = None
-        self._jobs = queue.Queue()
-        self._thread = threading.Thread(target=self._serve, daemon=True,
-                                        name="membox-hook-split")
-        self._thread.start()
+        self._jobs = queue.Queue()  # to the ring thread
+        self._started = queue.Queue()  # to the finish thread
+        self._threads = [
+            threading.Thread(target=target, daemon=True, name=name)
+            for target, name in ((self._serve, "membox-hook-split"),
+                                 (self._finish, "membox-hook-split-finish"))]
+        for th in self._threads:
+            th.start()
         # It completes torch futures: ended at Python's exit (_at_exit).
         _at_exit.end_at_exit(self, _Splitter.stop)
 
@@ -156,26 +166,27 @@ class _Splitter:
         return fut
 
     def stop(self, wait_s=10):
-        """Ends the thread once what is queued has run (waits up to
-        `wait_s` unless called from it)."""
+        """Ends both threads once what is queued has run (waits up to
+        `wait_s` unless called from one of them)."""
         self._jobs.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(wait_s)
+        if threading.current_thread() not in self._threads:
+            for th in self._threads:
+                th.join(wait_s)
 
     def _serve(self):
         while True:
             job = self._jobs.get()
             if job is None:
+                self._started.put(None)
                 return
-            index, t, arr, result, fut = job
             try:
-                self._run(index, t, arr, result)
+                self._started.put(self._start(*job))
             except Exception as e:  # noqa: BLE001 - reach the waiter
-                fut.set_exception(e)
-                continue
-            fut.set_result(t if result is None else result)
+                job[-1].set_exception(e)
 
-    def _run(self, index, t, arr, result):
+    def _start(self, index, t, arr, result, fut):
+        """On the ring thread: starts the bucket's tail on the nodes and
+        sums its head around the ring. Returns what _finish needs."""
         share = self._share.take()
         n = arr.size
         cut = n * share // _split.STEPS
@@ -196,21 +207,46 @@ class _Splitter:
                               priority=-index).add_done_callback(tail_done)
         else:
             tail_done(None)
+        ring_error = None
         if cut:
-            if self._ring is None:
-                self._ring = _split.connect_direct(
-                    self._store, self._rank, self._size,
-                    _split.address_toward(self._first), "membox/hook-ring",
-                    membox._core.Ring, _split.RING_MAX_BYTES,
-                    _split.DEFAULT_TIMEOUT,
-                    segment_bytes=_split.RING_SEGMENT_BYTES)
-            step = _split.RING_MAX_BYTES // esize
-            for i in range(0, cut, step):
-                self._ring.allreduce(arr[i:min(cut, i + step)], name)
+            try:
+                if self._ring is None:
+                    self._ring = _split.connect_direct(
+                        self._store, self._rank, self._size,
+                        _split.address_toward(self._first),
+                        "membox/hook-ring", membox._core.Ring,
+                        _split.RING_MAX_BYTES, _split.DEFAULT_TIMEOUT,
+                        segment_bytes=_split.RING_SEGMENT_BYTES)
+                step = _split.RING_MAX_BYTES // esize
+                for i in range(0, cut, step):
+                    self._ring.allreduce(arr[i:min(cut, i + step)], name)
+            except Exception as e:  # noqa: BLE001 - after the tail's wait
+                ring_error = e
         ring_s = time.perf_counter() - t0
+        return (t, result, fut, share, cut, ring_s, ring_error, done, tail)
+
+    def _finish(self):
+        while True:
+            started = self._started.get()
+            if started is None:
+                return
+            t, result, fut = started[:3]
+            try:
+                self._end(*started)
+            except Exception as e:  # noqa: BLE001 - reach the waiter
+                fut.set_exception(e)
+                continue
+            fut.set_result(t if result is None else result)
+
+    def _end(self, t, result, fut, share, cut, ring_s, ring_error, done,
+             tail):
+        """On the finish thread: waits for the bucket's tail (its tail
+        shares `t`'s memory: never left running), then finishes it."""
         if not done.wait(_split.DEFAULT_TIMEOUT.total_seconds()):
             raise membox.MemboxError("a split bucket's round on the nodes "
                                      "did not finish")
+        if ring_error is not None:
+            raise ring_error
         if tail[0] is not None:
             raise _error(tail[0])
         out = t
