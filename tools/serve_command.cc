@@ -372,6 +372,12 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
   serve->add_flag("--join", popt.join,
                   "replace a proxy that died: copy the state from the "
                   "running --ps-peers (it serves while it copies)");
+  serve
+      ->add_option("--ps-join-copy-threads", popt.join_copy_threads,
+                   "with --join or --standby: threads that copy the state "
+                   "side by side (0: --sync-cores)")
+      ->envname("MEMBOX_PS_JOIN_COPY_THREADS")
+      ->check(CLI::Range(0, 256));
   serve->add_flag("--standby", standby,
                   "wait, holding nothing, for one of the job's nodes "
                   "(--ps-peers, this one not among them) to die, then take "

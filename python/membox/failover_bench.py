@@ -2,7 +2,8 @@
 against the size of the state the nodes hold.
 
     membox bench failover [--sizes 64MiB,1GiB,4GiB] [--repeats 1]
-                          [--workers 1] [--job params|sums] [--python PY]
+                          [--workers 1] [--job params|striped|sums]
+                          [--copy-threads 1,2] [--python PY]
                           [--csv F] [--json F] [--plot F.png]
 
 A job of --workers workers and 2 memory nodes under `membox launch` with its
@@ -12,6 +13,10 @@ momentum). The workers use the plain client's default routing (no
 profile): every push goes to node 0 and the nodes' ring carries the round,
 so each node holds the whole state, and the round after the kill needs all
 of the replacement's copy.
+--job striped: the same tensor striped, as a profiled job's keys are on
+one host (the DDP hook, ParameterServer): each node owns half the shards
+and backs up the other half, and the round after the kill waits for the
+replacement's copy of the shards it owns, half the state.
 --job sums: instead, one striped tensor of S without an optimizer (the
 DDP hook's gradient sums, PushPull): its shards live on their owners, the
 backups take each round's version only, and the workers hold their pushes
@@ -34,6 +39,8 @@ Reported per size (medians over --repeats):
                 every shard on two nodes again
   copy          the replacement's background copy itself
   round         the median round before the kill (for scale)
+--copy-threads 1,2: each size and repeat once per count of the
+replacement's copier threads, interleaved, reported apart.
 """
 import argparse
 import json
@@ -54,10 +61,11 @@ import membox
 nbytes, flag, job = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 n = nbytes // 4
 c = membox.connect()
-if job == "sums":
+if job in ("sums", "striped"):
     r = c.routing()
     r["stripe"] = True
     c.set_routing(r)
+if job == "sums":
     c.configure(mode="average")
     c.declare(1, n * 4, "float32")
 else:
@@ -92,8 +100,9 @@ def _label(n):
     return f"{n / MiB:g} MiB"
 
 
-def one(a, state, tmp):
-    """One job: the kill, and what it cost."""
+def one(a, state, tmp, threads=""):
+    """One job: the kill, and what it cost. `threads`: the replacement's
+    copier threads (empty: the node's default)."""
     flag = os.path.join(tmp, f"copied-{state}-{time.time_ns()}")
     script = os.path.join(tmp, "failover_worker.py")
     with open(script, "w") as f:
@@ -104,6 +113,8 @@ def one(a, state, tmp):
     env = dict(os.environ, MEMBOX_LOG_LEVEL="warn")
     if a.job == "sums":
         env["MEMBOX_HOLD_PUSHES"] = "always"
+    if threads:  # `membox serve --ps-join-copy-threads`, as the launcher
+        env["MEMBOX_PS_JOIN_COPY_THREADS"] = threads  # starts it
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, bufsize=1, env=env)
     # Rounds of rank 0 (the launcher prefixes worker output with its rank).
@@ -135,7 +146,7 @@ def one(a, state, tmp):
     timer.cancel()
     text = "".join(lines)
     res = {"state_bytes": state, "workers": a.workers, "exit": rc,
-           "finished": "DONE" in text}
+           "finished": "DONE" in text, "copy_threads": threads or "default"}
     if t_kill is None or len(rounds) < 6:
         sys.stderr.write(text[-3000:])
         return res
@@ -165,10 +176,17 @@ def main(argv=None):
     ap.add_argument("--sizes", default="64MiB,1GiB,4GiB",
                     help="the job's state (weights + momentum)")
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--job", choices=("params", "sums"), default="params",
-                    help="params: weights and SGD momentum on the nodes; "
-                    "sums: a striped tensor summed without an optimizer")
+    ap.add_argument("--job", choices=("params", "striped", "sums"),
+                    default="params",
+                    help="params: weights and SGD momentum on the nodes, "
+                    "the round carried by the nodes' ring; striped: the same, "
+                    "striped; sums: a striped tensor summed without an "
+                    "optimizer")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--copy-threads", default="",
+                    help="comma list of the replacement's copier thread "
+                    "counts to compare, interleaved (membox serve "
+                    "--ps-join-copy-threads; empty: the node's default)")
     ap.add_argument("--timeout", type=float, default=900,
                     help="seconds one job may take")
     ap.add_argument("--json", default="")
@@ -176,16 +194,23 @@ def main(argv=None):
     ap.add_argument("--plot", default="")
     a = ap.parse_args(argv)
     sizes = [_size(s) for s in a.sizes.split(",")]
+    variants = [t.strip() for t in a.copy_threads.split(",")]
+    for t in variants:
+        if t and not (t.isdigit() and 1 <= int(t) <= 256):
+            ap.error(f"--copy-threads: {t!r} is not a count from 1 to 256")
     tmp = tempfile.mkdtemp(prefix="membox-failover-")
     runs = []
     for state in sizes:
         for rep in range(a.repeats):
-            print(f"[failover] state {_label(state)} (repeat {rep + 1} of "
-                  f"{a.repeats}) ...", file=sys.stderr, flush=True)
-            r = one(a, state, tmp)
-            r["repeat"] = rep
-            runs.append(r)
-            print(json.dumps(r), file=sys.stderr, flush=True)
+            for threads in variants:  # interleaved
+                print(f"[failover] state {_label(state)} (repeat {rep + 1} "
+                      f"of {a.repeats}, copier threads "
+                      f"{threads or 'default'}) ...", file=sys.stderr,
+                      flush=True)
+                r = one(a, state, tmp, threads)
+                r["repeat"] = rep
+                runs.append(r)
+                print(json.dumps(r), file=sys.stderr, flush=True)
 
     def med(xs):
         xs = [x for x in xs if x is not None]
@@ -194,20 +219,24 @@ def main(argv=None):
     keys = ("round_s", "pause_s", "kill_to_round_s", "redundancy_s", "copy_s")
     summary = []
     for state in sizes:
-        mine = [r for r in runs if r["state_bytes"] == state]
-        row = {"state_bytes": state, "workers": a.workers,
-               "finished": sum(1 for r in mine if r["finished"]),
-               "runs": len(mine)}
-        for k in keys:
-            row[k] = med([r.get(k) for r in mine])
-        summary.append(row)
+        for threads in variants:
+            mine = [r for r in runs if r["state_bytes"] == state and
+                    r["copy_threads"] == (threads or "default")]
+            row = {"state_bytes": state, "workers": a.workers,
+                   "copy_threads": threads or "default",
+                   "finished": sum(1 for r in mine if r["finished"]),
+                   "runs": len(mine)}
+            for k in keys:
+                row[k] = med([r.get(k) for r in mine])
+            summary.append(row)
     print(f"\nA memory node killed under a running job ({a.job}): 2 nodes, "
           f"{a.workers} worker(s), defaults (replicated); seconds, medians "
           f"of {a.repeats}")
-    print(f"{'state':>9} {'round':>8} {'pause':>8} {'kill->rnd':>10} "
-          f"{'redundant':>10} {'copy':>8} finished")
+    print(f"{'state':>9} {'copiers':>8} {'round':>8} {'pause':>8} "
+          f"{'kill->rnd':>10} {'redundant':>10} {'copy':>8} finished")
     for r in summary:
-        print(f"{_label(r['state_bytes']):>9} {r['round_s']:8.3f} "
+        print(f"{_label(r['state_bytes']):>9} {r['copy_threads']:>8} "
+              f"{r['round_s']:8.3f} "
               f"{r['pause_s']:8.3f} {r['kill_to_round_s']:10.3f} "
               f"{r['redundancy_s']:10.3f} {r['copy_s']:8.3f} "
               f"{r['finished']}/{r['runs']}")
@@ -215,7 +244,8 @@ def main(argv=None):
         with open(a.json, "w") as f:
             json.dump({"runs": runs, "summary": summary}, f, indent=1)
     if a.csv:
-        cols = ["state_bytes", "workers"] + list(keys) + ["finished", "runs"]
+        cols = ["state_bytes", "workers", "copy_threads"] + list(keys) + \
+            ["finished", "runs"]
         with open(a.csv, "w") as f:
             f.write(",".join(cols) + "\n")
             for r in summary:
@@ -225,13 +255,19 @@ def main(argv=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
-        xs = [r["state_bytes"] / GiB for r in summary]
-        for k, label, style in (
-                ("pause_s", "pause (longest round - median round)", "o-"),
-                ("redundancy_s", "kill -> every shard on two nodes again",
-                 "s--"),
-                ("round_s", "a round, undisturbed", "^:")):
-            ax.plot(xs, [r[k] for r in summary], style, label=label)
+        for threads in variants:
+            rows = [r for r in summary
+                    if r["copy_threads"] == (threads or "default")]
+            xs = [r["state_bytes"] / GiB for r in rows]
+            tag = "" if variants == [""] else \
+                f", {threads or 'default'} copier thread(s)"
+            for k, label, style in (
+                    ("pause_s", "pause (longest round - median round)",
+                     "o-"),
+                    ("redundancy_s", "kill -> every shard on two nodes "
+                     "again", "s--"),
+                    ("round_s", "a round, undisturbed", "^:")):
+                ax.plot(xs, [r[k] for r in rows], style, label=label + tag)
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("the job's state on the nodes (GiB: weights + momentum)")

@@ -23,10 +23,6 @@ using transport::RemoteMemRegion;
 // At most this many segments per step in a pipelined pass (the control
 // notices per step grow with it).
 constexpr size_t kMaxSegments = 16;
-// A chunk under two segments still goes in up to this many pieces of at
-// least a quarter segment: a step left unpipelined is a barrier, and a
-// split's ring share of a 16 MiB tensor is a 1.75 MiB chunk on 4 workers.
-constexpr size_t kMinSegments = 4;
 
 class RingImpl final : public RingAllreduce {
  public:
@@ -238,17 +234,11 @@ class RingImpl final : public RingAllreduce {
   }
 
   // How many segments each step's chunk goes in: opt_.segment_bytes each
-  // (rounded to whole elements), at least kMinSegments of a quarter
-  // segment or more where the chunk allows, at most kMaxSegments, 1 when
-  // off or when the chunk is under half a segment.
+  // (rounded to whole float32s), at most kMaxSegments, 1 when off.
   int Segments(const Pass& p) const {
-    if (opt_.segment_bytes == 0) return 1;
-    const size_t whole = p.largest / opt_.segment_bytes;
-    const size_t quarters =
-        p.largest / std::max<size_t>(1, opt_.segment_bytes / 4);
-    const size_t k = std::min(
-        kMaxSegments, std::max(whole, std::min(kMinSegments, quarters)));
-    return k < 2 ? 1 : static_cast<int>(k);
+    if (opt_.segment_bytes == 0 || p.largest < 2 * opt_.segment_bytes) return 1;
+    return static_cast<int>(
+        std::min<size_t>(kMaxSegments, p.largest / opt_.segment_bytes));
   }
 
   Status Run(const Pass& p) {

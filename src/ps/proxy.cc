@@ -196,7 +196,8 @@ void ProxyImpl::Stop() {
   // registered with it.
   server_->Stop();
   checkpoint_writer_.Stop();
-  join_copier_.Stop();
+  for (std::thread& t : join_copiers_) t.join();
+  join_copiers_.clear();
   join_copy_.reset();
   copy_waiters_.clear();
   copy_notices_.clear();

@@ -264,9 +264,9 @@ struct Conn {
 };
 
 // A replacement's background copy (ProxyImpl::Join, proxy_join.cc).
-// What the copier thread works through. Built by Join on the event loop
-// before the server serves; then the copier reads `manifests`, `channels`
-// and `sources` (never changed again) and takes work from `order` under
+// What the copier threads work through. Built by Join on the event loop
+// before the server serves; then the copiers read `manifests`, `channels`
+// and `sources` (never changed again) and take work from `order` under
 // `mu`, and the event loop only pushes to `urgent`.
 struct JoinCopy {
   std::map<uint32_t, StateManifest> manifests;
@@ -286,6 +286,9 @@ struct JoinCopy {
   std::deque<std::pair<std::pair<uint64_t, uint32_t>, size_t>> order
       MEMBOX_GUARDED_BY(mu);
   std::set<std::pair<uint64_t, uint32_t>> urgent MEMBOX_GUARDED_BY(mu);
+  // Copier threads still working; the last one to find `order` empty
+  // posts the end of the copy.
+  std::atomic<int> copiers{0};
 };
 
 // Checkpoint names (a file name in the checkpoint directory): 1..128 of
@@ -789,10 +792,11 @@ class ProxyImpl final : public Proxy, public service::Service {
   Status Join();
   // Why peer `p` refused our kPeerHello, if it did (OK otherwise).
   Status HelloRefusal(uint32_t p);
-  // After Serve: the copier thread starts (no-op unless joining).
+  // After Serve: the copier threads start (no-op unless joining).
   void StartJoinCopy();
-  // The copier thread: batches of shards from one peer each, read straight
-  // into this node's buffers (CopyShards), installed on the event loop.
+  // A copier thread: batches of shards from one peer each, read straight
+  // into this node's buffers (CopyShards), installed on the event loop;
+  // ProxyOptions::join_copy_threads of them take batches side by side.
   void RunJoinCopy(const std::shared_ptr<JoinCopy>& job);
   void InstallJoined(CopiedShard& c);
   // Shard s of key k has its buffers: what waited for it goes on.
@@ -860,7 +864,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   // A replacement's background copy (Join): its state, the copier, the
   // shards not copied yet and the requests waiting for them. Event loop.
   std::shared_ptr<JoinCopy> join_copy_;
-  SerialWorker join_copier_{"join copy", 1};
+  // The copier threads of join_copy_; joined by Stop (the event loop's
+  // thread starts them, and only Stop touches them after that).
+  std::vector<std::thread> join_copiers_;
   size_t copying_shards_ = 0;
   std::map<std::pair<uint64_t, uint32_t>,
            std::vector<std::pair<uint64_t, Message>>>

@@ -216,10 +216,11 @@ Status ProxyImpl::Join() {
 void ProxyImpl::StartJoinCopy() {
   std::shared_ptr<JoinCopy> job = join_copy_;
   if (!job) return;
-  Status st = join_copier_.Submit([this, job] { RunJoinCopy(job); });
-  if (!st.ok()) {
-    MEMBOX_LOG_ERROR("proxy {}: cannot start copying its state: {}", opt_.rank,
-                     st.ToString());
+  const int n = std::max(
+      1, opt_.join_copy_threads > 0 ? opt_.join_copy_threads : opt_.sync_cores);
+  job->copiers = n;
+  for (int i = 0; i < n; ++i) {
+    join_copiers_.emplace_back([this, job] { RunJoinCopy(job); });
   }
 }
 
@@ -296,7 +297,11 @@ void ProxyImpl::RunJoinCopy(const std::shared_ptr<JoinCopy>& job) {
       Post([this, why] { JoinCopyLost(why); });
     }
   }
-  Post([this, job] { FinishJoinCopy(*job); });
+  // Every batch this thread took is installed (posted) before this: the
+  // last copier to finish ends the copy after every other's batches.
+  if (job->copiers.fetch_sub(1) == 1) {
+    Post([this, job] { FinishJoinCopy(*job); });
+  }
 }
 
 void ProxyImpl::InstallJoined(CopiedShard& c) {

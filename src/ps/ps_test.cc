@@ -1687,6 +1687,8 @@ void RideThrough(int P, int victim, bool laggard = false,
   so.endpoint = "127.0.0.1:" + std::to_string(PickFreeLocalPort());
   so.secret = kSecret;
   so.stop = [&] { return stop_standby.load(); };
+  auto copiers = std::make_shared<std::atomic<int>>(0);
+  auto most_copiers = std::make_shared<std::atomic<int>>(0);
   std::future<Result<uint32_t>> vacancy;
   if (standby) {
     vacancy = std::async(std::launch::async, [&] { return AwaitVacancy(so); });
@@ -1727,8 +1729,15 @@ void RideThrough(int P, int victim, bool laggard = false,
         }
         if (slow_copy) {
           o.join_batch_bytes = 1;
-          o.before_join_batch_for_test = [] {
+          o.join_copy_threads = 2;  // batches copied two at a time
+          o.before_join_batch_for_test = [copiers, most_copiers] {
+            int now = copiers->fetch_add(1) + 1;
+            int seen = most_copiers->load();
+            while (now > seen &&
+                   !most_copiers->compare_exchange_weak(seen, now)) {
+            }
             std::this_thread::sleep_for(60ms);
+            copiers->fetch_sub(1);
           };
         }
         auto joined = Proxy::Start(o);
@@ -1746,6 +1755,8 @@ void RideThrough(int P, int victim, bool laggard = false,
       std::this_thread::sleep_for(10ms);
     }
     EXPECT_EQ(c.proxies[victim]->Stats().shards_copying, 0u);
+    EXPECT_EQ(most_copiers->load(), 2) << "the copier threads take batches "
+                                          "side by side";
   }
   for (int r = 0; r < P; ++r) {
     EXPECT_EQ(got[r], want[r])
@@ -1773,8 +1784,9 @@ TEST(PsTest, WorkersRideThroughAReplacedOwnerOfStripedShards) {
 
 // A replacement serves at once and copies its state meanwhile: the
 // workers' pushes for shards it has not copied yet wait for them (and move
-// them to the front of the copy), and the values are the undisturbed
-// run's. Striped keys on 2 nodes, and the ring's unstriped keys on 3.
+// them to the front of the copy), two copier threads take batches side by
+// side, and the values are the undisturbed run's. Striped keys on 2
+// nodes, and the ring's unstriped keys on 3.
 TEST(PsTest, AReplacementServesWhileItCopiesStripedShards) {
   RideThrough(2, 1, /*laggard=*/false, /*elsewhere=*/false, /*striped=*/true,
               /*slow_copy=*/true);

@@ -45,12 +45,11 @@ struct RingOptions {
   // workers' listeners face the network too).
   std::string secret;
   size_t max_bytes = 64 << 20;  // largest buffer Allreduce will be given
-  // Pipelining (Allreduce, Allgather, ReduceScatter): a step's chunk goes
-  // in segments of about this size (at most 16, and at least 4 of a
-  // quarter of it or more where the chunk is that large: a chunk under half
-  // of it is one piece), each forwarded by a sender thread as soon as it
-  // arrived, with no barrier between steps: for links, where a step's adds and
-  // notices would leave the link idle. 0: one piece per step, on the calling
+  // Pipelining (Allreduce, Allgather, ReduceScatter): a step's chunk of at
+  // least twice this many bytes goes in segments of about this size (at
+  // most 16), each forwarded by a sender thread as soon as it arrived, with
+  // no barrier between steps: for links, where a step's adds and notices
+  // would leave the link idle. 0: one piece per step, on the calling
   // thread (memory speed, one host). Must be equal on every worker.
   size_t segment_bytes = 0;
   std::chrono::milliseconds timeout{60000};

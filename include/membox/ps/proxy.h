@@ -121,6 +121,11 @@ struct ProxyOptions {
   // bytes while it serves; a request for a shard not copied yet waits for
   // it and moves it to the next batch.
   uint64_t join_batch_bytes = 32 << 20;
+  // How many threads copy a join's batches at once (each batch from one
+  // peer). On one host a read is a memcpy into fresh memory, which faults
+  // its pages in: one thread per core copies that many batches at once.
+  // 0: sync_cores.
+  int join_copy_threads = 0;
   // Tests: called on the copier thread before each batch of a join's copy
   // (to slow it down). Unset in production.
   std::function<void()> before_join_batch_for_test;
