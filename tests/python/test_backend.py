@@ -1005,37 +1005,34 @@ class BackendTest(unittest.TestCase):
                                            rtol=1e-5, atol=1e-6))
         self.assertEqual(got[0], got[1])  # the ranks agree exactly
 
-    def test_ddp_hook_splits_large_buckets_between_ring_and_nodes(self):
-        # Three ranks, one node: the links' balance gives the ring 11/16 of
-        # each bucket; the first iteration goes through Gloo (DDP rebuilds
-        # its buckets after it), the five after it are split.
-        got = self.run_ranks(3, "ddp-split-hook-gloo")
-        want = self.run_ranks(3, "ddp-big-gloo")
+    def check_split_hook(self, program, gloo_program, splits):
+        """Three ranks of `program` (the hook, split) against
+        `gloo_program`: `splits` buckets split on every rank, the weights
+        close to Gloo's (the ring and the nodes sum in other orders) and
+        equal on every rank."""
+        got = self.run_ranks(3, program)
+        want = self.run_ranks(3, gloo_program)
         for r in range(3):
-            self.assertEqual(got[r][1], 5)
+            self.assertEqual(got[r][1], splits)
             for g, w in zip(got[r][0], want[0][0]):
-                # The ring and the nodes sum in other orders than Gloo.
                 self.assertTrue(torch.allclose(torch.tensor(g),
                                                torch.tensor(w),
                                                rtol=1e-5, atol=1e-6))
         self.assertEqual(got[0][0], got[1][0])  # the ranks agree exactly
         self.assertEqual(got[0][0], got[2][0])
 
+    def test_ddp_hook_splits_large_buckets_between_ring_and_nodes(self):
+        # Three ranks, one node: the links' balance gives the ring 11/16 of
+        # each bucket; the first iteration goes through Gloo (DDP rebuilds
+        # its buckets after it), the five after it are split.
+        self.check_split_hook("ddp-split-hook-gloo", "ddp-big-gloo", 5)
+
     def test_ddp_hook_pipelines_split_buckets(self):
         # Three 4.2 MB layers in two buckets (8.4 and 4.2 MB once DDP has
-        # rebuilt them), both split: the second bucket's head goes around
-        # the ring while the first one's tail may still be on the nodes,
-        # and each bucket is finished in DDP's order.
-        got = self.run_ranks(3, "ddp-split-hook-3b-gloo")
-        want = self.run_ranks(3, "ddp-3b-gloo")
-        for r in range(3):
-            self.assertEqual(got[r][1], 10)  # 5 iterations x 2 buckets
-            for g, w in zip(got[r][0], want[0][0]):
-                self.assertTrue(torch.allclose(torch.tensor(g),
-                                               torch.tensor(w),
-                                               rtol=1e-5, atol=1e-6))
-        self.assertEqual(got[0][0], got[1][0])  # the ranks agree exactly
-        self.assertEqual(got[0][0], got[2][0])
+        # rebuilt them), both split (5 iterations x 2): the second bucket's
+        # head goes around the ring while the first one's tail may still be
+        # on the nodes, and each bucket is finished in DDP's order.
+        self.check_split_hook("ddp-split-hook-3b-gloo", "ddp-3b-gloo", 10)
 
     def test_ddp_hook_splits_narrow_wire_buckets(self):
         # The same with a bfloat16 and a float16 wire (an 8.4 MB float32
