@@ -257,7 +257,7 @@ class Client {
  public:
   Client(std::vector<std::string> proxies, std::string secret, int rank,
          int world, std::string name, double timeout_s,
-         uint64_t partition_bytes, bool rejoin) {
+         uint64_t partition_bytes, bool rejoin, std::string job) {
     membox::ps::ParamClientOptions o;
     o.proxies = std::move(proxies);
     o.secret = std::move(secret);
@@ -271,6 +271,7 @@ class Client {
     // the edge; the client takes explicit options.
     if (Status s = membox::ps::ApplyClientEnvironment(&o); !s.ok()) Throw(s);
     o.restarted = o.restarted || rejoin;
+    o.job = std::move(job);
     py::gil_scoped_release nogil;
     auto c = ParamClient::Connect(o);
     py::gil_scoped_acquire gil;
@@ -1057,15 +1058,18 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Client>(m, "Client")
       .def(py::init<std::vector<std::string>, std::string, int, int,
-                    std::string, double, uint64_t, bool>(),
+                    std::string, double, uint64_t, bool, std::string>(),
            py::arg("proxies"), py::arg("secret"), py::arg("rank"),
            py::arg("world"), py::arg("name") = "worker",
            py::arg("timeout") = 60.0, py::arg("partition_bytes") = 4 << 20,
-           py::arg("rejoin") = false,
+           py::arg("rejoin") = false, py::arg("job") = "",
            "rejoin: this worker set follows one that used the nodes before "
            "(restarted, or another size, such as torchft's next quorum): "
            "its hello is retried for up to 45 s while the nodes still hold "
-           "the previous job's connections.")
+           "the previous job's connections. job: the job's name, the same "
+           "on every worker (empty: unnamed); a node refuses another job's "
+           "workers while this one's are connected, and a named job's "
+           "hello waits up to 45 s for the job before it to leave.")
       .def("configure", &Client::Configure, py::arg("mode") = "sum",
            py::arg("staleness") = 0, py::arg("optimizer") = py::none(),
            py::arg("lr") = 0.01, py::arg("momentum") = 0.0,

@@ -124,18 +124,22 @@ def _addresses(given, env, what):
 
 
 def connect(proxies=None, secret=None, rank=None, world=None, name=None,
-            timeout=60.0, partition_bytes=4 << 20, rejoin=False):
+            timeout=60.0, partition_bytes=4 << 20, rejoin=False, job=""):
     """A Client for this worker. Missing arguments come from the environment
     `membox launch` sets: MEMBOX_PROXIES (comma-separated host:port),
     MEMBOX_SECRET or MEMBOX_SECRET_FILE, RANK, WORLD_SIZE. rejoin: this
     worker set follows one that used the nodes before (restarted, or of
     another size): the hello is retried for up to 45 s while the nodes
-    still hold the previous job's connections."""
+    still hold the previous job's connections. job: the job's name, the
+    same on every worker of it: a node serving another job's workers
+    refuses this one's hello until they have gone (waiting up to 45 s), so
+    that a job following another on the same nodes never mixes with it."""
     proxies = _addresses(proxies, "MEMBOX_PROXIES", "memory nodes")
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     return Client(list(proxies), secret or _secret(), rank, world,
-                  name or f"worker-{rank}", timeout, partition_bytes, rejoin)
+                  name or f"worker-{rank}", timeout, partition_bytes, rejoin,
+                  job)
 
 
 def connect_embeddings(nodes=None, secret=None, name=None, timeout=60.0,

@@ -101,6 +101,10 @@ class ParamClientImpl final : public ParamClient {
     if (opt_.world < 1 || opt_.rank < 0 || opt_.rank >= opt_.world) {
       return InvalidArgumentError("rank must be in [0, world)");
     }
+    if (opt_.job.size() > proto::kMaxName) {
+      return InvalidArgumentError("a job's name has at most " +
+                                  std::to_string(proto::kMaxName) + " bytes");
+    }
     if (!opt_.links.empty() && opt_.links.size() != opt_.proxies.size()) {
       return InvalidArgumentError("one link model per proxy, or none");
     }
@@ -112,10 +116,15 @@ class ParamClientImpl final : public ParamClient {
     // A restarted worker set (membox launch --max-restarts) may say hello
     // before a proxy has seen the previous run's connections close: the
     // greeting retries then, and Connect retries a lost link, until this.
+    const auto now = Clock::now();
     const auto give_up =
-        Clock::now() + (opt_.restarted ? kRejoinWindow : Clock::duration(0));
+        now + (opt_.restarted ? kRejoinWindow : Clock::duration(0));
+    // A named job's hello also waits, as long, for the job before it on the
+    // same nodes to leave (ParamClientOptions::job).
+    const auto hello_until = opt_.job.empty() ? give_up : now + kRejoinWindow;
     for (size_t i = 0; i < opt_.proxies.size(); ++i) {
-      proxies_.push_back(NewLink(static_cast<uint32_t>(i), give_up));
+      proxies_.push_back(
+          NewLink(static_cast<uint32_t>(i), std::max(give_up, hello_until)));
       RETURN_IF_ERROR(proxies_.back()->Connect(give_up));
     }
     progress_ = [this] { device_->Progress(); };
@@ -779,15 +788,18 @@ class ParamClientImpl final : public ParamClient {
     h.name = opt_.name;
     h.rank = static_cast<uint32_t>(opt_.rank);
     h.world = static_cast<uint32_t>(opt_.world);
+    h.job = opt_.job;
     return h;
   }
 
   // The first connection's hello. A restarted worker set may say hello
   // before the proxy has seen the previous run's connections close: it
   // answers ALREADY_EXISTS (this rank is still connected) or ABORTED (the
-  // failed job is being torn down) until then -- retried until `give_up`
+  // failed job is being torn down; or, to a named job, another job's
+  // workers are still connected) until then -- retried until `give_up`
   // -- or the new link is lost while the old one of the same name is
-  // closed (UNAVAILABLE: the Link retries on a new one).
+  // closed (UNAVAILABLE: the Link retries on a new one). A first start's
+  // ALREADY_EXISTS is a rank really used twice: never retried.
   Status Hello(service::Client& c, uint32_t proxy, Clock::time_point give_up) {
     const Message h = HelloMessage();
     for (bool told = false;;) {
@@ -805,8 +817,9 @@ class ParamClientImpl final : public ParamClient {
               opt_.proxies[proxy]);
         }
       }
-      const bool stale = st.code() == StatusCode::kAlreadyExists ||
-                         st.code() == StatusCode::kAborted;
+      const bool stale =
+          (st.code() == StatusCode::kAlreadyExists && opt_.restarted) ||
+          st.code() == StatusCode::kAborted;
       if (st.ok() || !stale || Clock::now() >= give_up) return st;
       if (!told) {
         told = true;

@@ -23,7 +23,7 @@ constexpr uint8_t kMagic = 'P';
 // 2: per-key optimizers, kTune; 3: inside the service envelope (type =
 // the envelope's method; request id, status code and error message travel
 // there); 4: AdamW, Adagrad and weight decay, a pull's part.
-constexpr uint8_t kVersion = 4;
+constexpr uint8_t kVersion = 5;
 
 void PutOptimizer(Writer& w, const Message& m) {
   w.U8(static_cast<uint8_t>(m.optimizer));
@@ -161,6 +161,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U32(m.rank);
       w.U32(m.world);
       if (m.type == Type::kPeerHello) PutStr(w, m.endpoint);
+      if (m.type != Type::kPeerHello) PutStr(w, m.job);
       break;
     case Type::kWhere:
       w.U32(m.rank);
@@ -324,6 +325,7 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
         ok = m.world >= 1 && m.world <= kMaxWorld && m.rank < m.world;
       if (ok && m.type == Type::kPeerHello)
         ok = m.rank < kMaxProxies && GetStr(r, &m.endpoint, kMaxName);
+      if (ok && m.type != Type::kPeerHello) ok = GetStr(r, &m.job, kMaxName);
       break;
     case Type::kWhere:
       ok = r.U32(&m.rank) && m.rank < kMaxProxies;

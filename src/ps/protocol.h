@@ -162,6 +162,10 @@ struct Message {
   std::string name;
   uint32_t rank = 0;
   uint32_t world = 0;
+  // kHello / kRejoin: the job this worker belongs to (empty: unnamed). A
+  // node serving a job's workers refuses another job's hello until they
+  // have all gone (ParamClientOptions::job).
+  std::string job;
   // kPeerHello: where the sender listens for its peers and workers
   std::string endpoint;
   // kRegion, kReady: serialized transport::RegionDescriptor

@@ -31,6 +31,7 @@ std::vector<Message> SeedMessages() {
     Message m;
     m.type = static_cast<Type>(t);
     m.name = "w";
+    m.job = "job-7";
     m.endpoint = "10.0.0.2:7001";
     m.rank = 1;
     m.world = 4;

@@ -609,6 +609,17 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
                        " (that job's workers are still connected)"));
     return;
   }
+  if (world_ != 0 && m.job != job_) {
+    // The workers of the job before are still connected (a process that
+    // destroyed its group and made another may say hello before its peers'
+    // old connections have closed). Admitting it would let their closing
+    // end the new job, and the new one would skip the job's end (ABORTED:
+    // the worker retries until they have gone).
+    Reply(conn, m.type, m.id,
+          AbortedError("job '" + m.job + "' waits: the workers of job '" +
+                       job_ + "' are still connected"));
+    return;
+  }
   for (auto& [id, o] : conns_) {
     if (o.role == Conn::Role::kClient && o.rank == m.rank) {
       Reply(conn, m.type, m.id,
@@ -622,6 +633,7 @@ void ProxyImpl::OnHello(uint64_t conn, Conn& c, const Message& m) {
     return;
   }
   world_ = m.world;
+  job_ = m.job;
   if (job_owner_.empty()) {
     job_owner_ = who.name;
     // Everything the job makes this node hold (values and optimizer state)
@@ -693,6 +705,7 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
     }
     FoldCombined();
     world_ = 0;
+    job_.clear();
     // The next job configures its own mode (a job that left the nodes
     // averaging must not make the next one's sums averages).
     configured_ = false;

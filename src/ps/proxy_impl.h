@@ -903,6 +903,9 @@ class ProxyImpl final : public Proxy, public service::Service {
   bool reissue_posted_ = false;          // IssueReadsSoon's task is queued
   std::atomic<uint64_t> reads_held_{0};  // ProxyStats::reads_held
   uint32_t world_ = 0;
+  // The job of the workers connected now (their hellos' `job`; empty:
+  // unnamed), while world_ != 0. Event loop only.
+  std::string job_;
   // The principal whose job this proxy serves (set by the first worker's
   // hello; base/credential.h). Event loop only.
   std::string job_owner_;

@@ -1188,6 +1188,69 @@ TEST(PsTest, ErrorsAreClear) {
   EXPECT_NE(s.ToString().find("worker rank 1"), std::string::npos);
 }
 
+// A process that ends one job and starts the next on the same nodes (a torch
+// process group destroyed and made again) may say hello before a peer's
+// connection of the job before has closed. Named jobs never mix: the new
+// job's hello waits (ABORTED, retried) until the old job's workers have all
+// gone, so their closing cannot end it, and it starts as a job of its own.
+TEST(PsTest, ANamedJobWaitsForTheJobBeforeItToLeave) {
+  auto c = Cluster::Start(1);
+  auto named = [](const std::string& job) {
+    return [job](ParamClientOptions& o) { o.job = job; };
+  };
+  auto a0 = Worker(c, 0, 2, {}, {}, 10s, named("a"));
+  auto a1 = Worker(c, 1, 2, {}, {}, 10s, named("a"));
+  ASSERT_TRUE(a0 && a1);
+  ASSERT_TRUE(a0->Declare(1, 40, DType::kFloat32).ok());
+  ASSERT_TRUE(a1->Declare(1, 40, DType::kFloat32).ok());
+  std::vector<float> x(10, 1.0f), y(10, 2.0f);
+  auto h0 = a0->PushPull(1, x.data(), x.data());
+  auto h1 = a1->PushPull(1, y.data(), y.data());
+  Status s0 = h0.Wait(20s);
+  Status s1 = h1.Wait(20s);
+  ASSERT_TRUE(s0.ok() && s1.ok()) << s0.ToString() << s1.ToString();
+  a1.reset();  // rank 1 ends job a first, and starts job b at once
+
+  // A first start's hello for another job, while job a's rank 0 is still
+  // here: refused at once when the job is unnamed (the old rule)...
+  ParamClientOptions o;
+  o.proxies = c.endpoints;
+  o.secret = kSecret;
+  o.rank = 1;
+  o.world = 2;
+  o.job = "";
+  Status unnamed = ParamClient::Connect(o).status();
+  EXPECT_EQ(unnamed.code(), StatusCode::kAborted) << unnamed.ToString();
+  EXPECT_NE(unnamed.message().find("workers of job 'a'"), std::string::npos)
+      << unnamed.ToString();
+  // ... and, named, waits until job a's last worker has gone.
+  std::unique_ptr<ParamClient> b1;
+  std::thread hello([&] { b1 = Worker(c, 1, 2, {}, {}, 10s, named("b")); });
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(c.proxies[0]->Stats().clients, 1u);  // job a's rank 0 only
+  a0.reset();
+  hello.join();
+  ASSERT_TRUE(b1);
+  auto b0 = Worker(c, 0, 2, {}, {}, 10s, named("b"));
+  ASSERT_TRUE(b0);
+  // Job b runs its rounds: job a's closing did not end it.
+  ASSERT_TRUE(b0->Declare(1, 40, DType::kFloat32).ok());
+  ASSERT_TRUE(b1->Declare(1, 40, DType::kFloat32).ok());
+  x.assign(10, 3.0f);
+  y.assign(10, 4.0f);
+  auto g0 = b0->PushPull(1, x.data(), x.data());
+  auto g1 = b1->PushPull(1, y.data(), y.data());
+  s0 = g0.Wait(20s);
+  s1 = g1.Wait(20s);
+  ASSERT_TRUE(s0.ok() && s1.ok()) << s0.ToString() << s1.ToString();
+  EXPECT_EQ(x[0], 7.0f);
+  EXPECT_EQ(y[9], 7.0f);
+  // A job's name is bounded like a worker's.
+  o.job = std::string(proto::kMaxName + 1, 'j');
+  EXPECT_EQ(ParamClient::Connect(o).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 // A job's credential (base/credential.h) grants a worker's messages on the
 // job it owns, within its quota, and nothing else.
 TEST(PsTest, CredentialsGrantWhatTheyNameAndNothingMore) {

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import unittest
 
@@ -767,6 +768,11 @@ def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
               "ddp-3b-gloo": lambda r, w: _ddp_big(r, w, False, layers=3)
               }[program]
         out = fn(rank, world)
+        if program == "collectives" and init.startswith("file") and \
+                rank == 0:
+            # Rank 1 makes its next group while rank 0's first is still
+            # connected: its closing must not end the next one.
+            time.sleep(1.0)
         if dist.is_initialized():
             dist.destroy_process_group()
         if program == "collectives" and init.startswith("file"):
@@ -972,8 +978,12 @@ class BackendTest(unittest.TestCase):
             self.assertEqual(out["sum"], [3.0, 3.0])
 
     def test_collectives_two_ranks_file_init(self):
+        # Both ranks know the nodes: rank 1 makes its second group without
+        # waiting for rank 0 to publish them (_rank_main's sleep).
+        ep = self.nodes[0].endpoint
         outs = self.run_ranks(2, "collectives",
-                              init="file://" + os.path.join(self.tmp, "rdv"))
+                              init="file://" + os.path.join(self.tmp, "rdv"),
+                              proxies_on={0: ep, 1: ep})
         self.assertIn("send/recv 2", outs[1])
         for out in outs:
             self.assertEqual(out[-1], "second group %s" % [1.0, 1.0, 1.0])

@@ -111,6 +111,14 @@ struct ParamClientOptions {
   // hello is retried for up to 45 s while a proxy still holds the dead
   // worker's connection or tears down its job.
   bool restarted = false;
+  // The job this worker belongs to, the same on every worker of the job
+  // (at most 256 bytes; empty: unnamed). A node serving the workers of
+  // another job refuses this one's hello until they have all gone, and the
+  // hello retries for up to 45 s meanwhile: a process that ends one job and
+  // starts the next on the same nodes (a torch process group destroyed and
+  // made again) cannot mix with its peers' old connections, whose closing
+  // would otherwise end the new job.
+  std::string job;
 };
 
 // The optimizer the memory nodes run on a tensor's reduced gradient, and its

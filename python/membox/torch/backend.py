@@ -38,6 +38,7 @@ import queue
 import socket
 import threading
 import time
+import uuid
 import warnings
 from datetime import timedelta
 
@@ -358,6 +359,8 @@ class MemboxBackend(_base_class()):
     # listen on the address toward it (a subgroup's store need not hold the
     # nodes' list).
     _first_proxy = None
+    # Connections this process made for whole jobs (_job_name's count).
+    _connections = 0
 
     def __init__(self, store, rank, size, timeout, global_ranks=None,
                  group_name="", space=None, rejoin=False, job=None):
@@ -418,7 +421,8 @@ class MemboxBackend(_base_class()):
             MemboxBackend._first_proxy = proxies[0]
             self._client = membox.connect(
                 proxies, rank=me, world=job_size, name="torch-rank-%d" % me,
-                timeout=self._timeout.total_seconds(), rejoin=rejoin)
+                timeout=self._timeout.total_seconds(), rejoin=rejoin,
+                job=self._job_name(store, label, rejoin))
             self._client.configure(mode="sum")
             if self._client.num_proxies > 1 and not self._sub:
                 self._route()
@@ -456,6 +460,30 @@ class MemboxBackend(_base_class()):
             self._fence = self._key(2, 0, "fence")
             self._declare(self._fence, 4, "float32")
             self._one = self._client.allocate(4).view(np.float32)
+
+    def _job_name(self, store, label, rejoin):
+        """The name this connection's job gives the nodes (membox.connect's
+        job): a process that destroys its group and makes another must not
+        say hello while its peers' old connections are still open, or
+        their closing would end the new job. Rank 0 makes a fresh name and
+        puts it into the group's store under the count of connections this
+        process made (the same on every rank: they make the same groups);
+        a group that follows another job (reconfigured, torchft's) is named
+        by its label, the same on every rank of it. A connection for part
+        of a job (a subgroup, a torchft replica group of several ranks) is
+        unnamed: the job's other ranks connect through other groups."""
+        if self._sub:
+            return ""
+        if rejoin:
+            return label
+        key = "membox/job/%d" % MemboxBackend._connections
+        MemboxBackend._connections += 1
+        if self._rank == 0:
+            name = uuid.uuid4().hex
+            store.set(key, name)
+            return name
+        store.wait([key], self._timeout)
+        return store.get(key).decode()
 
     # ---------------------------------------------------------- reconfigure
     # torch's reconfigure API (torch 2.15, as Gloo's): a group made with
