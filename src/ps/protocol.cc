@@ -22,7 +22,8 @@ using wire::Writer;
 constexpr uint8_t kMagic = 'P';
 // 2: per-key optimizers, kTune; 3: inside the service envelope (type =
 // the envelope's method; request id, status code and error message travel
-// there); 4: AdamW, Adagrad and weight decay, a pull's part.
+// there); 4: AdamW, Adagrad and weight decay, a pull's part; 5: a
+// hello's and a rejoin's job.
 constexpr uint8_t kVersion = 5;
 
 void PutOptimizer(Writer& w, const Message& m) {
