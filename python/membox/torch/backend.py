@@ -474,8 +474,8 @@ class MemboxBackend(_base_class()):
         unnamed: the job's other ranks connect through other groups."""
         if self._sub:
             return ""
-        if rejoin:
-            return label
+        if rejoin:  # bounded like a worker's name
+            return hashlib.sha256(label.encode()).hexdigest()
         key = "membox/job/%d" % MemboxBackend._connections
         MemboxBackend._connections += 1
         if self._rank == 0:
