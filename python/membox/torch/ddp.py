@@ -6,6 +6,7 @@ import os
 import queue
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -223,39 +224,52 @@ class _Splitter:
             except Exception as e:  # noqa: BLE001 - after the tail's wait
                 ring_error = e
         ring_s = time.perf_counter() - t0
-        return (t, result, fut, share, cut, ring_s, ring_error, done, tail)
+        return _Started(t, result, fut, share, cut, ring_s, ring_error, done,
+                        tail)
 
     def _finish(self):
         while True:
             started = self._started.get()
             if started is None:
                 return
-            t, result, fut = started[:3]
             try:
-                self._end(*started)
+                self._end(started)
             except Exception as e:  # noqa: BLE001 - reach the waiter
-                fut.set_exception(e)
+                started.fut.set_exception(e)
                 continue
-            fut.set_result(t if result is None else result)
+            started.fut.set_result(started.t if started.result is None
+                                   else started.result)
 
-    def _end(self, t, result, fut, share, cut, ring_s, ring_error, done,
-             tail):
+    def _end(self, s):
         """On the finish thread: waits for the bucket's tail (its tail
-        shares `t`'s memory: never left running), then finishes it."""
-        if not done.wait(_split.DEFAULT_TIMEOUT.total_seconds()):
+        shares `s.t`'s memory: never left running), then finishes it."""
+        if not s.done.wait(_split.DEFAULT_TIMEOUT.total_seconds()):
             raise membox.MemboxError("a split bucket's round on the nodes "
                                      "did not finish")
-        if ring_error is not None:
-            raise ring_error
-        if tail[0] is not None:
-            raise _error(tail[0])
-        out = t
-        if result is not None:  # widened first: the head's average is
-            out = result.view(-1)  # divided in float32, rounded once less
-            out.copy_(t.view(-1))
-        if cut and self._average:
-            out.view(-1)[:cut].div_(self._size)
-        self._share.measured(share, ring_s, tail[1])
+        if s.ring_error is not None:
+            raise s.ring_error
+        if s.tail[0] is not None:
+            raise _error(s.tail[0])
+        out = s.t
+        if s.result is not None:  # widened first: the head's average is
+            out = s.result.view(-1)  # divided in float32, rounded once less
+            out.copy_(s.t.view(-1))
+        if s.cut and self._average:
+            out.view(-1)[:s.cut].div_(self._size)
+        self._share.measured(s.share, s.ring_s, s.tail[1])
+
+
+class _Started(NamedTuple):
+    """A split bucket as the ring thread hands it to the finish thread."""
+    t: torch.Tensor  # the bucket (its head summed in place already)
+    result: object  # the float32 bucket `t` is a wire copy of, or None
+    fut: torch.futures.Future  # DDP's, completed by the finish thread
+    share: int  # the ring's share of it (_split.Share.take)
+    cut: int  # elements [0, cut) went around the ring
+    ring_s: float  # the ring's seconds
+    ring_error: object  # the ring's exception, or None
+    done: threading.Event  # set when the tail's round on the nodes ends
+    tail: list  # [error or None, seconds] of the tail's round
 
 
 def _result_buffer(c, key, numel, dtype):
