@@ -6,8 +6,11 @@ scripts do) over tcp:// and file:// init, and under `membox launch`
 dtypes and reduce ops torch allows; point to point; the object
 collectives; DDP on the backend against DDP on Gloo; and the errors a user
 sees. Needs torch 2.x (Python backends); skips (77) without it."""
+import faulthandler
 import multiprocessing as mp
 import os
+import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -732,6 +735,8 @@ def _subgroup_held(rank, world):
 
 def _rank_main(rank, world, init, proxies_on, secret_file, program, q):
     try:
+        # A rank the parent finds hung prints every thread's stack.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         os.environ["MEMBOX_SECRET_FILE"] = secret_file
         os.environ.pop("MEMBOX_SECRET", None)
         if rank in proxies_on:
@@ -919,7 +924,18 @@ class BackendTest(unittest.TestCase):
         results = {}
         try:
             for _ in range(world):
-                rank, status, out = q.get(timeout=240)
+                try:
+                    rank, status, out = q.get(timeout=240)
+                except queue.Empty:
+                    # Where the ranks that have not answered are stuck.
+                    for r, p in enumerate(procs):
+                        if r not in results and p.is_alive():
+                            os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(2)
+                    self.fail("%s: ranks %s did not finish within 240 s "
+                              "(their stacks are above)" %
+                              (program, sorted(set(range(world)) -
+                                               set(results))))
                 self.assertEqual(status, "ok", "rank %d: %s" % (rank, out))
                 results[rank] = out
         finally:
