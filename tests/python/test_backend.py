@@ -879,6 +879,23 @@ class SplitShareTest(unittest.TestCase):
         self.assertEqual(sorted(store), ["t/4"])
         self.assertEqual(Share(store, 0, 4, 4, "u").take(), 0)  # 4w4m
 
+        # The finish thread measures a split while the ring thread's take()
+        # is publishing the next one: rank 0 still cuts by what it
+        # published (it once cut by the newer value; the ranks' tails were
+        # then different keys, each waiting for the others).
+        class Racing(Store):
+            def set(self, k, v):
+                super().set(k, v)
+                if k == "r/2":
+                    zero.measured(6, ring_s=6 * 0.2, nodes_s=10 * 0.1)
+        store = Racing()
+        zero, one = (Share(store, r, 4, 2, "r") for r in (0, 1))
+        for _ in range(2):
+            self.assertEqual((zero.take(), one.take()), (6, 6))
+        self.assertEqual((zero.take(), one.take()), (6, 6))  # split 2
+        self.assertEqual(zero.value, 5)  # measured meanwhile: the next
+        self.assertEqual((zero.take(), one.take()), (5, 5))
+
 
 class BackendTest(unittest.TestCase):
     @classmethod

@@ -42,7 +42,8 @@ class Share:
     alone are chosen it stays 0.
 
     Threading: take() from one thread, in split order; measured() from one
-    thread (the same or another), in the same order."""
+    thread (the same or another), in the same order. On rank 0 measured()
+    is the only writer of `value` and take() reads it once."""
 
     def __init__(self, store, rank, workers, nodes, prefix):
         self._store, self._rank, self._prefix = store, rank, prefix
@@ -52,16 +53,21 @@ class Share:
 
     def take(self):
         """The share of the next split (blocks on the store on ranks other
-        than 0 from the second split on, until rank 0 has taken it)."""
+        than 0 from the second split on, until rank 0 has taken it). Rank
+        0 cuts by exactly what it publishes: the value is read once, since
+        measured() may change it meanwhile on another thread (it did: rank
+        0 cut by a newer share than it had published, and the ranks' tails
+        were different keys, each waiting for the others forever)."""
         k = self._splits
         self._splits += 1
+        value = self.value
         if k > 0:
             key = "%s/%d" % (self._prefix, k)
             if self._rank == 0:
-                self._store.set(key, str(self.value))
+                self._store.set(key, str(value))
             else:
-                self.value = int(self._store.get(key))
-        return self.value
+                value = self.value = int(self._store.get(key))
+        return value
 
     def measured(self, share, ring_s, nodes_s):
         """Rank 0, once the oldest split not yet measured (take() gave it
