@@ -123,8 +123,7 @@ class ParamClientImpl final : public ParamClient {
     // same nodes to leave (ParamClientOptions::job).
     const auto hello_until = opt_.job.empty() ? give_up : now + kRejoinWindow;
     for (size_t i = 0; i < opt_.proxies.size(); ++i) {
-      proxies_.push_back(
-          NewLink(static_cast<uint32_t>(i), std::max(give_up, hello_until)));
+      proxies_.push_back(NewLink(static_cast<uint32_t>(i), hello_until));
       RETURN_IF_ERROR(proxies_.back()->Connect(give_up));
     }
     progress_ = [this] { device_->Progress(); };
