@@ -32,7 +32,9 @@ iteration times of both runs, final loss and accuracy.
         [--json F] [--csv F] [--plot F.png]
 
 With --state SIZE (e.g. 1GiB) the job is `membox bench failover`'s instead
-(one tensor with SGD momentum holding SIZE of state, PushPull rounds; the
+(--job params, the default: one tensor with SGD momentum holding SIZE of
+state on ring keys; --job striped: the same, striped; --job sums: a
+striped tensor of SIZE without an optimizer; PushPull rounds; the
 kill after round 4, the replacement on m2 as above). Reported: the pause
 (the longest round after the kill minus the median round before it),
 kill -> next round, kill -> the replacement's "joined: copied" (every
@@ -223,6 +225,17 @@ def main():
                          "momentum holding this much state (e.g. 1GiB), "
                          "PushPull rounds, the kill after round 4; reports "
                          "the pause and the time to full redundancy")
+    ap.add_argument("--job", choices=("params", "striped", "sums"),
+                    default="params",
+                    help="with --state: `membox bench failover`'s job. "
+                         "params: ring keys (every node holds the whole "
+                         "state, the replacement copies all of it); "
+                         "striped: the tensor striped, as a profiled job's "
+                         "keys are on equal links (the replacement copies "
+                         "the third it owns); sums: a striped tensor "
+                         "without an optimizer, the workers holding their "
+                         "pushes (the replacement copies nothing and "
+                         "redoes the last round)")
     a = ap.parse_args()
     cluster.require_root()
     os.environ["MEMBOX_BIN"] = os.path.abspath(a.membox)
@@ -308,15 +321,19 @@ def state_run(a, topo, tmp):
     with open(script, "w") as f:
         f.write(fb.WORKER)
     flag = os.path.join(tmp, "copied")
-    hit = job(a, topo, None, 4, worker=[a.python, script, str(size // 2), flag],
-              flag=flag)
+    # The worker's tensor: S/2 with its momentum (params, striped), or S of
+    # sums without an optimizer (sums; the workers hold their pushes, as
+    # they do by default across hosts).
+    tensor = size if a.job == "sums" else size // 2
+    hit = job(a, topo, None, 4, worker=[a.python, script, str(tensor), flag,
+                                        a.job], flag=flag)
     rounds = [hit["rounds"][i] for i in sorted(hit["rounds"])]
     t_kill = hit["kill_s"]
     before = [b - x for x, b in zip(rounds[:4], rounds[1:5])]
     after = [r for r in rounds if r > t_kill]
     gaps = [b - x for x, b in zip(rounds[4:], rounds[5:])]
     base = sorted(before)[len(before) // 2]
-    res = {"rate": a.rate, "state_bytes": size, "round_s": base,
+    res = {"rate": a.rate, "job": a.job, "state_bytes": size, "round_s": base,
            "pause_s": max(gaps) - base if gaps else None,
            "kill_to_round_s": after[0] - t_kill if after else None,
            "redundancy_s": hit["joined_s"], "join_line": hit["join_line"],

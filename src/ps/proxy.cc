@@ -91,6 +91,8 @@ ProxyStats ProxyImpl::Stats() const {
   s.answered_early = answered_early_.load(std::memory_order_relaxed);
   s.backups_pending = backups_pending_.load(std::memory_order_relaxed);
   s.shards_copying = shards_copying_.load(std::memory_order_relaxed);
+  s.join_state_bytes = join_state_bytes_.load(std::memory_order_relaxed);
+  s.join_versions_only = join_versions_only_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -109,7 +111,9 @@ std::string ProxyImpl::StatusText() const {
     << s.backup_bytes_in << "\nbackup_steps " << s.backup_steps
     << "\nversion_notices " << s.version_notices << "\nanswered_early "
     << s.answered_early << "\nbackups_pending " << s.backups_pending
-    << "\nshards_copying " << s.shards_copying << "\n";
+    << "\nshards_copying " << s.shards_copying << "\njoin_state_bytes "
+    << s.join_state_bytes << "\njoin_versions_only " << s.join_versions_only
+    << "\n";
   MutexLock l(&waits_mu_);
   o << waits_;
   return o.str();
@@ -149,6 +153,12 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
   w.Gauge("membox_ps_shards_copying",
           "A replacement's shards still being copied from its peers.",
           s.shards_copying);
+  w.Gauge("membox_ps_join_state_bytes",
+          "A replacement's bytes of state copied from its peers.",
+          s.join_state_bytes);
+  w.Gauge("membox_ps_join_versions_only",
+          "A replacement's shards taken as their version alone.",
+          s.join_versions_only);
   w.Counter("membox_ps_ring_steps_total", "Ring steps with peer proxies.",
             s.ring_steps);
   w.Counter("membox_ps_rejected_total", "Requests refused.", s.rejected);

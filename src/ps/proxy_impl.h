@@ -931,7 +931,8 @@ class ProxyImpl final : public Proxy, public service::Service {
       result_bytes_{0}, waiting_rounds_{0}, failovers_{0}, peers_down_count_{0},
       stored_bytes_in_{0}, backup_bytes_in_{0}, backup_steps_{0},
       backups_acked_{0}, backups_pending_{0}, shards_copying_{0},
-      version_notices_in_{0}, answered_early_{0};
+      version_notices_in_{0}, answered_early_{0}, join_state_bytes_{0},
+      join_versions_only_{0};
 };
 
 }  // namespace membox::ps::proxy_internal

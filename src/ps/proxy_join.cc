@@ -101,6 +101,8 @@ Status ProxyImpl::Join() {
   // Shards whose holders have the version only (a backup that took
   // version notices): reopened here, not copied.
   std::set<std::pair<uint64_t, uint32_t>> reopened;
+  // Shards this node keeps the version of only (below): not copied.
+  std::set<std::pair<uint64_t, uint32_t>> versions_only;
   MutexLock l(&job->mu);
   for (auto& [id, list] : job->sources) {
     uint64_t newest = 0;
@@ -123,6 +125,26 @@ Status ProxyImpl::Join() {
       TellJoinDone(*job);
       return DataLossError("the peers' state: shard size mismatch for key " +
                            std::to_string(o.key));
+    }
+    // A striped shard this node neither owns nor backs up (three or more
+    // nodes): its owner and backup keep it; this node keeps its version
+    // only, as a backup after version notices does. A shard it backs up
+    // whose owner applied the last round from held pushes: the version is
+    // all a backup of it holds (the workers' pushes redo the round if the
+    // owner dies too). Neither is copied.
+    const bool owner_here = Owner(o.key, o.shard) == opt_.rank;
+    const bool elsewhere = o.striped && !owner_here &&
+                           BackupOf(o.key, o.shard) != opt_.rank;
+    const bool held = !owner_here && std::any_of(list.begin(), list.end(),
+                                                 [](auto& e) {
+                                                   return e.second->held_round;
+                                                 });
+    if (elsewhere || held) {
+      ASSIGN_OR_RETURN(sh->value, storage_->Allocate(sh->bytes));
+      sh->version = o.version;
+      sh->value_stale = true;
+      versions_only.insert(id);
+      continue;
     }
     if (o.stale_value) {
       // Only the version survived its owner's death: round version - 1
@@ -164,7 +186,8 @@ Status ProxyImpl::Join() {
   uint64_t lost_bytes = 0;
   for (auto& [k, key] : keys_) {
     for (uint32_t s = 0; s < key.shards.size(); ++s) {
-      if (!key.shards[s].copying && reopened.count({k, s}) == 0) {
+      if (!key.shards[s].copying && reopened.count({k, s}) == 0 &&
+          versions_only.count({k, s}) == 0) {
         lost.push_back({k, s});
         lost_bytes +=
             std::min(key.shard_bytes, key.bytes - s * key.shard_bytes);
@@ -201,14 +224,19 @@ Status ProxyImpl::Join() {
   }
   copying_shards_ = job->shards;
   shards_copying_.store(copying_shards_, std::memory_order_relaxed);
+  join_state_bytes_.store(job->state_bytes, std::memory_order_relaxed);
+  join_versions_only_.store(reopened.size() + versions_only.size(),
+                            std::memory_order_relaxed);
   join_copy_ = job;
   MEMBOX_LOG_WARN(
       "proxy {} joins: {} keys ({} shards, {} bytes of state) from {} "
       "peer(s), copied while it serves; {} shard(s) held as versions only "
-      "reopen their last round, which the workers' held pushes redo (the "
+      "reopen their last round, which the workers' held pushes redo; {} "
+      "shard(s) whose last round the workers hold, or that other nodes "
+      "own and back up, are kept as versions only, not copied (the "
       "peers offered it in {:.3f} s)",
       opt_.rank, keys_.size(), job->shards, job->state_bytes,
-      job->manifests.size(), reopened.size(),
+      job->manifests.size(), reopened.size(), versions_only.size(),
       std::chrono::duration<double>(Clock::now() - job->start).count());
   return Status::Ok();
 }
@@ -441,8 +469,16 @@ void ProxyImpl::OnJoinRequest(uint64_t conn, Conn& c, const Message& m) {
           !(BacksUp(key) && BackupOf(k, i) == opt_.rank)) {
         continue;
       }
-      items.push_back(
-          {k, i, key.dtype, key.bytes, key.shard_bytes, &key.shards[i]});
+      const Shard& sh = key.shards[i];
+      // A round redone from the workers' held pushes if this node dies
+      // (docs/design/ps.md, "Version notices"): the joiner, if it is the
+      // shard's backup, takes its version only.
+      const bool held_round =
+          key.striped && BacksUp(key) && Owner(k, i) == opt_.rank &&
+          key.opt.kind == proto::Optimizer::kNone && sh.round_held &&
+          !sh.value_stale && !sh.written_since_offer;
+      items.push_back({k, i, key.dtype, key.bytes, key.shard_bytes, &sh,
+                       key.striped, held_round});
     }
   }
   auto offer = StateOffer::Make(*device_, opt_.rank, items, std::move(held));

@@ -1870,9 +1870,11 @@ TEST(PsTest, AReplacementServesWhileItCopiesRingShards) {
 // version at the backup, reopens round 3 and redoes it from the held
 // pushes sent again and the unanswered ones: every worker's every result
 // is the undisturbed run's, bit for bit (three workers: the sum's order
-// shows).
-void HeldSumsRideThroughTheirOwnersDeath(bool answered_some) {
-  constexpr int P = 2, W = 3;
+// shows). The replacement copies no byte: the shards it backs up come as
+// their owner's version (the workers hold the last round), and with three
+// nodes the shards the others own and back up as their version too.
+void HeldSumsRideThroughTheirOwnersDeath(bool answered_some, int P = 2) {
+  constexpr int W = 3;
   constexpr size_t kN = 16 << 10;  // floats: 4 shards of 16 KiB
   constexpr uint32_t kVictim = 1;
   RoutingTable striped;
@@ -1958,6 +1960,9 @@ void HeldSumsRideThroughTheirOwnersDeath(bool answered_some) {
       },
       answered_some ? &rank0_round3 : nullptr, &got);
   EXPECT_TRUE(replaced.load());
+  const ProxyStats joined = c.proxies[kVictim]->Stats();
+  EXPECT_EQ(joined.join_state_bytes, 0u) << "nothing to copy";
+  EXPECT_EQ(joined.join_versions_only, kN * 4 / (16 << 10)) << "every shard";
   for (int round = 0; round < 6; ++round) {
     for (int r = 0; r < W; ++r) {
       EXPECT_EQ(got[round][r], want[round][r])
@@ -1973,6 +1978,13 @@ TEST(PsTest, HeldSumsRideThroughTheirOwnersDeathBetweenItsAnswers) {
 
 TEST(PsTest, HeldSumsRideThroughTheirOwnersDeathBetweenRounds) {
   HeldSumsRideThroughTheirOwnersDeath(/*answered_some=*/false);
+}
+
+// Three nodes: of the victim's four shards it owns one (reopened), backs
+// up one (its owner's version) and neither owns nor backs up two (their
+// version: nobody asks this node for them).
+TEST(PsTest, HeldSumsRideThroughTheirOwnersDeathOfThree) {
+  HeldSumsRideThroughTheirOwnersDeath(/*answered_some=*/true, /*P=*/3);
 }
 
 // Answer first (docs/design/ps.md): a round of a striped key with an

@@ -20,11 +20,13 @@ using wire::Writer;
 
 constexpr char kMagic[8] = {'M', 'B', 'X', 'S', 'T', 'A', 'T', '1'};
 constexpr char kEnd[4] = {'E', 'N', 'D', '!'};
-// 2: the held keys after the shards. 3: the stale-value flag.
-constexpr uint32_t kFormat = 3;
+// 2: the held keys after the shards. 3: the stale-value flag. 4: the
+// striped and held-round flags.
+constexpr uint32_t kFormat = 4;
 constexpr uint64_t kMaxKeyBytes = 1ull << 40;
 constexpr uint32_t kMaxDescriptor = 8192;
-constexpr uint8_t kHasValue = 1, kHasM1 = 2, kHasM2 = 4, kStaleValue = 8;
+constexpr uint8_t kHasValue = 1, kHasM1 = 2, kHasM2 = 4, kStaleValue = 8,
+                  kStriped = 16, kHeldRound = 32;
 // key, shard, dtype, key_bytes, shard_bytes, version, bytes, buffers, and
 // one descriptor's length: the least a record takes.
 constexpr size_t kMinRecord = 8 + 4 + 1 + 8 + 8 + 8 + 8 + 1 + 4;
@@ -67,7 +69,8 @@ std::vector<uint8_t> EncodeStateManifest(const StateManifest& m) {
     PutShardHeader(w, s);
     w.U64(s.bytes);
     w.U8(kHasValue | (s.m1 ? kHasM1 : 0) | (s.m2 ? kHasM2 : 0) |
-         (s.stale_value ? kStaleValue : 0));
+         (s.stale_value ? kStaleValue : 0) | (s.striped ? kStriped : 0) |
+         (s.held_round ? kHeldRound : 0));
     PutDescriptor(w, s.value);
     if (s.m1) PutDescriptor(w, *s.m1);
     if (s.m2) PutDescriptor(w, *s.m2);
@@ -137,14 +140,20 @@ Status ParseStateManifest(std::span<const uint8_t> bytes, StateManifest* out) {
     if (s.bytes != std::min(s.shard_bytes, s.key_bytes - offset)) {
       return Damaged(where + ": size does not follow from the key's");
     }
-    // A stale value comes only with keys without optimizer state.
+    // A stale value comes only with keys without optimizer state; a held
+    // round too, of a striped key, with the giver's current value.
     if ((buffers & kHasValue) == 0 ||
-        (buffers & ~(kHasValue | kHasM1 | kHasM2 | kStaleValue)) != 0 ||
+        (buffers & ~(kHasValue | kHasM1 | kHasM2 | kStaleValue | kStriped |
+                     kHeldRound)) != 0 ||
         ((buffers & kHasM2) && !(buffers & kHasM1)) ||
-        ((buffers & kStaleValue) && (buffers & kHasM1))) {
+        ((buffers & kStaleValue) && (buffers & kHasM1)) ||
+        ((buffers & kHeldRound) &&
+         ((buffers & (kHasM1 | kStaleValue)) || !(buffers & kStriped)))) {
       return Damaged(where + ": bad buffer set");
     }
     s.stale_value = buffers & kStaleValue;
+    s.striped = buffers & kStriped;
+    s.held_round = buffers & kHeldRound;
     RETURN_IF_ERROR(GetDescriptor(r, s.bytes, &s.value).WithContext(where));
     if (buffers & kHasM1) {
       RETURN_IF_ERROR(
@@ -238,6 +247,8 @@ Result<InlineOffer> MakeInlineOffer(uint32_t giver_rank,
     s.version = sh.version;
     s.bytes = sh.bytes;
     s.stale_value = sh.value_stale;
+    s.striped = it.striped;
+    s.held_round = it.held_round;
     s.value = sh.value->Export();
     offer.keep.push_back(sh.value);
     // m2 without m1 does not occur (Adam has both, SGD with momentum m1).

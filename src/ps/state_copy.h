@@ -57,6 +57,14 @@ struct OfferedShard : ShardHeader {
   // is not this version's and is not worth reading; the taker that owns
   // the shard redoes round version - 1 from the workers' held pushes.
   bool stale_value = false;
+  // The key is striped: only the shard's owner and its backup keep it
+  // current, so a joiner that is neither takes its version alone.
+  bool striped = false;
+  // The giver owns the shard and applied its last round from pushes every
+  // worker holds, with no optimizer (and nothing stored into it since): a
+  // taker that backs the shard up needs its version only, as a version
+  // notice (kBackupVersion) would give it.
+  bool held_round = false;
 };
 
 // The bytes of state a shard's buffers hold: its value and whichever
@@ -99,6 +107,8 @@ class StateOffer {
     DType dtype = DType::kFloat32;
     uint64_t key_bytes = 0, shard_bytes = 0;
     const StoredShard* stored = nullptr;  // must hold a value
+    bool striped = false;     // OfferedShard::striped
+    bool held_round = false;  // OfferedShard::held_round
   };
   // Snapshots `items` (references to their buffers) and writes their
   // manifest into a region allocated on `device`.

@@ -50,6 +50,9 @@ StateManifest Example() {
   m.proxy_rank = 2;
   m.shards.push_back(Shard(7, 0, 1000, 400));
   m.shards.back().stale_value = true;          // a backup's version notice
+  m.shards.push_back(Shard(7, 1, 1000, 400));  // an owner's held round
+  m.shards.back().striped = true;
+  m.shards.back().held_round = true;
   m.shards.push_back(Shard(7, 2, 1000, 400));  // the last, 200 bytes
   m.shards.back().m1 = Desc(0x20000, 200);
   m.shards.back().m2 = Desc(0x30000, 4096);
@@ -62,17 +65,23 @@ TEST(StateManifestTest, RoundTrips) {
   StateManifest in = Example(), out;
   ASSERT_TRUE(ParseStateManifest(EncodeStateManifest(in), &out).ok());
   EXPECT_EQ(out.proxy_rank, 2u);
-  ASSERT_EQ(out.shards.size(), 2u);
-  EXPECT_EQ(out.shards[1].key, 7u);
-  EXPECT_EQ(out.shards[1].shard, 2u);
-  EXPECT_EQ(out.shards[1].bytes, 200u);
-  EXPECT_EQ(out.shards[1].version, 9u);
+  ASSERT_EQ(out.shards.size(), 3u);
+  EXPECT_EQ(out.shards[2].key, 7u);
+  EXPECT_EQ(out.shards[2].shard, 2u);
+  EXPECT_EQ(out.shards[2].bytes, 200u);
+  EXPECT_EQ(out.shards[2].version, 9u);
   EXPECT_FALSE(out.shards[0].m1.has_value());
   EXPECT_TRUE(out.shards[0].stale_value);
+  EXPECT_FALSE(out.shards[0].striped);
+  EXPECT_FALSE(out.shards[0].held_round);
+  EXPECT_TRUE(out.shards[1].striped);
+  EXPECT_TRUE(out.shards[1].held_round);
   EXPECT_FALSE(out.shards[1].stale_value);
-  ASSERT_TRUE(out.shards[1].m2.has_value());
-  EXPECT_EQ(out.shards[1].m2->address, 0x30000u);
-  EXPECT_EQ(out.shards[1].m2->packed_rkey, in.shards[1].m2->packed_rkey);
+  EXPECT_FALSE(out.shards[2].stale_value);
+  EXPECT_FALSE(out.shards[2].held_round);
+  ASSERT_TRUE(out.shards[2].m2.has_value());
+  EXPECT_EQ(out.shards[2].m2->address, 0x30000u);
+  EXPECT_EQ(out.shards[2].m2->packed_rkey, in.shards[2].m2->packed_rkey);
   ASSERT_EQ(out.keys.size(), 2u);
   EXPECT_EQ(out.keys[1].key, 11u);
   EXPECT_EQ(out.keys[1].key_bytes, 64u);
@@ -127,20 +136,32 @@ TEST(StateManifestTest, InconsistentShardsAreRefusedWithTheReason) {
   const Case cases[] = {
       {"size", [](StateManifest& m) { m.shards[0].bytes = 399; },
        "does not follow"},
-      {"index", [](StateManifest& m) { m.shards[1].shard = 3; },
+      {"index", [](StateManifest& m) { m.shards[2].shard = 3; },
        "no such shard"},
       {"shard size", [](StateManifest& m) { m.shards[0].shard_bytes = 0; },
        "bad key or shard size"},
       {"dtype", [](StateManifest& m) { m.shards[0].dtype = 0; },
        "unknown dtype"},
-      {"twice", [](StateManifest& m) { m.shards[1] = m.shards[0]; },
+      {"twice", [](StateManifest& m) { m.shards[2] = m.shards[0]; },
        "given twice"},
       {"short region", [](StateManifest& m) { m.shards[0].value.length = 100; },
        "shorter than its shard"},
-      {"m2 alone", [](StateManifest& m) { m.shards[1].m1.reset(); },
+      {"m2 alone", [](StateManifest& m) { m.shards[2].m1.reset(); },
        "bad buffer set"},
       {"stale with state",
+       [](StateManifest& m) { m.shards[2].stale_value = true; },
+       "bad buffer set"},
+      {"held round with state",
+       [](StateManifest& m) {
+         m.shards[2].striped = true;
+         m.shards[2].held_round = true;
+       },
+       "bad buffer set"},
+      {"held round, stale",
        [](StateManifest& m) { m.shards[1].stale_value = true; },
+       "bad buffer set"},
+      {"held round, not striped",
+       [](StateManifest& m) { m.shards[1].striped = false; },
        "bad buffer set"},
       {"key twice", [](StateManifest& m) { m.keys[1].key = 7; },
        "held key 7: given twice"},

@@ -176,8 +176,15 @@ struct ProxyStats {
   uint64_t answered_early = 0;
   uint64_t backup_steps = 0;
   uint64_t backups_pending = 0;
-  // A replacement (join): shards whose buffers are still being copied.
+  // A replacement (join): shards whose buffers are still being copied;
+  // the bytes of state it copies (or copied) from its peers; the shards it
+  // took as their version alone (its own whose last round the workers'
+  // held pushes redo, those it backs up whose owner applied the last
+  // round from held pushes, and, with three or more nodes, striped shards
+  // other nodes own and back up).
   uint64_t shards_copying = 0;
+  uint64_t join_state_bytes = 0;
+  uint64_t join_versions_only = 0;
 };
 
 class Proxy {
