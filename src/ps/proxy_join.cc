@@ -133,12 +133,11 @@ Status ProxyImpl::Join() {
     // all a backup of it holds (the workers' pushes redo the round if the
     // owner dies too). Neither is copied.
     const bool owner_here = Owner(o.key, o.shard) == opt_.rank;
-    const bool elsewhere = o.striped && !owner_here &&
-                           BackupOf(o.key, o.shard) != opt_.rank;
-    const bool held = !owner_here && std::any_of(list.begin(), list.end(),
-                                                 [](auto& e) {
-                                                   return e.second->held_round;
-                                                 });
+    const bool elsewhere =
+        o.striped && !owner_here && BackupOf(o.key, o.shard) != opt_.rank;
+    const bool held = !owner_here &&
+                      std::any_of(list.begin(), list.end(),
+                                  [](auto& e) { return e.second->held_round; });
     if (elsewhere || held) {
       ASSIGN_OR_RETURN(sh->value, storage_->Allocate(sh->bytes));
       sh->version = o.version;
