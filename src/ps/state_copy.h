@@ -107,8 +107,8 @@ class StateOffer {
     DType dtype = DType::kFloat32;
     uint64_t key_bytes = 0, shard_bytes = 0;
     const StoredShard* stored = nullptr;  // must hold a value
-    bool striped = false;     // OfferedShard::striped
-    bool held_round = false;  // OfferedShard::held_round
+    bool striped = false;                 // OfferedShard::striped
+    bool held_round = false;              // OfferedShard::held_round
   };
   // Snapshots `items` (references to their buffers) and writes their
   // manifest into a region allocated on `device`.
