@@ -1052,6 +1052,9 @@ class ParamClientImpl final : public ParamClient {
     if (h.m.round > m.round && h.proxy == proxy) return;
     h.proxy = proxy;
     h.m = m;
+    // Its result is here (written before the answer): a replacement that
+    // reopens the round need not sum it for this worker.
+    h.m.had_result = m.has_output;
     h.m.has_output = false;
     h.m.out_region = h.m.out_offset = 0;
   }

@@ -201,7 +201,8 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U64(m.round);
       w.U64(m.region);
       w.U64(m.offset);
-      w.U8((m.has_output ? 1 : 0) | (m.held ? 2 : 0));
+      w.U8((m.has_output ? 1 : 0) | (m.held ? 2 : 0) |
+           (m.had_result ? 4 : 0));
       w.U64(m.out_region);
       w.U64(m.out_offset);
       break;
@@ -368,9 +369,13 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
     case Type::kPush:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) &&
            r.U64(&m.region) && r.U64(&m.offset) && r.U8(&u8) &&
-           (u8 & ~3u) == 0 && r.U64(&m.out_region) && r.U64(&m.out_offset);
+           (u8 & ~7u) == 0 && r.U64(&m.out_region) && r.U64(&m.out_offset);
       m.has_output = u8 & 1;
       m.held = u8 & 2;
+      m.had_result = u8 & 4;
+      // A held push sent again by a worker that had its result: held,
+      // and without an output.
+      ok = ok && (!m.had_result || (m.held && !m.has_output));
       break;
     case Type::kRoute: {
       uint32_t n = 0;

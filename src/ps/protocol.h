@@ -221,6 +221,10 @@ struct Message {
   // answer from this node, and sends it again, without an output, to a
   // replacement of this node (the version notices' replay).
   bool held = false;
+  // kPush, a held push sent again (`held`, no output): the worker had
+  // this round's result (its output was written). A reopened round every
+  // push of which says so is not summed again: nobody needs its sum.
+  bool had_result = false;
   uint64_t out_region = 0;
   uint64_t out_offset = 0;
   // kCheckpoint: optional file name inside the proxy's checkpoint directory

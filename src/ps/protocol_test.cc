@@ -176,6 +176,27 @@ TEST(PsProtocolTest, RejectsMalformed) {
   EXPECT_FALSE(proto::Decode(push, bad).ok());
 }
 
+// A held push sent again says whether its worker had the round's result;
+// only a held push without an output can.
+TEST(PsProtocolTest, AHeldPushSentAgainSaysItHadItsResult) {
+  Message m;
+  m.type = Type::kPush;
+  m.key = 1;
+  m.held = true;
+  m.had_result = true;
+  auto dec = Decode(m);
+  ASSERT_TRUE(dec.ok()) << dec.status().ToString();
+  EXPECT_TRUE(dec->held);
+  EXPECT_TRUE(dec->had_result);
+  EXPECT_FALSE(dec->has_output);
+  Message bad = m;
+  bad.held = false;
+  EXPECT_FALSE(Decode(bad).ok()) << "not held";
+  bad = m;
+  bad.has_output = true;
+  EXPECT_FALSE(Decode(bad).ok()) << "with an output";
+}
+
 TEST(PsProtocolTest, ABackupStepNamesItsStep) {
   Message m;
   m.type = Type::kBackupStep;

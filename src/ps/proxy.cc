@@ -93,6 +93,7 @@ ProxyStats ProxyImpl::Stats() const {
   s.shards_copying = shards_copying_.load(std::memory_order_relaxed);
   s.join_state_bytes = join_state_bytes_.load(std::memory_order_relaxed);
   s.join_versions_only = join_versions_only_.load(std::memory_order_relaxed);
+  s.redos_skipped = redos_skipped_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -113,7 +114,7 @@ std::string ProxyImpl::StatusText() const {
     << s.answered_early << "\nbackups_pending " << s.backups_pending
     << "\nshards_copying " << s.shards_copying << "\njoin_state_bytes "
     << s.join_state_bytes << "\njoin_versions_only " << s.join_versions_only
-    << "\n";
+    << "\nredos_skipped " << s.redos_skipped << "\n";
   MutexLock l(&waits_mu_);
   o << waits_;
   return o.str();
@@ -159,6 +160,10 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
   w.Gauge("membox_ps_join_versions_only",
           "A replacement's shards taken as their version alone.",
           s.join_versions_only);
+  w.Counter("membox_ps_redos_skipped_total",
+            "Reopened rounds every worker had the result of, not summed "
+            "again.",
+            s.redos_skipped);
   w.Counter("membox_ps_ring_steps_total", "Ring steps with peer proxies.",
             s.ring_steps);
   w.Counter("membox_ps_rejected_total", "Requests refused.", s.rejected);

@@ -113,6 +113,9 @@ struct Contribution {
   // The worker holds this push until its next answer from this node
   // (kPush's `held`): a replacement can redo the round from it.
   bool held = false;
+  // A held push sent again by a worker that had the round's result
+  // (kPush's `had_result`): not read unless the round is summed.
+  bool had_result = false;
   // Prefetched (pushes the proxy cannot map): read into the shard's inbox
   // for this rank as soon as admitted; `fetching` until the read is back.
   bool prefetched = false;
@@ -732,7 +735,9 @@ class ProxyImpl final : public Proxy, public service::Service {
 
   // The sum is complete in scratch: apply mode / optimizer, publish the new
   // version, answer the pushes and pulls, and admit the next round.
-  void FinishRound(uint64_t k, uint32_t s);
+  // `apply` false: a reopened round every worker had the result of (see
+  // StartReduce): the version moves on, the value stays stale.
+  void FinishRound(uint64_t k, uint32_t s, bool apply = true);
 
   // The round's result is in storage (version bumped) or it failed with
   // `st`: answer its pushes and the pulls it satisfies, admit the next.
@@ -932,7 +937,7 @@ class ProxyImpl final : public Proxy, public service::Service {
       stored_bytes_in_{0}, backup_bytes_in_{0}, backup_steps_{0},
       backups_acked_{0}, backups_pending_{0}, shards_copying_{0},
       version_notices_in_{0}, answered_early_{0}, join_state_bytes_{0},
-      join_versions_only_{0};
+      join_versions_only_{0}, redos_skipped_{0};
 };
 
 }  // namespace membox::ps::proxy_internal

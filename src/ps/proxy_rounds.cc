@@ -55,7 +55,12 @@ void ProxyImpl::Admit(uint64_t conn, Conn& c, const Message& m) {
       Contribution{conn,     m.id,         c.rank,       m.region,
                    m.offset, m.has_output, m.out_region, m.out_offset};
   sh.pushes[c.rank].held = m.held;
-  Prefetch(conn, m.key, m.shard, c, sh.pushes[c.rank]);
+  sh.pushes[c.rank].had_result = m.had_result;
+  // A reopened round's push whose worker had the result: read only if the
+  // round is summed after all (StartReduce).
+  if (!(m.had_result && sh.value_stale)) {
+    Prefetch(conn, m.key, m.shard, c, sh.pushes[c.rank]);
+  }
   MaybeStart(m.key, m.shard);
 }
 
@@ -260,6 +265,19 @@ void ProxyImpl::MaybeStartAll() {
 void ProxyImpl::StartReduce(uint64_t k, uint32_t s) {
   Key& key = keys_[k];
   Shard& sh = key.shards[s];
+  // A round reopened from version notices (its owner died) whose every
+  // worker had its result before the death: its sum feeds no later round
+  // and nobody waits for it, so the workers' held pushes are not read
+  // again. The version moves on; the value stays stale until the next
+  // round (docs/design/ps.md, "Version notices").
+  if (key.striped && key.opt.kind == proto::Optimizer::kNone &&
+      sh.value_stale && !sh.pushes.empty() &&
+      std::all_of(sh.pushes.begin(), sh.pushes.end(),
+                  [](const auto& p) { return p.second.had_result; })) {
+    redos_skipped_.fetch_add(1, std::memory_order_relaxed);
+    sh.reducing = true;
+    return FinishRound(k, s, /*apply=*/false);
+  }
   // Where this node's sum is the round's result (one node, or a striped
   // key whose shard lives here alone), an average's 1/world is applied in
   // the summing pass on the sync cores, not in a pass of its own.
@@ -646,16 +664,17 @@ void ProxyImpl::OnRingAbort(uint32_t from, const Message& m) {
   sh.aborted_why = UnavailableError("proxy ring failed: " + why.ToString());
 }
 
-void ProxyImpl::FinishRound(uint64_t k, uint32_t s) {
+void ProxyImpl::FinishRound(uint64_t k, uint32_t s, bool apply) {
   Key& key = keys_[k];
   Shard& sh = key.shards[s];
   const double scale =
       mode_ == proto::Mode::kAverage && !sh.sum_scaled ? 1.0 / world_ : 1.0;
-  Status st = storage_->Apply(key.dtype, key.opt,
-                              key.opt.kind == proto::Optimizer::kNone
-                                  ? Update::kReplace
-                                  : Update::kOptimizer,
-                              sh, sh.scratch.get(), scale);
+  Status st = !apply ? Status::Ok()
+                     : storage_->Apply(key.dtype, key.opt,
+                                       key.opt.kind == proto::Optimizer::kNone
+                                           ? Update::kReplace
+                                           : Update::kOptimizer,
+                                       sh, sh.scratch.get(), scale);
   sh.sum_scaled = false;
   sh.step_opt = key.opt;  // what a step backup repeats
   sh.step_scale = scale;
@@ -667,7 +686,7 @@ void ProxyImpl::FinishRound(uint64_t k, uint32_t s) {
                               [](const auto& p) { return p.second.held; });
   if (st.ok()) {
     sh.version++;
-    sh.value_stale = false;
+    sh.value_stale = !apply;
   }
   if (st.ok() && BacksUp(key)) {
     SendBackup(k, s);

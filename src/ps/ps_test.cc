@@ -1870,7 +1870,9 @@ TEST(PsTest, AReplacementServesWhileItCopiesRingShards) {
 // version at the backup, reopens round 3 and redoes it from the held
 // pushes sent again and the unanswered ones: every worker's every result
 // is the undisturbed run's, bit for bit (three workers: the sum's order
-// shows). The replacement copies no byte: the shards it backs up come as
+// shows); between rounds it does not sum the round again at all, every
+// worker having had its result. The replacement copies no byte: the
+// shards it backs up come as
 // their owner's version (the workers hold the last round), and with three
 // nodes the shards the others own and back up as their version too.
 void HeldSumsRideThroughTheirOwnersDeath(bool answered_some, int P = 2) {
@@ -1963,6 +1965,13 @@ void HeldSumsRideThroughTheirOwnersDeath(bool answered_some, int P = 2) {
   const ProxyStats joined = c.proxies[kVictim]->Stats();
   EXPECT_EQ(joined.join_state_bytes, 0u) << "nothing to copy";
   EXPECT_EQ(joined.join_versions_only, kN * 4 / (16 << 10)) << "every shard";
+  // Between rounds every worker had round 3's result: the reopened round
+  // is not summed again (its held pushes are not even read).
+  uint64_t owned = 0;
+  for (uint32_t sh = 0; sh < kN * 4 / (16 << 10); ++sh) {
+    owned += StripeOwner(5, sh, P) == kVictim;
+  }
+  EXPECT_EQ(joined.redos_skipped, answered_some ? 0u : owned);
   for (int round = 0; round < 6; ++round) {
     for (int r = 0; r < W; ++r) {
       EXPECT_EQ(got[round][r], want[round][r])

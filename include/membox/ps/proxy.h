@@ -185,6 +185,9 @@ struct ProxyStats {
   uint64_t shards_copying = 0;
   uint64_t join_state_bytes = 0;
   uint64_t join_versions_only = 0;
+  // Reopened rounds (version notices) not summed again: every worker had
+  // the result before the owner died.
+  uint64_t redos_skipped = 0;
 };
 
 class Proxy {
