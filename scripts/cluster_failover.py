@@ -338,6 +338,8 @@ def state_run(a, topo, tmp):
            "kill_to_round_s": after[0] - t_kill if after else None,
            "redundancy_s": hit["joined_s"], "join_line": hit["join_line"],
            "workers_back_s": hit["back_s"], "rounds": len(rounds),
+           "round_times_s": [round(b - x, 3) for x, b in zip(rounds, rounds[1:])],
+           "replacement": "standby" if a.standby else "operator's --join on m2",
            "exit": hit["exit"]}
     print(json.dumps(res, indent=1), flush=True)
     if a.json:
