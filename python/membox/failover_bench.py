@@ -121,6 +121,7 @@ def one(a, state, tmp, threads=""):
     rounds, lines = [], []
     t_kill = t_copied = None
     copy_s = None
+    join_line = ""
     timer = threading.Timer(a.timeout, p.kill)
     timer.start()
     for line in p.stdout:
@@ -141,6 +142,7 @@ def one(a, state, tmp, threads=""):
         if m and t_kill is not None and t_copied is None:
             t_copied = time.time()
             copy_s = float(m.group(1))
+            join_line = line.strip()
             open(flag, "w").close()
     rc = p.wait()
     timer.cancel()
@@ -160,6 +162,7 @@ def one(a, state, tmp, threads=""):
         "kill_to_round_s": after[0] - t_kill if after else None,
         "redundancy_s": (t_copied - t_kill) if t_copied else None,
         "copy_s": copy_s,
+        "join_line": join_line,
     })
     if rc != 0 or not res["finished"]:
         sys.stderr.write(text[-3000:])

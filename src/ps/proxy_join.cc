@@ -139,7 +139,7 @@ Status ProxyImpl::Join() {
                       std::any_of(list.begin(), list.end(),
                                   [](auto& e) { return e.second->held_round; });
     if (elsewhere || held) {
-      ASSIGN_OR_RETURN(sh->value, storage_->Allocate(sh->bytes));
+      ASSIGN_OR_RETURN(sh->value, storage_->AllocateUntouched(sh->bytes));
       sh->version = o.version;
       sh->value_stale = true;
       versions_only.insert(id);
@@ -153,7 +153,7 @@ Status ProxyImpl::Join() {
       // answered; so the round is reopened and redone from their pushes
       // (docs/design/ps.md, "Version notices"). The value is never served
       // before that.
-      ASSIGN_OR_RETURN(sh->value, storage_->Allocate(sh->bytes));
+      ASSIGN_OR_RETURN(sh->value, storage_->AllocateUntouched(sh->bytes));
       sh->version = o.version > 0 ? o.version - 1 : 0;
       sh->value_stale = o.version > 0;
       reopened.insert(id);

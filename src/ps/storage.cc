@@ -70,12 +70,27 @@ uint64_t RegionRecycler::bytes() const {
 
 Result<std::shared_ptr<MemRegion>> ShardStorage::AllocateForOverwrite(
     uint64_t bytes) {
+  bool recycled = false;
+  return Take(bytes, &recycled);
+}
+
+Result<std::shared_ptr<MemRegion>> ShardStorage::AllocateUntouched(
+    uint64_t bytes) {
+  bool recycled = false;
+  ASSIGN_OR_RETURN(auto r, Take(bytes, &recycled));
+  if (recycled) std::memset(r->data(), 0, bytes);
+  return r;
+}
+
+Result<std::shared_ptr<MemRegion>> ShardStorage::Take(uint64_t bytes,
+                                                      bool* recycled) {
   if (stored_.load() + bytes > max_bytes_.load()) {
     return ResourceExhaustedError("proxy storage limit reached (" +
                                   std::to_string(max_bytes_.load()) +
                                   " bytes); " + limit_why_);
   }
   std::unique_ptr<MemRegion> r = recycler_->Take(bytes);
+  *recycled = r != nullptr;
   if (!r) {
     ASSIGN_OR_RETURN(r, allocate_(bytes));
   }

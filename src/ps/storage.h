@@ -144,6 +144,14 @@ class ShardStorage {
   // (a shard copied from a peer).
   Result<std::shared_ptr<transport::MemRegion>> AllocateForOverwrite(
       uint64_t bytes);
+  // Zeroed too, without touching fresh memory: the allocator's fresh
+  // regions are new mappings, the kernel's zero pages until written, so
+  // only a recycled buffer (which may hold an earlier job's bytes) is
+  // cleared. For a value kept as its version only (`value_stale`), which
+  // may never be written here: its pages cost neither the time to fault
+  // them in nor memory.
+  Result<std::shared_ptr<transport::MemRegion>> AllocateUntouched(
+      uint64_t bytes);
 
   // Buffers for a new shard: a zeroed value.
   Status Create(StoredShard& sh, uint64_t offset, uint64_t bytes);
@@ -185,6 +193,9 @@ class ShardStorage {
   }
 
  private:
+  // A buffer from the recycler (`*recycled` true) or the allocator.
+  Result<std::shared_ptr<transport::MemRegion>> Take(uint64_t bytes,
+                                                     bool* recycled);
   Allocator allocate_;
   std::atomic<uint64_t> max_bytes_;
   std::string limit_why_ = "raise --ps-max-bytes";

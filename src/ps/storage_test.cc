@@ -126,6 +126,29 @@ TEST(StorageRecyclingTest, AFreedBufferIsReusedForTheSameSize) {
   EXPECT_EQ(storage.recycled_bytes(), 0u) << "closed: freed at once";
 }
 
+// A buffer kept as a version only: fresh memory is left untouched (the
+// allocator's new mappings are zero), a recycled one is cleared.
+TEST(StorageRecyclingTest, AnUntouchedBufferIsZeroedOnlyWhenRecycled) {
+  SyncCores cores(1);
+  ShardStorage storage(
+      [&](uint64_t n) -> Result<std::unique_ptr<MemRegion>> {
+        auto r = std::make_unique<HeapRegion>(n);
+        std::memset(r->data(), 0x5a, n);  // marks what was not cleared
+        return std::unique_ptr<MemRegion>(std::move(r));
+      },
+      1 << 20, &cores, /*recycle_bytes=*/4096);
+  auto fresh = *storage.AllocateUntouched(1024);
+  EXPECT_EQ(static_cast<const uint8_t*>(fresh->data())[7], 0x5a)
+      << "fresh memory is not written";
+  std::memset(fresh->data(), 7, 1024);  // an earlier job's bytes
+  fresh.reset();
+  auto again = *storage.AllocateUntouched(1024);
+  for (size_t i = 0; i < 1024; ++i) {
+    ASSERT_EQ(static_cast<const uint8_t*>(again->data())[i], 0) << i;
+  }
+  EXPECT_EQ(storage.stored_bytes(), 1024u);
+}
+
 TEST_F(StorageTest, ReplaceSwapsTheSumInAndScales) {
   StoredShard sh;
   ASSERT_TRUE(storage_.Create(sh, 0, 64).ok());
