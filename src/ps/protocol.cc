@@ -201,8 +201,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U64(m.round);
       w.U64(m.region);
       w.U64(m.offset);
-      w.U8((m.has_output ? 1 : 0) | (m.held ? 2 : 0) |
-           (m.had_result ? 4 : 0));
+      w.U8((m.has_output ? 1 : 0) | (m.held ? 2 : 0) | (m.had_result ? 4 : 0));
       w.U64(m.out_region);
       w.U64(m.out_offset);
       break;
