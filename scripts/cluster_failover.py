@@ -197,7 +197,7 @@ def job(a, topo, out, kill_after, worker=None, flag=None):
                 time.sleep(0.02)
         res["exit"] = p.wait()
         t.join(5)
-        res["log_tail"] = "".join(lines[-15:])
+        res["log_tail"] = "".join(lines[-40:])
     finally:
         cluster.down(topo, quiet=True)
     return res
@@ -248,6 +248,10 @@ def main():
     print("undisturbed:", json.dumps(plain["epochs"][-1]), flush=True)
     hit = job(a, topo, os.path.join(tmp, "killed.jsonl"), a.kill_after_epoch)
     print("with the kill:", json.dumps(hit["epochs"][-1]), flush=True)
+    if hit["exit"] != 0 or hit["epochs"][-1]["epoch"] != a.epochs:
+        sys.exit(f"FAIL: the job with the kill ended after epoch "
+                 f"{hit['epochs'][-1]['epoch']} of {a.epochs} (exit "
+                 f"{hit['exit']}); its last lines:\n{hit['log_tail']}")
     print(hit["join_line"], flush=True)
     last, base = hit["epochs"][-1], plain["epochs"][-1]
     same = (last["loss"], last["accuracy"]) == (base["loss"], base["accuracy"])
