@@ -19,7 +19,10 @@ using wire::Reader;
 using wire::Writer;
 
 constexpr char kMagic[8] = {'M', 'B', 'X', 'C', 'K', 'P', 'T', '1'};
-constexpr uint32_t kFormat = 1;
+// 1: no per-shard flags. 2: a flags byte after each shard's version
+// (bit 0: the value is stale and not written). Both are read.
+constexpr uint32_t kFormat = 2;
+constexpr uint8_t kValueStale = 1;
 constexpr uint64_t kMaxShardBytes = 64ull << 30;
 
 void PutBlob(Writer& w, std::span<const uint8_t> b) {
@@ -102,6 +105,7 @@ Status EncodeCheckpoint(const CheckpointHeader& header,
   for (const auto& sh : shards) {
     Writer w;
     PutShardHeader(w, sh);
+    w.U8(sh.value_stale ? kValueStale : 0);
     w.U64(sh.value.size());
     w.U32(Crc32(sh.value.data(), sh.value.size()));
     emit(w);
@@ -164,7 +168,7 @@ Status ParseCheckpoint(std::span<const uint8_t> bytes, CheckpointHeader* header,
   if (!r.Bytes(&magic, 8) || std::memcmp(magic.data(), kMagic, 8) != 0) {
     return Damaged("not a membox checkpoint (bad magic)");
   }
-  if (!r.U32(&format) || format != kFormat) {
+  if (!r.U32(&format) || format < 1 || format > kFormat) {
     return Damaged("unsupported format version " + std::to_string(format));
   }
   if (!r.U32(&header->proxy_rank) || !r.U32(&header->proxies) ||
@@ -181,12 +185,20 @@ Status ParseCheckpoint(std::span<const uint8_t> bytes, CheckpointHeader* header,
     CheckpointShard sh;
     uint64_t n = 0;
     uint32_t vcrc = 0;
-    if (!GetShardHeader(r, &sh) || !r.U64(&n) || !r.U32(&vcrc)) {
+    uint8_t flags = 0;
+    if (!GetShardHeader(r, &sh) || (format >= 2 && !r.U8(&flags)) ||
+        !r.U64(&n) || !r.U32(&vcrc)) {
       return Damaged("truncated shard record " + std::to_string(i));
     }
     fold(mark, r.consumed());
-    if (n == 0 || n > kMaxShardBytes || n > r.remaining() ||
-        sh.shard_bytes == 0 || sh.key_bytes == 0 || n > sh.key_bytes) {
+    if ((flags & ~kValueStale) != 0) {
+      return Damaged("unknown flags in shard record " + std::to_string(i));
+    }
+    sh.value_stale = flags & kValueStale;
+    // A stale value is its version alone: no bytes.
+    if ((sh.value_stale ? n != 0 : n == 0) || n > kMaxShardBytes ||
+        n > r.remaining() || sh.shard_bytes == 0 || sh.key_bytes == 0 ||
+        n > sh.key_bytes) {
       return Damaged("bad size in shard record " + std::to_string(i));
     }
     if (!r.View(&sh.value, n)) return Damaged("truncated value");
@@ -199,6 +211,11 @@ Status ParseCheckpoint(std::span<const uint8_t> bytes, CheckpointHeader* header,
     if (!GetBlob(r, &sh.m1, &err, "optimizer state") ||
         !GetBlob(r, &sh.m2, &err, "optimizer state")) {
       return err;
+    }
+    if (sh.value_stale && (!sh.m1.empty() || !sh.m2.empty())) {
+      // Only sums (no optimizer) are backed up by their version.
+      return Damaged("a stale value with optimizer state in key " +
+                     std::to_string(sh.key));
     }
     if ((!sh.m1.empty() && sh.m1.size() != n) ||
         (!sh.m2.empty() && sh.m2.size() != n)) {

@@ -44,6 +44,9 @@ struct CheckpointShard : ShardHeader {
   // record, never copy it: a copy's views point into the original).
   std::span<const uint8_t> value, m1, m2;
   std::vector<uint8_t> owned_value, owned_m1, owned_m2;
+  // The node held this shard's version only (StoredShard::value_stale):
+  // `value`, `m1` and `m2` are empty, and a restore keeps it stale.
+  bool value_stale = false;
 };
 
 struct CheckpointHeader {

@@ -1,5 +1,6 @@
 #include "src/ps/checkpoint.h"
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -96,6 +97,106 @@ TEST_F(CheckpointTest, TruncationIsRefusedWithAClearError) {
   EXPECT_NE(s.message().find("damaged"), std::string::npos) << s.ToString();
   EXPECT_EQ(ReadCheckpoint(dir_ + "/none", &h, &shards).code(),
             StatusCode::kNotFound);
+}
+
+// A shard its node held as its version alone (a backup that took version
+// notices) is written as that: a flag and no bytes. Reading it back keeps
+// it stale, so a restored node never takes old bytes for that version.
+TEST_F(CheckpointTest, AStaleShardIsWrittenAsItsVersionAlone) {
+  CheckpointShard current, stale;
+  current.key = stale.key = 5;
+  current.dtype = stale.dtype = 1;
+  current.key_bytes = stale.key_bytes = 2000;
+  current.shard_bytes = stale.shard_bytes = 1000;
+  current.shard = 0;
+  current.version = 3;
+  current.value = value_;
+  stale.shard = 1;
+  stale.version = 4;
+  stale.value_stale = true;
+  CheckpointHeader h;
+  ASSERT_TRUE(WriteCheckpoint(path_, h, {current, stale}).ok());
+  EXPECT_LT(std::filesystem::file_size(path_), 1200u) << "one value's bytes";
+  std::vector<CheckpointShard> shards;
+  ASSERT_TRUE(ReadCheckpoint(path_, &h, &shards).ok());
+  ASSERT_EQ(shards.size(), 2u);
+  EXPECT_FALSE(shards[0].value_stale);
+  EXPECT_EQ(shards[0].owned_value, value_);
+  EXPECT_TRUE(shards[1].value_stale);
+  EXPECT_EQ(shards[1].version, 4u);
+  EXPECT_TRUE(shards[1].value.empty());
+}
+
+// Encoded by the writer, refused by the reader: a stale shard carries
+// neither a value nor optimizer state (only sums are backed up by their
+// version); a current one has a value.
+TEST_F(CheckpointTest, InconsistentStaleShardsAreRefused) {
+  auto encode = [](const CheckpointShard& sh) {
+    std::vector<uint8_t> b;
+    EXPECT_TRUE(EncodeCheckpoint(CheckpointHeader{}, {sh},
+                                 [&](const void* p, size_t n) {
+                                   auto c = static_cast<const uint8_t*>(p);
+                                   b.insert(b.end(), c, c + n);
+                                   return Status::Ok();
+                                 })
+                    .ok());
+    return b;
+  };
+  CheckpointShard sh;
+  sh.key = 5;
+  sh.key_bytes = sh.shard_bytes = 1000;
+  sh.value_stale = true;
+  sh.value = value_;  // stale, with bytes
+  CheckpointHeader h;
+  std::vector<CheckpointShard> shards;
+  Status s = ParseCheckpoint(encode(sh), &h, &shards);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("bad size"), std::string::npos) << s.ToString();
+  sh.value = {};
+  sh.m1 = m1_;  // stale, with optimizer state
+  s = ParseCheckpoint(encode(sh), &h, &shards);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("optimizer state"), std::string::npos)
+      << s.ToString();
+  sh.m1 = {};
+  sh.value_stale = false;  // current, without a value
+  EXPECT_EQ(ParseCheckpoint(encode(sh), &h, &shards).code(),
+            StatusCode::kDataLoss);
+  sh.value_stale = true;  // the version alone
+  EXPECT_TRUE(ParseCheckpoint(encode(sh), &h, &shards).ok());
+}
+
+// The fuzzer's seeds (fuzz/corpus/ps_checkpoint_fuzzer) parse: `one_shard`
+// is format 1 (written before the flags byte; still read, its shards
+// current) and `stale_shard` format 2. After a format change, regenerate
+// the newest: MEMBOX_WRITE_FUZZ_SEEDS=1 ps_test --gtest_filter='Checkpoint*'
+TEST_F(CheckpointTest, FuzzSeedsOfEveryFormatAreRead) {
+  const std::string dir =
+      std::string(MEMBOX_SOURCE_DIR) + "/fuzz/corpus/ps_checkpoint_fuzzer/";
+  if (std::getenv("MEMBOX_WRITE_FUZZ_SEEDS") != nullptr) {
+    CheckpointShard a, b;
+    a.key = b.key = 9;
+    a.dtype = b.dtype = 1;
+    a.key_bytes = b.key_bytes = 16;
+    a.shard_bytes = b.shard_bytes = 8;
+    a.version = 2;
+    const uint8_t v[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    a.value = v;
+    b.shard = 1;
+    b.version = 3;
+    b.value_stale = true;
+    ASSERT_TRUE(
+        WriteCheckpoint(dir + "stale_shard", CheckpointHeader{}, {a, b}).ok());
+  }
+  for (const char* name : {"one_shard", "stale_shard"}) {
+    CheckpointHeader h;
+    std::vector<CheckpointShard> shards;
+    Status s = ReadCheckpoint(dir + name, &h, &shards);
+    ASSERT_TRUE(s.ok()) << name << ": " << s.ToString()
+                        << " (regenerate the seed: see this test)";
+    ASSERT_FALSE(shards.empty());
+    EXPECT_EQ(shards.back().value_stale, std::string(name) == "stale_shard");
+  }
 }
 
 }  // namespace

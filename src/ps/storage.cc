@@ -208,6 +208,8 @@ ShardStorage::Snapshot ShardStorage::Snap(uint64_t key, uint32_t index,
                                         sh.bytes)
              : std::span<const uint8_t>();
   };
+  c.value_stale = sh.value_stale;
+  if (sh.value_stale) return s;  // its version alone (no optimizer state)
   c.value = view(sh.value);
   c.m1 = view(sh.m1);
   c.m2 = view(sh.m2);
@@ -216,14 +218,28 @@ ShardStorage::Snapshot ShardStorage::Snap(uint64_t key, uint32_t index,
 }
 
 Status ShardStorage::Load(StoredShard& sh, const CheckpointShard& record) {
+  if (record.value_stale) {
+    // The version alone, as it was held: never served, replaced by the
+    // next round applied here.
+    if (!record.value.empty() || !record.m1.empty() || !record.m2.empty()) {
+      return DataLossError("a stale shard with bytes");
+    }
+    sh.version = record.version;
+    ASSIGN_OR_RETURN(sh.value, AllocateUntouched(sh.bytes));
+    sh.value_stale = true;
+    sh.m1.reset();
+    sh.m2.reset();
+    return Status::Ok();
+  }
   if (record.value.size() != sh.bytes ||
       (!record.m1.empty() && record.m1.size() != sh.bytes) ||
       (!record.m2.empty() && record.m2.size() != sh.bytes)) {
     return DataLossError("shard size mismatch");
   }
   sh.version = record.version;
-  ASSIGN_OR_RETURN(sh.value, Allocate(sh.bytes));
+  ASSIGN_OR_RETURN(sh.value, AllocateForOverwrite(sh.bytes));
   std::memcpy(sh.value->data(), record.value.data(), sh.bytes);
+  sh.value_stale = false;
   sh.m1.reset();
   sh.m2.reset();
   if (!record.m1.empty()) {

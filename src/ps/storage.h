@@ -177,7 +177,8 @@ class ShardStorage {
                        const StoredShard& sh);
 
   // Loads a checkpoint record into `sh` (offset and bytes already set):
-  // value, optimizer state, version. DATA_LOSS when sizes disagree.
+  // value, optimizer state, version; a stale record (its version alone)
+  // stays stale, its value untouched. DATA_LOSS when sizes disagree.
   Status Load(StoredShard& sh, const CheckpointShard& record);
 
   uint64_t stored_bytes() const { return stored_.load(); }
