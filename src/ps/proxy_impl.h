@@ -284,11 +284,16 @@ struct JoinCopy {
   size_t shards = 0;
   std::atomic<bool> cancel{false};
   Mutex mu;
-  // Shards not copied yet, in key order, with the index of the source to
-  // try; shards a request waits for go first.
+  // Shards not copied yet, with the index of the source to try: the ones
+  // this node owns first (a round waits for them; the ones it backs up
+  // only restore redundancy), each part in key order; shards a request
+  // waits for go before all of them.
   std::deque<std::pair<std::pair<uint64_t, uint32_t>, size_t>> order
       MEMBOX_GUARDED_BY(mu);
   std::set<std::pair<uint64_t, uint32_t>> urgent MEMBOX_GUARDED_BY(mu);
+  // Shards the event loop has already (an owner's backup offer of a newer
+  // round brought them): a copier drops them from `order` uncopied.
+  std::set<std::pair<uint64_t, uint32_t>> installed MEMBOX_GUARDED_BY(mu);
   // Copier threads still working; the last one to find `order` empty
   // posts the end of the copy.
   std::atomic<int> copiers{0};

@@ -2,6 +2,8 @@
 // which shard, the copy in the background while it serves, and what waits
 // for a shard not copied yet (src/ps/proxy_impl.h; docs/design/ps.md,
 // "Node failover", "A replacement serves while it copies").
+#include <algorithm>
+
 #include "src/ps/proxy_impl.h"
 
 namespace membox::ps::proxy_internal {
@@ -165,6 +167,13 @@ Status ProxyImpl::Join() {
     job->state_bytes += StateBytes(o);
     ++job->shards;
   }
+  // The shards this node owns first: the survivors' rounds wait for them
+  // (until a request marks one urgent, before the workers are back), the
+  // ones it backs up only make the job safe again.
+  std::stable_partition(
+      job->order.begin(), job->order.end(), [&](const auto& e) {
+        return Owner(e.first.first, e.first.second) == opt_.rank;
+      });
   // A key a live peer holds but offers no shard of: every node that kept
   // its shards current is down. Its shards are lost (below), not silently
   // absent (a worker's declaration would make it afresh).
@@ -261,6 +270,13 @@ void ProxyImpl::RunJoinCopy(const std::shared_ptr<JoinCopy>& job) {
     uint32_t from = 0;
     {
       MutexLock l(&job->mu);
+      // Shards a backup offer brought meanwhile need no copy.
+      if (!job->installed.empty()) {
+        std::erase_if(job->order, [&](const auto& e) {
+          return job->installed.count(e.first) != 0;
+        });
+        job->installed.clear();
+      }
       if (job->order.empty()) break;
       auto pick = job->order.begin();
       if (!job->urgent.empty()) {
@@ -292,6 +308,11 @@ void ProxyImpl::RunJoinCopy(const std::shared_ptr<JoinCopy>& job) {
         batch.push_back(*it);
         it = job->order.erase(it);
       }
+    }
+    if (opt_.join_batch_for_test) {
+      std::vector<std::pair<uint64_t, uint32_t>> ids;
+      for (auto& [id, i] : batch) ids.push_back(id);
+      opt_.join_batch_for_test(ids);
     }
     std::vector<const OfferedShard*> list;
     for (auto& [id, i] : batch) list.push_back(job->sources[id][i].second);
@@ -347,6 +368,10 @@ void ProxyImpl::ShardCopied(uint64_t k, uint32_t s) {
   Shard& sh = keys_[k].shards[s];
   if (!sh.copying) return;
   sh.copying = false;
+  if (auto job = join_copy_) {  // (a copier's own batch is out of `order`)
+    MutexLock l(&job->mu);
+    job->installed.insert({k, s});
+  }
   if (copying_shards_ > 0) --copying_shards_;
   shards_copying_.store(copying_shards_, std::memory_order_relaxed);
   auto w = copy_waiters_.find({k, s});

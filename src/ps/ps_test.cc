@@ -1996,6 +1996,98 @@ TEST(PsTest, HeldSumsRideThroughTheirOwnersDeathOfThree) {
   HeldSumsRideThroughTheirOwnersDeath(/*answered_some=*/true, /*P=*/3);
 }
 
+// A replacement copies the shards it owns first: the workers' rounds wait
+// for those, while the ones it backs up only make the job safe again, and
+// their owners' backup offers of the next round bring them anyway. A
+// shard such an offer brought is not copied at all. SGD momentum (bytes
+// are backed up), 2 nodes, 8 striped shards: the replacement copies one
+// shard per batch; the first batch of a shard it backs up waits until the
+// workers' next round is done, and after it the copier finds the rest of
+// them there already.
+TEST(PsTest, AReplacementCopiesTheShardsItOwnsFirst) {
+  constexpr int P = 2, W = 2;
+  constexpr size_t kN = 32 << 10;  // floats: 8 shards of 16 KiB
+  constexpr uint32_t kShards = kN * 4 / (16 << 10);
+  constexpr uint32_t kVictim = 1;
+  RoutingTable striped;
+  striped.stripe = true;
+  striped.partition_bytes = 16 << 10;
+  auto c = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  std::vector<std::unique_ptr<ParamClient>> w;
+  for (int r = 0; r < W; ++r) {
+    w.push_back(Worker(c, r, W, striped));
+    ASSERT_NE(w.back(), nullptr);
+    SyncConfig cfg;
+    cfg.mode = SyncConfig::Mode::kAverage;
+    cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
+    ASSERT_TRUE(w[r]->Configure(cfg).ok());
+  }
+  for (auto& x : w) ASSERT_TRUE(x->Declare(7, kN * 4, DType::kFloat32).ok());
+  auto round = [&](int n) {
+    std::vector<std::thread> th;
+    for (int r = 0; r < W; ++r) {
+      th.emplace_back([&, r] {
+        auto g = FailoverGrad(kN, r, n);
+        std::vector<float> out(kN);
+        Status st = w[r]->PushPull(7, g.data(), out.data()).Wait(30s);
+        EXPECT_TRUE(st.ok()) << "round " << n << ": " << st.ToString();
+      });
+    }
+    for (auto& t : th) t.join();
+  };
+  for (int n = 0; n < 3; ++n) round(n);
+  uint32_t owned = 0;
+  for (uint32_t sh = 0; sh < kShards; ++sh) {
+    owned += StripeOwner(7, sh, P) == kVictim;
+  }
+  ASSERT_GT(owned, 0u);
+  ASSERT_LT(owned, kShards);
+  Mutex mu;
+  std::vector<uint32_t> copied;  // shards, in the order the copier took them
+  std::promise<void> round_done;
+  std::shared_future<void> done = round_done.get_future().share();
+  c.proxies[kVictim]->Stop();
+  ProxyOptions o = ReplacementOptions(c, kVictim);
+  o.join_batch_bytes = 1;  // a shard per batch
+  o.join_copy_threads = 1;
+  o.join_batch_for_test =
+      [&](const std::vector<std::pair<uint64_t, uint32_t>>& batch) {
+        bool backed_up = false;
+        {
+          MutexLock l(&mu);
+          for (auto& [k, sh] : batch) {
+            copied.push_back(sh);
+            backed_up |= StripeOwner(k, sh, P) != kVictim;
+          }
+        }
+        if (backed_up) done.wait_for(20s);
+      };
+  auto joined = Proxy::Start(o);
+  ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+  c.proxies[kVictim] = std::move(*joined);
+  round(3);  // its pushes wait for the shards the replacement owns
+  round_done.set_value();
+  for (int i = 0; i < 2000 && c.proxies[kVictim]->Stats().shards_copying > 0;
+       ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(c.proxies[kVictim]->Stats().shards_copying, 0u);
+  {
+    MutexLock l(&mu);
+    ASSERT_GE(copied.size(), size_t(owned));
+    for (uint32_t i = 0; i < owned; ++i) {
+      EXPECT_EQ(StripeOwner(7, copied[i], P), kVictim)
+          << "batch " << i << " is a shard it backs up";
+    }
+    // The first shard it backs up was taken before the round's offers came;
+    // the others came with them.
+    EXPECT_EQ(copied.size(), size_t(owned) + 1);
+  }
+  EXPECT_GT(c.proxies[kVictim]->Stats().backup_bytes_in, 0u);
+  round(4);  // and on it goes
+}
+
 // A backup that took version notices holds a shard's version, not its
 // value. Its checkpoint says so (format 2: a stale flag, no bytes), and a
 // node restored from it keeps the shard stale: when the shard's owner then

@@ -129,6 +129,10 @@ struct ProxyOptions {
   // Tests: called on the copier thread before each batch of a join's copy
   // (to slow it down). Unset in production.
   std::function<void()> before_join_batch_for_test;
+  // Tests: called on the copier thread with each batch it took, before it
+  // copies it (key, shard). Unset in production.
+  std::function<void(const std::vector<std::pair<uint64_t, uint32_t>>&)>
+      join_batch_for_test;
   // Test hook: runs on the event loop before the answer of worker `rank`'s
   // push of round `round` of (key, shard) goes out; returning true drops
   // it (a node that died before that answer left). Unset in production.
