@@ -2012,6 +2012,11 @@ TEST(PsTest, AReplacementCopiesTheShardsItOwnsFirst) {
   RoutingTable striped;
   striped.stripe = true;
   striped.partition_bytes = 16 << 10;
+  // (Before the nodes: the copier's hook uses them until the nodes stop.)
+  Mutex mu;
+  std::vector<uint32_t> copied;  // shards, in the order the copier took them
+  std::promise<void> round_done;
+  std::shared_future<void> done = round_done.get_future().share();
   auto c = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
                           /*replicate=*/true);
   std::vector<std::unique_ptr<ParamClient>> w;
@@ -2043,10 +2048,6 @@ TEST(PsTest, AReplacementCopiesTheShardsItOwnsFirst) {
   }
   ASSERT_GT(owned, 0u);
   ASSERT_LT(owned, kShards);
-  Mutex mu;
-  std::vector<uint32_t> copied;  // shards, in the order the copier took them
-  std::promise<void> round_done;
-  std::shared_future<void> done = round_done.get_future().share();
   c.proxies[kVictim]->Stop();
   ProxyOptions o = ReplacementOptions(c, kVictim);
   o.join_batch_bytes = 1;  // a shard per batch
