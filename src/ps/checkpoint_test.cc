@@ -26,6 +26,24 @@ void Spit(const std::string& p, const std::vector<uint8_t>& b) {
   f.write(reinterpret_cast<const char*>(b.data()), b.size());
 }
 
+// Two shards of one key: shard 0 current at version 3 with `value`, shard
+// 1 held as version 4 alone (stale, no bytes).
+std::pair<CheckpointShard, CheckpointShard> CurrentAndStale(
+    uint64_t shard_bytes, std::span<const uint8_t> value) {
+  CheckpointShard current, stale;
+  current.key = stale.key = 5;
+  current.dtype = stale.dtype = 1;
+  current.key_bytes = stale.key_bytes = 2 * shard_bytes;
+  current.shard_bytes = stale.shard_bytes = shard_bytes;
+  current.shard = 0;
+  current.version = 3;
+  current.value = value;
+  stale.shard = 1;
+  stale.version = 4;
+  stale.value_stale = true;
+  return {current, stale};
+}
+
 class CheckpointTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -103,17 +121,7 @@ TEST_F(CheckpointTest, TruncationIsRefusedWithAClearError) {
 // notices) is written as that: a flag and no bytes. Reading it back keeps
 // it stale, so a restored node never takes old bytes for that version.
 TEST_F(CheckpointTest, AStaleShardIsWrittenAsItsVersionAlone) {
-  CheckpointShard current, stale;
-  current.key = stale.key = 5;
-  current.dtype = stale.dtype = 1;
-  current.key_bytes = stale.key_bytes = 2000;
-  current.shard_bytes = stale.shard_bytes = 1000;
-  current.shard = 0;
-  current.version = 3;
-  current.value = value_;
-  stale.shard = 1;
-  stale.version = 4;
-  stale.value_stale = true;
+  auto [current, stale] = CurrentAndStale(1000, value_);
   CheckpointHeader h;
   ASSERT_TRUE(WriteCheckpoint(path_, h, {current, stale}).ok());
   EXPECT_LT(std::filesystem::file_size(path_), 1200u) << "one value's bytes";
@@ -174,17 +182,8 @@ TEST_F(CheckpointTest, FuzzSeedsOfEveryFormatAreRead) {
   const std::string dir =
       std::string(MEMBOX_SOURCE_DIR) + "/fuzz/corpus/ps_checkpoint_fuzzer/";
   if (std::getenv("MEMBOX_WRITE_FUZZ_SEEDS") != nullptr) {
-    CheckpointShard a, b;
-    a.key = b.key = 9;
-    a.dtype = b.dtype = 1;
-    a.key_bytes = b.key_bytes = 16;
-    a.shard_bytes = b.shard_bytes = 8;
-    a.version = 2;
     const uint8_t v[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-    a.value = v;
-    b.shard = 1;
-    b.version = 3;
-    b.value_stale = true;
+    auto [a, b] = CurrentAndStale(sizeof(v), v);
     ASSERT_TRUE(
         WriteCheckpoint(dir + "stale_shard", CheckpointHeader{}, {a, b}).ok());
   }

@@ -1447,6 +1447,15 @@ TEST(PsTest, ProxyDeathFailsPendingWithItsName) {
 
 // Failover tests: a deterministic gradient per (rank, round), and a
 // replicating replacement for proxy `rank` of `c` (`membox serve --join`).
+// The failover tests' optimizer on the nodes: SGD, lr 0.1, momentum 0.9,
+// averaged over the workers.
+Status UseSgdMomentum(ParamClient& w) {
+  SyncConfig cfg;
+  cfg.mode = SyncConfig::Mode::kAverage;
+  cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
+  return w.Configure(cfg);
+}
+
 std::vector<float> FailoverGrad(size_t n, int rank, int round) {
   std::vector<float> g(n);
   for (size_t i = 0; i < n; ++i) {
@@ -1491,10 +1500,7 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
       t.lat_proxy = t.bw_proxy = uint32_t(r);
       w.push_back(Worker(c, r, 2, t));
       ASSERT_NE(w.back(), nullptr);
-      SyncConfig cfg;
-      cfg.mode = SyncConfig::Mode::kAverage;
-      cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
-      ASSERT_TRUE(w[r]->Configure(cfg).ok());
+      ASSERT_TRUE(UseSgdMomentum(*w[r]).ok());
     }
     for (int r = 0; r < 2; ++r) {
       auto v = w[r]->Declare(3, kN * 4, DType::kFloat32,
@@ -1680,10 +1686,7 @@ void RideThrough(int P, int victim, bool laggard = false,
       t.stripe = striped;
       w.push_back(Worker(c, r, P, t));
       ASSERT_NE(w.back(), nullptr);
-      SyncConfig cfg;
-      cfg.mode = SyncConfig::Mode::kAverage;
-      cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
-      ASSERT_TRUE(w[r]->Configure(cfg).ok());
+      ASSERT_TRUE(UseSgdMomentum(*w[r]).ok());
     }
     for (int r = 0; r < P; ++r) {
       ASSERT_TRUE(w[r]->Declare(4, kN * 4, DType::kFloat32,
@@ -2023,10 +2026,7 @@ TEST(PsTest, AReplacementCopiesTheShardsItOwnsFirst) {
   for (int r = 0; r < W; ++r) {
     w.push_back(Worker(c, r, W, striped));
     ASSERT_NE(w.back(), nullptr);
-    SyncConfig cfg;
-    cfg.mode = SyncConfig::Mode::kAverage;
-    cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
-    ASSERT_TRUE(w[r]->Configure(cfg).ok());
+    ASSERT_TRUE(UseSgdMomentum(*w[r]).ok());
   }
   for (auto& x : w) ASSERT_TRUE(x->Declare(7, kN * 4, DType::kFloat32).ok());
   auto round = [&](int n) {
@@ -2232,10 +2232,7 @@ TEST(PsTest, RoundsAnsweredBeforeTheirBackupRideThroughTheOwnersDeath) {
         o.hold_pushes = ParamClientOptions::HoldPushes::kAlways;
       }));
       ASSERT_NE(w.back(), nullptr);
-      SyncConfig cfg;
-      cfg.mode = SyncConfig::Mode::kAverage;
-      cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
-      ASSERT_TRUE(w[r]->Configure(cfg).ok());
+      ASSERT_TRUE(UseSgdMomentum(*w[r]).ok());
     }
     for (int r = 0; r < W; ++r) {
       ASSERT_TRUE(w[r]->Declare(7, kN * 4, DType::kFloat32,
@@ -2378,10 +2375,7 @@ void TwoDeathsBeforeAReplacement(bool striped) {
       t.lat_proxy = t.bw_proxy = uint32_t(r);
       w.push_back(Worker(c, r, 2, t));
       ASSERT_NE(w.back(), nullptr);
-      SyncConfig cfg;
-      cfg.mode = SyncConfig::Mode::kAverage;
-      cfg.optimizer = OptimizerConfig{OptimizerConfig::Kind::kSgd, 0.1, 0.9};
-      ASSERT_TRUE(w[r]->Configure(cfg).ok());
+      ASSERT_TRUE(UseSgdMomentum(*w[r]).ok());
     }
     for (int r = 0; r < 2; ++r) {
       auto v = w[r]->Declare(5, kN * 4, DType::kFloat32,
