@@ -272,9 +272,11 @@ void ProxyImpl::RunJoinCopy(const std::shared_ptr<JoinCopy>& job) {
       MutexLock l(&job->mu);
       // Shards a backup offer brought meanwhile need no copy.
       if (!job->installed.empty()) {
-        std::erase_if(job->order, [&](const auto& e) {
-          return job->installed.count(e.first) != 0;
-        });
+        auto kept = job->order.begin();  // (no lambda: -Wthread-safety)
+        for (auto it = job->order.begin(); it != job->order.end(); ++it) {
+          if (job->installed.count(it->first) == 0) *kept++ = *it;
+        }
+        job->order.erase(kept, job->order.end());
         job->installed.clear();
       }
       if (job->order.empty()) break;
