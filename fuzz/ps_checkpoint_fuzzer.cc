@@ -16,6 +16,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         return v.empty() ||
                (v.data() >= data && v.data() + v.size() <= data + size);
       };
+      if (s.value_stale) {  // its version alone: no bytes at all
+        if (!s.value.empty() || !s.m1.empty() || !s.m2.empty()) std::abort();
+        continue;
+      }
       if (s.value.empty() || s.value.size() > s.key_bytes ||
           (!s.m1.empty() && s.m1.size() != s.value.size()) ||
           (!s.m2.empty() && s.m2.size() != s.value.size()) ||
