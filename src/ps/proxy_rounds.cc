@@ -122,7 +122,8 @@ void ProxyImpl::IssueReads(uint64_t conn, Conn& c) {
     }
     auto& buf = sh->inbox[p->rank];
     if (!buf || buf->size() < sh->bytes) {
-      auto b = storage_->Allocate(sh->bytes);
+      // (Read whole before it is used: p->fetched says so.)
+      auto b = storage_->AllocateForOverwrite(sh->bytes);
       if (!b.ok()) {
         give_up();
         continue;
@@ -306,7 +307,12 @@ Status ProxyImpl::LocalSum(Key& key, Shard& sh, double scale,
                            bool result_is_sum) {
   sh.sum_scaled = false;
   if (!sh.scratch || sh.scratch.use_count() > 1) {
-    ASSIGN_OR_RETURN(sh.scratch, storage_->Allocate(sh.bytes));
+    // Not zeroed: the sum writes every byte (zeros when nobody pushed).
+    // Zeroing cost a pass over the shard per fresh scratch, on this
+    // thread: every round where a step backup keeps the last one, and a
+    // replacement's first rounds, where it faulted the pages in on one
+    // core instead of in the sum on the sync cores.
+    ASSIGN_OR_RETURN(sh.scratch, storage_->AllocateForOverwrite(sh.bytes));
   }
   // The pushes in rank order: in memory here (prefetched, or the worker's
   // memory mapped), or read when the sum gets to them.
