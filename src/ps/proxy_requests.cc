@@ -218,7 +218,8 @@ void ProxyImpl::Store(uint64_t conn, Conn& c, const Message& m) {
   if (!rr.ok()) return reply(rr.status());
   std::shared_ptr<MemRegion> buf = std::move(sh.scratch);
   if (!buf || buf.use_count() > 1) {
-    auto fresh = storage_->Allocate(sh.bytes);
+    // Not zeroed: installed only once written whole (FinishStore).
+    auto fresh = storage_->AllocateForOverwrite(sh.bytes);
     if (!fresh.ok()) return reply(fresh.status());
     buf = std::move(*fresh);
   }
