@@ -749,6 +749,7 @@ void ProxyImpl::OnDisconnect(service::ConnectionId conn, const Status& why) {
       key.awaiting_init = false;
       key.declared = false;  // the next job's first declaration decides
       key.holders.clear();
+      key.skip_logged = false;
       for (auto& sh : key.shards) {
         sh.pushes.clear();
         sh.pulls.clear();

@@ -226,6 +226,9 @@ struct Key {
   // A scratch key: the workers of this job that declared it and have not
   // let it go (kFree). Emptied by kFree, the key is freed mid-job.
   std::set<uint32_t> holders;
+  // SkipToTheJobsRound said so for a shard of this key in this job (it
+  // says it once per key; set again when every worker has left).
+  bool skip_logged = false;
   std::vector<Shard> shards;
   // In-memory combining (src/ps/combine.h), decided by the first kCombine
   // of the job and the same for every worker: the region and the round it

@@ -555,13 +555,19 @@ void ProxyImpl::SkipToTheJobsRound(const Message& m, bool rejoined) {
       Owner(m.key, m.shard) != opt_.rank) {
     return;
   }
-  MEMBOX_LOG_WARN(
-      "key {} shard {}: this job's first push is for round {}, the shard "
-      "holds round {} (the job before finished that round on other shards "
-      "only, or this node's copy came from a backup that missed it); a "
-      "round's sum nobody waits for is not needed: the shard goes on from "
-      "round {}",
-      m.key, m.shard, m.round, sh.version, m.round);
+  // Expected after a restart of the workers (a restore, or a backup that
+  // took a round's version while the old workers' last round finished on
+  // other shards only): not a fault, so said once per key, as information.
+  if (!key.skip_logged) {
+    key.skip_logged = true;
+    MEMBOX_LOG_INFO(
+        "key {}: this job's first pushes are for round {} and shard {} "
+        "holds round {}; no worker of this job waits for the rounds "
+        "between (the job before finished them on other shards only, or "
+        "this node's copy came from a backup that took their versions), "
+        "so the key's shards go on from the job's round",
+        m.key, m.round, m.shard, sh.version);
+  }
   sh.version = m.round;
 }
 
