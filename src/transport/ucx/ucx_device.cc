@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -240,8 +241,12 @@ void UcxWorker::Loop() {
   // microseconds away, short enough not to matter to other processes.
   const auto spin_window = std::chrono::microseconds(50);
   // Arms refused (UCS_ERR_BUSY) in a row with nothing progressed between
-  // them: see below.
+  // them, and since when the arms this loop tried have all been refused
+  // (none held; cleared while a user thread drives the worker): see below.
   uint32_t busy_arms = 0;
+  std::optional<Clock::time_point> refused_since;
+  // Every arm refused for this long: an interface is stuck (below).
+  const auto stuck_after = std::chrono::milliseconds(10);
   while (!stop_.load(std::memory_order_relaxed)) {
     if (ucp_worker_progress(worker_) != 0) {
       last_activity = Clock::now();
@@ -254,6 +259,7 @@ void UcxWorker::Loop() {
     // a core the driver needs): it naps 100 us at a time, stop_fd only,
     // and takes over once the helping stops.
     if (NowNs() - last_help_ns_.load(std::memory_order_relaxed) < 20000) {
+      refused_since.reset();
       pollfd pfd{stop_fd_, POLLIN, 0};
       timespec nap{0, 100000};
       sleeping_.store(true, std::memory_order_release);
@@ -276,14 +282,29 @@ void UcxWorker::Loop() {
       // one the transfer's other end or a copy needs (a 1 GiB failover on
       // 2 cores: this loop in two processes took half the machine). After
       // a few such arms, nap 20 us between them there.
-      if (++busy_arms > 16 && MachineOversubscribed()) {
+      // An interface can also stay busy for good. After kill -9 of a
+      // same-host memory node mid-job, in about half the runs, the
+      // survivor's and the workers' arms were refused for the rest of the
+      // job and their loops went round 150,000-450,000 times a second (a
+      // reading of /proc/loadavg missed the crowded 2-core machine half the
+      // time). UCX's shared-memory interface refuses an arm while its
+      // receive FIFO's head is past what it has read; a peer killed between
+      // taking a slot and writing it leaves it so, which fits. So where every arm has been refused for stuck_after, the loop
+      // naps 50 us between polls whatever the load; a transfer that signals
+      // that long is seen done at most 50 us late.
+      ++busy_arms;
+      const auto now = Clock::now();
+      if (!refused_since) refused_since = now;
+      const bool stuck = now - *refused_since > stuck_after;
+      if (stuck || (busy_arms > 16 && MachineOversubscribed())) {
         pollfd pfd{stop_fd_, POLLIN, 0};
-        timespec nap{0, 20000};
+        timespec nap{0, stuck ? 50000 : 20000};
         (void)ppoll(&pfd, 1, &nap, nullptr);
       }
       continue;
     }
     busy_arms = 0;
+    refused_since.reset();
     epoll_event evs[2];
     sleeping_.store(true, std::memory_order_release);
     int n = epoll_wait(epfd_, evs, 2, 100);
