@@ -289,9 +289,10 @@ void UcxWorker::Loop() {
       // reading of /proc/loadavg missed the crowded 2-core machine half the
       // time). UCX's shared-memory interface refuses an arm while its
       // receive FIFO's head is past what it has read; a peer killed between
-      // taking a slot and writing it leaves it so, which fits. So where every arm has been refused for stuck_after, the loop
-      // naps 50 us between polls whatever the load; a transfer that signals
-      // that long is seen done at most 50 us late.
+      // taking a slot and writing it leaves it so, which fits. So where
+      // every arm has been refused for stuck_after, the loop naps 50 us
+      // between polls whatever the load; a transfer that signals that long
+      // is seen done at most 50 us late.
       ++busy_arms;
       const auto now = Clock::now();
       if (!refused_since) refused_since = now;
