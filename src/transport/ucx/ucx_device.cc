@@ -5,7 +5,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <optional>
 #include <random>
 #include <set>
 
@@ -244,7 +243,8 @@ void UcxWorker::Loop() {
   // them, and since when the arms this loop tried have all been refused
   // (none held; cleared while a user thread drives the worker): see below.
   uint32_t busy_arms = 0;
-  std::optional<Clock::time_point> refused_since;
+  bool refusing = false;
+  Clock::time_point refused_since;
   // Every arm refused for this long: an interface is stuck (below).
   const auto stuck_after = std::chrono::milliseconds(10);
   while (!stop_.load(std::memory_order_relaxed)) {
@@ -259,7 +259,7 @@ void UcxWorker::Loop() {
     // a core the driver needs): it naps 100 us at a time, stop_fd only,
     // and takes over once the helping stops.
     if (NowNs() - last_help_ns_.load(std::memory_order_relaxed) < 20000) {
-      refused_since.reset();
+      refusing = false;
       pollfd pfd{stop_fd_, POLLIN, 0};
       timespec nap{0, 100000};
       sleeping_.store(true, std::memory_order_release);
@@ -295,8 +295,11 @@ void UcxWorker::Loop() {
       // is seen done at most 50 us late.
       ++busy_arms;
       const auto now = Clock::now();
-      if (!refused_since) refused_since = now;
-      const bool stuck = now - *refused_since > stuck_after;
+      if (!refusing) {
+        refusing = true;
+        refused_since = now;
+      }
+      const bool stuck = now - refused_since > stuck_after;
       if (stuck || (busy_arms > 16 && MachineOversubscribed())) {
         pollfd pfd{stop_fd_, POLLIN, 0};
         timespec nap{0, stuck ? 50000 : 20000};
@@ -305,7 +308,7 @@ void UcxWorker::Loop() {
       continue;
     }
     busy_arms = 0;
-    refused_since.reset();
+    refusing = false;
     epoll_event evs[2];
     sleeping_.store(true, std::memory_order_release);
     int n = epoll_wait(epfd_, evs, 2, 100);
