@@ -61,6 +61,7 @@ struct EmbeddingFlags {
   std::string listen = "auto", dir, budget = "1GiB", file_size = "64MiB";
   int flush_interval_ms = 10000;
   std::string push_log = "on";
+  std::string backup, name;
 };
 
 // Half of MemTotal (/proc/meminfo): the default parameter storage limit.
@@ -199,6 +200,12 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
     eo.file_bytes = *efs;
     eo.flush_interval = std::chrono::milliseconds(ef.flush_interval_ms);
     eo.push_log = ef.push_log == "on";
+    if (!ef.backup.empty() && ef.backup != "off") {
+      eo.backup = ef.backup;
+      // The backup files this node's rows under a name that outlives its
+      // address: its place in the job (a replacement takes the same).
+      eo.name = !ef.name.empty() ? ef.name : "node-" + std::to_string(po.rank);
+    }
     no.embedding = eo;
   }
   no.metrics_listen = metrics_listen;
@@ -402,6 +409,17 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
                    "on (default): a push is durable when acknowledged (logged "
                    "and synced before the reply); off: after the next flush")
       ->check(CLI::IsMember({"on", "off"}));
+  serve->add_option(
+      "--emb-backup", eflags.backup,
+      "another node's embedding server (host:port) that keeps a copy of "
+      "every row this one acknowledges; a push is answered once the copy "
+      "is there. A node started with no table of its own in --emb-dir (a "
+      "lost disk) first takes back what its backup holds. off: none "
+      "(`membox launch` and `membox cluster` name the next node by "
+      "default)");
+  serve->add_option("--emb-name", eflags.name,
+                    "how the backup files this node's rows (default: "
+                    "node-<--ps-rank>)");
   serve->add_option("--metrics-listen", metrics_listen,
                     "serve Prometheus metrics at http://HOST:PORT/metrics "
                     "(off by default)");

@@ -79,6 +79,20 @@ class RocksDbStore final : public embedding::SsdStore {
     return FromRocks(db_->Write(w, &b));
   }
 
+  std::vector<uint64_t> Keys() const override {
+    std::vector<uint64_t> keys;
+    std::unique_ptr<rocksdb::Iterator> it(
+        db_->NewIterator(rocksdb::ReadOptions()));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (it->key().size() != 8) continue;
+      uint64_t k = 0;
+      std::memcpy(&k, it->key().data(), 8);
+      keys.push_back(k);
+    }
+    std::sort(keys.begin(), keys.end());  // (stored little-endian)
+    return keys;
+  }
+
   Status Compact() override { return Status::Ok(); }  // RocksDB's own
 
   SsdStats Stats() const override {

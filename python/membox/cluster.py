@@ -96,6 +96,7 @@ def load_topology(path):
         raise ClusterError(f"{path}: {e}")
     known = {"name", "subnet", "workers", "memory", "rate", "delay_ms", "pool",
              "emb_budget", "host", "sync_cores", "ps_replicate",
+             "emb_replicate",
              "ps_read_window", "standby"}
     extra = set(cfg) - known
     if extra:
@@ -153,6 +154,7 @@ def load_topology(path):
             "emb_budget": str(cfg.get("emb_budget", "256MiB")),
             "sync_cores": int(cfg.get("sync_cores", 1)),
             "ps_replicate": bool(cfg.get("ps_replicate", True)),
+            "emb_replicate": bool(cfg.get("emb_replicate", True)),
             "ps_read_window": cfg.get("ps_read_window"),
             "state": os.path.join(STATE_ROOT, name), "source": os.path.abspath(path)}
 
@@ -367,6 +369,15 @@ def _up(topo, log):
     agent = _write_agent(topo)
     mem = memory_hosts(topo)
     peers = [f"{h['ip']}:{PS_PORT}" for h in mem]
+    def emb_backup(h):
+        """The embedding backup of memory host h: the next memory host
+        (its rows are copied there; none with one memory host)."""
+        if len(mem) < 2 or not topo.get("emb_replicate", True) or \
+                h not in mem:
+            return []
+        nxt = mem[(mem.index(h) + 1) % len(mem)]
+        return ["--emb-backup", f"{nxt['ip']}:{EMB_PORT}"]
+
     def serve(h, place, standby=False):
         """Starts host h's `membox serve`; `place`: its proxy's flags."""
         d = os.path.join(st, h["name"])
@@ -379,7 +390,7 @@ def _up(topo, log):
                 "--ps-listen", f"{h['ip']}:{PS_PORT}"] + place + [
                 "--emb-listen", f"{h['ip']}:{EMB_PORT}",
                 "--emb-dir", os.path.join(d, "embedding"),
-                "--emb-budget", topo["emb_budget"]]
+                "--emb-budget", topo["emb_budget"]] + emb_backup(h)
         logf = open(os.path.join(d, "serve.log"), "w")
         p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
                              start_new_session=True)

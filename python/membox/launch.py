@@ -227,6 +227,11 @@ def main(argv=None):
     ap.add_argument("--emb-push-log", choices=("on", "off"), default="on",
                     help="on: an embedding push is durable when acknowledged "
                     "(logged and synced first); off: at the next flush")
+    ap.add_argument("--emb-replicate", choices=("on", "off"), default="on",
+                    help="on (with 2+ nodes): each node's embedding rows are "
+                    "copied to the next node before a push is answered, so "
+                    "a node whose disk is lost takes them back from there "
+                    "(docs/design/embedding.md)")
     ap.add_argument("--node-log-level",
                     default=os.environ.get("MEMBOX_LOG_LEVEL", "warn"),
                     choices=["trace", "debug", "info", "warn", "error", "off"],
@@ -313,6 +318,8 @@ def main(argv=None):
             argv_n += ["--emb-listen", emb_eps[i], "--emb-dir", emb_dir,
                        "--emb-budget", a.emb_budget,
                        "--emb-push-log", a.emb_push_log]
+            if a.nodes > 1 and a.emb_replicate == "on":
+                argv_n += ["--emb-backup", emb_eps[(i + 1) % a.nodes]]
             if a.checkpoint_dir:
                 argv_n += ["--checkpoint-dir", a.checkpoint_dir]
             node_argv.append(list(argv_n))

@@ -331,7 +331,10 @@ class ClientImpl final : public EmbeddingClient {
       no.timer = &timer_;
       no.endpoint = ep;
       no.name = opt_.name;
-      no.client_id = id;
+      // One id per node: a node that backs up another learns that one's
+      // pushes too, numbered apart from its own.
+      no.client_id = id + nodes_.size();
+      if (no.client_id == 0) no.client_id = 1;
       no.timeout = opt_.timeout;
       no.failover = opt_.failover_timeout;
       nodes_.push_back(std::make_unique<Node>(std::move(no)));
@@ -724,7 +727,7 @@ class ClientImpl final : public EmbeddingClient {
     service::Call call = service::Call::Make(static_cast<int>(msgs.size()) + 1);
     auto state = call.state();
     for (auto& [n, m] : msgs) {
-      nodes_[n]->Send(std::move(m), [state](Result<Message> r) {
+      nodes_[n]->Send(std::move(m), [state](const Result<Message>& r) {
         state->Finish(r.status());
       });
     }

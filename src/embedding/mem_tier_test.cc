@@ -103,6 +103,7 @@ class FlakySsd : public SsdStore {
   Status Erase(std::span<const uint64_t> keys) override {
     return real_->Erase(keys);
   }
+  std::vector<uint64_t> Keys() const override { return real_->Keys(); }
   Status Compact() override { return real_->Compact(); }
   SsdStats Stats() const override { return real_->Stats(); }
   uint32_t row_bytes() const override { return real_->row_bytes(); }

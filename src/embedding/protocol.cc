@@ -20,8 +20,9 @@ using wire::Writer;
 constexpr uint8_t kMagic = 'E';
 // 2: pulls and pushes carry sections; 3: inside the service envelope (the
 // request id, method and error travel there); 4: a hello carries the
-// client id and rejoin flag, a push its sequence number (resent pushes).
-constexpr uint8_t kVersion = 4;
+// client id and rejoin flag, a push its sequence number (resent pushes);
+// 5: the nodes' replication (replicate, fetch-replica).
+constexpr uint8_t kVersion = 5;
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed embedding message: ") +
@@ -78,6 +79,43 @@ bool GetSections(Reader& r, bool push, std::vector<Section>* out) {
   return true;
 }
 
+void PutTable(Writer& w, const TableConfig& t) {
+  PutStr(w, t.name);
+  w.U32(t.dim);
+  w.U8(static_cast<uint8_t>(t.optimizer));
+  PutF64(w, t.lr);
+  PutF64(w, t.eps);
+  PutF64(w, t.beta1);
+  PutF64(w, t.beta2);
+  PutF64(w, t.initial_accumulator);
+  w.U64(t.seed);
+  PutF64(w, t.init_scale);
+}
+
+bool GetTable(Reader& r, TableConfig* t) {
+  uint8_t opt = 0;
+  bool ok = GetStr(r, &t->name, kMaxName) && r.U32(&t->dim) && r.U8(&opt) &&
+            opt <= 2 && GetF64(r, &t->lr) && GetF64(r, &t->eps) &&
+            GetF64(r, &t->beta1) && GetF64(r, &t->beta2) &&
+            GetF64(r, &t->initial_accumulator) && r.U64(&t->seed) &&
+            GetF64(r, &t->init_scale);
+  t->optimizer = static_cast<RowOptimizer>(opt);
+  return ok;
+}
+
+// u32 count (<= kMaxApplied, 24 bytes each), then (client, floor, seq).
+bool GetApplied(Reader& r, std::vector<Applied>* out) {
+  uint32_t n = 0;
+  if (!r.U32(&n) || n > kMaxApplied || uint64_t(n) * 24 > r.remaining()) {
+    return false;
+  }
+  out->resize(n);
+  for (Applied& a : *out) {
+    if (!r.U64(&a.client) || !r.U64(&a.floor) || !r.U64(&a.seq)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 const char* TypeName(Type t) {
@@ -98,6 +136,10 @@ const char* TypeName(Type t) {
       return "stats";
     case Type::kReply:
       return "reply";
+    case Type::kReplicate:
+      return "replicate";
+    case Type::kFetchReplica:
+      return "fetch-replica";
   }
   return "?";
 }
@@ -133,16 +175,29 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U8(m.rejoin ? 1 : 0);
       break;
     case Type::kOpenTable:
-      PutStr(w, m.table.name);
-      w.U32(m.table.dim);
-      w.U8(static_cast<uint8_t>(m.table.optimizer));
-      PutF64(w, m.table.lr);
-      PutF64(w, m.table.eps);
-      PutF64(w, m.table.beta1);
-      PutF64(w, m.table.beta2);
-      PutF64(w, m.table.initial_accumulator);
-      w.U64(m.table.seed);
-      PutF64(w, m.table.init_scale);
+      PutTable(w, m.table);
+      break;
+    case Type::kReplicate:
+      PutStr(w, m.name);
+      PutTable(w, m.table);
+      w.U64(m.seq);
+      w.U8(m.rejoin ? 1 : 0);
+      w.U32(static_cast<uint32_t>(m.sections.size()));
+      for (const Section& s : m.sections) {
+        PutKeys(w, s.keys);
+        PutValues(w, s.values);
+      }
+      w.U32(static_cast<uint32_t>(m.applied.size()));
+      for (const Applied& a : m.applied) {
+        w.U64(a.client);
+        w.U64(a.floor);
+        w.U64(a.seq);
+      }
+      break;
+    case Type::kFetchReplica:
+      PutStr(w, m.name);
+      w.U32(m.table_id);
+      w.U64(m.seq);
       break;
     case Type::kPull:
     case Type::kPush:
@@ -178,7 +233,7 @@ std::vector<uint8_t> Encode(const Message& m) {
 }
 
 Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
-  if (type < 1 || type > 8) return Bad("unknown type");
+  if (type < 1 || type > 10) return Bad("unknown type");
   Reader r(in);
   uint8_t magic = 0, version = 0;
   if (!r.U8(&magic) || magic != kMagic) return Bad("bad magic");
@@ -191,17 +246,23 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       ok = GetStr(r, &m.name, kMaxName) && r.U64(&m.client_id) &&
            GetBool(r, &m.rejoin);
       break;
-    case Type::kOpenTable: {
-      uint8_t opt = 0;
-      ok = GetStr(r, &m.table.name, kMaxName) && r.U32(&m.table.dim) &&
-           r.U8(&opt) && opt <= 2 && GetF64(r, &m.table.lr) &&
-           GetF64(r, &m.table.eps) && GetF64(r, &m.table.beta1) &&
-           GetF64(r, &m.table.beta2) &&
-           GetF64(r, &m.table.initial_accumulator) && r.U64(&m.table.seed) &&
-           GetF64(r, &m.table.init_scale);
-      m.table.optimizer = static_cast<RowOptimizer>(opt);
+    case Type::kOpenTable:
+      ok = GetTable(r, &m.table);
+      break;
+    case Type::kReplicate: {
+      uint32_t n = 0;
+      ok = GetStr(r, &m.name, kMaxName) && GetTable(r, &m.table) &&
+           r.U64(&m.seq) && GetBool(r, &m.rejoin) && r.U32(&n) && n <= 1;
+      if (ok && n == 1) {
+        Section& s = m.sections.emplace_back();
+        ok = GetKeys(r, &s.keys) && GetValues(r, &s.values);
+      }
+      ok = ok && GetApplied(r, &m.applied);
       break;
     }
+    case Type::kFetchReplica:
+      ok = GetStr(r, &m.name, kMaxName) && r.U32(&m.table_id) && r.U64(&m.seq);
+      break;
     case Type::kPull:
     case Type::kPush:
       ok =

@@ -31,16 +31,32 @@ enum class Type : uint8_t {
   kFlush = 6,      // make every update durable (SSD tier synced)
   kStats = 7,      // -> reply.text
   kReply = 8,      // an ok reply's body: table_id, values, text
+  // Between memory nodes (the cluster's credential only): a primary's
+  // changed rows for its backup, and a replacement's fetch of them.
+  kReplicate = 9,     // origin (name), table, seq, more (rejoin), one
+                      // section (keys, whole rows), applied
+  kFetchReplica = 10  // origin (name), table_id (index), seq (key offset)
+                      // -> a kReplicate body; table.name "" when done
 };
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;
 constexpr size_t kMaxText = 1 << 16;
 constexpr uint32_t kMaxKeys = 1 << 17;
-constexpr uint32_t kMaxValues = 1 << 18;  // floats; 1 MiB
-constexpr size_t kHeaderSlack = 256;      // fixed fields of a pull/push
-constexpr uint32_t kMaxSections = 256;    // tables in one pull/push
-constexpr size_t kSectionBytes = 24;      // a section's fixed fields, rounded
+constexpr uint32_t kMaxValues = 1 << 18;   // floats; 1 MiB
+constexpr size_t kHeaderSlack = 256;       // fixed fields of a pull/push
+constexpr uint32_t kMaxSections = 256;     // tables in one pull/push
+constexpr size_t kSectionBytes = 24;       // a section's fixed fields, rounded
+constexpr uint32_t kMaxApplied = 1 << 16;  // entries of a kReplicate
+
+// What a node knows of one client's pushes (kReplicate): every push
+// numbered `floor` or less was answered; push `seq` (0: none) was applied.
+struct Applied {
+  uint64_t client = 0;
+  uint64_t floor = 0;
+  uint64_t seq = 0;
+  bool operator==(const Applied&) const = default;
+};
 
 // One table's part of a pull or push: a step's rows of every table travel
 // to a node in one message (seed 004's batched MEM-PS requests).
@@ -54,32 +70,41 @@ struct Section {
 
 struct Message {
   Type type = Type::kStats;
-  // kHello
+  // kHello: the client's name; kReplicate / kFetchReplica: the origin
+  // node's name (whose rows these are).
   std::string name;
   // kHello: the client's random nonzero id (0: pushes are not
   // deduplicated); `rejoin`: this connection replaces one that was lost,
   // so batches it releases may have been pinned by the lost one.
   uint64_t client_id = 0;
+  // kReplicate in a kFetchReplica's reply: more rows of this table follow.
   bool rejoin = false;
   // kPush: the client's sequence number for its pushes to this node, 1, 2,
   // ...: a push resent after a lost link is applied once (0: no check);
   // `floor`: every push numbered floor or less has been answered (the
   // client will not send it again), so the node may forget it.
+  // kFetchReplica, and kReplicate in its reply: `seq` is the offset of the
+  // table's next key.
   uint64_t seq = 0;
   uint64_t floor = 0;
-  // kOpenTable
+  // kOpenTable; kReplicate (the primary's table)
   TableConfig table;
-  // kRelease; kReply to kOpenTable
+  // kRelease; kReply to kOpenTable; kFetchReplica: which of the origin's
+  // tables (0, 1, ...)
   uint32_t table_id = 0;
   // kPull / kPush / kRelease
   uint64_t batch = 0;
   // kPull / kPush: at most kMaxSections, in total at most kMaxKeys keys
-  // and kMaxValues values.
+  // and kMaxValues values. kReplicate: at most one, its values whole rows
+  // (keys x table.row_floats()).
   std::vector<Section> sections;
   // kReply to kPull: the sections' rows, one after another
   std::vector<float> values;
   // kReply to kStats
   std::string text;
+  // kReplicate: clients' pushes the rows' node applied (with the push
+  // whose rows these are; a fetch's last reply: all it knows).
+  std::vector<Applied> applied;
 };
 
 // The body of `m`, after room for the service envelope's header

@@ -72,6 +72,36 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(o->table, open.table);
 
+  Message rep;
+  rep.type = Type::kReplicate;
+  rep.name = "node-1";
+  rep.table = open.table;
+  rep.seq = 9;
+  rep.rejoin = true;
+  rep.sections.push_back({0, false, {4, 5}, {1.f, 2.f, 3.f, 4.f}});
+  rep.applied.push_back({7, 2, 5});
+  auto rd = RoundTrip(rep);
+  ASSERT_TRUE(rd.ok()) << rd.status().ToString();
+  EXPECT_EQ(rd->name, "node-1");
+  EXPECT_EQ(rd->table, rep.table);
+  EXPECT_EQ(rd->seq, 9u);
+  EXPECT_TRUE(rd->rejoin);
+  EXPECT_EQ(rd->sections, rep.sections);
+  EXPECT_EQ(rd->applied, rep.applied);
+  Message two = rep;  // one table's rows per replica message
+  two.sections.push_back(rep.sections[0]);
+  EXPECT_FALSE(RoundTrip(two).ok());
+
+  Message fetch;
+  fetch.type = Type::kFetchReplica;
+  fetch.name = "node-1";
+  fetch.table_id = 3;
+  fetch.seq = 1000;
+  auto fd = RoundTrip(fetch);
+  ASSERT_TRUE(fd.ok()) << fd.status().ToString();
+  EXPECT_EQ(fd->table_id, 3u);
+  EXPECT_EQ(fd->seq, 1000u);
+
   for (Type t : {Type::kHello, Type::kPull, Type::kRelease, Type::kFlush,
                  Type::kStats, Type::kReply}) {
     Message m;

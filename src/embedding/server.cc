@@ -1,7 +1,9 @@
 #include "membox/embedding/server.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -21,16 +23,19 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "membox/base/credential.h"
 #include "membox/base/logging.h"
 #include "membox/base/mutex.h"
 #include "membox/embedding/mem_tier.h"
 #include "membox/embedding/ssd_store.h"
 #include "membox/embedding/table.h"
+#include "membox/service/client.h"
 #include "membox/service/server.h"
 #include "membox/transport/device.h"
 
 #include "src/embedding/protocol.h"
 #include "src/embedding/push_log.h"
+#include "src/embedding/replicator.h"
 
 namespace membox::embedding {
 namespace {
@@ -84,8 +89,25 @@ Result<TableConfig> ParseTableFile(const std::string& text) {
   return c;
 }
 
+// Rows a node keeps for another (its backup's copy) live in tables named
+// <table>@@replica-<origin>: no client can open such a name ('@' is
+// refused in names, and principals hold none), and no client reaches
+// them.
+constexpr const char* kReplicaInfix = "@@replica-";
+
+Status ValidateOrigin(const std::string& origin) {
+  return ValidatePrincipalName(origin).ok()
+             ? Status::Ok()
+             : InvalidArgumentError("bad node name '" + origin.substr(0, 80) +
+                                    "' (1-64 of A-Z a-z 0-9 _ . -)");
+}
+
 struct Table {
   uint32_t id = 0;
+  // A copy kept for another node (`origin`), under <name>@@replica-<origin>:
+  // filled by its kReplicate messages, read by its restore.
+  bool replica = false;
+  std::string origin;
   TableConfig config;
   std::string dir;
   std::unique_ptr<SsdStore> ssd;
@@ -118,6 +140,10 @@ struct Conn {
   std::string name;
   uint64_t client_id = 0;  // the hello's; 0: pushes are not deduplicated
   bool rejoin = false;     // replaces a lost link: its pins died with it
+  // A restore under way from this connection: the keys of the replica
+  // table it reads (fixed when its first chunk is read).
+  uint32_t fetch_table = UINT32_MAX;
+  std::vector<uint64_t> fetch_keys;
   // (table, client batch) -> the memory tier's batch tag
   std::map<std::pair<uint32_t, uint64_t>, uint64_t> batches;
 };
@@ -144,12 +170,19 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     if (ec) {
       return InternalError("cannot create " + opt_.dir + ": " + ec.message());
     }
+    if (!opt_.backup.empty()) RETURN_IF_ERROR(ValidateOrigin(opt_.name));
+    // No table of its own here: a fresh job, or a node whose disk was
+    // lost. Either way the backup says what it holds for this node.
+    const bool restore = !opt_.backup.empty() && !HasOwnTables();
     if (opt_.push_log) {
       // Pushes acknowledged before a crash are in the log: into the SSD
       // tiers with them before anyone can pull.
       RETURN_IF_ERROR(ReplayPushLog());
       RETURN_IF_ERROR(StartPushLog());
     }
+    // Copies kept for other nodes: ready for their restore at once.
+    RETURN_IF_ERROR(OpenReplicaTables());
+    restoring_ = restore;
     service::ServerOptions so;
     so.device.listen_address = opt_.listen;
     so.device.transports = opt_.transports;
@@ -176,6 +209,23 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       return serving;
     }
     endpoint_ = server_->endpoint();
+    if (!opt_.backup.empty()) {
+      ReplicatorOptions ro;
+      ro.backup = opt_.backup;
+      ro.origin = opt_.name;
+      ro.secret = opt_.secret;
+      ro.transports = opt_.transports;
+      // After every connection the backup gets every row again: it may
+      // have missed pushes while it was away, or be a new node.
+      ro.on_connected = [this] { server_->Post([this] { ResyncAll(); }); };
+      auto r = Replicator::Start(std::move(ro));
+      if (!r.ok()) {
+        Stop();
+        return r.status();
+      }
+      replicator_ = std::move(*r);
+    }
+    if (restore) restorer_ = std::thread([this] { Restore(); });
     if (opt_.flush_interval.count() > 0) {
       server_->Every(opt_.flush_interval, [this] {
         Status s = FlushAll();
@@ -204,6 +254,11 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     s.log_bytes = log_bytes_.load();
     s.log_sync_seconds = log_sync_ns_.load() * 1e-9;
     s.log_syncs = log_syncs_.load();
+    s.replicated_pushes = replicated_pushes_.load();
+    s.resynced_rows = resynced_rows_.load();
+    s.replica_rows = replica_rows_.load();
+    s.restored_rows = restored_rows_.load();
+    s.backup_connected = replicator_ && replicator_->connected();
     return s;
   }
 
@@ -283,6 +338,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   void Stop() override {
     if (!server_ || stopped_) return;
     stopped_ = true;
+    stopping_ = true;
+    if (restorer_.joinable()) restorer_.join();
+    // Its replies post to the event loop: gone before the loop is.
+    replicator_.reset();
     // Ends the event loop (tasks posted before, e.g. a Flush(), still run)
     // and closes every connection.
     server_->Stop();
@@ -296,6 +355,21 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   }
 
  private:
+  // A push answered once the log is synced (or a flush made its rows
+  // durable in the SSD tiers) and the backup took its rows: `waiting`
+  // counts what is still to come. Event loop only.
+  struct UnsyncedAck {
+    service::ConnectionId conn;
+    uint16_t method;
+    uint64_t id;
+    std::vector<uint8_t> body;
+  };
+  struct PendingAck {
+    UnsyncedAck reply;
+    int waiting = 0;
+    Status status;  // the first failure: the push is not acknowledged
+  };
+
   void StopCompactor() {
     {
       MutexLock l(&compact_mu_);
@@ -321,6 +395,12 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       return;
     }
     Message& m = *d;
+    if (restoring_ && HeldWhileRestoring(m.type)) {
+      // A client's table work waits for the rows the backup holds.
+      held_.push_back({r.conn, r.method, r.id, r.notice,
+                       std::vector<uint8_t>(r.body.begin(), r.body.end())});
+      return;
+    }
     Message reply;
     reply.type = Type::kReply;
     Conn& c = conns_[r.conn];
@@ -366,17 +446,36 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         s = Pull(c, m, &reply.values);
         break;
       case Type::kPush:
-        s = Push(c, m);
-        if (s.ok() && log_) {
+      case Type::kReplicate: {
+        std::vector<Message> copies;  // for the backup
+        s = m.type == Type::kPush ? Push(c, m, &copies) : Replicate(c, m);
+        if (s.ok() && (log_ || !copies.empty())) {
           // (A duplicate too: its original may still wait for the sync.)
-          // Answered once the log is synced: one fdatasync for every push
-          // queued before the sync task runs (group commit).
-          unsynced_.push_back({r.conn, r.method, r.id, proto::Encode(reply)});
-          if (!sync_posted_) {
-            sync_posted_ = server_->Post([this] { SyncPushLog(); });
+          // Answered once the log is synced -- one fdatasync for every
+          // push queued before the sync task runs (group commit) -- and
+          // the backup has its rows.
+          auto ack = std::make_shared<PendingAck>();
+          ack->reply = {r.conn, r.method, r.id, proto::Encode(reply)};
+          if (log_) {
+            ack->waiting++;
+            unsynced_.push_back(ack);
+            if (!sync_posted_) {
+              sync_posted_ = server_->Post([this] { SyncPushLog(); });
+            }
+          }
+          ack->waiting += static_cast<int>(copies.size());
+          if (!copies.empty()) replicated_pushes_++;
+          for (Message& copy : copies) {
+            replicator_->Send(std::move(copy), [this, ack](const Status& st) {
+              server_->Post([this, ack, st] { CopyDone(ack, st); });
+            });
           }
           return;
         }
+        break;
+      }
+      case Type::kFetchReplica:
+        s = FetchReplica(c, m, &reply);
         break;
       case Type::kRelease:
         s = ReleaseBatch(c, m.table_id, m.batch);
@@ -430,6 +529,79 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       *id = t->id;
       return Status::Ok();
     }
+    ASSIGN_OR_RETURN(Table * t, NewTable(c));
+    *id = t->id;
+    // The backup gets the rows this table already has.
+    Resync(t->id);
+    return Status::Ok();
+  }
+
+  // The copy this node keeps of `origin`'s table `c`, opened (created)
+  // on first use; its row layout must stay what it was.
+  Result<Table*> OpenReplica(const std::string& origin, const TableConfig& c) {
+    const std::string name = c.name + kReplicaInfix + origin;
+    for (auto& t : tables_) {
+      if (t->config.name != name) continue;
+      if (t->config.dim != c.dim || t->config.optimizer != c.optimizer) {
+        return FailedPreconditionError(
+            "node " + origin + "'s table '" + c.name +
+            "' changed its row layout; this node's copy has dim " +
+            std::to_string(t->config.dim) + ", " +
+            RowOptimizerName(t->config.optimizer));
+      }
+      return t.get();
+    }
+    TableConfig rc = c;
+    rc.name = name;
+    ASSIGN_OR_RETURN(Table * t, NewTable(rc));
+    t->replica = true;
+    t->origin = origin;
+    return t;
+  }
+
+  // Whether `dir` holds a table of this node's own (not a copy for another).
+  bool HasOwnTables() const {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(opt_.dir, ec)) {
+      const std::string n = e.path().filename().string();
+      if (n.find(kReplicaInfix) == std::string::npos &&
+          std::filesystem::exists(e.path() / "TABLE", ec)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // The copies this node keeps for others, from a run before: open, so
+  // that a restore finds them before their node sends anything.
+  Status OpenReplicaTables() {
+    std::error_code ec;
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(opt_.dir, ec)) {
+      const std::string n = e.path().filename().string();
+      if (n.find(kReplicaInfix) != std::string::npos) names.push_back(n);
+    }
+    std::sort(names.begin(), names.end());
+    for (const std::string& n : names) {
+      std::ifstream in(opt_.dir + "/" + n + "/TABLE");
+      std::stringstream text;
+      text << in.rdbuf();
+      auto cfg = ParseTableFile(text.str());
+      const size_t at = n.find(kReplicaInfix);
+      const std::string origin = n.substr(at + std::strlen(kReplicaInfix));
+      if (!in || !cfg.ok() || !ValidateOrigin(origin).ok()) {
+        MEMBOX_LOG_WARN("{}/{}: not a replica table; left alone", opt_.dir, n);
+        continue;
+      }
+      cfg->name = n.substr(0, at);
+      RETURN_IF_ERROR(OpenReplica(origin, *cfg).status());
+    }
+    return Status::Ok();
+  }
+
+  // A table's memory and SSD tiers, in <dir>/<name> (whose TABLE file
+  // must agree with `c`'s row layout).
+  Result<Table*> NewTable(const TableConfig& c) {
     if (tables_.size() >= opt_.max_tables) {
       return ResourceExhaustedError("too many tables (" +
                                     std::to_string(opt_.max_tables) + ")");
@@ -473,10 +645,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         c.name, c.dim, RowOptimizerName(c.optimizer), t->dir, t->recovery.keys,
         t->recovery.files, t->recovery.corrupt_records,
         t->recovery.torn_tail_bytes);
-    *id = t->id;
     tables_.push_back(std::move(t));
     n_tables_ = tables_.size();
-    return Status::Ok();
+    return tables_.back().get();
   }
 
   // What a credential's tables make this node hold: each table's memory
@@ -514,6 +685,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // The one rule of table ownership: the cluster reaches every table, a
   // credential the tables of its namespace ("name@principal").
   static bool Reaches(const Principal& who, const Table& t) {
+    if (t.replica) return false;  // the nodes' own business
     if (who.cluster) return true;
     const std::string tail = "@" + who.name;
     const std::string& n = t.config.name;
@@ -589,7 +761,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // Every section is validated (table, sizes, finite gradients, a release
   // that names a pinned batch) before any row changes, so a bad push
   // changes nothing.
-  Status Push(Conn& c, const Message& m) {
+  // `copies`: the kReplicate messages that carry the changed rows to the
+  // backup (none without one, or while it is away).
+  Status Push(Conn& c, const Message& m, std::vector<Message>* copies) {
     if (!c.principal.cluster && ++c.pushes_since_check >= 64) {
       // New rows land on the SSD tier over time: every 64th push of a
       // credential checks what its tables hold.
@@ -641,6 +815,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       }
       tables.push_back(t);
     }
+    const bool copy = replicator_ && replicator_->connected();
     PushLogRecord logged;
     for (size_t k = 0; k < m.sections.size(); ++k) {
       const proto::Section& s = m.sections[k];
@@ -649,7 +824,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       const uint32_t rf = t->config.row_floats();
       const uint32_t rb = t->config.row_bytes();
       PushLogSection* ls = nullptr;
-      if (log_) {
+      if (log_ || copy) {
         ls = &logged.sections.emplace_back();
         ls->table = t->config.name;
         ls->row_bytes = rb;
@@ -678,6 +853,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       a.above.insert(m.seq);
       logged.applied.push_back({c.client_id, a.floor, m.seq});
     }
+    if (copy) *copies = CopiesOf(logged, tables);
     if (log_) {
       // The reply is the acknowledgement: the new rows are written to the
       // log now and synced (with the other pushes queued meanwhile) before
@@ -699,6 +875,439 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       }
     }
     return Status::Ok();
+  }
+
+  // The kReplicate messages of one push's changed rows (`logged`, whose
+  // sections are `tables`' in order): one per section, the applied push
+  // with the last.
+  std::vector<Message> CopiesOf(const PushLogRecord& logged,
+                                const std::vector<Table*>& tables) const {
+    std::vector<Message> out;
+    for (size_t k = 0; k < logged.sections.size(); ++k) {
+      const PushLogSection& ls = logged.sections[k];
+      Message& r = out.emplace_back();
+      r.type = Type::kReplicate;
+      r.name = opt_.name;
+      r.table = tables[k]->config;
+      proto::Section& sec = r.sections.emplace_back();
+      sec.keys = ls.keys;
+      sec.values.resize(ls.rows.size() / 4);
+      std::memcpy(sec.values.data(), ls.rows.data(), ls.rows.size());
+    }
+    if (out.empty() && !logged.applied.empty()) {
+      // A push of no rows (a release alone) still numbers a push.
+      Message& r = out.emplace_back();
+      r.type = Type::kReplicate;
+      r.name = opt_.name;
+      r.table = tables.empty() ? TableConfig{} : tables[0]->config;
+    }
+    if (!out.empty()) {
+      for (const PushLogApplied& a : logged.applied) {
+        out.back().applied.push_back({a.client, a.floor, a.seq});
+      }
+    }
+    return out;
+  }
+
+  // One copy the backup has taken (or could not take: the push is durable
+  // here; the backup gets every row again when it is back).
+  void CopyDone(const std::shared_ptr<PendingAck>& ack, const Status& st) {
+    if (!st.ok() && st.code() != StatusCode::kUnavailable &&
+        st.code() != StatusCode::kAborted) {
+      MEMBOX_LOG_ERROR("backup {} refused this node's rows: {}",
+                       replicator_ ? replicator_->backup() : std::string(),
+                       st.ToString());
+    }
+    Settle(ack, Status::Ok());
+  }
+
+  // A push's rows from the node whose backup this is (`m.name`): the
+  // rows replace what its replica table holds (whole rows: value and
+  // optimizer state), and the pushes it applied are remembered as if
+  // applied here, so that its clients' resends are recognised after a
+  // restore. Logged like a push. Only the cluster's credential (a memory
+  // node) may send them.
+  Status Replicate(Conn& c, const Message& m) {
+    if (!c.principal.cluster) {
+      return PermissionDeniedError(
+          "only memory nodes send replicas (this credential is " +
+          c.principal.name + "'s)");
+    }
+    RETURN_IF_ERROR(ValidateOrigin(m.name));
+    for (const proto::Applied& a : m.applied) {
+      if (a.client == 0 || (a.seq != 0 && a.seq <= a.floor)) {
+        return InvalidArgumentError("replica names a malformed push");
+      }
+    }
+    PushLogRecord logged;
+    if (!m.sections.empty()) {
+      RETURN_IF_ERROR(ValidateTableConfig(m.table));
+      ASSIGN_OR_RETURN(Table * t, OpenReplica(m.name, m.table));
+      const proto::Section& s = m.sections[0];
+      const uint32_t rf = t->config.row_floats();
+      const uint32_t rb = t->config.row_bytes();
+      if (s.values.size() != s.keys.size() * size_t(rf)) {
+        return InvalidArgumentError(
+            "replica of table " + m.table.name + " carries " +
+            std::to_string(s.values.size()) + " values for " +
+            std::to_string(s.keys.size()) + " rows of " + std::to_string(rf));
+      }
+      for (float v : s.values) {
+        if (!std::isfinite(v)) {
+          return InvalidArgumentError("replica carries a non-finite value");
+        }
+      }
+      RETURN_IF_ERROR(t->mem->ForEachRow(
+          s.keys,
+          [&](size_t i, uint8_t* row) {
+            std::memcpy(row, s.values.data() + i * rf, rb);
+          },
+          /*changes=*/true));
+      replica_rows_ += s.keys.size();
+      if (log_) {
+        PushLogSection& ls = logged.sections.emplace_back();
+        ls.table = t->config.name;
+        ls.row_bytes = rb;
+        ls.keys = s.keys;
+        ls.rows.resize(s.values.size() * 4);
+        std::memcpy(ls.rows.data(), s.values.data(), ls.rows.size());
+      }
+    }
+    for (const proto::Applied& a : m.applied) {
+      ClientPushes& cp = applied_[a.client];
+      cp.Forget(a.floor);
+      if (a.seq > cp.floor) cp.above.insert(a.seq);
+      logged.applied.push_back({a.client, a.floor, a.seq});
+    }
+    if (log_ && (!logged.sections.empty() || !logged.applied.empty())) {
+      RETURN_IF_ERROR(log_->Write(logged));
+      log_appends_.store(log_->appends());
+      log_bytes_.store(log_->bytes());
+    }
+    return Status::Ok();
+  }
+
+  // A restore's read of what this node keeps for `m.name`: its replica
+  // table number m.table_id from key offset m.seq, at most one message's
+  // rows, as a kReplicate (`more` while rows follow); past the last table,
+  // a kReplicate with no table name and every client push this node knows
+  // of (its resends are then recognised by the restored node).
+  Status FetchReplica(Conn& c, const Message& m, Message* out) {
+    if (!c.principal.cluster) {
+      return PermissionDeniedError(
+          "only memory nodes read replicas (this credential is " +
+          c.principal.name + "'s)");
+    }
+    RETURN_IF_ERROR(ValidateOrigin(m.name));
+    out->type = Type::kReplicate;
+    out->name = m.name;
+    std::vector<Table*> of;
+    for (auto& t : tables_) {
+      if (t->replica && t->origin == m.name) of.push_back(t.get());
+    }
+    if (m.table_id >= of.size()) {
+      out->table.name.clear();
+      // (A handful per client; a reply holds 16384, 384 KiB.)
+      for (const auto& [client, cp] : applied_) {
+        if (out->applied.size() + 1 + cp.above.size() > 16384) {
+          MEMBOX_LOG_WARN(
+              "restore of {}: more client pushes than one reply holds; the "
+              "rest are not sent (a resend of one of them would apply twice)",
+              m.name);
+          break;
+        }
+        out->applied.push_back({client, cp.floor, 0});
+        for (uint64_t seq : cp.above) {
+          out->applied.push_back({client, cp.floor, seq});
+        }
+      }
+      return Status::Ok();
+    }
+    Table* t = of[m.table_id];
+    if (m.seq == 0 || c.fetch_table != t->id) {
+      // Every row in memory to the SSD tier, whose keys are then all.
+      RETURN_IF_ERROR(t->mem->Flush());
+      c.fetch_keys = t->ssd->Keys();
+      c.fetch_table = t->id;
+    }
+    if (m.seq > c.fetch_keys.size()) {
+      return InvalidArgumentError("fetch past the replica's last row");
+    }
+    const uint32_t rf = t->config.row_floats();
+    const size_t n = std::min<size_t>(proto::MaxKeysPerMessage(rf),
+                                      c.fetch_keys.size() - m.seq);
+    proto::Section& sec = out->sections.emplace_back();
+    sec.keys.assign(c.fetch_keys.begin() + m.seq,
+                    c.fetch_keys.begin() + m.seq + n);
+    sec.values.resize(n * rf);
+    RETURN_IF_ERROR(t->mem->ForEachRow(
+        sec.keys,
+        [&](size_t i, uint8_t* row) {
+          std::memcpy(sec.values.data() + i * rf, row, rf * 4);
+        },
+        /*changes=*/false));
+    out->table = t->config;
+    out->table.name =
+        t->config.name.substr(0, t->config.name.find(kReplicaInfix));
+    out->seq = m.seq + n;
+    out->rejoin = out->seq < c.fetch_keys.size();
+    return Status::Ok();
+  }
+
+  // ------------------------------------------------------- replication
+
+  // After each connection to the backup: every table of this node's own
+  // goes there again, whole (docs/design/embedding.md). Event loop.
+  void ResyncAll() {
+    resync_.clear();
+    resync_keys_.clear();
+    resync_offset_ = 0;
+    ++resync_generation_;
+    resync_busy_ = false;
+    for (auto& t : tables_) {
+      if (!t->replica) resync_.push_back(t->id);
+    }
+    if (!resync_.empty()) {
+      resync_started_ = Clock::now();
+      resync_sent_ = 0;
+    }
+    ResyncNext(resync_generation_);
+  }
+
+  // Queues one table's rows for the backup (a table opened while it is
+  // connected). Event loop.
+  void Resync(uint32_t table) {
+    if (!replicator_ || !replicator_->connected()) return;  // ResyncAll
+    if (std::find(resync_.begin(), resync_.end(), table) != resync_.end()) {
+      return;
+    }
+    if (resync_.empty()) {
+      resync_started_ = Clock::now();
+      resync_sent_ = 0;
+    }
+    resync_.push_back(table);
+    if (!resync_busy_) ResyncNext(resync_generation_);
+  }
+
+  // Sends the next chunk of the table at the head of resync_ -- its rows
+  // as they are now, read through the memory tier, so a push after it
+  // follows it to the backup -- and continues when the backup has it.
+  // One chunk in flight: pushes interleave with the resync.
+  void ResyncNext(uint64_t generation) {
+    if (generation != resync_generation_ || stopped_) return;
+    resync_busy_ = false;
+    while (!resync_.empty()) {
+      Table* t = tables_[resync_.front()].get();
+      if (resync_offset_ == 0 && resync_keys_.empty()) {
+        Status st = t->mem->Flush();  // every row in the SSD tier's keys
+        if (!st.ok()) {
+          MEMBOX_LOG_ERROR("resync of {}: {}", t->config.name, st.ToString());
+          resync_.pop_front();
+          continue;
+        }
+        resync_keys_ = t->ssd->Keys();
+      }
+      if (resync_offset_ >= resync_keys_.size()) {
+        resync_.pop_front();
+        resync_keys_.clear();
+        resync_offset_ = 0;
+        continue;
+      }
+      const uint32_t rf = t->config.row_floats();
+      const size_t n = std::min<size_t>(proto::MaxKeysPerMessage(rf),
+                                        resync_keys_.size() - resync_offset_);
+      Message m;
+      m.type = Type::kReplicate;
+      m.name = opt_.name;
+      m.table = t->config;
+      proto::Section& sec = m.sections.emplace_back();
+      sec.keys.assign(resync_keys_.begin() + resync_offset_,
+                      resync_keys_.begin() + resync_offset_ + n);
+      sec.values.resize(n * rf);
+      Status st = t->mem->ForEachRow(
+          sec.keys,
+          [&](size_t i, uint8_t* row) {
+            std::memcpy(sec.values.data() + i * rf, row, rf * 4);
+          },
+          /*changes=*/false);
+      if (!st.ok()) {
+        MEMBOX_LOG_ERROR("resync of {}: {}", t->config.name, st.ToString());
+        resync_.pop_front();
+        resync_keys_.clear();
+        resync_offset_ = 0;
+        continue;
+      }
+      resync_offset_ += n;
+      resync_sent_ += n;
+      resynced_rows_ += n;
+      resync_busy_ = true;
+      replicator_->Send(std::move(m), [this, generation](const Status& s) {
+        // A lost backup ends this resync: the next connection starts
+        // another.
+        if (!s.ok()) return;
+        server_->Post([this, generation] { ResyncNext(generation); });
+      });
+      return;
+    }
+    if (resync_sent_ > 0) {
+      MEMBOX_LOG_INFO(
+          "backup {} holds every row of this node again ({} rows sent in "
+          "{:.2f} s)",
+          replicator_->backup(), resync_sent_,
+          std::chrono::duration<double>(Clock::now() - resync_started_)
+              .count());
+      resync_sent_ = 0;
+    }
+  }
+
+  // A client's table work while the restore runs: held, then handled in
+  // order (FinishRestore). Hellos, stats and the nodes' own messages go on.
+  static bool HeldWhileRestoring(Type t) {
+    return t == Type::kOpenTable || t == Type::kPull || t == Type::kPush ||
+           t == Type::kRelease || t == Type::kFlush;
+  }
+
+  // The restore thread: this node started with no table of its own, so it
+  // takes what its backup holds for it -- every row its clients' pushes
+  // left there, and which of their pushes were applied -- into the SSD
+  // tiers of <dir>, before any client's table work is handled. A backup
+  // that holds nothing (a fresh job) ends it at once; one that does not
+  // answer within restore_timeout leaves the node empty, with a warning.
+  void Restore() {
+    const auto started = Clock::now();
+    const auto deadline = started + opt_.restore_timeout;
+    std::vector<proto::Applied> applied;
+    uint64_t rows = 0;
+    size_t tables = 0;
+    Status st = UnavailableError("not tried");
+    while (!stopping_ && Clock::now() < deadline) {
+      st = RestoreOnce(&applied, &rows, &tables);
+      if (st.ok() || st.code() != StatusCode::kUnavailable) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    const double secs =
+        std::chrono::duration<double>(Clock::now() - started).count();
+    if (!st.ok()) {
+      MEMBOX_LOG_WARN(
+          "restore from backup {}: {}; this node starts with what its "
+          "directory holds (nothing of its own)",
+          opt_.backup, st.ToString());
+      applied.clear();
+    } else if (rows > 0 || !applied.empty()) {
+      MEMBOX_LOG_INFO(
+          "restored {} rows of {} tables from backup {} in {:.2f} s (this "
+          "node's directory held none of its own)",
+          rows, tables, opt_.backup, secs);
+    }
+    restored_rows_ = st.ok() ? rows : 0;
+    server_->Post(
+        [this, applied = std::move(applied)] { FinishRestore(applied); });
+  }
+
+  // One try: connect to the backup, read everything it holds for this
+  // node, write it to the SSD tiers and sync them.
+  Status RestoreOnce(std::vector<proto::Applied>* applied, uint64_t* rows,
+                     size_t* tables) {
+    transport::DeviceOptions d;
+    d.transports = opt_.transports;
+    d.secret = opt_.secret;
+    d.name = "membox-embedding-restore-" + opt_.name;
+    d.connect_timeout = std::chrono::seconds(5);
+    ASSIGN_OR_RETURN(auto device, transport::Device::Create(d));
+    ASSIGN_OR_RETURN(auto ch, device->GetChannel(opt_.backup));
+    service::ClientOptions co;
+    co.node_kind = "backup embedding node";
+    auto client = service::Client::Over(ch, opt_.backup, co);
+    auto call = [&](const Message& m, Type reply_type) {
+      return client->CallDecoded<Message>(
+          static_cast<uint16_t>(m.type), proto::Encode(m),
+          [reply_type](std::span<const uint8_t> b) {
+            return proto::Decode(static_cast<uint16_t>(reply_type), b);
+          },
+          std::chrono::seconds(60));
+    };
+    Message hello;
+    hello.type = Type::kHello;
+    hello.name = "embedding node " + opt_.name + " (restoring)";
+    RETURN_IF_ERROR(call(hello, Type::kReply).status());
+    std::map<std::string, std::unique_ptr<SsdStore>> stores;
+    *rows = 0;
+    Message f;
+    f.type = Type::kFetchReplica;
+    f.name = opt_.name;
+    for (;;) {
+      if (stopping_) return AbortedError("stopping");
+      ASSIGN_OR_RETURN(Message r, call(f, Type::kReplicate));
+      if (r.table.name.empty()) {
+        *applied = std::move(r.applied);
+        break;
+      }
+      RETURN_IF_ERROR(ValidateTableConfig(r.table));  // no '@@' either
+      auto it = stores.find(r.table.name);
+      if (it == stores.end()) {
+        const std::string dir = opt_.dir + "/" + r.table.name;
+        if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+          return InternalError("mkdir " + dir + ": " + strerror(errno));
+        }
+        RETURN_IF_ERROR(
+            WriteFileAtomically(dir, "TABLE", TableFileText(r.table)));
+        SsdOptions so;
+        so.dir = dir;
+        so.row_bytes = r.table.row_bytes();
+        so.file_bytes = opt_.file_bytes;
+        ASSIGN_OR_RETURN(auto store, SsdStore::Open(so));
+        it = stores.emplace(r.table.name, std::move(store)).first;
+      }
+      const uint32_t rf = r.table.row_floats();
+      if (r.sections.size() != 1 ||
+          r.sections[0].values.size() != r.sections[0].keys.size() * rf ||
+          r.seq != f.seq + r.sections[0].keys.size()) {
+        return DataLossError("backup " + opt_.backup +
+                             " sent a malformed part of table " + r.table.name);
+      }
+      const auto& sec = r.sections[0];
+      RETURN_IF_ERROR(it->second->Put(
+          sec.keys, {reinterpret_cast<const uint8_t*>(sec.values.data()),
+                     sec.values.size() * 4}));
+      *rows += sec.keys.size();
+      if (r.rejoin) {
+        f.seq = r.seq;
+      } else {
+        f.table_id++;
+        f.seq = 0;
+      }
+    }
+    for (auto& [name, store] : stores) RETURN_IF_ERROR(store->Sync());
+    *tables = stores.size();
+    return Status::Ok();
+  }
+
+  // Event loop, after the restore: its clients' pushes are known as
+  // applied, and the held requests are handled in arrival order.
+  void FinishRestore(const std::vector<proto::Applied>& applied) {
+    for (const proto::Applied& a : applied) {
+      ClientPushes& cp = applied_[a.client];
+      cp.Forget(a.floor);
+      if (a.seq > cp.floor) cp.above.insert(a.seq);
+    }
+    if (log_ && !applied.empty()) {
+      PushLogRecord known = AppliedRecord();
+      Status st = log_->Truncate(&known);
+      if (!st.ok()) MEMBOX_LOG_ERROR("push log: {}", st.ToString());
+    }
+    restoring_ = false;
+    std::vector<HeldRequest> held = std::move(held_);
+    held_.clear();
+    for (HeldRequest& h : held) {
+      if (!conns_.count(h.conn)) continue;  // gone meanwhile
+      service::Request r;
+      r.conn = h.conn;
+      r.method = h.method;
+      r.id = h.id;
+      r.notice = h.notice;
+      r.body = h.body;
+      OnRequest(r);
+    }
   }
 
   Status ReleaseBatch(Conn& c, uint32_t table, uint64_t batch) {
@@ -776,6 +1385,20 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
                      std::to_string(log_bytes_.load())
                : std::string("off"))
       << "\n";
+    if (who.cluster) {
+      o << "backup "
+        << (replicator_ ? replicator_->backup() + (replicator_->connected()
+                                                       ? " connected"
+                                                       : " not connected")
+                        : std::string("none"))
+        << " replicated_pushes " << replicated_pushes_.load()
+        << " resynced_rows " << resynced_rows_.load() << " restored_rows "
+        << restored_rows_.load() << "\nreplica_rows " << replica_rows_.load();
+      for (auto& t : tables_) {
+        if (t->replica) o << " " << t->config.name;
+      }
+      o << "\n";
+    }
     for (auto& t : tables_) {
       if (!Reaches(who, *t)) continue;
       MemTierStats ms = t->mem->Stats();
@@ -795,14 +1418,18 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     return o.str();
   }
 
-  // A push answered once the log is synced (or a flush made its rows
-  // durable in the SSD tiers).
-  struct UnsyncedAck {
-    service::ConnectionId conn;
-    uint16_t method;
-    uint64_t id;
-    std::vector<uint8_t> body;
-  };
+  void Settle(const std::shared_ptr<PendingAck>& a, const Status& st) {
+    if (!st.ok() && a->status.ok()) a->status = st;
+    if (--a->waiting > 0) return;
+    if (a->status.ok()) {
+      server_->Reply(a->reply.conn, a->reply.method, a->reply.id, a->status,
+                     std::move(a->reply.body));
+    } else {
+      rejected_++;
+      server_->Reply(a->reply.conn, a->reply.method, a->reply.id, a->status,
+                     {});
+    }
+  }
 
   std::string PushLogPath() const { return opt_.dir + "/PUSHLOG"; }
 
@@ -855,7 +1482,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
 
   void SyncLoop() {
     for (;;) {
-      std::vector<UnsyncedAck> batch;
+      std::vector<std::shared_ptr<PendingAck>> batch;
       {
         MutexLock l(&sync_mu_);
         while (!sync_stop_ && to_sync_.empty()) sync_cv_.Wait(&sync_mu_);
@@ -867,8 +1494,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       log_sync_ns_.store(static_cast<uint64_t>(log_->sync_seconds() * 1e9));
       log_syncs_.store(log_->syncs());
       if (!st.ok()) MEMBOX_LOG_ERROR("push log: {}", st.ToString());
-      auto answers =
-          std::make_shared<std::vector<UnsyncedAck>>(std::move(batch));
+      auto answers = std::make_shared<std::vector<std::shared_ptr<PendingAck>>>(
+          std::move(batch));
       // Answered on the loop (a stopped loop drops them: the connections
       // are closing, and the final flush makes the rows durable anyway).
       server_->Post([this, answers, st] { Answer(*answers, st); });
@@ -884,21 +1511,15 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     if (syncer_.joinable()) syncer_.join();
   }
 
-  void Answer(std::vector<UnsyncedAck>& acks, const Status& synced) {
+  void Answer(std::vector<std::shared_ptr<PendingAck>>& acks,
+              const Status& synced) {
     Status st = synced.ok()
                     ? synced
                     : UnavailableError(
                           "the push was applied in memory but could "
                           "not be made durable (" +
                           synced.ToString() + "); it is not acknowledged");
-    for (auto& a : acks) {
-      if (st.ok()) {
-        server_->Reply(a.conn, a.method, a.id, st, std::move(a.body));
-      } else {
-        rejected_++;
-        server_->Reply(a.conn, a.method, a.id, st, {});
-      }
-    }
+    for (auto& a : acks) Settle(a, st);
     acks.clear();
   }
 
@@ -963,14 +1584,36 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
 
   EmbeddingServerOptions opt_;
   std::unique_ptr<PushLog> log_;  // event loop (Init before it starts)
+  // Replication (event loop, but for the replicator's own threads).
+  std::unique_ptr<Replicator> replicator_;  // null without a backup
+  std::deque<uint32_t> resync_;             // tables still to send whole
+  std::vector<uint64_t> resync_keys_;       // of resync_.front()
+  size_t resync_offset_ = 0;
+  uint64_t resync_generation_ = 0;
+  bool resync_busy_ = false;  // a chunk is with the backup
+  Clock::time_point resync_started_;
+  uint64_t resync_sent_ = 0;
+  // The restore (Init's thread, then its own; held_ on the event loop).
+  struct HeldRequest {
+    service::ConnectionId conn;
+    uint16_t method;
+    uint64_t id;
+    bool notice;
+    std::vector<uint8_t> body;
+  };
+  std::thread restorer_;
+  std::atomic<bool> restoring_{false}, stopping_{false};
+  std::vector<HeldRequest> held_;
+  std::atomic<uint64_t> replicated_pushes_{0}, resynced_rows_{0},
+      replica_rows_{0}, restored_rows_{0};
   // Pushes written to the log and not yet synced (unsynced_, then to_sync_).
-  std::vector<UnsyncedAck> unsynced_;
+  std::vector<std::shared_ptr<PendingAck>> unsynced_;
   bool sync_posted_ = false;
   // The sync thread and the batches handed to it.
   std::thread syncer_;
   Mutex sync_mu_;
   CondVar sync_cv_;
-  std::vector<UnsyncedAck> to_sync_ MEMBOX_GUARDED_BY(sync_mu_);
+  std::vector<std::shared_ptr<PendingAck>> to_sync_ MEMBOX_GUARDED_BY(sync_mu_);
   bool sync_stop_ MEMBOX_GUARDED_BY(sync_mu_) = false;
   std::atomic<uint64_t> log_appends_{0}, log_bytes_{0}, log_sync_ns_{0},
       log_syncs_{0};

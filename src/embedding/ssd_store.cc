@@ -166,6 +166,19 @@ class SsdStoreImpl final : public SsdStore {
     return Status::Ok();
   }
 
+  std::vector<uint64_t> Keys() const override {
+    std::vector<uint64_t> keys;
+    {
+      MutexLock l(&mu_);
+      keys.reserve(map_.size());
+      for (const auto& [k, loc] : map_) {
+        if (!loc.tombstone) keys.push_back(k);
+      }
+    }
+    std::sort(keys.begin(), keys.end());
+    return keys;
+  }
+
   // Holds the lock only per chunk of records, so Put / Get / Sync from other
   // threads go on while a background thread compacts.
   Status Compact() override {

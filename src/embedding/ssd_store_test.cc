@@ -1,5 +1,6 @@
 #include "membox/embedding/ssd_store.h"
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -103,6 +104,12 @@ TEST_F(SsdStoreTest, ReopenRecoversNewestVersionsAndDeletes) {
   EXPECT_EQ(VersionOf(*s, 0, 4), 3);
   EXPECT_EQ(VersionOf(*s, 199, 4), 3);
   EXPECT_EQ(VersionOf(*s, 4, 4), -1);
+  // The keys with a row, ascending, without the erased ones.
+  std::vector<uint64_t> keys = s->Keys();
+  ASSERT_EQ(keys.size(), 197u);
+  EXPECT_TRUE(std::is_sorted(keys.begin(), keys.end()));
+  EXPECT_EQ(keys[2], 2u);
+  EXPECT_EQ(keys[3], 6u);
 }
 
 TEST_F(SsdStoreTest, CompactionBoundsSpaceAndKeepsData) {

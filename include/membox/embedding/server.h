@@ -14,11 +14,15 @@
 // disconnects (the working set of the batches being trained and prefetched
 // cannot be evicted under them).
 //
-// Durability: a push is acknowledged once applied in memory. Flush() -- a
-// worker's kFlush, the flush_interval timer, or Stop() -- writes every
-// changed row to the SSD tier and syncs it; what a flush acknowledged
-// survives kill -9 (tests/integration/embedding_daemon_test.cc). After each
-// flush a background thread compacts the files more than half stale.
+// Replication: with a backup, every push's changed rows are copied there
+// before the push is answered (EmbeddingServerOptions::backup).
+//
+// Durability: with the push log (the default) a push is acknowledged once
+// its rows are logged and synced; without it, once applied in memory.
+// Flush() -- a worker's kFlush, the flush_interval timer, or Stop() --
+// writes every changed row to the SSD tier and syncs it; what was
+// acknowledged survives kill -9 (tests/integration/embedding_daemon_test.cc).
+// After each flush a background thread compacts the files more than half stale.
 //
 // Threading: the transport's progress thread queues messages; one event
 // thread applies them in arrival order (per client order is preserved); a
@@ -55,6 +59,20 @@ struct EmbeddingServerOptions {
   // crash, and dropped from the log by the next flush. False: durable only
   // after a flush (Flush(), the flush interval).
   bool push_log = true;
+  // Another node's embedding server that keeps a copy of every row this
+  // one acknowledges (a replica): a push is answered once its rows are
+  // there too, or the backup is known to be down (then it is resynced when
+  // it is back). A node started with no tables of its own in `dir` -- its
+  // disk was lost, or this is a fresh job -- first takes whatever the
+  // backup holds for `name` (docs/design/embedding.md, "A replica on the
+  // next node"). Empty: no replica.
+  std::string backup;
+  // How the backup files this node's rows (1-64 of A-Z a-z 0-9 . _ -;
+  // stable across restarts and replacements: `membox serve` uses
+  // node-<ps rank>). Required with a backup.
+  std::string name;
+  // How long a restore waits for the backup to answer.
+  std::chrono::milliseconds restore_timeout{30000};
 };
 
 struct EmbeddingServerStats {
@@ -68,6 +86,12 @@ struct EmbeddingServerStats {
   // The push log: records appended, bytes in the file, time in fdatasync.
   uint64_t log_appends = 0, log_bytes = 0, log_syncs = 0;
   double log_sync_seconds = 0;
+  // Replication: pushes whose rows went to the backup, rows sent by
+  // resyncs, rows taken from other nodes as their backup, rows taken from
+  // the backup at start (a restore).
+  uint64_t replicated_pushes = 0, resynced_rows = 0, replica_rows = 0,
+           restored_rows = 0;
+  bool backup_connected = false;
 };
 
 class EmbeddingServer {

@@ -86,6 +86,8 @@ class SsdStore {
   virtual Status Get(std::span<const uint64_t> keys, std::span<uint8_t> out,
                      std::vector<bool>* found) = 0;
   virtual Status Erase(std::span<const uint64_t> keys) = 0;
+  // The keys that have a row, in ascending order.
+  virtual std::vector<uint64_t> Keys() const = 0;
   // Rewrites and deletes files more than compact_stale_fraction stale.
   // Safe to run concurrently with the other methods (see above).
   virtual Status Compact() = 0;

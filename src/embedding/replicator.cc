@@ -1,0 +1,103 @@
+#include "src/embedding/replicator.h"
+
+#include "membox/base/logging.h"
+
+namespace membox::embedding {
+
+using proto::Message;
+using proto::Type;
+
+// Effectively for ever: the backup is waited for as long as this node runs.
+constexpr std::chrono::milliseconds kForever = std::chrono::hours(24 * 365);
+
+Result<std::unique_ptr<Replicator>> Replicator::Start(
+    ReplicatorOptions options) {
+  if (options.backup.empty()) {
+    return InvalidArgumentError("a replicator needs the backup's endpoint");
+  }
+  std::unique_ptr<Replicator> r(new Replicator(std::move(options)));
+  transport::DeviceOptions d;
+  d.transports = r->opt_.transports;
+  d.secret = r->opt_.secret;
+  d.name = "membox-embedding-replica-" + r->opt_.origin;
+  d.connect_timeout = r->opt_.timeout;
+  ASSIGN_OR_RETURN(r->device_, transport::Device::Create(d));
+  service::LinkOptions lo;
+  lo.name = "backup embedding node " + r->opt_.backup;
+  lo.owner = "embedding node " + r->opt_.origin;
+  lo.endpoint = r->opt_.backup;
+  lo.client.node_kind = "embedding node";
+  lo.retry_every = r->opt_.retry_every;
+  lo.timer = &r->timer_;
+  lo.open = [device = r->device_.get()](const std::string& ep) {
+    return device->GetChannel(ep);
+  };
+  Replicator* self = r.get();
+  lo.greet = [self](service::Client& c, bool rejoin) {
+    return self->Greet(c, rejoin);
+  };
+  r->link_ = std::make_unique<service::Link>(std::move(lo));
+  r->timer_.After(std::chrono::nanoseconds(0), [self] { self->Attempt(); });
+  return r;
+}
+
+Replicator::~Replicator() {
+  link_->Close("embedding node stopping");
+  timer_.Stop();
+  link_.reset();
+  device_.reset();
+}
+
+void Replicator::Attempt() {
+  Status s = link_->Connect();
+  if (s.ok()) {
+    // From now on the Link reconnects by itself; Greet says when.
+    link_->set_failover(kForever);
+    return;
+  }
+  if (s.code() == StatusCode::kAborted) return;  // closing
+  MEMBOX_LOG_DEBUG("backup {} not reachable yet: {}", opt_.backup,
+                   s.ToString());
+  timer_.After(opt_.retry_every, [this] { Attempt(); });
+}
+
+Status Replicator::Greet(service::Client& c, bool rejoin) {
+  Message h;
+  h.type = Type::kHello;
+  h.name = "embedding node " + opt_.origin + " (its replica)";
+  RETURN_IF_ERROR(c.CallDecoded<Message>(
+                       static_cast<uint16_t>(h.type), proto::Encode(h),
+                       [](std::span<const uint8_t> b) {
+                         return proto::Decode(
+                             static_cast<uint16_t>(Type::kReply), b);
+                       },
+                       opt_.timeout)
+                      .status());
+  up_ = true;
+  MEMBOX_LOG_INFO("backup {} {}: this node's rows go there", opt_.backup,
+                  rejoin ? "is back" : "connected");
+  if (opt_.on_connected) opt_.on_connected();
+  return Status::Ok();
+}
+
+void Replicator::Send(Message m, std::function<void(const Status&)> done) {
+  auto msg = std::make_shared<Message>(std::move(m));
+  link_->Send(
+      static_cast<uint16_t>(Type::kReplicate),
+      [msg] { return proto::Encode(*msg); },
+      [this, done = std::move(done)](const Status& s,
+                                     std::span<const uint8_t>) {
+        if (s.code() == StatusCode::kUnavailable && up_.exchange(false)) {
+          MEMBOX_LOG_WARN(
+              "backup {} lost ({}): acknowledged pushes are durable on this "
+              "node only until it is back",
+              opt_.backup, s.ToString());
+        }
+        done(s);
+      },
+      /*keep=*/false);
+}
+
+bool Replicator::connected() const { return up_ && link_->health().ok(); }
+
+}  // namespace membox::embedding

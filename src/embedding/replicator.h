@@ -1,0 +1,74 @@
+// Replicator: an embedding server's link to its backup node, the node that
+// holds a copy of every row this one acknowledged (docs/design/
+// embedding.md, "A replica on the next node").
+//
+// Send hands one kReplicate (a push's changed rows, or a chunk of a
+// resync) to the backup; `done` gets OK once the backup holds the rows
+// (applied and, where it keeps a push log, synced), or the error when the
+// backup cannot take them now -- the server then answers its push anyway
+// (durable on its own disk) and resyncs when the backup is back. The link
+// connects in the background (the backup may start after this node) and
+// reconnects for as long as the Replicator lives; `on_connected` runs
+// after each connection (the first and every one after a loss), on the
+// Replicator's timer thread: the server resyncs its tables then.
+//
+// Ownership: owns its transport device, timer and link. Threading: Send
+// and connected() from any thread; `done` runs on the device's progress
+// thread, the timer's, or inline in Send (no connection). The destructor
+// stops the reconnection and fails what is in flight (kAborted).
+#ifndef MEMBOX_SRC_EMBEDDING_REPLICATOR_H_
+#define MEMBOX_SRC_EMBEDDING_REPLICATOR_H_
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "membox/base/status.h"
+#include "membox/base/timer.h"
+#include "membox/service/link.h"
+#include "membox/transport/device.h"
+
+#include "src/embedding/protocol.h"
+
+namespace membox::embedding {
+
+struct ReplicatorOptions {
+  std::string backup;  // the backup's embedding endpoint
+  std::string origin;  // this node's name, which the backup files rows under
+  std::string secret;
+  std::string transports = "auto";
+  std::chrono::milliseconds timeout{60000};  // a connection attempt
+  std::chrono::milliseconds retry_every{200};
+  std::function<void()> on_connected;
+};
+
+class Replicator {
+ public:
+  static Result<std::unique_ptr<Replicator>> Start(ReplicatorOptions options);
+  ~Replicator();
+  Replicator(const Replicator&) = delete;
+  Replicator& operator=(const Replicator&) = delete;
+
+  // `m` is a kReplicate; `done` runs exactly once.
+  void Send(proto::Message m, std::function<void(const Status&)> done);
+  // Connected now (a Send may still fail if the link was just lost).
+  bool connected() const;
+  const std::string& backup() const { return opt_.backup; }
+
+ private:
+  explicit Replicator(ReplicatorOptions o) : opt_(std::move(o)) {}
+  void Attempt();  // on the timer: the first connection, until it holds
+  Status Greet(service::Client& c, bool rejoin);
+
+  const ReplicatorOptions opt_;
+  std::unique_ptr<transport::Device> device_;
+  Timer timer_;
+  std::unique_ptr<service::Link> link_;
+  std::atomic<bool> up_{false};
+};
+
+}  // namespace membox::embedding
+
+#endif  // MEMBOX_SRC_EMBEDDING_REPLICATOR_H_
