@@ -34,29 +34,41 @@ class EmbeddingDaemonTest : public ::testing::Test {
   }
   void TearDown() override { testing::StopServes(nodes_); }
 
-  void StartNode(int i, const std::string& budget, bool push_log) {
-    auto d = testing::StartServe(
-        {"--listen",
-         "127.0.0.1:0",
-         "--pool-size",
-         "16MiB",
-         "--secret-file",
-         scratch_.secret_file(),
-         "--ps-listen",
-         "off",
-         "--emb-listen",
-         eps_[i],
-         "--emb-dir",
-         (scratch_.dir() / ("node" + std::to_string(i))).string(),
-         "--emb-budget",
-         budget,
-         "--emb-file-size",
-         "256KiB",
-         "--emb-flush-interval-ms",
-         "0",
-         "--emb-push-log",
-         push_log ? "on" : "off"},
-        "membox serve: embedding server on ", 30s);
+  std::filesystem::path NodeDir(int i) const {
+    return scratch_.dir() / ("node" + std::to_string(i));
+  }
+
+  // `replicate`: each node's rows are copied to the other (--emb-backup).
+  void StartNode(int i, const std::string& budget, bool push_log,
+                 bool replicate = false) {
+    std::vector<std::string> backup = {"--emb-backup", "off"};
+    if (replicate) {
+      backup = {"--emb-backup", eps_[1 - i], "--emb-name",
+                "node-" + std::to_string(i)};
+    }
+    std::vector<std::string> args = {"--listen",
+                                     "127.0.0.1:0",
+                                     "--pool-size",
+                                     "16MiB",
+                                     "--secret-file",
+                                     scratch_.secret_file(),
+                                     "--ps-listen",
+                                     "off",
+                                     "--emb-listen",
+                                     eps_[i],
+                                     "--emb-dir",
+                                     NodeDir(i).string(),
+                                     "--emb-budget",
+                                     budget,
+                                     "--emb-file-size",
+                                     "256KiB",
+                                     "--emb-flush-interval-ms",
+                                     "0",
+                                     "--emb-push-log",
+                                     push_log ? "on" : "off"};
+    args.insert(args.end(), backup.begin(), backup.end());
+    auto d =
+        testing::StartServe(args, "membox serve: embedding server on ", 30s);
     ASSERT_TRUE(d) << "node " << i << " did not start";
     nodes_[i] = std::move(d);
   }
@@ -187,9 +199,16 @@ TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
 // is down and go on when it is back; at the end every row is exactly what
 // applying each step's gradient once gives -- no acknowledged push lost,
 // none applied twice.
-TEST_F(EmbeddingDaemonTest, AWorkerRidesThroughKillNineOfANode) {
-  StartNode(0, "64MiB", true);
-  StartNode(1, "64MiB", true);
+// `lose_disk`: the node comes back with its directory gone (its machine
+// was lost; a replacement took its address) and takes its rows back from
+// the other node, which kept a copy of every push it acknowledged.
+class RideThroughTest : public EmbeddingDaemonTest,
+                        public ::testing::WithParamInterface<bool> {};
+
+TEST_P(RideThroughTest, AWorkerRidesThroughKillNineOfANode) {
+  const bool lose_disk = GetParam();
+  StartNode(0, "64MiB", true, lose_disk);
+  StartNode(1, "64MiB", true, lose_disk);
   auto w = Worker(30s);
   ASSERT_TRUE(w);
   TableConfig cfg = Config();
@@ -226,8 +245,9 @@ TEST_F(EmbeddingDaemonTest, AWorkerRidesThroughKillNineOfANode) {
   nodes_[1]->Wait(10s);
   nodes_[1].reset();
   const int at_kill = done;
+  if (lose_disk) std::filesystem::remove_all(NodeDir(1));
   std::this_thread::sleep_for(300ms);
-  StartNode(1, "64MiB", true);
+  StartNode(1, "64MiB", true, lose_disk);
   train.join();
   ASSERT_TRUE(failed.ok()) << failed.ToString();
   EXPECT_LT(at_kill, kSteps) << "the node died during training";
@@ -250,7 +270,18 @@ TEST_F(EmbeddingDaemonTest, AWorkerRidesThroughKillNineOfANode) {
   EXPECT_GT(on_killed, 100u);
   auto text = w->NodeStatus(1);
   ASSERT_TRUE(text.ok()) << text.status().ToString();
+  if (lose_disk) {
+    EXPECT_NE(text->find("restored_rows "), std::string::npos) << *text;
+    EXPECT_EQ(text->find("restored_rows 0\n"), std::string::npos)
+        << "its rows came from the backup:\n"
+        << *text;
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(Disk, RideThroughTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return std::string(i.param ? "Lost" : "Kept");
+                         });
 
 INSTANTIATE_TEST_SUITE_P(
     BudgetsAndLogs, KillTest,
