@@ -5,7 +5,8 @@
 # (striped and through the proxies' ring; the workers check every sum and
 # abort otherwise), split between the workers' ring and one node, a Python
 # worker through `membox launch --attach`, and
-# the clean-up when the job fails. Also: `up` without root says so.
+# the clean-up when the job fails, and sparse rows that survive the loss of
+# a memory host's disk. Also: `up` without root says so.
 # Usage: cluster_test.sh PATH/TO/membox
 # Exit 77 (skipped) without root, iproute2, tc or network namespaces.
 set -euo pipefail
@@ -32,6 +33,7 @@ emb_budget = "16MiB"
 rate = "200mbit"
 TOML
 cleanup() {
+  [[ -z ${replaced:-} ]] || kill -9 "$replaced" 2>/dev/null || true
   "$membox" cluster down "$topo" >/dev/null 2>&1 || true
   [[ -z ${topo1:-} ]] || "$membox" cluster down "$topo1" >/dev/null 2>&1 || true
   rm -rf "$dir"
@@ -110,6 +112,56 @@ os.write(1, ("ATTACHED %s %s %s %s\n" % (e["RANK"], e["WORLD_SIZE"],
              e["MEMBOX_PROXIES"], e["MASTER_ADDR"])).encode())' | tee "$dir/attach.out"
 [[ $(grep -c "^ATTACHED [01] 2 " "$dir/attach.out") -eq 2 ]] || fail "attach"
 
+# Sparse tables across hosts: each memory host keeps a copy of the other's
+# embedding rows (the default with 2+ memory hosts). Memory host m1 is then
+# lost with its disk (kill -9, its embedding directory removed) and
+# replaced at its address by `membox serve --join`: it takes its rows back
+# from the other memory host, and a worker pulls exactly what it had
+# pushed.
+cat >"$dir/emb.py" <<'PY'
+import os, sys
+import numpy as np
+import membox
+if os.environ["RANK"] != "0":
+    sys.exit(0)
+phase, out = sys.argv[1], sys.argv[2]
+c = membox.connect_embeddings(timeout=60.0)
+t = c.open_table("ads", 8, optimizer="adagrad", lr=0.1, seed=3)
+keys = np.arange(0, 4000, 3, dtype=np.int64)
+if phase == "push":
+    for step in range(3):
+        c.push(t, keys, np.full((len(keys), 8), 0.1 * (step + 1), np.float32))
+    np.save(out, c.pull(t, keys))
+else:
+    np.testing.assert_array_equal(c.pull(t, keys), np.load(out))
+status = " | ".join(l for n in range(c.num_nodes)
+                    for l in c.node_status(n).splitlines()
+                    if l.startswith(("backup", "replica_rows")))
+os.write(1, ("EMB %s ok: %s\n" % (phase, status)).encode())
+PY
+"$membox" cluster run "$topo" -- /usr/bin/python3 "$dir/emb.py" push "$dir/rows.npy" \
+  | tee "$dir/emb1.out"
+grep -q "^EMB push ok: backup 10\.84\.[0-9]*\.102:7320 connected" "$dir/emb1.out" ||
+  fail "the first memory node does not copy its rows to the second"
+grep -Eq "replica_rows [1-9].*replica_rows [1-9]" "$dir/emb1.out" ||
+  fail "the nodes hold no copy of each other's rows"
+m1pid=$(python3 -c 'import json,sys; print([n["pid"] for n in json.load(open(sys.argv[1]))["nodes"] if n["host"] == "m1"][0])' \
+  "$state/state.json")
+mapfile -d '' m1argv <"/proc/$m1pid/cmdline"
+kill -9 "$m1pid"
+while kill -0 "$m1pid" 2>/dev/null; do sleep 0.1; done
+rm -rf "$state/m1/embedding"
+pre=(ip netns exec "mbx-$name-m1")
+[[ -e $state/m1.ipc ]] && pre+=(nsenter "--ipc=$state/m1.ipc")
+setsid "${pre[@]}" "${m1argv[@]}" --join >"$state/m1/serve-replaced.log" 2>&1 &
+replaced=$!
+"$membox" cluster run "$topo" -- /usr/bin/python3 "$dir/emb.py" check "$dir/rows.npy" \
+  | tee "$dir/emb2.out"
+grep -q "^EMB check ok" "$dir/emb2.out" || fail "rows lost with m1's disk"
+grep -q "restored .* rows of 1 tables from backup" "$state/m1/serve-replaced.log" ||
+  { tail -n 20 "$state/m1/serve-replaced.log"; fail "m1 did not take its rows back"; }
+kill -9 "$replaced" 2>/dev/null || true
+
 # A failing job on a cluster that run brings up itself: non-zero status,
 # and nothing left behind.
 "$membox" cluster down "$topo"
@@ -120,4 +172,4 @@ fi
 [[ $(leftovers) -eq 0 ]] || fail "a failed run left namespaces behind"
 [[ ! -d $state ]] || fail "a failed run left its state directory"
 ip link show "mbx${name}br" >/dev/null 2>&1 && fail "bridge left behind"
-echo "PASS: membox cluster up/run/status/down, exact sums across hosts"
+echo "PASS: membox cluster up/run/status/down, exact sums across hosts, sparse rows kept through a lost disk"
