@@ -90,15 +90,28 @@ int ServerProcess::FreePort() { return PickFreeLocalPort(); }
 
 Result<ServerProcess> ServerProcess::StartEmbeddingNode(
     const std::string& dir, uint64_t budget, const std::string& secret,
-    bool push_log) {
+    bool push_log, const std::string& listen, const std::string& backup,
+    const std::string& name) {
   ServerProcess s;
   static int n = 0;
-  RETURN_IF_ERROR(
-      s.Spawn(secret, "-emb-" + std::to_string(n++),
-              {"--pool-size", "16MiB", "--ps-listen", "off", "--emb-listen",
-               "127.0.0.1:0", "--emb-dir", dir, "--emb-budget",
-               std::to_string(budget), "--emb-flush-interval-ms", "0",
-               "--emb-push-log", push_log ? "on" : "off"}));
+  std::vector<std::string> args = {"--pool-size",
+                                   "16MiB",
+                                   "--ps-listen",
+                                   "off",
+                                   "--emb-listen",
+                                   listen,
+                                   "--emb-dir",
+                                   dir,
+                                   "--emb-budget",
+                                   std::to_string(budget),
+                                   "--emb-flush-interval-ms",
+                                   "0",
+                                   "--emb-push-log",
+                                   push_log ? "on" : "off"};
+  if (!backup.empty()) {
+    args.insert(args.end(), {"--emb-backup", backup, "--emb-name", name});
+  }
+  RETURN_IF_ERROR(s.Spawn(secret, "-emb-" + std::to_string(n++), args));
   ASSIGN_OR_RETURN(s.embedding_endpoint_, s.AwaitService("embedding server"));
   return s;
 }

@@ -38,10 +38,12 @@ class ServerProcess {
       bool replicate = true);
   // A memory node running only the embedding server, its tables in `dir`
   // with `budget` bytes of memory tier each; embedding_endpoint() is set.
-  static Result<ServerProcess> StartEmbeddingNode(const std::string& dir,
-                                                  uint64_t budget,
-                                                  const std::string& secret,
-                                                  bool push_log = true);
+  // `backup`: another node's embedding endpoint that keeps a copy of its
+  // rows (--emb-backup; then `listen` is usually a fixed address).
+  static Result<ServerProcess> StartEmbeddingNode(
+      const std::string& dir, uint64_t budget, const std::string& secret,
+      bool push_log = true, const std::string& listen = "127.0.0.1:0",
+      const std::string& backup = "", const std::string& name = "");
   ServerProcess(ServerProcess&& o) noexcept;
   ServerProcess& operator=(ServerProcess&&) = delete;
   ~ServerProcess();

@@ -21,6 +21,9 @@ Result<std::unique_ptr<Replicator>> Replicator::Start(
   d.secret = r->opt_.secret;
   d.name = "membox-embedding-replica-" + r->opt_.origin;
   d.connect_timeout = r->opt_.timeout;
+  // Its progress thread shares the node's cores with the event loop that
+  // feeds it (as the server's own device does).
+  d.sleep_on_worker_lock = true;
   ASSIGN_OR_RETURN(r->device_, transport::Device::Create(d));
   service::LinkOptions lo;
   lo.name = "backup embedding node " + r->opt_.backup;

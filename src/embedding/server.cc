@@ -449,14 +449,15 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       case Type::kReplicate: {
         std::vector<Message> copies;  // for the backup
         s = m.type == Type::kPush ? Push(c, m, &copies) : Replicate(c, m);
-        if (s.ok() && (log_ || !copies.empty())) {
+        const bool wait_sync = log_ && m.type == Type::kPush;
+        if (s.ok() && (wait_sync || !copies.empty())) {
           // (A duplicate too: its original may still wait for the sync.)
-          // Answered once the log is synced -- one fdatasync for every
-          // push queued before the sync task runs (group commit) -- and
-          // the backup has its rows.
+          // A push is answered once the log is synced -- one fdatasync for
+          // every push queued before the sync task runs (group commit) --
+          // and the backup has its rows; a replica at once.
           auto ack = std::make_shared<PendingAck>();
           ack->reply = {r.conn, r.method, r.id, proto::Encode(reply)};
-          if (log_) {
+          if (wait_sync) {
             ack->waiting++;
             unsynced_.push_back(ack);
             if (!sync_posted_) {
@@ -924,8 +925,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // A push's rows from the node whose backup this is (`m.name`): the
   // rows replace what its replica table holds (whole rows: value and
   // optimizer state), and the pushes it applied are remembered as if
-  // applied here, so that its clients' resends are recognised after a
-  // restore. Logged like a push. Only the cluster's credential (a memory
+  // applied here (and logged, without rows), so that its clients' resends
+  // are recognised after a restore. Answered at once: the node that sent
+  // them has them durable on its own disk, so one copy in this process is
+  // what a single failure needs. Only the cluster's credential (a memory
   // node) may send them.
   Status Replicate(Conn& c, const Message& m) {
     if (!c.principal.cluster) {
@@ -957,21 +960,13 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           return InvalidArgumentError("replica carries a non-finite value");
         }
       }
-      RETURN_IF_ERROR(t->mem->ForEachRow(
-          s.keys,
-          [&](size_t i, uint8_t* row) {
-            std::memcpy(row, s.values.data() + i * rf, rb);
-          },
-          /*changes=*/true));
+      // Straight to the copy's SSD tier (its file's page cache): no memory
+      // tier, no log record. A copy that this process's death cuts short
+      // is made whole by the resync its node sends when it reconnects.
+      RETURN_IF_ERROR(t->ssd->Put(
+          s.keys, {reinterpret_cast<const uint8_t*>(s.values.data()),
+                   s.keys.size() * size_t{rb}}));
       replica_rows_ += s.keys.size();
-      if (log_) {
-        PushLogSection& ls = logged.sections.emplace_back();
-        ls.table = t->config.name;
-        ls.row_bytes = rb;
-        ls.keys = s.keys;
-        ls.rows.resize(s.values.size() * 4);
-        std::memcpy(ls.rows.data(), s.values.data(), ls.rows.size());
-      }
     }
     for (const proto::Applied& a : m.applied) {
       ClientPushes& cp = applied_[a.client];
@@ -1025,9 +1020,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     }
     Table* t = of[m.table_id];
     if (m.seq == 0 || c.fetch_table != t->id) {
-      // Every row in memory to the SSD tier, whose keys are then all.
-      RETURN_IF_ERROR(t->mem->Flush());
-      c.fetch_keys = t->ssd->Keys();
+      c.fetch_keys = t->ssd->Keys();  // a copy lives in its SSD tier only
       c.fetch_table = t->id;
     }
     if (m.seq > c.fetch_keys.size()) {
@@ -1040,12 +1033,14 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     sec.keys.assign(c.fetch_keys.begin() + m.seq,
                     c.fetch_keys.begin() + m.seq + n);
     sec.values.resize(n * rf);
-    RETURN_IF_ERROR(t->mem->ForEachRow(
+    std::vector<bool> found;
+    RETURN_IF_ERROR(t->ssd->Get(
         sec.keys,
-        [&](size_t i, uint8_t* row) {
-          std::memcpy(sec.values.data() + i * rf, row, rf * 4);
-        },
-        /*changes=*/false));
+        {reinterpret_cast<uint8_t*>(sec.values.data()), n * rf * size_t{4}},
+        &found));
+    for (bool f : found) {
+      if (!f) return InternalError("a replica row vanished during a restore");
+    }
     out->table = t->config;
     out->table.name =
         t->config.name.substr(0, t->config.name.find(kReplicaInfix));

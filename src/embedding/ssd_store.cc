@@ -8,6 +8,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <absl/container/flat_hash_map.h>
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -435,7 +436,7 @@ class SsdStoreImpl final : public SsdStore {
   size_t record_bytes_ = 0;
   mutable Mutex mu_;
   std::map<uint32_t, File> files_ MEMBOX_GUARDED_BY(mu_);
-  std::unordered_map<uint64_t, Loc> map_ MEMBOX_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, Loc> map_ MEMBOX_GUARDED_BY(mu_);
   uint32_t active_ MEMBOX_GUARDED_BY(mu_) = 0;
   uint32_t next_file_ MEMBOX_GUARDED_BY(mu_) = 1;
   uint64_t seq_ MEMBOX_GUARDED_BY(mu_) = 1;
