@@ -123,6 +123,7 @@ class SsdStoreImpl final : public SsdStore {
       return InvalidArgumentError("rows must be keys.size() * row_bytes");
     }
     MutexLock l(&mu_);
+    buffer_.reserve(buffer_.size() + keys.size() * record_bytes_);
     for (size_t i = 0; i < keys.size(); ++i) {
       RETURN_IF_ERROR(
           AppendLocked(keys[i], seq_++, false,
@@ -353,19 +354,28 @@ class SsdStoreImpl final : public SsdStore {
   }
 
   // Points `key` at `loc` if it is newer; keeps the live/stale counts.
-  void Index(uint64_t key, const Loc& loc) MEMBOX_REQUIRES(mu_) {
+  // `into`: loc's file when the caller has it (one map lookup less per
+  // record on the append path).
+  void Index(uint64_t key, const Loc& loc, File* into = nullptr)
+      MEMBOX_REQUIRES(mu_) {
+    File& to = into != nullptr ? *into : files_[loc.file];
     auto [it, inserted] = map_.try_emplace(key, loc);
     if (inserted) {
-      files_[loc.file].live++;
+      to.live++;
       return;
     }
     if (loc.seq >= it->second.seq) {
-      files_[it->second.file].live--;
-      files_[it->second.file].stale++;
-      files_[loc.file].live++;
+      if (it->second.file == loc.file) {
+        to.stale++;  // one live record replaces another in the same file
+      } else {
+        File& old = files_[it->second.file];
+        old.live--;
+        old.stale++;
+        to.live++;
+      }
       it->second = loc;
     } else {
-      files_[loc.file].stale++;
+      to.stale++;
     }
   }
 
@@ -383,6 +393,7 @@ class SsdStoreImpl final : public SsdStore {
     f.dirty = true;
     files_[n] = f;
     active_ = n;
+    active_file_ = &files_.at(n);
     dir_dirty_ = true;
     bytes_written_ += hdr.size();
     return Status::Ok();
@@ -390,16 +401,17 @@ class SsdStoreImpl final : public SsdStore {
 
   Status AppendLocked(uint64_t key, uint64_t seq, bool tombstone,
                       std::span<const uint8_t> row) MEMBOX_REQUIRES(mu_) {
-    File* f = &files_.at(active_);
+    File* f = active_file_;  // (std::map nodes stay put; the active file
+                             // is never compacted away)
     if (f->size + buffer_.size() + record_bytes_ > opt_.file_bytes &&
         f->size + buffer_.size() > kFileHeaderBytes) {
       RETURN_IF_ERROR(FlushBufferLocked());
       RETURN_IF_ERROR(NewActiveFile());
-      f = &files_.at(active_);
+      f = active_file_;
     }
     uint64_t off = f->size + buffer_.size();
     EncodeRecord(key, seq, tombstone, row, &buffer_);
-    Index(key, Loc{active_, off, seq, tombstone});
+    Index(key, Loc{active_, off, seq, tombstone}, f);
     return Status::Ok();
   }
 
@@ -438,6 +450,7 @@ class SsdStoreImpl final : public SsdStore {
   std::map<uint32_t, File> files_ MEMBOX_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Loc> map_ MEMBOX_GUARDED_BY(mu_);
   uint32_t active_ MEMBOX_GUARDED_BY(mu_) = 0;
+  File* active_file_ MEMBOX_GUARDED_BY(mu_) = nullptr;  // files_[active_]
   uint32_t next_file_ MEMBOX_GUARDED_BY(mu_) = 1;
   uint64_t seq_ MEMBOX_GUARDED_BY(mu_) = 1;
   bool dir_dirty_ MEMBOX_GUARDED_BY(mu_) = false;
