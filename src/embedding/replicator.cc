@@ -44,9 +44,13 @@ Result<std::unique_ptr<Replicator>> Replicator::Start(
   return r;
 }
 
-Replicator::~Replicator() {
+void Replicator::Stop() {
   link_->Close("embedding node stopping");
   timer_.Stop();
+}
+
+Replicator::~Replicator() {
+  Stop();
   link_.reset();
   device_.reset();
 }

@@ -14,8 +14,9 @@
 //
 // Ownership: owns its transport device, timer and link. Threading: Send
 // and connected() from any thread; `done` runs on the device's progress
-// thread, the timer's, or inline in Send (no connection). The destructor
-// stops the reconnection and fails what is in flight (kAborted).
+// thread, the timer's, or inline in Send (no connection). Stop (or the
+// destructor) ends the reconnection and fails what is in flight
+// (kAborted).
 #ifndef MEMBOX_SRC_EMBEDDING_REPLICATOR_H_
 #define MEMBOX_SRC_EMBEDDING_REPLICATOR_H_
 
@@ -55,6 +56,9 @@ class Replicator {
   void Send(proto::Message m, std::function<void(const Status&)> done);
   // Connected now (a Send may still fail if the link was just lost).
   bool connected() const;
+  // Stops reconnecting and fails what is in flight (kAborted); no `done`
+  // or `on_connected` runs after it returns. Idempotent.
+  void Stop();
   const std::string& backup() const { return opt_.backup; }
 
  private:

@@ -340,11 +340,11 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     stopped_ = true;
     stopping_ = true;
     if (restorer_.joinable()) restorer_.join();
-    // Its replies post to the event loop: gone before the loop is.
-    replicator_.reset();
     // Ends the event loop (tasks posted before, e.g. a Flush(), still run)
     // and closes every connection.
     server_->Stop();
+    // (Its answers posted to the stopped loop are dropped; none come after.)
+    if (replicator_) replicator_->Stop();
     StopSyncer();
     StopCompactor();
     Status s = FlushAll();  // the event loop is gone: safe here
