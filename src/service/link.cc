@@ -190,10 +190,15 @@ void Link::StartReconnectLocked() {
   down_since_ = Clock::now();
   tries_ = 0;
   last_ = Status::Ok();
-  MEMBOX_LOG_WARN(
-      "{}: lost {} at {}; waiting up to {} s for it to come back (its "
-      "requests are kept)",
-      opt_.owner, opt_.name, endpoint_, Seconds(failover_));
+  if (failover_ >= std::chrono::hours(24)) {  // an owner that never gives up
+    MEMBOX_LOG_WARN("{}: lost {} at {}; reconnecting until it is back",
+                    opt_.owner, opt_.name, endpoint_);
+  } else {
+    MEMBOX_LOG_WARN(
+        "{}: lost {} at {}; waiting up to {} s for it to come back (its "
+        "requests are kept)",
+        opt_.owner, opt_.name, endpoint_, Seconds(failover_));
+  }
   task_ = opt_.timer->After(std::chrono::nanoseconds(0), [this] { Attempt(); });
 }
 
