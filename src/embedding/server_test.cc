@@ -69,8 +69,27 @@ class EmbeddingServerTest : public ::testing::Test {
     return c.ok() ? std::move(*c) : nullptr;
   }
 
+  // Sends `m` on `ch` as a raw request and returns the reply's body,
+  // decoded as `reply` (kReply, or kReplicate for a fetch-replica).
+  Result<proto::Message> RawCall(transport::Channel& ch,
+                                 const proto::Message& m,
+                                 proto::Type reply = proto::Type::kReply) {
+    auto bytes = proto::Encode(m);
+    service::WriteHeader(
+        service::Header{service::Kind::kRequest, static_cast<uint16_t>(m.type),
+                        StatusCode::kOk, next_id_++},
+        &bytes);
+    RETURN_IF_ERROR(ch.SendControl(bytes));
+    ASSIGN_OR_RETURN(auto r, ch.RecvControl(std::chrono::seconds(20)));
+    std::span<const uint8_t> body;
+    ASSIGN_OR_RETURN(auto h, service::Decode(r, &body));
+    RETURN_IF_ERROR(service::ReplyStatus(h, body, "node"));
+    return proto::Decode(static_cast<uint16_t>(reply), body);
+  }
+
   std::filesystem::path dir_;
   std::vector<std::unique_ptr<EmbeddingServer>> servers_;
+  uint64_t next_id_ = 1;
 };
 
 TableConfig Config(RowOptimizer o = RowOptimizer::kAdagrad, uint32_t dim = 8) {
@@ -509,21 +528,8 @@ TEST_F(EmbeddingServerTest, AResentPushIsAcknowledgedNotAppliedTwice) {
   dopt.secret = kSecret;
   auto dev = transport::Device::Create(dopt);
   ASSERT_TRUE(dev.ok());
-  uint64_t next_id = 1;
-  // Sends `m` on a fresh or given channel and returns the reply.
-  auto call = [&](transport::Channel& ch,
-                  const proto::Message& m) -> Result<proto::Message> {
-    auto bytes = proto::Encode(m);
-    service::WriteHeader(
-        service::Header{service::Kind::kRequest, static_cast<uint16_t>(m.type),
-                        StatusCode::kOk, next_id++},
-        &bytes);
-    RETURN_IF_ERROR(ch.SendControl(bytes));
-    ASSIGN_OR_RETURN(auto r, ch.RecvControl(10s));
-    std::span<const uint8_t> body;
-    ASSIGN_OR_RETURN(auto h, service::Decode(r, &body));
-    RETURN_IF_ERROR(service::ReplyStatus(h, body, "node"));
-    return proto::Decode(static_cast<uint16_t>(proto::Type::kReply), body);
+  auto call = [&](transport::Channel& ch, const proto::Message& m) {
+    return RawCall(ch, m);
   };
   auto connect = [&](bool rejoin) -> std::shared_ptr<transport::Channel> {
     auto ch = (*dev)->GetChannel(servers_[0]->endpoint());
@@ -673,20 +679,8 @@ TEST_F(EmbeddingServerTest, AReplicaOnTheNextNodeRestoresALostDisk) {
   dopt.secret = kSecret;
   auto dev = transport::Device::Create(dopt);
   ASSERT_TRUE(dev.ok());
-  uint64_t next_id = 1;
-  auto call = [&](transport::Channel& ch,
-                  const proto::Message& m) -> Result<proto::Message> {
-    auto bytes = proto::Encode(m);
-    service::WriteHeader(
-        service::Header{service::Kind::kRequest, static_cast<uint16_t>(m.type),
-                        StatusCode::kOk, next_id++},
-        &bytes);
-    RETURN_IF_ERROR(ch.SendControl(bytes));
-    ASSIGN_OR_RETURN(auto r, ch.RecvControl(20s));
-    std::span<const uint8_t> body;
-    ASSIGN_OR_RETURN(auto h, service::Decode(r, &body));
-    RETURN_IF_ERROR(service::ReplyStatus(h, body, "node"));
-    return proto::Decode(static_cast<uint16_t>(proto::Type::kReply), body);
+  auto call = [&](transport::Channel& ch, const proto::Message& m) {
+    return RawCall(ch, m);
   };
   auto session = [&](bool rejoin) -> std::shared_ptr<transport::Channel> {
     auto ch = (*dev)->GetChannel(ep);
@@ -773,7 +767,6 @@ TEST_F(EmbeddingServerTest, AReplicaOnTheNextNodeRestoresALostDisk) {
 // malformed replica changes nothing.
 TEST_F(EmbeddingServerTest, ReplicasAreTheNodesOwnBusiness) {
   StartServers(1);
-  transport::DeviceOptions dopt;
   auto cred = [](const std::string& name) {
     Principal p;
     p.cluster = false;
@@ -781,24 +774,11 @@ TEST_F(EmbeddingServerTest, ReplicasAreTheNodesOwnBusiness) {
     p.rights = kRightWorker;
     return Credential::Issue(kSecret, p)->Encode();
   };
-  uint64_t next_id = 1;
-  auto call = [&](transport::Channel& ch,
-                  const proto::Message& m) -> Result<proto::Message> {
-    auto bytes = proto::Encode(m);
-    service::WriteHeader(
-        service::Header{service::Kind::kRequest, static_cast<uint16_t>(m.type),
-                        StatusCode::kOk, next_id++},
-        &bytes);
-    RETURN_IF_ERROR(ch.SendControl(bytes));
-    ASSIGN_OR_RETURN(auto r, ch.RecvControl(20s));
-    std::span<const uint8_t> body;
-    ASSIGN_OR_RETURN(auto h, service::Decode(r, &body));
-    RETURN_IF_ERROR(service::ReplyStatus(h, body, "node"));
-    return proto::Decode(
-        static_cast<uint16_t>(m.type == proto::Type::kFetchReplica
-                                  ? proto::Type::kReplicate
-                                  : proto::Type::kReply),
-        body);
+  auto call = [&](transport::Channel& ch, const proto::Message& m) {
+    return RawCall(ch, m,
+                   m.type == proto::Type::kFetchReplica
+                       ? proto::Type::kReplicate
+                       : proto::Type::kReply);
   };
   auto connect = [&](const std::string& secret) {
     transport::DeviceOptions d;
