@@ -763,6 +763,68 @@ TEST_F(EmbeddingServerTest, AReplicaOnTheNextNodeRestoresALostDisk) {
   EXPECT_EQ(primary->Stats().duplicate_pushes, 1u);
 }
 
+// A backup that is away does not stop the pushes: they are answered with
+// their rows durable on the node alone, and when the backup comes (back)
+// it gets every row of the node's tables (the resync).
+TEST_F(EmbeddingServerTest, ABackupThatIsAwayGetsEveryRowWhenItComes) {
+  // An address with nothing behind it (yet): a server's, stopped.
+  std::string backup_ep;
+  {
+    EmbeddingServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.secret = kSecret;
+    o.dir = (dir_ / "probe").string();
+    auto probe = EmbeddingServer::Start(o);
+    ASSERT_TRUE(probe.ok());
+    backup_ep = (*probe)->endpoint();
+  }
+  EmbeddingServerOptions po;
+  po.listen = "127.0.0.1:0";
+  po.secret = kSecret;
+  po.dir = (dir_ / "primary").string();
+  po.flush_interval = 0ms;
+  po.backup = backup_ep;
+  po.name = "node-0";
+  po.restore_timeout = 500ms;  // a fresh job whose backup is not up
+  auto primary = EmbeddingServer::Start(po);
+  ASSERT_TRUE(primary.ok()) << primary.status().ToString();
+  EmbeddingClientOptions co;
+  co.nodes = {(*primary)->endpoint()};
+  co.secret = kSecret;
+  co.timeout = 20s;
+  auto c = EmbeddingClient::Connect(co);
+  ASSERT_TRUE(c.ok());
+  TableConfig cfg = Config(RowOptimizer::kAdagrad, 4);
+  auto t = (*c)->OpenTable(cfg);  // waits out the restore (500 ms)
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  std::vector<uint64_t> keys(500);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = i;
+  std::vector<float> g(keys.size() * cfg.dim, 0.5f);
+  ASSERT_TRUE((*c)->Push(*t, keys, g).ok()) << "answered without a backup";
+  EXPECT_FALSE((*primary)->Stats().backup_connected);
+  EXPECT_EQ((*primary)->Stats().replicated_pushes, 0u);
+
+  EmbeddingServerOptions bo;
+  bo.listen = backup_ep;
+  bo.secret = kSecret;
+  bo.dir = (dir_ / "backup").string();
+  bo.flush_interval = 0ms;
+  auto backup = EmbeddingServer::Start(bo);
+  ASSERT_TRUE(backup.ok()) << backup.status().ToString();
+  for (int i = 0; i < 500 && (*backup)->Stats().replica_rows < keys.size();
+       ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ((*backup)->Stats().replica_rows, keys.size()) << "the resync";
+  EXPECT_EQ((*primary)->Stats().resynced_rows, keys.size());
+  // From now on a push is copied before it is answered.
+  ASSERT_TRUE((*c)->Push(*t, keys, g).ok());
+  EXPECT_EQ((*primary)->Stats().replicated_pushes, 1u);
+  EXPECT_EQ((*backup)->Stats().replica_rows, 2 * keys.size());
+  c->reset();
+  primary->reset();
+}
+
 // Only a memory node (the cluster's secret) sends or reads replicas; a
 // malformed replica changes nothing.
 TEST_F(EmbeddingServerTest, ReplicasAreTheNodesOwnBusiness) {
