@@ -61,7 +61,7 @@ struct EmbeddingFlags {
   std::string listen = "auto", dir, budget = "1GiB", file_size = "64MiB";
   int flush_interval_ms = 10000;
   std::string push_log = "on";
-  std::string backup, name;
+  std::string backup, name, backup_lag = "32MiB";
 };
 
 // Half of MemTotal (/proc/meminfo): the default parameter storage limit.
@@ -118,9 +118,11 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
   auto el = ServiceListen(ef.listen, o.listen, 2);
   auto eb = membox::ParseByteSize(ef.budget);
   auto efs = membox::ParseByteSize(ef.file_size);
+  auto elag = membox::ParseByteSize(ef.backup_lag);
   for (const membox::Status& st :
        {sec.status(), p.status(), mn.status(), mx.status(), q.status(),
-        pm.status(), pl.status(), el.status(), eb.status(), efs.status()}) {
+        pm.status(), pl.status(), el.status(), eb.status(), efs.status(),
+        elag.status()}) {
     if (!st.ok()) {
       std::fprintf(stderr, "membox serve: %s\n", st.ToString().c_str());
       return 2;
@@ -202,6 +204,7 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
     eo.push_log = ef.push_log == "on";
     if (!ef.backup.empty() && ef.backup != "off") {
       eo.backup = ef.backup;
+      eo.backup_lag_bytes = *elag;
       // The backup files this node's rows under a name that outlives its
       // address: its place in the job (a replacement takes the same).
       eo.name = !ef.name.empty() ? ef.name : "node-" + std::to_string(po.rank);
@@ -412,11 +415,16 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
   serve->add_option(
       "--emb-backup", eflags.backup,
       "another node's embedding server (host:port) that keeps a copy of "
-      "every row this one acknowledges; a push is answered once the copy "
-      "is there. A node started with no table of its own in --emb-dir (a "
-      "lost disk) first takes back what its backup holds. off: none "
-      "(`membox launch` and `membox cluster` name the next node by "
-      "default)");
+      "every row this one acknowledges (the copy may lag the answer by "
+      "--emb-backup-lag; the clients keep what it does not hold yet). A "
+      "node started with no table of its own in --emb-dir (a lost disk) "
+      "first takes back what its backup holds, and its clients resend "
+      "the rest. off: none (`membox launch` and `membox cluster` name the "
+      "next node by default)");
+  serve->add_option("--emb-backup-lag", eflags.backup_lag,
+                    "bytes of copies the backup may lag behind the answers "
+                    "(default 32MiB); past it a push is answered once the "
+                    "backup holds its rows. 0: always then");
   serve->add_option("--emb-name", eflags.name,
                     "how the backup files this node's rows (default: "
                     "node-<--ps-rank>)");

@@ -91,7 +91,7 @@ int ServerProcess::FreePort() { return PickFreeLocalPort(); }
 Result<ServerProcess> ServerProcess::StartEmbeddingNode(
     const std::string& dir, uint64_t budget, const std::string& secret,
     bool push_log, const std::string& listen, const std::string& backup,
-    const std::string& name) {
+    const std::string& name, const std::vector<std::string>& extra) {
   ServerProcess s;
   static int n = 0;
   std::vector<std::string> args = {"--pool-size",
@@ -111,6 +111,7 @@ Result<ServerProcess> ServerProcess::StartEmbeddingNode(
   if (!backup.empty()) {
     args.insert(args.end(), {"--emb-backup", backup, "--emb-name", name});
   }
+  args.insert(args.end(), extra.begin(), extra.end());
   RETURN_IF_ERROR(s.Spawn(secret, "-emb-" + std::to_string(n++), args));
   ASSIGN_OR_RETURN(s.embedding_endpoint_, s.AwaitService("embedding server"));
   return s;

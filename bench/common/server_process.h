@@ -40,10 +40,12 @@ class ServerProcess {
   // with `budget` bytes of memory tier each; embedding_endpoint() is set.
   // `backup`: another node's embedding endpoint that keeps a copy of its
   // rows (--emb-backup; then `listen` is usually a fixed address).
+  // `extra`: more `membox serve` flags.
   static Result<ServerProcess> StartEmbeddingNode(
       const std::string& dir, uint64_t budget, const std::string& secret,
       bool push_log = true, const std::string& listen = "127.0.0.1:0",
-      const std::string& backup = "", const std::string& name = "");
+      const std::string& backup = "", const std::string& name = "",
+      const std::vector<std::string>& extra = {});
   ServerProcess(ServerProcess&& o) noexcept;
   ServerProcess& operator=(ServerProcess&&) = delete;
   ~ServerProcess();

@@ -82,7 +82,10 @@ using ReplyFn = std::function<void(Result<Message>)>;
 // says hello as a rejoining client and opens the tables again (their ids
 // may differ); the Link then sends the kept requests again in their order.
 // Pushes carry a sequence number so that one the dead node had applied is
-// acknowledged, not applied twice. A node not back within the failover
+// acknowledged, not applied twice. An answered push is kept too while the
+// node's backup may not hold it (the reply's floor is below it): a node
+// that comes back without its disk restores its backup's rows, and the
+// greeting sends it the kept pushes before the Link resends the rest. A node not back within the failover
 // time fails what is kept and everything after (UNAVAILABLE, naming it).
 //
 // Messages carry the client's table numbers; each (re)send translates them
@@ -166,10 +169,12 @@ class Node {
     {
       MutexLock l(&mu_);
       if (m.type == Type::kPush && numbered_) {
-        // Pushes below the oldest unanswered one may be forgotten.
+        // Pushes below the oldest unanswered or kept one may be forgotten.
         m.seq = next_seq_++;
         unanswered_.insert(m.seq);
-        m.floor = *unanswered_.begin() - 1;
+        uint64_t oldest = *unanswered_.begin();
+        if (!kept_.empty()) oldest = std::min(oldest, kept_.begin()->first);
+        m.floor = oldest - 1;
       }
     }
     kept->m = std::move(m);
@@ -182,14 +187,20 @@ class Node {
     link_->Send(
         static_cast<uint16_t>(kept->m.type),
         [this, kept] { return Encode(kept.get()); },
-        [this, seq, done = std::move(done)](const Status& s,
-                                            std::span<const uint8_t> body) {
+        [this, kept, seq, done = std::move(done)](
+            const Status& s, std::span<const uint8_t> body) {
+          Result<Message> r =
+              s.ok() ? DecodeReply(body) : Result<Message>(s);
           if (seq != 0) {
             MutexLock l(&mu_);
             unanswered_.erase(seq);
+            if (r.ok()) {
+              // Answered; kept until the node says its backup holds it.
+              if (seq > r->floor) kept_.emplace(seq, kept);
+              CopiedUpTo(r->floor);
+            }
           }
           if (!s.ok()) return done(s);
-          Result<Message> r = DecodeReply(body);
           if (!r.ok()) return done(BadReply(r.status()));
           done(std::move(r));
         });
@@ -277,9 +288,32 @@ class Node {
       ASSIGN_OR_RETURN(Message o, call(m));
       ids.push_back(o.table_id);
     }
-    MutexLock l(&mu_);
-    for (size_t t = 0; t < ids.size() && t < ids_.size(); ++t) ids_[t] = ids[t];
+    std::vector<std::shared_ptr<Kept>> resend;
+    {
+      MutexLock l(&mu_);
+      for (size_t t = 0; t < ids.size() && t < ids_.size(); ++t) {
+        ids_[t] = ids[t];
+      }
+      for (auto& [seq, k] : kept_) resend.push_back(k);
+    }
+    // The answered pushes the node's backup may not hold, in their order,
+    // before the Link resends what was not answered: a node that came back
+    // without its disk has only its backup's rows. One that kept its disk
+    // acknowledges them without applying them twice.
+    for (const std::shared_ptr<Kept>& k : resend) {
+      ASSIGN_OR_RETURN(
+          Message r, c.CallDecoded<Message>(static_cast<uint16_t>(Type::kPush),
+                                            Encode(k.get()), DecodeReply,
+                                            opt_.timeout));
+      MutexLock l(&mu_);
+      CopiedUpTo(r.floor);
+    }
     return Status::Ok();
+  }
+
+  // The node's backup holds every push numbered `floor` or less.
+  void CopiedUpTo(uint64_t floor) MEMBOX_REQUIRES(mu_) {
+    kept_.erase(kept_.begin(), kept_.upper_bound(floor));
   }
 
   const Options opt_;
@@ -290,6 +324,8 @@ class Node {
   bool numbered_ MEMBOX_GUARDED_BY(mu_) = false;  // pushes carry seqs
   uint64_t next_seq_ MEMBOX_GUARDED_BY(mu_) = 1;
   std::set<uint64_t> unanswered_ MEMBOX_GUARDED_BY(mu_);  // pushes' seqs
+  // Answered pushes the node's backup may not hold yet (reply floors).
+  std::map<uint64_t, std::shared_ptr<Kept>> kept_ MEMBOX_GUARDED_BY(mu_);
   std::vector<TableConfig> configs_ MEMBOX_GUARDED_BY(mu_);
   std::vector<uint32_t> ids_ MEMBOX_GUARDED_BY(mu_);
 };

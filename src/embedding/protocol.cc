@@ -22,7 +22,7 @@ constexpr uint8_t kMagic = 'E';
 // request id, method and error travel there); 4: a hello carries the
 // client id and rejoin flag, a push its sequence number (resent pushes);
 // 5: the nodes' replication (replicate, fetch-replica).
-constexpr uint8_t kVersion = 5;
+constexpr uint8_t kVersion = 6;
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed embedding message: ") +
@@ -227,6 +227,7 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U32(m.table_id);
       PutValues(w, m.values);
       PutStr(w, m.text);
+      w.U64(m.floor);
       break;
   }
   return std::move(w.buffer());
@@ -279,7 +280,7 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       break;
     case Type::kReply:
       ok = r.U32(&m.table_id) && GetValues(r, &m.values) &&
-           GetStr(r, &m.text, kMaxText);
+           GetStr(r, &m.text, kMaxText) && r.U64(&m.floor);
       break;
   }
   if (!ok) return Bad(TypeName(m.type));

@@ -30,7 +30,7 @@ enum class Type : uint8_t {
   kRelease = 5,    // table_id, batch: unpin what the batch pulled
   kFlush = 6,      // make every update durable (SSD tier synced)
   kStats = 7,      // -> reply.text
-  kReply = 8,      // an ok reply's body: table_id, values, text
+  kReply = 8,      // an ok reply's body: table_id, values, text, floor
   // Between memory nodes (the cluster's credential only): a primary's
   // changed rows for its backup, and a replacement's fetch of them.
   kReplicate = 9,     // origin (name), table, seq, more (rejoin), one
@@ -81,8 +81,13 @@ struct Message {
   bool rejoin = false;
   // kPush: the client's sequence number for its pushes to this node, 1, 2,
   // ...: a push resent after a lost link is applied once (0: no check);
-  // `floor`: every push numbered floor or less has been answered (the
-  // client will not send it again), so the node may forget it.
+  // `floor`: the client will not send a push numbered floor or less again
+  // (each was answered, and is held by two nodes), so the node may forget
+  // it.
+  // kReply to kPush: every push of this client numbered floor or less is
+  // held by two nodes (the node and its backup) or by the only node there
+  // is; the client keeps an answered push above it, to resend to a node
+  // that lost its disk (docs/design/embedding.md, "The backup may lag").
   // kFetchReplica, and kReplicate in its reply: `seq` is the offset of the
   // table's next key.
   uint64_t seq = 0;

@@ -102,6 +102,13 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
   EXPECT_EQ(fd->table_id, 3u);
   EXPECT_EQ(fd->seq, 1000u);
 
+  Message answer;  // a push's: the floor the backup holds
+  answer.type = Type::kReply;
+  answer.floor = 41;
+  auto ad = RoundTrip(answer);
+  ASSERT_TRUE(ad.ok()) << ad.status().ToString();
+  EXPECT_EQ(ad->floor, 41u);
+
   for (Type t : {Type::kHello, Type::kPull, Type::kRelease, Type::kFlush,
                  Type::kStats, Type::kReply}) {
     Message m;

@@ -40,7 +40,9 @@ struct ReplicatorOptions {
   std::string origin;  // this node's name, which the backup files rows under
   std::string secret;
   std::string transports = "auto";
-  std::chrono::milliseconds timeout{60000};  // a connection attempt
+  // A connection attempt (and its hello). Stop waits for one under way:
+  // a backup host that drops packets must not hold a node's stop for long.
+  std::chrono::milliseconds timeout{10000};
   std::chrono::milliseconds retry_every{200};
   std::function<void()> on_connected;
 };

@@ -258,6 +258,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     s.resynced_rows = resynced_rows_.load();
     s.replica_rows = replica_rows_.load();
     s.restored_rows = restored_rows_.load();
+    s.answered_before_copy = answered_before_copy_.load();
+    s.copy_bytes_in_flight = copy_bytes_gauge_.load();
     s.backup_connected = replicator_ && replicator_->connected();
     return s;
   }
@@ -295,6 +297,28 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
               s.log_syncs);
     w.Counter("membox_embedding_push_log_sync_seconds_total",
               "Time spent in fdatasync of the push log.", s.log_sync_seconds);
+    w.Gauge("membox_embedding_backup_connected",
+            "1 while the link to this node's backup (its replica) holds.",
+            s.backup_connected ? 1 : 0);
+    w.Counter("membox_embedding_replicated_pushes_total",
+              "Pushes whose changed rows were copied to the backup.",
+              s.replicated_pushes);
+    w.Counter("membox_embedding_answered_before_copy_total",
+              "Replicated pushes answered before the backup held them "
+              "(within the allowed lag; the client keeps them).",
+              s.answered_before_copy);
+    w.Gauge("membox_embedding_copy_bytes_in_flight",
+            "Bytes of pushes' copies sent to the backup and not yet held.",
+            s.copy_bytes_in_flight);
+    w.Counter("membox_embedding_resynced_rows_total",
+              "Rows sent whole to the backup after it (re)connected.",
+              s.resynced_rows);
+    w.Counter("membox_embedding_replica_rows_total",
+              "Rows taken as another node's backup.", s.replica_rows);
+    w.Gauge("membox_embedding_restored_rows",
+            "Rows taken from the backup when this node started without "
+            "its own.",
+            s.restored_rows);
     struct Table {
       std::string name;
       MemTierStats mem;
@@ -368,6 +392,17 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     UnsyncedAck reply;
     int waiting = 0;
     Status status;  // the first failure: the push is not acknowledged
+    // A push's reply is encoded when it is sent, with the client's copied
+    // floor as it is then (`push`; `client` 0: not numbered).
+    bool push = false;
+    uint64_t client = 0;
+  };
+  // The copies of one push on their way to the backup. Event loop only.
+  struct CopyGroup {
+    uint64_t client = 0, seq = 0;  // the push (0: not numbered)
+    int remaining = 0;
+    uint64_t bytes = 0;
+    std::shared_ptr<PendingAck> ack;  // null: answered without waiting
   };
 
   void StopCompactor() {
@@ -448,15 +483,28 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       case Type::kPush:
       case Type::kReplicate: {
         std::vector<Message> copies;  // for the backup
-        s = m.type == Type::kPush ? Push(c, m, &copies) : Replicate(c, m);
-        const bool wait_sync = log_ && m.type == Type::kPush;
-        if (s.ok() && (wait_sync || !copies.empty())) {
+        const bool push = m.type == Type::kPush;
+        s = push ? Push(c, m, &copies) : Replicate(c, m);
+        if (!s.ok()) break;
+        const uint64_t client = push && m.seq != 0 ? c.client_id : 0;
+        // The copies go now; the push waits for them only past the lag
+        // the backup is allowed (then, as with 0, once it holds them).
+        uint64_t bytes = 0;
+        for (const Message& copy : copies) bytes += CopyBytes(copy);
+        const bool wait_copy =
+            !copies.empty() &&
+            copy_bytes_in_flight_ + bytes > opt_.backup_lag_bytes;
+        const bool wait_sync = log_ && push;
+        std::shared_ptr<PendingAck> ack;
+        if (wait_sync || wait_copy) {
           // (A duplicate too: its original may still wait for the sync.)
           // A push is answered once the log is synced -- one fdatasync for
           // every push queued before the sync task runs (group commit) --
-          // and the backup has its rows; a replica at once.
-          auto ack = std::make_shared<PendingAck>();
-          ack->reply = {r.conn, r.method, r.id, proto::Encode(reply)};
+          // and, past the lag, the backup has its rows; a replica at once.
+          ack = std::make_shared<PendingAck>();
+          ack->reply = {r.conn, r.method, r.id, {}};
+          ack->push = push;
+          ack->client = client;
           if (wait_sync) {
             ack->waiting++;
             unsynced_.push_back(ack);
@@ -464,15 +512,31 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
               sync_posted_ = server_->Post([this] { SyncPushLog(); });
             }
           }
-          ack->waiting += static_cast<int>(copies.size());
-          if (!copies.empty()) replicated_pushes_++;
-          for (Message& copy : copies) {
-            replicator_->Send(std::move(copy), [this, ack](const Status& st) {
-              server_->Post([this, ack, st] { CopyDone(ack, st); });
-            });
-          }
-          return;
+          if (wait_copy) ack->waiting++;
         }
+        if (!copies.empty()) {
+          replicated_pushes_++;
+          if (!wait_copy) answered_before_copy_++;
+          auto group = std::make_shared<CopyGroup>();
+          group->client = client;
+          group->seq = client != 0 ? m.seq : 0;
+          group->remaining = static_cast<int>(copies.size());
+          group->bytes = bytes;
+          if (wait_copy) group->ack = ack;
+          if (client != 0) copying_[client].insert(m.seq);
+          copy_bytes_in_flight_ += bytes;
+          copy_bytes_gauge_.store(copy_bytes_in_flight_);
+          for (Message& copy : copies) {
+            replicator_->Send(std::move(copy),
+                              [this, group](const Status& st) {
+                                server_->Post([this, group, st] {
+                                  CopyDone(group, st);
+                                });
+                              });
+          }
+        }
+        if (ack) return;
+        if (push) reply.floor = CopiedFloor(client);
         break;
       }
       case Type::kFetchReplica:
@@ -918,15 +982,50 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   }
 
   // One copy the backup has taken (or could not take: the push is durable
-  // here; the backup gets every row again when it is back).
-  void CopyDone(const std::shared_ptr<PendingAck>& ack, const Status& st) {
-    if (!st.ok() && st.code() != StatusCode::kUnavailable &&
-        st.code() != StatusCode::kAborted) {
+  // here; the backup gets every row again when it is back, and until then
+  // a single failure -- the backup's -- has happened already). A node that
+  // is stopping (kAborted) answers nothing more.
+  void CopyDone(const std::shared_ptr<CopyGroup>& g, const Status& st) {
+    if (st.code() == StatusCode::kAborted) return;
+    if (!st.ok() && st.code() != StatusCode::kUnavailable) {
       MEMBOX_LOG_ERROR("backup {} refused this node's rows: {}",
                        replicator_ ? replicator_->backup() : std::string(),
                        st.ToString());
     }
-    Settle(ack, Status::Ok());
+    if (--g->remaining > 0) return;
+    copy_bytes_in_flight_ -= g->bytes;
+    copy_bytes_gauge_.store(copy_bytes_in_flight_);
+    if (g->client != 0) {
+      auto it = copying_.find(g->client);
+      if (it != copying_.end()) {
+        it->second.erase(g->seq);
+        if (it->second.empty()) copying_.erase(it);
+      }
+    }
+    if (g->ack) Settle(g->ack, Status::Ok());
+  }
+
+  static uint64_t CopyBytes(const Message& copy) {
+    uint64_t b = 64 + copy.applied.size() * 24;
+    for (const proto::Section& s : copy.sections) {
+      b += s.keys.size() * 8 + s.values.size() * 4;
+    }
+    return b;
+  }
+
+  // The reply floor of a push of `client`: every push of it numbered this
+  // or less is held by two nodes -- its copy is not in flight -- or is
+  // not yet answered (the client keeps those anyway). 0: not numbered.
+  uint64_t CopiedFloor(uint64_t client) const {
+    if (client == 0) return 0;
+    auto c = copying_.find(client);
+    if (c != copying_.end() && !c->second.empty()) {
+      return *c->second.begin() - 1;
+    }
+    auto a = applied_.find(client);
+    if (a == applied_.end()) return 0;
+    return a->second.above.empty() ? a->second.floor
+                                   : *a->second.above.rbegin();
   }
 
   // A push's rows from the node whose backup this is (`m.name`): the
@@ -1395,6 +1494,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
                                                        : " not connected")
                         : std::string("none"))
         << " replicated_pushes " << replicated_pushes_.load()
+        << " answered_before_copy " << answered_before_copy_.load()
+        << " copy_bytes_in_flight " << copy_bytes_in_flight_
         << " resynced_rows " << resynced_rows_.load() << " restored_rows "
         << restored_rows_.load() << "\nreplica_rows " << replica_rows_.load();
       for (auto& t : tables_) {
@@ -1425,6 +1526,12 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     if (!st.ok() && a->status.ok()) a->status = st;
     if (--a->waiting > 0) return;
     if (a->status.ok()) {
+      if (a->push) {
+        Message reply;
+        reply.type = Type::kReply;
+        reply.floor = CopiedFloor(a->client);
+        a->reply.body = proto::Encode(reply);
+      }
       server_->Reply(a->reply.conn, a->reply.method, a->reply.id, a->status,
                      std::move(a->reply.body));
     } else {
@@ -1609,7 +1716,12 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   std::atomic<bool> restoring_{false}, stopping_{false};
   std::vector<HeldRequest> held_;
   std::atomic<uint64_t> replicated_pushes_{0}, resynced_rows_{0},
-      replica_rows_{0}, restored_rows_{0};
+      replica_rows_{0}, restored_rows_{0}, answered_before_copy_{0},
+      copy_bytes_gauge_{0};
+  // Event loop only: the pushes' copies in flight, their bytes, and per
+  // numbered client the pushes whose copies are (CopiedFloor).
+  uint64_t copy_bytes_in_flight_ = 0;
+  std::unordered_map<uint64_t, std::set<uint64_t>> copying_;
   // Pushes written to the log and not yet synced (unsynced_, then to_sync_).
   std::vector<std::shared_ptr<PendingAck>> unsynced_;
   bool sync_posted_ = false;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <random>
 
@@ -17,6 +18,7 @@
 #include "membox/embedding/pipeline.h"
 #include "membox/service/client.h"
 #include "membox/service/envelope.h"
+#include "membox/service/server.h"
 #include "membox/transport/device.h"
 
 #include "src/embedding/protocol.h"
@@ -87,9 +89,70 @@ class EmbeddingServerTest : public ::testing::Test {
     return proto::Decode(static_cast<uint16_t>(reply), body);
   }
 
+  // Until every copy `s` sent its backup is held there (or 10 s).
+  static void WaitForCopies(EmbeddingServer& s) {
+    for (int i = 0; i < 1000 && s.Stats().copy_bytes_in_flight > 0; ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_EQ(s.Stats().copy_bytes_in_flight, 0u);
+  }
+
   std::filesystem::path dir_;
   std::vector<std::unique_ptr<EmbeddingServer>> servers_;
   uint64_t next_id_ = 1;
+};
+
+// A backup that takes a node's copies and never answers them (stalled, or
+// far behind), and holds nothing for a restore.
+class StalledBackup : public service::Service {
+ public:
+  static std::unique_ptr<StalledBackup> Start() {
+    auto b = std::make_unique<StalledBackup>();
+    service::ServerOptions so;
+    so.device.listen_address = "127.0.0.1:0";
+    so.device.secret = kSecret;
+    so.service = "stalled backup";
+    auto s = service::Server::Create(so, b.get());
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    if (!s.ok()) return nullptr;
+    b->server_ = std::move(*s);
+    EXPECT_TRUE(b->server_->Serve().ok());
+    b->endpoint_ = b->server_->endpoint();
+    return b;
+  }
+  ~StalledBackup() override { Stop(); }
+  // Gone, as a dead process is: its address refuses connections.
+  void Stop() {
+    if (server_) server_->Stop();
+    server_.reset();
+  }
+  std::string endpoint() const { return endpoint_; }
+  int held() const { return held_; }
+
+  void OnRequest(const service::Request& r) override {
+    auto m = proto::Decode(r.method, r.body);
+    if (!m.ok()) return server_->Reply(r, m.status());
+    proto::Message reply;
+    reply.type = proto::Type::kReply;
+    switch (m->type) {
+      case proto::Type::kHello:
+        server_->Establish(r.conn);
+        return server_->Reply(r, Status::Ok(), proto::Encode(reply));
+      case proto::Type::kFetchReplica:
+        reply.type = proto::Type::kReplicate;  // no table: nothing held
+        return server_->Reply(r, Status::Ok(), proto::Encode(reply));
+      case proto::Type::kReplicate:
+        held_++;  // never answered
+        return;
+      default:
+        return server_->Reply(r, UnimplementedError("not a backup's"));
+    }
+  }
+
+ private:
+  std::unique_ptr<service::Server> server_;
+  std::string endpoint_;
+  std::atomic<int> held_{0};
 };
 
 TableConfig Config(RowOptimizer o = RowOptimizer::kAdagrad, uint32_t dim = 8) {
@@ -667,6 +730,7 @@ TEST_F(EmbeddingServerTest, AReplicaOnTheNextNodeRestoresALostDisk) {
     ASSERT_TRUE((*c)->Pull(*t, keys, before.data()).ok());
   }
   EXPECT_EQ(primary->Stats().replicated_pushes, 3u);
+  WaitForCopies(*primary);
   EXPECT_EQ(servers_[0]->Stats().replica_rows, 3 * keys.size());
   // The backup's copy is no client's table: not even the cluster's
   // status lists it among the tables.
@@ -720,7 +784,10 @@ TEST_F(EmbeddingServerTest, AReplicaOnTheNextNodeRestoresALostDisk) {
     for (uint32_t d = 0; d < cfg.dim; ++d) before[1 * cfg.dim + d] = row7[d];
   }
 
-  // The disk is lost: the node comes back at its address with nothing.
+  // The disk is lost: the node comes back at its address with nothing
+  // (once its backup holds every copy: the raw push's sender keeps
+  // nothing to resend).
+  WaitForCopies(*primary);
   primary.reset();
   std::filesystem::remove_all(dir_ / "primary");
   primary = start_primary(ep);
@@ -761,6 +828,128 @@ TEST_F(EmbeddingServerTest, AReplicaOnTheNextNodeRestoresALostDisk) {
     ch->Close();
   }
   EXPECT_EQ(primary->Stats().duplicate_pushes, 1u);
+}
+
+// The backup's copy may lag the answers: a push is answered once this
+// node's log is synced, and the client keeps it until a reply's floor says
+// the backup holds it. Here the backup holds nothing ever, and the node
+// then loses its disk: the clients' kept pushes, resent to the node that
+// comes back, are every acknowledged push.
+TEST_F(EmbeddingServerTest, ALaggingBackupLosesNoAcknowledgedPush) {
+  auto backup = StalledBackup::Start();
+  ASSERT_TRUE(backup);
+  auto start_primary =
+      [&](const std::string& listen) -> std::unique_ptr<EmbeddingServer> {
+    EmbeddingServerOptions o;
+    o.listen = listen;
+    o.secret = kSecret;
+    o.dir = (dir_ / "primary").string();
+    o.flush_interval = 0ms;
+    o.backup = backup->endpoint();
+    o.name = "node-1";
+    auto s = EmbeddingServer::Start(o);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? std::move(*s) : nullptr;
+  };
+  auto primary = start_primary("127.0.0.1:0");
+  ASSERT_TRUE(primary);
+  const std::string ep = primary->endpoint();
+  for (int i = 0; i < 200 && !primary->Stats().backup_connected; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_TRUE(primary->Stats().backup_connected);
+
+  EmbeddingClientOptions co;
+  co.nodes = {ep};
+  co.secret = kSecret;
+  co.timeout = 20s;
+  co.failover_timeout = 20s;  // rides through the node's loss
+  auto c = EmbeddingClient::Connect(co);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  TableConfig cfg = Config(RowOptimizer::kAdagrad, 8);
+  auto t = (*c)->OpenTable(cfg);
+  ASSERT_TRUE(t.ok());
+  std::vector<uint64_t> keys(500);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = i * 3;
+  auto grad = [&](int step) {
+    std::vector<float> g(keys.size() * cfg.dim);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = 0.01f * ((i + step) % 11);
+    return g;
+  };
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE((*c)->Push(*t, keys, grad(step)).ok()) << "answered";
+  }
+  EXPECT_EQ(primary->Stats().replicated_pushes, 3u);
+  EXPECT_EQ(primary->Stats().answered_before_copy, 3u);
+  EXPECT_GT(primary->Stats().copy_bytes_in_flight, 0u);
+
+  // The disk is lost; the node comes back at its address and restores
+  // its backup's rows: none.
+  primary.reset();
+  std::filesystem::remove_all(dir_ / "primary");
+  primary = start_primary(ep);
+  ASSERT_TRUE(primary);
+  std::vector<float> got(keys.size() * cfg.dim);
+  ASSERT_TRUE((*c)->Pull(*t, keys, got.data()).ok());
+  EXPECT_EQ(primary->Stats().pushes, 3u) << "the kept pushes, resent";
+  for (size_t i = 0; i < keys.size(); ++i) {
+    std::vector<float> row(cfg.row_floats());
+    InitializeRow(cfg, keys[i], row);
+    for (int step = 0; step < 3; ++step) {
+      std::vector<float> g = grad(step);
+      ApplyGradient(cfg, row,
+                    {g.data() + i * cfg.dim, static_cast<size_t>(cfg.dim)});
+    }
+    for (uint32_t d = 0; d < cfg.dim; ++d) {
+      ASSERT_EQ(got[i * cfg.dim + d], row[d]) << "key " << keys[i];
+    }
+  }
+  c->reset();
+  primary.reset();
+}
+
+// Past the lag it is allowed (here none: --emb-backup-lag 0), a push is
+// answered once the backup holds its rows; a backup that goes away
+// releases it (the rows are durable on the node, and resynced later).
+TEST_F(EmbeddingServerTest, PastItsLagAPushWaitsForTheBackup) {
+  auto backup = StalledBackup::Start();
+  ASSERT_TRUE(backup);
+  EmbeddingServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.secret = kSecret;
+  o.dir = (dir_ / "primary").string();
+  o.flush_interval = 0ms;
+  o.backup = backup->endpoint();
+  o.name = "node-0";
+  o.backup_lag_bytes = 0;
+  auto primary = EmbeddingServer::Start(o);
+  ASSERT_TRUE(primary.ok()) << primary.status().ToString();
+  for (int i = 0; i < 200 && !(*primary)->Stats().backup_connected; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_TRUE((*primary)->Stats().backup_connected);
+  EmbeddingClientOptions co;
+  co.nodes = {(*primary)->endpoint()};
+  co.secret = kSecret;
+  co.timeout = 20s;
+  auto c = EmbeddingClient::Connect(co);
+  ASSERT_TRUE(c.ok());
+  TableConfig cfg = Config(RowOptimizer::kAdagrad, 4);
+  auto t = (*c)->OpenTable(cfg);
+  ASSERT_TRUE(t.ok());
+  std::vector<uint64_t> keys = {1, 2, 3};
+  std::vector<float> g(keys.size() * cfg.dim, 0.5f);
+  auto pushed = std::async(std::launch::async,
+                           [&] { return (*c)->Push(*t, keys, g); });
+  EXPECT_EQ(pushed.wait_for(500ms), std::future_status::timeout)
+      << "answered before the backup held the rows";
+  EXPECT_GE(backup->held(), 1);
+  backup->Stop();  // the backup is lost
+  ASSERT_EQ(pushed.wait_for(20s), std::future_status::ready);
+  EXPECT_TRUE(pushed.get().ok());
+  EXPECT_EQ((*primary)->Stats().answered_before_copy, 0u);
+  c->reset();
+  primary->reset();
 }
 
 // A backup that is away does not stop the pushes: they are answered with
@@ -820,6 +1009,7 @@ TEST_F(EmbeddingServerTest, ABackupThatIsAwayGetsEveryRowWhenItComes) {
   // From now on a push is copied before it is answered.
   ASSERT_TRUE((*c)->Push(*t, keys, g).ok());
   EXPECT_EQ((*primary)->Stats().replicated_pushes, 1u);
+  WaitForCopies(**primary);
   EXPECT_EQ((*backup)->Stats().replica_rows, 2 * keys.size());
   c->reset();
   primary->reset();

@@ -15,7 +15,10 @@
 // cannot be evicted under them).
 //
 // Replication: with a backup, every push's changed rows are copied there
-// before the push is answered (EmbeddingServerOptions::backup).
+// (EmbeddingServerOptions::backup). The copy may lag the answer by up to
+// backup_lag_bytes: the client keeps each answered push until a reply's
+// floor says the backup holds it, and resends it to a node that comes back
+// without its disk.
 //
 // Durability: with the push log (the default) a push is acknowledged once
 // its rows are logged and synced; without it, once applied in memory.
@@ -60,9 +63,8 @@ struct EmbeddingServerOptions {
   // after a flush (Flush(), the flush interval).
   bool push_log = true;
   // Another node's embedding server that keeps a copy of every row this
-  // one acknowledges (a replica): a push is answered once its rows are
-  // there too, or the backup is known to be down (then it is resynced when
-  // it is back). A node started with no tables of its own in `dir` -- its
+  // one acknowledges (a replica): a push's changed rows go there as it is
+  // applied, and the backup is resynced whole whenever it (re)connects. A node started with no tables of its own in `dir` -- its
   // disk was lost, or this is a fresh job -- first takes whatever the
   // backup holds for `name` (docs/design/embedding.md, "A replica on the
   // next node"). Empty: no replica.
@@ -73,6 +75,14 @@ struct EmbeddingServerOptions {
   std::string name;
   // How long a restore waits for the backup to answer.
   std::chrono::milliseconds restore_timeout{30000};
+  // How far the backup's copy may lag the answers: while the copies in
+  // flight hold fewer bytes than this, a push is answered after this
+  // node's own log sync, and its reply's floor tells the client which of
+  // its pushes the backup holds (the client keeps the others to resend; a
+  // push the backup does not hold is lost only if this node's disk and
+  // that client die together). Past it, a push is answered once the backup
+  // holds its rows. 0: every push waits for its copy.
+  uint64_t backup_lag_bytes = 32ull << 20;
 };
 
 struct EmbeddingServerStats {
@@ -91,6 +101,9 @@ struct EmbeddingServerStats {
   // the backup at start (a restore).
   uint64_t replicated_pushes = 0, resynced_rows = 0, replica_rows = 0,
            restored_rows = 0;
+  // Of the replicated pushes, those answered before the backup held them
+  // (within backup_lag_bytes), and the copies' bytes in flight now.
+  uint64_t answered_before_copy = 0, copy_bytes_in_flight = 0;
   bool backup_connected = false;
 };
 
