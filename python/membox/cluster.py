@@ -96,7 +96,7 @@ def load_topology(path):
         raise ClusterError(f"{path}: {e}")
     known = {"name", "subnet", "workers", "memory", "rate", "delay_ms", "pool",
              "emb_budget", "host", "sync_cores", "ps_replicate",
-             "emb_replicate",
+             "emb_replicate", "emb_backup_lag",
              "ps_read_window", "standby"}
     extra = set(cfg) - known
     if extra:
@@ -155,6 +155,7 @@ def load_topology(path):
             "sync_cores": int(cfg.get("sync_cores", 1)),
             "ps_replicate": bool(cfg.get("ps_replicate", True)),
             "emb_replicate": bool(cfg.get("emb_replicate", True)),
+            "emb_backup_lag": str(cfg.get("emb_backup_lag", "32MiB")),
             "ps_read_window": cfg.get("ps_read_window"),
             "state": os.path.join(STATE_ROOT, name), "source": os.path.abspath(path)}
 
@@ -376,7 +377,8 @@ def _up(topo, log):
                 h not in mem:
             return []
         nxt = mem[(mem.index(h) + 1) % len(mem)]
-        return ["--emb-backup", f"{nxt['ip']}:{EMB_PORT}"]
+        return ["--emb-backup", f"{nxt['ip']}:{EMB_PORT}",
+                "--emb-backup-lag", topo.get("emb_backup_lag", "32MiB")]
 
     def serve(h, place, standby=False):
         """Starts host h's `membox serve`; `place`: its proxy's flags."""

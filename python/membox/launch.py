@@ -229,9 +229,16 @@ def main(argv=None):
                     "(logged and synced first); off: at the next flush")
     ap.add_argument("--emb-replicate", choices=("on", "off"), default="on",
                     help="on (with 2+ nodes): each node's embedding rows are "
-                    "copied to the next node before a push is answered, so "
-                    "a node whose disk is lost takes them back from there "
-                    "(docs/design/embedding.md)")
+                    "copied to the next node, so a node whose disk is lost "
+                    "takes them back from there and the workers resend what "
+                    "the copy did not hold yet (docs/design/embedding.md); "
+                    "off: saves the copy's cost (docs/results/failures.md, "
+                    "'Durable sparse pushes') and loses the rows of a node "
+                    "whose disk is lost")
+    ap.add_argument("--emb-backup-lag", default="32MiB",
+                    help="bytes of copies a node's backup may lag behind its "
+                    "answers (the workers keep those pushes); 0: a push is "
+                    "answered once the backup holds its rows")
     ap.add_argument("--node-log-level",
                     default=os.environ.get("MEMBOX_LOG_LEVEL", "warn"),
                     choices=["trace", "debug", "info", "warn", "error", "off"],
@@ -319,7 +326,8 @@ def main(argv=None):
                        "--emb-budget", a.emb_budget,
                        "--emb-push-log", a.emb_push_log]
             if a.nodes > 1 and a.emb_replicate == "on":
-                argv_n += ["--emb-backup", emb_eps[(i + 1) % a.nodes]]
+                argv_n += ["--emb-backup", emb_eps[(i + 1) % a.nodes],
+                           "--emb-backup-lag", a.emb_backup_lag]
             if a.checkpoint_dir:
                 argv_n += ["--checkpoint-dir", a.checkpoint_dir]
             node_argv.append(list(argv_n))

@@ -94,6 +94,9 @@ Result<TableConfig> ParseTableFile(const std::string& text) {
 // refused in names, and principals hold none), and no client reaches
 // them.
 constexpr const char* kReplicaInfix = "@@replica-";
+// One push's replica messages held until its last (a push carries at most
+// 1 MiB of gradients; its rows with optimizer state are a few times that).
+constexpr uint64_t kMaxStagedBytes = 64ull << 20;
 
 Status ValidateOrigin(const std::string& origin) {
   return ValidatePrincipalName(origin).ok()
@@ -144,6 +147,10 @@ struct Conn {
   // table it reads (fixed when its first chunk is read).
   uint32_t fetch_table = UINT32_MAX;
   std::vector<uint64_t> fetch_keys;
+  // A push's replica messages before its last (kReplicate `more`), held
+  // until the last arrives: a push's copy is applied whole.
+  std::vector<proto::Message> staged;
+  uint64_t staged_bytes = 0;
   // (table, client batch) -> the memory tier's batch tag
   std::map<std::pair<uint32_t, uint64_t>, uint64_t> batches;
 };
@@ -950,21 +957,30 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   }
 
   // The kReplicate messages of one push's changed rows (`logged`, whose
-  // sections are `tables`' in order): one per section, the applied push
-  // with the last.
+  // sections are `tables`' in order): each within one message (a row with
+  // its optimizer state is larger than the gradient the push carried, so
+  // a section may take several), the applied push with the last, and
+  // every one but the last marked `more` (rejoin): the backup applies a
+  // push's copy whole or not at all.
   std::vector<Message> CopiesOf(const PushLogRecord& logged,
                                 const std::vector<Table*>& tables) const {
     std::vector<Message> out;
     for (size_t k = 0; k < logged.sections.size(); ++k) {
       const PushLogSection& ls = logged.sections[k];
-      Message& r = out.emplace_back();
-      r.type = Type::kReplicate;
-      r.name = opt_.name;
-      r.table = tables[k]->config;
-      proto::Section& sec = r.sections.emplace_back();
-      sec.keys = ls.keys;
-      sec.values.resize(ls.rows.size() / 4);
-      std::memcpy(sec.values.data(), ls.rows.data(), ls.rows.size());
+      const uint32_t rf = tables[k]->config.row_floats();
+      const size_t per = proto::MaxKeysPerMessage(rf);
+      for (size_t at = 0; at < ls.keys.size(); at += per) {
+        const size_t n = std::min(per, ls.keys.size() - at);
+        Message& r = out.emplace_back();
+        r.type = Type::kReplicate;
+        r.name = opt_.name;
+        r.table = tables[k]->config;
+        proto::Section& sec = r.sections.emplace_back();
+        sec.keys.assign(ls.keys.begin() + at, ls.keys.begin() + at + n);
+        sec.values.resize(n * rf);
+        std::memcpy(sec.values.data(), ls.rows.data() + at * ls.row_bytes,
+                    n * ls.row_bytes);
+      }
     }
     if (out.empty() && !logged.applied.empty()) {
       // A push of no rows (a release alone) still numbers a push.
@@ -974,6 +990,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       r.table = tables.empty() ? TableConfig{} : tables[0]->config;
     }
     if (!out.empty()) {
+      for (size_t i = 0; i + 1 < out.size(); ++i) out[i].rejoin = true;
       for (const PushLogApplied& a : logged.applied) {
         out.back().applied.push_back({a.client, a.floor, a.seq});
       }
@@ -1048,13 +1065,11 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         return InvalidArgumentError("replica names a malformed push");
       }
     }
-    PushLogRecord logged;
     if (!m.sections.empty()) {
       RETURN_IF_ERROR(ValidateTableConfig(m.table));
       ASSIGN_OR_RETURN(Table * t, OpenReplica(m.name, m.table));
       const proto::Section& s = m.sections[0];
       const uint32_t rf = t->config.row_floats();
-      const uint32_t rb = t->config.row_bytes();
       if (s.values.size() != s.keys.size() * size_t(rf)) {
         return InvalidArgumentError(
             "replica of table " + m.table.name + " carries " +
@@ -1066,25 +1081,61 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           return InvalidArgumentError("replica carries a non-finite value");
         }
       }
-      // Straight to the copy's SSD tier (its file's page cache): no memory
-      // tier, no log record. A copy that this process's death cuts short
-      // is made whole by the resync its node sends when it reconnects.
-      RETURN_IF_ERROR(t->ssd->Put(
-          s.keys, {reinterpret_cast<const uint8_t*>(s.values.data()),
-                   s.keys.size() * size_t{rb}}));
-      replica_rows_ += s.keys.size();
     }
+    if (!c.staged.empty() && c.staged.front().name != m.name) {
+      const std::string first = c.staged.front().name;
+      c.staged.clear();
+      c.staged_bytes = 0;
+      return InvalidArgumentError("replica of " + m.name +
+                                  " interleaved with one of " + first);
+    }
+    // A push's copy is applied whole or not at all: its messages but the
+    // last are held here (a node dying halfway leaves none of its rows,
+    // so its clients' resend of that push is applied once).
+    if (m.rejoin) {
+      c.staged_bytes += CopyBytes(m);
+      if (c.staged_bytes > kMaxStagedBytes) {
+        c.staged.clear();
+        c.staged_bytes = 0;
+        return ResourceExhaustedError(
+            "one push's replica exceeds " + std::to_string(kMaxStagedBytes) +
+            " bytes");
+      }
+      c.staged.push_back(m);
+      return Status::Ok();
+    }
+    std::vector<Message> parts;
+    parts.swap(c.staged);
+    c.staged_bytes = 0;
+    for (const Message& part : parts) RETURN_IF_ERROR(ApplyReplica(part));
+    RETURN_IF_ERROR(ApplyReplica(m));
+    PushLogRecord logged;
     for (const proto::Applied& a : m.applied) {
       ClientPushes& cp = applied_[a.client];
       cp.Forget(a.floor);
       if (a.seq > cp.floor) cp.above.insert(a.seq);
       logged.applied.push_back({a.client, a.floor, a.seq});
     }
-    if (log_ && (!logged.sections.empty() || !logged.applied.empty())) {
+    if (log_ && !logged.applied.empty()) {
       RETURN_IF_ERROR(log_->Write(logged));
       log_appends_.store(log_->appends());
       log_bytes_.store(log_->bytes());
     }
+    return Status::Ok();
+  }
+
+  // One validated replica message's rows, into the copy's SSD tier (its
+  // file's page cache): no memory tier, no log record. A copy that this
+  // process's death cuts short is made whole by the resync its node sends
+  // when it reconnects.
+  Status ApplyReplica(const Message& m) {
+    if (m.sections.empty()) return Status::Ok();
+    ASSIGN_OR_RETURN(Table * t, OpenReplica(m.name, m.table));
+    const proto::Section& s = m.sections[0];
+    RETURN_IF_ERROR(t->ssd->Put(
+        s.keys, {reinterpret_cast<const uint8_t*>(s.values.data()),
+                 s.keys.size() * size_t{t->config.row_bytes()}}));
+    replica_rows_ += s.keys.size();
     return Status::Ok();
   }
 

@@ -1094,6 +1094,70 @@ TEST_F(EmbeddingServerTest, ReplicasAreTheNodesOwnBusiness) {
   bad = rep;
   bad.table.dim = 2;
   EXPECT_EQ(call(*node, bad).status().code(), StatusCode::kFailedPrecondition);
+
+  // A push's copy in several messages is applied whole or not at all: the
+  // first part alone, its sender gone, leaves no row.
+  const uint64_t before = servers_[0]->Stats().replica_rows;
+  proto::Message part = rep;
+  part.sections[0].keys = {10, 11};
+  part.rejoin = true;  // more of this push follows
+  proto::Message last = rep;
+  last.sections[0].keys = {12, 13};
+  last.applied.push_back({77, 0, 1});
+  {
+    auto [pdev, partial] = connect(kSecret);
+    ASSERT_TRUE(call(*partial, part).ok());
+    EXPECT_EQ(servers_[0]->Stats().replica_rows, before) << "held";
+    partial->Close();
+  }
+  auto [wdev, whole] = connect(kSecret);
+  ASSERT_TRUE(call(*whole, part).ok());
+  EXPECT_EQ(servers_[0]->Stats().replica_rows, before);
+  ASSERT_TRUE(call(*whole, last).ok());
+  EXPECT_EQ(servers_[0]->Stats().replica_rows, before + 4) << "both parts";
+  // Parts of two nodes' pushes do not mix on one connection.
+  ASSERT_TRUE(call(*whole, part).ok());
+  bad = last;
+  bad.name = "node-4";
+  EXPECT_EQ(call(*whole, bad).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(servers_[0]->Stats().replica_rows, before + 4);
+}
+
+// A row with its optimizer state is larger than the gradient a push
+// carried: a push as large as a message is copied in several, all of
+// them arriving.
+TEST_F(EmbeddingServerTest, ALargePushIsCopiedInSeveralMessages) {
+  StartServers(1);  // the backup
+  EmbeddingServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.secret = kSecret;
+  o.dir = (dir_ / "primary").string();
+  o.flush_interval = 0ms;
+  o.backup = servers_[0]->endpoint();
+  o.name = "node-1";
+  auto primary = EmbeddingServer::Start(o);
+  ASSERT_TRUE(primary.ok()) << primary.status().ToString();
+  for (int i = 0; i < 200 && !(*primary)->Stats().backup_connected; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EmbeddingClientOptions co;
+  co.nodes = {(*primary)->endpoint()};
+  co.secret = kSecret;
+  co.timeout = 20s;
+  auto c = EmbeddingClient::Connect(co);
+  ASSERT_TRUE(c.ok());
+  TableConfig cfg = Config(RowOptimizer::kAdam, 32);  // rows 3x the grads
+  auto t = (*c)->OpenTable(cfg);
+  ASSERT_TRUE(t.ok());
+  std::vector<uint64_t> keys(proto::MaxKeysPerMessage(cfg.dim));
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = i;
+  std::vector<float> g(keys.size() * cfg.dim, 0.25f);
+  ASSERT_TRUE((*c)->Push(*t, keys, g).ok());
+  WaitForCopies(**primary);
+  EXPECT_EQ(servers_[0]->Stats().replica_rows, keys.size());
+  EXPECT_EQ(servers_[0]->Stats().rejected, 0u);
+  c->reset();
+  primary->reset();
 }
 
 TEST_F(EmbeddingServerTest, PinnedBatchesHoldTheBudgetUntilReleased) {
