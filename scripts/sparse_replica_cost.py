@@ -10,6 +10,7 @@ ratios against the push log alone.
     scripts/sparse_replica_cost.py --python VENV/bin/python [--repeats 3]
         [--cluster examples/cluster/4w4m.toml]   # root: emulated hosts
         [--no-bench] [--no-local] [--csv F] [--plot F]
+    scripts/sparse_replica_cost.py --from-csv F --plot P   # redraw only
 
 Work: `membox bench embedding` (pushes through 2 node processes, rows/s of
 its loop without prefetch), and examples/ctr_wide_deep.py (samples/s) under
@@ -93,8 +94,9 @@ def cluster_topologies(topology, tmp):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--python", required=True,
+    ap.add_argument("--python",
                     help="an interpreter with torch 2.x (the CTR example)")
+    ap.add_argument("--from-csv", help="run nothing: the records of F")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cluster", help="a topology (root): also across hosts")
     ap.add_argument("--no-bench", action="store_true")
@@ -103,6 +105,13 @@ def main():
     ap.add_argument("--plot")
     a = ap.parse_args()
     rows = []  # (source, run, variant, metric, value, unit)
+    if a.from_csv:
+        with open(a.from_csv) as f:
+            rows = [(r["source"], int(r["run"]), r["variant"], r["metric"],
+                     float(r["value"]), r["unit"]) for r in csv.DictReader(f)]
+        a.repeats = 0
+    elif not a.python:
+        ap.error("--python is required unless --from-csv")
     with tempfile.TemporaryDirectory() as tmp:
         topo = cluster_topologies(a.cluster, tmp) if a.cluster else None
         for r in range(1, a.repeats + 1):
@@ -135,7 +144,7 @@ def main():
               f"{med[(s, 'copy-first')]:10.0f} {u:12.0f}  "
               f"{med[(s, 'lagging')] / u:13.2f}  "
               f"{med[(s, 'copy-first')] / u:16.2f}")
-    if a.csv:
+    if a.csv and not a.from_csv:
         with open(a.csv, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["source", "run", "variant", "metric", "value",
@@ -159,7 +168,8 @@ def main():
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.set_ylabel("throughput / push log alone (median)")
         ax.set_title("What the sparse replica costs")
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1.35)
+        ax.legend(fontsize=8, loc="upper center", ncol=3)
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)
 
