@@ -85,8 +85,9 @@ using ReplyFn = std::function<void(Result<Message>)>;
 // acknowledged, not applied twice. An answered push is kept too while the
 // node's backup may not hold it (the reply's floor is below it): a node
 // that comes back without its disk restores its backup's rows, and the
-// greeting sends it the kept pushes before the Link resends the rest. A node not back within the failover
-// time fails what is kept and everything after (UNAVAILABLE, naming it).
+// greeting sends it the kept pushes before the Link resends the rest. A node
+// not back within the failover time fails what is kept and everything after
+// (UNAVAILABLE, naming it).
 //
 // Messages carry the client's table numbers; each (re)send translates them
 // into the node's ids. Order: send_mu_ is held while a request is numbered
@@ -189,8 +190,7 @@ class Node {
         [this, kept] { return Encode(kept.get()); },
         [this, kept, seq, done = std::move(done)](
             const Status& s, std::span<const uint8_t> body) {
-          Result<Message> r =
-              s.ok() ? DecodeReply(body) : Result<Message>(s);
+          Result<Message> r = s.ok() ? DecodeReply(body) : Result<Message>(s);
           if (seq != 0) {
             MutexLock l(&mu_);
             unanswered_.erase(seq);
@@ -302,9 +302,9 @@ class Node {
     // acknowledges them without applying them twice.
     for (const std::shared_ptr<Kept>& k : resend) {
       ASSIGN_OR_RETURN(
-          Message r, c.CallDecoded<Message>(static_cast<uint16_t>(Type::kPush),
-                                            Encode(k.get()), DecodeReply,
-                                            opt_.timeout));
+          Message r,
+          c.CallDecoded<Message>(static_cast<uint16_t>(Type::kPush),
+                                 Encode(k.get()), DecodeReply, opt_.timeout));
       MutexLock l(&mu_);
       CopiedUpTo(r.floor);
     }

@@ -534,12 +534,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           copy_bytes_in_flight_ += bytes;
           copy_bytes_gauge_.store(copy_bytes_in_flight_);
           for (Message& copy : copies) {
-            replicator_->Send(std::move(copy),
-                              [this, group](const Status& st) {
-                                server_->Post([this, group, st] {
-                                  CopyDone(group, st);
-                                });
-                              });
+            replicator_->Send(std::move(copy), [this, group](const Status& st) {
+              server_->Post([this, group, st] { CopyDone(group, st); });
+            });
           }
         }
         if (ack) return;
@@ -1097,9 +1094,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       if (c.staged_bytes > kMaxStagedBytes) {
         c.staged.clear();
         c.staged_bytes = 0;
-        return ResourceExhaustedError(
-            "one push's replica exceeds " + std::to_string(kMaxStagedBytes) +
-            " bytes");
+        return ResourceExhaustedError("one push's replica exceeds " +
+                                      std::to_string(kMaxStagedBytes) +
+                                      " bytes");
       }
       c.staged.push_back(m);
       return Status::Ok();
@@ -1132,9 +1129,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     if (m.sections.empty()) return Status::Ok();
     ASSIGN_OR_RETURN(Table * t, OpenReplica(m.name, m.table));
     const proto::Section& s = m.sections[0];
-    RETURN_IF_ERROR(t->ssd->Put(
-        s.keys, {reinterpret_cast<const uint8_t*>(s.values.data()),
-                 s.keys.size() * size_t{t->config.row_bytes()}}));
+    RETURN_IF_ERROR(
+        t->ssd->Put(s.keys, {reinterpret_cast<const uint8_t*>(s.values.data()),
+                             s.keys.size() * size_t{t->config.row_bytes()}}));
     replica_rows_ += s.keys.size();
     return Status::Ok();
   }

@@ -89,6 +89,41 @@ class EmbeddingServerTest : public ::testing::Test {
     return proto::Decode(static_cast<uint16_t>(reply), body);
   }
 
+  // A client's options for the one node at `ep`.
+  static EmbeddingClientOptions OneNode(const std::string& ep,
+                                        std::chrono::milliseconds failover) {
+    EmbeddingClientOptions co;
+    co.nodes = {ep};
+    co.secret = kSecret;
+    co.timeout = 20s;
+    co.failover_timeout = failover;
+    return co;
+  }
+
+  // A node in dir_/`dir` named `name` whose backup is `backup`, listening
+  // at `listen`, once its link to the backup holds (null on failure).
+  std::unique_ptr<EmbeddingServer> StartWithBackup(
+      const std::string& listen, const std::string& backup,
+      const std::string& name = "node-1", const std::string& dir = "primary",
+      uint64_t lag_bytes = EmbeddingServerOptions().backup_lag_bytes) {
+    EmbeddingServerOptions o;
+    o.listen = listen;
+    o.secret = kSecret;
+    o.dir = (dir_ / dir).string();
+    o.flush_interval = 0ms;
+    o.backup = backup;
+    o.name = name;
+    o.backup_lag_bytes = lag_bytes;
+    auto s = EmbeddingServer::Start(o);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    if (!s.ok()) return nullptr;
+    for (int i = 0; i < 500 && !(*s)->Stats().backup_connected; ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_TRUE((*s)->Stats().backup_connected);
+    return std::move(*s);
+  }
+
   // Until every copy `s` sent its backup is held there (or 10 s).
   static void WaitForCopies(EmbeddingServer& s) {
     for (int i = 0; i < 1000 && s.Stats().copy_bytes_in_flight > 0; ++i) {
@@ -687,32 +722,11 @@ TEST_F(EmbeddingServerTest, AResentPushIsAcknowledgedNotAppliedTwice) {
 // twice.
 TEST_F(EmbeddingServerTest, AReplicaOnTheNextNodeRestoresALostDisk) {
   StartServers(1);  // the backup (node0)
-  auto start_primary =
-      [&](const std::string& listen) -> std::unique_ptr<EmbeddingServer> {
-    EmbeddingServerOptions o;
-    o.listen = listen;
-    o.secret = kSecret;
-    o.dir = (dir_ / "primary").string();
-    o.flush_interval = 0ms;
-    o.backup = servers_[0]->endpoint();
-    o.name = "node-1";
-    auto s = EmbeddingServer::Start(o);
-    EXPECT_TRUE(s.ok()) << s.status().ToString();
-    return s.ok() ? std::move(*s) : nullptr;
-  };
-  auto primary = start_primary("127.0.0.1:0");
+  auto primary = StartWithBackup("127.0.0.1:0", servers_[0]->endpoint());
   ASSERT_TRUE(primary);
   const std::string ep = primary->endpoint();
-  for (int i = 0; i < 200 && !primary->Stats().backup_connected; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  ASSERT_TRUE(primary->Stats().backup_connected);
 
-  EmbeddingClientOptions co;
-  co.nodes = {ep};
-  co.secret = kSecret;
-  co.timeout = 20s;
-  co.failover_timeout = 0ms;
+  const EmbeddingClientOptions co = OneNode(ep, 0ms);
   TableConfig cfg = Config(RowOptimizer::kAdagrad, 8);
   std::vector<uint64_t> keys(3000);
   for (size_t i = 0; i < keys.size(); ++i) keys[i] = i * 7;
@@ -790,7 +804,7 @@ TEST_F(EmbeddingServerTest, AReplicaOnTheNextNodeRestoresALostDisk) {
   WaitForCopies(*primary);
   primary.reset();
   std::filesystem::remove_all(dir_ / "primary");
-  primary = start_primary(ep);
+  primary = StartWithBackup(ep, servers_[0]->endpoint());
   ASSERT_TRUE(primary);
   auto c = EmbeddingClient::Connect(co);
   ASSERT_TRUE(c.ok()) << c.status().ToString();
@@ -838,33 +852,12 @@ TEST_F(EmbeddingServerTest, AReplicaOnTheNextNodeRestoresALostDisk) {
 TEST_F(EmbeddingServerTest, ALaggingBackupLosesNoAcknowledgedPush) {
   auto backup = StalledBackup::Start();
   ASSERT_TRUE(backup);
-  auto start_primary =
-      [&](const std::string& listen) -> std::unique_ptr<EmbeddingServer> {
-    EmbeddingServerOptions o;
-    o.listen = listen;
-    o.secret = kSecret;
-    o.dir = (dir_ / "primary").string();
-    o.flush_interval = 0ms;
-    o.backup = backup->endpoint();
-    o.name = "node-1";
-    auto s = EmbeddingServer::Start(o);
-    EXPECT_TRUE(s.ok()) << s.status().ToString();
-    return s.ok() ? std::move(*s) : nullptr;
-  };
-  auto primary = start_primary("127.0.0.1:0");
+  auto primary = StartWithBackup("127.0.0.1:0", backup->endpoint());
   ASSERT_TRUE(primary);
   const std::string ep = primary->endpoint();
-  for (int i = 0; i < 200 && !primary->Stats().backup_connected; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  ASSERT_TRUE(primary->Stats().backup_connected);
 
-  EmbeddingClientOptions co;
-  co.nodes = {ep};
-  co.secret = kSecret;
-  co.timeout = 20s;
-  co.failover_timeout = 20s;  // rides through the node's loss
-  auto c = EmbeddingClient::Connect(co);
+  // The client rides through the node's loss.
+  auto c = EmbeddingClient::Connect(OneNode(ep, 20s));
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   TableConfig cfg = Config(RowOptimizer::kAdagrad, 8);
   auto t = (*c)->OpenTable(cfg);
@@ -887,7 +880,7 @@ TEST_F(EmbeddingServerTest, ALaggingBackupLosesNoAcknowledgedPush) {
   // its backup's rows: none.
   primary.reset();
   std::filesystem::remove_all(dir_ / "primary");
-  primary = start_primary(ep);
+  primary = StartWithBackup(ep, backup->endpoint());
   ASSERT_TRUE(primary);
   std::vector<float> got(keys.size() * cfg.dim);
   ASSERT_TRUE((*c)->Pull(*t, keys, got.data()).ok());
@@ -914,42 +907,27 @@ TEST_F(EmbeddingServerTest, ALaggingBackupLosesNoAcknowledgedPush) {
 TEST_F(EmbeddingServerTest, PastItsLagAPushWaitsForTheBackup) {
   auto backup = StalledBackup::Start();
   ASSERT_TRUE(backup);
-  EmbeddingServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.secret = kSecret;
-  o.dir = (dir_ / "primary").string();
-  o.flush_interval = 0ms;
-  o.backup = backup->endpoint();
-  o.name = "node-0";
-  o.backup_lag_bytes = 0;
-  auto primary = EmbeddingServer::Start(o);
-  ASSERT_TRUE(primary.ok()) << primary.status().ToString();
-  for (int i = 0; i < 200 && !(*primary)->Stats().backup_connected; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  ASSERT_TRUE((*primary)->Stats().backup_connected);
-  EmbeddingClientOptions co;
-  co.nodes = {(*primary)->endpoint()};
-  co.secret = kSecret;
-  co.timeout = 20s;
-  auto c = EmbeddingClient::Connect(co);
+  auto primary = StartWithBackup("127.0.0.1:0", backup->endpoint(), "node-0",
+                                 "primary", /*lag_bytes=*/0);
+  ASSERT_TRUE(primary);
+  auto c = EmbeddingClient::Connect(OneNode(primary->endpoint(), 30s));
   ASSERT_TRUE(c.ok());
   TableConfig cfg = Config(RowOptimizer::kAdagrad, 4);
   auto t = (*c)->OpenTable(cfg);
   ASSERT_TRUE(t.ok());
   std::vector<uint64_t> keys = {1, 2, 3};
   std::vector<float> g(keys.size() * cfg.dim, 0.5f);
-  auto pushed = std::async(std::launch::async,
-                           [&] { return (*c)->Push(*t, keys, g); });
+  auto pushed =
+      std::async(std::launch::async, [&] { return (*c)->Push(*t, keys, g); });
   EXPECT_EQ(pushed.wait_for(500ms), std::future_status::timeout)
       << "answered before the backup held the rows";
   EXPECT_GE(backup->held(), 1);
   backup->Stop();  // the backup is lost
   ASSERT_EQ(pushed.wait_for(20s), std::future_status::ready);
   EXPECT_TRUE(pushed.get().ok());
-  EXPECT_EQ((*primary)->Stats().answered_before_copy, 0u);
+  EXPECT_EQ(primary->Stats().answered_before_copy, 0u);
   c->reset();
-  primary->reset();
+  primary.reset();
 }
 
 // A backup that is away does not stop the pushes: they are answered with
@@ -1128,23 +1106,9 @@ TEST_F(EmbeddingServerTest, ReplicasAreTheNodesOwnBusiness) {
 // them arriving.
 TEST_F(EmbeddingServerTest, ALargePushIsCopiedInSeveralMessages) {
   StartServers(1);  // the backup
-  EmbeddingServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.secret = kSecret;
-  o.dir = (dir_ / "primary").string();
-  o.flush_interval = 0ms;
-  o.backup = servers_[0]->endpoint();
-  o.name = "node-1";
-  auto primary = EmbeddingServer::Start(o);
-  ASSERT_TRUE(primary.ok()) << primary.status().ToString();
-  for (int i = 0; i < 200 && !(*primary)->Stats().backup_connected; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EmbeddingClientOptions co;
-  co.nodes = {(*primary)->endpoint()};
-  co.secret = kSecret;
-  co.timeout = 20s;
-  auto c = EmbeddingClient::Connect(co);
+  auto primary = StartWithBackup("127.0.0.1:0", servers_[0]->endpoint());
+  ASSERT_TRUE(primary);
+  auto c = EmbeddingClient::Connect(OneNode(primary->endpoint(), 30s));
   ASSERT_TRUE(c.ok());
   TableConfig cfg = Config(RowOptimizer::kAdam, 32);  // rows 3x the grads
   auto t = (*c)->OpenTable(cfg);
@@ -1153,11 +1117,11 @@ TEST_F(EmbeddingServerTest, ALargePushIsCopiedInSeveralMessages) {
   for (size_t i = 0; i < keys.size(); ++i) keys[i] = i;
   std::vector<float> g(keys.size() * cfg.dim, 0.25f);
   ASSERT_TRUE((*c)->Push(*t, keys, g).ok());
-  WaitForCopies(**primary);
+  WaitForCopies(*primary);
   EXPECT_EQ(servers_[0]->Stats().replica_rows, keys.size());
   EXPECT_EQ(servers_[0]->Stats().rejected, 0u);
   c->reset();
-  primary->reset();
+  primary.reset();
 }
 
 TEST_F(EmbeddingServerTest, PinnedBatchesHoldTheBudgetUntilReleased) {

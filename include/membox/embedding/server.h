@@ -64,10 +64,11 @@ struct EmbeddingServerOptions {
   bool push_log = true;
   // Another node's embedding server that keeps a copy of every row this
   // one acknowledges (a replica): a push's changed rows go there as it is
-  // applied, and the backup is resynced whole whenever it (re)connects. A node started with no tables of its own in `dir` -- its
-  // disk was lost, or this is a fresh job -- first takes whatever the
-  // backup holds for `name` (docs/design/embedding.md, "A replica on the
-  // next node"). Empty: no replica.
+  // applied, and the backup is resynced whole whenever it (re)connects.
+  // A node started with no tables of its own in `dir` -- its disk was
+  // lost, or this is a fresh job -- first takes whatever the backup holds
+  // for `name` (docs/design/embedding.md, "A replica on the next node").
+  // Empty: no replica.
   std::string backup;
   // How the backup files this node's rows (1-64 of A-Z a-z 0-9 . _ -;
   // stable across restarts and replacements: `membox serve` uses
