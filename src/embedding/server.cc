@@ -371,6 +371,14 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     stopped_ = true;
     stopping_ = true;
     if (restorer_.joinable()) restorer_.join();
+    // A stop at a job's end lets the copies in flight land first (for a
+    // while): what was answered is then on two nodes, and the clients,
+    // which kept it, are gone.
+    const auto drain_until = Clock::now() + std::chrono::seconds(5);
+    while (replicator_ && replicator_->connected() &&
+           copy_bytes_gauge_.load() > 0 && Clock::now() < drain_until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
     // Ends the event loop (tasks posted before, e.g. a Flush(), still run)
     // and closes every connection.
     server_->Stop();
@@ -495,12 +503,14 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         if (!s.ok()) break;
         const uint64_t client = push && m.seq != 0 ? c.client_id : 0;
         // The copies go now; the push waits for them only past the lag
-        // the backup is allowed (then, as with 0, once it holds them).
+        // the backup is allowed (then, as with 0, once it holds them), or
+        // when its client does not number its pushes (it keeps none to
+        // resend).
         uint64_t bytes = 0;
         for (const Message& copy : copies) bytes += CopyBytes(copy);
         const bool wait_copy =
-            !copies.empty() &&
-            copy_bytes_in_flight_ + bytes > opt_.backup_lag_bytes;
+            !copies.empty() && (client == 0 || copy_bytes_in_flight_ + bytes >
+                                                   opt_.backup_lag_bytes);
         const bool wait_sync = log_ && push;
         std::shared_ptr<PendingAck> ack;
         if (wait_sync || wait_copy) {

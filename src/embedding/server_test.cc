@@ -901,33 +901,44 @@ TEST_F(EmbeddingServerTest, ALaggingBackupLosesNoAcknowledgedPush) {
   primary.reset();
 }
 
-// Past the lag it is allowed (here none: --emb-backup-lag 0), a push is
-// answered once the backup holds its rows; a backup that goes away
-// releases it (the rows are durable on the node, and resynced later).
+// Past the lag it is allowed (--emb-backup-lag 0: none), and for a client
+// that keeps nothing to resend (no failover: its pushes are not
+// numbered), a push is answered once the backup holds its rows; a backup
+// that goes away releases it (the rows are durable on the node, and
+// resynced later).
 TEST_F(EmbeddingServerTest, PastItsLagAPushWaitsForTheBackup) {
-  auto backup = StalledBackup::Start();
-  ASSERT_TRUE(backup);
-  auto primary = StartWithBackup("127.0.0.1:0", backup->endpoint(), "node-0",
-                                 "primary", /*lag_bytes=*/0);
-  ASSERT_TRUE(primary);
-  auto c = EmbeddingClient::Connect(OneNode(primary->endpoint(), 30s));
-  ASSERT_TRUE(c.ok());
-  TableConfig cfg = Config(RowOptimizer::kAdagrad, 4);
-  auto t = (*c)->OpenTable(cfg);
-  ASSERT_TRUE(t.ok());
-  std::vector<uint64_t> keys = {1, 2, 3};
-  std::vector<float> g(keys.size() * cfg.dim, 0.5f);
-  auto pushed =
-      std::async(std::launch::async, [&] { return (*c)->Push(*t, keys, g); });
-  EXPECT_EQ(pushed.wait_for(500ms), std::future_status::timeout)
-      << "answered before the backup held the rows";
-  EXPECT_GE(backup->held(), 1);
-  backup->Stop();  // the backup is lost
-  ASSERT_EQ(pushed.wait_for(20s), std::future_status::ready);
-  EXPECT_TRUE(pushed.get().ok());
-  EXPECT_EQ(primary->Stats().answered_before_copy, 0u);
-  c->reset();
-  primary.reset();
+  struct Case {
+    uint64_t lag_bytes;
+    std::chrono::milliseconds failover;
+  };
+  for (const Case& k : {Case{0, 30s}, Case{32 << 20, 0ms}}) {
+    SCOPED_TRACE("lag " + std::to_string(k.lag_bytes) + ", failover " +
+                 std::to_string(k.failover.count()) + " ms");
+    auto backup = StalledBackup::Start();
+    ASSERT_TRUE(backup);
+    const std::string dir = "primary-" + std::to_string(k.lag_bytes);
+    auto primary = StartWithBackup("127.0.0.1:0", backup->endpoint(), "node-0",
+                                   dir, k.lag_bytes);
+    ASSERT_TRUE(primary);
+    auto c = EmbeddingClient::Connect(OneNode(primary->endpoint(), k.failover));
+    ASSERT_TRUE(c.ok());
+    TableConfig cfg = Config(RowOptimizer::kAdagrad, 4);
+    auto t = (*c)->OpenTable(cfg);
+    ASSERT_TRUE(t.ok());
+    std::vector<uint64_t> keys = {1, 2, 3};
+    std::vector<float> g(keys.size() * cfg.dim, 0.5f);
+    auto pushed =
+        std::async(std::launch::async, [&] { return (*c)->Push(*t, keys, g); });
+    EXPECT_EQ(pushed.wait_for(500ms), std::future_status::timeout)
+        << "answered before the backup held the rows";
+    EXPECT_GE(backup->held(), 1);
+    backup->Stop();  // the backup is lost
+    ASSERT_EQ(pushed.wait_for(20s), std::future_status::ready);
+    EXPECT_TRUE(pushed.get().ok());
+    EXPECT_EQ(primary->Stats().answered_before_copy, 0u);
+    c->reset();
+    primary.reset();
+  }
 }
 
 // A backup that is away does not stop the pushes: they are answered with

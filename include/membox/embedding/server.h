@@ -82,7 +82,8 @@ struct EmbeddingServerOptions {
   // its pushes the backup holds (the client keeps the others to resend; a
   // push the backup does not hold is lost only if this node's disk and
   // that client die together). Past it, a push is answered once the backup
-  // holds its rows. 0: every push waits for its copy.
+  // holds its rows, as is a client's that numbers no pushes (it keeps
+  // none to resend). 0: every push waits for its copy.
   uint64_t backup_lag_bytes = 32ull << 20;
 };
 
