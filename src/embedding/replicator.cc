@@ -44,6 +44,7 @@ Result<std::unique_ptr<Replicator>> Replicator::Start(
   };
   r->link_ = std::make_unique<service::Link>(std::move(lo));
   r->timer_.After(std::chrono::nanoseconds(0), [self] { self->Attempt(); });
+  r->timer_.After(r->opt_.stall_timeout / 4, [self] { self->Watch(); });
   return r;
 }
 
@@ -90,13 +91,41 @@ Status Replicator::Greet(service::Client& c, bool rejoin) {
   return Status::Ok();
 }
 
+int64_t Replicator::Now() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void Replicator::Watch() {
+  const auto waited = std::chrono::nanoseconds(Now() - progress_ns_.load());
+  if (in_flight_.load() > 0 && waited > opt_.stall_timeout) {
+    if (std::shared_ptr<service::Client> c = link_->client()) {
+      MEMBOX_LOG_WARN(
+          "backup {} answered none of {} copies in {} ms: taken as lost "
+          "(pushes are answered without it until it is back and resynced)",
+          opt_.backup, in_flight_.load(),
+          std::chrono::duration_cast<std::chrono::milliseconds>(waited)
+              .count());
+      progress_ns_ = Now();
+      c->Fail(UnavailableError("no copy answered in " +
+                               std::to_string(opt_.stall_timeout.count()) +
+                               " ms"));
+    }
+  }
+  timer_.After(opt_.stall_timeout / 4, [this] { Watch(); });
+}
+
 void Replicator::Send(Message m, std::function<void(const Status&)> done) {
   auto msg = std::make_shared<Message>(std::move(m));
+  if (in_flight_.fetch_add(1) == 0) progress_ns_ = Now();
   link_->Send(
       static_cast<uint16_t>(Type::kReplicate),
       [msg] { return proto::Encode(*msg); },
       [this, done = std::move(done)](const Status& s,
                                      std::span<const uint8_t>) {
+        progress_ns_ = Now();
+        in_flight_--;
         if (s.code() == StatusCode::kUnavailable) up_ = false;
         done(s);
       },

@@ -16,7 +16,7 @@
 // and connected() from any thread; `done` runs on the device's progress
 // thread, the timer's, or inline in Send (no connection). Stop (or the
 // destructor) ends the reconnection and fails what is in flight
-// (kAborted).
+// (kAborted). Copies unanswered for stall_timeout fail the connection.
 #ifndef MEMBOX_SRC_EMBEDDING_REPLICATOR_H_
 #define MEMBOX_SRC_EMBEDDING_REPLICATOR_H_
 
@@ -44,6 +44,11 @@ struct ReplicatorOptions {
   // a backup host that drops packets must not hold a node's stop for long.
   std::chrono::milliseconds timeout{10000};
   std::chrono::milliseconds retry_every{200};
+  // A backup that answers none of the copies in flight for this long is
+  // taken as lost, as if its connection had dropped (a hung process, or a
+  // host gone without a reset): the copies fail (kUnavailable), the node
+  // answers without it, and the link reconnects and resyncs.
+  std::chrono::milliseconds stall_timeout{10000};
   std::function<void()> on_connected;
 };
 
@@ -66,13 +71,18 @@ class Replicator {
  private:
   explicit Replicator(ReplicatorOptions o) : opt_(std::move(o)) {}
   void Attempt();  // on the timer: the first connection, until it holds
+  void Watch();    // on the timer: a stalled backup's connection fails
   Status Greet(service::Client& c, bool rejoin);
+  static int64_t Now();
 
   const ReplicatorOptions opt_;
   std::unique_ptr<transport::Device> device_;
   Timer timer_;
   std::unique_ptr<service::Link> link_;
   std::atomic<bool> up_{false};
+  // Copies sent and not answered, and when one was last answered (or the
+  // first of them sent), in steady-clock nanoseconds.
+  std::atomic<int64_t> in_flight_{0}, progress_ns_{0};
 };
 
 }  // namespace membox::embedding

@@ -222,6 +222,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       ro.origin = opt_.name;
       ro.secret = opt_.secret;
       ro.transports = opt_.transports;
+      ro.stall_timeout = opt_.backup_stall_timeout;
       // After every connection the backup gets every row again: it may
       // have missed pushes while it was away, or be a new node.
       ro.on_connected = [this] { server_->Post([this] { ResyncAll(); }); };
@@ -374,10 +375,18 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     // A stop at a job's end lets the copies in flight land first (for a
     // while): what was answered is then on two nodes, and the clients,
     // which kept it, are gone.
+    // Up to 5 s, while the copies still move (one landed in the last
+    // second).
     const auto drain_until = Clock::now() + std::chrono::seconds(5);
-    while (replicator_ && replicator_->connected() &&
-           copy_bytes_gauge_.load() > 0 && Clock::now() < drain_until) {
+    auto moved = Clock::now();
+    for (uint64_t left = copy_bytes_gauge_.load();
+         replicator_ && replicator_->connected() && left > 0 &&
+         Clock::now() < drain_until &&
+         Clock::now() - moved < std::chrono::seconds(1);) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const uint64_t now_left = copy_bytes_gauge_.load();
+      if (now_left != left) moved = Clock::now();
+      left = now_left;
     }
     // Ends the event loop (tasks posted before, e.g. a Flush(), still run)
     // and closes every connection.

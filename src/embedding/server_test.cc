@@ -105,7 +105,8 @@ class EmbeddingServerTest : public ::testing::Test {
   std::unique_ptr<EmbeddingServer> StartWithBackup(
       const std::string& listen, const std::string& backup,
       const std::string& name = "node-1", const std::string& dir = "primary",
-      uint64_t lag_bytes = EmbeddingServerOptions().backup_lag_bytes) {
+      uint64_t lag_bytes = EmbeddingServerOptions().backup_lag_bytes,
+      std::chrono::milliseconds stall = 10s) {
     EmbeddingServerOptions o;
     o.listen = listen;
     o.secret = kSecret;
@@ -114,6 +115,7 @@ class EmbeddingServerTest : public ::testing::Test {
     o.backup = backup;
     o.name = name;
     o.backup_lag_bytes = lag_bytes;
+    o.backup_stall_timeout = stall;
     auto s = EmbeddingServer::Start(o);
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     if (!s.ok()) return nullptr;
@@ -905,20 +907,23 @@ TEST_F(EmbeddingServerTest, ALaggingBackupLosesNoAcknowledgedPush) {
 // that keeps nothing to resend (no failover: its pushes are not
 // numbered), a push is answered once the backup holds its rows; a backup
 // that goes away releases it (the rows are durable on the node, and
-// resynced later).
+// resynced later), as does one that stalls past the stall timeout.
 TEST_F(EmbeddingServerTest, PastItsLagAPushWaitsForTheBackup) {
   struct Case {
     uint64_t lag_bytes;
     std::chrono::milliseconds failover;
+    bool stalls;  // the backup stays, answering nothing
   };
-  for (const Case& k : {Case{0, 30s}, Case{32 << 20, 0ms}}) {
+  for (const Case& k :
+       {Case{0, 30s, false}, Case{32 << 20, 0ms, false}, Case{0, 30s, true}}) {
     SCOPED_TRACE("lag " + std::to_string(k.lag_bytes) + ", failover " +
                  std::to_string(k.failover.count()) + " ms");
     auto backup = StalledBackup::Start();
     ASSERT_TRUE(backup);
-    const std::string dir = "primary-" + std::to_string(k.lag_bytes);
+    const std::string dir = "primary-" + std::to_string(k.lag_bytes) + "-" +
+                            std::to_string(k.stalls);
     auto primary = StartWithBackup("127.0.0.1:0", backup->endpoint(), "node-0",
-                                   dir, k.lag_bytes);
+                                   dir, k.lag_bytes, k.stalls ? 1500ms : 60s);
     ASSERT_TRUE(primary);
     auto c = EmbeddingClient::Connect(OneNode(primary->endpoint(), k.failover));
     ASSERT_TRUE(c.ok());
@@ -932,7 +937,7 @@ TEST_F(EmbeddingServerTest, PastItsLagAPushWaitsForTheBackup) {
     EXPECT_EQ(pushed.wait_for(500ms), std::future_status::timeout)
         << "answered before the backup held the rows";
     EXPECT_GE(backup->held(), 1);
-    backup->Stop();  // the backup is lost
+    if (!k.stalls) backup->Stop();  // the backup is lost
     ASSERT_EQ(pushed.wait_for(20s), std::future_status::ready);
     EXPECT_TRUE(pushed.get().ok());
     EXPECT_EQ(primary->Stats().answered_before_copy, 0u);

@@ -43,7 +43,9 @@ Status Link::Connect(Clock::time_point retry_until) {
     }
     auto c = Open(generation, /*rejoin=*/false);
     if (c.ok()) {
+      std::shared_ptr<Client> old;  // released after mu_ (see Attempt)
       MutexLock l(&mu_);
+      old = std::move(client_);
       client_ = std::move(*c);
       generation_ = generation;
       return Status::Ok();
@@ -255,9 +257,14 @@ void Link::Attempt() {
     // any later request (order_mu_).
     MutexLock order(&order_mu_);
     std::vector<uint64_t> ids;
+    // The connection this one replaces is released outside mu_: one
+    // failed by its owner (Client::Fail) still has its channel open, and
+    // closing it reports the failure to OnFailure, which takes mu_.
+    std::shared_ptr<Client> old;
     {
       MutexLock l(&mu_);
       if (!closing_) {
+        old = std::move(client_);
         client_ = std::move(fresh);
         generation_ = generation;
         down_ = false;

@@ -242,6 +242,29 @@ TEST_F(LinkTest, AnIdleLinkReconnectsOnItsOwn) {
   EXPECT_TRUE(link_->health().ok()) << link_->health().ToString();
 }
 
+// An owner may fail a live connection itself (a node that stopped
+// answering, a reply that makes no sense): the Link reconnects, and the
+// connection it replaces -- its channel still open -- is closed without
+// the Link waiting on itself.
+TEST_F(LinkTest, AConnectionItsOwnerFailsIsReplaced) {
+  MakeLink(Options(20s));
+  std::shared_ptr<Client> c = link_->client();
+  ASSERT_TRUE(c);
+  c->Fail(UnavailableError("no answer in time"));
+  c.reset();
+  for (int i = 0; i < 1000 && svc_.hellos.load() < 2; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(svc_.hellos.load(), 2);
+  for (int i = 0; i < 500 && link_->reconnecting(); ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(link_->health().ok()) << link_->health().ToString();
+  Record("after");
+  ASSERT_TRUE(WaitForReplies(1));
+  EXPECT_EQ(Replies()[0], "after");
+}
+
 // A node that is not back within the failover window fails what is kept,
 // and every later request, with one error naming it and the window.
 TEST_F(LinkTest, ANodeNotBackInTimeFailsKeptAndLaterRequestsNamingIt) {

@@ -85,6 +85,10 @@ struct EmbeddingServerOptions {
   // holds its rows, as is a client's that numbers no pushes (it keeps
   // none to resend). 0: every push waits for its copy.
   uint64_t backup_lag_bytes = 32ull << 20;
+  // A backup that answers no copy for this long is taken as lost (a hung
+  // process, a host gone without a reset): pushes are answered without it
+  // and it is resynced when it answers again.
+  std::chrono::milliseconds backup_stall_timeout{10000};
 };
 
 struct EmbeddingServerStats {
