@@ -214,6 +214,7 @@ void Link::Attempt() {
   uint64_t generation = 0;
   bool expired = false;
   Status last;
+  std::shared_ptr<Client> lost;
   {
     MutexLock l(&mu_);
     task_ = 0;
@@ -226,7 +227,13 @@ void Link::Attempt() {
     last = last_;
     generation = ++attempts_;
     where = endpoint_;
+    lost = std::move(client_);
   }
+  // The lost connection is closed before a new one is opened, outside mu_
+  // (closing reports its failure to OnFailure, which takes mu_, and finds
+  // the Link down). One its owner failed (Client::Fail) still has its
+  // channel open: the device would hand that channel out again.
+  lost.reset();
   if (expired) {
     GiveUp(last, /*refused=*/false);
     return Finished();

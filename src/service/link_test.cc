@@ -152,6 +152,17 @@ class LinkTest : public ::testing::Test {
     }
     return Replies().size() >= n;
   }
+  // The node saw a second hello, and the Link holds its new connection.
+  void ExpectReconnected() {
+    for (int i = 0; i < 1000 && svc_.hellos.load() < 2; ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_EQ(svc_.hellos.load(), 2);
+    for (int i = 0; i < 500 && link_->reconnecting(); ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_TRUE(link_->health().ok()) << link_->health().ToString();
+  }
   bool WaitUntilReconnecting() {
     for (int i = 0; i < 1000 && !link_->reconnecting(); ++i) {
       std::this_thread::sleep_for(10ms);
@@ -232,14 +243,7 @@ TEST_F(LinkTest, AnIdleLinkReconnectsOnItsOwn) {
   ASSERT_TRUE(WaitUntilReconnecting());
   node_ = StartNode(&svc_, endpoint_);
   ASSERT_TRUE(node_);
-  for (int i = 0; i < 1000 && svc_.hellos.load() < 2; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(svc_.hellos.load(), 2);
-  for (int i = 0; i < 500 && link_->reconnecting(); ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_TRUE(link_->health().ok()) << link_->health().ToString();
+  ExpectReconnected();
 }
 
 // An owner may fail a live connection itself (a node that stopped
@@ -252,14 +256,7 @@ TEST_F(LinkTest, AConnectionItsOwnerFailsIsReplaced) {
   ASSERT_TRUE(c);
   c->Fail(UnavailableError("no answer in time"));
   c.reset();
-  for (int i = 0; i < 1000 && svc_.hellos.load() < 2; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(svc_.hellos.load(), 2);
-  for (int i = 0; i < 500 && link_->reconnecting(); ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_TRUE(link_->health().ok()) << link_->health().ToString();
+  ExpectReconnected();
   Record("after");
   ASSERT_TRUE(WaitForReplies(1));
   EXPECT_EQ(Replies()[0], "after");
