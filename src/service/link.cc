@@ -164,9 +164,13 @@ void Link::OnReply(uint64_t id, uint64_t generation, const Status& s,
     if (generation != generation_) return;  // sent again on a newer link
     auto it = kept_.find(id);
     if (it == kept_.end()) return;
-    if (!s.ok() && failover_.count() > 0 && !closing_ && gone_.ok() &&
-        client_ && client_->health().code() == StatusCode::kUnavailable) {
-      // The connection is lost, not the request refused: kept.
+    // The connection is lost, not the request refused: kept. A
+    // reconnection under way may already have closed the lost connection
+    // (Attempt), whose pending requests fail then: down_ says so.
+    const bool lost =
+        down_ ||
+        (client_ && client_->health().code() == StatusCode::kUnavailable);
+    if (!s.ok() && lost && failover_.count() > 0 && !closing_ && gone_.ok()) {
       StartReconnectLocked();
       return;
     }

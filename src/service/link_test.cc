@@ -262,6 +262,34 @@ TEST_F(LinkTest, AConnectionItsOwnerFailsIsReplaced) {
   EXPECT_EQ(Replies()[0], "after");
 }
 
+// Requests in flight on a connection its owner fails are kept, however the
+// failure of each races with the reconnection (which closes the lost
+// connection, failing whatever it still holds): each is answered once, by
+// the new connection. Several rounds, for the race.
+TEST_F(LinkTest, RequestsInFlightOnAConnectionItsOwnerFailsAreKept) {
+  MakeLink(Options(20s));
+  std::vector<std::string> want;
+  for (int round = 0; round < 20; ++round) {
+    svc_.hold = true;
+    const int from = round * 4;
+    for (int i = from; i < from + 4; ++i) Record(std::to_string(i));
+    for (int i = 0; i < 500 && svc_.Seen().size() < 4; ++i) {
+      std::this_thread::sleep_for(1ms);
+    }
+    ASSERT_EQ(svc_.Seen().size(), 4u);
+    svc_.Forget();
+    svc_.hold = false;
+    std::shared_ptr<Client> c = link_->client();
+    ASSERT_TRUE(c);
+    c->Fail(UnavailableError("no answer in time"));
+    c.reset();
+    ASSERT_TRUE(WaitForReplies(from + 4)) << "round " << round;
+    for (int i = from; i < from + 4; ++i) want.push_back(std::to_string(i));
+    ASSERT_EQ(Replies(), want) << "round " << round;
+    svc_.Forget();
+  }
+}
+
 // A node that is not back within the failover window fails what is kept,
 // and every later request, with one error naming it and the window.
 TEST_F(LinkTest, ANodeNotBackInTimeFailsKeptAndLaterRequestsNamingIt) {
