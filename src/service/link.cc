@@ -167,9 +167,8 @@ void Link::OnReply(uint64_t id, uint64_t generation, const Status& s,
     // The connection is lost, not the request refused: kept. A
     // reconnection under way may already have closed the lost connection
     // (Attempt), whose pending requests fail then: down_ says so.
-    const bool lost =
-        down_ ||
-        (client_ && client_->health().code() == StatusCode::kUnavailable);
+    const bool lost = down_ || (client_ && client_->health().code() ==
+                                               StatusCode::kUnavailable);
     if (!s.ok() && lost && failover_.count() > 0 && !closing_ && gone_.ok()) {
       StartReconnectLocked();
       return;
