@@ -17,7 +17,7 @@ export DEBIAN_FRONTEND=noninteractive
 main=(
   build-essential cmake ninja-build pkg-config
   libucx-dev
-  libspdlog-dev libfmt-dev libcli11-dev zlib1g-dev libisal-dev libssl-dev libabsl-dev
+  libspdlog-dev libfmt-dev libcli11-dev zlib1g-dev libssl-dev libabsl-dev
   libmicrohttpd-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   librocksdb-dev openmpi-bin libopenmpi-dev iperf3
