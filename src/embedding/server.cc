@@ -1263,7 +1263,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // follows it to the backup -- and continues when the backup has it.
   // One chunk in flight: pushes interleave with the resync.
   void ResyncNext(uint64_t generation) {
-    if (generation != resync_generation_ || stopped_) return;
+    if (generation != resync_generation_ || stopping_) return;
     resync_busy_ = false;
     while (!resync_.empty()) {
       Table* t = tables_[resync_.front()].get();
@@ -1780,6 +1780,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     std::vector<uint8_t> body;
   };
   std::thread restorer_;
+  // stopping_: set by Stop; read by the restorer and the event loop (a
+  // resync chunk answered while the node stops sends no more).
   std::atomic<bool> restoring_{false}, stopping_{false};
   std::vector<HeldRequest> held_;
   std::atomic<uint64_t> replicated_pushes_{0}, resynced_rows_{0},
@@ -1802,7 +1804,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       log_syncs_{0};
   std::unique_ptr<service::Server> server_;  // stopped, not freed, by Stop
   std::string endpoint_;
-  bool stopped_ = false;  // Start/Stop thread
+  bool stopped_ = false;  // Start/Stop thread only
   std::thread compactor_;
   Mutex compact_mu_;
   CondVar compact_cv_;
