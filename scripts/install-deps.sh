@@ -8,8 +8,10 @@
 #   bash scripts/install-deps.sh --tests  that, and what the tests add:
 #                                         GoogleTest, clang (fuzzers,
 #                                         clang-format), git, Debian's
-#                                         torch 1.13 (the old path's tests)
-#                                         and Slurm with munge
+#                                         torch 1.13 (the old path's tests),
+#                                         Slurm with munge, and ccache (the
+#                                         test run's `pip install .` reuses
+#                                         the release build's objects)
 set -euo pipefail
 SUDO=""
 if [[ $(id -u) -ne 0 ]]; then SUDO=sudo; fi
@@ -31,6 +33,7 @@ tests=(
   python3-torch
   clang clang-format libclang-rt-14-dev
   slurmctld slurmd slurm-client munge
+  ccache
 )
 pkgs=("${main[@]}")
 case "${1:-}" in

@@ -67,19 +67,40 @@ if [[ -n $unformatted ]]; then
 fi
 
 stage "release build and tests"
-cmake --preset release
-cmake --build --preset release -j"$jobs"
+# The release build and the Python stage's `pip install .` compile the
+# same sources with the same flags, but for -Werror (the pip build's
+# MEMBOX_WERROR=OFF, for users' compilers): through ccache the second
+# takes the first's objects. The compiler is named alike in both (ccache
+# hashes its name; pip would pick x86_64-linux-gnu-g++), and paths are
+# hashed relative to the checkout
+# (base_dir), so the pip build runs two levels down in it, as the presets'
+# trees do (MEMBOX_PIP_BUILD_DIR, tests/install/pip_install_test.sh); the
+# depend mode takes the headers from the compiler's -MD output instead of a
+# second preprocessor run. Not for the sanitizer builds: nothing else
+# compiles what they do.
+ccache_env=()
+if command -v ccache >/dev/null; then
+  ccache_env=(CXX=/usr/bin/c++ CC=/usr/bin/cc
+              CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_C_COMPILER_LAUNCHER=ccache
+              CCACHE_BASEDIR="$PWD" CCACHE_IGNOREOPTIONS=-Werror CCACHE_DEPEND=1)
+fi
+env "${ccache_env[@]}" cmake --preset release
+env "${ccache_env[@]}" cmake --build --preset release -j"$jobs"
 # The sanitizer builds run meanwhile at the lowest CPU priority: they take
 # the cycles the release tests and the Python stage leave idle (waits for
 # processes, timeouts, rendezvous), which cuts minutes from the run; the
 # tests keep the CPU whenever they want it. Waited for before their stage.
+# The ASan stage starts once its build is done (build/asan-built), while
+# the TSan build goes on behind it.
 background_build() {
   cmake --preset asan && cmake --build --preset asan -j"$jobs" &&
+    touch build/asan-built &&
     cmake --preset tsan &&
     cmake --build --preset tsan -j"$jobs" --target transport_test collective_test \
       service_test memserver_test ps_test embedding_server_test sync_test membox
 }
 mkdir -p build
+rm -f build/asan-built
 # A session of its own (setsid: one process group to stop on exit). With
 # the kernel's autogroups (sched_autogroup_enabled) a session shares the
 # CPU with the others as a whole, whatever its processes' nice, so the
@@ -94,21 +115,30 @@ run_ctest release
 stage "pip install . into a venv, then PyPI's torch 2.x there (tests/install/pip_install_test.sh)"
 # Each stage that runs outside ctest has a deadline, so that a hang fails
 # with its log instead of running out CI's clock (about 11 min normally).
-timeout -k 30 1800 bash tests/install/pip_install_test.sh --torch 2>&1 | tee build/pip_install_test.log
+env "${ccache_env[@]}" MEMBOX_PIP_BUILD_DIR="$PWD/build/pip-ci" \
+  timeout -k 30 1800 bash tests/install/pip_install_test.sh --torch 2>&1 | tee build/pip_install_test.log
 grep -q "^PASS: pip install" build/pip_install_test.log
 
 stage "ASan + UBSan build (clang; the fuzz targets too) and tests"
-if ! wait $sanitizer_build; then
+sanitizer_build_failed() {
   tail -n 60 build/sanitizer-build.log
   echo "the sanitizer builds failed (build/sanitizer-build.log)"
   exit 1
+}
+while [[ ! -e build/asan-built ]] && kill -0 $sanitizer_build 2>/dev/null; do sleep 2; done
+if [[ ! -e build/asan-built ]]; then
+  wait $sanitizer_build || true
+  sanitizer_build_failed
 fi
-trap - EXIT
-echo "the ASan and TSan builds ran behind the earlier stages (build/sanitizer-build.log)"
+echo "the ASan build ran behind the earlier stages (build/sanitizer-build.log)"
 cmake --build --preset asan -j"$jobs"  # nothing left to do, normally
 # overlapping_failures_test: a minute of training jobs whose C++ side (a
 # joiner with peers down) ps_test covers under ASan already.
 run_ctest asan -E '^overlapping_failures_test$'
+
+if ! wait $sanitizer_build; then sanitizer_build_failed; fi
+trap - EXIT
+echo "the TSan build ran behind the earlier stages (build/sanitizer-build.log)"
 
 stage "ThreadSanitizer: transport (handshake, TCP path), the workers' collectives, the split sum, the service layer, the memory server, the proxy, the embedding server, a real daemon under hostile input"
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp" UCX_MEM_EVENTS=no
@@ -134,7 +164,7 @@ timeout -k 30 900 /usr/bin/python3 tests/hostile/hostile_network_test.py build/t
 unset TSAN_OPTIONS UCX_MEM_EVENTS
 echo "tsan: transport_test, service_test, memserver_test, ps_test, embedding_server_test, sync_test, hostile_network_test clean"
 
-stage "fuzz targets (libFuzzer, 15 s each, $jobs at a time)"
+stage "fuzz targets (libFuzzer, 10 s each, $jobs at a time)"
 # Built by the ASan stage (build/asan/fuzz/). Each fuzzer runs on its
 # corpus (build/asan/fuzz-corpus/NAME, outside the glob below) and the
 # seeds; its exit status goes to build/asan/fuzz/NAME.rc, its output to
@@ -146,7 +176,7 @@ echo "$fuzzers" | xargs -P "$jobs" -I{} bash -c '
   name=$(basename "$1")
   dir=$(dirname "$1")
   mkdir -p "$dir/../fuzz-corpus/$name"
-  "$1" -max_total_time=15 "$dir/../fuzz-corpus/$name" "fuzz/corpus/$name" \
+  "$1" -max_total_time=10 "$dir/../fuzz-corpus/$name" "fuzz/corpus/$name" \
     >"$dir/$name.log" 2>&1
   echo $? >"$dir/$name.rc"' _ {} || true
 for f in $fuzzers; do

@@ -14,13 +14,22 @@
 # Usage: pip_install_test.sh [--torch] [VENV_DIR]
 # MEMBOX_VENV_PYTHON: the interpreter the venv is made from (default
 # /usr/bin/python3, Debian's, with python3-venv).
+# MEMBOX_PIP_BUILD_DIR: where pip's CMake builds (scikit-build-core's
+# build-dir; emptied first and removed after). Default: a temporary
+# directory of pip's. scripts/test.sh names one two levels down in the
+# checkout, where the release build's objects match in ccache.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 with_torch=0
 if [[ "${1:-}" == --torch ]]; then with_torch=1; shift; fi
 work=$(mktemp -d)
 venv=${1:-$work/venv}
-trap 'rm -rf "$work"' EXIT
+pip_build=()
+if [[ -n ${MEMBOX_PIP_BUILD_DIR:-} ]]; then
+  rm -rf "$MEMBOX_PIP_BUILD_DIR"
+  pip_build=(--config-settings "build-dir=$MEMBOX_PIP_BUILD_DIR")
+fi
+trap 'rm -rf "$work" ${MEMBOX_PIP_BUILD_DIR:+"$MEMBOX_PIP_BUILD_DIR"}' EXIT
 base=${MEMBOX_VENV_PYTHON:-/usr/bin/python3}
 "$base" -m venv "$venv" 2>/dev/null ||
   { echo "SKIP: $base cannot make a venv (apt-get install python3-venv)"; exit 77; }
@@ -28,7 +37,7 @@ unset PYTHONPATH
 py="$venv/bin/python"
 t0=$(date +%s)
 touch "$work/before-pip"
-"$venv/bin/pip" install -q --disable-pip-version-check "$here"
+"$venv/bin/pip" install -q --disable-pip-version-check "${pip_build[@]}" "$here"
 echo "pip install .: $(( $(date +%s) - t0 )) s"
 # pip builds outside the source tree: nothing in it is new or changed.
 # build/ holds the presets' trees and the logs of whoever runs this (ctest,
