@@ -62,6 +62,7 @@ struct EmbeddingFlags {
   int flush_interval_ms = 10000;
   std::string push_log = "on";
   std::string backup, name, backup_lag = "32MiB";
+  std::vector<std::string> peers;
 };
 
 // Half of MemTotal (/proc/meminfo): the default parameter storage limit.
@@ -202,8 +203,24 @@ int Serve(membox::memserver::ServerOptions o, membox::ps::ProxyOptions po,
     eo.file_bytes = *efs;
     eo.flush_interval = std::chrono::milliseconds(ef.flush_interval_ms);
     eo.push_log = ef.push_log == "on";
-    if (!ef.backup.empty() && ef.backup != "off") {
-      eo.backup = ef.backup;
+    std::string backup = ef.backup;
+    if (!ef.peers.empty()) {
+      if (po.rank >= ef.peers.size()) {
+        std::fprintf(stderr,
+                     "membox serve: --ps-rank %u is not a place among the %zu "
+                     "--emb-peers\n",
+                     po.rank, ef.peers.size());
+        return 2;
+      }
+      eo.peers = ef.peers;
+      eo.place = static_cast<uint32_t>(po.rank);
+      // The next node keeps this one's copy, as `membox launch` sets it.
+      if (backup.empty() && ef.peers.size() > 1) {
+        backup = ef.peers[(eo.place + 1) % ef.peers.size()];
+      }
+    }
+    if (!backup.empty() && backup != "off") {
+      eo.backup = backup;
       eo.backup_lag_bytes = *elag;
       // The backup files this node's rows under a name that outlives its
       // address: its place in the job (a replacement takes the same).
@@ -425,6 +442,17 @@ Commands AddServeCommand(CLI::App* app, const std::string* log_level) {
                     "bytes of copies the backup may lag behind the answers "
                     "(default 32MiB); past it a push is answered once the "
                     "backup holds its rows. 0: always then");
+  serve
+      ->add_option(
+          "--emb-peers", eflags.peers,
+          "every embedding endpoint of the job in --ps-rank order, this "
+          "one's included (for a --standby: the place it takes): the node "
+          "tells the others where it listens when that is not its entry (a "
+          "replacement on another host), answers clients asking where a "
+          "node went, and its clients check its place; with two or more, "
+          "--emb-backup defaults to the next one (`membox cluster` passes "
+          "them)")
+      ->delimiter(',');
   serve->add_option("--emb-name", eflags.name,
                     "how the backup files this node's rows (default: "
                     "node-<--ps-rank>)");

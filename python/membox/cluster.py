@@ -371,14 +371,18 @@ def _up(topo, log):
     mem = memory_hosts(topo)
     peers = [f"{h['ip']}:{PS_PORT}" for h in mem]
     def emb_backup(h):
-        """The embedding backup of memory host h: the next memory host
-        (its rows are copied there; none with one memory host)."""
-        if len(mem) < 2 or not topo.get("emb_replicate", True) or \
-                h not in mem:
+        """The embedding nodes of the job, by place, for memory host h or
+        a standby (which takes a dead one's place): each node's backup is
+        the next one (its rows are copied there; none with one memory
+        host), and a standby tells the others where it listens."""
+        if len(mem) < 2:
             return []
-        nxt = mem[(mem.index(h) + 1) % len(mem)]
-        return ["--emb-backup", f"{nxt['ip']}:{EMB_PORT}",
-                "--emb-backup-lag", topo.get("emb_backup_lag", "32MiB")]
+        argv = ["--emb-peers",
+                ",".join(f"{m['ip']}:{EMB_PORT}" for m in mem)]
+        if not topo.get("emb_replicate", True):
+            return argv + ["--emb-backup", "off"]
+        return argv + ["--emb-backup-lag",
+                       topo.get("emb_backup_lag", "32MiB")]
 
     def serve(h, place, standby=False):
         """Starts host h's `membox serve`; `place`: its proxy's flags."""

@@ -108,6 +108,13 @@ class Node {
     uint64_t client_id = 0;
     std::chrono::milliseconds timeout{60000};
     std::chrono::milliseconds failover{0};
+    // The node's place in the job (its index in the client's list), which
+    // a node that knows its own place must name in its hello's reply.
+    uint32_t place = 0;
+    // Where the job's other nodes say the node in `place` listens now,
+    // asked after each failed reconnection (a replacement on another
+    // host); empty: not known. Optional.
+    std::function<std::string(uint32_t place, const std::string& last)> where;
   };
 
   explicit Node(Options o) : opt_(std::move(o)) {
@@ -123,9 +130,28 @@ class Node {
     lo.greet = [this](service::Client& c, bool rejoin) {
       return Greet(c, rejoin);
     };
+    if (opt_.where) {
+      lo.resolve = [this](const std::string& last) {
+        return opt_.where(opt_.place, last);
+      };
+    }
     link_ = std::make_unique<service::Link>(std::move(lo));
   }
   ~Node() { link_->Close("embedding client closed"); }
+
+  // Where this node says the node in `place` listens now ("" when it
+  // does not know, or cannot be asked now). Any thread.
+  std::string AskWhere(uint32_t place) {
+    std::shared_ptr<service::Client> c = link_->client();
+    if (!c || !c->health().ok()) return "";
+    Message m;
+    m.type = Type::kWhere;
+    m.table_id = place;
+    auto r =
+        c->CallDecoded<Message>(static_cast<uint16_t>(m.type), proto::Encode(m),
+                                DecodeReply, std::chrono::seconds(2));
+    return r.ok() ? r->text : "";
+  }
 
   // The first link: hello; learns whether the node keeps a push log.
   Status Connect() {
@@ -264,6 +290,15 @@ class Node {
     h.client_id = opt_.client_id;
     h.rejoin = rejoin;
     ASSIGN_OR_RETURN(Message r, call(h));
+    if (r.table_id != proto::kNoPlace && r.table_id != opt_.place) {
+      // Rows pushed here would land on the wrong node: given up at once.
+      return FailedPreconditionError(
+          "embedding node at " + c.endpoint() + " is the job's node " +
+          std::to_string(r.table_id) + ", not node " +
+          std::to_string(opt_.place) +
+          ": list the embedding nodes (MEMBOX_EMBEDDING_NODES) in their "
+          "order in the job, as membox launch and membox cluster do");
+    }
     const bool durable = r.text == "push-log";
     if (!rejoin) {
       MutexLock l(&mu_);
@@ -361,8 +396,19 @@ class ClientImpl final : public EmbeddingClient {
     std::random_device rd;
     uint64_t id = 0;
     while (id == 0) id = (uint64_t{rd()} << 32) ^ rd();
+    // Every Node exists before any connects: a Node's reconnection asks
+    // the others where its node went.
     for (const std::string& ep : opt_.nodes) {
       Node::Options no;
+      no.place = static_cast<uint32_t>(nodes_.size());
+      no.where = [this](uint32_t place, const std::string& last) {
+        for (size_t i = 0; i < nodes_.size(); ++i) {
+          if (i == place) continue;
+          std::string w = nodes_[i]->AskWhere(place);
+          if (!w.empty() && w != last) return w;
+        }
+        return std::string();
+      };
       no.device = device_.get();
       no.timer = &timer_;
       no.endpoint = ep;
@@ -374,8 +420,8 @@ class ClientImpl final : public EmbeddingClient {
       no.timeout = opt_.timeout;
       no.failover = opt_.failover_timeout;
       nodes_.push_back(std::make_unique<Node>(std::move(no)));
-      RETURN_IF_ERROR(nodes_.back()->Connect());
     }
+    for (auto& n : nodes_) RETURN_IF_ERROR(n->Connect());
     return Status::Ok();
   }
 

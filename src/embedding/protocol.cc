@@ -21,8 +21,9 @@ constexpr uint8_t kMagic = 'E';
 // 2: pulls and pushes carry sections; 3: inside the service envelope (the
 // request id, method and error travel there); 4: a hello carries the
 // client id and rejoin flag, a push its sequence number (resent pushes);
-// 5: the nodes' replication (replicate, fetch-replica).
-constexpr uint8_t kVersion = 6;
+// 5: the nodes' replication (replicate, fetch-replica); 6: a reply's
+// floor; 7: where and announce, a hello's reply names the node's place.
+constexpr uint8_t kVersion = 7;
 
 Status Bad(const char* what) {
   return InvalidArgumentError(std::string("malformed embedding message: ") +
@@ -140,6 +141,10 @@ const char* TypeName(Type t) {
       return "replicate";
     case Type::kFetchReplica:
       return "fetch-replica";
+    case Type::kWhere:
+      return "where";
+    case Type::kAnnounce:
+      return "announce";
   }
   return "?";
 }
@@ -220,6 +225,13 @@ std::vector<uint8_t> Encode(const Message& m) {
       w.U32(m.table_id);
       w.U64(m.batch);
       break;
+    case Type::kWhere:
+      w.U32(m.table_id);
+      break;
+    case Type::kAnnounce:
+      w.U32(m.table_id);
+      PutStr(w, m.name);
+      break;
     case Type::kFlush:
     case Type::kStats:
       break;
@@ -234,7 +246,7 @@ std::vector<uint8_t> Encode(const Message& m) {
 }
 
 Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
-  if (type < 1 || type > 10) return Bad("unknown type");
+  if (type < 1 || type > 12) return Bad("unknown type");
   Reader r(in);
   uint8_t magic = 0, version = 0;
   if (!r.U8(&magic) || magic != kMagic) return Bad("bad magic");
@@ -274,6 +286,13 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       break;
     case Type::kRelease:
       ok = r.U32(&m.table_id) && r.U64(&m.batch);
+      break;
+    case Type::kWhere:
+      ok = r.U32(&m.table_id) && m.table_id < kMaxPlaces;
+      break;
+    case Type::kAnnounce:
+      ok = r.U32(&m.table_id) && m.table_id < kMaxPlaces &&
+           GetStr(r, &m.name, kMaxName) && !m.name.empty();
       break;
     case Type::kFlush:
     case Type::kStats:

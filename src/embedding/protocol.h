@@ -22,7 +22,9 @@ namespace membox::embedding::proto {
 
 enum class Type : uint8_t {
   kHello = 1,      // name, client id, rejoin (the channel is authenticated
-                   // by the transport) -> reply.text "push-log" if durable
+                   // by the transport) -> reply.text "push-log" if durable,
+                   // reply.table_id the node's place in its job (kNoPlace:
+                   // none given)
   kOpenTable = 2,  // TableConfig -> reply.table_id
   kPull = 3,       // batch (0: no pin), sections (table, keys) -> values
   kPush = 4,       // batch, seq, floor, sections (table, release, keys,
@@ -33,13 +35,21 @@ enum class Type : uint8_t {
   kReply = 8,      // an ok reply's body: table_id, values, text, floor
   // Between memory nodes (the cluster's credential only): a primary's
   // changed rows for its backup, and a replacement's fetch of them.
-  kReplicate = 9,     // origin (name), table, seq, more (rejoin), one
-                      // section (keys, whole rows), applied
-  kFetchReplica = 10  // origin (name), table_id (index), seq (key offset)
-                      // -> a kReplicate body; table.name "" when done
+  kReplicate = 9,      // origin (name), table, seq, more (rejoin), one
+                       // section (keys, whole rows), applied
+  kFetchReplica = 10,  // origin (name), table_id (index), seq (key offset)
+                       // -> a kReplicate body; table.name "" when done
+  // Where the job's nodes listen (docs/design/embedding.md, "A
+  // replacement at another address"): any client may ask where the node
+  // in place table_id listens now (-> reply.text, "" when unknown); a
+  // node taking place table_id at another address tells its peers (the
+  // cluster's credential only): name = its endpoint.
+  kWhere = 11,     // table_id (place) -> reply.text
+  kAnnounce = 12,  // table_id (place), name (endpoint)
 };
 const char* TypeName(Type t);
-
+constexpr uint32_t kNoPlace = UINT32_MAX;
+constexpr uint32_t kMaxPlaces = 4096;  // nodes of one job
 constexpr size_t kMaxName = 256;
 constexpr size_t kMaxText = 1 << 16;
 constexpr uint32_t kMaxKeys = 1 << 17;

@@ -109,6 +109,26 @@ TEST(EmbeddingProtocolTest, RoundTripsEveryType) {
   ASSERT_TRUE(ad.ok()) << ad.status().ToString();
   EXPECT_EQ(ad->floor, 41u);
 
+  Message where;  // where the node in place 2 listens now
+  where.type = Type::kWhere;
+  where.table_id = 2;
+  auto wd = RoundTrip(where);
+  ASSERT_TRUE(wd.ok()) << wd.status().ToString();
+  EXPECT_EQ(wd->table_id, 2u);
+  where.table_id = kMaxPlaces;  // no job has that many nodes
+  EXPECT_FALSE(RoundTrip(where).ok());
+
+  Message announce;  // the node in place 1 listens here now
+  announce.type = Type::kAnnounce;
+  announce.table_id = 1;
+  announce.name = "10.0.0.9:7320";
+  auto and_ = RoundTrip(announce);
+  ASSERT_TRUE(and_.ok()) << and_.status().ToString();
+  EXPECT_EQ(and_->table_id, 1u);
+  EXPECT_EQ(and_->name, "10.0.0.9:7320");
+  announce.name.clear();  // an announce names its endpoint
+  EXPECT_FALSE(RoundTrip(announce).ok());
+
   for (Type t : {Type::kHello, Type::kPull, Type::kRelease, Type::kFlush,
                  Type::kStats, Type::kReply}) {
     Message m;

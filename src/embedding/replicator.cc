@@ -38,6 +38,7 @@ Result<std::unique_ptr<Replicator>> Replicator::Start(
   lo.open = [device = r->device_.get()](const std::string& ep) {
     return device->GetChannel(ep);
   };
+  lo.resolve = r->opt_.resolve;
   Replicator* self = r.get();
   lo.greet = [self](service::Client& c, bool rejoin) {
     return self->Greet(c, rejoin);
@@ -85,7 +86,7 @@ Status Replicator::Greet(service::Client& c, bool rejoin) {
                        opt_.timeout)
                       .status());
   up_ = true;
-  MEMBOX_LOG_INFO("backup {} {}: this node's rows go there", opt_.backup,
+  MEMBOX_LOG_INFO("backup {} {}: this node's rows go there", c.endpoint(),
                   rejoin ? "is back" : "connected");
   if (opt_.on_connected) opt_.on_connected();
   return Status::Ok();

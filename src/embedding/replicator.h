@@ -50,6 +50,10 @@ struct ReplicatorOptions {
   // answers without it, and the link reconnects and resyncs.
   std::chrono::milliseconds stall_timeout{10000};
   std::function<void()> on_connected;
+  // Where the backup listens now, asked after each failed attempt (a
+  // replacement on another host; service::LinkOptions::resolve).
+  // Optional.
+  std::function<std::string(const std::string& last)> resolve;
 };
 
 class Replicator {
@@ -66,7 +70,8 @@ class Replicator {
   // Stops reconnecting and fails what is in flight (kAborted); no `done`
   // or `on_connected` runs after it returns. Idempotent.
   void Stop();
-  const std::string& backup() const { return opt_.backup; }
+  // Where the backup listens (as resolved).
+  std::string backup() const { return link_->endpoint(); }
 
  private:
   explicit Replicator(ReplicatorOptions o) : opt_(std::move(o)) {}

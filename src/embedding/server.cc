@@ -33,6 +33,7 @@
 #include "membox/service/server.h"
 #include "membox/transport/device.h"
 
+#include "src/embedding/peers.h"
 #include "src/embedding/protocol.h"
 #include "src/embedding/push_log.h"
 #include "src/embedding/replicator.h"
@@ -216,6 +217,25 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       return serving;
     }
     endpoint_ = server_->endpoint();
+    uint32_t backup_place = proto::kNoPlace;
+    if (!opt_.peers.empty()) {
+      PeerDirectoryOptions po;
+      po.peers = opt_.peers;
+      po.place = opt_.place;
+      // A wildcard address is no place to tell peers about.
+      if (endpoint_.rfind("0.0.0.0:", 0) != 0) po.endpoint = endpoint_;
+      po.secret = opt_.secret;
+      po.transports = opt_.transports;
+      auto d = PeerDirectory::Start(std::move(po));
+      if (!d.ok()) {
+        Stop();
+        return d.status();
+      }
+      peers_ = std::move(*d);
+      for (uint32_t i = 0; i < opt_.peers.size(); ++i) {
+        if (i != opt_.place && opt_.peers[i] == opt_.backup) backup_place = i;
+      }
+    }
     if (!opt_.backup.empty()) {
       ReplicatorOptions ro;
       ro.backup = opt_.backup;
@@ -226,6 +246,12 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       // After every connection the backup gets every row again: it may
       // have missed pushes while it was away, or be a new node.
       ro.on_connected = [this] { server_->Post([this] { ResyncAll(); }); };
+      // A backup replaced on another host: its peers say where.
+      if (backup_place != proto::kNoPlace) {
+        ro.resolve = [this, backup_place](const std::string&) {
+          return peers_->Where(backup_place);
+        };
+      }
       auto r = Replicator::Start(std::move(ro));
       if (!r.ok()) {
         Stop();
@@ -393,6 +419,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     server_->Stop();
     // (Its answers posted to the stopped loop are dropped; none come after.)
     if (replicator_) replicator_->Stop();
+    if (peers_) peers_->Stop();
     StopSyncer();
     StopCompactor();
     Status s = FlushAll();  // the event loop is gone: safe here
@@ -486,6 +513,26 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         // What the client may rely on: an acknowledged push survives this
         // node's death (it then resends what was not acknowledged).
         reply.text = log_ ? "push-log" : "";
+        // Which of the job's nodes this is: a client that expects another
+        // (its list in another order, a stale address) refuses it.
+        reply.table_id = peers_ ? peers_->place() : proto::kNoPlace;
+        break;
+      case Type::kWhere:
+        // Addresses, not rows: any principal may ask.
+        reply.text = peers_ ? peers_->Where(m.table_id) : std::string();
+        break;
+      case Type::kAnnounce:
+        if (!c.principal.cluster) {
+          s = PermissionDeniedError(
+              "only memory nodes announce themselves (this credential is " +
+              c.principal.name + "'s)");
+        } else if (!peers_) {
+          s = FailedPreconditionError(
+              "this embedding node was started without its job's peers "
+              "(--emb-peers): it keeps no addresses");
+        } else {
+          s = peers_->Set(m.table_id, m.name);
+        }
         break;
       case Type::kOpenTable: {
         TableConfig cfg = m.table;
@@ -1762,6 +1809,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   EmbeddingServerOptions opt_;
   std::unique_ptr<PushLog> log_;  // event loop (Init before it starts)
   // Replication (event loop, but for the replicator's own threads).
+  // Before replicator_: its link's resolve reads it.
+  std::unique_ptr<PeerDirectory> peers_;    // null without opt_.peers
   std::unique_ptr<Replicator> replicator_;  // null without a backup
   std::deque<uint32_t> resync_;             // tables still to send whole
   std::vector<uint64_t> resync_keys_;       // of resync_.front()

@@ -1009,6 +1009,166 @@ TEST_F(EmbeddingServerTest, ABackupThatIsAwayGetsEveryRowWhenItComes) {
   primary->reset();
 }
 
+// A node of a job replaced on another host (a standby's takeover): the
+// replacement restores the dead node's rows from its backup and tells its
+// peers where it listens; a client that was training finds it there (its
+// link asks the other node) and pulls exactly what it had pushed; the
+// surviving node's link to its backup follows it too. A client whose list
+// names the nodes in another order is refused, and only a memory node may
+// announce an address.
+TEST_F(EmbeddingServerTest,
+       AReplacementAtAnotherAddressIsFoundByPeersAndClients) {
+  auto free_endpoint = [&](const std::string& dir) {
+    EmbeddingServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.secret = kSecret;
+    o.dir = (dir_ / dir).string();
+    auto probe = EmbeddingServer::Start(o);
+    EXPECT_TRUE(probe.ok());
+    return probe.ok() ? (*probe)->endpoint() : std::string();
+  };
+  const std::string ep0 = free_endpoint("probe0"),
+                    ep1 = free_endpoint("probe1"),
+                    moved = free_endpoint("probe2");
+  auto start = [&](const std::string& listen, uint32_t place,
+                   const std::string& dir) {
+    EmbeddingServerOptions o;
+    o.listen = listen;
+    o.secret = kSecret;
+    o.dir = (dir_ / dir).string();
+    o.flush_interval = 0ms;
+    o.peers = {ep0, ep1};
+    o.place = place;
+    o.backup = o.peers[(place + 1) % 2];
+    o.name = "node-" + std::to_string(place);
+    o.restore_timeout = 5s;
+    auto s = EmbeddingServer::Start(o);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? std::move(*s) : nullptr;
+  };
+  auto wait_backup = [](EmbeddingServer& s, const std::string& where) {
+    for (int i = 0; i < 1000; ++i) {
+      if (s.Stats().backup_connected &&
+          s.StatusText().find("backup " + where + " connected") !=
+              std::string::npos) {
+        return true;
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    return false;
+  };
+  auto n0 = start(ep0, 0, "n0");
+  auto n1 = start(ep1, 1, "n1");
+  ASSERT_TRUE(n0 && n1);
+  ASSERT_TRUE(wait_backup(*n0, ep1));
+  ASSERT_TRUE(wait_backup(*n1, ep0));
+
+  EmbeddingClientOptions co;
+  co.nodes = {ep0, ep1};
+  co.secret = kSecret;
+  co.timeout = 20s;
+  co.failover_timeout = 20s;
+  auto c = EmbeddingClient::Connect(co);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  TableConfig cfg = Config(RowOptimizer::kAdagrad, 8);
+  auto t = (*c)->OpenTable(cfg);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  std::vector<uint64_t> keys(2000);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = i * 3;
+  std::vector<float> g(keys.size() * cfg.dim);
+  for (int step = 0; step < 3; ++step) {
+    for (size_t i = 0; i < g.size(); ++i) g[i] = 0.01f * ((i + step) % 11);
+    ASSERT_TRUE((*c)->Push(*t, keys, g).ok());
+  }
+  std::vector<float> before(g.size()), after(g.size());
+  ASSERT_TRUE((*c)->Pull(*t, keys, before.data()).ok());
+  WaitForCopies(*n0);
+  WaitForCopies(*n1);
+
+  // Node 1's host is gone; its place is taken at another address, with
+  // nothing on its disk.
+  n1.reset();
+  auto n1b = start(moved, 1, "n1b");
+  ASSERT_TRUE(n1b);
+  ASSERT_TRUE((*c)->Pull(*t, keys, after.data()).ok());
+  EXPECT_EQ(after, before) << "every acknowledged row, at the new address";
+  EXPECT_EQ(n1b->Stats().restored_rows, keys.size() / 2);
+  // The survivor's copies go to the replacement now, and the
+  // replacement's to the survivor.
+  EXPECT_TRUE(wait_backup(*n0, moved)) << n0->StatusText();
+  EXPECT_TRUE(wait_backup(*n1b, ep0)) << n1b->StatusText();
+  ASSERT_TRUE((*c)->Push(*t, keys, g).ok());
+  WaitForCopies(*n0);
+  WaitForCopies(*n1b);
+  EXPECT_GT(n1b->Stats().replicated_pushes, 0u);
+
+  // A client whose list names the nodes in another order is refused: its
+  // rows would land on the wrong nodes.
+  EmbeddingClientOptions swapped = co;
+  swapped.nodes = {moved, ep0};
+  swapped.failover_timeout = 0ms;
+  auto wrong = EmbeddingClient::Connect(swapped);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_EQ(wrong.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(wrong.status().message().find("is the job's node 1, not node 0"),
+            std::string::npos)
+      << wrong.status().ToString();
+
+  // Where and announce, raw: a tenant may ask, not announce.
+  auto connect = [&](const std::string& secret) {
+    transport::DeviceOptions d;
+    d.secret = secret;
+    auto dev = transport::Device::Create(d);
+    EXPECT_TRUE(dev.ok());
+    auto ch = (*dev)->GetChannel(ep0);
+    EXPECT_TRUE(ch.ok()) << ch.status().ToString();
+    proto::Message h;
+    h.type = proto::Type::kHello;
+    h.name = "x";
+    auto r = RawCall(**ch, h);
+    EXPECT_TRUE(r.ok());
+    if (r.ok()) {
+      EXPECT_EQ(r->table_id, 0u) << "the hello names the place";
+    }
+    return std::make_pair(std::move(*dev), *ch);
+  };
+  Principal p;
+  p.cluster = false;
+  p.name = "alice";
+  p.rights = kRightWorker;
+  auto [tdev, tenant] = connect(Credential::Issue(kSecret, p)->Encode());
+  proto::Message where;
+  where.type = proto::Type::kWhere;
+  where.table_id = 1;
+  auto w = RawCall(*tenant, where);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(w->text, moved);
+  where.table_id = 7;  // no such place: nothing known
+  w = RawCall(*tenant, where);
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ(w->text, "");
+  proto::Message announce;
+  announce.type = proto::Type::kAnnounce;
+  announce.table_id = 1;
+  announce.name = "10.9.9.9:1";
+  EXPECT_EQ(RawCall(*tenant, announce).status().code(),
+            StatusCode::kPermissionDenied);
+  auto [ndev, node] = connect(kSecret);
+  announce.table_id = 0;  // the node's own place
+  EXPECT_EQ(RawCall(*node, announce).status().code(),
+            StatusCode::kFailedPrecondition);
+  announce.table_id = 2;  // outside the job
+  EXPECT_EQ(RawCall(*node, announce).status().code(),
+            StatusCode::kInvalidArgument);
+  where.table_id = 1;
+  w = RawCall(*node, where);
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ(w->text, moved) << "refused announcements change nothing";
+  tenant->Close();
+  node->Close();
+  c->reset();
+}
+
 // Only a memory node (the cluster's secret) sends or reads replicas; a
 // malformed replica changes nothing.
 TEST_F(EmbeddingServerTest, ReplicasAreTheNodesOwnBusiness) {

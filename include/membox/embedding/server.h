@@ -39,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "membox/base/credential.h"
 #include "membox/base/metrics.h"
@@ -74,6 +75,16 @@ struct EmbeddingServerOptions {
   // stable across restarts and replacements: `membox serve` uses
   // node-<ps rank>). Required with a backup.
   std::string name;
+  // The job's embedding endpoints by place (0 .. M-1; `membox serve
+  // --emb-peers`), and this node's place among them. A node listening
+  // elsewhere than its place's entry -- a replacement or standby on
+  // another host -- tells the others where it is now; every node answers
+  // clients (and its own link to its backup) asking where a place's node
+  // listens, and a hello's reply names the node's place, which clients
+  // check against the one they expect (docs/design/embedding.md, "A
+  // replacement at another address"). Empty: none of that.
+  std::vector<std::string> peers;
+  uint32_t place = 0;
   // How long a restore waits for the backup to answer.
   std::chrono::milliseconds restore_timeout{30000};
   // How far the backup's copy may lag the answers: while the copies in
