@@ -38,7 +38,9 @@ Result<std::unique_ptr<PeerDirectory>> PeerDirectory::Start(
   }
   if (moved && o.peers.size() > 1) {
     transport::DeviceOptions dev;
-    dev.transports = o.transports;
+    // membox's TCP path: an announcement moves no data, and maps no
+    // shared memory.
+    dev.transports = "tcp";
     dev.secret = o.secret;
     dev.name = "membox-embedding-peers";
     dev.connect_timeout = o.timeout;

@@ -38,7 +38,6 @@ struct PeerDirectoryOptions {
   // Where this node listens (its server's endpoint, reachable by peers).
   std::string endpoint;
   std::string secret;
-  std::string transports = "auto";
   // One announcement's connection and answer.
   std::chrono::milliseconds timeout{5000};
   std::chrono::milliseconds retry_every{500};

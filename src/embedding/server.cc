@@ -225,7 +225,6 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       // A wildcard address is no place to tell peers about.
       if (endpoint_.rfind("0.0.0.0:", 0) != 0) po.endpoint = endpoint_;
       po.secret = opt_.secret;
-      po.transports = opt_.transports;
       auto d = PeerDirectory::Start(std::move(po));
       if (!d.ok()) {
         Stop();

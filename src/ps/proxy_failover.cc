@@ -171,6 +171,9 @@ void ProxyImpl::LinkPeersInBackground() {
   probe.listen_address.clear();
   probe.admit = nullptr;
   probe.name += "-probe";
+  // membox's TCP path: a probe moves no data, and maps no shared memory
+  // (whose addresses the proxy's own mappings would reuse).
+  probe.transports = "tcp";
   Status queued = peer_linker_.Submit([this, peers = opt_.peers, probe] {
     // Probes go through a device of their own: the proxy's hands out one
     // channel per peer, which a probe's closing would close for everyone.
