@@ -118,30 +118,15 @@ class Node {
   };
 
   explicit Node(Options o) : opt_(std::move(o)) {
-    service::LinkOptions lo;
-    lo.name = "embedding node " + opt_.endpoint;
-    lo.owner = "embedding client " + opt_.name;
-    lo.endpoint = opt_.endpoint;
-    lo.client.node_kind = "embedding node";
-    lo.timer = opt_.timer;
-    lo.open = [device = opt_.device](const std::string& ep) {
-      return device->GetChannel(ep);
-    };
-    lo.greet = [this](service::Client& c, bool rejoin) {
-      return Greet(c, rejoin);
-    };
-    if (opt_.where) {
-      lo.resolve = [this](const std::string& last) {
-        return opt_.where(opt_.place, last);
-      };
-    }
-    link_ = std::make_unique<service::Link>(std::move(lo));
+    link_ = MakeLink(opt_.endpoint);
   }
   ~Node() { link_->Close("embedding client closed"); }
 
   // Where this node says the node in `place` listens now ("" when it
-  // does not know, or cannot be asked now). Any thread.
+  // does not know, or cannot be asked now). Any thread; nothing before
+  // this node's first connection (its link may still be replaced then).
   std::string AskWhere(uint32_t place) {
+    if (!connected_.load(std::memory_order_acquire)) return "";
     std::shared_ptr<service::Client> c = link_->client();
     if (!c || !c->health().ok()) return "";
     Message m;
@@ -154,8 +139,26 @@ class Node {
   }
 
   // The first link: hello; learns whether the node keeps a push log.
-  Status Connect() {
+  // `again`: a first attempt did not reach the node; this one goes on a
+  // new link, where the other nodes say it listens now if they know (a
+  // client made after a replacement on another host), else where it was.
+  Status Connect(bool again = false) {
+    if (again) {
+      std::string moved =
+          opt_.where ? opt_.where(opt_.place, opt_.endpoint) : std::string();
+      if (!moved.empty() && moved != opt_.endpoint) {
+        MEMBOX_LOG_WARN(
+            "embedding client {}: embedding node {} not reached; its peers "
+            "say it listens at {} now",
+            opt_.name, opt_.endpoint, moved);
+      } else {
+        moved = opt_.endpoint;
+      }
+      link_->Close("not reached");
+      link_ = MakeLink(moved);
+    }
     RETURN_IF_ERROR(link_->Connect());
+    connected_.store(true, std::memory_order_release);
     bool durable = false;
     {
       MutexLock l(&mu_);
@@ -276,6 +279,27 @@ class Node {
     return proto::Encode(k->m);
   }
 
+  std::unique_ptr<service::Link> MakeLink(const std::string& endpoint) {
+    service::LinkOptions lo;
+    lo.name = "embedding node " + opt_.endpoint;
+    lo.owner = "embedding client " + opt_.name;
+    lo.endpoint = endpoint;
+    lo.client.node_kind = "embedding node";
+    lo.timer = opt_.timer;
+    lo.open = [device = opt_.device](const std::string& ep) {
+      return device->GetChannel(ep);
+    };
+    lo.greet = [this](service::Client& c, bool rejoin) {
+      return Greet(c, rejoin);
+    };
+    if (opt_.where) {
+      lo.resolve = [this](const std::string& last) {
+        return opt_.where(opt_.place, last);
+      };
+    }
+    return std::make_unique<service::Link>(std::move(lo));
+  }
+
   // A new connection's greeting: hello and, rejoining, the tables opened
   // again. Runs in Connect or on the Link's timer.
   Status Greet(service::Client& c, bool rejoin) {
@@ -352,7 +376,9 @@ class Node {
   }
 
   const Options opt_;
+  // Replaced only in Connect, before connected_ (AskWhere reads it after).
   std::unique_ptr<service::Link> link_;
+  std::atomic<bool> connected_{false};
   Mutex send_mu_;  // taken before mu_ (and before the Link's locks)
   mutable Mutex mu_;
   bool durable_ MEMBOX_GUARDED_BY(mu_) = false;   // keeps a push log
@@ -421,7 +447,20 @@ class ClientImpl final : public EmbeddingClient {
       no.failover = opt_.failover_timeout;
       nodes_.push_back(std::make_unique<Node>(std::move(no)));
     }
-    for (auto& n : nodes_) RETURN_IF_ERROR(n->Connect());
+    // A node not reached is looked for once the others are connected:
+    // they know where a replacement on another host listens.
+    std::vector<size_t> unreached;
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      Status s = nodes_[i]->Connect();
+      if (s.code() == StatusCode::kUnavailable && nodes_.size() > 1) {
+        unreached.push_back(i);
+      } else {
+        RETURN_IF_ERROR(s);
+      }
+    }
+    for (size_t i : unreached) {
+      RETURN_IF_ERROR(nodes_[i]->Connect(/*again=*/true));
+    }
     return Status::Ok();
   }
 

@@ -1102,6 +1102,21 @@ TEST_F(EmbeddingServerTest,
   WaitForCopies(*n1b);
   EXPECT_GT(n1b->Stats().replicated_pushes, 0u);
 
+  // A client made now, with the job's old list, finds the replacement too
+  // (its first connection asks the node it reached).
+  {
+    EmbeddingClientOptions stale = co;
+    stale.failover_timeout = 0ms;
+    auto fresh = EmbeddingClient::Connect(stale);
+    ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+    auto ft = (*fresh)->OpenTable(cfg);
+    ASSERT_TRUE(ft.ok()) << ft.status().ToString();
+    std::vector<float> now(g.size()), expect(g.size());
+    ASSERT_TRUE((*c)->Pull(*t, keys, expect.data()).ok());
+    ASSERT_TRUE((*fresh)->Pull(*ft, keys, now.data()).ok());
+    EXPECT_EQ(now, expect);
+  }
+
   // A client whose list names the nodes in another order is refused: its
   // rows would land on the wrong nodes.
   EmbeddingClientOptions swapped = co;
