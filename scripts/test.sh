@@ -110,7 +110,12 @@ setsid nice -n 19 bash -c "echo 19 >/proc/self/autogroup 2>/dev/null || true
   >build/sanitizer-build.log 2>&1 &
 sanitizer_build=$!
 trap 'kill -- -$sanitizer_build 2>/dev/null || kill $sanitizer_build 2>/dev/null || true' EXIT
-run_ctest release
+# digits_equivalence_test, ddp_restart_test: the DDP hook against Gloo,
+# and DDP jobs restarted from the nodes, on Debian's torch 1.13; the Python
+# stage runs both again on PyPI's torch 2.x, which is what users run. The
+# old path keeps its other tests here (client, embedding layers, resume,
+# worker restart, a node's loss), and a developer's ctest runs all.
+run_ctest release -E '^(digits_equivalence_test|ddp_restart_test)$'
 
 stage "pip install . into a venv, then PyPI's torch 2.x there (tests/install/pip_install_test.sh)"
 # Each stage that runs outside ctest has a deadline, so that a hang fails

@@ -325,9 +325,15 @@ def main(argv=None):
             argv_n += ["--emb-listen", emb_eps[i], "--emb-dir", emb_dir,
                        "--emb-budget", a.emb_budget,
                        "--emb-push-log", a.emb_push_log]
+            if a.nodes > 1:
+                # The job's embedding nodes by place: a hello names the
+                # node's, which the workers check against their list.
+                argv_n += ["--emb-peers", ",".join(emb_eps)]
             if a.nodes > 1 and a.emb_replicate == "on":
                 argv_n += ["--emb-backup", emb_eps[(i + 1) % a.nodes],
                            "--emb-backup-lag", a.emb_backup_lag]
+            elif a.nodes > 1:
+                argv_n += ["--emb-backup", "off"]
             if a.checkpoint_dir:
                 argv_n += ["--checkpoint-dir", a.checkpoint_dir]
             node_argv.append(list(argv_n))
