@@ -55,10 +55,6 @@ Status ProxyImpl::Init() {
   }
   // A replacement copies its state while it serves (Join).
   server_->Post([this] { StartJoinCopy(); });
-  // Replicated peers notice each other's death from the start.
-  if (opt_.replicate && nproxies_ > 1) {
-    server_->Post([this] { LinkPeersInBackground(); });
-  }
   endpoint_ = server_->endpoint();
   server_->Every(
       opt_.hang_report.count() > 0
@@ -215,7 +211,6 @@ void ProxyImpl::Stop() {
   // registered with it.
   server_->Stop();
   checkpoint_writer_.Stop();
-  peer_linker_.Stop();
   for (std::thread& t : join_copiers_) t.join();
   join_copiers_.clear();
   join_copy_.reset();

@@ -159,63 +159,6 @@ void ProxyImpl::OnClaim(uint64_t conn, Conn& c, const Message& m) {
   Reply(conn, m.type, m.id, st);
 }
 
-// Links to every peer, made in the background as soon as each answers:
-// a peer's death is noticed as its link's loss, and a standby's claim on
-// its place granted, whatever the jobs used (links are otherwise made
-// when a job first needs them, and a node whose jobs only used the
-// embedding servers would have none). Never takes a peer that does not
-// answer for dead: it may not have started yet.
-// Event loop (it copies the peers' addresses).
-void ProxyImpl::LinkPeersInBackground() {
-  transport::DeviceOptions probe = device_->options();
-  probe.listen_address.clear();
-  probe.admit = nullptr;
-  probe.name += "-probe";
-  // membox's TCP path: a probe moves no data, and maps no shared memory
-  // (whose addresses the proxy's own mappings would reuse).
-  probe.transports = "tcp";
-  Status queued = peer_linker_.Submit([this, peers = opt_.peers, probe] {
-    // Probes go through a device of their own: the proxy's hands out one
-    // channel per peer, which a probe's closing would close for everyone.
-    auto device = transport::Device::Create(probe);
-    if (!device.ok()) {
-      MEMBOX_LOG_WARN("proxy {}: peers not linked ahead: {}", opt_.rank,
-                      device.status().ToString());
-      return;
-    }
-    std::vector<bool> reached(nproxies_, false);
-    reached[opt_.rank] = true;
-    while (running_) {
-      bool all = true;
-      for (uint32_t r = 0; r < nproxies_ && running_; ++r) {
-        if (reached[r]) continue;
-        service::ClientOptions co;
-        co.node_kind = "proxy " + std::to_string(r);
-        auto c = service::Client::Connect(**device, peers[r], co);
-        if (!c.ok()) {
-          all = false;
-          continue;
-        }
-        reached[r] = true;
-        c->reset();
-        // The link itself (its hello, its loss watched) on the loop: one
-        // quick try, the peer answered just now.
-        Post([this, r] {
-          if (!peer_out_.count(r) && !failover_.down(r)) {
-            (void)PeerClient(r, std::chrono::milliseconds(200));
-          }
-        });
-      }
-      if (all) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
-  });
-  if (!queued.ok()) {
-    MEMBOX_LOG_WARN("proxy {}: peers not linked ahead: {}", opt_.rank,
-                    queued.ToString());
-  }
-}
-
 void ProxyImpl::OnResume(uint32_t from, const Message& m) {
   if (m.rank >= nproxies_ || m.rank == opt_.rank) return;
   if (failover_.ResumeIsNews(m.rank, m.world)) {

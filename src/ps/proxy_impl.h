@@ -406,9 +406,6 @@ class ProxyImpl final : public Proxy, public service::Service {
   // (a warning); with no worker connected it is the end of one (the nodes of
   // a finished job stop one after another), so it is only noted.
   void PeerDown(uint32_t rank, const Status& why);
-  // Links to every peer as soon as each answers, off the event loop (so
-  // that a death is noticed whatever the jobs used). Event loop.
-  void LinkPeersInBackground();
 
   // ---------------------------------------- failover (proxy_failover.cc)
   //
@@ -877,8 +874,6 @@ class ProxyImpl final : public Proxy, public service::Service {
   // queued (docs/design/network_face.md, "Limits").
   static constexpr size_t kMaxCheckpointsInFlight = 4;
   SerialWorker checkpoint_writer_{"checkpoint", kMaxCheckpointsInFlight};
-  // LinkPeersInBackground's connection attempts.
-  SerialWorker peer_linker_{"peer links", 1};
   // A replacement's background copy (Join): its state, the copier, the
   // shards not copied yet and the requests waiting for them. Event loop.
   std::shared_ptr<JoinCopy> join_copy_;
