@@ -333,7 +333,7 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       break;
     case Type::kClaim:
       ok = r.U32(&m.rank) && m.rank < kMaxProxies && r.U32(&m.world) &&
-           m.world <= 1 && GetStr(r, &m.endpoint, kMaxName) &&
+           m.world <= kClaimAfterLoss && GetStr(r, &m.endpoint, kMaxName) &&
            !m.endpoint.empty();
       break;
     case Type::kRegion:

@@ -131,6 +131,11 @@ constexpr size_t kMaxName = 256;
 constexpr size_t kMaxText = 1 << 16;
 constexpr size_t kMaxDescriptor = 8192;
 constexpr uint32_t kMaxWorld = 4096;
+// kClaim's world: 0 lets a claim go, 1 claims, kClaimAfterLoss claims a
+// place whose node the standby had a link to and lost (a proxy with no
+// link of its own then probes it; one the standby never reached may still
+// be starting).
+constexpr uint32_t kClaimAfterLoss = 2;
 constexpr uint32_t kMaxProxies = 64;
 constexpr uint32_t kMaxRouteKeys = 1 << 16;
 constexpr uint32_t kMaxFreeKeys = 1 << 16;

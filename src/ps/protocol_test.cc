@@ -268,8 +268,8 @@ TEST(PsProtocolTest, ValidatesFields) {
   cfg.type = Type::kConfigure;
   cfg.mode = static_cast<Mode>(7);
   EXPECT_FALSE(Decode(cfg).ok());
-  // A claim names a peer, claims (1) or lets go (0), and says where the
-  // standby listens.
+  // A claim names a peer, claims (1, or kClaimAfterLoss) or lets go (0),
+  // and says where the standby listens.
   Message cl;
   cl.type = Type::kClaim;
   cl.rank = 2;
@@ -277,8 +277,12 @@ TEST(PsProtocolTest, ValidatesFields) {
   cl.endpoint = "10.0.0.9:7410";
   ASSERT_TRUE(Decode(cl).ok());
   EXPECT_EQ(Decode(cl)->endpoint, cl.endpoint);
+  Message lost = cl;
+  lost.world = kClaimAfterLoss;
+  ASSERT_TRUE(Decode(lost).ok());
+  EXPECT_EQ(Decode(lost)->world, kClaimAfterLoss);
   Message bad = cl;
-  bad.world = 2;
+  bad.world = kClaimAfterLoss + 1;
   EXPECT_FALSE(Decode(bad).ok());
   bad = cl;
   bad.rank = kMaxProxies;

@@ -211,6 +211,7 @@ void ProxyImpl::Stop() {
   // registered with it.
   server_->Stop();
   checkpoint_writer_.Stop();
+  peer_prober_.Stop();
   for (std::thread& t : join_copiers_) t.join();
   join_copiers_.clear();
   join_copy_.reset();

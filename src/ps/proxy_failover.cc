@@ -155,8 +155,68 @@ void ProxyImpl::OnClaim(uint64_t conn, Conn& c, const Message& m) {
   if (st.ok()) {
     MEMBOX_LOG_WARN("proxy {}: the standby at {} claims the place of proxy {}",
                     opt_.rank, m.endpoint, m.rank);
+  } else if (st.code() == StatusCode::kNotFound &&
+             m.world == proto::kClaimAfterLoss) {
+    // The standby saw it up and lost it; see for ourselves. (A node the
+    // standby never reached may be starting: not probed.)
+    ProbeClaimedPeer(m.rank);
   }
   Reply(conn, m.type, m.id, st);
+}
+
+void ProxyImpl::ProbeClaimedPeer(uint32_t rank) {
+  if (!running_ || !probing_.insert(rank).second) return;
+  transport::DeviceOptions probe = device_->options();
+  probe.listen_address.clear();
+  probe.admit = nullptr;
+  probe.name += "-probe";
+  // membox's TCP path: a probe moves no data and maps no shared memory. A
+  // device of its own: the proxy's hands out one channel per peer, which
+  // the probe's closing would close for everyone.
+  probe.transports = "tcp";
+  const std::string endpoint = opt_.peers[rank];
+  Status queued = peer_prober_.Submit([this, rank, endpoint, probe] {
+    Status last;
+    bool reached = false, dead = false;
+    auto device = transport::Device::Create(probe);
+    if (!device.ok()) last = device.status();
+    for (int i = 0; device.ok() && i < 3 && running_ && !reached; ++i) {
+      if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      service::ClientOptions co;
+      co.node_kind = "proxy " + std::to_string(rank);
+      auto c = service::Client::Connect(**device, endpoint, co);
+      reached = c.ok();
+      if (!reached) last = c.status();
+    }
+    // Only a connection that fails is a death; anything else (our own
+    // device, a refusal) says nothing of the peer.
+    dead = !reached && (last.code() == StatusCode::kUnavailable ||
+                        last.code() == StatusCode::kDeadlineExceeded);
+    Post([this, rank, endpoint, reached, dead, last] {
+      probing_.erase(rank);
+      if (failover_.down(rank) || opt_.peers[rank] != endpoint) return;
+      if (reached) {
+        // Linked from now on: its death is noticed as the link's loss.
+        if (!peer_out_.count(rank)) {
+          (void)PeerClient(rank, std::chrono::milliseconds(200));
+        }
+        return;
+      }
+      if (!dead) {
+        MEMBOX_LOG_WARN("proxy {}: cannot probe proxy {} at {}: {}", opt_.rank,
+                        rank, endpoint, last.ToString());
+        return;
+      }
+      PeerDown(rank, UnavailableError("a standby lost it, and it is "
+                                      "unreachable from here too: " +
+                                      last.ToString()));
+    });
+  });
+  if (!queued.ok()) {
+    probing_.erase(rank);
+    MEMBOX_LOG_WARN("proxy {}: cannot probe proxy {}: {}", opt_.rank, rank,
+                    queued.ToString());
+  }
 }
 
 void ProxyImpl::OnResume(uint32_t from, const Message& m) {

@@ -436,6 +436,13 @@ class ProxyImpl final : public Proxy, public service::Service {
   void Where(uint64_t conn, const Message& m);
   // A standby's kClaim (or its letting go) of a down peer's place.
   void OnClaim(uint64_t conn, Conn& c, const Message& m);
+  // A standby lost its link to peer `rank` and claims its place, and this
+  // proxy has no link to it (its jobs never needed one: an embedding-only
+  // job): tries to reach it from here, off the event loop. Unreachable
+  // too: it is down (PeerDown), and the standby's next claim is granted.
+  // Reached: it is linked from now on, and the next claim refused. One
+  // probe per peer at a time. Event loop.
+  void ProbeClaimedPeer(uint32_t rank);
   void OnResume(uint32_t from, const Message& m);
 
   // Pauses every round until `rank` is back (PeerHello).
@@ -874,6 +881,10 @@ class ProxyImpl final : public Proxy, public service::Service {
   // queued (docs/design/network_face.md, "Limits").
   static constexpr size_t kMaxCheckpointsInFlight = 4;
   SerialWorker checkpoint_writer_{"checkpoint", kMaxCheckpointsInFlight};
+  // ProbeClaimedPeer's connection attempts, and the peers being probed
+  // (event loop).
+  SerialWorker peer_prober_{"peer probes", proto::kMaxProxies};
+  std::set<uint32_t> probing_;
   // A replacement's background copy (Join): its state, the copier, the
   // shards not copied yet and the requests waiting for them. Event loop.
   std::shared_ptr<JoinCopy> join_copy_;

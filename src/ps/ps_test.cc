@@ -2575,6 +2575,63 @@ TEST(PsTest, OneStandbyPerPlaceAndOnlyNodesClaim) {
       << st.ToString();
 }
 
+// A job whose nodes never linked to each other (it used only the embedding
+// servers, or nothing yet): a node that dies is still found dead -- the
+// standby that lost it asks, and a survivor with no link of its own probes
+// it -- and the standby takes its place. A node the standby never reached
+// (it may be starting) is not taken for dead.
+TEST(PsTest, AStandbyTakesThePlaceOfANodeNoJobLinkedTo) {
+  std::atomic<bool> stop{false};
+  auto standby_for = [&](const Cluster& c) {
+    StandbyOptions o;
+    o.peers = c.endpoints;
+    o.endpoint = "127.0.0.1:" + std::to_string(PickFreeLocalPort());
+    o.secret = kSecret;
+    o.stop = [&] { return stop.load(); };
+    return o;
+  };
+  // Never reached: it waits.
+  auto u = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  u.proxies[1]->Stop();
+  u.proxies[1].reset();
+  StandbyOptions uo = standby_for(u);
+  auto waiting =
+      std::async(std::launch::async, [&] { return AwaitVacancy(uo); });
+  EXPECT_EQ(waiting.wait_for(1500ms), std::future_status::timeout)
+      << "a node the standby never reached was taken for dead";
+  stop = true;
+  ASSERT_EQ(waiting.wait_for(10s), std::future_status::ready);
+  EXPECT_EQ(waiting.get().status().code(), StatusCode::kCancelled);
+
+  // Reached, then killed: its place is taken.
+  stop = false;
+  auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  StandbyOptions o = standby_for(c);
+  auto w = std::async(std::launch::async, [&] { return AwaitVacancy(o); });
+  std::this_thread::sleep_for(300ms);
+  ASSERT_EQ(w.wait_for(0s), std::future_status::timeout) << "every node is up";
+  const auto killed = std::chrono::steady_clock::now();
+  c.proxies[1]->Stop();
+  c.proxies[1].reset();
+  ASSERT_EQ(w.wait_for(20s), std::future_status::ready)
+      << "the survivor never found the node dead";
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed)
+          .count();
+  Result<uint32_t> place = w.get();
+  ASSERT_TRUE(place.ok()) << place.status().ToString();
+  EXPECT_EQ(*place, 1u);
+  std::printf("the standby's claim granted %.3f s after the kill\n", took);
+  ProxyOptions ro = ReplacementOptions(c, 1);
+  ro.listen = o.endpoint;
+  ro.peers[1] = ro.listen;
+  auto joined = Proxy::Start(ro);
+  ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+  c.proxies[1] = std::move(*joined);
+}
+
 // Stored keys (a DDP job's weights and optimizer state kept on the nodes,
 // membox.torch.InMemoryState): one worker's Store replaces the value on
 // every proxy holding it, with no round and no other worker; any worker

@@ -55,7 +55,8 @@ class Watch {
       : o_(o),
         peers_(o.peers),
         device_(std::move(device)),
-        links_(o.peers.size()) {}
+        links_(o.peers.size()),
+        seen_(o.peers.size(), false) {}
 
   ~Watch() {
     links_.clear();  // before the device
@@ -106,6 +107,7 @@ class Watch {
     auto c = service::Client::Connect(*device_, peers_[p], co);
     if (!c.ok()) return false;
     links_[p] = std::move(*c);
+    seen_[p] = true;
     return true;
   }
 
@@ -113,7 +115,9 @@ class Watch {
     proto::Message m;
     m.type = proto::Type::kClaim;
     m.rank = rank;
-    m.world = claim ? 1 : 0;
+    // A node this watch reached and lost: a proxy with no link of its own
+    // to it probes it (a node never reached may still be starting).
+    m.world = !claim ? 0 : seen_[rank] ? proto::kClaimAfterLoss : 1;
     m.endpoint = o_.endpoint;
     auto body = links_[p]->Call(static_cast<uint16_t>(m.type), proto::Encode(m),
                                 kClaimTimeout);
@@ -135,6 +139,7 @@ class Watch {
                     o_.endpoint, r, a->text, peers_[r]);
     peers_[r] = a->text;
     links_[r].reset();
+    seen_[r] = false;
   }
 
   // Claims proxy `r`'s place at every proxy in `up`. True: won. False: not
@@ -187,6 +192,7 @@ class Watch {
   std::vector<std::string> peers_;  // where each proxy is now
   std::unique_ptr<transport::Device> device_;
   std::vector<std::unique_ptr<service::Client>> links_;
+  std::vector<bool> seen_;  // reached at its current address once
   StatusCode last_code_ = StatusCode::kUnknown;
   Clock::time_point last_said_{};
   std::minstd_rand rng_{std::random_device{}()};

@@ -66,16 +66,8 @@ import os, sys, time
 import numpy as np
 import membox
 d = sys.argv[1]
-# A round through the parameter proxies first: the survivor is then
-# linked to the node that dies, and its death is noticed (a standby takes
-# a place only then; docs/design/embedding.md, "A replacement at another
-# address").
-ps = membox.connect()
-ps.configure(mode="sum")
-ps.declare(1, 1 << 20)
-x = np.ones(1 << 18, np.float32)
-ps.push_pull(1, x, x).wait()
-assert (x == 1).all()
+# Only the embedding servers: the nodes never link to each other, and the
+# survivor probes the dead node when the standby claims its place.
 c = membox.connect_embeddings(timeout=60.0, failover_timeout=90.0)
 t = c.open_table("ads", 8, optimizer="adagrad", lr=0.1, seed=3)
 keys = np.arange(0, 6000, 3, dtype=np.int64)

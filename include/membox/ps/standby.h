@@ -6,7 +6,10 @@
 // AwaitVacancy polls the job's proxies. One it cannot reach is a
 // candidate: it asks every proxy it reaches to let it take that place
 // (kClaim). A proxy that lost the candidate grants it; one with no link
-// to the candidate cannot tell, and records the claim; one still linked
+// to the candidate cannot tell, and records the claim -- when this watch
+// had reached the candidate and lost it, such a proxy tries to reach it
+// too, and grants the next claim if it cannot (so a death is noticed even
+// when the job's nodes never linked to each other); one still linked
 // to it, or that granted the place to another standby first, refuses.
 // With at least one grant and no refusal, the place is this standby's: the
 // caller then starts its proxy as that rank at `endpoint`, joining
