@@ -122,9 +122,33 @@ class ParamClientImpl final : public ParamClient {
     // A named job's hello also waits, as long, for the job before it on the
     // same nodes to leave (ParamClientOptions::job).
     const auto hello_until = opt_.job.empty() ? give_up : now + kRejoinWindow;
+    // A proxy not reached at once is looked for once the others are
+    // connected: they know where a replacement on another host listens
+    // (a standby's, or an operator's --join there). Then it is tried
+    // there, or where it was, until `give_up`.
+    std::vector<uint32_t> unreached;
     for (size_t i = 0; i < opt_.proxies.size(); ++i) {
       proxies_.push_back(NewLink(static_cast<uint32_t>(i), hello_until));
-      RETURN_IF_ERROR(proxies_.back()->Connect(give_up));
+      Status st =
+          proxies_.back()->Connect(opt_.proxies.size() > 1 ? now : give_up);
+      if (st.code() == StatusCode::kUnavailable && opt_.proxies.size() > 1) {
+        unreached.push_back(static_cast<uint32_t>(i));
+      } else {
+        RETURN_IF_ERROR(st);
+      }
+    }
+    for (uint32_t i : unreached) {
+      const std::string moved = AskWhere(i);
+      if (!moved.empty()) {
+        MEMBOX_LOG_WARN(
+            "worker rank {}: proxy {} not reached at {}; the other proxies "
+            "say it listens at {} now",
+            opt_.rank, i, opt_.proxies[i], moved);
+        opt_.proxies[i] = moved;
+      }
+      proxies_[i]->Close("not reached");
+      proxies_[i] = NewLink(i, hello_until);
+      RETURN_IF_ERROR(proxies_[i]->Connect(give_up));
     }
     progress_ = [this] { device_->Progress(); };
     RETURN_IF_ERROR(InstallRouting(opt_.routing));

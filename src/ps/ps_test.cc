@@ -2630,6 +2630,20 @@ TEST(PsTest, AStandbyTakesThePlaceOfANodeNoJobLinkedTo) {
   auto joined = Proxy::Start(ro);
   ASSERT_TRUE(joined.ok()) << joined.status().ToString();
   c.proxies[1] = std::move(*joined);
+  // A worker started now with the job's old list of nodes (nothing listens
+  // at proxy 1's old address) finds the standby through the survivor, and
+  // the job runs on it.
+  ASSERT_NE(c.endpoints[1], o.endpoint);
+  RoutingTable t;
+  t.partition_bytes = 16 << 10;
+  t.stripe = true;
+  auto worker = Worker(c, 0, 1, t);
+  ASSERT_NE(worker, nullptr);
+  std::vector<float> g(16 << 10, 2.f), out(16 << 10);
+  ASSERT_TRUE(worker->Declare(1, g.size() * 4, DType::kFloat32).ok());
+  ASSERT_TRUE(worker->PushPull(1, g.data(), out.data()).Wait(20s).ok());
+  EXPECT_EQ(out[5], 2.f);
+  EXPECT_EQ(out.back(), 2.f);
 }
 
 // Stored keys (a DDP job's weights and optimizer state kept on the nodes,
