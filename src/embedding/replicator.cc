@@ -77,18 +77,25 @@ Status Replicator::Greet(service::Client& c, bool rejoin) {
   Message h;
   h.type = Type::kHello;
   h.name = "embedding node " + opt_.origin + " (its replica)";
-  RETURN_IF_ERROR(c.CallDecoded<Message>(
+  ASSIGN_OR_RETURN(Message greeted,
+                   c.CallDecoded<Message>(
                        static_cast<uint16_t>(h.type), proto::Encode(h),
                        [](std::span<const uint8_t> b) {
                          return proto::Decode(
                              static_cast<uint16_t>(Type::kReply), b);
                        },
-                       opt_.timeout)
-                      .status());
-  up_ = true;
+                       opt_.timeout));
+  incarnation_ = greeted.floor;
   MEMBOX_LOG_INFO("backup {} {}: this node's rows go there", c.endpoint(),
                   rejoin ? "is back" : "connected");
-  if (opt_.on_connected) opt_.on_connected();
+  // Up once the link has taken this connection, after this greeting
+  // returns (the next task of the timer that runs it): a copy or a resync
+  // sent before that would fail as "being reconnected".
+  timer_.After(std::chrono::nanoseconds(0), [this] {
+    greetings_++;
+    up_ = true;
+    if (opt_.on_connected) opt_.on_connected();
+  });
   return Status::Ok();
 }
 
@@ -117,18 +124,24 @@ void Replicator::Watch() {
   timer_.After(opt_.stall_timeout / 4, [this] { Watch(); });
 }
 
-void Replicator::Send(Message m, std::function<void(const Status&)> done) {
+void Replicator::Send(Message m,
+                      std::function<void(const Status&, const Message&)> done) {
   auto msg = std::make_shared<Message>(std::move(m));
   if (in_flight_.fetch_add(1) == 0) progress_ns_ = Now();
+  // The connection it goes on: a copy that fails with an earlier one (its
+  // answer comes late) says nothing of the one that replaced it.
+  const uint64_t on = greetings_.load();
   link_->Send(
       static_cast<uint16_t>(Type::kReplicate),
       [msg] { return proto::Encode(*msg); },
-      [this, done = std::move(done)](const Status& s,
-                                     std::span<const uint8_t>) {
+      [this, msg, on, done = std::move(done)](const Status& s,
+                                              std::span<const uint8_t>) {
         progress_ns_ = Now();
         in_flight_--;
-        if (s.code() == StatusCode::kUnavailable) up_ = false;
-        done(s);
+        if (s.code() == StatusCode::kUnavailable && greetings_.load() == on) {
+          up_ = false;
+        }
+        done(s, *msg);
       },
       /*keep=*/false);
 }

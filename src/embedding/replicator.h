@@ -3,7 +3,8 @@
 // embedding.md, "A replica on the next node").
 //
 // Send hands one kReplicate (a push's changed rows, or a chunk of a
-// resync) to the backup; `done` gets OK once the backup holds the rows
+// resync) to the backup; `done` gets OK (and the message) once the backup
+// holds the rows
 // (applied and, where it keeps a push log, synced), or the error when the
 // backup cannot take them now -- the server then answers its push anyway
 // (durable on its own disk) and resyncs when the backup is back. The link
@@ -63,10 +64,14 @@ class Replicator {
   Replicator(const Replicator&) = delete;
   Replicator& operator=(const Replicator&) = delete;
 
-  // `m` is a kReplicate; `done` runs exactly once.
-  void Send(proto::Message m, std::function<void(const Status&)> done);
+  // `m` is a kReplicate; `done` runs exactly once, with `m`.
+  void Send(proto::Message m,
+            std::function<void(const Status&, const proto::Message& m)> done);
   // Connected now (a Send may still fail if the link was just lost).
   bool connected() const;
+  // The backup process this link last greeted (its hello's incarnation;
+  // 0: none yet, or a backup that does not say). Set before on_connected.
+  uint64_t incarnation() const { return incarnation_.load(); }
   // Stops reconnecting and fails what is in flight (kAborted); no `done`
   // or `on_connected` runs after it returns. Idempotent.
   void Stop();
@@ -85,6 +90,8 @@ class Replicator {
   Timer timer_;
   std::unique_ptr<service::Link> link_;
   std::atomic<bool> up_{false};
+  std::atomic<uint64_t> incarnation_{0};
+  std::atomic<uint64_t> greetings_{0};  // connections greeted so far
   // Copies sent and not answered, and when one was last answered (or the
   // first of them sent), in steady-clock nanoseconds.
   std::atomic<int64_t> in_flight_{0}, progress_ns_{0};

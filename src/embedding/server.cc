@@ -14,10 +14,12 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -118,6 +120,15 @@ struct Table {
   std::unique_ptr<MemTier> mem;
   RecoveryStats recovery;
   uint64_t rows_pulled = 0, rows_pushed = 0;
+  // A table of this node's own, against its backup's copy: the backup
+  // incarnation whose copy is whole but for `dirty` (0: none known), the
+  // rows changed since that may not have reached it (tracked while
+  // synced_with is known or a resync is under way), whether a resync is
+  // under way, and whether `dirty` overflowed during it.
+  uint64_t synced_with = 0;
+  std::unordered_set<uint64_t> dirty;
+  bool resyncing = false;
+  bool lost_track = false;
 };
 
 // What a server knows of one client's numbered pushes (push dedup, see
@@ -515,6 +526,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         // Which of the job's nodes this is: a client that expects another
         // (its list in another order, a stale address) refuses it.
         reply.table_id = peers_ ? peers_->place() : proto::kNoPlace;
+        // This process, among the node's incarnations: a node whose
+        // backup this is knows whether the copy it left here is still
+        // here (a resync then sends only the rows changed since).
+        reply.floor = incarnation_;
         break;
       case Type::kWhere:
         // Addresses, not rows: any principal may ask.
@@ -599,9 +614,21 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           copy_bytes_in_flight_ += bytes;
           copy_bytes_gauge_.store(copy_bytes_in_flight_);
           for (Message& copy : copies) {
-            replicator_->Send(std::move(copy), [this, group](const Status& st) {
-              server_->Post([this, group, st] { CopyDone(group, st); });
-            });
+            replicator_->Send(
+                std::move(copy),
+                [this, group](const Status& st, const Message& sent) {
+                  // A copy the backup did not take: its rows are resent.
+                  std::vector<uint64_t> lost;
+                  std::string table;
+                  if (!st.ok() && !sent.sections.empty()) {
+                    lost = sent.sections[0].keys;
+                    table = sent.table.name;
+                  }
+                  server_->Post([this, group, st, table = std::move(table),
+                                 lost = std::move(lost)] {
+                    CopyDone(group, st, table, lost);
+                  });
+                });
           }
         }
         if (ack) return;
@@ -665,7 +692,12 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     }
     ASSIGN_OR_RETURN(Table * t, NewTable(c));
     *id = t->id;
-    // The backup gets the rows this table already has.
+    // Restored from the backup: its copy there is this table, row for row.
+    if (auto r = restored_from_.find(c.name); r != restored_from_.end()) {
+      t->synced_with = r->second;
+      restored_from_.erase(r);
+    }
+    // The backup gets the rows this table has that it lacks.
     Resync(t->id);
     return Status::Ok();
   }
@@ -994,6 +1026,11 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       a.above.insert(m.seq);
       logged.applied.push_back({c.client_id, a.floor, m.seq});
     }
+    if (replicator_ && !copy) {
+      for (size_t k = 0; k < m.sections.size(); ++k) {
+        MarkDirty(tables[k], m.sections[k].keys);
+      }
+    }
     if (copy) *copies = CopiesOf(logged, tables);
     if (log_) {
       // The reply is the acknowledgement: the new rows are written to the
@@ -1064,12 +1101,23 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // here; the backup gets every row again when it is back, and until then
   // a single failure -- the backup's -- has happened already). A node that
   // is stopping (kAborted) answers nothing more.
-  void CopyDone(const std::shared_ptr<CopyGroup>& g, const Status& st) {
+  // `table`, `lost`: the rows of a copy the backup did not take, which a
+  // resync sends again (now, if the backup is back already).
+  void CopyDone(const std::shared_ptr<CopyGroup>& g, const Status& st,
+                const std::string& table, const std::vector<uint64_t>& lost) {
     if (st.code() == StatusCode::kAborted) return;
     if (!st.ok() && st.code() != StatusCode::kUnavailable) {
       MEMBOX_LOG_ERROR("backup {} refused this node's rows: {}",
                        replicator_ ? replicator_->backup() : std::string(),
                        st.ToString());
+    }
+    if (!st.ok() && !lost.empty()) {
+      for (auto& t : tables_) {
+        if (t->replica || t->config.name != table) continue;
+        MarkDirty(t.get(), lost);
+        Resync(t->id);  // (nothing while the backup is away: ResyncAll)
+        break;
+      }
     }
     if (--g->remaining > 0) return;
     copy_bytes_in_flight_ -= g->bytes;
@@ -1271,61 +1319,118 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // ------------------------------------------------------- replication
 
   // After each connection to the backup: every table of this node's own
-  // goes there again, whole (docs/design/embedding.md). Event loop.
+  // goes there again -- only its rows changed since, where the backup is
+  // the process that holds the rest (docs/design/embedding.md, "Resyncs").
+  // Event loop.
   void ResyncAll() {
     said_no_backup_ = false;
+    // A table whose resync the lost link cut short goes whole.
+    if (resync_taken_ && !resync_.empty()) {
+      Forget(tables_[resync_.front()].get());
+    }
     resync_.clear();
     resync_keys_.clear();
     resync_offset_ = 0;
+    resync_taken_ = false;
     ++resync_generation_;
     resync_busy_ = false;
     for (auto& t : tables_) {
       if (!t->replica) resync_.push_back(t->id);
     }
-    if (!resync_.empty()) {
-      resync_started_ = Clock::now();
-      resync_sent_ = 0;
-    }
+    resync_started_ = Clock::now();
+    resync_sent_ = 0;
+    resync_whole_ = 0;
     ResyncNext(resync_generation_);
   }
 
-  // Queues one table's rows for the backup (a table opened while it is
-  // connected). Event loop.
+  // Queues table `table` for the backup (a table opened while it is
+  // connected, or one with rows a copy failed to carry). Event loop.
   void Resync(uint32_t table) {
     if (!replicator_ || !replicator_->connected()) return;  // ResyncAll
-    if (std::find(resync_.begin(), resync_.end(), table) != resync_.end()) {
-      return;
+    for (size_t i = 0; i < resync_.size(); ++i) {
+      // Queued and not read yet: it is read as it is then.
+      if (resync_[i] == table && (i > 0 || !resync_taken_)) return;
     }
     if (resync_.empty()) {
       resync_started_ = Clock::now();
       resync_sent_ = 0;
+      resync_whole_ = 0;
     }
     resync_.push_back(table);
     if (!resync_busy_) ResyncNext(resync_generation_);
   }
 
+  // What the backup holds of `t` is not known any more: the next resync
+  // sends it whole.
+  static void Forget(Table* t) {
+    t->synced_with = 0;
+    t->resyncing = false;
+    t->lost_track = false;
+    t->dirty.clear();
+  }
+
+  // Rows of `t` changed that its backup may not have.
+  void MarkDirty(Table* t, std::span<const uint64_t> keys) {
+    if (t->replica || (t->synced_with == 0 && !t->resyncing)) return;
+    t->dirty.insert(keys.begin(), keys.end());
+    if (t->dirty.size() > kMaxDirtyRows) {
+      // Cheaper to send it whole than to track it.
+      const bool during = t->resyncing;
+      Forget(t);
+      t->resyncing = during;
+      t->lost_track = during;
+    }
+  }
+
   // Sends the next chunk of the table at the head of resync_ -- its rows
   // as they are now, read through the memory tier, so a push after it
   // follows it to the backup -- and continues when the backup has it.
-  // One chunk in flight: pushes interleave with the resync.
+  // A table's keys are taken when it reaches the head: all of them, or,
+  // when the backup is the incarnation that holds its copy, those changed
+  // since. One chunk in flight: pushes interleave with the resync.
   void ResyncNext(uint64_t generation) {
     if (generation != resync_generation_ || stopping_) return;
     resync_busy_ = false;
     while (!resync_.empty()) {
       Table* t = tables_[resync_.front()].get();
-      if (resync_offset_ == 0 && resync_keys_.empty()) {
-        Status st = t->mem->Flush();  // every row in the SSD tier's keys
-        if (!st.ok()) {
-          MEMBOX_LOG_ERROR("resync of {}: {}", t->config.name, st.ToString());
-          resync_.pop_front();
-          continue;
+      if (!resync_taken_) {
+        const uint64_t target = replicator_->incarnation();
+        if (t->synced_with != 0 && t->synced_with == target) {
+          resync_keys_.assign(t->dirty.begin(), t->dirty.end());
+          std::sort(resync_keys_.begin(), resync_keys_.end());
+        } else {
+          Status st = t->mem->Flush();  // every row in the SSD tier's keys
+          if (!st.ok()) {
+            MEMBOX_LOG_ERROR("resync of {}: {}", t->config.name, st.ToString());
+            Forget(t);
+            resync_.pop_front();
+            continue;
+          }
+          resync_keys_ = t->ssd->Keys();
+          resync_whole_++;
         }
-        resync_keys_ = t->ssd->Keys();
+        t->dirty.clear();
+        t->synced_with = 0;
+        t->resyncing = true;
+        t->lost_track = false;
+        resync_target_ = target;
+        resync_offset_ = 0;
+        resync_taken_ = true;
       }
       if (resync_offset_ >= resync_keys_.size()) {
+        // The backup holds every row read; rows changed meanwhile are in
+        // `dirty` (or their copies are in flight).
+        t->resyncing = false;
+        if (t->lost_track) {
+          Forget(t);
+          resync_.push_back(t->id);  // whole, then
+        } else {
+          t->synced_with = resync_target_;
+        }
         resync_.pop_front();
         resync_keys_.clear();
         resync_offset_ = 0;
+        resync_taken_ = false;
         continue;
       }
       const uint32_t rf = t->config.row_floats();
@@ -1347,30 +1452,34 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           /*changes=*/false);
       if (!st.ok()) {
         MEMBOX_LOG_ERROR("resync of {}: {}", t->config.name, st.ToString());
+        Forget(t);
         resync_.pop_front();
         resync_keys_.clear();
         resync_offset_ = 0;
+        resync_taken_ = false;
         continue;
       }
       resync_offset_ += n;
       resync_sent_ += n;
       resynced_rows_ += n;
       resync_busy_ = true;
-      replicator_->Send(std::move(m), [this, generation](const Status& s) {
-        // A lost backup ends this resync: the next connection starts
-        // another.
-        if (!s.ok()) return;
-        server_->Post([this, generation] { ResyncNext(generation); });
-      });
+      replicator_->Send(
+          std::move(m), [this, generation](const Status& s, const Message&) {
+            // A lost backup ends this resync: the next connection starts
+            // another.
+            if (!s.ok()) return;
+            server_->Post([this, generation] { ResyncNext(generation); });
+          });
       return;
     }
     if (resync_sent_ > 0) {
       MEMBOX_LOG_INFO(
           "backup {} holds every row of this node again ({} rows sent in "
-          "{:.2f} s)",
+          "{:.2f} s; {})",
           replicator_->backup(), resync_sent_,
-          std::chrono::duration<double>(Clock::now() - resync_started_)
-              .count());
+          std::chrono::duration<double>(Clock::now() - resync_started_).count(),
+          resync_whole_ > 0 ? std::to_string(resync_whole_) + " tables whole"
+                            : std::string("only rows it lacked"));
       resync_sent_ = 0;
     }
   }
@@ -1394,9 +1503,11 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     std::vector<proto::Applied> applied;
     uint64_t rows = 0;
     size_t tables = 0;
+    uint64_t from = 0;
+    std::vector<std::string> names;
     Status st = UnavailableError("not tried");
     while (!stopping_ && Clock::now() < deadline) {
-      st = RestoreOnce(&applied, &rows, &tables);
+      st = RestoreOnce(&applied, &rows, &tables, &from, &names);
       if (st.ok() || st.code() != StatusCode::kUnavailable) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
@@ -1415,14 +1526,20 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           rows, tables, opt_.backup, secs);
     }
     restored_rows_ = st.ok() ? rows : 0;
+    if (!st.ok()) names.clear();
     server_->Post(
-        [this, applied = std::move(applied)] { FinishRestore(applied); });
+        [this, applied = std::move(applied), from, names = std::move(names)] {
+          for (const std::string& n : names) restored_from_[n] = from;
+          FinishRestore(applied);
+        });
   }
 
   // One try: connect to the backup, read everything it holds for this
   // node, write it to the SSD tiers and sync them.
+  // `from`: the backup's incarnation; `names`: the tables restored.
   Status RestoreOnce(std::vector<proto::Applied>* applied, uint64_t* rows,
-                     size_t* tables) {
+                     size_t* tables, uint64_t* from,
+                     std::vector<std::string>* names) {
     transport::DeviceOptions d;
     d.transports = opt_.transports;
     d.secret = opt_.secret;
@@ -1444,7 +1561,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     Message hello;
     hello.type = Type::kHello;
     hello.name = "embedding node " + opt_.name + " (restoring)";
-    RETURN_IF_ERROR(call(hello, Type::kReply).status());
+    ASSIGN_OR_RETURN(Message greeted, call(hello, Type::kReply));
+    *from = greeted.floor;
     std::map<std::string, std::unique_ptr<SsdStore>> stores;
     *rows = 0;
     Message f;
@@ -1492,7 +1610,11 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         f.seq = 0;
       }
     }
-    for (auto& [name, store] : stores) RETURN_IF_ERROR(store->Sync());
+    names->clear();
+    for (auto& [name, store] : stores) {
+      RETURN_IF_ERROR(store->Sync());
+      names->push_back(name);
+    }
     *tables = stores.size();
     return Status::Ok();
   }
@@ -1811,11 +1933,27 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // Before replicator_: its link's resolve reads it.
   std::unique_ptr<PeerDirectory> peers_;    // null without opt_.peers
   std::unique_ptr<Replicator> replicator_;  // null without a backup
-  std::deque<uint32_t> resync_;             // tables still to send whole
-  std::vector<uint64_t> resync_keys_;       // of resync_.front()
+  std::deque<uint32_t> resync_;             // tables still to send
+  std::vector<uint64_t> resync_keys_;       // of resync_.front(), once taken
+  bool resync_taken_ = false;               // resync_keys_ taken
+  uint64_t resync_target_ = 0;              // the backup incarnation they go to
   size_t resync_offset_ = 0;
   uint64_t resync_generation_ = 0;
-  bool resync_busy_ = false;     // a chunk is with the backup
+  bool resync_busy_ = false;  // a chunk is with the backup
+  size_t resync_whole_ = 0;   // tables sent whole by this resync
+  // More rows than this changed behind the backup's back: the table goes
+  // whole instead.
+  static constexpr size_t kMaxDirtyRows = size_t{1} << 20;
+  // This process's incarnation (hello replies).
+  const uint64_t incarnation_ = [] {
+    std::random_device rd;
+    uint64_t v = 0;
+    while (v == 0) v = (uint64_t{rd()} << 32) ^ rd();
+    return v;
+  }();
+  // Tables restored from the backup, by name, with the backup incarnation
+  // that holds their copy; taken when each is opened (event loop).
+  std::map<std::string, uint64_t> restored_from_;
   bool said_no_backup_ = false;  // warned that pushes go uncopied
   Clock::time_point resync_started_;
   uint64_t resync_sent_ = 0;

@@ -9,6 +9,7 @@
 #include <future>
 #include <map>
 #include <random>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -190,6 +191,75 @@ class StalledBackup : public service::Service {
   std::unique_ptr<service::Server> server_;
   std::string endpoint_;
   std::atomic<int> held_{0};
+};
+
+// A backup the test steers, one process for its whole life: it answers
+// copies (counting their rows) or holds them unanswered, and drops its
+// links on demand, as a network blip would; every connection is greeted as
+// the same incarnation.
+class BlinkingBackup : public service::Service {
+ public:
+  static std::unique_ptr<BlinkingBackup> Start() {
+    auto b = std::make_unique<BlinkingBackup>();
+    service::ServerOptions so;
+    so.device.listen_address = "127.0.0.1:0";
+    so.device.secret = kSecret;
+    so.service = "blinking backup";
+    auto s = service::Server::Create(so, b.get());
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    if (!s.ok()) return nullptr;
+    b->server_ = std::move(*s);
+    EXPECT_TRUE(b->server_->Serve().ok());
+    return b;
+  }
+  ~BlinkingBackup() override {
+    if (server_) server_->Stop();
+  }
+  std::string endpoint() const { return server_->endpoint(); }
+  uint64_t rows() const { return rows_; }
+  int hellos() const { return hellos_; }
+  void hold(bool h) { hold_ = h; }
+  // Every link dropped; the copies held are never answered.
+  void Blink() {
+    server_->RunOnExecutor<bool>([this] {
+      for (service::ConnectionId c : conns_) {
+        server_->Close(c, UnavailableError("blink"));
+      }
+      conns_.clear();
+      return true;
+    });
+  }
+
+  void OnRequest(const service::Request& r) override {
+    auto m = proto::Decode(r.method, r.body);
+    if (!m.ok()) return server_->Reply(r, m.status());
+    proto::Message reply;
+    reply.type = proto::Type::kReply;
+    switch (m->type) {
+      case proto::Type::kHello:
+        server_->Establish(r.conn);
+        conns_.insert(r.conn);
+        hellos_++;
+        reply.floor = 77;  // the same process each time
+        return server_->Reply(r, Status::Ok(), proto::Encode(reply));
+      case proto::Type::kReplicate:
+        if (hold_) return;
+        for (const auto& sec : m->sections) rows_ += sec.keys.size();
+        return server_->Reply(r, Status::Ok(), proto::Encode(reply));
+      default:
+        return server_->Reply(r, UnimplementedError("not a backup's"));
+    }
+  }
+  void OnDisconnect(service::ConnectionId c, const Status&) override {
+    conns_.erase(c);
+  }
+
+ private:
+  std::unique_ptr<service::Server> server_;
+  std::set<service::ConnectionId> conns_;  // executor
+  std::atomic<uint64_t> rows_{0};
+  std::atomic<int> hellos_{0};
+  std::atomic<bool> hold_{false};
 };
 
 TableConfig Config(RowOptimizer o = RowOptimizer::kAdagrad, uint32_t dim = 8) {
@@ -844,6 +914,132 @@ TEST_F(EmbeddingServerTest, AReplicaOnTheNextNodeRestoresALostDisk) {
     ch->Close();
   }
   EXPECT_EQ(primary->Stats().duplicate_pushes, 1u);
+}
+
+// A resync sends the backup what it lacks, not every row: a node that
+// restored its rows from its backup sends none of them back, and a link
+// that blinks costs the rows whose copies it lost. A new backup process
+// (whatever its disk holds) gets every row, and what it holds then is
+// exactly the node's: a later restore from it gives every row.
+TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
+  StartServers(1);  // the backup
+  const std::string backup_ep = servers_[0]->endpoint();
+  auto primary = StartWithBackup("127.0.0.1:0", backup_ep);
+  ASSERT_TRUE(primary);
+  const std::string ep = primary->endpoint();
+  const EmbeddingClientOptions co = OneNode(ep, 0ms);
+  TableConfig cfg = Config(RowOptimizer::kAdagrad, 8);
+  std::vector<uint64_t> keys(2000);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = i * 3;
+  std::vector<float> g(keys.size() * cfg.dim, 0.125f);
+  {
+    auto c = EmbeddingClient::Connect(co);
+    ASSERT_TRUE(c.ok());
+    auto t = (*c)->OpenTable(cfg);
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE((*c)->Push(*t, keys, g).ok());
+  }
+  WaitForCopies(*primary);
+  auto wait_for = [](auto&& cond) {
+    for (int i = 0; i < 1000 && !cond(); ++i) std::this_thread::sleep_for(10ms);
+    return cond();
+  };
+  auto pull_all = [&](std::vector<float>* out) {
+    auto c = EmbeddingClient::Connect(co);
+    ASSERT_TRUE(c.ok());
+    auto t = (*c)->OpenTable(cfg);  // (held until a restore is done)
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    out->resize(keys.size() * cfg.dim);
+    ASSERT_TRUE((*c)->Pull(*t, keys, out->data()).ok());
+  };
+  std::vector<float> before;
+  pull_all(&before);
+
+  // The disk is lost; the node restores from its backup and, linked to
+  // the same backup process again, sends none of those rows back.
+  primary.reset();
+  std::filesystem::remove_all(dir_ / "primary");
+  primary = StartWithBackup(ep, backup_ep);
+  ASSERT_TRUE(primary);
+  std::vector<float> after;
+  pull_all(&after);
+  EXPECT_EQ(after, before);
+  EXPECT_EQ(primary->Stats().restored_rows, keys.size());
+  ASSERT_TRUE(wait_for([&] { return primary->Stats().backup_connected; }));
+  std::this_thread::sleep_for(200ms);  // a resync would have begun
+  EXPECT_EQ(primary->Stats().resynced_rows, 0u)
+      << "the rows it restored from this backup were sent back to it";
+
+  // A new backup process at the same address and directory: its copy
+  // there is not known to be whole, so every row goes.
+  servers_[0].reset();
+  {
+    EmbeddingServerOptions o;
+    o.listen = backup_ep;
+    o.secret = kSecret;
+    o.dir = (dir_ / "node0").string();
+    o.flush_interval = 0ms;
+    auto s = EmbeddingServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    servers_[0] = std::move(*s);
+  }
+  ASSERT_TRUE(
+      wait_for([&] { return primary->Stats().resynced_rows >= keys.size(); }));
+  EXPECT_EQ(primary->Stats().resynced_rows, keys.size());
+  // And it holds exactly the node's rows: a second lost disk restores
+  // them all.
+  {
+    auto c = EmbeddingClient::Connect(co);
+    ASSERT_TRUE(c.ok());
+    auto t = (*c)->OpenTable(cfg);
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE(
+        (*c)->Push(*t, {keys.data(), 100}, {g.data(), 100 * cfg.dim}).ok());
+  }
+  WaitForCopies(*primary);
+  std::vector<float> latest;
+  pull_all(&latest);
+  primary.reset();
+  std::filesystem::remove_all(dir_ / "primary");
+  primary = StartWithBackup(ep, backup_ep);
+  ASSERT_TRUE(primary);
+  pull_all(&after);
+  EXPECT_EQ(after, latest);
+
+  // A link that blinks: the copies it lost (and pushes answered while it
+  // was down) are all the backup gets when the same process is back.
+  auto blinking = BlinkingBackup::Start();
+  ASSERT_TRUE(blinking);
+  auto node = StartWithBackup("127.0.0.1:0", blinking->endpoint(), "node-2",
+                              "blinking");
+  ASSERT_TRUE(node);
+  // (Numbered pushes, answered before their copies.)
+  auto c = EmbeddingClient::Connect(OneNode(node->endpoint(), 20s));
+  ASSERT_TRUE(c.ok());
+  auto t = (*c)->OpenTable(cfg);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*c)->Push(*t, keys, g).ok());
+  WaitForCopies(*node);
+  EXPECT_EQ(blinking->rows(), keys.size());
+  const uint64_t resynced = node->Stats().resynced_rows;
+  blinking->hold(true);
+  ASSERT_TRUE((*c)->Push(*t, {keys.data(), 30}, {g.data(), 30 * cfg.dim}).ok())
+      << "answered before its copy";
+  blinking->hold(false);
+  const int hellos = blinking->hellos();
+  blinking->Blink();
+  ASSERT_TRUE(wait_for([&] { return blinking->hellos() > hellos; }));
+  ASSERT_TRUE(wait_for([&] {
+    return node->Stats().copy_bytes_in_flight == 0 &&
+           blinking->rows() >= keys.size() + 30;
+  })) << "copies in flight " << node->Stats().copy_bytes_in_flight
+      << " B, rows at the backup " << blinking->rows();
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(node->Stats().resynced_rows - resynced, 30u)
+      << "the link's blink sent more than the rows whose copies it lost";
+  EXPECT_EQ(blinking->rows(), keys.size() + 30);
+  c->reset();
+  node.reset();
 }
 
 // The backup's copy may lag the answers: a push is answered once this

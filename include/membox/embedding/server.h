@@ -65,7 +65,8 @@ struct EmbeddingServerOptions {
   bool push_log = true;
   // Another node's embedding server that keeps a copy of every row this
   // one acknowledges (a replica): a push's changed rows go there as it is
-  // applied, and the backup is resynced whole whenever it (re)connects.
+  // applied, and the backup is resynced whenever it (re)connects: with the
+  // rows it lacks when it is the process that held the copy, else whole.
   // A node started with no tables of its own in `dir` -- its disk was
   // lost, or this is a fresh job -- first takes whatever the backup holds
   // for `name` (docs/design/embedding.md, "A replica on the next node").
