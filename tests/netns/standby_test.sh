@@ -120,5 +120,8 @@ grep -q "restored .* rows of 1 tables from backup" "$state/s0/serve.log" ||
 sip=$(sed -n 's/.*embedding server listening on \([0-9.]*\):.*/\1/p' "$state/s0/serve.log" | head -n 1)
 grep -q "^EMB standby ok.*backup ${sip//./\\.}:[0-9]* connected" "$dir/emb.out" ||
   { cat "$dir/emb.out"; echo "FAIL: m0 does not copy its rows to the standby"; exit 1; }
+# The standby restored m1's rows from m0 and sends none of them back.
+grep -q "^EMB standby ok.*embedding server at ${sip//./\\.}:[0-9]* .* resynced_rows 0 restored_rows 1000" "$dir/emb.out" ||
+  { cat "$dir/emb.out"; echo "FAIL: the standby sent the rows it restored back to their backup"; exit 1; }
 "$membox" cluster down "$topo" >/dev/null
 echo "PASS: a standby took a dead node's sparse rows and clients (same rows after the kill)"
