@@ -48,16 +48,24 @@ class EmbeddingServerTest : public ::testing::Test {
 
   void StartServers(int n, uint64_t budget = 64 << 20) {
     for (int i = 0; i < n; ++i) {
-      EmbeddingServerOptions o;
-      o.listen = "127.0.0.1:0";
-      o.secret = kSecret;
-      o.dir = (dir_ / ("node" + std::to_string(i))).string();
-      o.budget_bytes = budget;
-      o.flush_interval = 0ms;
-      auto s = EmbeddingServer::Start(o);
+      auto s = StartNode("127.0.0.1:0", "node" + std::to_string(i), budget);
       ASSERT_TRUE(s.ok()) << s.status().ToString();
       servers_.push_back(std::move(*s));
     }
+  }
+
+  // A node without a backup at `listen`, its tables in dir_/`dir`.
+  Result<std::unique_ptr<EmbeddingServer>> StartNode(const std::string& listen,
+                                                     const std::string& dir,
+                                                     uint64_t budget = 64
+                                                                       << 20) {
+    EmbeddingServerOptions o;
+    o.listen = listen;
+    o.secret = kSecret;
+    o.dir = (dir_ / dir).string();
+    o.budget_bytes = budget;
+    o.flush_interval = 0ms;
+    return EmbeddingServer::Start(o);
   }
 
   std::unique_ptr<EmbeddingClient> Client(PartitionFn p = nullptr,
@@ -140,16 +148,46 @@ class EmbeddingServerTest : public ::testing::Test {
   uint64_t next_id_ = 1;
 };
 
-// A backup that takes a node's copies and never answers them (stalled, or
-// far behind), and holds nothing for a restore.
-class StalledBackup : public service::Service {
+// A stand-in for a backup node, served at a fresh local address: it
+// greets, holds nothing for a restore, and hands copies to Copy.
+class FakeBackup : public service::Service {
  public:
-  static std::unique_ptr<StalledBackup> Start() {
-    auto b = std::make_unique<StalledBackup>();
+  ~FakeBackup() override { Stop(); }
+  // Gone, as a dead process is: its address refuses connections.
+  void Stop() {
+    if (server_) server_->Stop();
+    server_.reset();
+  }
+  std::string endpoint() const { return endpoint_; }
+
+  void OnRequest(const service::Request& r) final {
+    auto m = proto::Decode(r.method, r.body);
+    if (!m.ok()) return server_->Reply(r, m.status());
+    proto::Message reply;
+    reply.type = proto::Type::kReply;
+    switch (m->type) {
+      case proto::Type::kHello:
+        server_->Establish(r.conn);
+        Greeted(r.conn, &reply);
+        return server_->Reply(r, Status::Ok(), proto::Encode(reply));
+      case proto::Type::kFetchReplica:
+        reply.type = proto::Type::kReplicate;  // no table: nothing held
+        return server_->Reply(r, Status::Ok(), proto::Encode(reply));
+      case proto::Type::kReplicate:
+        return Copy(r, *m);
+      default:
+        return server_->Reply(r, UnimplementedError("not a backup's"));
+    }
+  }
+
+ protected:
+  // `b` serving, or null (the failure recorded).
+  template <typename T>
+  static std::unique_ptr<T> Serve(std::unique_ptr<T> b, const char* what) {
     service::ServerOptions so;
     so.device.listen_address = "127.0.0.1:0";
     so.device.secret = kSecret;
-    so.service = "stalled backup";
+    so.service = what;
     auto s = service::Server::Create(so, b.get());
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     if (!s.ok()) return nullptr;
@@ -158,38 +196,28 @@ class StalledBackup : public service::Service {
     b->endpoint_ = b->server_->endpoint();
     return b;
   }
-  ~StalledBackup() override { Stop(); }
-  // Gone, as a dead process is: its address refuses connections.
-  void Stop() {
-    if (server_) server_->Stop();
-    server_.reset();
-  }
-  std::string endpoint() const { return endpoint_; }
-  int held() const { return held_; }
+  // A connection said hello; `reply` is its answer.
+  virtual void Greeted(service::ConnectionId, proto::Message* /*reply*/) {}
+  // A copy (kReplicate): answered or not.
+  virtual void Copy(const service::Request& r, const proto::Message& m) = 0;
 
-  void OnRequest(const service::Request& r) override {
-    auto m = proto::Decode(r.method, r.body);
-    if (!m.ok()) return server_->Reply(r, m.status());
-    proto::Message reply;
-    reply.type = proto::Type::kReply;
-    switch (m->type) {
-      case proto::Type::kHello:
-        server_->Establish(r.conn);
-        return server_->Reply(r, Status::Ok(), proto::Encode(reply));
-      case proto::Type::kFetchReplica:
-        reply.type = proto::Type::kReplicate;  // no table: nothing held
-        return server_->Reply(r, Status::Ok(), proto::Encode(reply));
-      case proto::Type::kReplicate:
-        held_++;  // never answered
-        return;
-      default:
-        return server_->Reply(r, UnimplementedError("not a backup's"));
-    }
-  }
-
- private:
   std::unique_ptr<service::Server> server_;
   std::string endpoint_;
+};
+
+// A backup that takes a node's copies and never answers them (stalled, or
+// far behind), and holds nothing for a restore.
+class StalledBackup : public FakeBackup {
+ public:
+  static std::unique_ptr<StalledBackup> Start() {
+    return Serve(std::make_unique<StalledBackup>(), "stalled backup");
+  }
+  int held() const { return held_; }
+
+ private:
+  void Copy(const service::Request&, const proto::Message&) override {
+    held_++;  // never answered
+  }
   std::atomic<int> held_{0};
 };
 
@@ -197,25 +225,12 @@ class StalledBackup : public service::Service {
 // copies (counting their rows) or holds them unanswered, and drops its
 // links on demand, as a network blip would; every connection is greeted as
 // the same incarnation.
-class BlinkingBackup : public service::Service {
+class BlinkingBackup : public FakeBackup {
  public:
   static std::unique_ptr<BlinkingBackup> Start() {
-    auto b = std::make_unique<BlinkingBackup>();
-    service::ServerOptions so;
-    so.device.listen_address = "127.0.0.1:0";
-    so.device.secret = kSecret;
-    so.service = "blinking backup";
-    auto s = service::Server::Create(so, b.get());
-    EXPECT_TRUE(s.ok()) << s.status().ToString();
-    if (!s.ok()) return nullptr;
-    b->server_ = std::move(*s);
-    EXPECT_TRUE(b->server_->Serve().ok());
-    return b;
+    return Serve(std::make_unique<BlinkingBackup>(), "blinking backup");
   }
-  ~BlinkingBackup() override {
-    if (server_) server_->Stop();
-  }
-  std::string endpoint() const { return server_->endpoint(); }
+  ~BlinkingBackup() override { Stop(); }  // before conns_ goes
   uint64_t rows() const { return rows_; }
   int hellos() const { return hellos_; }
   void hold(bool h) { hold_ = h; }
@@ -229,33 +244,24 @@ class BlinkingBackup : public service::Service {
       return true;
     });
   }
-
-  void OnRequest(const service::Request& r) override {
-    auto m = proto::Decode(r.method, r.body);
-    if (!m.ok()) return server_->Reply(r, m.status());
-    proto::Message reply;
-    reply.type = proto::Type::kReply;
-    switch (m->type) {
-      case proto::Type::kHello:
-        server_->Establish(r.conn);
-        conns_.insert(r.conn);
-        hellos_++;
-        reply.floor = 77;  // the same process each time
-        return server_->Reply(r, Status::Ok(), proto::Encode(reply));
-      case proto::Type::kReplicate:
-        if (hold_) return;
-        for (const auto& sec : m->sections) rows_ += sec.keys.size();
-        return server_->Reply(r, Status::Ok(), proto::Encode(reply));
-      default:
-        return server_->Reply(r, UnimplementedError("not a backup's"));
-    }
-  }
   void OnDisconnect(service::ConnectionId c, const Status&) override {
     conns_.erase(c);
   }
 
  private:
-  std::unique_ptr<service::Server> server_;
+  void Greeted(service::ConnectionId c, proto::Message* reply) override {
+    conns_.insert(c);
+    hellos_++;
+    reply->floor = 77;  // the same process each time
+  }
+  void Copy(const service::Request& r, const proto::Message& m) override {
+    if (hold_) return;
+    for (const auto& sec : m.sections) rows_ += sec.keys.size();
+    proto::Message reply;
+    reply.type = proto::Type::kReply;
+    server_->Reply(r, Status::Ok(), proto::Encode(reply));
+  }
+
   std::set<service::ConnectionId> conns_;  // executor
   std::atomic<uint64_t> rows_{0};
   std::atomic<int> hellos_{0};
@@ -952,15 +958,19 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
     out->resize(keys.size() * cfg.dim);
     ASSERT_TRUE((*c)->Pull(*t, keys, out->data()).ok());
   };
+  // The node's disk is lost: it comes back at its address with nothing.
+  auto lose_disk = [&] {
+    primary.reset();
+    std::filesystem::remove_all(dir_ / "primary");
+    primary = StartWithBackup(ep, backup_ep);
+    return primary != nullptr;
+  };
   std::vector<float> before;
   pull_all(&before);
 
-  // The disk is lost; the node restores from its backup and, linked to
-  // the same backup process again, sends none of those rows back.
-  primary.reset();
-  std::filesystem::remove_all(dir_ / "primary");
-  primary = StartWithBackup(ep, backup_ep);
-  ASSERT_TRUE(primary);
+  // It restores from its backup and, linked to the same backup process
+  // again, sends none of those rows back.
+  ASSERT_TRUE(lose_disk());
   std::vector<float> after;
   pull_all(&after);
   EXPECT_EQ(after, before);
@@ -974,12 +984,7 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
   // there is not known to be whole, so every row goes.
   servers_[0].reset();
   {
-    EmbeddingServerOptions o;
-    o.listen = backup_ep;
-    o.secret = kSecret;
-    o.dir = (dir_ / "node0").string();
-    o.flush_interval = 0ms;
-    auto s = EmbeddingServer::Start(o);
+    auto s = StartNode(backup_ep, "node0");
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     servers_[0] = std::move(*s);
   }
@@ -999,10 +1004,7 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
   WaitForCopies(*primary);
   std::vector<float> latest;
   pull_all(&latest);
-  primary.reset();
-  std::filesystem::remove_all(dir_ / "primary");
-  primary = StartWithBackup(ep, backup_ep);
-  ASSERT_TRUE(primary);
+  ASSERT_TRUE(lose_disk());
   pull_all(&after);
   EXPECT_EQ(after, latest);
 
@@ -1032,8 +1034,9 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
   ASSERT_TRUE(wait_for([&] {
     return node->Stats().copy_bytes_in_flight == 0 &&
            blinking->rows() >= keys.size() + 30;
-  })) << "copies in flight " << node->Stats().copy_bytes_in_flight
-      << " B, rows at the backup " << blinking->rows();
+  })) << "copies in flight "
+      << node->Stats().copy_bytes_in_flight << " B, rows at the backup "
+      << blinking->rows();
   std::this_thread::sleep_for(200ms);
   EXPECT_EQ(node->Stats().resynced_rows - resynced, 30u)
       << "the link's blink sent more than the rows whose copies it lost";

@@ -2458,6 +2458,26 @@ TEST(PsTest, AReplacementAtAnotherAddressTakesOver) {
 // A standby node (membox serve --standby) watching a job of three: when
 // proxy 1 dies it claims the place, joins at its own address, and the
 // workers find it there; the values are the undisturbed run's.
+// A one-worker job on cluster `c`: key 1, 64 KiB striped over the nodes,
+// declared, and one round of `value` in each element. The worker, or null
+// (the failure recorded).
+std::unique_ptr<ParamClient> OneRoundOfAStripedKey(const Cluster& c,
+                                                   float value) {
+  RoutingTable t;
+  t.partition_bytes = 16 << 10;
+  t.stripe = true;
+  auto worker = Worker(c, 0, 1, t);
+  if (!worker) return nullptr;
+  std::vector<float> g(16 << 10, value), out(16 << 10);
+  Status st = worker->Declare(1, g.size() * 4, DType::kFloat32).status();
+  if (st.ok()) st = worker->PushPull(1, g.data(), out.data()).Wait(20s);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  if (!st.ok()) return nullptr;
+  EXPECT_EQ(out[5], value);
+  EXPECT_EQ(out.back(), value);
+  return worker;
+}
+
 TEST(PsTest, AStandbyTakesTheDeadNodesPlace) {
   RideThrough(3, 1, /*laggard=*/false, /*elsewhere=*/false, /*striped=*/true,
               /*slow_copy=*/false, /*standby=*/true);
@@ -2469,16 +2489,10 @@ TEST(PsTest, AStandbyTakesTheDeadNodesPlace) {
 TEST(PsTest, OneStandbyPerPlaceAndOnlyNodesClaim) {
   auto c = Cluster::Start(2, Scheduler::kPerClientQueues, "", false, 10s,
                           /*replicate=*/true);
-  // A job's round links the nodes (a node with no link to a peer cannot
-  // tell a standby that the peer died).
-  RoutingTable t;
-  t.partition_bytes = 16 << 10;
-  t.stripe = true;
-  auto worker = Worker(c, 0, 1, t);
+  // A job's round links the nodes.
+  auto worker = OneRoundOfAStripedKey(c, 1.f);
   ASSERT_NE(worker, nullptr);
   std::vector<float> g(16 << 10, 1.f), out(16 << 10);
-  ASSERT_TRUE(worker->Declare(1, g.size() * 4, DType::kFloat32).ok());
-  ASSERT_TRUE(worker->PushPull(1, g.data(), out.data()).Wait(20s).ok());
   std::atomic<bool> stop{false};
   std::vector<StandbyOptions> so(2);
   for (auto& o : so) {
@@ -2634,16 +2648,7 @@ TEST(PsTest, AStandbyTakesThePlaceOfANodeNoJobLinkedTo) {
   // at proxy 1's old address) finds the standby through the survivor, and
   // the job runs on it.
   ASSERT_NE(c.endpoints[1], o.endpoint);
-  RoutingTable t;
-  t.partition_bytes = 16 << 10;
-  t.stripe = true;
-  auto worker = Worker(c, 0, 1, t);
-  ASSERT_NE(worker, nullptr);
-  std::vector<float> g(16 << 10, 2.f), out(16 << 10);
-  ASSERT_TRUE(worker->Declare(1, g.size() * 4, DType::kFloat32).ok());
-  ASSERT_TRUE(worker->PushPull(1, g.data(), out.data()).Wait(20s).ok());
-  EXPECT_EQ(out[5], 2.f);
-  EXPECT_EQ(out.back(), 2.f);
+  EXPECT_NE(OneRoundOfAStripedKey(c, 2.f), nullptr);
 }
 
 // Stored keys (a DDP job's weights and optimizer state kept on the nodes,
