@@ -152,6 +152,8 @@ class EmbeddingServerTest : public ::testing::Test {
 // greets, holds nothing for a restore, and hands copies to Copy.
 class FakeBackup : public service::Service {
  public:
+  // (Each subclass stops it first: its server calls the subclass's
+  // handlers until then.)
   ~FakeBackup() override { Stop(); }
   // Gone, as a dead process is: its address refuses connections.
   void Stop() {
@@ -212,6 +214,7 @@ class StalledBackup : public FakeBackup {
   static std::unique_ptr<StalledBackup> Start() {
     return Serve(std::make_unique<StalledBackup>(), "stalled backup");
   }
+  ~StalledBackup() override { Stop(); }  // before its handlers go
   int held() const { return held_; }
 
  private:
@@ -230,7 +233,7 @@ class BlinkingBackup : public FakeBackup {
   static std::unique_ptr<BlinkingBackup> Start() {
     return Serve(std::make_unique<BlinkingBackup>(), "blinking backup");
   }
-  ~BlinkingBackup() override { Stop(); }  // before conns_ goes
+  ~BlinkingBackup() override { Stop(); }  // before its handlers go
   uint64_t rows() const { return rows_; }
   int hellos() const { return hellos_; }
   void hold(bool h) { hold_ = h; }
