@@ -1459,6 +1459,21 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         resync_taken_ = false;
         continue;
       }
+      // The last chunk: the rows of every push applied here are at the
+      // backup with it (but those whose copies are on their way), so it
+      // learns those pushes too, in the same step (`more`, then a message
+      // of the pushes): a client that resends one to a node restored from
+      // the backup is answered, not applied twice.
+      Message settled;
+      if (resync_.size() == 1 && resync_offset_ + n == resync_keys_.size()) {
+        settled.applied = SettledPushes();
+      }
+      if (!settled.applied.empty()) {
+        m.rejoin = true;
+        settled.type = Type::kReplicate;
+        settled.name = opt_.name;
+        settled.table = t->config;
+      }
       resync_offset_ += n;
       resync_sent_ += n;
       resynced_rows_ += n;
@@ -1470,6 +1485,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
             if (!s.ok()) return;
             server_->Post([this, generation] { ResyncNext(generation); });
           });
+      if (!settled.applied.empty()) {
+        replicator_->Send(std::move(settled),
+                          [](const Status&, const Message&) {});
+      }
       return;
     }
     if (resync_sent_ > 0) {
@@ -1779,6 +1798,23 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   std::string PushLogPath() const { return opt_.dir + "/PUSHLOG"; }
 
   // Every client's newest applied push, as the record a log starts with.
+  // The pushes applied here that the backup may learn of now: all but
+  // those whose copies are on their way (their rows may not be there yet;
+  // the copies say so when they land). At most kMaxApplied entries.
+  std::vector<proto::Applied> SettledPushes() const {
+    std::vector<proto::Applied> out;
+    for (const auto& [client, c] : applied_) {
+      auto flying = copying_.find(client);
+      out.push_back({client, c.floor, 0});
+      for (uint64_t seq : c.above) {
+        if (flying != copying_.end() && flying->second.count(seq)) continue;
+        out.push_back({client, c.floor, seq});
+      }
+    }
+    if (out.size() > proto::kMaxApplied) out.resize(proto::kMaxApplied);
+    return out;
+  }
+
   PushLogRecord AppliedRecord() const {
     PushLogRecord r;
     for (const auto& [client, c] : applied_) {

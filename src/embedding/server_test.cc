@@ -236,6 +236,8 @@ class BlinkingBackup : public FakeBackup {
   ~BlinkingBackup() override { Stop(); }  // before its handlers go
   uint64_t rows() const { return rows_; }
   int hellos() const { return hellos_; }
+  // The highest push number the copies named as applied.
+  uint64_t top_push() const { return top_push_; }
   void hold(bool h) { hold_ = h; }
   // Every link dropped; the copies held are never answered.
   void Blink() {
@@ -260,6 +262,9 @@ class BlinkingBackup : public FakeBackup {
   void Copy(const service::Request& r, const proto::Message& m) override {
     if (hold_) return;
     for (const auto& sec : m.sections) rows_ += sec.keys.size();
+    for (const auto& a : m.applied) {
+      top_push_ = std::max<uint64_t>(top_push_, a.seq);
+    }
     proto::Message reply;
     reply.type = proto::Type::kReply;
     server_->Reply(r, Status::Ok(), proto::Encode(reply));
@@ -267,6 +272,7 @@ class BlinkingBackup : public FakeBackup {
 
   std::set<service::ConnectionId> conns_;  // executor
   std::atomic<uint64_t> rows_{0};
+  std::atomic<uint64_t> top_push_{0};  // executor writes
   std::atomic<int> hellos_{0};
   std::atomic<bool> hold_{false};
 };
@@ -1027,6 +1033,8 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
   WaitForCopies(*node);
   EXPECT_EQ(blinking->rows(), keys.size());
   const uint64_t resynced = node->Stats().resynced_rows;
+  const uint64_t top = blinking->top_push();
+  ASSERT_GT(top, 0u) << "a copy names its push";
   blinking->hold(true);
   ASSERT_TRUE((*c)->Push(*t, {keys.data(), 30}, {g.data(), 30 * cfg.dim}).ok())
       << "answered before its copy";
@@ -1044,6 +1052,10 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
   EXPECT_EQ(node->Stats().resynced_rows - resynced, 30u)
       << "the link's blink sent more than the rows whose copies it lost";
   EXPECT_EQ(blinking->rows(), keys.size() + 30);
+  // With the resent rows, the backup learns the push whose copy was lost
+  // (a client that resends it to a node restored from there is answered,
+  // not applied twice).
+  EXPECT_EQ(blinking->top_push(), top + 1);
   c->reset();
   node.reset();
 }
