@@ -72,6 +72,9 @@ class Replicator {
   // The backup process this link last greeted (its hello's incarnation;
   // 0: none yet, or a backup that does not say). Set before on_connected.
   uint64_t incarnation() const { return incarnation_.load(); }
+  // Which connection to the backup is the link's now: a count of them,
+  // bumped when one is up (before on_connected).
+  uint64_t connection() const { return greetings_.load(); }
   // Stops reconnecting and fails what is in flight (kAborted); no `done`
   // or `on_connected` runs after it returns. Idempotent.
   void Stop();

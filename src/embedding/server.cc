@@ -464,6 +464,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     int remaining = 0;
     uint64_t bytes = 0;
     std::shared_ptr<PendingAck> ack;  // null: answered without waiting
+    // The rows (table, keys) of its messages before the last, which the
+    // backup holds until the last arrives: lost with the last if it fails.
+    std::vector<std::pair<std::string, std::vector<uint64_t>>> held;
   };
 
   void StopCompactor() {
@@ -614,21 +617,23 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           copy_bytes_in_flight_ += bytes;
           copy_bytes_gauge_.store(copy_bytes_in_flight_);
           for (Message& copy : copies) {
-            replicator_->Send(
-                std::move(copy),
-                [this, group](const Status& st, const Message& sent) {
-                  // A copy the backup did not take: its rows are resent.
-                  std::vector<uint64_t> lost;
-                  std::string table;
-                  if (!st.ok() && !sent.sections.empty()) {
-                    lost = sent.sections[0].keys;
-                    table = sent.table.name;
-                  }
-                  server_->Post([this, group, st, table = std::move(table),
-                                 lost = std::move(lost)] {
-                    CopyDone(group, st, table, lost);
-                  });
-                });
+            replicator_->Send(std::move(copy), [this, group](
+                                                   const Status& st,
+                                                   const Message& sent) {
+              // The rows of a copy the backup did not take, or held
+              // until the push's last copy (`more`): resent if lost.
+              std::vector<uint64_t> keys;
+              std::string table;
+              if ((!st.ok() || sent.rejoin) && !sent.sections.empty()) {
+                keys = sent.sections[0].keys;
+                table = sent.table.name;
+              }
+              server_->Post([this, group, st, more = sent.rejoin,
+                             table = std::move(table),
+                             keys = std::move(keys)]() mutable {
+                CopyDone(group, st, more, std::move(table), std::move(keys));
+              });
+            });
           }
         }
         if (ack) return;
@@ -1101,23 +1106,30 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // here; the backup gets every row again when it is back, and until then
   // a single failure -- the backup's -- has happened already). A node that
   // is stopping (kAborted) answers nothing more.
-  // `table`, `lost`: the rows of a copy the backup did not take, which a
-  // resync sends again (now, if the backup is back already).
+  // `more`: a message before the push's last, which the backup holds until
+  // the last arrives; `table`, `keys`: its rows (those of a failed one, or
+  // of one held). The rows of a copy the backup did not take, and of the
+  // held ones before a last that failed, are sent again by a resync (now,
+  // if the backup is back already).
   void CopyDone(const std::shared_ptr<CopyGroup>& g, const Status& st,
-                const std::string& table, const std::vector<uint64_t>& lost) {
+                bool more, std::string table, std::vector<uint64_t> keys) {
     if (st.code() == StatusCode::kAborted) return;
     if (!st.ok() && st.code() != StatusCode::kUnavailable) {
       MEMBOX_LOG_ERROR("backup {} refused this node's rows: {}",
                        replicator_ ? replicator_->backup() : std::string(),
                        st.ToString());
     }
-    if (!st.ok() && !lost.empty()) {
-      for (auto& t : tables_) {
-        if (t->replica || t->config.name != table) continue;
-        MarkDirty(t.get(), lost);
-        Resync(t->id);  // (nothing while the backup is away: ResyncAll)
-        break;
+    if (st.ok() && more) {
+      if (!keys.empty())
+        g->held.emplace_back(std::move(table), std::move(keys));
+    } else {
+      if (!st.ok()) {
+        if (!keys.empty()) {
+          g->held.emplace_back(std::move(table), std::move(keys));
+        }
+        for (const auto& [name, lost] : g->held) Lost(name, lost);
       }
+      g->held.clear();
     }
     if (--g->remaining > 0) return;
     copy_bytes_in_flight_ -= g->bytes;
@@ -1130,6 +1142,16 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       }
     }
     if (g->ack) Settle(g->ack, Status::Ok());
+  }
+
+  // Rows of this node's table `name` that the backup did not take.
+  void Lost(const std::string& name, const std::vector<uint64_t>& keys) {
+    for (auto& t : tables_) {
+      if (t->replica || t->config.name != name) continue;
+      MarkDirty(t.get(), keys);
+      Resync(t->id);  // (nothing while the backup is away: ResyncAll)
+      return;
+    }
   }
 
   static uint64_t CopyBytes(const Message& copy) {
@@ -1324,6 +1346,14 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // Event loop.
   void ResyncAll() {
     said_no_backup_ = false;
+    if (resync_busy_ && resync_connection_ == replicator_->connection()) {
+      // A resync began on this connection already (a copy it lost was
+      // being resent): it goes on, with every table after it.
+      for (auto& t : tables_) {
+        if (!t->replica) Resync(t->id);
+      }
+      return;
+    }
     // A table whose resync the lost link cut short goes whole.
     if (resync_taken_ && !resync_.empty()) {
       Forget(tables_[resync_.front()].get());
@@ -1478,18 +1508,38 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       resync_sent_ += n;
       resynced_rows_ += n;
       resync_busy_ = true;
-      replicator_->Send(
-          std::move(m), [this, generation](const Status& s, const Message&) {
-            // A lost backup ends this resync: the next connection starts
-            // another.
-            if (!s.ok()) return;
-            server_->Post([this, generation] { ResyncNext(generation); });
-          });
-      if (!settled.applied.empty()) {
+      resync_connection_ = replicator_->connection();
+      // The next chunk once the backup has this one: its answer, or, for a
+      // chunk it holds until the pushes' message, that message's. A lost
+      // backup ends this resync: the next connection starts another.
+      auto next = [this, generation](const Status& s, const Message&) {
+        if (s.ok())
+          server_->Post([this, generation] { ResyncNext(generation); });
+      };
+      const bool settles = !settled.applied.empty();
+      resync_settled_ = settles;
+      replicator_->Send(std::move(m),
+                        [next, settles](const Status& s, const Message& sent) {
+                          if (!settles) next(s, sent);
+                        });
+      if (settles) replicator_->Send(std::move(settled), next);
+      return;
+    }
+    if (resync_sent_ > 0 && !resync_settled_) {
+      // The queue ended with tables that had nothing to send: the pushes
+      // go on their own now (every row is at the backup).
+      Message settled;
+      settled.type = Type::kReplicate;
+      settled.name = opt_.name;
+      settled.applied = SettledPushes();
+      for (auto& t : tables_) {
+        if (t->replica || settled.applied.empty()) continue;
+        settled.table = t->config;
         replicator_->Send(std::move(settled),
                           [](const Status&, const Message&) {});
+        break;
       }
-      return;
+      resync_settled_ = true;
     }
     if (resync_sent_ > 0) {
       MEMBOX_LOG_INFO(
@@ -1975,8 +2025,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   uint64_t resync_target_ = 0;              // the backup incarnation they go to
   size_t resync_offset_ = 0;
   uint64_t resync_generation_ = 0;
-  bool resync_busy_ = false;  // a chunk is with the backup
-  size_t resync_whole_ = 0;   // tables sent whole by this resync
+  bool resync_busy_ = false;        // a chunk is with the backup
+  uint64_t resync_connection_ = 0;  // the connection it went on
+  bool resync_settled_ = false;     // its last chunk named the pushes
+  size_t resync_whole_ = 0;         // tables sent whole by this resync
   // More rows than this changed behind the backup's back: the table goes
   // whole instead.
   static constexpr size_t kMaxDirtyRows = size_t{1} << 20;

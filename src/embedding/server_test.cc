@@ -238,7 +238,11 @@ class BlinkingBackup : public FakeBackup {
   int hellos() const { return hellos_; }
   // The highest push number the copies named as applied.
   uint64_t top_push() const { return top_push_; }
-  void hold(bool h) { hold_ = h; }
+  // Which copies it leaves unanswered: none, all, or the last of each
+  // push's (those before it, `more`, are answered as a backup answers the
+  // parts it holds for the last).
+  enum class Hold { kNone, kAll, kLast };
+  void hold(Hold h) { hold_ = h; }
   // Every link dropped; the copies held are never answered.
   void Blink() {
     server_->RunOnExecutor<bool>([this] {
@@ -260,7 +264,7 @@ class BlinkingBackup : public FakeBackup {
     reply->floor = 77;  // the same process each time
   }
   void Copy(const service::Request& r, const proto::Message& m) override {
-    if (hold_) return;
+    if (hold_ == Hold::kAll || (hold_ == Hold::kLast && !m.rejoin)) return;
     for (const auto& sec : m.sections) rows_ += sec.keys.size();
     for (const auto& a : m.applied) {
       top_push_ = std::max<uint64_t>(top_push_, a.seq);
@@ -274,7 +278,7 @@ class BlinkingBackup : public FakeBackup {
   std::atomic<uint64_t> rows_{0};
   std::atomic<uint64_t> top_push_{0};  // executor writes
   std::atomic<int> hellos_{0};
-  std::atomic<bool> hold_{false};
+  std::atomic<Hold> hold_{Hold::kNone};
 };
 
 TableConfig Config(RowOptimizer o = RowOptimizer::kAdagrad, uint32_t dim = 8) {
@@ -1032,30 +1036,44 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
   ASSERT_TRUE((*c)->Push(*t, keys, g).ok());
   WaitForCopies(*node);
   EXPECT_EQ(blinking->rows(), keys.size());
-  const uint64_t resynced = node->Stats().resynced_rows;
+  // A push of `ks` whose copy is held as `h`, then a blink: the rows the
+  // resync after it sends (once every copy is settled).
+  auto blink_after_push = [&](const std::vector<uint64_t>& ks,
+                              BlinkingBackup::Hold h) -> uint64_t {
+    const uint64_t resynced = node->Stats().resynced_rows;
+    blinking->hold(h);
+    std::vector<float> gs(ks.size() * cfg.dim, 0.25f);
+    EXPECT_TRUE((*c)->Push(*t, ks, gs).ok()) << "answered before its copy";
+    blinking->hold(BlinkingBackup::Hold::kNone);
+    const int hellos = blinking->hellos();
+    blinking->Blink();
+    EXPECT_TRUE(wait_for([&] { return blinking->hellos() > hellos; }));
+    EXPECT_TRUE(wait_for([&] {
+      return node->Stats().copy_bytes_in_flight == 0 &&
+             node->Stats().resynced_rows - resynced >= ks.size();
+    })) << "copies in flight "
+        << node->Stats().copy_bytes_in_flight << " B, rows resent "
+        << node->Stats().resynced_rows - resynced;
+    std::this_thread::sleep_for(200ms);
+    return node->Stats().resynced_rows - resynced;
+  };
   const uint64_t top = blinking->top_push();
   ASSERT_GT(top, 0u) << "a copy names its push";
-  blinking->hold(true);
-  ASSERT_TRUE((*c)->Push(*t, {keys.data(), 30}, {g.data(), 30 * cfg.dim}).ok())
-      << "answered before its copy";
-  blinking->hold(false);
-  const int hellos = blinking->hellos();
-  blinking->Blink();
-  ASSERT_TRUE(wait_for([&] { return blinking->hellos() > hellos; }));
-  ASSERT_TRUE(wait_for([&] {
-    return node->Stats().copy_bytes_in_flight == 0 &&
-           blinking->rows() >= keys.size() + 30;
-  })) << "copies in flight "
-      << node->Stats().copy_bytes_in_flight << " B, rows at the backup "
-      << blinking->rows();
-  std::this_thread::sleep_for(200ms);
-  EXPECT_EQ(node->Stats().resynced_rows - resynced, 30u)
+  EXPECT_EQ(blink_after_push({keys.begin(), keys.begin() + 30},
+                             BlinkingBackup::Hold::kAll),
+            30u)
       << "the link's blink sent more than the rows whose copies it lost";
   EXPECT_EQ(blinking->rows(), keys.size() + 30);
   // With the resent rows, the backup learns the push whose copy was lost
   // (a client that resends it to a node restored from there is answered,
   // not applied twice).
   EXPECT_EQ(blinking->top_push(), top + 1);
+  // A push copied in several messages whose last is lost: the backup drops
+  // the parts it held for it, so all of its rows go again.
+  std::vector<uint64_t> many(40000);
+  for (size_t i = 0; i < many.size(); ++i) many[i] = 1000000 + i;
+  EXPECT_EQ(blink_after_push(many, BlinkingBackup::Hold::kLast), many.size());
+  EXPECT_GE(blinking->top_push(), top + 2);  // (the client's pushes)
   c->reset();
   node.reset();
 }
