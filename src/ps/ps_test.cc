@@ -2461,12 +2461,13 @@ TEST(PsTest, AReplacementAtAnotherAddressTakesOver) {
 // A one-worker job on cluster `c`: key 1, 64 KiB striped over the nodes,
 // declared, and one round of `value` in each element. The worker, or null
 // (the failure recorded).
-std::unique_ptr<ParamClient> OneRoundOfAStripedKey(const Cluster& c,
-                                                   float value) {
+std::unique_ptr<ParamClient> OneRoundOfAStripedKey(
+    const Cluster& c, float value,
+    const std::function<void(ParamClientOptions&)>& tweak = {}) {
   RoutingTable t;
   t.partition_bytes = 16 << 10;
   t.stripe = true;
-  auto worker = Worker(c, 0, 1, t);
+  auto worker = Worker(c, 0, 1, t, {}, 10s, tweak);
   if (!worker) return nullptr;
   std::vector<float> g(16 << 10, value), out(16 << 10);
   Status st = worker->Declare(1, g.size() * 4, DType::kFloat32).status();
@@ -2649,6 +2650,11 @@ TEST(PsTest, AStandbyTakesThePlaceOfANodeNoJobLinkedTo) {
   // the job runs on it.
   ASSERT_NE(c.endpoints[1], o.endpoint);
   EXPECT_NE(OneRoundOfAStripedKey(c, 2.f), nullptr);
+  // So does a restarted worker set's (membox launch --max-restarts, whose
+  // list is the job's first).
+  EXPECT_NE(OneRoundOfAStripedKey(
+                c, 3.f, [](ParamClientOptions& w) { w.restarted = true; }),
+            nullptr);
 }
 
 // Stored keys (a DDP job's weights and optimizer state kept on the nodes,
