@@ -243,13 +243,15 @@ class BlinkingBackup : public FakeBackup {
   // parts it holds for the last).
   enum class Hold { kNone, kAll, kLast };
   void hold(Hold h) { hold_ = h; }
-  // Every link dropped; the copies held are never answered.
+  // Every link dropped, with the copies held and any still on their way
+  // on it; the copies after it (on new links) are all answered.
   void Blink() {
     server_->RunOnExecutor<bool>([this] {
       for (service::ConnectionId c : conns_) {
         server_->Close(c, UnavailableError("blink"));
       }
       conns_.clear();
+      hold_ = Hold::kNone;
       return true;
     });
   }
@@ -1044,7 +1046,6 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
     blinking->hold(h);
     std::vector<float> gs(ks.size() * cfg.dim, 0.25f);
     EXPECT_TRUE((*c)->Push(*t, ks, gs).ok()) << "answered before its copy";
-    blinking->hold(BlinkingBackup::Hold::kNone);
     const int hellos = blinking->hellos();
     blinking->Blink();
     EXPECT_TRUE(wait_for([&] { return blinking->hellos() > hellos; }));
