@@ -39,6 +39,7 @@
 #include "src/embedding/protocol.h"
 #include "src/embedding/push_log.h"
 #include "src/embedding/replicator.h"
+#include "src/embedding/sync_state.h"
 
 namespace membox::embedding {
 namespace {
@@ -197,6 +198,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       // Pushes acknowledged before a crash are in the log: into the SSD
       // tiers with them before anyone can pull.
       RETURN_IF_ERROR(ReplayPushLog());
+      // The replayed rows join each table's rows its backup may lack
+      // before the new log forgets them.
+      MergeReplayedIntoSyncStates();
       RETURN_IF_ERROR(StartPushLog());
     }
     // Copies kept for other nodes: ready for their restore at once.
@@ -427,6 +431,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     // Ends the event loop (tasks posted before, e.g. a Flush(), still run)
     // and closes every connection.
     server_->Stop();
+    loop_gone_ = true;
     // (Its answers posted to the stopped loop are dropped; none come after.)
     if (replicator_) replicator_->Stop();
     if (peers_) peers_->Stop();
@@ -467,6 +472,16 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     // The rows (table, keys) of its messages before the last, which the
     // backup holds until the last arrives: lost with the last if it fails.
     std::vector<std::pair<std::string, std::vector<uint64_t>>> held;
+    // Every row it carries: a flush's sync state counts them as rows the
+    // backup may lack until they land.
+    std::vector<std::pair<std::string, std::vector<uint64_t>>> rows;
+  };
+  // A message for the backup that waits for the push log's sync of every
+  // push written before it (`after`), on the connection current then.
+  struct Deferred {
+    uint64_t after = 0, connection = 0;
+    Message m;
+    std::function<void(const Status&, const Message&)> done;
   };
 
   void StopCompactor() {
@@ -613,11 +628,18 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           group->remaining = static_cast<int>(copies.size());
           group->bytes = bytes;
           if (wait_copy) group->ack = ack;
+          for (const Message& copy : copies) {
+            if (!copy.sections.empty()) {
+              group->rows.emplace_back(copy.table.name,
+                                       copy.sections[0].keys);
+            }
+          }
+          copy_groups_.insert(group);
           if (client != 0) copying_[client].insert(m.seq);
           copy_bytes_in_flight_ += bytes;
           copy_bytes_gauge_.store(copy_bytes_in_flight_);
           for (Message& copy : copies) {
-            replicator_->Send(std::move(copy), [this, group](
+            SendToBackup(std::move(copy), [this, group](
                                                    const Status& st,
                                                    const Message& sent) {
               // The rows of a copy the backup did not take, or held
@@ -701,6 +723,14 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     if (auto r = restored_from_.find(c.name); r != restored_from_.end()) {
       t->synced_with = r->second;
       restored_from_.erase(r);
+    } else if (log_ && replicator_ && !log_failed_) {
+      // Restarted with its disk: the backup process that held the copy
+      // when the last process flushed lacks only the rows it listed and
+      // the pushes logged since (merged in at the start).
+      if (auto st = ReadSyncState(t->dir)) {
+        t->synced_with = st->backup;
+        t->dirty.insert(st->dirty.begin(), st->dirty.end());
+      }
     }
     // The backup gets the rows this table has that it lacks.
     Resync(t->id);
@@ -1042,6 +1072,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       // log now and synced (with the other pushes queued meanwhile) before
       // OnRequest's caller answers (SyncPushLog).
       Status st = log_->Write(logged);
+      written_++;
       log_appends_.store(log_->appends());
       log_bytes_.store(log_->bytes());
       if (!st.ok()) {
@@ -1132,6 +1163,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       g->held.clear();
     }
     if (--g->remaining > 0) return;
+    copy_groups_.erase(g);
     copy_bytes_in_flight_ -= g->bytes;
     copy_bytes_gauge_.store(copy_bytes_in_flight_);
     if (g->client != 0) {
@@ -1144,10 +1176,119 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     if (g->ack) Settle(g->ack, Status::Ok());
   }
 
+  // Everything this node sends its backup goes through here. Where the
+  // node keeps a push log, a message leaves only once every push written
+  // before it is durable there: the backup never holds a row this node
+  // could lose to its own crash, so after a restart with its disk the
+  // backup lacks at most the rows the sync state and the log name
+  // ("Resyncs" in docs/design/embedding.md). Event loop.
+  void SendToBackup(Message m,
+                    std::function<void(const Status&, const Message&)> done) {
+    if (!log_ || (deferred_.empty() && written_ <= synced_upto_)) {
+      replicator_->Send(std::move(m), std::move(done));
+      return;
+    }
+    deferred_.push_back(
+        {written_, replicator_->connection(), std::move(m), std::move(done)});
+    if (!sync_posted_ && written_ > handed_upto_) {
+      sync_posted_ = server_->Post([this] { SyncPushLog(); });
+    }
+  }
+
+  // Sends the deferred messages whose pushes are durable now. One that
+  // waited across a lost connection fails here instead: sent on the next
+  // connection it would land after that connection's resync, and could
+  // put back a row older than the resync's (its rows go again as lost).
+  void ReleaseDeferred() {
+    while (!deferred_.empty() && deferred_.front().after <= synced_upto_) {
+      Deferred d = std::move(deferred_.front());
+      deferred_.pop_front();
+      if (!replicator_->connected() ||
+          replicator_->connection() != d.connection) {
+        d.done(UnavailableError("the link to the backup " +
+                                replicator_->backup() +
+                                " was lost while the push log synced"),
+               d.m);
+        continue;
+      }
+      replicator_->Send(std::move(d.m), std::move(d.done));
+    }
+  }
+
+  // At a flush, for each table of this node's own: the backup process
+  // whose copy is whole but for the rows listed (those it was known to
+  // lack, and those of copies still on their way), or nothing where
+  // that is not known.
+  void WriteSyncStates() {
+    if (!replicator_) return;
+    std::map<std::string, std::vector<uint64_t>> flying;
+    for (const auto& g : copy_groups_) {
+      for (const auto& [name, keys] : g->rows) {
+        auto& v = flying[name];
+        v.insert(v.end(), keys.begin(), keys.end());
+      }
+    }
+    for (auto& t : tables_) {
+      if (t->replica) continue;
+      Status st;
+      if (t->synced_with == 0 || t->resyncing || log_failed_) {
+        st = RemoveSyncState(t->dir);
+      } else {
+        SyncState ss;
+        ss.backup = t->synced_with;
+        ss.dirty.assign(t->dirty.begin(), t->dirty.end());
+        if (auto f = flying.find(t->config.name); f != flying.end()) {
+          ss.dirty.insert(ss.dirty.end(), f->second.begin(), f->second.end());
+        }
+        std::sort(ss.dirty.begin(), ss.dirty.end());
+        ss.dirty.erase(std::unique(ss.dirty.begin(), ss.dirty.end()),
+                       ss.dirty.end());
+        st = ss.dirty.size() > kMaxSyncStateRows ? RemoveSyncState(t->dir)
+                                                 : WriteSyncState(t->dir, ss);
+      }
+      if (!st.ok()) {
+        MEMBOX_LOG_WARN("sync state of {}: {}", t->config.name, st.ToString());
+        (void)RemoveSyncState(t->dir);
+      }
+    }
+  }
+
+  // What the disk says the backup holds of `t` is no longer true.
+  void ForgetSyncState(Table* t) {
+    Status st = RemoveSyncState(t->dir);
+    if (!st.ok()) {
+      MEMBOX_LOG_ERROR("sync state of {}: {}", t->config.name, st.ToString());
+    }
+  }
+
+  // At the start, after the replay: each table's sync state gains the
+  // rows its log changed (the log is emptied next).
+  void MergeReplayedIntoSyncStates() {
+    for (auto& [name, keys] : replayed_keys_) {
+      const std::string dir = opt_.dir + "/" + name;
+      auto ss = ReadSyncState(dir);
+      if (!ss) continue;
+      ss->dirty.insert(ss->dirty.end(), keys.begin(), keys.end());
+      std::sort(ss->dirty.begin(), ss->dirty.end());
+      ss->dirty.erase(std::unique(ss->dirty.begin(), ss->dirty.end()),
+                      ss->dirty.end());
+      Status st = ss->dirty.size() > kMaxSyncStateRows
+                      ? RemoveSyncState(dir)
+                      : WriteSyncState(dir, *ss);
+      if (!st.ok()) {
+        MEMBOX_LOG_WARN("sync state of {}: {}", name, st.ToString());
+        (void)RemoveSyncState(dir);
+      }
+    }
+    replayed_keys_.clear();
+  }
+
   // Rows of this node's table `name` that the backup did not take.
   void Lost(const std::string& name, const std::vector<uint64_t>& keys) {
     for (auto& t : tables_) {
       if (t->replica || t->config.name != name) continue;
+      // The sync state on disk did not count these rows as missing.
+      if (log_) ForgetSyncState(t.get());
       MarkDirty(t.get(), keys);
       Resync(t->id);  // (nothing while the backup is away: ResyncAll)
       return;
@@ -1518,11 +1659,11 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       };
       const bool settles = !settled.applied.empty();
       resync_settled_ = settles;
-      replicator_->Send(std::move(m),
-                        [next, settles](const Status& s, const Message& sent) {
-                          if (!settles) next(s, sent);
-                        });
-      if (settles) replicator_->Send(std::move(settled), next);
+      SendToBackup(std::move(m),
+                   [next, settles](const Status& s, const Message& sent) {
+                     if (!settles) next(s, sent);
+                   });
+      if (settles) SendToBackup(std::move(settled), next);
       return;
     }
     if (resync_sent_ > 0 && !resync_settled_) {
@@ -1535,8 +1676,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       for (auto& t : tables_) {
         if (t->replica || settled.applied.empty()) continue;
         settled.table = t->config;
-        replicator_->Send(std::move(settled),
-                          [](const Status&, const Message&) {});
+        SendToBackup(std::move(settled), [](const Status&, const Message&) {});
         break;
       }
       resync_settled_ = true;
@@ -1740,12 +1880,17 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     }
     flushes_++;
     if (log_) {
+      // What the backup holds, against the rows now in the SSD tiers: on
+      // disk before the log that covers the changes since goes.
+      WriteSyncStates();
       // Every logged row is in the SSD tiers now: the log can go, and the
       // pushes waiting for its sync are durable. It restarts with who
       // applied what, so a push resent after this is still recognised.
       PushLogRecord clients = AppliedRecord();
       RETURN_IF_ERROR(log_->Truncate(&clients));
       log_bytes_.store(log_->bytes());
+      synced_upto_ = written_;
+      if (!loop_gone_) ReleaseDeferred();
       AnswerUnsynced(Status::Ok());
     }
     {
@@ -1902,11 +2047,14 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   // loop goes on serving (pulls, more pushes) during the fdatasync.
   void SyncPushLog() {
     sync_posted_ = false;
-    if (unsynced_.empty()) return;
+    if (unsynced_.empty() && written_ <= handed_upto_) return;
     {
       MutexLock l(&sync_mu_);
       for (auto& a : unsynced_) to_sync_.push_back(std::move(a));
+      to_sync_upto_ = written_;
+      sync_wanted_ = true;
     }
+    handed_upto_ = written_;
     unsynced_.clear();
     sync_cv_.NotifyOne();
   }
@@ -1914,11 +2062,14 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   void SyncLoop() {
     for (;;) {
       std::vector<std::shared_ptr<PendingAck>> batch;
+      uint64_t upto = 0;
       {
         MutexLock l(&sync_mu_);
-        while (!sync_stop_ && to_sync_.empty()) sync_cv_.Wait(&sync_mu_);
-        if (to_sync_.empty()) return;  // stopping, nothing left
+        while (!sync_stop_ && !sync_wanted_) sync_cv_.Wait(&sync_mu_);
+        if (!sync_wanted_) return;  // stopping, nothing left
         batch.swap(to_sync_);
+        upto = to_sync_upto_;
+        sync_wanted_ = false;
       }
       // Every record of `batch` was written before it was handed over.
       Status st = log_->Sync();
@@ -1928,8 +2079,20 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       auto answers = std::make_shared<std::vector<std::shared_ptr<PendingAck>>>(
           std::move(batch));
       // Answered on the loop (a stopped loop drops them: the connections
-      // are closing, and the final flush makes the rows durable anyway).
-      server_->Post([this, answers, st] { Answer(*answers, st); });
+      // are closing, and the final flush makes the rows durable anyway),
+      // after the copies that waited for this sync went.
+      server_->Post([this, answers, st, upto] {
+        if (!st.ok() && !log_failed_) {
+          // What the log holds is not known: nor is what the backup lacks.
+          log_failed_ = true;
+          for (auto& t : tables_) {
+            if (!t->replica) ForgetSyncState(t.get());
+          }
+        }
+        synced_upto_ = std::max(synced_upto_, upto);
+        ReleaseDeferred();
+        Answer(*answers, st);
+      });
     }
   }
 
@@ -2000,6 +2163,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           it = stores.emplace(s.table, std::move(store)).first;
         }
         RETURN_IF_ERROR(it->second->Put(s.keys, s.rows));
+        replayed_keys_[s.table].insert(s.keys.begin(), s.keys.end());
         rows += s.keys.size();
       }
     }
@@ -2073,7 +2237,21 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
   Mutex sync_mu_;
   CondVar sync_cv_;
   std::vector<std::shared_ptr<PendingAck>> to_sync_ MEMBOX_GUARDED_BY(sync_mu_);
+  uint64_t to_sync_upto_ MEMBOX_GUARDED_BY(sync_mu_) = 0;
+  bool sync_wanted_ MEMBOX_GUARDED_BY(sync_mu_) = false;
   bool sync_stop_ MEMBOX_GUARDED_BY(sync_mu_) = false;
+  // Event loop only: the log records written, handed to the sync thread,
+  // and known durable (a sync or a flush), counted; the messages for the
+  // backup that wait for records not yet durable, in order; the copy
+  // groups in flight; whether a sync failed (then no sync state is
+  // trusted or written by this process); the rows each table's replayed
+  // log changed (Init).
+  uint64_t written_ = 0, handed_upto_ = 0, synced_upto_ = 0;
+  std::deque<Deferred> deferred_;
+  std::unordered_set<std::shared_ptr<CopyGroup>> copy_groups_;
+  bool log_failed_ = false;
+  std::map<std::string, std::unordered_set<uint64_t>> replayed_keys_;
+  bool loop_gone_ = false;  // Stop, once the event loop has ended
   std::atomic<uint64_t> log_appends_{0}, log_bytes_{0}, log_sync_ns_{0},
       log_syncs_{0};
   std::unique_ptr<service::Server> server_;  // stopped, not freed, by Stop

@@ -1079,6 +1079,111 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
   node.reset();
 }
 
+// A node that restarts with its disk (a crash: the SSD tiers as of the
+// last flush, and the push log since) resyncs only the rows its backup
+// may lack: those its sync state listed at that flush and those its log
+// changed since. A sync state it cannot read sends the table whole.
+TEST_F(EmbeddingServerTest, ANodeThatRestartsWithItsDiskResyncsOnlyWhatTheBackupLacks) {
+  StartServers(1);  // the backup
+  const std::string backup_ep = servers_[0]->endpoint();
+  auto primary = StartWithBackup("127.0.0.1:0", backup_ep);
+  ASSERT_TRUE(primary);
+  const std::string ep = primary->endpoint();
+  const EmbeddingClientOptions co = OneNode(ep, 0ms);
+  TableConfig cfg = Config(RowOptimizer::kAdagrad, 8);
+  std::vector<uint64_t> keys(2000);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = i * 7;
+  std::vector<float> g(keys.size() * cfg.dim, 0.125f);
+  auto wait_for = [](auto&& cond) {
+    for (int i = 0; i < 1000 && !cond(); ++i) std::this_thread::sleep_for(10ms);
+    return cond();
+  };
+  auto push = [&](size_t n, float v) {
+    auto c = EmbeddingClient::Connect(co);
+    ASSERT_TRUE(c.ok());
+    auto t = (*c)->OpenTable(cfg);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    std::vector<float> gs(n * cfg.dim, v);
+    ASSERT_TRUE((*c)->Push(*t, {keys.data(), n}, gs).ok());
+  };
+  auto pull_all = [&](std::vector<float>* out) {
+    auto c = EmbeddingClient::Connect(co);
+    ASSERT_TRUE(c.ok());
+    auto t = (*c)->OpenTable(cfg);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    out->resize(keys.size() * cfg.dim);
+    ASSERT_TRUE((*c)->Pull(*t, keys, out->data()).ok());
+  };
+  const std::filesystem::path node = dir_ / "primary";
+  const std::filesystem::path saved = dir_ / "crashed";
+  // What kill -9 leaves: the directory as it is while the node runs.
+  auto crash_and_restart = [&] {
+    std::filesystem::remove_all(saved);
+    std::filesystem::copy(node, saved,
+                          std::filesystem::copy_options::recursive);
+    primary.reset();
+    std::filesystem::remove_all(node);
+    std::filesystem::rename(saved, node);
+    primary = StartWithBackup(ep, backup_ep);
+    return primary != nullptr;
+  };
+  push(keys.size(), 0.125f);
+  WaitForCopies(*primary);
+  {
+    auto c = EmbeddingClient::Connect(co);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE((*c)->Flush().ok());  // the SSD tier, and the sync state
+  }
+  ASSERT_TRUE(std::filesystem::exists(node / cfg.name / "SYNCSTATE"));
+  push(30, 0.5f);  // in the log only
+  WaitForCopies(*primary);
+  std::vector<float> before;
+  pull_all(&before);
+
+  ASSERT_TRUE(crash_and_restart());
+  std::vector<float> after;
+  pull_all(&after);  // (opens the table: its resync starts)
+  EXPECT_EQ(after, before);
+  ASSERT_TRUE(wait_for([&] { return primary->Stats().resynced_rows >= 30; }));
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(primary->Stats().resynced_rows, 30u)
+      << "the rows the backup held were sent again";
+
+  // The backup's copy is exact: a node that loses its disk now restores
+  // every row from it.
+  primary.reset();
+  std::filesystem::remove_all(node);
+  primary = StartWithBackup(ep, backup_ep);
+  ASSERT_TRUE(primary);
+  pull_all(&after);
+  EXPECT_EQ(after, before);
+  EXPECT_EQ(primary->Stats().restored_rows, keys.size());
+
+  // A sync state that does not parse: the table goes whole.
+  push(10, 0.25f);
+  WaitForCopies(*primary);
+  {
+    auto c = EmbeddingClient::Connect(co);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE((*c)->Flush().ok());
+  }
+  {
+    std::fstream f(node / cfg.name / "SYNCSTATE",
+                   std::ios::binary | std::ios::in | std::ios::out);
+    ASSERT_TRUE(f);
+    f.seekp(9);
+    f.put('\x5a');  // the backup's incarnation: the checksum fails
+  }
+  pull_all(&before);
+  ASSERT_TRUE(crash_and_restart());
+  pull_all(&after);
+  EXPECT_EQ(after, before);
+  ASSERT_TRUE(wait_for(
+      [&] { return primary->Stats().resynced_rows >= keys.size(); }));
+  EXPECT_EQ(primary->Stats().resynced_rows, keys.size());
+  primary.reset();
+}
+
 // The backup's copy may lag the answers: a push is answered once this
 // node's log is synced, and the client keeps it until a reply's floor says
 // the backup holds it. Here the backup holds nothing ever, and the node
