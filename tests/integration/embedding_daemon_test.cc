@@ -199,22 +199,49 @@ TEST_P(KillTest, KillNineAndRestartKeepsAcknowledgedUpdates) {
 // is down and go on when it is back; at the end every row is exactly what
 // applying each step's gradient once gives -- no acknowledged push lost,
 // none applied twice.
-// `lose_disk`: the node comes back with its directory gone (its machine
-// was lost; a replacement took its address) and takes its rows back from
-// the other node, which kept a copy of every push it acknowledged.
+// "Lost": the node comes back with its directory gone (its machine was
+// lost; a replacement took its address) and takes its rows back from the
+// other node, which kept a copy of every push it acknowledged.
+// "KeptReplicated": each node backs the other up, and the killed one comes
+// back with its disk; it then sends its backup only the rows the backup
+// may lack -- those its log changed since the last flush -- not the
+// table ("Kept": no backup).
 class RideThroughTest : public EmbeddingDaemonTest,
-                        public ::testing::WithParamInterface<bool> {};
+                        public ::testing::WithParamInterface<std::string> {};
+
+// A figure of a node's status text ("name N"), or -1.
+int64_t StatusFigure(const std::string& text, const std::string& name) {
+  const size_t at = text.find(" " + name + " ");
+  if (at == std::string::npos) return -1;
+  return std::stoll(text.substr(at + name.size() + 2));
+}
 
 TEST_P(RideThroughTest, AWorkerRidesThroughKillNineOfANode) {
-  const bool lose_disk = GetParam();
-  StartNode(0, "64MiB", true, lose_disk);
-  StartNode(1, "64MiB", true, lose_disk);
+  const bool lose_disk = GetParam() == "Lost";
+  const bool replicate = GetParam() != "Kept";
+  StartNode(0, "64MiB", true, replicate);
+  StartNode(1, "64MiB", true, replicate);
   auto w = Worker(30s);
   ASSERT_TRUE(w);
   TableConfig cfg = Config();
   auto t = w->OpenTable(cfg);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   const uint32_t d = cfg.dim;
+  // Rows flushed before training and never touched again.
+  std::vector<uint64_t> cold(3000);
+  for (uint64_t i = 0; i < cold.size(); ++i) cold[i] = 1000000 + i;
+  if (replicate) {
+    std::vector<float> g(cold.size() * d, 0.25f);
+    ASSERT_TRUE(w->Push(*t, cold, g).ok());
+    for (int i = 0; i < 500; ++i) {  // every copy at the backup
+      auto a = w->NodeStatus(0), b = w->NodeStatus(1);
+      if (a.ok() && b.ok() && StatusFigure(*a, "copy_bytes_in_flight") == 0 &&
+          StatusFigure(*b, "copy_bytes_in_flight") == 0)
+        break;
+      std::this_thread::sleep_for(10ms);
+    }
+    ASSERT_TRUE(w->Flush().ok());
+  }
   std::vector<uint64_t> keys(400);
   for (uint64_t i = 0; i < keys.size(); ++i) keys[i] = i * 7 + 1;  // distinct
   constexpr int kSteps = 60;
@@ -247,7 +274,7 @@ TEST_P(RideThroughTest, AWorkerRidesThroughKillNineOfANode) {
   const int at_kill = done;
   if (lose_disk) std::filesystem::remove_all(NodeDir(1));
   std::this_thread::sleep_for(300ms);
-  StartNode(1, "64MiB", true, lose_disk);
+  StartNode(1, "64MiB", true, replicate);
   train.join();
   ASSERT_TRUE(failed.ok()) << failed.ToString();
   EXPECT_LT(at_kill, kSteps) << "the node died during training";
@@ -270,6 +297,20 @@ TEST_P(RideThroughTest, AWorkerRidesThroughKillNineOfANode) {
   EXPECT_GT(on_killed, 100u);
   auto text = w->NodeStatus(1);
   ASSERT_TRUE(text.ok()) << text.status().ToString();
+  if (replicate && !lose_disk) {
+    // Its resync: the training rows it owns (its log since the flush),
+    // not the cold rows its backup already held.
+    for (int i = 0; i < 500 && StatusFigure(*text, "resynced_rows") <
+                                   static_cast<int64_t>(on_killed);
+         ++i) {
+      std::this_thread::sleep_for(10ms);
+      text = w->NodeStatus(1);
+      ASSERT_TRUE(text.ok()) << text.status().ToString();
+    }
+    EXPECT_EQ(StatusFigure(*text, "resynced_rows"),
+              static_cast<int64_t>(on_killed))
+        << *text;
+  }
   if (lose_disk) {
     EXPECT_NE(text->find("restored_rows "), std::string::npos) << *text;
     EXPECT_EQ(text->find("restored_rows 0\n"), std::string::npos)
@@ -278,9 +319,10 @@ TEST_P(RideThroughTest, AWorkerRidesThroughKillNineOfANode) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Disk, RideThroughTest, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& i) {
-                           return std::string(i.param ? "Lost" : "Kept");
+INSTANTIATE_TEST_SUITE_P(Disk, RideThroughTest,
+                         ::testing::Values("Kept", "KeptReplicated", "Lost"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           return i.param;
                          });
 
 INSTANTIATE_TEST_SUITE_P(
