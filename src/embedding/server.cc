@@ -630,8 +630,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           if (wait_copy) group->ack = ack;
           for (const Message& copy : copies) {
             if (!copy.sections.empty()) {
-              group->rows.emplace_back(copy.table.name,
-                                       copy.sections[0].keys);
+              group->rows.emplace_back(copy.table.name, copy.sections[0].keys);
             }
           }
           copy_groups_.insert(group);
@@ -639,9 +638,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           copy_bytes_in_flight_ += bytes;
           copy_bytes_gauge_.store(copy_bytes_in_flight_);
           for (Message& copy : copies) {
-            SendToBackup(std::move(copy), [this, group](
-                                                   const Status& st,
-                                                   const Message& sent) {
+            SendToBackup(std::move(copy), [this, group](const Status& st,
+                                                        const Message& sent) {
               // The rows of a copy the backup did not take, or held
               // until the push's last copy (`more`): resent if lost.
               std::vector<uint64_t> keys;
@@ -1205,10 +1203,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       deferred_.pop_front();
       if (!replicator_->connected() ||
           replicator_->connection() != d.connection) {
-        d.done(UnavailableError("the link to the backup " +
-                                replicator_->backup() +
-                                " was lost while the push log synced"),
-               d.m);
+        d.done(
+            UnavailableError("the link to the backup " + replicator_->backup() +
+                             " was lost while the push log synced"),
+            d.m);
         continue;
       }
       replicator_->Send(std::move(d.m), std::move(d.done));

@@ -1083,7 +1083,8 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
 // last flush, and the push log since) resyncs only the rows its backup
 // may lack: those its sync state listed at that flush and those its log
 // changed since. A sync state it cannot read sends the table whole.
-TEST_F(EmbeddingServerTest, ANodeThatRestartsWithItsDiskResyncsOnlyWhatTheBackupLacks) {
+TEST_F(EmbeddingServerTest,
+       ANodeThatRestartsWithItsDiskResyncsOnlyWhatTheBackupLacks) {
   StartServers(1);  // the backup
   const std::string backup_ep = servers_[0]->endpoint();
   auto primary = StartWithBackup("127.0.0.1:0", backup_ep);
@@ -1178,8 +1179,8 @@ TEST_F(EmbeddingServerTest, ANodeThatRestartsWithItsDiskResyncsOnlyWhatTheBackup
   ASSERT_TRUE(crash_and_restart());
   pull_all(&after);
   EXPECT_EQ(after, before);
-  ASSERT_TRUE(wait_for(
-      [&] { return primary->Stats().resynced_rows >= keys.size(); }));
+  ASSERT_TRUE(
+      wait_for([&] { return primary->Stats().resynced_rows >= keys.size(); }));
   EXPECT_EQ(primary->Stats().resynced_rows, keys.size());
   primary.reset();
 }

@@ -85,8 +85,10 @@ Status WriteSyncState(const std::string& table_dir, const SyncState& s) {
   while (st.ok() && at < b.size()) {
     const ssize_t n = ::write(fd, b.data() + at, b.size() - at);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) st = InternalError("write " + tmp + ": " + strerror(errno));
-    else at += static_cast<size_t>(n);
+    if (n <= 0)
+      st = InternalError("write " + tmp + ": " + strerror(errno));
+    else
+      at += static_cast<size_t>(n);
   }
   if (st.ok() && ::fdatasync(fd) != 0) {
     st = InternalError("fdatasync " + tmp + ": " + strerror(errno));
