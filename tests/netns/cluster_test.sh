@@ -5,8 +5,9 @@
 # (striped and through the proxies' ring; the workers check every sum and
 # abort otherwise), split between the workers' ring and one node, a Python
 # worker through `membox launch --attach`, and
-# the clean-up when the job fails, and sparse rows that survive the loss of
-# a memory host's disk. Also: `up` without root says so.
+# the clean-up when the job fails, sparse rows that survive the loss of a
+# memory host's disk, and a memory host's restart with its disk that
+# resyncs only the rows its backup lacks. Also: `up` without root says so.
 # Usage: cluster_test.sh PATH/TO/membox
 # Exit 77 (skipped) without root, iproute2, tc or network namespaces.
 set -euo pipefail
@@ -132,6 +133,12 @@ if phase == "push":
     for step in range(3):
         c.push(t, keys, np.full((len(keys), 8), 0.1 * (step + 1), np.float32))
     np.save(out, c.pull(t, keys))
+elif phase == "check":
+    np.testing.assert_array_equal(c.pull(t, keys), np.load(out))
+    # Flushed (each table's sync state), then 10 rows changed after it.
+    c.flush()
+    c.push(t, keys[:10], np.full((10, 8), 0.5, np.float32))
+    np.save(out, c.pull(t, keys))
 else:
     np.testing.assert_array_equal(c.pull(t, keys), np.load(out))
 status = " | ".join(l for n in range(c.num_nodes)
@@ -160,6 +167,25 @@ replaced=$!
 grep -q "^EMB check ok" "$dir/emb2.out" || fail "rows lost with m1's disk"
 grep -q "restored .* rows of 1 tables from backup" "$state/m1/serve-replaced.log" ||
   { tail -n 20 "$state/m1/serve-replaced.log"; fail "m1 did not take its rows back"; }
+# m1 killed again and restarted with its disk (as a launcher restarts a
+# node on its host): it replays its log and sends m0 only the rows m0 may
+# lack -- those changed since its last flush -- not its table.
+kill -9 "$replaced"
+while kill -0 "$replaced" 2>/dev/null; do sleep 0.1; done
+setsid "${pre[@]}" "${m1argv[@]}" --join >"$state/m1/serve-restarted.log" 2>&1 &
+replaced=$!
+"$membox" cluster run "$topo" -- /usr/bin/python3 "$dir/emb.py" again "$dir/rows.npy" \
+  | tee "$dir/emb3.out"
+grep -q "^EMB again ok" "$dir/emb3.out" || fail "rows lost in m1's restart with its disk"
+for _ in $(seq 50); do
+  grep -q "holds every row of this node again" "$state/m1/serve-restarted.log" && break
+  sleep 0.1
+done
+resync=$(grep -o "holds every row of this node again ([0-9]* rows sent in [0-9.]* s; [a-z ]*" \
+  "$state/m1/serve-restarted.log" | head -1)
+echo "m1's resync after its restart with its disk: $resync"
+[[ $resync =~ \(([0-9]+)\ rows.*only\ rows\ it\ lacked ]] && ((BASH_REMATCH[1] <= 10)) ||
+  { tail -n 20 "$state/m1/serve-restarted.log"; fail "m1 resent rows its backup held"; }
 kill -9 "$replaced" 2>/dev/null || true
 
 # A failing job on a cluster that run brings up itself: non-zero status,
@@ -172,4 +198,4 @@ fi
 [[ $(leftovers) -eq 0 ]] || fail "a failed run left namespaces behind"
 [[ ! -d $state ]] || fail "a failed run left its state directory"
 ip link show "mbx${name}br" >/dev/null 2>&1 && fail "bridge left behind"
-echo "PASS: membox cluster up/run/status/down, exact sums across hosts, sparse rows kept through a lost disk"
+echo "PASS: membox cluster up/run/status/down, exact sums across hosts, sparse rows kept through a lost disk, a restart with the disk resyncs only what the backup lacks"
