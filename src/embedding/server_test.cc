@@ -135,6 +135,25 @@ class EmbeddingServerTest : public ::testing::Test {
     return std::move(*s);
   }
 
+  // Until `cond` holds (or 10 s); whether it does.
+  template <typename F>
+  static bool WaitFor(F&& cond) {
+    for (int i = 0; i < 1000 && !cond(); ++i) std::this_thread::sleep_for(10ms);
+    return cond();
+  }
+
+  // Every row of `keys` in table `cfg` through a fresh client of `co`.
+  static void PullAll(const EmbeddingClientOptions& co, const TableConfig& cfg,
+                      const std::vector<uint64_t>& keys,
+                      std::vector<float>* out) {
+    auto c = EmbeddingClient::Connect(co);
+    ASSERT_TRUE(c.ok());
+    auto t = (*c)->OpenTable(cfg);  // (held until a restore is done)
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    out->resize(keys.size() * cfg.dim);
+    ASSERT_TRUE((*c)->Pull(*t, keys, out->data()).ok());
+  }
+
   // Until every copy `s` sent its backup is held there (or 10 s).
   static void WaitForCopies(EmbeddingServer& s) {
     for (int i = 0; i < 1000 && s.Stats().copy_bytes_in_flight > 0; ++i) {
@@ -961,18 +980,8 @@ TEST_F(EmbeddingServerTest, AResyncSendsOnlyTheRowsTheBackupLacks) {
     ASSERT_TRUE((*c)->Push(*t, keys, g).ok());
   }
   WaitForCopies(*primary);
-  auto wait_for = [](auto&& cond) {
-    for (int i = 0; i < 1000 && !cond(); ++i) std::this_thread::sleep_for(10ms);
-    return cond();
-  };
-  auto pull_all = [&](std::vector<float>* out) {
-    auto c = EmbeddingClient::Connect(co);
-    ASSERT_TRUE(c.ok());
-    auto t = (*c)->OpenTable(cfg);  // (held until a restore is done)
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
-    out->resize(keys.size() * cfg.dim);
-    ASSERT_TRUE((*c)->Pull(*t, keys, out->data()).ok());
-  };
+  auto wait_for = [](auto&& cond) { return WaitFor(cond); };
+  auto pull_all = [&](std::vector<float>* out) { PullAll(co, cfg, keys, out); };
   // The node's disk is lost: it comes back at its address with nothing.
   auto lose_disk = [&] {
     primary.reset();
@@ -1095,10 +1104,7 @@ TEST_F(EmbeddingServerTest,
   std::vector<uint64_t> keys(2000);
   for (size_t i = 0; i < keys.size(); ++i) keys[i] = i * 7;
   std::vector<float> g(keys.size() * cfg.dim, 0.125f);
-  auto wait_for = [](auto&& cond) {
-    for (int i = 0; i < 1000 && !cond(); ++i) std::this_thread::sleep_for(10ms);
-    return cond();
-  };
+  auto wait_for = [](auto&& cond) { return WaitFor(cond); };
   auto push = [&](size_t n, float v) {
     auto c = EmbeddingClient::Connect(co);
     ASSERT_TRUE(c.ok());
@@ -1107,14 +1113,7 @@ TEST_F(EmbeddingServerTest,
     std::vector<float> gs(n * cfg.dim, v);
     ASSERT_TRUE((*c)->Push(*t, {keys.data(), n}, gs).ok());
   };
-  auto pull_all = [&](std::vector<float>* out) {
-    auto c = EmbeddingClient::Connect(co);
-    ASSERT_TRUE(c.ok());
-    auto t = (*c)->OpenTable(cfg);
-    ASSERT_TRUE(t.ok()) << t.status().ToString();
-    out->resize(keys.size() * cfg.dim);
-    ASSERT_TRUE((*c)->Pull(*t, keys, out->data()).ok());
-  };
+  auto pull_all = [&](std::vector<float>* out) { PullAll(co, cfg, keys, out); };
   const std::filesystem::path node = dir_ / "primary";
   const std::filesystem::path saved = dir_ / "crashed";
   // What kill -9 leaves: the directory as it is while the node runs.
