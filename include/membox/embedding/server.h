@@ -18,7 +18,11 @@
 // (EmbeddingServerOptions::backup). The copy may lag the answer by up to
 // backup_lag_bytes: the client keeps each answered push until a reply's
 // floor says the backup holds it, and resends it to a node that comes back
-// without its disk.
+// without its disk. With the push log, a copy leaves only once its push is
+// durable here (the backup never holds a row this node could lose), and
+// each flush records per table which backup process lacks which rows
+// (<dir>/<table>/SYNCSTATE): a node restarted with its disk resyncs only
+// those and the rows its log replays, not the table.
 //
 // Durability: with the push log (the default) a push is acknowledged once
 // its rows are logged and synced; without it, once applied in memory.
