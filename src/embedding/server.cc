@@ -1238,15 +1238,10 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
         if (auto f = flying.find(t->config.name); f != flying.end()) {
           ss.dirty.insert(ss.dirty.end(), f->second.begin(), f->second.end());
         }
-        std::sort(ss.dirty.begin(), ss.dirty.end());
-        ss.dirty.erase(std::unique(ss.dirty.begin(), ss.dirty.end()),
-                       ss.dirty.end());
-        st = ss.dirty.size() > kMaxSyncStateRows ? RemoveSyncState(t->dir)
-                                                 : WriteSyncState(t->dir, ss);
+        st = KeepSyncState(t->dir, std::move(ss));
       }
       if (!st.ok()) {
         MEMBOX_LOG_WARN("sync state of {}: {}", t->config.name, st.ToString());
-        (void)RemoveSyncState(t->dir);
       }
     }
   }
@@ -1267,16 +1262,9 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       auto ss = ReadSyncState(dir);
       if (!ss) continue;
       ss->dirty.insert(ss->dirty.end(), keys.begin(), keys.end());
-      std::sort(ss->dirty.begin(), ss->dirty.end());
-      ss->dirty.erase(std::unique(ss->dirty.begin(), ss->dirty.end()),
-                      ss->dirty.end());
-      Status st = ss->dirty.size() > kMaxSyncStateRows
-                      ? RemoveSyncState(dir)
-                      : WriteSyncState(dir, *ss);
-      if (!st.ok()) {
+      Status st = KeepSyncState(dir, std::move(*ss));
+      if (!st.ok())
         MEMBOX_LOG_WARN("sync state of {}: {}", name, st.ToString());
-        (void)RemoveSyncState(dir);
-      }
     }
     replayed_keys_.clear();
   }

@@ -113,6 +113,15 @@ Status RemoveSyncState(const std::string& table_dir) {
   return SyncDir(table_dir);
 }
 
+Status KeepSyncState(const std::string& table_dir, SyncState s) {
+  std::sort(s.dirty.begin(), s.dirty.end());
+  s.dirty.erase(std::unique(s.dirty.begin(), s.dirty.end()), s.dirty.end());
+  if (s.dirty.size() > kMaxSyncStateRows) return RemoveSyncState(table_dir);
+  Status st = WriteSyncState(table_dir, s);
+  if (!st.ok()) (void)RemoveSyncState(table_dir);
+  return st;
+}
+
 std::optional<SyncState> ReadSyncState(const std::string& table_dir) {
   const std::string path = SyncStatePath(table_dir);
   std::ifstream in(path, std::ios::binary);

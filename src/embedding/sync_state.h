@@ -47,6 +47,10 @@ std::string SyncStatePath(const std::string& table_dir);
 Status WriteSyncState(const std::string& table_dir, const SyncState& s);
 Status RemoveSyncState(const std::string& table_dir);
 std::optional<SyncState> ReadSyncState(const std::string& table_dir);
+// Records `s` with its rows sorted and deduplicated, or removes the file
+// where more than kMaxSyncStateRows remain (the table goes whole); a write
+// that fails removes the file too, and says why.
+Status KeepSyncState(const std::string& table_dir, SyncState s);
 
 }  // namespace membox::embedding
 
