@@ -115,10 +115,9 @@ std::string ProxyImpl::StatusText() const {
     << "\nversion_notices " << s.version_notices << "\nanswered_early "
     << s.answered_early << "\nbackups_pending " << s.backups_pending
     << "\nbackups_later " << s.backups_later << "\nshards_behind "
-    << s.shards_behind
-    << "\nshards_copying " << s.shards_copying << "\njoin_state_bytes "
-    << s.join_state_bytes << "\njoin_versions_only " << s.join_versions_only
-    << "\nredos_skipped " << s.redos_skipped << "\n";
+    << s.shards_behind << "\nshards_copying " << s.shards_copying
+    << "\njoin_state_bytes " << s.join_state_bytes << "\njoin_versions_only "
+    << s.join_versions_only << "\nredos_skipped " << s.redos_skipped << "\n";
   MutexLock l(&waits_mu_);
   o << waits_;
   return o.str();
