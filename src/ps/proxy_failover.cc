@@ -1,5 +1,7 @@
 // The parameter proxy: peer links, failover, joining and catch-up
 // (src/ps/proxy_impl.h; docs/design/ps.md, "Node failover").
+#include "membox/transport/huge_pages.h"
+
 #include "src/ps/proxy_impl.h"
 
 namespace membox::ps::proxy_internal {
@@ -311,7 +313,13 @@ void ProxyImpl::FailPendingRounds(const std::string& who) {
 }
 
 CopyAllocator ProxyImpl::CopyBuffers() {
-  return [this](uint64_t n) { return storage_->AllocateForOverwrite(n); };
+  return [this](uint64_t n) -> Result<std::shared_ptr<MemRegion>> {
+    ASSIGN_OR_RETURN(auto r, storage_->AllocateForOverwrite(n));
+    // Its pages in before the read writes them (one call, not a fault per
+    // page: transport/huge_pages.h).
+    transport::PopulateForWrite(r->data(), n);
+    return r;
+  };
 }
 
 void ProxyImpl::SendCatchUp(uint32_t to, uint64_t k, uint32_t s,
@@ -665,8 +673,29 @@ void ProxyImpl::OnBackupVersion(uint32_t from, const Message& m) {
 bool ProxyImpl::BackupLater(uint32_t from, const Message& m, Shard& sh) {
   if (!sh.copying || owned_copying_ == 0) return false;
   SetBehind(m.key, m.shard, sh, true);
+  if (auto job = join_copy_) {
+    // Not copied from the snapshot (older than this round): its owner's
+    // whole offer brings it once the shards this node owns are here.
+    MutexLock l(&job->mu);
+    job->installed.insert({m.key, m.shard});
+  }
   (void)SendToPeer(from, AnswerTo(Type::kBackupLater, m));
   return true;
+}
+
+void ProxyImpl::AskForBehind() {
+  for (auto& [k, key] : keys_) {
+    for (uint32_t s = 0; s < key.shards.size(); ++s) {
+      const Shard& sh = key.shards[s];
+      if (!sh.behind || !sh.copying) continue;
+      Message ask;
+      ask.type = Type::kBackupAsk;
+      ask.key = k;
+      ask.shard = s;
+      ask.round = sh.version;
+      (void)SendToPeer(Owner(k, s), ask);
+    }
+  }
 }
 
 void ProxyImpl::SetBehind(uint64_t k, uint32_t s, Shard& sh, bool behind) {

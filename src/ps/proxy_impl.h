@@ -667,6 +667,10 @@ class ProxyImpl final : public Proxy, public service::Service {
   // (kBackupLater) and is marked behind. True when the offer was answered
   // so.
   bool BackupLater(uint32_t from, const Message& m, Shard& sh);
+  // The shards this node owns are copied: asks the owners of the behind
+  // shards not copied (BackupLater took them off the copier's queue) for
+  // them whole (kBackupAsk).
+  void AskForBehind();
   // Shard::behind set or cleared (the count, its gauge, and the line
   // saying every shard is on two nodes again).
   void SetBehind(uint64_t k, uint32_t s, Shard& sh, bool behind);
@@ -674,7 +678,7 @@ class ProxyImpl final : public Proxy, public service::Service {
   // node's copy alone; the next ones first, offered whole.
   void OnBackupLater(uint32_t from, const Message& m);
   // The owner's side of kBackupAsk: offer the shard whole now if no round
-  // of it is in flight.
+  // of it is in flight (one in flight offers it whole when applied).
   void OnBackupAsk(uint32_t from, const Message& m);
   // The owner side: the backup holds round m.round; answer its workers.
   void OnBackupDone(uint32_t from, const Message& m);

@@ -374,8 +374,9 @@ void ProxyImpl::InstallJoined(uint32_t from, CopiedShard& c) {
   }
   ShardCopied(o.key, o.shard);
   if (sh.behind) {
-    // The join's snapshot, older than a round its owner answered: ask the
-    // owner for the shard whole (an idle job has no round to bring it).
+    // The join's snapshot (a copier had taken it before the owner's offer
+    // came), older than a round its owner answered: ask the owner for the
+    // shard whole (an idle job has no round to bring it).
     Message ask;
     ask.type = Type::kBackupAsk;
     ask.key = o.key;
@@ -389,7 +390,9 @@ void ProxyImpl::ShardCopied(uint64_t k, uint32_t s) {
   Shard& sh = keys_[k].shards[s];
   if (!sh.copying) return;
   sh.copying = false;
-  if (Owner(k, s) == opt_.rank && owned_copying_ > 0) --owned_copying_;
+  if (Owner(k, s) == opt_.rank && owned_copying_ > 0 && --owned_copying_ == 0) {
+    AskForBehind();
+  }
   if (auto job = join_copy_) {  // (a copier's own batch is out of `order`)
     MutexLock l(&job->mu);
     job->installed.insert({k, s});

@@ -18,6 +18,18 @@ void AdviseHugePages(void* addr, size_t len) {
   (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 }
 
+void PopulateForWrite(void* addr, size_t len) {
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;  // Linux 5.14
+#endif
+  constexpr uintptr_t kPage = 4096;
+  const auto begin = reinterpret_cast<uintptr_t>(addr);
+  if (len == 0 || begin > UINTPTR_MAX - len) return;
+  const uintptr_t first = begin & ~(kPage - 1);
+  (void)madvise(reinterpret_cast<void*>(first), begin + len - first,
+                MADV_POPULATE_WRITE);
+}
+
 std::string ShmemHugePagePolicy() {
   std::ifstream f("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
   const std::string text((std::istreambuf_iterator<char>(f)),

