@@ -35,11 +35,8 @@ Reported per size (medians over --repeats):
   pause         the longest round after the kill minus the median round
                 before it: what the death added to the step it fell into
   kill->round   from the kill to the first round completed after it
-  redundancy    from the kill to the replacement's "redundant again" line:
-                its copy is done and no shard it backs up is older than its
-                owner's (a survivor's rounds during the copy are answered
-                with one copy, and offered whole once it has copied the
-                shards it owns): every shard on two nodes again
+  redundancy    from the kill to the replacement's "joined: copied" line:
+                every shard on two nodes again
   copy          the replacement's background copy itself
   round         the median round before the kill (for scale)
 --copy-threads 1,2: each size and repeat once per count of the
@@ -142,12 +139,10 @@ def one(a, state, tmp, threads=""):
                 t_kill = time.time()
                 os.kill(int(node[0]), signal.SIGKILL)
         m = re.search(r"joined: copied .* in ([0-9.]+) s", line)
-        if m and t_kill is not None and copy_s is None:
+        if m and t_kill is not None and t_copied is None:
+            t_copied = time.time()
             copy_s = float(m.group(1))
             join_line = line.strip()
-        if ("redundant again" in line and t_kill is not None and
-                t_copied is None):
-            t_copied = time.time()
             open(flag, "w").close()
     rc = p.wait()
     timer.cancel()

@@ -132,10 +132,6 @@ const char* TypeName(Type t) {
       return "backup-step";
     case Type::kBackupWhole:
       return "backup-whole";
-    case Type::kBackupLater:
-      return "backup-later";
-    case Type::kBackupAsk:
-      return "backup-ask";
     case Type::kStore:
       return "store";
     case Type::kWhere:
@@ -281,8 +277,6 @@ std::vector<uint8_t> Encode(const Message& m) {
     case Type::kCatchUpDone:
     case Type::kBackupWhole:
     case Type::kBackupVersion:
-    case Type::kBackupLater:
-    case Type::kBackupAsk:
       w.U64(m.key);
       w.U32(m.shard);
       w.U64(m.round);
@@ -455,11 +449,7 @@ Result<Message> Decode(uint16_t type, std::span<const uint8_t> in) {
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round);
       break;
     case Type::kBackupVersion:
-    case Type::kBackupLater:
       ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round) && m.round > 0;
-      break;
-    case Type::kBackupAsk:
-      ok = r.U64(&m.key) && r.U32(&m.shard) && r.U64(&m.round);
       break;
     case Type::kBackupStep:
       // A step needs an optimizer; the scale is a positive finite factor.

@@ -123,24 +123,8 @@ enum class Type : uint8_t {
   // claimant joins (--join) as `rank` at `endpoint` once every live peer
   // granted it. docs/design/ps.md, "Standby nodes".
   kClaim = 33,
-  // proxy -> proxy notice, primary-backup: the backup's answer to an offer
-  // (kBackup, kBackupStep) of round `round` of (key, shard) while it is a
-  // replacement still copying the shards it owns. It did not take the
-  // round and holds the shard older than its owner from now on. The owner
-  // answers the round's workers with its one copy (the job has one copy of
-  // the state until the replacement's is whole anyway), and answers its
-  // next rounds of the shard first, offering them whole, until the backup
-  // acknowledges one (docs/design/ps.md, "A replacement's backups"). So a
-  // survivor's rounds do not wait for the replacement's copy.
-  kBackupLater = 34,
-  // proxy -> proxy notice, primary-backup: the backup holds (key, shard)
-  // older than its owner (`round`: the version it holds), having copied it
-  // from the join's snapshot after it answered kBackupLater. The owner
-  // offers the shard whole when no round of it is in flight (a round's own
-  // offer is whole until the backup has acknowledged one).
-  kBackupAsk = 35,
 };
-constexpr Type kLastType = Type::kBackupAsk;
+constexpr Type kLastType = Type::kClaim;
 const char* TypeName(Type t);
 
 constexpr size_t kMaxName = 256;

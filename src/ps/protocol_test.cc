@@ -230,25 +230,6 @@ TEST(PsProtocolTest, ABackupStepNamesItsStep) {
   EXPECT_FALSE(Decode(b).ok());
 }
 
-// kBackupLater answers an offer of a round (at least 1); kBackupAsk names
-// the version the backup holds, which may be 0.
-TEST(PsProtocolTest, ABackupLaterNamesTheRoundItDidNotTake) {
-  Message m;
-  m.type = Type::kBackupLater;
-  m.key = 5;
-  m.shard = 2;
-  m.round = 9;
-  auto dec = Decode(m);
-  ASSERT_TRUE(dec.ok()) << dec.status().ToString();
-  EXPECT_EQ(dec->key, 5u);
-  EXPECT_EQ(dec->shard, 2u);
-  EXPECT_EQ(dec->round, 9u);
-  m.round = 0;
-  EXPECT_FALSE(Decode(m).ok());
-  m.type = Type::kBackupAsk;
-  EXPECT_TRUE(Decode(m).ok());
-}
-
 // kFree names 1 .. kMaxFreeKeys keys, each once.
 TEST(PsProtocolTest, AFreeNamesEachKeyOnce) {
   Message m;

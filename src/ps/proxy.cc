@@ -90,8 +90,6 @@ ProxyStats ProxyImpl::Stats() const {
   s.version_notices = version_notices_in_.load(std::memory_order_relaxed);
   s.answered_early = answered_early_.load(std::memory_order_relaxed);
   s.backups_pending = backups_pending_.load(std::memory_order_relaxed);
-  s.backups_later = backups_later_.load(std::memory_order_relaxed);
-  s.shards_behind = shards_behind_gauge_.load(std::memory_order_relaxed);
   s.shards_copying = shards_copying_.load(std::memory_order_relaxed);
   s.join_state_bytes = join_state_bytes_.load(std::memory_order_relaxed);
   s.join_versions_only = join_versions_only_.load(std::memory_order_relaxed);
@@ -114,10 +112,9 @@ std::string ProxyImpl::StatusText() const {
     << s.backup_bytes_in << "\nbackup_steps " << s.backup_steps
     << "\nversion_notices " << s.version_notices << "\nanswered_early "
     << s.answered_early << "\nbackups_pending " << s.backups_pending
-    << "\nbackups_later " << s.backups_later << "\nshards_behind "
-    << s.shards_behind << "\nshards_copying " << s.shards_copying
-    << "\njoin_state_bytes " << s.join_state_bytes << "\njoin_versions_only "
-    << s.join_versions_only << "\nredos_skipped " << s.redos_skipped << "\n";
+    << "\nshards_copying " << s.shards_copying << "\njoin_state_bytes "
+    << s.join_state_bytes << "\njoin_versions_only " << s.join_versions_only
+    << "\nredos_skipped " << s.redos_skipped << "\n";
   MutexLock l(&waits_mu_);
   o << waits_;
   return o.str();
@@ -151,14 +148,6 @@ void ProxyImpl::Metrics(MetricsWriter& w) const {
   w.Counter("membox_ps_backup_steps_total",
             "Rounds of other shards backed up here by repeating their step.",
             s.backup_steps);
-  w.Counter("membox_ps_backups_later_total",
-            "Rounds answered with one copy: their backup was a replacement "
-            "still copying the shards it owns.",
-            s.backups_later);
-  w.Gauge("membox_ps_shards_behind",
-          "A replacement's backed-up shards older than their owners' (until "
-          "an owner's whole offer lands).",
-          s.shards_behind);
   w.Gauge("membox_ps_backups_pending",
           "Shards applied here waiting for their backup's copy.",
           s.backups_pending);
@@ -475,8 +464,7 @@ void ProxyImpl::OnRequest(const service::Request& r) {
       m->type == Type::kCatchUpDone || m->type == Type::kBackup ||
       m->type == Type::kBackupDone || m->type == Type::kRingAbort ||
       m->type == Type::kBackupStep || m->type == Type::kBackupWhole ||
-      m->type == Type::kBackupVersion || m->type == Type::kBackupLater ||
-      m->type == Type::kBackupAsk;
+      m->type == Type::kBackupVersion;
   if (r.notice != ring) {
     rejected_.fetch_add(1);
     MEMBOX_LOG_WARN("connection {}: {} sent as a {}", conn,
@@ -528,8 +516,6 @@ void ProxyImpl::OnRequest(const service::Request& r) {
     case Type::kBackupStep:
     case Type::kBackupWhole:
     case Type::kBackupVersion:
-    case Type::kBackupLater:
-    case Type::kBackupAsk:
     case Type::kBackupDone: {
       if (c.role != Conn::Role::kPeer) break;
       // Not tied to a ring attempt (kResume): only an incarnation that is
@@ -539,8 +525,6 @@ void ProxyImpl::OnRequest(const service::Request& r) {
       if (m->type == Type::kBackupStep) return OnBackupStep(c.rank, *m);
       if (m->type == Type::kBackupWhole) return OnBackupWhole(c.rank, *m);
       if (m->type == Type::kBackupVersion) return OnBackupVersion(c.rank, *m);
-      if (m->type == Type::kBackupLater) return OnBackupLater(c.rank, *m);
-      if (m->type == Type::kBackupAsk) return OnBackupAsk(c.rank, *m);
       return OnBackupDone(c.rank, *m);
     }
     case Type::kJoin:

@@ -93,7 +93,6 @@ void ProxyImpl::PeerHello(uint32_t rank, uint64_t conn, uint32_t nonce,
       if (BackupOf(k, s) != rank) continue;
       // A new backup: in step again only once it acknowledges a whole copy.
       key.shards[s].backup_synced = false;
-      key.shards[s].backup_owed = false;
       if (key.shards[s].awaiting_backup) SendBackup(k, s, /*whole=*/true);
     }
   }
@@ -535,13 +534,12 @@ void ProxyImpl::OnBackup(uint32_t from, const Message& m) {
   const Key* offered = OfferedToMe(from, m);
   if (offered == nullptr) return;
   const Key& key = *offered;
-  Shard& sh = keys_[m.key].shards[m.shard];
-  if (sh.version >= m.round && !sh.copying && !sh.behind) {
+  const Shard& sh = key.shards[m.shard];
+  if (sh.version >= m.round && !sh.copying) {
     // Copied already (a replacement that joined after the round).
     (void)SendToPeer(from, AnswerTo(Type::kBackupDone, m));
     return;
   }
-  if (BackupLater(from, m, sh)) return;
   auto man = std::make_shared<StateManifest>();
   Status parsed = ParseStateManifest(m.descriptor, man.get());
   if (parsed.ok() && (man->proxy_rank != from || man->shards.size() != 1)) {
@@ -593,11 +591,10 @@ void ProxyImpl::InstallBackup(uint32_t from, const Message& m,
     MEMBOX_LOG_WARN(
         "proxy {}: cannot copy key {} shard {} version {} from proxy {}: {}",
         opt_.rank, m.key, m.shard, m.round, from, done.text);
-  } else if (sh.version < m.round || sh.copying || sh.behind) {
+  } else if (sh.version < m.round || sh.copying) {
     // (A replacement still copying the shard takes the owner's offer:
     // the same version or newer, and the answer must not come before the
     // bytes are here.)
-    SetBehind(m.key, m.shard, sh, false);
     sh.version = m.round;
     sh.value = std::move(got->value);
     sh.value_stale = false;
@@ -627,7 +624,6 @@ void ProxyImpl::OnBackupDone(uint32_t from, const Message& m) {
   }
   sh.awaiting_backup = false;
   sh.backup_synced = m.text.empty() && !sh.written_since_offer;
-  if (m.text.empty()) sh.backup_owed = false;
   sh.backup_keep.clear();
   backups_pending_.fetch_sub(1);
   if (m.text.empty()) backups_acked_.fetch_add(1, std::memory_order_relaxed);
@@ -662,94 +658,9 @@ void ProxyImpl::OnBackupVersion(uint32_t from, const Message& m) {
     // newer version; the bytes that land are older and stay stale.)
     sh.version = std::max(sh.version, m.round);
     sh.value_stale = true;
-    // (Its version is what a backup of such a round holds: no longer
-    // behind.)
-    SetBehind(m.key, m.shard, sh, false);
   }
   version_notices_in_.fetch_add(1, std::memory_order_relaxed);
   (void)SendToPeer(from, AnswerTo(Type::kBackupDone, m));
-}
-
-bool ProxyImpl::BackupLater(uint32_t from, const Message& m, Shard& sh) {
-  if (!sh.copying || owned_copying_ == 0) return false;
-  SetBehind(m.key, m.shard, sh, true);
-  if (auto job = join_copy_) {
-    // Not copied from the snapshot (older than this round): its owner's
-    // whole offer brings it once the shards this node owns are here.
-    MutexLock l(&job->mu);
-    job->installed.insert({m.key, m.shard});
-  }
-  (void)SendToPeer(from, AnswerTo(Type::kBackupLater, m));
-  return true;
-}
-
-void ProxyImpl::AskForBehind() {
-  for (auto& [k, key] : keys_) {
-    for (uint32_t s = 0; s < key.shards.size(); ++s) {
-      const Shard& sh = key.shards[s];
-      if (!sh.behind || !sh.copying) continue;
-      Message ask;
-      ask.type = Type::kBackupAsk;
-      ask.key = k;
-      ask.shard = s;
-      ask.round = sh.version;
-      (void)SendToPeer(Owner(k, s), ask);
-    }
-  }
-}
-
-void ProxyImpl::SetBehind(uint64_t k, uint32_t s, Shard& sh, bool behind) {
-  if (sh.behind == behind) return;
-  sh.behind = behind;
-  shards_behind_ += behind ? 1 : -1;
-  shards_behind_gauge_.store(shards_behind_, std::memory_order_relaxed);
-  if (behind) {
-    MEMBOX_LOG_DEBUG("proxy {}: key {} shard {} is behind its owner", opt_.rank,
-                     k, s);
-  } else if (shards_behind_ == 0 && !join_copy_) {
-    SayRedundant();
-  }
-}
-
-void ProxyImpl::OnBackupLater(uint32_t from, const Message& m) {
-  auto it = keys_.find(m.key);
-  if (it == keys_.end() || m.shard >= it->second.shards.size()) return;
-  Shard& sh = it->second.shards[m.shard];
-  if (!sh.awaiting_backup || m.round != sh.version ||
-      BackupOf(m.key, m.shard) != from) {
-    return;  // an answer to an offer made again, or stale
-  }
-  sh.awaiting_backup = false;
-  sh.backup_synced = false;
-  sh.backup_owed = true;
-  sh.backup_keep.clear();
-  backups_pending_.fetch_sub(1);
-  if (backups_later_.fetch_add(1, std::memory_order_relaxed) == 0) {
-    MEMBOX_LOG_WARN(
-        "proxy {}: proxy {} joined and copies its state: rounds of the "
-        "shards it backs up are answered with this node's copy alone, and "
-        "offered to it whole, until it has them (key {} shard {} round {} "
-        "first)",
-        opt_.rank, from, m.key, m.shard, m.round - 1);
-  }
-  BackupSettled(m.key, m.shard);
-}
-
-void ProxyImpl::OnBackupAsk(uint32_t from, const Message& m) {
-  auto it = keys_.find(m.key);
-  if (it == keys_.end() || m.shard >= it->second.shards.size() ||
-      !BacksUp(it->second) || Owner(m.key, m.shard) != opt_.rank ||
-      BackupOf(m.key, m.shard) != from) {
-    return;
-  }
-  Shard& sh = it->second.shards[m.shard];
-  sh.backup_synced = false;
-  sh.backup_owed = true;
-  // A round in flight offers it whole when it is applied.
-  if (sh.awaiting_backup || sh.reducing || sh.version == 0) return;
-  // No round to answer when it lands; the next one waits for it.
-  sh.answered_early = true;
-  SendBackup(m.key, m.shard, /*whole=*/true);
 }
 
 bool ProxyImpl::IgnoreBackupForTest(const Message& m) const {
@@ -762,13 +673,12 @@ void ProxyImpl::OnBackupStep(uint32_t from, const Message& m) {
   const Key* offered = OfferedToMe(from, m);
   if (offered == nullptr) return;
   const Key& key = *offered;
-  Shard& sh = keys_[m.key].shards[m.shard];
-  if (sh.version >= m.round && !sh.copying && !sh.behind) {
+  const Shard& sh = key.shards[m.shard];
+  if (sh.version >= m.round && !sh.copying) {
     (void)SendToPeer(from, AnswerTo(Type::kBackupDone, m));  // has it already
     return;
   }
-  if (BackupLater(from, m, sh)) return;
-  if (sh.copying || sh.behind || sh.version + 1 != m.round || !sh.value) {
+  if (sh.copying || sh.version + 1 != m.round || !sh.value) {
     // Not the round the step starts from: the shard whole, please.
     (void)SendToPeer(from, AnswerTo(Type::kBackupWhole, m));
     return;
@@ -809,10 +719,9 @@ void ProxyImpl::InstallBackupStep(uint32_t from, const Message& m,
         "proxy {}: cannot read key {} shard {} round {}'s sum from proxy {}: "
         "{}",
         opt_.rank, m.key, m.shard, m.round - 1, from, done.text);
-  } else if (sh.version >= m.round && !sh.copying && !sh.behind) {
+  } else if (sh.version >= m.round && !sh.copying) {
     // (a whole offer brought it meanwhile)
-  } else if (sh.copying || sh.behind || sh.version + 1 != m.round ||
-             !sh.value) {
+  } else if (sh.copying || sh.version + 1 != m.round || !sh.value) {
     (void)SendToPeer(from, AnswerTo(Type::kBackupWhole, m));
     return;
   } else {

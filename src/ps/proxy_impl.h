@@ -185,15 +185,6 @@ struct Shard : StoredShard {
   // A replacement's shard whose buffers are still being copied from a
   // peer (its version is known): requests for it wait (WaitForCopy).
   bool copying = false;
-  // A replacement's shard it backs up: it answered an owner's offer
-  // kBackupLater while it copied the shards it owns, so what it holds (or
-  // will copy from the join's snapshot) is older than the owner's. Never
-  // offered to a joiner as a holder; cleared when a whole offer lands.
-  bool behind = false;
-  // The owner's side: a round of this shard was answered without its
-  // backup (kBackupLater). Its rounds are answered first, and offered
-  // whole, until the backup acknowledges one.
-  bool backup_owed = false;
   // No push of the current job has reached this shard yet (set again when
   // every worker has left). See SkipToTheJobsRound.
   bool untouched_by_job = true;
@@ -662,24 +653,6 @@ class ProxyImpl final : public Proxy, public service::Service {
   // The backup side of a version notice: take the version, mark the value
   // stale, answer.
   void OnBackupVersion(uint32_t from, const Message& m);
-  // The backup side of an offer while this node, a replacement, still
-  // copies shards it owns: a shard it has not copied yet is not taken now
-  // (kBackupLater) and is marked behind. True when the offer was answered
-  // so.
-  bool BackupLater(uint32_t from, const Message& m, Shard& sh);
-  // The shards this node owns are copied: asks the owners of the behind
-  // shards not copied (BackupLater took them off the copier's queue) for
-  // them whole (kBackupAsk).
-  void AskForBehind();
-  // Shard::behind set or cleared (the count, its gauge, and the line
-  // saying every shard is on two nodes again).
-  void SetBehind(uint64_t k, uint32_t s, Shard& sh, bool behind);
-  // The owner's side of kBackupLater: the round is answered with this
-  // node's copy alone; the next ones first, offered whole.
-  void OnBackupLater(uint32_t from, const Message& m);
-  // The owner's side of kBackupAsk: offer the shard whole now if no round
-  // of it is in flight (one in flight offers it whole when applied).
-  void OnBackupAsk(uint32_t from, const Message& m);
   // The owner side: the backup holds round m.round; answer its workers.
   void OnBackupDone(uint32_t from, const Message& m);
   // The backup of shard (k, s)'s last round settled (acknowledged, or given
@@ -856,9 +829,6 @@ class ProxyImpl final : public Proxy, public service::Service {
   // No peer could give a shard: the job cannot go on.
   void JoinCopyLost(const std::string& why);
   void FinishJoinCopy(JoinCopy& job);
-  // Logs that this replacement holds every shard it owns or backs up as
-  // new as its peers (the copy is done, no shard is behind).
-  void SayRedundant();
   // Lets the peers drop the snapshots they offered.
   void TellJoinDone(const JoinCopy& job);
 
@@ -923,12 +893,6 @@ class ProxyImpl final : public Proxy, public service::Service {
   // thread starts them, and only Stop touches them after that).
   std::vector<std::thread> join_copiers_;
   size_t copying_shards_ = 0;
-  // Of those, the shards this node owns (a survivor's offer for a shard it
-  // backs up is answered kBackupLater while any is left), and the shards
-  // it holds older than their owners (Shard::behind).
-  size_t owned_copying_ = 0;
-  size_t shards_behind_ = 0;
-  Clock::time_point join_started_{};
   std::map<std::pair<uint64_t, uint32_t>,
            std::vector<std::pair<uint64_t, Message>>>
       copy_waiters_;
@@ -993,8 +957,7 @@ class ProxyImpl final : public Proxy, public service::Service {
       stored_bytes_in_{0}, backup_bytes_in_{0}, backup_steps_{0},
       backups_acked_{0}, backups_pending_{0}, shards_copying_{0},
       version_notices_in_{0}, answered_early_{0}, join_state_bytes_{0},
-      join_versions_only_{0}, redos_skipped_{0}, backups_later_{0},
-      shards_behind_gauge_{0};
+      join_versions_only_{0}, redos_skipped_{0};
 };
 
 }  // namespace membox::ps::proxy_internal

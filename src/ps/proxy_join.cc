@@ -40,7 +40,7 @@ Status ProxyImpl::Join() {
     return FailedPreconditionError("--join needs peers (--ps-peers)");
   }
   auto job = std::make_shared<JoinCopy>();
-  job->start = join_started_ = Clock::now();
+  job->start = Clock::now();
   // A peer that cannot be reached is taken as dead too: what it held comes
   // from the other holders, and what none of the live peers holds is lost.
   std::vector<uint32_t> down;
@@ -163,7 +163,6 @@ Status ProxyImpl::Join() {
     }
     sh->version = o.version;
     sh->copying = true;
-    if (Owner(o.key, o.shard) == opt_.rank) ++owned_copying_;
     job->order.push_back({id, 0});
     job->state_bytes += StateBytes(o);
     ++job->shards;
@@ -368,31 +367,19 @@ void ProxyImpl::InstallJoined(uint32_t from, CopiedShard& c) {
   // exactly this (only the owner's offers change a backup's copy), so it
   // is in step, and the next round offers it the step, not the shard whole
   // (which would copy back every byte just copied from it).
-  if (BacksUp(it->second) && Owner(o.key, o.shard) == opt_.rank &&
+  // (The offer says whether the key is striped: the workers' declarations,
+  // which tell this node, may come later.)
+  if (o.striped && opt_.replicate && Owner(o.key, o.shard) == opt_.rank &&
       BackupOf(o.key, o.shard) == from && !sh.value_stale) {
     sh.backup_synced = true;
   }
   ShardCopied(o.key, o.shard);
-  if (sh.behind) {
-    // The join's snapshot (a copier had taken it before the owner's offer
-    // came), older than a round its owner answered: ask the owner for the
-    // shard whole (an idle job has no round to bring it).
-    Message ask;
-    ask.type = Type::kBackupAsk;
-    ask.key = o.key;
-    ask.shard = o.shard;
-    ask.round = sh.version;
-    (void)SendToPeer(Owner(o.key, o.shard), ask);
-  }
 }
 
 void ProxyImpl::ShardCopied(uint64_t k, uint32_t s) {
   Shard& sh = keys_[k].shards[s];
   if (!sh.copying) return;
   sh.copying = false;
-  if (Owner(k, s) == opt_.rank && owned_copying_ > 0 && --owned_copying_ == 0) {
-    AskForBehind();
-  }
   if (auto job = join_copy_) {  // (a copier's own batch is out of `order`)
     MutexLock l(&job->mu);
     job->installed.insert({k, s});
@@ -462,21 +449,6 @@ void ProxyImpl::FinishJoinCopy(JoinCopy& job) {
       job.manifests.size(),
       std::chrono::duration<double>(Clock::now() - job.start).count());
   join_copy_.reset();
-  owned_copying_ = 0;
-  if (shards_behind_ == 0) return SayRedundant();
-  MEMBOX_LOG_WARN(
-      "proxy {}: {} shard(s) it backs up are older than their owners' (it "
-      "took no round of them while it copied the shards it owns); they are "
-      "on two nodes again when their owners' whole offers land",
-      opt_.rank, shards_behind_);
-}
-
-void ProxyImpl::SayRedundant() {
-  MEMBOX_LOG_WARN(
-      "proxy {} is redundant again: every shard it owns or backs up is as "
-      "new as its peers' copy, {:.3f} s after it started joining",
-      opt_.rank,
-      std::chrono::duration<double>(Clock::now() - join_started_).count());
 }
 
 void ProxyImpl::TellJoinDone(const JoinCopy& job) {
@@ -526,8 +498,6 @@ void ProxyImpl::OnJoinRequest(uint64_t conn, Conn& c, const Message& m) {
     for (uint32_t i = 0; i < key.shards.size(); ++i) {
       // (A shard this node is still copying itself has no state yet.)
       if (!key.shards[i].value || key.shards[i].copying) continue;
-      // (Nor one it holds older than its owner: Shard::behind.)
-      if (key.shards[i].behind) continue;
       // Of a striped key, every node has every shard's initial value, but
       // only the owner and its backup keep a shard current: a stale copy
       // offered as the newest would roll the shard back silently.

@@ -699,11 +699,8 @@ void ProxyImpl::FinishRound(uint64_t k, uint32_t s, bool apply) {
     // Answer first: the backup may then lag this round, which the
     // workers' held pushes redo on a replacement that copied the backup
     // (the next round waits for its kBackupDone: one round at most).
-    // The same while the backup is a replacement that has not taken this
-    // shard yet (kBackupLater): the job has one copy of it until then.
-    if (sh.awaiting_backup &&
-        ((sh.round_held && key.opt.kind != proto::Optimizer::kNone) ||
-         sh.backup_owed)) {
+    if (sh.awaiting_backup && sh.round_held &&
+        key.opt.kind != proto::Optimizer::kNone) {
       sh.answered_early = true;
       answered_early_.fetch_add(1, std::memory_order_relaxed);
       PublishRound(k, s, st);

@@ -1554,6 +1554,79 @@ TEST(PsTest, AReplacementProxyJoinsWithTheSurvivorsState) {
   EXPECT_EQ(got[1], want[1]) << "through the replacement";
 }
 
+// A replacement copies the shards it owns from their backup, which then
+// holds exactly what it copied: the replacement's first round offers the
+// backup its step (the round's sum), not the shard whole back to the node
+// it came from. The backup's repeated step is the owner's to the bit: a
+// second replacement, which copies those shards from it, gives the
+// undisturbed run's values.
+TEST(PsTest, AReplacementsFirstRoundBacksUpItsStep) {
+  constexpr int P = 2, W = 2;
+  constexpr size_t kN = 32 << 10;  // floats: 8 shards of 16 KiB
+  constexpr uint64_t kShardBytes = 16 << 10;
+  constexpr uint32_t kVictim = 1;
+  RoutingTable striped;
+  striped.stripe = true;
+  striped.partition_bytes = kShardBytes;
+  uint64_t owned = 0;
+  for (uint32_t sh = 0; sh < kN * 4 / kShardBytes; ++sh) {
+    owned += StripeOwner(7, sh, P) == kVictim;
+  }
+  ASSERT_GT(owned, 0u);
+  auto train = [&](const Cluster& c, int from, int to) {
+    std::vector<std::unique_ptr<ParamClient>> w;
+    for (int r = 0; r < W; ++r) {
+      w.push_back(Worker(c, r, W, striped));
+      EXPECT_NE(w.back(), nullptr);
+      if (w.back() == nullptr) return std::vector<float>();
+      EXPECT_TRUE(UseSgdMomentum(*w[r]).ok());
+      EXPECT_TRUE(w[r]->Declare(7, kN * 4, DType::kFloat32).ok());
+    }
+    for (int round = from; round < to; ++round) {
+      std::vector<std::vector<float>> g;
+      std::vector<PsHandle> h;
+      for (int r = 0; r < W; ++r) g.push_back(FailoverGrad(kN, r, round));
+      for (int r = 0; r < W; ++r) h.push_back(w[r]->Push(7, g[r].data()));
+      for (auto& x : h) EXPECT_TRUE(x.Wait(30s).ok()) << x.Wait(0s).ToString();
+    }
+    std::vector<float> out(kN);
+    EXPECT_TRUE(w[0]->Pull(7, out.data()).Wait(20s).ok());
+    return out;
+  };
+  std::vector<float> want;
+  {
+    auto ref = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
+                              /*replicate=*/true);
+    want = train(ref, 0, 5);
+  }
+  auto c = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
+                          /*replicate=*/true);
+  auto replace = [&] {
+    WaitForNoWorkers(c);
+    c.proxies[kVictim]->Stop();
+    c.proxies[kVictim].reset();
+    auto joined = Proxy::Start(ReplacementOptions(c, kVictim));
+    ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+    c.proxies[kVictim] = std::move(*joined);
+    for (int i = 0; i < 2000 && c.proxies[kVictim]->Stats().shards_copying > 0;
+         ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    ASSERT_EQ(c.proxies[kVictim]->Stats().shards_copying, 0u);
+  };
+  train(c, 0, 3);
+  replace();
+  const ProxyStats before = c.proxies[0]->Stats();
+  train(c, 3, 4);
+  const ProxyStats after = c.proxies[0]->Stats();
+  EXPECT_EQ(after.backup_steps - before.backup_steps, owned)
+      << "the replacement's first round backs up its step";
+  EXPECT_EQ(after.backup_bytes_in - before.backup_bytes_in, owned * kShardBytes)
+      << "the round's sum, not value and momentum";
+  replace();  // its shards now come from the backup's repeated steps
+  EXPECT_EQ(train(c, 4, 5), want);
+}
+
 // A backup repeats its owner's steps only on a copy it knows is the
 // owner's: a state written between rounds (a loaded state dict, on the
 // owners only) sends the next round's backup whole. Here the value and
@@ -2087,110 +2160,6 @@ TEST(PsTest, AReplacementCopiesTheShardsItOwnsFirst) {
   }
   EXPECT_GT(c.proxies[kVictim]->Stats().backup_bytes_in, 0u);
   round(4);  // and on it goes
-}
-
-// A survivor's rounds do not wait for a replacement's copy. While the
-// replacement still copies the shards it owns, it answers the survivor's
-// backup offers kBackupLater, and the survivor answers its workers with its
-// own copy (the job holds one copy of those shards until the replacement's
-// is whole anyway). The shards the replacement backs up are then behind:
-// once it has copied them from the join's snapshot it asks their owner for
-// them whole, with no round to bring them, and it offers none of them to a
-// joiner meanwhile. Then the survivor dies too: its replacement copies the
-// survivor's shards from the first replacement, and the values are the
-// undisturbed run's to the last bit, momentum included.
-TEST(PsTest, ASurvivorsRoundsDoNotWaitForTheReplacementsCopy) {
-  constexpr int P = 2, W = 2;
-  constexpr size_t kN = 32 << 10;  // floats: 8 shards of 16 KiB
-  constexpr uint32_t kShards = kN * 4 / (16 << 10);
-  constexpr uint32_t kVictim = 1;
-  RoutingTable striped;
-  striped.stripe = true;
-  striped.partition_bytes = 16 << 10;
-  uint32_t survivors = 0;  // shards proxy 0 owns
-  for (uint32_t sh = 0; sh < kShards; ++sh) {
-    survivors += StripeOwner(7, sh, P) != kVictim;
-  }
-  ASSERT_GT(survivors, 0u);
-  ASSERT_LT(survivors, kShards);
-  // Rounds [from, to) of pushes; the workers' pulls after them.
-  auto train = [&](const Cluster& c, int from, int to,
-                   const std::function<void()>& during = {}) {
-    std::vector<std::unique_ptr<ParamClient>> w;
-    for (int r = 0; r < W; ++r) {
-      w.push_back(Worker(c, r, W, striped));
-      EXPECT_NE(w.back(), nullptr);
-      if (w.back() == nullptr) return std::vector<float>();
-      EXPECT_TRUE(UseSgdMomentum(*w[r]).ok());
-      EXPECT_TRUE(w[r]->Declare(7, kN * 4, DType::kFloat32).ok());
-    }
-    for (int round = from; round < to; ++round) {
-      std::vector<std::vector<float>> g;
-      std::vector<PsHandle> h;
-      for (int r = 0; r < W; ++r) g.push_back(FailoverGrad(kN, r, round));
-      for (int r = 0; r < W; ++r) h.push_back(w[r]->Push(7, g[r].data()));
-      if (round == from && during) during();
-      for (auto& x : h) EXPECT_TRUE(x.Wait(30s).ok()) << x.Wait(0s).ToString();
-    }
-    std::vector<float> out(kN);
-    EXPECT_TRUE(w[0]->Pull(7, out.data()).Wait(20s).ok());
-    return out;
-  };
-  std::vector<float> want;
-  {
-    auto ref = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
-                              /*replicate=*/true);
-    want = train(ref, 0, 7);
-  }
-  std::promise<void> open_gate;
-  std::shared_future<void> gate = open_gate.get_future().share();
-  auto c = Cluster::Start(P, Scheduler::kPerClientQueues, "", false, 10s,
-                          /*replicate=*/true);
-  train(c, 0, 3);
-  WaitForNoWorkers(c);
-  c.proxies[kVictim]->Stop();
-  c.proxies[kVictim].reset();
-  ProxyOptions o = ReplacementOptions(c, kVictim);
-  o.join_batch_bytes = 1;  // a shard per batch
-  o.join_copy_threads = 1;
-  // The copier's first batch (a shard the replacement owns) waits.
-  o.join_batch_for_test = [gate](const auto&) { gate.wait_for(20s); };
-  auto joined = Proxy::Start(o);
-  ASSERT_TRUE(joined.ok()) << joined.status().ToString();
-  c.proxies[kVictim] = std::move(*joined);
-  Proxy& survivor = *c.proxies[0];
-  Proxy& replacement = *c.proxies[kVictim];
-  train(c, 3, 5, [&] {
-    // Round 3: the survivor's shards are applied and answered while the
-    // replacement has copied nothing (its own shards' pushes wait).
-    for (int i = 0; i < 2000 && survivor.Stats().backups_later < survivors;
-         ++i) {
-      std::this_thread::sleep_for(10ms);
-    }
-    EXPECT_EQ(survivor.Stats().backups_later, survivors);
-    EXPECT_EQ(survivor.Stats().backups_pending, 0u);
-    EXPECT_EQ(replacement.Stats().shards_behind, survivors);
-    EXPECT_EQ(replacement.Stats().shards_copying, kShards);
-    open_gate.set_value();
-    // With no round after it, the snapshot's copies are asked for whole.
-    for (int i = 0; i < 2000 && (replacement.Stats().shards_copying > 0 ||
-                                 replacement.Stats().shards_behind > 0);
-         ++i) {
-      std::this_thread::sleep_for(10ms);
-    }
-    EXPECT_EQ(replacement.Stats().shards_copying, 0u);
-    EXPECT_EQ(replacement.Stats().shards_behind, 0u);
-  });
-  EXPECT_EQ(survivor.Stats().backups_later, survivors)
-      << "once the replacement had copied, rounds waited for it again";
-  WaitForNoWorkers(c);
-  // The survivor dies: every shard of its comes from the first replacement.
-  c.proxies[0]->Stop();
-  c.proxies[0].reset();
-  auto second = Proxy::Start(ReplacementOptions(c, 0));
-  ASSERT_TRUE(second.ok()) << second.status().ToString();
-  c.proxies[0] = std::move(*second);
-  EXPECT_EQ(train(c, 5, 7), want);
 }
 
 // A backup that took version notices holds a shard's version, not its

@@ -180,13 +180,6 @@ struct ProxyStats {
   uint64_t answered_early = 0;
   uint64_t backup_steps = 0;
   uint64_t backups_pending = 0;
-  // Rounds of shards owned here answered with this node's copy alone
-  // because their backup was a replacement still copying the shards it
-  // owns (kBackupLater: docs/design/ps.md, "A replacement's backups").
-  uint64_t backups_later = 0;
-  // A replacement: shards it backs up that it holds older than their
-  // owners (it answered kBackupLater), until an owner's whole offer lands.
-  uint64_t shards_behind = 0;
   // A replacement (join): shards whose buffers are still being copied;
   // the bytes of state it copies (or copied) from its peers; the shards it
   // took as their version alone (its own whose last round the workers'
