@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "membox/base/credential.h"
+#include "membox/base/durable_file.h"
 #include "membox/base/logging.h"
 #include "membox/base/mutex.h"
 #include "membox/embedding/mem_tier.h"
@@ -50,26 +51,6 @@ using transport::Channel;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kTableFileMagic = "membox-embedding-table 1";
-
-Status WriteFileAtomically(const std::string& dir, const std::string& name,
-                           const std::string& text) {
-  std::string tmp = dir + "/." + name + ".tmp", path = dir + "/" + name;
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return InternalError("create " + tmp + ": " + strerror(errno));
-  bool ok = ::write(fd, text.data(), text.size()) ==
-                static_cast<ssize_t>(text.size()) &&
-            ::fsync(fd) == 0;
-  ::close(fd);
-  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    return InternalError("write " + path + ": " + strerror(errno));
-  }
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-  return Status::Ok();
-}
 
 // <dir>/TABLE fixes what the row layout depends on; hyperparameters come
 // from the first opener of each server run.
@@ -823,7 +804,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
             " with another row layout: " + have.str().substr(0, 200));
       }
     } else {
-      RETURN_IF_ERROR(WriteFileAtomically(t->dir, "TABLE", want));
+      RETURN_IF_ERROR(ReplaceFileDurably(t->dir + "/TABLE", want));
     }
     SsdOptions so;
     so.dir = t->dir;
@@ -1778,7 +1759,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
           return InternalError("mkdir " + dir + ": " + strerror(errno));
         }
         RETURN_IF_ERROR(
-            WriteFileAtomically(dir, "TABLE", TableFileText(r.table)));
+            ReplaceFileDurably(dir + "/TABLE", TableFileText(r.table)));
         SsdOptions so;
         so.dir = dir;
         so.row_bytes = r.table.row_bytes();
@@ -2018,11 +1999,7 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     if (::rename(tmp.c_str(), PushLogPath().c_str()) != 0) {
       return InternalError("rename " + tmp + ": " + strerror(errno));
     }
-    int dfd = ::open(opt_.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-      ::fsync(dfd);
-      ::close(dfd);
-    }
+    RETURN_IF_ERROR(SyncDirectory(opt_.dir));
     log_bytes_.store(log_->bytes());
     return Status::Ok();
   }

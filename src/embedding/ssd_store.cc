@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "membox/base/durable_file.h"
 #include "membox/base/logging.h"
 #include "membox/base/mutex.h"
 
@@ -434,11 +435,7 @@ class SsdStoreImpl final : public SsdStore {
       f.dirty = false;
     }
     if (dir_dirty_) {
-      int d = ::open(opt_.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-      if (d < 0) return Errno("open " + opt_.dir);
-      int rc = ::fsync(d);
-      ::close(d);
-      if (rc != 0) return Errno("fsync " + opt_.dir);
+      RETURN_IF_ERROR(SyncDirectory(opt_.dir));
       dir_dirty_ = false;
     }
     return Status::Ok();

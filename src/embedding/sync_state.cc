@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include "membox/base/durable_file.h"
 #include "membox/base/logging.h"
 #include "membox/base/wire.h"
 
@@ -17,15 +18,6 @@ namespace {
 
 constexpr char kMagic[8] = {'M', 'B', 'X', 'S', 'Y', 'N', 'C', '1'};
 constexpr size_t kFixed = 8 + 8 + 8 + 4;  // magic, backup, count, crc
-
-Status SyncDir(const std::string& dir) {
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return InternalError("open " + dir + ": " + strerror(errno));
-  const int rc = ::fsync(dfd);
-  ::close(dfd);
-  return rc == 0 ? Status::Ok()
-                 : InternalError("fsync " + dir + ": " + strerror(errno));
-}
 
 }  // namespace
 
@@ -75,33 +67,7 @@ std::string SyncStatePath(const std::string& table_dir) {
 }
 
 Status WriteSyncState(const std::string& table_dir, const SyncState& s) {
-  const std::string path = SyncStatePath(table_dir);
-  const std::string tmp = path + ".tmp";
-  const std::vector<uint8_t> b = EncodeSyncState(s);
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return InternalError("open " + tmp + ": " + strerror(errno));
-  size_t at = 0;
-  Status st;
-  while (st.ok() && at < b.size()) {
-    const ssize_t n = ::write(fd, b.data() + at, b.size() - at);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0)
-      st = InternalError("write " + tmp + ": " + strerror(errno));
-    else
-      at += static_cast<size_t>(n);
-  }
-  if (st.ok() && ::fdatasync(fd) != 0) {
-    st = InternalError("fdatasync " + tmp + ": " + strerror(errno));
-  }
-  ::close(fd);
-  if (st.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    st = InternalError("rename " + tmp + ": " + strerror(errno));
-  }
-  if (!st.ok()) {
-    ::unlink(tmp.c_str());
-    return st;
-  }
-  return SyncDir(table_dir);
+  return ReplaceFileDurably(SyncStatePath(table_dir), EncodeSyncState(s));
 }
 
 Status RemoveSyncState(const std::string& table_dir) {
@@ -110,7 +76,7 @@ Status RemoveSyncState(const std::string& table_dir) {
     if (errno == ENOENT) return Status::Ok();
     return InternalError("unlink " + path + ": " + strerror(errno));
   }
-  return SyncDir(table_dir);
+  return SyncDirectory(table_dir);
 }
 
 Status KeepSyncState(const std::string& table_dir, SyncState s) {

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "membox/base/durable_file.h"
 #include "membox/base/wire.h"
 
 namespace membox::ps {
@@ -49,18 +50,6 @@ bool GetBlob(Reader& r, std::span<const uint8_t>* out, Status* err,
     return false;
   }
   return true;
-}
-
-Status WriteAll(int fd, const void* p, size_t n) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    ssize_t w = ::write(fd, c, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return InternalError(std::string("write: ") + strerror(errno));
-    c += w;
-    n -= static_cast<size_t>(w);
-  }
-  return Status::Ok();
 }
 
 }  // namespace
@@ -124,33 +113,9 @@ Status EncodeCheckpoint(const CheckpointHeader& header,
 
 Status WriteCheckpoint(const std::string& path, const CheckpointHeader& header,
                        const std::vector<CheckpointShard>& shards) {
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return InternalError("cannot create " + tmp + ": " + strerror(errno));
-  }
-  Status s = EncodeCheckpoint(header, shards, [fd](const void* p, size_t n) {
-    return WriteAll(fd, p, n);
+  return ReplaceFileDurably(path, [&](const FileSink& sink) {
+    return EncodeCheckpoint(header, shards, sink);
   });
-  if (s.ok() && ::fsync(fd) != 0) {
-    s = InternalError(std::string("fsync: ") + strerror(errno));
-  }
-  ::close(fd);
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    s = InternalError("rename " + tmp + ": " + strerror(errno));
-  }
-  if (!s.ok()) {
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  if (dir.empty()) dir = std::filesystem::path(".");
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-  return Status::Ok();
 }
 
 Status ParseCheckpoint(std::span<const uint8_t> bytes, CheckpointHeader* header,
