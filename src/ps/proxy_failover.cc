@@ -1,6 +1,5 @@
 // The parameter proxy: peer links, failover, joining and catch-up
 // (src/ps/proxy_impl.h; docs/design/ps.md, "Node failover").
-#include "membox/transport/huge_pages.h"
 
 #include "src/ps/proxy_impl.h"
 
@@ -312,13 +311,7 @@ void ProxyImpl::FailPendingRounds(const std::string& who) {
 }
 
 CopyAllocator ProxyImpl::CopyBuffers() {
-  return [this](uint64_t n) -> Result<std::shared_ptr<MemRegion>> {
-    ASSIGN_OR_RETURN(auto r, storage_->AllocateForOverwrite(n));
-    // Its pages in before the read writes them (one call, not a fault per
-    // page: transport/huge_pages.h).
-    transport::PopulateForWrite(r->data(), n);
-    return r;
-  };
+  return [this](uint64_t n) { return storage_->AllocateForCopy(n); };
 }
 
 void ProxyImpl::SendCatchUp(uint32_t to, uint64_t k, uint32_t s,

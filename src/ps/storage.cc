@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "membox/transport/huge_pages.h"
+
 #include "src/ps/reduce.h"
 
 namespace membox::ps {
@@ -72,6 +74,14 @@ Result<std::shared_ptr<MemRegion>> ShardStorage::AllocateForOverwrite(
     uint64_t bytes) {
   bool recycled = false;
   return Take(bytes, &recycled);
+}
+
+Result<std::shared_ptr<MemRegion>> ShardStorage::AllocateForCopy(
+    uint64_t bytes) {
+  bool recycled = false;
+  ASSIGN_OR_RETURN(auto r, Take(bytes, &recycled));
+  if (!recycled) transport::PopulateForWrite(r->data(), bytes);
+  return r;
 }
 
 Result<std::shared_ptr<MemRegion>> ShardStorage::AllocateUntouched(

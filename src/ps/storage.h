@@ -144,6 +144,11 @@ class ShardStorage {
   // (a shard copied from a peer).
   Result<std::shared_ptr<transport::MemRegion>> AllocateForOverwrite(
       uint64_t bytes);
+  // The same, for a buffer a copy fills next: a fresh one has its pages
+  // faulted in with one call first (transport/huge_pages.h); a recycled
+  // one has them already (populating it again costs about a tenth of the
+  // copy).
+  Result<std::shared_ptr<transport::MemRegion>> AllocateForCopy(uint64_t bytes);
   // Zeroed too, without touching fresh memory: the allocator's fresh
   // regions are new mappings, the kernel's zero pages until written, so
   // only a recycled buffer (which may hold an earlier job's bytes) is
