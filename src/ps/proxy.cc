@@ -379,6 +379,7 @@ std::string ProxyImpl::ExplainShard(uint64_t k, uint32_t s) const {
 void ProxyImpl::ReportWaits() {
   CheckFailoverDeadline();
   RingReadsOverdue();
+  CheckSuspectRings();
   const auto now = Clock::now();
   const auto limit = opt_.hang_report;
   std::string text;

@@ -86,6 +86,9 @@ constexpr auto kPeerTimeout = std::chrono::seconds(30);
 // what no live peer holds).
 constexpr auto kJoinPeerWait = std::chrono::seconds(3);
 constexpr auto kIoTimeout = std::chrono::seconds(30);
+// How long a ring step that failed on a link waits for that neighbour's
+// loss to be reported before its round fails (ProxyImpl::SuspectRing).
+constexpr auto kRingLossGrace = std::chrono::seconds(2);
 // Free staging buffers of ring reads that sum, kept for the next reads
 // (ProxyImpl::ReturnRingStaging): at most this many bytes.
 constexpr uint64_t kRingStagingKeepBytes = 64 << 20;
@@ -738,6 +741,26 @@ class ProxyImpl final : public Proxy, public service::Service {
   // Gives up the ring reads past their deadline (ReportWaits' tick): their
   // rounds fail as a failed read fails them.
   void RingReadsOverdue();
+  // A ring step that failed with UNAVAILABLE on a link whose loss is not
+  // known yet (replicated jobs): a read from a neighbour killed a moment
+  // ago can fail on its data channel before that neighbour's control link
+  // reports the loss. The round is neither failed nor restarted until
+  // either happens: the loss (PeerDown: the round restarts with the
+  // survivors) or kRingLossGrace without it (AbortRound, as before).
+  struct SuspectRing {
+    uint64_t key = 0;
+    uint32_t shard = 0;
+    uint64_t version = 0;  // the shard's round
+    uint64_t epoch = 0;    // its RingProgress::epoch() after the failure
+    Status why;
+    Clock::time_point deadline{};
+  };
+  // True (and PeerDown called) when one of the ring's neighbours has a
+  // failed link: the failure `why` is that neighbour's death.
+  bool RingNeighbourDown(const RingGeometry& ring, const Status& why);
+  // ReportWaits' tick: decides the suspect rings whose neighbour's loss is
+  // now known or whose grace has passed.
+  void CheckSuspectRings();
 
   // Fails the round in progress of (k, s): its pushes and waiting pulls
   // get `why`, later requests of that round too (Shard::aborted_round).
@@ -924,6 +947,7 @@ class ProxyImpl final : public Proxy, public service::Service {
   // ring reads that sum (RingRead).
   std::map<uint64_t, RingReadInFlight> ring_reads_;
   uint64_t next_ring_read_ = 0;
+  std::vector<SuspectRing> suspect_rings_;  // CheckSuspectRings
   std::vector<std::shared_ptr<MemRegion>> ring_staging_;
   bool reissue_posted_ = false;          // IssueReadsSoon's task is queued
   std::atomic<uint64_t> reads_held_{0};  // ProxyStats::reads_held

@@ -418,17 +418,76 @@ void ProxyImpl::RunRing(uint64_t k, uint32_t s, bool start) {
       start ? sh.ring.Start(sh.version, ring, io) : sh.ring.Advance(ring, io);
   ring_steps_.fetch_add(sh.ring.steps_done() - before);
   if (!r.ok() && opt_.replicate) {
-    // A link to a neighbour that failed: that peer is down (pause);
-    // anything else fails this round.
-    for (uint32_t p : {ring.next, ring.prev}) {
-      auto it = peer_out_.find(p);
-      if (it != peer_out_.end() && !it->second->health().ok()) {
-        return PeerDown(p, r.status());
+    // A link to a neighbour that failed: that peer is down (pause).
+    if (RingNeighbourDown(ring, r.status())) return;
+    if (r.status().code() == StatusCode::kUnavailable && sh.reducing) {
+      // Perhaps a neighbour dying whose loss is not reported yet: wait
+      // for it (CheckSuspectRings) before failing the round.
+      const bool known = std::any_of(
+          suspect_rings_.begin(), suspect_rings_.end(),
+          [&](const SuspectRing& x) {
+            return x.key == k && x.shard == s && x.version == sh.version &&
+                   x.epoch == sh.ring.epoch();
+          });
+      if (!known) {
+        MEMBOX_LOG_INFO(
+            "key {} shard {} round {}: ring step failed ({}); waiting up to "
+            "{} s for a neighbour's loss before failing the round",
+            k, s, sh.version, r.status().ToString(),
+            std::chrono::duration_cast<std::chrono::seconds>(kRingLossGrace)
+                .count());
+        suspect_rings_.push_back(SuspectRing{
+            .key = k,
+            .shard = s,
+            .version = sh.version,
+            .epoch = sh.ring.epoch(),
+            .why = r.status(),
+            .deadline = Clock::now() + kRingLossGrace});
       }
+      return;
     }
   }
+  // Anything else fails this round.
   if (!r.ok()) return AbortRound(k, s, r.status());
   if (*r && sh.reducing) FinishRound(k, s);
+}
+
+bool ProxyImpl::RingNeighbourDown(const RingGeometry& ring, const Status& why) {
+  for (uint32_t p : {ring.next, ring.prev}) {
+    auto it = peer_out_.find(p);
+    if (it != peer_out_.end() && !it->second->health().ok()) {
+      PeerDown(p, why);
+      return true;
+    }
+  }
+  return false;
+}
+
+void ProxyImpl::CheckSuspectRings() {
+  if (suspect_rings_.empty()) return;
+  const auto now = Clock::now();
+  std::vector<SuspectRing> due;
+  std::erase_if(suspect_rings_, [&](const SuspectRing& x) {
+    auto it = keys_.find(x.key);
+    if (it == keys_.end() || x.shard >= it->second.shards.size()) return true;
+    const Shard& sh = it->second.shards[x.shard];
+    // The loss was reported meanwhile (PeerLost restarts the round), or the
+    // round ended some other way: nothing left to decide.
+    if (!sh.reducing || sh.version != x.version || sh.ring.running() ||
+        sh.ring.epoch() != x.epoch) {
+      return true;
+    }
+    due.push_back(x);
+    return true;
+  });
+  for (const SuspectRing& x : due) {
+    if (RingNeighbourDown(RingFor(x.key, x.shard), x.why)) continue;
+    if (now < x.deadline) {
+      suspect_rings_.push_back(x);  // neither yet: look again next tick
+      continue;
+    }
+    AbortRound(x.key, x.shard, x.why);
+  }
 }
 
 void ProxyImpl::OnPeerNotice(const Message& m) {

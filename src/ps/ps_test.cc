@@ -681,6 +681,35 @@ TEST(PsTest, ARingRoundGivenUpByOneProxyFailsOnEveryProxy) {
       << late.ToString();
 }
 
+// Replicated: a ring step that fails with UNAVAILABLE while every
+// neighbour stays up (no loss is ever reported) waits kRingLossGrace for a
+// loss, then fails its round on every proxy as before, naming the cause.
+TEST(PsTest, AnUnavailableRingStepWithNoLossFailsItsRoundAfterTheGrace) {
+  auto c = Cluster::Start(
+      3, Scheduler::kPerClientQueues, "", false, 400ms,  // tick: 100 ms
+      /*replicate=*/true, [](ProxyOptions& o) {
+        if (o.rank != 1) return;
+        o.before_ring_read_for_test = [](uint64_t, uint32_t, uint64_t round,
+                                         uint32_t, uint32_t) -> Status {
+          if (round != 1) return Status::Ok();
+          return UnavailableError("injected: the link hiccuped");
+        };
+      });
+  std::vector<std::unique_ptr<ParamClient>> w;
+  std::vector<Status> round1;
+  std::chrono::steady_clock::duration took{};
+  RoundZeroThenOne(c, &w, &round1, &took);
+  ASSERT_EQ(round1.size(), 2u);
+  for (const Status& s : round1) {
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+    EXPECT_NE(s.ToString().find("injected: the link hiccuped"),
+              std::string::npos)
+        << s.ToString();
+  }
+  EXPECT_GE(took, 1900ms) << "the round failed before its grace";
+  EXPECT_LT(took, 10s) << "the round waited past its grace";
+}
+
 // A ring read across a link that never lands (a peer that stops answering
 // one-sided reads while its connection stays up) fails its round once its
 // deadline passes (RingReadsOverdue, on the proxy's report tick), naming
@@ -1740,7 +1769,8 @@ TEST(PsTest, AStateWrittenBetweenRoundsReachesTheBackupWhole) {
 // has not copied yet wait, and jump the queue) while it copies.
 void RideThrough(int P, int victim, bool laggard = false,
                  bool elsewhere = false, bool striped = false,
-                 bool slow_copy = false, bool standby = false) {
+                 bool slow_copy = false, bool standby = false,
+                 bool read_fails_first = false) {
   constexpr size_t kN = 16 << 10;
   auto grad = [](int rank, int round) {
     return FailoverGrad(kN, rank + 2, round);
@@ -1804,14 +1834,20 @@ void RideThrough(int P, int victim, bool laggard = false,
     o.before_ring_read_for_test = [&, P](uint64_t, uint32_t, uint64_t round,
                                          uint32_t step,
                                          uint32_t from) -> Status {
-      if (round != 3 || from != uint32_t(victim) ||
-          step + 1 != 2 * uint32_t(P - 1)) {
+      const uint32_t at = read_fails_first ? 0 : 2 * uint32_t(P - 1) - 1;
+      if (round != 3 || from != uint32_t(victim) || step != at) {
         return Status::Ok();
       }
       std::unique_lock<std::mutex> l(mu);
       if (held) return Status::Ok();
       held = true;
       cv.notify_all();
+      if (read_fails_first) {
+        // The victim's data channel fails first; its death is reported
+        // only later (after the test thread's pause below).
+        return UnavailableError(
+            "connection lost (test: before the link's loss is known)");
+      }
       cv.wait_for(l, 10s, [&] { return released; });
       return Status::Ok();
     };
@@ -3143,6 +3179,16 @@ TEST(PsTest, WorkersRideThroughAReplacedProxyOfThree) { RideThrough(3, 1); }
 // waiting for a ring round nobody else runs any more.
 TEST(PsTest, ALaggingSurvivorCatchesUpFromAPeerThatFinished) {
   RideThrough(3, 1, /*laggard=*/true);
+}
+
+// A ring read from a node that is dying fails on its data channel before
+// the node's control link reports the loss (seen in CI under load): the
+// round waits for the loss instead of failing, and is redone with the
+// replacement.
+TEST(PsTest, ARingReadThatFailsBeforeItsPeersLossIsKnownWaitsForIt) {
+  RideThrough(3, 1, /*laggard=*/true, /*elsewhere=*/false, /*striped=*/false,
+              /*slow_copy=*/false, /*standby=*/false,
+              /*read_fails_first=*/true);
 }
 
 // A dead proxy nobody replaces: the survivor fails its held rounds after
