@@ -436,13 +436,13 @@ void ProxyImpl::RunRing(uint64_t k, uint32_t s, bool start) {
             k, s, sh.version, r.status().ToString(),
             std::chrono::duration_cast<std::chrono::seconds>(kRingLossGrace)
                 .count());
-        suspect_rings_.push_back(SuspectRing{
-            .key = k,
-            .shard = s,
-            .version = sh.version,
-            .epoch = sh.ring.epoch(),
-            .why = r.status(),
-            .deadline = Clock::now() + kRingLossGrace});
+        suspect_rings_.push_back(
+            SuspectRing{.key = k,
+                        .shard = s,
+                        .version = sh.version,
+                        .epoch = sh.ring.epoch(),
+                        .why = r.status(),
+                        .deadline = Clock::now() + kRingLossGrace});
       }
       return;
     }
