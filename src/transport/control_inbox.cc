@@ -102,21 +102,28 @@ void ControlInbox::Detach() {
 }
 
 Result<std::vector<uint8_t>> ControlInbox::Receive(
-    std::chrono::nanoseconds timeout, const std::string& peer) {
+    std::chrono::nanoseconds timeout, const std::string& peer,
+    const std::function<void()>& progress) {
   std::vector<uint8_t> out;
   bool got = false;
   Status failed;
+  auto take = [&] {
+    MutexLock l(&mu_);
+    if (!queue_.empty()) {
+      out = std::move(queue_.front());
+      queue_.pop_front();
+      got = true;
+      return true;
+    }
+    if (failed_) failed = failure_;
+    return failed_;
+  };
   SpinThenBlock(
       [&] {
-        MutexLock l(&mu_);
-        if (!queue_.empty()) {
-          out = std::move(queue_.front());
-          queue_.pop_front();
-          got = true;
-          return true;
-        }
-        if (failed_) failed = failure_;
-        return failed_;
+        if (take()) return true;
+        if (!progress) return false;
+        progress();
+        return take();
       },
       &ev_, timeout);
   if (got) return out;

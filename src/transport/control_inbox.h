@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -36,9 +37,14 @@ class ControlInbox {
   // runs the failure handler if one is set.
   void Fail(const Status& failure);
   // The next message; the failure once failed; kDeadlineExceeded naming
-  // `peer` after `timeout`.
-  Result<std::vector<uint8_t>> Receive(std::chrono::nanoseconds timeout,
-                                       const std::string& peer);
+  // `peer` after `timeout`. `progress` (may be empty) lets the waiting
+  // thread drive the backend's progress engine while it polls, as an
+  // operation's wait does (CompletionState::set_progress): a message then
+  // reaches it without waking the backend's receiving thread first.
+  // Called without the inbox's lock held.
+  Result<std::vector<uint8_t>> Receive(
+      std::chrono::nanoseconds timeout, const std::string& peer,
+      const std::function<void()>& progress = {});
   // The channel closed: no handler is called any more, and a call already
   // running on another thread has returned when Detach does (one the
   // calling thread is inside of is not waited for). Later messages are

@@ -588,7 +588,7 @@ Status UcxChannel::SendControl(std::span<const uint8_t> msg) {
 
 Result<std::vector<uint8_t>> UcxChannel::RecvControl(
     std::chrono::nanoseconds timeout) {
-  return inbox_.Receive(timeout, peer());
+  return inbox_.Receive(timeout, peer(), [this] { Progress(); });
 }
 
 void UcxChannel::RecvInto(void* desc, void* dst, size_t len,
