@@ -85,6 +85,9 @@ TEST(MeshTest, AllToAllAnySizes) {
   RunAllToAll(4, 1000, 1 << 20, 3);          // every pair inline
   RunAllToAll(4, 1000, 1 << 20, 3, 0);       // only empty pairs inline
   RunAllToAll(3, 30 << 10, 0, 5, 40 << 10);  // inline and written mixed
+  // Within inline_bytes and one buffer: pairs up to 32 KiB inline, larger
+  // ones written into the peer's mapped buffer (one host), in one call.
+  RunAllToAll(3, 20 << 10, 1 << 20, 4);
   RunAllToAll(2, 5, 0, 3);
   RunAllToAll(1, 10, 0, 2);
 }
