@@ -288,6 +288,10 @@ struct JoinCopy {
   Clock::time_point start;
   uint64_t state_bytes = 0;
   size_t shards = 0;
+  // What the copy itself installed (event loop only): the rest came first
+  // in their owners' backup offers (InstallJoined).
+  size_t shards_copied = 0;
+  uint64_t bytes_copied = 0;
   std::atomic<bool> cancel{false};
   Mutex mu;
   // Shards not copied yet, with the index of the source to try: the ones

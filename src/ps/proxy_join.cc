@@ -360,6 +360,10 @@ void ProxyImpl::InstallJoined(uint32_t from, CopiedShard& c) {
   if (it == keys_.end() || o.shard >= it->second.shards.size()) return;
   Shard& sh = it->second.shards[o.shard];
   if (!sh.copying) return;  // an owner's backup offer brought it first
+  if (join_copy_) {
+    ++join_copy_->shards_copied;
+    join_copy_->bytes_copied += StateBytes(o);
+  }
   sh.value = std::move(c.value);
   sh.m1 = std::move(c.m1);
   sh.m2 = std::move(c.m2);
@@ -443,10 +447,11 @@ void ProxyImpl::JoinCopyLost(const std::string& why) {
 void ProxyImpl::FinishJoinCopy(JoinCopy& job) {
   TellJoinDone(job);
   MEMBOX_LOG_WARN(
-      "proxy {} joined: copied {} keys ({} shards, {} bytes of state) from "
-      "{} peer(s) in {:.3f} s, serving meanwhile",
-      opt_.rank, keys_.size(), job.shards, job.state_bytes,
-      job.manifests.size(),
+      "proxy {} joined: copied {} of {} shards of {} keys ({} of {} bytes "
+      "of state; the others came in their owners' backup offers) from {} "
+      "peer(s) in {:.3f} s, serving meanwhile",
+      opt_.rank, job.shards_copied, job.shards, keys_.size(),
+      job.bytes_copied, job.state_bytes, job.manifests.size(),
       std::chrono::duration<double>(Clock::now() - job.start).count());
   join_copy_.reset();
 }

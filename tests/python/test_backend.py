@@ -216,6 +216,25 @@ def _collectives(rank, world, group=None):
     m = torch.arange(12.0).view(3, 4) * (rank + 1)
     d.broadcast(m[:, 2], src=0)  # non-contiguous
     check("broadcast strided", m[:, 2], torch.tensor([2.0, 6.0, 10.0]))
+    # 640 KiB of output (FSDP2's unit sizes): around the workers' ring
+    # where the nodes map the workers' memory (one host), over the mesh
+    # where they are on other hosts.
+    b = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+    gathers = []
+    ring_gather = b._ring_gather
+    b._ring_gather = lambda flat, nb: (gathers.append(nb),
+                                       ring_gather(flat, nb))[1]
+    n = (640 << 10) // 4 // world
+    out = torch.empty(world * n)
+    d.all_gather_into_tensor(out, torch.arange(n, dtype=torch.float32) + rank)
+    check("all_gather_into_tensor 640 KiB", out,
+          torch.cat([torch.arange(n, dtype=torch.float32) + q
+                     for q in range(world)]))
+    del b._ring_gather
+    if gathers != ([] if b._nodes_remote() else [n * 4]):
+        raise AssertionError("a 640 KiB all_gather took the ring %s times "
+                             "with the nodes %s" % (len(gathers), "remote"
+                             if b._nodes_remote() else "mapped"))
     # reduce, gather and scatter to and from the last rank.
     root = world - 1
     t = torch.full((4,), float(rank + 1))

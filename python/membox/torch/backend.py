@@ -69,6 +69,14 @@ _SUM_MOVE_BYTES = 256 << 10
 # (docs/design/backend.md, "Direct path"). 0 turns the ring off
 # (MEMBOX_BACKEND_DIRECT_BYTES, read once at import).
 _DIRECT_BYTES = int(os.environ.get("MEMBOX_BACKEND_DIRECT_BYTES", 1 << 20))
+# The same bound where the nodes map the workers' memory (one host): from
+# 512 KiB the ring wins there too (2 workers, 2026-12-07: reduce_scatter of
+# 768 KiB 1.2 ms around the ring, 2.9-3.8 ms as the nodes' rounds;
+# all_gather of 512-768 KiB 0.45-0.80 ms, 0.75-1.01 ms over the mesh;
+# FSDP2's transformer step 51.5 against 62.1 ms, Gloo 51.8). Below, the
+# nodes' rounds and the mesh win or tie. The variable sets both.
+_DIRECT_BYTES_ONE_HOST = int(os.environ.get("MEMBOX_BACKEND_DIRECT_BYTES",
+                                            512 << 10))
 _RING_MAX_BYTES = _split.RING_MAX_BYTES  # the ring's pieces: this / world
 _RING_SEGMENT_BYTES = _split.RING_SEGMENT_BYTES  # across hosts
 # A subgroup's float32 SUM/AVG all_reduce of at least this many bytes goes
@@ -850,11 +858,15 @@ class MemboxBackend(_base_class()):
     def _direct(self, total_bytes):
         """Whether an all_gather of `total_bytes` (the output), a
         reduce_scatter (the input), a broadcast or a subgroup's float32
-        sum of that many goes over the group's own ring of workers: large.
-        Every rank sees the same sizes, so every rank takes the same
+        sum of that many goes over the group's own ring of workers: large
+        (from 1 MiB where the nodes are on other hosts, 512 KiB where they
+        map the workers' memory). Every rank sees the same sizes and the
+        same rank 0's view of the nodes, so every rank takes the same
         path."""
-        return (self._size > 1 and _DIRECT_BYTES > 0 and
-                total_bytes >= _DIRECT_BYTES)
+        if not (self._size > 1 and _DIRECT_BYTES > 0):
+            return False
+        return total_bytes >= (_DIRECT_BYTES if self._nodes_remote() else
+                               _DIRECT_BYTES_ONE_HOST)
 
     def _ring_gather(self, flat, chunk_bytes):
         """On the exchange thread: the uint8 tensor `flat` holds every
