@@ -450,8 +450,8 @@ void ProxyImpl::FinishJoinCopy(JoinCopy& job) {
       "proxy {} joined: copied {} of {} shards of {} keys ({} of {} bytes "
       "of state; the others came in their owners' backup offers) from {} "
       "peer(s) in {:.3f} s, serving meanwhile",
-      opt_.rank, job.shards_copied, job.shards, keys_.size(),
-      job.bytes_copied, job.state_bytes, job.manifests.size(),
+      opt_.rank, job.shards_copied, job.shards, keys_.size(), job.bytes_copied,
+      job.state_bytes, job.manifests.size(),
       std::chrono::duration<double>(Clock::now() - job.start).count());
   join_copy_.reset();
 }
