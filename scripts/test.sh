@@ -156,7 +156,7 @@ timeout -k 30 900 build/tsan/src/transport/transport_test --gtest_filter='-*Writ
 # through a shared-memory mapping whose address a later mapping or thread
 # stack reuses -- a race TSan reports and separate processes cannot have
 # (docs/results/failures.md, "Known problems in the tests").
-tsan_skip='-PsTest.ALaggingSurvivorCatchesUpFromAPeerThatFinished:PsTest.AReplacementAtAnotherAddressTakesOver:PsTest.WorkersRideThroughAReplacedProxyOfThree:PsTest.WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree:PsTest.AReplacementServesWhileItCopiesRingShards:PsTest.TwoDeathsBeforeAReplacement*:PsTest.AReplacementServesWhileItCopiesStripedShards'
+tsan_skip='-PsTest.ALaggingSurvivorCatchesUpFromAPeerThatFinished:PsTest.ARingReadThatFailsBeforeItsPeersLossIsKnownWaitsForIt:PsTest.AReplacementAtAnotherAddressTakesOver:PsTest.WorkersRideThroughAReplacedProxyOfThree:PsTest.WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree:PsTest.AReplacementServesWhileItCopiesRingShards:PsTest.TwoDeathsBeforeAReplacement*:PsTest.AReplacementServesWhileItCopiesStripedShards'
 for t in collective/collective_test service/service_test memserver/memserver_test ps/ps_test embedding/embedding_server_test sync/sync_test; do
   filter=()
   [[ $t == ps/ps_test ]] && filter=(--gtest_filter="$tsan_skip")
