@@ -645,32 +645,47 @@ void RoundZeroThenOne(Cluster& c, std::vector<std::unique_ptr<ParamClient>>* w,
   *took = std::chrono::steady_clock::now() - t0;
 }
 
+// Three proxies (replicated or not; hang report `hang_report`) whose proxy
+// 1 fails every ring read of round 1 with `injected` (before reading):
+// round 0 and then round 1 as RoundZeroThenOne runs them. Each of
+// `round1`'s statuses is checked to be UNAVAILABLE naming the injected
+// error.
+Cluster RoundOneWithAFailingRead(bool replicate,
+                                 std::chrono::milliseconds hang_report,
+                                 const Status& injected,
+                                 std::vector<std::unique_ptr<ParamClient>>* w,
+                                 std::chrono::steady_clock::duration* took) {
+  auto c = Cluster::Start(3, Scheduler::kPerClientQueues, "", false,
+                          hang_report, replicate, [injected](ProxyOptions& o) {
+                            if (o.rank != 1) return;
+                            o.before_ring_read_for_test =
+                                [injected](uint64_t, uint32_t, uint64_t round,
+                                           uint32_t, uint32_t) -> Status {
+                              return round == 1 ? injected : Status::Ok();
+                            };
+                          });
+  std::vector<Status> round1;
+  RoundZeroThenOne(c, w, &round1, took);
+  EXPECT_EQ(round1.size(), 2u);
+  for (const Status& s : round1) {
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+    EXPECT_NE(s.ToString().find(std::string(injected.message())),
+              std::string::npos)
+        << s.ToString();
+  }
+  return c;
+}
+
 // A proxy that gives up a ring round (a read fails for a reason other than
 // a dead peer) tells the other proxies of the ring, which fail their
 // workers' requests of it at once -- they used to wait for the round until
 // the workers' deadline -- and so do later requests of that round.
 TEST(PsTest, ARingRoundGivenUpByOneProxyFailsOnEveryProxy) {
-  auto c = Cluster::Start(
-      3, Scheduler::kPerClientQueues, "", false, 10s,
-      /*replicate=*/false, [](ProxyOptions& o) {
-        if (o.rank != 1) return;
-        o.before_ring_read_for_test = [](uint64_t, uint32_t, uint64_t round,
-                                         uint32_t, uint32_t) -> Status {
-          if (round != 1) return Status::Ok();
-          return DataLossError("injected: the peer's chunk is corrupt");
-        };
-      });
   std::vector<std::unique_ptr<ParamClient>> w;
-  std::vector<Status> round1;
   std::chrono::steady_clock::duration took{};
-  RoundZeroThenOne(c, &w, &round1, &took);
-  ASSERT_EQ(round1.size(), 2u);
-  for (const Status& s : round1) {
-    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
-    EXPECT_NE(s.ToString().find("injected: the peer's chunk is corrupt"),
-              std::string::npos)
-        << s.ToString();
-  }
+  auto c = RoundOneWithAFailingRead(
+      /*replicate=*/false, 10s,
+      DataLossError("injected: the peer's chunk is corrupt"), &w, &took);
   EXPECT_LT(took, 10s)
       << "the proxies waited for the round instead of failing it";
   // A later request of the round given up fails at once, naming why.
@@ -679,35 +694,21 @@ TEST(PsTest, ARingRoundGivenUpByOneProxyFailsOnEveryProxy) {
   EXPECT_EQ(late.code(), StatusCode::kUnavailable) << late.ToString();
   EXPECT_NE(late.ToString().find("gave up round 1"), std::string::npos)
       << late.ToString();
+  w.clear();  // the workers leave before their proxies stop
 }
 
 // Replicated: a ring step that fails with UNAVAILABLE while every
 // neighbour stays up (no loss is ever reported) waits kRingLossGrace for a
 // loss, then fails its round on every proxy as before, naming the cause.
 TEST(PsTest, AnUnavailableRingStepWithNoLossFailsItsRoundAfterTheGrace) {
-  auto c = Cluster::Start(
-      3, Scheduler::kPerClientQueues, "", false, 400ms,  // tick: 100 ms
-      /*replicate=*/true, [](ProxyOptions& o) {
-        if (o.rank != 1) return;
-        o.before_ring_read_for_test = [](uint64_t, uint32_t, uint64_t round,
-                                         uint32_t, uint32_t) -> Status {
-          if (round != 1) return Status::Ok();
-          return UnavailableError("injected: the link hiccuped");
-        };
-      });
   std::vector<std::unique_ptr<ParamClient>> w;
-  std::vector<Status> round1;
   std::chrono::steady_clock::duration took{};
-  RoundZeroThenOne(c, &w, &round1, &took);
-  ASSERT_EQ(round1.size(), 2u);
-  for (const Status& s : round1) {
-    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
-    EXPECT_NE(s.ToString().find("injected: the link hiccuped"),
-              std::string::npos)
-        << s.ToString();
-  }
+  auto c = RoundOneWithAFailingRead(
+      /*replicate=*/true, 400ms,  // the report tick: every 100 ms
+      UnavailableError("injected: the link hiccuped"), &w, &took);
   EXPECT_GE(took, 1900ms) << "the round failed before its grace";
   EXPECT_LT(took, 10s) << "the round waited past its grace";
+  w.clear();
 }
 
 // A ring read across a link that never lands (a peer that stops answering

@@ -19,6 +19,9 @@
 namespace membox::transport::ucx {
 namespace {
 
+// Control messages up to this many bytes are sent eagerly (SendAm).
+constexpr size_t kEagerControlBytes = 256 << 10;
+
 // Heap context of one UCX send/put/get/flush; freed by its completion.
 struct SendCtx {
   UcxChannel* channel = nullptr;  // set when the op is tracked as in flight
@@ -284,7 +287,16 @@ Status UcxChannel::SendAm(AmId id, const std::vector<uint8_t>& hdr,
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                    UCP_OP_ATTR_FIELD_FLAGS;
+  // A control message of up to kEagerControlBytes goes eagerly: above
+  // UCX's rendezvous threshold (some KiB) its receiver would otherwise
+  // have to ask the sender for the bytes, a round trip that wakes the
+  // sender's progress thread after the send has returned (one host, 64 KiB
+  // send/recv of 2 workers: 0.71 ms, eagerly 0.50 ms). Larger ones keep
+  // the rendezvous's single copy.
   p.flags = UCP_AM_SEND_FLAG_REPLY;
+  if (id == kAmControl && len <= kEagerControlBytes) {
+    p.flags |= UCP_AM_SEND_FLAG_EAGER;
+  }
   p.cb.send = &SendCb;
   p.user_data = c;
   ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, c->hdr.data(), c->hdr.size(),
