@@ -7,9 +7,11 @@
 // worker gives every peer a receive buffer of `max_bytes / world` bytes (at
 // least 64 KiB) and keeps a send buffer per peer; each piece is a one-sided
 // write into the peer's buffer (mapped memory on one host, RDMA/TCP across
-// hosts) followed by a kPiece notice. The receiver copies the piece out and
-// ACKs it; the sender reads that ACK before it next writes into that
-// buffer (in this call or a later one). Every notice carries the pair's
+// hosts) followed by a kPiece notice. Where the peer's buffer is mapped, a
+// pair above 32 KiB that fits one buffer is written too, not inline (one
+// copy instead of three), with an empty kPiece notice. The receiver copies
+// the piece out and ACKs it; the sender reads that ACK before it next
+// writes into that buffer (in this call or a later one). Every notice carries the pair's
 // byte count for the call and every pair sends at least one per call, so
 // sizes that disagree are found at once.
 //
