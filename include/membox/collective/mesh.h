@@ -11,9 +11,9 @@
 // pair above 32 KiB that fits one buffer is written too, not inline (one
 // copy instead of three), with an empty kPiece notice. The receiver copies
 // the piece out and ACKs it; the sender reads that ACK before it next
-// writes into that buffer (in this call or a later one). Every notice carries the pair's
-// byte count for the call and every pair sends at least one per call, so
-// sizes that disagree are found at once.
+// writes into that buffer (in this call or a later one). Every notice carries
+// the pair's byte count for the call and every pair sends at least one per
+// call, so sizes that disagree are found at once.
 //
 // Setup is two-phase like RingAllreduce: Create() listens, endpoint() is
 // what others need, Connect() takes every worker's endpoint in rank order.
