@@ -63,6 +63,15 @@ constexpr uint64_t kMaxCombineBytes = 256 << 10;
 constexpr uint64_t kMaxCombineRoundBytes = 512 << 10;  // world * bytes
 constexpr uint32_t kMaxCombineWorld = 4096;            // proto::kMaxWorld
 
+// Whether a key of `bytes` in a job of `world` workers is small enough to
+// combine (the two bounds above): the one place for the size rule, which
+// the proxy applies when it decides and the client when it gives such a
+// key one home node (docs/design/ps.md, "In-memory combining").
+constexpr bool CombineSizeFits(uint64_t bytes, uint32_t world) {
+  return bytes <= kMaxCombineBytes &&
+         bytes * world <= kMaxCombineRoundBytes;
+}
+
 struct CombineGeometry {
   uint32_t world = 0;
   uint64_t bytes = 0;  // the tensor

@@ -405,10 +405,18 @@ class ParamClientImpl final : public ParamClient {
     // Keys for rounds stay striped on replicating nodes too: each owner
     // copies its shards' results to a backup (docs/design/ps.md,
     // "Primary-backup").
+    // A key small enough to combine in memory, on nodes that all map this
+    // worker's memory, is one striped shard: its owner is its one home
+    // node, where the workers combine it (src/ps/combine.h). Spread over
+    // the nodes (or, unstriped, rung between them every round), it could
+    // never be combined with two or more nodes.
     const RoutingTable rt = routing();
-    const bool stripe = (rt.stripe || stored) && np > 1;
+    const bool home = np > 1 && HomeKey(bytes, o, stored);
+    const bool stripe = (rt.stripe || stored || home) && np > 1;
     const uint64_t shard =
-        ChooseShardBytes(rt, bytes, es, static_cast<uint32_t>(np), stripe);
+        home ? bytes
+             : ChooseShardBytes(rt, bytes, es, static_cast<uint32_t>(np),
+                                stripe);
     KeyInfo k;
     k.bytes = bytes;
     k.dtype = dtype;
@@ -1097,6 +1105,20 @@ class ParamClientImpl final : public ParamClient {
       }
     }
     return Status::Ok();
+  }
+
+  // Whether a key of `bytes` gets one home node (DeclareKey): one the
+  // workers may combine in memory (combining on, no optimizer, not stored,
+  // CombineSizeFits) and every node on this host.
+  bool HomeKey(uint64_t bytes, const OptimizerConfig& o, bool stored) const {
+    if (!opt_.combine || stored || o.kind != OptimizerConfig::Kind::kNone ||
+        !CombineSizeFits(bytes, static_cast<uint32_t>(opt_.world))) {
+      return false;
+    }
+    for (uint32_t i = 0; i < proxies_.size(); ++i) {
+      if (!ProxyOnThisHost(i)) return false;
+    }
+    return true;
   }
 
   bool ProxyOnThisHost(uint32_t i) const {

@@ -656,9 +656,9 @@ std::string ProxyImpl::CombineRefusal(uint64_t k, const Key& key) const {
   if (key.stored) return "a stored key";
   if (key.opt.kind != proto::Optimizer::kNone)
     return "the key has an optimizer";
-  if (key.bytes > kMaxCombineBytes) return "larger than kMaxCombineBytes";
-  if (key.bytes * world_ > kMaxCombineRoundBytes) {
-    return "world * bytes larger than kMaxCombineRoundBytes";
+  if (!CombineSizeFits(key.bytes, world_)) {
+    return "larger than kMaxCombineBytes, or world * bytes larger than "
+           "kMaxCombineRoundBytes";
   }
   if (key.shards.size() != 1) return "more than one shard";
   if (!AccumulateSupports(key.dtype)) return "dtype cannot be summed";
