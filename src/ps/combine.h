@@ -68,8 +68,7 @@ constexpr uint32_t kMaxCombineWorld = 4096;            // proto::kMaxWorld
 // the proxy applies when it decides and the client when it gives such a
 // key one home node (docs/design/ps.md, "In-memory combining").
 constexpr bool CombineSizeFits(uint64_t bytes, uint32_t world) {
-  return bytes <= kMaxCombineBytes &&
-         bytes * world <= kMaxCombineRoundBytes;
+  return bytes <= kMaxCombineBytes && bytes * world <= kMaxCombineRoundBytes;
 }
 
 struct CombineGeometry {
