@@ -16,14 +16,15 @@ namespace {
 // 1 KiB inline, each told the others' endpoints; body(rank, p2p) on one
 // thread per rank (connections are made as they are used).
 template <typename Body>
-void OnPairs(int world, Body body) {
+void OnPairs(int world, Body body, size_t inline_bytes = 1024,
+             size_t max_bytes = 0 /* 64 KiB slots */) {
   std::vector<std::unique_ptr<PointToPoint>> all;
   std::vector<std::string> eps;
   StartLoopback<PointToPoint, PointToPointOptions>(
       world,
-      [](PointToPointOptions& o) {
-        o.max_bytes = 0;  // 64 KiB slots
-        o.inline_bytes = 1024;
+      [&](PointToPointOptions& o) {
+        o.max_bytes = max_bytes;
+        o.inline_bytes = inline_bytes;
         o.timeout = std::chrono::seconds(20);
       },
       &all, &eps);
@@ -110,6 +111,36 @@ TEST(PointToPointTest, OneBufferfulNeedsNoReceiverYet) {
     EXPECT_EQ(a, Message(peer, r, 0, 60 << 10));
     EXPECT_EQ(b, Message(peer, r, 1, 100));
   });
+}
+
+// On one host a message inline by size but above 32 KiB is copied into
+// the peer's mapped buffer when that buffer is free, and goes inline when
+// it still holds an earlier one: sends never wait for the receiver, and
+// every message arrives intact and in order, round after round.
+TEST(PointToPointTest, MappedOrInlineWhicheverIsFreeNeverWaits) {
+  OnPairs(
+      2,
+      [&](int r, PointToPoint& p2p) {
+        const int peer = 1 - r;
+        const std::vector<size_t> sizes = {100 << 10, 100 << 10, 40 << 10,
+                                           20 << 10};
+        for (int round = 0; round < 3; ++round) {
+          for (size_t i = 0; i < sizes.size(); ++i) {
+            ASSERT_TRUE(p2p.Send(peer, Message(r, peer, int(i) + round * 8,
+                                               sizes[i]),
+                                 5)
+                            .ok());
+          }
+          for (size_t i = 0; i < sizes.size(); ++i) {
+            std::vector<uint8_t> got(sizes[i]);
+            Status s = p2p.Recv(peer, got, 5);
+            ASSERT_TRUE(s.ok()) << s.ToString();
+            ASSERT_EQ(got, Message(peer, r, int(i) + round * 8, sizes[i]))
+                << "round " << round << " message " << i;
+          }
+        }
+      },
+      /*inline_bytes=*/512 << 10, /*max_bytes=*/1 << 20);
 }
 
 // A message of another size than the receive's buffer is reported, and
