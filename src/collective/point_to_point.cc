@@ -232,12 +232,10 @@ class PointToPointImpl final : public PointToPoint {
     const size_t total = first.total;
     // Inline by size, its bytes are in the notice -- or, sent empty, in
     // our buffer (copied there on one host), which then holds all of them.
-    if (Inline(total) && total > 0 && first.payload.empty() &&
-        total > slot_) {
-      return DataLossError("worker " + std::to_string(src) +
-                           " sent an empty notice for " +
-                           std::to_string(total) +
-                           " bytes, more than its buffer here holds");
+    if (Inline(total) && total > 0 && first.payload.empty() && total > slot_) {
+      return DataLossError(
+          "worker " + std::to_string(src) + " sent an empty notice for " +
+          std::to_string(total) + " bytes, more than its buffer here holds");
     }
     if (Inline(total) && (total == 0 || !first.payload.empty())) {
       if (first.payload.size() != total) {

@@ -126,8 +126,8 @@ TEST(PointToPointTest, MappedOrInlineWhicheverIsFreeNeverWaits) {
                                            20 << 10};
         for (int round = 0; round < 3; ++round) {
           for (size_t i = 0; i < sizes.size(); ++i) {
-            ASSERT_TRUE(p2p.Send(peer, Message(r, peer, int(i) + round * 8,
-                                               sizes[i]),
+            ASSERT_TRUE(p2p.Send(peer,
+                                 Message(r, peer, int(i) + round * 8, sizes[i]),
                                  5)
                             .ok());
           }
