@@ -113,7 +113,7 @@ TEST(PointToPointTest, OneBufferfulNeedsNoReceiverYet) {
   });
 }
 
-// On one host a message inline by size but above 32 KiB is copied into
+// On one host a message inline by size but above 128 KiB is copied into
 // the peer's mapped buffer when that buffer is free, and goes inline when
 // it still holds an earlier one: sends never wait for the receiver, and
 // every message arrives intact and in order, round after round.
@@ -122,7 +122,7 @@ TEST(PointToPointTest, MappedOrInlineWhicheverIsFreeNeverWaits) {
       2,
       [&](int r, PointToPoint& p2p) {
         const int peer = 1 - r;
-        const std::vector<size_t> sizes = {100 << 10, 100 << 10, 40 << 10,
+        const std::vector<size_t> sizes = {200 << 10, 200 << 10, 150 << 10,
                                            20 << 10};
         for (int round = 0; round < 3; ++round) {
           for (size_t i = 0; i < sizes.size(); ++i) {

@@ -118,14 +118,18 @@ Result<std::vector<uint8_t>> ControlInbox::Receive(
     if (failed_) failed = failure_;
     return failed_;
   };
-  SpinThenBlock(
-      [&] {
-        if (take()) return true;
-        if (!progress) return false;
-        progress();
-        return take();
-      },
-      &ev_, timeout);
+  auto ready = [&] {
+    if (take()) return true;
+    if (!progress) return false;
+    progress();
+    return take();
+  };
+  // A zero timeout polls once: no spin, yield or nap.
+  if (timeout > timeout.zero()) {
+    SpinThenBlock(ready, &ev_, timeout);
+  } else {
+    ready();
+  }
   if (got) return out;
   if (!failed.ok()) return failed;
   return DeadlineExceededError("no control message from " + peer +

@@ -37,7 +37,8 @@ class ControlInbox {
   // runs the failure handler if one is set.
   void Fail(const Status& failure);
   // The next message; the failure once failed; kDeadlineExceeded naming
-  // `peer` after `timeout`. `progress` (may be empty) lets the waiting
+  // `peer` after `timeout` (zero: one poll, never a wait). `progress`
+  // (may be empty) lets the waiting
   // thread drive the backend's progress engine while it polls, as an
   // operation's wait does (CompletionState::set_progress): a message then
   // reaches it without waking the backend's receiving thread first.

@@ -83,5 +83,24 @@ TEST(ControlInboxTest, QueuedMessagesThenTheFailure) {
   later.Detach();
 }
 
+// A zero timeout polls once (PointToPoint asks whether an ACK is here
+// without waiting): it drives the progress hook once, takes what that
+// brought, and otherwise says nothing came.
+TEST(ControlInboxTest, AZeroTimeoutPollsOnce) {
+  ControlInbox inbox;
+  int progressed = 0;
+  auto none = inbox.Receive(std::chrono::nanoseconds(0), "peer",
+                            [&] { ++progressed; });
+  EXPECT_EQ(none.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(progressed, 1);
+  auto brought = inbox.Receive(std::chrono::nanoseconds(0), "peer", [&] {
+    ++progressed;
+    inbox.Deliver(Msg('p'));
+  });
+  ASSERT_TRUE(brought.ok()) << brought.status().ToString();
+  EXPECT_EQ((*brought)[0], 'p');
+  EXPECT_EQ(progressed, 2);
+}
+
 }  // namespace
 }  // namespace membox::transport
