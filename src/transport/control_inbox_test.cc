@@ -89,8 +89,8 @@ TEST(ControlInboxTest, QueuedMessagesThenTheFailure) {
 TEST(ControlInboxTest, AZeroTimeoutPollsOnce) {
   ControlInbox inbox;
   int progressed = 0;
-  auto none = inbox.Receive(std::chrono::nanoseconds(0), "peer",
-                            [&] { ++progressed; });
+  auto none =
+      inbox.Receive(std::chrono::nanoseconds(0), "peer", [&] { ++progressed; });
   EXPECT_EQ(none.status().code(), StatusCode::kDeadlineExceeded);
   EXPECT_EQ(progressed, 1);
   auto brought = inbox.Receive(std::chrono::nanoseconds(0), "peer", [&] {
