@@ -113,7 +113,7 @@ TEST(PointToPointTest, OneBufferfulNeedsNoReceiverYet) {
   });
 }
 
-// On one host a message inline by size but above 128 KiB is copied into
+// On one host a message inline by size but above 64 KiB is copied into
 // the peer's mapped buffer when that buffer is free, and goes inline when
 // it still holds an earlier one: sends never wait for the receiver, and
 // every message arrives intact and in order, round after round.
