@@ -589,18 +589,17 @@ void UcxDevice::OnProof(net::Listener::Handshake& h) {
     MutexLock l(&mu_);
     by_id_[v.hello.channel_id] = uch;
   }
-  net::Fd fd = std::move(h.fd);
-  int raw = fd.get();
-  auto ch = MakeChannel(std::move(fd), v.path, cp->hello, uch, lane,
+  int raw = h.fd.get();
+  auto ch = MakeChannel(std::move(h.fd), v.path, cp->hello, uch, lane,
                         cp->hello.name, principal);
   if (!ch.ok()) {
-    MEMBOX_LOG_WARN("{}: refusing a channel from {}: {}", options_.name,
-                    cp->hello.name, ch.status().ToString());
     if (uch) {
       MutexLock l(&mu_);
       by_id_.erase(v.hello.channel_id);
     }
-    return;
+    // The connection is still ours (MakeChannel did not take it): the
+    // peer hears why (an address UCX cannot reach, say), then it closes.
+    return refuse(ch.status(), "");
   }
   // The verdict goes out after the channel exists, so the client's first
   // message finds it; a TCP channel's threads start after it.
@@ -618,7 +617,7 @@ void UcxDevice::OnProof(net::Listener::Handshake& h) {
 }
 
 Result<std::shared_ptr<Channel>> UcxDevice::MakeChannel(
-    net::Fd fd, net::DataPath path, const msg::Hello& peer,
+    net::Fd&& fd, net::DataPath path, const msg::Hello& peer,
     const std::shared_ptr<UcxChannel>& ucx, int lane,
     const std::string& peer_label, const Principal& principal) {
   if (path == net::DataPath::kTcp) {

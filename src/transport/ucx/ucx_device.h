@@ -214,9 +214,11 @@ class UcxDevice final : public Device, public ChannelHost {
   bool UseUcx(uint32_t peer_flags, const std::string& peer_host, int fd) const;
   // A first check of a peer's UCX worker address before UCX sees it.
   bool PlausibleUcxAddress(const std::vector<uint8_t>& address) const;
-  // Builds the channel for an authenticated connection on either side.
+  // Builds the channel for an authenticated connection on either side. It
+  // takes `fd` only when it succeeds: on an error the caller still holds
+  // the connection (a server tells the peer why on it).
   Result<std::shared_ptr<Channel>> MakeChannel(
-      net::Fd fd, net::DataPath path, const msg::Hello& peer,
+      net::Fd&& fd, net::DataPath path, const msg::Hello& peer,
       const std::shared_ptr<UcxChannel>& ucx, int lane,
       const std::string& peer_label, const Principal& principal);
   // The principal a peer's credential id names and the key its proof must
