@@ -151,16 +151,8 @@ export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp" UCX_MEM_EVENTS=no
 # exceeds its 10 s wait under TSan (tests/tsan.supp).
 timeout -k 30 900 build/tsan/src/transport/transport_test --gtest_filter='-*WriteAndReadManySizes/am' >build/tsan/transport_test.log 2>&1 \
   || { show_failure build/tsan/transport_test.log; exit 1; }
-# The three-proxy failover tests (the release and ASan runs have them):
-# under TSan, in one process, a proxy reads a stopped peer's ring buffer
-# through a shared-memory mapping whose address a later mapping or thread
-# stack reuses -- a race TSan reports and separate processes cannot have
-# (docs/results/failures.md, "Known problems in the tests").
-tsan_skip='-PsTest.ALaggingSurvivorCatchesUpFromAPeerThatFinished:PsTest.ARingReadThatFailsBeforeItsPeersLossIsKnownWaitsForIt:PsTest.AReplacementAtAnotherAddressTakesOver:PsTest.WorkersRideThroughAReplacedProxyOfThree:PsTest.WorkersRideThroughAReplacedOwnerOfStripedShardsOfThree:PsTest.AReplacementServesWhileItCopiesRingShards:PsTest.TwoDeathsBeforeAReplacement*:PsTest.AReplacementServesWhileItCopiesStripedShards'
 for t in collective/collective_test service/service_test memserver/memserver_test ps/ps_test embedding/embedding_server_test sync/sync_test; do
-  filter=()
-  [[ $t == ps/ps_test ]] && filter=(--gtest_filter="$tsan_skip")
-  timeout -k 30 900 build/tsan/src/$t "${filter[@]}" >"build/tsan/${t##*/}.log" 2>&1 \
+  timeout -k 30 900 build/tsan/src/$t >"build/tsan/${t##*/}.log" 2>&1 \
     || { show_failure "build/tsan/${t##*/}.log"; exit 1; }
 done
 timeout -k 30 900 /usr/bin/python3 tests/hostile/hostile_network_test.py build/tsan/tools/membox \

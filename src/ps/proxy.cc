@@ -204,8 +204,9 @@ Status ProxyImpl::Checkpoint(const std::string& name) {
 }
 
 void ProxyImpl::Stop() {
+  // (The copier threads see running_ false and stop after their batch;
+  // join_copy_ is the event loop's until the loop has ended, below.)
   if (!server_ || !running_.exchange(false)) return;
-  if (join_copy_) join_copy_->cancel = true;
   // Ends the event loop (posted tasks still run) and closes every
   // connection; the device stays until server_ goes, after the memory
   // registered with it.

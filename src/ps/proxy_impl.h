@@ -292,7 +292,6 @@ struct JoinCopy {
   // in their owners' backup offers (InstallJoined).
   size_t shards_copied = 0;
   uint64_t bytes_copied = 0;
-  std::atomic<bool> cancel{false};
   Mutex mu;
   // Shards not copied yet, with the index of the source to try: the ones
   // this node owns first (a round waits for them; the ones it backs up

@@ -262,7 +262,7 @@ void ProxyImpl::StartJoinCopy() {
 
 void ProxyImpl::RunJoinCopy(const std::shared_ptr<JoinCopy>& job) {
   for (;;) {
-    if (job->cancel.load()) return;
+    if (!running_.load()) return;  // Stop
     if (opt_.before_join_batch_for_test) opt_.before_join_batch_for_test();
     // The next batch: shards a request waits for first, then key order;
     // consecutive ones from the same source.

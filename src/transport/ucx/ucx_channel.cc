@@ -15,6 +15,7 @@
 
 #include "src/transport/am_messages.h"
 #include "src/transport/control_inbox.h"
+#include "src/transport/fresh_mapping.h"
 
 namespace membox::transport::ucx {
 namespace {
@@ -442,7 +443,10 @@ Result<std::shared_ptr<RemoteMemRegion>> UcxChannel::Import(
     }
     // The owner's shared memory mapped here: in its 2 MiB pages too where
     // the kernel allows (membox/transport/huge_pages.h).
-    if (mapped != nullptr) AdviseHugePages(mapped, desc.length);
+    if (mapped != nullptr) {
+      FreshMapping(mapped, desc.length);
+      AdviseHugePages(mapped, desc.length);
+    }
   }
   SharedMapping file;
   if (protocol_ == Protocol::kMapped && mapped == nullptr && desc.shared_file) {

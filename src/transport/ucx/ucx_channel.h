@@ -29,6 +29,7 @@
 
 #include "src/transport/am_messages.h"
 #include "src/transport/control_inbox.h"
+#include "src/transport/fresh_mapping.h"
 #include "src/transport/message_rma.h"
 #include "src/transport/shared_file.h"
 #include "src/transport/ucx/ucx_device.h"
@@ -44,6 +45,9 @@ class UcxRemoteMemRegion final : public RemoteMemRegion {
         channel_(channel),
         file_(std::move(file)) {}
   ~UcxRemoteMemRegion() override {
+    // The owner's memory mapped by the rkey (not a shared file's mapping,
+    // which TSan sees) goes with it.
+    if (mapped() && !file_.data()) ReleasedMapping(mapped(), size());
     if (rkey_) ucp_rkey_destroy(rkey_);
   }
   ucp_rkey_h rkey() const { return rkey_; }

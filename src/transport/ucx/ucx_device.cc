@@ -25,6 +25,7 @@
 #include "membox/base/wire.h"
 #include "membox/transport/huge_pages.h"
 
+#include "src/transport/fresh_mapping.h"
 #include "src/transport/ucx/ucx_channel.h"
 
 namespace membox::transport {
@@ -117,6 +118,7 @@ class UcxMemRegion final : public MemRegion {
       MutexLock l(&mu_);
       for (uint64_t r : ranges_) dev_->UnregisterExport(r);
     }
+    if (device_allocated()) ReleasedMapping(data(), size());
     ucp_mem_unmap(dev_->context(), memh_);
   }
   Result<RegionDescriptor> ExportRange(uint64_t offset,
@@ -679,6 +681,7 @@ Result<std::unique_ptr<MemRegion>> UcxDevice::AllocateMemRegion(size_t bytes) {
   ucp_mem_attr_t attr{};
   attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
   ucp_mem_query(memh, &attr);
+  FreshMapping(attr.address, bytes);
   // Before the first touch: its faults then fill 2 MiB pages where the
   // kernel allows (membox/transport/huge_pages.h).
   AdviseHugePages(attr.address, bytes);

@@ -1,0 +1,71 @@
+// Telling ThreadSanitizer about shared memory it cannot see being mapped.
+//
+// A device-allocated region, and a peer's region mapped here, are System V
+// shared memory that UCX attaches with shmat and detaches with shmdt.
+// ThreadSanitizer intercepts mmap and munmap but not these, so when a
+// detached segment's addresses are reused by a later attach (a proxy's
+// next region, or its mapping of another peer's buffer), the accesses it
+// recorded for the old memory stay in its shadow and are reported as
+// races with the new memory's: races that cannot happen, in one process or
+// many (docs/results/failures.md, "Known problems in the tests").
+//
+// What the kernel guarantees is an order: a detach happens before any
+// later attach at the same addresses. These say so to TSan: a mapping
+// about to go releases the address of each of its pages, and a new
+// mapping acquires each of its own, so the old accesses happen before the
+// new ones, as they do (shared memory is attached in whole pages). Outside
+// a TSan build they do nothing.
+//
+// Threading: any thread. ReleasedMapping after the last access to the
+// mapping and before it is detached; FreshMapping after it is attached
+// and before its first access. Completion: synchronous. No state.
+#ifndef MEMBOX_SRC_TRANSPORT_FRESH_MAPPING_H_
+#define MEMBOX_SRC_TRANSPORT_FRESH_MAPPING_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#endif
+
+namespace membox::transport {
+
+// The page size of shared memory here (x86-64 and arm64 Linux's base).
+inline constexpr uintptr_t kSyncGrain = 4096;
+
+namespace fresh_mapping_internal {
+template <typename F>
+void ForEachGrain(const void* addr, size_t len, F f) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(addr);
+  for (uintptr_t a = (begin + kSyncGrain - 1) & ~(kSyncGrain - 1);
+       a < begin + len; a += kSyncGrain) {
+    f(reinterpret_cast<void*>(a));
+  }
+}
+}  // namespace fresh_mapping_internal
+
+// [addr, addr + len) was just mapped by code ThreadSanitizer does not see.
+inline void FreshMapping(const void* addr, size_t len) {
+#if defined(__SANITIZE_THREAD__)
+  fresh_mapping_internal::ForEachGrain(addr, len, __tsan_acquire);
+#else
+  (void)addr;
+  (void)len;
+#endif
+}
+
+// [addr, addr + len) is about to be unmapped by code ThreadSanitizer does
+// not see.
+inline void ReleasedMapping(const void* addr, size_t len) {
+#if defined(__SANITIZE_THREAD__)
+  fresh_mapping_internal::ForEachGrain(addr, len, __tsan_release);
+#else
+  (void)addr;
+  (void)len;
+#endif
+}
+
+}  // namespace membox::transport
+
+#endif  // MEMBOX_SRC_TRANSPORT_FRESH_MAPPING_H_
