@@ -31,15 +31,14 @@
 
 namespace membox::transport {
 
-// The page size of shared memory here (x86-64 and arm64 Linux's base).
-inline constexpr uintptr_t kSyncGrain = 4096;
-
+#if defined(__SANITIZE_THREAD__)
 namespace fresh_mapping_internal {
-template <typename F>
-void ForEachGrain(const void* addr, size_t len, F f) {
+// The page size of shared memory here (x86-64 and arm64 Linux's base).
+inline constexpr uintptr_t kPage = 4096;
+inline void ForEachPage(const void* addr, size_t len, void (*f)(void*)) {
   const uintptr_t begin = reinterpret_cast<uintptr_t>(addr);
-  for (uintptr_t a = (begin + kSyncGrain - 1) & ~(kSyncGrain - 1);
-       a < begin + len; a += kSyncGrain) {
+  for (uintptr_t a = (begin + kPage - 1) & ~(kPage - 1); a < begin + len;
+       a += kPage) {
     f(reinterpret_cast<void*>(a));
   }
 }
@@ -47,24 +46,17 @@ void ForEachGrain(const void* addr, size_t len, F f) {
 
 // [addr, addr + len) was just mapped by code ThreadSanitizer does not see.
 inline void FreshMapping(const void* addr, size_t len) {
-#if defined(__SANITIZE_THREAD__)
-  fresh_mapping_internal::ForEachGrain(addr, len, __tsan_acquire);
-#else
-  (void)addr;
-  (void)len;
-#endif
+  fresh_mapping_internal::ForEachPage(addr, len, __tsan_acquire);
 }
-
 // [addr, addr + len) is about to be unmapped by code ThreadSanitizer does
 // not see.
 inline void ReleasedMapping(const void* addr, size_t len) {
-#if defined(__SANITIZE_THREAD__)
-  fresh_mapping_internal::ForEachGrain(addr, len, __tsan_release);
-#else
-  (void)addr;
-  (void)len;
-#endif
+  fresh_mapping_internal::ForEachPage(addr, len, __tsan_release);
 }
+#else
+inline void FreshMapping(const void*, size_t) {}
+inline void ReleasedMapping(const void*, size_t) {}
+#endif
 
 }  // namespace membox::transport
 

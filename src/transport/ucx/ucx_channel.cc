@@ -15,7 +15,6 @@
 
 #include "src/transport/am_messages.h"
 #include "src/transport/control_inbox.h"
-#include "src/transport/fresh_mapping.h"
 
 namespace membox::transport::ucx {
 namespace {
