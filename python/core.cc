@@ -1045,7 +1045,22 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("src"), py::arg("data"), py::arg("tag"),
           "The next message from `src` under `tag` into `data` (its size "
-          "must be the message's).");
+          "must be the message's).")
+      .def(
+          "recv_any",
+          [](PointToPoint& p, py::object data, uint64_t tag) {
+            Buffer b = GetBuffer(data, true);
+            std::span<uint8_t> s(static_cast<uint8_t*>(b.ptr), b.bytes);
+            int src = -1;
+            CallWithoutGil([&]() -> membox::Status {
+              ASSIGN_OR_RETURN(src, p.RecvAny(s, tag));
+              return membox::Status::Ok();
+            });
+            return src;
+          },
+          py::arg("data"), py::arg("tag"),
+          "The next message under `tag` from any worker into `data`; "
+          "returns its sender's rank.");
 
   py::class_<Handle>(m, "Handle")
       .def("wait", &Handle::Wait, py::arg("timeout") = py::none(),

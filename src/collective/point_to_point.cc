@@ -1,6 +1,5 @@
 #include "membox/collective/point_to_point.h"
 
-#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <map>
@@ -23,8 +22,11 @@ using transport::MemRegion;
 
 // One peer's two directions. `send_mu` serialises our sends to it (the
 // `out` channel, our send buffer, its receive buffer for us); `recv_mu`
-// our receives from it (the `in` channel, our buffer for it, the kept
-// messages). The acceptor files `in` and `recv` under recv_mu.
+// our receives from it (the `in` channel and our buffer for it: whoever
+// holds it reads the peer's stream). The acceptor files `in` and `recv`
+// under recv_mu. The messages taken ahead of their receive are under
+// `kept_mu`, which is never held while waiting: a RecvAny finds there what
+// a Recv holding the stream took for it. Order: recv_mu, then kept_mu.
 struct Peer {
   Mutex send_mu;
   std::string endpoint MEMBOX_GUARDED_BY(send_mu);
@@ -40,9 +42,10 @@ struct Peer {
   CondVar connected;  // `in` was filed
   std::shared_ptr<transport::Channel> in MEMBOX_GUARDED_BY(recv_mu);
   std::unique_ptr<MemRegion> recv MEMBOX_GUARDED_BY(recv_mu);
+  Mutex kept_mu;
   // Messages taken ahead of their receive, by tag, in arrival order.
   std::map<uint64_t, std::deque<std::vector<uint8_t>>> kept
-      MEMBOX_GUARDED_BY(recv_mu);
+      MEMBOX_GUARDED_BY(kept_mu);
 };
 
 class PointToPointImpl final : public PointToPoint {
@@ -149,17 +152,8 @@ class PointToPointImpl final : public PointToPoint {
     RETURN_IF_ERROR(CheckPeer(src));
     Peer& p = *peers_.at(src);
     MutexLock lock(&p.recv_mu);
-    auto it = p.kept.find(tag);
-    if (it != p.kept.end()) {
-      std::vector<uint8_t> msg = std::move(it->second.front());
-      it->second.pop_front();
-      if (it->second.empty()) p.kept.erase(it);
-      RETURN_IF_ERROR(CheckSize(src, msg.size(), data.size()));
-      if (!msg.empty()) CopyBytes(data.data(), msg.data(), msg.size());
-      return Status::Ok();
-    }
     auto until = std::chrono::steady_clock::now() + opt_.timeout;
-    while (!p.in) {
+    while (!p.in && !HasKept(p, tag)) {
       auto left = until - std::chrono::steady_clock::now();
       if (left <= left.zero() || !p.connected.WaitFor(&p.recv_mu, left)) {
         if (p.in) break;
@@ -169,27 +163,55 @@ class PointToPointImpl final : public PointToPoint {
       }
     }
     while (true) {
-      auto bytes = p.in->RecvControl(opt_.timeout);
-      if (!bytes.ok()) {
-        return Status(bytes.status().code(),
-                      "receive from worker " + std::to_string(src) + ": " +
-                          std::string(bytes.status().message()));
+      ASSIGN_OR_RETURN(bool taken, TakeNext(src, p, data, tag, opt_.timeout));
+      if (taken) return Status::Ok();
+    }
+  }
+
+  Result<int> RecvAny(std::span<uint8_t> data, uint64_t tag) override {
+    const auto until = std::chrono::steady_clock::now() + opt_.timeout;
+    auto nap = std::chrono::microseconds(20);
+    while (true) {
+      // Each peer in turn, from where the last receive from any left off
+      // (so no sender is starved): what is kept from it, then, unless a
+      // Recv on another thread reads its stream (and keeps what it meets
+      // under this tag for us), what has arrived on it.
+      for (int k = 0; k < opt_.world; ++k) {
+        const int q = (any_next_ + k) % opt_.world;
+        if (q == opt_.rank) continue;
+        Peer& p = *peers_.at(q);
+        Status kept_status;
+        if (TakeKept(q, p, data, tag, &kept_status)) {
+          if (!kept_status.ok()) return kept_status;
+          any_next_ = (q + 1) % opt_.world;
+          return q;
+        }
+        if (!p.recv_mu.TryLock()) continue;  // a Recv reads q's stream
+        Result<bool> taken = false;
+        while (taken.ok() && !*taken && p.in) {
+          taken = TakeNext(q, p, data, tag, std::chrono::milliseconds(0));
+          if (!taken.ok() &&
+              taken.status().code() == StatusCode::kDeadlineExceeded) {
+            taken = false;  // nothing more from q yet
+            break;
+          }
+        }
+        p.recv_mu.Unlock();
+        if (!taken.ok()) return taken.status();
+        if (*taken) {
+          any_next_ = (q + 1) % opt_.world;
+          return q;
+        }
       }
-      ASSIGN_OR_RETURN(RingMessage m, DecodeRing(*bytes));
-      if (m.type != RingType::kPiece || m.step != 0) {
-        return DataLossError("worker " + std::to_string(src) +
-                             " is out of step (not the start of a message)");
+      if (std::chrono::steady_clock::now() >= until) {
+        return DeadlineExceededError(
+            "receive from any worker (tag " + std::to_string(tag) +
+            "): no message within " + std::to_string(opt_.timeout.count()) +
+            " ms");
       }
-      if (m.call == tag && m.total == data.size()) {
-        return Take(src, p, m, data);
-      }
-      // Another tag's message (kept for its receive), or this tag's of the
-      // wrong size (taken, then reported): read in whole either way, so
-      // the stream stays at a message boundary.
-      std::vector<uint8_t> msg(m.total);
-      RETURN_IF_ERROR(Take(src, p, m, msg));
-      if (m.call == tag) return CheckSize(src, m.total, data.size());
-      p.kept[m.call].push_back(std::move(msg));
+      std::this_thread::sleep_for(nap);
+      nap = std::min<std::chrono::microseconds>(2 * nap,
+                                                std::chrono::milliseconds(1));
     }
   }
 
@@ -225,6 +247,74 @@ class PointToPointImpl final : public PointToPoint {
                                 ": the send was " + std::to_string(sent) +
                                 " bytes, the buffer holds " +
                                 std::to_string(room));
+  }
+
+  // The next message from `src` under `tag`, into `data`: true once taken
+  // (kInvalidArgument, the message consumed, if its size differs), false
+  // when the next message in the stream had another tag (then kept, whole,
+  // for its own receive). A message kept earlier goes first. Waits up to
+  // `timeout` for a message's start (kDeadlineExceeded; zero: only what is
+  // here), and for the rest of a message once it has started.
+  Result<bool> TakeNext(int src, Peer& p, std::span<uint8_t> data, uint64_t tag,
+                        std::chrono::milliseconds timeout)
+      MEMBOX_REQUIRES(p.recv_mu) {
+    Status kept_status;
+    if (TakeKept(src, p, data, tag, &kept_status)) {
+      RETURN_IF_ERROR(kept_status);
+      return true;
+    }
+    auto bytes = p.in->RecvControl(timeout);
+    if (!bytes.ok()) {
+      return Status(bytes.status().code(),
+                    "receive from worker " + std::to_string(src) + ": " +
+                        std::string(bytes.status().message()));
+    }
+    ASSIGN_OR_RETURN(RingMessage m, DecodeRing(*bytes));
+    if (m.type != RingType::kPiece || m.step != 0) {
+      return DataLossError("worker " + std::to_string(src) +
+                           " is out of step (not the start of a message)");
+    }
+    if (m.call == tag && m.total == data.size()) {
+      RETURN_IF_ERROR(Take(src, p, m, data));
+      return true;
+    }
+    // Another tag's message (kept for its receive), or this tag's of the
+    // wrong size (taken, then reported): read in whole either way, so the
+    // stream stays at a message boundary.
+    std::vector<uint8_t> msg(m.total);
+    RETURN_IF_ERROR(Take(src, p, m, msg));
+    if (m.call == tag) {
+      RETURN_IF_ERROR(CheckSize(src, m.total, data.size()));
+      return true;
+    }
+    MutexLock kept(&p.kept_mu);
+    p.kept[m.call].push_back(std::move(msg));
+    return false;
+  }
+
+  // The first message kept from `src` under `tag`, into `data` (*status:
+  // its size differs); false when none is kept.
+  bool TakeKept(int src, Peer& p, std::span<uint8_t> data, uint64_t tag,
+                Status* status) {
+    std::vector<uint8_t> msg;
+    {
+      MutexLock kept(&p.kept_mu);
+      auto it = p.kept.find(tag);
+      if (it == p.kept.end()) return false;
+      msg = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) p.kept.erase(it);
+    }
+    *status = CheckSize(src, msg.size(), data.size());
+    if (status->ok() && !msg.empty()) {
+      CopyBytes(data.data(), msg.data(), msg.size());
+    }
+    return true;
+  }
+
+  bool HasKept(Peer& p, uint64_t tag) {
+    MutexLock kept(&p.kept_mu);
+    return p.kept.count(tag) > 0;
   }
 
   // The rest of the message whose first notice is `first`, into `out`
@@ -359,6 +449,9 @@ class PointToPointImpl final : public PointToPoint {
   std::map<int, std::unique_ptr<Peer>> peers_;  // fixed after Init
   std::atomic<bool> stop_{false};
   std::thread acceptor_;
+  // Where RecvAny starts looking next. Its callers are serialised by the
+  // backend (one receive-from-any lane); a race here only changes order.
+  std::atomic<int> any_next_{0};
 };
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "membox/collective/point_to_point.h"
 
+#include <map>
+#include <set>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -143,6 +145,89 @@ TEST(PointToPointTest, MappedOrInlineWhicheverIsFreeNeverWaits) {
       /*inline_bytes=*/512 << 10, /*max_bytes=*/1 << 20);
 }
 
+// A receive from any worker takes the first message under its tag from
+// whoever sent one, says who, and keeps what it meets under other tags for
+// their own receives; multi-piece messages too.
+TEST(PointToPointTest, ReceiveFromAnyWorker) {
+  OnPairs(3, [&](int r, PointToPoint& p2p) {
+    if (r == 2) {
+      ASSERT_TRUE(p2p.Send(0, Message(2, 0, 1, 300), 6).ok());
+      ASSERT_TRUE(p2p.Send(0, Message(2, 0, 2, 40), 5).ok());
+      return;
+    }
+    if (r == 1) {
+      ASSERT_TRUE(p2p.Send(0, Message(1, 0, 0, 40), 5).ok());
+      return;
+    }
+    std::set<int> from;
+    for (int i = 0; i < 2; ++i) {
+      std::vector<uint8_t> got(40);
+      Result<int> q = p2p.RecvAny(got, 5);
+      ASSERT_TRUE(q.ok()) << q.status().ToString();
+      EXPECT_EQ(got, Message(*q, 0, *q == 1 ? 0 : 2, 40));
+      from.insert(*q);
+    }
+    EXPECT_EQ(from, (std::set<int>{1, 2}));
+    std::vector<uint8_t> kept(300);
+    ASSERT_TRUE(p2p.Recv(2, kept, 6).ok());
+    EXPECT_EQ(kept, Message(2, 0, 1, 300));
+  });
+}
+
+// A receive from any worker is not starved by a receive naming the same
+// sender that waits on that sender's stream: the latter lets the stream go
+// while nothing arrives, and a message it kept under the other tag goes to
+// the receive from any. (Worker 1 sends its second message only once the
+// receive from any has its first.)
+TEST(PointToPointTest, ReceiveFromAnyBesideAReceiveNamingTheSender) {
+  OnPairs(2, [&](int r, PointToPoint& p2p) {
+    if (r == 1) {
+      ASSERT_TRUE(p2p.Send(0, Message(1, 0, 0, 16), 2).ok());
+      std::vector<uint8_t> go(4);
+      Status s = p2p.Recv(0, go, 9);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      ASSERT_TRUE(p2p.Send(0, Message(1, 0, 1, 16), 1).ok());
+      return;
+    }
+    std::vector<uint8_t> a(16), b(16);
+    std::thread named([&] {
+      Status s = p2p.Recv(1, a, 1);
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    Result<int> q = p2p.RecvAny(b, 2);
+    ASSERT_TRUE(q.ok()) << q.status().ToString();
+    EXPECT_EQ(*q, 1);
+    EXPECT_EQ(b, Message(1, 0, 0, 16));
+    ASSERT_TRUE(p2p.Send(1, std::vector<uint8_t>(4), 9).ok());
+    named.join();
+    EXPECT_EQ(a, Message(1, 0, 1, 16));
+  });
+}
+
+// Messages of one size from every worker, received from any: each
+// arrives once, intact, with its sender named.
+TEST(PointToPointTest, ReceiveFromAnyTakesEveryWorkersMessages) {
+  const int world = 4, each = 5;
+  const size_t n = 70 << 10;  // two pieces of the 64 KiB slots
+  OnPairs(world, [&](int r, PointToPoint& p2p) {
+    if (r != 0) {
+      for (int i = 0; i < each; ++i) {
+        ASSERT_TRUE(p2p.Send(0, Message(r, 0, i, n), 3).ok());
+      }
+      return;
+    }
+    std::map<int, int> next;  // per sender, the message expected next
+    for (int k = 0; k < (world - 1) * each; ++k) {
+      std::vector<uint8_t> got(n);
+      Result<int> q = p2p.RecvAny(got, 3);
+      ASSERT_TRUE(q.ok()) << q.status().ToString();
+      ASSERT_EQ(got, Message(*q, 0, next[*q]++, n)) << "from " << *q;
+    }
+    for (int q = 1; q < world; ++q) EXPECT_EQ(next[q], each);
+  });
+}
+
 // A message of another size than the receive's buffer is reported, and
 // the next message arrives intact.
 TEST(PointToPointTest, ASizeThatDiffersIsReportedAndTheStreamGoesOn) {
@@ -234,6 +319,7 @@ TEST(PointToPointTest, BadArgumentsAreRefused) {
   // No endpoint for worker 1, and worker 1 never connects.
   EXPECT_EQ((*p)->Send(1, v, 0).code(), StatusCode::kDeadlineExceeded);
   EXPECT_EQ((*p)->Recv(1, v, 0).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*p)->RecvAny(v, 0).status().code(), StatusCode::kDeadlineExceeded);
   EXPECT_EQ((*p)->Send(0, v, 0).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ((*p)->Recv(5, v, 0).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ((*p)->AddPeer(-1, "x").code(), StatusCode::kInvalidArgument);

@@ -116,6 +116,13 @@ if [[ $with_torch == 1 ]]; then
   # counts printed).
   MEMBOX_TEST_PYTHON="$py" bash "$here/tests/python/torch_distributed_suite.sh" \
     "$venv/bin/membox"
+  # ... and with 3 ranks: receives from either of two senders, uneven
+  # all-to-all, the object collectives.
+  WORLD_SIZE=3 MEMBOX_TEST_PYTHON="$py" \
+    bash "$here/tests/python/torch_distributed_suite.sh" "$venv/bin/membox" \
+    -k test_send_recv_any_source -k test_all_to_all_single_unequal_split \
+    -k test_all_gather_object -k test_scatter_object_list \
+    -k test_all_reduce_coalesced_sum
   rc=0
   MEMBOX_BIN="$venv/bin/membox" "$py" "$here/tests/python/test_cuda.py" || rc=$?
   [[ $rc == 0 || $rc == 77 ]] || { echo "FAIL: test_cuda ($rc)"; exit 1; }

@@ -8,8 +8,8 @@ tests/python/torch_distributed_suite.sh starts one).
 
 membox declares what it implements the way PyTorch's own backends are
 declared in DistTestCases: the DDP tests and the subgroup tests run ("ddp",
-"subgroup"); send/recv without a source is not implemented, so the tests
-that need it skip. (Most of the suite's *_group tests also need
+"subgroup"), and send/recv from any source. Tests gated on Gloo's or MPI's
+name alone run too (below). (Most of the suite's *_group tests also need
 WORLD_SIZE >= 8, torch's skip_if_small_worldsize.)
 Usage (pytest-style filters through unittest's -k):
     torch_distributed_suite.py [-k PATTERN ...]"""
@@ -35,7 +35,48 @@ from torch.testing._internal.common_distributed import DistTestCases  # noqa: E4
 DistTestCases.backend_feature["plugin"].add("membox")
 DistTestCases.backend_feature["ddp"].add("membox")
 DistTestCases.backend_feature["subgroup"].add("membox")
-DistTestCases.skip_collective["sendrecv anysource"].add("membox")
+
+# Many of the suite's CPU tests are gated by backend *name*: on Gloo's
+# (`require_backend_is_available({"gloo"})`, a set holding "gloo", or the
+# barrier timeout tests), or, for all_to_all on CPU, on MPI's. They test what the ops do, which
+# membox implements, not Gloo's or MPI's insides; PyTorch just has no way
+# for a third-party backend to say it provides them. So membox runs them:
+# the two skip helpers distributed_test imports are wrapped before it
+# imports them, and let exactly those gates through. Every other skip
+# (CUDA, world size, NCCL-only) stands. A test that checks Gloo itself and
+# fails here is listed in _TORCH_LIMITS below with the reason.
+import torch.testing._internal.common_utils as _cu  # noqa: E402
+
+_skip, _skip_if = _cu.skip_but_pass_in_sandcastle, \
+    _cu.skip_but_pass_in_sandcastle_if
+
+
+def _gated_by_name_only(reason):
+    reason = str(reason)
+    return (reason in _NAME_GATES or
+            (reason.startswith("Test requires backend membox to be one of")
+             and "'gloo'" in reason))
+
+
+_NAME_GATES = {
+    "Only MPI supports CPU all_to_all_single",
+    "Only MPI supports all_to_all",
+    "Only gloo backend supports timeouts",
+}
+
+
+def _membox_skip(reason):
+    return (lambda f: f) if _gated_by_name_only(reason) else _skip(reason)
+
+
+def _membox_skip_if(condition, reason):
+    if condition and _gated_by_name_only(reason):
+        return lambda f: f
+    return _skip_if(condition, reason)
+
+
+_cu.skip_but_pass_in_sandcastle = _membox_skip
+_cu.skip_but_pass_in_sandcastle_if = _membox_skip_if
 
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402

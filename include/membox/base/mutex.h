@@ -28,6 +28,8 @@ class MEMBOX_CAPABILITY("mutex") Mutex {
   Mutex& operator=(const Mutex&) = delete;
   void Lock() MEMBOX_ACQUIRE() { mu_.lock(); }
   void Unlock() MEMBOX_RELEASE() { mu_.unlock(); }
+  // Locks if free now; true if it did.
+  bool TryLock() MEMBOX_TRY_ACQUIRE(true) { return mu_.try_lock(); }
   // For std::scoped_lock-style helpers that need BasicLockable.
   void lock() MEMBOX_ACQUIRE() { mu_.lock(); }
   void unlock() MEMBOX_RELEASE() { mu_.unlock(); }

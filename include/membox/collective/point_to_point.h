@@ -18,11 +18,12 @@
 // the receiver must be receiving (a rendezvous, as Gloo's).
 //
 // Matching: a receive from `src` with `tag` takes the first message from
-// `src` with that tag. Messages from `src` with another tag that arrive
-// first are taken in whole and kept until a receive asks for them (so
-// senders never wait on a tag the receiver asks for later). A message whose
-// size differs from the receive's buffer is consumed and reported
-// (kInvalidArgument, "the send was N bytes, the buffer holds M").
+// `src` with that tag (RecvAny: from any worker). Messages from `src` with
+// another tag that arrive first are taken in whole and kept until a receive
+// asks for them (so senders never wait on a tag the receiver asks for
+// later). A message whose size differs from the receive's buffer is
+// consumed and reported (kInvalidArgument, "the send was N bytes, the
+// buffer holds M").
 //
 // Threading: Send to different peers, Recv from different peers, and a
 // Send and a Recv with the same peer may run at once on different
@@ -64,6 +65,14 @@ class PointToPoint {
   // The next message from worker `src` with `tag` into `data`, whose size
   // must be the message's.
   virtual Status Recv(int src, std::span<uint8_t> data, uint64_t tag) = 0;
+  // The next message under `tag` from whichever worker sent one first
+  // (MPI_ANY_SOURCE, torch's recv without src), into `data`; returns its
+  // sender. Looks at each peer in turn without waiting on any one, then
+  // naps (20 µs doubling to 1 ms) until one has arrived or the timeout.
+  // Messages under other tags that it meets are kept for their receives;
+  // of a peer whose stream a Recv on another thread reads, it takes what
+  // that Recv kept under its tag.
+  virtual Result<int> RecvAny(std::span<uint8_t> data, uint64_t tag) = 0;
 };
 
 }  // namespace membox::collective

@@ -91,6 +91,7 @@ def staged(first):
             torch.cuda.current_stream(device).synchronize()
             inner = op(self, a0, *rest)
             w = self._staged_work(op.__name__, args[0], device)
+            w._src_of = inner  # a receive's sender (recv from any rank)
             stream = self._h2d.get(device)
 
             def copy_back(fut):

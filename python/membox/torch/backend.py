@@ -32,6 +32,7 @@ reduced locally, and the fence is a counter in the group's store.
 Keys: the group's own key space (0xD << 60, then a digest of the group's
 name), so a membox process group lives next to the DDP hook's,
 ParameterServer's and offload's keys on the same nodes."""
+import functools
 import hashlib
 import os
 import queue
@@ -194,6 +195,23 @@ class _Work(dist.Work):
         self._fut = torch.futures.Future(
             devices=[device] if device is not None else None)
         self._checked = None
+        # A receive's sender (set by the receive; for one from any rank,
+        # once it has arrived), or the Work that knows it (a CUDA receive's
+        # staged copy: _cuda_staged).
+        self._src = None
+        self._src_of = None
+
+    def _source_rank(self):
+        """The rank a receive took its message from (torch's recv without
+        src reads it after wait())."""
+        if self._src_of is not None:
+            return self._src_of._source_rank()
+        if self._src is None:
+            raise RuntimeError("membox backend: %s: no source rank (only a "
+                               "completed receive has one)" % self._what)
+        return self._src
+
+    source_rank = _source_rank
 
     def _finish(self, error=None):
         """Completes the Work once: the futures first (their callbacks run
@@ -216,8 +234,7 @@ class _Work(dist.Work):
         if timeout is not None and timeout > timedelta(0):
             t = timeout
         if not self._event.wait(t.total_seconds()):
-            raise RuntimeError("membox backend: %s timed out after %s" %
-                               (self._what, t))
+            raise RuntimeError(_timed_out(self._what, t))
         if self._error is not None:
             raise self._error
         return True
@@ -290,12 +307,24 @@ class _Jobs:
                 self._pending -= 1
 
 
+def _timed_out(what, timeout, why=None):
+    """The error of an operation that outlived its timeout, worded as
+    torch's backends word it (callers match "Timed out")."""
+    return "membox backend: %s: Timed out after %s waiting for the " \
+        "operation to complete%s" % (what, timeout,
+                                     " (%s)" % why if why else "")
+
+
 def _run(w, fn):
     """Runs fn() and completes the Work `w` with its outcome."""
     try:
         fn()
         w._finish()
     except Exception as e:  # noqa: BLE001 - the Work carries it
+        if "DEADLINE_EXCEEDED" in str(e):
+            # A transfer inside the operation waited out the group's
+            # timeout (membox's C++ waits are bounded by it).
+            e = RuntimeError(_timed_out(w._what, w._timeout, e))
         w._finish(e if isinstance(e, RuntimeError)
                   else RuntimeError("membox backend: %s failed: %s"
                                     % (w._what, e)))
@@ -369,6 +398,8 @@ class MemboxBackend(_base_class()):
     _first_proxy = None
     # Connections this process made for whole jobs (_job_name's count).
     _connections = 0
+    # Groups not shut down yet (see __init__).
+    _open = set()
 
     def __init__(self, store, rank, size, timeout, global_ranks=None,
                  group_name="", space=None, rejoin=False, job=None):
@@ -381,6 +412,18 @@ class MemboxBackend(_base_class()):
         torch group describes (torchft's replica groups of several ranks:
         one group per local rank, all one job on the nodes)."""
         super().__init__(rank, size)
+        # A Backend (torch 2.15 on) is held here until shutdown(), which
+        # torch calls at destroy_process_group: torch may keep only its C++
+        # side (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it in its
+        # ProcessGroupWrapper), and once the Python object is collected
+        # torch can no longer reach its methods. (A ProcessGroup, on older
+        # torch, is the group itself, never wrapped; torch passes it no
+        # shutdown(), so it is left to be collected, its __del__ shutting
+        # it down.)
+        if not isinstance(self, dist.ProcessGroup):
+            MemboxBackend._open.add(self)
+        self._collectives = 0  # issued: _get_sequence_number_for_group
+        self._op_depth = threading.local()
         self._rank, self._size = rank, size
         self._timeout = timeout if isinstance(timeout, timedelta) and \
             timeout > timedelta(0) else timedelta(minutes=30)
@@ -545,6 +588,13 @@ class MemboxBackend(_base_class()):
     # ------------------------------------------------------------ plumbing
     def getBackendName(self):
         return "membox"
+
+    def _get_sequence_number_for_group(self):
+        """Collectives issued in this group so far, the same on every rank
+        of a correct program (send and recv are not counted, as Gloo does
+        not): TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper compares them
+        across ranks before each collective."""
+        return self._collectives
 
     @property
     def client(self):
@@ -1568,7 +1618,7 @@ class MemboxBackend(_base_class()):
         lane = self._lanes.get((kind, peer))
         if lane is None:
             lane = self._lanes[(kind, peer)] = _Jobs(
-                "membox-%s-%d" % (kind, peer))
+                "membox-%s-%s" % (kind, peer))
         return lane
 
     def _direct_p2p(self, kind, peer, tensors, fn, inline):
@@ -1624,8 +1674,10 @@ class MemboxBackend(_base_class()):
                 if c is not t:
                     t.copy_(c)
             # (never on the caller's thread: an irecv before an isend)
-            return self._direct_p2p("recv from", src, tensors, direct,
-                                    inline=False)
+            w = self._direct_p2p("recv from", src, tensors, direct,
+                                 inline=False)
+            w._src = src
+            return w
         n = self._p2p_recv.get((src, tag), 0)
         self._p2p_recv[(src, tag)] = n + 1
 
@@ -1648,12 +1700,35 @@ class MemboxBackend(_base_class()):
                 _bytes_view(c).numpy()[:] = buf[:size]
             t.copy_(c)
             self._store.set(base + "/read", "1")
-        return self._p2p("recv from %d" % src, tensors, run)
+        w = self._p2p("recv from %d" % src, tensors, run)
+        w._src = src
+        return w
 
     @staged("out")
     def recvAnysource(self, tensors, tag):
-        raise RuntimeError("membox backend: recv without a source "
-                           "(recv_anysource) is not supported; name src")
+        """The next message under `tag` from any rank (torch's recv with no
+        src): over the workers' direct connections, looking at each peer
+        in turn (collective::PointToPoint::RecvAny); the Work's
+        _source_rank() names the sender. Receives from any rank run in
+        issue order on a lane of their own."""
+        self._check("recv", tensors)
+        t = tensors[0]
+        if not self._p2p_direct():
+            raise RuntimeError(
+                "membox backend: recv without a source needs the direct "
+                "path between workers, which MEMBOX_BACKEND_DIRECT_BYTES=0 "
+                "turns off; name src, or leave that variable unset")
+        w = _Work("recv from any rank", tensors, self._timeout)
+
+        def direct():
+            c = t if t.is_contiguous() else torch.empty_like(
+                t, memory_format=torch.contiguous_format)
+            w._src = self._ensure_pairs().recv_any(_bytes_view(c).numpy(),
+                                                   tag % (1 << 64))
+            if c is not t:
+                t.copy_(c)
+        self._lane("recv from", "any").submit(w, direct, inline=False)
+        return w
 
     def _store_wait(self, key):
         """Waits for `key` in the group's store by polling: a blocking wait
@@ -1694,6 +1769,7 @@ class MemboxBackend(_base_class()):
         if self._closed:
             return
         self._closed = True
+        MemboxBackend._open.discard(self)
         _at_exit.forget(self)
         self._jobs.stop()
         for t in list(self._p2p_threads):
@@ -1737,6 +1813,34 @@ class MemboxBackend(_base_class()):
             pass
 
 
+def _counted(op):
+    """op, counting the group's collectives: one per call from outside
+    (a coalesced op that calls the single ones counts once)."""
+    @functools.wraps(op)
+    def run(self, *args, **kwargs):
+        depth = getattr(self._op_depth, "n", 0)
+        if depth == 0:
+            self._collectives += 1
+        self._op_depth.n = depth + 1
+        try:
+            return op(self, *args, **kwargs)
+        finally:
+            self._op_depth.n = depth
+    return run
+
+
+for _name in ("broadcast", "allreduce", "allreduce_coalesced", "reduce",
+              "allgather", "all_gather_single", "allgather_coalesced",
+              "all_gather_single_coalesced", "gather", "scatter",
+              "reduce_scatter", "reduce_scatter_single",
+              "reduce_scatter_single_coalesced", "all_to_all_single",
+              "alltoall", "barrier"):
+    setattr(MemboxBackend, _name, _counted(getattr(MemboxBackend, _name)))
+
+# torch's name for a receive from any rank (its C++ trampoline looks it up).
+MemboxBackend.recv_anysource = MemboxBackend.recvAnysource
+
+
 if issubclass(MemboxBackend, dist.ProcessGroup):
     # torch before 2.15 calls a ProcessGroup's single-tensor collectives by
     # these names (and binds no Python override for them).
@@ -1747,7 +1851,6 @@ if issubclass(MemboxBackend, dist.ProcessGroup):
         MemboxBackend.all_gather_single_coalesced
     MemboxBackend.reduce_scatter_tensor_coalesced = \
         MemboxBackend.reduce_scatter_single_coalesced
-    MemboxBackend.recv_anysource = MemboxBackend.recvAnysource
 
     # The group is its own backend for every device, and keeps the name
     # torch gives it (its C++ side reads the name from a registered
@@ -1764,6 +1867,35 @@ if issubclass(MemboxBackend, dist.ProcessGroup):
         lambda self: getattr(self, "_membox_group_name", ""))
 
 
+def _bridge_recv_anysource():
+    """torch's recv with no src asks the group's backend for a receive from
+    any rank, then the Work for its sender (_source_rank()). A Python
+    backend's Work reaches the caller wrapped by torch (PyWorkHolder, torch
+    2.15), which forwards wait() and get_future() but not the sender. So a
+    group whose backend for the tensor's device is membox's answers
+    recv_anysource with membox's own Work; any other group is untouched."""
+    pg = dist.ProcessGroup
+    if getattr(pg.recv_anysource, "_membox_bridge", False):
+        return
+    torch_recv_anysource = pg.recv_anysource
+
+    def recv_anysource(self, tensors, tag):
+        backend = None
+        if not isinstance(self, MemboxBackend) and tensors:
+            try:
+                backend = self._get_backend(tensors[0].device)
+                # TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper (it checks no
+                # point-to-point operation)
+                backend = getattr(backend, "wrapped_pg", backend)
+            except RuntimeError:
+                backend = None
+        if isinstance(backend, MemboxBackend):
+            return backend.recvAnysource(tensors, tag)
+        return torch_recv_anysource(self, tensors, tag)
+    recv_anysource._membox_bridge = True
+    pg.recv_anysource = recv_anysource
+
+
 def _create(opts, backend_options=None):
     """torch's extended creator: the group's store, rank and size, and its
     name and ranks in the job (empty for the default group)."""
@@ -1776,5 +1908,6 @@ def register():
     """Registers the "membox" backend with torch.distributed (once)."""
     if "membox" in dist.Backend.backend_list:
         return
+    _bridge_recv_anysource()
     dist.Backend.register_backend("membox", _create, extended_api=True,
                                   devices=["cpu", "cuda"])
