@@ -17,6 +17,7 @@ import tempfile
 import time
 import traceback
 import unittest
+from datetime import timedelta
 
 try:
     import torch
@@ -526,6 +527,15 @@ def _errors(rank, world):
                                [1] * world, send)
     except Exception as e:  # noqa: BLE001
         said["all_to_all sizes"] = str(e)
+    # monitored_barrier (torch's Gloo semantics): every rank passes one;
+    # then only rank 0 comes, and it names every rank that did not.
+    dist.monitored_barrier(timeout=timedelta(seconds=60))
+    if rank == 0:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=0.5),
+                                   wait_all_ranks=True)
+        except Exception as e:  # noqa: BLE001
+            said["monitored"] = str(e)
     t = torch.ones(2)
     dist.all_reduce(t)
     said["after"] = t.tolist()
@@ -1164,6 +1174,8 @@ class BackendTest(unittest.TestCase):
             self.assertEqual(out["everyone"], [3.0, 3.0])
             self.assertIn("without init() and the hook", out["hook"])
         self.assertIn("the send was 12 bytes", outs[1]["recv size"])
+        self.assertIn("Ranks 1, 2 failed to pass monitoredBarrier in 500 ms",
+                      outs[0]["monitored"])
         self.assertIn("all-to-all sizes disagree: worker 0 sends 8 bytes to "
                       "worker 1, which expects 4",
                       outs[1]["all_to_all sizes"])

@@ -423,6 +423,7 @@ class MemboxBackend(_base_class()):
         if not isinstance(self, dist.ProcessGroup):
             MemboxBackend._open.add(self)
         self._collectives = 0  # issued: _get_sequence_number_for_group
+        self._monitored_barriers = 0  # issued: monitored_barrier's keys
         self._op_depth = threading.local()
         self._rank, self._size = rank, size
         self._timeout = timeout if isinstance(timeout, timedelta) and \
@@ -1570,6 +1571,57 @@ class MemboxBackend(_base_class()):
                                 inline=True)
         return self._submit("barrier", [], self._fence_round, inline=True)
 
+    def monitored_barrier(self, opts, wait_all_ranks=False):
+        """torch's monitored_barrier, with Gloo's semantics and messages:
+        every other rank checks in with rank 0, which names the ranks that
+        did not within opts.timeout (the first, or with wait_all_ranks
+        all of them) and then releases or fails the others. Through the
+        group's store, so it works whatever state the group's transfers
+        are in: it is how a job finds the rank that hangs."""
+        n = self._monitored_barriers
+        self._monitored_barriers += 1
+        base = "membox/monitored/%d" % n
+        secs = max(opts.timeout.total_seconds(), 0.0)
+        ms = int(secs * 1000)
+        deadline = time.monotonic() + secs
+        done = base + "/done"
+        if self._rank != 0:
+            self._store.set("%s/%d" % (base, self._rank), "1")
+            if not self._store_wait_until([done], deadline) or \
+                    self._store.get(done) != b"ok":
+                raise RuntimeError(
+                    "Rank %d successfully reached monitoredBarrier, but "
+                    "received errors while waiting for send/recv from rank "
+                    "0. Please check rank 0 logs for faulty rank."
+                    % self._rank)
+            return
+        keys = {r: "%s/%d" % (base, r) for r in range(1, self._size)}
+        failed = []
+        if wait_all_ranks:
+            self._store_wait_until(list(keys.values()), deadline)
+            failed = [r for r, k in keys.items() if not self._store.check([k])]
+            why = "Ranks %s failed to pass monitoredBarrier in %d ms" % (
+                ", ".join(map(str, failed)), ms)
+        else:
+            for r, k in keys.items():
+                if time.monotonic() >= deadline and not self._store.check([k]):
+                    failed, why = [r], (
+                        "Rank 0 timed out in monitoredBarrier after %d ms "
+                        "(rank %d had not checked in)" % (ms, r))
+                    break
+                if not self._store_wait_until([k], deadline):
+                    failed, why = [r], (
+                        "Rank %d failed to pass monitoredBarrier in %d ms"
+                        % (r, ms))
+                    break
+        for k in keys.values():
+            self._store.delete_key(k)
+        if n > 0 and not failed:  # every rank has read the last one's word
+            self._store.delete_key("membox/monitored/%d/done" % (n - 1))
+        self._store.set(done, "failed" if failed else "ok")
+        if failed:
+            raise RuntimeError("[Rank 0]: " + why)
+
     def _mesh_barrier(self):
         self._ensure_mesh()
         none = np.empty(0, dtype=np.uint8)
@@ -1735,15 +1787,21 @@ class MemboxBackend(_base_class()):
         would hold the store's one connection, and a send's set() on
         another thread would queue behind it (two ranks sending to each
         other while each waits for the other's word would never meet)."""
-        import time
-        until = time.monotonic() + self._timeout.total_seconds()
+        if not self._store_wait_until(
+                [key], time.monotonic() + self._timeout.total_seconds()):
+            raise RuntimeError("Timed out after %s waiting for the peer"
+                               % self._timeout)
+
+    def _store_wait_until(self, keys, deadline):
+        """Whether every key is in the group's store by `deadline`
+        (time.monotonic()), polling as _store_wait does."""
         pause = 50e-6
-        while not self._store.check([key]):
-            if time.monotonic() > until:
-                raise RuntimeError("timed out after %s waiting for the "
-                                   "peer" % self._timeout)
-            time.sleep(pause)
+        while not self._store.check(keys):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
             pause = min(pause * 2, 5e-3)
+        return True
 
     def _p2p(self, what, outputs, fn):
         w = _Work(what, outputs, self._timeout)
