@@ -62,6 +62,7 @@ _NAME_GATES = {
     "Only MPI supports CPU all_to_all_single",
     "Only MPI supports all_to_all",
     "Only gloo backend supports timeouts",
+    "GLOO Batch Send Recv CPU",
 }
 
 

@@ -26,7 +26,7 @@ if [[ ${#filters[@]} == 0 ]]; then
            -k test_gather_full_group -k test_reduce_full_group_sum
            -k test_broadcast_full_group -k test_irecv -k test_ddp_create_graph
            -k test_send_recv_any_source -k test_barrier_timeout_full_group
-           -k test_monitored_barrier_gloo)
+           -k test_monitored_barrier_gloo -k test_batch_isend_irecv_gloo)
 fi
 tmp=$(mktemp -d)
 # MEMBOX_SUITE_LOG=F keeps the suite's whole log in F.

@@ -537,6 +537,17 @@ class MemboxBackend(_base_class()):
         store.wait([key], self._timeout)
         return store.get(key).decode()
 
+    # What torch asks a backend it may do, each answered here: torch 2.15
+    # reads these through the C++ Backend, which for a Python subclass
+    # looks them up on the class and, where the class only inherits
+    # Backend's own property, calls itself again until Python's recursion
+    # limit (batch_isend_irecv asked supports_coalescing and failed so).
+    supports_coalescing = False  # batch_isend_irecv: one op after another
+    supports_splitting = False
+    supports_shrinking = False
+    supports_window = False
+    _supports_time_estimate = False
+
     # ---------------------------------------------------------- reconfigure
     # torch's reconfigure API (torch 2.15, as Gloo's): a group made with
     # init_process_group(..., enable_reconfigure=True) takes a new set of
