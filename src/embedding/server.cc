@@ -702,10 +702,13 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
     if (auto r = restored_from_.find(c.name); r != restored_from_.end()) {
       t->synced_with = r->second;
       restored_from_.erase(r);
-    } else if (log_ && replicator_ && !log_failed_) {
+    } else if (log_ && !opt_.backup.empty() && !log_failed_) {
       // Restarted with its disk: the backup process that held the copy
       // when the last process flushed lacks only the rows it listed and
-      // the pushes logged since (merged in at the start).
+      // the pushes logged since (merged in at the start). (Asked of the
+      // options, not of replicator_: a worker that comes back at once
+      // opens its tables before Start has made the replicator, and the
+      // table would then go to the backup whole.)
       if (auto st = ReadSyncState(t->dir)) {
         t->synced_with = st->backup;
         t->dirty.insert(st->dirty.begin(), st->dirty.end());
