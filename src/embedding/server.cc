@@ -1043,7 +1043,8 @@ class ServerImpl final : public EmbeddingServer, public service::Service {
       a.above.insert(m.seq);
       logged.applied.push_back({c.client_id, a.floor, m.seq});
     }
-    if (replicator_ && !copy) {
+    if (!opt_.backup.empty() && !copy) {
+      // (replicator_ may not be made yet: a push right after a restart)
       for (size_t k = 0; k < m.sections.size(); ++k) {
         MarkDirty(tables[k], m.sections[k].keys);
       }
