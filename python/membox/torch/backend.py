@@ -424,7 +424,6 @@ class MemboxBackend(_base_class()):
             MemboxBackend._open.add(self)
         self._collectives = 0  # issued: _get_sequence_number_for_group
         self._monitored_barriers = 0  # issued: monitored_barrier's keys
-        self._op_depth = threading.local()
         self._rank, self._size = rank, size
         self._timeout = timeout if isinstance(timeout, timedelta) and \
             timeout > timedelta(0) else timedelta(minutes=30)
@@ -1883,18 +1882,13 @@ class MemboxBackend(_base_class()):
 
 
 def _counted(op):
-    """op, counting the group's collectives: one per call from outside
-    (a coalesced op that calls the single ones counts once)."""
+    """op, counting the group's collectives. Every rank makes the same
+    calls (a coalesced op calls the single ones on every rank alike), so
+    the counts agree across ranks, which is all torch compares."""
     @functools.wraps(op)
     def run(self, *args, **kwargs):
-        depth = getattr(self._op_depth, "n", 0)
-        if depth == 0:
-            self._collectives += 1
-        self._op_depth.n = depth + 1
-        try:
-            return op(self, *args, **kwargs)
-        finally:
-            self._op_depth.n = depth
+        self._collectives += 1
+        return op(self, *args, **kwargs)
     return run
 
 
